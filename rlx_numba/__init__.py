@@ -1,0 +1,11 @@
+"""rlx_numba: a pure-Python CUDA backend (numba-cuda kernels, cuBLAS through ctypes) for an
+RLX-style graph IR. Runs under the numba CUDA simulator when there is no GPU."""
+from .runtime.device import is_available, simulator_enabled  # first: decides the simulator
+from .ir.dtypes import DType, dtype
+from .ir.graph import Graph, Node, Tensor
+from .runtime.executable import CompileMode, CudaExecutable, ExecMode, compile, eager
+
+__version__ = "0.1.0"
+
+__all__ = ["is_available", "simulator_enabled", "DType", "dtype", "Graph", "Node", "Tensor",
+           "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "__version__"]

@@ -1,0 +1,91 @@
+"""The six dtypes, their NumPy mapping and the promotion rule.
+
+bf16 has no NumPy dtype of its own: on the host it is ``ml_dtypes.bfloat16``, on the device its
+16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str          # "f32", ...
+    host: np.dtype     # what run() takes and returns
+    storage: np.dtype  # what the device array holds
+    kind: str          # "float", "int" or "bool"
+    rank: int          # promotion order
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.kind == "float"
+
+    @property
+    def is_int(self) -> bool:
+        return self.kind == "int"
+
+    def __str__(self) -> str:
+        return self.name
+
+    __repr__ = __str__
+
+
+BOOL = DType("bool", np.dtype(np.bool_), np.dtype(np.bool_), "bool", 0)
+I32 = DType("i32", np.dtype(np.int32), np.dtype(np.int32), "int", 1)
+I64 = DType("i64", np.dtype(np.int64), np.dtype(np.int64), "int", 2)
+BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 3)
+F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 3)
+F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 4)
+
+ALL = (F32, F16, BF16, I32, I64, BOOL)
+_BY_NAME = {d.name: d for d in ALL}
+_ALIASES = {"float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
+            "bool_": BOOL}
+_BY_HOST = {d.host: d for d in ALL}
+
+
+def dtype(x) -> DType:
+    """Parse "f32" / "float32" / np.float32 / np.dtype / DType into a DType."""
+    if isinstance(x, DType):
+        return x
+    if isinstance(x, str):
+        d = _BY_NAME.get(x) or _ALIASES.get(x)
+        if d is None:
+            raise ValueError(f"unknown dtype {x!r}; expected one of {', '.join(_BY_NAME)}")
+        return d
+    try:
+        npd = np.dtype(x)
+    except TypeError:
+        raise ValueError(f"unknown dtype {x!r}; expected one of {', '.join(_BY_NAME)}") from None
+    d = _BY_HOST.get(npd)
+    if d is None:
+        raise ValueError(f"NumPy dtype {npd} has no rlx_numba dtype; expected one of "
+                         f"{', '.join(str(d.host) for d in ALL)}")
+    return d
+
+
+def promote(a: DType, b: DType) -> DType:
+    """Result dtype of a binary op: bool < i32 < i64 < f16, bf16 < f32; f16 with bf16 is f32."""
+    if a == b:
+        return a
+    if {a, b} == {F16, BF16}:
+        return F32
+    return a if a.rank > b.rank else b
+
+
+def scalar_dtype(value, other: DType) -> DType:
+    """dtype of a Python scalar beside a tensor of dtype ``other`` (weak, like PyTorch)."""
+    if isinstance(value, (bool, np.bool_)):
+        return BOOL
+    if isinstance(value, (int, np.integer)):
+        return other if other.kind != "bool" else I64
+    if isinstance(value, (float, np.floating)):
+        return other if other.is_float else F32
+    raise ValueError(f"cannot use {type(value).__name__} {value!r} as a tensor operand")

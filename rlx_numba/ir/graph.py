@@ -1,0 +1,256 @@
+"""Graph, Node and the Tensor handle, with the builder methods of the public API."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import dtypes as dt
+from . import ops
+from .ops import fmt
+
+
+@dataclass
+class Node:
+    id: int
+    op: str                       # "input", "param", "constant", "activation", "binary", ...
+    inputs: tuple                 # node ids
+    shape: tuple
+    dtype: dt.DType
+    attrs: dict = field(default_factory=dict)
+    name: str | None = None
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+class Tensor:
+    """A handle to one node's output. Supports + - * / @, unary -, and comparisons."""
+
+    __slots__ = ("graph", "id")
+
+    def __init__(self, graph: "Graph", node_id: int):
+        self.graph = graph
+        self.id = node_id
+
+    @property
+    def node(self) -> Node:
+        return self.graph.nodes[self.id]
+
+    @property
+    def shape(self) -> tuple:
+        return self.node.shape
+
+    @property
+    def dtype(self) -> dt.DType:
+        return self.node.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.node.shape)
+
+    def __repr__(self) -> str:
+        n = self.node
+        label = f" {n.name!r}" if n.name else ""
+        return f"Tensor(%{n.id}{label} {n.dtype}{fmt(n.shape)})"
+
+    __hash__ = object.__hash__
+
+    def _bin(self, kind, other, swap=False):
+        a, b = self, self.graph._operand(other, like=self)
+        return self.graph.binary(kind, b, a) if swap else self.graph.binary(kind, a, b)
+
+    def _cmp(self, kind, other):
+        return self.graph.compare(kind, self, self.graph._operand(other, like=self))
+
+    __add__ = lambda s, o: s._bin("add", o)
+    __radd__ = lambda s, o: s._bin("add", o, swap=True)
+    __sub__ = lambda s, o: s._bin("sub", o)
+    __rsub__ = lambda s, o: s._bin("sub", o, swap=True)
+    __mul__ = lambda s, o: s._bin("mul", o)
+    __rmul__ = lambda s, o: s._bin("mul", o, swap=True)
+    __truediv__ = lambda s, o: s._bin("div", o)
+    __rtruediv__ = lambda s, o: s._bin("div", o, swap=True)
+    __pow__ = lambda s, o: s._bin("pow", o)
+    __rpow__ = lambda s, o: s._bin("pow", o, swap=True)
+    __neg__ = lambda s: s.graph.activation("neg", s)
+    __matmul__ = lambda s, o: s.graph.matmul(s, o)
+    __rmatmul__ = lambda s, o: s.graph.matmul(o, s)
+    __eq__ = lambda s, o: s._cmp("eq", o)
+    __ne__ = lambda s, o: s._cmp("ne", o)
+    __lt__ = lambda s, o: s._cmp("lt", o)
+    __le__ = lambda s, o: s._cmp("le", o)
+    __gt__ = lambda s, o: s._cmp("gt", o)
+    __ge__ = lambda s, o: s._cmp("ge", o)
+
+    def __bool__(self):
+        raise TypeError("a graph Tensor has no truth value (it is computed when the graph runs)")
+
+
+class Graph:
+    """A graph of tensor ops, built node by node in topological order."""
+
+    def __init__(self, name: str = "graph"):
+        self.name = name
+        self.nodes: list[Node] = []
+        self.outputs: list[int] = []
+        self._leaf_names: dict[str, int] = {}
+
+    # ---- internals -----------------------------------------------------------------------
+    def _add(self, op, inputs, shape, dtype, name=None, **attrs) -> Tensor:
+        node = Node(len(self.nodes), op, tuple(t.id for t in inputs), tuple(shape), dtype, attrs, name)
+        self.nodes.append(node)
+        return Tensor(self, node.id)
+
+    def _check(self, op: str, arg: str, t) -> Tensor:
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{op}: {arg} must be a Tensor of this graph, got {type(t).__name__}")
+        if t.graph is not self:
+            raise ValueError(f"{op}: {arg} {t!r} belongs to graph {t.graph.name!r}, not {self.name!r}")
+        return t
+
+    def _operand(self, value, like: Tensor) -> Tensor:
+        """A Tensor as is; a Python/NumPy scalar as a constant of PyTorch's weak-scalar dtype."""
+        if isinstance(value, Tensor):
+            return value
+        if isinstance(value, np.ndarray):
+            return self.constant(value)
+        d = dt.scalar_dtype(value, like.dtype)
+        return self.constant(np.asarray(value, dtype=d.host))
+
+    def _leaf(self, kind, name, shape, dtype) -> Tensor:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{kind}: name must be a non-empty string, got {name!r}")
+        if name in self._leaf_names:
+            raise ValueError(f"{kind}: name {name!r} is already used by "
+                             f"{self.nodes[self._leaf_names[name]].op} %{self._leaf_names[name]}")
+        shape = ops.normalize_shape(kind, "shape", shape)
+        t = self._add(kind, (), shape, dt.dtype(dtype), name=name)
+        self._leaf_names[name] = t.id
+        return t
+
+    # ---- leaves ----------------------------------------------------------------------------
+    def input(self, name: str, shape, dtype="f32") -> Tensor:
+        """A tensor fed on every run()."""
+        return self._leaf("input", name, shape, dtype)
+
+    def param(self, name: str, shape, dtype="f32") -> Tensor:
+        """A weight, set once with set_param()."""
+        return self._leaf("param", name, shape, dtype)
+
+    def constant(self, array, dtype=None) -> Tensor:
+        """A constant baked into the graph (copied now)."""
+        arr = np.asarray(array)
+        if dtype is not None:
+            d = dt.dtype(dtype)
+        else:  # float64 (NumPy's default) becomes f32: there is no f64 on the device
+            d = dt.F32 if arr.dtype == np.float64 else dt.dtype(arr.dtype)
+        arr = np.array(arr, dtype=d.host, order="C", copy=True)
+        return self._add("constant", (), arr.shape, d, value=arr)
+
+    # ---- element-wise ----------------------------------------------------------------------
+    def activation(self, kind: str, x: Tensor) -> Tensor:
+        self._check(f"activation {kind}", "x", x)
+        shape, d = ops.infer_activation(x, kind)
+        return self._add("activation", (x,), shape, d, kind=kind)
+
+    def binary(self, kind: str, a, b) -> Tensor:
+        if not isinstance(a, Tensor) and isinstance(b, Tensor):
+            a = self._operand(a, like=b)
+        self._check(kind, "a", a)
+        b = self._check(kind, "b", self._operand(b, like=a))
+        shape, d = ops.infer_binary(a, b, kind)
+        return self._add("binary", (a, b), shape, d, kind=kind)
+
+    def compare(self, kind: str, a, b) -> Tensor:
+        if not isinstance(a, Tensor) and isinstance(b, Tensor):
+            a = self._operand(a, like=b)
+        self._check(kind, "a", a)
+        b = self._check(kind, "b", self._operand(b, like=a))
+        shape, d = ops.infer_compare(a, b, kind)
+        return self._add("compare", (a, b), shape, d, kind=kind)
+
+    def where(self, cond: Tensor, a, b) -> Tensor:
+        self._check("where", "cond", cond)
+        like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else cond
+        a = self._check("where", "a", self._operand(a, like=like))
+        b = self._check("where", "b", self._operand(b, like=a))
+        shape, d = ops.infer_where(cond, a, b)
+        return self._add("where", (cond, a, b), shape, d)
+
+    def cast(self, x: Tensor, dtype) -> Tensor:
+        self._check("cast", "x", x)
+        shape, d = ops.infer_cast(x, dtype)
+        return self._add("cast", (x,), shape, d, to=d)
+
+    # ---- linear algebra ---------------------------------------------------------------------
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        self._check("matmul", "a", a)
+        self._check("matmul", "b", b)
+        shape, d = ops.infer_matmul(a, b)
+        return self._add("matmul", (a, b), shape, d)
+
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
+        """activation(x @ w + bias), w is [K, N]."""
+        self._check("linear", "x", x)
+        self._check("linear", "w", w)
+        ins = [x, w]
+        if bias is not None:
+            ins.append(self._check("linear", "bias", bias))
+        shape, d = ops.infer_linear(x, w, bias, activation)
+        return self._add("linear", ins, shape, d, activation=activation, has_bias=bias is not None)
+
+    # ---- shape -----------------------------------------------------------------------------
+    def reshape(self, x: Tensor, shape) -> Tensor:
+        self._check("reshape", "x", x)
+        shape, d = ops.infer_reshape(x, shape)
+        return self._add("reshape", (x,), shape, d)
+
+    # ---- outputs and printing ------------------------------------------------------------------
+    def set_outputs(self, outputs) -> None:
+        outs = list(outputs)
+        if not outs:
+            raise ValueError("set_outputs: a graph needs at least one output")
+        for i, t in enumerate(outs):
+            self._check("set_outputs", f"outputs[{i}]", t)
+        self.outputs = [t.id for t in outs]
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.name!r}: {len(self.nodes)} nodes, outputs "
+                 + ", ".join(f"%{o}" for o in self.outputs)]
+        for n in self.nodes:
+            head = f"  %{n.id:<3} {n.dtype}{fmt(n.shape)}"
+            if n.op in ("input", "param"):
+                lines.append(f"{head} = {n.op} {n.name!r}")
+                continue
+            attrs = {k: v for k, v in n.attrs.items() if k not in ("value", "has_bias")}
+            if n.op == "constant":
+                v = n.attrs["value"]
+                attrs = {"value": v.item() if v.size == 1 else f"<{v.size} values>"}
+            args = [f"%{i}" for i in n.inputs] + [f"{k}={v}" for k, v in attrs.items() if v is not None]
+            lines.append(f"{head} = {n.op}({', '.join(args)})")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _method(factory, kind):
+    def m(self, *args):
+        return factory(self, kind, *args)
+    m.__name__ = kind
+    m.__doc__ = f"{factory.__name__}({kind!r}, ...)"
+    return m
+
+
+for _k in ops.ACTIVATIONS:
+    setattr(Graph, _k, _method(Graph.activation, _k))
+for _k in ops.BINARY:
+    setattr(Graph, _k, _method(Graph.binary, _k))
+for _k in ops.COMPARE:
+    setattr(Graph, _k, _method(Graph.compare, _k))

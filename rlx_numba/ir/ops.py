@@ -1,0 +1,148 @@
+"""One definition per op: its attributes, input checks and shape/dtype rule.
+
+Each ``infer_<op>(inputs, **attrs)`` takes the input Tensors (``.shape``, ``.dtype``), checks
+them, and returns ``(shape, dtype)`` or raises ValueError naming the op, the argument and the
+shapes. The Graph builder methods call these; nothing else decides shapes.
+"""
+from __future__ import annotations
+
+import math
+
+from . import dtypes as dt
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt",
+               "rsqrt", "neg", "abs", "sin", "cos", "tan", "atan", "round")
+# activations that keep an integer input integer (the rest produce f32 from integers)
+INT_PRESERVING = ("relu", "neg", "abs", "round")
+BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
+
+
+def fmt(shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def broadcast_shapes(op: str, names: list[str], shapes: list[tuple]) -> tuple:
+    """NumPy broadcasting of several shapes, with an error naming the op and operands."""
+    rank = max(len(s) for s in shapes)
+    out = []
+    for i in range(rank):
+        size = 1
+        for s in shapes:
+            d = s[i - rank + len(s)] if i - rank + len(s) >= 0 else 1
+            if d != 1:
+                if size not in (1, d):
+                    parts = ", ".join(f"{n} {fmt(s)}" for n, s in zip(names, shapes))
+                    raise ValueError(f"{op}: shapes do not broadcast: {parts} "
+                                     f"(axis {i - rank} is {size} vs {d})")
+                size = d
+        out.append(size)
+    return tuple(out)
+
+
+def normalize_shape(op: str, arg: str, shape) -> tuple:
+    try:
+        shape = tuple(int(d) for d in shape)
+    except TypeError:
+        raise ValueError(f"{op}: {arg} must be a sequence of ints, got {shape!r}") from None
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{op}: {arg} {fmt(shape)} has a negative dimension")
+    return shape
+
+
+def infer_activation(x, kind: str):
+    if kind not in ACTIVATIONS:
+        raise ValueError(f"activation: unknown kind {kind!r}; expected one of {', '.join(ACTIVATIONS)}")
+    if x.dtype == dt.BOOL:
+        raise ValueError(f"activation {kind}: input x is bool {fmt(x.shape)}; cast it to a "
+                         f"numeric dtype first")
+    if x.dtype.is_int and kind not in INT_PRESERVING:
+        return x.shape, dt.F32
+    return x.shape, x.dtype
+
+
+def infer_binary(a, b, kind: str):
+    if kind not in BINARY:
+        raise ValueError(f"binary: unknown kind {kind!r}; expected one of {', '.join(BINARY)}")
+    shape = broadcast_shapes(kind, ["a", "b"], [a.shape, b.shape])
+    out = dt.promote(a.dtype, b.dtype)
+    if out == dt.BOOL and kind not in ("max", "min"):
+        raise ValueError(f"{kind}: both operands are bool ({fmt(a.shape)}, {fmt(b.shape)}); "
+                         f"cast one to a numeric dtype first")
+    if kind == "div" and not out.is_float:
+        out = dt.F32  # true division, like torch and numpy
+    return shape, out
+
+
+def infer_compare(a, b, kind: str):
+    if kind not in COMPARE:
+        raise ValueError(f"compare: unknown kind {kind!r}; expected one of {', '.join(COMPARE)}")
+    return broadcast_shapes(kind, ["a", "b"], [a.shape, b.shape]), dt.BOOL
+
+
+def infer_where(cond, a, b):
+    if cond.dtype != dt.BOOL:
+        raise ValueError(f"where: cond must be bool, got {cond.dtype} {fmt(cond.shape)}")
+    shape = broadcast_shapes("where", ["cond", "a", "b"], [cond.shape, a.shape, b.shape])
+    return shape, dt.promote(a.dtype, b.dtype)
+
+
+def infer_cast(x, to):
+    return x.shape, dt.dtype(to)
+
+
+def infer_reshape(x, shape):
+    shape = list(shape)
+    n = math.prod(x.shape)
+    if sum(1 for d in shape if d == -1) > 1:
+        raise ValueError(f"reshape: at most one -1 allowed in shape {shape}")
+    if any((not isinstance(d, int)) or d < -1 for d in shape):
+        raise ValueError(f"reshape: shape {shape} must hold ints >= 0 (and one -1)")
+    if -1 in shape:
+        known = math.prod(d for d in shape if d != -1)
+        if known == 0 or n % known:
+            raise ValueError(f"reshape: cannot reshape x {fmt(x.shape)} ({n} elements) into {shape}")
+        shape[shape.index(-1)] = n // known
+    if math.prod(shape) != n:
+        raise ValueError(f"reshape: cannot reshape x {fmt(x.shape)} ({n} elements) into "
+                         f"{fmt(shape)} ({math.prod(shape)} elements)")
+    return tuple(shape), x.dtype
+
+
+def _float_operand(op, arg, t):
+    if t.dtype != dt.F32:
+        raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+
+
+def infer_matmul(a, b):
+    for arg, t in (("a", a), ("b", b)):
+        if len(t.shape) < 2:
+            raise ValueError(f"matmul: {arg} must have rank >= 2 ([..., M, K] @ [..., K, N]), "
+                             f"got {fmt(t.shape)}")
+        _float_operand("matmul", arg, t)
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"matmul: inner dimensions differ: a {fmt(a.shape)} has K={a.shape[-1]}, "
+                         f"b {fmt(b.shape)} has K={b.shape[-2]}")
+    batch = broadcast_shapes("matmul", ["a batch", "b batch"], [a.shape[:-2], b.shape[:-2]])
+    return batch + (a.shape[-2], b.shape[-1]), dt.F32
+
+
+def infer_linear(x, w, bias=None, activation=None):
+    if len(x.shape) < 1:
+        raise ValueError(f"linear: x must have rank >= 1, got {fmt(x.shape)}")
+    if len(w.shape) != 2:
+        raise ValueError(f"linear: w must be [K, N], got {fmt(w.shape)}")
+    _float_operand("linear", "x", x)
+    _float_operand("linear", "w", w)
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"linear: x {fmt(x.shape)} has K={x.shape[-1]} but w {fmt(w.shape)} "
+                         f"has K={w.shape[0]}")
+    if bias is not None:
+        _float_operand("linear", "bias", bias)
+        if tuple(bias.shape) != (w.shape[1],):
+            raise ValueError(f"linear: bias must be [{w.shape[1]}] to match w {fmt(w.shape)}, "
+                             f"got {fmt(bias.shape)}")
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"linear: unknown activation {activation!r}; expected one of "
+                         f"{', '.join(ACTIVATIONS)}")
+    return tuple(x.shape[:-1]) + (w.shape[1],), dt.F32

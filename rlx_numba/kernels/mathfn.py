@@ -1,0 +1,58 @@
+"""Scalar math for device code, one name for the GPU and the simulator.
+
+On the GPU these are numba's ``math``/libdevice functions (float32 in, float32 out). In the
+simulator kernels run as plain Python, where ``math.log(0.0)`` raises and ``math.exp(1e3)``
+overflows with an exception; there they are NumPy float32 ufuncs with IEEE results (inf, nan)
+and warnings silenced, so both modes give the same special values.
+"""
+import math
+
+import numpy as np
+
+from ..runtime.device import SIMULATOR
+
+if not SIMULATOR:
+    from numba import cuda
+    from numba.cuda import libdevice
+
+    exp = math.exp
+    log = math.log
+    sqrt = math.sqrt
+    tanh = math.tanh
+    erf = math.erf
+    sin = math.sin
+    cos = math.cos
+    tan = math.tan
+    atan = math.atan
+    pow = math.pow
+    rint = libdevice.rintf            # round half to even
+    f32_bits = libdevice.float_as_int  # float32 -> its int32 bit pattern
+    bits_f32 = libdevice.int_as_float  # int32 bit pattern -> float32
+else:
+    def _wrap(ufunc):
+        def f(*args):
+            with np.errstate(all="ignore"):
+                return ufunc(*(np.float32(a) for a in args))
+        f.__name__ = ufunc.__name__
+        return f
+
+    exp = _wrap(np.exp)
+    log = _wrap(np.log)
+    sqrt = _wrap(np.sqrt)
+    tanh = _wrap(np.tanh)
+    sin = _wrap(np.sin)
+    cos = _wrap(np.cos)
+    tan = _wrap(np.tan)
+    atan = _wrap(np.arctan)
+    pow = _wrap(np.power)
+    rint = _wrap(np.rint)
+
+    def erf(x):
+        x = float(x)
+        return np.float32(x if x != x else math.erf(x))
+
+    def f32_bits(x):
+        return np.float32(x).view(np.int32)
+
+    def bits_f32(i):
+        return np.int32(i).view(np.float32)

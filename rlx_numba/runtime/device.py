@@ -1,0 +1,97 @@
+"""Device discovery and the simulator switch.
+
+Decided once, before numba.cuda is imported: numba reads NUMBA_ENABLE_CUDASIM when
+``numba.cuda`` is first imported, so this module must run first (rlx_numba/__init__ does that).
+The driver is probed through libcuda directly, so a machine without a GPU never imports
+anything that could crash.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+log = logging.getLogger("rlx_numba")
+
+_probe: dict | None = None
+
+
+def _probe_driver() -> dict:
+    """Ask libcuda (not numba) whether a GPU is usable. Never raises."""
+    global _probe
+    if _probe is not None:
+        return _probe
+    info = {"ok": False, "count": 0, "why": ""}
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        info["why"] = f"no CUDA driver (libcuda.so.1: {e})"
+    else:
+        rc = lib.cuInit(0)
+        count = ctypes.c_int(0)
+        if rc == 0:
+            rc = lib.cuDeviceGetCount(ctypes.byref(count))
+        if rc != 0:
+            info["why"] = f"CUDA driver present but cuInit/cuDeviceGetCount returned {rc}"
+        elif count.value == 0:
+            info["why"] = "CUDA driver present but no GPU found"
+        else:
+            info.update(ok=True, count=count.value)
+    _probe = info
+    return info
+
+
+def _decide_simulator() -> bool:
+    forced = os.environ.get("RLX_NUMBA_SIMULATOR")
+    if "numba.cuda" in sys.modules:  # someone imported numba.cuda first: its mode wins
+        from numba import config
+
+        on = bool(config.ENABLE_CUDASIM)
+        if forced is not None and (forced == "1") != on:
+            log.warning("RLX_NUMBA_SIMULATOR=%s ignored: numba.cuda was imported before rlx_numba "
+                        "(simulator %s)", forced, "on" if on else "off")
+        return on
+    if forced in ("0", "1"):
+        on = forced == "1"
+    elif forced is not None:
+        raise ValueError(f"RLX_NUMBA_SIMULATOR must be 0 or 1, got {forced!r}")
+    elif os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        on = True
+    else:
+        probe = _probe_driver()
+        on = not probe["ok"]
+        if on:
+            log.warning("rlx_numba: %s; kernels run in the numba CUDA simulator (slow, for "
+                        "correctness only). Set RLX_NUMBA_SIMULATOR=0 to make this an error.",
+                        probe["why"])
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if on else "0"
+    return on
+
+
+SIMULATOR: bool = _decide_simulator()
+
+
+def simulator_enabled() -> bool:
+    """True when kernels run in the numba CUDA simulator."""
+    return SIMULATOR
+
+
+def is_available() -> bool:
+    """True when a CUDA GPU and driver can run kernels. Never raises."""
+    try:
+        return bool(_probe_driver()["ok"])
+    except Exception:  # noqa: BLE001 - the contract is "False, never a crash"
+        return False
+
+
+def device_info() -> dict:
+    """Name, compute capability and SM count of the current device (or the simulator)."""
+    if SIMULATOR:
+        return {"name": "numba CUDA simulator", "cc": None, "sm_count": 1, "simulator": True}
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    return {"name": name, "cc": dev.compute_capability,
+            "sm_count": dev.MULTIPROCESSOR_COUNT, "simulator": False}

@@ -1,0 +1,361 @@
+"""CudaExecutable: compile a Graph into bound Steps over one arena, then run it."""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..ir import dtypes as dt
+from ..ir.graph import Graph
+from ..ir.ops import fmt
+from ..memory import Buffer, MemoryReport, plan
+from . import lower
+from .device import SIMULATOR
+
+log = logging.getLogger("rlx_numba")
+
+
+class CompileMode(enum.Enum):
+    JIT = "jit"   # kernels compile on first use
+    AOT = "aot"   # every kernel compiled inside compile()
+
+
+@dataclass(frozen=True)
+class ExecMode:
+    kind: str
+    streams: int = 1
+
+    @staticmethod
+    def MULTISTREAM(n: int) -> "ExecMode":  # noqa: N802 - the contract's name
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"ExecMode.MULTISTREAM: n must be a positive int, got {n!r}")
+        return ExecMode("multistream", n)
+
+    def __str__(self) -> str:
+        return self.kind.upper() if self.kind != "multistream" else f"MULTISTREAM({self.streams})"
+
+
+ExecMode.STREAM = ExecMode("stream")    # launches queued on one stream, one sync per run
+ExecMode.EAGER = ExecMode("eager")      # a sync after every step: errors point at their step
+ExecMode.GRAPH = ExecMode("graph")
+
+
+def _compile_mode(m) -> CompileMode:
+    if isinstance(m, CompileMode):
+        return m
+    try:
+        return CompileMode(str(m).lower())
+    except ValueError:
+        raise ValueError(f"compile: unknown compile_mode {m!r}; expected 'jit' or 'aot'") from None
+
+
+def _exec_mode(m) -> ExecMode:
+    if isinstance(m, ExecMode):
+        return m
+    s = str(m).lower()
+    if s in ("stream", "eager", "graph"):
+        return getattr(ExecMode, s.upper())
+    if s.startswith("multistream"):
+        digits = s[len("multistream"):].strip("():")
+        return ExecMode.MULTISTREAM(int(digits) if digits else 2)
+    raise ValueError(f"compile: unknown exec_mode {m!r}; expected stream, eager, graph or "
+                     f"multistream(n)")
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+def _is_device_array(x) -> bool:
+    cuda = _cuda()
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return isinstance(x, FakeCUDAArray)
+    return cuda.is_cuda_array(x)
+
+
+class CudaExecutable:
+    """A compiled graph: an arena, bound Steps, and run()."""
+
+    def __init__(self, graph: Graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
+        self.graph = graph
+        self.compile_mode = _compile_mode(compile_mode)
+        self.exec_mode = _exec_mode(exec_mode)
+        if self.exec_mode.kind in ("graph", "multistream"):
+            raise NotImplementedError(f"ExecMode.{self.exec_mode} is not implemented yet (it comes "
+                                      f"with CUDA-graph and multi-stream execution); use "
+                                      f"ExecMode.STREAM or ExecMode.EAGER")
+        if not graph.outputs:
+            raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
+        cuda = _cuda()
+        self._cuda = cuda
+        self.stream = cuda.stream()
+        nodes = graph.nodes
+        self._live = self._reachable()
+        self._root = {}                      # node id -> node id that owns its memory
+        for n in nodes:
+            if n.id in self._live:
+                self._root[n.id] = self._root[n.inputs[0]] if lower.is_view(n, graph) else n.id
+        self._plan_memory()
+        self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
+        self._bufs = {}                      # node id -> flat device view of its storage
+        for nid in self._root:
+            self._bufs[nid] = self._flat(nid)
+        self._inputs = {n.name: n for n in nodes if n.op == "input"}
+        self._params = {n.name: n for n in nodes if n.op == "param"}
+        self._unset = set(self._params)
+        for n in nodes:
+            if n.op == "constant" and n.id in self._live and n.size:
+                self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
+        self.steps: list[lower.Step] = []
+        self._extra = []                     # small device arrays steps own (batch offsets)
+        for n in nodes:
+            if n.id in self._live:
+                self.steps += [s for s in self._lower(n) if s is not None]
+        aot = self.compile_mode is CompileMode.AOT
+        for i, s in enumerate(self.steps):
+            if aot:
+                log.info("compile %s: step %d/%d %s", graph.name, i + 1, len(self.steps), s.kernel_name)
+            s.bind(self.stream, aot)
+
+    @classmethod
+    def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
+        return cls(graph, compile_mode, exec_mode)
+
+    # ---- compile-time pieces ------------------------------------------------------------------
+    def _reachable(self) -> set:
+        live, stack = set(), list(self.graph.outputs)
+        while stack:
+            i = stack.pop()
+            if i not in live:
+                live.add(i)
+                stack.extend(self.graph.nodes[i].inputs)
+        live.update(n.id for n in self.graph.nodes if n.op in ("input", "param"))
+        return live
+
+    def _plan_memory(self):
+        nodes, graph = self.graph.nodes, self.graph
+        order = [n.id for n in nodes if n.id in self._live]
+        t_of = {nid: t for t, nid in enumerate(order)}
+        last = len(order)
+        outputs = {self._root[o] for o in graph.outputs}
+        bufs = {}
+        views = 0
+        for nid in order:
+            n = nodes[nid]
+            root = self._root[nid]
+            if root != nid:
+                views += 1
+            else:
+                pinned = n.op in ("input", "param", "constant") or nid in outputs
+                bufs[nid] = Buffer(nid, n.nbytes, t_of[nid], t_of[nid], pinned)
+            for i in n.inputs:   # a read extends the life of the buffer behind the operand
+                b = bufs[self._root[i]]
+                b.end = max(b.end, t_of[nid])
+        for b in bufs.values():
+            if b.pinned:
+                b.start, b.end = 0, last
+        self.buffers = bufs
+        self.arena_bytes = plan(list(bufs.values()))
+        by = {"input": 0, "param": 0, "constant": 0}
+        out_b = inter = 0
+        for b in bufs.values():
+            op = nodes[b.key].op
+            if op in by:
+                by[op] += b.size
+            elif b.pinned:
+                out_b += b.size
+            else:
+                inter += b.size
+        unshared = sum(b.size for b in bufs.values())
+        self._report = MemoryReport(
+            arena_bytes=self.arena_bytes, unshared_bytes=unshared, buffers=len(bufs), views=views,
+            input_bytes=by["input"], param_bytes=by["param"], constant_bytes=by["constant"],
+            output_bytes=out_b, intermediate_bytes=inter,
+            saved_fraction=1 - self.arena_bytes / unshared if unshared else 0.0)
+
+    def _flat(self, nid):
+        n = self.graph.nodes[nid]
+        b = self.buffers[self._root[nid]]
+        storage = n.dtype.storage
+        count = max(n.size, 1)
+        return self.arena[b.offset:b.offset + count * storage.itemsize].view(storage)
+
+    def _device_array(self, host):
+        a = self._cuda.to_device(host)
+        self._extra.append(a)
+        return a
+
+    @staticmethod
+    def _storage(arr, d: dt.DType):
+        return np.ascontiguousarray(arr).view(d.storage).reshape(-1)
+
+    def _lower(self, n):
+        g, B = self.graph, self._bufs
+        name = f"%{n.id} {n.op}" + (f".{n.attrs['kind']}" if "kind" in n.attrs else "")
+        if n.op in ("input", "param", "constant", "reshape") or lower.is_view(n, g):
+            return []
+        ins = [g.nodes[i] for i in n.inputs]
+        if n.op in lower.ELEMENTWISE:
+            return [lower.elementwise_step(name, lower.node_expr(n, g), B[n.id], n.shape,
+                                           [B[i.id] for i in ins], [i.shape for i in ins],
+                                           [i.dtype for i in ins])]
+        if n.op == "matmul":
+            a, b = ins
+            return lower.matmul_steps(name, B[n.id], B[a.id], B[b.id], a.shape, b.shape, n.shape,
+                                      self._device_array)
+        if n.op == "linear":
+            x, w = ins[0], ins[1]
+            k = x.shape[-1]
+            m = math.prod(x.shape[:-1])
+            epi = None
+            act = n.attrs["activation"]
+            if n.attrs["has_bias"] or act:
+                expr = ("in", 0, dt.F32)
+                eins, eshapes = [B[n.id]], [(m, w.shape[1])]
+                if n.attrs["has_bias"]:
+                    expr = ("binary", "add", dt.F32, expr, ("in", 1, dt.F32))
+                    eins.append(B[ins[2].id])
+                    eshapes.append(ins[2].shape)
+                if act:
+                    expr = ("activation", act, dt.F32, expr)
+                epi = lower.elementwise_step(name + " epilogue", expr, B[n.id], (m, w.shape[1]),
+                                             eins, eshapes, [dt.F32] * len(eins))
+            return lower.matmul_steps(name, B[n.id], B[x.id], B[w.id], (m, k), w.shape,
+                                      (m, w.shape[1]), self._device_array, epi)
+        raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
+
+    # ---- public API ---------------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        return MemoryReport(self._report)
+
+    @property
+    def input_names(self):
+        return list(self._inputs)
+
+    @property
+    def param_names(self):
+        return list(self._params)
+
+    def set_param(self, name: str, value) -> None:
+        """Copy a weight to the device; checks the name, shape and dtype."""
+        node = self._params.get(name)
+        if node is None:
+            known = ", ".join(self._params) or "none"
+            raise ValueError(f"set_param: graph {self.graph.name!r} has no param {name!r} "
+                             f"(params: {known})")
+        if _is_device_array(value) or hasattr(value, "__cuda_array_interface__"):
+            self._copy_in(node, value, "set_param")
+        else:
+            arr = np.asarray(value)
+            if arr.dtype != node.dtype.host and not np.can_cast(arr.dtype, node.dtype.host, "same_kind"):
+                raise ValueError(f"set_param {name!r}: dtype {arr.dtype} cannot be converted to the "
+                                 f"param's {node.dtype} (shape {fmt(node.shape)})")
+            if tuple(arr.shape) != node.shape:
+                raise ValueError(f"set_param {name!r}: expected shape {fmt(node.shape)}, got "
+                                 f"{fmt(arr.shape)}")
+            if node.size:
+                self._bufs[node.id].copy_to_device(self._storage(arr.astype(node.dtype.host), node.dtype))
+        self._unset.discard(name)
+
+    def _copy_in(self, node, value, what):
+        """Device-to-device copy of a device array into the node's arena slot."""
+        src = value if _is_device_array(value) and SIMULATOR else self._cuda.as_cuda_array(value) \
+            if not SIMULATOR else value
+        if tuple(src.shape) != node.shape:
+            raise ValueError(f"{what} {node.name!r}: expected shape {fmt(node.shape)}, got "
+                             f"{fmt(src.shape)}")
+        if np.dtype(src.dtype) != node.dtype.storage:
+            raise ValueError(f"{what} {node.name!r}: expected dtype {node.dtype}, got device "
+                             f"array of {src.dtype}")
+        if node.size:
+            if not src.is_c_contiguous():
+                raise ValueError(f"{what} {node.name!r}: device array must be C-contiguous")
+            self._bufs[node.id].copy_to_device(src.reshape(-1), stream=self.stream)
+
+    def _bind_input(self, name, value):
+        node = self._inputs[name]
+        if _is_device_array(value) or hasattr(value, "__cuda_array_interface__"):
+            return self._copy_in(node, value, "run: input")
+        arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=node.dtype.host)
+        if arr.dtype != node.dtype.host:
+            raise ValueError(f"run: input {name!r} must be {node.dtype} ({node.dtype.host}), got "
+                             f"{arr.dtype}; convert it with .astype()")
+        if tuple(arr.shape) != node.shape:
+            raise ValueError(f"run: input {name!r} must have shape {fmt(node.shape)}, got "
+                             f"{fmt(arr.shape)}")
+        if node.size:
+            self._bufs[node.id].copy_to_device(self._storage(arr, node.dtype), stream=self.stream)
+
+    def run(self, inputs: dict | None = None, outputs: str = "numpy"):
+        """Run the graph. Returns a list of numpy arrays, or of device arrays with
+        ``outputs="device"`` (fresh copies) or ``outputs="view"`` (views into the arena, valid
+        until the next run)."""
+        inputs = inputs or {}
+        if outputs not in ("numpy", "device", "view"):
+            raise ValueError(f"run: outputs must be 'numpy', 'device' or 'view', got {outputs!r}")
+        unknown = [k for k in inputs if k not in self._inputs]
+        if unknown:
+            raise ValueError(f"run: unknown input(s) {', '.join(map(repr, unknown))}; graph "
+                             f"{self.graph.name!r} takes {', '.join(self._inputs) or 'no inputs'}")
+        missing = [k for k in self._inputs if k not in inputs]
+        if missing:
+            raise ValueError(f"run: missing input(s) {', '.join(map(repr, missing))}")
+        if self._unset:
+            raise ValueError(f"run: param(s) never set: {', '.join(sorted(self._unset))}; call "
+                             f"set_param() first")
+        for name, value in inputs.items():
+            self._bind_input(name, value)
+        eager = self.exec_mode.kind == "eager"
+        for step in self.steps:
+            step()
+            if eager:
+                try:
+                    self.stream.synchronize()
+                except Exception as e:
+                    raise RuntimeError(f"run: step {step.name} ({step.kernel_name}) failed: {e}") from e
+        return self._results(outputs)
+
+    def _results(self, outputs):
+        res = []
+        for o in self.graph.outputs:
+            n = self.graph.nodes[o]
+            buf = self._bufs[o]
+            if outputs == "numpy":
+                host = buf.copy_to_host(stream=self.stream) if n.size else np.empty(0, n.dtype.storage)
+                res.append(host)
+            else:
+                view = buf[:n.size].reshape(n.shape) if n.size else buf[:0]
+                res.append(view if outputs == "view" else self._copy_device(view))
+        self.stream.synchronize()
+        if outputs == "numpy":
+            res = [h[:self.graph.nodes[o].size].view(self.graph.nodes[o].dtype.host)
+                   .reshape(self.graph.nodes[o].shape) for h, o in zip(res, self.graph.outputs)]
+        return res
+
+    def _copy_device(self, view):
+        out = self._cuda.device_array(view.shape, view.dtype, stream=self.stream)
+        if view.size:
+            out.copy_to_device(view, stream=self.stream)
+        return out
+
+    def __repr__(self):
+        return (f"CudaExecutable({self.graph.name!r}, {len(self.steps)} steps, "
+                f"arena {self.arena_bytes} B, {self.compile_mode.name}, {self.exec_mode})")
+
+
+def compile(graph: Graph, compile_mode="jit", exec_mode="stream") -> CudaExecutable:  # noqa: A001
+    """Compile a graph: validate, plan memory, lower every node to a bound Step."""
+    return CudaExecutable(graph, compile_mode, exec_mode)
+
+
+def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):
+    """Compile, set params and run once with a sync after every step; returns numpy outputs."""
+    exe = CudaExecutable(graph, CompileMode.JIT, ExecMode.EAGER)
+    for k, v in (params or {}).items():
+        exe.set_param(k, v)
+    return exe.run(inputs or {})

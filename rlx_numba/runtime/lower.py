@@ -1,0 +1,115 @@
+"""Lowering: each graph node becomes zero or more Steps with every argument bound ahead.
+
+A Step is one kernel launch: a numba launcher already configured with grid, block and stream,
+plus its argument tuple. run() only calls them.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..ir import dtypes as dt
+from ..ir.graph import Graph, Node
+from ..kernels import codegen, matmul
+from ..kernels.launch import grid_1d
+
+log = logging.getLogger("rlx_numba")
+
+ELEMENTWISE = ("activation", "binary", "compare", "where", "cast")
+
+
+def is_view(node: Node, graph: Graph) -> bool:
+    """Nodes that own no memory: they alias their input's buffer."""
+    if node.op == "reshape":
+        return True
+    return node.op == "cast" and graph.nodes[node.inputs[0]].dtype == node.dtype
+
+
+@dataclass
+class Step:
+    name: str                 # "%7 binary.add"
+    kernel_name: str
+    kernel: object            # the numba dispatcher
+    grid: tuple
+    block: tuple
+    args: tuple
+    info: dict = field(default_factory=dict)
+    launch: object = None
+
+    def bind(self, stream, aot: bool) -> None:
+        k = self.kernel
+        if aot:  # compile now, and skip per-launch type dispatch later
+            k = k.specialize(*self.args)
+        self.launch = k[self.grid, self.block, stream]
+
+    def __call__(self) -> None:
+        self.launch(*self.args)
+
+
+def node_expr(node: Node, graph: Graph):
+    """The single-op element-wise expression of a node, its inputs as in0, in1, ..."""
+    leaves = tuple(("in", j, graph.nodes[i].dtype) for j, i in enumerate(node.inputs))
+    attr = node.attrs.get("kind")
+    return (node.op, attr, node.dtype) + leaves
+
+
+def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> Step | None:
+    """A generated element-wise kernel writing ``out`` (flat) from flat inputs ``ins``."""
+    n = math.prod(out_shape)
+    if n == 0:
+        return None
+    modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes)
+    src = codegen.kernel_source(expr, in_dtypes, modes, len(dims))
+    kernel = codegen.load_kernel(src)
+    args = [out, *ins, n]
+    if "bcast" in modes:
+        args += list(dims[1:])
+        for j, mode in enumerate(modes):
+            if mode == "bcast":
+                args += strides[j]
+    blocks, threads = grid_1d(n)
+    return Step(name, "elementwise " + codegen.expr_repr(expr), kernel, (blocks,), (threads,),
+                tuple(args), {"source": src, "modes": modes, "dims": dims, "n": n})
+
+
+def matmul_steps(name, out, a, b, a_shape, b_shape, out_shape, device_array, epilogue=None):
+    """Tiled SGEMM over the broadcast batch, then an optional element-wise epilogue on ``out``."""
+    m, k = a_shape[-2], a_shape[-1]
+    n = b_shape[-1]
+    batch_shape = out_shape[:-2]
+    batch = math.prod(batch_shape)
+    steps = []
+    if batch * m * n == 0:
+        return steps
+    # per-batch element offsets of A and B (0-stride on broadcast batch dims)
+    z = np.arange(batch)
+    offs = []
+    for shape, mat in ((a_shape, m * k), (b_shape, k * n)):
+        bshape = (1,) * (len(batch_shape) - len(shape[:-2])) + tuple(shape[:-2])
+        idx = np.zeros(batch, np.int64)
+        rem, mult = z.copy(), 1
+        for d in range(len(batch_shape) - 1, -1, -1):
+            coord = rem % batch_shape[d]
+            rem //= batch_shape[d]
+            if bshape[d] != 1:
+                idx += coord * mult
+            mult *= bshape[d]
+        offs.append(device_array(idx * mat))
+    if k == 0:  # empty sum: zeros (the epilogue then adds bias / applies the activation)
+        steps.append(elementwise_step(name + " zero", ("cast", None, dt.F32, ("in", 0, dt.BOOL)),
+                                      out, (batch * m * n,), [_false(device_array)], [(1,)], [dt.BOOL]))
+    else:
+        grid, block = matmul.sgemm_geometry(m, n, batch)
+        steps.append(Step(name, f"sgemm_tiled {batch}x{m}x{n}x{k}", matmul.sgemm_tiled, grid, block,
+                          (out, a, b, m, n, k, offs[0], offs[1], batch),
+                          {"flops": 2 * batch * m * n * k}))
+    if epilogue is not None:
+        steps.append(epilogue)
+    return steps
+
+
+def _false(device_array):
+    return device_array(np.zeros(1, np.bool_))
