@@ -1,0 +1,108 @@
+"""`rlx-numba info | demo`."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _libraries() -> list[tuple[str, str]]:
+    """Where the CUDA libraries this package uses were found (or why not)."""
+    rows = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError as e:
+        return [("cuda-pathfinder", f"not importable: {e}")]
+    for lib in ("cudart", "nvrtc", "nvvm", "nvJitLink", "cublas", "cublasLt"):
+        try:
+            rows.append((lib, load_nvidia_dynamic_lib(lib).abs_path))
+        except Exception as e:  # noqa: BLE001 - report, never crash
+            rows.append((lib, f"not found ({type(e).__name__})"))
+    return rows
+
+
+def info() -> int:
+    import numba
+    import numpy as np
+
+    import rlx_numba as rlx
+    from rlx_numba.runtime.device import device_info, _probe_driver
+
+    try:
+        from importlib.metadata import version
+        nc = version("numba-cuda")
+    except Exception:  # noqa: BLE001
+        nc = "?"
+    d = device_info()
+    print(f"rlx_numba {rlx.__version__}")
+    if d["simulator"]:
+        why = _probe_driver()["why"] or "forced by RLX_NUMBA_SIMULATOR=1"
+        print(f"device:      simulator ({why})")
+    else:
+        print(f"device:      {d['name']}, compute capability {d['cc'][0]}.{d['cc'][1]}, "
+              f"{d['sm_count']} SMs")
+    print(f"numba:       {numba.__version__}   numba-cuda: {nc}   numpy: {np.__version__}")
+    print("CUDA libraries:")
+    for lib, where in _libraries():
+        print(f"  {lib:<10} {where}")
+    return 0
+
+
+def demo(batch: int = 64, d_in: int = 256, hidden: int = 512, d_out: int = 128) -> int:
+    import math
+
+    import numpy as np
+
+    import rlx_numba as rlx
+
+    if rlx.simulator_enabled():
+        batch, d_in, hidden, d_out = 4, 8, 16, 4
+    rng = np.random.default_rng(0)
+    g = rlx.Graph("mlp")
+    x = g.input("x", (batch, d_in), "f32")
+    w1, b1 = g.param("w1", (d_in, hidden)), g.param("b1", (hidden,))
+    w2, b2 = g.param("w2", (hidden, d_out)), g.param("b2", (d_out,))
+    h = g.linear(x, w1, b1, activation="gelu")
+    y = g.linear(h, w2, b2)
+    g.set_outputs([g.sigmoid(y)])
+    params = {"w1": rng.standard_normal((d_in, hidden)) / math.sqrt(d_in),
+              "b1": rng.standard_normal(hidden), "w2": rng.standard_normal((hidden, d_out)) / math.sqrt(hidden),
+              "b2": rng.standard_normal(d_out)}
+    xs = rng.standard_normal((batch, d_in)).astype(np.float32)
+    print(g)
+    t0 = time.perf_counter()
+    exe = rlx.compile(g)
+    for k, v in params.items():
+        exe.set_param(k, v)
+    (out,) = exe.run({"x": xs})
+    t1 = time.perf_counter()
+    reps = 2 if rlx.simulator_enabled() else 50
+    for _ in range(reps):
+        (out,) = exe.run({"x": xs})
+    t2 = time.perf_counter()
+
+    erf = np.vectorize(math.erf)
+    p = {k: v.astype(np.float64) for k, v in params.items()}
+    hh = xs @ p["w1"] + p["b1"]
+    hh = 0.5 * hh * (1 + erf(hh / math.sqrt(2)))
+    ref = 1 / (1 + np.exp(-(hh @ p["w2"] + p["b2"])))
+    err = float(np.abs(out - ref).max())
+    print(f"\noutput {out.shape}, first row: {np.array2string(out[0, :6], precision=4)} ...")
+    print(f"max |rlx - numpy| = {err:.2e}  ({'OK' if err < 1e-4 else 'MISMATCH'})")
+    print(f"device: {'simulator' if rlx.simulator_enabled() else 'GPU'}; first run (with compile) "
+          f"{1e3 * (t1 - t0):.1f} ms, then {1e3 * (t2 - t1) / reps:.3f} ms per run")
+    print(exe.memory_report())
+    return 0 if err < 1e-4 else 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="rlx-numba", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="GPU or simulator, versions, CUDA libraries found")
+    sub.add_parser("demo", help="run a small MLP graph and check it against NumPy")
+    args = p.parse_args(argv)
+    return {"info": info, "demo": demo}[args.cmd]()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+
+ON_GPU = not rlx.simulator_enabled()
+
+
+@pytest.fixture
+def rng(request):
+    # a fixed seed per test, so a failure reproduces
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+def run_graph(g, inputs=None, params=None, mode="stream"):
+    """Compile g, set params, run once; numpy outputs."""
+    exe = rlx.compile(g, exec_mode=mode)
+    for k, v in (params or {}).items():
+        exe.set_param(k, v)
+    return exe.run(inputs or {})

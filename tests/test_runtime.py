@@ -1,0 +1,165 @@
+"""The executable: run() inputs and outputs, modes, device arrays, leaves as outputs."""
+import numpy as np
+import pytest
+from numba import cuda
+
+import rlx_numba as rlx
+from conftest import run_graph
+
+
+def _graph():
+    g = rlx.Graph("small")
+    x = g.input("x", (3, 5), "f32")
+    s = g.param("s", (5,), "f32")
+    y = g.exp(x) * s
+    g.set_outputs([y])
+    return g
+
+
+def test_compile_with_and_repeated_runs(rng):
+    g = _graph()
+    exe = rlx.CudaExecutable.compile_with(g, rlx.CompileMode.JIT, rlx.ExecMode.STREAM)
+    s = rng.standard_normal(5)                  # float64: converted by set_param
+    exe.set_param("s", s)
+    for _ in range(2):
+        x = rng.standard_normal((3, 5)).astype(np.float32)
+        (y,) = exe.run({"x": x})
+        assert y.dtype == np.float32 and y.shape == (3, 5)
+        np.testing.assert_allclose(y, np.exp(x) * s, rtol=1e-6)
+    assert "small" in repr(exe) and exe.input_names == ["x"] and exe.param_names == ["s"]
+
+
+@pytest.mark.parametrize("cm,em", [("aot", "stream"), ("jit", "eager"), (rlx.CompileMode.AOT,
+                                                                        rlx.ExecMode.EAGER)])
+def test_modes_give_same_result(rng, cm, em):
+    g = _graph()
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    s = rng.standard_normal(5).astype(np.float32)
+    exe = rlx.compile(g, compile_mode=cm, exec_mode=em)
+    exe.set_param("s", s)
+    np.testing.assert_allclose(exe.run({"x": x})[0], np.exp(x) * s, rtol=1e-6)
+
+
+def test_eager_function(rng):
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    s = rng.standard_normal(5).astype(np.float32)
+    (y,) = rlx.eager(_graph(), {"x": x}, params={"s": s})
+    np.testing.assert_allclose(y, np.exp(x) * s, rtol=1e-6)
+
+
+def test_device_inputs_and_outputs(rng):
+    g = _graph()
+    exe = rlx.compile(g)
+    s = rng.standard_normal(5).astype(np.float32)
+    exe.set_param("s", cuda.to_device(s))                 # device param, no host copy
+    x1 = rng.standard_normal((3, 5)).astype(np.float32)
+    x2 = rng.standard_normal((3, 5)).astype(np.float32)
+    (dev,) = exe.run({"x": cuda.to_device(x1)}, outputs="device")
+    (view,) = exe.run({"x": cuda.to_device(x1)}, outputs="view")
+    np.testing.assert_allclose(dev.copy_to_host(), np.exp(x1) * s, rtol=1e-6)
+    np.testing.assert_allclose(view.copy_to_host(), np.exp(x1) * s, rtol=1e-6)
+    exe.run({"x": x2})
+    # a "device" result is a copy; a "view" is the arena, overwritten by the next run
+    np.testing.assert_allclose(dev.copy_to_host(), np.exp(x1) * s, rtol=1e-6)
+    np.testing.assert_allclose(view.copy_to_host(), np.exp(x2) * s, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"input 'x': expected shape \[3, 5\], got \[5, 3\]"):
+        exe.run({"x": cuda.to_device(x1.T.copy())})
+    with pytest.raises(ValueError, match="input 'x': expected dtype f32"):
+        exe.run({"x": cuda.to_device(x1.astype(np.float64))})
+
+
+def test_leaves_as_outputs_and_lists(rng):
+    g = rlx.Graph("leaves")
+    x = g.input("x", (2, 3), "i32")
+    p = g.param("p", (3,), "bf16")
+    c = g.constant(np.array([[1.5, -2.0, 3.25]], np.float32))
+    g.set_outputs([x, p, c, g.reshape(x, (3, 2)), g.cast(p, "f32")])
+    exe = rlx.compile(g)
+    import ml_dtypes
+    pv = np.array([1.0, -0.5, 3.0], dtype=ml_dtypes.bfloat16)
+    exe.set_param("p", pv)
+    xv = [[1, 2, 3], [4, 5, 6]]                              # a nested list is accepted
+    xo, po, co, ro, pf = exe.run({"x": xv})
+    assert xo.dtype == np.int32 and (xo == np.array(xv)).all()
+    assert po.dtype == ml_dtypes.bfloat16 and (po == pv).all()
+    assert (co == c.node.attrs["value"]).all() and ro.shape == (3, 2)
+    assert pf.dtype == np.float32 and (pf == pv.astype(np.float32)).all()
+
+
+def test_scalar_and_empty_tensors(rng):
+    g = rlx.Graph("odd")
+    a = g.input("a", (), "f32")
+    e = g.input("e", (0, 4), "f32")
+    g.set_outputs([a * 2.0 + 1.0, g.exp(e) + a, g.relu(e)])
+    out = run_graph(g, {"a": np.float32(1.5), "e": np.zeros((0, 4), np.float32)})
+    assert out[0].shape == () and out[0] == 4.0
+    assert out[1].shape == (0, 4) and out[2].shape == (0, 4)
+
+
+def test_unused_nodes_are_not_run(rng):
+    g = rlx.Graph("dce")
+    x = g.input("x", (4,), "f32")
+    g.log(x)             # dead
+    g.set_outputs([g.abs(x)])
+    exe = rlx.compile(g)
+    assert len(exe.steps) == 1
+    xs = rng.standard_normal(4).astype(np.float32)
+    np.testing.assert_array_equal(exe.run({"x": xs})[0], np.abs(xs))
+
+
+def test_graph_printing_and_handles():
+    g = rlx.Graph("p")
+    x = g.input("x", (2, 3), "f16")
+    y = g.gelu(x)
+    g.set_outputs([y])
+    text = str(g)
+    assert "graph 'p'" in text and "input 'x'" in text and "activation(%0, kind=gelu)" in text
+    assert "f16[2, 3]" in text
+    assert y.shape == (2, 3) and y.dtype == rlx.dtype("f16") and y.ndim == 2
+    assert "Tensor(%1 f16[2, 3])" == repr(y)
+    with pytest.raises(TypeError, match="no truth value"):
+        bool(x > 0)
+
+
+def test_matmul_batch_broadcast(rng):
+    g = rlx.Graph("mm")
+    a = g.input("a", (2, 1, 3, 5), "f32")
+    b = g.input("b", (3, 5, 7), "f32")
+    c = g.input("c", (17, 33), "f32")
+    d = g.input("d", (33, 20), "f32")
+    g.set_outputs([a @ b, g.matmul(c, d)])
+    av, bv = rng.standard_normal((2, 1, 3, 5)), rng.standard_normal((3, 5, 7))
+    cv, dv = rng.standard_normal((17, 33)), rng.standard_normal((33, 20))
+    feed = {k: v.astype(np.float32) for k, v in dict(a=av, b=bv, c=cv, d=dv).items()}
+    ab, cd = run_graph(g, feed)
+    assert ab.shape == (2, 3, 3, 7)
+    np.testing.assert_allclose(ab, av @ bv, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cd, cv @ dv, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("act,bias", [(None, True), ("relu", False), ("gelu_tanh", True), ("silu", True)])
+def test_linear(rng, act, bias):
+    g = rlx.Graph("lin")
+    x = g.input("x", (2, 3, 9), "f32")
+    w = g.param("w", (9, 5), "f32")
+    b = g.param("b", (5,), "f32") if bias else None
+    g.set_outputs([g.linear(x, w, b, activation=act)])
+    xv = rng.standard_normal((2, 3, 9)).astype(np.float32)
+    wv = rng.standard_normal((9, 5)).astype(np.float32)
+    bv = rng.standard_normal(5).astype(np.float32)
+    ref = xv.astype(np.float64) @ wv + (bv if bias else 0)
+    ref = {None: ref, "relu": np.maximum(ref, 0), "silu": ref / (1 + np.exp(-ref)),
+           "gelu_tanh": 0.5 * ref * (1 + np.tanh(np.sqrt(2 / np.pi) * (ref + 0.044715 * ref ** 3)))}[act]
+    (y,) = run_graph(g, {"x": xv}, {"w": wv, **({"b": bv} if bias else {})})
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_with_zero_k():
+    g = rlx.Graph("k0")
+    x = g.input("x", (3, 0), "f32")
+    w = g.param("w", (0, 4), "f32")
+    b = g.param("b", (4,), "f32")
+    g.set_outputs([g.linear(x, w, b, activation="sigmoid")])
+    bv = np.array([0.0, 1.0, -1.0, 2.0], np.float32)
+    (y,) = run_graph(g, {"x": np.zeros((3, 0), np.float32)}, {"w": np.zeros((0, 4)), "b": bv})
+    np.testing.assert_allclose(y, np.broadcast_to(1 / (1 + np.exp(-bv)), (3, 4)), rtol=1e-6)
