@@ -163,3 +163,17 @@ def test_linear_with_zero_k():
     bv = np.array([0.0, 1.0, -1.0, 2.0], np.float32)
     (y,) = run_graph(g, {"x": np.zeros((3, 0), np.float32)}, {"w": np.zeros((0, 4)), "b": bv})
     np.testing.assert_allclose(y, np.broadcast_to(1 / (1 + np.exp(-bv)), (3, 4)), rtol=1e-6)
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="CUDA Array Interface needs a GPU")
+def test_foreign_device_arrays_as_inputs(rng):
+    torch = pytest.importorskip("torch")
+    g = _graph()
+    exe = rlx.compile(g)
+    s = rng.standard_normal(5).astype(np.float32)
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    exe.set_param("s", torch.from_numpy(s).cuda())
+    (y,) = exe.run({"x": torch.from_numpy(x).cuda()})
+    np.testing.assert_allclose(y, np.exp(x) * s, rtol=1e-6)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        exe.run({"x": torch.from_numpy(x.T.copy()).cuda().T})

@@ -66,6 +66,8 @@ def _decide_simulator() -> bool:
                         "correctness only). Set RLX_NUMBA_SIMULATOR=0 to make this an error.",
                         probe["why"])
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1" if on else "0"
+    # small test/demo launches are expected; numba's occupancy warning is noise here
+    os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
     return on
 
 

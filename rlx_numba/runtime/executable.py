@@ -70,12 +70,18 @@ def _cuda():
     return cuda
 
 
-def _is_device_array(x) -> bool:
-    cuda = _cuda()
+def _as_device_array(x):
+    """x as a numba device array if it lives on the device (numba array, or anything with the
+    CUDA Array Interface: torch, cupy), else None."""
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return isinstance(x, FakeCUDAArray)
-    return cuda.is_cuda_array(x)
+        return x if isinstance(x, FakeCUDAArray) else None
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+    cuda = _cuda()
+    if isinstance(x, DeviceNDArray):
+        return x
+    return cuda.as_cuda_array(x) if cuda.is_cuda_array(x) else None
 
 
 class CudaExecutable:
@@ -248,8 +254,9 @@ class CudaExecutable:
             known = ", ".join(self._params) or "none"
             raise ValueError(f"set_param: graph {self.graph.name!r} has no param {name!r} "
                              f"(params: {known})")
-        if _is_device_array(value) or hasattr(value, "__cuda_array_interface__"):
-            self._copy_in(node, value, "set_param")
+        dev = _as_device_array(value)
+        if dev is not None:
+            self._copy_in(node, dev, "set_param")
         else:
             arr = np.asarray(value)
             if arr.dtype != node.dtype.host and not np.can_cast(arr.dtype, node.dtype.host, "same_kind"):
@@ -262,10 +269,8 @@ class CudaExecutable:
                 self._bufs[node.id].copy_to_device(self._storage(arr.astype(node.dtype.host), node.dtype))
         self._unset.discard(name)
 
-    def _copy_in(self, node, value, what):
+    def _copy_in(self, node, src, what):
         """Device-to-device copy of a device array into the node's arena slot."""
-        src = value if _is_device_array(value) and SIMULATOR else self._cuda.as_cuda_array(value) \
-            if not SIMULATOR else value
         if tuple(src.shape) != node.shape:
             raise ValueError(f"{what} {node.name!r}: expected shape {fmt(node.shape)}, got "
                              f"{fmt(src.shape)}")
@@ -279,8 +284,9 @@ class CudaExecutable:
 
     def _bind_input(self, name, value):
         node = self._inputs[name]
-        if _is_device_array(value) or hasattr(value, "__cuda_array_interface__"):
-            return self._copy_in(node, value, "run: input")
+        dev = _as_device_array(value)
+        if dev is not None:
+            return self._copy_in(node, dev, "run: input")
         arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=node.dtype.host)
         if arr.dtype != node.dtype.host:
             raise ValueError(f"run: input {name!r} must be {node.dtype} ({node.dtype.host}), got "
