@@ -15,7 +15,7 @@ def sm_count() -> int:
 def grid_1d(n: int, threads: int = 256, waves: int = 8) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over n items."""
     if SIMULATOR:
-        return (max(1, min(2, -(-n // 32))), 32)
+        return (max(1, min(2, -(-n // 16))), 16)
     blocks = -(-n // threads)
     # enough blocks to fill every SM several times; the loop strides over the rest
     return (max(1, min(blocks, sm_count() * waves * (2048 // threads))), threads)
