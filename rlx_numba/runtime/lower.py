@@ -62,11 +62,17 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> S
     if n == 0:
         return None
     modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes)
-    src = codegen.kernel_source(expr, in_dtypes, modes, len(dims))
+    idx32 = n < 2**32
+    src = codegen.kernel_source(expr, in_dtypes, modes, len(dims), idx32)
     kernel = codegen.load_kernel(src)
     args = [out, *ins, n]
     if "bcast" in modes:
-        args += list(dims[1:])
+        for d in dims[1:]:
+            if idx32:
+                m, sh = codegen.magic_divisor(d)
+                args += [np.uint64(d), np.uint64(m), np.uint64(sh)]
+            else:
+                args.append(d)
         for j, mode in enumerate(modes):
             if mode == "bcast":
                 args += strides[j]
