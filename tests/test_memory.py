@@ -110,3 +110,18 @@ def test_random_graphs_match_numpy_and_never_overlap(seed):
     assert _overlaps(bufs) is None
     for got, o in zip(exe.run(feed), outs):
         np.testing.assert_allclose(got, ref[o], rtol=1e-5, atol=1e-6)
+
+
+def test_wide_index_path_matches(monkeypatch, rng):
+    """Outputs of 2**32+ elements use int64 division instead of magic numbers: same results."""
+    import rlx_numba.runtime.lower as lower
+    monkeypatch.setattr(lower, "IDX32_LIMIT", 0)
+    g = rlx.Graph("wide")
+    a = g.input("a", (3, 1, 5), "f32")
+    b = g.input("b", (4, 1), "f32")
+    g.set_outputs([a - b])
+    av = rng.standard_normal((3, 1, 5)).astype(np.float32)
+    bv = rng.standard_normal((4, 1)).astype(np.float32)
+    exe = rlx.compile(g)
+    assert "r // d" in exe.steps[0].info["source"]
+    np.testing.assert_array_equal(exe.run({"a": av, "b": bv})[0], av - bv)

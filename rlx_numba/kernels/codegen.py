@@ -96,7 +96,7 @@ def _store(value: str, d: dt.DType) -> str:
     return value
 
 
-UNROLL = 4  # elements per thread per loop trip: loads issued together keep more bytes in flight
+UNROLL = 8  # elements per thread per loop trip: loads issued together keep more bytes in flight
 
 
 def magic_divisor(d: int) -> tuple[int, int]:
@@ -113,6 +113,10 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
     With ``idx32`` (every index < 2**32) the broadcast offsets divide by the collapsed dims
     through precomputed magic numbers (``magic_divisor``); otherwise with int64 division.
 
+    All index math is uint64 (every argument after the arrays is passed as np.uint64): numba
+    adds a negative-index wraparound to every signed subscript, and signed // and % need sign
+    fix-ups; unsigned indices need neither.
+
     The grid-stride loop handles UNROLL elements (i, i+step, ...) per trip: first every offset
     and load, then the math and the stores. Loads must come before stores explicitly because
     ``out`` may be an input too (in-place epilogues), so the compiler could not reorder them.
@@ -127,12 +131,12 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
     def element(u):
         """(index and load lines, store line) for element i + u*step, names suffixed _u."""
         idx = "i" if u == 0 else f"i{u}"
-        pre = [] if u == 0 else [f"{idx} = i + {u} * step"]
-        if bc and idx32:   # d, m, sh are uint64 args; the multiply is a 32x32->64 mul.wide
-            pre.append(f"r = uint64({idx})")
+        pre = [] if u == 0 else [f"{idx} = i + uint64({u}) * step"]
+        if bc and idx32:   # r < 2**32 and m < 2**32: the multiply is one mul.wide.u32
+            pre.append(f"r = {idx}")
             for a in range(ndim - 1, 0, -1):
-                pre.append(f"q = (((r * m{a}) >> uint64(32)) + r) >> sh{a}")
-                pre.append(f"c{a} = int64(r - q * d{a})")
+                pre.append(f"q = (((r * m{a}) >> U32) + r) >> sh{a}")
+                pre.append(f"c{a} = r - q * d{a}")
                 pre.append("r = q")
         elif bc:
             pre.append(f"r = {idx}")
@@ -141,7 +145,7 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
                 pre.append(f"r = r // d{a}")
         if bc:
             for j in bc:
-                terms = [f"c{a} * s{j}_{a}" for a in range(ndim - 1, 0, -1)] + [f"int64(r) * s{j}_0"]
+                terms = [f"c{a} * s{j}_{a}" for a in range(ndim - 1, 0, -1)] + [f"r * s{j}_0"]
                 pre.append(f"o{j}_{u} = " + " + ".join(terms))
         where = {"full": idx, "scalar": "0"}
         names = []
@@ -162,14 +166,15 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
         "from numba.core.types import float16",
         "from rlx_numba.kernels import elementwise as ew",
         "",
+        "U32 = uint64(32)",
         "",
         "@cuda.jit(cache=True)",
         f"def kernel({', '.join(params)}):",
-        "    i = cuda.grid(1)",
-        "    step = cuda.gridsize(1)",
-        f"    while i + {UNROLL - 1} * step < n:",
+        "    i = uint64(cuda.grid(1))",
+        "    step = uint64(cuda.gridsize(1))",
+        f"    while i + uint64({UNROLL - 1}) * step < n:",
         *("        " + s for s in unrolled),
-        f"        i += {UNROLL} * step",
+        f"        i += uint64({UNROLL}) * step",
         "    while i < n:",
         *("        " + s for s in pre0 + [store0]),
         "        i += step",

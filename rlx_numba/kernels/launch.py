@@ -12,7 +12,7 @@ def sm_count() -> int:
     return _SM
 
 
-def grid_1d(n: int, threads: int = 256, waves: int = 8) -> tuple[int, int]:
+def grid_1d(n: int, threads: int = 256, waves: int = 32) -> tuple[int, int]:
     """(blocks, threads) for a grid-stride loop over n items."""
     if SIMULATOR:
         return (max(1, min(2, -(-n // 16))), 16)

@@ -19,6 +19,7 @@ from ..kernels.launch import grid_1d
 log = logging.getLogger("rlx_numba")
 
 ELEMENTWISE = ("activation", "binary", "compare", "where", "cast")
+IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 
 
 def is_view(node: Node, graph: Graph) -> bool:
@@ -62,20 +63,17 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> S
     if n == 0:
         return None
     modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes)
-    idx32 = n < 2**32
+    idx32 = n < IDX32_LIMIT
     src = codegen.kernel_source(expr, in_dtypes, modes, len(dims), idx32)
     kernel = codegen.load_kernel(src)
-    args = [out, *ins, n]
+    sizes = [n]   # passed as uint64: the kernel's index math is unsigned
     if "bcast" in modes:
         for d in dims[1:]:
-            if idx32:
-                m, sh = codegen.magic_divisor(d)
-                args += [np.uint64(d), np.uint64(m), np.uint64(sh)]
-            else:
-                args.append(d)
+            sizes += [d, *codegen.magic_divisor(d)] if idx32 else [d]
         for j, mode in enumerate(modes):
             if mode == "bcast":
-                args += strides[j]
+                sizes += strides[j]
+    args = [out, *ins, *(np.uint64(v) for v in sizes)]
     blocks, threads = grid_1d(n)
     return Step(name, "elementwise " + codegen.expr_repr(expr), kernel, (blocks,), (threads,),
                 tuple(args), {"source": src, "modes": modes, "dims": dims, "n": n})
