@@ -12,7 +12,6 @@ import numpy as np
 from ..runtime.device import SIMULATOR
 
 if not SIMULATOR:
-    from numba import cuda
     from numba.cuda import libdevice
 
     exp = math.exp

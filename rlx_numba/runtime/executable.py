@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -191,49 +190,27 @@ class CudaExecutable:
         count = max(n.size, 1)
         return self.arena[b.offset:b.offset + count * storage.itemsize].view(storage)
 
-    def _device_array(self, host):
+    def device_array(self, host):
+        """A small device array owned by this executable (e.g. a step's index table)."""
         a = self._cuda.to_device(host)
         self._extra.append(a)
         return a
+
+    def buf(self, node_or_id):
+        """The flat device view of a node's storage."""
+        return self._bufs[getattr(node_or_id, "id", node_or_id)]
 
     @staticmethod
     def _storage(arr, d: dt.DType):
         return np.ascontiguousarray(arr).view(d.storage).reshape(-1)
 
     def _lower(self, n):
-        g, B = self.graph, self._bufs
-        name = f"%{n.id} {n.op}" + (f".{n.attrs['kind']}" if "kind" in n.attrs else "")
-        if n.op in ("input", "param", "constant", "reshape") or lower.is_view(n, g):
+        if n.op in ("input", "param", "constant") or lower.is_view(n, self.graph):
             return []
-        ins = [g.nodes[i] for i in n.inputs]
-        if n.op in lower.ELEMENTWISE:
-            return [lower.elementwise_step(name, lower.node_expr(n, g), B[n.id], n.shape,
-                                           [B[i.id] for i in ins], [i.shape for i in ins],
-                                           [i.dtype for i in ins])]
-        if n.op == "matmul":
-            a, b = ins
-            return lower.matmul_steps(name, B[n.id], B[a.id], B[b.id], a.shape, b.shape, n.shape,
-                                      self._device_array)
-        if n.op == "linear":
-            x, w = ins[0], ins[1]
-            k = x.shape[-1]
-            m = math.prod(x.shape[:-1])
-            epi = None
-            act = n.attrs["activation"]
-            if n.attrs["has_bias"] or act:
-                expr = ("in", 0, dt.F32)
-                eins, eshapes = [B[n.id]], [(m, w.shape[1])]
-                if n.attrs["has_bias"]:
-                    expr = ("binary", "add", dt.F32, expr, ("in", 1, dt.F32))
-                    eins.append(B[ins[2].id])
-                    eshapes.append(ins[2].shape)
-                if act:
-                    expr = ("activation", act, dt.F32, expr)
-                epi = lower.elementwise_step(name + " epilogue", expr, B[n.id], (m, w.shape[1]),
-                                             eins, eshapes, [dt.F32] * len(eins))
-            return lower.matmul_steps(name, B[n.id], B[x.id], B[w.id], (m, k), w.shape,
-                                      (m, w.shape[1]), self._device_array, epi)
-        raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
+        fn = lower.LOWERINGS.get(n.op)
+        if fn is None:
+            raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
+        return fn(self, n)
 
     # ---- public API ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

@@ -19,7 +19,22 @@ from ..kernels.launch import grid_1d
 log = logging.getLogger("rlx_numba")
 
 ELEMENTWISE = ("activation", "binary", "compare", "where", "cast")
+LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
+
+
+def lowering(*ops):
+    """Register ``fn(exe, node) -> [Step | None, ...]`` as the lowering of these ops. ``exe``
+    gives ``exe.graph``, ``exe.buf(node)`` (flat device view) and ``exe.device_array(host)``."""
+    def deco(fn):
+        for op in ops:
+            LOWERINGS[op] = fn
+        return fn
+    return deco
+
+
+def step_name(n: Node) -> str:
+    return f"%{n.id} {n.op}" + (f".{n.attrs['kind']}" if "kind" in n.attrs else "")
 
 
 def is_view(node: Node, graph: Graph) -> bool:
@@ -117,3 +132,41 @@ def matmul_steps(name, out, a, b, a_shape, b_shape, out_shape, device_array, epi
 
 def _false(device_array):
     return device_array(np.zeros(1, np.bool_))
+
+
+# ---- lowerings of the element-wise and matmul ops --------------------------------------------
+@lowering(*ELEMENTWISE)
+def _lower_elementwise(exe, n):
+    ins = [exe.graph.nodes[i] for i in n.inputs]
+    return [elementwise_step(step_name(n), node_expr(n, exe.graph), exe.buf(n), n.shape,
+                             [exe.buf(i) for i in ins], [i.shape for i in ins],
+                             [i.dtype for i in ins])]
+
+
+@lowering("matmul")
+def _lower_matmul(exe, n):
+    a, b = (exe.graph.nodes[i] for i in n.inputs)
+    return matmul_steps(step_name(n), exe.buf(n), exe.buf(a), exe.buf(b), a.shape, b.shape,
+                        n.shape, exe.device_array)
+
+
+@lowering("linear")
+def _lower_linear(exe, n):
+    ins = [exe.graph.nodes[i] for i in n.inputs]
+    x, w = ins[0], ins[1]
+    k, cols = x.shape[-1], w.shape[1]
+    m = math.prod(x.shape[:-1])
+    name, act, epi = step_name(n), n.attrs["activation"], None
+    if n.attrs["has_bias"] or act:   # bias and activation in one in-place element-wise pass
+        expr = ("in", 0, dt.F32)
+        eins, eshapes = [exe.buf(n)], [(m, cols)]
+        if n.attrs["has_bias"]:
+            expr = ("binary", "add", dt.F32, expr, ("in", 1, dt.F32))
+            eins.append(exe.buf(ins[2]))
+            eshapes.append(ins[2].shape)
+        if act:
+            expr = ("activation", act, dt.F32, expr)
+        epi = elementwise_step(name + " epilogue", expr, exe.buf(n), (m, cols), eins, eshapes,
+                               [dt.F32] * len(eins))
+    return matmul_steps(name, exe.buf(n), exe.buf(x), exe.buf(w), (m, k), w.shape, (m, cols),
+                        exe.device_array, epi)
