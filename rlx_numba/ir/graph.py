@@ -63,11 +63,11 @@ class Tensor:
     __hash__ = object.__hash__
 
     def _bin(self, kind, other, swap=False):
-        a, b = self, self.graph._operand(other, like=self)
+        a, b = self, self.graph._operand(other, like=self, op=kind)
         return self.graph.binary(kind, b, a) if swap else self.graph.binary(kind, a, b)
 
     def _cmp(self, kind, other):
-        return self.graph.compare(kind, self, self.graph._operand(other, like=self))
+        return self.graph.compare(kind, self, self.graph._operand(other, like=self, op=kind))
 
     __add__ = lambda s, o: s._bin("add", o)
     __radd__ = lambda s, o: s._bin("add", o, swap=True)
@@ -115,13 +115,16 @@ class Graph:
             raise ValueError(f"{op}: {arg} {t!r} belongs to graph {t.graph.name!r}, not {self.name!r}")
         return t
 
-    def _operand(self, value, like: Tensor) -> Tensor:
+    def _operand(self, value, like: Tensor, op: str = "") -> Tensor:
         """A Tensor as is; a Python/NumPy scalar as a constant of PyTorch's weak-scalar dtype."""
         if isinstance(value, Tensor):
             return value
         if isinstance(value, np.ndarray):
             return self.constant(value)
-        d = dt.scalar_dtype(value, like.dtype)
+        try:
+            d = dt.scalar_dtype(value, like.dtype)
+        except ValueError as e:
+            raise ValueError(f"{op}: {e}" if op else str(e)) from None
         return self.constant(np.asarray(value, dtype=d.host))
 
     def _leaf(self, kind, name, shape, dtype) -> Tensor:
@@ -162,25 +165,25 @@ class Graph:
 
     def binary(self, kind: str, a, b) -> Tensor:
         if not isinstance(a, Tensor) and isinstance(b, Tensor):
-            a = self._operand(a, like=b)
+            a = self._operand(a, like=b, op=kind)
         self._check(kind, "a", a)
-        b = self._check(kind, "b", self._operand(b, like=a))
+        b = self._check(kind, "b", self._operand(b, like=a, op=kind))
         shape, d = ops.infer_binary(a, b, kind)
         return self._add("binary", (a, b), shape, d, kind=kind)
 
     def compare(self, kind: str, a, b) -> Tensor:
         if not isinstance(a, Tensor) and isinstance(b, Tensor):
-            a = self._operand(a, like=b)
+            a = self._operand(a, like=b, op=kind)
         self._check(kind, "a", a)
-        b = self._check(kind, "b", self._operand(b, like=a))
+        b = self._check(kind, "b", self._operand(b, like=a, op=kind))
         shape, d = ops.infer_compare(a, b, kind)
         return self._add("compare", (a, b), shape, d, kind=kind)
 
     def where(self, cond: Tensor, a, b) -> Tensor:
         self._check("where", "cond", cond)
         like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else cond
-        a = self._check("where", "a", self._operand(a, like=like))
-        b = self._check("where", "b", self._operand(b, like=a))
+        a = self._check("where", "a", self._operand(a, like=like, op="where"))
+        b = self._check("where", "b", self._operand(b, like=a, op="where"))
         shape, d = ops.infer_where(cond, a, b)
         return self._add("where", (cond, a, b), shape, d)
 

@@ -59,6 +59,8 @@ def _exec_mode(m) -> ExecMode:
         return getattr(ExecMode, s.upper())
     if s.startswith("multistream"):
         digits = s[len("multistream"):].strip("():")
+        if digits and not digits.isdigit():
+            raise ValueError(f"compile: exec_mode {m!r}: the stream count must be an int")
         return ExecMode.MULTISTREAM(int(digits) if digits else 2)
     raise ValueError(f"compile: unknown exec_mode {m!r}; expected stream, eager, graph or "
                      f"multistream(n)")

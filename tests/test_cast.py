@@ -1,0 +1,214 @@
+"""cast(x, dtype) between every ordered pair of the six dtypes.
+
+Oracle: NumPy's astype (and ml_dtypes for bf16), written here. float -> int truncates toward
+zero like astype on in-range values, saturates out of range and sends NaN to 0; float -> f16 and
+float -> bf16 round to nearest even; int -> bool is "nonzero"; bool -> number is 0/1; a cast to
+the dtype the tensor already has is a view (no copy, no kernel).
+"""
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from conftest import run_graph
+
+BF16 = ml_dtypes.bfloat16
+HOST = {"f32": np.float32, "f16": np.float16, "bf16": BF16, "i32": np.int32, "i64": np.int64,
+        "bool": np.bool_}
+DTYPES = tuple(HOST)
+FLOATS = ("f32", "f16", "bf16")
+INTS = ("i32", "i64")
+I32_MAX, I32_MIN = 2**31 - 1, -2**31
+I64_MAX, I64_MIN = 2**63 - 1, -2**63
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # simulator's NumPy scalars
+
+# Values chosen to hit truncation, round-to-nearest-even ties and overflow of the narrower
+# float types. Every one is in range of every integer dtype (out-of-range: its own test).
+F32_VALUES = [
+    0.0, -0.0, 0.5, -0.5, 1.5, -1.5, 2.5, -2.7, 3.99, -3.99, 7.0, -8.0, 100.25, -100.75,
+    1 + 2**-11, 1 + 3 * 2**-11,          # f16 ties: to 1 and to 1 + 2**-9 (even)
+    2049.0, 2051.0, -2049.0,             # f16 ties between integers
+    1 + 2**-8, 1 + 3 * 2**-8,            # bf16 ties: to 1 and to 1 + 2**-6
+    257.0, 259.0, -257.0,                # bf16 ties between integers
+    65504.0, 65519.0, 65520.0, 1e5,      # f16 max, below/at the overflow tie, overflow
+    1e-6, 3e-8, 6.1e-5,                  # f16 subnormals / underflow
+    1e-40, -3e-39,                       # f32 subnormals (bf16 keeps them)
+    16777217.0, 2147483520.0, -2147483648.0,   # large, still in i32 range
+    np.inf, -np.inf, np.nan,
+]
+F32_FINITE_INT_RANGE = [v for v in F32_VALUES if np.isfinite(v)]
+I32_VALUES = [0, 1, -1, 2, -7, 100, 255, 257, 259, -257, 2047, 2049, 2051, 65504, 65519, 65520,
+              70000, -70000, 16777216, 16777217, 123456789, I32_MAX, I32_MIN]
+I64_VALUES = I32_VALUES + [2**40, -(2**40) - 4096, 2**53, 2**62, I64_MAX, I64_MIN]
+
+
+def _source(rng, dtype):
+    """The test values of ``dtype`` plus random ones (never all zero)."""
+    if dtype == "bool":
+        v = rng.random(13) < 0.5
+        v[:2] = [True, False]
+        return v
+    if dtype == "i32":
+        return np.concatenate([I32_VALUES, rng.integers(-10**6, 10**6, 14)]).astype(np.int32)
+    if dtype == "i64":
+        return np.concatenate([I64_VALUES, rng.integers(-10**12, 10**12, 14)]).astype(np.int64)
+    rand = rng.uniform(-300, 300, 14).astype(np.float32)
+    v = np.concatenate([np.array(F32_VALUES, np.float32), rand])
+    if dtype == "f32":
+        return v
+    return v.astype(HOST[dtype])      # f16 / bf16: the same values, rounded (inf where too big)
+
+
+def _oracle(src, sdt, ddt):
+    """Expected result of cast(src: sdt -> ddt), from NumPy / ml_dtypes alone."""
+    if ddt == "bool":
+        return src.astype(np.float64) != 0 if sdt != "bool" else src.copy()
+    if sdt in FLOATS and ddt in INTS:
+        f = src.astype(np.float64)
+        lo, hi = (I32_MIN, I32_MAX) if ddt == "i32" else (I64_MIN, I64_MAX)
+        out = np.zeros(f.shape, HOST[ddt])
+        ok = np.isfinite(f) & (f > lo - 1) & (f < hi + 1)
+        out[ok] = np.trunc(f[ok]).astype(HOST[ddt])      # exact: in range
+        out[~np.isnan(f) & (f >= hi + 1)] = hi
+        out[~np.isnan(f) & (f <= lo - 1)] = lo
+        return out                                        # NaN -> 0
+    if sdt in ("f16", "bf16") or ddt in ("f16", "bf16"):
+        if sdt in FLOATS:       # widening to f32 is exact; then one round-to-nearest-even
+            return src.astype(np.float32).astype(HOST[ddt])
+        if ddt == "bf16":       # int -> bf16: through f32 like every backend (RNE each step)
+            return src.astype(np.float32).astype(BF16)
+    return src.astype(HOST[ddt])
+
+
+def _same(got, want, what):
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, expected {want.dtype}"
+    assert got.shape == want.shape
+    if got.dtype.kind == "f" or got.dtype == np.dtype(BF16):
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        np.testing.assert_array_equal(g, w, err_msg=what)       # NaNs compare equal here
+        mism = (np.signbit(g) != np.signbit(w)) & ~np.isnan(w)
+        assert not mism.any(), f"{what}: sign of zero differs at {np.flatnonzero(mism)}"
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+PAIRS = [(s, d) for s in DTYPES for d in DTYPES]
+
+
+@pytest.mark.parametrize("sdt,ddt", PAIRS, ids=[f"{s}->{d}" for s, d in PAIRS])
+def test_cast_pair(rng, sdt, ddt):
+    src = _source(rng, sdt)
+    if sdt == "i64" and ddt == "i32":       # narrowing int casts: only in-range values
+        src = src[(src >= I32_MIN) & (src <= I32_MAX)]
+    if sdt in FLOATS and ddt in INTS:       # out of range / inf / NaN: test_float_to_int_saturates
+        f = src.astype(np.float64)
+        src = src[np.isfinite(f) & (np.abs(f) < 2**31)]
+    g = rlx.Graph("cast")
+    x = g.input("x", src.shape, sdt)
+    y = g.cast(x, ddt)
+    assert y.shape == src.shape and str(y.dtype) == ddt
+    g.set_outputs([y])
+    exe = rlx.compile(g)
+    (got,) = exe.run({"x": src})
+    want = _oracle(src, sdt, ddt)
+    _same(got, want, f"cast {sdt}->{ddt}")
+    if sdt in FLOATS and ddt in INTS:       # truncation toward zero, like numpy astype
+        np.testing.assert_array_equal(got, src.astype(np.float64).astype(HOST[ddt]))
+    assert exe.memory_report()["views"] == (1 if sdt == ddt else 0)
+
+
+def test_cast_rounding_spelled_out():
+    """A few results written out, independent of the oracle function."""
+    v = np.array([1 + 2**-11, 1 + 3 * 2**-11, 2049, 65519, 65520, 1 + 2**-8, 1 + 3 * 2**-8,
+                  257, 259, -2.7, 2.7, -0.5], np.float32)
+    g = rlx.Graph("spelled")
+    x = g.input("x", v.shape, "f32")
+    g.set_outputs([g.cast(x, "f16"), g.cast(x, "bf16"), g.cast(x, "i32"), g.cast(x, "i64")])
+    h, b, i, q = run_graph(g, {"x": v})
+    assert h[0] == 1.0 and h[1] == 1 + 2**-9 and h[2] == 2048 and h[3] == 65504 and h[4] == np.inf
+    assert b[5] == 1.0 and b[6] == 1 + 2**-6 and b[7] == 256 and b[8] == 260
+    assert list(i[9:]) == [-2, 2, 0] and list(q[9:]) == [-2, 2, 0]
+
+
+@pytest.mark.parametrize("sdt", FLOATS)
+def test_float_to_int_saturates(sdt):
+    vals = np.array([3e9, -3e9, 1e19, -1e19, 1e30, -1e30, np.inf, -np.inf, np.nan, -np.nan,
+                     2147483520.0, -2147483648.0, 9.2e18, -9.2e18, 1.5, -1.5], np.float32)
+    src = vals.astype(HOST[sdt])
+    f = src.astype(np.float64)
+    g = rlx.Graph("sat")
+    x = g.input("x", src.shape, sdt)
+    g.set_outputs([g.cast(x, "i32"), g.cast(x, "i64")])
+    r32, r64 = run_graph(g, {"x": src})
+    for got, lo, hi, dt in ((r32, I32_MIN, I32_MAX, np.int32), (r64, I64_MIN, I64_MAX, np.int64)):
+        want = []
+        for val in f:
+            if np.isnan(val):
+                want.append(0)
+            elif val >= hi:
+                want.append(hi)
+            elif val <= lo:
+                want.append(lo)
+            else:
+                want.append(int(val))            # int() truncates toward zero
+        assert got.dtype == dt
+        np.testing.assert_array_equal(got, np.array(want, dt), err_msg=f"{sdt}->{dt.__name__}")
+    # the headline cases, spelled out (f32 source)
+    if sdt == "f32":
+        assert list(r32[:4]) == [I32_MAX, I32_MIN, I32_MAX, I32_MIN]
+        assert list(r32[6:10]) == [I32_MAX, I32_MIN, 0, 0]
+        assert list(r64[2:4]) == [I64_MAX, I64_MIN] and list(r64[6:10]) == [I64_MAX, I64_MIN, 0, 0]
+        assert r64[0] == 3000000000 and r64[1] == -3000000000
+
+
+def test_cast_bool_and_nonzero():
+    f = np.array([0.0, -0.0, 0.25, -3.0, np.nan, np.inf], np.float32)
+    i = np.array([0, 5, -1, 0, I32_MIN, 2], np.int32)
+    b = np.array([True, False, True, True, False, True])
+    g = rlx.Graph("bools")
+    xf, xi, xb = g.input("f", f.shape, "f32"), g.input("i", i.shape, "i32"), g.input("b", b.shape, "bool")
+    outs = [g.cast(xf, "bool"), g.cast(xi, "bool")] + [g.cast(xb, d) for d in DTYPES]
+    g.set_outputs(outs)
+    res = run_graph(g, {"f": f, "i": i, "b": b})
+    np.testing.assert_array_equal(res[0], [False, False, True, True, True, True])
+    np.testing.assert_array_equal(res[1], [False, True, True, False, True, True])
+    for d, r in zip(DTYPES, res[2:]):
+        assert r.dtype == np.dtype(HOST[d])
+        np.testing.assert_array_equal(r.astype(np.float64), b.astype(np.float64), err_msg=d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_same_dtype_cast_is_view(rng, dtype):
+    src = _source(rng, dtype)[:11]
+    g = rlx.Graph("view")
+    x = g.input("x", src.shape, dtype)
+    y = g.cast(x, dtype)
+    z = g.cast(y, dtype)                    # a view of a view
+    g.set_outputs([y, z])
+    exe = rlx.compile(g)
+    rep = exe.memory_report()
+    assert rep["views"] == 2 and rep["buffers"] == 1
+    assert rep["intermediate_bytes"] == 0 and rep["output_bytes"] == 0
+    y_np, z_np = exe.run({"x": src})
+    _same(y_np, src, f"view {dtype}")
+    _same(z_np, src, f"view of view {dtype}")
+
+
+def test_cast_dtype_spellings_and_chain(rng):
+    v = rng.uniform(-5, 5, (3, 7)).astype(np.float32)
+    g = rlx.Graph("spell")
+    x = g.input("x", v.shape, "f32")
+    a = g.cast(x, "float16")
+    b = g.cast(x, np.int32)
+    c = g.cast(x, "bfloat16")
+    d = g.cast(g.cast(x, "f16"), "f32")     # round trip through f16 rounds once
+    e = g.cast(g.cast(c, "f32"), "i64")
+    assert [str(t.dtype) for t in (a, b, c, d, e)] == ["f16", "i32", "bf16", "f32", "i64"]
+    g.set_outputs([a, b, c, d, e])
+    ra, rb, rc, rd, re_ = run_graph(g, {"x": v})
+    _same(ra, v.astype(np.float16), "float16")
+    _same(rb, v.astype(np.int32), "np.int32")
+    _same(rc, v.astype(BF16), "bfloat16")
+    _same(rd, v.astype(np.float16).astype(np.float32), "f32->f16->f32")
+    _same(re_, v.astype(BF16).astype(np.float32).astype(np.int64), "f32->bf16->f32->i64")
