@@ -163,21 +163,20 @@ class Graph:
         shape, d = ops.infer_activation(x, kind)
         return self._add("activation", (x,), shape, d, kind=kind)
 
-    def binary(self, kind: str, a, b) -> Tensor:
+    def _pair(self, op: str, kind: str, a, b, infer) -> Tensor:
+        """A two-operand node; either operand may be a Python scalar."""
         if not isinstance(a, Tensor) and isinstance(b, Tensor):
             a = self._operand(a, like=b, op=kind)
         self._check(kind, "a", a)
         b = self._check(kind, "b", self._operand(b, like=a, op=kind))
-        shape, d = ops.infer_binary(a, b, kind)
-        return self._add("binary", (a, b), shape, d, kind=kind)
+        shape, d = infer(a, b, kind)
+        return self._add(op, (a, b), shape, d, kind=kind)
+
+    def binary(self, kind: str, a, b) -> Tensor:
+        return self._pair("binary", kind, a, b, ops.infer_binary)
 
     def compare(self, kind: str, a, b) -> Tensor:
-        if not isinstance(a, Tensor) and isinstance(b, Tensor):
-            a = self._operand(a, like=b, op=kind)
-        self._check(kind, "a", a)
-        b = self._check(kind, "b", self._operand(b, like=a, op=kind))
-        shape, d = ops.infer_compare(a, b, kind)
-        return self._add("compare", (a, b), shape, d, kind=kind)
+        return self._pair("compare", kind, a, b, ops.infer_compare)
 
     def where(self, cond: Tensor, a, b) -> Tensor:
         self._check("where", "cond", cond)
