@@ -9,6 +9,9 @@ import numpy as np
 from . import dtypes as dt
 from . import ops
 from .ops import fmt
+from .ops_norm import NormOps
+from .ops_reduce import ReduceOps
+from .ops_shape import ShapeOps
 
 
 @dataclass
@@ -93,7 +96,7 @@ class Tensor:
         raise TypeError("a graph Tensor has no truth value (it is computed when the graph runs)")
 
 
-class Graph:
+class Graph(ShapeOps, ReduceOps, NormOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

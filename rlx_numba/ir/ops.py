@@ -146,3 +146,23 @@ def infer_linear(x, w, bias=None, activation=None):
         raise ValueError(f"linear: unknown activation {activation!r}; expected one of "
                          f"{', '.join(ACTIVATIONS)}")
     return tuple(x.shape[:-1]) + (w.shape[1],), dt.F32
+
+
+def normalize_axis(op: str, arg: str, axis, rank: int) -> int:
+    """A possibly negative axis as 0..rank-1, or a ValueError naming the op."""
+    if not isinstance(axis, (int,)) or isinstance(axis, bool):
+        raise ValueError(f"{op}: {arg} must be an int, got {axis!r}")
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: {arg} {axis} is out of range for rank {rank}")
+    return axis % rank
+
+
+def normalize_axes(op: str, arg: str, axes, rank: int) -> tuple:
+    """An int or a sequence of ints as a sorted tuple of distinct non-negative axes."""
+    if axes is None:
+        return tuple(range(rank))
+    seq = (axes,) if isinstance(axes, int) else tuple(axes)
+    out = tuple(sorted(normalize_axis(op, arg, a, rank) for a in seq))
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: {arg} {axes!r} repeats an axis")
+    return out

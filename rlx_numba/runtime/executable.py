@@ -11,7 +11,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
 from ..memory import Buffer, MemoryReport, plan
-from . import lower
+from . import lower, lower_norm, lower_reduce, lower_shape  # noqa: F401 - register lowerings
 from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")

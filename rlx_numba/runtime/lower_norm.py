@@ -1,0 +1,4 @@
+"""Lowerings of the norm ops (registered with lower.lowering)."""
+from __future__ import annotations
+
+from .lower import Step, lowering, step_name  # noqa: F401
