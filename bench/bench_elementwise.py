@@ -23,13 +23,14 @@ GPU only: under the numba CUDA simulator it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import platform
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 BAR = 0.85
 HERE = Path(__file__).resolve().parent
@@ -55,53 +56,6 @@ def parse_args(argv=None):
 
 
 # ---- timing ------------------------------------------------------------------------------------
-def time_rlx(cuda, launch, stream, iters: int, warmup: int, repeats: int) -> float:
-    """Mean ms per launch of ``launch()`` (which enqueues on ``stream``), best of ``repeats``."""
-    for _ in range(warmup):
-        launch()
-    stream.synchronize()
-    best = math.inf
-    for _ in range(repeats):
-        e0, e1 = cuda.event(), cuda.event()   # timing=True is the default
-        e0.record(stream)
-        for _ in range(iters):
-            launch()
-        e1.record(stream)
-        e1.synchronize()
-        best = min(best, cuda.event_elapsed_time(e0, e1) / iters)
-    return best
-
-
-def time_torch(torch, fn, iters: int, warmup: int, repeats: int) -> float:
-    """Mean ms per call of ``fn()`` on torch's current stream, best of ``repeats``."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(repeats):
-        e0 = torch.cuda.Event(enable_timing=True)
-        e1 = torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(iters):
-            fn()
-        e1.record()
-        e1.synchronize()
-        best = min(best, e0.elapsed_time(e1) / iters)
-    return best
-
-
-def _dist_version(name: str) -> str:
-    try:
-        from importlib.metadata import version
-        return version(name)
-    except Exception:  # noqa: BLE001 - informational only
-        return "?"
-
-
-def gbps(nbytes: int, ms: float) -> float:
-    return nbytes / (ms * 1e-3) / 1e9
-
-
 # ---- the ops -----------------------------------------------------------------------------------
 def make_cases(rlx, torch, log2: int):
     """(name, shapes, graph builder, torch inputs, torch fn, bytes) for each op."""
@@ -159,16 +113,6 @@ def make_cases(rlx, torch, log2: int):
              torch_fn=lambda i, o: (lambda: i["x"].to(torch.float16)),
              nbytes=4 * n + 2 * n, tol=0.0),
     ]
-
-
-def free_device_memory(cuda, torch):
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    try:  # numba defers frees; flush them so the next op starts from a clean heap
-        cuda.current_context().deallocations.clear()
-    except Exception:  # noqa: BLE001 - best effort
-        pass
 
 
 def bench_op(rlx, cuda, torch, case, args, sweep: bool):
@@ -283,7 +227,7 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name()
     n = 1 << args.size_log2
     print(f"GPU: {gpu}   torch {torch.__version__}   numba {numba.__version__}   "
-          f"numba-cuda {_dist_version('numba-cuda')}")
+          f"numba-cuda {dist_version('numba-cuda')}")
     print(f"n = 2^{args.size_log2} = {n} elements; {args.warmup} warm-ups, best of {args.repeats} "
           f"x {args.iters} launches\n")
 
@@ -310,7 +254,7 @@ def main(argv=None) -> int:
         print_sweep(sweep, results[0]["bytes"])
 
     doc = dict(bench="elementwise", gpu=gpu, torch=torch.__version__, numba=numba.__version__,
-               numba_cuda=_dist_version("numba-cuda"),
+               numba_cuda=dist_version("numba-cuda"),
                python=platform.python_version(), size_log2=args.size_log2, n=n,
                iters=args.iters, warmup=args.warmup, repeats=args.repeats, bar=BAR,
                torch_copy_gbps=copy_gbps, results=results, sweep=sweep,

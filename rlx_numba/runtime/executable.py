@@ -159,7 +159,9 @@ class CudaExecutable:
                 views += 1
             else:
                 pinned = n.op in ("input", "param", "constant") or nid in outputs
-                bufs[nid] = Buffer(nid, n.nbytes, t_of[nid], t_of[nid], pinned)
+                # a node the kernel of its input writes (residual_sum) is live from that step
+                start = t_of[n.inputs[0]] if n.op in lower.WRITTEN_BY_INPUT else t_of[nid]
+                bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
             for i in n.inputs:   # a read extends the life of the buffer behind the operand
                 b = bufs[self._root[i]]
                 b.end = max(b.end, t_of[nid])

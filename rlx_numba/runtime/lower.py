@@ -19,6 +19,7 @@ from ..kernels.launch import grid_1d
 log = logging.getLogger("rlx_numba")
 
 ELEMENTWISE = ("activation", "binary", "compare", "where", "cast")
+WRITTEN_BY_INPUT = ("residual_sum",)   # nodes filled by their input's kernel, not their own
 LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 

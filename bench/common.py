@@ -1,0 +1,62 @@
+"""Shared pieces of the GPU benchmarks: CUDA-event timing for rlx steps and torch calls."""
+from __future__ import annotations
+
+import gc
+import math
+
+
+def time_rlx(cuda, launch, stream, iters: int, warmup: int, repeats: int) -> float:
+    """Mean ms per launch of ``launch()`` (which enqueues on ``stream``), best of ``repeats``."""
+    for _ in range(warmup):
+        launch()
+    stream.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        e0, e1 = cuda.event(), cuda.event()   # timing=True is the default
+        e0.record(stream)
+        for _ in range(iters):
+            launch()
+        e1.record(stream)
+        e1.synchronize()
+        best = min(best, cuda.event_elapsed_time(e0, e1) / iters)
+    return best
+
+
+def time_torch(torch, fn, iters: int, warmup: int, repeats: int) -> float:
+    """Mean ms per call of ``fn()`` on torch's current stream, best of ``repeats``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(repeats):
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(iters):
+            fn()
+        e1.record()
+        e1.synchronize()
+        best = min(best, e0.elapsed_time(e1) / iters)
+    return best
+
+
+def dist_version(name: str) -> str:
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:  # noqa: BLE001 - informational only
+        return "?"
+
+
+def gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def free_device_memory(cuda, torch):
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    try:  # numba defers frees; flush them so the next op starts from a clean heap
+        cuda.current_context().deallocations.clear()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
