@@ -249,7 +249,9 @@ def cols(kind, has_beta, has_res, write_sum):
     return kernel
 
 
-VPT_MAX = 8 if SIMULATOR else 32    # values a thread holds in registers
+# values a thread holds in registers: 16 + the rest fits the 64 registers a thread may use in a
+# 1024-thread block (more would fail to launch or spill)
+VPT_MAX = 8 if SIMULATOR else 16
 
 
 def row_plan(cols_: int):

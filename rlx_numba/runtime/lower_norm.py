@@ -54,19 +54,19 @@ def _lower_rows(exe, n):
             blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * 32)
             k = rows.rows_reg(kind, gsize, vpt, *flags)
             return [Step(name, f"rows_reg g={gsize} vpt={vpt}", k, (blocks,), (block,),
-                         (*args, np.uint64(outer), np.uint64(length), eps),
+                         (*args, outer, length, eps),
                          {"bytes": _bytes(x.size, flags)})]
         block = 32 if SIMULATOR else 1024
         blocks = min(outer, 2 if SIMULATOR else sm_count() * 2)
         k = rows.rows_loop(kind, *flags)
         return [Step(name, "rows_loop", k, (blocks,), (block,),
-                     (*args, np.uint64(outer), np.uint64(length), eps),
+                     (*args, outer, length, eps),
                      {"bytes": _bytes(x.size, flags)})]
     threads = 32 if SIMULATOR else 256
     blocks = max(1, min(-(-(outer * inner) // threads), 2 if SIMULATOR else sm_count() * 8))
     k = rows.cols(kind, *flags)
     return [Step(name, "rows_cols", k, (blocks,), (threads,),
-                 (*args, np.uint64(outer), np.uint64(length), np.uint64(inner), eps),
+                 (*args, outer, length, inner, eps),
                  {"bytes": _bytes(x.size, flags)})]
 
 
