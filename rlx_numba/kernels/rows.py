@@ -28,6 +28,12 @@ from .blockreduce import MAX, SLOTS, SUM, group_reduce
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
          "rms_norm": RMS_NORM}
+def _jit(max_threads):
+    """cuda.jit with launch bounds on a GPU, so ptxas keeps registers within what a block of
+    max_threads may use (else a 1024-thread launch fails); the simulator takes no bounds."""
+    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=max_threads)
+
+
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
 ONE = float32(1.0)
@@ -49,11 +55,11 @@ def _finish(kind, v, c, a, b, gamma, beta, has_beta):
 
 
 @functools.lru_cache(maxsize=None)
-def rows_reg(kind, g, vpt, has_beta, has_res, write_sum):
-    """Rows of <= g*vpt elements held in registers; g threads a row."""
+def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
+    """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
 
-    @cuda.jit
+    @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
         vals = cuda.local.array(vpt, float32)
@@ -88,7 +94,10 @@ def rows_reg(kind, g, vpt, has_beta, has_res, write_sum):
                 s = ZERO
                 for j in range(vpt):
                     if ok and lane + j * g < cols:
-                        s += m.exp(vals[j] - a)
+                        e = m.exp(vals[j] - a)
+                        s += e
+                        if kind == SOFTMAX:
+                            vals[j] = e      # one exp an element: the write scales it
                 s = group_reduce(s, smem, g, SUM)
                 b = ONE / s
                 if kind == LOG_SOFTMAX:
@@ -108,7 +117,10 @@ def rows_reg(kind, g, vpt, has_beta, has_res, write_sum):
                 for j in range(vpt):
                     c = lane + j * g
                     if c < cols:
-                        out[base + c] = _finish(kind, vals[j], c, a, b, gamma, beta, has_beta)
+                        if kind == SOFTMAX:
+                            out[base + c] = vals[j] * b
+                        else:
+                            out[base + c] = _finish(kind, vals[j], c, a, b, gamma, beta, has_beta)
             r0 += cuda.gridDim.x * rpb
 
     return kernel
@@ -129,7 +141,7 @@ def rows_loop(kind, has_beta, has_res, write_sum):
     """One block per row, the row streamed twice from memory (rows too long for registers)."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
 
-    @cuda.jit
+    @_jit(1024)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
         tid = cuda.threadIdx.x
@@ -249,9 +261,9 @@ def cols(kind, has_beta, has_res, write_sum):
     return kernel
 
 
-# values a thread holds in registers: 16 + the rest fits the 64 registers a thread may use in a
-# 1024-thread block (more would fail to launch or spill)
-VPT_MAX = 8 if SIMULATOR else 16
+# values a thread holds in registers (a 1024-thread block allows 64 registers a thread; with 16
+# values ptxas wanted 110 on an H200)
+VPT_MAX = 8
 
 
 def row_plan(cols_: int):

@@ -52,7 +52,7 @@ def _lower_rows(exe, n):
             block = max(gsize, 32 if SIMULATOR else 256)
             rpb = block // gsize
             blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * 32)
-            k = rows.rows_reg(kind, gsize, vpt, *flags)
+            k = rows.rows_reg(kind, gsize, vpt, block, *flags)
             return [Step(name, f"rows_reg g={gsize} vpt={vpt}", k, (blocks,), (block,),
                          (*args, outer, length, eps),
                          {"bytes": _bytes(x.size, flags)})]
