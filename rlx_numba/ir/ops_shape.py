@@ -1,9 +1,230 @@
-"""shape ops: shape/dtype rules and the Graph builder methods (mixed into Graph)."""
+"""shape ops: shape/dtype rules and the Graph builder methods (mixed into Graph).
+
+transpose, narrow, concat, expand, gather, scatter_add. Every one materialises its output
+(each node owns contiguous memory); ``reshape`` (a view) lives in graph.py.
+"""
 from __future__ import annotations
 
-from . import dtypes as dt  # noqa: F401
-from .ops import fmt, normalize_axes, normalize_axis  # noqa: F401
+import math
+import operator
+
+from . import dtypes as dt
+from .ops import fmt
+
+INDEX_DTYPES = (dt.I32, dt.I64)
+SCATTER_DTYPES = (dt.F32, dt.I32, dt.I64)   # what cuda.atomic.add takes
+
+
+def _int(op: str, arg: str, v) -> int:
+    if isinstance(v, bool):
+        raise ValueError(f"{op}: {arg} must be an int, got {v!r}")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise ValueError(f"{op}: {arg} must be an int, got {v!r}") from None
+
+
+def _axis(op: str, arg: str, axis, x, xname: str = "x") -> int:
+    """A possibly negative axis of x as 0..rank-1, or a ValueError naming op, arg and shape."""
+    axis = _int(op, arg, axis)
+    rank = len(x.shape)
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: {arg} {axis} is out of range for {xname} {fmt(x.shape)} "
+                         f"(rank {rank})")
+    return axis % rank
+
+
+def _ints(op: str, arg: str, seq) -> tuple:
+    try:
+        items = tuple(seq)
+    except TypeError:
+        raise ValueError(f"{op}: {arg} must be a sequence of ints, got {seq!r}") from None
+    return tuple(_int(op, f"{arg} entry", v) for v in items)
+
+
+# ---- shape rules ---------------------------------------------------------------------------
+def infer_transpose(x, perm=None):
+    """Output axis i is input axis perm[i]; perm None reverses the axes. Returns (shape, dtype,
+    perm normalised to non-negative axes)."""
+    rank = len(x.shape)
+    if perm is None:
+        perm = tuple(range(rank - 1, -1, -1))
+    else:
+        raw = _ints("transpose", "perm", perm)
+        if len(raw) != rank:
+            raise ValueError(f"transpose: perm {list(raw)} has {len(raw)} axes but x "
+                             f"{fmt(x.shape)} has rank {rank}")
+        for p in raw:
+            if not -rank <= p < rank:
+                raise ValueError(f"transpose: perm {list(raw)} holds axis {p}, out of range for "
+                                 f"x {fmt(x.shape)} (rank {rank})")
+        perm = tuple(p % rank for p in raw)
+        if len(set(perm)) != rank:
+            raise ValueError(f"transpose: perm {list(raw)} is not a permutation of the axes of "
+                             f"x {fmt(x.shape)}")
+    return tuple(x.shape[p] for p in perm), x.dtype, perm
+
+
+def infer_narrow(x, axis, start, length):
+    """x's elements start..start+length-1 along axis. Returns (shape, dtype, axis)."""
+    if len(x.shape) == 0:
+        raise ValueError("narrow: x must have rank >= 1, got []")
+    axis = _axis("narrow", "axis", axis, x)
+    start = _int("narrow", "start", start)
+    length = _int("narrow", "length", length)
+    dim = x.shape[axis]
+    if start < 0 or length < 0 or start + length > dim:
+        raise ValueError(f"narrow: start {start} and length {length} must satisfy 0 <= start, "
+                         f"0 <= length, start + length <= {dim} (axis {axis} of x {fmt(x.shape)})")
+    shape = list(x.shape)
+    shape[axis] = length
+    return tuple(shape), x.dtype, axis, start, length
+
+
+def infer_concat(xs, axis):
+    """xs joined along axis; every other dim, the rank and the dtype must match."""
+    first = xs[0]
+    if len(first.shape) == 0:
+        raise ValueError("concat: xs[0] must have rank >= 1, got []")
+    axis = _axis("concat", "axis", axis, first, "xs[0]")
+    total = 0
+    for i, t in enumerate(xs):
+        if len(t.shape) != len(first.shape):
+            raise ValueError(f"concat: xs[{i}] {fmt(t.shape)} has rank {len(t.shape)} but xs[0] "
+                             f"{fmt(first.shape)} has rank {len(first.shape)}")
+        if t.dtype != first.dtype:
+            raise ValueError(f"concat: xs[{i}] is {t.dtype} {fmt(t.shape)} but xs[0] is "
+                             f"{first.dtype} {fmt(first.shape)}; cast them to one dtype first")
+        for a, (d0, d) in enumerate(zip(first.shape, t.shape)):
+            if a != axis and d0 != d:
+                raise ValueError(f"concat: xs[{i}] {fmt(t.shape)} does not match xs[0] "
+                                 f"{fmt(first.shape)} on axis {a} (only axis {axis} may differ)")
+        total += t.shape[axis]
+    shape = list(first.shape)
+    shape[axis] = total
+    return tuple(shape), first.dtype, axis
+
+
+def infer_expand(x, shape):
+    """NumPy broadcast_to: x's dims align to the right of shape; a dim of 1 may grow, -1 keeps
+    x's dim (not allowed on the new leading dims)."""
+    target = _ints("expand", "shape", shape)
+    rank, new = len(x.shape), len(target)
+    if new < rank:
+        raise ValueError(f"expand: shape {list(target)} has fewer dims than x {fmt(x.shape)}")
+    out = []
+    for i, d in enumerate(target):
+        j = i - (new - rank)       # x's axis, or < 0 for a new leading dim
+        if j < 0:
+            if d < 0:
+                raise ValueError(f"expand: shape {list(target)} has {d} at new leading axis {i}; "
+                                 f"-1 only keeps one of x's dims (x {fmt(x.shape)})")
+            out.append(d)
+            continue
+        have = x.shape[j]
+        if d == -1:
+            d = have
+        elif d < 0:
+            raise ValueError(f"expand: shape {list(target)} has a negative dim {d}")
+        if have != d and have != 1:
+            raise ValueError(f"expand: cannot expand x {fmt(x.shape)} to {list(target)}: axis {j} "
+                             f"of x is {have}, not 1 or {d}")
+        out.append(d)
+    return tuple(out), x.dtype
+
+
+def _index_operand(op, indices):
+    if indices.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: indices must be i32 or i64, got {indices.dtype} "
+                         f"{fmt(indices.shape)}")
+
+
+def infer_gather(table, indices, axis=0):
+    """out = table.shape[:axis] + indices.shape + table.shape[axis+1:], dtype of table."""
+    if len(table.shape) == 0:
+        raise ValueError("gather: table must have rank >= 1, got []")
+    axis = _axis("gather", "axis", axis, table, "table")
+    _index_operand("gather", indices)
+    shape = tuple(table.shape[:axis]) + tuple(indices.shape) + tuple(table.shape[axis + 1:])
+    if table.shape[axis] == 0 and math.prod(shape):
+        raise ValueError(f"gather: table {fmt(table.shape)} is empty along axis {axis}, so no "
+                         f"index of indices {fmt(indices.shape)} can be valid")
+    return shape, table.dtype, axis
+
+
+def infer_scatter_add(target, indices, updates, axis=0):
+    """out = target, then out[..., indices[j], ...] += updates[..., j, ...] along axis."""
+    if len(target.shape) == 0:
+        raise ValueError("scatter_add: target must have rank >= 1, got []")
+    axis = _axis("scatter_add", "axis", axis, target, "target")
+    if target.dtype not in SCATTER_DTYPES:
+        raise ValueError(f"scatter_add: target is {target.dtype} {fmt(target.shape)}; atomic add "
+                         f"supports f32, i32 and i64 only, so cast it first")
+    _index_operand("scatter_add", indices)
+    if len(indices.shape) != 1:
+        raise ValueError(f"scatter_add: indices must be 1-D, got {fmt(indices.shape)}")
+    if updates.dtype != target.dtype:
+        raise ValueError(f"scatter_add: updates is {updates.dtype} {fmt(updates.shape)} but target "
+                         f"is {target.dtype} {fmt(target.shape)}; they must match")
+    want = tuple(target.shape[:axis]) + tuple(indices.shape) + tuple(target.shape[axis + 1:])
+    if tuple(updates.shape) != want:
+        raise ValueError(f"scatter_add: updates must be {fmt(want)} (target {fmt(target.shape)} with "
+                         f"axis {axis} replaced by indices {fmt(indices.shape)}), got "
+                         f"{fmt(updates.shape)}")
+    if target.shape[axis] == 0 and math.prod(want):
+        raise ValueError(f"scatter_add: target {fmt(target.shape)} is empty along axis {axis}, so "
+                         f"no index of indices {fmt(indices.shape)} can be valid")
+    return tuple(target.shape), target.dtype, axis
 
 
 class ShapeOps:
     """Builder methods; self is the Graph (_check, _add, _operand)."""
+
+    def transpose(self, x, perm=None):
+        """Permute the axes: output axis i is x's axis perm[i] (negative allowed); perm None
+        reverses them."""
+        self._check("transpose", "x", x)
+        shape, d, perm = infer_transpose(x, perm)
+        return self._add("transpose", (x,), shape, d, perm=perm)
+
+    def narrow(self, x, axis: int, start: int, length: int):
+        """x[..., start:start+length, ...] along axis (0 <= start, start + length <= dim)."""
+        self._check("narrow", "x", x)
+        shape, d, axis, start, length = infer_narrow(x, axis, start, length)
+        return self._add("narrow", (x,), shape, d, axis=axis, start=start, length=length)
+
+    def concat(self, xs, axis: int):
+        """Join one or more tensors of one rank and dtype along axis."""
+        if not isinstance(xs, (list, tuple)) or not xs:
+            raise ValueError(f"concat: xs must be a non-empty list of Tensors, got {xs!r}")
+        for i, t in enumerate(xs):
+            self._check("concat", f"xs[{i}]", t)
+        shape, d, axis = infer_concat(xs, axis)
+        return self._add("concat", tuple(xs), shape, d, axis=axis)
+
+    def expand(self, x, shape):
+        """Broadcast x to shape (NumPy broadcast_to; -1 keeps a dim), materialised."""
+        self._check("expand", "x", x)
+        shape, d = infer_expand(x, shape)
+        return self._add("expand", (x,), shape, d)
+
+    def gather(self, table, indices, axis: int = 0):
+        """table's slices along axis at indices (i32/i64): out shape table.shape[:axis] +
+        indices.shape + table.shape[axis+1:]. Negative indices wrap; indices fed to run() are
+        range-checked there (IndexError); in-graph and device-array indices are clamped."""
+        self._check("gather", "table", table)
+        self._check("gather", "indices", indices)
+        shape, d, axis = infer_gather(table, indices, axis)
+        return self._add("gather", (table, indices), shape, d, axis=axis)
+
+    def scatter_add(self, target, indices, updates, axis: int = 0):
+        """A copy of target with updates[..., j, ...] added at target[..., indices[j], ...]
+        along axis (torch.index_add / np.add.at). indices 1-D i32/i64, negative wrap, repeats
+        accumulate (atomically, so f32 sums may differ in the last bits from run to run).
+        target f32, i32 or i64. Indices fed to run() are range-checked there (IndexError);
+        out-of-range in-graph or device-array indices are dropped."""
+        self._check("scatter_add", "target", target)
+        self._check("scatter_add", "indices", indices)
+        self._check("scatter_add", "updates", updates)
+        shape, d, axis = infer_scatter_add(target, indices, updates, axis)
+        return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis)

@@ -19,3 +19,102 @@ def grid_1d(n: int, threads: int = 256, waves: int = 32) -> tuple[int, int]:
     blocks = -(-n // threads)
     # enough blocks to fill every SM several times; the loop strides over the rest
     return (max(1, min(blocks, sm_count() * waves * (2048 // threads))), threads)
+
+
+MAX_GRID_YZ = 65535
+
+
+def grid_3d(bx: int, by: int = 1, bz: int = 1) -> tuple[int, int, int]:
+    """A grid of (bx, by, bz) blocks clamped to the hardware limits (the kernel grid-strides
+    over the rest on each axis); at most 2 x 2 x 1 blocks in the simulator."""
+    if SIMULATOR:
+        return (max(1, min(bx, 2)), max(1, min(by, 2)), 1)
+    return (max(1, min(bx, 2**31 - 1)), max(1, min(by, MAX_GRID_YZ)), max(1, min(bz, MAX_GRID_YZ)))
+
+
+def block_rows(ncols: int, threads: int = 256) -> tuple[int, int]:
+    """(tx, ty) for a block over rows of ncols contiguous elements: tx threads along a row (a
+    power of two, so short rows waste few lanes), ty rows per block; tx * ty = threads
+    (16 in the simulator)."""
+    if SIMULATOR:
+        threads = 16
+    tx = min(threads, 1 << max(0, ncols - 1).bit_length())
+    return tx, threads // tx
+
+
+def waves_cap(threads: int = 256, waves: int = 32) -> int:
+    """How many blocks of this size fill every SM ``waves`` times (grid-stride loops do the
+    rest); 4 in the simulator."""
+    if SIMULATOR:
+        return 4
+    return sm_count() * waves * max(1, 2048 // threads)
+
+
+def pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+# ---- reductions (kernels/reduce.py) ---------------------------------------------------------
+# A reduction pass is a "row" pass (the reduced elements are contiguous: groups of G threads
+# stream a row) or a "column" pass (x seen as [outer, r, inner]: threads span the contiguous
+# inner positions and loop over r). When the output alone cannot fill the GPU, the reduced
+# extent is split across blocks into partials and a second, small pass combines them.
+# A split aims at one wave (every SM full once): a second, part-filled wave would cost about
+# as much as the first.
+ROW_PER_THREAD = 4 if SIMULATOR else 8      # elements a thread, at least, when splitting
+WAVE_THREADS = 32 if SIMULATOR else 2048    # resident threads per SM
+SIM_BLOCK = 16                              # threads a block in the simulator
+
+
+def row_geometry(rows: int, n: int, split: bool = True):
+    """(g, block, blocks, nseg, seg) for reducing ``rows`` contiguous rows of ``n`` elements.
+
+    g threads a row (a power of two), block // g rows a block, a grid-stride loop over the
+    rest. Long rows of which there are too few to fill the GPU are cut into ``nseg`` segments
+    of ``seg`` elements (then a second pass reduces the [rows, nseg] partials)."""
+    if SIMULATOR:   # threads and barriers cost milliseconds there: few of each
+        g = 1 if n < 64 else min(8, pow2_at_least(-(-n // 64)))
+        block = SIM_BLOCK
+    else:   # ~16 elements a thread, at most 512 threads a row, 512-thread blocks (H200 sweep)
+        g = min(512, pow2_at_least(-(-n // 16)))
+        block = max(g, 512)
+    nseg, seg = 1, n
+    wave = WAVE_THREADS * sm_count()
+    if split and rows * g * 2 <= wave and n >= 4 * g * ROW_PER_THREAD:
+        nseg = min(wave // (rows * g), n // (g * ROW_PER_THREAD))
+        seg = -(-n // nseg)
+        seg = -(-seg // 32) * 32               # segments start on 128-byte boundaries (f32)
+        nseg = -(-n // seg)
+    groups = rows * nseg
+    blocks = max(1, min(-(-groups // (block // g)), 2 if SIMULATOR else sm_count() * 32))
+    return g, block, blocks, nseg, seg
+
+
+def col_geometry(outer: int, r: int, inner: int, split: bool = True):
+    """(bx, by, nbx, blocks_x, nsplit, rchunk) for reducing x [outer, r, inner] over r.
+
+    A block is bx x by threads: bx consecutive inner positions (coalesced) by by lanes that
+    take every by-th row, combined through shared memory at the end. Blocks loop over the
+    nbx * outer column tiles; when there are too few tiles to fill the GPU, r is cut into
+    nsplit chunks of rchunk rows (grid.y), each writing partials for a second pass."""
+    bx = min(8 if SIMULATOR else 32, pow2_at_least(inner))
+    threads = SIM_BLOCK if SIMULATOR else 256
+    nbx = -(-inner // bx)
+    tiles = nbx * outer
+    if not SIMULATOR and not split and tiles < sm_count():
+        threads = 1024                          # a final pass over partials: few, wide blocks
+    by = max(1, min(threads // bx, pow2_at_least(r)))
+    if SIMULATOR and tiles > 4:
+        by = 1   # barriers cost milliseconds there: with many tiles, no shared-memory step
+    nsplit, rchunk = 1, r
+    min_rows = 2 if SIMULATOR else 16           # rows a thread at least, when splitting
+    wave = max(1, WAVE_THREADS * sm_count() // (bx * by))   # blocks resident at once
+    if split and tiles * 2 <= wave and r >= 2 * by * min_rows:
+        nsplit = max(1, min(wave // tiles, r // (by * min_rows), 65535))
+        rchunk = -(-r // nsplit)
+        nsplit = -(-r // rchunk)
+    blocks_x = max(1, min(tiles, 2 if SIMULATOR else 2**31 - 1))
+    return bx, by, nbx, blocks_x, nsplit, rchunk

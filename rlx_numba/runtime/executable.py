@@ -120,6 +120,7 @@ class CudaExecutable:
                 self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
         self.steps: list[lower.Step] = []
         self._extra = []                     # small device arrays steps own (batch offsets)
+        self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
         for n in nodes:
             if n.id in self._live:
                 self.steps += [s for s in self._lower(n) if s is not None]
@@ -200,6 +201,25 @@ class CudaExecutable:
         self._extra.append(a)
         return a
 
+    def add_index_check(self, node, lo: int, hi: int, what: str) -> None:
+        """Have run() check that the index tensor ``node`` holds only values in [lo, hi] when
+        it is (a view of) a run() input given as a host array; raises IndexError naming
+        ``what`` (the op), the input and the bad value. Device arrays are not checked (that
+        would need a sync and a copy): the kernels then clamp or drop bad indices."""
+        root = self.graph.nodes[self._root[getattr(node, "id", node)]]
+        if root.op == "input":
+            self._index_checks.setdefault(root.name, []).append((lo, hi, what))
+
+    def _check_index_input(self, name, arr):
+        if not arr.size:
+            return
+        lo_v, hi_v = arr.min(), arr.max()
+        for lo, hi, what in self._index_checks[name]:
+            if lo_v < lo or hi_v > hi:
+                pos = np.unravel_index(int(np.flatnonzero((arr < lo) | (arr > hi))[0]), arr.shape)
+                raise IndexError(f"run: {what}: input {name!r} holds index {arr[pos]} at "
+                                 f"{list(map(int, pos))}, out of range [{lo}, {hi}]")
+
     def buf(self, node_or_id):
         """The flat device view of a node's storage."""
         return self._bufs[getattr(node_or_id, "id", node_or_id)]
@@ -275,6 +295,8 @@ class CudaExecutable:
         if tuple(arr.shape) != node.shape:
             raise ValueError(f"run: input {name!r} must have shape {fmt(node.shape)}, got "
                              f"{fmt(arr.shape)}")
+        if name in self._index_checks:
+            self._check_index_input(name, arr)
         if node.size:
             self._bufs[node.id].copy_to_device(self._storage(arr, node.dtype), stream=self.stream)
 
