@@ -1,3 +1,4 @@
+import sys
 import zlib
 
 import numpy as np
@@ -6,6 +7,11 @@ import pytest
 import rlx_numba as rlx
 
 ON_GPU = not rlx.simulator_enabled()
+
+if not ON_GPU:
+    # The simulator runs a CUDA thread per OS thread and polls at syncthreads(); Python's
+    # default 5 ms thread switch interval makes every barrier wait that long.
+    sys.setswitchinterval(1e-4)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 NumPy is the oracle (np.transpose, slicing, np.concatenate, np.broadcast_to, fancy indexing,
 np.add.at). Shapes are odd and small (the simulator runs one OS thread per CUDA thread)."""
-import sys
 
 import numpy as np
 import pytest
@@ -12,18 +11,6 @@ import rlx_numba as rlx
 from conftest import run_graph
 
 DTYPES = ["f32", "f16", "bf16", "i32", "i64", "bool"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fast_simulator_barriers():
-    """The simulator's syncthreads() hands the GIL from thread to thread, waiting up to Python's
-    switch interval (5 ms) each time; the tiled transpose syncs twice a tile, so shorten it
-    (about 5x faster here) for this module only."""
-    old = sys.getswitchinterval()
-    if rlx.simulator_enabled():
-        sys.setswitchinterval(1e-4)
-    yield
-    sys.setswitchinterval(old)
 
 
 def rand(rng, shape, dtype):
