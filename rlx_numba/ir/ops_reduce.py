@@ -1,9 +1,145 @@
-"""reduce ops: shape/dtype rules and the Graph builder methods (mixed into Graph)."""
+"""Reductions: reduce (sum mean max min prod), argmax/argmin, cumsum.
+
+Shape/dtype rules (``infer_*``) and the Graph builder methods (mixed into Graph). Kernels:
+kernels/reduce.py; lowering: runtime/lower_reduce.py.
+
+Dtypes follow PyTorch: sum/prod of bool/i32/i64 give i64, of a float the same float; mean gives
+the same float (ints and bool: f32); max/min keep the dtype; argmax/argmin give i64; cumsum
+keeps a float dtype and gives i64 for ints and bool. Floats accumulate in f32.
+``axes=None`` reduces every axis; ``axes=()`` reduces none (NumPy's rule: the result is x
+converted to the result dtype).
+"""
 from __future__ import annotations
 
-from . import dtypes as dt  # noqa: F401
-from .ops import fmt, normalize_axes, normalize_axis  # noqa: F401
+import math
+
+import numpy as np
+
+from . import dtypes as dt
+from .ops import fmt, normalize_axes, normalize_axis
+
+REDUCE = ("sum", "mean", "max", "min", "prod")
+
+
+def _keep_dim(op, keep_dim):
+    if not isinstance(keep_dim, bool):
+        raise ValueError(f"{op}: keep_dim must be a bool, got {keep_dim!r}")
+
+
+def _out_shape(shape, axes, keep_dim):
+    if keep_dim:
+        return tuple(1 if a in axes else d for a, d in enumerate(shape))
+    return tuple(d for a, d in enumerate(shape) if a not in axes)
+
+
+def _axes_arg(op, axes):
+    """axes as None, an int or a tuple (NumPy integers accepted), else a ValueError."""
+    if axes is None:
+        return None
+    if isinstance(axes, np.integer):
+        return int(axes)
+    if isinstance(axes, int):
+        return axes
+    try:
+        seq = tuple(axes)
+    except TypeError:
+        raise ValueError(f"{op}: axes must be an int, a sequence of ints or None, got "
+                         f"{axes!r}") from None
+    return tuple(int(a) if isinstance(a, np.integer) else a for a in seq)
+
+
+def reduce_dtype(kind: str, d: dt.DType) -> dt.DType:
+    if kind in ("sum", "prod"):
+        return d if d.is_float else dt.I64
+    if kind == "mean":
+        return d if d.is_float else dt.F32
+    return d
+
+
+def infer_reduce(x, kind: str, axes, keep_dim: bool):
+    """(shape, dtype, normalised axes) of reduce(kind, x, axes, keep_dim)."""
+    if kind not in REDUCE:
+        raise ValueError(f"reduce: unknown kind {kind!r}; expected one of {', '.join(REDUCE)}")
+    op = f"reduce {kind}"
+    _keep_dim(op, keep_dim)
+    axes = normalize_axes(op, "axes", _axes_arg(op, axes), len(x.shape))
+    count = math.prod(x.shape[a] for a in axes)
+    if count == 0 and kind in ("max", "min"):
+        raise ValueError(f"{op}: cannot reduce x {fmt(x.shape)} over axes {list(axes)}: the reduced "
+                         f"extent is empty and {kind} has no identity")
+    return _out_shape(x.shape, axes, keep_dim), reduce_dtype(kind, x.dtype), axes
+
+
+def infer_argreduce(x, op: str, axis, keep_dim: bool):
+    """(shape, i64, axes) of argmax/argmin; axis=None means over the flattened tensor."""
+    _keep_dim(op, keep_dim)
+    if axis is None:
+        axes = tuple(range(len(x.shape)))
+    else:
+        axis = int(axis) if isinstance(axis, np.integer) else axis
+        axes = (normalize_axis(op, "axis", axis, len(x.shape)),)
+    if math.prod(x.shape[a] for a in axes) == 0:
+        where = "" if axis is None else f" along axis {axis}"
+        raise ValueError(f"{op}: x {fmt(x.shape)} is empty{where}; {op} of nothing is undefined")
+    return _out_shape(x.shape, axes, keep_dim), dt.I64, axes
+
+
+def infer_cumsum(x, axis, exclusive: bool):
+    if not isinstance(exclusive, bool):
+        raise ValueError(f"cumsum: exclusive must be a bool, got {exclusive!r}")
+    if len(x.shape) == 0:
+        raise ValueError("cumsum: x must have rank >= 1, got a scalar")
+    axis = int(axis) if isinstance(axis, np.integer) else axis
+    axis = normalize_axis("cumsum", "axis", axis, len(x.shape))
+    return x.shape, (x.dtype if x.dtype.is_float else dt.I64), axis
 
 
 class ReduceOps:
-    """Builder methods; self is the Graph (_check, _add, _operand)."""
+    """Builder methods; ``self`` is the Graph (_check, _add).
+
+    ``g.max``/``g.min`` are the element-wise binary ops, so the reductions are named
+    ``reduce_sum reduce_mean reduce_max reduce_min reduce_prod`` (and ``sum``, ``mean``)."""
+
+    def reduce(self, kind: str, x, axes=None, keep_dim: bool = False):
+        """Reduce x over ``axes`` (int, sequence, or None for all) with sum/mean/max/min/prod."""
+        self._check(f"reduce {kind}", "x", x)
+        shape, d, axes = infer_reduce(x, kind, axes, keep_dim)
+        return self._add("reduce", (x,), shape, d, kind=kind, axes=axes, keep_dim=keep_dim)
+
+    def reduce_sum(self, x, axes=None, keep_dim: bool = False):
+        return self.reduce("sum", x, axes, keep_dim)
+
+    def reduce_mean(self, x, axes=None, keep_dim: bool = False):
+        return self.reduce("mean", x, axes, keep_dim)
+
+    def reduce_max(self, x, axes=None, keep_dim: bool = False):
+        return self.reduce("max", x, axes, keep_dim)
+
+    def reduce_min(self, x, axes=None, keep_dim: bool = False):
+        return self.reduce("min", x, axes, keep_dim)
+
+    def reduce_prod(self, x, axes=None, keep_dim: bool = False):
+        return self.reduce("prod", x, axes, keep_dim)
+
+    sum = reduce_sum     # no clash: the element-wise ops are add/mul/max/min
+    mean = reduce_mean
+
+    def _argreduce(self, op, x, axis, keep_dim):
+        self._check(op, "x", x)
+        shape, d, axes = infer_argreduce(x, op, axis, keep_dim)
+        return self._add(op, (x,), shape, d, axes=axes, keep_dim=keep_dim)
+
+    def argmax(self, x, axis=None, keep_dim: bool = False):
+        """i64 index of the largest value along ``axis`` (None: of the flattened x). The first
+        one wins ties; NaN counts as the largest (the first NaN wins), like torch."""
+        return self._argreduce("argmax", x, axis, keep_dim)
+
+    def argmin(self, x, axis=None, keep_dim: bool = False):
+        """i64 index of the smallest value along ``axis``; first on ties; NaN counts as smallest."""
+        return self._argreduce("argmin", x, axis, keep_dim)
+
+    def cumsum(self, x, axis: int, exclusive: bool = False):
+        """Running sum along ``axis``; ``exclusive`` starts at 0 and leaves the element out."""
+        self._check("cumsum", "x", x)
+        shape, d, axis = infer_cumsum(x, axis, exclusive)
+        return self._add("cumsum", (x,), shape, d, axis=axis, exclusive=exclusive)

@@ -62,3 +62,71 @@ else:
             v = combine(v, smem[base + k], op)
         cuda.syncthreads()
         return v
+
+
+# ---- (value, index) pairs, for argmax / argmin ---------------------------------------------
+ARGMAX, ARGMIN = 4, 5
+
+
+@cuda.jit(device=True)
+def pair_better(v, i, w, j, op):
+    """True when (w, j) beats (v, i) under ARGMAX/ARGMIN: a NaN beats any number (the first
+    NaN wins, like torch), then the larger (smaller) value, then the smaller index."""
+    if w != w:
+        return v == v or j < i
+    if v != v:
+        return False
+    if op == ARGMAX:
+        if w > v:
+            return True
+    elif w < v:
+        return True
+    return w == v and j < i
+
+
+if not SIMULATOR:
+    @cuda.jit(device=True)
+    def group_reduce_pair(v, i, smem_v, smem_i, g, op):
+        """``group_reduce`` for (value, index) pairs; returns the group's best pair to every
+        member. ``smem_v``/``smem_i``: shared arrays of SLOTS elements of v's / i's type."""
+        off = 16 if g >= 32 else g // 2
+        while off > 0:
+            w = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            j = cuda.shfl_xor_sync(0xFFFFFFFF, i, off)
+            if pair_better(v, i, w, j, op):
+                v = w
+                i = j
+            off //= 2
+        if g > 32:
+            tid = cuda.threadIdx.x
+            w_ = tid >> 5
+            wpg = g >> 5
+            if (tid & 31) == 0:
+                smem_v[w_] = v
+                smem_i[w_] = i
+            cuda.syncthreads()
+            base = (w_ // wpg) * wpg
+            v = smem_v[base]
+            i = smem_i[base]
+            for k in range(1, wpg):
+                if pair_better(v, i, smem_v[base + k], smem_i[base + k], op):
+                    v = smem_v[base + k]
+                    i = smem_i[base + k]
+            cuda.syncthreads()
+        return v, i
+else:
+    @cuda.jit(device=True)
+    def group_reduce_pair(v, i, smem_v, smem_i, g, op):
+        tid = cuda.threadIdx.x
+        smem_v[tid] = v
+        smem_i[tid] = i
+        cuda.syncthreads()
+        base = tid - tid % g
+        v = smem_v[base]
+        i = smem_i[base]
+        for k in range(1, g):
+            if pair_better(v, i, smem_v[base + k], smem_i[base + k], op):
+                v = smem_v[base + k]
+                i = smem_i[base + k]
+        cuda.syncthreads()
+        return v, i
