@@ -28,10 +28,12 @@ from .blockreduce import MAX, SLOTS, SUM, group_reduce
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
          "rms_norm": RMS_NORM}
-def _jit(max_threads):
-    """cuda.jit with launch bounds on a GPU, so ptxas keeps registers within what a block of
-    max_threads may use (else a 1024-thread launch fails); the simulator takes no bounds."""
-    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=max_threads)
+def _jit(block):
+    """cuda.jit with launch bounds on a GPU: ptxas keeps a thread within 64 registers, so a
+    1024-thread block can launch at all and smaller blocks keep 1024 threads an SM resident
+    (without bounds layer_norm took 92 registers: one 512-thread block an SM). The simulator
+    takes no bounds."""
+    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(block, max(1, 1024 // block)))
 
 
 NEG_INF = float32(-math.inf)

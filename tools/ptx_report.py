@@ -1,0 +1,74 @@
+"""Compile kernels for a GPU without one: registers, spills and GPU-only typing errors.
+
+The simulator runs kernels as Python, so it cannot see what only the GPU compiler sees: a
+signed/unsigned mix that numba types as float64, a kernel that needs more registers than a
+1024-thread block may have (it then fails to launch), spills. This compiles the row kernels
+for sm_90 with numba's real compiler and runs ptxas on the PTX.
+
+Needs libnvvm and ptxas (a CUDA toolkit, e.g. /usr/local/cuda) and NVRTC
+(``pip install nvidia-cuda-nvrtc``); no GPU or driver.
+
+  RLX_NUMBA_SIMULATOR=0 python tools/ptx_report.py [--ptxas /usr/local/cuda/bin/ptxas]
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+os.environ["RLX_NUMBA_SIMULATOR"] = "0"
+
+import numba.cuda.dispatcher as _dispatcher  # noqa: E402
+from numba import cuda  # noqa: E402
+from numba import types as T  # noqa: E402
+
+
+class _Sm90:
+    compute_capability = (9, 0)
+
+
+# device functions compile for "the current device"; there is none, so say sm_90
+_dispatcher.get_current_device = lambda: _Sm90()
+
+
+def ptxas(ptx: str, exe: str) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([exe, "-arch=sm_90", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    if r.returncode:
+        return "ptxas failed: " + r.stderr.strip()
+    info = [ln.split("info    : ")[-1] for ln in r.stderr.splitlines()]
+    return "; ".join(s.strip() for s in info if "registers" in s or "spill" in s)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ptxas", default="/usr/local/cuda/bin/ptxas")
+    args = p.parse_args(argv)
+    from rlx_numba.kernels import rows
+
+    f32 = T.float32[::1]
+    names = {v: k for k, v in rows.KINDS.items()}
+    for kind in rows.KINDS.values():
+        for flags in ((False, False, False), (True, True, True)):
+            for cols in (256, 4096, 8192):
+                g, vpt = rows.row_plan(cols)
+                block = max(g, 256)
+                k = rows.rows_reg(kind, g, vpt, block, *flags)
+                sig = (f32,) * 6 + (T.int64, T.int64, T.float32)
+                ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0),
+                                          launch_bounds=(block, max(1, 1024 // block)))
+                print(f"rows_reg {names[kind]:<12} flags={int(any(flags))} g={g:<4} vpt={vpt:<2} "
+                      f"block={block:<4} {ptxas(ptx, args.ptxas)}")
+            k = rows.rows_loop(kind, *flags)
+            ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.int64, T.int64, T.float32),
+                                      cc=(9, 0), launch_bounds=(1024, 1))
+            print(f"rows_loop {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
