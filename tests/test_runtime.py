@@ -177,3 +177,14 @@ def test_foreign_device_arrays_as_inputs(rng):
     np.testing.assert_allclose(y, np.exp(x) * s, rtol=1e-6)
     with pytest.raises(ValueError, match="C-contiguous"):
         exe.run({"x": torch.from_numpy(x.T.copy()).cuda().T})
+
+
+def test_graph_growing_after_compile_does_not_change_the_executable(rng):
+    g = _graph()
+    exe = rlx.compile(g)
+    x = g.input("late", (2,), "f32")
+    g.set_outputs([g.neg(x)])
+    exe.set_param("s", np.ones(5, np.float32))
+    xv = rng.standard_normal((3, 5)).astype(np.float32)
+    (y,) = exe.run({"x": xv})
+    np.testing.assert_allclose(y, np.exp(xv), rtol=1e-6)

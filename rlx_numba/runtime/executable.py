@@ -98,6 +98,7 @@ class CudaExecutable:
                                       f"ExecMode.STREAM or ExecMode.EAGER")
         if not graph.outputs:
             raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
+        self._outputs = list(graph.outputs)  # the graph may grow later; this executable won't
         cuda = _cuda()
         self._cuda = cuda
         self.stream = cuda.stream()
@@ -303,7 +304,8 @@ class CudaExecutable:
     def run(self, inputs: dict | None = None, outputs: str = "numpy"):
         """Run the graph. Returns a list of numpy arrays, or of device arrays with
         ``outputs="device"`` (fresh copies) or ``outputs="view"`` (views into the arena, valid
-        until the next run)."""
+        until the next run). Device results hold the storage dtype: bf16 comes back as its
+        uint16 bit pattern (numba has no bf16 arrays)."""
         inputs = inputs or {}
         if outputs not in ("numpy", "device", "view"):
             raise ValueError(f"run: outputs must be 'numpy', 'device' or 'view', got {outputs!r}")
@@ -331,7 +333,7 @@ class CudaExecutable:
 
     def _results(self, outputs):
         res = []
-        for o in self.graph.outputs:
+        for o in self._outputs:
             n = self.graph.nodes[o]
             buf = self._bufs[o]
             if outputs == "numpy":
@@ -343,7 +345,7 @@ class CudaExecutable:
         self.stream.synchronize()
         if outputs == "numpy":
             res = [h[:self.graph.nodes[o].size].view(self.graph.nodes[o].dtype.host)
-                   .reshape(self.graph.nodes[o].shape) for h, o in zip(res, self.graph.outputs)]
+                   .reshape(self.graph.nodes[o].shape) for h, o in zip(res, self._outputs)]
         return res
 
     def _copy_device(self, view):
