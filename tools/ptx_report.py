@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                 g, vpt = rows.row_plan(cols)
                 block = max(g, 256)
                 k = rows.rows_reg(kind, g, vpt, block, *flags)
-                sig = (f32,) * 6 + (T.int64, T.int64, T.float32)
+                sig = (f32,) * 6 + (T.uint64, T.uint64, T.float32)
                 ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0),
                                           launch_bounds=(block, max(1, 1024 // block)))
                 print(f"rows_reg {names[kind]:<12} flags={int(any(flags))} g={g:<4} vpt={vpt:<2} "

@@ -19,7 +19,8 @@ compile-time constants of each factory, so unused branches cost nothing.
 import functools
 import math
 
-from numba import cuda, float32
+import numpy as np
+from numba import cuda, float32, uint64
 
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
@@ -60,22 +61,24 @@ def _finish(kind, v, c, a, b, gamma, beta, has_beta):
 def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
     """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
+    gu = np.uint64(g)   # index math is uint64 throughout: signed subscripts cost a wraparound
+                        # check each, and numba types a signed/unsigned mix as float64
 
     @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
         vals = cuda.local.array(vpt, float32)
-        tid = cuda.threadIdx.x
-        lane = tid % g
-        rpb = cuda.blockDim.x // g
-        r0 = cuda.blockIdx.x * rpb
+        tid = uint64(cuda.threadIdx.x)
+        lane = tid % gu
+        rpb = uint64(cuda.blockDim.x) // gu
+        r0 = uint64(cuda.blockIdx.x) * rpb
         while r0 < rows:                     # uniform across the block: everyone reduces
-            row = r0 + tid // g
+            row = r0 + tid // gu
             ok = row < rows
             base = row * cols
             acc = NEG_INF if softmaxish else ZERO
             for j in range(vpt):
-                c = lane + j * g
+                c = lane + uint64(j) * gu
                 v = NEG_INF if softmaxish else ZERO
                 if ok and c < cols:
                     v = x[base + c]
@@ -95,7 +98,7 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
                 a = group_reduce(acc, smem, g, MAX)
                 s = ZERO
                 for j in range(vpt):
-                    if ok and lane + j * g < cols:
+                    if ok and lane + uint64(j) * gu < cols:
                         e = m.exp(vals[j] - a)
                         s += e
                         if kind == SOFTMAX:
@@ -108,7 +111,7 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
                 a = group_reduce(acc, smem, g, SUM) / n
                 d2 = ZERO
                 for j in range(vpt):
-                    if lane + j * g < cols:
+                    if lane + uint64(j) * gu < cols:
                         d = vals[j] - a
                         d2 += d * d
                 b = ONE / m.sqrt(group_reduce(d2, smem, g, SUM) / n + eps)
@@ -117,13 +120,13 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
                 b = ONE / m.sqrt(group_reduce(acc, smem, g, SUM) / n + eps)
             if ok:
                 for j in range(vpt):
-                    c = lane + j * g
+                    c = lane + uint64(j) * gu
                     if c < cols:
                         if kind == SOFTMAX:
                             out[base + c] = vals[j] * b
                         else:
                             out[base + c] = _finish(kind, vals[j], c, a, b, gamma, beta, has_beta)
-            r0 += cuda.gridDim.x * rpb
+            r0 += uint64(cuda.gridDim.x) * rpb
 
     return kernel
 

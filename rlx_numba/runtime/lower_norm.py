@@ -54,7 +54,7 @@ def _lower_rows(exe, n):
             blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * 32)
             k = rows.rows_reg(kind, gsize, vpt, block, *flags)
             return [Step(name, f"rows_reg g={gsize} vpt={vpt}", k, (blocks,), (block,),
-                         (*args, outer, length, eps),
+                         (*args, np.uint64(outer), np.uint64(length), eps),
                          {"bytes": _bytes(x.size, flags)})]
         block = 32 if SIMULATOR else 1024
         blocks = min(outer, 2 if SIMULATOR else sm_count() * 2)
