@@ -12,6 +12,7 @@ Needs libnvvm and ptxas (a CUDA toolkit, e.g. /usr/local/cuda) and NVRTC
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,14 @@ _dispatcher.get_current_device = lambda: _Sm90()
 
 
 def ptxas(ptx: str, exe: str) -> str:
+    """ptxas's register/spill line, plus a warning when the PTX does float64 math (usually an
+    int64/uint64 mix that numba typed as float64)."""
+    f64 = sum(1 for ln in ptx.splitlines() if re.match(r"\s+[a-z][a-z0-9.]*\.f64\b", ln))
+    note = f"; {f64} FLOAT64 INSTRUCTIONS" if f64 else ""
+    return _ptxas(ptx, exe) + note
+
+
+def _ptxas(ptx: str, exe: str) -> str:
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
@@ -64,7 +73,7 @@ def main(argv=None) -> int:
                 print(f"rows_reg {names[kind]:<12} flags={int(any(flags))} g={g:<4} vpt={vpt:<2} "
                       f"block={block:<4} {ptxas(ptx, args.ptxas)}")
             k = rows.rows_loop(kind, *flags)
-            ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.int64, T.int64, T.float32),
+            ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.uint64, T.uint64, T.float32),
                                       cc=(9, 0), launch_bounds=(1024, 1))
             print(f"rows_loop {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
     return 0

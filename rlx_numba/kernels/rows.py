@@ -40,6 +40,7 @@ def _jit(block):
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
 ONE = float32(1.0)
+U2, U3, U4 = np.uint64(2), np.uint64(3), np.uint64(4)
 
 
 @cuda.jit(device=True)
@@ -149,9 +150,11 @@ def rows_loop(kind, has_beta, has_res, write_sum):
     @_jit(1024)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        for row in range(cuda.blockIdx.x, rows, cuda.gridDim.x):
+        tid = uint64(cuda.threadIdx.x)
+        nt = uint64(cuda.blockDim.x)       # uint64 index math, as in rows_reg
+        g = cuda.blockDim.x                # the block is the group
+        row = uint64(cuda.blockIdx.x)
+        while row < rows:
             base = row * cols
             shift = ZERO
             if kind == LAYER_NORM:   # shifted sums: var = E[(x-k)^2] - E[x-k]^2 stays accurate
@@ -162,10 +165,10 @@ def rows_loop(kind, has_beta, has_res, write_sum):
             while c < cols:          # four loads in flight per thread
                 v0 = x[base + c]
                 v1 = x[base + c + nt] if c + nt < cols else ZERO
-                v2 = x[base + c + 2 * nt] if c + 2 * nt < cols else ZERO
-                v3 = x[base + c + 3 * nt] if c + 3 * nt < cols else ZERO
+                v2 = x[base + c + U2 * nt] if c + U2 * nt < cols else ZERO
+                v3 = x[base + c + U3 * nt] if c + U3 * nt < cols else ZERO
                 for u in range(4):
-                    cu = c + u * nt
+                    cu = c + uint64(u) * nt
                     if cu < cols:
                         v = v0 if u == 0 else (v1 if u == 1 else (v2 if u == 2 else v3))
                         if has_res:
@@ -179,34 +182,35 @@ def rows_loop(kind, has_beta, has_res, write_sum):
                             q += (v - shift) * (v - shift)
                         else:
                             q += v * v
-                c += 4 * nt
+                c += U4 * nt
             n = float32(cols)
             a = ZERO
             if softmaxish:
-                a = group_reduce(p, smem, nt, MAX)
+                a = group_reduce(p, smem, g, MAX)
                 q = q * m.exp(p - a) if p != NEG_INF else ZERO
-                s = group_reduce(q, smem, nt, SUM)
+                s = group_reduce(q, smem, g, SUM)
                 b = ONE / s
                 if kind == LOG_SOFTMAX:
                     a = a + m.log(s)
             elif kind == LAYER_NORM:
-                mean = group_reduce(p, smem, nt, SUM) / n
-                var = max(group_reduce(q, smem, nt, SUM) / n - mean * mean, ZERO)
+                mean = group_reduce(p, smem, g, SUM) / n
+                var = max(group_reduce(q, smem, g, SUM) / n - mean * mean, ZERO)
                 a = shift + mean
                 b = ONE / m.sqrt(var + eps)
             else:
-                b = ONE / m.sqrt(group_reduce(q, smem, nt, SUM) / n + eps)
+                b = ONE / m.sqrt(group_reduce(q, smem, g, SUM) / n + eps)
             src = sum_out if write_sum else x
             c = tid
             while c < cols:
                 for u in range(4):
-                    cu = c + u * nt
+                    cu = c + uint64(u) * nt
                     if cu < cols:
                         v = src[base + cu]
                         if has_res and not write_sum:
                             v += res[base + cu]
                         out[base + cu] = _finish(kind, v, cu, a, b, gamma, beta, has_beta)
-                c += 4 * nt
+                c += U4 * nt
+            row += uint64(cuda.gridDim.x)
 
     return kernel
 

@@ -60,7 +60,7 @@ def _lower_rows(exe, n):
         blocks = min(outer, 2 if SIMULATOR else sm_count() * 2)
         k = rows.rows_loop(kind, *flags)
         return [Step(name, "rows_loop", k, (blocks,), (block,),
-                     (*args, outer, length, eps),
+                     (*args, np.uint64(outer), np.uint64(length), eps),
                      {"bytes": _bytes(x.size, flags)})]
     threads = 32 if SIMULATOR else 256
     blocks = max(1, min(-(-(outer * inner) // threads), 2 if SIMULATOR else sm_count() * 8))
