@@ -63,7 +63,7 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
     """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
     gu = np.uint64(g)   # index math is uint64 throughout: signed subscripts cost a wraparound
-                        # check each, and numba types a signed/unsigned mix as float64
+                        # check each, and a signed operand would make the result signed again
 
     @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):

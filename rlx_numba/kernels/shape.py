@@ -4,8 +4,8 @@ narrow, concat), gather and scatter_add.
 Arrays are the flat 1-D storage views of the arena. The copies never look at values, so the
 lowerings pass unsigned views of the element width (uint8/16/32/64): one compiled kernel per
 width, not per dtype. Every scalar argument is a np.uint64 and all index math is uint64: numba
-adds a negative-index wraparound to signed subscripts, and mixing int64 with uint64 in numba
-promotes to float64, so every literal is wrapped in uint64() too.
+adds a negative-index wraparound to signed subscripts, and a signed operand (a bare int literal)
+would make the result signed again, so every literal is wrapped in uint64() too.
 
 Launch geometry comes from kernels/launch.py; each kernel grid-strides over every grid axis, so
 any clamped grid (the simulator's 2 x 2 x 1 blocks included) covers the whole tensor.
