@@ -76,6 +76,10 @@ def main(argv=None) -> int:
             ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.uint64, T.uint64, T.float32),
                                       cc=(9, 0), launch_bounds=(1024, 1))
             print(f"rows_loop {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
+            k = rows.cols(kind, *flags)
+            ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.int64,) * 3 + (T.float32,),
+                                      cc=(9, 0))
+            print(f"cols      {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
     return 0
 
 

@@ -142,6 +142,17 @@ def _online(mx, s, v):
     return mx, s + m.exp(v - mx)
 
 
+@cuda.jit(device=True)
+def _fold(kind, p, q, v, shift):
+    """Fold v into a streamed kernel's running statistics (p, q): softmax (max, sum of exp),
+    layer_norm shifted (sum, sum of squares), rms_norm (-, sum of squares)."""
+    if kind == SOFTMAX or kind == LOG_SOFTMAX:
+        return _online(p, q, v)
+    if kind == LAYER_NORM:
+        return p + (v - shift), q + (v - shift) * (v - shift)
+    return p, q + v * v
+
+
 @functools.lru_cache(maxsize=None)
 def rows_loop(kind, has_beta, has_res, write_sum):
     """One block per row, the row streamed twice from memory (rows too long for registers)."""
@@ -175,13 +186,7 @@ def rows_loop(kind, has_beta, has_res, write_sum):
                             v += res[base + cu]
                             if write_sum:
                                 sum_out[base + cu] = v
-                        if softmaxish:
-                            p, q = _online(p, q, v)
-                        elif kind == LAYER_NORM:
-                            p += v - shift
-                            q += (v - shift) * (v - shift)
-                        else:
-                            q += v * v
+                        p, q = _fold(kind, p, q, v, shift)
                 c += U4 * nt
             n = float32(cols)
             a = ZERO
@@ -238,13 +243,7 @@ def cols(kind, has_beta, has_res, write_sum):
                     v += res[i]
                     if write_sum:
                         sum_out[i] = v
-                if softmaxish:
-                    p, q = _online(p, q, v)
-                elif kind == LAYER_NORM:
-                    p += v - shift
-                    q += (v - shift) * (v - shift)
-                else:
-                    q += v * v
+                p, q = _fold(kind, p, q, v, shift)
             fn = float32(n)
             a = ZERO
             if softmaxish:
