@@ -31,14 +31,17 @@ def main(argv=None) -> int:
     SHAPES = [(32768, 4096), (4096, 32768), (262144, 256), (1024, 131072)]
     IT, WU, REP = 20, 3, 3
 
-    def rlx_sum(x_t, axis):
-        g = rlx.Graph("b"); xi = g.input("x", tuple(x_t.shape), "f32"); g.set_outputs([g.sum(xi, axis)])
+    def rlx_graph(x_t, build, dtype="f32"):
+        g = rlx.Graph("b"); xi = g.input("x", tuple(x_t.shape), dtype); g.set_outputs([build(g, xi)])
         exe = rlx.compile(g)
         exe.run({"x": x_t}, outputs="view")
         st = exe.steps
         def launch():
             for s in st: s()
         return exe, launch
+
+    def rlx_sum(x_t, axis):
+        return rlx_graph(x_t, lambda g, t: g.sum(t, axis))
 
     res = []
     for shape in SHAPES:
@@ -63,15 +66,6 @@ def main(argv=None) -> int:
         free_device_memory(cuda, torch)
 
     # ---- extras (information only): argmax over a vocab, cumsum, max/mean, half inputs -------------
-    def rlx_graph(x_t, build, dtype="f32"):
-        g = rlx.Graph("b"); xi = g.input("x", tuple(x_t.shape), dtype); g.set_outputs([build(g, xi)])
-        exe = rlx.compile(g)
-        exe.run({"x": x_t}, outputs="view")
-        st = exe.steps
-        def launch():
-            for s in st: s()
-        return exe, launch
-
     EXTRAS = [
         ("argmax", (1, 128256), torch.float32, "f32", lambda g, t: g.argmax(t, -1), lambda x: torch.argmax(x, -1)),
         ("argmax", (64, 128256), torch.float32, "f32", lambda g, t: g.argmax(t, -1), lambda x: torch.argmax(x, -1)),
