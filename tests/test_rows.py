@@ -34,8 +34,10 @@ def np_rms_norm(h, gam, bet, ax, eps):
     return y if bet is None else y + bet.reshape(bshape(h.shape, ax))
 
 
-# rows of 1, 3, 1000 and 5000 (register and streamed kernels), middle and leading axes
+# rows of 1, 3, 1000 and 5000 (register and streamed kernels), middle and leading axes; rows
+# exactly g*vpt long (no bounds tests) and more rows than the grid holds at once (prefetching)
 SHAPES = [((4, 1), -1), ((5, 3), 1), ((2, 1000), -1), ((1, 5000), -1), ((3, 7, 5), 1),
+          ((7, 64), -1), ((37, 24), -1),
           ((6, 4, 3), -3), ((3, 37), 0), ((2, 3, 4, 5), 2)]
 
 

@@ -64,17 +64,17 @@ def main(argv=None) -> int:
     for kind in rows.KINDS.values():
         for flags in ((False, False, False), (True, True, True)):
             for cols in (256, 4096, 8192):
-                g, vpt = rows.row_plan(cols)
-                block = max(g, 256)
-                k = rows.rows_reg(kind, g, vpt, block, *flags)
+                g, vpt, block, pf, _ = rows.row_plan(cols, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
+                k = rows.rows_reg(kind, g, vpt, block, *flags, pf, False)
                 sig = (f32,) * 6 + (T.uint64, T.uint64, T.float32)
                 ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0),
                                           launch_bounds=(block, max(1, 1024 // block)))
                 print(f"rows_reg {names[kind]:<12} flags={int(any(flags))} g={g:<4} vpt={vpt:<2} "
-                      f"block={block:<4} {ptxas(ptx, args.ptxas)}")
-            k = rows.rows_loop(kind, *flags)
+                      f"block={block:<4} prefetch={int(pf)} {ptxas(ptx, args.ptxas)}")
+            b = rows.LOOP_BLOCK
+            k = rows.rows_loop(kind, b, rows.LOOP_UNROLL, *flags)
             ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.uint64, T.uint64, T.float32),
-                                      cc=(9, 0), launch_bounds=(1024, 1))
+                                      cc=(9, 0), launch_bounds=(b, max(1, 1024 // b)))
             print(f"rows_loop {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
             k = rows.cols(kind, *flags)
             ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.int64,) * 3 + (T.float32,),

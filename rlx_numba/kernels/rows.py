@@ -4,9 +4,11 @@ Three shapes of the same math, all f32:
 
 * ``rows_reg``: the reduced axis is the last one and a row fits on chip. A group of G threads
   owns a row (several rows per block when rows are short); the row is read once into
-  registers (VPT values a thread), reduced with ``group_reduce``, and written once.
+  registers (VPT values a thread), reduced with ``group_reduce``, and written once. Optionally
+  the next rows' loads are issued before the current rows' reductions (prefetch).
 * ``rows_loop``: the last axis is too long for registers. One block per row streams it twice
-  (an online max/sum or shifted sums first, then the write), four loads in flight per thread.
+  in chunks (an online max/sum or shifted sums first, then the write), ``unroll`` loads in
+  flight per thread.
 * ``cols``: the reduced axis is not the last. The tensor is seen as [outer, n, inner]; each
   thread owns one (outer, inner) column, so consecutive threads read consecutive addresses,
   and walks the n elements twice. No transpose.
@@ -29,6 +31,9 @@ from .blockreduce import MAX, SLOTS, SUM, group_reduce
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
          "rms_norm": RMS_NORM}
+_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+
+
 def _jit(block):
     """cuda.jit with launch bounds on a GPU: ptxas keeps a thread within 64 registers, so a
     1024-thread block can launch at all and smaller blocks keep 1024 threads an SM resident
@@ -40,7 +45,6 @@ def _jit(block):
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
 ONE = float32(1.0)
-U2, U3, U4 = np.uint64(2), np.uint64(3), np.uint64(4)
 
 
 @cuda.jit(device=True)
@@ -59,35 +63,91 @@ def _finish(kind, v, c, a, b, gamma, beta, has_beta):
 
 
 @functools.lru_cache(maxsize=None)
-def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
-    """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``."""
+def _loader(n, has_res, write_sum, exact=False):
+    """load(vals, x, res, sum_out, base, c0, stride, limit, ok, fill): vals[u] = x[base + c]
+    (+ res, stored to sum_out when asked) for c = c0 + u*stride, u < n, where ok and c < limit,
+    else ``fill`` (``exact``: every c is < limit, no test). Every load of the chunk is issued before the first store: a store may alias
+    a later load (numba arrays are not restrict), so interleaving them would serialise the
+    loads one memory latency each."""
+    @_inline
+    def load(vals, x, res, sum_out, base, c0, stride, limit, ok, fill):
+        for u in range(n):
+            c = c0 + uint64(u) * stride
+            vals[u] = x[base + c] if ok and (exact or c < limit) else fill
+        if has_res:
+            for u in range(n):
+                c = c0 + uint64(u) * stride
+                if ok and (exact or c < limit):
+                    vals[u] += res[base + c]
+            if write_sum:
+                for u in range(n):
+                    c = c0 + uint64(u) * stride
+                    if ok and (exact or c < limit):
+                        sum_out[base + c] = vals[u]
+    return load
+
+
+@functools.lru_cache(maxsize=None)
+def _storer(n, kind, has_beta, exact=False):
+    """store(vals, out, gamma, beta, base, c0, stride, limit, ok, a, b): the outputs of a chunk,
+    all computed (gamma/beta loads together) before the first store, for the reason above."""
+    @_inline
+    def store(vals, out, gamma, beta, base, c0, stride, limit, ok, a, b):
+        for u in range(n):
+            c = c0 + uint64(u) * stride
+            if exact or c < limit:
+                if kind == SOFTMAX:
+                    vals[u] *= b
+                else:
+                    vals[u] = _finish(kind, vals[u], c, a, b, gamma, beta, has_beta)
+        if ok:
+            for u in range(n):
+                c = c0 + uint64(u) * stride
+                if exact or c < limit:
+                    out[base + c] = vals[u]
+    return store
+
+
+@functools.lru_cache(maxsize=None)
+def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact):
+    """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``.
+
+    With ``prefetch`` a block loads its next rows while it reduces the current ones, so
+    each thread keeps loads in flight through the reductions (launch about one grid of
+    resident blocks; each then walks many rows). ``exact``: rows are exactly g*vpt long, so
+    no column needs a bounds test."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
+    fill = NEG_INF if softmaxish else ZERO
     gu = np.uint64(g)   # index math is uint64 throughout: signed subscripts cost a wraparound
                         # check each, and a signed operand would make the result signed again
+    load = _loader(vpt, has_res, write_sum, exact)
+    store = _storer(vpt, kind, has_beta, exact)
 
     @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
         vals = cuda.local.array(vpt, float32)
+        nxt = cuda.local.array(vpt, float32)
         tid = uint64(cuda.threadIdx.x)
         lane = tid % gu
         rpb = uint64(cuda.blockDim.x) // gu
+        step = uint64(cuda.gridDim.x) * rpb
         r0 = uint64(cuda.blockIdx.x) * rpb
+        if prefetch:
+            row = r0 + tid // gu
+            load(vals, x, res, sum_out, row * cols, lane, gu, cols, row < rows, fill)
         while r0 < rows:                     # uniform across the block: everyone reduces
             row = r0 + tid // gu
             ok = row < rows
             base = row * cols
-            acc = NEG_INF if softmaxish else ZERO
+            if prefetch:   # the next rows' loads, issued before this row's reductions
+                nrow = row + step
+                load(nxt, x, res, sum_out, nrow * cols, lane, gu, cols, nrow < rows, fill)
+            else:
+                load(vals, x, res, sum_out, base, lane, gu, cols, ok, fill)
+            acc = fill
             for j in range(vpt):
-                c = lane + uint64(j) * gu
-                v = NEG_INF if softmaxish else ZERO
-                if ok and c < cols:
-                    v = x[base + c]
-                    if has_res:
-                        v += res[base + c]
-                        if write_sum:
-                            sum_out[base + c] = v
-                vals[j] = v
+                v = vals[j]
                 if softmaxish:
                     acc = v if (v > acc or v != v) else acc   # NaN sticks, like torch
                 elif kind == LAYER_NORM:
@@ -99,11 +159,11 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
                 a = group_reduce(acc, smem, g, MAX)
                 s = ZERO
                 for j in range(vpt):
-                    if ok and lane + uint64(j) * gu < cols:
+                    if ok and (exact or lane + uint64(j) * gu < cols):
                         e = m.exp(vals[j] - a)
                         s += e
                         if kind == SOFTMAX:
-                            vals[j] = e      # one exp an element: the write scales it
+                            vals[j] = e      # one exp an element: the store scales it
                 s = group_reduce(s, smem, g, SUM)
                 b = ONE / s
                 if kind == LOG_SOFTMAX:
@@ -112,55 +172,37 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum):
                 a = group_reduce(acc, smem, g, SUM) / n
                 d2 = ZERO
                 for j in range(vpt):
-                    if lane + uint64(j) * gu < cols:
+                    if exact or lane + uint64(j) * gu < cols:
                         d = vals[j] - a
                         d2 += d * d
                 b = ONE / m.sqrt(group_reduce(d2, smem, g, SUM) / n + eps)
             else:
                 a = ZERO
                 b = ONE / m.sqrt(group_reduce(acc, smem, g, SUM) / n + eps)
-            if ok:
+            store(vals, out, gamma, beta, base, lane, gu, cols, ok, a, b)
+            if prefetch:
                 for j in range(vpt):
-                    c = lane + uint64(j) * gu
-                    if c < cols:
-                        if kind == SOFTMAX:
-                            out[base + c] = vals[j] * b
-                        else:
-                            out[base + c] = _finish(kind, vals[j], c, a, b, gamma, beta, has_beta)
-            r0 += uint64(cuda.gridDim.x) * rpb
+                    vals[j] = nxt[j]
+            r0 += step
 
     return kernel
 
 
-@cuda.jit(device=True)
-def _online(mx, s, v):
-    """Fold v into a running (max, sum of exp(x - max))."""
-    if v > mx:
-        return v, s * m.exp(mx - v) + ONE
-    if v == NEG_INF:
-        return mx, s
-    return mx, s + m.exp(v - mx)
-
-
-@cuda.jit(device=True)
-def _fold(kind, p, q, v, shift):
-    """Fold v into a streamed kernel's running statistics (p, q): softmax (max, sum of exp),
-    layer_norm shifted (sum, sum of squares), rms_norm (-, sum of squares)."""
-    if kind == SOFTMAX or kind == LOG_SOFTMAX:
-        return _online(p, q, v)
-    if kind == LAYER_NORM:
-        return p + (v - shift), q + (v - shift) * (v - shift)
-    return p, q + v * v
-
-
 @functools.lru_cache(maxsize=None)
-def rows_loop(kind, has_beta, has_res, write_sum):
-    """One block per row, the row streamed twice from memory (rows too long for registers)."""
+def rows_loop(kind, block, unroll, has_beta, has_res, write_sum):
+    """One block per row, the row streamed twice from memory (rows too long for registers):
+    chunks of block*unroll elements, each thread issuing its ``unroll`` loads of a chunk before
+    it uses any (loads in flight are what keep the memory system busy)."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
+    fill = NEG_INF if softmaxish else ZERO
+    load = _loader(unroll, has_res, write_sum)
+    reload = _loader(unroll, has_res and not write_sum, False)
+    store = _storer(unroll, kind, has_beta)
 
-    @_jit(1024)
+    @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
+        vals = cuda.local.array(unroll, float32)
         tid = uint64(cuda.threadIdx.x)
         nt = uint64(cuda.blockDim.x)       # uint64 index math, as in rows_reg
         g = cuda.blockDim.x                # the block is the group
@@ -170,24 +212,31 @@ def rows_loop(kind, has_beta, has_res, write_sum):
             shift = ZERO
             if kind == LAYER_NORM:   # shifted sums: var = E[(x-k)^2] - E[x-k]^2 stays accurate
                 shift = x[base] + (res[base] if has_res else ZERO)
-            p = NEG_INF if softmaxish else ZERO
-            q = ZERO
-            c = tid
-            while c < cols:          # four loads in flight per thread
-                v0 = x[base + c]
-                v1 = x[base + c + nt] if c + nt < cols else ZERO
-                v2 = x[base + c + U2 * nt] if c + U2 * nt < cols else ZERO
-                v3 = x[base + c + U3 * nt] if c + U3 * nt < cols else ZERO
-                for u in range(4):
-                    cu = c + uint64(u) * nt
-                    if cu < cols:
-                        v = v0 if u == 0 else (v1 if u == 1 else (v2 if u == 2 else v3))
-                        if has_res:
-                            v += res[base + cu]
-                            if write_sum:
-                                sum_out[base + cu] = v
-                        p, q = _fold(kind, p, q, v, shift)
-                c += U4 * nt
+            p = fill                 # softmax: running max; layer_norm: sum of (x - shift)
+            q = ZERO                 # softmax: sum of exp(x - p); norms: sum of squares
+            c0 = tid
+            while c0 < cols:
+                load(vals, x, res, sum_out, base, c0, nt, cols, True, fill)
+                if softmaxish:       # the chunk's max first: one rescale a chunk, not an element
+                    cm = p
+                    for u in range(unroll):
+                        v = vals[u]
+                        cm = v if (v > cm or v != v) else cm
+                    if cm != NEG_INF:
+                        q = q * m.exp(p - cm)
+                        p = cm
+                        for u in range(unroll):
+                            q += m.exp(vals[u] - p)
+                elif kind == LAYER_NORM:
+                    for u in range(unroll):
+                        if c0 + uint64(u) * nt < cols:
+                            d = vals[u] - shift
+                            p += d
+                            q += d * d
+                else:
+                    for u in range(unroll):
+                        q += vals[u] * vals[u]
+                c0 += uint64(unroll) * nt
             n = float32(cols)
             a = ZERO
             if softmaxish:
@@ -205,19 +254,38 @@ def rows_loop(kind, has_beta, has_res, write_sum):
             else:
                 b = ONE / m.sqrt(group_reduce(q, smem, g, SUM) / n + eps)
             src = sum_out if write_sum else x
-            c = tid
-            while c < cols:
-                for u in range(4):
-                    cu = c + uint64(u) * nt
-                    if cu < cols:
-                        v = src[base + cu]
-                        if has_res and not write_sum:
-                            v += res[base + cu]
-                        out[base + cu] = _finish(kind, v, cu, a, b, gamma, beta, has_beta)
-                c += U4 * nt
+            c0 = tid
+            while c0 < cols:
+                reload(vals, src, res, res, base, c0, nt, cols, True, ZERO)
+                if kind == SOFTMAX:
+                    for u in range(unroll):
+                        vals[u] = m.exp(vals[u] - a)
+                store(vals, out, gamma, beta, base, c0, nt, cols, True, a, b)
+                c0 += uint64(unroll) * nt
             row += uint64(cuda.gridDim.x)
 
     return kernel
+
+
+@cuda.jit(device=True)
+def _online(mx, s, v):
+    """Fold v into a running (max, sum of exp(x - max))."""
+    if v > mx:
+        return v, s * m.exp(mx - v) + ONE
+    if v == NEG_INF:
+        return mx, s
+    return mx, s + m.exp(v - mx)
+
+
+@cuda.jit(device=True)
+def _fold(kind, p, q, v, shift):
+    """Fold v into the column kernel's running statistics (p, q): softmax (max, sum of exp),
+    layer_norm shifted (sum, sum of squares), rms_norm (-, sum of squares)."""
+    if kind == SOFTMAX or kind == LOG_SOFTMAX:
+        return _online(p, q, v)
+    if kind == LAYER_NORM:
+        return p + (v - shift), q + (v - shift) * (v - shift)
+    return p, q + v * v
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,17 +337,22 @@ def cols(kind, has_beta, has_res, write_sum):
     return kernel
 
 
-# values a thread holds in registers (a 1024-thread block allows 64 registers a thread; with 16
-# values ptxas wanted 110 on an H200)
-VPT_MAX = 8
+# Launch plans, from sweeps on an H200 (bench/bench_rows.py and the issue-3 notes): 16 values a
+# thread (a 256-thread group a 4096-long row) beat 8 by 15-60%; softmax wants the prefetching
+# kernel (its exps and two reductions sit between load and store), the norms do better with
+# plenty of non-prefetching blocks; long rows stream in 256-thread blocks, 8 loads in flight.
+VPT_MAX = 16          # values a thread holds in registers (64 registers a thread at most)
+MAX_G = 512           # threads a row in rows_reg: rows up to MAX_G * VPT_MAX stay on chip
+LOOP_BLOCK, LOOP_UNROLL = 256, 8
 
 
-def row_plan(cols_: int):
-    """(g, vpt) for the register kernel, or None when the row must be streamed."""
-    max_g = 32 if SIMULATOR else 1024
+def row_plan(cols_: int, softmaxish: bool):
+    """rows_reg's (g, vpt, block, prefetch, blocks_per_sm) for rows of cols_, or None when
+    the row must be streamed (rows_loop). The simulator gets small groups and blocks."""
+    max_g = 32 if SIMULATOR else MAX_G
     if cols_ > max_g * VPT_MAX:
         return None
-    target = 4 if SIMULATOR else 8          # values a thread, when the row allows it
+    target = 4 if SIMULATOR else VPT_MAX    # values a thread, when the row allows it
     g = 1
     while g < max_g and g * target < cols_:
         g *= 2
@@ -287,4 +360,6 @@ def row_plan(cols_: int):
     vpt = 1
     while g * vpt < cols_:
         vpt *= 2
-    return g, vpt
+    block = max(g, 32 if SIMULATOR else 256)
+    per_sm = 1024 // block
+    return g, vpt, block, softmaxish, 2 * per_sm if softmaxish else 16 * per_sm

@@ -46,20 +46,20 @@ def _lower_rows(exe, n):
     args = [exe.buf(n), exe.buf(x), gamma, beta, res, sum_out]
     name = step_name(n)
     if inner == 1:
-        plan = rows.row_plan(length)
+        plan = rows.row_plan(length, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
         if plan is not None:
-            gsize, vpt = plan
-            block = max(gsize, 32 if SIMULATOR else 256)
+            gsize, vpt, block, prefetch, per_sm = plan
             rpb = block // gsize
-            blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * 32)
-            k = rows.rows_reg(kind, gsize, vpt, block, *flags)
-            return [Step(name, f"rows_reg g={gsize} vpt={vpt}", k, (blocks,), (block,),
+            blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * per_sm)
+            k = rows.rows_reg(kind, gsize, vpt, block, *flags, prefetch, gsize * vpt == length)
+            return [Step(name, f"rows_reg g={gsize} vpt={vpt}{' prefetch' if prefetch else ''}",
+                         k, (blocks,), (block,),
                          (*args, np.uint64(outer), np.uint64(length), eps),
                          {"bytes": _bytes(x.size, flags)})]
-        block = 32 if SIMULATOR else 1024
-        blocks = min(outer, 2 if SIMULATOR else sm_count() * 2)
-        k = rows.rows_loop(kind, *flags)
-        return [Step(name, "rows_loop", k, (blocks,), (block,),
+        block = 32 if SIMULATOR else rows.LOOP_BLOCK
+        blocks = min(outer, 2 if SIMULATOR else sm_count() * 2 * (1024 // block))
+        k = rows.rows_loop(kind, block, rows.LOOP_UNROLL, *flags)
+        return [Step(name, f"rows_loop unroll={rows.LOOP_UNROLL}", k, (blocks,), (block,),
                      (*args, np.uint64(outer), np.uint64(length), eps),
                      {"bytes": _bytes(x.size, flags)})]
     threads = 32 if SIMULATOR else 256
