@@ -8,12 +8,13 @@ import time
 
 def _libraries() -> list[tuple[str, str]]:
     """Where the CUDA libraries this package uses were found (or why not)."""
-    rows = []
+    from rlx_numba import cublas
+    rows = [(k, str(v)) for k, v in cublas.info().items()]
     try:
         from cuda.pathfinder import load_nvidia_dynamic_lib
     except ImportError as e:
-        return [("cuda-pathfinder", f"not importable: {e}")]
-    for lib in ("cudart", "nvrtc", "nvvm", "nvJitLink", "cublas", "cublasLt"):
+        return rows + [("cuda-pathfinder", f"not importable: {e}")]
+    for lib in ("cudart", "nvvm", "nvJitLink"):     # numba's own (found the way numba does)
         try:
             rows.append((lib, load_nvidia_dynamic_lib(lib).abs_path))
         except Exception as e:  # noqa: BLE001 - report, never crash
@@ -44,7 +45,7 @@ def info() -> int:
     print(f"numba:       {numba.__version__}   numba-cuda: {nc}   numpy: {np.__version__}")
     print("CUDA libraries:")
     for lib, where in _libraries():
-        print(f"  {lib:<10} {where}")
+        print(f"  {lib:<16} {where}")
     return 0
 
 

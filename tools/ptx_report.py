@@ -3,7 +3,7 @@
 The simulator runs kernels as Python, so it cannot see what only the GPU compiler sees: a
 signed/unsigned mix that numba types as float64, a kernel that needs more registers than a
 1024-thread block may have (it then fails to launch), spills. This compiles the row kernels
-for sm_90 with numba's real compiler and runs ptxas on the PTX.
+and the SGEMM for sm_90 with numba's real compiler and runs ptxas on the PTX.
 
 Needs libnvvm and ptxas (a CUDA toolkit, e.g. /usr/local/cuda) and NVRTC
 (``pip install nvidia-cuda-nvrtc``); no GPU or driver.
@@ -80,6 +80,16 @@ def main(argv=None) -> int:
             ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.int64,) * 3 + (T.float32,),
                                       cc=(9, 0))
             print(f"cols      {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")
+    from rlx_numba.kernels import matmul as mm
+
+    i64 = T.int64[::1]
+    for ta in (False, True):
+        for tb in (False, True):
+            sig = (f32,) * 3 + (T.int64,) * 3 + (i64, i64, T.int64)
+            ptx, _ = cuda.compile_ptx(mm.sgemm_kernel(ta, tb).py_func, sig, cc=(9, 0),
+                                      launch_bounds=mm.LAUNCH_BOUNDS)
+            print(f"sgemm     trans_a={int(ta)} trans_b={int(tb)} {mm.BM}x{mm.BN}x{mm.BK} "
+                  f"tile, {mm.TM}x{mm.TN} a thread {ptxas(ptx, args.ptxas)}")
     return 0
 
 

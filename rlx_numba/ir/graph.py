@@ -201,15 +201,61 @@ class Graph(ShapeOps, ReduceOps, NormOps):
         shape, d = ops.infer_matmul(a, b)
         return self._add("matmul", (a, b), shape, d)
 
-    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None) -> Tensor:
-        """activation(x @ w + bias), w is [K, N]."""
+    def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None,
+               residual: Tensor | None = None) -> Tensor:
+        """activation(x @ w + bias) + residual, w is [K, N]; the residual (x's leading shape
+        and N, e.g. a transformer's skip connection) is added after the activation."""
         self._check("linear", "x", x)
         self._check("linear", "w", w)
         ins = [x, w]
         if bias is not None:
             ins.append(self._check("linear", "bias", bias))
-        shape, d = ops.infer_linear(x, w, bias, activation)
-        return self._add("linear", ins, shape, d, activation=activation, has_bias=bias is not None)
+        if residual is not None:
+            ins.append(self._check("linear", "residual", residual))
+        shape, d = ops.infer_linear(x, w, bias, activation, residual)
+        return self._add("linear", ins, shape, d, activation=activation, has_bias=bias is not None,
+                         has_residual=residual is not None)
+
+    def matmul_bias_activation_bwd(self, grad: Tensor, a: Tensor, b: Tensor,
+                                   bias: Tensor | None = None, activation=None):
+        """The gradients of y = activation(a @ b + bias) (numr's GEMM-epilogue backward).
+
+        grad is dL/dy [..., M, N], a [..., M, K], b [K, N], bias [N] or None; activation one of
+        None, relu, gelu, gelu_tanh, silu, sigmoid, tanh. Returns (d_a [..., M, K], d_b [K, N],
+        d_bias [N] or None). The pre-activation z is recomputed by one GEMM, grad * f'(z) is
+        one element-wise kernel, then d_a = g' @ b^T and d_b = a^T @ g' are two GEMMs with the
+        leading dims folded into the rows, so d_b and d_bias accumulate over the whole batch.
+        The transposes reach cuBLAS as op flags (no copies)."""
+        op = "matmul_bias_activation_bwd"
+        for arg, t in (("grad", grad), ("a", a), ("b", b)) + ((("bias", bias),) if bias is not None else ()):
+            self._check(op, arg, t)
+            if t.dtype != dt.F32:
+                raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {ops.fmt(t.shape)}")
+        if activation not in ops.GRAD_ACTIVATIONS:
+            raise ValueError(f"{op}: activation must be one of "
+                             f"{', '.join(map(str, ops.GRAD_ACTIVATIONS))}, got {activation!r}")
+        if len(b.shape) != 2:
+            raise ValueError(f"{op}: b must be [K, N], got {ops.fmt(b.shape)}")
+        k, n = b.shape
+        if len(a.shape) < 2 or a.shape[-1] != k:
+            raise ValueError(f"{op}: a must be [..., M, {k}] to match b {ops.fmt(b.shape)}, got "
+                             f"{ops.fmt(a.shape)}")
+        want = tuple(a.shape[:-1]) + (n,)
+        if tuple(grad.shape) != want:
+            raise ValueError(f"{op}: grad must be {ops.fmt(want)} (a {ops.fmt(a.shape)} @ b "
+                             f"{ops.fmt(b.shape)}), got {ops.fmt(grad.shape)}")
+        if bias is not None and tuple(bias.shape) != (n,):
+            raise ValueError(f"{op}: bias must be [{n}], got {ops.fmt(bias.shape)}")
+        rows = math.prod(a.shape[:-1])
+        a2, g2 = self.reshape(a, (rows, k)), self.reshape(grad, (rows, n))
+        gp = g2
+        if activation is not None:
+            z = self.linear(a2, b, bias)
+            gp = self._add("activation_grad", (g2, z), (rows, n), dt.F32, kind=activation)
+        d_a = self.reshape(self.matmul(gp, self.transpose(b, (1, 0))), a.shape)
+        d_b = self.matmul(self.transpose(a2, (1, 0)), gp)
+        d_bias = self.sum(gp, 0) if bias is not None else None
+        return d_a, d_b, d_bias
 
     # ---- shape -----------------------------------------------------------------------------
     def reshape(self, x: Tensor, shape) -> Tensor:

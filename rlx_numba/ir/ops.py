@@ -15,6 +15,8 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "l
 # activations that keep an integer input integer (the rest produce f32 from integers)
 INT_PRESERVING = ("relu", "neg", "abs", "round")
 BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
+# activations with a gradient kernel (matmul_bias_activation_bwd); None is the identity
+GRAD_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
 
@@ -127,7 +129,7 @@ def infer_matmul(a, b):
     return batch + (a.shape[-2], b.shape[-1]), dt.F32
 
 
-def infer_linear(x, w, bias=None, activation=None):
+def infer_linear(x, w, bias=None, activation=None, residual=None):
     if len(x.shape) < 1:
         raise ValueError(f"linear: x must have rank >= 1, got {fmt(x.shape)}")
     if len(w.shape) != 2:
@@ -145,7 +147,13 @@ def infer_linear(x, w, bias=None, activation=None):
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"linear: unknown activation {activation!r}; expected one of "
                          f"{', '.join(ACTIVATIONS)}")
-    return tuple(x.shape[:-1]) + (w.shape[1],), dt.F32
+    out = tuple(x.shape[:-1]) + (w.shape[1],)
+    if residual is not None:
+        _float_operand("linear", "residual", residual)
+        if tuple(residual.shape) != out:
+            raise ValueError(f"linear: residual must have the output's shape {fmt(out)} (x "
+                             f"{fmt(x.shape)} @ w {fmt(w.shape)}), got {fmt(residual.shape)}")
+    return out, dt.F32
 
 
 def normalize_axis(op: str, arg: str, axis, rank: int) -> int:

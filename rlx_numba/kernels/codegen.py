@@ -10,6 +10,7 @@ so no broadcast is ever materialised.
 Expressions are nested tuples:
   ("in", k, dtype) | ("activation", kind, dtype, x) | ("binary", kind, dtype, a, b)
   | ("compare", kind, dtype, a, b) | ("where", None, dtype, c, a, b) | ("cast", None, dtype, x)
+  | ("activation_grad", kind, dtype, grad, z)   (grad * kind'(z), for backward passes)
 """
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def _emit(e, loads: list[str]) -> str:
         ct = dt.promote(ad, bd)
         sym = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}[kind]
         return f"({_to(a, ad, ct)} {sym} {_to(b, bd, ct)})"
+    if op == "activation_grad":
+        (gr, gd), (z, zd) = args
+        return f"ew.{kind}_grad({_to(gr, gd, dt.F32)}, {_to(z, zd, dt.F32)})"
     if op == "where":
         (c, _), (a, ad), (b, bd) = args
         return f"({_to(a, ad, d)} if {c} else {_to(b, bd, d)})"

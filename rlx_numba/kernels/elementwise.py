@@ -1,4 +1,4 @@
-"""Element-wise device functions: the 17 activations, 7 binary ops, casts.
+"""Element-wise device functions: the 17 activations (and six gradients), 7 binary ops, casts.
 
 Float math is done in float32 (f16/bf16 values are widened on load and rounded on store);
 integer ops stay integer. The kernels that call these are generated per expression by
@@ -104,6 +104,46 @@ def atan(x):
 @_dev
 def round(x):  # noqa: A001 - half to even, like numpy.round / torch.round
     return m.rint(x)
+
+
+# ---- activation gradients: grad * f'(z), for the matmul epilogue backward ---------------------
+_INV_SQRT_2PI = float32(0.3989422804014327)
+
+
+@_dev
+def relu_grad(g, z):
+    return g if z > _ZERO else _ZERO
+
+
+@_dev
+def gelu_grad(g, z):   # d/dz z*Phi(z) = Phi(z) + z*phi(z)
+    return g * (_HALF * (_ONE + m.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * m.exp(-_HALF * z * z))
+
+
+@_dev
+def gelu_tanh_grad(g, z):
+    u = _SQRT_2_PI * (z + float32(0.044715) * z * z * z)
+    t = m.tanh(u)
+    du = _SQRT_2_PI * (_ONE + float32(3.0 * 0.044715) * z * z)
+    return g * (_HALF * (_ONE + t) + _HALF * z * (_ONE - t * t) * du)
+
+
+@_dev
+def silu_grad(g, z):
+    s = _ONE / (_ONE + m.exp(-z))
+    return g * s * (_ONE + z * (_ONE - s))
+
+
+@_dev
+def sigmoid_grad(g, z):
+    s = _ONE / (_ONE + m.exp(-z))
+    return g * s * (_ONE - s)
+
+
+@_dev
+def tanh_grad(g, z):
+    t = m.tanh(z)
+    return g * (_ONE - t * t)
 
 
 # ---- integer activations (same type in and out) --------------------------------------------------

@@ -1,34 +1,157 @@
-"""Matrix products: a shared-memory tiled SGEMM, the tier that runs everywhere (simulator
-included). Row-major C[z] = A[z] @ B[z] for each batch z, with per-batch element offsets given
-as arrays so any batch broadcasting needs no copies. (The register-tiled kernel and the cuBLAS
-tiers come with the matmul issue.)"""
-from numba import cuda, float32
+"""Matrix products: the register-tiled SGEMM, the tier that runs everywhere (simulator included)
+and the fallback when cuBLAS is absent. C[z] = op(A[z]) @ op(B[z]) for each batch z, row-major,
+with per-batch element offsets given as arrays so batch broadcasting needs no copies.
 
-TILE = 16
+A block computes a BM x BN tile of C; each of its NT = (BM/TM) * (BN/TN) threads holds a
+TM x TN micro-tile of accumulators in registers. K is walked BK at a time: the A tile is staged
+transposed (As[k][row]) and the B tile as is (Bs[k][col]) in shared memory, then for each k a
+thread reads TM values of A and TN of B into registers and does TM*TN FMAs, so every shared
+load feeds TM (or TN) FMAs. The thread's rows are ty + i*TY and its columns tx + j*TX (strided,
+not contiguous): a warp then reads 16 consecutive Bs words and 2 As words per k, free of bank
+conflicts, and its stores of C are 16 consecutive floats.
+
+The next K tile is loaded from global memory into registers before the current one is
+computed and stored into the other half of a double-buffered shared tile after it, so the
+load latency hides behind the FMAs and one barrier per K tile suffices.
+"""
+import functools
+
+import numpy as np
+from numba import cuda, float32, uint64
+
+from ..runtime.device import SIMULATOR
+from .launch import grid_3d
+
+# Each simulated thread is an OS thread: keep the simulator's blocks tiny (16 threads).
+BM, BN, BK, TM, TN = (8, 8, 4, 2, 2) if SIMULATOR else (128, 128, 8, 8, 8)
+TX, TY = BN // TN, BM // TM        # threads along a tile's columns / rows
+NT = TX * TY                       # threads a block (256 on a GPU)
+PAD = 4   # row padding of the shared tiles: a warp's transposing stores (A, or B when trans_b)
+          # hit 8 k-rows x 4 columns, 8 to a bank without it (rows of BM % 32 == 0 words)
+SA, SB = (2, BK, BM + PAD), (2, BK, BN + PAD)   # double-buffered shared tiles
+LA, LB = BM * BK // NT, BN * BK // NT   # A / B tile elements each thread loads
+assert BM % TM == 0 and BN % TN == 0 and NT % BM == 0 and NT % BN == 0 and NT % BK == 0
+
+_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+# 256 threads x at most 128 registers: two blocks an SM, and the 64 accumulators, the
+# fragments and the tile in flight still fit without spills (tools/ptx_report.py checks)
+LAUNCH_BOUNDS = (NT, 2)
+_jit = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=LAUNCH_BOUNDS)
+
+# index math is uint64 throughout (as in rows.py): no signed wraparound checks, no mixed types
+_u = np.uint64
+uBM, uBN, uBK, uTX, uTY, uNT = _u(BM), _u(BN), _u(BK), _u(TX), _u(TY), _u(NT)
+U0, U1 = _u(0), _u(1)
+ZERO = float32(0.0)
 
 
-@cuda.jit(cache=True)
-def sgemm_tiled(c, a, b, m, n, k, a_off, b_off, batch):
-    sa = cuda.shared.array((TILE, TILE), float32)
-    sb = cuda.shared.array((TILE, TILE), float32)
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    row = cuda.blockIdx.y * TILE + ty
-    col = cuda.blockIdx.x * TILE + tx
-    for z in range(cuda.blockIdx.z, batch, cuda.gridDim.z):
-        ao = a_off[z]
-        bo = b_off[z]
-        acc = float32(0.0)
-        for t in range(0, k, TILE):
-            sa[ty, tx] = a[ao + row * k + t + tx] if (row < m and t + tx < k) else float32(0.0)
-            sb[ty, tx] = b[bo + (t + ty) * n + col] if (t + ty < k and col < n) else float32(0.0)
-            cuda.syncthreads()
-            for q in range(TILE):
-                acc += sa[ty, q] * sb[q, tx]
-            cuda.syncthreads()
-        if row < m and col < n:
-            c[z * m * n + row * n + col] = acc
+@functools.lru_cache(maxsize=None)
+def sgemm_kernel(trans_a: bool, trans_b: bool):
+    """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat f32 [batch, m, n]) =
+    A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
+    transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
+    Launch with sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any
+    grid works. k == 0 writes zeros."""
+
+    # Tile loads: consecutive threads walk each source's contiguous axis. Thread tid's p-th
+    # element of the A tile is (row ar + p*ARS, k aq + p*AQS); of the B tile (k bq + p*BQS,
+    # column bc + p*BCS): one of each pair of steps is 0, so p only adds constants.
+    ARS, AQS = (0, NT // BM) if trans_a else (NT // BK, 0)
+    BQS, BCS = (0, NT // BK) if trans_b else (NT // BN, 0)
+
+    @_inline
+    def load(ra, rb, a, b, ao, bo, r0, c0, k0, aq, bq, m, n, k):
+        """This thread's elements of the A and B tiles at K offset k0 into registers (r0, c0:
+        its first row / column), zero outside the matrices."""
+        for p in range(LA):
+            r, q = r0 + _u(p * ARS), k0 + aq + _u(p * AQS)
+            ra[p] = a[ao + (q * m + r if trans_a else r * k + q)] if r < m and q < k else ZERO
+        for p in range(LB):
+            q, cl = k0 + bq + _u(p * BQS), c0 + _u(p * BCS)
+            rb[p] = b[bo + (cl * k + q if trans_b else q * n + cl)] if cl < n and q < k else ZERO
+
+    @_inline
+    def stage(As, Bs, ra, rb, buf, ar, aq, bq, bc):
+        """The registers from load() into shared buffer ``buf``."""
+        for p in range(LA):
+            As[buf, aq + _u(p * AQS), ar + _u(p * ARS)] = ra[p]
+        for p in range(LB):
+            Bs[buf, bq + _u(p * BQS), bc + _u(p * BCS)] = rb[p]
+
+    @_jit
+    def kernel(c, a, b, m, n, k, a_off, b_off, batch):
+        As = cuda.shared.array(SA, float32)
+        Bs = cuda.shared.array(SB, float32)
+        acc = cuda.local.array((TM, TN), float32)   # constant indices only: registers
+        fa = cuda.local.array(TM, float32)
+        fb = cuda.local.array(TN, float32)
+        ra = cuda.local.array(LA, float32)          # the next K tile, in flight
+        rb = cuda.local.array(LB, float32)
+        m, n, k, batch = uint64(m), uint64(n), uint64(k), uint64(batch)
+        tid = uint64(cuda.threadIdx.x)
+        tx, ty = tid % uTX, tid // uTX
+        ar, aq = (tid % uBM, tid // uBM) if trans_a else (tid // uBK, tid % uBK)
+        bq, bc = (tid % uBK, tid // uBK) if trans_b else (tid // uBN, tid % uBN)
+        tiles_m = (m + uBM - U1) // uBM
+        tiles_n = (n + uBN - U1) // uBN
+        z = uint64(cuda.blockIdx.z)
+        while z < batch:      # every loop bound is uniform across the block (barriers inside)
+            ao, bo = uint64(a_off[z]), uint64(b_off[z])
+            co = z * m * n
+            by = uint64(cuda.blockIdx.y)
+            while by < tiles_m:
+                row0 = by * uBM
+                bx = uint64(cuda.blockIdx.x)
+                while bx < tiles_n:
+                    col0 = bx * uBN
+                    r0, c0 = row0 + ar, col0 + bc   # this thread's first row of A / column of B
+                    for i in range(TM):
+                        for j in range(TN):
+                            acc[i, j] = ZERO
+                    load(ra, rb, a, b, ao, bo, r0, c0, U0, aq, bq, m, n, k)
+                    stage(As, Bs, ra, rb, U0, ar, aq, bq, bc)
+                    cuda.syncthreads()
+                    buf = U0
+                    k0 = U0
+                    while k0 < k:
+                        more = k0 + uBK < k
+                        if more:   # issue the next tile's loads now, store them after the FMAs
+                            load(ra, rb, a, b, ao, bo, r0, c0, k0 + uBK, aq, bq, m, n, k)
+                        q = U0
+                        while q < uBK:   # not range(): its int64 count and signed index cost
+                                         # ~10 instructions a k (LLVM keeps this loop rolled)
+                            for i in range(TM):
+                                fa[i] = As[buf, q, ty + _u(i) * uTY]
+                            for j in range(TN):
+                                fb[j] = Bs[buf, q, tx + _u(j) * uTX]
+                            for i in range(TM):
+                                for j in range(TN):
+                                    acc[i, j] += fa[i] * fb[j]
+                            q += U1
+                        if more:   # the other buffer: its last readers passed the barrier below
+                            stage(As, Bs, ra, rb, buf ^ U1, ar, aq, bq, bc)
+                        cuda.syncthreads()
+                        buf ^= U1
+                        k0 += uBK
+                    # bounds as "constant < rows/columns left": one register each, not
+                    # 64-bit indices per i and j (those spilled around the live accumulators)
+                    r, cl = row0 + ty, col0 + tx
+                    rows, cols = m - min(r, m), n - min(cl, n)
+                    base = co + r * n + cl
+                    for i in range(TM):
+                        if _u(i * TY) < rows:
+                            for j in range(TN):
+                                if _u(j * TX) < cols:
+                                    c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
+                    bx += uint64(cuda.gridDim.x)
+                by += uint64(cuda.gridDim.y)
+            z += uint64(cuda.gridDim.z)
+
+    return kernel
 
 
-def sgemm_geometry(m: int, n: int, batch: int):
-    return ((-(-n // TILE), -(-m // TILE), min(batch, 65535)), (TILE, TILE))
+def sgemm_launch(m: int, n: int, batch: int) -> tuple[tuple, tuple]:
+    """(grid, block) for an sgemm_kernel launch: a block per C tile and batch, clamped to the
+    hardware limits (and to a few blocks in the simulator); the kernel strides over the rest."""
+    return grid_3d(-(-n // BN), -(-m // BM), batch), (NT,)
+

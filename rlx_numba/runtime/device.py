@@ -28,6 +28,9 @@ def _probe_driver() -> dict:
     except OSError as e:
         info["why"] = f"no CUDA driver (libcuda.so.1: {e})"
     else:
+        ver = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(ver)) == 0:
+            info["driver_version"] = ver.value          # e.g. 13000 for CUDA 13.0
         rc = lib.cuInit(0)
         count = ctypes.c_int(0)
         if rc == 0:
@@ -77,6 +80,14 @@ SIMULATOR: bool = _decide_simulator()
 def simulator_enabled() -> bool:
     """True when kernels run in the numba CUDA simulator."""
     return SIMULATOR
+
+
+def driver_version() -> int | None:
+    """The CUDA driver's version (12040 for 12.4), or None without a driver. Never raises."""
+    try:
+        return _probe_driver().get("driver_version")
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def is_available() -> bool:

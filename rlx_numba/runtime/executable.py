@@ -11,7 +11,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
 from ..memory import Buffer, MemoryReport, plan
-from . import lower, lower_norm, lower_reduce, lower_shape  # noqa: F401 - register lowerings
+from . import lower, lower_matmul, lower_norm, lower_reduce, lower_shape  # noqa: F401 - register lowerings
 from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
@@ -103,11 +103,13 @@ class CudaExecutable:
         self._cuda = cuda
         self.stream = cuda.stream()
         nodes = graph.nodes
+        # transposes read by products through an op-T flag: views of their input
+        self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
         self._live = self._reachable()
         self._root = {}                      # node id -> node id that owns its memory
         for n in nodes:
             if n.id in self._live:
-                self._root[n.id] = self._root[n.inputs[0]] if lower.is_view(n, graph) else n.id
+                self._root[n.id] = self._root[n.inputs[0]] if self._is_view(n) else n.id
         self._plan_memory()
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
         self._bufs = {}                      # node id -> flat device view of its storage
@@ -119,23 +121,35 @@ class CudaExecutable:
         for n in nodes:
             if n.op == "constant" and n.id in self._live and n.size:
                 self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
-        self.steps: list[lower.Step] = []
         self._extra = []                     # small device arrays steps own (batch offsets)
         self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
+        self._half = {}                      # param name -> (half dtype, device array)
+        self._node_steps = {}                # node id -> its bound steps, in graph order
         for n in nodes:
             if n.id in self._live:
-                self.steps += [s for s in self._lower(n) if s is not None]
+                self._node_steps[n.id] = self._lower_bound(n)
+        self._flatten_steps()
+
+    def _lower_bound(self, n):
+        steps = [s for s in self._lower(n) if s is not None]
         aot = self.compile_mode is CompileMode.AOT
-        for i, s in enumerate(self.steps):
+        for s in steps:
             if aot:
-                log.info("compile %s: step %d/%d %s", graph.name, i + 1, len(self.steps), s.kernel_name)
+                log.info("compile %s: %s %s", self.graph.name, s.name, s.kernel_name)
             s.bind(self.stream, aot)
+        return steps
+
+    def _flatten_steps(self):
+        self.steps: list = [s for steps in self._node_steps.values() for s in steps]
 
     @classmethod
     def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
         return cls(graph, compile_mode, exec_mode)
 
     # ---- compile-time pieces ------------------------------------------------------------------
+    def _is_view(self, n) -> bool:
+        return lower.is_view(n, self.graph) or n.id in self.absorbed
+
     def _reachable(self) -> set:
         live, stack = set(), list(self.graph.outputs)
         while stack:
@@ -202,6 +216,14 @@ class CudaExecutable:
         self._extra.append(a)
         return a
 
+    def keep(self, arrays) -> None:
+        """Keep device arrays a step points at (e.g. cuBLAS pointer tables) alive."""
+        self._extra.extend(arrays)
+
+    def half_param(self, node):
+        """(half dtype, device array) when the param ``node`` was set by set_param_half."""
+        return self._half.get(node.name) if node.op == "param" else None
+
     def add_index_check(self, node, lo: int, hi: int, what: str) -> None:
         """Have run() check that the index tensor ``node`` holds only values in [lo, hi] when
         it is (a view of) a run() input given as a host array; raises IndexError naming
@@ -230,7 +252,7 @@ class CudaExecutable:
         return np.ascontiguousarray(arr).view(d.storage).reshape(-1)
 
     def _lower(self, n):
-        if n.op in ("input", "param", "constant") or lower.is_view(n, self.graph):
+        if n.op in ("input", "param", "constant") or self._is_view(n):
             return []
         fn = lower.LOWERINGS.get(n.op)
         if fn is None:
@@ -270,6 +292,53 @@ class CudaExecutable:
             if node.size:
                 self._bufs[node.id].copy_to_device(self._storage(arr.astype(node.dtype.host), node.dtype))
         self._unset.discard(name)
+        if self._half.pop(name, None) is not None:
+            self._relower_products(node)
+
+    def set_param_half(self, name: str, value, dtype: str) -> None:
+        """Store an f32 weight on the device as f16 or bf16 (``dtype``): the products that take
+        it as their weight then run on half operands with f32 accumulation (matmul tier 0).
+        Anything else that reads the param sees the half-rounded values as f32. set_param()
+        later goes back to f32."""
+        node = self._params.get(name)
+        if node is None:
+            known = ", ".join(self._params) or "none"
+            raise ValueError(f"set_param_half: graph {self.graph.name!r} has no param {name!r} "
+                             f"(params: {known})")
+        if dtype not in ("f16", "bf16"):
+            raise ValueError(f"set_param_half {name!r}: dtype must be 'f16' or 'bf16', got {dtype!r}")
+        if node.dtype != dt.F32:
+            raise ValueError(f"set_param_half {name!r}: the param is {node.dtype}; only f32 params "
+                             f"can be stored half")
+        if _as_device_array(value) is not None:
+            raise ValueError(f"set_param_half {name!r}: pass a host array (it is rounded on the host)")
+        arr = np.asarray(value)
+        if tuple(arr.shape) != node.shape:
+            raise ValueError(f"set_param_half {name!r}: expected shape {fmt(node.shape)}, got "
+                             f"{fmt(arr.shape)}")
+        if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != dt.BF16.host:
+            raise ValueError(f"set_param_half {name!r}: expected a float array, got {arr.dtype}")
+        hdt = dt.dtype(dtype)
+        half = np.ascontiguousarray(arr.astype(hdt.host))
+        dev = self._cuda.to_device(half.view(hdt.storage).reshape(-1)) if node.size else None
+        if node.size:
+            self._bufs[node.id].copy_to_device(half.astype(np.float32).reshape(-1))
+        self._half[name] = (hdt, dev)
+        self._unset.discard(name)
+        self._relower_products(node)
+
+    def _relower_products(self, param):
+        """Plan again the products whose weight is ``param`` (its storage changed)."""
+        g = self.graph
+        for nid in self._node_steps:
+            n = g.nodes[nid]
+            if n.op in lower_matmul.PRODUCTS and len(n.inputs) > 1:
+                w = g.nodes[n.inputs[1]]
+                if w.id in self.absorbed:
+                    w = g.nodes[w.inputs[0]]
+                if w.id == param.id:
+                    self._node_steps[nid] = self._lower_bound(n)
+        self._flatten_steps()
 
     def _copy_in(self, node, src, what):
         """Device-to-device copy of a device array into the node's arena slot."""

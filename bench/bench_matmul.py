@@ -1,0 +1,153 @@
+"""Matmul TFLOP/s of each tier of the ladder beside torch, same process, CUDA events.
+
+Shapes (M x K x N, or batch x (M x K x N)): 4096^3, 8192^3, 1x4096x4096 (decode),
+32x4096x11008, 64x(512x64x512). Rows, each against its torch counterpart:
+  tier2 fp32  - cublasSgemm(/strided batched)      vs torch.matmul, allow_tf32 off  (bar 0.95)
+  tier2 tf32  - the same with TF32 allowed           vs torch.matmul, allow_tf32 on   (bar 0.95)
+  tier1 bias+gelu_tanh - one cuBLASLt call            vs torch mm + bias + gelu(tanh) (bar 1.00)
+  tier0 bf16  - bf16 weight, activations cast, GemmEx vs torch bf16 matmul          (bar 0.90 on
+                the weight-bound shapes 1x4096x4096 and 32x4096x11008; others reported)
+  tier4 numba - the register-tiled numba SGEMM        vs torch fp32 (cuBLAS)        (bar 0.25 at 4096^3)
+Only the kernels are timed (the executable's steps back to back; inputs already on the device).
+
+  python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--tiers 2,2tf32,1,0,4] [--iters 10]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_device_memory, time_rlx, time_torch  # noqa: E402
+
+SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,64:512x64x512"
+TIERS = "2,2tf32,1,0,4"
+WEIGHT_BOUND = {(1, 1, 4096, 4096), (1, 32, 4096, 11008)}
+
+
+def parse(shape):
+    batch, _, mkn = shape.rpartition(":")
+    m, k, n = (int(v) for v in mkn.split("x"))
+    return int(batch or 1), m, k, n
+
+
+def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
+    import numpy as np
+    F = torch.nn.functional
+    tf32 = tier == "2tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    rlx.cublas.allow_tf32 = tf32
+    os.environ["RLX_NUMBA_MATMUL_TIERS"] = {"2tf32": "2"}.get(tier, tier)
+    g = rlx.Graph(f"mm_{tier}")
+    ashape = (batch, m, k) if batch > 1 else (m, k)
+    x = g.input("x", ashape)
+    if batch > 1:
+        w = g.input("w", (batch, k, n))
+        g.set_outputs([g.matmul(x, w)])
+    else:
+        w, b = g.param("w", (k, n)), g.param("b", (n,))
+        if tier == "1":
+            g.set_outputs([g.linear(x, w, b, activation="gelu_tanh")])
+        else:
+            g.set_outputs([g.linear(x, w)])
+    exe = rlx.compile(g)
+    tx = torch.randn(*ashape, device="cuda")
+    tw = torch.randn(*((batch, k, n) if batch > 1 else (k, n)), device="cuda") / k ** 0.5
+    tb = torch.randn(n, device="cuda")
+    inputs = {"x": tx}
+    if batch > 1:
+        inputs["w"] = tw
+    else:
+        exe.set_param("b", tb)
+        if tier == "0":
+            exe.set_param_half("w", tw.cpu().numpy(), "bf16")
+        else:
+            exe.set_param("w", tw)
+    torch.cuda.synchronize()
+    (view,) = exe.run(inputs, outputs="view")
+    got = torch.as_tensor(view, device="cuda")
+    if tier == "1":
+        tfn = lambda: F.gelu(torch.matmul(tx, tw) + tb, approximate="tanh")  # noqa: E731
+    elif tier == "0":
+        xb, wb = tx.to(torch.bfloat16), tw.to(torch.bfloat16)
+        tfn = lambda: torch.matmul(xb, wb)  # noqa: E731
+    else:
+        tfn = lambda: torch.matmul(tx, tw)  # noqa: E731
+    ref = tfn().float()
+    err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+    steps = exe.steps
+    kernels = [s.kernel_name for s in steps]
+
+    def launch():
+        for s in steps:
+            s()
+    n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
+    rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
+    torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
+    flops = 2.0 * batch * m * n * k
+    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_tflops=flops / rlx_ms / 1e9,
+               torch_tflops=flops / torch_ms / 1e9, ratio=torch_ms / rlx_ms, rel_err=err,
+               kernels=kernels, tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
+    bar = {"2": 0.95, "2tf32": 0.95, "1": 1.0, "0": 0.9, "4": 0.25}[tier]
+    applies = (tier not in ("0", "4")) or (tier == "0" and (batch, m, k, n) in WEIGHT_BOUND) \
+        or (tier == "4" and (batch, m, k, n) == (1, 4096, 4096, 4096))
+    res["bar"] = bar if applies else None
+    tol = 3e-2 if tier in ("0", "2tf32", "1") else 1e-4
+    res["pass"] = (res["ratio"] >= bar if applies else True) and err <= tol
+    del exe, view, got, tx, tw, tb
+    free_device_memory(cuda, torch)
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=SHAPES)
+    p.add_argument("--tiers", default=TIERS)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "matmul.json")
+    args = p.parse_args(argv)
+    import rlx_numba as rlx
+    import rlx_numba.cublas  # noqa: F401 - rlx.cublas.allow_tf32
+    if rlx.simulator_enabled():
+        print("bench_matmul: no CUDA GPU here (simulator); this benchmark needs a GPU. Nothing measured.")
+        return 0
+    import torch
+    from numba import cuda
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}   torch {torch.__version__}   cuBLAS {rlx.cublas.info().get('cublas')}\n")
+    hdr = (f"{'tier':<6} {'shape':<18} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6} "
+           f"{'bar':>5}  ok   rel.err  steps")
+    print(hdr + "\n" + "-" * len(hdr))
+    results = []
+    for shape in args.shapes.split(","):
+        batch, m, k, n = parse(shape)
+        for tier in args.tiers.split(","):
+            if tier == "4" and m * n * k * batch > 2**37:
+                continue                      # 8192^3 on the numba kernel: not interesting
+            if batch > 1 and tier in ("0", "1"):
+                continue                      # those tiers are for weights (2-D params)
+            try:
+                r = bench(tier, batch, m, k, n, rlx, cuda, torch, args.iters)
+            except Exception as e:  # noqa: BLE001 - report the row, keep going
+                print(f"{tier:<6} {shape:<18} ERROR {type(e).__name__}: {e}")
+                results.append(dict(tier=tier, shape=shape, error=str(e), **{"pass": False}))
+                free_device_memory(cuda, torch)
+                continue
+            results.append(r)
+            bar = f"{r['bar']:.2f}" if r["bar"] else "  -  "
+            print(f"{tier:<6} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
+                  f"{r['ratio']:6.2f} {bar:>5}  {'PASS' if r['pass'] else 'FAIL'} {r['rel_err']:.1e}  "
+                  f"{' | '.join(r['kernels'])}", flush=True)
+    os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
+    fails = sum(not r["pass"] for r in results)
+    print(f"\n{len(results) - fails}/{len(results)} rows pass; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

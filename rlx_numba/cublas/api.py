@@ -1,0 +1,115 @@
+"""ctypes prototypes for the cuBLAS and cuBLASLt calls rlx_numba makes, and their enums.
+
+Every function has argtypes and restype set (a wrong call fails in ctypes, not in the
+library), and an errcheck that turns a non-zero cublasStatus_t into ``CublasError`` naming
+the call and the status. Values from the CUDA 12.9 and 13.x headers (identical in both).
+Pointers and opaque handles are ``c_void_p``; device pointers are passed as ints.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_p
+
+from .loader import load_cublas
+
+# cublasOperation_t, cublasMath_t, cublasGemmAlgo_t
+OP_N, OP_T = 0, 1
+DEFAULT_MATH, TF32_TENSOR_OP_MATH = 0, 3
+GEMM_DEFAULT = -1
+# cudaDataType / cublasComputeType_t
+R_32F, R_16F, R_16BF = 0, 2, 14
+COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
+# cuBLASLt: matmul desc attributes, epilogues, preference attributes
+DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_RELU_BIAS = 1, 2, 4, 6
+EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 32, 36
+PREF_MAX_WORKSPACE_BYTES = 1
+
+STATUS = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
+          3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",
+          8: "CUBLAS_STATUS_ARCH_MISMATCH", 11: "CUBLAS_STATUS_MAPPING_ERROR",
+          13: "CUBLAS_STATUS_EXECUTION_FAILED", 14: "CUBLAS_STATUS_INTERNAL_ERROR",
+          15: "CUBLAS_STATUS_NOT_SUPPORTED", 16: "CUBLAS_STATUS_LICENSE_ERROR"}
+
+
+class CublasError(RuntimeError):
+    def __init__(self, call: str, status: int):
+        self.call, self.status = call, status
+        super().__init__(f"{call} failed: {STATUS.get(status, 'unknown status')} ({status})")
+
+
+class AlgoT(ctypes.Structure):                 # cublasLtMatmulAlgo_t
+    _fields_ = [("data", c_uint64 * 8)]
+
+
+class HeuristicResultT(ctypes.Structure):      # cublasLtMatmulHeuristicResult_t (96 bytes)
+    _fields_ = [("algo", AlgoT), ("workspaceSize", c_size_t), ("state", c_int),
+                ("wavesCount", c_float), ("reserved", c_int * 4)]
+
+
+P = c_void_p
+# name: argtypes (restype is the status int for all of them)
+CUBLAS = {
+    "cublasCreate_v2": [POINTER(c_void_p)],
+    "cublasDestroy_v2": [P],
+    "cublasSetStream_v2": [P, P],
+    "cublasSetMathMode": [P, c_int],
+    "cublasSetWorkspace_v2": [P, P, c_size_t],
+    "cublasSgemm_v2": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P, c_int],
+    "cublasSgemmStridedBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int64,
+                                  P, c_int, c_int64, P, P, c_int, c_int64, c_int],
+    "cublasSgemmBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P,
+                           c_int, c_int],
+    "cublasGemmEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int, c_int,
+                     P, P, c_int, c_int, c_int, c_int],
+    "cublasGemmStridedBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int,
+                                   c_int64, P, c_int, c_int, c_int64, P, P, c_int, c_int,
+                                   c_int64, c_int, c_int, c_int],
+}
+CUBLASLT = {
+    "cublasLtCreate": [POINTER(c_void_p)],
+    "cublasLtDestroy": [P],
+    "cublasLtMatmulDescCreate": [POINTER(c_void_p), c_int, c_int],
+    "cublasLtMatmulDescDestroy": [P],
+    "cublasLtMatmulDescSetAttribute": [P, c_int, P, c_size_t],
+    "cublasLtMatrixLayoutCreate": [POINTER(c_void_p), c_int, c_uint64, c_uint64, c_int64],
+    "cublasLtMatrixLayoutDestroy": [P],
+    "cublasLtMatmulPreferenceCreate": [POINTER(c_void_p)],
+    "cublasLtMatmulPreferenceDestroy": [P],
+    "cublasLtMatmulPreferenceSetAttribute": [P, c_int, P, c_size_t],
+    "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, c_int, POINTER(HeuristicResultT),
+                                       POINTER(c_int)],
+    "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, POINTER(AlgoT), P, c_size_t, P],
+}
+
+
+def _errcheck(status, func, args):
+    if status != 0:
+        raise CublasError(func.__name__, status)
+    return status
+
+
+class _Lib:
+    """Attribute access to the prototyped functions of one library."""
+
+    def __init__(self, loaded, protos):
+        self.path, self.major = loaded.path, loaded.major
+        for name, argtypes in protos.items():
+            fn = getattr(loaded.lib, name)
+            fn.argtypes, fn.restype, fn.errcheck = argtypes, c_int, _errcheck
+            setattr(self, name, fn)
+
+
+_libs: dict[str, _Lib] = {}
+
+
+def libs() -> tuple[_Lib, _Lib]:
+    """(cublas, cublasLt), loaded and prototyped once; raises LibraryNotFound."""
+    if not _libs:
+        lt, blas = load_cublas()
+        _libs["cublasLt"] = _Lib(lt, CUBLASLT)
+        _libs["cublas"] = _Lib(blas, CUBLAS)
+        ver = lt.lib.cublasLtGetVersion
+        ver.argtypes, ver.restype = [], c_size_t
+        _libs["cublasLt"].version = int(ver())
+    return _libs["cublas"], _libs["cublasLt"]

@@ -1,0 +1,205 @@
+"""GEMM calls prepared once and replayed: handles, workspaces, and row-major operand mapping.
+
+cuBLAS is column-major. A row-major [R, C] buffer is, to cuBLAS, a column-major [C, R] matrix
+(its transpose) with leading dimension C. So the row-major product C[M,N] = A[M,K] @ B[K,N] is
+the column-major C^T[N,M] = B^T[N,K] @ A^T[K,M]: swap the operands and call with m=N, n=M.
+An operand stored transposed (A as [K, M], B as [N, K]) becomes an OP_T flag, never a copy.
+A cuBLASLt bias of length N (one per output feature) is then a bias over D's rows, which is
+exactly what the BIAS epilogues take.
+
+Every ``*_plan`` function does all the work that can be done ahead (handle for the stream,
+descriptors, algorithm heuristics, ctypes argument packing) and returns a no-argument callable
+that enqueues the GEMM on the stream.
+"""
+from __future__ import annotations
+
+from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
+from dataclasses import dataclass
+
+from . import api
+
+WORKSPACE_BYTES = 32 << 20      # NVIDIA's recommendation for Hopper (4 MiB elsewhere is enough)
+
+_blas: dict = {}                 # (device, stream, tf32) -> cublasHandle_t
+_lt: dict = {}                   # device -> cublasLtHandle_t
+_ws: dict = {}                   # (device, stream) -> workspace device array
+
+
+def _device_id() -> int:
+    from numba import cuda
+    return cuda.get_current_device().id
+
+
+def _stream_ptr(stream) -> int:
+    return int(stream) if stream is not None else 0     # numba's Stream.__int__: the CUstream
+
+
+def workspace(stream) -> tuple[int, int]:
+    """(device pointer, bytes) of the workspace of (device, stream), allocated once."""
+    from numba import cuda
+    key = (_device_id(), _stream_ptr(stream))
+    if key not in _ws:
+        _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
+    return _ws[key].device_ctypes_pointer.value, WORKSPACE_BYTES
+
+
+def blas_handle(stream, tf32: bool) -> c_void_p:
+    """One cuBLAS handle per (device, stream, math mode), bound to its stream and workspace."""
+    blas, _ = api.libs()
+    key = (_device_id(), _stream_ptr(stream), tf32)
+    if key not in _blas:
+        h = c_void_p()
+        blas.cublasCreate_v2(byref(h))
+        blas.cublasSetStream_v2(h, c_void_p(key[1]))
+        ptr, size = workspace(stream)
+        blas.cublasSetWorkspace_v2(h, c_void_p(ptr), size)
+        blas.cublasSetMathMode(h, api.TF32_TENSOR_OP_MATH if tf32 else api.DEFAULT_MATH)
+        _blas[key] = h
+    return _blas[key]
+
+
+def lt_handle() -> c_void_p:
+    _, lt = api.libs()
+    dev = _device_id()
+    if dev not in _lt:
+        h = c_void_p()
+        lt.cublasLtCreate(byref(h))
+        _lt[dev] = h
+    return _lt[dev]
+
+
+@dataclass(frozen=True)
+class Colmajor:
+    """A row-major problem C[M,N] = op(A) @ op(B) in cuBLAS's column-major terms."""
+    opa: int
+    opb: int
+    m: int
+    n: int
+    k: int
+    lda: int
+    ldb: int
+    ldc: int
+
+
+def colmajor(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> Colmajor:
+    """cuBLAS's A is our B (stored [K,N], or [N,K] when trans_b), its B is our A (stored
+    [M,K], or [K,M] when trans_a)."""
+    return Colmajor(opa=api.OP_T if trans_b else api.OP_N, opb=api.OP_T if trans_a else api.OP_N,
+                    m=n, n=m, k=k, lda=k if trans_b else n, ldb=m if trans_a else k, ldc=n)
+
+
+_ONE, _ZERO = c_float(1.0), c_float(0.0)
+
+
+def sgemm_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, c_ptr: int, *, tf32: bool,
+               batch: int = 1, stride_a: int = 0, stride_b: int = 0, ptr_arrays=None):
+    """cublasSgemm_v2 (batch 1), cublasSgemmStridedBatched (element strides of our A and B,
+    0 for a broadcast operand), or cublasSgemmBatched with device arrays of pointers
+    (``ptr_arrays`` = (A pointers, B pointers, C pointers)) for any other batch broadcast."""
+    blas, _ = api.libs()
+    h = blas_handle(stream, tf32)
+    head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(_ONE))
+    if ptr_arrays is not None:
+        pa, pb, pc = (p.device_ctypes_pointer.value for p in ptr_arrays)
+        args = head + (c_void_p(pb), cm.lda, c_void_p(pa), cm.ldb, byref(_ZERO), c_void_p(pc),
+                       cm.ldc, batch)
+        fn = blas.cublasSgemmBatched
+    elif batch > 1:
+        args = head + (c_void_p(b_ptr), cm.lda, stride_b, c_void_p(a_ptr), cm.ldb, stride_a,
+                       byref(_ZERO), c_void_p(c_ptr), cm.ldc, cm.m * cm.n, batch)
+        fn = blas.cublasSgemmStridedBatched
+    else:
+        args = head + (c_void_p(b_ptr), cm.lda, c_void_p(a_ptr), cm.ldb, byref(_ZERO),
+                       c_void_p(c_ptr), cm.ldc)
+        fn = blas.cublasSgemm_v2
+    return lambda: fn(*args)
+
+
+def gemm_ex_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_type: int,
+                 c_ptr: int, *, batch: int = 1, stride_a: int = 0, stride_b: int = 0):
+    """cublasGemmEx / StridedBatchedEx with half (f16/bf16) operands, an f32 result and f32
+    accumulation (COMPUTE_32F)."""
+    blas, _ = api.libs()
+    h = blas_handle(stream, False)
+    head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(_ONE))
+    if batch > 1:
+        args = head + (c_void_p(b_ptr), b_type, cm.lda, stride_b, c_void_p(a_ptr), a_type,
+                       cm.ldb, stride_a, byref(_ZERO), c_void_p(c_ptr), api.R_32F, cm.ldc,
+                       cm.m * cm.n, batch, api.COMPUTE_32F, api.GEMM_DEFAULT)
+        fn = blas.cublasGemmStridedBatchedEx
+    else:
+        args = head + (c_void_p(b_ptr), b_type, cm.lda, c_void_p(a_ptr), a_type, cm.ldb,
+                       byref(_ZERO), c_void_p(c_ptr), api.R_32F, cm.ldc, api.COMPUTE_32F,
+                       api.GEMM_DEFAULT)
+        fn = blas.cublasGemmEx
+    return lambda: fn(*args)
+
+
+LT_EPILOGUES = {(False, None): api.EPILOGUE_DEFAULT, (True, None): api.EPILOGUE_BIAS,
+                (False, "relu"): api.EPILOGUE_RELU, (True, "relu"): api.EPILOGUE_RELU_BIAS,
+                (False, "gelu_tanh"): api.EPILOGUE_GELU, (True, "gelu_tanh"): api.EPILOGUE_GELU_BIAS}
+
+
+def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: bool,
+            bias_ptr: int | None = None, activation: str | None = None,
+            residual_ptr: int | None = None):
+    """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual] with f32 data. The residual
+    goes in as C with beta = 1, which the library adds before the epilogue: callers pass it
+    only without an activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
+    _, lt = api.libs()
+    h = lt_handle()
+    keep = []                                   # ctypes objects the call must outlive
+
+    def attr(setter, obj, key, value):
+        keep.append(value)
+        setter(obj, key, byref(value), sizeof(value))
+
+    desc = c_void_p()
+    lt.cublasLtMatmulDescCreate(byref(desc), api.COMPUTE_32F_FAST_TF32 if tf32 else api.COMPUTE_32F,
+                                api.R_32F)
+    set_desc = lt.cublasLtMatmulDescSetAttribute
+    attr(set_desc, desc, api.DESC_TRANSA, c_int32(cm.opa))
+    attr(set_desc, desc, api.DESC_TRANSB, c_int32(cm.opb))
+    attr(set_desc, desc, api.DESC_EPILOGUE, c_uint32(LT_EPILOGUES[(bias_ptr is not None, activation)]))
+    if bias_ptr is not None:   # set before the heuristic: it looks at the pointer's alignment
+        attr(set_desc, desc, api.DESC_BIAS_POINTER, c_void_p(bias_ptr))
+
+    def layout(rows, cols, ld):
+        lay = c_void_p()
+        lt.cublasLtMatrixLayoutCreate(byref(lay), api.R_32F, rows, cols, ld)
+        return lay
+    la = layout(cm.k if cm.opa == api.OP_T else cm.m, cm.m if cm.opa == api.OP_T else cm.k, cm.lda)
+    lb = layout(cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n, cm.ldb)
+    lc = layout(cm.m, cm.n, cm.ldc)
+    ws_ptr, ws_size = workspace(stream)
+    pref = c_void_p()
+    lt.cublasLtMatmulPreferenceCreate(byref(pref))
+    attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
+         c_uint64(ws_size))
+    result, count = api.HeuristicResultT(), c_int(0)
+    lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, 1, byref(result), byref(count))
+    lt.cublasLtMatmulPreferenceDestroy(pref)
+    if count.value == 0:
+        raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
+    algo = result.algo
+    beta = c_float(1.0 if residual_ptr is not None else 0.0)
+    c_ptr = residual_ptr if residual_ptr is not None else d_ptr
+    args = (h, desc, byref(_ONE), c_void_p(b_ptr), la, c_void_p(a_ptr), lb, byref(beta),
+            c_void_p(c_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
+            c_void_p(_stream_ptr(stream)))
+    keep += [desc, la, lb, lc, algo, beta]
+    call = lt.cublasLtMatmul
+
+    def run():
+        call(*args)
+    run.keep = keep         # the descriptors live as long as the plan (never destroyed early)
+    return run
+
+
+def pointer_array(arr_ptr: int, offsets, itemsize: int):
+    """A device array of base + offset*itemsize pointers (for cublasSgemmBatched)."""
+    import numpy as np
+    from numba import cuda
+    host = (np.asarray(offsets, np.uint64) * np.uint64(itemsize) + np.uint64(arr_ptr))
+    return cuda.to_device(host)
+

@@ -1,0 +1,277 @@
+"""Lowering of matmul and linear: the tier ladder of DESIGN.md.
+
+Each product is planned once, at compile time, taking the first tier whose preconditions hold:
+
+  0  the weight (B) is a param stored half by ``set_param_half``: the activations are cast to
+     that half type (a generated cast kernel), then ``cublasGemmEx`` with f32 accumulation;
+  1  cuBLASLt with the bias and relu / gelu_tanh fused in its epilogue (a residual with no
+     activation rides along as C with beta = 1); only for an epilogue it can fuse;
+  2  ``cublasSgemm_v2`` / strided-batched / pointer-array batched;
+  4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
+
+Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
+generated element-wise kernel over the output, in place. Batch dims broadcast; a 2-D weight
+folds the leading dims of A into M (one GEMM). An operand produced by a transpose of its last
+two axes whose every consumer is a product is not materialised: it reaches the GEMM as an
+op-T flag (``absorbed_transposes``).
+
+``RLX_NUMBA_LOG_FALLBACK=1`` logs the tier of every product and why the tiers above it were
+passed over; the same goes in each step's ``info``. ``RLX_NUMBA_MATMUL_TIERS=2,4`` restricts
+the tiers tried (for tests and comparisons).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import cublas
+from ..ir import dtypes as dt
+from ..ir.graph import Graph
+from ..kernels import matmul as mm
+from .device import SIMULATOR
+from .lower import CallStep, Step, elementwise_step, log, lowering, step_name
+
+LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
+PRODUCTS = ("matmul", "linear")
+
+
+def absorbed_transposes(graph: Graph, live_outputs) -> set:
+    """Transposes of the last two axes that only feed products (matmul's operands, linear's
+    weight) and are not outputs: their consumers read the input with a transpose flag."""
+    consumers: dict[int, list] = {}
+    for n in graph.nodes:
+        for j, i in enumerate(n.inputs):
+            consumers.setdefault(i, []).append((n, j))
+    out = set()
+    for n in graph.nodes:
+        if n.op != "transpose" or n.id in live_outputs:
+            continue
+        r = len(n.shape)
+        if tuple(n.attrs["perm"]) != tuple(range(r - 2)) + (r - 1, r - 2):
+            continue
+        uses = consumers.get(n.id, [])
+        if uses and all(m.op == "matmul" or (m.op == "linear" and j == 1) for m, j in uses):
+            out.add(n.id)
+    return out
+
+
+@dataclass
+class Operand:
+    buf: object        # flat device view of the stored matrix (or matrices)
+    node: object       # the node whose memory that is (a transpose's input when absorbed)
+    trans: bool        # stored as the transpose of the logical operand (last two axes)
+    shape: tuple       # logical shape [..., rows, cols]
+
+
+def operand(exe, nid) -> Operand:
+    g = exe.graph
+    n = g.nodes[nid]
+    if nid in exe.absorbed:
+        src = g.nodes[n.inputs[0]]
+        return Operand(exe.buf(src), src, True, n.shape)
+    return Operand(exe.buf(n), n, False, n.shape)
+
+
+def _env_tiers():
+    raw = os.environ.get("RLX_NUMBA_MATMUL_TIERS")
+    if not raw:
+        return (0, 1, 2, 4)
+    tiers = tuple(int(t) for t in raw.split(","))
+    if 4 not in tiers:      # the numba kernel is the floor: a product must always lower
+        tiers += (4,)
+    return tiers
+
+
+def _batch_offsets(shape, batch_shape, mat):
+    """Element offset of each batch matrix of an operand (0-stride on broadcast dims)."""
+    z = np.arange(math.prod(batch_shape))
+    bshape = (1,) * (len(batch_shape) - len(shape[:-2])) + tuple(shape[:-2])
+    idx = np.zeros(len(z), np.int64)
+    rem, mult = z.copy(), 1
+    for d in range(len(batch_shape) - 1, -1, -1):
+        coord = rem % batch_shape[d]
+        rem //= batch_shape[d]
+        if bshape[d] != 1:
+            idx += coord * mult
+        mult *= bshape[d]
+    return idx * mat
+
+
+def _uniform_stride(offs):
+    """The stride s with offs == s * arange, or None."""
+    if len(offs) < 2:
+        return 0
+    s = int(offs[1] - offs[0])
+    return s if np.array_equal(offs, s * np.arange(len(offs))) else None
+
+
+def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
+                  residual=None) -> list:
+    """Steps computing activation(A @ B + bias) + residual into the node's buffer."""
+    name = step_name(n)
+    out = exe.buf(n)
+    m, k, ncols = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch_shape = tuple(out_shape[:-2])
+    if len(b.shape) == 2 and not a.trans:       # fold A's leading dims into M: one GEMM
+        m, batch_shape = m * math.prod(batch_shape), ()
+    batch = math.prod(batch_shape)
+    if batch * m * ncols == 0:
+        return []
+    epi = {"bias": bias, "activation": activation, "residual": residual}
+    steps, why = [], []
+    if k == 0:   # an empty sum: zeros, then the epilogue
+        steps.append(elementwise_step(name + " zero", ("cast", None, dt.F32, ("in", 0, dt.BOOL)),
+                                      out, (batch * m * ncols,), [exe.device_array(np.zeros(1, np.bool_))],
+                                      [(1,)], [dt.BOOL]))
+        return steps + _epilogue(exe, name, out, (batch * m, ncols), **epi)
+    offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
+    offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
+    tiers = _env_tiers()
+    ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
+    flops = 2 * batch * m * ncols * k
+    for tier in (0, 1, 2):
+        if tier not in tiers:
+            why.append(f"tier {tier} not allowed by RLX_NUMBA_MATMUL_TIERS")
+            continue
+        if not ok:
+            why.append(f"tier {tier}: {reason.splitlines()[0]}")
+            continue
+        plan = _TIERS[tier](exe, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, why)
+        if plan is not None:
+            steps, fused = plan
+            return _done(n, tier, why, steps, flops) + _epilogue(exe, name, out, (batch * m, ncols),
+                                                                 **{**epi, **fused})
+    kern = mm.sgemm_kernel(a.trans, b.trans)
+    grid, block = mm.sgemm_launch(m, ncols, batch)
+    steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
+                  (out, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
+                   exe.device_array(offs_a), exe.device_array(offs_b), np.int64(batch)))]
+    return _done(n, 4, why, steps, flops) + _epilogue(exe, name, out, (batch * m, ncols), **epi)
+
+
+def _done(n, tier, why, steps, flops):
+    steps[-1].info.update(tier=tier, why=list(why), flops=flops)
+    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
+        log.warning("%s: matmul tier %d (%s)%s", step_name(n), tier, steps[-1].kernel_name,
+                    "".join(f"; {w}" for w in why))
+    return steps
+
+
+def _epilogue(exe, name, out, shape, bias=None, activation=None, residual=None):
+    """activation(out + bias) + residual, in place, as one generated kernel (or nothing)."""
+    if bias is None and activation is None and residual is None:
+        return []
+    expr = ("in", 0, dt.F32)
+    ins, shapes = [out], [shape]
+    if bias is not None:
+        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
+        ins.append(exe.buf(bias))
+        shapes.append(bias.shape)
+    if activation:
+        expr = ("activation", activation, dt.F32, expr)
+    if residual is not None:
+        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
+        ins.append(exe.buf(residual))
+        shapes.append(shape)
+    return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, [dt.F32] * len(ins))]
+
+
+def _ptr(buf) -> int:
+    return buf.device_ctypes_pointer.value
+
+
+def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+    half = exe.half_param(b.node)
+    if half is None:
+        why.append("tier 0: the weight is not stored half (set_param_half)")
+        return None
+    hdt, hbuf = half
+    sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
+    if batch > 1 and (sa is None or sb is None):
+        why.append("tier 0: the batch broadcast has no single stride")
+        return None
+    from ..cublas import api, gemm
+    size = a.node.size
+    scratch = exe.device_array(np.empty(size, hdt.storage))
+    cast = elementwise_step(name + f" cast {hdt}", ("cast", None, hdt, ("in", 0, dt.F32)), scratch,
+                            (size,), [a.buf], [(size,)], [dt.F32])
+    cm = gemm.colmajor(m, n, k, a.trans, b.trans)
+    code = api.R_16BF if hdt == dt.BF16 else api.R_16F
+    make = lambda stream: gemm.gemm_ex_plan(stream, cm, _ptr(scratch), code, _ptr(hbuf), code,  # noqa: E731
+                                            _ptr(out), batch=batch, stride_a=sa or 0,
+                                            stride_b=sb or 0)
+    return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
+
+
+def _tier1(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+    bias, act, res = epi["bias"], epi["activation"], epi["residual"]
+    if bias is None and act is None and res is None:
+        why.append("tier 1: no epilogue to fuse")
+        return None
+    if act not in LT_ACTIVATIONS:
+        why.append(f"tier 1: cuBLASLt cannot fuse activation {act!r}")
+        return None
+    if batch > 1:
+        why.append("tier 1: batched product")
+        return None
+    from ..cublas import gemm
+    cm = gemm.colmajor(m, n, k, a.trans, b.trans)
+    tf32 = cublas.allow_tf32
+    fuse_res = res is not None and act is None     # C = residual, beta = 1, added before act
+    kw = dict(tf32=tf32, activation=act,
+              bias_ptr=_ptr(exe.buf(bias)) if bias is not None else None,
+              residual_ptr=_ptr(exe.buf(res)) if fuse_res else None)
+    try:   # plan now, so a shape the library refuses falls through at compile time
+        first = gemm.lt_plan(exe.stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out), **kw)
+    except cublas.CublasError as e:
+        why.append(f"tier 1: {e}")
+        return None
+    make = lambda stream: first if stream is exe.stream else gemm.lt_plan(  # noqa: E731
+        stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out), **kw)
+    label = "+".join(x for x in ("bias" if bias is not None else "", act or "",
+                                 "residual" if fuse_res else "") if x)
+    step = CallStep(name, f"cublasLt {label} {m}x{n}x{k}{' tf32' if tf32 else ''}", make)
+    return [step], {"bias": None, "activation": None, "residual": None if fuse_res else res}
+
+
+def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+    from ..cublas import gemm
+    cm = gemm.colmajor(m, n, k, a.trans, b.trans)
+    tf32 = cublas.allow_tf32
+    sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
+    ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
+    if batch > 1 and (sa is None or sb is None):
+        ptrs = (gemm.pointer_array(_ptr(a.buf), offs_a, 4), gemm.pointer_array(_ptr(b.buf), offs_b, 4),
+                gemm.pointer_array(_ptr(out), np.arange(batch) * m * n, 4))
+        exe.keep(ptrs)
+        kind = "cublasSgemmBatched"
+    make = lambda stream: gemm.sgemm_plan(stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out),  # noqa: E731
+                                          tf32=tf32, batch=batch, stride_a=sa or 0,
+                                          stride_b=sb or 0, ptr_arrays=ptrs)
+    return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
+
+
+_TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
+
+
+@lowering("matmul")
+def _lower_matmul(exe, n):
+    a, b = (operand(exe, i) for i in n.inputs)
+    return product_steps(exe, n, a, b, n.shape)
+
+
+@lowering("linear")
+def _lower_linear(exe, n):
+    g = exe.graph
+    x = g.nodes[n.inputs[0]]
+    w = operand(exe, n.inputs[1])
+    k = x.shape[-1]
+    a = Operand(exe.buf(x), x, False, (math.prod(x.shape[:-1]), k))
+    rest = [g.nodes[i] for i in n.inputs[2:]]
+    bias = rest.pop(0) if n.attrs["has_bias"] else None
+    res = rest.pop(0) if n.attrs.get("has_residual") else None
+    return product_steps(exe, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
+                         activation=n.attrs["activation"], residual=res)
