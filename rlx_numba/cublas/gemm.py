@@ -142,10 +142,11 @@ LT_EPILOGUES = {(False, None): api.EPILOGUE_DEFAULT, (True, None): api.EPILOGUE_
 
 def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: bool,
             bias_ptr: int | None = None, activation: str | None = None,
-            residual_ptr: int | None = None):
-    """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual] with f32 data. The residual
-    goes in as C with beta = 1, which the library adds before the epilogue: callers pass it
-    only without an activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
+            residual_ptr: int | None = None, in_type: int = api.R_32F):
+    """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual], D, C and bias f32; A and B
+    of ``in_type`` (f32, or f16/bf16 with f32 accumulation). The residual goes in as C with
+    beta = 1, which the library adds before the epilogue: callers pass it only without an
+    activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
     _, lt = api.libs()
     h = lt_handle()
     keep = []                                   # ctypes objects the call must outlive
@@ -155,8 +156,8 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
         setter(obj, key, byref(value), sizeof(value))
 
     desc = c_void_p()
-    lt.cublasLtMatmulDescCreate(byref(desc), api.COMPUTE_32F_FAST_TF32 if tf32 else api.COMPUTE_32F,
-                                api.R_32F)
+    compute = api.COMPUTE_32F_FAST_TF32 if tf32 and in_type == api.R_32F else api.COMPUTE_32F
+    lt.cublasLtMatmulDescCreate(byref(desc), compute, api.R_32F)
     set_desc = lt.cublasLtMatmulDescSetAttribute
     attr(set_desc, desc, api.DESC_TRANSA, c_int32(cm.opa))
     attr(set_desc, desc, api.DESC_TRANSB, c_int32(cm.opb))
@@ -164,13 +165,15 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     if bias_ptr is not None:   # set before the heuristic: it looks at the pointer's alignment
         attr(set_desc, desc, api.DESC_BIAS_POINTER, c_void_p(bias_ptr))
 
-    def layout(rows, cols, ld):
+    def layout(dtype, rows, cols, ld):
         lay = c_void_p()
-        lt.cublasLtMatrixLayoutCreate(byref(lay), api.R_32F, rows, cols, ld)
+        lt.cublasLtMatrixLayoutCreate(byref(lay), dtype, rows, cols, ld)
         return lay
-    la = layout(cm.k if cm.opa == api.OP_T else cm.m, cm.m if cm.opa == api.OP_T else cm.k, cm.lda)
-    lb = layout(cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n, cm.ldb)
-    lc = layout(cm.m, cm.n, cm.ldc)
+    la = layout(in_type, cm.k if cm.opa == api.OP_T else cm.m, cm.m if cm.opa == api.OP_T else cm.k,
+                cm.lda)
+    lb = layout(in_type, cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n,
+                cm.ldb)
+    lc = layout(api.R_32F, cm.m, cm.n, cm.ldc)
     ws_ptr, ws_size = workspace(stream)
     pref = c_void_p()
     lt.cublasLtMatmulPreferenceCreate(byref(pref))

@@ -200,10 +200,41 @@ def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
                             (size,), [a.buf], [(size,)], [dt.F32])
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
     code = api.R_16BF if hdt == dt.BF16 else api.R_16F
+    if batch == 1:   # cuBLASLt: better kernels for skinny (decode) shapes, and the epilogue
+        lt = _lt_step(exe, name, cm, scratch, hbuf, out, epi, why, in_type=code, label=str(hdt))
+        if lt is not None:
+            return [cast, lt[0]], lt[1]
     make = lambda stream: gemm.gemm_ex_plan(stream, cm, _ptr(scratch), code, _ptr(hbuf), code,  # noqa: E731
                                             _ptr(out), batch=batch, stride_a=sa or 0,
                                             stride_b=sb or 0)
     return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
+
+
+def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
+    """One planned cuBLASLt step fusing what it can of the epilogue, and the epilogue left
+    over; None (with the reason in ``why``) when the library has no algorithm."""
+    from ..cublas import api, gemm
+    bias, act, res = epi["bias"], epi["activation"], epi["residual"]
+    lt_act = act if act in LT_ACTIVATIONS else None
+    fuse_res = res is not None and act is None     # C = residual, beta = 1, added before act
+    tf32 = cublas.allow_tf32 and in_type == api.R_32F
+    kw = dict(tf32=tf32, activation=lt_act, in_type=in_type,
+              bias_ptr=_ptr(exe.buf(bias)) if bias is not None and act == lt_act else None,
+              residual_ptr=_ptr(exe.buf(res)) if fuse_res else None)
+    try:   # plan now, so a shape the library refuses falls through at compile time
+        first = gemm.lt_plan(exe.stream, cm, _ptr(a_buf), _ptr(b_buf), _ptr(out), **kw)
+    except cublas.CublasError as e:
+        why.append(f"cuBLASLt: {e}")
+        return None
+    make = lambda stream: first if stream is exe.stream else gemm.lt_plan(  # noqa: E731
+        stream, cm, _ptr(a_buf), _ptr(b_buf), _ptr(out), **kw)
+    fused_bias = kw["bias_ptr"] is not None
+    tags = "+".join(t for t in (label, "bias" if fused_bias else "", lt_act or "",
+                                "residual" if fuse_res else "") if t)
+    step = CallStep(name, f"cublasLt {tags} {cm.n}x{cm.m}x{cm.k}{' tf32' if tf32 else ''}", make)
+    left = {"bias": None if fused_bias else bias, "activation": None if lt_act else act,
+            "residual": None if fuse_res else res}
+    return step, left
 
 
 def _tier1(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
@@ -217,24 +248,10 @@ def _tier1(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     if batch > 1:
         why.append("tier 1: batched product")
         return None
-    from ..cublas import gemm
+    from ..cublas import api, gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
-    tf32 = cublas.allow_tf32
-    fuse_res = res is not None and act is None     # C = residual, beta = 1, added before act
-    kw = dict(tf32=tf32, activation=act,
-              bias_ptr=_ptr(exe.buf(bias)) if bias is not None else None,
-              residual_ptr=_ptr(exe.buf(res)) if fuse_res else None)
-    try:   # plan now, so a shape the library refuses falls through at compile time
-        first = gemm.lt_plan(exe.stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out), **kw)
-    except cublas.CublasError as e:
-        why.append(f"tier 1: {e}")
-        return None
-    make = lambda stream: first if stream is exe.stream else gemm.lt_plan(  # noqa: E731
-        stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out), **kw)
-    label = "+".join(x for x in ("bias" if bias is not None else "", act or "",
-                                 "residual" if fuse_res else "") if x)
-    step = CallStep(name, f"cublasLt {label} {m}x{n}x{k}{' tf32' if tf32 else ''}", make)
-    return [step], {"bias": None, "activation": None, "residual": None if fuse_res else res}
+    lt = _lt_step(exe, name, cm, a.buf, b.buf, out, epi, why, in_type=api.R_32F, label="")
+    return None if lt is None else ([lt[0]], lt[1])
 
 
 def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
