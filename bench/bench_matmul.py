@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -86,10 +87,17 @@ def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
             s()
     n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
     rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
+    exe.stream.synchronize()
+    t0 = time.perf_counter()        # host time to enqueue one run: launch-bound when ~ rlx_ms
+    for _ in range(n_iter):
+        launch()
+    host_ms = (time.perf_counter() - t0) * 1e3 / n_iter
+    exe.stream.synchronize()
     torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
     flops = 2.0 * batch * m * n * k
-    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_tflops=flops / rlx_ms / 1e9,
+    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_ms=rlx_ms, rlx_tflops=flops / rlx_ms / 1e9,
                torch_tflops=flops / torch_ms / 1e9, ratio=torch_ms / rlx_ms, rel_err=err,
+               host_ms=host_ms,
                kernels=kernels, tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
     bar = {"2": 0.95, "2tf32": 0.95, "1": 1.0, "0": 0.9, "4": 0.25}[tier]
     applies = (tier not in ("0", "4")) or (tier == "0" and (batch, m, k, n) in WEIGHT_BOUND) \
@@ -140,7 +148,8 @@ def main(argv=None) -> int:
             bar = f"{r['bar']:.2f}" if r["bar"] else "  -  "
             print(f"{tier:<6} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
                   f"{r['ratio']:6.2f} {bar:>5}  {'PASS' if r['pass'] else 'FAIL'} {r['rel_err']:.1e}  "
-                  f"{' | '.join(r['kernels'])}", flush=True)
+                  f"{' | '.join(r['kernels'])}  [{1e3 * r['rlx_ms']:.0f} us a run, host enqueue "
+                  f"{1e3 * r['host_ms']:.0f} us]", flush=True)
     os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))

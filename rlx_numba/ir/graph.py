@@ -9,8 +9,11 @@ import numpy as np
 from . import dtypes as dt
 from . import ops
 from .ops import fmt
+from .ops_attention import AttentionOps
 from .ops_norm import NormOps
 from .ops_reduce import ReduceOps
+from .ops_rope import RopeOps
+from .ops_sample import SampleOps
 from .ops_shape import ShapeOps
 
 
@@ -96,7 +99,7 @@ class Tensor:
         raise TypeError("a graph Tensor has no truth value (it is computed when the graph runs)")
 
 
-class Graph(ShapeOps, ReduceOps, NormOps):
+class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

@@ -11,7 +11,8 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
 from ..memory import Buffer, MemoryReport, plan
-from . import lower, lower_matmul, lower_norm, lower_reduce, lower_shape  # noqa: F401 - register lowerings
+from . import (lower, lower_attention, lower_matmul, lower_norm, lower_reduce,  # noqa: F401
+               lower_rope, lower_sample, lower_shape)            # (each registers its lowerings)
 from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
@@ -107,9 +108,11 @@ class CudaExecutable:
         self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
         self._live = self._reachable()
         self._root = {}                      # node id -> node id that owns its memory
-        for n in nodes:
+        for n in nodes:                      # in-place nodes (kv_write) alias input 0 too
             if n.id in self._live:
-                self._root[n.id] = self._root[n.inputs[0]] if self._is_view(n) else n.id
+                alias = self._is_view(n) or n.op in lower.INPLACE
+                self._root[n.id] = self._root[n.inputs[0]] if alias else n.id
+        lower.check_inplace(graph, self._live, self._root)
         self._plan_memory()
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
         self._bufs = {}                      # node id -> flat device view of its storage
@@ -151,7 +154,9 @@ class CudaExecutable:
         return lower.is_view(n, self.graph) or n.id in self.absorbed
 
     def _reachable(self) -> set:
-        live, stack = set(), list(self.graph.outputs)
+        # in-place writes always run: a kv_write into a param matters even if nothing reads it
+        live, stack = set(), list(self.graph.outputs) + [
+            n.id for n in self.graph.nodes if n.op in lower.INPLACE]
         while stack:
             i = stack.pop()
             if i not in live:

@@ -21,6 +21,9 @@ log = logging.getLogger("rlx_numba")
 
 ELEMENTWISE = ("activation", "binary", "compare", "where", "cast", "activation_grad")
 WRITTEN_BY_INPUT = ("residual_sum",)   # nodes filled by their input's kernel, not their own
+# in-place nodes: they write into their input 0's memory and their result aliases it (its
+# root is input 0's root, no allocation), but unlike views they lower to Steps; they always run
+INPLACE = ("kv_write",)
 LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 
@@ -44,6 +47,35 @@ def is_view(node: Node, graph: Graph) -> bool:
     if node.op == "reshape":
         return True
     return node.op == "cast" and graph.nodes[node.inputs[0]].dtype == node.dtype
+
+
+def check_inplace(graph: Graph, live, root) -> None:
+    """Raise ValueError when a node (or an output) reads memory that an INPLACE node already
+    overwrote, through a tensor other than that node's result (or a view of it). Steps run in
+    graph order, so such a read would see the new contents, not the tensor's own."""
+    cur, gen, last = {}, {}, {}   # root -> writes so far; node -> writes it saw; root -> writer
+
+    def read(reader, i):
+        r = root[i]
+        if gen.get(i, 0) != cur.get(r, 0):
+            w = graph.nodes[last[r]]
+            raise ValueError(f"compile: {reader} reads %{i} ({graph.nodes[i].op}) after {w.op} "
+                             f"%{w.id} overwrote its memory in place; read %{w.id}'s result "
+                             f"instead, or build the reader before %{w.id}")
+
+    for n in graph.nodes:
+        if n.id not in live:
+            continue
+        for i in n.inputs:
+            read(f"%{n.id} {n.op}", i)
+        if n.op in INPLACE:
+            r = root[n.id]
+            cur[r] = gen[n.id] = cur.get(r, 0) + 1
+            last[r] = n.id
+        elif root[n.id] != n.id:      # a view: the contents its input had
+            gen[n.id] = gen.get(n.inputs[0], 0)
+    for k, o in enumerate(graph.outputs):
+        read(f"output {k}", o)
 
 
 @dataclass

@@ -1,0 +1,186 @@
+"""rope and kv_write: shape rules and the Graph builder methods (mixed into Graph).
+Kernels: kernels/rope.py; lowering: runtime/lower_rope.py."""
+from __future__ import annotations
+
+import operator
+
+from . import dtypes as dt
+from .ops import fmt
+
+INDEX_DTYPES = (dt.I32, dt.I64)
+
+
+def _int(op, arg, v):
+    """A Python/NumPy int (not a bool) as int, else None."""
+    if isinstance(v, bool):
+        return None
+    try:
+        return operator.index(v)
+    except TypeError:
+        return None
+
+
+def _f32(op, arg, t):
+    if t.dtype != dt.F32:
+        raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+
+
+def _index_tensor(op, arg, t):
+    if t.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: {arg} must be i32 or i64, got {t.dtype} {fmt(t.shape)}")
+
+
+def _base(t):
+    """The node whose memory ``t`` shares (through reshapes, same-dtype casts, kv_writes)."""
+    g, n = t.graph, t.node
+    while (n.op in ("reshape", "kv_write")
+           or (n.op == "cast" and g.nodes[n.inputs[0]].dtype == n.dtype)):
+        n = g.nodes[n.inputs[0]]
+    return n
+
+
+class RopeOps:
+    """Builder methods; ``self`` is the Graph."""
+
+    def rope(self, x, cos, sin, *, n_rot=None, interleaved: bool = False, position_offset=0,
+             positions=None):
+        """Rotary position embedding of x [B, H, S, D] (or [B, S, D], one head), f32.
+
+        The first ``n_rot`` dims (default D; even, <= D) are rotated in pairs, the other
+        D - n_rot pass through. Pairs are (i, i + n_rot/2) (NeoX / Llama half split) by
+        default, (2i, 2i + 1) (GPT-J) with ``interleaved=True``; pair i of the token at
+        position p becomes (x0 cos - x1 sin, x1 cos + x0 sin) with cos = cos[p, i],
+        sin = sin[p, i]. cos and sin are f32 [max_pos, n_rot/2] tensors (inputs, params or
+        constants), e.g. cos[p, i] = cos(p * base**(-2i/n_rot)).
+
+        The position of token s is ``position_offset + s`` (a Python int, checked here:
+        position_offset + S <= max_pos), or ``positions[s]`` / ``positions[b, s]`` when
+        ``positions`` (an i32/i64 tensor [S] or [B, S]) is given; that is how one compiled
+        decode graph moves forward from run to run. Positions fed to run() as host arrays are
+        range-checked there (IndexError); in-graph and device-array positions are clamped to
+        [0, max_pos - 1]. Returns f32 of x's shape."""
+        op = "rope"
+        self._check(op, "x", x)
+        self._check(op, "cos", cos)
+        self._check(op, "sin", sin)
+        if len(x.shape) not in (3, 4):
+            raise ValueError(f"{op}: x must be [B, H, S, D] (or [B, S, D]), got {fmt(x.shape)}")
+        _f32(op, "x", x)
+        b, s, d = x.shape[0], x.shape[-2], x.shape[-1]
+        if n_rot is None:
+            n_rot = d
+        nr = _int(op, "n_rot", n_rot)
+        if nr is None or nr < 2 or nr > d or nr % 2:
+            raise ValueError(f"{op}: n_rot must be an even int in [2, D] with D = {d} (x "
+                             f"{fmt(x.shape)}), got {n_rot!r}")
+        half = nr // 2
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if len(t.shape) != 2 or t.shape[1] != half:
+                raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {half}] "
+                                 f"(n_rot {nr}, x {fmt(x.shape)}), got {fmt(t.shape)}")
+            _f32(op, arg, t)
+        if tuple(cos.shape) != tuple(sin.shape):
+            raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
+                             f"same shape")
+        max_pos = cos.shape[0]
+        if max_pos == 0:
+            raise ValueError(f"{op}: cos and sin {fmt(cos.shape)} hold no positions")
+        if not isinstance(interleaved, bool):
+            raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
+        off = _int(op, "position_offset", position_offset)
+        if off is None or off < 0:
+            raise ValueError(f"{op}: position_offset must be an int >= 0, got {position_offset!r}")
+        ins = [x, cos, sin]
+        if positions is None:
+            if off + s > max_pos:
+                raise ValueError(f"{op}: position_offset {off} + S {s} (x {fmt(x.shape)}) exceeds "
+                                 f"max_pos {max_pos} (cos/sin {fmt(cos.shape)})")
+        else:
+            self._check(op, "positions", positions)
+            _index_tensor(op, "positions", positions)
+            if off:
+                raise ValueError(f"{op}: pass either position_offset ({off}) or positions "
+                                 f"{fmt(positions.shape)}, not both")
+            if tuple(positions.shape) not in ((s,), (b, s)):
+                raise ValueError(f"{op}: positions must be [S] = [{s}] or [B, S] = [{b}, {s}] "
+                                 f"(x {fmt(x.shape)}), got {fmt(positions.shape)}")
+            ins.append(positions)
+        return self._add(op, ins, x.shape, dt.F32, n_rot=nr, interleaved=interleaved,
+                         position_offset=off)
+
+    def kv_write(self, cache, new, position):
+        """Write ``new`` [B, H, s, D] into ``cache`` [B, H, max_S, D] at rows
+        position .. position + s - 1 IN PLACE, and return the updated cache: a tensor that
+        shares the cache's memory (no copy of the cache is made; only the s new rows move).
+
+        ``position`` is a Python int (checked here: 0 <= position, position + s <= max_S) or
+        an i32/i64 tensor of shape [] or [1], typically a run() input. A position fed to run()
+        as a host array is range-checked there (IndexError unless 0 <= position <= max_S - s);
+        an in-graph or device-array position is not checked: rows that would land outside
+        [0, max_S) are dropped (never written out of bounds), the others are written.
+
+        cache and new have the same dtype (f32 activations; any dtype is copied bit for bit).
+        A param cache keeps its arena slot across runs, so what one run writes is there in the
+        next (set it once with set_param, e.g. to zeros). An input cache is copied in on
+        every run. A constant cannot be a cache (a constant's values must not change).
+
+        The write happens when its step runs, in graph order: read the cache through the
+        returned tensor. compile() raises if a node built after the kv_write still reads the
+        cache tensor itself (its old contents are gone). kv_write nodes always run, even when
+        nothing reads their result (the write to a param is the point).
+
+        Decode, one compiled graph replayed token after token::
+
+            kc = g.param("k_cache", (B, H, MAX_S, D)); vc = g.param("v_cache", (B, H, MAX_S, D))
+            pos = g.input("pos", (1,), "i32")          # tokens already in the cache
+            q = g.rope(q_new, cos, sin, positions=pos)  # q_new, k_new, v_new [B, H, 1, D]
+            k_all = g.kv_write(kc, g.rope(k_new, cos, sin, positions=pos), pos)
+            v_all = g.kv_write(vc, v_new, pos)
+            keep = g.constant(np.arange(MAX_S)) <= pos  # [MAX_S] bool: keys 0..pos are valid
+            y = g.attention(q, k_all, v_all, mask=keep)
+            # run with {"pos": np.array([t], np.int32)} for t = 0, 1, 2, ...
+
+        With s > 1 new tokens (a chunked prefill), query i sits at pos + i: positions
+        ``pos + g.constant(np.arange(s))`` for rope, and the mask
+        ``g.constant(np.arange(MAX_S)[None, :]) <= pos + g.constant(np.arange(s)[:, None])``
+        ([s, MAX_S], broadcast by attention over batch and heads)."""
+        op = "kv_write"
+        self._check(op, "cache", cache)
+        self._check(op, "new", new)
+        if len(cache.shape) != 4:
+            raise ValueError(f"{op}: cache must be [B, H, max_S, D], got {fmt(cache.shape)}")
+        if len(new.shape) != 4:
+            raise ValueError(f"{op}: new must be [B, H, s, D], got {fmt(new.shape)}")
+        b, h, max_s, d = cache.shape
+        s = new.shape[2]
+        if (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d):
+            raise ValueError(f"{op}: new must be [B, H, s, D] = [{b}, {h}, s, {d}] to match cache "
+                             f"{fmt(cache.shape)}, got {fmt(new.shape)}")
+        if s > max_s:
+            raise ValueError(f"{op}: new {fmt(new.shape)} has {s} rows but cache "
+                             f"{fmt(cache.shape)} holds only {max_s}")
+        if new.dtype != cache.dtype:
+            raise ValueError(f"{op}: new is {new.dtype} {fmt(new.shape)} but cache is "
+                             f"{cache.dtype} {fmt(cache.shape)}; they must match")
+        base = _base(cache)
+        if base.op == "constant":
+            raise ValueError(f"{op}: cache {fmt(cache.shape)} is (a view of) constant %{base.id}; "
+                             f"a cache is written in place, so make it a param (it persists "
+                             f"across runs) or an input")
+        ins = [cache, new]
+        p = _int(op, "position", position)
+        if p is not None:
+            if p < 0 or p + s > max_s:
+                raise ValueError(f"{op}: position {p} + s {s} (new {fmt(new.shape)}) must lie in "
+                                 f"[0, max_S] = [0, {max_s}] (cache {fmt(cache.shape)})")
+        elif hasattr(position, "graph") and hasattr(position, "node"):
+            self._check(op, "position", position)
+            _index_tensor(op, "position", position)
+            if tuple(position.shape) not in ((), (1,)):
+                raise ValueError(f"{op}: position must be a scalar tensor, shape [] or [1], got "
+                                 f"{fmt(position.shape)}")
+            ins.append(position)
+        else:
+            raise ValueError(f"{op}: position must be an int or an i32/i64 tensor of shape [] or "
+                             f"[1], got {type(position).__name__}")
+        return self._add(op, ins, cache.shape, cache.dtype, position=p)

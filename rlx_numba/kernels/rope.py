@@ -1,0 +1,101 @@
+"""Rotary position embedding and the KV-cache row write.
+
+``rope``: x and out are the flat f32 storage of [B, H, S, D]. A row is one (b, h, s); its
+``ncols = n_rot/2 + (D - n_rot)`` work items are the rotated pairs followed by the passed-through
+dims. Threads along grid x take consecutive items of a row, so the loads and stores of a warp
+are contiguous (NeoX pairs (i, i + n_rot/2): two coalesced streams; GPT-J pairs (2i, 2i + 1):
+one stream read as two strided halves of the same cache lines). A thread owns the same item in
+HPT heads of one (b, s): it loads cos/sin once and issues all 2 x HPT loads of x before its
+first store. Grid y walks the rows (b, head group, s), s fastest, so neighbouring y threads
+touch neighbouring rows. Pair i's columns are (i * pair_mul, i * pair_mul + pair_gap): (1,
+n_rot/2) for NeoX, (2, 1) for GPT-J, so one kernel serves both with no branch.
+
+``kv_write``: rows (b, h, j) of new [B, H, s, D] go to row position + j of the cache
+[B, H, max_S, D]; rows landing outside [0, max_S) are dropped.
+
+All index math is uint64 (every scalar argument is np.uint64, literals are wrapped), see
+kernels/shape.py; only positions, which may be negative, are int64 until clamped.
+"""
+from numba import cuda, float32, int64, uint64
+
+from ..runtime.device import SIMULATOR
+from .shape import _copy_span
+
+HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
+
+
+@cuda.jit(cache=True)
+def rope(out, x, cos, sin, pos, nrows, S, H, ngroups, D, half, ncols, pair_mul, pair_gap,
+         offset, pos_bstride, use_pos, max_pos):
+    """out = x rotated; see the module docstring. Row r = (b * ngroups + hg) * S + s covers
+    heads hg * HPT .. hg * HPT + HPT - 1 (those < H). The position of (b, s) is
+    positions[b * pos_bstride + s] clamped to [0, max_pos - 1] when ``use_pos``, else
+    offset + s. Grid: x along the row's items, y over rows."""
+    va = cuda.local.array(HPT, float32)
+    vb = cuda.local.array(HPT, float32)
+    c0 = uint64(cuda.threadIdx.x) + uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x)
+    xstep = uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
+    r = uint64(cuda.threadIdx.y) + uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y)
+    ystep = uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
+    hstride = S * D
+    hpt = uint64(HPT)
+    while r < nrows:
+        q = r // S
+        s = r - q * S
+        b = q // ngroups
+        h0 = (q - b * ngroups) * hpt
+        if use_pos:
+            v = int64(pos[b * pos_bstride + s])
+            if v < int64(0):
+                v = int64(0)
+            if v >= max_pos:
+                v = max_pos - int64(1)
+            p = uint64(v)
+        else:
+            p = offset + s
+        base = ((b * H + h0) * S + s) * D
+        c = c0
+        while c < ncols:
+            if c < half:
+                cs = cos[p * half + c]
+                sn = sin[p * half + c]
+                i0 = base + c * pair_mul
+                i1 = i0 + pair_gap
+                for u in range(HPT):
+                    if h0 + uint64(u) < H:
+                        va[u] = x[i0 + uint64(u) * hstride]
+                        vb[u] = x[i1 + uint64(u) * hstride]
+                for u in range(HPT):
+                    if h0 + uint64(u) < H:
+                        out[i0 + uint64(u) * hstride] = va[u] * cs - vb[u] * sn
+                        out[i1 + uint64(u) * hstride] = vb[u] * cs + va[u] * sn
+            else:   # passed through: column n_rot + (c - half) = c + half
+                i0 = base + c + half
+                for u in range(HPT):
+                    if h0 + uint64(u) < H:
+                        va[u] = x[i0 + uint64(u) * hstride]
+                for u in range(HPT):
+                    if h0 + uint64(u) < H:
+                        out[i0 + uint64(u) * hstride] = va[u]
+            c += xstep
+        r += ystep
+
+
+@cuda.jit(cache=True)
+def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
+    """cache[bh, p + j, :] = new[bh, j, :] for the nrows = B * H * s rows (bh, j) of new, with
+    p = pos[0] when ``use_pos`` else ``position`` (int64); rows with p + j outside
+    [0, max_s) are skipped. cache and new are same-width raw views. Grid: x along D, y over
+    rows."""
+    c0 = uint64(cuda.threadIdx.x) + uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x)
+    xstep = uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
+    r = uint64(cuda.threadIdx.y) + uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y)
+    ystep = uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
+    p = int64(pos[0]) if use_pos else position
+    while r < nrows:
+        bh = r // s
+        j = r - bh * s
+        t = p + int64(j)
+        if t >= int64(0) and t < int64(max_s):
+            _copy_span(cache, (bh * max_s + uint64(t)) * D, new, r * D, c0, D, xstep)
+        r += ystep

@@ -1,0 +1,91 @@
+"""Lowering of the ops in ir/ops_rope.py (kernels in kernels/rope.py).
+
+kv_write is an in-place op (lower.INPLACE): the executable gives its result the memory of its
+input 0 (the cache), so the kernel here only writes the new rows into ``exe.buf(n)``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..ir.ops import fmt
+from ..kernels import rope as k
+from ..kernels.launch import block_rows, grid_3d, waves_cap
+from ..kernels.shape import SPAN
+from .lower import Step, lowering, step_name
+
+U = np.uint64
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _dummy(exe):
+    """A one-element i64 array for the kernels' unused position argument."""
+    if not hasattr(exe, "_rope_dummy"):
+        exe._rope_dummy = exe.device_array(np.zeros(1, np.int64))
+    return exe._rope_dummy
+
+
+def _geometry(ncols, nrows, per_thread=1):
+    """(grid, block) for x along rows of ncols items (per_thread each a trip), y over rows."""
+    tx, ty = block_rows(-(-ncols // per_thread))
+    cap = waves_cap(tx * ty)
+    gx = min(-(-ncols // (tx * per_thread)), cap)
+    gy = min(-(-nrows // ty), max(1, cap // gx))
+    return grid_3d(gx, gy), (tx, ty)
+
+
+@lowering("rope")
+def _lower_rope(exe, n):
+    g = exe.graph
+    x, cos, sin = (g.nodes[i] for i in n.inputs[:3])
+    if len(x.shape) == 4:
+        b, h, s, d = x.shape
+    else:
+        (b, s, d), h = x.shape, 1
+    n_rot = n.attrs["n_rot"]
+    half = n_rot // 2
+    max_pos = cos.shape[0]
+    pos = _dummy(exe)
+    use_pos, pos_bstride = False, 0
+    if len(n.inputs) > 3:
+        pnode = g.nodes[n.inputs[3]]
+        exe.add_index_check(pnode, 0, max_pos - 1,
+                            f"rope %{n.id} (x {fmt(x.shape)}, positions of cos/sin "
+                            f"{fmt(cos.shape)})")
+        pos, use_pos = exe.buf(pnode), True
+        pos_bstride = s if len(pnode.shape) == 2 else 0
+    if n.size == 0:
+        return []
+    ngroups = -(-h // k.HPT)
+    ncols = half + (d - n_rot)
+    nrows = b * ngroups * s
+    mul, gap = (2, 1) if n.attrs["interleaved"] else (1, half)
+    grid, block = _geometry(ncols, nrows)
+    args = (exe.buf(n), exe.buf(x), exe.buf(cos), exe.buf(sin), pos, U(nrows), U(s), U(h),
+            U(ngroups), U(d), U(half), U(ncols), U(mul), U(gap), U(n.attrs["position_offset"]),
+            U(pos_bstride), use_pos, np.int64(max_pos))
+    layout = "gptj" if n.attrs["interleaved"] else "neox"
+    return [Step(step_name(n), f"rope {layout} n_rot={n_rot}/{d}", k.rope, grid, block, args,
+                 {"bytes": 2 * x.nbytes + 2 * 4 * b * s * half})]
+
+
+@lowering("kv_write")
+def _lower_kv_write(exe, n):
+    g = exe.graph
+    cache, new = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
+    b, h, max_s, d = cache.shape
+    s = new.shape[2]
+    pos, use_pos, position = _dummy(exe), False, n.attrs["position"]
+    if len(n.inputs) > 2:
+        pnode = g.nodes[n.inputs[2]]
+        exe.add_index_check(pnode, 0, max_s - s,
+                            f"kv_write %{n.id} (cache {fmt(cache.shape)}, new {fmt(new.shape)})")
+        pos, use_pos, position = exe.buf(pnode), True, 0
+    if new.size == 0:
+        return []
+    nrows = b * h * s
+    width = _UINT[new.dtype.itemsize]
+    grid, block = _geometry(d, nrows, SPAN)
+    args = (exe.buf(n).view(width), exe.buf(new).view(width), pos, np.int64(position), use_pos,
+            U(nrows), U(s), U(max_s), U(d))
+    return [Step(step_name(n), f"kv_write {nrows}x{d} into {max_s} rows", k.kv_write, grid, block,
+                 args, {"bytes": 2 * new.nbytes})]
