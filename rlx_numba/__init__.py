@@ -1,9 +1,12 @@
 """rlx_numba: a pure-Python CUDA backend (numba-cuda kernels, cuBLAS through ctypes) for an
 RLX-style graph IR. Runs under the numba CUDA simulator when there is no GPU."""
-from .runtime.device import is_available, simulator_enabled  # first: decides the simulator
+from .runtime.device import is_available, patch_simulator, simulator_enabled  # first: decides the simulator
 from .ir.dtypes import DType, dtype
 from .ir.graph import Graph, Node, Tensor
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, compile, eager
+
+if simulator_enabled():
+    patch_simulator()
 
 __version__ = "0.1.0"
 

@@ -57,3 +57,27 @@ def test_cli_info_and_demo():
     r = _py("from rlx_numba.cli import main; raise SystemExit(main(['demo']))", **env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout and "max |rlx - numpy|" in r.stdout
+
+
+@pytest.mark.skipif(not rlx.simulator_enabled(), reason="the simulator's shared memory")
+def test_simulator_shared_arrays_are_one_per_block_line():
+    """numba's simulator looked shared arrays up with an unlocked get-then-set: threads of
+    one block could get different arrays. rlx_numba installs a locked lookup."""
+    import threading
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+    assert kernelapi.FakeCUDAShared._rlx_locked
+    shared = kernelapi.FakeCUDAShared(0)
+    start, got = threading.Barrier(16), []
+
+    def thread():
+        start.wait()
+        got.append(shared.array((4,), np.float32))   # one source line: one array
+    ts = [threading.Thread(target=thread) for _ in range(16)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert len(got) == 16 and all(a is got[0] for a in got)
+    assert shared.array((4,), np.float32) is not got[0]     # another line: another array

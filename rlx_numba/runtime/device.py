@@ -108,3 +108,41 @@ def device_info() -> dict:
     name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
     return {"name": name, "cc": dev.compute_capability,
             "sm_count": dev.MULTIPROCESSOR_COUNT, "simulator": False}
+
+
+def patch_simulator() -> None:
+    """Make the simulator's shared arrays safe: numba's FakeCUDAShared.array finds a block's
+    array by (file, line) in a dict with an unlocked get-then-set, so two threads of a block
+    could each create their own "shared" array (rare wrong results in row and sampling
+    kernels). The same lookup under a lock, with the caller's frame read directly (also
+    cheaper than the traceback numba extracts)."""
+    import threading
+
+    import numpy as np
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+    from numba.core import types
+
+    cls = kernelapi.FakeCUDAShared
+    if getattr(cls, "_rlx_locked", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        if shape == 0:   # dynamic shared memory: one buffer for all
+            count = self._dynshared_size // np.dtype(dtype).itemsize
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        f = sys._getframe(1)
+        caller = (f.f_code.co_filename, f.f_lineno)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    cls.array = array
+    cls._rlx_locked = True
