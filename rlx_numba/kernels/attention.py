@@ -52,6 +52,16 @@ def _jit(threads, min_blocks):
     return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(threads, min_blocks))
 
 
+if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncwarp(0xFFFFFFFF)
+
+
 def head_split(d: int) -> int:
     """Head-dim columns a prefill thread accumulates (DPT)."""
     return -(-d // NC)
@@ -272,6 +282,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             Qs[r, dd] = q[uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7] + dd)] \
                 if r < rows and dd < d else ZERO
             e += _u(nt)
+        cuda.syncthreads()                # Qs is read by every warp
         for r in range(rows_c):
             mr[r] = NEG_INF
             lr[r] = ZERO
@@ -294,12 +305,12 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     # a duplicate of the last key, scored -inf below)
                 for i in range(32):
                     Kt[w, lane, i] = rk[i]
-                cuda.syncthreads()
+                warp_sync()               # Kt[w] and Ps[w] are this warp's own
                 for dd in range(32):
                     kv_ = Kt[w, dd, lane]
                     for r in range(rows_c):
                         s[r] += Qs[r, d0 + dd] * kv_ if d0 + dd < d else ZERO
-                cuda.syncthreads()
+                warp_sync()
                 d0 += 32
             key = t0 + int64(lane)
             for r in range(rows_c):
@@ -320,7 +331,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                 Ps[w, r, lane] = p_
                 for u in range(dpl):
                     acc[r, u] *= alpha
-            cuda.syncthreads()
+            warp_sync()
             for j in range(32):           # lanes switch to the head dim: coalesced V reads;
                 kk = min(t0 + j, k_hi - 1)    # no branch on the key (P is 0 past k_hi), so the
                 for u in range(dpl):          # loads can all be issued ahead of the FMAs
@@ -328,7 +339,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     vv = v[uint64(kbase + kk * ks + dg)] if dg < d else ZERO
                     for r in range(rows_c):
                         acc[r, u] += Ps[w, r, j] * vv
-            cuda.syncthreads()
+            warp_sync()
             t0 += DEC_NW * 32
         part = (bk * nparts + int64(cuda.blockIdx.x) * DEC_NW + int64(w)) * rows_c
         for r in range(rows_c):
