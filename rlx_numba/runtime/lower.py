@@ -6,6 +6,7 @@ calls them.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
+from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
 
@@ -90,13 +92,51 @@ class Step:
     launch: object = None
 
     def bind(self, stream, aot: bool) -> None:
-        k = self.kernel
-        if aot:  # compile now, and skip per-launch type dispatch later
-            k = k.specialize(*self.args)
-        self.launch = k[self.grid, self.block, stream]
+        """Prepare the launch: under the simulator numba's launcher; on a GPU the launch is
+        packed once (at the first call, or now when ``aot``) by ``fast_launch``."""
+        self._stream = stream
+        self.launch = None
+        if SIMULATOR:
+            self.launch = self.kernel[self.grid, self.block, stream]
+            self.launch = functools.partial(self.launch, *self.args)
+        elif aot:
+            self.launch = fast_launch(self.kernel, self.grid, self.block, stream, self.args)
 
     def __call__(self) -> None:
-        self.launch(*self.args)
+        if self.launch is None:   # JIT: compile on first use
+            self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args)
+        self.launch()
+
+
+def fast_launch(dispatcher, grid, block, stream, args):
+    """A no-argument callable that enqueues the kernel with these (fixed) arguments.
+
+    numba's ``kernel[grid, block, stream](*args)`` types every argument, finds the overload
+    and converts each argument on every call (tens of microseconds of Python a launch). A
+    step's arguments never change (arena views and scalars), so all of that is done once
+    here: the kernel is specialised for the argument types, the arguments are converted to
+    the driver's parameter list by numba's own ``_prepare_args``, and each call is a single
+    cuda.core ``launch``."""
+    from cuda.core import LaunchConfig, launch
+    from numba.cuda._compat import CUDA_CORE_GE_1_0
+    from numba.cuda.cudadrv.driver import _to_core_stream
+
+    spec = dispatcher.specialize(*args)
+    kern = next(iter(spec.overloads.values()))
+    if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
+        return functools.partial(spec[grid, block, stream], *args)
+    retr, params = [], []
+    for ty, val in zip(kern.argument_types, args):
+        kern._prepare_args(ty, val, stream, retr, params)
+    if retr:                              # host arrays would need a copy back: not a step's
+        raise TypeError("fast_launch: a step argument is a host array")
+    grid = tuple(int(v) for v in grid) + (1,) * (3 - len(grid))
+    block = tuple(int(v) for v in block) + (1,) * (3 - len(block))
+    config = (LaunchConfig(grid=grid, block=block, shmem_size=0, is_cooperative=False)
+              if CUDA_CORE_GE_1_0 else
+              LaunchConfig(grid=grid, block=block, shmem_size=0, cooperative_launch=False))
+    return functools.partial(launch, _to_core_stream(stream), config,
+                             kern._codelibrary.get_cufunc().kernel, *params)
 
 
 @dataclass
