@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                 print(f"rows_reg {names[kind]:<12} flags={int(any(flags))} g={g:<4} vpt={vpt:<2} "
                       f"block={block:<4} prefetch={int(pf)} {ptxas(ptx, args.ptxas)}")
             b = rows.LOOP_BLOCK
-            k = rows.rows_loop(kind, b, rows.LOOP_UNROLL, *flags)
+            k = rows.rows_loop(kind, b, rows.LOOP_UNROLL, rows.LOOP_CACHED, *flags)
             ptx, _ = cuda.compile_ptx(k.py_func, (f32,) * 6 + (T.uint64, T.uint64, T.float32),
                                       cc=(9, 0), launch_bounds=(b, max(1, 1024 // b)))
             print(f"rows_loop {names[kind]:<12} flags={int(any(flags))} {ptxas(ptx, args.ptxas)}")

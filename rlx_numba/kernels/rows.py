@@ -189,19 +189,25 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact)
 
 
 @functools.lru_cache(maxsize=None)
-def rows_loop(kind, block, unroll, has_beta, has_res, write_sum):
-    """One block per row, the row streamed twice from memory (rows too long for registers):
-    chunks of block*unroll elements, each thread issuing its ``unroll`` loads of a chunk before
-    it uses any (loads in flight are what keep the memory system busy)."""
+def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum):
+    """One block per row, the row streamed twice (rows too long for registers): chunks of
+    block*unroll elements, each thread issuing its ``unroll`` loads of a chunk before it uses
+    any (loads in flight are what keep the memory system busy). The first ``cached`` columns
+    (whole chunks) stay in shared memory from pass 1 to pass 2, so pass 2 reads that much less:
+    each thread keeps its own columns there, so no barrier is needed."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
     fill = NEG_INF if softmaxish else ZERO
     load = _loader(unroll, has_res, write_sum)
     reload = _loader(unroll, has_res and not write_sum, False)
     store = _storer(unroll, kind, has_beta)
 
+    ucached = np.uint64(cached)
+    cache_len = max(cached, 1)
+
     @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
         smem = cuda.shared.array(SLOTS, float32)
+        cache = cuda.shared.array(cache_len, float32)
         vals = cuda.local.array(unroll, float32)
         tid = uint64(cuda.threadIdx.x)
         nt = uint64(cuda.blockDim.x)       # uint64 index math, as in rows_reg
@@ -217,6 +223,9 @@ def rows_loop(kind, block, unroll, has_beta, has_res, write_sum):
             c0 = tid
             while c0 < cols:
                 load(vals, x, res, sum_out, base, c0, nt, cols, True, fill)
+                if c0 < ucached:     # a chunk kept on chip for pass 2
+                    for u in range(unroll):
+                        cache[c0 + uint64(u) * nt] = vals[u]
                 if softmaxish:       # the chunk's max first: one rescale a chunk, not an element
                     cm = p
                     for u in range(unroll):
@@ -256,7 +265,11 @@ def rows_loop(kind, block, unroll, has_beta, has_res, write_sum):
             src = sum_out if write_sum else x
             c0 = tid
             while c0 < cols:
-                reload(vals, src, res, res, base, c0, nt, cols, True, ZERO)
+                if c0 < ucached:
+                    for u in range(unroll):
+                        vals[u] = cache[c0 + uint64(u) * nt]
+                else:
+                    reload(vals, src, res, res, base, c0, nt, cols, True, ZERO)
                 if kind == SOFTMAX:
                     for u in range(unroll):
                         vals[u] = m.exp(vals[u] - a)
@@ -344,6 +357,9 @@ def cols(kind, has_beta, has_res, write_sum):
 VPT_MAX = 16          # values a thread holds in registers (64 registers a thread at most)
 MAX_G = 512           # threads a row in rows_reg: rows up to MAX_G * VPT_MAX stay on chip
 LOOP_BLOCK, LOOP_UNROLL = 256, 8
+# columns of a long row rows_loop keeps in shared memory between its passes: 5 chunks of
+# 256 x 8 (40 KiB a block, 4 blocks an SM); 2 chunks of 32 x 8 in the simulator
+LOOP_CACHED = 2 * 32 * LOOP_UNROLL if SIMULATOR else 5 * LOOP_BLOCK * LOOP_UNROLL
 
 
 def row_plan(cols_: int, softmaxish: bool):
