@@ -323,6 +323,33 @@ def _bins(block):
     return NBINS // nt, nt
 
 
+@_dev
+def _find_bin(hist, tot, tid, bpt, nt, need):
+    """The radix step's bin search, by the first ``nt`` threads (thread t sums bins
+    [t*bpt, (t+1)*bpt) into tot[t] before): walking the bins from the highest, the one where the
+    running total (counts or masses) reaches ``need``. Returns (found, bin, its total, what is
+    still needed inside it); found only in the one thread that owns that bin."""
+    if tid >= nt:
+        return False, _U0, _U0, _U0
+    gt = _U0                                  # the total of the bins above this thread's
+    j = tid + _U1
+    while j < nt:
+        gt += tot[j]
+        j += _U1
+    if not (gt < need <= gt + tot[tid]):
+        return False, _U0, _U0, _U0
+    acc = gt
+    j = _U0
+    while j < bpt:
+        d = tid * bpt + (bpt - _U1 - j)
+        c = uint64(hist[d])
+        if acc + c >= need:
+            return True, d, c, need - acc
+        acc += c
+        j += _U1
+    return False, _U0, _U0, _U0
+
+
 @functools.lru_cache(maxsize=None)
 def _select_count(load, block: int):
     """select(src, base, m, off, need, hist, tot, ctl) -> (prefix, mask): the ``need`` largest
@@ -375,24 +402,10 @@ def _select_count(load, block: int):
                     s += uint64(hist[tid * BPTU + uint64(j)])
                 tot[tid] = s
             cuda.syncthreads()
-            if tid < NTU:
-                gt = _U0                      # keys in the bins above this thread's
-                j = tid + _U1
-                while j < NTU:
-                    gt += tot[j]
-                    j += _U1
-                ge = gt + tot[tid]
-                if gt < need <= ge:
-                    acc = gt
-                    for j in range(BPT):
-                        d = tid * BPTU + uint64(BPT - 1 - j)
-                        c = uint64(hist[d])
-                        if acc + c >= need:
-                            ctl[0] = d
-                            ctl[1] = need - acc
-                            ctl[2] = _U1 if c == need - acc else _U0
-                            break
-                        acc += c
+            found, d, c, left = _find_bin(hist, tot, tid, BPTU, NTU, need)
+            if found:                         # done when the bin holds exactly what is left
+                ctl[0], ctl[1] = d, left
+                ctl[2] = _U1 if c == left else _U0
             cuda.syncthreads()
             d = ctl[0]
             need = ctl[1]
@@ -472,24 +485,10 @@ def _select_mass(load, block: int):
                 if z == _U0:
                     break
                 target = max(_U1, mulhi32(z, p))
-            if tid < NTU:
-                gt = _U0                      # mass in the bins above this thread's
-                j = tid + _U1
-                while j < NTU:
-                    gt += tot[j]
-                    j += _U1
-                ge = gt + tot[tid]
-                if gt < target <= ge:
-                    acc = gt
-                    for j in range(BPT):
-                        d = tid * BPTU + uint64(BPT - 1 - j)
-                        c = hist_m[d]
-                        if acc + c >= target:
-                            ctl[0] = d
-                            ctl[1] = target - acc
-                            ctl[2] = _U1 if hist_c[d] == uint32(1) else _U0
-                            break
-                        acc += c
+            found, d, c, left = _find_bin(hist_m, tot, tid, BPTU, NTU, target)
+            if found:                         # done when the bin holds a single key
+                ctl[0], ctl[1] = d, left
+                ctl[2] = _U1 if hist_c[d] == uint32(1) else _U0
             cuda.syncthreads()
             d = ctl[0]
             target = ctl[1]
