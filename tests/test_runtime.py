@@ -188,3 +188,44 @@ def test_graph_growing_after_compile_does_not_change_the_executable(rng):
     xv = rng.standard_normal((3, 5)).astype(np.float32)
     (y,) = exe.run({"x": xv})
     np.testing.assert_allclose(y, np.exp(xv), rtol=1e-6)
+
+
+def _profiled_graph():
+    g = rlx.Graph("prof")
+    x = g.input("x", (8, 16))
+    w = g.param("w", (16, 4))
+    g.set_outputs([g.softmax(g.linear(x, w, activation="relu") * 2.0)])
+    return g
+
+
+def test_profile_one_row_per_step(rng):
+    exe = rlx.compile(_profiled_graph())
+    exe.set_param("w", rng.standard_normal((16, 4)).astype(np.float32))
+    prof = exe.profile({"x": rng.standard_normal((8, 16)).astype(np.float32)})
+    assert [r.name for r in prof] == [s.name for s in exe.steps]
+    assert all(r.ms >= 0 for r in prof) and prof.total_ms > 0
+    mm = [r for r in prof if "tier" in r.info]
+    assert len(mm) == 1 and mm[0].info["flops"] == 2 * 8 * 16 * 4 and mm[0].tflops > 0
+    text = str(prof)
+    assert text.startswith("prof on ") and all(s.name in text for s in exe.steps)
+    with pytest.raises(ValueError, match=r"run: missing input\(s\) 'x'"):
+        exe.profile({})
+
+
+def test_trace_env_writes_one_event_per_step(rng, tmp_path, monkeypatch):
+    import json
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("RLX_NUMBA_TRACE", str(path))
+    exe = rlx.compile(_profiled_graph())
+    wv = rng.standard_normal((16, 4)).astype(np.float32)
+    xv = rng.standard_normal((8, 16)).astype(np.float32)
+    exe.set_param("w", wv)
+    (y,) = exe.run({"x": xv})
+    h = np.maximum(xv.astype(np.float64) @ wv, 0) * 2
+    e = np.exp(h - h.max(-1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    assert [ev["name"] for ev in events] == [s.name for s in exe.steps]
+    assert all(ev["ph"] == "X" and ev["dur"] >= 0 and "kernel" in ev["args"] for ev in events)
+    assert all(b["ts"] >= a["ts"] for a, b in zip(events, events[1:]))

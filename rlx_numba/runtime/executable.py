@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -380,9 +381,35 @@ class CudaExecutable:
         ``outputs="device"`` (fresh copies) or ``outputs="view"`` (views into the arena, valid
         until the next run). Device results hold the storage dtype: bf16 comes back as its
         uint16 bit pattern (numba has no bf16 arrays)."""
-        inputs = inputs or {}
         if outputs not in ("numpy", "device", "view"):
             raise ValueError(f"run: outputs must be 'numpy', 'device' or 'view', got {outputs!r}")
+        self._bind_inputs(inputs or {})
+        trace = os.environ.get("RLX_NUMBA_TRACE")
+        if trace:                        # a Chrome/Perfetto trace of this run, step by step
+            self._timed().write_trace(trace)
+            return self._results(outputs)
+        eager = self.exec_mode.kind == "eager"
+        for step in self.steps:
+            step()
+            if eager:
+                try:
+                    self.stream.synchronize()
+                except Exception as e:
+                    raise RuntimeError(f"run: step {step.name} ({step.kernel_name}) failed: {e}") from e
+        return self._results(outputs)
+
+    def profile(self, inputs: dict | None = None, warmup: int = 1):
+        """Run once (after ``warmup`` untimed runs, which also compile) and return a Profile:
+        per step its kernel or library call, time (CUDA events on a GPU), and achieved GB/s or
+        TFLOP/s where the step knows its bytes or FLOPs. ``print()`` it; ``.write_trace(path)``
+        writes a Chrome/Perfetto trace."""
+        for _ in range(warmup):
+            self.run(inputs, outputs="view")
+        self._bind_inputs(inputs or {})
+        return self._timed()
+
+    def _bind_inputs(self, inputs: dict) -> None:
+        """Check run()'s inputs and params, and copy the inputs into the arena."""
         unknown = [k for k in inputs if k not in self._inputs]
         if unknown:
             raise ValueError(f"run: unknown input(s) {', '.join(map(repr, unknown))}; graph "
@@ -395,15 +422,11 @@ class CudaExecutable:
                              f"set_param() first")
         for name, value in inputs.items():
             self._bind_input(name, value)
-        eager = self.exec_mode.kind == "eager"
-        for step in self.steps:
-            step()
-            if eager:
-                try:
-                    self.stream.synchronize()
-                except Exception as e:
-                    raise RuntimeError(f"run: step {step.name} ({step.kernel_name}) failed: {e}") from e
-        return self._results(outputs)
+
+    def _timed(self):
+        from .device import device_info
+        from .trace import timed_steps
+        return timed_steps(self.steps, self.stream, self._cuda, self.graph.name, device_info()["name"])
 
     def _results(self, outputs):
         res = []

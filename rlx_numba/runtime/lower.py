@@ -181,8 +181,9 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> S
                 sizes += strides[j]
     args = [out, *ins, *(np.uint64(v) for v in sizes)]
     blocks, threads = grid_1d(n)
+    nbytes = n * out.dtype.itemsize + sum(a.size * a.dtype.itemsize for a in ins)
     return Step(name, "elementwise " + codegen.expr_repr(expr), kernel, (blocks,), (threads,),
-                tuple(args), {"source": src, "modes": modes, "dims": dims, "n": n})
+                tuple(args), {"source": src, "modes": modes, "dims": dims, "n": n, "bytes": nbytes})
 
 
 # ---- lowering of the element-wise ops --------------------------------------------

@@ -1,0 +1,100 @@
+"""Timing a run step by step: ``exe.profile(inputs)`` and ``RLX_NUMBA_TRACE=path.json``.
+
+On a GPU each step is bracketed by CUDA events on the executable's stream (GPU time, not
+Python's); under the simulator by the host clock. ``Profile`` prints as a table (step, kernel
+or library call, time, bytes or FLOPs, achieved GB/s or TFLOP/s where the step says how much
+it moves or computes) and writes a Chrome/Perfetto trace: one complete ("X") event per step,
+with its kernel, tier and launch geometry in ``args``.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from .device import SIMULATOR
+
+
+@dataclass
+class StepTime:
+    name: str
+    kernel: str
+    start_ms: float          # from the start of the run
+    ms: float
+    info: dict = field(default_factory=dict)
+
+    @property
+    def gbps(self):
+        b = self.info.get("bytes")
+        return b / (self.ms * 1e-3) / 1e9 if b and self.ms > 0 else None
+
+    @property
+    def tflops(self):
+        f = self.info.get("flops")
+        return f / (self.ms * 1e-3) / 1e12 if f and self.ms > 0 else None
+
+
+class Profile(list):
+    """The StepTimes of one run, in order; ``str()`` is a table."""
+
+    def __init__(self, rows, graph_name: str, device: str):
+        super().__init__(rows)
+        self.graph_name, self.device = graph_name, device
+
+    @property
+    def total_ms(self) -> float:
+        return sum(r.ms for r in self)
+
+    def __str__(self) -> str:
+        w = max([len(r.name) for r in self] + [4])
+        k = min(48, max([len(r.kernel) for r in self] + [6]))
+        lines = [f"{self.graph_name} on {self.device}: {len(self)} steps, {self.total_ms:.3f} ms",
+                 f"{'step':<{w}}  {'kernel':<{k}}  {'ms':>9}  {'GB/s':>7}  {'TFLOP/s':>7}"]
+        for r in self:
+            gb, tf = r.gbps, r.tflops
+            lines.append(f"{r.name:<{w}}  {r.kernel[:k]:<{k}}  {r.ms:9.4f}  "
+                         f"{(f'{gb:7.0f}' if gb else ''):>7}  {(f'{tf:7.2f}' if tf else ''):>7}")
+        return "\n".join(lines)
+
+    def chrome_trace(self) -> dict:
+        events = [{"name": r.name, "cat": "step", "ph": "X", "pid": 0, "tid": 0,
+                   "ts": r.start_ms * 1e3, "dur": r.ms * 1e3,
+                   "args": {"kernel": r.kernel, **{key: r.info[key] for key in
+                            ("tier", "flops", "bytes", "grid", "block") if key in r.info}}}
+                  for r in self]
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"graph": self.graph_name, "device": self.device}}
+
+    def write_trace(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+def timed_steps(steps, stream, cuda, graph_name: str, device: str) -> Profile:
+    """Run ``steps`` once, timing each; returns the Profile."""
+    rows = []
+    if SIMULATOR:
+        t0 = time.perf_counter()
+        for s in steps:
+            a = time.perf_counter()
+            s()
+            b = time.perf_counter()
+            rows.append(StepTime(s.name, s.kernel_name, (a - t0) * 1e3, (b - a) * 1e3, _info(s)))
+        return Profile(rows, graph_name, device)
+    events = [cuda.event() for _ in range(len(steps) + 1)]
+    events[0].record(stream)
+    for s, e in zip(steps, events[1:]):
+        s()
+        e.record(stream)
+    events[-1].synchronize()
+    for i, s in enumerate(steps):
+        rows.append(StepTime(s.name, s.kernel_name, cuda.event_elapsed_time(events[0], events[i]),
+                             cuda.event_elapsed_time(events[i], events[i + 1]), _info(s)))
+    return Profile(rows, graph_name, device)
+
+
+def _info(step) -> dict:
+    info = {k: v for k, v in step.info.items() if k in ("tier", "flops", "bytes")}
+    if hasattr(step, "grid"):
+        info.update(grid=list(step.grid), block=list(step.block))
+    return info
