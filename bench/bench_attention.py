@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import copy_bandwidth, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 PREFILL = [(8, 32, 32, 1024, 128), (8, 32, 32, 4096, 128), (8, 32, 32, 1024, 64),
            (8, 32, 32, 4096, 64), (8, 32, 8, 1024, 128), (8, 32, 8, 4096, 128)]
@@ -64,10 +64,7 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
     gpu = torch.cuda.get_device_name()
-    n = 1 << 27
-    a, c = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-    copy = gbps(8 * n, time_torch(torch, lambda: c.copy_(a), 20, 3, 3))
-    del a, c
+    copy = copy_bandwidth(torch)
     print(f"GPU: {gpu}   torch {torch.__version__}   torch copy_ {copy:.0f} GB/s\n")
     results = []
     print(f"{'prefill (causal)':<34} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6}  bar  max|err|  kernel")

@@ -36,7 +36,6 @@ def parse(shape):
 
 
 def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
-    import numpy as np
     F = torch.nn.functional
     tf32 = tier == "2tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import copy_bandwidth, dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 BAR = 0.90
 SHAPES = "32768x4096,4096x32768,262144x256,1024x131072"
@@ -112,10 +112,7 @@ def main(argv=None) -> int:
     import torch
     from numba import cuda
     gpu = torch.cuda.get_device_name()
-    n = 1 << 27
-    a, c = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
-    copy = gbps(8 * n, time_torch(torch, lambda: c.copy_(a), 20, 3, 3))
-    del a, c
+    copy = copy_bandwidth(torch)
     print(f"GPU: {gpu}   torch {torch.__version__}   numba-cuda {dist_version('numba-cuda')}   "
           f"torch copy_ {copy:.0f} GB/s\n")
     hdr = f"{'op':<18} {'shape':<13} {'rlx GB/s':>9} {'torch GB/s':>10} {'ratio':>6} {'% copy':>6}  bar   diff     kernel"

@@ -60,3 +60,11 @@ def free_device_memory(cuda, torch):
         cuda.current_context().deallocations.clear()
     except Exception:  # noqa: BLE001 - best effort
         pass
+
+
+def copy_bandwidth(torch, n: int = 1 << 27) -> float:
+    """GB/s of torch's f32 copy_ (one read and one write), the device's practical ceiling."""
+    a, c = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    gb = gbps(8 * n, time_torch(torch, lambda: c.copy_(a), 20, 3, 3))
+    del a, c
+    return gb
