@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
