@@ -357,16 +357,6 @@ def _tiny():
     return g
 
 
-@pytest.mark.parametrize("mode", [rlx.ExecMode.GRAPH, rlx.ExecMode.MULTISTREAM(2), "graph",
-                                  "multistream(4)", "MULTISTREAM"])
-def test_unimplemented_exec_modes(mode):
-    with pytest.raises(NotImplementedError, match=r"ExecMode\.(GRAPH|MULTISTREAM\(\d\)) is not "
-                                                  r"implemented yet"):
-        rlx.compile(_tiny(), exec_mode=mode)
-    with pytest.raises(NotImplementedError, match=r"is not implemented yet"):
-        rlx.CudaExecutable.compile_with(_tiny(), rlx.CompileMode.JIT, mode)
-
-
 def test_bad_mode_strings():
     with pytest.raises(ValueError, match=r"compile: unknown compile_mode 'fast'; expected 'jit' "
                                          r"or 'aot'"):

@@ -30,12 +30,16 @@ class ExecMode:
     streams: int = 1
 
     @staticmethod
-    def MULTISTREAM(n: int) -> "ExecMode":  # noqa: N802 - the contract's name
+    def MULTISTREAM(n: int, graph: bool = False) -> "ExecMode":  # noqa: N802 - the contract's name
+        """n streams ordered by events; with ``graph=True`` that is captured into one CUDA
+        graph (GRAPH over n streams)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"ExecMode.MULTISTREAM: n must be a positive int, got {n!r}")
-        return ExecMode("multistream", n)
+        return ExecMode("graph" if graph else "multistream", n)
 
     def __str__(self) -> str:
+        if self.kind == "graph" and self.streams > 1:
+            return f"MULTISTREAM({self.streams}, graph=True)"
         return self.kind.upper() if self.kind != "multistream" else f"MULTISTREAM({self.streams})"
 
 
@@ -94,10 +98,6 @@ class CudaExecutable:
         self.graph = graph
         self.compile_mode = _compile_mode(compile_mode)
         self.exec_mode = _exec_mode(exec_mode)
-        if self.exec_mode.kind in ("graph", "multistream"):
-            raise NotImplementedError(f"ExecMode.{self.exec_mode} is not implemented yet (it comes "
-                                      f"with CUDA-graph and multi-stream execution); use "
-                                      f"ExecMode.STREAM or ExecMode.EAGER")
         if not graph.outputs:
             raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
         self._outputs = list(graph.outputs)  # the graph may grow later; this executable won't
@@ -133,6 +133,10 @@ class CudaExecutable:
             if n.id in self._live:
                 self._node_steps[n.id] = self._lower_bound(n)
         self._flatten_steps()
+        self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
+        if self.exec_mode.kind in ("graph", "multistream"):
+            from .cudagraph import runner_for
+            self._runner = runner_for(self)
 
     def _lower_bound(self, n):
         steps = [s for s in self._lower(n) if s is not None]
@@ -387,6 +391,9 @@ class CudaExecutable:
         trace = os.environ.get("RLX_NUMBA_TRACE")
         if trace:                        # a Chrome/Perfetto trace of this run, step by step
             self._timed().write_trace(trace)
+            return self._results(outputs)
+        if self._runner is not None:     # the steps on several streams, or a graph replay
+            self._runner.run()
             return self._results(outputs)
         eager = self.exec_mode.kind == "eager"
         for step in self.steps:
