@@ -30,6 +30,7 @@ from numba import cuda, float32, int64, uint64
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .launch import jit
 
 GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
         "m_b", "m_h", "m_q", "m_k", "b_b", "b_h", "b_q", "b_k", "window", "off")
@@ -49,7 +50,7 @@ _u = np.uint64
 
 
 def _jit(threads, min_blocks):
-    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(threads, min_blocks))
+    return jit(launch_bounds=(threads, min_blocks))
 
 
 if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)
@@ -357,7 +358,7 @@ def decode_combine(dpl, rows_c):
     """out[row] = sum_p acc_p exp(m_p - M) / sum_p l_p exp(m_p - M); a block per (row, head)."""
     dmax = 32 * dpl
 
-    @cuda.jit
+    @jit
     def kernel(out, pm, pl, pacc, geom, nparts):
         hq, g, sq, d = geom[0], geom[1], geom[2], geom[4]
         r, bk = int64(cuda.blockIdx.x), int64(cuda.blockIdx.y)

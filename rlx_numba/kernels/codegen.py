@@ -1,11 +1,11 @@
 """Generated element-wise kernels.
 
 An element-wise expression (one op, or later a fused chain) over k inputs becomes one
-``@cuda.jit`` grid-stride kernel, written as a real .py file in the cache dir (so numba's
-``cache=True`` can keep the compiled code on disk) and imported. Broadcasting is done in the
-kernel: every input is classed as ``full`` (same elements as the output, index ``i``), ``scalar``
-(index 0) or ``bcast`` (offset from the output index through collapsed dims and strides),
-so no broadcast is ever materialised.
+``@cuda.jit`` grid-stride kernel, written as a real .py file in the cache dir (so numba can
+keep the compiled code on disk: ``load_kernel`` attaches kernels/cache.py's cache) and loaded.
+Broadcasting is done in the kernel: every input is classed as ``full`` (same elements as the
+output, index ``i``), ``scalar`` (index 0) or ``bcast`` (offset from the output index through
+collapsed dims and strides), so no broadcast is ever materialised.
 
 Expressions are nested tuples:
   ("in", k, dtype) | ("activation", kind, dtype, x) | ("binary", kind, dtype, a, b)
@@ -15,16 +15,17 @@ Expressions are nested tuples:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import math
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 from ..ir import dtypes as dt
 from ..ir.ops import INT_PRESERVING
 from . import elementwise
+from .cache import STATS, attach, cache_dir  # noqa: F401 - cache_dir: codegen's name for it too
 
 _NUMBA_INT = {dt.I32: "int32", dt.I64: "int64"}
 _loaded: dict[str, object] = {}
@@ -172,7 +173,7 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
         "",
         "U32 = uint64(32)",
         "",
-        "@cuda.jit(cache=True)",
+        "@cuda.jit   # load_kernel attaches the disk cache (rlx_numba/kernels/cache.py)",
         f"def kernel({', '.join(params)}):",
         "    i = uint64(cuda.grid(1))",
         "    step = uint64(cuda.gridsize(1))",
@@ -196,39 +197,38 @@ def expr_repr(e) -> str:
 
 
 # ---- source -> kernel (in memory, then on disk) ------------------------------------------
-def cache_dir() -> Path:
-    """RLX_NUMBA_CACHE_DIR, else the platform cache dir; a temp dir if neither is writable."""
-    env = os.environ.get("RLX_NUMBA_CACHE_DIR")
-    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlx_numba"
-    for d in (base, Path(tempfile.gettempdir()) / f"rlx_numba-{os.getuid()}"):
-        try:
-            (d / "kernels").mkdir(parents=True, exist_ok=True)
-            return d
-        except OSError:
-            continue
-    raise RuntimeError(f"rlx_numba: no writable cache dir (tried {base})")
-
-
 _DEPS = hashlib.sha256(Path(elementwise.__file__).read_bytes()
                        + Path(__file__).read_bytes()).hexdigest()[:8]
 
 
 def load_kernel(source: str):
-    """Import (writing it first if needed) the module for this source; return its kernel."""
+    """The kernel of this source, from its module ``<cache_dir>/kernels/ew_<hash>.py``: the
+    file is reused when its content is exactly ``source``, else (missing, damaged, stale)
+    written atomically (``STATS["py_written"]`` / ``["py_reused"]`` count both). The module
+    runs from ``source`` itself, never from the file's or a .pyc's bytes; the file is there
+    for numba's disk cache (attached here) and for reading."""
     key = "ew_" + hashlib.sha256((_DEPS + source).encode()).hexdigest()[:20]
     if key in _loaded:
         return _loaded[key]
     path = cache_dir() / "kernels" / f"{key}.py"
-    if not path.exists() or path.read_text() != source:   # missing or corrupt: (re)write atomically
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(source)
-        os.replace(tmp, path)
-    spec = importlib.util.spec_from_file_location(f"rlx_numba_generated.{key}", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    _loaded[key] = mod.kernel
-    return mod.kernel
+    try:
+        same = path.read_bytes() == source.encode()
+    except OSError:
+        same = False
+    if same:
+        STATS["py_reused"] += 1
+    else:
+        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent,
+                                         suffix=".tmp", delete=False) as f:
+            f.write(source)
+        os.replace(f.name, path)
+        STATS["py_written"] += 1
+    mod = types.ModuleType(f"rlx_numba_generated.{key}")
+    mod.__file__ = str(path)
+    sys.modules[mod.__name__] = mod
+    exec(compile(source, str(path), "exec"), mod.__dict__)   # noqa: S102 - our generated code
+    _loaded[key] = attach(mod.kernel)
+    return _loaded[key]
 
 
 # ---- broadcasting: shapes -> modes, collapsed dims and strides ------------------------------

@@ -1,6 +1,21 @@
-"""Launch geometry, in one place. The simulator runs one OS thread per CUDA thread, so its
-launches are kept small (grid-stride loops cover the rest)."""
+"""Kernel boilerplate in one place: the ``jit`` decorator every kernel uses, and launch
+geometry. The simulator runs one OS thread per CUDA thread, so its launches are kept small
+(grid-stride loops cover the rest)."""
+from numba import cuda
+
 from ..runtime.device import SIMULATOR, device_info
+from . import cache
+
+
+def jit(fn=None, *, launch_bounds=None):
+    """``@jit`` / ``@jit(launch_bounds=...)``: a ``cuda.jit`` kernel cached on disk (see
+    kernels/cache.py). The simulator takes no launch bounds and caches nothing."""
+    def deco(f):
+        if SIMULATOR:
+            return cuda.jit(f)
+        opts = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
+        return cache.attach(cuda.jit(**opts)(f), opts)
+    return deco(fn) if fn is not None else deco
 
 _SM = None
 

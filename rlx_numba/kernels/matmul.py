@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from ..runtime.device import SIMULATOR
-from .launch import grid_3d
+from .launch import grid_3d, jit
 
 # Each simulated thread is an OS thread: keep the simulator's blocks tiny (16 threads).
 BM, BN, BK, TM, TN = (8, 8, 4, 2, 2) if SIMULATOR else (128, 128, 8, 8, 8)
@@ -36,7 +36,7 @@ _inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinl
 # 256 threads x at most 128 registers: two blocks an SM, and the 64 accumulators, the
 # fragments and the tile in flight still fit without spills (tools/ptx_report.py checks)
 LAUNCH_BOUNDS = (NT, 2)
-_jit = cuda.jit if SIMULATOR else cuda.jit(launch_bounds=LAUNCH_BOUNDS)
+_jit = jit(launch_bounds=LAUNCH_BOUNDS)
 
 # index math is uint64 throughout (as in rows.py): no signed wraparound checks, no mixed types
 _u = np.uint64

@@ -32,6 +32,7 @@ from ..runtime.device import SIMULATOR
 from . import blockreduce as br
 from . import elementwise as ew
 from .blockreduce import ARGMAX, ARGMIN, MAX, MIN, PROD, SLOTS, SUM, group_reduce, group_reduce_pair
+from .launch import jit
 
 
 def _inline(f):
@@ -49,7 +50,7 @@ def _jit(max_threads: int):
     """@cuda.jit with launch bounds: the block size the kernel is launched with, so the
     compiler keeps registers within what a block of that size may use (without, a kernel
     can compile to too many registers for a 1024-thread block and fail to launch)."""
-    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=max_threads)
+    return jit(launch_bounds=max_threads)
 
 
 combine = _inline(br.combine)
@@ -556,7 +557,7 @@ def scan_cols(ld: str, st: str, acc: str, exclusive: bool):
 
 
 # ---- fill ----------------------------------------------------------------------------------------
-@cuda.jit
+@jit
 def fill(out, src, n):
     """out[:n] = src[0] (the results of reducing an empty extent: 0, 1, NaN)."""
     i = uint64(cuda.grid(1))

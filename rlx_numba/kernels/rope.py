@@ -19,12 +19,13 @@ kernels/shape.py; only positions, which may be negative, are int64 until clamped
 from numba import cuda, float32, int64, uint64
 
 from ..runtime.device import SIMULATOR
+from .launch import jit
 from .shape import _copy_span
 
 HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
 
 
-@cuda.jit(cache=True)
+@jit
 def rope(out, x, cos, sin, pos, nrows, S, H, ngroups, D, half, ncols, pair_mul, pair_gap,
          offset, pos_bstride, use_pos, max_pos):
     """out = x rotated; see the module docstring. Row r = (b * ngroups + hg) * S + s covers
@@ -81,7 +82,7 @@ def rope(out, x, cos, sin, pos, nrows, S, H, ngroups, D, half, ncols, pair_mul, 
         r += ystep
 
 
-@cuda.jit(cache=True)
+@jit
 def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
     """cache[bh, p + j, :] = new[bh, j, :] for the nrows = B * H * s rows (bh, j) of new, with
     p = pos[0] when ``use_pos`` else ``position`` (int64); rows with p + j outside

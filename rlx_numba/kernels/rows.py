@@ -27,6 +27,7 @@ from numba import cuda, float32, uint64
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .launch import jit
 
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
@@ -39,7 +40,7 @@ def _jit(block):
     1024-thread block can launch at all and smaller blocks keep 1024 threads an SM resident
     (without bounds layer_norm took 92 registers: one 512-thread block an SM). The simulator
     takes no bounds."""
-    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=(block, max(1, 1024 // block)))
+    return jit(launch_bounds=(block, max(1, 1024 // block)))
 
 
 NEG_INF = float32(-math.inf)
@@ -306,7 +307,7 @@ def cols(kind, has_beta, has_res, write_sum):
     """The reduced axis in the middle: [outer, n, inner], one thread per (outer, inner)."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
 
-    @cuda.jit
+    @jit
     def kernel(out, x, gamma, beta, res, sum_out, outer, n, inner, eps):
         t = cuda.grid(1)
         while t < outer * inner:

@@ -74,6 +74,7 @@ from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, MIN, SLOTS, SUM, group_reduce
+from .launch import jit
 
 if SIMULATOR:
     # Kernels run as Python there, where calling a numba type as a converter costs ~2 us
@@ -102,7 +103,7 @@ def _dev(f):
 
 
 def _jit(block):
-    return cuda.jit if SIMULATOR else cuda.jit(launch_bounds=block)
+    return jit(launch_bounds=block)
 
 
 _U0 = uint64(0)
@@ -143,7 +144,7 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
-@cuda.jit
+@jit
 def philox_kernel(out, ctr, key, n):
     """out[i, :] = philox4x32_10(ctr[i, :], key[i, :]) (all uint64 arrays of 32-bit words);
     for tests and for checking a GPU against the known answers."""
@@ -508,7 +509,7 @@ def topk_small(ld: str):
     """A thread per row (rows of n <= SMALL_N): out[r, rank] = i for each element of rank < k."""
     load = _x_loader(ld, False)
 
-    @cuda.jit
+    @jit
     def kernel(out, x, rows, n, k):
         r = uint64(cuda.grid(1))
         while r < rows:
@@ -670,7 +671,7 @@ def topk_rows(src: str, block: int, kp: int, smem: bool, stage: int, out_kind: i
     return kernel
 
 
-@cuda.jit
+@jit
 def gather_rows(out, x, idx, total, n, k):
     """out[r*k + j] = x[r*n + idx[r*k + j]] for r*k + j < total (any storage dtype)."""
     t = uint64(cuda.grid(1))
@@ -688,7 +689,7 @@ def sample_small(ld: str):
     2^32))."""
     load = _x_loader(ld, True)
 
-    @cuda.jit
+    @jit
     def kernel(out, x, seed, rows, n, top_k, has_p, p, inv_t, scale):
         ks = cuda.local.array(SMALL_N, uint64)
         ws = cuda.local.array(SMALL_N, uint64)

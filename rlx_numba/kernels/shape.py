@@ -13,6 +13,7 @@ any clamped grid (the simulator's 2 x 2 x 1 blocks included) covers the whole te
 from numba import cuda, int64, uint64
 
 from ..runtime.device import SIMULATOR
+from .launch import jit
 
 # Transpose tile: TILE x TILE elements through shared memory (one padding column, so reading a
 # column hits 32 different banks), TILE x ROWS threads, each moving ELEMS = TILE // ROWS
@@ -37,7 +38,7 @@ def _batch_offset(z, d1, d2, s0, s1, s2):
     return c0 * s0 + (q - c0 * d1) * s1 + c2 * s2
 
 
-@cuda.jit(cache=True)
+@jit
 def transpose_tiled(dst, src, na, nb, src_sb, dst_sa, tiles_a, tiles_b, nbatch, d1, d2,
                     s0, s1, s2, t0, t1, t2, src_base, dst_base):
     """dst[a, b] = src[b, a] for each batch z: ``a`` runs along src's contiguous axis (na
@@ -123,7 +124,7 @@ def _copy_span(dst, do, src, so, c, n, step):
                 dst[do + c + uint64(j) * step] = regs[j]
 
 
-@cuda.jit(cache=True)
+@jit
 def copy_rows(dst, src, nrows, ncols, dst_off, dst_stride, src_off, d1, d2, s0, s1, s2):
     """Row r (ncols contiguous elements) of dst at dst_off + r * dst_stride is copied from src
     at src_off + S(r), r split into up to three coordinates (see _batch_offset).
@@ -147,7 +148,7 @@ def _wrap(v, d):
     return v
 
 
-@cuda.jit(cache=True)
+@jit
 def gather(out, table, idx, nouter, nidx, inner, dim):
     """out[o, k, :] = table[o, idx[k], :] with table [nouter, dim, inner] and out [nouter, nidx,
     inner]; an index is clamped to [-dim, dim - 1], then a negative one wraps.
@@ -172,7 +173,7 @@ def gather(out, table, idx, nouter, nidx, inner, dim):
         o += uint64(cuda.gridDim.z)
 
 
-@cuda.jit(cache=True)
+@jit
 def scatter_add(out, upd, idx, nouter, nidx, inner, dim):
     """out[o, idx[k], :] += upd[o, k, :] (atomically) with out [nouter, dim, inner] and upd
     [nouter, nidx, inner]; a negative index wraps, one still outside [0, dim) is dropped.

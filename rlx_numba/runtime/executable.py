@@ -4,6 +4,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,7 @@ from ..ir.ops import fmt
 from ..memory import Buffer, MemoryReport, plan
 from . import (lower, lower_attention, lower_matmul, lower_norm, lower_reduce,  # noqa: F401
                lower_rope, lower_sample, lower_shape)            # (each registers its lowerings)
+from . import trace
 from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
@@ -133,6 +135,7 @@ class CudaExecutable:
             if n.id in self._live:
                 self._node_steps[n.id] = self._lower_bound(n)
         self._flatten_steps()
+        self._compile_steps(self.steps)
         self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
         if self.exec_mode.kind in ("graph", "multistream"):
             from .cudagraph import runner_for
@@ -140,15 +143,23 @@ class CudaExecutable:
 
     def _lower_bound(self, n):
         steps = [s for s in self._lower(n) if s is not None]
-        aot = self.compile_mode is CompileMode.AOT
         for s in steps:
-            if aot:
-                log.info("compile %s: %s %s", self.graph.name, s.name, s.kernel_name)
-            s.bind(self.stream, aot)
+            s.bind(self.stream, False)
         return steps
+
+    def _compile_steps(self, steps) -> None:
+        """AOT: compile every kernel of ``steps`` now (or load it from the disk cache), under
+        a progress bar when someone watches; JIT leaves that to each step's first call."""
+        if self.compile_mode is not CompileMode.AOT:
+            return
+        for s in _progress(steps, f"compile {self.graph.name}"):
+            log.info("compile %s: %s %s", self.graph.name, s.name, s.kernel_name)
+            s.compile()
 
     def _flatten_steps(self):
         self.steps: list = [s for steps in self._node_steps.values() for s in steps]
+        # what run() loops over: the steps, or with RLX_NUMBA_NVTX=1 each inside an NVTX range
+        self._loop_steps = trace.nvtx_wrapped(self.steps)
 
     @classmethod
     def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
@@ -348,6 +359,7 @@ class CudaExecutable:
                     w = g.nodes[w.inputs[0]]
                 if w.id == param.id:
                     self._node_steps[nid] = self._lower_bound(n)
+                    self._compile_steps(self._node_steps[nid])
         self._flatten_steps()
 
     def _copy_in(self, node, src, what):
@@ -396,7 +408,7 @@ class CudaExecutable:
             self._runner.run()
             return self._results(outputs)
         eager = self.exec_mode.kind == "eager"
-        for step in self.steps:
+        for step in self._loop_steps:
             step()
             if eager:
                 try:
@@ -461,6 +473,16 @@ class CudaExecutable:
     def __repr__(self):
         return (f"CudaExecutable({self.graph.name!r}, {len(self.steps)} steps, "
                 f"arena {self.arena_bytes} B, {self.compile_mode.name}, {self.exec_mode})")
+
+
+def _progress(items, desc: str):
+    """``items`` under a tqdm progress bar on stderr when it is a terminal or this is a
+    Jupyter kernel; as they are otherwise (logs and pipes stay clean)."""
+    isatty = getattr(sys.stderr, "isatty", None)
+    if not ((isatty is not None and isatty()) or "ipykernel" in sys.modules):
+        return items
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="kernel", leave=False, file=sys.stderr)
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream") -> CudaExecutable:  # noqa: A001

@@ -99,11 +99,17 @@ class Step:
             self.launch = self.kernel[self.grid, self.block, stream]
             self.launch = functools.partial(self.launch, *self.args)
         elif aot:
-            self.launch = fast_launch(self.kernel, self.grid, self.block, stream, self.args)
+            self.compile()
+
+    def compile(self) -> None:
+        """Compile the kernel (or load it from the disk cache) and pack the launch, unless
+        that is done (always, in the simulator: it compiles nothing)."""
+        if self.launch is None:
+            self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args)
 
     def __call__(self) -> None:
         if self.launch is None:   # JIT: compile on first use
-            self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args)
+            self.compile()
         self.launch()
 
 
@@ -113,17 +119,18 @@ def fast_launch(dispatcher, grid, block, stream, args):
     numba's ``kernel[grid, block, stream](*args)`` types every argument, finds the overload
     and converts each argument on every call (tens of microseconds of Python a launch). A
     step's arguments never change (arena views and scalars), so all of that is done once
-    here: the kernel is specialised for the argument types, the arguments are converted to
-    the driver's parameter list by numba's own ``_prepare_args``, and each call is a single
-    cuda.core ``launch``."""
+    here: the kernel is compiled for the argument types (by the dispatcher itself, so its
+    disk cache is used: ``specialize`` would make a fresh dispatcher without one), the
+    arguments are converted to the driver's parameter list by numba's own ``_prepare_args``,
+    and each call is a single cuda.core ``launch``."""
     from cuda.core import LaunchConfig, launch
     from numba.cuda._compat import CUDA_CORE_GE_1_0
     from numba.cuda.cudadrv.driver import _to_core_stream
 
-    spec = dispatcher.specialize(*args)
-    kern = next(iter(spec.overloads.values()))
+    kern = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in args))
     if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
-        return functools.partial(spec[grid, block, stream], *args)
+        return functools.partial(dispatcher[grid, block, stream], *args)
+    kern.bind()   # load the module into the context and set it up, as numba's launch does
     retr, params = [], []
     for ty, val in zip(kern.argument_types, args):
         kern._prepare_args(ty, val, stream, retr, params)
@@ -150,6 +157,9 @@ class CallStep:
 
     def bind(self, stream, aot: bool) -> None:
         self.launch = self.make(stream)
+
+    def compile(self) -> None:
+        """Nothing to compile: a library call is prepared by bind()."""
 
     def __call__(self) -> None:
         self.launch()

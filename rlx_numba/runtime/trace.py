@@ -5,14 +5,25 @@ Python's); under the simulator by the host clock. ``Profile`` prints as a table 
 or library call, time, bytes or FLOPs, achieved GB/s or TFLOP/s where the step says how much
 it moves or computes) and writes a Chrome/Perfetto trace: one complete ("X") event per step,
 with its kernel, tier and launch geometry in ``args``.
+
+NVTX: when the ``nvtx`` package is installed, a traced or profiled run puts each step inside
+an NVTX range named after it (domain "rlx_numba"), so Nsight Systems shows the steps on its
+timeline; ``RLX_NUMBA_NVTX=1`` at compile time does that for every run() (STREAM and EAGER).
+A range costs ~0.2 us of Python a step without a profiler attached (measured: the wrapper's
+call and a push/pop with attributes built once); with the variable unset run() loops over the
+bare steps, at no cost.
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 from .device import SIMULATOR
+
+log = logging.getLogger("rlx_numba")
 
 
 @dataclass
@@ -71,7 +82,11 @@ class Profile(list):
 
 
 def timed_steps(steps, stream, cuda, graph_name: str, device: str) -> Profile:
-    """Run ``steps`` once, timing each; returns the Profile."""
+    """Run ``steps`` once, timing each (inside NVTX ranges when nvtx is installed); returns
+    the Profile."""
+    domain = nvtx_domain()
+    if domain is not None:
+        steps = [Ranged(s, domain) for s in steps]
     rows = []
     if SIMULATOR:
         t0 = time.perf_counter()
@@ -98,3 +113,50 @@ def _info(step) -> dict:
     if hasattr(step, "grid"):
         info.update(grid=list(step.grid), block=list(step.block))
     return info
+
+
+# ---- NVTX -------------------------------------------------------------------------------------
+_domain = False   # not looked up yet
+
+
+def nvtx_domain():
+    """The "rlx_numba" NVTX domain when the ``nvtx`` package is installed, else None."""
+    global _domain
+    if _domain is False:
+        try:
+            import nvtx
+            _domain = nvtx.get_domain("rlx_numba")
+        except Exception:  # noqa: BLE001 - not installed (or broken): no ranges
+            _domain = None
+    return _domain
+
+
+class Ranged:
+    """A step that runs inside an NVTX range named after it; its other attributes are the
+    step's."""
+    __slots__ = ("step", "_domain", "_attrs")
+
+    def __init__(self, step, domain):
+        self.step, self._domain = step, domain
+        self._attrs = domain.get_event_attributes(message=step.name)
+
+    def __call__(self) -> None:
+        self._domain.push_range(self._attrs)
+        try:
+            self.step()
+        finally:
+            self._domain.pop_range()
+
+    def __getattr__(self, name):
+        return getattr(self.step, name)
+
+
+def nvtx_wrapped(steps):
+    """``steps`` itself, or with RLX_NUMBA_NVTX=1 (and nvtx installed) each step as ``Ranged``."""
+    if os.environ.get("RLX_NUMBA_NVTX") != "1":
+        return steps
+    domain = nvtx_domain()
+    if domain is None:
+        log.warning("RLX_NUMBA_NVTX=1 but the nvtx package is not installed: no NVTX ranges")
+        return steps
+    return [Ranged(s, domain) for s in steps]

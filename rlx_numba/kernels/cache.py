@@ -1,0 +1,199 @@
+"""The kernel disk cache: where it lives, and numba's compiled-kernel cache made safe.
+
+Two kinds of entries live under ``cache_dir()`` (``RLX_NUMBA_CACHE_DIR``, else the platform
+cache dir):
+
+* ``kernels/ew_*.py``: generated element-wise kernels, real source files (codegen.load_kernel
+  writes them atomically and rewrites one whose content differs from what it should be);
+* ``numba/``: numba's compiled kernels (index ``.nbi`` and data ``.nbc`` files), for every
+  kernel made by ``launch.jit`` or loaded by ``codegen.load_kernel``. ``NUMBA_CACHE_DIR``, when
+  the user set it, takes its place. Nothing is ever written next to rlx_numba's own sources
+  (they may be in a read-only site-packages).
+
+numba's ``cache=True`` is not used as is, for four reasons found in numba-cuda 0.30.4:
+
+* its index key is the signature, the device, the function's bytecode and its closure
+  cells, not the jit options: closures of one factory that differ only in ``launch_bounds``
+  would share an entry (a kernel built for 256 threads loaded for a 1024-thread launch);
+* a kernel calls device functions of other modules, whose edits the key does not see (it
+  stamps only the kernel's own file);
+* a truncated or damaged .nbi/.nbc makes ``pickle`` raise inside the compile (only a missing
+  file is treated as a miss), and a flipped byte that still unpickles would be trusted;
+* its location falls back to ``__pycache__`` beside the source, or follows
+  ``numba.config.CACHE_DIR``, which numba resets whenever a ``NUMBA_*`` variable changes.
+
+So ``attach`` gives a dispatcher an ``RlxCache``: the key adds the jit options, the freshness
+stamp adds a hash of every kernel module's source, each file carries a SHA-256 of its
+payload (a damaged file reads as a miss: the kernel is compiled again and the file
+rewritten), and the location is always ours. Closure kernels of the factories cache too:
+their cells (ints, bools, strings, numba types, device functions) pickle the same in every
+process. The simulator compiles nothing, so there ``attach`` does nothing.
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+from pathlib import Path
+
+from ..runtime.device import SIMULATOR
+
+log = logging.getLogger("rlx_numba")
+
+# per process: numba kernels served from the disk cache ("hits") or compiled ("misses"),
+# damaged entries met ("corrupt"); generated sources written or reused ("py_written",
+# "py_reused", counted by codegen.load_kernel)
+STATS = collections.Counter()
+
+
+def cache_dir() -> Path:
+    """RLX_NUMBA_CACHE_DIR, else the platform cache dir; a temp dir if neither is writable."""
+    env = os.environ.get("RLX_NUMBA_CACHE_DIR")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlx_numba"
+    for d in (base, Path(tempfile.gettempdir()) / f"rlx_numba-{os.getuid()}"):
+        try:
+            (d / "kernels").mkdir(parents=True, exist_ok=True)
+            return d
+        except OSError:
+            continue
+    raise RuntimeError(f"rlx_numba: no writable cache dir (tried {base})")
+
+
+def numba_cache_dir() -> Path:
+    """Where numba's compiled kernels go: NUMBA_CACHE_DIR when the user set it, else
+    ``cache_dir() / "numba"``."""
+    env = os.environ.get("NUMBA_CACHE_DIR")
+    return Path(env) if env else cache_dir() / "numba"
+
+
+def _sources_hash() -> str:
+    """A hash of every kernel module: a kernel may call device functions (and read constants)
+    of any of them, so an edit to one makes every cached kernel stale."""
+    h = hashlib.sha256()
+    for p in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+SOURCES_HASH = _sources_hash()
+
+
+if not SIMULATOR:
+    import numba_cuda
+    from numba.cuda.core.caching import (IndexDataCacheFile, _CacheLocator,
+                                         _SourceFileBackedLocatorMixin)
+    from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
+    from numba.cuda.serialize import dumps
+
+    def _sha(b: bytes) -> str:
+        return hashlib.sha256(b).hexdigest()
+
+    class _Locator(_SourceFileBackedLocatorMixin, _CacheLocator):
+        """numba_cache_dir()/<source dir name>_<hash of its path>, stamped by the source file's
+        mtime and size (numba's rule) and the kernel sources' hash."""
+
+        def __init__(self, py_func, py_file):
+            self._py_file = py_file
+            self._lineno = py_func.__code__.co_firstlineno
+            self._cache_path = str(numba_cache_dir() / self.get_suitable_cache_subpath(py_file))
+
+        def get_cache_path(self):
+            return self._cache_path
+
+        def get_source_stamp(self):
+            return super().get_source_stamp(), SOURCES_HASH
+
+    class _Impl(CUDACacheImpl):
+        _locator_classes = [_Locator]   # no fallback to __pycache__ beside the source
+
+    class _CheckedFile(IndexDataCacheFile):
+        """numba's index and data files, each written as SHA-256 + pickle. A file whose hash
+        does not match (truncated, damaged, or from another writer) reads as missing, so the
+        kernel is compiled again and the file rewritten; it is never unpickled."""
+
+        def _dump(self, obj):
+            data = dumps(obj)
+            return hashlib.sha256(data).digest() + data
+
+        def _read(self, path):
+            with open(path, "rb") as f:
+                blob = f.read()
+            if len(blob) < 32 or hashlib.sha256(blob[32:]).digest() != blob[:32]:
+                STATS["corrupt"] += 1
+                log.warning("rlx_numba: damaged kernel cache file %s: compiling the kernel "
+                            "again", path)
+                return None
+            return pickle.loads(blob[32:])
+
+        def _save_index(self, overloads):
+            with self._open_for_write(self._index_path) as f:
+                f.write(self._dump((self._version, self._source_stamp, overloads)))
+
+        def _load_index(self):
+            try:
+                entry = self._read(self._index_path)
+            except FileNotFoundError:
+                return {}
+            if entry is None:
+                return {}
+            version, stamp, overloads = entry
+            return overloads if (version, stamp) == (self._version, self._source_stamp) else {}
+
+        def _load_data(self, name):
+            return self._read(self._data_path(name))   # None (a miss) when damaged
+
+    class RlxCache(CUDACache):
+        """numba's CUDA kernel cache with the jit options in the key, checksummed files, our
+        location, and read/write failures turned into a recompile (see the module doc)."""
+
+        _impl_class = _Impl
+
+        def __init__(self, py_func, options: dict):
+            self._options = tuple(sorted(options.items()))
+            self._func_key = None
+            super().__init__(py_func)
+            self._cache_file = _CheckedFile(self._cache_path, self._impl.filename_base,
+                                            self._impl.locator.get_source_stamp())
+
+        def _index_key(self, sig, codegen):
+            if self._func_key is None:   # once: a load and the save after a miss must agree
+                f = self._py_func
+                cells = tuple(c.cell_contents for c in f.__closure__ or ())
+                self._func_key = (_sha(f.__code__.co_code), _sha(dumps(cells)) if cells else "")
+            key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._func_key,
+                   self._options)
+            if self._launch_config_key is not None:   # as CUDACache._index_key
+                key += (("launch_config", self._launch_config_key),)
+            return key
+
+        def load_overload(self, sig, target_context):
+            try:
+                kernel = super().load_overload(sig, target_context)
+            except Exception as e:  # noqa: BLE001 - an entry that cannot be rebuilt is a miss
+                STATS["corrupt"] += 1
+                log.warning("rlx_numba: cached kernel %s unreadable (%s): compiling it again",
+                            self._name, e)
+                kernel = None
+            STATS["hits" if kernel is not None else "misses"] += 1
+            return kernel
+
+        def save_overload(self, sig, data):
+            try:
+                super().save_overload(sig, data)
+            except Exception as e:  # noqa: BLE001 - the kernel is compiled; only its reuse is lost
+                log.warning("rlx_numba: could not cache kernel %s: %s", self._name, e)
+
+
+def attach(dispatcher, options: dict | None = None):
+    """Give a numba kernel dispatcher the disk cache (nothing in the simulator); returns it.
+    ``options`` are the jit options that change the compiled code (launch_bounds...)."""
+    if SIMULATOR:
+        return dispatcher
+    try:
+        dispatcher._cache = RlxCache(dispatcher.py_func, dict(options or {}))
+    except Exception as e:  # noqa: BLE001 - e.g. no writable location: compile every time
+        log.warning("rlx_numba: kernel %s not cached on disk: %s", dispatcher.py_func.__qualname__, e)
+    return dispatcher
