@@ -13,6 +13,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
 from ..memory import Buffer, MemoryReport, plan
+from ..passes import fusion
 from . import (lower, lower_attention, lower_matmul, lower_norm, lower_reduce,  # noqa: F401
                lower_rope, lower_sample, lower_shape)            # (each registers its lowerings)
 from . import trace
@@ -116,11 +117,15 @@ class CudaExecutable:
                 alias = self._is_view(n) or n.op in lower.INPLACE
                 self._root[n.id] = self._root[n.inputs[0]] if alias else n.id
         lower.check_inplace(graph, self._live, self._root)
+        # fused regions and folded epilogues: interior nodes get no buffer and no step, a
+        # root lowers as self.fusion.nodes[id] (the graph itself is not changed)
+        self.fusion = fusion.fuse(graph, self._live, self._root, self._is_view)
         self._plan_memory()
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
         self._bufs = {}                      # node id -> flat device view of its storage
         for nid in self._root:
-            self._bufs[nid] = self._flat(nid)
+            if nid not in self.fusion.interior:
+                self._bufs[nid] = self._flat(nid)
         self._inputs = {n.name: n for n in nodes if n.op == "input"}
         self._params = {n.name: n for n in nodes if n.op == "param"}
         self._unset = set(self._params)
@@ -132,8 +137,8 @@ class CudaExecutable:
         self._half = {}                      # param name -> (half dtype, device array)
         self._node_steps = {}                # node id -> its bound steps, in graph order
         for n in nodes:
-            if n.id in self._live:
-                self._node_steps[n.id] = self._lower_bound(n)
+            if n.id in self._live and n.id not in self.fusion.interior:
+                self._node_steps[n.id] = self._lower_bound(self.fusion.nodes.get(n.id, n))
         self._flatten_steps()
         self._compile_steps(self.steps)
         self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
@@ -190,7 +195,9 @@ class CudaExecutable:
         bufs = {}
         views = 0
         for nid in order:
-            n = nodes[nid]
+            if nid in self.fusion.interior:
+                continue
+            n = self.fusion.nodes.get(nid, nodes[nid])   # a fused root reads its region's leaves
             root = self._root[nid]
             if root != nid:
                 views += 1
@@ -285,6 +292,16 @@ class CudaExecutable:
         return MemoryReport(self._report)
 
     @property
+    def fused_regions(self):
+        """[(root node id, [member node ids], generated kernel source)] for each element-wise
+        region fused into one kernel (the source is None for an empty tensor: no step). The
+        folded epilogues (matmul + bias/activation/residual, residual add + norm) are in
+        ``self.fusion.folds``."""
+        return [(r, list(reg.members),
+                 next((s.info.get("source") for s in self._node_steps[r]), None))
+                for r, reg in self.fusion.regions.items()]
+
+    @property
     def input_names(self):
         return list(self._inputs)
 
@@ -352,7 +369,7 @@ class CudaExecutable:
         """Plan again the products whose weight is ``param`` (its storage changed)."""
         g = self.graph
         for nid in self._node_steps:
-            n = g.nodes[nid]
+            n = self.fusion.nodes.get(nid, g.nodes[nid])   # a matmul with a folded epilogue
             if n.op in lower_matmul.PRODUCTS and len(n.inputs) > 1:
                 w = g.nodes[n.inputs[1]]
                 if w.id in self.absorbed:

@@ -196,9 +196,15 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> S
 
 
 # ---- lowering of the element-wise ops --------------------------------------------
-@lowering(*ELEMENTWISE)
+@lowering(*ELEMENTWISE, "fused")
 def _lower_elementwise(exe, n):
+    """One op, or a fused region (passes/fusion.py: inputs are the region's leaves, the
+    expression in attrs) as one generated kernel."""
     ins = [exe.graph.nodes[i] for i in n.inputs]
-    return [elementwise_step(step_name(n), node_expr(n, exe.graph), exe.buf(n), n.shape,
-                             [exe.buf(i) for i in ins], [i.shape for i in ins],
-                             [i.dtype for i in ins])]
+    if n.op == "fused":
+        expr = n.attrs["expr"]
+        name = f"%{n.id} fused[{' '.join(f'%{m}' for m in n.attrs['members'])}]"
+    else:
+        expr, name = node_expr(n, exe.graph), step_name(n)
+    return [elementwise_step(name, expr, exe.buf(n), n.shape, [exe.buf(i) for i in ins],
+                             [i.shape for i in ins], [i.dtype for i in ins])]

@@ -276,8 +276,20 @@ _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
 
 @lowering("matmul")
 def _lower_matmul(exe, n):
-    a, b = (operand(exe, i) for i in n.inputs)
-    return product_steps(exe, n, a, b, n.shape)
+    # a matmul folded with its epilogue by passes/fusion.py carries linear's attributes and
+    # its bias / residual as inputs 2 and 3
+    a, b = (operand(exe, i) for i in n.inputs[:2])
+    bias, res = _epilogue_inputs(exe.graph, n)
+    return product_steps(exe, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
+                         residual=res)
+
+
+def _epilogue_inputs(g, n):
+    """(bias node or None, residual node or None) from n.inputs[2:] and n's has_ flags."""
+    rest = [g.nodes[i] for i in n.inputs[2:]]
+    bias = rest.pop(0) if n.attrs.get("has_bias") else None
+    res = rest.pop(0) if n.attrs.get("has_residual") else None
+    return bias, res
 
 
 @lowering("linear")
@@ -287,8 +299,6 @@ def _lower_linear(exe, n):
     w = operand(exe, n.inputs[1])
     k = x.shape[-1]
     a = Operand(exe.buf(x), x, False, (math.prod(x.shape[:-1]), k))
-    rest = [g.nodes[i] for i in n.inputs[2:]]
-    bias = rest.pop(0) if n.attrs["has_bias"] else None
-    res = rest.pop(0) if n.attrs.get("has_residual") else None
+    bias, res = _epilogue_inputs(g, n)
     return product_steps(exe, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
                          activation=n.attrs["activation"], residual=res)

@@ -1,0 +1,238 @@
+"""Element-wise fusion and epilogue folding: the "fuse" step of compile().
+
+``fuse(graph, live, root, is_view)`` reads the graph (never changes it: a Graph can be compiled
+again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
+(``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
+in the graph node's place (``nodes``). Three rewrites:
+
+- **Element-wise regions.** A live element-wise node (runtime/lower.py ELEMENTWISE, not a view)
+  is computed inside its consumer's kernel when it has exactly one reader, that reader is
+  element-wise too, it is not a graph output, and its shape equals the reader's output shape
+  (so broadcasting happens only at a region's leaves, whose shapes broadcast to the root's).
+  A region becomes one virtual ``fused`` node: its inputs are the region's leaves (each once),
+  ``attrs["expr"]`` the nested expression of kernels/codegen.py. Interior f16/bf16/i32 values
+  are rounded (wrapped) to their dtype as a stored tensor would be, so a fused chain gives the
+  same values as the unfused one.
+- **Matmul epilogues.** A region that is exactly ``activation(matmul(a, b) + bias) + residual``
+  (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
+  matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
+  cuBLASLt tier can fuse it.
+- **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use f32 add of
+  two same-shape tensors becomes the norm with ``residual=b`` (one row kernel).
+
+A rewritten root runs at its own position in the step order and reads every leaf there. That is
+wrong when an in-place node (kv_write) between a leaf's original reader and the root overwrites
+the leaf's memory, so such readers are kept materialised (see ``_hazards``).
+
+``RLX_NUMBA_FUSION=0`` turns the pass off (every node lowers on its own).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..ir import dtypes as dt
+from ..ir.graph import Node
+from ..runtime.lower import ELEMENTWISE, INPLACE
+
+# a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
+# the generated source repeats the expression per unrolled element
+MAX_LEAVES = 16
+MAX_MEMBERS = 32
+# interior values rounded to their dtype, and the dtype they are computed in before that
+_ROUNDED = {dt.F16: dt.F32, dt.BF16: dt.F32, dt.I32: dt.I64}
+NORMS = ("layer_norm", "rms_norm")
+
+
+def enabled() -> bool:
+    return os.environ.get("RLX_NUMBA_FUSION", "1") != "0"
+
+
+@dataclass
+class Region:
+    root: int
+    members: tuple      # node ids in graph order, the root last
+    leaves: tuple       # kernel inputs (node ids, each once), in expression order
+    expr: tuple         # kernels/codegen.py expression over ("in", k, dtype) leaves
+
+
+@dataclass
+class Fusion:
+    interior: frozenset = frozenset()
+    nodes: dict = field(default_factory=dict)     # root id -> Node lowered in its place
+    regions: dict = field(default_factory=dict)   # root id -> Region (element-wise kernels)
+    folds: dict = field(default_factory=dict)     # root id -> (kind, member ids) of the folds
+
+
+def fuse(graph, live, root, is_view) -> Fusion:
+    """The fusion plan of ``graph``: ``live`` the node ids that run, ``root`` node id -> the
+    node id owning its memory, ``is_view(node)`` whether a node aliases its input."""
+    if not enabled():
+        return Fusion()
+    nodes = graph.nodes
+    outputs = set(graph.outputs)
+    uses = Counter(i for n in nodes if n.id in live for i in n.inputs)
+    consumer = {i: n.id for n in nodes if n.id in live for i in n.inputs}
+    writes = [(n.id, root[n.id]) for n in nodes if n.id in live and n.op in INPLACE]
+
+    def single(i):        # one reader, and nothing outside the graph sees it
+        return uses[i] == 1 and i not in outputs
+
+    def elementwise(n):
+        return n.id in live and n.op in ELEMENTWISE and not is_view(n)
+
+    forced: set = set()   # members that must stay materialised (in-place hazards)
+    while True:
+        groups = _regions(nodes, elementwise, single, forced)
+        bad = _hazards(nodes, groups, writes, root)
+        if not bad:
+            break
+        forced |= bad
+    out = Fusion()
+    interior = set()
+    region_of = {m: r for r, ms in groups.items() for m in ms}
+    for r, ms in groups.items():
+        if len(ms) > 1:
+            leaves: dict = {}
+            expr = _expr(nodes, r, r, set(ms), leaves)
+            out.regions[r] = Region(r, tuple(sorted(ms)), tuple(leaves), expr)
+            interior.update(m for m in ms if m != r)
+    for n in nodes:   # matmul epilogues: a region that is exactly the linear epilogue
+        if n.op == "matmul" and n.id in live and single(n.id) and consumer.get(n.id) in region_of:
+            r = region_of[consumer[n.id]]
+            fold = _matmul_epilogue(nodes, n, groups[r], consumer)
+            if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
+                out.regions.pop(r, None)
+                out.nodes[r] = fold
+                out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
+                interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # residual + norm
+        if n.op in NORMS and n.id in live and not n.attrs["has_residual"]:
+            fold = _norm_residual(nodes, n, single, region_of, groups)
+            if n.inputs[0] in out.nodes:   # its add already became a matmul's epilogue
+                fold = None
+            if fold is not None and not _hazards(nodes, {n.id: [n.inputs[0], n.id]}, writes, root):
+                out.nodes[n.id] = fold
+                out.folds[n.id] = ("norm residual", (n.inputs[0], n.id))
+                interior.add(n.inputs[0])
+    for r, reg in out.regions.items():
+        root_node = nodes[r]
+        out.nodes[r] = Node(r, "fused", reg.leaves, root_node.shape, root_node.dtype,
+                            {"expr": reg.expr, "members": reg.members})
+    out.interior = frozenset(interior)
+    return out
+
+
+def _regions(nodes, elementwise, single, forced) -> dict:
+    """root id -> [member ids] for every element-wise node (singletons included), grown from
+    each root down through inputs that may be computed inside their reader."""
+    groups, taken = {}, set()
+    for n in reversed(nodes):
+        if not elementwise(n) or n.id in taken:
+            continue
+        members, stack = [n.id], [n.id]
+        while stack:
+            m = stack.pop()
+            for i in nodes[m].inputs:
+                x = nodes[i]
+                if (not elementwise(x) or i in forced or not single(i) or i in members
+                        or x.shape != nodes[m].shape or len(members) >= MAX_MEMBERS
+                        or len(_leaf_ids(nodes, members + [i])) > MAX_LEAVES):
+                    continue   # a leaf: materialised (its own region's root)
+                members.append(i)
+                stack.append(i)
+        taken.update(members)
+        groups[n.id] = sorted(members)
+    return groups
+
+
+def _leaf_ids(nodes, members) -> set:
+    ms = set(members)
+    return {i for m in members for i in nodes[m].inputs if i not in ms}
+
+
+def _hazards(nodes, groups, writes, root) -> set:
+    """Members that read a leaf whose memory an in-place node overwrites after that read and
+    before the region's root runs (where the fused kernel would read it)."""
+    bad = set()
+    for r, ms in groups.items():
+        inside = set(ms)
+        for m in ms:
+            if m == r:
+                continue
+            for i in nodes[m].inputs:
+                if i not in inside and any(m < k < r and w == root[i] for k, w in writes):
+                    bad.add(m)
+    return bad
+
+
+def _expr(nodes, nid, root, members, leaves) -> tuple:
+    """The codegen expression of ``nid`` over the region ``members`` (root ``root``);
+    ``leaves`` collects the kernel inputs (node id -> input index) in order of first use."""
+    n = nodes[nid]
+    if nid not in members:
+        return ("in", leaves.setdefault(nid, len(leaves)), n.dtype)
+    kids = tuple(_expr(nodes, i, root, members, leaves) for i in n.inputs)
+    kind = n.attrs.get("kind")
+    if nid != root and n.op != "cast" and n.dtype in _ROUNDED:
+        # stored, this value would be rounded to f16/bf16 or wrapped to int32 (numba computes
+        # int32 arithmetic in int64): do the same before its reader sees it
+        return ("cast", None, n.dtype, (n.op, kind, _ROUNDED[n.dtype]) + kids)
+    return (n.op, kind, n.dtype) + kids
+
+
+def _matmul_epilogue(nodes, mm, members, consumer):
+    """The matmul node computing ``activation(mm + bias) + residual`` when the region
+    ``members`` is exactly that chain over ``mm`` (all f32), else None."""
+    shape, n_cols = mm.shape, mm.shape[-1]
+    chain, cur = [], mm.id
+    bias = act = res = None
+
+    def step():
+        nonlocal cur
+        chain.append(nxt.id)
+        cur = nxt.id
+
+    def other(n):   # the add's operand that is not the chain (None when both are)
+        a, b = n.inputs
+        return nodes[b] if a == cur and b != cur else nodes[a] if b == cur and a != cur else None
+
+    def add_of(n, want):
+        if n.op != "binary" or n.attrs["kind"] != "add" or n.dtype != dt.F32 or n.shape != shape:
+            return None
+        o = other(n)
+        return o if o is not None and o.dtype == dt.F32 and o.shape == want else None
+
+    nxt = nodes[consumer[mm.id]]
+    bias = add_of(nxt, (n_cols,))
+    if bias is not None:
+        step()
+        nxt = nodes[consumer[cur]] if cur != members[-1] else None
+    if nxt is not None and nxt.op == "activation" and nxt.dtype == dt.F32 and nxt.shape == shape:
+        act = nxt.attrs["kind"]
+        step()
+        nxt = nodes[consumer[cur]] if cur != members[-1] else None
+    if nxt is not None:
+        res = add_of(nxt, shape)
+        if res is not None:
+            step()
+    if not chain or chain[-1] != members[-1] or sorted(chain) != list(members):
+        return None
+    ins = mm.inputs + tuple(t.id for t in (bias, res) if t is not None)
+    return Node(members[-1], "matmul", ins, shape, dt.F32,
+                {"activation": act, "has_bias": bias is not None, "has_residual": res is not None})
+
+
+def _norm_residual(nodes, norm, single, region_of, groups):
+    """The norm with ``residual=`` when its x is a single-use f32 add of two same-shape
+    tensors computed by a kernel of its own (a region of one), else None."""
+    x = nodes[norm.inputs[0]]
+    if (x.op != "binary" or x.attrs["kind"] != "add" or not single(x.id)
+            or groups.get(region_of.get(x.id)) != [x.id]):
+        return None
+    a, b = (nodes[i] for i in x.inputs)
+    if x.dtype != dt.F32 or any(t.dtype != dt.F32 or t.shape != x.shape for t in (a, b)):
+        return None
+    return Node(norm.id, norm.op, (a.id,) + norm.inputs[1:] + (b.id,), norm.shape, norm.dtype,
+                {**norm.attrs, "has_residual": True})
