@@ -505,6 +505,58 @@ def test_residual_add_folds_into_the_norm(rng, monkeypatch, op):
     np.testing.assert_allclose(got[0], unfused.run({"x": xv, "r": rv})[0], rtol=1e-6, atol=1e-6)
 
 
+def test_norm_residual_add_is_peeled_off_its_region(rng, monkeypatch):
+    """norm(P + r) with P fused into the add: P gets its own kernel and the add folds into the
+    norm (as many steps); a P that is a matmul's epilogue then folds into the product too.
+    With both operands fused into the add, nothing changes."""
+    g = rlx.Graph("peel")
+    x = g.input("x", (3, 8))
+    r = g.input("r", (3, 8))
+    w = g.input("w", (8, 8))
+    b = g.input("b", (8,))
+    gamma = g.param("gamma", (8,))
+    p1 = g.exp(x) * 2.0
+    y1 = g.layer_norm(p1 + r, gamma)
+    p2 = (x @ w + b) + r                      # a linear with bias and residual
+    y2 = g.rms_norm(p2 + x, gamma)
+    y3 = g.rms_norm(g.tanh(x) + g.sin(r), gamma)
+    m4 = x @ w                                # the norm, not the product, takes the residual
+    y4 = g.layer_norm(m4 + r, gamma)
+    m5 = x @ w
+    y5 = g.layer_norm(g.relu(m5 + b) + r, gamma)
+    g.set_outputs([y1, y2, y3, y4, y5])
+    gv = rng.standard_normal(8).astype(np.float32)
+    fused, unfused = compile_both(g, monkeypatch, gamma=gv)
+    assert fused.fusion.folds == {y1.id: ("norm residual", (y1.id - 1, y1.id)),
+                                  p2.id: ("matmul epilogue", (p2.id - 2, p2.id - 1, p2.id)),
+                                  y2.id: ("norm residual", (y2.id - 1, y2.id)),
+                                  y4.id: ("norm residual", (y4.id - 1, y4.id)),
+                                  y5.id - 2: ("matmul epilogue", (m5.id, y5.id - 3, y5.id - 2)),
+                                  y5.id: ("norm residual", (y5.id - 1, y5.id))}
+    y3_add = y3.node.inputs[0]
+    assert [(r_, m) for r_, m, _ in fused.fused_regions] == [
+        (y3_add, [y3_add - 2, y3_add - 1, y3_add]), (p1.id, [p1.id - 2, p1.id])]
+    # p1: 1 + norm; p2: GEMM + epilogue (one Lt call on a GPU) + norm; y3: 1 + norm;
+    # y4: GEMM + norm; y5: GEMM + epilogue (one Lt call on a GPU) + norm
+    assert len(fused.steps) <= 12 and len(unfused.steps) == 21
+    xv, rv = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2))
+    wv = rng.standard_normal((8, 8)).astype(np.float32)
+    bv = rng.standard_normal(8).astype(np.float32)
+    x64 = xv.astype(np.float64)
+    rms = lambda v: v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6) * gv   # noqa: E731
+    ln = lambda v: (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + 1e-5) * gv
+    want = [ln(np.exp(x64) * 2 + rv),
+            rms(x64 @ wv + bv + rv + x64), rms(np.tanh(x64) + np.sin(rv)),
+            ln(x64 @ wv + rv), ln(np.maximum(x64 @ wv + bv, 0) + rv)]
+    feed = {"x": xv, "r": rv, "w": wv, "b": bv}
+    got = fused.run(feed)
+    tol = dict(rtol=1e-5, atol=1e-5) if not ON_GPU else dict(rtol=1e-4, atol=1e-4)
+    for o, w_ in zip(got, want):
+        np.testing.assert_allclose(o, w_, **tol)
+    for o, u in zip(got, unfused.run(feed)):
+        np.testing.assert_allclose(o, u, **tol)
+
+
 def test_norm_residual_not_folded_for_broadcast_or_shared_add(rng, monkeypatch):
     g = rlx.Graph("noprenorm")
     x = g.input("x", (4, 8))
@@ -512,7 +564,7 @@ def test_norm_residual_not_folded_for_broadcast_or_shared_add(rng, monkeypatch):
     gamma = g.param("gamma", (8,))
     h1 = x + bias                            # broadcast: not a residual
     y1 = g.rms_norm(h1, gamma)
-    h2 = x + x * 2.0                         # the add is a fused region of two nodes
+    h2 = g.exp(x) + g.sin(x)                 # both operands fused into the add
     y2 = g.layer_norm(h2, gamma)
     h3 = x + bias * 0.0 + x                  # read by the norm and kept as an output
     y3 = g.rms_norm(h3, gamma)
@@ -525,7 +577,7 @@ def test_norm_residual_not_folded_for_broadcast_or_shared_add(rng, monkeypatch):
     x64 = xv.astype(np.float64)
     rms = lambda v: v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6) * gv   # noqa: E731
     ln = lambda v: (v - v.mean(-1, keepdims=True)) / np.sqrt(v.var(-1, keepdims=True) + 1e-5) * gv
-    want = [rms(x64 + bv), ln(3 * x64), rms(2 * x64), 2 * x64]
+    want = [rms(x64 + bv), ln(np.exp(x64) + np.sin(x64)), rms(2 * x64), 2 * x64]
     got = fused.run({"x": xv, "bias": bv})
     for o, w_ in zip(got, want):
         np.testing.assert_allclose(o, w_, rtol=1e-5, atol=1e-5)

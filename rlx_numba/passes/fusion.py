@@ -18,7 +18,10 @@ in the graph node's place (``nodes``). Three rewrites:
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it.
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use f32 add of
-  two same-shape tensors becomes the norm with ``residual=b`` (one row kernel).
+  two same-shape tensors becomes the norm with ``residual=b`` (one row kernel). When exactly one
+  operand would have been fused into the add, that operand keeps a kernel of its own instead
+  (as many kernels; it may then be a matmul epilogue), and a matmul epilogue leaves such an add
+  to the norm.
 
 A rewritten root runs at its own position in the step order and reads every leaf there. That is
 wrong when an in-place node (kv_write) between a leaf's original reader and the root overwrites
@@ -82,13 +85,24 @@ def fuse(graph, live, root, is_view) -> Fusion:
     def elementwise(n):
         return n.id in live and n.op in ELEMENTWISE and not is_view(n)
 
+    # adds that a norm can take as its residual= (folded below when the add is a region of
+    # its own); when one of their operands was fused into them, that operand gets a region of
+    # its own instead ("sealed" adds take no members): as many kernels, and the operand's
+    # region may then fold into a matmul epilogue
+    norm_adds = {n.inputs[0] for n in nodes
+                 if n.op in NORMS and n.id in live and not n.attrs["has_residual"]
+                 and _residual_add(nodes, nodes[n.inputs[0]], single)}
     forced: set = set()   # members that must stay materialised (in-place hazards)
+    sealed: set = set()
     while True:
-        groups = _regions(nodes, elementwise, single, forced)
+        groups = _regions(nodes, elementwise, single, forced, sealed)
         bad = _hazards(nodes, groups, writes, root)
-        if not bad:
+        seal = {x for x in norm_adds - sealed if len(groups.get(x, ())) > 1
+                and sum(i in groups[x] for i in set(nodes[x].inputs)) == 1}
+        if not bad and not seal:
             break
         forced |= bad
+        sealed |= seal
     out = Fusion()
     interior = set()
     region_of = {m: r for r, ms in groups.items() for m in ms}
@@ -101,7 +115,7 @@ def fuse(graph, live, root, is_view) -> Fusion:
     for n in nodes:   # matmul epilogues: a region that is exactly the linear epilogue
         if n.op == "matmul" and n.id in live and single(n.id) and consumer.get(n.id) in region_of:
             r = region_of[consumer[n.id]]
-            fold = _matmul_epilogue(nodes, n, groups[r], consumer)
+            fold = _matmul_epilogue(nodes, n, groups[r], consumer, norm_adds)
             if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
                 out.regions.pop(r, None)
                 out.nodes[r] = fold
@@ -124,9 +138,10 @@ def fuse(graph, live, root, is_view) -> Fusion:
     return out
 
 
-def _regions(nodes, elementwise, single, forced) -> dict:
+def _regions(nodes, elementwise, single, forced, sealed) -> dict:
     """root id -> [member ids] for every element-wise node (singletons included), grown from
-    each root down through inputs that may be computed inside their reader."""
+    each root down through inputs that may be computed inside their reader (``forced`` nodes
+    are never members, ``sealed`` nodes take none)."""
     groups, taken = {}, set()
     for n in reversed(nodes):
         if not elementwise(n) or n.id in taken:
@@ -134,7 +149,7 @@ def _regions(nodes, elementwise, single, forced) -> dict:
         members, stack = [n.id], [n.id]
         while stack:
             m = stack.pop()
-            for i in nodes[m].inputs:
+            for i in () if m in sealed else nodes[m].inputs:
                 x = nodes[i]
                 if (not elementwise(x) or i in forced or not single(i) or i in members
                         or x.shape != nodes[m].shape or len(members) >= MAX_MEMBERS
@@ -182,9 +197,10 @@ def _expr(nodes, nid, root, members, leaves) -> tuple:
     return (n.op, kind, n.dtype) + kids
 
 
-def _matmul_epilogue(nodes, mm, members, consumer):
+def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     """The matmul node computing ``activation(mm + bias) + residual`` when the region
-    ``members`` is exactly that chain over ``mm`` (all f32), else None."""
+    ``members`` is exactly that chain over ``mm`` (all f32), else None. An add in
+    ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier)."""
     shape, n_cols = mm.shape, mm.shape[-1]
     chain, cur = [], mm.id
     bias = act = res = None
@@ -213,7 +229,7 @@ def _matmul_epilogue(nodes, mm, members, consumer):
         act = nxt.attrs["kind"]
         step()
         nxt = nodes[consumer[cur]] if cur != members[-1] else None
-    if nxt is not None:
+    if nxt is not None and nxt.id not in norm_adds:
         res = add_of(nxt, shape)
         if res is not None:
             step()
@@ -224,15 +240,18 @@ def _matmul_epilogue(nodes, mm, members, consumer):
                 {"activation": act, "has_bias": bias is not None, "has_residual": res is not None})
 
 
+def _residual_add(nodes, x, single) -> bool:
+    """x is a single-use f32 add of two f32 tensors of its own shape."""
+    return (x.op == "binary" and x.attrs["kind"] == "add" and single(x.id) and x.dtype == dt.F32
+            and all(nodes[i].dtype == dt.F32 and nodes[i].shape == x.shape for i in x.inputs))
+
+
 def _norm_residual(nodes, norm, single, region_of, groups):
     """The norm with ``residual=`` when its x is a single-use f32 add of two same-shape
     tensors computed by a kernel of its own (a region of one), else None."""
     x = nodes[norm.inputs[0]]
-    if (x.op != "binary" or x.attrs["kind"] != "add" or not single(x.id)
-            or groups.get(region_of.get(x.id)) != [x.id]):
+    if not _residual_add(nodes, x, single) or groups.get(region_of.get(x.id)) != [x.id]:
         return None
     a, b = (nodes[i] for i in x.inputs)
-    if x.dtype != dt.F32 or any(t.dtype != dt.F32 or t.shape != x.shape for t in (a, b)):
-        return None
     return Node(norm.id, norm.op, (a.id,) + norm.inputs[1:] + (b.id,), norm.shape, norm.dtype,
                 {**norm.attrs, "has_residual": True})
