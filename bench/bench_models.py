@@ -1,0 +1,261 @@
+"""Real models beside PyTorch, f32, same process, random weights from a seed (both sides hold
+the same weights).
+
+MiniLM-L6 (all-MiniLM-L6-v2's config): sentences/s at batch 1, 32, 256, seq 128, mean pooling
+and L2 normalisation, embeddings back on the host on both sides. Bar: batch 32 >= torch eager.
+Llama (SmolLM2-135M's config): prefill tokens/s for a 512-token prompt (batch 1; the next
+token back on the host), and decode tokens/s at batch 1 and 8 (greedy, 32-token prompts,
+--new tokens; our loop brings every token to the host, torch's keeps them on the device).
+Bar: decode at batch 1 >= 2x torch eager. Times are wall clock (perf_counter around whole
+calls, synchronised), best of 3. torch.compile columns where it works (the encoder and the
+prefill; the decode loop's growing cache would recompile every step, so none there).
+
+  python bench/bench_models.py [--no-compile] [--decode-exec-mode graph] [--weights f16]
+                               [--new 128] [--out bench/results/models.json]
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import dist_version, free_device_memory  # noqa: E402
+
+MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
+              intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2,
+              layer_norm_eps=1e-12, hidden_act="gelu")
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+               bos_token_id=1, eos_token_id=2)
+
+
+def wall(fn, sync, iters: int, warmup: int = 2, repeats: int = 3) -> float:
+    """Seconds per call of fn() (synchronised at the end of each timed batch), best of repeats."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync()
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best
+
+
+def hf_llama_config(transformers, d: dict):
+    """transformers.LlamaConfig of our config dict: rope theta under rope_parameters where the
+    installed transformers has them (5.x), else rope_theta (4.x); checked by reading it back."""
+    from rlx_numba.models import LlamaConfig
+    kw = dict(d, hidden_act="silu")
+    theta = kw.pop("rope_theta")
+    if hasattr(transformers.LlamaConfig, "rope_parameters") or \
+            "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters:
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    else:
+        kw["rope_theta"] = theta
+    cfg = transformers.LlamaConfig(**kw)
+    back = LlamaConfig.from_dict(cfg.to_dict())
+    if back.rope_theta != theta:
+        raise RuntimeError(f"transformers config lost rope theta {theta}: {back.rope_theta}")
+    return cfg
+
+
+def load_torch(torch, model, params):
+    """Copy our params into a transformers model (strict except the tied head / buffers)."""
+    res = model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()}, strict=False)
+    bad = [k for k in res.missing_keys if k != "lm_head.weight"] + list(res.unexpected_keys)
+    if bad:
+        raise RuntimeError(f"weights do not map onto the transformers model: {bad[:5]}")
+    return model
+
+
+def bench_bert(torch, transformers, args, rows):
+    from rlx_numba.models import BertConfig, BertModel
+    F = torch.nn.functional
+    ours = BertModel.from_config(BertConfig(**MINILM), seed=0, weights=args.weights)
+    hf = transformers.BertModel(transformers.BertConfig(**MINILM), add_pooling_layer=False)
+    hf = load_torch(torch, hf, ours.params).cuda().eval()
+    comp = torch.compile(hf) if args.compile else None
+
+    def pooled(model, ids, mask):
+        h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        m = mask[..., None].float()
+        return F.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).cpu()
+
+    rng = np.random.default_rng(0)
+    print(f"\n{'MiniLM-L6 config, seq 128':<28} {'rlx sent/s':>11} {'eager':>9} {'compile':>9} "
+          f"{'x eager':>8}  bar   min cos")
+    for b in (1, 32, 256):
+        ids = rng.integers(1000, 30000, (b, 128)).astype(np.int32)
+        mask = np.ones((b, 128), bool)
+        types = np.zeros((b, 128), np.int32)
+        exe = ours.executable(b, 128, pooling=("mean",), normalize=True)
+        feed = {"input_ids": ids, "token_type_ids": types, "attention_mask": mask}
+        tids, tmask = torch.from_numpy(ids).long().cuda(), torch.from_numpy(mask).long().cuda()
+        ours_y = exe.run(feed)[0]
+        with torch.inference_mode():
+            ref = pooled(hf, tids, tmask).numpy()
+            iters = max(3, 256 // b)
+            t_rlx = wall(lambda: exe.run(feed), lambda: None, iters)
+            t_eager = wall(lambda: pooled(hf, tids, tmask), torch.cuda.synchronize, iters)
+            t_comp = math.nan
+            if comp is not None:
+                try:
+                    t_comp = wall(lambda: pooled(comp, tids, tmask), torch.cuda.synchronize, iters)
+                except Exception as e:  # noqa: BLE001 - "where it works"
+                    print(f"  torch.compile failed at batch {b}: {type(e).__name__}: {e}")
+        cos = float((ours_y * ref).sum(1).min())          # both unit vectors
+        ratio = t_eager / t_rlx
+        r = dict(model="minilm", batch=b, seq=128, rlx_per_s=b / t_rlx, eager_per_s=b / t_eager,
+                 compile_per_s=b / t_comp, ratio=ratio, min_cos=cos,
+                 bar=1.0 if b == 32 else None, **{"pass": (ratio >= 1.0 if b == 32 else True)
+                                                   and cos >= 0.9999})
+        rows.append(r)
+        print(f"  batch {b:<20} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
+              f"{r['compile_per_s']:9.0f} {ratio:8.2f}  {'1.0x' if b == 32 else '  - '}  "
+              f"{cos:.6f} {'PASS' if r['pass'] else 'FAIL'}", flush=True)
+        del exe
+    ours._exes.clear()
+    del hf, comp
+    free_device_memory(args.cuda, torch)
+
+
+def bench_llama(torch, transformers, args, rows):
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    ours = LlamaForCausalLM.from_config(LlamaConfig(**SMOLLM2), seed=0, weights=args.weights,
+                                        exec_mode=args.decode_exec_mode)
+    hf_cfg = hf_llama_config(transformers, SMOLLM2)
+    hf = load_torch(torch, transformers.LlamaForCausalLM(hf_cfg), ours.params).cuda().eval()
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+    rng = np.random.default_rng(1)
+
+    # prefill: 512 tokens, batch 1, the next token on the host
+    s = 512
+    ids = rng.integers(0, SMOLLM2["vocab_size"], (1, s)).astype(np.int32)
+    exe = ours.executable("prefill", 1, s, 1024)
+    feed = {"input_ids": ids, "seed": np.zeros(1, np.int64)}
+    tids = torch.from_numpy(ids).long().cuda()
+
+    def torch_prefill(model):
+        return model(input_ids=tids, use_cache=True, **keep).logits[:, -1].argmax(-1).cpu()
+
+    with torch.inference_mode():
+        t_rlx = wall(lambda: exe.run(feed, outputs="view")[0].copy_to_host(), lambda: None, 5)
+        t_eager = wall(lambda: torch_prefill(hf), torch.cuda.synchronize, 5)
+        t_comp = math.nan
+        if args.compile:
+            try:
+                comp = torch.compile(hf)
+                t_comp = wall(lambda: torch_prefill(comp), torch.cuda.synchronize, 5)
+                del comp
+            except Exception as e:  # noqa: BLE001
+                print(f"  torch.compile failed on the prefill: {type(e).__name__}: {e}")
+    r = dict(model="llama", phase="prefill", batch=1, tokens=s, rlx_per_s=s / t_rlx,
+             eager_per_s=s / t_eager, compile_per_s=s / t_comp, ratio=t_eager / t_rlx, bar=None)
+    r["pass"] = True
+    rows.append(r)
+    print(f"\n{'SmolLM2-135M config':<28} {'rlx tok/s':>11} {'eager':>9} {'compile':>9} "
+          f"{'x eager':>8}  bar   tokens equal")
+    print(f"  prefill 512, batch 1        {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
+          f"{r['compile_per_s']:9.0f} {r['ratio']:8.2f}   - ", flush=True)
+    ours._exes.clear()
+    del exe
+
+    # decode: greedy, 32-token prompts, args.new tokens
+    n = args.new
+    for b in (1, 8):
+        prompt = rng.integers(0, SMOLLM2["vocab_size"], (b, 32))
+        times, got = [], []
+        for _ in range(2):              # the first pass compiles
+            stamps, toks = [], []
+            for tok in ours.generate_stream(prompt, n):
+                stamps.append(time.perf_counter())
+                toks.append(tok)
+            times.append((stamps[-1] - stamps[0]) / (n - 1))
+            got = np.stack(toks, 1)
+        t_rlx = times[-1]
+        with torch.inference_mode():
+            tp = torch.from_numpy(prompt).long().cuda()
+
+            def torch_decode():
+                out = hf(input_ids=tp, use_cache=True, **keep)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                toks = [tok]
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(n - 1):
+                    out = hf(input_ids=tok, past_key_values=past, use_cache=True)
+                    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                    toks.append(tok)
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / (n - 1), torch.cat(toks, 1).cpu().numpy()
+
+            torch_decode()
+            runs = [torch_decode() for _ in range(2)]
+            t_eager, ref = min(runs, key=lambda x: x[0])
+        same = int((got == ref).all(0).cumprod().sum())       # leading steps equal in every row
+        ratio = t_eager / t_rlx
+        bar = 2.0 if b == 1 else None
+        r = dict(model="llama", phase="decode", batch=b, new_tokens=n, rlx_per_s=b / t_rlx,
+                 eager_per_s=b / t_eager, compile_per_s=math.nan, ratio=ratio, bar=bar,
+                 equal_leading_steps=same, exec_mode=str(args.decode_exec_mode))
+        r["pass"] = ratio >= 2.0 if b == 1 else True
+        rows.append(r)
+        print(f"  decode, batch {b:<13} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
+              f"{'n/a':>9} {ratio:8.2f}  {'2.0x' if bar else '  - '}  {same}/{n} "
+              f"{'PASS' if r['pass'] else 'FAIL'}", flush=True)
+        ours._exes.clear()
+    del hf
+    free_device_memory(args.cuda, torch)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--decode-exec-mode", default="stream")
+    p.add_argument("--weights", default="f32", choices=["f32", "f16", "bf16"])
+    p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
+    p.add_argument("--only", choices=["bert", "llama"])
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "models.json")
+    args = p.parse_args(argv)
+    import rlx_numba as rlx
+    if rlx.simulator_enabled():
+        print("bench_models: no CUDA GPU here (simulator); this benchmark needs a GPU. "
+              "Nothing measured.")
+        return 0
+    import torch
+    import transformers
+    from numba import cuda
+    args.cuda = cuda
+    torch.backends.cuda.matmul.allow_tf32 = False     # f32 on both sides
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU: {gpu}   torch {torch.__version__}   transformers {transformers.__version__}   "
+          f"numba-cuda {dist_version('numba-cuda')}   weights {args.weights}   decode exec "
+          f"{args.decode_exec_mode}")
+    rows = []
+    if args.only in (None, "bert"):
+        bench_bert(torch, transformers, args, rows)
+    if args.only in (None, "llama"):
+        bench_llama(torch, transformers, args, rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+             for r in rows]
+    args.out.write_text(json.dumps(dict(gpu=gpu, weights=args.weights, results=clean), indent=1))
+    fails = sum(not r["pass"] for r in rows)
+    print(f"\n{len(rows) - fails}/{len(rows)} rows pass; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

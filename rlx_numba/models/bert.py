@@ -1,0 +1,378 @@
+"""BERT encoder (post-norm, absolute positions, token types, attention padding mask) built on
+the public Graph API; BertModel runs it, SentenceEncoder adds a sentence-transformers folder's
+tokenizer, pooling and normalisation.
+
+Parameters keep Hugging Face's names (without a ``bert.`` prefix) and layouts; linear weights
+[out, in] are read through a transpose the products take as an operand flag.
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .. import Graph, compile
+from .weights import as_path, check_params, load_safetensors, read_json
+
+# Hugging Face's hidden_act names -> Graph activation kinds
+_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+         "gelu_fast": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
+         "tanh": "tanh"}
+POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len")     # sentence-transformers' order
+
+
+@dataclass
+class BertConfig:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        for f in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"BertConfig: {f} must be a positive int, got {v!r}")
+            setattr(self, f, int(v))
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"BertConfig: hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.hidden_act not in _ACTS:
+            raise ValueError(f"BertConfig: hidden_act {self.hidden_act!r} is not supported; "
+                             f"expected one of {', '.join(_ACTS)}")
+
+    @classmethod
+    def from_dict(cls, d: dict, source="config") -> "BertConfig":
+        """From a Hugging Face config.json dict."""
+        mt = d.get("model_type", "bert")
+        if mt != "bert":
+            raise ValueError(f"{source}: model_type is {mt!r}; BertConfig reads 'bert' configs")
+        pet = d.get("position_embedding_type", "absolute")
+        if pet != "absolute":
+            raise ValueError(f"{source}: position_embedding_type {pet!r} is not supported "
+                             f"(only 'absolute')")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: d[k] for k in names if k in d and d[k] is not None})
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bert_param_shapes(cfg: BertConfig) -> dict[str, tuple]:
+    """Every parameter, by its Hugging Face BertModel name, with its shape."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    out = {"embeddings.word_embeddings.weight": (cfg.vocab_size, h),
+           "embeddings.position_embeddings.weight": (cfg.max_position_embeddings, h),
+           "embeddings.token_type_embeddings.weight": (cfg.type_vocab_size, h),
+           "embeddings.LayerNorm.weight": (h,), "embeddings.LayerNorm.bias": (h,)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+        for m in ("query", "key", "value"):
+            out[p + f"attention.self.{m}.weight"] = (h, h)
+            out[p + f"attention.self.{m}.bias"] = (h,)
+        out[p + "attention.output.dense.weight"] = (h, h)
+        out[p + "attention.output.dense.bias"] = (h,)
+        out[p + "attention.output.LayerNorm.weight"] = (h,)
+        out[p + "attention.output.LayerNorm.bias"] = (h,)
+        out[p + "intermediate.dense.weight"] = (i, h)
+        out[p + "intermediate.dense.bias"] = (i,)
+        out[p + "output.dense.weight"] = (h, i)
+        out[p + "output.dense.bias"] = (h,)
+        out[p + "output.LayerNorm.weight"] = (h,)
+        out[p + "output.LayerNorm.bias"] = (h,)
+    return out
+
+
+def _check_pooling(pooling):
+    modes = (pooling,) if isinstance(pooling, str) else tuple(pooling or ())
+    for m in modes:
+        if m not in POOLING_MODES:
+            raise ValueError(f"build_bert: pooling mode {m!r} is not supported; expected some "
+                             f"of {', '.join(POOLING_MODES)}")
+    return tuple(m for m in POOLING_MODES if m in modes)
+
+
+def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
+               normalize: bool = False) -> Graph:
+    """A BERT encoder graph over ``input_ids``, ``token_type_ids`` (i32 [batch, seq]) and
+    ``attention_mask`` (bool [batch, seq], True for real tokens; padded keys are masked out of
+    every query's attention). Output: the last hidden state [batch, seq, hidden]; or, with
+    ``pooling`` (some of "cls", "max", "mean", "mean_sqrt_len", concatenated in
+    sentence-transformers' order), the pooled [batch, hidden * modes] over the real tokens,
+    L2-normalised when ``normalize``."""
+    for arg, v in (("batch", batch), ("seq", seq)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"build_bert: {arg} must be a positive int, got {v!r}")
+    if seq > cfg.max_position_embeddings:
+        raise ValueError(f"build_bert: seq {seq} exceeds max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    modes = _check_pooling(pooling)
+    b, s, h, nh, eps = batch, seq, cfg.hidden_size, cfg.num_attention_heads, cfg.layer_norm_eps
+    g = Graph(f"bert_{b}x{s}")
+    P = {k: g.param(k, shape) for k, shape in bert_param_shapes(cfg).items()}
+
+    def lin(x, name, activation=None):
+        w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
+        return g.linear(x, w, P[name + ".bias"], activation=activation)
+
+    ids = g.input("input_ids", (b, s), "i32")
+    types = g.input("token_type_ids", (b, s), "i32")
+    mask = g.input("attention_mask", (b, s), "bool")
+    words = g.gather(P["embeddings.word_embeddings.weight"], ids)
+    where = g.narrow(P["embeddings.position_embeddings.weight"], 0, 0, s)   # positions 0..s-1
+    x = g.layer_norm(words + where, P["embeddings.LayerNorm.weight"],
+                     P["embeddings.LayerNorm.bias"], eps=eps,
+                     residual=g.gather(P["embeddings.token_type_embeddings.weight"], types))
+    keep = g.reshape(mask, (b, 1, 1, s))                   # every query sees the real keys
+    act = _ACTS[cfg.hidden_act]
+    for n in range(cfg.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+        q, k, v = (lin(x, p + f"attention.self.{m}") for m in ("query", "key", "value"))
+        a = g.attention(q, k, v, mask=keep, num_heads=nh)
+        o = lin(a, p + "attention.output.dense")
+        x = g.layer_norm(o, P[p + "attention.output.LayerNorm.weight"],
+                         P[p + "attention.output.LayerNorm.bias"], eps=eps, residual=x)
+        f = lin(lin(x, p + "intermediate.dense", activation=act), p + "output.dense")
+        x = g.layer_norm(f, P[p + "output.LayerNorm.weight"], P[p + "output.LayerNorm.bias"],
+                         eps=eps, residual=x)
+    if not modes:
+        g.set_outputs([x])
+        return g
+    m3 = g.reshape(mask, (b, s, 1))
+    mf = g.cast(m3, "f32")
+    pooled = []
+    for mode in modes:
+        if mode == "cls":
+            pooled.append(g.reshape(g.narrow(x, 1, 0, 1), (b, h)))
+        elif mode == "max":          # padding as -1e9, like sentence-transformers
+            pooled.append(g.reduce_max(g.where(m3, x, -1e9), 1))
+        else:
+            total = g.sum(x * mf, 1)                                   # [b, h]
+            count = g.sum(mf, 1)                                       # [b, 1]
+            if mode == "mean":
+                pooled.append(total / g.max(count, 1e-9))
+            else:
+                pooled.append(total / g.sqrt(g.max(count, 1e-9)))
+    y = pooled[0] if len(pooled) == 1 else g.concat(pooled, -1)
+    if normalize:                    # torch.nn.functional.normalize: x / max(||x||, 1e-12)
+        y = y / g.max(g.sqrt(g.sum(y * y, -1, keep_dim=True)), 1e-12)
+    g.set_outputs([y])
+    return g
+
+
+def _pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+class BertModel:
+    """A BERT encoder over rlx_numba executables (compiled per input shape and pooling, the
+    ``max_cached`` most recent kept; each holds its own copy of the weights on the device).
+    ``params`` in Hugging Face BertModel names (a ``bert.`` prefix is dropped; pooler and
+    pre-training heads are ignored)."""
+
+    IGNORED = ("pooler.", "cls.", "embeddings.position_ids", "embeddings.token_type_ids")
+
+    def __init__(self, config: BertConfig, params: dict, *, weights: str = "f32",
+                 max_cached: int = 8, source="params"):
+        if not isinstance(config, BertConfig):
+            raise ValueError(f"BertModel: config must be a BertConfig, got "
+                             f"{type(config).__name__}")
+        if weights not in ("f32", "f16", "bf16"):
+            raise ValueError(f"BertModel: weights must be 'f32', 'f16' or 'bf16', got {weights!r}")
+        self.config = config
+        params = {k[5:] if k.startswith("bert.") else k: v for k, v in params.items()}
+        self.params = check_params(bert_param_shapes(config), params, source, ignore=self.IGNORED)
+        self.weights = weights
+        self.max_cached = max_cached
+        self._exes: OrderedDict = OrderedDict()
+
+    @classmethod
+    def from_config(cls, config, seed: int = 0, std: float = 0.02, **kw) -> "BertModel":
+        """Random weights from ``seed``: matrices N(0, std), biases N(0, std), LayerNorm gains
+        1 + N(0, 0.1)."""
+        if isinstance(config, dict):
+            config = BertConfig.from_dict(config)
+        rng = np.random.default_rng(seed)
+        params = {}
+        for name, shape in bert_param_shapes(config).items():
+            scale = 0.1 if "LayerNorm" in name else std
+            arr = scale * rng.standard_normal(shape)
+            params[name] = (arr + 1 if name.endswith("LayerNorm.weight") else arr).astype(np.float32)
+        return cls(config, params, source=f"from_config(seed={seed})", **kw)
+
+    @classmethod
+    def from_safetensors(cls, folder, **kw) -> "BertModel":
+        """A Hugging Face folder: config.json and model.safetensors."""
+        folder = as_path(folder)
+        config = BertConfig.from_dict(read_json(folder / "config.json", "config.json"),
+                                      source=folder / "config.json")
+        return cls(config, load_safetensors(folder), source=folder / "model.safetensors", **kw)
+
+    def executable(self, batch: int, seq: int, pooling=None, normalize: bool = False):
+        key = (batch, seq, _check_pooling(pooling), bool(normalize))
+        exe = self._exes.get(key)
+        if exe is not None:
+            self._exes.move_to_end(key)
+            return exe
+        exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize))
+        half = self.weights != "f32"
+        for name, arr in self.params.items():
+            if half and arr.ndim == 2 and not name.startswith("embeddings."):   # the linears
+                exe.set_param_half(name, arr, self.weights)
+            else:
+                exe.set_param(name, arr)
+        self._exes[key] = exe
+        while len(self._exes) > self.max_cached:
+            self._exes.popitem(last=False)
+        return exe
+
+    def run(self, input_ids, attention_mask=None, token_type_ids=None, *, pooling=None,
+            normalize: bool = False) -> np.ndarray:
+        """The last hidden state [batch, seq, hidden] of token ids [batch, seq] (or the
+        pooled [batch, hidden * modes] with ``pooling``); the mask defaults to all tokens, the
+        token types to 0."""
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"BertModel: input_ids must be a non-empty integer [batch, seq] "
+                             f"array, got {ids.dtype} {list(ids.shape)}")
+        mask = np.ones(ids.shape, bool) if attention_mask is None else np.asarray(attention_mask)
+        types = np.zeros(ids.shape, np.int32) if token_type_ids is None else np.asarray(token_type_ids)
+        for arg, a in (("attention_mask", mask), ("token_type_ids", types)):
+            if a.shape != ids.shape:
+                raise ValueError(f"BertModel: {arg} has shape {list(a.shape)}, expected input_ids' "
+                                 f"{list(ids.shape)}")
+        for arg, a, hi in (("input_ids", ids, self.config.vocab_size),
+                           ("token_type_ids", types, self.config.type_vocab_size)):
+            if a.size and (a.min() < 0 or a.max() >= hi):
+                raise ValueError(f"BertModel: {arg} holds {int(a.min())}..{int(a.max())}, outside "
+                                 f"[0, {hi})")
+        exe = self.executable(*ids.shape, pooling=pooling, normalize=normalize)
+        (y,) = exe.run({"input_ids": ids.astype(np.int32), "token_type_ids": types.astype(np.int32),
+                        "attention_mask": mask.astype(bool)})
+        return y
+
+    __call__ = run
+
+
+class SentenceEncoder:
+    """Sentence embeddings from a sentence-transformers folder (a BERT Transformer module,
+    Pooling, optional Normalize): ``encode(texts) -> np.ndarray [n, dim]``.
+
+    Texts are tokenised by the folder's tokenizer.json (``tokenizers``), truncated to
+    max_seq_length, sorted by length and batched; each batch is padded to a power-of-two
+    length of at least 16 (capped at max_seq_length) and a power-of-two row count up to
+    batch_size, so few graphs get compiled."""
+
+    def __init__(self, model: BertModel, tokenizer, *, pooling=("mean",), normalize: bool = False,
+                 max_seq_length: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pooling = _check_pooling(pooling)
+        if not self.pooling:
+            raise ValueError("SentenceEncoder: at least one pooling mode is needed")
+        self.normalize = bool(normalize)
+        limit = model.config.max_position_embeddings
+        self.max_seq_length = min(max_seq_length or limit, limit)
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=self.max_seq_length)
+
+    @classmethod
+    def from_pretrained(cls, path, **kw) -> "SentenceEncoder":
+        """Read a sentence-transformers folder: modules.json (Transformer, Pooling, Normalize),
+        config.json + model.safetensors + tokenizer.json of the Transformer module,
+        1_Pooling/config.json, sentence_bert_config.json (max_seq_length)."""
+        from tokenizers import Tokenizer
+
+        root = as_path(path)
+        if not root.is_dir():
+            raise FileNotFoundError(f"{root}: not a folder")
+        if (root / "modules.json").exists():
+            mods = json.loads((root / "modules.json").read_text())
+        else:                            # a bare Hugging Face folder: mean pooling, like ST
+            mods = [{"type": "Transformer", "path": ""}, {"type": "Pooling", "path": None}]
+        tdir, pooling, normalize = None, ("mean",), False
+        for m in mods:
+            kind = str(m.get("type", "")).rsplit(".", 1)[-1]
+            sub = root / (m.get("path") or "")
+            if kind == "Transformer":
+                tdir = sub
+            elif kind == "Pooling":
+                if m.get("path") is not None and (sub / "config.json").exists():
+                    pooling = _pooling_modes(read_json(sub / "config.json", "pooling config"),
+                                             sub / "config.json")
+            elif kind == "Normalize":
+                normalize = True
+            else:
+                raise ValueError(f"{root / 'modules.json'}: module {m.get('type')!r} is not "
+                                 f"supported (Transformer, Pooling and Normalize are)")
+        if tdir is None:
+            raise ValueError(f"{root / 'modules.json'}: no Transformer module")
+        model = BertModel.from_safetensors(tdir, weights=kw.pop("weights", "f32"))
+        tok_file = tdir / "tokenizer.json"
+        if not tok_file.exists():
+            raise FileNotFoundError(f"{tok_file}: tokenizer.json not found")
+        max_len = None
+        sbc = tdir / "sentence_bert_config.json"
+        if sbc.exists():
+            max_len = read_json(sbc, "sentence_bert_config.json").get("max_seq_length")
+        return cls(model, Tokenizer.from_file(str(tok_file)), pooling=pooling,
+                   normalize=normalize, max_seq_length=max_len, **kw)
+
+    @property
+    def dim(self) -> int:
+        return self.model.config.hidden_size * len(self.pooling)
+
+    def encode(self, texts, batch_size: int = 32) -> np.ndarray:
+        """Embeddings [n, dim] (f32) of a list of strings ([dim] for one string)."""
+        single = isinstance(texts, str)
+        items = [texts] if single else list(texts)
+        if not all(isinstance(t, str) for t in items):
+            raise ValueError("SentenceEncoder.encode: texts must be strings")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"SentenceEncoder.encode: batch_size must be a positive int, got "
+                             f"{batch_size!r}")
+        out = np.zeros((len(items), self.dim), np.float32)
+        if not items:
+            return out
+        enc = self.tokenizer.encode_batch(items)
+        order = sorted(range(len(items)), key=lambda i: -len(enc[i].ids))
+        pad = self.model.config.pad_token_id
+        for start in range(0, len(order), batch_size):
+            rows = order[start:start + batch_size]
+            b = min(_pow2_at_least(len(rows), 1), batch_size)
+            s = min(_pow2_at_least(max(len(enc[i].ids) for i in rows), 16), self.max_seq_length)
+            ids = np.full((b, s), pad, np.int32)
+            types = np.zeros((b, s), np.int32)
+            mask = np.zeros((b, s), bool)              # padded rows: every key masked -> zeros
+            for r, i in enumerate(rows):
+                e = enc[i]
+                n = len(e.ids)
+                ids[r, :n], types[r, :n], mask[r, :n] = e.ids, e.type_ids, e.attention_mask
+            y = self.model.run(ids, mask, types, pooling=self.pooling, normalize=self.normalize)
+            out[rows] = y[:len(rows)]
+        return out[0] if single else out
+
+
+def _pooling_modes(d: dict, source) -> tuple:
+    if isinstance(d.get("pooling_mode"), str):
+        modes = [d["pooling_mode"]]
+    else:
+        modes = [m for m in ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
+                 if d.get(f"pooling_mode_{m}_token" if m == "cls" else f"pooling_mode_{m}_tokens")]
+    bad = [m for m in modes if m not in POOLING_MODES]
+    if bad or not modes:
+        raise ValueError(f"{source}: pooling {bad or 'none'} is not supported (cls, max, mean, "
+                         f"mean_sqrt_len are)")
+    return tuple(modes)

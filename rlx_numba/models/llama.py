@@ -1,0 +1,617 @@
+"""Llama decoder (pre-norm RMSNorm, RoPE in Hugging Face's half-split layout, grouped-query
+attention, SwiGLU MLP, tied or untied LM head) built on the public Graph API, and
+LlamaForCausalLM: weights from a config (random), a Hugging Face folder or a GGUF file;
+``model(input_ids)`` -> logits; ``generate`` with a KV cache (one prefill graph, then one decode
+graph replayed per token).
+
+Parameters keep Hugging Face's names and layouts (a projection is [out, in]); the graphs read
+them through a transpose of the last two axes, which the products take as an operand flag, so
+no weight is copied or transposed on the host.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+from .. import Graph, compile
+from .weights import GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors, read_json
+from .weights import reverse_permute
+
+log = logging.getLogger("rlx_numba")
+
+
+# ---- config ------------------------------------------------------------------------------------
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None        # None: = num_attention_heads (no GQA)
+    head_dim: int | None = None                   # None: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list | None = None
+    extra: dict = field(default_factory=dict, repr=False)   # keys we read but do not use
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"LlamaConfig: {f} must be a positive int, got {v!r}")
+            setattr(self, f, int(v))
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"LlamaConfig: hidden_size {self.hidden_size} is not a multiple "
+                                 f"of num_attention_heads {self.num_attention_heads}; give "
+                                 f"head_dim")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim must be even (rope rotates pairs), got "
+                             f"{self.head_dim}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"LlamaConfig: num_attention_heads {self.num_attention_heads} must "
+                             f"be a multiple of num_key_value_heads {self.num_key_value_heads}")
+        if not self.rope_theta > 0 or not self.rms_norm_eps >= 0:
+            raise ValueError(f"LlamaConfig: rope_theta must be > 0 and rms_norm_eps >= 0, got "
+                             f"{self.rope_theta!r}, {self.rms_norm_eps!r}")
+
+    @property
+    def eos_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [int(e)] if np.isscalar(e) else [int(x) for x in e]
+
+    @classmethod
+    def from_dict(cls, d: dict, source="config") -> "LlamaConfig":
+        """From a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+        mt = d.get("model_type", "llama")
+        if mt != "llama":
+            raise ValueError(f"{source}: model_type is {mt!r}; LlamaConfig reads 'llama' configs")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported (Llama uses silu)")
+        rope = d.get("rope_parameters") or {}          # transformers 5 keeps theta here
+        scaling = d.get("rope_scaling") or {}
+        rtype = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+        if rtype not in (None, "default"):
+            raise ValueError(f"{source}: rope scaling {rtype!r} is not supported (only the "
+                             f"default rope)")
+        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        names = {f.name for f in fields(cls)} - {"extra", "rope_theta"}
+        kw = {k: d[k] for k in names if k in d and d[k] is not None}
+        try:
+            return cls(rope_theta=float(theta), **kw)
+        except TypeError as e:
+            raise ValueError(f"{source}: {e}") from None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("extra")
+        return d
+
+
+def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
+    """Every parameter of the model, by its Hugging Face name, with its shape."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    out = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        out[p + "input_layernorm.weight"] = (h,)
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out[p + f"self_attn.{name}.weight"] = (rows, h)
+            if cfg.attention_bias:
+                out[p + f"self_attn.{name}.bias"] = (rows,)
+        out[p + "self_attn.o_proj.weight"] = (h, q)
+        if cfg.attention_bias:
+            out[p + "self_attn.o_proj.bias"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            out[p + f"mlp.{name}.weight"] = shape
+            if cfg.mlp_bias:
+                out[p + f"mlp.{name}.bias"] = (shape[0],)
+    out["model.norm.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = (cfg.vocab_size, h)
+    return out
+
+
+def product_weights(cfg: LlamaConfig) -> list[str]:
+    """The parameters that are the weight of a product (what set_param_half may store half);
+    with tied embeddings the token table is the LM head's weight too."""
+    names = [k for k, s in llama_param_shapes(cfg).items()
+             if len(s) == 2 and k != "model.embed_tokens.weight"]
+    return names + (["model.embed_tokens.weight"] if cfg.tie_word_embeddings else [])
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int):
+    """cos, sin [n_pos, head_dim/2] computed like transformers' Llama rotary embedding, in f32
+    (inverse frequencies, position * frequency and cos/sin all f32), so long positions match
+    the reference's rounding rather than a more exact f64 angle."""
+    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv = (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
+    ang = np.arange(n_pos, dtype=np.float32)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def cache_names(cfg: LlamaConfig) -> list[str]:
+    return [f"cache.{n}.{kv}" for n in range(cfg.num_hidden_layers) for kv in ("k", "v")]
+
+
+# ---- the graph -----------------------------------------------------------------------------------
+def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward",
+                cache_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
+                top_p: float = 1.0) -> Graph:
+    """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
+    ``llama_param_shapes``.
+
+    kind "forward": outputs the logits [batch, seq, vocab] (causal attention over the seq
+    tokens at positions 0..seq-1). kind "prefill": also writes every layer's rotated keys and
+    values into the caches (params ``cache.N.k`` / ``cache.N.v``, [batch, kv_heads, cache_len,
+    head_dim]) at rows 0..seq-1; outputs the next token ids [batch] (i64, sampled from the last
+    position), the last logits [batch, vocab], then the caches. kind "decode" (seq 1): takes
+    ``pos`` (i32 [1], the row this token goes to), writes its key/value there, attends to rows
+    0..pos, outputs the next ids and the logits. The prefill and decode graphs take ``seed``
+    (i64 [1]) for sampling (``temperature``, ``top_k``, ``top_p`` as in Graph.sample; 0 is
+    greedy)."""
+    if kind not in ("forward", "prefill", "decode"):
+        raise ValueError(f"build_llama: kind must be 'forward', 'prefill' or 'decode', got "
+                         f"{kind!r}")
+    for arg, v in (("batch", batch), ("seq", seq)):
+        if not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"build_llama: {arg} must be a positive int, got {v!r}")
+    if kind == "decode" and seq != 1:
+        raise ValueError(f"build_llama: a decode graph takes one token a row (seq 1), got {seq}")
+    cached = kind != "forward"
+    if cached:
+        if not isinstance(cache_len, (int, np.integer)) or not seq <= cache_len:
+            raise ValueError(f"build_llama: {kind} needs cache_len >= seq ({seq}), got "
+                             f"{cache_len!r}")
+    n_pos = cache_len if cached else seq
+    if n_pos > cfg.max_position_embeddings:
+        raise ValueError(f"build_llama: {n_pos} positions exceed max_position_embeddings "
+                         f"{cfg.max_position_embeddings}")
+    b, s = int(batch), int(seq)
+    d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+    g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
+    P = {k: g.param(k, shape) for k, shape in llama_param_shapes(cfg).items()}
+
+    def lin(x, name):
+        w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
+        return g.linear(x, w, P.get(name + ".bias"))
+
+    ids = g.input("input_ids", (b, s), "i32")
+    cos_np, sin_np = rope_tables(d, cfg.rope_theta, n_pos)
+    cos, sin = g.constant(cos_np), g.constant(sin_np)
+    if kind == "decode":
+        pos = g.input("pos", (1,), "i32")
+        keep = g.constant(np.arange(cache_len, dtype=np.int32)) <= pos   # rows 0..pos are live
+    else:
+        # rope over [b*s, heads, 1, d]: token t of row r sits at position t (no transposes)
+        rows = g.constant(np.tile(np.arange(s, dtype=np.int32), b).reshape(b * s, 1))
+    caches = []
+    x = g.gather(P["model.embed_tokens.weight"], ids)                  # [b, s, hidden]
+    resid, pending = x, None          # the residual stream, and the branch not yet added to it
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        if pending is None:
+            hn = g.rms_norm(x, P[p + "input_layernorm.weight"], eps=eps)
+        else:                          # norm(resid + mlp) and the new resid in one kernel
+            hn, resid = g.rms_norm(pending, P[p + "input_layernorm.weight"], eps=eps,
+                                   residual=resid, return_residual=True)
+        q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
+        if cached:
+            kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
+        if kind == "decode":
+            qh = g.rope(g.reshape(q, (b, hq, 1, d)), cos, sin, positions=pos)
+            kh = g.rope(g.reshape(k, (b, hkv, 1, d)), cos, sin, positions=pos)
+            k_all = g.kv_write(kc, kh, pos)
+            v_all = g.kv_write(vc, g.reshape(v, (b, hkv, 1, d)), pos)
+            a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
+        else:
+            qh = g.rope(g.reshape(q, (b * s, hq, 1, d)), cos, sin, positions=rows)
+            kh = g.rope(g.reshape(k, (b * s, hkv, 1, d)), cos, sin, positions=rows)
+            a = g.attention(g.reshape(qh, (b, s, hq * d)), g.reshape(kh, (b, s, hkv * d)), v,
+                            causal=True, num_heads=hq)
+            if kind == "prefill":      # the cache as [b, kv heads, rows, d]
+                for cache, t in ((kc, kh), (vc, v)):
+                    heads = g.transpose(g.reshape(t, (b, s, hkv, d)), (0, 2, 1, 3))
+                    caches.append(g.kv_write(cache, heads, 0))
+        o = lin(a, p + "self_attn.o_proj")
+        hn, resid = g.rms_norm(o, P[p + "post_attention_layernorm.weight"], eps=eps,
+                               residual=resid, return_residual=True)
+        # silu(gate) * up as one element-wise chain (one fused kernel), not a GEMM epilogue
+        act = g.silu(lin(hn, p + "mlp.gate_proj")) * lin(hn, p + "mlp.up_proj")
+        pending = lin(act, p + "mlp.down_proj")
+    if kind == "prefill" and s > 1:    # only the last position's logits are needed
+        pending, resid = g.narrow(pending, 1, s - 1, 1), g.narrow(resid, 1, s - 1, 1)
+    final = g.rms_norm(pending, P["model.norm.weight"], eps=eps, residual=resid)
+    head = P.get("lm_head.weight", P["model.embed_tokens.weight"])
+    logits = g.linear(final, g.transpose(head, (1, 0)))
+    if kind == "forward":
+        g.set_outputs([logits])
+        return g
+    logits = g.reshape(logits, (b, cfg.vocab_size))
+    seed = g.input("seed", (1,), "i64")
+    nxt = g.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    g.set_outputs([nxt, logits] + caches)
+    return g
+
+
+# ---- the model -----------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+class LlamaForCausalLM:
+    """A Llama causal LM over rlx_numba executables.
+
+    ``params``: name -> array in Hugging Face's names and layouts (``llama_param_shapes``);
+    checked, kept on the host as f32. ``weights`` "f16" or "bf16" stores the product weights
+    half on the device (``set_param_half``: half operands, f32 accumulation). ``exec_mode`` is
+    the decode graph's (the one replayed per token; "graph" for CUDA graphs where the runtime
+    has them); the other graphs run "stream". Compiled graphs are kept per shape (the
+    ``max_cached`` most recent); each holds its own copy of the weights on the device."""
+
+    def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
+                 exec_mode="stream", max_cached: int = 4, source="params"):
+        if not isinstance(config, LlamaConfig):
+            raise ValueError(f"LlamaForCausalLM: config must be a LlamaConfig, got "
+                             f"{type(config).__name__}")
+        if weights not in ("f32", "f16", "bf16"):
+            raise ValueError(f"LlamaForCausalLM: weights must be 'f32', 'f16' or 'bf16', got "
+                             f"{weights!r}")
+        self.config = config
+        ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
+        self.params = check_params(llama_param_shapes(config), params, source, ignore=ignore)
+        self.tokenizer = tokenizer
+        self.weights = weights
+        self.exec_mode = exec_mode
+        self.max_cached = max_cached
+        self._exes: OrderedDict = OrderedDict()
+
+    # ---- constructors ---------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, config, seed: int = 0, std: float = 0.02, **kw) -> "LlamaForCausalLM":
+        """Random weights from ``seed``: projections and embeddings N(0, std), norm gains
+        1 + N(0, 0.1), biases N(0, std). ``config`` is a LlamaConfig or a config.json dict."""
+        if isinstance(config, dict):
+            config = LlamaConfig.from_dict(config)
+        rng = np.random.default_rng(seed)
+        params = {}
+        for name, shape in llama_param_shapes(config).items():
+            if name.endswith("norm.weight"):
+                params[name] = (1 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+            else:
+                params[name] = (std * rng.standard_normal(shape)).astype(np.float32)
+        return cls(config, params, source=f"from_config(seed={seed})", **kw)
+
+    @classmethod
+    def from_safetensors(cls, folder, **kw) -> "LlamaForCausalLM":
+        """A Hugging Face folder: config.json, model.safetensors (or shards) with HF tensor
+        names; tokenizer.json when present."""
+        folder = as_path(folder)
+        config = LlamaConfig.from_dict(read_json(folder / "config.json", "config.json"),
+                                       source=folder / "config.json")
+        arrays = load_safetensors(folder)
+        # older checkpoints carry the rotary tables as buffers; they are recomputed here
+        arrays = {k: v for k, v in arrays.items() if not k.endswith("rotary_emb.inv_freq")}
+        tok = None
+        if (folder / "tokenizer.json").exists():
+            from tokenizers import Tokenizer
+            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        src = folder / "model.safetensors" if (folder / "model.safetensors").exists() else folder
+        return cls(config, arrays, tokenizer=tok, source=src, **kw)
+
+    @classmethod
+    def from_gguf(cls, path, **kw) -> "LlamaForCausalLM":
+        """A llama.cpp GGUF file (architecture 'llama'): weights dequantised to f32 (any type
+        the gguf package reads: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...), Q/K rows
+        un-permuted back to the half-split rope layout; the tokenizer from its vocabulary."""
+        f = GGUFFile(as_path(path))
+        config = llama_config_from_gguf(f)
+        tensors = {}
+        for gname in f.names:
+            hf = _gguf_to_hf(gname)
+            if hf is None:
+                raise ValueError(f"{f.path}: unexpected tensor {gname!r} for a llama model")
+            tensors[hf] = (gname, f.tensor(gname))
+        arrays = {}
+        for hf, (gname, arr) in tensors.items():
+            if hf.endswith(("q_proj.weight", "q_proj.bias")):
+                arr = _unpermute(f, gname, arr, config.num_attention_heads, config.head_dim)
+            elif hf.endswith(("k_proj.weight", "k_proj.bias")):
+                arr = _unpermute(f, gname, arr, config.num_key_value_heads, config.head_dim)
+            arrays[hf] = arr
+        tok = None
+        if f.get("tokenizer.ggml.model") is not None:
+            try:
+                tok = gguf_tokenizer(f)
+            except ValueError as e:
+                log.warning("%s", e)
+        return cls(config, arrays, tokenizer=tok, source=f.path, **kw)
+
+    # ---- compiled graphs -------------------------------------------------------------------------
+    def executable(self, kind: str, batch: int, seq: int, cache_len: int | None = None,
+                   sampling=(0.0, 0, 1.0)):
+        """The compiled graph of ``build_llama(kind, batch, seq, ...)`` with the weights set
+        (compiled on first use, then kept)."""
+        key = (kind, batch, seq, cache_len, tuple(sampling))
+        exe = self._exes.get(key)
+        if exe is not None:
+            self._exes.move_to_end(key)
+            return exe
+        t, k, p = sampling
+        g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
+                        top_k=k, top_p=p)
+        exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream")
+        half = set(product_weights(self.config)) if self.weights != "f32" else set()
+        for name, arr in self.params.items():
+            if name in half:
+                exe.set_param_half(name, arr, self.weights)
+            else:
+                exe.set_param(name, arr)
+        if kind == "prefill":       # rows past the prompt are never read; zeros keep them tidy
+            zeros = np.zeros((batch, self.config.num_key_value_heads, cache_len,
+                              self.config.head_dim), np.float32)
+            for name in cache_names(self.config):
+                exe.set_param(name, zeros)
+        self._exes[key] = exe
+        while len(self._exes) > self.max_cached:
+            self._exes.popitem(last=False)
+        return exe
+
+    def _ids(self, input_ids, what: str) -> np.ndarray:
+        a = np.asarray(input_ids)
+        if a.ndim == 1:
+            a = a[None, :]
+        if a.ndim != 2 or a.size == 0:
+            raise ValueError(f"LlamaForCausalLM.{what}: token ids must be [seq] or [batch, seq] "
+                             f"and non-empty, got shape {list(np.shape(input_ids))}")
+        if not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(f"LlamaForCausalLM.{what}: token ids must be integers, got {a.dtype}")
+        v = self.config.vocab_size
+        bad = np.flatnonzero((a < 0) | (a >= v))
+        if bad.size:
+            at = np.unravel_index(int(bad[0]), a.shape)
+            raise ValueError(f"LlamaForCausalLM.{what}: token id {a[at]} at {list(map(int, at))} "
+                             f"is outside the vocabulary [0, {v})")
+        return a.astype(np.int32)
+
+    # ---- inference ------------------------------------------------------------------------------
+    def __call__(self, input_ids) -> np.ndarray:
+        """Logits [batch, seq, vocab] (numpy f32) of token ids [seq] or [batch, seq]
+        ([seq, vocab] for a 1-D input)."""
+        ids = self._ids(input_ids, "__call__")
+        if ids.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"LlamaForCausalLM.__call__: {ids.shape[1]} tokens exceed "
+                             f"max_position_embeddings {self.config.max_position_embeddings}")
+        exe = self.executable("forward", *ids.shape)
+        (logits,) = exe.run({"input_ids": ids})
+        return logits[0] if np.ndim(input_ids) == 1 else logits
+
+    def generate_stream(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+                        top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                        eos_token_id=None, max_seq_len: int | None = None):
+        """Yield the next token ids ([batch] int64) one step at a time: the prefill graph runs
+        the prompt once and fills the KV cache, then the decode graph (compiled once for this
+        batch and cache length) runs per token with the position and the token as inputs.
+        Rows that produced ``eos_token_id`` (an int or a list) keep yielding it; the stream
+        ends when every row has, or after ``max_new_tokens``. Prompts of one batch have one
+        length. ``max_seq_len`` sets the cache rows (default: the prompt plus the new tokens,
+        rounded up to a power of two)."""
+        ids = self._ids(prompt_ids, "generate")
+        if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+            raise ValueError(f"LlamaForCausalLM.generate: max_new_tokens must be a positive int, "
+                             f"got {max_new_tokens!r}")
+        b, s = ids.shape
+        need = s + max_new_tokens - 1                 # the last token is never fed back
+        limit = self.config.max_position_embeddings
+        if need > limit:
+            raise ValueError(f"LlamaForCausalLM.generate: prompt {s} + {max_new_tokens} new tokens "
+                             f"need {need} positions; the model has {limit}")
+        cap = max_seq_len if max_seq_len is not None else min(max(16, _next_pow2(need)), limit)
+        if not isinstance(cap, (int, np.integer)) or not need <= cap <= limit:
+            raise ValueError(f"LlamaForCausalLM.generate: max_seq_len must be in [{need}, {limit}] "
+                             f"(prompt {s} + {max_new_tokens} new tokens - 1), got {max_seq_len!r}")
+        eos = set() if eos_token_id is None else (
+            {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(e) for e in eos_token_id})
+        sampling = (float(temperature), int(top_k), float(top_p))
+        pre = self.executable("prefill", b, s, cap, sampling)
+        dec = self.executable("decode", b, 1, cap, sampling) if max_new_tokens > 1 else None
+
+        def seed_of(step):             # Philox streams of adjacent keys are independent
+            return np.array([(int(seed) + step) % 2**63], np.int64)
+
+        outs = pre.run({"input_ids": ids, "seed": seed_of(0)}, outputs="view")
+        tok = outs[0].copy_to_host().astype(np.int64)
+        if dec is not None:
+            for name, view in zip(cache_names(self.config), outs[2:]):
+                dec.set_param(name, view)            # device-to-device: the prompt's keys/values
+        done = np.isin(tok, list(eos)) if eos else np.zeros(b, bool)
+        yield tok
+        for step in range(1, max_new_tokens):
+            if done.all():
+                return
+            feed = tok.reshape(b, 1).astype(np.int32)
+            outs = dec.run({"input_ids": feed, "pos": np.array([s + step - 1], np.int32),
+                            "seed": seed_of(step)}, outputs="view")
+            new = outs[0].copy_to_host().astype(np.int64)
+            if eos:
+                new = np.where(done, tok, new)
+                done |= np.isin(new, list(eos))
+            tok = new
+            yield tok
+
+    def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
+                 max_seq_len: int | None = None, streamer=None) -> np.ndarray:
+        """The prompt followed by the generated tokens, [batch, seq + n] int64 ([seq + n] for a
+        1-D prompt), like transformers' generate. ``temperature`` 0 is greedy; otherwise
+        top_k / top_p sampling with ``seed`` (the same seed gives the same tokens).
+        ``streamer(ids)`` is called with each step's [batch] ids as they come."""
+        steps = []
+        for tok in self.generate_stream(prompt_ids, max_new_tokens, temperature=temperature,
+                                        top_k=top_k, top_p=top_p, seed=seed,
+                                        eos_token_id=eos_token_id, max_seq_len=max_seq_len):
+            steps.append(tok)
+            if streamer is not None:
+                streamer(tok)
+        prompt = np.atleast_2d(np.asarray(prompt_ids)).astype(np.int64)
+        out = np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)
+        return out[0] if np.ndim(prompt_ids) == 1 else out
+
+    # ---- text -----------------------------------------------------------------------------------
+    def _tok(self):
+        if self.tokenizer is None:
+            raise ValueError("LlamaForCausalLM: this model has no tokenizer (pass tokenizer=, or "
+                             "load a folder with tokenizer.json or a GGUF with a BPE vocabulary)")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok().encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok().decode([int(i) for i in np.ravel(ids)], skip_special_tokens=False)
+
+    def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
+        """Token ids of a one-turn chat in ChatML (``<|im_start|>role\\n...<|im_end|>\\n``, the
+        format of SmolLM2 and Qwen instruct models), ending with the assistant's header."""
+        if self._tok().token_to_id("<|im_start|>") is None:
+            raise ValueError("LlamaForCausalLM.chat_prompt: the vocabulary has no <|im_start|> "
+                             "(not a ChatML model); pass token ids to generate() instead")
+        turns = ([("system", system)] if system else []) + [("user", user)]
+        text = "".join(f"<|im_start|>{r}\n{t}<|im_end|>\n" for r, t in turns)
+        return self.encode(text + "<|im_start|>assistant\n")
+
+    def stream_text(self, prompt_ids, max_new_tokens: int, **kw):
+        """Yield the text of a generation (one prompt) piece by piece as tokens come, up to
+        the first end token (the config's EOS ids and <|im_end|>, unless ``eos_token_id`` is
+        given). Other keywords as in generate()."""
+        if np.atleast_2d(np.asarray(prompt_ids)).shape[0] != 1:
+            raise ValueError("LlamaForCausalLM.stream_text: one prompt at a time")
+        eos = kw.pop("eos_token_id", None)
+        if eos is None:
+            end = self._tok().token_to_id("<|im_end|>")
+            eos = self.config.eos_ids + ([end] if end is not None else [])
+        eos = {int(eos)} if np.isscalar(eos) else {int(e) for e in eos}
+        ids, shown = [], ""
+        for tok in self.generate_stream(prompt_ids, max_new_tokens, eos_token_id=eos or None,
+                                        **kw):
+            if int(tok[0]) in eos:
+                return
+            ids.append(int(tok[0]))
+            text = self.decode(ids)
+            if text.endswith("\ufffd"):          # a character still split across tokens
+                continue
+            yield text[len(shown):]
+            shown = text
+
+    def __repr__(self):
+        c = self.config
+        return (f"LlamaForCausalLM({c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
+                f"{c.num_attention_heads}/{c.num_key_value_heads}, vocab {c.vocab_size}, "
+                f"weights {self.weights}, decode {self.exec_mode})")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------
+_GGUF_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.weight": "mlp.up_proj.weight", "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_down.bias": "mlp.down_proj.bias",
+}
+_GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _gguf_to_hf(name: str) -> str | None:
+    if name in _GGUF_TOP:
+        return _GGUF_TOP[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER[parts[2]]}"
+    return None
+
+
+def _unpermute(f, gname, arr, n_head, head_dim):
+    if arr.shape[0] != n_head * head_dim:
+        raise ValueError(f"{f.path}: tensor {gname!r} has shape {list(arr.shape)}, expected "
+                         f"{n_head * head_dim} rows ({n_head} heads of {head_dim})")
+    return reverse_permute(arr, n_head)
+
+
+def llama_config_from_gguf(f: GGUFFile) -> LlamaConfig:
+    """LlamaConfig from a GGUF's llama.* metadata."""
+    arch = f.require("general.architecture")
+    if arch != "llama":
+        raise ValueError(f"{f.path}: general.architecture is {arch!r}; from_gguf reads 'llama'")
+
+    def one(key, default=None):
+        v = f.get(f"llama.{key}", default)
+        if isinstance(v, list):            # per-layer values: only a uniform model is supported
+            if len(set(v)) != 1:
+                raise ValueError(f"{f.path}: llama.{key} varies by layer ({v[:4]}...); not "
+                                 f"supported")
+            v = v[0]
+        if v is None:
+            raise ValueError(f"{f.path}: GGUF metadata 'llama.{key}' is missing")
+        return v
+
+    scaling = f.get("llama.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"{f.path}: rope scaling {scaling!r} is not supported")
+    if "rope_freqs.weight" in f.names:
+        raise ValueError(f"{f.path}: tensor 'rope_freqs.weight' (scaled rope frequencies) is not "
+                         f"supported")
+    heads = int(one("attention.head_count"))
+    hidden = int(one("embedding_length"))
+    head_dim = int(one("attention.key_length", hidden // heads))
+    rot = int(one("rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise ValueError(f"{f.path}: llama.rope.dimension_count {rot} != head dim {head_dim} "
+                         f"(partial rotary is not supported)")
+    tokens = f.get("tokenizer.ggml.tokens")
+    if f.get("llama.vocab_size") is not None:
+        vocab = int(f.get("llama.vocab_size"))
+    elif tokens is not None:
+        vocab = len(tokens)
+    elif "token_embd.weight" in f.names:
+        vocab = f.shape("token_embd.weight")[0]
+    else:
+        raise ValueError(f"{f.path}: no vocabulary size (llama.vocab_size, tokenizer.ggml.tokens "
+                         f"or token_embd.weight)")
+    bias = any(n.endswith("attn_q.bias") for n in f.names)
+    try:
+        return LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=int(one("feed_forward_length")),
+            num_hidden_layers=int(one("block_count")), num_attention_heads=heads,
+            num_key_value_heads=int(one("attention.head_count_kv", heads)), head_dim=head_dim,
+            max_position_embeddings=int(one("context_length")),
+            rope_theta=float(one("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(one("attention.layer_norm_rms_epsilon", 1e-5)),
+            tie_word_embeddings="output.weight" not in f.names,
+            attention_bias=bias, mlp_bias=any(n.endswith("ffn_up.bias") for n in f.names),
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=f.get("tokenizer.ggml.eos_token_id"))
+    except ValueError as e:
+        raise ValueError(f"{f.path}: {e}") from None

@@ -1,0 +1,288 @@
+"""rlx_numba.models against NumPy forwards written here (float64): a tiny Llama (GQA, tied and
+untied heads, biases) — logits, greedy generation with the KV cache vs a greedy loop that
+recomputes everything, sampling, EOS — and a tiny BERT with a padding mask, its poolings, and
+SentenceEncoder on a sentence-transformers folder the test writes."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from rlx_numba.models import (BertConfig, BertModel, LlamaConfig, LlamaForCausalLM,
+                              SentenceEncoder, build_llama)
+
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+
+def close(got, want, tol=2e-4):
+    want = np.asarray(want, np.float64)
+    err = np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
+    assert err < tol, f"relative error {err:.3g}"
+
+
+# ---- NumPy Llama (Hugging Face's modeling_llama, written out) -------------------------------
+def np_rms(x, g, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def np_rotate_half(x):
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], -1)
+
+
+def np_llama(cfg, params, ids):
+    """Logits [B, S, V] in float64."""
+    P = {k: v.astype(np.float64) for k, v in params.items()}
+    b, s = ids.shape
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(s)[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def proj(x, name):
+        y = x @ P[name + ".weight"].T
+        return y + P[name + ".bias"] if name + ".bias" in P else y
+
+    x = P["model.embed_tokens.weight"][ids]
+    causal = np.tril(np.ones((s, s), bool))
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}."
+        h = np_rms(x, P[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        q = proj(h, p + "self_attn.q_proj").reshape(b, s, hq, d).transpose(0, 2, 1, 3)
+        k = proj(h, p + "self_attn.k_proj").reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+        v = proj(h, p + "self_attn.v_proj").reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+        q = q * cos + np_rotate_half(q) * sin
+        k = k * cos + np_rotate_half(k) * sin
+        k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
+        sc = np.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -np.inf)
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        a = (pr / pr.sum(-1, keepdims=True)) @ v
+        x = x + proj(a.transpose(0, 2, 1, 3).reshape(b, s, hq * d), p + "self_attn.o_proj")
+        h = np_rms(x, P[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        gate = proj(h, p + "mlp.gate_proj")
+        x = x + proj(gate / (1 + np.exp(-gate)) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")
+    x = np_rms(x, P["model.norm.weight"], cfg.rms_norm_eps)
+    head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
+    return x @ head.T
+
+
+def np_greedy(cfg, params, ids, n):
+    seq = np.array(ids)
+    for _ in range(n):
+        nxt = np_llama(cfg, params, seq)[:, -1].argmax(-1)
+        seq = np.concatenate([seq, nxt[:, None]], 1)
+    return seq
+
+
+GQA = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    # std 0.3: logits spread out, so greedy picks are far from ties
+    return LlamaForCausalLM.from_config(GQA, seed=7, std=0.3)
+
+
+def test_llama_forward_matches_numpy(llama):
+    ids = np.array([[3, 17, 52, 0, 9], [41, 4, 4, 28, 1]])
+    close(llama(ids), np_llama(GQA, llama.params, ids))
+    one = llama(ids[1])                                         # 1-D in, [S, V] out
+    assert one.shape == (5, 53)
+    close(one, np_llama(GQA, llama.params, ids[1:])[0])
+
+
+def test_llama_untied_with_biases_matches_numpy():
+    cfg = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=2, max_position_embeddings=16, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, attention_bias=True, mlp_bias=True)
+    m = LlamaForCausalLM.from_config(cfg, seed=3, std=0.3)
+    assert "lm_head.weight" in m.params and "model.layers.1.mlp.up_proj.bias" in m.params
+    ids = np.array([[5, 36, 0, 12, 7, 7, 30, 1, 2]])
+    close(m(ids), np_llama(cfg, m.params, ids))
+
+
+def test_llama_generate_greedy_matches_numpy_loop(llama):
+    """Prefill once, then the decode graph per token, against a loop that recomputes the whole
+    sequence for every token (no cache)."""
+    prompt = np.array([[3, 17, 52, 9, 0], [41, 4, 28, 1, 1]])
+    streamed = []
+    out = llama.generate(prompt, 3, streamer=streamed.append)
+    want = np_greedy(GQA, llama.params, prompt, 3)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(np.stack(streamed, 1), want[:, 5:])
+    # a 1-D prompt gives a 1-D result; EOS stops the stream (the first token is the EOS here)
+    first = int(want[0, 5])
+    out1 = llama.generate(prompt[0], 3, eos_token_id=[first, 99])
+    np.testing.assert_array_equal(out1, want[0, :6])
+
+
+def test_llama_sampling_is_seeded_and_within_top_k(llama):
+    prompt = np.array([[7, 30, 2, 2, 19]])
+    a = llama.generate(prompt, 2, temperature=0.8, top_k=4, seed=11)
+    b = llama.generate(prompt, 2, temperature=0.8, top_k=4, seed=11)
+    np.testing.assert_array_equal(a, b)
+    for t in (5, 6):                    # each drawn token is among the 4 largest logits
+        top4 = np.argsort(-np_llama(GQA, llama.params, a[:, :t])[0, -1])[:4]
+        assert a[0, t] in top4
+
+
+def test_llama_errors(llama):
+    with pytest.raises(ValueError, match=r"token id 53 at \[0, 1\] is outside the vocabulary "
+                                         r"\[0, 53\)"):
+        llama(np.array([[1, 53]]))
+    with pytest.raises(ValueError, match=r"token ids must be \[seq\] or \[batch, seq\]"):
+        llama(np.zeros((1, 2, 3), np.int64))
+    with pytest.raises(ValueError, match="token ids must be integers, got float64"):
+        llama(np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"prompt 60 \+ 10 new tokens need 69 positions; the "
+                                         r"model has 64"):
+        llama.generate(np.ones(60, np.int64), 10)
+    with pytest.raises(ValueError, match=r"max_seq_len must be in \[6, 64\]"):
+        llama.generate(np.ones(3, np.int64), 4, max_seq_len=5)
+    with pytest.raises(ValueError, match="a decode graph takes one token a row"):
+        build_llama(GQA, 1, 2, kind="decode", cache_len=8)
+    with pytest.raises(ValueError, match="kind must be 'forward', 'prefill' or 'decode'"):
+        build_llama(GQA, 1, 2, kind="train")
+    with pytest.raises(ValueError, match="num_attention_heads 4 must be a multiple of "
+                                         "num_key_value_heads 3"):
+        LlamaConfig(vocab_size=5, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="rope scaling 'llama3' is not supported"):
+        LlamaConfig.from_dict({"vocab_size": 5, "hidden_size": 8, "intermediate_size": 8,
+                               "num_hidden_layers": 1, "num_attention_heads": 2,
+                               "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    bad = dict(llama.params)
+    bad["model.norm.weight"] = np.ones(31, np.float32)
+    with pytest.raises(ValueError, match=r"params: tensor 'model.norm.weight' has shape \[31\], "
+                                         r"expected \[32\]"):
+        LlamaForCausalLM(GQA, bad)
+
+
+# ---- NumPy BERT (Hugging Face's modeling_bert, written out) -----------------------------------
+def np_gelu(x):
+    return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def np_ln(x, g, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b
+
+
+def np_bert(cfg, params, ids, mask, types):
+    """Last hidden state [B, S, H] in float64; padded keys get -inf scores."""
+    P = {k: v.astype(np.float64) for k, v in params.items()}
+    b, s = ids.shape
+    nh, d = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+
+    def lin(x, name):
+        return x @ P[name + ".weight"].T + P[name + ".bias"]
+
+    x = (P["embeddings.word_embeddings.weight"][ids] + P["embeddings.position_embeddings.weight"][:s]
+         + P["embeddings.token_type_embeddings.weight"][types])
+    x = np_ln(x, P["embeddings.LayerNorm.weight"], P["embeddings.LayerNorm.bias"], cfg.layer_norm_eps)
+    for n in range(cfg.num_hidden_layers):
+        p = f"encoder.layer.{n}."
+        q, k, v = (lin(x, p + f"attention.self.{m}").reshape(b, s, nh, d).transpose(0, 2, 1, 3)
+                   for m in ("query", "key", "value"))
+        sc = np.where(mask[:, None, None, :], q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -np.inf)
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        a = ((pr / pr.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, nh * d)
+        x = np_ln(lin(a, p + "attention.output.dense") + x, P[p + "attention.output.LayerNorm.weight"],
+                  P[p + "attention.output.LayerNorm.bias"], cfg.layer_norm_eps)
+        f = lin(np_gelu(lin(x, p + "intermediate.dense")), p + "output.dense")
+        x = np_ln(f + x, P[p + "output.LayerNorm.weight"], P[p + "output.LayerNorm.bias"],
+                  cfg.layer_norm_eps)
+    return x
+
+
+BERT = BertConfig(vocab_size=41, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=44, max_position_embeddings=24, type_vocab_size=2,
+                  layer_norm_eps=1e-12)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return BertModel.from_config(BERT, seed=5, std=0.2)
+
+
+def test_bert_with_padding_mask_matches_numpy(bert):
+    ids = np.array([[2, 9, 40, 17, 3, 0, 0, 0, 0], [2, 5, 3, 0, 0, 0, 0, 0, 0],
+                    [2, 11, 12, 13, 14, 15, 16, 17, 3]])
+    mask = ids != 0
+    mask[0, 5] = True                     # a real token whose id happens to be 0
+    types = np.zeros_like(ids)
+    types[2, 4:] = 1
+    close(bert(ids, mask, types), np_bert(BERT, bert.params, ids, mask, types))
+
+
+def test_bert_poolings_match_numpy(bert):
+    ids = np.array([[2, 9, 40, 17, 3, 8, 1, 3, 0], [2, 5, 3, 0, 0, 0, 0, 0, 0]])
+    mask = ids != 0
+    types = np.zeros_like(ids)
+    got = bert.run(ids, mask, types, pooling=("mean", "cls", "max", "mean_sqrt_len"),
+                   normalize=True)
+    h = np_bert(BERT, bert.params, ids, mask, types)
+    m = mask[..., None]
+    cnt = m.sum(1)
+    want = np.concatenate([h[:, 0], np.where(m, h, -1e9).max(1), (h * m).sum(1) / cnt,
+                           (h * m).sum(1) / np.sqrt(cnt)], -1)       # sentence-transformers' order
+    close(got, want / np.linalg.norm(want, axis=-1, keepdims=True))
+    with pytest.raises(ValueError, match="pooling mode 'weightedmean' is not supported"):
+        bert.run(ids, mask, types, pooling="weightedmean")
+    with pytest.raises(ValueError, match=r"attention_mask has shape \[2, 4\], expected "
+                                         r"input_ids' \[2, 9\]"):
+        bert.run(ids, mask[:, :4])
+
+
+def _write_st_folder(path, cfg, params, words):
+    """A sentence-transformers folder: BERT weights, a WordPiece-free word-level tokenizer with
+    [CLS] ... [SEP], mean pooling and a Normalize module."""
+    from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "config.json").write_text(json.dumps(
+        {"model_type": "bert", "architectures": ["BertModel"], **cfg.to_dict(),
+         "position_embedding_type": "absolute"}))
+    save_file({("bert." + k if i % 2 else k): v for i, (k, v) in enumerate(params.items())},
+              str(path / "model.safetensors"))           # with and without the bert. prefix
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": cfg.hidden_size, "pooling_mode_cls_token": False,
+         "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+         "pooling_mode_mean_sqrt_len_tokens": False}))
+    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 12}))
+    return tok
+
+
+def test_sentence_encoder_folder_matches_numpy(tmp_path, bert):
+    words = "the cat sat on a mat dog ran far away quickly".split()
+    tok = _write_st_folder(tmp_path, BERT, bert.params, words)
+    enc = SentenceEncoder.from_pretrained(tmp_path)
+    assert enc.pooling == ("mean",) and enc.normalize and enc.max_seq_length == 12
+    texts = ["the cat sat", "a dog ran far away quickly on the mat and on the cat again",
+             "mat", "the dog sat on a mat", "a cat ran"]
+    got = enc.encode(texts, batch_size=4)       # a batch of 4 rows, then one of 1 row
+    assert got.shape == (5, 32)
+    for i, t in enumerate(texts):     # each sentence alone, unpadded, truncated to 12 tokens
+        e = tok.encode(t)
+        ids = np.array([e.ids[:11] + [3]] if len(e.ids) > 12 else [e.ids])
+        h = np_bert(BERT, bert.params, ids, np.ones(ids.shape, bool), np.zeros_like(ids))
+        v = h.mean(1)[0]
+        close(got[i], v / np.linalg.norm(v))
+    assert enc.encode([]).shape == (0, 32)
