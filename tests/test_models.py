@@ -94,6 +94,18 @@ def test_llama_forward_matches_numpy(llama):
     close(one, np_llama(GQA, llama.params, ids[1:])[0])
 
 
+def test_llama_half_weights_round_the_product_weights(llama):
+    """weights="f16": every projection and the tied embedding/head stored half; norms f32."""
+    half = LlamaForCausalLM(GQA, llama.params, weights="f16")
+    rounded = {k: (v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v)
+               for k, v in llama.params.items()}
+    ids = np.array([[3, 17, 52, 0, 9], [41, 4, 4, 28, 1]])
+    got = half(ids)
+    close(got, np_llama(GQA, rounded, ids))
+    with pytest.raises(AssertionError):          # the rounding is visible at this tolerance
+        close(got, np_llama(GQA, llama.params, ids))
+
+
 def test_llama_untied_with_biases_matches_numpy():
     cfg = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
                       num_attention_heads=2, max_position_embeddings=16, rope_theta=10000.0,
