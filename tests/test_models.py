@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from conftest import ON_GPU
 from rlx_numba.models import (BertConfig, BertModel, LlamaConfig, LlamaForCausalLM,
                               SentenceEncoder, build_llama)
 
@@ -31,8 +32,10 @@ def np_rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], -1)
 
 
-def np_llama(cfg, params, ids):
-    """Logits [B, S, V] in float64."""
+def np_llama(cfg, params, ids, x_round=None):
+    """Logits [B, S, V] in float64; ``x_round`` rounds the input of every product (what matmul
+    tier 0 does to the activations when the weights are stored half)."""
+    rnd = x_round or (lambda t: t)
     P = {k: v.astype(np.float64) for k, v in params.items()}
     b, s = ids.shape
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
@@ -41,7 +44,7 @@ def np_llama(cfg, params, ids):
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
     def proj(x, name):
-        y = x @ P[name + ".weight"].T
+        y = rnd(x) @ P[name + ".weight"].T
         return y + P[name + ".bias"] if name + ".bias" in P else y
 
     x = P["model.embed_tokens.weight"][ids]
@@ -64,7 +67,7 @@ def np_llama(cfg, params, ids):
         x = x + proj(gate / (1 + np.exp(-gate)) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")
     x = np_rms(x, P["model.norm.weight"], cfg.rms_norm_eps)
     head = P["lm_head.weight"] if "lm_head.weight" in P else P["model.embed_tokens.weight"]
-    return x @ head.T
+    return rnd(x) @ head.T
 
 
 def np_greedy(cfg, params, ids, n):
@@ -95,13 +98,16 @@ def test_llama_forward_matches_numpy(llama):
 
 
 def test_llama_half_weights_round_the_product_weights(llama):
-    """weights="f16": every projection and the tied embedding/head stored half; norms f32."""
+    """weights="f16": every projection and the tied embedding/head stored half; norms f32.
+    On a GPU the products then run on half operands (tier 0: the activations are rounded to
+    f16 too); the simulator's SGEMM reads the rounded weights as f32."""
     half = LlamaForCausalLM(GQA, llama.params, weights="f16")
     rounded = {k: (v.astype(np.float16).astype(np.float32) if v.ndim == 2 else v)
                for k, v in llama.params.items()}
     ids = np.array([[3, 17, 52, 0, 9], [41, 4, 4, 28, 1]])
     got = half(ids)
-    close(got, np_llama(GQA, rounded, ids))
+    x16 = (lambda t: t.astype(np.float16).astype(np.float64)) if ON_GPU else None
+    close(got, np_llama(GQA, rounded, ids, x16))
     with pytest.raises(AssertionError):          # the rounding is visible at this tolerance
         close(got, np_llama(GQA, llama.params, ids))
 
