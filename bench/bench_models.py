@@ -124,9 +124,7 @@ def bench_bert(torch, transformers, args, rows):
         print(f"  batch {b:<20} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
               f"{r['compile_per_s']:9.0f} {ratio:8.2f}  {'1.0x' if b == 32 else '  - '}  "
               f"{cos:.6f} {'PASS' if r['pass'] else 'FAIL'}", flush=True)
-        del exe
     ours._exes.clear()
-    del hf, comp
     free_device_memory(args.cuda, torch)
 
 
@@ -157,7 +155,6 @@ def bench_llama(torch, transformers, args, rows):
             try:
                 comp = torch.compile(hf)
                 t_comp = wall(lambda: torch_prefill(comp), torch.cuda.synchronize, 5)
-                del comp
             except Exception as e:  # noqa: BLE001
                 print(f"  torch.compile failed on the prefill: {type(e).__name__}: {e}")
     r = dict(model="llama", phase="prefill", batch=1, tokens=s, rlx_per_s=s / t_rlx,
@@ -169,7 +166,6 @@ def bench_llama(torch, transformers, args, rows):
     print(f"  prefill 512, batch 1        {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
           f"{r['compile_per_s']:9.0f} {r['ratio']:8.2f}   - ", flush=True)
     ours._exes.clear()
-    del exe
 
     # decode: greedy, 32-token prompts, args.new tokens
     n = args.new
@@ -215,7 +211,6 @@ def bench_llama(torch, transformers, args, rows):
               f"{'n/a':>9} {ratio:8.2f}  {'2.0x' if bar else '  - '}  {same}/{n} "
               f"{'PASS' if r['pass'] else 'FAIL'}", flush=True)
         ours._exes.clear()
-    del hf
     free_device_memory(args.cuda, torch)
 
 

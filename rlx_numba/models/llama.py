@@ -11,7 +11,6 @@ no weight is copied or transposed on the host.
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 
