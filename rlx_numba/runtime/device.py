@@ -115,7 +115,8 @@ def patch_simulator() -> None:
     array by (file, line) in a dict with an unlocked get-then-set, so two threads of a block
     could each create their own "shared" array (rare wrong results in row and sampling
     kernels). The same lookup under a lock, with the caller's frame read directly (also
-    cheaper than the traceback numba extracts)."""
+    cheaper than the traceback numba extracts). ``alignment`` (which numba's raises on) is
+    accepted: it only matters to the GPU compiler's vector loads."""
     import threading
 
     import numpy as np
@@ -129,8 +130,6 @@ def patch_simulator() -> None:
     lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
-        if alignment is not None:
-            raise RuntimeError("Array alignment is not supported in cudasim")
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)
         if shape == 0:   # dynamic shared memory: one buffer for all

@@ -63,17 +63,15 @@ def _lower_attention(exe, n):
     if rows_c is not None and sk > 0:      # few queries a kv head: split the keys instead
         dpl = -(-d // 32)
         splits, chunk = A.decode_plan(b, hkv, sk, 1 if SIMULATOR else sm_count())
-        nparts = splits * A.DEC_NW
-        part = b * hkv * nparts * rows_c
+        part = b * hkv * splits * rows_c
         pm, pl = (exe.device_array(np.zeros(part, np.float32)) for _ in range(2))
         pacc = exe.device_array(np.zeros(part * 32 * dpl, np.float32))
-        split_k = A.decode_split(dpl, rows_c, *flags)
-        comb = A.decode_combine(dpl, rows_c)
+        count = exe.device_array(np.zeros(b * hkv, np.int32))   # tickets, reset by the kernel
+        kern = A.decode_split(dpl, rows_c, *flags)
         return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits",
-                     split_k, (splits, b * hkv), (A.DEC_NW * 32,),
-                     (pm, pl, pacc, *args, np.int64(chunk), np.int64(nparts)), flops),
-                Step(name + " combine", "attention decode combine", comb, (rows_c, b * hkv),
-                     (32 * dpl,), (exe.buf(n), pm, pl, pacc, geom, np.int64(nparts)))]
+                     kern, (splits, b * hkv), (A.DEC_NW * 32,),
+                     (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk), np.int64(splits)),
+                     flops)]
     kern = A.flash(A.head_split(d), *flags)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
