@@ -195,7 +195,7 @@ def test_launch_overhead_figure(monkeypatch):
         ref = xv.astype(np.float64)
         for i in range(50):
             ref = np.sin(ref) if i % 2 else np.tanh(ref)
-        np.testing.assert_allclose(out.copy_to_host(), ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out[0].copy_to_host(), ref, rtol=1e-4, atol=1e-5)
     print("\nlaunch overhead, 50-step element-wise chain [1024] (input copy + sync included):")
     for mode, us in rows:
         print(f"  {mode:16s} {us:9.1f} us/run  {us / 50:6.2f} us/step")
