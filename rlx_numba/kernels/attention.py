@@ -325,6 +325,31 @@ def _rs_stage(vals, cnt, off, xs, w, lane):
         vals[0] += xor_shfl(vals[0], off, xs, w, lane)
 
 
+if SIMULATOR:   # the same sums through shared memory in one exchange (each barrier is costly)
+    @cuda.jit(device=True)
+    def reduce_scatter(vals, nv, xs, xr, w, lane):
+        """vals[0] <- the warp's sum of value lane // (32 // nv) (see the GPU version)."""
+        for i in range(nv):
+            xr[w, lane, i] = vals[i]
+        cuda.syncthreads()
+        idx = lane // (32 // nv)
+        t = ZERO
+        for src in range(32):
+            t += xr[w, src, idx]
+        cuda.syncthreads()
+        vals[0] = t
+else:
+    @cuda.jit(device=True)
+    def reduce_scatter(vals, nv, xs, xr, w, lane):
+        """vals[0] <- the warp's sum of value lane // (32 // nv): 5 shuffle stages, halving
+        the values a lane holds while there are several (see _rs_stage)."""
+        _rs_stage(vals, max(1, nv), 16, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 1), 8, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 2), 4, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 3), 2, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 4), 1, xs, w, lane)
+
+
 def decode_keys(dpl: int, rows_c: int) -> int:
     """Keys a decode warp takes at once: rows_c * kt scores fill the 32 lanes, at most 8 keys
     (the K and V registers of a tile are 2 * kt * dpl)."""
@@ -346,7 +371,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
     kt = decode_keys(dpl, rows_c)
     nv = rows_c * kt                  # scores a warp computes a tile
     rep = 32 // nv                    # lanes that end up holding each score
-    c0, c1, c2, c3, c4 = (max(1, nv >> s) for s in range(5))
+    xr_shape = (DEC_NW, 32, nv) if SIMULATOR else (1, 1, 1)   # (simulator's exchange)
     nt = DEC_NW * 32
     U32 = _u(32)
 
@@ -354,6 +379,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
     @_jit(nt, occ)   # 255 registers at 2 blocks an SM: a tile's loads all in flight at once
     def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits):
         xs = cuda.shared.array((DEC_NW, 32), float32)    # shuffle stand-in (simulator)
+        xr = cuda.shared.array(xr_shape, float32)
         Wm = cuda.shared.array((DEC_NW, rows_c), float32)
         Wl = cuda.shared.array((DEC_NW, rows_c), float32)
         Wa = cuda.shared.array((DEC_NW, rows_c, dmax), float32)
@@ -410,11 +436,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     for u in range(dpl):
                         s_ += qr[r, u] * kr[j, u]
                     vals[r * kt + j] = s_
-            _rs_stage(vals, c0, 16, xs, w, lane)
-            _rs_stage(vals, c1, 8, xs, w, lane)
-            _rs_stage(vals, c2, 4, xs, w, lane)
-            _rs_stage(vals, c3, 2, xs, w, lane)
-            _rs_stage(vals, c4, 1, xs, w, lane)
+            reduce_scatter(vals, nv, xs, xr, w, lane)
             x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias,
                        geom, scale, softcap, causal, has_window, has_mask, has_bias,
                        has_softcap, sq, k_hi)
