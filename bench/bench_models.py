@@ -10,7 +10,7 @@ Bar: decode at batch 1 >= 2x torch eager. Times are wall clock (perf_counter aro
 calls, synchronised), best of 3. torch.compile columns where it works (the encoder and the
 prefill; the decode loop's growing cache would recompile every step, so none there).
 
-  python bench/bench_models.py [--no-compile] [--decode-exec-mode graph] [--weights f16]
+  python bench/bench_models.py [--no-compile] [--decode-exec-mode stream] [--weights f16]
                                [--new 128] [--out bench/results/models.json]
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ def bench_llama(torch, transformers, args, rows):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--decode-exec-mode", default="stream")
+    p.add_argument("--decode-exec-mode", default="graph")
     p.add_argument("--weights", default="f32", choices=["f32", "f16", "bf16"])
     p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
     p.add_argument("--only", choices=["bert", "llama"])

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--system", default=None, help="a system message for chat models")
     p.add_argument("--weights", default="f32", choices=["f32", "f16", "bf16"])
-    p.add_argument("--exec-mode", default="stream", help="the decode graph's exec mode")
+    p.add_argument("--exec-mode", default="graph", help="the decode graph's exec mode")
     args = p.parse_args(argv)
     kw = dict(weights=args.weights, exec_mode=args.exec_mode)
     sample = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -261,12 +261,12 @@ class LlamaForCausalLM:
     ``params``: name -> array in Hugging Face's names and layouts (``llama_param_shapes``);
     checked, kept on the host as f32. ``weights`` "f16" or "bf16" stores the product weights
     half on the device (``set_param_half``: half operands, f32 accumulation). ``exec_mode`` is
-    the decode graph's (the one replayed per token; "graph" for CUDA graphs where the runtime
-    has them); the other graphs run "stream". Compiled graphs are kept per shape (the
+    the decode graph's (the one replayed per token): "graph" by default, one CUDA graph
+    replayed per token (the simulator runs it as "stream"); the other graphs run "stream". Compiled graphs are kept per shape (the
     ``max_cached`` most recent); each holds its own copy of the weights on the device."""
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
-                 exec_mode="stream", max_cached: int = 4, source="params"):
+                 exec_mode="graph", max_cached: int = 4, source="params"):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"LlamaForCausalLM: config must be a LlamaConfig, got "
                              f"{type(config).__name__}")
