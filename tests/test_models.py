@@ -160,6 +160,8 @@ def test_llama_errors(llama):
         llama.generate(np.ones(60, np.int64), 10)
     with pytest.raises(ValueError, match=r"max_seq_len must be in \[6, 64\]"):
         llama.generate(np.ones(3, np.int64), 4, max_seq_len=5)
+    with pytest.raises(ValueError, match="LlamaForCausalLM: unknown exec_mode 'bogus'"):
+        LlamaForCausalLM(llama.config, llama.params, exec_mode="bogus")
     with pytest.raises(ValueError, match="a decode graph takes one token a row"):
         build_llama(GQA, 1, 2, kind="decode", cache_len=8)
     with pytest.raises(ValueError, match="kind must be 'forward', 'prefill' or 'decode'"):

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from .. import Graph, compile
+from ..runtime.executable import _exec_mode
 from .weights import GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors, read_json
 from .weights import reverse_permute
 
@@ -273,12 +274,16 @@ class LlamaForCausalLM:
         if weights not in ("f32", "f16", "bf16"):
             raise ValueError(f"LlamaForCausalLM: weights must be 'f32', 'f16' or 'bf16', got "
                              f"{weights!r}")
+        try:
+            mode = _exec_mode(exec_mode)
+        except ValueError as e:
+            raise ValueError(f"LlamaForCausalLM: {str(e).removeprefix('compile: ')}") from None
         self.config = config
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
         self.params = check_params(llama_param_shapes(config), params, source, ignore=ignore)
         self.tokenizer = tokenizer
         self.weights = weights
-        self.exec_mode = exec_mode
+        self.exec_mode = mode
         self.max_cached = max_cached
         self._exes: OrderedDict = OrderedDict()
 
