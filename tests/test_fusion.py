@@ -479,6 +479,23 @@ def test_matmul_epilogue_not_folded_when_not_exactly_linear(rng, monkeypatch):
     same(got, unfused.run(feed), dict(rtol=1e-6, atol=1e-6))
 
 
+def test_sum_of_two_products_folds_one_of_them(rng, monkeypatch):
+    """x @ w + h @ u (an LSTM gate): one product takes the add as its residual, once."""
+    g = rlx.Graph("two_products")
+    x, h = g.input("x", (3, 5)), g.input("h", (3, 4))
+    w, u = g.input("w", (5, 6)), g.input("u", (4, 6))
+    y = x @ w + h @ u
+    g.set_outputs([y, g.softmax(y)])
+    fused, unfused = compile_both(g, monkeypatch)
+    assert len(fused.fusion.folds) == 1
+    feed = {k: rng.standard_normal(s_).astype(np.float32)
+            for k, s_ in (("x", (3, 5)), ("h", (3, 4)), ("w", (5, 6)), ("u", (4, 6)))}
+    want = feed["x"].astype(np.float64) @ feed["w"] + feed["h"].astype(np.float64) @ feed["u"]
+    got = fused.run(feed)
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+    same(got, unfused.run(feed), dict(rtol=1e-6, atol=1e-6))
+
+
 # ---- residual + norm -----------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
 def test_residual_add_folds_into_the_norm(rng, monkeypatch, op):

@@ -115,6 +115,8 @@ def fuse(graph, live, root, is_view) -> Fusion:
     for n in nodes:   # matmul epilogues: a region that is exactly the linear epilogue
         if n.op == "matmul" and n.id in live and single(n.id) and consumer.get(n.id) in region_of:
             r = region_of[consumer[n.id]]
+            if r in out.nodes:    # a @ b + c @ d: the first product took the add already
+                continue
             fold = _matmul_epilogue(nodes, n, groups[r], consumer, norm_adds)
             if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
                 out.regions.pop(r, None)
