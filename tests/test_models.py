@@ -135,6 +135,15 @@ def test_llama_generate_greedy_matches_numpy_loop(llama):
     first = int(want[0, 5])
     out1 = llama.generate(prompt[0], 3, eos_token_id=[first, 99])
     np.testing.assert_array_equal(out1, want[0, :6])
+    # two streams of one shape share the decode graph's cache: the overtaken one refuses to go on
+    s1 = llama.generate_stream(prompt, 3)
+    next(s1)
+    s2 = llama.generate_stream(prompt[::-1], 3)     # the rows swapped: want's rows swapped
+    got2 = [next(s2)]
+    with pytest.raises(RuntimeError, match=r"another generation of the same shape \(batch 2"):
+        next(s1)
+    got2 += list(s2)
+    np.testing.assert_array_equal(np.stack(got2, 1), want[::-1, 5:])
 
 
 def test_llama_sampling_is_seeded_and_within_top_k(llama):

@@ -229,3 +229,30 @@ def test_trace_env_writes_one_event_per_step(rng, tmp_path, monkeypatch):
     assert [ev["name"] for ev in events] == [s.name for s in exe.steps]
     assert all(ev["ph"] == "X" and ev["dur"] >= 0 and "kernel" in ev["args"] for ev in events)
     assert all(b["ts"] >= a["ts"] for a, b in zip(events, events[1:]))
+
+
+def test_executables_sharing_a_kernel_keep_their_own_launch_geometry():
+    """Two executables launch the same attention kernel with different grids (batch 2 and 1):
+    running the second must not change how the first launches (the simulator's
+    kernel[grid, block] configures the shared kernel object itself)."""
+    rng = np.random.default_rng(5)
+
+    def build(b):
+        g = rlx.Graph(f"attn{b}")
+        q, k, v = (g.input(n, (b, 2, 9, 4)) for n in "qkv")
+        g.set_outputs([g.attention(q, k, v)])
+        return rlx.compile(g)
+
+    def want(f):
+        s = np.einsum("bhqd,bhkd->bhqk", f["q"].astype(np.float64), f["k"]) / 2.0
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), f["v"])
+    feeds = [{n: rng.standard_normal((2, 2, 9, 4)).astype(np.float32) for n in "qkv"}
+             for _ in range(2)]
+    big = build(2)
+    big.run(feeds[0])
+    small = build(1)
+    assert small.steps[0].grid != big.steps[0].grid
+    small.run({n: x[:1] for n, x in feeds[0].items()})
+    (out,) = big.run(feeds[1])          # new inputs: a batch left out would keep old values
+    np.testing.assert_allclose(out, want(feeds[1]), rtol=1e-4, atol=1e-5)

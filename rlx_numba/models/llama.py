@@ -286,6 +286,7 @@ class LlamaForCausalLM:
         self.exec_mode = mode
         self.max_cached = max_cached
         self._exes: OrderedDict = OrderedDict()
+        self._kv_owner: dict = {}      # id(decode executable) -> the generation using its cache
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -416,7 +417,9 @@ class LlamaForCausalLM:
         Rows that produced ``eos_token_id`` (an int or a list) keep yielding it; the stream
         ends when every row has, or after ``max_new_tokens``. Prompts of one batch have one
         length. ``max_seq_len`` sets the cache rows (default: the prompt plus the new tokens,
-        rounded up to a power of two)."""
+        rounded up to a power of two). The KV cache lives in the decode graph, which the
+        generations of one shape share: a stream that another generation of the same shape
+        overtook raises RuntimeError instead of reading the other's cache."""
         ids = self._ids(prompt_ids, "generate")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"LlamaForCausalLM.generate: max_new_tokens must be a positive int, "
@@ -442,14 +445,21 @@ class LlamaForCausalLM:
 
         outs = pre.run({"input_ids": ids, "seed": seed_of(0)}, outputs="view")
         tok = outs[0].copy_to_host().astype(np.int64)
+        owner = object()
         if dec is not None:
             for name, view in zip(cache_names(self.config), outs[2:]):
                 dec.set_param(name, view)            # device-to-device: the prompt's keys/values
+            self._kv_owner[id(dec)] = owner
         done = np.isin(tok, list(eos)) if eos else np.zeros(b, bool)
         yield tok
         for step in range(1, max_new_tokens):
             if done.all():
                 return
+            if self._kv_owner.get(id(dec)) is not owner:
+                raise RuntimeError("LlamaForCausalLM.generate_stream: another generation of the "
+                                   f"same shape (batch {b}, cache {cap}) started on this model "
+                                   "and replaced this one's KV cache; run them one after the "
+                                   "other, or on separate models")
             feed = tok.reshape(b, 1).astype(np.int32)
             outs = dec.run({"input_ids": feed, "pos": np.array([s + step - 1], np.int32),
                             "seed": seed_of(step)}, outputs="view")

@@ -95,9 +95,10 @@ class Step:
         packed once (at the first call, or now when ``aot``) by ``fast_launch``."""
         self._stream = stream
         self.launch = None
-        if SIMULATOR:
-            self.launch = self.kernel[self.grid, self.block, stream]
-            self.launch = functools.partial(self.launch, *self.args)
+        if SIMULATOR:   # configured at every call: the simulator's kernel[grid, block] sets
+            # the grid on the kernel object itself, which every executable shares
+            self.launch = functools.partial(_sim_launch, self.kernel, self.grid, self.block,
+                                            stream, self.args)
         elif aot:
             self.compile()
 
@@ -111,6 +112,10 @@ class Step:
         if self.launch is None:   # JIT: compile on first use
             self.compile()
         self.launch()
+
+
+def _sim_launch(kernel, grid, block, stream, args):
+    kernel[grid, block, stream](*args)
 
 
 def fast_launch(dispatcher, grid, block, stream, args):
