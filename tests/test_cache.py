@@ -137,6 +137,20 @@ def test_cache_dir_honours_the_environment(tmp_path, monkeypatch):
     assert d != tmp_path / "file" / "sub" and (d / "kernels").is_dir()
 
 
+def test_temp_fallback_must_be_private(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("RLX_NUMBA_CACHE_DIR", str(tmp_path / "file" / "sub"))
+    monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    shared = tmp_path / "tmp" / f"rlx_numba-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)                  # anyone could plant cache files here: refused
+    with pytest.raises(RuntimeError, match="is not a private directory of this user"):
+        cache.cache_dir()
+    shared.chmod(0o700)
+    assert cache.cache_dir() == shared and (shared / "kernels").is_dir()
+
+
 # ---- numba's compiled-kernel cache, on real dispatchers ---------------------------------------
 NUMBA_CACHE = """
 import json, logging, sys
@@ -188,6 +202,16 @@ for name, k in kernels.items():
         fresh = cache.RlxCache(k.py_func, dict(c._options))
         out[name]["stale"] = fresh.load_overload(sig, Context())
         cache.SOURCES_HASH = real
+if phase == "swap":   # two keys of one kernel whose data files got each other's contents
+    import pathlib
+    c, sig2 = kernels["rows"]._cache, (types.float64[::1],) + sig[1:]
+    c.save_overload(sig, Compiled())
+    c.save_overload(sig2, Compiled())
+    files = sorted(pathlib.Path(c.cache_path).glob("rows.rows_reg*.nbc"))
+    blobs = [f.read_bytes() for f in files]
+    files[0].write_bytes(blobs[1])
+    files[1].write_bytes(blobs[0])
+    out["swapped"] = [c.load_overload(s_, Context()) for s_ in (sig, sig2)]
 other = rows.rows_reg(2, 32, 4, 512, True, False, False, True, False)   # other launch bounds
 out["bounds_differ"] = (other._cache._index_key(sig, Codegen())
                         != kernels["rows"]._cache._index_key(sig, Codegen()))
@@ -226,6 +250,9 @@ def test_numba_cache_survives_processes_and_rejects_damaged_or_stale_entries(tmp
     stale = _python(NUMBA_CACHE, tmp_path, env, "stale")
     assert stale["gather"]["loaded"] == "stand_in"
     assert stale["gather"]["stale"] is None and stale["rows"]["stale"] is None
+    # the index points each key at a data file that holds the other key's kernel: both miss
+    swapped = _python(NUMBA_CACHE, tmp_path, env, "swap")
+    assert swapped["swapped"] == [None, None] and swapped["stats"]["corrupt"] == 2
 
 
 # ---- AOT: every kernel compiled in compile(), logged, a progress bar only when watched -----

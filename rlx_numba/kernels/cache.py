@@ -36,6 +36,7 @@ import hashlib
 import logging
 import os
 import pickle
+import stat
 import tempfile
 from pathlib import Path
 
@@ -50,16 +51,28 @@ STATS = collections.Counter()
 
 
 def cache_dir() -> Path:
-    """RLX_NUMBA_CACHE_DIR, else the platform cache dir; a temp dir if neither is writable."""
+    """RLX_NUMBA_CACHE_DIR, else the platform cache dir; a private temp dir if neither is
+    writable (only one this user owns and nobody else may write: cached kernels are
+    unpickled, so a directory another user could plant files in is never used)."""
     env = os.environ.get("RLX_NUMBA_CACHE_DIR")
     base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlx_numba"
-    for d in (base, Path(tempfile.gettempdir()) / f"rlx_numba-{os.getuid()}"):
-        try:
-            (d / "kernels").mkdir(parents=True, exist_ok=True)
-            return d
-        except OSError:
-            continue
-    raise RuntimeError(f"rlx_numba: no writable cache dir (tried {base})")
+    try:
+        (base / "kernels").mkdir(parents=True, exist_ok=True)
+        return base
+    except OSError:
+        pass
+    tmp = Path(tempfile.gettempdir()) / f"rlx_numba-{os.getuid()}"
+    try:
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        st = tmp.lstat()
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022:
+            (tmp / "kernels").mkdir(exist_ok=True)
+            log.warning("rlx_numba: cache dir %s is not writable; using %s", base, tmp)
+            return tmp
+    except OSError:
+        pass
+    raise RuntimeError(f"rlx_numba: no writable cache dir (tried {base}, and {tmp} is not a "
+                       f"private directory of this user)")
 
 
 def numba_cache_dir() -> Path:
@@ -137,6 +150,11 @@ if not SIMULATOR:
                 entry = self._read(self._index_path)
             except FileNotFoundError:
                 return {}
+            except Exception as e:  # noqa: BLE001 - e.g. written by another numba version
+                STATS["corrupt"] += 1
+                log.warning("rlx_numba: unreadable kernel cache index %s (%s): starting it "
+                            "again", self._index_path, e)
+                return {}
             if entry is None:
                 return {}
             version, stamp, overloads = entry
@@ -144,6 +162,24 @@ if not SIMULATOR:
 
         def _load_data(self, name):
             return self._read(self._data_path(name))   # None (a miss) when damaged
+
+        # Each data file also names its key: two processes saving different keys of one
+        # function at once can both pick the same free data-file name, leaving the index
+        # pointing at the other key's kernel; such an entry is a miss, never loaded.
+        def save(self, key, data):
+            super().save(key, (_sha(repr(key).encode()), data))
+
+        def load(self, key):
+            entry = super().load(key)
+            if entry is None:
+                return None
+            if not (isinstance(entry, tuple) and len(entry) == 2
+                    and entry[0] == _sha(repr(key).encode())):
+                STATS["corrupt"] += 1
+                log.warning("rlx_numba: kernel cache entry %s holds another kernel (two "
+                            "writers at once?): compiling the kernel again", self._index_path)
+                return None
+            return entry[1]
 
     class RlxCache(CUDACache):
         """numba's CUDA kernel cache with the jit options in the key, checksummed files, our
