@@ -315,3 +315,15 @@ def test_sentence_encoder_folder_matches_numpy(tmp_path, bert):
         v = h.mean(1)[0]
         close(got[i], v / np.linalg.norm(v))
     assert enc.encode([]).shape == (0, 32)
+
+
+def test_pooling_config_names():
+    """sentence-transformers' 1_Pooling/config.json keys, including the unsupported modes."""
+    from rlx_numba.models.bert import _pooling_modes
+    assert _pooling_modes({"pooling_mode_mean_tokens": True}, "cfg") == ("mean",)
+    assert _pooling_modes({"pooling_mode_cls_token": True, "pooling_mode_max_tokens": True},
+                          "cfg") == ("cls", "max")
+    with pytest.raises(ValueError, match=r"cfg: pooling \['lasttoken'\] is not supported"):
+        _pooling_modes({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": True}, "cfg")
+    with pytest.raises(ValueError, match=r"cfg: pooling none is not supported"):
+        _pooling_modes({}, "cfg")

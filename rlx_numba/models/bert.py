@@ -7,6 +7,7 @@ Parameters keep Hugging Face's names (without a ``bert.`` prefix) and layouts; l
 """
 from __future__ import annotations
 
+import gc
 import json
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
@@ -226,6 +227,9 @@ class BertModel:
         if exe is not None:
             self._exes.move_to_end(key)
             return exe
+        while self._exes and len(self._exes) >= self.max_cached:   # room first, and the
+            self._exes.popitem(last=False)    # evicted one's device memory freed now (its
+            gc.collect()                      # steps and runner refer back to it: cycles)
         exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize))
         half = self.weights != "f32"
         for name, arr in self.params.items():
@@ -234,8 +238,6 @@ class BertModel:
             else:
                 exe.set_param(name, arr)
         self._exes[key] = exe
-        while len(self._exes) > self.max_cached:
-            self._exes.popitem(last=False)
         return exe
 
     def run(self, input_ids, attention_mask=None, token_type_ids=None, *, pooling=None,
@@ -369,8 +371,11 @@ def _pooling_modes(d: dict, source) -> tuple:
     if isinstance(d.get("pooling_mode"), str):
         modes = [d["pooling_mode"]]
     else:
-        modes = [m for m in ("cls", "max", "mean", "mean_sqrt_len", "weightedmean", "lasttoken")
-                 if d.get(f"pooling_mode_{m}_token" if m == "cls" else f"pooling_mode_{m}_tokens")]
+        keys = {"cls": "pooling_mode_cls_token", "max": "pooling_mode_max_tokens",
+                "mean": "pooling_mode_mean_tokens", "mean_sqrt_len": "pooling_mode_mean_sqrt_len_tokens",
+                "weightedmean": "pooling_mode_weightedmean_tokens",
+                "lasttoken": "pooling_mode_lasttoken"}      # (sentence-transformers' names)
+        modes = [m for m, key in keys.items() if d.get(key)]
     bad = [m for m in modes if m not in POOLING_MODES]
     if bad or not modes:
         raise ValueError(f"{source}: pooling {bad or 'none'} is not supported (cls, max, mean, "

@@ -10,6 +10,7 @@ no weight is copied or transposed on the host.
 """
 from __future__ import annotations
 
+import gc
 import logging
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
@@ -18,8 +19,8 @@ import numpy as np
 
 from .. import Graph, compile
 from ..runtime.executable import _exec_mode
-from .weights import GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors, read_json
-from .weights import reverse_permute
+from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
+                      read_json, reverse_permute)
 
 log = logging.getLogger("rlx_numba")
 
@@ -359,6 +360,9 @@ class LlamaForCausalLM:
         if exe is not None:
             self._exes.move_to_end(key)
             return exe
+        while self._exes and len(self._exes) >= self.max_cached:   # room first, and the
+            self._exes.popitem(last=False)    # evicted one's device memory freed now (its
+            gc.collect()                      # steps and runner refer back to it: cycles)
         t, k, p = sampling
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
                         top_k=k, top_p=p)
@@ -375,8 +379,6 @@ class LlamaForCausalLM:
             for name in cache_names(self.config):
                 exe.set_param(name, zeros)
         self._exes[key] = exe
-        while len(self._exes) > self.max_cached:
-            self._exes.popitem(last=False)
         return exe
 
     def _ids(self, input_ids, what: str) -> np.ndarray:
