@@ -327,3 +327,14 @@ def test_pooling_config_names():
         _pooling_modes({"pooling_mode_mean_tokens": True, "pooling_mode_lasttoken": True}, "cfg")
     with pytest.raises(ValueError, match=r"cfg: pooling none is not supported"):
         _pooling_modes({}, "cfg")
+
+
+def test_executable_cache_keeps_the_most_recently_used():
+    from rlx_numba.models.executables import ExecutableCache
+    c, made = ExecutableCache(), []
+
+    def maker(k):
+        return lambda: made.append(k) or k.upper()
+    assert [c.fetch(k, 2, maker(k)) for k in "abcab"] == list("ABCAB")
+    assert made == list("abcab") and list(c) == ["a", "b"]     # each evicted before the next
+    assert c.fetch("a", 2, maker("z")) == "A" and list(c) == ["b", "a"] and len(made) == 5

@@ -7,14 +7,13 @@ Parameters keep Hugging Face's names (without a ``bert.`` prefix) and layouts; l
 """
 from __future__ import annotations
 
-import gc
 import json
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
 from .. import Graph, compile
+from .executables import ExecutableCache
 from .weights import as_path, check_params, load_safetensors, read_json
 
 # Hugging Face's hidden_act names -> Graph activation kinds
@@ -197,7 +196,7 @@ class BertModel:
         self.params = check_params(bert_param_shapes(config), params, source, ignore=self.IGNORED)
         self.weights = weights
         self.max_cached = max_cached
-        self._exes: OrderedDict = OrderedDict()
+        self._exes = ExecutableCache()
 
     @classmethod
     def from_config(cls, config, seed: int = 0, std: float = 0.02, **kw) -> "BertModel":
@@ -223,13 +222,10 @@ class BertModel:
 
     def executable(self, batch: int, seq: int, pooling=None, normalize: bool = False):
         key = (batch, seq, _check_pooling(pooling), bool(normalize))
-        exe = self._exes.get(key)
-        if exe is not None:
-            self._exes.move_to_end(key)
-            return exe
-        while self._exes and len(self._exes) >= self.max_cached:   # room first, and the
-            self._exes.popitem(last=False)    # evicted one's device memory freed now (its
-            gc.collect()                      # steps and runner refer back to it: cycles)
+        return self._exes.fetch(key, self.max_cached,
+                                lambda: self._compile(batch, seq, pooling, normalize))
+
+    def _compile(self, batch, seq, pooling, normalize):
         exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize))
         half = self.weights != "f32"
         for name, arr in self.params.items():
@@ -237,7 +233,6 @@ class BertModel:
                 exe.set_param_half(name, arr, self.weights)
             else:
                 exe.set_param(name, arr)
-        self._exes[key] = exe
         return exe
 
     def run(self, input_ids, attention_mask=None, token_type_ids=None, *, pooling=None,

@@ -10,15 +10,14 @@ no weight is copied or transposed on the host.
 """
 from __future__ import annotations
 
-import gc
 import logging
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from .. import Graph, compile
 from ..runtime.executable import _exec_mode
+from .executables import ExecutableCache
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       read_json, reverse_permute)
 
@@ -286,7 +285,7 @@ class LlamaForCausalLM:
         self.weights = weights
         self.exec_mode = mode
         self.max_cached = max_cached
-        self._exes: OrderedDict = OrderedDict()
+        self._exes = ExecutableCache()
         self._kv_owner: dict = {}      # id(decode executable) -> the generation using its cache
 
     # ---- constructors ---------------------------------------------------------------------------
@@ -356,13 +355,10 @@ class LlamaForCausalLM:
         """The compiled graph of ``build_llama(kind, batch, seq, ...)`` with the weights set
         (compiled on first use, then kept)."""
         key = (kind, batch, seq, cache_len, tuple(sampling))
-        exe = self._exes.get(key)
-        if exe is not None:
-            self._exes.move_to_end(key)
-            return exe
-        while self._exes and len(self._exes) >= self.max_cached:   # room first, and the
-            self._exes.popitem(last=False)    # evicted one's device memory freed now (its
-            gc.collect()                      # steps and runner refer back to it: cycles)
+        return self._exes.fetch(key, self.max_cached,
+                                lambda: self._compile(kind, batch, seq, cache_len, sampling))
+
+    def _compile(self, kind, batch, seq, cache_len, sampling):
         t, k, p = sampling
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
                         top_k=k, top_p=p)
@@ -378,7 +374,6 @@ class LlamaForCausalLM:
                               self.config.head_dim), np.float32)
             for name in cache_names(self.config):
                 exe.set_param(name, zeros)
-        self._exes[key] = exe
         return exe
 
     def _ids(self, input_ids, what: str) -> np.ndarray:
