@@ -95,6 +95,21 @@ def test_head_dims(rng, d):
     run_attention(rng, 1, 2, 1, 5 if d > 64 else 9, 7, d, causal=d % 32 == 0)
 
 
+@pytest.mark.parametrize("kernel", ["flash", "decode"])
+@pytest.mark.parametrize("hq,hkv,sq,sk,d", [(4, 1, 4, 21, 64), (2, 2, 13, 13, 16), (8, 2, 2, 9, 128)])
+def test_decode_kernel_and_flash_kernel(rng, monkeypatch, kernel, hq, hkv, sq, sk, d):
+    """The shapes both kernels can take (GQA group x Sq <= 16), each kernel forced, every
+    option at once; the lowering picks the one asked for."""
+    from rlx_numba.kernels import attention as A
+    if kernel == "flash":
+        monkeypatch.setattr(A, "decode_rows", lambda g, sq, d: None)
+    else:
+        assert A.decode_rows(hq // hkv, sq, d) is not None
+    run_attention(rng, 2, hq, hkv, sq, sk, d, bias_shape=(sq, sk), mask_shape=(sq, sk),
+                  causal=True, window=7, scale=0.2, softcap=3.0)
+    run_attention(rng, 1, hq, hkv, sq, sk, d, causal=True)
+
+
 def test_long_odd_sequence(rng):
     run_attention(rng, 1, 1, 1, 37 if not GPU else 129, 37 if not GPU else 129, 16, causal=True)
 

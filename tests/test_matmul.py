@@ -179,6 +179,40 @@ def test_half_weights(rng, half, tol):
     assert not any(s.info.get("tier") == 0 for s in exe.steps)
 
 
+@pytest.mark.parametrize("half", [None, "f16"])
+def test_weights_stored_transposed(rng, half):
+    """A 2-D param read only as a product's weight is stored [N, K] (op-T products); one
+    also read by anything else keeps its layout. Host and device set_param both land right."""
+    from numba import cuda
+    g = rlx.Graph("wt")
+    x = g.input("x", (2, 3, 37))
+    w1, w2, w3 = g.param("w1", (37, 29)), g.param("w2", (29, 37)), g.param("w3", (37, 5))
+    h = g.linear(x, w1, activation="relu")
+    y = h @ w2 + x
+    g.set_outputs([y @ w3, g.linear(x, w3) + g.narrow(w3, 0, 0, 1)])
+    exe = rlx.compile(g)
+    ids = {n.name: n.id for n in g.nodes if n.op == "param"}
+    assert exe.transposed == {ids["w1"], ids["w2"]}          # w3 is also sliced: kept [K, N]
+    xv = rng.standard_normal((2, 3, 37)).astype(np.float32)
+    wv = {n: rng.standard_normal(s).astype(np.float32) / 6
+          for n, s in (("w1", (37, 29)), ("w2", (29, 37)), ("w3", (37, 5)))}
+    exe.set_param("w1", cuda.to_device(wv["w1"]))             # device to device, transposed
+    if half:
+        exe.set_param_half("w2", wv["w2"], half)
+        w2v = wv["w2"].astype(np.float16).astype(np.float64)
+        xh = lambda a: a.astype(np.float16).astype(np.float64)  # noqa: E731
+    else:
+        exe.set_param("w2", wv["w2"])
+        w2v, xh = wv["w2"].astype(np.float64), (lambda a: a)
+    exe.set_param("w3", wv["w3"])
+    a, b = exe.run({"x": xv})
+    x64 = xv.astype(np.float64)
+    hh = np.maximum(x64 @ wv["w1"], 0)
+    yy = xh(hh) @ w2v + x64
+    close(a, yy @ wv["w3"], 3e-3 if half else 1e-4)
+    close(b, x64 @ wv["w3"] + wv["w3"][0], 1e-4)
+
+
 def _tier_graph():
     g = rlx.Graph("tiers")
     x, r = g.input("x", (9, 20)), g.input("r", (9, 11))

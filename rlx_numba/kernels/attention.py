@@ -15,13 +15,14 @@ entirely masked are skipped; causal blocks start from the heaviest query tiles.
 
 ``decode_split``: few queries (decode). The keys of one key/value head are split across
 blocks; a block takes all the query rows that read that head (GQA group x Sq, at most
-DEC_ROWS), each warp a share of the block's keys, kt keys at a time. Lane l holds head dims
+DEC_ROWS, 16 when D <= 64: short sequences too), each warp a share of the block's keys, kt keys at a time. Lane l holds head dims
 l, l+32, ... of every row and of the tile's keys and values (registers, all loads of a tile
 issued together); the partial dot products are reduce-scattered across the warp with
 shuffles, so each lane ends with one (row, key) score; the online softmax runs on those and
 P reaches the lanes through shared memory for the P V update. The warps' (m, l, acc) merge in
 shared memory into one partial a block; the last block of a head to finish (an atomic ticket)
-merges the splits and writes the output, so decode is one launch. K and V are read once,
+merges the splits and writes the output, so decode is one launch (one split: the block
+writes the output itself). K and V are read once,
 whatever the GQA ratio.
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
@@ -285,10 +286,13 @@ DEC_OCC = 2                         # blocks an SM the decode kernel's registers
 DEC_SPLIT_KEYS = 2048               # longer splits get more waves of blocks
 
 
-def decode_rows(g: int, sq: int) -> int | None:
-    """Rows a decode block holds (a power of two >= g * sq), or None: use the prefill kernel."""
+def decode_rows(g: int, sq: int, d: int) -> int | None:
+    """Rows a decode block holds (a power of two >= g * sq), or None: use the prefill kernel.
+    Up to DEC_ROWS rows, or 16 for head dims <= 64 (a lane's registers hold rows * d / 32
+    query values and as many accumulators): short sequences (S = 16, a flash tile 3/4 empty)
+    take this path too."""
     rows = g * sq
-    if rows > DEC_ROWS:
+    if rows > (16 if d <= 64 else DEC_ROWS):
         return None
     r = 1
     while r < rows:
@@ -493,11 +497,18 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     wgt = m.exp(Wm[ww, r] - mx)
                     num += Wa[ww, r, dd] * wgt
                     den += Wl[ww, r] * wgt
-            pacc[(part + r) * dmax + dd] = num
-            if dd == 0:
-                pm[part + r] = mx
-                pl[part + r] = den
+            if splits == 1:               # the block saw every key: the output itself
+                if r < rows and dd < d:
+                    out[uint64(b * geom[11] + (hk * g + r // sq) * geom[12] + (r % sq) * geom[13]
+                               + dd)] = num / den if den > ZERO else ZERO
+            else:
+                pacc[(part + r) * dmax + dd] = num
+                if dd == 0:
+                    pm[part + r] = mx
+                    pl[part + r] = den
             e += nt
+        if splits == 1:
+            return
         cuda.threadfence()                # the partials are visible before the ticket
         cuda.syncthreads()
         if tid == 0:

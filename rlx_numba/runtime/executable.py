@@ -110,6 +110,8 @@ class CudaExecutable:
         nodes = graph.nodes
         # transposes read by products through an op-T flag: views of their input
         self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
+        # weights stored [N, K] (set_param transposes them): op-T products, see lower_matmul
+        self.transposed = lower_matmul.transposed_weights(graph, set(graph.outputs))
         self._live = self._reachable()
         self._root = {}                      # node id -> node id that owns its memory
         for n in nodes:                      # in-place nodes (kv_write) alias input 0 too
@@ -328,7 +330,8 @@ class CudaExecutable:
                 raise ValueError(f"set_param {name!r}: expected shape {fmt(node.shape)}, got "
                                  f"{fmt(arr.shape)}")
             if node.size:
-                self._bufs[node.id].copy_to_device(self._storage(arr.astype(node.dtype.host), node.dtype))
+                host = arr.astype(node.dtype.host)
+                self._bufs[node.id].copy_to_device(self._storage(self._layout(node, host), node.dtype))
         self._unset.discard(name)
         if self._half.pop(name, None) is not None:
             self._relower_products(node)
@@ -357,13 +360,17 @@ class CudaExecutable:
         if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != dt.BF16.host:
             raise ValueError(f"set_param_half {name!r}: expected a float array, got {arr.dtype}")
         hdt = dt.dtype(dtype)
-        half = np.ascontiguousarray(arr.astype(hdt.host))
+        half = np.ascontiguousarray(self._layout(node, arr.astype(hdt.host)))
         dev = self._cuda.to_device(half.view(hdt.storage).reshape(-1)) if node.size else None
         if node.size:
             self._bufs[node.id].copy_to_device(half.astype(np.float32).reshape(-1))
         self._half[name] = (hdt, dev)
         self._unset.discard(name)
         self._relower_products(node)
+
+    def _layout(self, node, host):
+        """A host value as the param's storage holds it (a weight stored transposed: .T)."""
+        return host.T if node.id in self.transposed else host
 
     def _relower_products(self, param):
         """Plan again the products whose weight is ``param`` (its storage changed)."""
@@ -390,7 +397,12 @@ class CudaExecutable:
         if node.size:
             if not src.is_c_contiguous():
                 raise ValueError(f"{what} {node.name!r}: device array must be C-contiguous")
-            self._bufs[node.id].copy_to_device(src.reshape(-1), stream=self.stream)
+            if node.id in self.transposed:
+                lower_shape.transpose_matrix(self._bufs[node.id], src.reshape(-1), *node.shape,
+                                             self.stream)
+                self.stream.synchronize()    # the caller may free or change src on return
+            else:
+                self._bufs[node.id].copy_to_device(src.reshape(-1), stream=self.stream)
 
     def _bind_input(self, name, value):
         node = self._inputs[name]

@@ -59,7 +59,7 @@ def _lower_attention(exe, n):
              a["softcap"] is not None)
     args = (exe.buf(q), exe.buf(k), exe.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
-    rows_c = A.decode_rows(hq // hkv, sq)
+    rows_c = A.decode_rows(hq // hkv, sq, d)
     if rows_c is not None and sk > 0:      # few queries a kv head: split the keys instead
         dpl = -(-d // 32)
         splits, chunk = A.decode_plan(b, hkv, sk, 1 if SIMULATOR else sm_count())
