@@ -313,6 +313,7 @@ def aot_child(layers: int, out_path: str) -> int:
     t_run = time.perf_counter() - t2
     np.save(out_path, y)
     print(json.dumps({"import_s": t_import, "compile_s": t_compile, "first_run_s": t_run,
+                      "weights_s": t2 - t1 - t_compile, "in_process_s": time.perf_counter() - t0,
                       "steps": len(exe.steps), "cache": dict(cache.STATS)}))
     return 0
 

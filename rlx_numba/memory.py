@@ -9,6 +9,7 @@ the usual heuristic for this offline interval-packing problem.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 ALIGN = 256  # bytes: cuBLAS and vector loads want aligned pointers
@@ -30,19 +31,20 @@ class Buffer:
 
 def plan(buffers: list[Buffer]) -> int:
     """Assign ``offset`` to every buffer; return the arena size in bytes."""
-    placed: list[Buffer] = []
+    placed: list[tuple] = []     # (offset, end offset, start, end) of placed buffers, by offset
     top = 0
-    for b in sorted(buffers, key=lambda b: (-b.size, b.start, b.key)):
-        ranges = sorted((p.offset, p.offset + p.size) for p in placed
-                        if p.start <= b.end and b.start <= p.end)
+    for size, b in sorted(((b.size, b) for b in buffers), key=lambda t: (-t[0], t[1].start, t[1].key)):
+        s, e = b.start, b.end
         off = 0
-        for lo, hi in ranges:
-            if off + b.size <= lo:
-                break
-            off = max(off, hi)
+        for lo, hi, ps, pe in placed:     # the lowest gap among the ones live with b
+            if ps <= e and s <= pe:
+                if off + size <= lo:
+                    break
+                if hi > off:
+                    off = hi
         b.offset = off
-        placed.append(b)
-        top = max(top, off + b.size)
+        bisect.insort(placed, (off, off + size, s, e))
+        top = max(top, off + size)
     return top
 
 

@@ -95,16 +95,21 @@ def test_head_dims(rng, d):
     run_attention(rng, 1, 2, 1, 5 if d > 64 else 9, 7, d, causal=d % 32 == 0)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "decode"])
+@pytest.mark.parametrize("kernel", ["flash", "decode", "decode-split"])
 @pytest.mark.parametrize("hq,hkv,sq,sk,d", [(4, 1, 4, 21, 64), (2, 2, 13, 13, 16), (8, 2, 2, 9, 128)])
 def test_decode_kernel_and_flash_kernel(rng, monkeypatch, kernel, hq, hkv, sq, sk, d):
     """The shapes both kernels can take (GQA group x Sq <= 16), each kernel forced, every
-    option at once; the lowering picks the one asked for."""
+    option at once. decode-split: the keys split over blocks of 8 (partials combined by the
+    last block of a head) and the rows over blocks of 2, as a GPU's plan does for long and
+    for short sequences (the simulator's one SM would not)."""
     from rlx_numba.kernels import attention as A
     if kernel == "flash":
         monkeypatch.setattr(A, "decode_rows", lambda g, sq, d: None)
     else:
         assert A.decode_rows(hq // hkv, sq, d) is not None
+    if kernel == "decode-split":
+        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 8), 8))
+        monkeypatch.setattr(A, "decode_groups", lambda rows_c, rows, blocks, sm: (2, -(-rows // 2)))
     run_attention(rng, 2, hq, hkv, sq, sk, d, bias_shape=(sq, sk), mask_shape=(sq, sk),
                   causal=True, window=7, scale=0.2, softcap=3.0)
     run_attention(rng, 1, hq, hkv, sq, sk, d, causal=True)

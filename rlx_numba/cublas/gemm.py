@@ -176,16 +176,6 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
                 cm.ldb)
     lc = layout(api.R_32F, cm.m, cm.n, cm.ldc)
     ws_ptr, ws_size = workspace(stream)
-    pref = c_void_p()
-    lt.cublasLtMatmulPreferenceCreate(byref(pref))
-    attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
-         c_uint64(ws_size))
-    results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
-    lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
-                                      byref(count))
-    lt.cublasLtMatmulPreferenceDestroy(pref)
-    if count.value == 0:
-        raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
     beta = c_float(1.0 if residual_ptr is not None else 0.0)
     c_ptr = residual_ptr if residual_ptr is not None else d_ptr
     call = lt.cublasLtMatmul
@@ -194,17 +184,25 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
         return (h, desc, byref(_ONE), c_void_p(b_ptr), la, c_void_p(a_ptr), lb, byref(beta),
                 c_void_p(c_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
                 c_void_p(_stream_ptr(stream)))
-    algos = [results[i].algo for i in range(count.value)]
-    # the same problem (shape, types, epilogue, operand alignments) again: the heuristic
-    # offers the same list, so the timed choice is reused (a model's layers repeat shapes)
+    # the same problem (shape, types, epilogue, operand alignments) again -- a model's layers
+    # repeat shapes -- takes the algorithm chosen the first time: no heuristic, no timing
     key = (_device_id(), cm, compute, in_type, LT_EPILOGUES[(bias_ptr is not None, activation)],
            residual_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0,
-                                                            residual_ptr or 0)), len(algos))
-    if key in _lt_choice:
-        algo = algos[_lt_choice[key]]
-    else:
-        algo = _fastest(stream, call, args_for, algos)
-        _lt_choice[key] = next(i for i, a in enumerate(algos) if a is algo)
+                                                            residual_ptr or 0)))
+    algo = _lt_choice.get(key)
+    if algo is None:
+        pref = c_void_p()
+        lt.cublasLtMatmulPreferenceCreate(byref(pref))
+        attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
+             c_uint64(ws_size))
+        results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
+        lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
+                                          byref(count))
+        lt.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value == 0:
+            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
+        algo = _lt_choice[key] = _fastest(stream, call, args_for,
+                                          [results[i].algo for i in range(count.value)])
     args = args_for(algo)
     keep += [desc, la, lb, lc, algo, beta]
 
@@ -214,7 +212,7 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     return run
 
 
-_lt_choice: dict = {}   # lt_plan's problem key -> index of the fastest heuristic algorithm
+_lt_choice: dict = {}   # lt_plan's problem key -> the fastest of the heuristic's algorithms
 
 
 def _fastest(stream, call, args_for, algos):

@@ -22,7 +22,7 @@ shuffles, so each lane ends with one (row, key) score; the online softmax runs o
 P reaches the lanes through shared memory for the P V update. The warps' (m, l, acc) merge in
 shared memory into one partial a block; the last block of a head to finish (an atomic ticket)
 merges the splits and writes the output, so decode is one launch (one split: the block
-writes the output itself). K and V are read once,
+writes the output itself). A launch of fewer blocks than SMs splits the rows over blocks too. K and V are read once,
 whatever the GQA ratio.
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
@@ -283,6 +283,7 @@ DEC_NW = 2 if SIMULATOR else 4      # warps a block
 DEC_ROWS = 8                        # at most this many query rows share a key/value head
 CB = 8                              # splits whose partials the combine loads at once
 DEC_OCC = 2                         # blocks an SM the decode kernel's registers aim at
+DEC_WARP_KEYS = 32                  # a split gives each warp a multiple of this many keys
 DEC_SPLIT_KEYS = 2048               # longer splits get more waves of blocks
 
 
@@ -360,6 +361,67 @@ def decode_keys(dpl: int, rows_c: int) -> int:
     return max(1, min(32 // rows_c, 32 // dpl, 8))
 
 
+@_inline
+def _dec_fetch(kr, vr, k, v, kbase, ks, t0, k_hi, lane, d, kt, dpl):
+    """Registers <- K and V of keys t0 .. t0 + kt, head dims lane, lane + 32, ... (a key past
+    k_hi reads the last key again and is scored -inf; a dim past d reads dim d - 1, and q
+    is 0 there)."""
+    for j in range(kt):
+        kk = kbase + min(t0 + j, k_hi - 1) * ks
+        for u in range(dpl):
+            dg = min(int64(lane) + u * 32, d - 1)
+            kr[j, u] = k[uint64(kk + dg)]
+            vr[j, u] = v[uint64(kk + dg)]
+
+
+@_inline
+def _dec_tile(kr, vr, t0, qr, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_me,
+              qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap, causal, has_window,
+              has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g):
+    """One tile of kt keys through the online softmax: scores (reduce-scattered, so this
+    lane holds score ``idx``), the rows' running max ``mr`` and the accumulators rescaled,
+    P through shared memory into acc. st = (max, sum) of this lane's row."""
+    nv = rows_c * kt
+    rep = 32 // nv
+    for r in range(rows_c):
+        for j in range(kt):
+            s_ = ZERO
+            for u in range(dpl):
+                s_ += qr[r, u] * kr[j, u]
+            vals[r * kt + j] = s_
+    reduce_scatter(vals, nv, xs, xr, w, lane)
+    x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
+               scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
+    tm = x                            # the tile's max of my row: over the lanes of its keys
+    o_ = rep
+    while o_ < rep * kt:
+        y = xor_shfl(tm, o_, xs, w, lane)
+        tm = y if (y > tm or y != y) else tm
+        o_ *= 2
+    Ms[w, r_me] = tm
+    warp_sync()
+    for r in range(rows_c):
+        tmr = Ms[w, r]
+        mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
+        alpha = ONE if mnew == NEG_INF else m.exp(mr[r] - mnew)
+        mr[r] = mnew
+        for u in range(dpl):
+            acc[r, u] *= alpha
+        if r == r_me:
+            st[1] *= alpha
+            st[0] = mnew
+    p_ = ZERO if st[0] == NEG_INF else m.exp(x - st[0])
+    st[1] += p_
+    Ps[w, idx] = p_
+    warp_sync()
+    for r in range(rows_c):
+        for j in range(kt):
+            pj = Ps[w, r * kt + j]
+            for u in range(dpl):
+                acc[r, u] += pj * vr[j, u]
+    warp_sync()                       # Ps and Ms are rewritten next tile
+
+
 @functools.lru_cache(maxsize=None)
 def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softcap):
     """Attention for every row reading one kv head, the keys split across blocks (see the
@@ -396,6 +458,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
         qr = cuda.local.array((rows_c, dpl), float32)
         kr = cuda.local.array((kt, dpl), float32)
         vr = cuda.local.array((kt, dpl), float32)
+        st = cuda.local.array(2, float32)            # (max, sum) of my lane's row
         acc = cuda.local.array((rows_c, dpl), float32)
         mr = cuda.local.array(rows_c, float32)
         vals = cuda.local.array(nv, float32)
@@ -406,73 +469,40 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
         bk = int64(cuda.blockIdx.y)
         hkv = hq // g
         b, hk = bk // hkv, bk % hkv
+        rb = int64(cuda.blockIdx.z) * rows_c    # this block's rows: rb .. rb + rows_c
+        bkz = bk * int64(cuda.gridDim.z) + int64(cuda.blockIdx.z)   # its partials and ticket
         off = geom[23]
         idx = int64(lane) // rep          # the score this lane holds after the reduce-scatter
         r_me, j_me = idx // kt, idx % kt
-        gi_me, qi_me = r_me // sq, r_me % sq
-        if r_me >= rows:                  # a padding row: qi = sq masks it before any read
+        gi_me, qi_me = (rb + r_me) // sq, (rb + r_me) % sq
+        if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         for r in range(rows_c):
-            gi, qi = int64(r) // sq, int64(r) % sq
+            gi, qi = (rb + r) // sq, (rb + r) % sq
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = int64(lane) + u * 32
                 qr[r, u] = q[uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7] + dg)] \
-                    if r < rows and dg < d else ZERO
+                    if rb + r < rows and dg < d else ZERO
                 acc[r, u] = ZERO
-        l_me = ZERO
-        m_me = NEG_INF
+        st[0] = NEG_INF
+        st[1] = ZERO
         k_lo = int64(cuda.blockIdx.x) * chunk
         k_hi = min(sk, k_lo + chunk)
         kbase = b * geom[8] + hk * geom[9]
         ks = geom[10]
         t0 = k_lo + int64(w) * kt
-        while t0 < k_lo + chunk:          # same trip count in every warp (chunk % (NW*kt) == 0)
-            for j in range(kt):           # every K and V load of the tile before any math
-                kk = kbase + min(t0 + j, k_hi - 1) * ks   # (past k_hi: a duplicate of the
-                for u in range(dpl):                      # last key, scored -inf below)
-                    dg = min(int64(lane) + u * 32, d - 1)  # (dims past d: q is 0 there)
-                    kr[j, u] = k[uint64(kk + dg)]
-                    vr[j, u] = v[uint64(kk + dg)]
-            for r in range(rows_c):
-                for j in range(kt):
-                    s_ = ZERO
-                    for u in range(dpl):
-                        s_ += qr[r, u] * kr[j, u]
-                    vals[r * kt + j] = s_
-            reduce_scatter(vals, nv, xs, xr, w, lane)
-            x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias,
-                       geom, scale, softcap, causal, has_window, has_mask, has_bias,
-                       has_softcap, sq, k_hi)
-            tm = x                        # the tile's max of my row: over the lanes of its keys
-            o_ = rep
-            while o_ < rep * kt:
-                y = xor_shfl(tm, o_, xs, w, lane)
-                tm = y if (y > tm or y != y) else tm
-                o_ *= 2
-            Ms[w, r_me] = tm
-            warp_sync()
-            for r in range(rows_c):
-                tmr = Ms[w, r]
-                mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
-                alpha = ONE if mnew == NEG_INF else m.exp(mr[r] - mnew)
-                mr[r] = mnew
-                for u in range(dpl):
-                    acc[r, u] *= alpha
-                if r == r_me:
-                    l_me *= alpha
-                    m_me = mnew
-            p_ = ZERO if m_me == NEG_INF else m.exp(x - m_me)
-            l_me += p_
-            Ps[w, idx] = p_
-            warp_sync()
-            for r in range(rows_c):
-                for j in range(kt):
-                    pj = Ps[w, r * kt + j]
-                    for u in range(dpl):
-                        acc[r, u] += pj * vr[j, u]
-            warp_sync()                   # Ps and Ms are rewritten next tile
-            t0 += DEC_NW * kt
+        tile = DEC_NW * kt                # the block's keys a trip, the same trips every warp
+        k_end = k_lo + (k_hi - k_lo + tile - 1) // tile * tile
+        while t0 < k_end:
+            # the whole tile's loads, then its math (a prefetch of the next tile into a second
+            # set of registers measured slower: fewer keys a tile to stay unspilled)
+            _dec_fetch(kr, vr, k, v, kbase, ks, t0, k_hi, lane, d, kt, dpl)
+            _dec_tile(kr, vr, t0, qr, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me,
+                      j_me, qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap,
+                      causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g)
+            t0 += tile
+        m_me, l_me = st[0], st[1]
         o_ = rep                          # my row's sum: over the lanes of its keys
         while o_ < rep * kt:
             l_me += xor_shfl(l_me, o_, xs, w, lane)
@@ -484,7 +514,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             for u in range(dpl):
                 Wa[w, r, lane + _u(u * 32)] = acc[r, u]
         cuda.syncthreads()
-        part = (bk * splits + int64(cuda.blockIdx.x)) * rows_c
+        part = (bkz * splits + int64(cuda.blockIdx.x)) * rows_c
         e = int64(tid)
         while e < rows_c * dmax:
             r, dd = e // dmax, e % dmax
@@ -498,9 +528,9 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     num += Wa[ww, r, dd] * wgt
                     den += Wl[ww, r] * wgt
             if splits == 1:               # the block saw every key: the output itself
-                if r < rows and dd < d:
-                    out[uint64(b * geom[11] + (hk * g + r // sq) * geom[12] + (r % sq) * geom[13]
-                               + dd)] = num / den if den > ZERO else ZERO
+                if rb + r < rows and dd < d:
+                    out[uint64(b * geom[11] + (hk * g + (rb + r) // sq) * geom[12]
+                               + ((rb + r) % sq) * geom[13] + dd)] = num / den if den > ZERO else ZERO
             else:
                 pacc[(part + r) * dmax + dd] = num
                 if dd == 0:
@@ -512,14 +542,14 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
         cuda.threadfence()                # the partials are visible before the ticket
         cuda.syncthreads()
         if tid == 0:
-            Tk[0] = cuda.atomic.add(count, bk, 1)
+            Tk[0] = cuda.atomic.add(count, bkz, 1)
         cuda.syncthreads()
         if Tk[0] != splits - 1:           # not the last block of this kv head to finish
             return
         cuda.threadfence()
         if tid == 0:
-            count[bk] = 0                 # ready for the next launch
-        base = bk * splits * rows_c
+            count[bkz] = 0                # ready for the next launch
+        base = bkz * splits * rows_c
         r0 = int64(0)
         while r0 < rows_c:                # the last block combines: a warp per row
             r = r0 + int64(w)
@@ -557,8 +587,8 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                     for u in range(dpl):
                         fv[u] += ab[i, u] * wb[i]
                 p0 += CB
-            gi, qi = rr // sq, rr % sq
-            if r < rows:
+            gi, qi = (rb + rr) // sq, (rb + rr) % sq
+            if rb + r < rows:
                 for u in range(dpl):
                     dg = int64(lane) + u * 32
                     if dg < d:
@@ -569,10 +599,23 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
     return kernel
 
 
+DEC_GROUP_ROWS = 4                  # rows a block when the rows are split over blocks
+
+
+def decode_groups(rows_c: int, rows: int, blocks: int, sm: int) -> tuple[int, int]:
+    """(rows a block, row groups): all rows in one block, or, when the launch has fewer
+    blocks than SMs (a short sequence: S = 16 of a few heads is 4 blocks), DEC_GROUP_ROWS rows
+    a block over more blocks -- a block's time is its lanes' serial work, which grows with
+    its rows; the groups re-read K and V, from L2 at these sizes."""
+    if blocks >= sm or rows_c <= DEC_GROUP_ROWS:
+        return rows_c, 1
+    return DEC_GROUP_ROWS, -(-rows // DEC_GROUP_ROWS)
+
+
 def decode_plan(b: int, hkv: int, sk: int, sm: int):
     """(splits, keys a split): whole waves of blocks (DEC_OCC resident a SM), one wave unless
     a split would pass DEC_SPLIT_KEYS keys; each warp at least 32 keys."""
-    step = DEC_NW * 32
+    step = DEC_NW * DEC_WARP_KEYS
     per_wave = max(1, sm * DEC_OCC // (b * hkv))
     splits = per_wave * max(1, -(-sk // (per_wave * DEC_SPLIT_KEYS)))
     splits = max(1, min(splits, -(-sk // step)))

@@ -100,6 +100,7 @@ if not SIMULATOR:
                                          _SourceFileBackedLocatorMixin)
     from numba.cuda.dispatcher import CUDACache, CUDACacheImpl
     from numba.cuda.serialize import dumps
+    from numba.cuda.utils import numba_target_override
 
     def _sha(b: bytes) -> str:
         return hashlib.sha256(b).hexdigest()
@@ -206,8 +207,13 @@ if not SIMULATOR:
             return key
 
         def load_overload(self, sig, target_context):
+            # not through Cache.load_overload: it first refreshes the target context, which
+            # imports every lowering registry (numba.cuda.np.arraymath pulls in scipy): 0.6 s
+            # of a warm process on an H100 (cProfile), for nothing a rebuilt kernel needs; a
+            # compile refreshes the context itself
             try:
-                kernel = super().load_overload(sig, target_context)
+                with numba_target_override(), self._guard_against_spurious_io_errors():
+                    kernel = self._load_overload(sig, target_context)
             except Exception as e:  # noqa: BLE001 - an entry that cannot be rebuilt is a miss
                 STATS["corrupt"] += 1
                 log.warning("rlx_numba: cached kernel %s unreadable (%s): compiling it again",

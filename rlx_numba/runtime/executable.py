@@ -137,6 +137,7 @@ class CudaExecutable:
         self._extra = []                     # small device arrays steps own (batch offsets)
         self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
         self._half = {}                      # param name -> (half dtype, device array)
+        self._views = {}                     # output node id -> its arena view (run "view")
         self._node_steps = {}                # node id -> its bound steps, in graph order
         for n in nodes:
             if n.id in self._live and n.id not in self.fusion.interior:
@@ -401,8 +402,15 @@ class CudaExecutable:
                 lower_shape.transpose_matrix(self._bufs[node.id], src.reshape(-1), *node.shape,
                                              self.stream)
                 self.stream.synchronize()    # the caller may free or change src on return
-            else:
+            elif SIMULATOR:
                 self._bufs[node.id].copy_to_device(src.reshape(-1), stream=self.stream)
+            else:   # one driver call (numba's copy_to_device checks and views cost more)
+                from cuda.bindings import driver as drv
+                err, = drv.cuMemcpyDtoDAsync(self._bufs[node.id].device_ctypes_pointer.value,
+                                             src.device_ctypes_pointer.value, node.nbytes,
+                                             int(self.stream))
+                if err != drv.CUresult.CUDA_SUCCESS:
+                    raise RuntimeError(f"{what} {node.name!r}: device-to-device copy failed: {err}")
 
     def _bind_input(self, name, value):
         node = self._inputs[name]
@@ -485,7 +493,9 @@ class CudaExecutable:
                 host = buf.copy_to_host(stream=self.stream) if n.size else np.empty(0, n.dtype.storage)
                 res.append(host)
             else:
-                view = buf[:n.size].reshape(n.shape) if n.size else buf[:0]
+                view = self._views.get(o)
+                if view is None:          # the same arena view every run: made once
+                    view = self._views[o] = buf[:n.size].reshape(n.shape) if n.size else buf[:0]
                 res.append(view if outputs == "view" else self._copy_device(view))
         self.stream.synchronize()
         if outputs == "numpy":

@@ -62,14 +62,17 @@ def _lower_attention(exe, n):
     rows_c = A.decode_rows(hq // hkv, sq, d)
     if rows_c is not None and sk > 0:      # few queries a kv head: split the keys instead
         dpl = -(-d // 32)
-        splits, chunk = A.decode_plan(b, hkv, sk, 1 if SIMULATOR else sm_count())
-        part = b * hkv * splits * rows_c
+        sm = 1 if SIMULATOR else sm_count()
+        splits, chunk = A.decode_plan(b, hkv, sk, sm)
+        rows_c, groups = A.decode_groups(rows_c, hq // hkv * sq, splits * b * hkv, sm)
+        part = b * hkv * groups * splits * rows_c
         pm, pl = (exe.device_array(np.zeros(part, np.float32)) for _ in range(2))
         pacc = exe.device_array(np.zeros(part * 32 * dpl, np.float32))
-        count = exe.device_array(np.zeros(b * hkv, np.int32))   # tickets, reset by the kernel
+        count = exe.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
         kern = A.decode_split(dpl, rows_c, *flags)
-        return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits",
-                     kern, (splits, b * hkv), (A.DEC_NW * 32,),
+        return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
+                     f"{f' {groups} row groups' if groups > 1 else ''}",
+                     kern, (splits, b * hkv, groups), (A.DEC_NW * 32,),
                      (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk), np.int64(splits)),
                      flops)]
     kern = A.flash(A.head_split(d), *flags)
