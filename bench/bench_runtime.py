@@ -50,7 +50,10 @@ part runs this file twice more as ``--aot-child`` with a fresh ``RLX_NUMBA_CACHE
 the graph, ``compile(compile_mode="aot")``, set the weights and run once; the first process
 compiles every kernel (cold), the second loads them from the disk cache (warm). Reported:
 their compile() times, process wall times (interpreter start to exit, numba's import included,
-which no cache removes) and the ratios; the outputs of both are checked against torch.
+which no cache removes) and the ratios; the outputs of both are checked against torch. The
+10x bar is shown against both: the process (what the issue asks; a warm process still spends
+~0.6 s importing numba, ~0.4 s uploading the weights and ~0.5 s starting and ending the
+interpreter, none of which a kernel cache touches) and compile() alone (what the cache does).
 
   python bench/bench_runtime.py [--layers 24] [--iters 200] [--no-aot]
                                 [--out bench/results/runtime.json]
@@ -466,6 +469,8 @@ def main(argv=None) -> int:
               f"{aot['compile_ratio']:.1f}x, process minus import {aot['after_import_ratio']:.1f}x")
         bars.append(("warm process start vs cold (AOT)", aot["process_ratio"],
                      f">= {BARS['warm_start']}x", aot["process_ratio"] >= BARS["warm_start"]))
+        bars.append(("warm compile() vs cold (AOT)", aot["compile_ratio"],
+                     f">= {BARS['warm_start']}x", aot["compile_ratio"] >= BARS["warm_start"]))
         bars.append(("cold and warm outputs within 1e-4 of torch",
                      max(aot["cold"]["rel_err"], aot["warm"]["rel_err"]), f"<= {REL_TOL}",
                      max(aot["cold"]["rel_err"], aot["warm"]["rel_err"]) <= REL_TOL))

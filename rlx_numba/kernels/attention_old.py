@@ -1,0 +1,580 @@
+"""Attention kernels, f32: a FlashAttention-style prefill kernel and a split-K decode kernel.
+
+``flash``: one block per (batch * query head, tile of BR queries). For each tile of BC keys
+the block computes S = Q K^T in registers (each thread a TR x SC patch of consecutive rows
+and columns, so its shared loads are 16-byte vectors), with Q and K staged through shared
+memory DC dims at a time (stored transposed, rows padded by 16 bytes; the next chunk's
+global loads are in flight while the current one computes); applies scale, softcap, bias
+and the masks; updates each query's running max m and sum l (online softmax: the
+accumulator is rescaled by exp(m_old - m_new) when the max grows); writes P to shared
+memory; and adds P V to the output accumulator (each thread TR rows x DPT head dims, in
+groups of 4 consecutive dims), V staged JC keys at a time and P read PK keys at a time.
+Nothing of size Sq x Sk is ever stored. A row's NC threads are consecutive lanes, so its max
+and sum are a ``group_reduce`` (warp shuffles on a GPU). Causal and window tiles that are
+entirely masked are skipped; causal blocks start from the heaviest query tiles.
+
+``decode_split``: few queries (decode). The keys of one key/value head are split across
+blocks; a block takes all the query rows that read that head (GQA group x Sq, at most
+DEC_ROWS, 16 when D <= 64: short sequences too), each warp a share of the block's keys, kt keys at a time. Lane l holds head dims
+l, l+32, ... of every row and of the tile's keys and values (registers, all loads of a tile
+issued together); the partial dot products are reduce-scattered across the warp with
+shuffles, so each lane ends with one (row, key) score; the online softmax runs on those and
+P reaches the lanes through shared memory for the P V update. The warps' (m, l, acc) merge in
+shared memory into one partial a block; the last block of a head to finish (an atomic ticket)
+merges the splits and writes the output, so decode is one launch (one split: the block
+writes the output itself). K and V are read once,
+whatever the GQA ratio.
+
+Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
+"""
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, int64, uint64
+
+from ..runtime.device import SIMULATOR
+from . import mathfn as m
+from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .launch import jit
+
+GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
+        "m_b", "m_h", "m_q", "m_k", "b_b", "b_h", "b_q", "b_k", "window", "off")
+
+# prefill geometry: BR queries x BC keys a tile; RG row groups of NC threads (TR rows each)
+BR, BC, TR, NC, DC = (8, 8, 2, 4, 4) if SIMULATOR else (64, 64, 4, 16, 16)
+RG = BR // TR
+NT = RG * NC
+SC = BC // NC
+JC = 4 if SIMULATOR else 16    # keys of V staged in shared memory at a time
+PAD = 4                 # rows padded by 16 bytes: fewer bank conflicts, 16-byte aligned rows
+PS_SHAPE = (BR, BC + PAD)
+PK = 4                  # keys of P a thread reads at once in P V (one 16-byte load a row)
+FLASH_OCC = 2           # blocks an SM the register budget aims at (D <= 128)
+assert (DC * BR) % NT == 0 and (DC * BC) % NT == 0
+
+NEG_INF = float32(-math.inf)
+ZERO = float32(0.0)
+ONE = float32(1.0)
+_u = np.uint64
+
+
+def _jit(threads, min_blocks):
+    return jit(launch_bounds=(threads, min_blocks))
+
+
+# inlined into the kernel, so its loop counts are constants and its arrays stay registers
+_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+
+
+if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncthreads()
+else:
+    @cuda.jit(device=True)
+    def warp_sync():
+        cuda.syncwarp(0xFFFFFFFF)
+
+
+def head_split(d: int) -> int:
+    """Head-dim columns a prefill thread accumulates (DPT): ceil(d / NC), rounded up to a
+    multiple of 4 above 4 so they come in 16-byte groups."""
+    dpt = -(-d // NC)
+    return dpt if dpt <= 4 else -(-dpt // 4) * 4
+
+
+@cuda.jit(device=True)
+def _score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
+           has_bias, has_softcap, sq, sk):
+    """scale * q.k -> softcapped, biased, masked score (-inf when masked)."""
+    x = x * scale
+    if has_softcap:
+        x = softcap * m.tanh(x / softcap)
+    keep = qi < sq and kj < sk
+    if keep and has_bias:
+        x += bias[uint64(b * geom[18] + h * geom[19] + qi * geom[20] + kj * geom[21])]
+    if causal:
+        keep = keep and kj <= pos
+    if has_window:                    # pos - w < j <= pos (a window is causal too)
+        keep = keep and kj > pos - geom[22] and kj <= pos
+    if keep and has_mask:
+        keep = mask[uint64(b * geom[14] + h * geom[15] + qi * geom[16] + kj * geom[17])] != 0
+    return x if keep else NEG_INF
+
+
+@_inline
+def _fetch_qk(rq, rk, nq, nk, q, k, geom, tid, nt, dc, q0, kv0, d0, qbase, kbase, sq, sk, d):
+    """Registers <- the (BR x dc) Q and (BC x dc) K chunks at head dim d0 (0 outside)."""
+    for p in range(nq):
+        e = tid + _u(p) * nt
+        qi, dg = q0 + int64(e // dc), d0 + int64(e % dc)
+        rq[p] = q[uint64(qbase + qi * geom[7] + dg)] if qi < sq and dg < d else ZERO
+    for p in range(nk):
+        e = tid + _u(p) * nt
+        kj, dg = kv0 + int64(e // dc), d0 + int64(e % dc)
+        rk[p] = k[uint64(kbase + kj * geom[10] + dg)] if kj < sk and dg < d else ZERO
+
+
+@_inline
+def _fetch_v(rv, nv, v, geom, tid, nt, dmax, kv0, kbase, sk, d):
+    """Registers <- the (jc x dmax) V chunk of keys from kv0 (0 outside)."""
+    for p in range(nv):
+        e = tid + _u(p) * nt
+        c, kj = int64(e % dmax), kv0 + int64(e // dmax)
+        rv[p] = v[uint64(kbase + kj * geom[10] + c)] if kj < sk and c < d else ZERO
+
+
+@functools.lru_cache(maxsize=None)
+def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
+    dmax = NC * dpt
+    OCC = FLASH_OCC
+    vw = min(4, dpt)                  # head dims a thread takes together (one 16-byte load)
+    jc = JC                           # V keys staged at a time
+    dc = DC
+    qt_shape, kt_shape = (dc, BR + PAD), (dc, BC + PAD)
+    ql, kl, vl = dc * BR // NT, dc * BC // NT, jc * dmax // NT
+    uNC, uDC, uNT, uTR, uSC, uVW = _u(NC), _u(dc), _u(NT), _u(TR), _u(SC), _u(vw)
+    udmax = _u(dmax)
+    vs_shape = (jc, dmax)
+
+    @_jit(NT, OCC if dpt <= 8 else 1)
+    def kernel(out, q, k, v, mask, bias, geom, scale, softcap):
+        # 16-byte aligned, so the loads of a thread's 4 consecutive floats become one
+        Qt = cuda.shared.array(qt_shape, float32, alignment=16)
+        Kt = cuda.shared.array(kt_shape, float32, alignment=16)
+        Vs = cuda.shared.array(vs_shape, float32, alignment=16)
+        Ps = cuda.shared.array(PS_SHAPE, float32, alignment=16)
+        red = cuda.shared.array(SLOTS, float32)
+        s = cuda.local.array((TR, SC), float32)
+        o = cuda.local.array((TR, dpt), float32)
+        mr = cuda.local.array(TR, float32)
+        lr = cuda.local.array(TR, float32)
+        fa = cuda.local.array(TR, float32)
+        fb = cuda.local.array(SC, float32)
+        fp = cuda.local.array((TR, PK), float32)
+        fv = cuda.local.array(dpt, float32)
+        rq = cuda.local.array(ql, float32)       # tile loads in flight
+        rk = cuda.local.array(kl, float32)
+        rv = cuda.local.array(vl, float32)
+        hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
+        tid = uint64(cuda.threadIdx.x)
+        tr, tc = tid // uNC, tid % uNC
+        row0, col0 = tr * uTR, tc * uSC      # this thread's rows and key columns of a tile
+        bh = int64(cuda.blockIdx.y)
+        b, h = bh // hq, bh % hq
+        hk = h // g
+        nqt = (sq + BR - 1) // BR
+        q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
+        qbase = b * geom[5] + h * geom[6]
+        kbase = b * geom[8] + hk * geom[9]
+        off = geom[23]
+        kv_end = sk
+        if causal or has_window:          # keys past the tile's last query position: masked
+            kv_end = min(sk, max(int64(0), off + q0 + BR))
+        kv0 = int64(0)
+        if has_window:                    # keys before the first query's window: masked
+            kv0 = max(int64(0), off + q0 - geom[22] + 1) // BC * BC
+        for i in range(TR):
+            mr[i] = NEG_INF
+            lr[i] = ZERO
+            for c in range(dpt):
+                o[i, c] = ZERO
+        if kv0 < kv_end:
+            _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0, int64(0), qbase, kbase,
+                      sq, sk, d)
+        while kv0 < kv_end:               # uniform across the block (barriers inside)
+            for i in range(TR):
+                for j in range(SC):
+                    s[i, j] = ZERO
+            d0 = int64(0)
+            while d0 < d:                 # S += Q[:, d0:d0+dc] K[:, d0:d0+dc]^T
+                cuda.syncthreads()        # Qt/Kt free
+                for p in range(ql):
+                    e = tid + _u(p) * uNT
+                    Qt[e % uDC, e // uDC] = rq[p]
+                for p in range(kl):
+                    e = tid + _u(p) * uNT
+                    Kt[e % uDC, e // uDC] = rk[p]
+                cuda.syncthreads()
+                if d0 + dc < d:           # the next chunk's loads fly while this one computes
+                    _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0, d0 + dc,
+                              qbase, kbase, sq, sk, d)
+                for dd in range(dc):
+                    for i in range(TR):
+                        fa[i] = Qt[dd, row0 + _u(i)]
+                    for j in range(SC):
+                        fb[j] = Kt[dd, col0 + _u(j)]
+                    for i in range(TR):
+                        for j in range(SC):
+                            s[i, j] += fa[i] * fb[j]
+                d0 += dc
+            _fetch_v(rv, vl, v, geom, tid, uNT, udmax, kv0, kbase, sk, d)   # flies during softmax
+            for i in range(TR):           # masks and the online softmax, row by row
+                qi = q0 + int64(row0 + _u(i))
+                pos = off + qi
+                rmax = NEG_INF
+                for j in range(SC):
+                    kj = kv0 + int64(col0 + _u(j))
+                    x = _score(s[i, j], qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal,
+                               has_window, has_mask, has_bias, has_softcap, sq, sk)
+                    s[i, j] = x
+                    rmax = x if (x > rmax or x != x) else rmax
+                rmax = group_reduce(rmax, red, NC, MAX)
+                mnew = rmax if (rmax > mr[i] or rmax != rmax) else mr[i]
+                alpha = ONE
+                if mnew != NEG_INF:
+                    alpha = m.exp(mr[i] - mnew)
+                rsum = ZERO
+                for j in range(SC):
+                    p_ = m.exp(s[i, j] - mnew) if mnew != NEG_INF else ZERO
+                    s[i, j] = p_
+                    rsum += p_
+                rsum = group_reduce(rsum, red, NC, SUM)
+                lr[i] = lr[i] * alpha + rsum
+                mr[i] = mnew
+                for c in range(dpt):
+                    o[i, c] *= alpha
+                for j in range(SC):
+                    Ps[row0 + _u(i), col0 + _u(j)] = s[i, j]
+            j0 = int64(0)
+            while j0 < BC:                # O += P[:, j0:j0+jc] V[j0:j0+jc]
+                cuda.syncthreads()        # Ps complete; Vs free
+                for p in range(vl):
+                    e = tid + _u(p) * uNT
+                    Vs[e // udmax, e % udmax] = rv[p]
+                cuda.syncthreads()
+                if j0 + jc < BC:          # prefetch: the next V chunk, or the next tile's Q/K
+                    _fetch_v(rv, vl, v, geom, tid, uNT, udmax, kv0 + j0 + jc, kbase, sk, d)
+                elif kv0 + BC < kv_end:
+                    _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0 + BC, int64(0),
+                              qbase, kbase, sq, sk, d)
+                for j4 in range(jc // PK):
+                    for i in range(TR):
+                        for jj in range(PK):
+                            fp[i, jj] = Ps[row0 + _u(i), uint64(j0) + _u(j4 * PK + jj)]
+                    for jj in range(PK):
+                        for c in range(dpt):  # head dims in groups of vw: col(c) below
+                            fv[c] = Vs[j4 * PK + jj, _u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw)]
+                        for i in range(TR):
+                            for c in range(dpt):
+                                o[i, c] += fp[i, jj] * fv[c]
+                j0 += jc
+            kv0 += BC                     # (the next tile's first barrier frees Qt/Kt/Ps)
+        obase = b * geom[11] + h * geom[12]
+        for i in range(TR):
+            qi = q0 + int64(row0 + _u(i))
+            if qi < sq:
+                inv = ONE / lr[i] if lr[i] > ZERO else ZERO     # no key at all: zeros
+                for c in range(dpt):
+                    col = int64(_u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw))
+                    if col < d:
+                        out[uint64(obase + qi * geom[13] + col)] = o[i, c] * inv
+
+    return kernel
+
+
+def flash_launch(b: int, hq: int, sq: int, d: int):
+    return (-(-sq // BR), b * hq), (NT,)
+
+
+# ---- decode: split-K over the keys of one key/value head ---------------------------------------
+DEC_NW = 2 if SIMULATOR else 4      # warps a block
+DEC_ROWS = 8                        # at most this many query rows share a key/value head
+CB = 8                              # splits whose partials the combine loads at once
+DEC_OCC = 2                         # blocks an SM the decode kernel's registers aim at
+DEC_SPLIT_KEYS = 2048               # longer splits get more waves of blocks
+
+
+def decode_rows(g: int, sq: int, d: int) -> int | None:
+    """Rows a decode block holds (a power of two >= g * sq), or None: use the prefill kernel.
+    Up to DEC_ROWS rows, or 16 for head dims <= 64 (a lane's registers hold rows * d / 32
+    query values and as many accumulators): short sequences (S = 16, a flash tile 3/4 empty)
+    take this path too."""
+    rows = g * sq
+    if rows > (16 if d <= 64 else DEC_ROWS):
+        return None
+    r = 1
+    while r < rows:
+        r *= 2
+    return r
+
+
+if SIMULATOR:   # no shuffles there: exchange through the warp's row of shared memory
+    @cuda.jit(device=True)
+    def xor_shfl(v, off, xs, w, lane):
+        xs[w, lane] = v
+        cuda.syncthreads()
+        r = xs[w, lane ^ off]
+        cuda.syncthreads()
+        return r
+else:
+    @cuda.jit(device=True)
+    def xor_shfl(v, off, xs, w, lane):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+
+
+@cuda.jit(device=True)
+def _rs_stage(vals, cnt, off, xs, w, lane):
+    """One stage of a warp reduce-scatter of ``cnt`` values a lane (lanes paired by ``off``):
+    each lane keeps half the values (the upper half when its ``off`` bit is set) plus its
+    partner's copy of them. Once one value is left the stage is a plain butterfly sum."""
+    if cnt > 1:
+        h = cnt // 2
+        up = (lane & off) != 0
+        for i in range(h):
+            a, b = vals[i], vals[i + h]
+            vals[i] = (b if up else a) + xor_shfl(a if up else b, off, xs, w, lane)
+    else:
+        vals[0] += xor_shfl(vals[0], off, xs, w, lane)
+
+
+if SIMULATOR:   # the same sums through shared memory in one exchange (each barrier is costly)
+    @cuda.jit(device=True)
+    def reduce_scatter(vals, nv, xs, xr, w, lane):
+        """vals[0] <- the warp's sum of value lane // (32 // nv) (see the GPU version)."""
+        for i in range(nv):
+            xr[w, lane, i] = vals[i]
+        cuda.syncthreads()
+        idx = lane // (32 // nv)
+        t = ZERO
+        for src in range(32):
+            t += xr[w, src, idx]
+        cuda.syncthreads()
+        vals[0] = t
+else:
+    @cuda.jit(device=True)
+    def reduce_scatter(vals, nv, xs, xr, w, lane):
+        """vals[0] <- the warp's sum of value lane // (32 // nv): 5 shuffle stages, halving
+        the values a lane holds while there are several (see _rs_stage)."""
+        _rs_stage(vals, max(1, nv), 16, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 1), 8, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 2), 4, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 3), 2, xs, w, lane)
+        _rs_stage(vals, max(1, nv >> 4), 1, xs, w, lane)
+
+
+def decode_keys(dpl: int, rows_c: int) -> int:
+    """Keys a decode warp takes at once: rows_c * kt scores fill the 32 lanes, at most 8 keys
+    (the K and V registers of a tile are 2 * kt * dpl)."""
+    return max(1, min(32 // rows_c, 32 // dpl, 8))
+
+
+@functools.lru_cache(maxsize=None)
+def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softcap):
+    """Attention for every row reading one kv head, the keys split across blocks (see the
+    module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head).
+
+    Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
+    tile of kt keys. A tile's K and V loads are all issued before any math. Each lane's
+    rows_c * kt partial dot products are reduce-scattered across the warp (5 shuffle stages),
+    after which lane l holds the full score of (row, key) number l // rep; row maxima and
+    sums are shuffles among the lanes of a row, and P reaches every lane through shared
+    memory for the P V update. No shared memory traffic on the K and V bytes."""
+    dmax = 32 * dpl
+    kt = decode_keys(dpl, rows_c)
+    nv = rows_c * kt                  # scores a warp computes a tile
+    rep = 32 // nv                    # lanes that end up holding each score
+    xr_shape = (DEC_NW, 32, nv) if SIMULATOR else (1, 1, 1)   # (simulator's exchange)
+    nt = DEC_NW * 32
+    U32 = _u(32)
+
+    occ = DEC_OCC if rows_c * dpl <= 16 else 2
+    @_jit(nt, occ)   # 255 registers at 2 blocks an SM: a tile's loads all in flight at once
+    def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits):
+        xs = cuda.shared.array((DEC_NW, 32), float32)    # shuffle stand-in (simulator)
+        xr = cuda.shared.array(xr_shape, float32)
+        Wm = cuda.shared.array((DEC_NW, rows_c), float32)
+        Wl = cuda.shared.array((DEC_NW, rows_c), float32)
+        Wa = cuda.shared.array((DEC_NW, rows_c, dmax), float32)
+        Tk = cuda.shared.array(1, int32)
+        fv = cuda.local.array(dpl, float32)
+        wb = cuda.local.array(CB, float32)
+        ab = cuda.local.array((CB, dpl), float32)
+        Ps = cuda.shared.array((DEC_NW, nv), float32)
+        Ms = cuda.shared.array((DEC_NW, rows_c), float32)
+        qr = cuda.local.array((rows_c, dpl), float32)
+        kr = cuda.local.array((kt, dpl), float32)
+        vr = cuda.local.array((kt, dpl), float32)
+        acc = cuda.local.array((rows_c, dpl), float32)
+        mr = cuda.local.array(rows_c, float32)
+        vals = cuda.local.array(nv, float32)
+        hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
+        rows = g * sq
+        tid = uint64(cuda.threadIdx.x)
+        lane, w = tid % U32, tid // U32
+        bk = int64(cuda.blockIdx.y)
+        hkv = hq // g
+        b, hk = bk // hkv, bk % hkv
+        off = geom[23]
+        idx = int64(lane) // rep          # the score this lane holds after the reduce-scatter
+        r_me, j_me = idx // kt, idx % kt
+        gi_me, qi_me = r_me // sq, r_me % sq
+        if r_me >= rows:                  # a padding row: qi = sq masks it before any read
+            gi_me, qi_me = int64(0), sq
+        for r in range(rows_c):
+            gi, qi = int64(r) // sq, int64(r) % sq
+            mr[r] = NEG_INF
+            for u in range(dpl):
+                dg = int64(lane) + u * 32
+                qr[r, u] = q[uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7] + dg)] \
+                    if r < rows and dg < d else ZERO
+                acc[r, u] = ZERO
+        l_me = ZERO
+        m_me = NEG_INF
+        k_lo = int64(cuda.blockIdx.x) * chunk
+        k_hi = min(sk, k_lo + chunk)
+        kbase = b * geom[8] + hk * geom[9]
+        ks = geom[10]
+        t0 = k_lo + int64(w) * kt
+        while t0 < k_lo + chunk:          # same trip count in every warp (chunk % (NW*kt) == 0)
+            for j in range(kt):           # every K and V load of the tile before any math
+                kk = kbase + min(t0 + j, k_hi - 1) * ks   # (past k_hi: a duplicate of the
+                for u in range(dpl):                      # last key, scored -inf below)
+                    dg = min(int64(lane) + u * 32, d - 1)  # (dims past d: q is 0 there)
+                    kr[j, u] = k[uint64(kk + dg)]
+                    vr[j, u] = v[uint64(kk + dg)]
+            for r in range(rows_c):
+                for j in range(kt):
+                    s_ = ZERO
+                    for u in range(dpl):
+                        s_ += qr[r, u] * kr[j, u]
+                    vals[r * kt + j] = s_
+            reduce_scatter(vals, nv, xs, xr, w, lane)
+            x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias,
+                       geom, scale, softcap, causal, has_window, has_mask, has_bias,
+                       has_softcap, sq, k_hi)
+            tm = x                        # the tile's max of my row: over the lanes of its keys
+            o_ = rep
+            while o_ < rep * kt:
+                y = xor_shfl(tm, o_, xs, w, lane)
+                tm = y if (y > tm or y != y) else tm
+                o_ *= 2
+            Ms[w, r_me] = tm
+            warp_sync()
+            for r in range(rows_c):
+                tmr = Ms[w, r]
+                mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
+                alpha = ONE if mnew == NEG_INF else m.exp(mr[r] - mnew)
+                mr[r] = mnew
+                for u in range(dpl):
+                    acc[r, u] *= alpha
+                if r == r_me:
+                    l_me *= alpha
+                    m_me = mnew
+            p_ = ZERO if m_me == NEG_INF else m.exp(x - m_me)
+            l_me += p_
+            Ps[w, idx] = p_
+            warp_sync()
+            for r in range(rows_c):
+                for j in range(kt):
+                    pj = Ps[w, r * kt + j]
+                    for u in range(dpl):
+                        acc[r, u] += pj * vr[j, u]
+            warp_sync()                   # Ps and Ms are rewritten next tile
+            t0 += DEC_NW * kt
+        o_ = rep                          # my row's sum: over the lanes of its keys
+        while o_ < rep * kt:
+            l_me += xor_shfl(l_me, o_, xs, w, lane)
+            o_ *= 2
+        if int64(lane) % (rep * kt) == 0:  # the block's warps merge in shared memory
+            Wm[w, r_me] = m_me
+            Wl[w, r_me] = l_me
+        for r in range(rows_c):
+            for u in range(dpl):
+                Wa[w, r, lane + _u(u * 32)] = acc[r, u]
+        cuda.syncthreads()
+        part = (bk * splits + int64(cuda.blockIdx.x)) * rows_c
+        e = int64(tid)
+        while e < rows_c * dmax:
+            r, dd = e // dmax, e % dmax
+            mx = NEG_INF
+            for ww in range(DEC_NW):
+                mx = max(mx, Wm[ww, r])
+            num, den = ZERO, ZERO
+            if mx != NEG_INF:
+                for ww in range(DEC_NW):
+                    wgt = m.exp(Wm[ww, r] - mx)
+                    num += Wa[ww, r, dd] * wgt
+                    den += Wl[ww, r] * wgt
+            if splits == 1:               # the block saw every key: the output itself
+                if r < rows and dd < d:
+                    out[uint64(b * geom[11] + (hk * g + r // sq) * geom[12] + (r % sq) * geom[13]
+                               + dd)] = num / den if den > ZERO else ZERO
+            else:
+                pacc[(part + r) * dmax + dd] = num
+                if dd == 0:
+                    pm[part + r] = mx
+                    pl[part + r] = den
+            e += nt
+        if splits == 1:
+            return
+        cuda.threadfence()                # the partials are visible before the ticket
+        cuda.syncthreads()
+        if tid == 0:
+            Tk[0] = cuda.atomic.add(count, bk, 1)
+        cuda.syncthreads()
+        if Tk[0] != splits - 1:           # not the last block of this kv head to finish
+            return
+        cuda.threadfence()
+        if tid == 0:
+            count[bk] = 0                 # ready for the next launch
+        base = bk * splits * rows_c
+        r0 = int64(0)
+        while r0 < rows_c:                # the last block combines: a warp per row
+            r = r0 + int64(w)
+            rr = min(r, rows_c - 1)       # (every warp runs the shuffles; rows past rows_c idle)
+            mx = NEG_INF
+            p = int64(lane)
+            while p < splits:
+                mx = max(mx, pm[base + p * rows_c + rr])
+                p += 32
+            o_ = 16
+            while o_ > 0:
+                mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
+                o_ //= 2
+            den = ZERO
+            p = int64(lane)
+            while p < splits:
+                mp = pm[base + p * rows_c + rr]
+                den += ZERO if mp == NEG_INF else pl[base + p * rows_c + rr] * m.exp(mp - mx)
+                p += 32
+            o_ = 16
+            while o_ > 0:
+                den += xor_shfl(den, o_, xs, w, lane)
+                o_ //= 2
+            for u in range(dpl):
+                fv[u] = ZERO
+            p0 = int64(0)
+            while p0 < splits:            # CB splits' loads in flight, then their FMAs
+                for i in range(CB):
+                    pp = min(p0 + i, splits - 1)
+                    mp = pm[base + pp * rows_c + rr]
+                    wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.exp(mp - mx)
+                    for u in range(dpl):
+                        ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
+                for i in range(CB):
+                    for u in range(dpl):
+                        fv[u] += ab[i, u] * wb[i]
+                p0 += CB
+            gi, qi = rr // sq, rr % sq
+            if r < rows:
+                for u in range(dpl):
+                    dg = int64(lane) + u * 32
+                    if dg < d:
+                        out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dg)] = \
+                            fv[u] / den if den > ZERO else ZERO
+            r0 += DEC_NW
+
+    return kernel
+
+
+def decode_plan(b: int, hkv: int, sk: int, sm: int):
+    """(splits, keys a split): whole waves of blocks (DEC_OCC resident a SM), one wave unless
+    a split would pass DEC_SPLIT_KEYS keys; each warp at least 32 keys."""
+    step = DEC_NW * 32
+    per_wave = max(1, sm * DEC_OCC // (b * hkv))
+    splits = per_wave * max(1, -(-sk // (per_wave * DEC_SPLIT_KEYS)))
+    splits = max(1, min(splits, -(-sk // step)))
+    chunk = -(-(-(-sk // splits)) // step) * step
+    return -(-sk // chunk), chunk
