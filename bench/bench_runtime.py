@@ -48,7 +48,8 @@ Bars (issue 6): GRAPH overhead <= 2 us per step; STREAM <= 6 us per step; GRAPH 
 than torch eager (R against R); a warm process start >= 10x faster than a cold one. The AOT
 part runs this file twice more as ``--aot-child`` with a fresh ``RLX_NUMBA_CACHE_DIR``: build
 the graph, ``compile(compile_mode="aot")``, set the weights and run once; the first process
-compiles every kernel (cold), the second loads them from the disk cache (warm). Reported:
+compiles every kernel (cold), the second loads them from the disk cache (warm); two rounds,
+each with a new cache dir, the faster process of each kind kept. Reported:
 their compile() times, process wall times (interpreter start to exit, numba's import included,
 which no cache removes) and the ratios; the outputs of both are checked against torch. The
 10x bar is shown against both: the process (what the issue asks; a warm process still spends
@@ -321,33 +322,37 @@ def aot_child(layers: int, out_path: str) -> int:
     return 0
 
 
-def aot_start(rlx, layers: int, ref) -> dict:
-    """Run aot_child twice with a fresh RLX_NUMBA_CACHE_DIR: cold, then warm."""
-    d = tempfile.mkdtemp(prefix="rlx_bench_runtime_cache.")
+def aot_start(rlx, layers: int, ref, rounds: int = 2) -> dict:
+    """Run aot_child twice with a fresh RLX_NUMBA_CACHE_DIR, cold then warm, ``rounds`` times
+    (a new cache dir each round); each label keeps its fastest process (best of rounds, as
+    for the run timings: a shared machine's noise only ever adds time)."""
     root = str(Path(rlx.__file__).resolve().parents[1])      # the children import this rlx_numba
-    env = dict(os.environ, RLX_NUMBA_CACHE_DIR=d, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    env.pop("NUMBA_CACHE_DIR", None)        # it would take the place of ours
-    res = {"cache_dir": d}
-    try:
-        for label in ("cold", "warm"):
-            out = os.path.join(d, f"{label}.npy")
-            t = time.perf_counter()
-            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--aot-child",
-                                "--layers", str(layers), "--child-out", out],
-                               env=env, capture_output=True, text=True, timeout=1800, check=False)
-            wall = time.perf_counter() - t
-            if p.returncode:
-                raise RuntimeError(f"the {label} --aot-child process failed (rc {p.returncode}):\n"
-                                   f"{p.stderr[-4000:]}")
-            r = json.loads(p.stdout.strip().splitlines()[-1])
-            r.update(process_s=wall, rel_err=rel_err(np.load(out), ref))
-            res[label] = r
-    finally:
-        import shutil
-        shutil.rmtree(d, ignore_errors=True)
+    res = {}
+    for _ in range(rounds):
+        d = tempfile.mkdtemp(prefix="rlx_bench_runtime_cache.")
+        env = dict(os.environ, RLX_NUMBA_CACHE_DIR=d, PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+        env.pop("NUMBA_CACHE_DIR", None)        # it would take the place of ours
+        try:
+            for label in ("cold", "warm"):
+                out = os.path.join(d, f"{label}.npy")
+                t = time.perf_counter()
+                p = subprocess.run([sys.executable, os.path.abspath(__file__), "--aot-child",
+                                    "--layers", str(layers), "--child-out", out],
+                                   env=env, capture_output=True, text=True, timeout=1800, check=False)
+                wall = time.perf_counter() - t
+                if p.returncode:
+                    raise RuntimeError(f"the {label} --aot-child process failed (rc {p.returncode}):\n"
+                                       f"{p.stderr[-4000:]}")
+                r = json.loads(p.stdout.strip().splitlines()[-1])
+                r.update(process_s=wall, rel_err=rel_err(np.load(out), ref))
+                if label not in res or r["process_s"] < res[label]["process_s"]:
+                    res[label] = r
+        finally:
+            import shutil
+            shutil.rmtree(d, ignore_errors=True)
     c, w = res["cold"], res["warm"]
-    res.update(process_ratio=c["process_s"] / w["process_s"],
+    res.update(rounds=rounds, process_ratio=c["process_s"] / w["process_s"],
                compile_ratio=c["compile_s"] / w["compile_s"],
                after_import_ratio=(c["process_s"] - c["import_s"]) / (w["process_s"] - w["import_s"]))
     return res
@@ -458,7 +463,7 @@ def main(argv=None) -> int:
     aot = None
     if not args.no_aot:
         print("\nAOT disk cache: two fresh processes (build + compile(aot) + one run) on a new "
-              "RLX_NUMBA_CACHE_DIR ...", flush=True)
+              "RLX_NUMBA_CACHE_DIR, cold then warm; best of 2 rounds ...", flush=True)
         aot = aot_start(rlx, L, ref)
         for label in ("cold", "warm"):
             a = aot[label]
