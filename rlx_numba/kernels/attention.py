@@ -15,15 +15,16 @@ entirely masked are skipped; causal blocks start from the heaviest query tiles.
 
 ``decode_split``: few queries (decode). The keys of one key/value head are split across
 blocks; a block takes all the query rows that read that head (GQA group x Sq, at most
-DEC_ROWS, 16 when D <= 64: short sequences too), each warp a share of the block's keys, kt keys at a time. Lane l holds head dims
-l, l+32, ... of every row and of the tile's keys and values (registers, all loads of a tile
-issued together); the partial dot products are reduce-scattered across the warp with
-shuffles, so each lane ends with one (row, key) score; the online softmax runs on those and
-P reaches the lanes through shared memory for the P V update. The warps' (m, l, acc) merge in
-shared memory into one partial a block; the last block of a head to finish (an atomic ticket)
-merges the splits and writes the output, so decode is one launch (one split: the block
-writes the output itself). A launch of fewer blocks than SMs splits the rows over blocks too. K and V are read once,
-whatever the GQA ratio.
+DEC_ROWS, 16 when D <= 64: short sequences too), each warp a share of the block's keys, kt
+keys at a time. Lane l holds head dims l, l+32, ... of every row and of the tile's keys and
+values (registers, all loads of a tile issued together); the partial dot products are
+reduce-scattered across the warp with shuffles, so each lane ends with one (row, key) score;
+the online softmax runs on those and P reaches the lanes through shared memory for the P V
+update. The warps' (m, l, acc) merge in shared memory into one partial a block; the last
+block of a head to finish (an atomic ticket) merges the splits and writes the output, so
+decode is one launch (one split: the block writes the output itself). A launch of fewer
+blocks than SMs splits the rows over blocks too. K and V are read once, whatever the GQA
+ratio (once per row group when the rows are split).
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
 """
@@ -599,7 +600,8 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
     return kernel
 
 
-DEC_GROUP_ROWS = 2                  # rows a block when the rows are split over blocks (2: S=16 4.2 us, 4: 5.4, 16: 13.1 on an H100)
+DEC_GROUP_ROWS = 2                  # rows a block when rows are split (S=16 on an H100: 4.2 us;
+                                    # 4 rows: 5.4 us; unsplit: 13.1 us)
 
 
 def decode_groups(rows_c: int, rows: int, blocks: int, sm: int) -> tuple[int, int]:
