@@ -286,6 +286,7 @@ CB = 8                              # splits whose partials the combine loads at
 DEC_OCC = 2                         # blocks an SM the decode kernel's registers aim at
 DEC_WARP_KEYS = 32                  # a split gives each warp a multiple of this many keys
 DEC_SPLIT_KEYS = 2048               # longer splits get more waves of blocks
+DEC_PIPE = True                     # next tile's K (V) loads issued as soon as K (V) is used
 
 
 def decode_rows(g: int, sq: int, d: int) -> int | None:
@@ -363,33 +364,37 @@ def decode_keys(dpl: int, rows_c: int) -> int:
 
 
 @_inline
-def _dec_fetch(kr, vr, k, v, kbase, ks, t0, k_hi, lane, d, kt, dpl):
-    """Registers <- K and V of keys t0 .. t0 + kt, head dims lane, lane + 32, ... (a key past
+def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl):
+    """Registers <- K (or V) of keys t0 .. t0 + kt, head dims lane, lane + 32, ... (a key past
     k_hi reads the last key again and is scored -inf; a dim past d reads dim d - 1, and q
     is 0 there)."""
     for j in range(kt):
         kk = kbase + min(t0 + j, k_hi - 1) * ks
         for u in range(dpl):
-            dg = min(int64(lane) + u * 32, d - 1)
-            kr[j, u] = k[uint64(kk + dg)]
-            vr[j, u] = v[uint64(kk + dg)]
+            r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
 
 
 @_inline
-def _dec_tile(kr, vr, t0, qr, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_me,
-              qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap, causal, has_window,
-              has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g):
-    """One tile of kt keys through the online softmax: scores (reduce-scattered, so this
-    lane holds score ``idx``), the rows' running max ``mr`` and the accumulators rescaled,
-    P through shared memory into acc. st = (max, sum) of this lane's row."""
-    nv = rows_c * kt
-    rep = 32 // nv
+def _dec_scores(kr, qr, vals, rows_c, kt, dpl):
+    """This lane's partial dot products of every (row, key) of the tile."""
     for r in range(rows_c):
         for j in range(kt):
             s_ = ZERO
             for u in range(dpl):
                 s_ += qr[r, u] * kr[j, u]
             vals[r * kt + j] = s_
+
+
+@_inline
+def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_me,
+              qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap, causal, has_window,
+              has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g):
+    """One tile of kt keys through the online softmax, from the lane's partial scores
+    ``vals``: reduce-scattered (this lane then holds score ``idx``), the rows' running max
+    ``mr`` and the accumulators rescaled, P through shared memory into acc. st = (max, sum)
+    of this lane's row."""
+    nv = rows_c * kt
+    rep = 32 // nv
     reduce_scatter(vals, nv, xs, xr, w, lane)
     x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
                scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
@@ -441,6 +446,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
     xr_shape = (DEC_NW, 32, nv) if SIMULATOR else (1, 1, 1)   # (simulator's exchange)
     nt = DEC_NW * 32
     U32 = _u(32)
+    pipe = DEC_PIPE and rows_c * dpl <= 32   # (D256 x 8 rows would spill)
 
     occ = DEC_OCC if rows_c * dpl <= 16 else 2
     @_jit(nt, occ)   # 255 registers at 2 blocks an SM: a tile's loads all in flight at once
@@ -495,13 +501,21 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
         t0 = k_lo + int64(w) * kt
         tile = DEC_NW * kt                # the block's keys a trip, the same trips every warp
         k_end = k_lo + (k_hi - k_lo + tile - 1) // tile * tile
+        if pipe:
+            _dec_fetch(kr, k, kbase, ks, t0, k_hi, lane, d, kt, dpl)
+            _dec_fetch(vr, v, kbase, ks, t0, k_hi, lane, d, kt, dpl)
         while t0 < k_end:
-            # the whole tile's loads, then its math (a prefetch of the next tile into a second
-            # set of registers measured slower: fewer keys a tile to stay unspilled)
-            _dec_fetch(kr, vr, k, v, kbase, ks, t0, k_hi, lane, d, kt, dpl)
-            _dec_tile(kr, vr, t0, qr, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me,
+            if not pipe:
+                _dec_fetch(kr, k, kbase, ks, t0, k_hi, lane, d, kt, dpl)
+                _dec_fetch(vr, v, kbase, ks, t0, k_hi, lane, d, kt, dpl)
+            _dec_scores(kr, qr, vals, rows_c, kt, dpl)
+            if pipe:   # K's registers are free: the next tile's keys load during the softmax
+                _dec_fetch(kr, k, kbase, ks, t0 + tile, k_hi, lane, d, kt, dpl)
+            _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me,
                       j_me, qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap,
                       causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g)
+            if pipe:   # and V's during the next scores
+                _dec_fetch(vr, v, kbase, ks, t0 + tile, k_hi, lane, d, kt, dpl)
             t0 += tile
         m_me, l_me = st[0], st[1]
         o_ = rep                          # my row's sum: over the lanes of its keys
