@@ -324,3 +324,35 @@ def test_mode_spellings():
         np.testing.assert_allclose(exe.run({"x": np.zeros(3, np.float32)})[0], np.ones(3))
     with pytest.raises(ValueError, match=r"ExecMode.MULTISTREAM: n must be a positive int, got '2'"):
         rlx.ExecMode.MULTISTREAM("2")
+
+
+@pytest.mark.parametrize("mode", ["stream", "eager", *MODES], ids=str)
+def test_executable_freed_without_the_cycle_collector(rng, mode):
+    """Dropping the last reference frees an executable (and its arena) at once: no step,
+    runner or library-call plan refers back to it. Products with an epilogue (cuBLASLt on a
+    GPU), half weights and attention included."""
+    import gc
+    import weakref
+    g = rlx.Graph("freed")
+    x = g.input("x", (3, 5))
+    w, b = g.param("w", (5, 4)), g.param("b", (4,))
+    h = g.gelu(x @ w + b)
+    q = g.reshape(h, (1, 1, 3, 4))
+    g.set_outputs([g.attention(q, q, q, causal=True), g.linear(h, g.param("u", (4, 4)), b)])
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        exe = rlx.compile(g, exec_mode=mode)
+        for name, shape in (("w", (5, 4)), ("b", (4,)), ("u", (4, 4))):
+            exe.set_param(name, rng.standard_normal(shape).astype(np.float32))
+        xv = rng.standard_normal((3, 5)).astype(np.float32)
+        exe.run({"x": xv})
+        exe.run({"x": xv})                       # GRAPH: captured, then replayed
+        exe.set_param_half("u", rng.standard_normal((4, 4)).astype(np.float32), "bf16")
+        exe.run({"x": xv})
+        ref = weakref.ref(exe)
+        del exe
+        assert ref() is None
+    finally:
+        if was:
+            gc.enable()

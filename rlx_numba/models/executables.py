@@ -10,9 +10,8 @@ class ExecutableCache(OrderedDict):
 
     def fetch(self, key, limit: int, make):
         """The executable for ``key``, from ``make()`` when missing. At most ``limit`` are
-        kept: the least recently used go first, and are freed before ``make`` runs (their
-        steps and runners refer back to them, so only the cycle collector frees their
-        device memory)."""
+        kept: the least recently used go first, and are freed before ``make`` runs (with a
+        cycle collection, for anything a caller's own reference cycle still holds)."""
         exe = self.get(key)
         if exe is not None:
             self.move_to_end(key)

@@ -137,7 +137,9 @@ class Runner:
     the arena, so neither needs a new capture."""
 
     def __init__(self, exe, streams: int, graph: bool):
-        self.exe, self.graph = exe, graph
+        # a proxy: the executable owns its runner, and a cycle would keep its arena on the
+        # device until the cycle collector happens to run
+        self.exe, self.graph = weakref.proxy(exe), graph
         self.mode = str(exe.exec_mode)
         self.streams = [exe.stream] + [exe._cuda.stream() for _ in range(streams - 1)]
         self._built_from = None   # the exe.steps list the launch list was built from

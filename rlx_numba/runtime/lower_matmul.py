@@ -241,7 +241,8 @@ def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     except cublas.CublasError as e:
         why.append(f"cuBLASLt: {e}")
         return None
-    make = lambda stream: first if stream is exe.stream else gemm.lt_plan(  # noqa: E731
+    own = exe.stream            # (not exe: a step must not keep its executable alive)
+    make = lambda stream: first if stream is own else gemm.lt_plan(  # noqa: E731
         stream, cm, _ptr(a_buf), _ptr(b_buf), _ptr(out), **kw)
     fused_bias = kw["bias_ptr"] is not None
     tags = "+".join(t for t in (label, "bias" if fused_bias else "", lt_act or "",
