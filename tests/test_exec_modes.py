@@ -356,3 +356,26 @@ def test_executable_freed_without_the_cycle_collector(rng, mode):
     finally:
         if was:
             gc.enable()
+
+
+def test_replanning_products_does_not_accumulate_device_arrays(rng):
+    """set_param_half / set_param re-plan the products of a weight; the small device arrays
+    the old steps owned (batch offsets, pointer tables) go with them."""
+    g = rlx.Graph("replan")
+    x = g.input("x", (2, 3, 5))
+    w = g.param("w", (2, 5, 4))
+    g.set_outputs([g.matmul(x, w)])
+    exe = rlx.compile(g)
+    wv = rng.standard_normal((2, 5, 4)).astype(np.float32)
+    exe.set_param("w", wv)
+
+    def owned():
+        return len(exe._extra) + sum(len(v) for v in exe._owned.values())
+    before = owned()
+    assert before > 0
+    for _ in range(3):
+        exe.set_param_half("w", wv, "f16")
+        exe.set_param("w", wv)
+    assert owned() == before
+    (y,) = exe.run({"x": rng.standard_normal((2, 3, 5)).astype(np.float32)})
+    assert y.shape == (2, 3, 4)

@@ -135,6 +135,7 @@ class CudaExecutable:
             if n.op == "constant" and n.id in self._live and n.size:
                 self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
         self._extra = []                     # small device arrays steps own (batch offsets)
+        self._owned = {}                     # node id -> those its steps own (a re-plan drops them)
         self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
         self._half = {}                      # param name -> (half dtype, device array)
         self._views = {}                     # output node id -> its arena view (run "view")
@@ -150,7 +151,10 @@ class CudaExecutable:
             self._runner = runner_for(self)
 
     def _lower_bound(self, n):
+        mark = len(self._extra)
         steps = [s for s in self._lower(n) if s is not None]
+        self._owned[n.id] = self._extra[mark:]
+        del self._extra[mark:]
         for s in steps:
             s.bind(self.stream, False)
         return steps
