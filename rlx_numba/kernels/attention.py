@@ -596,7 +596,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                         fv[u] += ab[i, u] * wb[i]
                 p0 += CB
             gi, qi = (rb + rr) // sq, (rb + rr) % sq
-            if rb + r < rows:
+            if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
                     dg = int64(lane) + u * 32
                     if dg < d:
