@@ -197,6 +197,8 @@ def test_weights_stored_transposed(rng, half):
     wv = {n: rng.standard_normal(s).astype(np.float32) / 6
           for n, s in (("w1", (37, 29)), ("w2", (29, 37)), ("w3", (37, 5)))}
     exe.set_param("w1", cuda.to_device(wv["w1"]))             # device to device, transposed
+    with pytest.raises(ValueError, match="C-contiguous"):      # w3 is kept [K, N]
+        exe.set_param("w3", cuda.to_device(np.asfortranarray(wv["w3"])))
     if half:
         exe.set_param_half("w2", wv["w2"], half)
         w2v = wv["w2"].astype(np.float16).astype(np.float64)
@@ -208,6 +210,10 @@ def test_weights_stored_transposed(rng, half):
     a, b = exe.run({"x": xv})
     x64 = xv.astype(np.float64)
     hh = np.maximum(x64 @ wv["w1"], 0)
+    # an F-contiguous device weight (torch's linear.weight.t()) is already the stored layout
+    exe.set_param("w1", cuda.to_device(np.asfortranarray(wv["w1"])))
+    a2, _ = exe.run({"x": xv})
+    np.testing.assert_array_equal(a2, a)
     yy = xh(hh) @ w2v + x64
     close(a, yy @ wv["w3"], 3e-3 if half else 1e-4)
     close(b, x64 @ wv["w3"] + wv["w3"][0], 1e-4)
