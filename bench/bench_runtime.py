@@ -53,8 +53,9 @@ each with a new cache dir, the faster process of each kind kept. Reported:
 their compile() times, process wall times (interpreter start to exit, numba's import included,
 which no cache removes) and the ratios; the outputs of both are checked against torch. The
 10x bar is shown against both: the process (what the issue asks; a warm process still spends
-~0.6 s importing numba, ~0.4 s uploading the weights and ~0.5 s starting and ending the
-interpreter, none of which a kernel cache touches) and compile() alone (what the cache does).
+~0.6-1.0 s importing numba, ~0.4-0.6 s making and uploading the weights and ~0.5 s starting
+and ending the interpreter, none of which a kernel cache touches) and compile() alone (what
+the cache does).
 
   python bench/bench_runtime.py [--layers 24] [--iters 200] [--no-aot]
                                 [--out bench/results/runtime.json]
