@@ -52,7 +52,8 @@ PAD = 4                 # rows padded by 16 bytes: fewer bank conflicts, 16-byte
 PS_SHAPE = (BR, BC + PAD)
 PK = 4                  # keys of P a thread reads at once in P V (one 16-byte load a row)
 FLASH_OCC = 2           # blocks an SM the register budget aims at (D <= 128)
-assert (DC * BR) % NT == 0 and (DC * BC) % NT == 0
+assert (DC * BR) % NT == 0 and (DC * BC) % NT == 0 and NT % DC == 0
+RSTEP = NT // DC          # rows between a thread's elements of a Q/K chunk
 
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
@@ -105,25 +106,30 @@ def _score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_w
 
 
 @_inline
-def _fetch_qk(rq, rk, nq, nk, q, k, geom, tid, nt, dc, q0, kv0, d0, qbase, kbase, sq, sk, d):
-    """Registers <- the (BR x dc) Q and (BC x dc) K chunks at head dim d0 (0 outside)."""
-    for p in range(nq):
-        e = tid + _u(p) * nt
-        qi, dg = q0 + int64(e // dc), d0 + int64(e % dc)
-        rq[p] = q[uint64(qbase + qi * geom[7] + dg)] if qi < sq and dg < d else ZERO
-    for p in range(nk):
-        e = tid + _u(p) * nt
-        kj, dg = kv0 + int64(e // dc), d0 + int64(e % dc)
-        rk[p] = k[uint64(kbase + kj * geom[10] + dg)] if kj < sk and dg < d else ZERO
+def _fetch_rows(r, n, src, base, rs, row0, rstep, nrows, col, ok):
+    """Registers r[p] <- src[base + (row0 + p * rstep) * rs + col] for p < n (0 for a row past
+    nrows or where ok is false). Strides come in as locals: read from ``geom`` inside the
+    loop they were a global load and a 64-bit multiply a value."""
+    for p in range(n):
+        rr = row0 + p * rstep
+        r[p] = src[uint64(base + rr * rs + col)] if rr < nrows and ok else ZERO
 
 
 @_inline
-def _fetch_v(rv, nv, v, geom, tid, nt, dmax, kv0, kbase, sk, d):
+def _fetch_qk(rq, rk, nq, nk, q, k, qbase, kbase, qs, ks, q0, kv0, d0, fr, fc, rstep, sq, sk, d):
+    """Registers <- the (BR x dc) Q and (BC x dc) K chunks at head dim d0; this thread's
+    elements are rows fr, fr + rstep, ... and column fc of each."""
+    _fetch_rows(rq, nq, q, qbase, qs, q0 + fr, rstep, sq, d0 + fc, d0 + fc < d)
+    _fetch_rows(rk, nk, k, kbase, ks, kv0 + fr, rstep, sk, d0 + fc, d0 + fc < d)
+
+
+@_inline
+def _fetch_v(rv, nv, v, ks, tid, nt, dmax, kv0, kbase, sk, d):
     """Registers <- the (jc x dmax) V chunk of keys from kv0 (0 outside)."""
     for p in range(nv):
         e = tid + _u(p) * nt
         c, kj = int64(e % dmax), kv0 + int64(e // dmax)
-        rv[p] = v[uint64(kbase + kj * geom[10] + c)] if kj < sk and c < d else ZERO
+        rv[p] = v[uint64(kbase + kj * ks + c)] if kj < sk and c < d else ZERO
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,7 +142,7 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
     qt_shape, kt_shape = (dc, BR + PAD), (dc, BC + PAD)
     ql, kl, vl = dc * BR // NT, dc * BC // NT, jc * dmax // NT
     uNC, uDC, uNT, uTR, uSC, uVW = _u(NC), _u(dc), _u(NT), _u(TR), _u(SC), _u(vw)
-    udmax = _u(dmax)
+    udmax, uJC, uPK = _u(dmax), _u(jc), _u(PK)
     vs_shape = (jc, dmax)
 
     @_jit(NT, OCC if dpt <= 8 else 1)
@@ -169,6 +175,8 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
         q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
         qbase = b * geom[5] + h * geom[6]
         kbase = b * geom[8] + hk * geom[9]
+        qs, ks = geom[7], geom[10]
+        fr, fc = int64(tid // uDC), int64(tid % uDC)   # my row and column of a Q/K chunk
         off = geom[23]
         kv_end = sk
         if causal or has_window:          # keys past the tile's last query position: masked
@@ -182,8 +190,8 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
             for c in range(dpt):
                 o[i, c] = ZERO
         if kv0 < kv_end:
-            _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0, int64(0), qbase, kbase,
-                      sq, sk, d)
+            _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0, int64(0), fr, fc,
+                      RSTEP, sq, sk, d)
         while kv0 < kv_end:               # uniform across the block (barriers inside)
             for i in range(TR):
                 for j in range(SC):
@@ -199,36 +207,49 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
                     Kt[e % uDC, e // uDC] = rk[p]
                 cuda.syncthreads()
                 if d0 + dc < d:           # the next chunk's loads fly while this one computes
-                    _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0, d0 + dc,
-                              qbase, kbase, sq, sk, d)
-                for dd in range(dc):
+                    _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0, d0 + dc, fr,
+                              fc, RSTEP, sq, sk, d)
+                du = _u(0)                # (a while loop: numba's range() state hides the
+                while du < uDC:           # trip count from LLVM, which then does not unroll)
                     for i in range(TR):
-                        fa[i] = Qt[dd, row0 + _u(i)]
+                        fa[i] = Qt[du, row0 + _u(i)]
                     for j in range(SC):
-                        fb[j] = Kt[dd, col0 + _u(j)]
+                        fb[j] = Kt[du, col0 + _u(j)]
                     for i in range(TR):
                         for j in range(SC):
                             s[i, j] += fa[i] * fb[j]
+                    du += _u(1)
                 d0 += dc
-            _fetch_v(rv, vl, v, geom, tid, uNT, udmax, kv0, kbase, sk, d)   # flies during softmax
-            for i in range(TR):           # masks and the online softmax, row by row
+            _fetch_v(rv, vl, v, ks, tid, uNT, udmax, kv0, kbase, sk, d)   # flies during softmax
+            # a tile with every query and key in range and (causal) every key at or before
+            # every query's position needs no mask test (uniform across the block)
+            plain = (not has_window and not has_mask and not has_bias and q0 + BR <= sq
+                     and kv0 + BC <= sk and (not causal or kv0 + BC - 1 <= off + q0))
+            for i in range(TR):
                 qi = q0 + int64(row0 + _u(i))
-                pos = off + qi
+                for j in range(SC):
+                    if plain:
+                        x = s[i, j] * scale
+                        if has_softcap:
+                            x = softcap * m.tanh(x / softcap)
+                        s[i, j] = x
+                    else:
+                        s[i, j] = _score(s[i, j], qi, kv0 + int64(col0 + _u(j)), off + qi, b, h,
+                                         mask, bias, geom, scale, softcap, causal, has_window,
+                                         has_mask, has_bias, has_softcap, sq, sk)
+            for i in range(TR):           # the online softmax, row by row
                 rmax = NEG_INF
                 for j in range(SC):
-                    kj = kv0 + int64(col0 + _u(j))
-                    x = _score(s[i, j], qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal,
-                               has_window, has_mask, has_bias, has_softcap, sq, sk)
-                    s[i, j] = x
+                    x = s[i, j]
                     rmax = x if (x > rmax or x != x) else rmax
                 rmax = group_reduce(rmax, red, NC, MAX)
                 mnew = rmax if (rmax > mr[i] or rmax != rmax) else mr[i]
                 alpha = ONE
                 if mnew != NEG_INF:
-                    alpha = m.exp(mr[i] - mnew)
+                    alpha = m.fast_exp(mr[i] - mnew)
                 rsum = ZERO
                 for j in range(SC):
-                    p_ = m.exp(s[i, j] - mnew) if mnew != NEG_INF else ZERO
+                    p_ = m.fast_exp(s[i, j] - mnew) if mnew != NEG_INF else ZERO
                     s[i, j] = p_
                     rsum += p_
                 rsum = group_reduce(rsum, red, NC, SUM)
@@ -246,20 +267,22 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
                     Vs[e // udmax, e % udmax] = rv[p]
                 cuda.syncthreads()
                 if j0 + jc < BC:          # prefetch: the next V chunk, or the next tile's Q/K
-                    _fetch_v(rv, vl, v, geom, tid, uNT, udmax, kv0 + j0 + jc, kbase, sk, d)
+                    _fetch_v(rv, vl, v, ks, tid, uNT, udmax, kv0 + j0 + jc, kbase, sk, d)
                 elif kv0 + BC < kv_end:
-                    _fetch_qk(rq, rk, ql, kl, q, k, geom, tid, uNT, uDC, q0, kv0 + BC, int64(0),
-                              qbase, kbase, sq, sk, d)
-                for j4 in range(jc // PK):
+                    _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0 + BC,
+                              int64(0), fr, fc, RSTEP, sq, sk, d)
+                ju = _u(0)                # (a while loop, as in S += Q K^T)
+                while ju < uJC:
                     for i in range(TR):
                         for jj in range(PK):
-                            fp[i, jj] = Ps[row0 + _u(i), uint64(j0) + _u(j4 * PK + jj)]
+                            fp[i, jj] = Ps[row0 + _u(i), uint64(j0) + ju + _u(jj)]
                     for jj in range(PK):
                         for c in range(dpt):  # head dims in groups of vw: col(c) below
-                            fv[c] = Vs[j4 * PK + jj, _u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw)]
+                            fv[c] = Vs[ju + _u(jj), _u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw)]
                         for i in range(TR):
                             for c in range(dpt):
                                 o[i, c] += fp[i, jj] * fv[c]
+                    ju += uPK
                 j0 += jc
             kv0 += BC                     # (the next tile's first barrier frees Qt/Kt/Ps)
         obase = b * geom[11] + h * geom[12]
@@ -408,14 +431,14 @@ def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_m
     for r in range(rows_c):
         tmr = Ms[w, r]
         mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
-        alpha = ONE if mnew == NEG_INF else m.exp(mr[r] - mnew)
+        alpha = ONE if mnew == NEG_INF else m.fast_exp(mr[r] - mnew)
         mr[r] = mnew
         for u in range(dpl):
             acc[r, u] *= alpha
         if r == r_me:
             st[1] *= alpha
             st[0] = mnew
-    p_ = ZERO if st[0] == NEG_INF else m.exp(x - st[0])
+    p_ = ZERO if st[0] == NEG_INF else m.fast_exp(x - st[0])
     st[1] += p_
     Ps[w, idx] = p_
     warp_sync()
@@ -532,7 +555,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             num, den = ZERO, ZERO
             if mx != NEG_INF:
                 for ww in range(DEC_NW):
-                    wgt = m.exp(Wm[ww, r] - mx)
+                    wgt = m.fast_exp(Wm[ww, r] - mx)
                     num += Wa[ww, r, dd] * wgt
                     den += Wl[ww, r] * wgt
             if splits == 1:               # the block saw every key: the output itself
@@ -575,7 +598,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             p = int64(lane)
             while p < splits:
                 mp = pm[base + p * rows_c + rr]
-                den += ZERO if mp == NEG_INF else pl[base + p * rows_c + rr] * m.exp(mp - mx)
+                den += ZERO if mp == NEG_INF else pl[base + p * rows_c + rr] * m.fast_exp(mp - mx)
                 p += 32
             o_ = 16
             while o_ > 0:
@@ -588,7 +611,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
                 for i in range(CB):
                     pp = min(p0 + i, splits - 1)
                     mp = pm[base + pp * rows_c + rr]
-                    wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.exp(mp - mx)
+                    wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.fast_exp(mp - mx)
                     for u in range(dpl):
                         ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
                 for i in range(CB):
