@@ -386,14 +386,33 @@ def decode_keys(dpl: int, rows_c: int) -> int:
 
 
 @_inline
-def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl):
-    """Registers <- K (or V) of keys t0 .. t0 + kt, head dims lane, lane + 32, ... (a key past
-    k_hi reads the last key again and is scored -inf; a dim past d reads dim d - 1, and q
-    is 0 there)."""
+def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
+    """Registers <- K (or V) of keys t0 .. t0 + kt, the lane's head dims (see _dec_dim; a key
+    past k_hi reads the last key again and is scored -inf; a dim past d reads the last one,
+    and q is 0 there). pair == 2: ``src`` is the float64 view, one 8-byte load a dim pair
+    (half the load instructions; the LSU queue, not DRAM, was what a warp waited on)."""
     for j in range(kt):
         kk = kbase + min(t0 + j, k_hi - 1) * ks
-        for u in range(dpl):
-            r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
+        if pair == 2:
+            for u in range(dpl // 2):
+                x = src[uint64((kk >> 1) + min(int64(lane) + u * 32, (d >> 1) - 1))]
+                r[j, 2 * u] = m.lo_f32(x)
+                r[j, 2 * u + 1] = m.hi_f32(x)
+        else:
+            for u in range(dpl):
+                r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
+
+
+def decode_pair(d: int) -> int:
+    """2: the decode kernel reads K and V in 8-byte dim pairs (d even, so every row starts on
+    a pair, and an even number of values a lane); else 1."""
+    return 2 if d % 2 == 0 and -(-d // 32) % 2 == 0 else 1
+
+
+@_inline
+def _dec_dim(lane, u, pair):
+    """The head dim of a lane's value u: lane + 32 u, or with pairs 2 lane + 64 (u // 2) + u % 2."""
+    return int64(lane) * pair + (u // pair) * 32 * pair + u % pair
 
 
 @_inline
@@ -451,12 +470,12 @@ def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_m
 
 
 @functools.lru_cache(maxsize=None)
-def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softcap):
+def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap):
     """Attention for every row reading one kv head, the keys split across blocks (see the
     module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head).
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
-    tile of kt keys. A tile's K and V loads are all issued before any math. Each lane's
+    tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A tile's K and V loads are all issued before any math. Each lane's
     rows_c * kt partial dot products are reduce-scattered across the warp (5 shuffle stages),
     after which lane l holds the full score of (row, key) number l // rep; row maxima and
     sums are shuffles among the lanes of a row, and P reaches every lane through shared
@@ -509,7 +528,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             gi, qi = (rb + r) // sq, (rb + r) % sq
             mr[r] = NEG_INF
             for u in range(dpl):
-                dg = int64(lane) + u * 32
+                dg = _dec_dim(lane, u, pair)
                 qr[r, u] = q[uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7] + dg)] \
                     if rb + r < rows and dg < d else ZERO
                 acc[r, u] = ZERO
@@ -526,8 +545,8 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             # the whole tile's loads, then its math. Measured slower on an H100: the next
             # tile's loads into a second register set, or into K's and V's registers as soon
             # as each is used (Sk 1024: 60-61% of copy against 63%; 32k: 95% against 99%)
-            _dec_fetch(kr, k, kbase, ks, t0, k_hi, lane, d, kt, dpl)
-            _dec_fetch(vr, v, kbase, ks, t0, k_hi, lane, d, kt, dpl)
+            _dec_fetch(kr, k, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair)
+            _dec_fetch(vr, v, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair)
             _dec_scores(kr, qr, vals, rows_c, kt, dpl)
             _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me,
                       j_me, qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap,
@@ -543,7 +562,7 @@ def decode_split(dpl, rows_c, causal, has_window, has_mask, has_bias, has_softca
             Wl[w, r_me] = l_me
         for r in range(rows_c):
             for u in range(dpl):
-                Wa[w, r, lane + _u(u * 32)] = acc[r, u]
+                Wa[w, r, _dec_dim(lane, u, pair)] = acc[r, u]
         cuda.syncthreads()
         part = (bkz * splits + int64(cuda.blockIdx.x)) * rows_c
         e = int64(tid)

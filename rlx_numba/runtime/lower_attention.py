@@ -69,12 +69,16 @@ def _lower_attention(exe, n):
         pm, pl = (exe.device_array(np.zeros(part, np.float32)) for _ in range(2))
         pacc = exe.device_array(np.zeros(part * 32 * dpl, np.float32))
         count = exe.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
-        kern = A.decode_split(dpl, rows_c, *flags)
+        # K and V as float64 views when pairs: the buffers are 8-byte aligned (arena slots are
+        # 256-byte aligned, and a view starts where its buffer does)
+        pair = A.decode_pair(d)
+        kv = args[1:3] if pair == 1 else tuple(a.view(np.float64) for a in args[1:3])
+        kern = A.decode_split(dpl, rows_c, pair, *flags)
         return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (A.DEC_NW * 32,),
-                     (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk), np.int64(splits)),
-                     flops)]
+                     (exe.buf(n), pm, pl, pacc, count, args[0], *kv, *args[3:], np.int64(chunk),
+                      np.int64(splits)), flops)]
     kern = A.flash(A.head_split(d), *flags)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
