@@ -32,7 +32,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
@@ -84,6 +84,14 @@ def head_split(d: int) -> int:
     multiple of 4 above 4 so they come in 16-byte groups."""
     dpt = -(-d // NC)
     return dpt if dpt <= 4 else -(-dpt // 4) * 4
+
+
+@cuda.jit(device=True)
+def _divmod(x, y):
+    """(x // y, x % y) of small non-negative indices with one 32-bit division: numba's int64
+    floor division is ~150 instructions, which a short decode block's prologue paid 5 times."""
+    qt = int64(uint32(x) // uint32(y))
+    return qt, x - qt * y
 
 
 @cuda.jit(device=True)
@@ -169,8 +177,8 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
         tr, tc = tid // uNC, tid % uNC
         row0, col0 = tr * uTR, tc * uSC      # this thread's rows and key columns of a tile
         bh = int64(cuda.blockIdx.y)
-        b, h = bh // hq, bh % hq
-        hk = h // g
+        b, h = _divmod(bh, hq)
+        hk = _divmod(h, g)[0]
         nqt = (sq + BR - 1) // BR
         q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
         qbase = b * geom[5] + h * geom[6]
@@ -499,6 +507,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         Tk = cuda.shared.array(1, int32)
         fv = cuda.local.array(dpl, float32)
         wb = cuda.local.array(CB, float32)
+        lb = cuda.local.array(CB, float32)
         ab = cuda.local.array((CB, dpl), float32)
         Ps = cuda.shared.array((DEC_NW, nv), float32)
         Ms = cuda.shared.array((DEC_NW, rows_c), float32)
@@ -515,17 +524,17 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         lane, w = tid % U32, tid // U32
         bk = int64(cuda.blockIdx.y)
         hkv = hq // g
-        b, hk = bk // hkv, bk % hkv
+        b, hk = _divmod(bk, hkv)
         rb = int64(cuda.blockIdx.z) * rows_c    # this block's rows: rb .. rb + rows_c
         bkz = bk * int64(cuda.gridDim.z) + int64(cuda.blockIdx.z)   # its partials and ticket
         off = geom[23]
         idx = int64(lane) // rep          # the score this lane holds after the reduce-scatter
         r_me, j_me = idx // kt, idx % kt
-        gi_me, qi_me = (rb + r_me) // sq, (rb + r_me) % sq
+        gi_me, qi_me = _divmod(rb + r_me, sq)
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         for r in range(rows_c):
-            gi, qi = (rb + r) // sq, (rb + r) % sq
+            gi, qi = _divmod(rb + r, sq)
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
@@ -579,8 +588,9 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     den += Wl[ww, r] * wgt
             if splits == 1:               # the block saw every key: the output itself
                 if rb + r < rows and dd < d:
-                    out[uint64(b * geom[11] + (hk * g + (rb + r) // sq) * geom[12]
-                               + ((rb + r) % sq) * geom[13] + dd)] = num / den if den > ZERO else ZERO
+                    gi, qi = _divmod(rb + r, sq)
+                    out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dd)] = \
+                        num / den if den > ZERO else ZERO
             else:
                 pacc[(part + r) * dmax + dd] = num
                 if dd == 0:
@@ -613,16 +623,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             while o_ > 0:
                 mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
                 o_ //= 2
-            den = ZERO
-            p = int64(lane)
-            while p < splits:
-                mp = pm[base + p * rows_c + rr]
-                den += ZERO if mp == NEG_INF else pl[base + p * rows_c + rr] * m.fast_exp(mp - mx)
-                p += 32
-            o_ = 16
-            while o_ > 0:
-                den += xor_shfl(den, o_, xs, w, lane)
-                o_ //= 2
+            den = ZERO                    # (each lane sums the weights itself: no round trip)
             for u in range(dpl):
                 fv[u] = ZERO
             p0 = int64(0)
@@ -631,13 +632,15 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     pp = min(p0 + i, splits - 1)
                     mp = pm[base + pp * rows_c + rr]
                     wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.fast_exp(mp - mx)
+                    lb[i] = pl[base + pp * rows_c + rr]
                     for u in range(dpl):
                         ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
                 for i in range(CB):
+                    den += lb[i] * wb[i]
                     for u in range(dpl):
                         fv[u] += ab[i, u] * wb[i]
                 p0 += CB
-            gi, qi = (rb + rr) // sq, (rb + rr) % sq
+            gi, qi = _divmod(rb + rr, sq)
             if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
                     dg = int64(lane) + u * 32
