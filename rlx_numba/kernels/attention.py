@@ -483,8 +483,9 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
     module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head).
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
-    tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A tile's K and V loads are all issued before any math. Each lane's
-    rows_c * kt partial dot products are reduce-scattered across the warp (5 shuffle stages),
+    tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
+    tile's K and V loads are all issued before any math. Each lane's rows_c * kt partial dot
+    products are reduce-scattered across the warp (5 shuffle stages),
     after which lane l holds the full score of (row, key) number l // rep; row maxima and
     sums are shuffles among the lanes of a row, and P reaches every lane through shared
     memory for the P V update. No shared memory traffic on the K and V bytes."""
