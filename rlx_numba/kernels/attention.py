@@ -507,7 +507,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         Wa = cuda.shared.array((DEC_NW, rows_c, dmax), float32)
         Tk = cuda.shared.array(1, int32)
         fv = cuda.local.array(dpl, float32)
-        mb = cuda.local.array(CB, float32)
+        wb = cuda.local.array(CB, float32)
         lb = cuda.local.array(CB, float32)
         ab = cuda.local.array((CB, dpl), float32)
         Ps = cuda.shared.array((DEC_NW, nv), float32)
@@ -614,36 +614,35 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         r0 = int64(0)
         while r0 < rows_c:                # the last block combines: a warp per row
             r = r0 + int64(w)
-            if r < rows_c and rb + r < rows:
-                # one pass, CB splits' partials loaded at once and merged online (running
-                # max, as in the key loop): one round trip to L2 for up to CB splits
-                mx, den = NEG_INF, ZERO
-                for u in range(dpl):
-                    fv[u] = ZERO
-                p0 = int64(0)
-                while p0 < splits:
-                    bm = NEG_INF
-                    for i in range(CB):
-                        pp = min(p0 + i, splits - 1)
-                        mb[i] = pm[base + pp * rows_c + r] if p0 + i < splits else NEG_INF
-                        lb[i] = pl[base + pp * rows_c + r]
-                        for u in range(dpl):
-                            ab[i, u] = pacc[(base + pp * rows_c + r) * dmax + int64(lane) + u * 32]
-                        bm = max(bm, mb[i])
-                    mnew = max(mx, bm)
-                    if mnew != NEG_INF:       # (else nothing seen yet has any weight)
-                        alpha = ZERO if mx == NEG_INF else m.fast_exp(mx - mnew)
-                        den *= alpha
-                        for u in range(dpl):
-                            fv[u] *= alpha
-                        for i in range(CB):
-                            wgt = ZERO if mb[i] == NEG_INF else m.fast_exp(mb[i] - mnew)
-                            den += lb[i] * wgt
-                            for u in range(dpl):
-                                fv[u] += ab[i, u] * wgt
-                    mx = mnew
-                    p0 += CB
-                gi, qi = _divmod(rb + r, sq)
+            rr = min(r, rows_c - 1)       # (every warp runs the shuffles; rows past rows_c idle)
+            mx = NEG_INF
+            p = int64(lane)
+            while p < splits:
+                mx = max(mx, pm[base + p * rows_c + rr])
+                p += 32
+            o_ = 16
+            while o_ > 0:
+                mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
+                o_ //= 2
+            den = ZERO                    # (each lane sums the weights itself: no round trip)
+            for u in range(dpl):
+                fv[u] = ZERO
+            p0 = int64(0)
+            while p0 < splits:            # CB splits' loads in flight, then their FMAs
+                for i in range(CB):
+                    pp = min(p0 + i, splits - 1)
+                    mp = pm[base + pp * rows_c + rr]
+                    wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.fast_exp(mp - mx)
+                    lb[i] = pl[base + pp * rows_c + rr]
+                    for u in range(dpl):
+                        ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
+                for i in range(CB):
+                    den += lb[i] * wb[i]
+                    for u in range(dpl):
+                        fv[u] += ab[i, u] * wb[i]
+                p0 += CB
+            gi, qi = _divmod(rb + rr, sq)
+            if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
                     dg = int64(lane) + u * 32
                     if dg < d:
