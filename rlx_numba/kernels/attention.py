@@ -600,6 +600,9 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             e += nt
         if splits == 1:
             return
+        # (B8 Hkv8 Sk1024 D128 on an H100, CUPTI: 31.4 us; returning before the fence
+        # takes 2.7 us off, before the block merge 4.6 us; the bytes alone are ~21 us.
+        # A one-pass online combine and staggered warp starts measured no better.)
         cuda.threadfence()                # the partials are visible before the ticket
         cuda.syncthreads()
         if tid == 0:
