@@ -3,7 +3,7 @@ steps, either spread over n streams ordered by events (schedule.py decides where
 captured once into a CUDA graph and replayed, or both (capture follows the forked streams).
 
 The driver calls go through ``cuda.bindings.driver``, the binding numba-cuda 0.30 and
-cuda.core (fast_launch) already load: typed handles and the installed CUDA's own signatures
+cuda.core already load: typed handles and the installed CUDA's own signatures
 (no hand-written ctypes prototypes to get wrong: cuGraphInstantiate changed its arguments in
 CUDA 12, several calls have _v2 symbols), and each call returns its CUresult to check.
 

@@ -6,6 +6,7 @@ calls them.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -127,10 +128,9 @@ def fast_launch(dispatcher, grid, block, stream, args):
     here: the kernel is compiled for the argument types (by the dispatcher itself, so its
     disk cache is used: ``specialize`` would make a fresh dispatcher without one), the
     arguments are converted to the driver's parameter list by numba's own ``_prepare_args``,
-    and each call is a single cuda.core ``launch``."""
-    from cuda.core import LaunchConfig, launch
-    from numba.cuda._compat import CUDA_CORE_GE_1_0
-    from numba.cuda.cudadrv.driver import _to_core_stream
+    and packed once more into the ``void *kernelParams[]`` the driver takes, so each call is
+    one ctypes ``cuLaunchKernel`` (cuda.core's ``launch`` converted its ~7 values an array
+    argument at every call: 10 us for the decode kernel's 16 arguments on an H100)."""
 
     kern = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in args))
     if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
@@ -143,11 +143,36 @@ def fast_launch(dispatcher, grid, block, stream, args):
         raise TypeError("fast_launch: a step argument is a host array")
     grid = tuple(int(v) for v in grid) + (1,) * (3 - len(grid))
     block = tuple(int(v) for v in block) + (1,) * (3 - len(block))
-    config = (LaunchConfig(grid=grid, block=block, shmem_size=0, is_cooperative=False)
-              if CUDA_CORE_GE_1_0 else
-              LaunchConfig(grid=grid, block=block, shmem_size=0, cooperative_launch=False))
-    return functools.partial(launch, _to_core_stream(stream), config,
-                             kern._codelibrary.get_cufunc().kernel, *params)
+    # numba passes an array as Python ints (pointers and intp sizes: 8 bytes each), scalars
+    # as ctypes values and booleans as bools; each gets a slot that lives with the closure
+    slots = [p if isinstance(p, ctypes._SimpleCData) else
+             ctypes.c_bool(bool(p)) if isinstance(p, (bool, np.bool_)) else ctypes.c_int64(int(p))
+             for p in params]
+    table = (ctypes.c_void_p * max(1, len(slots)))(*[ctypes.addressof(v) for v in slots])
+    call = (ctypes.c_void_p(int(kern._codelibrary.get_cufunc().handle)), *grid, *block, 0,
+            ctypes.c_void_p(int(stream)), table, None)
+    name, fn = dispatcher.py_func.__qualname__, _cu_launch_kernel()
+
+    def go(fn=fn, call=call, keep=(slots, args)):   # (defaults: locals, no closure cells)
+        err = fn(*call)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel of {name} grid {grid} block {block} failed: "
+                               f"CUresult {err}")
+    return go
+
+
+@functools.cache
+def _cu_launch_kernel():
+    """libcuda's cuLaunchKernel through ctypes (the driver numba itself has loaded): the
+    launch is the hot call, and a ctypes call with ready arguments costs ~1 us where
+    cuda.bindings' wrapper re-checks its arguments; its prototype is unchanged since CUDA 4
+    (no _v2), so a hand-written one is safe here, unlike cudagraph.py's calls."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    u = ctypes.c_uint
+    fn.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 @dataclass
