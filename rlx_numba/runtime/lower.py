@@ -10,6 +10,7 @@ import ctypes
 import functools
 import logging
 import math
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,7 +133,7 @@ def fast_launch(dispatcher, grid, block, stream, args):
     one ctypes ``cuLaunchKernel`` (cuda.core's ``launch`` converted its ~7 values an array
     argument at every call: 10 us for the decode kernel's 16 arguments on an H100)."""
 
-    kern = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in args))
+    kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
     if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
         return functools.partial(dispatcher[grid, block, stream], *args)
     kern.bind()   # load the module into the context and set it up, as numba's launch does
@@ -159,6 +160,30 @@ def fast_launch(dispatcher, grid, block, stream, args):
             raise RuntimeError(f"cuLaunchKernel of {name} grid {grid} block {block} failed: "
                                f"CUresult {err}")
     return go
+
+
+def _compile(dispatcher, sig):
+    """``dispatcher.compile(sig)``, on a worker thread when it has to compile: numba-cuda keeps
+    the frames of its latest compile alive (seen on an H100; nothing gc can see holds them),
+    and on this thread they would reach the caller's locals -- a step's arena views, the
+    executable whose run() compiled -- until the next compile. A worker's stack holds only
+    the dispatcher and the types."""
+    kern = dispatcher.overloads.get(sig)
+    if kern is not None:
+        return kern
+    out = {}
+
+    def work():
+        try:
+            out["kernel"] = dispatcher.compile(sig)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            out["error"] = e
+    t = threading.Thread(target=work, name="rlx_numba compile")
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["kernel"]
 
 
 @functools.cache
