@@ -116,6 +116,16 @@ def test_decode_kernel_and_flash_kernel(rng, monkeypatch, kernel, hq, hkv, sq, s
     run_attention(rng, 1, hq, hkv, sq, sk, d, causal=True)
 
 
+
+def test_decode_more_splits_than_one_combine_round(rng, monkeypatch):
+    """More splits than the combine loads at once (CB): the last block takes the max over
+    every split first, then the partials in rounds of CB (fewer: one round, its own max)."""
+    from rlx_numba.kernels import attention as A
+    sk = 4 * A.CB + 9
+    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 4), 4))
+    assert -(-sk // 4) > A.CB
+    run_attention(rng, 1, 2, 1, 1, sk, 16, causal=True, window=sk - 6, softcap=2.0)
+
 def test_long_odd_sequence(rng):
     run_attention(rng, 1, 1, 1, 37 if not GPU else 129, 37 if not GPU else 129, 16, causal=True)
 

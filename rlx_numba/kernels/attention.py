@@ -499,7 +499,10 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
 
     occ = DEC_OCC if rows_c * dpl <= 16 else 2
     @_jit(nt, occ)   # 255 registers at 2 blocks an SM: a tile's loads all in flight at once
-    def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits):
+    def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits,
+               hkv, sk, kstride_b, kstride_h, ks):
+        # (hkv, sk and K/V's strides are also in geom; as parameters the first K/V loads
+        # need no round trip to memory for their addresses)
         xs = cuda.shared.array((DEC_NW, 32), float32)    # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
         Wm = cuda.shared.array((DEC_NW, rows_c), float32)
@@ -519,12 +522,11 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         acc = cuda.local.array((rows_c, dpl), float32)
         mr = cuda.local.array(rows_c, float32)
         vals = cuda.local.array(nv, float32)
-        hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
+        g, sq, d = geom[1], geom[2], geom[4]
         rows = g * sq
         tid = uint64(cuda.threadIdx.x)
         lane, w = tid % U32, tid // U32
         bk = int64(cuda.blockIdx.y)
-        hkv = hq // g
         b, hk = _divmod(bk, hkv)
         rb = int64(cuda.blockIdx.z) * rows_c    # this block's rows: rb .. rb + rows_c
         bkz = bk * int64(cuda.gridDim.z) + int64(cuda.blockIdx.z)   # its partials and ticket
@@ -546,8 +548,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         st[1] = ZERO
         k_lo = int64(cuda.blockIdx.x) * chunk
         k_hi = min(sk, k_lo + chunk)
-        kbase = b * geom[8] + hk * geom[9]
-        ks = geom[10]
+        kbase = b * kstride_b + hk * kstride_h
         t0 = k_lo + int64(w) * kt
         tile = DEC_NW * kt                # the block's keys a trip, the same trips every warp
         k_end = k_lo + (k_hi - k_lo + tile - 1) // tile * tile
@@ -619,14 +620,15 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             r = r0 + int64(w)
             rr = min(r, rows_c - 1)       # (every warp runs the shuffles; rows past rows_c idle)
             mx = NEG_INF
-            p = int64(lane)
-            while p < splits:
-                mx = max(mx, pm[base + p * rows_c + rr])
-                p += 32
-            o_ = 16
-            while o_ > 0:
-                mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
-                o_ //= 2
+            if splits > CB:               # more than one load round: the max pass first
+                p = int64(lane)
+                while p < splits:
+                    mx = max(mx, pm[base + p * rows_c + rr])
+                    p += 32
+                o_ = 16
+                while o_ > 0:
+                    mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
+                    o_ //= 2
             den = ZERO                    # (each lane sums the weights itself: no round trip)
             for u in range(dpl):
                 fv[u] = ZERO
@@ -634,12 +636,15 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             while p0 < splits:            # CB splits' loads in flight, then their FMAs
                 for i in range(CB):
                     pp = min(p0 + i, splits - 1)
-                    mp = pm[base + pp * rows_c + rr]
-                    wb[i] = ZERO if (mp == NEG_INF or p0 + i >= splits) else m.fast_exp(mp - mx)
+                    wb[i] = pm[base + pp * rows_c + rr] if p0 + i < splits else NEG_INF
                     lb[i] = pl[base + pp * rows_c + rr]
                     for u in range(dpl):
                         ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
+                if splits <= CB:          # one round (B8 Sk1024's 4 splits): its own max, so
+                    for i in range(CB):   # the partials cost one trip to L2, not two
+                        mx = max(mx, wb[i])
                 for i in range(CB):
+                    wb[i] = ZERO if wb[i] == NEG_INF else m.fast_exp(wb[i] - mx)
                     den += lb[i] * wb[i]
                     for u in range(dpl):
                         fv[u] += ab[i, u] * wb[i]
