@@ -601,9 +601,10 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             e += nt
         if splits == 1:
             return
-        # (B8 Hkv8 Sk1024 D128 on an H100, CUPTI: 31.4 us; returning before the fence
-        # takes 2.7 us off, before the block merge 4.6 us; the bytes alone are ~21 us.
-        # A one-pass online combine and staggered warp starts measured no better.)
+        # (B8 Hkv8 Sk1024 D128 on an H100, CUPTI: 30.8 us, the bytes alone ~22.5 us; this
+        # tail -- fence, ticket, the last block's combine -- was 2.7 us of 31.4 before the
+        # combine's one-round path. Measured no better: an online combine in rounds of CB
+        # for every split count, staggered warp starts, a partial per warp with no merge.)
         cuda.threadfence()                # the partials are visible before the ticket
         cuda.syncthreads()
         if tid == 0:
