@@ -4,6 +4,8 @@ Prefill (causal): B8 H32 S{1024, 4096} D128 and D64, and GQA Hq32/Hkv8; TFLOP/s 
 causal half, 2 * B * Hq * S^2 * D, for both sides. Bar: >= 0.50 x torch.
 Decode: B8 Hq32 Hkv8, one query, Sk {1024, 8192, 32768}, D128; GB/s of K and V read
 (2 * B * Hkv * Sk * D * 4 bytes). Bar: >= 70% of the device's copy bandwidth.
+Each side is timed over windows of back-to-back launches (CUDA events, best of 3) of at least
+``--iters`` launches and at least 5 ms, the same rule for both.
 
   python bench/bench_attention.py [--iters 10] [--out bench/results/attention.json]
 """
@@ -20,6 +22,14 @@ from common import copy_bandwidth, free_device_memory, gbps, time_rlx, time_torc
 PREFILL = [(8, 32, 32, 1024, 128), (8, 32, 32, 4096, 128), (8, 32, 32, 1024, 64),
            (8, 32, 32, 4096, 64), (8, 32, 8, 1024, 128), (8, 32, 8, 4096, 128)]
 DECODE = [(8, 32, 8, 1024, 128), (8, 32, 8, 8192, 128), (8, 32, 8, 32768, 128)]
+
+
+WINDOW_MS = 5.0
+
+
+def _iters(iters: int, est_ms: float) -> int:
+    """Launches a timed window: ``iters``, or more when that would last under WINDOW_MS."""
+    return max(iters, min(1000, int(WINDOW_MS / max(est_ms, 1e-4))))
 
 
 def bench(b, hq, hkv, sq, sk, d, causal, rlx, cuda, torch, iters):
@@ -42,8 +52,10 @@ def bench(b, hq, hkv, sq, sk, d, causal, rlx, cuda, torch, iters):
     def launch():
         for s in steps:
             s()
-    rlx_ms = time_rlx(cuda, launch, exe.stream, iters, 2, 3)
-    torch_ms = time_torch(torch, tfn, iters, 2, 3)
+    # windows of at least WINDOW_MS: in a window of a few short launches the GPU's wait for
+    # the first one (the host's enqueue, ~10 us) would count as a sizeable part of each
+    rlx_ms = time_rlx(cuda, launch, exe.stream, _iters(iters, time_rlx(cuda, launch, exe.stream, 3, 1, 1)), 2, 3)
+    torch_ms = time_torch(torch, tfn, _iters(iters, time_torch(torch, tfn, 3, 1, 1)), 2, 3)
     res = dict(shape=f"B{b} Hq{hq} Hkv{hkv} Sq{sq} Sk{sk} D{d}", causal=causal, rlx_ms=rlx_ms,
                torch_ms=torch_ms, ratio=torch_ms / rlx_ms, max_err=err,
                kernels=[s.kernel_name for s in steps])
