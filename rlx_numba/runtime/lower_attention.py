@@ -78,7 +78,8 @@ def _lower_attention(exe, n):
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (A.DEC_NW * 32,),
                      (exe.buf(n), pm, pl, pacc, count, args[0], *kv, *args[3:], np.int64(chunk),
-                      np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))), flops)]
+                      np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
+                     {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
     kern = A.flash(A.head_split(d), *flags)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
