@@ -35,10 +35,10 @@ def _stream_ptr(stream) -> int:
     return int(stream) if stream is not None else 0     # numba's Stream.__int__: the CUstream
 
 
-def workspace(stream) -> tuple[int, int]:
+def workspace(stream, dev: int | None = None) -> tuple[int, int]:
     """(device pointer, bytes) of the workspace of (device, stream), allocated once."""
     from numba import cuda
-    key = (_device_id(), _stream_ptr(stream))
+    key = (_device_id() if dev is None else dev, _stream_ptr(stream))
     if key not in _ws:
         _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
     return _ws[key].device_ctypes_pointer.value, WORKSPACE_BYTES
@@ -52,16 +52,15 @@ def blas_handle(stream, tf32: bool) -> c_void_p:
         h = c_void_p()
         blas.cublasCreate_v2(byref(h))
         blas.cublasSetStream_v2(h, c_void_p(key[1]))
-        ptr, size = workspace(stream)
+        ptr, size = workspace(stream, key[0])
         blas.cublasSetWorkspace_v2(h, c_void_p(ptr), size)
         blas.cublasSetMathMode(h, api.TF32_TENSOR_OP_MATH if tf32 else api.DEFAULT_MATH)
         _blas[key] = h
     return _blas[key]
 
 
-def lt_handle() -> c_void_p:
+def lt_handle(dev: int) -> c_void_p:
     _, lt = api.libs()
-    dev = _device_id()
     if dev not in _lt:
         h = c_void_p()
         lt.cublasLtCreate(byref(h))
@@ -149,33 +148,41 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     beta = 1, which the library adds before the epilogue: callers pass it only without an
     activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
     _, lt = api.libs()
-    h = lt_handle()
+    dev = _device_id()            # (once: numba's device lookup is a context check each time)
+    h = lt_handle(dev)
     keep = []                                   # ctypes objects the call must outlive
 
     def attr(setter, obj, key, value):
         keep.append(value)
         setter(obj, key, byref(value), sizeof(value))
 
-    desc = c_void_p()
     compute = api.COMPUTE_32F_FAST_TF32 if tf32 and in_type == api.R_32F else api.COMPUTE_32F
-    lt.cublasLtMatmulDescCreate(byref(desc), compute, api.R_32F)
-    set_desc = lt.cublasLtMatmulDescSetAttribute
-    attr(set_desc, desc, api.DESC_TRANSA, c_int32(cm.opa))
-    attr(set_desc, desc, api.DESC_TRANSB, c_int32(cm.opb))
-    attr(set_desc, desc, api.DESC_EPILOGUE, c_uint32(LT_EPILOGUES[(bias_ptr is not None, activation)]))
-    if bias_ptr is not None:   # set before the heuristic: it looks at the pointer's alignment
-        attr(set_desc, desc, api.DESC_BIAS_POINTER, c_void_p(bias_ptr))
+    epilogue = LT_EPILOGUES[(bias_ptr is not None, activation)]
+    dkey = (compute, cm.opa, cm.opb, epilogue, bias_ptr)
+    desc = _descs.get(dkey)
+    if desc is None:
+        desc = c_void_p()
+        lt.cublasLtMatmulDescCreate(byref(desc), compute, api.R_32F)
+        set_desc = lt.cublasLtMatmulDescSetAttribute
+        attr(set_desc, desc, api.DESC_TRANSA, c_int32(cm.opa))
+        attr(set_desc, desc, api.DESC_TRANSB, c_int32(cm.opb))
+        attr(set_desc, desc, api.DESC_EPILOGUE, c_uint32(epilogue))
+        if bias_ptr is not None:   # set before the heuristic: it looks at the pointer's alignment
+            attr(set_desc, desc, api.DESC_BIAS_POINTER, c_void_p(bias_ptr))
+        _descs[dkey] = desc
 
     def layout(dtype, rows, cols, ld):
-        lay = c_void_p()
-        lt.cublasLtMatrixLayoutCreate(byref(lay), dtype, rows, cols, ld)
+        lay = _layouts.get((dtype, rows, cols, ld))
+        if lay is None:
+            lay = _layouts[(dtype, rows, cols, ld)] = c_void_p()
+            lt.cublasLtMatrixLayoutCreate(byref(lay), dtype, rows, cols, ld)
         return lay
     la = layout(in_type, cm.k if cm.opa == api.OP_T else cm.m, cm.m if cm.opa == api.OP_T else cm.k,
                 cm.lda)
     lb = layout(in_type, cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n,
                 cm.ldb)
     lc = layout(api.R_32F, cm.m, cm.n, cm.ldc)
-    ws_ptr, ws_size = workspace(stream)
+    ws_ptr, ws_size = workspace(stream, dev)
     beta = c_float(1.0 if residual_ptr is not None else 0.0)
     c_ptr = residual_ptr if residual_ptr is not None else d_ptr
     call = lt.cublasLtMatmul
@@ -186,7 +193,7 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
                 c_void_p(_stream_ptr(stream)))
     # the same problem (shape, types, epilogue, operand alignments) again -- a model's layers
     # repeat shapes -- takes the algorithm chosen the first time: no heuristic, no timing
-    key = (_device_id(), cm, compute, in_type, LT_EPILOGUES[(bias_ptr is not None, activation)],
+    key = (dev, cm, compute, in_type, epilogue,
            residual_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0,
                                                             residual_ptr or 0)))
     algo = _lt_choice.get(key)
@@ -213,6 +220,10 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
 
 
 _lt_choice: dict = {}   # lt_plan's problem key -> the fastest of the heuristic's algorithms
+# cuBLASLt descriptors by value, shared by every plan that describes the same thing (a model's
+# layers repeat them); host-side objects, read-only once made, never destroyed
+_descs: dict = {}       # (compute, opa, opb, epilogue, bias pointer) -> cublasLtMatmulDesc_t
+_layouts: dict = {}     # (dtype, rows, cols, ld) -> cublasLtMatrixLayout_t
 
 
 def _fastest(stream, call, args_for, algos):
