@@ -97,7 +97,8 @@ def test_head_dims(rng, d):
 
 @pytest.mark.parametrize("kernel", ["flash", "decode", "decode-split"])
 @pytest.mark.parametrize("hq,hkv,sq,sk,d", [(4, 1, 4, 21, 64), (2, 2, 13, 13, 16), (8, 2, 2, 9, 128),
-                                         (4, 2, 1, 11, 36)])   # 36: dim pairs past d / 2
+                                         (4, 2, 1, 11, 36),    # 36: dim pairs past d / 2
+                                         (2, 1, 2, 10, 112)])  # 112: 16-byte groups past d
 def test_decode_kernel_and_flash_kernel(rng, monkeypatch, kernel, hq, hkv, sq, sk, d):
     """The shapes both kernels can take (GQA group x Sq <= 16), each kernel forced, every
     option at once. decode-split: the keys split over blocks of 8 (partials combined by the

@@ -17,13 +17,15 @@ entirely masked are skipped; causal blocks start from the heaviest query tiles.
 blocks; a block takes all the query rows that read that head (GQA group x Sq, at most
 DEC_ROWS, 16 when D <= 64: short sequences too), each warp a share of the block's keys, kt
 keys at a time. Lane l holds head dims l, l+32, ... of every row and of the tile's keys and
-values (registers, all loads of a tile issued together); the partial dot products are
-reduce-scattered across the warp with shuffles, so each lane ends with one (row, key) score;
-the online softmax runs on those and P reaches the lanes through shared memory for the P V
-update. The warps' (m, l, acc) merge in shared memory into one partial a block; the last
-block of a head to finish (an atomic ticket) merges the splits and writes the output, so
-decode is one launch (one split: the block writes the output itself). A launch of fewer
-blocks than SMs splits the rows over blocks too. K and V are read once, whatever the GQA
+values (registers, all loads of a tile issued together; when a lane holds a multiple of 4
+dims, as at D = 128 and 256, they are 4l .. 4l+3, 4l+128 .., read as 16-byte vectors: see
+``decode_pair``); the partial dot products are reduce-scattered across the warp with
+shuffles, so each lane ends with one (row, key) score; the online softmax runs on those and
+P reaches the lanes through shared memory for the P V update. The warps' (m, l, acc) merge
+in shared memory into one partial a block; the last block of a head to finish (an
+acquire-release atomic ticket) merges the splits and writes the output, so decode is one
+launch (one split: the block writes the output itself). A launch of fewer blocks than SMs
+splits the rows over blocks too. K and V are read once, whatever the GQA
 ratio (once per row group when the rows are split).
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
@@ -36,6 +38,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..runtime.device import SIMULATOR
 from . import mathfn as m
+from . import ptx
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
 from .launch import jit
 
@@ -397,11 +400,18 @@ def decode_keys(dpl: int, rows_c: int) -> int:
 def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
     """Registers <- K (or V) of keys t0 .. t0 + kt, the lane's head dims (see _dec_dim; a key
     past k_hi reads the last key again and is scored -inf; a dim past d reads the last one,
-    and q is 0 there). pair == 2: ``src`` is the float64 view, one 8-byte load a dim pair
-    (half the load instructions; the LSU queue, not DRAM, was what a warp waited on)."""
+    and q is 0 there). pair == 4: one 16-byte load a group of 4 dims; pair == 2: ``src`` is
+    the float64 view, one 8-byte load a dim pair (fewer load instructions: the LSU queue, not
+    DRAM, was what a warp waited on; B8 Hkv8 Sk1024 D128 on an H100, 32.5 us a launch with
+    pairs, 32.2 with groups of 4)."""
     for j in range(kt):
         kk = kbase + min(t0 + j, k_hi - 1) * ks
-        if pair == 2:
+        if pair == 4:
+            for u in range(dpl // 4):
+                x4 = ptx.ld4(src, uint64(kk + min(int64(lane) * 4 + u * 128, d - 4)))
+                for i in range(4):
+                    r[j, 4 * u + i] = x4[i]
+        elif pair == 2:
             for u in range(dpl // 2):
                 x = src[uint64((kk >> 1) + min(int64(lane) + u * 32, (d >> 1) - 1))]
                 r[j, 2 * u] = m.lo_f32(x)
@@ -412,9 +422,11 @@ def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
 
 
 def decode_pair(d: int) -> int:
-    """2: the decode kernel reads K and V in 8-byte dim pairs (d even, so every row starts on
-    a pair, and an even number of values a lane); else 1."""
-    return 2 if d % 2 == 0 and -(-d // 32) % 2 == 0 else 1
+    """4: the decode kernel reads K and V in 16-byte groups of 4 dims (d a multiple of 4, so
+    every row starts on a group, and a multiple of 4 values a lane); 2: in 8-byte dim pairs
+    (d even); else 1."""
+    dpl = -(-d // 32)
+    return 4 if d % 4 == 0 and dpl % 4 == 0 else 2 if d % 2 == 0 and dpl % 2 == 0 else 1
 
 
 @_inline
@@ -496,9 +508,10 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
     xr_shape = (DEC_NW, 32, nv) if SIMULATOR else (1, 1, 1)   # (simulator's exchange)
     nt = DEC_NW * 32
     U32 = _u(32)
+    tpr = dmax // pair                # threads a row in the block merge
 
     occ = DEC_OCC if rows_c * dpl <= 16 else 2
-    @_jit(nt, occ)   # 255 registers at 2 blocks an SM: a tile's loads all in flight at once
+    @_jit(nt, occ)   # up to 255 registers (2 blocks an SM): a tile's loads all in flight at once
     def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits,
                hkv, sk, kstride_b, kstride_h, ks):
         # (hkv, sk and K/V's strides are also in geom; as parameters the first K/V loads
@@ -507,12 +520,13 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         xr = cuda.shared.array(xr_shape, float32)
         Wm = cuda.shared.array((DEC_NW, rows_c), float32)
         Wl = cuda.shared.array((DEC_NW, rows_c), float32)
-        Wa = cuda.shared.array((DEC_NW, rows_c, dmax), float32)
+        Wa = cuda.shared.array((DEC_NW, rows_c, dmax), float32, alignment=16)
         Tk = cuda.shared.array(1, int32)
         fv = cuda.local.array(dpl, float32)
         wb = cuda.local.array(CB, float32)
         lb = cuda.local.array(CB, float32)
         ab = cuda.local.array((CB, dpl), float32)
+        wg = cuda.local.array(DEC_NW, float32)
         Ps = cuda.shared.array((DEC_NW, nv), float32)
         Ms = cuda.shared.array((DEC_NW, rows_c), float32)
         qr = cuda.local.array((rows_c, dpl), float32)
@@ -572,47 +586,75 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             Wm[w, r_me] = m_me
             Wl[w, r_me] = l_me
         for r in range(rows_c):
-            for u in range(dpl):
-                Wa[w, r, _dec_dim(lane, u, pair)] = acc[r, u]
+            if pair == 4:                 # (the lane's 4 dims are consecutive: one store)
+                for uu in range(dpl // 4):
+                    ptx.vst4(Wa, (int64(w) * rows_c + r) * dmax + int64(lane) * 4 + uu * 128,
+                             acc[r, 4 * uu], acc[r, 4 * uu + 1], acc[r, 4 * uu + 2],
+                             acc[r, 4 * uu + 3])
+            else:
+                for u in range(dpl):
+                    Wa[w, r, _dec_dim(lane, u, pair)] = acc[r, u]
         cuda.syncthreads()
+        # the block's partial: a thread takes pair dims of a row (4 consecutive ones, in one
+        # 16-byte load a warp and one store, when pair == 4; else dims j, j + tpr, ..., which
+        # keeps the shared loads free of bank conflicts) and the row's warp weights once.
+        # (B8 Hkv8 Sk1024 D128, H100: this merge took 0.7-1.3 us of the tail with a thread
+        # per element, 0.3-0.8 now; the j + i tpr layout there too, scalar loads and stores
+        # in it and in the combine: 31.6 us a launch against 31.1)
         part = (bkz * splits + int64(cuda.blockIdx.x)) * rows_c
         e = int64(tid)
-        while e < rows_c * dmax:
-            r, dd = e // dmax, e % dmax
+        while e < rows_c * tpr:
+            r, j = e // tpr, e % tpr
             mx = NEG_INF
             for ww in range(DEC_NW):
-                mx = max(mx, Wm[ww, r])
-            num, den = ZERO, ZERO
-            if mx != NEG_INF:
-                for ww in range(DEC_NW):
-                    wgt = m.fast_exp(Wm[ww, r] - mx)
-                    num += Wa[ww, r, dd] * wgt
-                    den += Wl[ww, r] * wgt
+                wg[ww] = Wm[ww, r]
+                mx = max(mx, wg[ww])
+            den = ZERO
+            for ww in range(DEC_NW):
+                wg[ww] = ZERO if mx == NEG_INF else m.fast_exp(wg[ww] - mx)
+                den += Wl[ww, r] * wg[ww]
+            for i in range(pair):
+                fv[i] = ZERO
+            for ww in range(DEC_NW):
+                if pair == 4:
+                    a4 = ptx.vld4(Wa, (int64(ww) * rows_c + r) * dmax + j * 4)
+                    for i in range(4):
+                        fv[i] += a4[i] * wg[ww]
+                else:
+                    for i in range(pair):
+                        fv[i] += Wa[ww, r, j + i * tpr] * wg[ww]
             if splits == 1:               # the block saw every key: the output itself
-                if rb + r < rows and dd < d:
-                    gi, qi = _divmod(rb + r, sq)
-                    out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dd)] = \
-                        num / den if den > ZERO else ZERO
+                gi, qi = _divmod(rb + r, sq)
+                for i in range(pair):
+                    dd = j * 4 + i if pair == 4 else j + i * tpr
+                    if rb + r < rows and dd < d:
+                        out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dd)] = \
+                            fv[i] / den if den > ZERO else ZERO
             else:
-                pacc[(part + r) * dmax + dd] = num
-                if dd == 0:
+                if pair == 4:
+                    ptx.vst4(pacc, (part + r) * dmax + j * 4, fv[0], fv[1], fv[2], fv[3])
+                else:
+                    for i in range(pair):
+                        pacc[(part + r) * dmax + j + i * tpr] = fv[i]
+                if j == 0:
                     pm[part + r] = mx
                     pl[part + r] = den
             e += nt
         if splits == 1:
             return
-        # (B8 Hkv8 Sk1024 D128 on an H100, CUPTI: 30.8 us, the bytes alone ~22.5 us; this
-        # tail -- fence, ticket, the last block's combine -- was 2.7 us of 31.4 before the
-        # combine's one-round path. Measured no better: an online combine in rounds of CB
-        # for every split count, staggered warp starts, a partial per warp with no merge.)
-        cuda.threadfence()                # the partials are visible before the ticket
-        cuda.syncthreads()
-        if tid == 0:
-            Tk[0] = cuda.atomic.add(count, bkz, 1)
+        # The last block of the head to take a ticket combines the splits. (B8 Hkv8 Sk1024
+        # D128 on an H100: ~2.4 us of a 31 us launch from the block's last key to its ticket
+        # and then the combine; the keys' end itself varies by ~5 us across blocks. Measured
+        # worse: a head's splits as one thread block cluster combining through distributed
+        # shared memory -- the clusters left 8 SMs idle and one wave no longer fit; an
+        # online combine in rounds of CB for every split count, staggered warp starts, a
+        # partial per warp with no merge.)
+        cuda.syncthreads()                # every thread's partials are written, then the
+        if tid == 0:                      # ticket: an acq_rel atomic (release covers what the
+            Tk[0] = ptx.ticket(count, bkz)  # barrier made visible; acquire, the last block)
         cuda.syncthreads()
         if Tk[0] != splits - 1:           # not the last block of this kv head to finish
             return
-        cuda.threadfence()
         if tid == 0:
             count[bkz] = 0                # ready for the next launch
         base = bkz * splits * rows_c
@@ -636,11 +678,19 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             p0 = int64(0)
             while p0 < splits:            # CB splits' loads in flight, then their FMAs
                 for i in range(CB):
-                    pp = min(p0 + i, splits - 1)
-                    wb[i] = pm[base + pp * rows_c + rr] if p0 + i < splits else NEG_INF
-                    lb[i] = pl[base + pp * rows_c + rr]
-                    for u in range(dpl):
-                        ab[i, u] = pacc[(base + pp * rows_c + rr) * dmax + int64(lane) + u * 32]
+                    ok = p0 + i < splits  # (no loads for the slots past the last split)
+                    pp = (base + (p0 + i) * rows_c + rr) if ok else int64(0)
+                    wb[i] = pm[pp] if ok else NEG_INF
+                    lb[i] = pl[pp] if ok else ZERO
+                    if pair == 4:         # lane l: dims 4l .. 4l + 3 (+ 128 ...), as stored
+                        for uu in range(dpl // 4):
+                            a4 = ptx.vld4(pacc, pp * dmax + int64(lane) * 4 + uu * 128) if ok \
+                                else (ZERO, ZERO, ZERO, ZERO)
+                            for i2 in range(4):
+                                ab[i, 4 * uu + i2] = a4[i2]
+                    else:                 # lane l: dims l, l + 32, ...
+                        for u in range(dpl):
+                            ab[i, u] = pacc[pp * dmax + int64(lane) + u * 32] if ok else ZERO
                 if splits <= CB:          # one round (B8 Sk1024's 4 splits): its own max, so
                     for i in range(CB):   # the partials cost one trip to L2, not two
                         mx = max(mx, wb[i])
@@ -653,7 +703,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
             gi, qi = _divmod(rb + rr, sq)
             if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
-                    dg = int64(lane) + u * 32
+                    dg = _dec_dim(lane, u, pair) if pair == 4 else int64(lane) + u * 32
                     if dg < d:
                         out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dg)] = \
                             fv[u] / den if den > ZERO else ZERO

@@ -1,0 +1,97 @@
+"""Memory instructions numba's CUDA API does not expose, as numba intrinsics (LLVM IR and
+inline PTX), with plain Python twins for the simulator.
+
+``ld4``: four float32 in one 16-byte load of read-only data (ld.global.nc.v4.f32); ``vld4``
+and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
+partials). numba's array accesses are one element each, and a warp waiting on its load
+queue, not DRAM, is what bounds the decode kernel. ``ticket``: atomicAdd(+1) with
+acquire-release semantics (atom.acq_rel.gpu), the last-block-combines handshake without
+the two sequentially consistent fences (membar.gl) that numba's threadfence would add.
+Indices are flat element offsets from the array's start, whatever its rank.
+"""
+from ..runtime.device import SIMULATOR
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+
+    def _data(context, builder, aryty, ary):
+        return context.make_array(aryty)(context, builder, ary).data
+
+    def _load4(name, invariant):
+        def typer(typingctx, arr, idx):
+            sig = types.UniTuple(types.float32, 4)(arr, idx)
+
+            def codegen(context, builder, sig, args):
+                vt = ir.VectorType(_F32, 4)
+                ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+                v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=16)
+                if invariant:   # lets the compiler use the read-only path (ld.global.nc)
+                    v.set_metadata("invariant.load", builder.module.add_metadata([]))
+                return context.make_tuple(builder, sig.return_type, [
+                    builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+            return sig, codegen
+        typer.__name__ = name
+        return typer
+
+    # (a[i], ..., a[i + 3]) in one 16-byte load, i a multiple of 4 and the data 16-byte
+    # aligned: ld4 for data the kernel only reads, vld4 for memory it also writes
+    ld4 = intrinsic(_load4("ld4", True))
+    vld4 = intrinsic(_load4("vld4", False))
+
+    @intrinsic
+    def vst4(typingctx, arr, idx, x0, x1, x2, x3):
+        """a[i: i + 4] = x0, x1, x2, x3 in one 16-byte store (i a multiple of 4, aligned)."""
+        sig = types.void(arr, idx, x0, x1, x2, x3)
+
+        def codegen(context, builder, sig, args):
+            vt = ir.VectorType(_F32, 4)
+            v = ir.Constant(vt, ir.Undefined)
+            for i in range(4):
+                x = context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+                v = builder.insert_element(v, x, ir.Constant(_I32, i))
+            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+            builder.store(v, builder.bitcast(ptr, vt.as_pointer()), align=16)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def ticket(typingctx, arr, idx):
+        """atomicAdd(&arr[idx], 1) on an int32 array with acquire-release semantics at GPU
+        scope (atom.acq_rel.gpu): the caller's writes (and, after a block barrier, its
+        block's) are visible before the ticket, and the holder of the last ticket sees
+        every earlier holder's."""
+        sig = types.int32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_I64]),
+                               "{\n\t.reg .u64 a;\n\tcvta.to.global.u64 a, $1;\n\t"
+                               "atom.acq_rel.gpu.global.add.u32 $0, [a], 1;\n\t}",
+                               "=r,l,~{memory}", side_effect=True)
+            return builder.call(asm, [builder.ptrtoint(ptr, _I64)])
+        return sig, codegen
+else:   # device functions, so the simulator hands them its cuda module as it does kernels
+    from numba import cuda
+
+    def _flat(a):    # (the index is flat, as the GPU versions' pointer arithmetic is)
+        return getattr(a, "_ary", a).reshape(-1)
+
+    @cuda.jit(device=True)
+    def ld4(a, i):
+        f = _flat(a)
+        return f[i], f[i + 1], f[i + 2], f[i + 3]
+
+    vld4 = ld4
+
+    @cuda.jit(device=True)
+    def vst4(a, i, x0, x1, x2, x3):
+        f = _flat(a)
+        f[i], f[i + 1], f[i + 2], f[i + 3] = x0, x1, x2, x3
+
+    @cuda.jit(device=True)
+    def ticket(arr, idx):
+        return cuda.atomic.add(arr, idx, 1)
