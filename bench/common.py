@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 
 
 def time_rlx(cuda, launch, stream, iters: int, warmup: int, repeats: int) -> float:
@@ -52,14 +53,24 @@ def gbps(nbytes: int, ms: float) -> float:
     return nbytes / (ms * 1e-3) / 1e9
 
 
+SETTLE_S = 2.0
+
+
 def free_device_memory(cuda, torch):
+    """Free what the last row left (torch's cache, numba's deferred frees). After a release of
+    gigabytes the GPU runs slower for a second or so: on an H100, decode Sk1024 took 34.9 us
+    and torch's 463 us right after freeing 20 GB, 30.8 and 423 two seconds later (bench_attention's
+    GQA prefill rows free ~17 GB just before its decode rows); so wait SETTLE_S then."""
     gc.collect()
     torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
     torch.cuda.empty_cache()
     try:  # numba defers frees; flush them so the next op starts from a clean heap
         cuda.current_context().deallocations.clear()
     except Exception:  # noqa: BLE001 - best effort
         pass
+    if before - torch.cuda.memory_reserved() > 1 << 30:
+        time.sleep(SETTLE_S)
 
 
 def copy_bandwidth(torch, n: int = 1 << 27) -> float:
