@@ -400,22 +400,21 @@ def decode_keys(dpl: int, rows_c: int) -> int:
 def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
     """Registers <- K (or V) of keys t0 .. t0 + kt, the lane's head dims (see _dec_dim; a key
     past k_hi reads the last key again and is scored -inf; a dim past d reads the last one,
-    and q is 0 there). pair == 4: one 16-byte load a group of 4 dims; pair == 2: ``src`` is
-    the float64 view, one 8-byte load a dim pair (fewer load instructions: the LSU queue, not
+    and q is 0 there), pair dims in one load (fewer load instructions: the LSU queue, not
     DRAM, was what a warp waited on; B8 Hkv8 Sk1024 D128 on an H100, 32.5 us a launch with
-    pairs, 32.2 with groups of 4)."""
+    8-byte pairs, 32.2 with 16-byte groups of 4)."""
     for j in range(kt):
         kk = kbase + min(t0 + j, k_hi - 1) * ks
         if pair == 4:
             for u in range(dpl // 4):
-                x4 = ptx.ld4(src, uint64(kk + min(int64(lane) * 4 + u * 128, d - 4)))
+                x4 = ptx.ld4(src, uint64(kk + min(_dec_dim(lane, 4 * u, 4), d - 4)))
                 for i in range(4):
                     r[j, 4 * u + i] = x4[i]
         elif pair == 2:
             for u in range(dpl // 2):
-                x = src[uint64((kk >> 1) + min(int64(lane) + u * 32, (d >> 1) - 1))]
-                r[j, 2 * u] = m.lo_f32(x)
-                r[j, 2 * u + 1] = m.hi_f32(x)
+                x2 = ptx.ld2(src, uint64(kk + min(_dec_dim(lane, 2 * u, 2), d - 2)))
+                r[j, 2 * u] = x2[0]
+                r[j, 2 * u + 1] = x2[1]
         else:
             for u in range(dpl):
                 r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
@@ -588,7 +587,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         for r in range(rows_c):
             if pair == 4:                 # (the lane's 4 dims are consecutive: one store)
                 for uu in range(dpl // 4):
-                    ptx.vst4(Wa, (int64(w) * rows_c + r) * dmax + int64(lane) * 4 + uu * 128,
+                    ptx.vst4(Wa, (int64(w) * rows_c + r) * dmax + _dec_dim(lane, 4 * uu, 4),
                              acc[r, 4 * uu], acc[r, 4 * uu + 1], acc[r, 4 * uu + 2],
                              acc[r, 4 * uu + 3])
             else:
@@ -684,7 +683,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     lb[i] = pl[pp] if ok else ZERO
                     if pair == 4:         # lane l: dims 4l .. 4l + 3 (+ 128 ...), as stored
                         for uu in range(dpl // 4):
-                            a4 = ptx.vld4(pacc, pp * dmax + int64(lane) * 4 + uu * 128) if ok \
+                            a4 = ptx.vld4(pacc, pp * dmax + _dec_dim(lane, 4 * uu, 4)) if ok \
                                 else (ZERO, ZERO, ZERO, ZERO)
                             for i2 in range(4):
                                 ab[i, 4 * uu + i2] = a4[i2]

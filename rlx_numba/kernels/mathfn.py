@@ -12,7 +12,6 @@ import numpy as np
 from ..runtime.device import SIMULATOR
 
 if not SIMULATOR:
-    from numba import cuda
     from numba.cuda import libdevice
 
     exp = math.exp
@@ -31,15 +30,6 @@ if not SIMULATOR:
     rint = libdevice.rintf            # round half to even
     f32_bits = libdevice.float_as_int  # float32 -> its int32 bit pattern
     bits_f32 = libdevice.int_as_float  # int32 bit pattern -> float32
-
-    # the two float32 packed in a float64 (an 8-byte load of two adjacent floats)
-    @cuda.jit(device=True)
-    def lo_f32(x):
-        return libdevice.int_as_float(libdevice.double2loint(x))
-
-    @cuda.jit(device=True)
-    def hi_f32(x):
-        return libdevice.int_as_float(libdevice.double2hiint(x))
 else:
     def _wrap(ufunc):
         def f(*args):
@@ -69,9 +59,3 @@ else:
 
     def bits_f32(i):
         return np.int32(i).view(np.float32)
-
-    def lo_f32(x):
-        return np.array([x], np.float64).view(np.float32)[0]
-
-    def hi_f32(x):
-        return np.array([x], np.float64).view(np.float32)[1]

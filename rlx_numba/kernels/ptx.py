@@ -1,7 +1,8 @@
 """Memory instructions numba's CUDA API does not expose, as numba intrinsics (LLVM IR and
 inline PTX), with plain Python twins for the simulator.
 
-``ld4``: four float32 in one 16-byte load of read-only data (ld.global.nc.v4.f32); ``vld4``
+``ld2`` / ``ld4``: two / four float32 in one 8- / 16-byte load of read-only data
+(ld.global.nc.v2.f32, .v4.f32); ``vld4``
 and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
 partials). numba's array accesses are one element each, and a warp waiting on its load
 queue, not DRAM, is what bounds the decode kernel. ``ticket``: atomicAdd(+1) with
@@ -21,26 +22,27 @@ if not SIMULATOR:
     def _data(context, builder, aryty, ary):
         return context.make_array(aryty)(context, builder, ary).data
 
-    def _load4(name, invariant):
+    def _load(name, n, invariant):
         def typer(typingctx, arr, idx):
-            sig = types.UniTuple(types.float32, 4)(arr, idx)
+            sig = types.UniTuple(types.float32, n)(arr, idx)
 
             def codegen(context, builder, sig, args):
-                vt = ir.VectorType(_F32, 4)
+                vt = ir.VectorType(_F32, n)
                 ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-                v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=16)
+                v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=4 * n)
                 if invariant:   # lets the compiler use the read-only path (ld.global.nc)
                     v.set_metadata("invariant.load", builder.module.add_metadata([]))
                 return context.make_tuple(builder, sig.return_type, [
-                    builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+                    builder.extract_element(v, ir.Constant(_I32, i)) for i in range(n)])
             return sig, codegen
         typer.__name__ = name
         return typer
 
-    # (a[i], ..., a[i + 3]) in one 16-byte load, i a multiple of 4 and the data 16-byte
-    # aligned: ld4 for data the kernel only reads, vld4 for memory it also writes
-    ld4 = intrinsic(_load4("ld4", True))
-    vld4 = intrinsic(_load4("vld4", False))
+    # (a[i], ..., a[i + n - 1]) in one 4n-byte load, i a multiple of n and the data 4n-byte
+    # aligned: ld2 and ld4 for data the kernel only reads, vld4 for memory it also writes
+    ld2 = intrinsic(_load("ld2", 2, True))
+    ld4 = intrinsic(_load("ld4", 4, True))
+    vld4 = intrinsic(_load("vld4", 4, False))
 
     @intrinsic
     def vst4(typingctx, arr, idx, x0, x1, x2, x3):
@@ -79,6 +81,11 @@ else:   # device functions, so the simulator hands them its cuda module as it do
 
     def _flat(a):    # (the index is flat, as the GPU versions' pointer arithmetic is)
         return getattr(a, "_ary", a).reshape(-1)
+
+    @cuda.jit(device=True)
+    def ld2(a, i):
+        f = _flat(a)
+        return f[i], f[i + 1]
 
     @cuda.jit(device=True)
     def ld4(a, i):

@@ -69,15 +69,13 @@ def _lower_attention(exe, n):
         pm, pl = (exe.device_array(np.zeros(part, np.float32)) for _ in range(2))
         pacc = exe.device_array(np.zeros(part * 32 * dpl, np.float32))
         count = exe.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
-        # K and V as float64 views when pairs (pair 4 loads 16 bytes itself): the buffers are
-        # aligned (arena slots are 256-byte aligned, and a view starts where its buffer does)
-        pair = A.decode_pair(d)
-        kv = args[1:3] if pair != 2 else tuple(a.view(np.float64) for a in args[1:3])
-        kern = A.decode_split(dpl, rows_c, pair, *flags)
+        # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
+        # 256-byte aligned and a view starting where its buffer does)
+        kern = A.decode_split(dpl, rows_c, A.decode_pair(d), *flags)
         return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (A.DEC_NW * 32,),
-                     (exe.buf(n), pm, pl, pacc, count, args[0], *kv, *args[3:], np.int64(chunk),
+                     (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
                      {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
     kern = A.flash(A.head_split(d), *flags)
