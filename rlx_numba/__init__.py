@@ -4,6 +4,7 @@ from .runtime.device import is_available, patch_simulator, simulator_enabled  # 
 from .ir.dtypes import DType, dtype
 from .ir.graph import Graph, Node, Tensor
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, compile, eager
+from .runtime.params import ParamStore
 
 if simulator_enabled():
     patch_simulator()
@@ -11,4 +12,4 @@ if simulator_enabled():
 __version__ = "0.1.0"
 
 __all__ = ["is_available", "simulator_enabled", "DType", "dtype", "Graph", "Node", "Tensor",
-           "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "__version__"]
+           "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "ParamStore", "__version__"]

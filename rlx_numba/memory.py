@@ -49,16 +49,20 @@ def plan(buffers: list[Buffer]) -> int:
 
 
 class MemoryReport(dict):
-    """A dict of arena statistics that prints as a small table."""
+    """A dict of arena statistics that prints as a small table. Params are not in the arena:
+    ``param_bytes`` counts those this executable added to its ParamStore, ``shared_param_bytes``
+    those it found there (another executable of the store holds them: not counted twice)."""
 
     def __str__(self) -> str:
         def mib(n):
             return f"{n / 2**20:10.3f} MiB" if n >= 2**16 else f"{n:10d} B  "
         rows = [("arena (planned)", self["arena_bytes"]),
                 ("without reuse", self["unshared_bytes"]),
-                ("  inputs", self["input_bytes"]), ("  params", self["param_bytes"]),
-                ("  constants", self["constant_bytes"]), ("  outputs", self["output_bytes"]),
-                ("  intermediates", self["intermediate_bytes"])]
+                ("  inputs", self["input_bytes"]), ("  constants", self["constant_bytes"]),
+                ("  outputs", self["output_bytes"]),
+                ("  intermediates", self["intermediate_bytes"]),
+                ("params (own)", self.get("param_bytes", 0)),
+                ("params (shared)", self.get("shared_param_bytes", 0))]
         out = [f"memory plan: {self['buffers']} buffers, {self['views']} views, "
                f"reuse saves {100 * self['saved_fraction']:.1f}%"]
         out += [f"  {name:<18}{mib(v)}" for name, v in rows]

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .. import Graph, compile
+from .. import Graph, ParamStore, compile
 from .executables import ExecutableCache
 from .weights import as_path, check_params, load_safetensors, read_json
 
@@ -178,7 +178,8 @@ def _pow2_at_least(n: int, lo: int) -> int:
 
 class BertModel:
     """A BERT encoder over rlx_numba executables (compiled per input shape and pooling, the
-    ``max_cached`` most recent kept; each holds its own copy of the weights on the device).
+    ``max_cached`` most recent kept; all of them read one device copy of the weights, a
+    ParamStore).
     ``params`` in Hugging Face BertModel names (a ``bert.`` prefix is dropped; pooler and
     pre-training heads are ignored)."""
 
@@ -197,6 +198,7 @@ class BertModel:
         self.weights = weights
         self.max_cached = max_cached
         self._exes = ExecutableCache()
+        self._store = ParamStore("bert")
 
     @classmethod
     def from_config(cls, config, seed: int = 0, std: float = 0.02, **kw) -> "BertModel":
@@ -226,9 +228,11 @@ class BertModel:
                                 lambda: self._compile(batch, seq, pooling, normalize))
 
     def _compile(self, batch, seq, pooling, normalize):
-        exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize))
+        exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize),
+                      params=self._store)
         half = self.weights != "f32"
-        for name, arr in self.params.items():
+        for name in exe.unset_params:      # the first executable of the store uploads them
+            arr = self.params[name]
             if half and arr.ndim == 2 and not name.startswith("embeddings."):   # the linears
                 exe.set_param_half(name, arr, self.weights)
             else:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .. import Graph, compile
+from .. import Graph, ParamStore, compile
 from ..runtime.executable import _exec_mode
 from .executables import ExecutableCache
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
@@ -263,8 +263,10 @@ class LlamaForCausalLM:
     checked, kept on the host as f32. ``weights`` "f16" or "bf16" stores the product weights
     half on the device (``set_param_half``: half operands, f32 accumulation). ``exec_mode`` is
     the decode graph's (the one replayed per token): "graph" by default, one CUDA graph
-    replayed per token (the simulator runs it as "stream"); the other graphs run "stream". Compiled graphs are kept per shape (the
-    ``max_cached`` most recent); each holds its own copy of the weights on the device."""
+    replayed per token (the simulator runs it as "stream"); the other graphs run "stream".
+    Compiled graphs are kept per shape (the ``max_cached`` most recent); they all read one
+    device copy of the weights (a ParamStore), and a prefill and the decode graph of the same
+    batch and cache length share their KV cache."""
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
                  exec_mode="graph", max_cached: int = 4, source="params"):
@@ -286,7 +288,8 @@ class LlamaForCausalLM:
         self.exec_mode = mode
         self.max_cached = max_cached
         self._exes = ExecutableCache()
-        self._kv_owner: dict = {}      # id(decode executable) -> the generation using its cache
+        self._store = ParamStore("llama")  # one device copy of the weights for every graph
+        self._kv_owner: dict = {}      # (batch, cache rows) -> the generation using that cache
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -362,18 +365,18 @@ class LlamaForCausalLM:
         t, k, p = sampling
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
                         top_k=k, top_p=p)
-        exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream")
+        exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
+                      params=self._store)
         half = set(product_weights(self.config)) if self.weights != "f32" else set()
-        for name, arr in self.params.items():
-            if name in half:
-                exe.set_param_half(name, arr, self.weights)
+        caches = set(cache_names(self.config))
+        for name in exe.unset_params:   # the first executable of the store uploads them
+            if name in caches:          # rows past the prompt are never read; zeros keep them tidy
+                exe.set_param(name, np.zeros((batch, self.config.num_key_value_heads, cache_len,
+                                              self.config.head_dim), np.float32))
+            elif name in half:
+                exe.set_param_half(name, self.params[name], self.weights)
             else:
-                exe.set_param(name, arr)
-        if kind == "prefill":       # rows past the prompt are never read; zeros keep them tidy
-            zeros = np.zeros((batch, self.config.num_key_value_heads, cache_len,
-                              self.config.head_dim), np.float32)
-            for name in cache_names(self.config):
-                exe.set_param(name, zeros)
+                exe.set_param(name, self.params[name])
         return exe
 
     def _ids(self, input_ids, what: str) -> np.ndarray:
@@ -440,19 +443,17 @@ class LlamaForCausalLM:
         def seed_of(step):             # Philox streams of adjacent keys are independent
             return np.array([(int(seed) + step) % 2**63], np.int64)
 
+        # the prefill writes the KV cache that the decode graph of its shape reads (one store
+        # entry): from here on, a stream of the same shape that started before reads garbage
+        owner = self._kv_owner[(b, cap)] = object()
         outs = pre.run({"input_ids": ids, "seed": seed_of(0)}, outputs="view")
         tok = outs[0].copy_to_host().astype(np.int64)
-        owner = object()
-        if dec is not None:
-            for name, view in zip(cache_names(self.config), outs[2:]):
-                dec.set_param(name, view)            # device-to-device: the prompt's keys/values
-            self._kv_owner[id(dec)] = owner
         done = np.isin(tok, list(eos)) if eos else np.zeros(b, bool)
         yield tok
         for step in range(1, max_new_tokens):
             if done.all():
                 return
-            if self._kv_owner.get(id(dec)) is not owner:
+            if self._kv_owner.get((b, cap)) is not owner:
                 raise RuntimeError("LlamaForCausalLM.generate_stream: another generation of the "
                                    f"same shape (batch {b}, cache {cap}) started on this model "
                                    "and replaced this one's KV cache; run them one after the "

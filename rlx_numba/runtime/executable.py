@@ -18,6 +18,7 @@ from . import (lower, lower_attention, lower_matmul, lower_norm, lower_reduce,  
                lower_rope, lower_sample, lower_shape)            # (each registers its lowerings)
 from . import trace
 from .device import SIMULATOR
+from .params import ParamStore, check_store
 
 log = logging.getLogger("rlx_numba")
 
@@ -97,8 +98,11 @@ def _as_device_array(x):
 class CudaExecutable:
     """A compiled graph: an arena, bound Steps, and run()."""
 
-    def __init__(self, graph: Graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
+    def __init__(self, graph: Graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
+                 params: ParamStore | None = None):
         self.graph = graph
+        # params live in a store, shared with the other executables compiled against it
+        self.params = ParamStore(graph.name) if check_store(params) is None else params
         self.compile_mode = _compile_mode(compile_mode)
         self.exec_mode = _exec_mode(exec_mode)
         if not graph.outputs:
@@ -124,20 +128,21 @@ class CudaExecutable:
         self.fusion = fusion.fuse(graph, self._live, self._root, self._is_view)
         self._plan_memory()
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
+        self._params = {n.name: n for n in nodes if n.op == "param"}
+        self._param_mem = {}                 # param node id -> its flat uint8 store array
+        self._bind_params()
         self._bufs = {}                      # node id -> flat device view of its storage
         for nid in self._root:
             if nid not in self.fusion.interior:
                 self._bufs[nid] = self._flat(nid)
         self._inputs = {n.name: n for n in nodes if n.op == "input"}
-        self._params = {n.name: n for n in nodes if n.op == "param"}
-        self._unset = set(self._params)
+        self._unset = {name for name, n in self._params.items() if not self._entry(n).is_set}
         for n in nodes:
             if n.op == "constant" and n.id in self._live and n.size:
                 self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
         self._extra = []                     # small device arrays steps own (batch offsets)
         self._owned = {}                     # node id -> those its steps own (a re-plan drops them)
         self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
-        self._half = {}                      # param name -> (half dtype, device array)
         self._views = {}                     # output node id -> its arena view (run "view")
         self._node_steps = {}                # node id -> its bound steps, in graph order
         for n in nodes:
@@ -174,8 +179,9 @@ class CudaExecutable:
         self._loop_steps = trace.nvtx_wrapped(self.steps)
 
     @classmethod
-    def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM):
-        return cls(graph, compile_mode, exec_mode)
+    def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
+                     params: ParamStore | None = None):
+        return cls(graph, compile_mode, exec_mode, params)
 
     # ---- compile-time pieces ------------------------------------------------------------------
     def _is_view(self, n) -> bool:
@@ -220,10 +226,16 @@ class CudaExecutable:
             if b.pinned:
                 b.start, b.end = 0, last
         self.buffers = bufs
-        self.arena_bytes = plan(list(bufs.values()))
-        by = {"input": 0, "param": 0, "constant": 0}
-        out_b = inter = 0
+        # params live in the store, not the arena; their Buffers only give them byte ranges
+        # of their own, past the arena's (schedule.py orders steps by those ranges)
+        in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"]
+        self.arena_bytes = top = plan(in_arena)
         for b in bufs.values():
+            if nodes[b.key].op == "param":
+                b.offset, top = top, top + b.size
+        by = {"input": 0, "constant": 0}
+        out_b = inter = 0
+        for b in in_arena:
             op = nodes[b.key].op
             if op in by:
                 by[op] += b.size
@@ -231,18 +243,37 @@ class CudaExecutable:
                 out_b += b.size
             else:
                 inter += b.size
-        unshared = sum(b.size for b in bufs.values())
+        unshared = sum(b.size for b in in_arena)
         self._report = MemoryReport(
-            arena_bytes=self.arena_bytes, unshared_bytes=unshared, buffers=len(bufs), views=views,
-            input_bytes=by["input"], param_bytes=by["param"], constant_bytes=by["constant"],
+            arena_bytes=self.arena_bytes, unshared_bytes=unshared, buffers=len(in_arena),
+            views=views, input_bytes=by["input"], constant_bytes=by["constant"],
             output_bytes=out_b, intermediate_bytes=inter,
             saved_fraction=1 - self.arena_bytes / unshared if unshared else 0.0)
 
+    def _bind_params(self):
+        """Bind every param to its store entry (created there, or found: shared)."""
+        own = shared = 0
+        for n in self._params.values():
+            e, mem, created = self.params.bind(self, n, n.id in self.transposed)
+            self._param_mem[n.id] = mem
+            if created:
+                own += e.nbytes
+            else:
+                shared += e.nbytes
+        self._report.update(param_bytes=own, shared_param_bytes=shared)
+
+    def _entry(self, node):
+        return self.params.entry(node)
+
     def _flat(self, nid):
         n = self.graph.nodes[nid]
-        b = self.buffers[self._root[nid]]
+        root = self._root[nid]
         storage = n.dtype.storage
         count = max(n.size, 1)
+        mem = self._param_mem.get(root)
+        if mem is not None:
+            return mem[:count * storage.itemsize].view(storage)
+        b = self.buffers[root]
         return self.arena[b.offset:b.offset + count * storage.itemsize].view(storage)
 
     def device_array(self, host):
@@ -257,7 +288,10 @@ class CudaExecutable:
 
     def half_param(self, node):
         """(half dtype, device array) when the param ``node`` was set by set_param_half."""
-        return self._half.get(node.name) if node.op == "param" else None
+        if node.op != "param":
+            return None
+        half = self._entry(node).half
+        return None if half is None else (half[0], half[1][node.id in self.transposed])
 
     def add_index_check(self, node, lo: int, hi: int, what: str) -> None:
         """Have run() check that the index tensor ``node`` holds only values in [lo, hi] when
@@ -316,6 +350,11 @@ class CudaExecutable:
     def param_names(self):
         return list(self._params)
 
+    @property
+    def unset_params(self) -> list:
+        """The params nobody has set yet (through this executable or another of its store)."""
+        return [k for k, n in self._params.items() if not self._entry(n).is_set]
+
     def set_param(self, name: str, value) -> None:
         """Copy a weight to the device; checks the name, shape and dtype."""
         node = self._params.get(name)
@@ -326,6 +365,8 @@ class CudaExecutable:
         dev = _as_device_array(value)
         if dev is not None:
             self._copy_in(node, dev, "set_param")
+            self.params.refresh_layouts(node, node.id in self.transposed, self.stream)
+            self.params.mark_set(node)
         else:
             arr = np.asarray(value)
             if arr.dtype != node.dtype.host and not np.can_cast(arr.dtype, node.dtype.host, "same_kind"):
@@ -334,12 +375,28 @@ class CudaExecutable:
             if tuple(arr.shape) != node.shape:
                 raise ValueError(f"set_param {name!r}: expected shape {fmt(node.shape)}, got "
                                  f"{fmt(arr.shape)}")
-            if node.size:
-                host = arr.astype(node.dtype.host)
-                self._bufs[node.id].copy_to_device(self._storage(self._layout(node, host), node.dtype))
+            self.params.set_host(node, arr.astype(node.dtype.host))
         self._unset.discard(name)
-        if self._half.pop(name, None) is not None:
-            self._relower_products(node)
+
+    def get_param(self, name: str) -> np.ndarray:
+        """A param's value back from the device as numpy, as it was set (a weight stored
+        transposed comes back in its logical shape; a half-stored one as its rounded f32)."""
+        node = self._params.get(name)
+        if node is None:
+            known = ", ".join(self._params) or "none"
+            raise ValueError(f"get_param: graph {self.graph.name!r} has no param {name!r} "
+                             f"(params: {known})")
+        if name in self._unset:
+            self._unset = {k for k in self._unset if not self._entry(self._params[k]).is_set}
+            if name in self._unset:
+                raise ValueError(f"get_param {name!r}: the param was never set")
+        self.stream.synchronize()
+        if not node.size:
+            return np.empty(node.shape, node.dtype.host)
+        host = self._bufs[node.id][:node.size].copy_to_host().view(node.dtype.host)
+        if node.id in self.transposed:
+            return np.ascontiguousarray(host.reshape(node.shape[::-1]).T)
+        return host.reshape(node.shape)
 
     def set_param_half(self, name: str, value, dtype: str) -> None:
         """Store an f32 weight on the device as f16 or bf16 (``dtype``): the products that take
@@ -364,18 +421,14 @@ class CudaExecutable:
                              f"{fmt(arr.shape)}")
         if not np.issubdtype(arr.dtype, np.floating) and arr.dtype != dt.BF16.host:
             raise ValueError(f"set_param_half {name!r}: expected a float array, got {arr.dtype}")
-        hdt = dt.dtype(dtype)
-        half = np.ascontiguousarray(self._layout(node, arr.astype(hdt.host)))
-        dev = self._cuda.to_device(half.view(hdt.storage).reshape(-1)) if node.size else None
-        if node.size:
-            self._bufs[node.id].copy_to_device(half.astype(np.float32).reshape(-1))
-        self._half[name] = (hdt, dev)
+        self.params.set_half(node, arr, dt.dtype(dtype))
         self._unset.discard(name)
-        self._relower_products(node)
 
-    def _layout(self, node, host):
-        """A host value as the param's storage holds it (a weight stored transposed: .T)."""
-        return host.T if node.id in self.transposed else host
+    def _relower_products_named(self, name):
+        """The store says param ``name`` changed its half copy: plan its products again."""
+        node = self._params.get(name)
+        if node is not None and getattr(self, "steps", None) is not None:   # compiled
+            self._relower_products(node)
 
     def _relower_products(self, param):
         """Plan again the products whose weight is ``param`` (its storage changed)."""
@@ -489,6 +542,8 @@ class CudaExecutable:
         missing = [k for k in self._inputs if k not in inputs]
         if missing:
             raise ValueError(f"run: missing input(s) {', '.join(map(repr, missing))}")
+        if self._unset:     # (another executable of the store may have set them since)
+            self._unset = {k for k in self._unset if not self._entry(self._params[k]).is_set}
         if self._unset:
             raise ValueError(f"run: param(s) never set: {', '.join(sorted(self._unset))}; call "
                              f"set_param() first")
@@ -540,9 +595,12 @@ def _progress(items, desc: str):
     return tqdm(items, desc=desc, unit="kernel", leave=False, file=sys.stderr)
 
 
-def compile(graph: Graph, compile_mode="jit", exec_mode="stream") -> CudaExecutable:  # noqa: A001
-    """Compile a graph: validate, plan memory, lower every node to a bound Step."""
-    return CudaExecutable(graph, compile_mode, exec_mode)
+def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
+            params: ParamStore | None = None) -> CudaExecutable:
+    """Compile a graph: validate, plan memory, lower every node to a bound Step. ``params``:
+    a ParamStore shared with other executables (one device copy of their params, set through
+    any of them); by default the executable gets a store of its own."""
+    return CudaExecutable(graph, compile_mode, exec_mode, params)
 
 
 def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):

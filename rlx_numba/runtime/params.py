@@ -1,0 +1,173 @@
+"""ParamStore: the device copies of params, shared by the executables that compile against it.
+
+A model compiles many graphs (forward, prefill, decode, one per shape); each reads the same
+weights. Every executable binds its params from a store (its own, private one unless
+``compile(..., params=store)`` hands it a shared one), so the weights sit on the device once
+and a ``set_param`` through any executable is seen by all of them. The arena plans only
+activations.
+
+An entry is keyed by (name, shape, dtype): a KV cache param of another batch size is another
+entry. Its storage layout (row-major, or [N, K] for a 2-D weight read only by products, see
+lower_matmul.transposed_weights) is per executable, so an entry keeps one device copy per
+layout asked for, all rewritten by every set. A weight stored half by ``set_param_half`` has
+its half copy here too, and every executable reading it re-plans its products. An entry
+lives while an executable uses it.
+"""
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ..memory import ALIGN
+
+
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
+class _Entry:
+    __slots__ = ("name", "shape", "dtype", "copies", "half", "is_set", "users", "count")
+
+    def __init__(self, name, shape, dtype):
+        self.name, self.shape, self.dtype = name, tuple(shape), dtype
+        self.copies = {}      # transposed (bool) -> flat uint8 device array
+        self.half = None      # (half DType, {transposed: device array}) after set_param_half
+        self.is_set = False
+        self.users = weakref.WeakSet()   # executables bound to it (to re-plan their products)
+        self.count = 0                   # how many of them are alive
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+class ParamStore:
+    """Device copies of params shared by executables (see the module docstring).
+
+    ``store.nbytes`` is what its copies take on the device; ``len(store)`` counts entries."""
+
+    def __init__(self, name: str = "params"):
+        self.name = name
+        self._entries: dict[tuple, _Entry] = {}
+
+    # ---- binding (compile time) -------------------------------------------------------------
+    def bind(self, exe, node, transposed: bool):
+        """The flat uint8 device array holding ``node``'s value in the layout ``transposed``
+        for ``exe``; (array, created) where ``created`` says the bytes are new to the store."""
+        key = (node.name, tuple(node.shape), node.dtype)
+        e = self._entries.get(key)
+        created = e is None
+        if created:
+            e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
+        buf = e.copies.get(transposed)
+        if buf is None:
+            nbytes = -(-max(e.nbytes, 1) // ALIGN) * ALIGN
+            buf = e.copies[transposed] = _cuda().device_array(nbytes, dtype=np.uint8)
+            created = True
+            if e.is_set and e.size:          # derive the new layout from the other one
+                _transpose_into(buf, e.copies[not transposed], e, transposed, exe.stream)
+        if e.half is not None and transposed not in e.half[1]:
+            hdt, halves = e.half
+            other = next(iter(halves.values()))
+            halves[transposed] = _half_relayout(other, e, hdt, transposed)
+        e.users.add(exe)
+        e.count += 1
+        weakref.finalize(exe, self._release, key)
+        return e, buf, created
+
+    def _release(self, key):
+        e = self._entries.get(key)
+        if e is not None:
+            e.count -= 1
+            if not e.count:
+                del self._entries[key]
+
+    # ---- values ---------------------------------------------------------------------------------
+    def entry(self, node) -> _Entry:
+        return self._entries[(node.name, tuple(node.shape), node.dtype)]
+
+    def set_host(self, node, host: np.ndarray) -> None:
+        """Write a host value (already of the param's dtype and shape) to every layout."""
+        e = self.entry(node)
+        if e.size:
+            for transposed, buf in e.copies.items():
+                v = host.T if transposed else host
+                buf[:e.nbytes].view(e.dtype.storage).copy_to_device(
+                    np.ascontiguousarray(v).view(e.dtype.storage).reshape(-1))
+        self._set(e, None)
+
+    def set_half(self, node, host: np.ndarray, hdt) -> None:
+        """Store a float host value half (``hdt``) for products, and its half-rounded f32 for
+        everything else."""
+        e = self.entry(node)
+        rounded = host.astype(hdt.host)
+        halves = {}
+        for transposed in e.copies:
+            v = np.ascontiguousarray(rounded.T if transposed else rounded)
+            halves[transposed] = _cuda().to_device(v.view(hdt.storage).reshape(-1)) if e.size else None
+        self.set_host(node, rounded.astype(np.float32))
+        self._set(e, (hdt, halves))
+
+    def refresh_layouts(self, node, written: bool, stream) -> None:
+        """After a device-side write into the layout ``written``: rewrite the other one."""
+        e = self.entry(node)
+        other = e.copies.get(not written)
+        if other is not None and e.size:
+            _transpose_into(other, e.copies[written], e, not written, stream)
+
+    def mark_set(self, node) -> None:
+        """A device-side write (set_param from a device array) filled the executable's layout;
+        the caller has refreshed the other layouts."""
+        self._set(self.entry(node), None)
+
+    def _set(self, e: _Entry, half) -> None:
+        had_half = e.half is not None
+        e.half, e.is_set = half, True
+        if had_half or half is not None:     # products that read it plan their tier again
+            for exe in list(e.users):
+                exe._relower_products_named(e.name)
+
+    # ---- reporting ------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        total = 0
+        for e in self._entries.values():
+            total += len(e.copies) * e.nbytes
+            if e.half is not None:
+                total += len(e.half[1]) * e.size * e.half[0].itemsize
+        return total
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self):
+        return f"ParamStore({self.name!r}, {len(self)} params, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def _transpose_into(dst, src, e: _Entry, to_transposed: bool, stream) -> None:
+    """dst <- src in the other layout of a 2-D entry (device to device)."""
+    from .lower_shape import transpose_matrix
+    rows, cols = e.shape if to_transposed else e.shape[::-1]
+    st = e.dtype.storage
+    transpose_matrix(dst[:e.nbytes].view(st), src[:e.nbytes].view(st), rows, cols, stream)
+    stream.synchronize()
+
+
+def _half_relayout(other, e: _Entry, hdt, transposed: bool):
+    """The half copy in the layout ``transposed`` from the one in the other layout."""
+    host = other.copy_to_host().view(hdt.host).reshape(e.shape[::-1] if transposed else e.shape)
+    return _cuda().to_device(np.ascontiguousarray(host.T).view(hdt.storage).reshape(-1))
+
+
+def check_store(params, what: str = "compile"):
+    if params is not None and not isinstance(params, ParamStore):
+        raise ValueError(f"{what}: params must be a rlx_numba.ParamStore (shared device "
+                         f"params), got {type(params).__name__}")
+    return params
+

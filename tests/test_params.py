@@ -1,0 +1,204 @@
+"""ParamStore: executables compiled against one store share one device copy of their params."""
+import gc
+
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from rlx_numba.ir import dtypes as dt
+
+
+def _mlp(name, k=7, n=5, m=3):
+    g = rlx.Graph(name)
+    x = g.input("x", (m, k), "f32")
+    w = g.param("w", (k, n), "f32")
+    b = g.param("b", (n,), "f32")
+    g.set_outputs([g.linear(x, w, b, activation="relu")])
+    return g
+
+
+def _ref(x, w, b):
+    return np.maximum(x.astype(np.float64) @ w + b, 0)
+
+
+def test_two_executables_share_one_copy():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((7, 5)).astype(np.float32)
+    b = rng.standard_normal(5).astype(np.float32)
+    store = rlx.ParamStore("mlp")
+    e1 = rlx.compile(_mlp("a", m=3), params=store)
+    e2 = rlx.compile(_mlp("b", m=4), params=store)     # another shape of the same model
+    e1.set_param("w", w)
+    e1.set_param("b", b)
+    x = rng.standard_normal((4, 7)).astype(np.float32)
+    np.testing.assert_allclose(e2.run({"x": x})[0], _ref(x, w, b), rtol=1e-5, atol=1e-5)
+    r1, r2 = e1.memory_report(), e2.memory_report()
+    assert r1["param_bytes"] == (7 * 5 + 5) * 4 and r1["shared_param_bytes"] == 0
+    assert r2["param_bytes"] == 0 and r2["shared_param_bytes"] == (7 * 5 + 5) * 4
+    assert "params (shared)" in str(r2)
+    assert store.nbytes == (7 * 5 + 5) * 4 and len(store) == 2
+    # a new value through the second is what the first reads
+    w2 = rng.standard_normal((7, 5)).astype(np.float32)
+    e2.set_param("w", w2)
+    x3 = rng.standard_normal((3, 7)).astype(np.float32)
+    np.testing.assert_allclose(e1.run({"x": x3})[0], _ref(x3, w2, b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(e1.get_param("w"), w2)
+
+
+def test_private_stores_by_default():
+    rng = np.random.default_rng(1)
+    e1, e2 = rlx.compile(_mlp("a")), rlx.compile(_mlp("b"))
+    w = rng.standard_normal((7, 5)).astype(np.float32)
+    e1.set_param("w", w)
+    e1.set_param("b", np.zeros(5, np.float32))
+    assert e2.memory_report()["param_bytes"] == (7 * 5 + 5) * 4
+    with pytest.raises(ValueError, match=r"param\(s\) never set: b, w"):
+        e2.run({"x": np.ones((3, 7), np.float32)})
+    with pytest.raises(ValueError, match="get_param 'w': the param was never set"):
+        e2.get_param("w")
+
+
+def test_two_layouts_stay_in_step():
+    """A weight read only by products is stored [N, K]; a graph that also reads it
+    element-wise stores it [K, N]. One store keeps both copies equal."""
+    rng = np.random.default_rng(2)
+    store = rlx.ParamStore()
+    e_t = rlx.compile(_mlp("products"), params=store)
+    g = rlx.Graph("elementwise")
+    w = g.param("w", (7, 5), "f32")
+    g.set_outputs([g.exp(w)])
+    # compiled after the weight was set: its layout is derived on the device
+    w1 = rng.standard_normal((7, 5)).astype(np.float32)
+    e_t.set_param("w", w1)
+    e_t.set_param("b", np.zeros(5, np.float32))
+    e_n = rlx.compile(g, params=store)
+    assert e_n.transposed == set() and e_t.transposed
+    np.testing.assert_allclose(e_n.run()[0], np.exp(w1), rtol=1e-6)
+    # a device array through the row-major one reaches the [N, K] copy
+    from numba import cuda
+    w2 = rng.standard_normal((7, 5)).astype(np.float32)
+    e_n.set_param("w", cuda.to_device(w2))
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    np.testing.assert_allclose(e_t.run({"x": x})[0], _ref(x, w2, 0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(e_t.get_param("w"), w2)
+    np.testing.assert_array_equal(e_n.get_param("w"), w2)
+    assert store.nbytes == 2 * 7 * 5 * 4 + 5 * 4
+
+
+def test_half_weight_is_seen_by_every_executable():
+    rng = np.random.default_rng(3)
+    store = rlx.ParamStore()
+    e1 = rlx.compile(_mlp("a"), params=store)
+    e2 = rlx.compile(_mlp("b", m=2), params=store)
+    w = rng.standard_normal((7, 5)).astype(np.float32)
+    e1.set_param_half("w", w, "bf16")
+    e1.set_param("b", np.zeros(5, np.float32))
+    wh = w.astype(dt.BF16.host).astype(np.float32)
+    for e in (e1, e2):
+        hdt, dev = e.half_param(e._params["w"])
+        assert hdt == dt.BF16
+        np.testing.assert_array_equal(
+            dev.copy_to_host().view(dt.BF16.host).astype(np.float32).reshape(5, 7), wh.T)
+        np.testing.assert_array_equal(e.get_param("w"), wh)
+    x = rng.standard_normal((2, 7)).astype(np.float32)
+    np.testing.assert_allclose(e2.run({"x": x})[0], _ref(x, wh, 0), rtol=2e-2, atol=2e-2)
+    e2.set_param("w", w)                    # back to f32 for both
+    assert e1.half_param(e1._params["w"]) is None
+    np.testing.assert_array_equal(e1.get_param("w"), w)
+
+
+def test_kv_cache_written_by_one_is_read_by_the_other():
+    """A prefill-like graph writes a cache param in place; a second graph reads it."""
+    rng = np.random.default_rng(4)
+    store = rlx.ParamStore()
+    gw = rlx.Graph("write")
+    cache = gw.param("cache", (1, 2, 6, 3), "f32")
+    new = gw.input("new", (1, 2, 2, 3), "f32")
+    gw.set_outputs([gw.kv_write(cache, new, 1)])
+    gr = rlx.Graph("read")
+    c = gr.param("cache", (1, 2, 6, 3), "f32")
+    gr.set_outputs([c * 2.0])
+    ew, er = rlx.compile(gw, params=store), rlx.compile(gr, params=store)
+    ew.set_param("cache", np.zeros((1, 2, 6, 3), np.float32))
+    v = rng.standard_normal((1, 2, 2, 3)).astype(np.float32)
+    ew.run({"new": v})
+    want = np.zeros((1, 2, 6, 3), np.float32)
+    want[:, :, 1:3] = v
+    np.testing.assert_array_equal(er.run()[0], 2 * want)
+    assert er.memory_report()["param_bytes"] == 0
+
+
+def test_shapes_and_dtypes_are_separate_entries():
+    store = rlx.ParamStore()
+    g1, g2 = rlx.Graph("a"), rlx.Graph("b")
+    g1.set_outputs([g1.exp(g1.param("p", (3,), "f32"))])
+    g2.set_outputs([g2.exp(g2.param("p", (4,), "f32"))])
+    e1, e2 = rlx.compile(g1, params=store), rlx.compile(g2, params=store)
+    e1.set_param("p", np.ones(3, np.float32))
+    with pytest.raises(ValueError, match="never set: p"):
+        e2.run()
+    assert len(store) == 2
+
+
+def test_entries_go_with_their_last_executable():
+    store = rlx.ParamStore()
+    e1 = rlx.compile(_mlp("a"), params=store)
+    e2 = rlx.compile(_mlp("b"), params=store)
+    e1.set_param("b", np.ones(5, np.float32))
+    del e1
+    gc.collect()
+    assert len(store) == 2                  # e2 still reads both
+    np.testing.assert_array_equal(e2.get_param("b"), np.ones(5, np.float32))
+    del e2
+    gc.collect()
+    assert len(store) == 0 and store.nbytes == 0
+
+
+def test_bad_store_and_unknown_param():
+    with pytest.raises(ValueError, match="compile: params must be a rlx_numba.ParamStore"):
+        rlx.compile(_mlp("a"), params={"w": 1})
+    e = rlx.compile(_mlp("a"))
+    with pytest.raises(ValueError, match="get_param: graph 'a' has no param 'q'"):
+        e.get_param("q")
+
+
+def test_llama_graphs_share_weights_and_kv_cache():
+    """A model's forward, prefill and decode graphs read one copy of the weights, and a prefill
+    and the decode graph of one shape one KV cache (no copy between them)."""
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    from rlx_numba.models.llama import llama_param_shapes
+    cfg = LlamaConfig(vocab_size=29, hidden_size=16, intermediate_size=19, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=True)
+    m = LlamaForCausalLM.from_config(cfg, seed=1, std=0.3)
+    weights = sum(int(np.prod(s)) * 4 for s in llama_param_shapes(cfg).values())
+    fwd = m.executable("forward", 1, 3)
+    pre = m.executable("prefill", 1, 3, 16)
+    dec = m.executable("decode", 1, 1, 16)
+    assert fwd.memory_report()["param_bytes"] == weights
+    for e in (pre, dec):
+        assert e.memory_report()["shared_param_bytes"] >= weights
+    cache = 2 * 1 * 1 * 16 * 8 * 4          # k and v: [batch, kv heads, rows, head dim] f32
+    assert pre.memory_report()["param_bytes"] == cache
+    assert dec.memory_report()["param_bytes"] == 0      # its cache is the prefill's
+    assert m._store.nbytes == weights + cache
+    prompt = np.array([[3, 17, 5]])
+    out = m.generate(prompt, 4)
+    seq = prompt
+    for _ in range(4):                                  # no cache: the whole sequence a token
+        seq = np.concatenate([seq, m(seq)[:, -1].argmax(-1)[:, None]], 1)
+    np.testing.assert_array_equal(out, seq)
+
+
+def test_bert_executables_share_weights():
+    from rlx_numba.models import BertConfig, BertModel
+    cfg = BertConfig(vocab_size=31, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=20, max_position_embeddings=16)
+    m = BertModel.from_config(cfg, seed=2)
+    ids = np.array([[2, 7, 30, 1]])
+    a = m.run(ids)
+    e1, e2 = m.executable(1, 4), m.executable(2, 4)
+    assert e2.memory_report()["param_bytes"] == 0
+    assert e2.memory_report()["shared_param_bytes"] == e1.memory_report()["param_bytes"] > 0
+    np.testing.assert_allclose(m.run(np.concatenate([ids, ids[:, ::-1]]))[:1], a, rtol=1e-5,
+                               atol=1e-5)
