@@ -181,7 +181,8 @@ def test_llama_graphs_share_weights_and_kv_cache():
     cache = 2 * 1 * 1 * 16 * 8 * 4          # k and v: [batch, kv heads, rows, head dim] f32
     assert pre.memory_report()["param_bytes"] == cache
     assert dec.memory_report()["param_bytes"] == 0      # its cache is the prefill's
-    assert m._store.nbytes == weights + cache
+    assert m._exes.params.nbytes == weights + cache
+    assert pre.stream is dec.stream is fwd.stream
     prompt = np.array([[3, 17, 5]])
     out = m.generate(prompt, 4)
     seq = prompt

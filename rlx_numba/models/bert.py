@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
-from .. import Graph, ParamStore, compile
+from .. import Graph, compile
 from .executables import ExecutableCache
 from .weights import as_path, check_params, load_safetensors, read_json
 
@@ -197,8 +197,7 @@ class BertModel:
         self.params = check_params(bert_param_shapes(config), params, source, ignore=self.IGNORED)
         self.weights = weights
         self.max_cached = max_cached
-        self._exes = ExecutableCache()
-        self._store = ParamStore("bert")
+        self._exes = ExecutableCache("bert")
 
     @classmethod
     def from_config(cls, config, seed: int = 0, std: float = 0.02, **kw) -> "BertModel":
@@ -229,7 +228,7 @@ class BertModel:
 
     def _compile(self, batch, seq, pooling, normalize):
         exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize),
-                      params=self._store)
+                      params=self._exes.params, stream=self._exes.stream)
         half = self.weights != "f32"
         for name in exe.unset_params:      # the first executable of the store uploads them
             arr = self.params[name]

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from .. import Graph, ParamStore, compile
+from .. import Graph, compile
 from ..runtime.executable import _exec_mode
 from .executables import ExecutableCache
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
@@ -265,8 +265,8 @@ class LlamaForCausalLM:
     the decode graph's (the one replayed per token): "graph" by default, one CUDA graph
     replayed per token (the simulator runs it as "stream"); the other graphs run "stream".
     Compiled graphs are kept per shape (the ``max_cached`` most recent); they all read one
-    device copy of the weights (a ParamStore), and a prefill and the decode graph of the same
-    batch and cache length share their KV cache."""
+    device copy of the weights (a ParamStore) and run on one stream, and a prefill and the
+    decode graph of the same batch and cache length share their KV cache."""
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
                  exec_mode="graph", max_cached: int = 4, source="params"):
@@ -287,8 +287,7 @@ class LlamaForCausalLM:
         self.weights = weights
         self.exec_mode = mode
         self.max_cached = max_cached
-        self._exes = ExecutableCache()
-        self._store = ParamStore("llama")  # one device copy of the weights for every graph
+        self._exes = ExecutableCache("llama")   # with one device copy of the weights
         self._kv_owner: dict = {}      # (batch, cache rows) -> the generation using that cache
 
     # ---- constructors ---------------------------------------------------------------------------
@@ -366,7 +365,7 @@ class LlamaForCausalLM:
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
                         top_k=k, top_p=p)
         exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
-                      params=self._store)
+                      params=self._exes.params, stream=self._exes.stream)
         half = set(product_weights(self.config)) if self.weights != "f32" else set()
         caches = set(cache_names(self.config))
         for name in exe.unset_params:   # the first executable of the store uploads them

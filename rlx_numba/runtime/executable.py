@@ -99,7 +99,7 @@ class CudaExecutable:
     """A compiled graph: an arena, bound Steps, and run()."""
 
     def __init__(self, graph: Graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
-                 params: ParamStore | None = None):
+                 params: ParamStore | None = None, stream=None):
         self.graph = graph
         # params live in a store, shared with the other executables compiled against it
         self.params = ParamStore(graph.name) if check_store(params) is None else params
@@ -110,7 +110,9 @@ class CudaExecutable:
         self._outputs = list(graph.outputs)  # the graph may grow later; this executable won't
         cuda = _cuda()
         self._cuda = cuda
-        self.stream = cuda.stream()
+        # executables that run one after another (a model's graphs) may share a stream, and
+        # with it their cuBLAS handle and 32 MiB workspace (one per stream)
+        self.stream = cuda.stream() if stream is None else stream
         nodes = graph.nodes
         # transposes read by products through an op-T flag: views of their input
         self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
@@ -180,8 +182,8 @@ class CudaExecutable:
 
     @classmethod
     def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
-                     params: ParamStore | None = None):
-        return cls(graph, compile_mode, exec_mode, params)
+                     params: ParamStore | None = None, stream=None):
+        return cls(graph, compile_mode, exec_mode, params, stream)
 
     # ---- compile-time pieces ------------------------------------------------------------------
     def _is_view(self, n) -> bool:
@@ -596,11 +598,13 @@ def _progress(items, desc: str):
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
-            params: ParamStore | None = None) -> CudaExecutable:
+            params: ParamStore | None = None, stream=None) -> CudaExecutable:
     """Compile a graph: validate, plan memory, lower every node to a bound Step. ``params``:
     a ParamStore shared with other executables (one device copy of their params, set through
-    any of them); by default the executable gets a store of its own."""
-    return CudaExecutable(graph, compile_mode, exec_mode, params)
+    any of them); by default the executable gets a store of its own. ``stream``: the numba
+    stream its work is queued on (default: a new one), e.g. one stream for the graphs of a
+    model, which run one after another."""
+    return CudaExecutable(graph, compile_mode, exec_mode, params, stream)
 
 
 def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):
