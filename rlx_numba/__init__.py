@@ -1,9 +1,10 @@
 """rlx_numba: a pure-Python CUDA backend (numba-cuda kernels, cuBLAS through ctypes) for an
 RLX-style graph IR. Runs under the numba CUDA simulator when there is no GPU."""
-from .runtime.device import is_available, patch_simulator, simulator_enabled  # first: decides the simulator
+from .device import is_available, patch_simulator, simulator_enabled  # first: decides the simulator
 from .ir.dtypes import DType, dtype
 from .ir.graph import Graph, Node, Tensor
-from .runtime.executable import CompileMode, CudaExecutable, ExecMode, compile, eager
+from .runtime.executable import CompileMode, CudaExecutable, ExecMode
+from .compiler import compile, eager
 from .runtime.params import ParamStore
 
 if simulator_enabled():

@@ -27,7 +27,7 @@ def info() -> int:
     import numpy as np
 
     import rlx_numba as rlx
-    from rlx_numba.runtime.device import device_info, _probe_driver
+    from rlx_numba.device import device_info, _probe_driver
 
     try:
         from importlib.metadata import version

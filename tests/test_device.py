@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import rlx_numba as rlx
-from rlx_numba.runtime.device import _probe_driver
+from rlx_numba.device import _probe_driver
 
 HAS_DRIVER = _probe_driver()["ok"]
 

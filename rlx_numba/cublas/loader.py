@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..runtime.device import driver_version
+from ..device import driver_version
 
 MAJORS = (13, 12)
 WHEEL_DIRS = {13: {"cublas": "nvidia/cu13/lib", "cublasLt": "nvidia/cu13/lib", "nvrtc": "nvidia/cu13/lib"},

@@ -36,7 +36,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from . import mathfn as m
 from . import ptx
 from .blockreduce import MAX, SLOTS, SUM, group_reduce

@@ -12,7 +12,7 @@ constants (closure values of a kernel factory) so the branches fold away.
 """
 from numba import cuda
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 
 SUM, MAX, MIN, PROD = 0, 1, 2, 3
 MAX_THREADS = 64 if SIMULATOR else 1024   # largest block the row kernels launch

@@ -40,7 +40,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
 

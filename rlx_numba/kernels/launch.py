@@ -3,7 +3,7 @@ geometry. The simulator runs one OS thread per CUDA thread, so its launches are 
 (grid-stride loops cover the rest)."""
 from numba import cuda
 
-from ..runtime.device import SIMULATOR, device_info
+from ..device import SIMULATOR, device_info
 from . import cache
 
 

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 
 if not SIMULATOR:
     from numba.cuda import libdevice

@@ -19,7 +19,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .launch import grid_3d, jit
 
 # Each simulated thread is an OS thread: keep the simulator's blocks tiny (16 threads).

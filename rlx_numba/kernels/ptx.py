@@ -10,7 +10,7 @@ acquire-release semantics (atom.acq_rel.gpu), the last-block-combines handshake 
 the two sequentially consistent fences (membar.gl) that numba's threadfence would add.
 Indices are flat element offsets from the array's start, whatever its rank.
 """
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 
 if not SIMULATOR:
     from llvmlite import ir

@@ -28,7 +28,7 @@ import math
 from numba import cuda, float32, int32, int64, uint64
 from numba.core.types import float16
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from . import blockreduce as br
 from . import elementwise as ew
 from .blockreduce import ARGMAX, ARGMIN, MAX, MIN, PROD, SLOTS, SUM, group_reduce, group_reduce_pair

@@ -18,7 +18,7 @@ kernels/shape.py; only positions, which may be negative, are int64 until clamped
 """
 from numba import cuda, float32, int64, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .launch import jit
 from .shape import _copy_span
 

@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import cuda, float32, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
 from .launch import jit

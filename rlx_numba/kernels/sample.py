@@ -71,7 +71,7 @@ import math
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, MIN, SLOTS, SUM, group_reduce
 from .launch import jit

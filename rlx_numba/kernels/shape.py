@@ -12,7 +12,7 @@ any clamped grid (the simulator's 2 x 2 x 1 blocks included) covers the whole te
 """
 from numba import cuda, int64, uint64
 
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .launch import jit
 
 # Transpose tile: TILE x TILE elements through shared memory (one padding column, so reading a

@@ -5,7 +5,7 @@ again, with or without fusion) and returns a ``Fusion``: the nodes that are neve
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
 in the graph node's place (``nodes``). Three rewrites:
 
-- **Element-wise regions.** A live element-wise node (runtime/lower.py ELEMENTWISE, not a view)
+- **Element-wise regions.** A live element-wise node (ir/ops.py ELEMENTWISE, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
   element-wise too, it is not a graph output, and its shape equals the reader's output shape
   (so broadcasting happens only at a region's leaves, whose shapes broadcast to the root's).
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from ..ir.graph import Node
-from ..runtime.lower import ELEMENTWISE, INPLACE
+from ..ir.ops import ELEMENTWISE, INPLACE
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
 # the generated source repeats the expression per unrolled element

@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from .device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import CallStep, Step, log
 from .schedule import Schedule, assign_streams, node_units
 

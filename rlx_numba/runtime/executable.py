@@ -1,4 +1,5 @@
-"""CudaExecutable: compile a Graph into bound Steps over one arena, then run it."""
+"""CudaExecutable: what compile() made of a graph (an arena, params from a ParamStore, bound
+Steps), and run(). The compile pipeline itself is rlx_numba/compiler.py."""
 from __future__ import annotations
 
 import enum
@@ -10,15 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..ir import dtypes as dt
-from ..ir.graph import Graph
 from ..ir.ops import fmt
-from ..memory import Buffer, MemoryReport, plan
-from ..passes import fusion
+from ..memory import MemoryReport
 from . import (lower, lower_attention, lower_matmul, lower_norm, lower_reduce,  # noqa: F401
                lower_rope, lower_sample, lower_shape)            # (each registers its lowerings)
+from ..device import SIMULATOR
 from . import trace
-from .device import SIMULATOR
-from .params import ParamStore, check_store
+from .params import ParamStore
 
 log = logging.getLogger("rlx_numba")
 
@@ -96,40 +95,27 @@ def _as_device_array(x):
 
 
 class CudaExecutable:
-    """A compiled graph: an arena, bound Steps, and run()."""
+    """A compiled graph: an arena, params bound from a ParamStore, bound Steps, and run().
+    Made by ``rlx_numba.compile`` (compiler.py), which plans the graph and lowers it."""
 
-    def __init__(self, graph: Graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
+    def __init__(self, plan, compile_mode: CompileMode, exec_mode: ExecMode,
                  params: ParamStore | None = None, stream=None):
-        self.graph = graph
+        graph = self.graph = plan.graph
+        self.plan = plan
+        self.compile_mode, self.exec_mode = compile_mode, exec_mode
         # params live in a store, shared with the other executables compiled against it
-        self.params = ParamStore(graph.name) if check_store(params) is None else params
-        self.compile_mode = _compile_mode(compile_mode)
-        self.exec_mode = _exec_mode(exec_mode)
-        if not graph.outputs:
-            raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
+        self.params = ParamStore(graph.name) if params is None else params
         self._outputs = list(graph.outputs)  # the graph may grow later; this executable won't
         cuda = _cuda()
         self._cuda = cuda
         # executables that run one after another (a model's graphs) may share a stream, and
         # with it their cuBLAS handle and 32 MiB workspace (one per stream)
         self.stream = cuda.stream() if stream is None else stream
-        nodes = graph.nodes
-        # transposes read by products through an op-T flag: views of their input
-        self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
-        # weights stored [N, K] (set_param transposes them): op-T products, see lower_matmul
-        self.transposed = lower_matmul.transposed_weights(graph, set(graph.outputs))
-        self._live = self._reachable()
-        self._root = {}                      # node id -> node id that owns its memory
-        for n in nodes:                      # in-place nodes (kv_write) alias input 0 too
-            if n.id in self._live:
-                alias = self._is_view(n) or n.op in lower.INPLACE
-                self._root[n.id] = self._root[n.inputs[0]] if alias else n.id
-        lower.check_inplace(graph, self._live, self._root)
-        # fused regions and folded epilogues: interior nodes get no buffer and no step, a
-        # root lowers as self.fusion.nodes[id] (the graph itself is not changed)
-        self.fusion = fusion.fuse(graph, self._live, self._root, self._is_view)
-        self._plan_memory()
+        self.absorbed, self.transposed, self.fusion = plan.absorbed, plan.transposed, plan.fusion
+        self._live, self._root = plan.live, plan.root
+        self.buffers, self.arena_bytes, self._report = plan.buffers, plan.arena_bytes, plan.report
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
+        nodes = graph.nodes
         self._params = {n.name: n for n in nodes if n.op == "param"}
         self._param_mem = {}                 # param node id -> its flat uint8 store array
         self._bind_params()
@@ -147,12 +133,19 @@ class CudaExecutable:
         self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
         self._views = {}                     # output node id -> its arena view (run "view")
         self._node_steps = {}                # node id -> its bound steps, in graph order
-        for n in nodes:
+        self.steps = None                    # lower_all() makes them
+        self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
+
+    def lower_all(self) -> None:
+        """Lower every node that runs to bound Steps (AOT: and compile their kernels)."""
+        for n in self.graph.nodes:
             if n.id in self._live and n.id not in self.fusion.interior:
                 self._node_steps[n.id] = self._lower_bound(self.fusion.nodes.get(n.id, n))
         self._flatten_steps()
         self._compile_steps(self.steps)
-        self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
+
+    def start_runner(self) -> None:
+        """GRAPH / MULTISTREAM: the runner that captures or spreads the steps."""
         if self.exec_mode.kind in ("graph", "multistream"):
             from .cudagraph import runner_for
             self._runner = runner_for(self)
@@ -183,74 +176,13 @@ class CudaExecutable:
     @classmethod
     def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                      params: ParamStore | None = None, stream=None):
-        return cls(graph, compile_mode, exec_mode, params, stream)
+        """The contract's spelling of ``rlx_numba.compile`` (compiler.py, the floor above)."""
+        from ..compiler import compile as compile_graph
+        return compile_graph(graph, compile_mode, exec_mode, params, stream)
 
     # ---- compile-time pieces ------------------------------------------------------------------
     def _is_view(self, n) -> bool:
-        return lower.is_view(n, self.graph) or n.id in self.absorbed
-
-    def _reachable(self) -> set:
-        # in-place writes always run: a kv_write into a param matters even if nothing reads it
-        live, stack = set(), list(self.graph.outputs) + [
-            n.id for n in self.graph.nodes if n.op in lower.INPLACE]
-        while stack:
-            i = stack.pop()
-            if i not in live:
-                live.add(i)
-                stack.extend(self.graph.nodes[i].inputs)
-        live.update(n.id for n in self.graph.nodes if n.op in ("input", "param"))
-        return live
-
-    def _plan_memory(self):
-        nodes, graph = self.graph.nodes, self.graph
-        order = [n.id for n in nodes if n.id in self._live]
-        t_of = {nid: t for t, nid in enumerate(order)}
-        last = len(order)
-        outputs = {self._root[o] for o in graph.outputs}
-        bufs = {}
-        views = 0
-        for nid in order:
-            if nid in self.fusion.interior:
-                continue
-            n = self.fusion.nodes.get(nid, nodes[nid])   # a fused root reads its region's leaves
-            root = self._root[nid]
-            if root != nid:
-                views += 1
-            else:
-                pinned = n.op in ("input", "param", "constant") or nid in outputs
-                # a node the kernel of its input writes (residual_sum) is live from that step
-                start = t_of[n.inputs[0]] if n.op in lower.WRITTEN_BY_INPUT else t_of[nid]
-                bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
-            for i in n.inputs:   # a read extends the life of the buffer behind the operand
-                b = bufs[self._root[i]]
-                b.end = max(b.end, t_of[nid])
-        for b in bufs.values():
-            if b.pinned:
-                b.start, b.end = 0, last
-        self.buffers = bufs
-        # params live in the store, not the arena; their Buffers only give them byte ranges
-        # of their own, past the arena's (schedule.py orders steps by those ranges)
-        in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"]
-        self.arena_bytes = top = plan(in_arena)
-        for b in bufs.values():
-            if nodes[b.key].op == "param":
-                b.offset, top = top, top + b.size
-        by = {"input": 0, "constant": 0}
-        out_b = inter = 0
-        for b in in_arena:
-            op = nodes[b.key].op
-            if op in by:
-                by[op] += b.size
-            elif b.pinned:
-                out_b += b.size
-            else:
-                inter += b.size
-        unshared = sum(b.size for b in in_arena)
-        self._report = MemoryReport(
-            arena_bytes=self.arena_bytes, unshared_bytes=unshared, buffers=len(in_arena),
-            views=views, input_bytes=by["input"], constant_bytes=by["constant"],
-            output_bytes=out_b, intermediate_bytes=inter,
-            saved_fraction=1 - self.arena_bytes / unshared if unshared else 0.0)
+        return self.plan.is_view(n)
 
     def _bind_params(self):
         """Bind every param to its store entry (created there, or found: shared)."""
@@ -553,7 +485,7 @@ class CudaExecutable:
             self._bind_input(name, value)
 
     def _timed(self):
-        from .device import device_info
+        from ..device import device_info
         from .trace import timed_steps
         return timed_steps(self.steps, self.stream, self._cuda, self.graph.name, device_info()["name"])
 
@@ -595,21 +527,3 @@ def _progress(items, desc: str):
         return items
     from tqdm import tqdm
     return tqdm(items, desc=desc, unit="kernel", leave=False, file=sys.stderr)
-
-
-def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
-            params: ParamStore | None = None, stream=None) -> CudaExecutable:
-    """Compile a graph: validate, plan memory, lower every node to a bound Step. ``params``:
-    a ParamStore shared with other executables (one device copy of their params, set through
-    any of them); by default the executable gets a store of its own. ``stream``: the numba
-    stream its work is queued on (default: a new one), e.g. one stream for the graphs of a
-    model, which run one after another."""
-    return CudaExecutable(graph, compile_mode, exec_mode, params, stream)
-
-
-def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):
-    """Compile, set params and run once with a sync after every step; returns numpy outputs."""
-    exe = CudaExecutable(graph, CompileMode.JIT, ExecMode.EAGER)
-    for k, v in (params or {}).items():
-        exe.set_param(k, v)
-    return exe.run(inputs or {})

@@ -16,17 +16,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.graph import Graph, Node
+from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT  # noqa: F401 - lowerings' names too
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
-from .device import SIMULATOR
+from ..device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
 
-ELEMENTWISE = ("activation", "binary", "compare", "where", "cast", "activation_grad")
-WRITTEN_BY_INPUT = ("residual_sum",)   # nodes filled by their input's kernel, not their own
-# in-place nodes: they write into their input 0's memory and their result aliases it (its
-# root is input 0's root, no allocation), but unlike views they lower to Steps; they always run
-INPLACE = ("kv_write",)
 LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 

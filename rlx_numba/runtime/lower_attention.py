@@ -6,7 +6,7 @@ import numpy as np
 
 from ..kernels import attention as A
 from ..kernels.launch import sm_count
-from .device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 

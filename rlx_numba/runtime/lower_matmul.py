@@ -32,7 +32,7 @@ from .. import cublas
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..kernels import matmul as mm
-from .device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import CallStep, Step, elementwise_step, log, lowering, step_name
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form

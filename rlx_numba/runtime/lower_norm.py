@@ -7,7 +7,7 @@ import numpy as np
 
 from ..kernels import rows
 from ..kernels.launch import sm_count
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from ..ir import dtypes as dt
 from ..kernels import reduce as K
 from ..kernels.launch import SIM_BLOCK, col_geometry, grid_1d, pow2_at_least, row_geometry, sm_count
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import Step, elementwise_step, lowering, step_name
 
 _U = np.uint64

@@ -1,6 +1,6 @@
 """Lowering of the ops in ir/ops_rope.py (kernels in kernels/rope.py).
 
-kv_write is an in-place op (lower.INPLACE): the executable gives its result the memory of its
+kv_write is an in-place op (ir/ops.py INPLACE): the executable gives its result the memory of its
 input 0 (the cache), so the kernel here only writes the new rows into ``exe.buf(n)``.
 """
 from __future__ import annotations

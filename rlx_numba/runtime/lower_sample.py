@@ -27,7 +27,7 @@ import numpy as np
 
 from ..kernels import sample as K
 from ..kernels.launch import grid_1d, pow2_at_least, sm_count
-from ..runtime.device import SIMULATOR
+from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 _U = np.uint64

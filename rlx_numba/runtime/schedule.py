@@ -106,7 +106,7 @@ def assign_streams(reads, writes, n: int) -> Schedule:
 def node_units(exe):
     """The units of an executable: ``[(node id, steps, reads, writes)]`` in step order, the
     ranges being the arena bytes behind the node's operands and result."""
-    from .lower import WRITTEN_BY_INPUT
+    from ..ir.ops import WRITTEN_BY_INPUT
     g, root, bufs = exe.graph, exe._root, exe.buffers
     fusion = getattr(exe, "fusion", None)
     lowered = fusion.nodes if fusion is not None else {}   # a fused root: its region's leaves

@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .device import SIMULATOR
+from ..device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
 

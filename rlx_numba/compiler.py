@@ -1,0 +1,159 @@
+"""compile(): a Graph becomes a CudaExecutable, one stage after another.
+
+    validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
+               write (a kv_write into a param matters even when nothing reads it)
+    views      nodes that own no memory alias their input (reshape, same-dtype cast, the
+               transposes products read through an op-T flag); in-place writes alias their
+               target; no node may read memory after an in-place write replaced it
+    layout     2-D weights read only by products are stored [N, K] (lower_matmul)
+    fuse       element-wise regions and folded epilogues (passes/fusion.py)
+    plan       activations, inputs, constants and outputs get byte ranges of one arena by
+               liveness (memory.py); params live in a ParamStore instead
+    bind       the executable allocates the arena, binds its params from the store and
+               uploads the constants (runtime/executable.py)
+    lower      each node that runs becomes bound Steps (runtime/lower*.py)
+    AOT        compile_mode "aot": every kernel compiled (or loaded from disk) now
+    runner     GRAPH / MULTISTREAM: the runner that captures or spreads the steps
+
+This module sits above ``passes/`` and ``runtime/``: the runtime only runs what was compiled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .ir.graph import Graph
+from .ir.ops import INPLACE, WRITTEN_BY_INPUT
+from .memory import Buffer, MemoryReport, plan
+from .passes import fusion as fusion_pass
+from .runtime import lower, lower_matmul
+from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
+from .runtime.params import ParamStore, check_store
+
+
+@dataclass
+class Plan:
+    """What the stages before ``bind`` decided about a graph."""
+    graph: Graph
+    live: set            # node ids that run (or are leaves)
+    root: dict           # node id -> node id that owns its memory (views, in-place writes)
+    absorbed: set        # transposes read by products through an op-T flag
+    transposed: set      # weight params stored [N, K]
+    fusion: object       # passes.fusion.Fusion
+    buffers: dict        # root node id -> Buffer (params: a range past the arena, no bytes in it)
+    arena_bytes: int
+    report: MemoryReport
+
+    def is_view(self, n) -> bool:
+        return lower.is_view(n, self.graph) or n.id in self.absorbed
+
+
+def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
+            params: ParamStore | None = None, stream=None) -> CudaExecutable:
+    """Compile a graph: validate, plan memory, lower every node to a bound Step. ``params``:
+    a ParamStore shared with other executables (one device copy of their params, set through
+    any of them); by default the executable gets a store of its own. ``stream``: the numba
+    stream its work is queued on (default: a new one), e.g. one stream for the graphs of a
+    model, which run one after another."""
+    cm, em = _compile_mode(compile_mode), _exec_mode(exec_mode)
+    check_store(params)
+    exe = CudaExecutable(plan_graph(graph), cm, em, params, stream)     # bind
+    exe.lower_all()                                                     # lower, AOT
+    exe.start_runner()                                                  # runner
+    return exe
+
+
+def plan_graph(graph: Graph) -> Plan:
+    """The stages validate .. plan."""
+    if not graph.outputs:
+        raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
+    outputs = set(graph.outputs)
+    live = reachable(graph)
+    absorbed = lower_matmul.absorbed_transposes(graph, outputs)
+    transposed = lower_matmul.transposed_weights(graph, outputs)
+
+    def is_view(n):
+        return lower.is_view(n, graph) or n.id in absorbed
+
+    root = {}
+    for n in graph.nodes:
+        if n.id in live:
+            alias = is_view(n) or n.op in INPLACE
+            root[n.id] = root[n.inputs[0]] if alias else n.id
+    lower.check_inplace(graph, live, root)
+    # fused regions and folded epilogues: interior nodes get no buffer and no step, a root
+    # lowers as fusion.nodes[id] (the graph itself is not changed)
+    fused = fusion_pass.fuse(graph, live, root, is_view)
+    buffers, arena_bytes, report = plan_memory(graph, live, root, fused)
+    return Plan(graph, live, root, absorbed, transposed, fused, buffers, arena_bytes, report)
+
+
+def reachable(graph: Graph) -> set:
+    """The outputs' ancestors and every in-place write's, plus every input and param."""
+    live, stack = set(), list(graph.outputs) + [n.id for n in graph.nodes if n.op in INPLACE]
+    while stack:
+        i = stack.pop()
+        if i not in live:
+            live.add(i)
+            stack.extend(graph.nodes[i].inputs)
+    live.update(n.id for n in graph.nodes if n.op in ("input", "param"))
+    return live
+
+
+def plan_memory(graph: Graph, live: set, root: dict, fused):
+    """(buffers, arena bytes, MemoryReport): a buffer lives from the step that writes it to
+    its last reader; inputs, constants and outputs for the whole run. Params are not in the
+    arena (a ParamStore holds them): their Buffers only give them byte ranges of their own,
+    past the arena's, by which schedule.py orders steps."""
+    nodes = graph.nodes
+    order = [n.id for n in nodes if n.id in live]
+    t_of = {nid: t for t, nid in enumerate(order)}
+    last = len(order)
+    outputs = {root[o] for o in graph.outputs}
+    bufs = {}
+    views = 0
+    for nid in order:
+        if nid in fused.interior:
+            continue
+        n = fused.nodes.get(nid, nodes[nid])   # a fused root reads its region's leaves
+        if root[nid] != nid:
+            views += 1
+        else:
+            pinned = n.op in ("input", "param", "constant") or nid in outputs
+            # a node the kernel of its input writes (residual_sum) is live from that step
+            start = t_of[n.inputs[0]] if n.op in WRITTEN_BY_INPUT else t_of[nid]
+            bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
+        for i in n.inputs:   # a read extends the life of the buffer behind the operand
+            b = bufs[root[i]]
+            b.end = max(b.end, t_of[nid])
+    for b in bufs.values():
+        if b.pinned:
+            b.start, b.end = 0, last
+    in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"]
+    arena_bytes = top = plan(in_arena)
+    for b in bufs.values():
+        if nodes[b.key].op == "param":
+            b.offset, top = top, top + b.size
+    by = {"input": 0, "constant": 0}
+    out_b = inter = 0
+    for b in in_arena:
+        op = nodes[b.key].op
+        if op in by:
+            by[op] += b.size
+        elif b.pinned:
+            out_b += b.size
+        else:
+            inter += b.size
+    unshared = sum(b.size for b in in_arena)
+    report = MemoryReport(
+        arena_bytes=arena_bytes, unshared_bytes=unshared, buffers=len(in_arena), views=views,
+        input_bytes=by["input"], constant_bytes=by["constant"], output_bytes=out_b,
+        intermediate_bytes=inter, saved_fraction=1 - arena_bytes / unshared if unshared else 0.0)
+    return bufs, arena_bytes, report
+
+
+def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):
+    """Compile, set params and run once with a sync after every step; returns numpy outputs."""
+    exe = compile(graph, CompileMode.JIT, ExecMode.EAGER)
+    for k, v in (params or {}).items():
+        exe.set_param(k, v)
+    return exe.run(inputs or {})
