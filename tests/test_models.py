@@ -156,6 +156,34 @@ def test_llama_sampling_is_seeded_and_within_top_k(llama):
         assert a[0, t] in top4
 
 
+def test_llama_ragged_batch_equals_each_prompt_alone(llama, monkeypatch):
+    """Prompts of 2, 5 and 7 tokens in one batch (left-padded to 8 columns, the pads masked,
+    each row at its own positions): every row's greedy tokens are the NumPy loop's over that
+    prompt alone. A second call whose prompts fall in the same bucket compiles nothing."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 53, n) for n in (2, 5, 7)]
+    streamed = []
+    out = llama.generate([list(p) for p in prompts], 4, streamer=streamed.append)
+    assert isinstance(out, list) and len(out) == 3
+    for p, o in zip(prompts, out):
+        assert o.dtype == np.int64
+        np.testing.assert_array_equal(o, np_greedy(GQA, llama.params, p[None], 4)[0])
+    np.testing.assert_array_equal(np.stack(streamed, 1), np.stack([o[-4:] for o in out]))
+
+    keys, made = set(llama._exes), []
+    compile_ = llama._compile
+    monkeypatch.setattr(llama, "_compile", lambda *a: made.append(a) or compile_(*a))
+    again = [rng.integers(0, 53, n) for n in (8, 1, 3)]
+    want = [np_greedy(GQA, llama.params, p[None], 2)[0] for p in again]
+    eos = int(want[0][8])              # row 0 ends at once; the others are cut at their first
+    out = llama.generate(again, 2, eos_token_id=eos)
+    for w, o, n in zip(want, out, (8, 1, 3)):
+        hit = np.flatnonzero(w[n:] == eos)
+        np.testing.assert_array_equal(o, w[:n + hit[0] + 1] if hit.size else w)
+    assert len(out[0]) == 9
+    assert made == [] and set(llama._exes) == keys
+
+
 def test_llama_errors(llama):
     with pytest.raises(ValueError, match=r"token id 53 at \[0, 1\] is outside the vocabulary "
                                          r"\[0, 53\)"):
@@ -169,6 +197,18 @@ def test_llama_errors(llama):
         llama.generate(np.ones(60, np.int64), 10)
     with pytest.raises(ValueError, match=r"max_seq_len must be in \[6, 64\]"):
         llama.generate(np.ones(3, np.int64), 4, max_seq_len=5)
+    with pytest.raises(ValueError, match=r"prompt 1 of the list must be a non-empty 1-D "
+                                         r"sequence of token ids, got shape \[0\]"):
+        llama.generate([[1, 2], []], 2)
+    with pytest.raises(ValueError, match=r"token id 53 at \[1, 1\] is outside the vocabulary"):
+        llama.generate([[1, 2], [3, 53]], 2)
+    with pytest.raises(ValueError, match="prompt 0 of the list must hold integer token ids, got "
+                                         "float64"):
+        llama.generate([[1.0, 2.0], [3]], 2)
+    with pytest.raises(ValueError, match=r"prompt 60 \+ 10 new tokens need 69 positions"):
+        llama.generate([[1], np.ones(60, np.int64)], 10)
+    with pytest.raises(ValueError, match=r"max_seq_len must be in \[8, 64\]"):
+        llama.generate([[1], [2, 3, 4, 5]], 5, max_seq_len=7)
     with pytest.raises(ValueError, match="LlamaForCausalLM: unknown exec_mode 'bogus'"):
         LlamaForCausalLM(llama.config, llama.params, exec_mode="bogus")
     with pytest.raises(ValueError, match="a decode graph takes one token a row"):
