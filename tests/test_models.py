@@ -357,6 +357,74 @@ def test_sentence_encoder_folder_matches_numpy(tmp_path, bert):
     assert enc.encode([]).shape == (0, 32)
 
 
+def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch):
+    """encode's batching: sorted by length, each batch padded to its longest's bucket (16 or
+    24 here), at most max_tokens padded tokens, the last batch's rows padded to a power of
+    two, results in the input order. Each sentence's embedding equals the NumPy BERT over that
+    sentence alone, for several batch_size / max_tokens. The model's run is a NumPy BERT over
+    the padded batch here (the kernels on padded batches are the tests above), after fetching
+    the executable of that shape as run() does, so what gets compiled is the real thing: a
+    second call with other sentences of the same buckets compiles nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{str(i): i for i in range(4, 41)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    bert = BertModel(BERT, bert.params)                   # its own executable cache
+    enc = SentenceEncoder(bert, tok, normalize=True)      # max_seq_length 24: buckets 16, 24
+    runs, made = [], []
+
+    def np_run(ids, mask, types, *, pooling, normalize):
+        bert.executable(*ids.shape, pooling=pooling, normalize=normalize)
+        runs.append(ids.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):     # padded rows: no real key
+            h = np_bert(BERT, bert.params, ids, mask, types)
+        m = mask[..., None]
+        v = (h * m).sum(1) / np.maximum(m.sum(1), 1)
+        return (v / np.linalg.norm(v, axis=-1, keepdims=True)).astype(np.float32)
+
+    monkeypatch.setattr(bert, "run", np_run)
+    compile_ = bert._compile
+    monkeypatch.setattr(bert, "_compile", lambda *a: made.append(a[:2]) or compile_(*a))
+    rng = np.random.default_rng(2)
+
+    def texts(*lengths):                  # words, then [CLS] and [SEP]: lengths + 2 tokens
+        return [" ".join(map(str, rng.integers(4, 41, n))) for n in lengths]
+
+    def alone(t):
+        ids = np.array([tok.encode(t).ids])
+        v = np_bert(BERT, bert.params, ids, np.ones(ids.shape, bool), np.zeros_like(ids))[0]
+        return v.mean(0) / np.linalg.norm(v.mean(0))
+
+    first = texts(3, 20, 1, 13, 15, 7, 22, 10)            # 5, 22, 3, ... 24 tokens
+    want = [alone(t) for t in first]
+    # (batch_size, max_tokens): the runs' shapes, longest first
+    plans = {(3, 4096): [(3, 24), (3, 16), (2, 16)],   # rows 24 22 17 | 15 12 9 | 5 3
+             (8, 4096): [(8, 24)],
+             (8, 48): [(2, 24), (2, 24), (3, 16), (1, 16)],       # 48 tokens: 2 x 24, 3 x 16
+             (1, 4096): [(1, 24)] * 3 + [(1, 16)] * 5}
+    for (bs, mt), shapes in plans.items():
+        enc.max_tokens = mt
+        runs.clear()
+        got = enc.encode(first, batch_size=bs)
+        assert runs == shapes, (bs, mt)
+        for g_, w in zip(got, want):
+            close(g_, w)
+    assert enc.encode(first[3]).shape == (32,)
+    compiled = list(made)
+    assert len(set(compiled)) == len(compiled) == 7 and set(bert._exes) >= {
+        (b, s, ("mean",), True) for b, s in compiled}
+    runs.clear()
+    second = texts(16, 0, 12, 4, 19, 8, 11, 2)      # other lengths (2..21 tokens), known shapes
+    got = enc.encode(second, batch_size=1)
+    assert made == compiled and runs == [(1, 24)] * 2 + [(1, 16)] * 6
+    for g_, t in zip(got, second):
+        close(g_, alone(t))
+    with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
+        SentenceEncoder(bert, tok, max_tokens=0)
+
+
 def test_pooling_config_names():
     """sentence-transformers' 1_Pooling/config.json keys, including the unsupported modes."""
     from rlx_numba.models.bert import _pooling_modes
@@ -378,3 +446,15 @@ def test_executable_cache_keeps_the_most_recently_used():
     assert [c.fetch(k, 2, maker(k)) for k in "abcab"] == list("ABCAB")
     assert made == list("abcab") and list(c) == ["a", "b"]     # each evicted before the next
     assert c.fetch("a", 2, maker("z")) == "A" and list(c) == ["b", "a"] and len(made) == 5
+
+
+def test_bucket_length_grid():
+    from rlx_numba.models.executables import bucket_length
+    from rlx_numba.models.llama import prompt_bucket
+    assert [prompt_bucket(n) for n in (1, 8, 9, 33, 64, 65, 129, 513)] == [
+        8, 8, 16, 40, 64, 80, 160, 640]
+    grid = sorted({bucket_length(n, lo=16, steps=2) for n in range(1, 513)})
+    assert grid == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    for n in range(1, 600):             # never shorter, and at most a quarter / a half longer
+        assert n <= prompt_bucket(n) <= max(8, n * 1.25 + 8)
+        assert n <= bucket_length(n, lo=16, steps=2) <= max(16, n * 1.5 + 8)
