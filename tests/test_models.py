@@ -400,8 +400,8 @@ def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch)
     first = texts(3, 20, 1, 13, 15, 7, 22, 10)            # 5, 22, 3, ... 24 tokens
     want = [alone(t) for t in first]
     # (batch_size, max_tokens): the runs' shapes, longest first
-    plans = {(3, 4096): [(3, 24), (3, 16), (2, 16)],   # rows 24 22 17 | 15 12 9 | 5 3
-             (8, 4096): [(8, 24)],
+    plans = {(3, None): [(3, 24), (3, 16), (2, 16)],   # rows 24 22 17 | 15 12 9 | 5 3
+             (8, None): [(8, 24)],
              (8, 48): [(2, 24), (2, 24), (3, 16), (1, 16)],       # 48 tokens: 2 x 24, 3 x 16
              (1, 4096): [(1, 24)] * 3 + [(1, 16)] * 5}
     for (bs, mt), shapes in plans.items():
@@ -421,7 +421,7 @@ def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch)
     assert made == compiled and runs == [(1, 24)] * 2 + [(1, 16)] * 6
     for g_, t in zip(got, second):
         close(g_, alone(t))
-    with pytest.raises(ValueError, match="max_tokens must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="max_tokens must be a positive int or None, got 0"):
         SentenceEncoder(bert, tok, max_tokens=0)
 
 

@@ -268,20 +268,21 @@ class SentenceEncoder:
     Pooling, optional Normalize): ``encode(texts) -> np.ndarray [n, dim]``.
 
     Texts are tokenised by the folder's tokenizer.json (``tokenizers``), truncated to
-    max_seq_length and sorted by length, longest first; each batch takes the next rows of that
-    order and is padded to the bucket of its longest (``seq_bucket``: 16, 24, 32, 48, 64, 96,
-    ..., two lengths an octave, capped at max_seq_length), so a batch pads its rows by at most
-    about a third and a few graphs serve every corpus. A batch holds ``batch_size`` rows, but
-    no more than ``max_tokens`` padded tokens: a bigger batch_size makes the short sentences'
-    runs bigger without making a long sentences' run bigger than the GPU runs best (past a
-    few thousand tokens a run, each BERT layer's activations no longer stay in L2 and a run
-    gets slower a sentence). The last batch's rows are padded to a power of two. The model
-    keeps enough compiled graphs for every bucket, so once warm a call compiles nothing."""
+    max_seq_length and sorted by length, longest first; each batch takes the next
+    ``batch_size`` rows of that order and is padded to the bucket of its longest
+    (``seq_bucket``: 16, 24, 32, 48, 64, 96, ..., two lengths an octave, capped at
+    max_seq_length), so a batch's longest row gets under half its length in padding (up to
+    nearly all of it with power-of-two lengths) and a few graphs serve every corpus.
+    ``max_tokens`` (default: none) caps the padded tokens of a run, fewer rows for long
+    sentences, which bounds the activation memory of a big batch_size. The last batch's rows
+    are padded to a power of two. The model keeps enough compiled graphs for every bucket (and a few last
+    batches), so once warm a call compiles nothing."""
 
     def __init__(self, model: BertModel, tokenizer, *, pooling=("mean",), normalize: bool = False,
-                 max_seq_length: int | None = None, max_tokens: int = 4096):
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"SentenceEncoder: max_tokens must be a positive int, got "
+                 max_seq_length: int | None = None, max_tokens: int | None = None):
+        if max_tokens is not None and (not isinstance(max_tokens, int)
+                                       or isinstance(max_tokens, bool) or max_tokens < 1):
+            raise ValueError(f"SentenceEncoder: max_tokens must be a positive int or None, got "
                              f"{max_tokens!r}")
         self.model = model
         self.max_tokens = max_tokens
@@ -368,7 +369,8 @@ class SentenceEncoder:
         start = 0
         while start < len(order):
             s = self.seq_bucket(lens[order[start]])
-            full = min(batch_size, max(1, self.max_tokens // s))
+            full = batch_size if self.max_tokens is None else min(batch_size,
+                                                                  max(1, self.max_tokens // s))
             rows = order[start:start + full]
             start += len(rows)
             b = full if len(rows) == full else min(_pow2_at_least(len(rows), 1), full)
