@@ -468,9 +468,9 @@ class LlamaForCausalLM:
 
         ``prompt_ids``: token ids [seq] or [batch, seq], or a list of prompts (1-D sequences of
         token ids) of different lengths. The prompts are left-padded to a bucketed length
-        (``prompt_bucket``: multiples of 8, then four lengths an octave), each row's pad being
-        an input of the graphs, so calls whose longest prompt falls in one bucket share the
-        compiled graphs. Each prompt's tokens take positions 0..len-1 and its pads are masked
+        (``prompt_bucket``: multiples of 8, then four lengths an octave), the rows' pads given
+        to the graphs at run time (build_llama), so calls whose longest prompt falls in one
+        bucket share the compiled graphs. Each prompt's tokens take positions 0..len-1 and its pads are masked
         out of attention, so a row generates what it would alone.
 
         Rows that produced ``eos_token_id`` (an int or a list) keep yielding it; the stream
