@@ -243,7 +243,7 @@ def bench_llama(torch, transformers, args, rows):
     s = 512
     ids = rng.integers(0, SMOLLM2["vocab_size"], (1, s)).astype(np.int32)
     exe = ours.executable("prefill", 1, s, 1024)
-    feed = {"input_ids": ids, "seed": np.zeros(1, np.int64)}
+    feed = {"input_ids": ids, "pad": np.zeros((1, 1), np.int32), "seed": np.zeros(1, np.int64)}
     tids = torch.from_numpy(ids).long().cuda()
 
     def torch_prefill(model):

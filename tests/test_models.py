@@ -156,6 +156,34 @@ def test_llama_sampling_is_seeded_and_within_top_k(llama):
         assert a[0, t] in top4
 
 
+def test_llama_ragged_batch_equals_each_prompt_alone(llama, monkeypatch):
+    """Prompts of 2, 5 and 7 tokens in one batch (left-padded to 8 columns, the pads masked,
+    each row at its own positions): every row's greedy tokens are the NumPy loop's over that
+    prompt alone. A second call whose prompts fall in the same bucket compiles nothing."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 53, n) for n in (2, 5, 7)]
+    streamed = []
+    out = llama.generate([list(p) for p in prompts], 4, streamer=streamed.append)
+    assert isinstance(out, list) and len(out) == 3
+    for p, o in zip(prompts, out):
+        assert o.dtype == np.int64
+        np.testing.assert_array_equal(o, np_greedy(GQA, llama.params, p[None], 4)[0])
+    np.testing.assert_array_equal(np.stack(streamed, 1), np.stack([o[-4:] for o in out]))
+
+    keys, made = set(llama._exes), []
+    compile_ = llama._compile
+    monkeypatch.setattr(llama, "_compile", lambda *a: made.append(a) or compile_(*a))
+    again = [rng.integers(0, 53, n) for n in (8, 1, 3)]
+    want = [np_greedy(GQA, llama.params, p[None], 2)[0] for p in again]
+    eos = int(want[0][8])              # row 0 ends at once; the others are cut at their first
+    out = llama.generate(again, 2, eos_token_id=eos)
+    for w, o, n in zip(want, out, (8, 1, 3)):
+        hit = np.flatnonzero(w[n:] == eos)
+        np.testing.assert_array_equal(o, w[:n + hit[0] + 1] if hit.size else w)
+    assert len(out[0]) == 9
+    assert made == [] and set(llama._exes) == keys
+
+
 def test_llama_errors(llama):
     with pytest.raises(ValueError, match=r"token id 53 at \[0, 1\] is outside the vocabulary "
                                          r"\[0, 53\)"):
@@ -169,6 +197,18 @@ def test_llama_errors(llama):
         llama.generate(np.ones(60, np.int64), 10)
     with pytest.raises(ValueError, match=r"max_seq_len must be in \[6, 64\]"):
         llama.generate(np.ones(3, np.int64), 4, max_seq_len=5)
+    with pytest.raises(ValueError, match=r"prompt 1 of the list must be a non-empty 1-D "
+                                         r"sequence of token ids, got shape \[0\]"):
+        llama.generate([[1, 2], []], 2)
+    with pytest.raises(ValueError, match=r"token id 53 at \[1, 1\] is outside the vocabulary"):
+        llama.generate([[1, 2], [3, 53]], 2)
+    with pytest.raises(ValueError, match="prompt 0 of the list must hold integer token ids, got "
+                                         "float64"):
+        llama.generate([[1.0, 2.0], [3]], 2)
+    with pytest.raises(ValueError, match=r"prompt 60 \+ 10 new tokens need 69 positions"):
+        llama.generate([[1], np.ones(60, np.int64)], 10)
+    with pytest.raises(ValueError, match=r"max_seq_len must be in \[8, 64\]"):
+        llama.generate([[1], [2, 3, 4, 5]], 5, max_seq_len=7)
     with pytest.raises(ValueError, match="LlamaForCausalLM: unknown exec_mode 'bogus'"):
         LlamaForCausalLM(llama.config, llama.params, exec_mode="bogus")
     with pytest.raises(ValueError, match="a decode graph takes one token a row"):
@@ -317,6 +357,74 @@ def test_sentence_encoder_folder_matches_numpy(tmp_path, bert):
     assert enc.encode([]).shape == (0, 32)
 
 
+def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch):
+    """encode's batching: sorted by length, each batch padded to its longest's bucket (16 or
+    24 here), at most max_tokens padded tokens, the last batch's rows padded to a power of
+    two, results in the input order. Each sentence's embedding equals the NumPy BERT over that
+    sentence alone, for several batch_size / max_tokens. The model's run is a NumPy BERT over
+    the padded batch here (the kernels on padded batches are the tests above), after fetching
+    the executable of that shape as run() does, so what gets compiled is the real thing: a
+    second call with other sentences of the same buckets compiles nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, **{str(i): i for i in range(4, 41)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    bert = BertModel(BERT, bert.params)                   # its own executable cache
+    enc = SentenceEncoder(bert, tok, normalize=True)      # max_seq_length 24: buckets 16, 24
+    runs, made = [], []
+
+    def np_run(ids, mask, types, *, pooling, normalize):
+        bert.executable(*ids.shape, pooling=pooling, normalize=normalize)
+        runs.append(ids.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):     # padded rows: no real key
+            h = np_bert(BERT, bert.params, ids, mask, types)
+        m = mask[..., None]
+        v = (h * m).sum(1) / np.maximum(m.sum(1), 1)
+        return (v / np.linalg.norm(v, axis=-1, keepdims=True)).astype(np.float32)
+
+    monkeypatch.setattr(bert, "run", np_run)
+    compile_ = bert._compile
+    monkeypatch.setattr(bert, "_compile", lambda *a: made.append(a[:2]) or compile_(*a))
+    rng = np.random.default_rng(2)
+
+    def texts(*lengths):                  # words, then [CLS] and [SEP]: lengths + 2 tokens
+        return [" ".join(map(str, rng.integers(4, 41, n))) for n in lengths]
+
+    def alone(t):
+        ids = np.array([tok.encode(t).ids])
+        v = np_bert(BERT, bert.params, ids, np.ones(ids.shape, bool), np.zeros_like(ids))[0]
+        return v.mean(0) / np.linalg.norm(v.mean(0))
+
+    first = texts(3, 20, 1, 13, 15, 7, 22, 10)            # 5, 22, 3, ... 24 tokens
+    want = [alone(t) for t in first]
+    # (batch_size, max_tokens): the runs' shapes, longest first
+    plans = {(3, None): [(3, 24), (3, 16), (2, 16)],   # rows 24 22 17 | 15 12 9 | 5 3
+             (8, None): [(8, 24)],
+             (8, 48): [(2, 24), (2, 24), (3, 16), (1, 16)],       # 48 tokens: 2 x 24, 3 x 16
+             (1, 4096): [(1, 24)] * 3 + [(1, 16)] * 5}
+    for (bs, mt), shapes in plans.items():
+        enc.max_tokens = mt
+        runs.clear()
+        got = enc.encode(first, batch_size=bs)
+        assert runs == shapes, (bs, mt)
+        for g_, w in zip(got, want):
+            close(g_, w)
+    assert enc.encode(first[3]).shape == (32,)
+    compiled = list(made)
+    assert len(set(compiled)) == len(compiled) == 7 and set(bert._exes) >= {
+        (b, s, ("mean",), True) for b, s in compiled}
+    runs.clear()
+    second = texts(16, 0, 12, 4, 19, 8, 11, 2)      # other lengths (2..21 tokens), known shapes
+    got = enc.encode(second, batch_size=1)
+    assert made == compiled and runs == [(1, 24)] * 2 + [(1, 16)] * 6
+    for g_, t in zip(got, second):
+        close(g_, alone(t))
+    with pytest.raises(ValueError, match="max_tokens must be a positive int or None, got 0"):
+        SentenceEncoder(bert, tok, max_tokens=0)
+
+
 def test_pooling_config_names():
     """sentence-transformers' 1_Pooling/config.json keys, including the unsupported modes."""
     from rlx_numba.models.bert import _pooling_modes
@@ -338,3 +446,15 @@ def test_executable_cache_keeps_the_most_recently_used():
     assert [c.fetch(k, 2, maker(k)) for k in "abcab"] == list("ABCAB")
     assert made == list("abcab") and list(c) == ["a", "b"]     # each evicted before the next
     assert c.fetch("a", 2, maker("z")) == "A" and list(c) == ["b", "a"] and len(made) == 5
+
+
+def test_bucket_length_grid():
+    from rlx_numba.models.executables import bucket_length
+    from rlx_numba.models.llama import prompt_bucket
+    assert [prompt_bucket(n) for n in (1, 8, 9, 33, 64, 65, 129, 513)] == [
+        8, 8, 16, 40, 64, 80, 160, 640]
+    grid = sorted({bucket_length(n, lo=16, steps=2) for n in range(1, 513)})
+    assert grid == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    for n in range(1, 600):             # never shorter, and at most a quarter / a half longer
+        assert n <= prompt_bucket(n) <= max(8, n * 1.25 + 8)
+        assert n <= bucket_length(n, lo=16, steps=2) <= max(16, n * 1.5 + 8)

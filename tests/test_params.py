@@ -180,8 +180,9 @@ def test_llama_graphs_share_weights_and_kv_cache():
         assert e.memory_report()["shared_param_bytes"] >= weights
     cache = 2 * 1 * 1 * 16 * 8 * 4          # k and v: [batch, kv heads, rows, head dim] f32
     assert pre.memory_report()["param_bytes"] == cache
-    assert dec.memory_report()["param_bytes"] == 0      # its cache is the prefill's
-    assert m._exes.params.nbytes == weights + cache
+    # its cache is the prefill's; it adds only its rows' left pads ([batch, 1] i32)
+    assert dec.memory_report()["param_bytes"] == 4
+    assert m._exes.params.nbytes == weights + cache + 4
     assert pre.stream is dec.stream is fwd.stream
     prompt = np.array([[3, 17, 5]])
     out = m.generate(prompt, 4)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .. import Graph, compile
-from .executables import ExecutableCache
+from .executables import ExecutableCache, bucket_length
 from .weights import as_path, check_params, load_safetensors, read_json
 
 # Hugging Face's hidden_act names -> Graph activation kinds
@@ -271,13 +271,24 @@ class SentenceEncoder:
     Pooling, optional Normalize): ``encode(texts) -> np.ndarray [n, dim]``.
 
     Texts are tokenised by the folder's tokenizer.json (``tokenizers``), truncated to
-    max_seq_length, sorted by length and batched; each batch is padded to a power-of-two
-    length of at least 16 (capped at max_seq_length) and a power-of-two row count up to
-    batch_size, so few graphs get compiled."""
+    max_seq_length and sorted by length, longest first; each batch takes the next
+    ``batch_size`` rows of that order and is padded to the bucket of its longest
+    (``seq_bucket``: 16, 24, 32, 48, 64, 96, ..., two lengths an octave, capped at
+    max_seq_length), so a batch's longest row gets under half its length in padding (up to
+    nearly all of it with power-of-two lengths) and a few graphs serve every corpus.
+    ``max_tokens`` (default: none) caps the padded tokens of a run, fewer rows for long
+    sentences, which bounds the activation memory of a big batch_size. The last batch's rows
+    are padded to a power of two. The model keeps enough compiled graphs for every bucket (and a few last
+    batches), so once warm a call compiles nothing."""
 
     def __init__(self, model: BertModel, tokenizer, *, pooling=("mean",), normalize: bool = False,
-                 max_seq_length: int | None = None):
+                 max_seq_length: int | None = None, max_tokens: int | None = None):
+        if max_tokens is not None and (not isinstance(max_tokens, int)
+                                       or isinstance(max_tokens, bool) or max_tokens < 1):
+            raise ValueError(f"SentenceEncoder: max_tokens must be a positive int or None, got "
+                             f"{max_tokens!r}")
         self.model = model
+        self.max_tokens = max_tokens
         self.tokenizer = tokenizer
         self.pooling = _check_pooling(pooling)
         if not self.pooling:
@@ -285,6 +296,9 @@ class SentenceEncoder:
         self.normalize = bool(normalize)
         limit = model.config.max_position_embeddings
         self.max_seq_length = min(max_seq_length or limit, limit)
+        # one graph a bucket (its full batch), plus the last batches' power-of-two row counts
+        buckets = {self.seq_bucket(n) for n in range(1, self.max_seq_length + 1)}
+        model.max_cached = max(model.max_cached, len(buckets) + 4)
         tokenizer.no_padding()
         tokenizer.enable_truncation(max_length=self.max_seq_length)
 
@@ -334,25 +348,35 @@ class SentenceEncoder:
     def dim(self) -> int:
         return self.model.config.hidden_size * len(self.pooling)
 
+    def seq_bucket(self, n: int) -> int:
+        """The padded length of a batch whose longest sentence has ``n`` tokens."""
+        return min(bucket_length(n, lo=16, steps=2), self.max_seq_length)
+
     def encode(self, texts, batch_size: int = 32) -> np.ndarray:
-        """Embeddings [n, dim] (f32) of a list of strings ([dim] for one string)."""
+        """Embeddings [n, dim] (f32) of a list of strings ([dim] for one string), in the
+        order given."""
         single = isinstance(texts, str)
         items = [texts] if single else list(texts)
         if not all(isinstance(t, str) for t in items):
             raise ValueError("SentenceEncoder.encode: texts must be strings")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"SentenceEncoder.encode: batch_size must be a positive int, got "
                              f"{batch_size!r}")
         out = np.zeros((len(items), self.dim), np.float32)
         if not items:
             return out
         enc = self.tokenizer.encode_batch(items)
-        order = sorted(range(len(items)), key=lambda i: -len(enc[i].ids))
+        lens = np.array([len(e.ids) for e in enc])
+        order = np.argsort(-lens, kind="stable")       # longest first, ties in input order
         pad = self.model.config.pad_token_id
-        for start in range(0, len(order), batch_size):
-            rows = order[start:start + batch_size]
-            b = min(_pow2_at_least(len(rows), 1), batch_size)
-            s = min(_pow2_at_least(max(len(enc[i].ids) for i in rows), 16), self.max_seq_length)
+        start = 0
+        while start < len(order):
+            s = self.seq_bucket(lens[order[start]])
+            full = batch_size if self.max_tokens is None else min(batch_size,
+                                                                  max(1, self.max_tokens // s))
+            rows = order[start:start + full]
+            start += len(rows)
+            b = full if len(rows) == full else min(_pow2_at_least(len(rows), 1), full)
             ids = np.full((b, s), pad, np.int32)
             types = np.zeros((b, s), np.int32)
             mask = np.zeros((b, s), bool)              # padded rows: every key masked -> zeros

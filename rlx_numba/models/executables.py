@@ -37,3 +37,15 @@ class ExecutableCache(OrderedDict):
             gc.collect()
         self[key] = exe = make()
         return exe
+
+
+def bucket_length(n: int, *, lo: int, steps: int, align: int = 8) -> int:
+    """``n`` rounded up to a grid of padded lengths, so inputs of many lengths share a few
+    compiled shapes: at least ``lo``; above it, ``steps`` lengths an octave (2**k < n <=
+    2**(k+1) rounds up to a multiple of max(align, 2**k / steps)), so the padding wastes at
+    most about 1/steps of the tokens."""
+    n = int(n)
+    if n <= lo:
+        return lo
+    step = max(align, (1 << ((n - 1).bit_length() - 1)) // steps)
+    return -(-n // step) * step

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import Graph, compile
 from ..runtime.executable import _exec_mode
-from .executables import ExecutableCache
+from .executables import ExecutableCache, bucket_length
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       read_json, reverse_permute)
 
@@ -147,6 +147,12 @@ def rope_tables(head_dim: int, theta: float, n_pos: int):
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+def pad_name(cache_len: int) -> str:
+    """The decode graph's param of its rows' left pads (KV-cache state like the caches, so
+    named by the cache length: decode graphs of other cache lengths keep their own)."""
+    return f"pad.cache{cache_len}"
+
+
 def cache_names(cfg: LlamaConfig) -> list[str]:
     return [f"cache.{n}.{kv}" for n in range(cfg.num_hidden_layers) for kv in ("k", "v")]
 
@@ -166,7 +172,16 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     ``pos`` (i32 [1], the row this token goes to), writes its key/value there, attends to rows
     0..pos, outputs the next ids and the logits. The prefill and decode graphs take ``seed``
     (i64 [1]) for sampling (``temperature``, ``top_k``, ``top_p`` as in Graph.sample; 0 is
-    greedy)."""
+    greedy).
+
+    Ragged batches (prompts of different lengths) are left-padded: ``pad`` (i32 [batch, 1],
+    the pad tokens at the start of each row) is a run() input of the prefill graph and a param
+    of the decode graph (set once a generation, like the caches, so a decode step copies no
+    more inputs than before). Row r's token at column t sits at position t - pad[r] for RoPE,
+    and the keys in columns < pad[r] are masked out of every query's attention (a pad query
+    sees no key: zeros). The decode step writes every row's key/value at cache row ``pos`` and
+    rotates it with position pos - pad[r]. All-zero pads give the plain [batch, seq] graph's
+    results."""
     if kind not in ("forward", "prefill", "decode"):
         raise ValueError(f"build_llama: kind must be 'forward', 'prefill' or 'decode', got "
                          f"{kind!r}")
@@ -198,10 +213,22 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     cos, sin = g.constant(cos_np), g.constant(sin_np)
     if kind == "decode":
         pos = g.input("pos", (1,), "i32")
-        keep = g.constant(np.arange(cache_len, dtype=np.int32)) <= pos   # rows 0..pos are live
+        pad = g.param(pad_name(cache_len), (b, 1), "i32")
+        col = g.constant(np.arange(cache_len, dtype=np.int32))
+        # rows pad..pos are live (bool min: and); the new token sits at position pos - pad
+        keep = g.reshape(g.min(col >= pad, col <= pos), (b, 1, 1, cache_len))
+        at = pos - pad                                                   # [b, 1]
+    elif kind == "prefill":
+        # rope over [b*s, heads, 1, d]: column t of row r sits at position t - pad[r] (the
+        # pads at 0), and the pad columns are masked out as keys
+        pad = g.input("pad", (b, 1), "i32")
+        col = g.constant(np.arange(s, dtype=np.int32))
+        rows = g.reshape(g.max(col - pad, 0), (b * s, 1))
+        keys = g.reshape(col >= pad, (b, 1, 1, s))
     else:
         # rope over [b*s, heads, 1, d]: token t of row r sits at position t (no transposes)
         rows = g.constant(np.tile(np.arange(s, dtype=np.int32), b).reshape(b * s, 1))
+        keys = None
     caches = []
     x = g.gather(P["model.embed_tokens.weight"], ids)                  # [b, s, hidden]
     resid, pending = x, None          # the residual stream, and the branch not yet added to it
@@ -216,8 +243,8 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         if cached:
             kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
         if kind == "decode":
-            qh = g.rope(g.reshape(q, (b, hq, 1, d)), cos, sin, positions=pos)
-            kh = g.rope(g.reshape(k, (b, hkv, 1, d)), cos, sin, positions=pos)
+            qh = g.rope(g.reshape(q, (b, hq, 1, d)), cos, sin, positions=at)
+            kh = g.rope(g.reshape(k, (b, hkv, 1, d)), cos, sin, positions=at)
             k_all = g.kv_write(kc, kh, pos)
             v_all = g.kv_write(vc, g.reshape(v, (b, hkv, 1, d)), pos)
             a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
@@ -225,7 +252,7 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
             qh = g.rope(g.reshape(q, (b * s, hq, 1, d)), cos, sin, positions=rows)
             kh = g.rope(g.reshape(k, (b * s, hkv, 1, d)), cos, sin, positions=rows)
             a = g.attention(g.reshape(qh, (b, s, hq * d)), g.reshape(kh, (b, s, hkv * d)), v,
-                            causal=True, num_heads=hq)
+                            causal=True, mask=keys, num_heads=hq)
             if kind == "prefill":      # the cache as [b, kv heads, rows, d]
                 for cache, t in ((kc, kh), (vc, v)):
                     heads = g.transpose(g.reshape(t, (b, s, hkv, d)), (0, 2, 1, 3))
@@ -254,6 +281,13 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
 # ---- the model -----------------------------------------------------------------------------------
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def prompt_bucket(n: int) -> int:
+    """The columns ``generate`` left-pads a batch whose longest prompt has ``n`` tokens to
+    (unless max_seq_len leaves less room): multiples of 8 up to 64, then four lengths an
+    octave (80, 96, 112, 128, 160, ...)."""
+    return bucket_length(n, lo=8, steps=4)
 
 
 class LlamaForCausalLM:
@@ -372,11 +406,37 @@ class LlamaForCausalLM:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
                 exe.set_param(name, np.zeros((batch, self.config.num_key_value_heads, cache_len,
                                               self.config.head_dim), np.float32))
+            elif name == pad_name(cache_len):   # no padding until a generation sets its pads
+                exe.set_param(name, np.zeros((batch, 1), np.int32))
             elif name in half:
                 exe.set_param_half(name, self.params[name], self.weights)
             else:
                 exe.set_param(name, self.params[name])
         return exe
+
+    def _prompts(self, prompt_ids, what: str):
+        """(rows, ragged): the prompts as a list of int32 arrays, and whether they came as a
+        list of prompts (of any lengths) rather than a [seq] or [batch, seq] array."""
+        ragged = (isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0
+                  and not np.isscalar(prompt_ids[0]))
+        if not ragged:
+            return list(self._ids(prompt_ids, what)), False
+        rows, v = [], self.config.vocab_size
+        for r, p in enumerate(prompt_ids):
+            a = np.asarray(p)
+            if a.ndim != 1 or a.size == 0:
+                raise ValueError(f"LlamaForCausalLM.{what}: prompt {r} of the list must be a "
+                                 f"non-empty 1-D sequence of token ids, got shape "
+                                 f"{list(a.shape)}")
+            if not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"LlamaForCausalLM.{what}: prompt {r} of the list must hold "
+                                 f"integer token ids, got {a.dtype}")
+            bad = np.flatnonzero((a < 0) | (a >= v))
+            if bad.size:
+                raise ValueError(f"LlamaForCausalLM.{what}: token id {a[bad[0]]} at [{r}, "
+                                 f"{int(bad[0])}] is outside the vocabulary [0, {v})")
+            rows.append(a.astype(np.int32))
+        return rows, True
 
     def _ids(self, input_ids, what: str) -> np.ndarray:
         a = np.asarray(input_ids)
@@ -411,42 +471,62 @@ class LlamaForCausalLM:
                         top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                         eos_token_id=None, max_seq_len: int | None = None):
         """Yield the next token ids ([batch] int64) one step at a time: the prefill graph runs
-        the prompt once and fills the KV cache, then the decode graph (compiled once for this
+        the prompts once and fills the KV cache, then the decode graph (compiled once for this
         batch and cache length) runs per token with the position and the token as inputs.
+
+        ``prompt_ids``: token ids [seq] or [batch, seq], or a list of prompts (1-D sequences of
+        token ids) of different lengths. The prompts are left-padded to a bucketed length
+        (``prompt_bucket``: multiples of 8, then four lengths an octave), the rows' pads given
+        to the graphs at run time (build_llama), so calls whose longest prompt falls in one
+        bucket share the compiled graphs. Each prompt's tokens take positions 0..len-1 and its pads are masked
+        out of attention, so a row generates what it would alone.
+
         Rows that produced ``eos_token_id`` (an int or a list) keep yielding it; the stream
-        ends when every row has, or after ``max_new_tokens``. Prompts of one batch have one
-        length. ``max_seq_len`` sets the cache rows (default: the prompt plus the new tokens,
-        rounded up to a power of two). The KV cache lives in the decode graph, which the
-        generations of one shape share: a stream that another generation of the same shape
-        overtook raises RuntimeError instead of reading the other's cache."""
-        ids = self._ids(prompt_ids, "generate")
+        ends when every row has, or after ``max_new_tokens``. ``max_seq_len`` sets the cache
+        rows (default: the padded prompt plus the new tokens, rounded up to a power of two);
+        it must hold the longest prompt plus the new tokens (the padding shrinks to fit). The
+        KV cache lives in the decode graph, which the generations of one shape share: a stream
+        that another generation of the same shape overtook raises RuntimeError instead of
+        reading the other's cache."""
+        rows, _ = self._prompts(prompt_ids, "generate")
         if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
             raise ValueError(f"LlamaForCausalLM.generate: max_new_tokens must be a positive int, "
                              f"got {max_new_tokens!r}")
-        b, s = ids.shape
+        lens = np.array([len(r) for r in rows])
+        b, s = len(rows), int(lens.max())
         need = s + max_new_tokens - 1                 # the last token is never fed back
         limit = self.config.max_position_embeddings
         if need > limit:
             raise ValueError(f"LlamaForCausalLM.generate: prompt {s} + {max_new_tokens} new tokens "
                              f"need {need} positions; the model has {limit}")
-        cap = max_seq_len if max_seq_len is not None else min(max(16, _next_pow2(need)), limit)
+        padded = prompt_bucket(s)
+        cap = max_seq_len if max_seq_len is not None else min(
+            max(16, _next_pow2(padded + max_new_tokens - 1)), limit)
         if not isinstance(cap, (int, np.integer)) or not need <= cap <= limit:
             raise ValueError(f"LlamaForCausalLM.generate: max_seq_len must be in [{need}, {limit}] "
                              f"(prompt {s} + {max_new_tokens} new tokens - 1), got {max_seq_len!r}")
+        padded = min(padded, cap - max_new_tokens + 1)   # >= s: the cache holds it all
+        ids = np.zeros((b, padded), np.int32)             # pad columns: token 0, masked out
+        for r, p in enumerate(rows):
+            ids[r, padded - len(p):] = p
+        pad = (padded - lens).astype(np.int32).reshape(b, 1)
         eos = set() if eos_token_id is None else (
             {int(eos_token_id)} if np.isscalar(eos_token_id) else {int(e) for e in eos_token_id})
         sampling = (float(temperature), int(top_k), float(top_p))
-        pre = self.executable("prefill", b, s, cap, sampling)
+        pre = self.executable("prefill", b, padded, cap, sampling)
         dec = self.executable("decode", b, 1, cap, sampling) if max_new_tokens > 1 else None
 
         def seed_of(step):             # Philox streams of adjacent keys are independent
             return np.array([(int(seed) + step) % 2**63], np.int64)
 
-        # the prefill writes the KV cache that the decode graph of its shape reads (one store
-        # entry): from here on, a stream of the same shape that started before reads garbage
+        # the prefill writes the KV cache (and the decode graph's row pads) that the decode
+        # graph of its shape reads (store entries of that shape): from here on, a stream of
+        # the same shape that started before would read another's
         owner = self._kv_owner[(b, cap)] = object()
-        outs = pre.run({"input_ids": ids, "seed": seed_of(0)}, outputs="view")
+        outs = pre.run({"input_ids": ids, "pad": pad, "seed": seed_of(0)}, outputs="view")
         tok = outs[0].copy_to_host().astype(np.int64)
+        if dec is not None:
+            dec.set_param(pad_name(cap), pad)
         done = np.isin(tok, list(eos)) if eos else np.zeros(b, bool)
         yield tok
         for step in range(1, max_new_tokens):
@@ -458,7 +538,7 @@ class LlamaForCausalLM:
                                    "and replaced this one's KV cache; run them one after the "
                                    "other, or on separate models")
             feed = tok.reshape(b, 1).astype(np.int32)
-            outs = dec.run({"input_ids": feed, "pos": np.array([s + step - 1], np.int32),
+            outs = dec.run({"input_ids": feed, "pos": np.array([padded + step - 1], np.int32),
                             "seed": seed_of(step)}, outputs="view")
             new = outs[0].copy_to_host().astype(np.int64)
             if eos:
@@ -469,20 +549,34 @@ class LlamaForCausalLM:
 
     def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
-                 max_seq_len: int | None = None, streamer=None) -> np.ndarray:
+                 max_seq_len: int | None = None, streamer=None):
         """The prompt followed by the generated tokens, [batch, seq + n] int64 ([seq + n] for a
-        1-D prompt), like transformers' generate. ``temperature`` 0 is greedy; otherwise
-        top_k / top_p sampling with ``seed`` (the same seed gives the same tokens).
-        ``streamer(ids)`` is called with each step's [batch] ids as they come."""
+        1-D prompt), like transformers' generate. For a list of prompts (``generate_stream``),
+        a list of int64 arrays, one a prompt: the prompt followed by its own tokens, up to and
+        including its first ``eos_token_id`` (what generating it alone gives). ``temperature``
+        0 is greedy; otherwise top_k / top_p sampling with ``seed`` (the same seed gives the
+        same tokens). ``streamer(ids)`` is called with each step's [batch] ids as they come."""
+        rows, ragged = self._prompts(prompt_ids, "generate")
         steps = []
-        for tok in self.generate_stream(prompt_ids, max_new_tokens, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, seed=seed,
-                                        eos_token_id=eos_token_id, max_seq_len=max_seq_len):
+        for tok in self.generate_stream(rows if ragged else prompt_ids, max_new_tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p,
+                                        seed=seed, eos_token_id=eos_token_id,
+                                        max_seq_len=max_seq_len):
             steps.append(tok)
             if streamer is not None:
                 streamer(tok)
+        new = np.stack(steps, axis=1)
+        if ragged:
+            eos = [] if eos_token_id is None else (
+                [int(eos_token_id)] if np.isscalar(eos_token_id) else list(eos_token_id))
+            out = []
+            for p, t in zip(rows, new):
+                hit = np.flatnonzero(np.isin(t, eos))
+                t = t[:hit[0] + 1] if hit.size else t
+                out.append(np.concatenate([p.astype(np.int64), t]))
+            return out
         prompt = np.atleast_2d(np.asarray(prompt_ids)).astype(np.int64)
-        out = np.concatenate([prompt, np.stack(steps, axis=1)], axis=1)
+        out = np.concatenate([prompt, new], axis=1)
         return out[0] if np.ndim(prompt_ids) == 1 else out
 
     # ---- text -----------------------------------------------------------------------------------
@@ -512,7 +606,7 @@ class LlamaForCausalLM:
         """Yield the text of a generation (one prompt) piece by piece as tokens come, up to
         the first end token (the config's EOS ids and <|im_end|>, unless ``eos_token_id`` is
         given). Other keywords as in generate()."""
-        if np.atleast_2d(np.asarray(prompt_ids)).shape[0] != 1:
+        if len(self._prompts(prompt_ids, "stream_text")[0]) != 1:
             raise ValueError("LlamaForCausalLM.stream_text: one prompt at a time")
         eos = kw.pop("eos_token_id", None)
         if eos is None:
