@@ -23,6 +23,10 @@ in the graph node's place (``nodes``). Three rewrites:
   (as many kernels; it may then be a matmul epilogue), and a matmul epilogue leaves such an add
   to the norm.
 
+A strided narrow (runtime/lower.py ``strided_narrows``) is a leaf that only the generated
+element-wise kernels can read (through its row stride): the matmul-epilogue and norm-residual
+folds are not made over one.
+
 A rewritten root runs at its own position in the step order and reads every leaf there. That is
 wrong when an in-place node (kv_write) between a leaf's original reader and the root overwrites
 the leaf's memory, so such readers are kept materialised (see ``_hazards``).
@@ -37,7 +41,7 @@ from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from ..ir.graph import Node
-from ..runtime.lower import ELEMENTWISE, INPLACE
+from ..runtime.lower import ELEMENTWISE, INPLACE, narrow_contiguous
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
 # the generated source repeats the expression per unrolled element
@@ -78,6 +82,9 @@ def fuse(graph, live, root, is_view) -> Fusion:
     uses = Counter(i for n in nodes if n.id in live for i in n.inputs)
     consumer = {i: n.id for n in nodes if n.id in live for i in n.inputs}
     writes = [(n.id, root[n.id]) for n in nodes if n.id in live and n.op in INPLACE]
+    # strided narrow views: only the generated element-wise kernels read them through strides
+    strided = {n.id for n in nodes if n.op == "narrow" and n.id in live and is_view(n)
+               and not narrow_contiguous(n, graph)}
 
     def single(i):        # one reader, and nothing outside the graph sees it
         return uses[i] == 1 and i not in outputs
@@ -118,6 +125,8 @@ def fuse(graph, live, root, is_view) -> Fusion:
             if r in out.nodes:    # a @ b + c @ d: the first product took the add already
                 continue
             fold = _matmul_epilogue(nodes, n, groups[r], consumer, norm_adds)
+            if fold is not None and strided.intersection(fold.inputs[2:]):
+                fold = None    # the product's epilogue reads dense operands
             if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
                 out.regions.pop(r, None)
                 out.nodes[r] = fold
@@ -128,6 +137,8 @@ def fuse(graph, live, root, is_view) -> Fusion:
             fold = _norm_residual(nodes, n, single, region_of, groups)
             if n.inputs[0] in out.nodes:   # its add already became a matmul's epilogue
                 fold = None
+            if fold is not None and strided.intersection((fold.inputs[0], fold.inputs[-1])):
+                fold = None                # the norm reads dense operands
             if fold is not None and not _hazards(nodes, {n.id: [n.inputs[0], n.id]}, writes, root):
                 out.nodes[n.id] = fold
                 out.folds[n.id] = ("norm residual", (n.inputs[0], n.id))

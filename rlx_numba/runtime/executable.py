@@ -112,6 +112,8 @@ class CudaExecutable:
         self.absorbed = lower_matmul.absorbed_transposes(graph, set(graph.outputs))
         # weights stored [N, K] (set_param transposes them): op-T products, see lower_matmul
         self.transposed = lower_matmul.transposed_weights(graph, set(graph.outputs))
+        # strided narrows read in place by element-wise kernels: views of their input too
+        self.strided = lower.strided_narrows(graph, set(graph.outputs))
         self._live = self._reachable()
         self._root = {}                      # node id -> node id that owns its memory
         for n in nodes:                      # in-place nodes (kv_write) alias input 0 too
@@ -179,7 +181,7 @@ class CudaExecutable:
 
     # ---- compile-time pieces ------------------------------------------------------------------
     def _is_view(self, n) -> bool:
-        return lower.is_view(n, self.graph) or n.id in self.absorbed
+        return lower.is_view(n, self.graph) or n.id in self.absorbed or n.id in self.strided
 
     def _reachable(self) -> set:
         # in-place writes always run: a kv_write into a param matters even if nothing reads it
@@ -242,8 +244,9 @@ class CudaExecutable:
         n = self.graph.nodes[nid]
         b = self.buffers[self._root[nid]]
         storage = n.dtype.storage
-        count = max(n.size, 1)
-        return self.arena[b.offset:b.offset + count * storage.itemsize].view(storage)
+        off, count = lower.view_window(self.graph, nid, self._root)   # narrow views: an offset
+        start = b.offset + off * storage.itemsize
+        return self.arena[start:start + count * storage.itemsize].view(storage)
 
     def device_array(self, host):
         """A small device array owned by this executable (e.g. a step's index table)."""
