@@ -20,24 +20,37 @@ def kernel_nodes(exe):
 
 # ---- narrow as a view ----------------------------------------------------------------------------
 def test_contiguous_narrows_are_views_at_an_offset(rng):
-    xv = rng.standard_normal((1, 5, 7)).astype(np.float32)
-    wv = rng.standard_normal((4, 7)).astype(np.float32)
+    """Contiguous slices at 256-byte offsets are plain views (outputs, products, anything
+    reads them); at other offsets only element-wise readers take them in place."""
+    xv = rng.standard_normal((1, 5, 64)).astype(np.float32)
+    wv = rng.standard_normal((4, 64)).astype(np.float32)
     g = rlx.Graph()
     x = g.input("x", xv.shape)
-    a = g.narrow(x, 1, 2, 3)                       # outer dims all 1: one run at offset 14
+    a = g.narrow(x, 1, 2, 3)                       # outer dims all 1: one run at offset 128
     b = g.narrow(g.narrow(x, 1, 1, 4), 1, 2, 2)    # a view of a view: offsets add up
-    c = g.narrow(g.reshape(x, (5, 7)), 1, 0, 7)    # the whole rows
+    c = g.narrow(g.reshape(x, (5, 64)), 1, 0, 64)  # the whole rows
     d = g.linear(g.narrow(x, 1, 4, 1), g.transpose(g.constant(wv), (1, 0)))  # a product reads one
-    g.set_outputs([a, b, c, g.exp(a), d])
+    odd = g.narrow(g.reshape(x, (320,)), 0, 3, 70)  # offset 12 bytes: read in place by exp
+    g.set_outputs([a, b, c, g.exp(a), d, g.exp(odd)])
     exe = rlx.compile(g)
-    ya, yb, yc, ye, yd = exe.run({"x": xv})
+    ya, yb, yc, ye, yd, yo = exe.run({"x": xv})
     np.testing.assert_array_equal(ya, xv[:, 2:5])
     np.testing.assert_array_equal(yb, xv[:, 3:5])
     np.testing.assert_array_equal(yc, xv[0])
     np.testing.assert_allclose(ye, np.exp(xv[:, 2:5]), rtol=1e-6)
-    np.testing.assert_allclose(yd, xv[:, 4:5] @ wv.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(yd, xv[:, 4:5] @ wv.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(yo, np.exp(xv.reshape(-1)[3:73]), rtol=1e-6)
     assert "narrow" not in kernel_nodes(exe)
-    assert exe.memory_report()["views"] >= 5
+    assert exe.memory_report()["views"] >= 6
+    g2 = rlx.Graph()                               # the same odd slice into a product: a copy
+    x = g2.input("x", (1, 70))
+    y = g2.narrow(g2.reshape(x, (70,)), 0, 3, 64)
+    g2.set_outputs([g2.linear(g2.reshape(y, (1, 64)), g2.transpose(g2.constant(wv), (1, 0)))])
+    exe = rlx.compile(g2)
+    xv = rng.standard_normal((1, 70)).astype(np.float32)
+    (got,) = exe.run({"x": xv})
+    np.testing.assert_allclose(got, xv[:, 3:67] @ wv.T, rtol=1e-5, atol=1e-5)
+    assert "narrow" in kernel_nodes(exe)
 
 
 @pytest.mark.parametrize("fusion", ["1", "0"])

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from ..ir.graph import Node
-from ..runtime.lower import ELEMENTWISE, INPLACE, narrow_contiguous
+from ..runtime.lower import ELEMENTWISE, INPLACE
+from ..runtime.lower import is_view as plain_view
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
 # the generated source repeats the expression per unrolled element
@@ -84,7 +85,7 @@ def fuse(graph, live, root, is_view) -> Fusion:
     writes = [(n.id, root[n.id]) for n in nodes if n.id in live and n.op in INPLACE]
     # strided narrow views: only the generated element-wise kernels read them through strides
     strided = {n.id for n in nodes if n.op == "narrow" and n.id in live and is_view(n)
-               and not narrow_contiguous(n, graph)}
+               and not plain_view(n, graph)}
 
     def single(i):        # one reader, and nothing outside the graph sees it
         return uses[i] == 1 and i not in outputs

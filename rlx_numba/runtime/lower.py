@@ -18,6 +18,7 @@ import numpy as np
 from ..ir.graph import Graph, Node
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
+from ..memory import ALIGN
 from .device import SIMULATOR
 
 log = logging.getLogger("rlx_numba")
@@ -50,12 +51,14 @@ def step_name(n: Node) -> str:
 
 def is_view(node: Node, graph: Graph) -> bool:
     """Nodes that own no memory: they alias their input's buffer (a narrow of a contiguous
-    slice at an offset into it; a strided narrow is a view only where ``strided_narrows``
-    says so, which depends on its readers)."""
+    slice at an ALIGN-multiple byte offset into it: every kernel and cuBLAS may read it as
+    its own buffer; other narrows are views only where ``strided_narrows`` says so, which
+    depends on their readers)."""
     if node.op == "reshape":
         return True
     if node.op == "narrow":
-        return narrow_contiguous(node, graph)
+        off = narrow_layout(node, graph)[0] * node.dtype.storage.itemsize
+        return narrow_contiguous(node, graph) and off % ALIGN == 0
     return node.op == "cast" and graph.nodes[node.inputs[0]].dtype == node.dtype
 
 
@@ -75,17 +78,18 @@ def narrow_contiguous(node: Node, graph: Graph) -> bool:
 
 
 def strided_narrows(graph: Graph, live_outputs) -> set:
-    """Narrows that are not contiguous but which only element-wise kernels read (and which
-    are not outputs): those kernels read them in place through a row stride (codegen's
-    strided inputs, ``view_strides``), so the narrow is a view and costs no kernel. The
-    fusion pass keeps such a narrow out of the folds whose kernels read dense operands
-    (matmul epilogues, norm residuals)."""
+    """Narrows that are not plain views (``is_view``: strided, or at an offset that cuBLAS
+    and vector loads would not take) but which only element-wise kernels read (and which are
+    not outputs): those kernels read them in place through their strides and offset
+    (codegen's strided inputs, ``view_strides``; scalar loads, any alignment), so the narrow
+    is a view and costs no kernel. The fusion pass keeps such a narrow out of the folds whose
+    kernels read dense operands (matmul epilogues, norm residuals)."""
     readers: dict[int, list] = {}
     for n in graph.nodes:
         for i in n.inputs:
             readers.setdefault(i, []).append(n)
     return {n.id for n in graph.nodes
-            if n.op == "narrow" and n.id not in live_outputs and not narrow_contiguous(n, graph)
+            if n.op == "narrow" and n.id not in live_outputs and not is_view(n, graph)
             and readers.get(n.id)
             and all(m.op in ELEMENTWISE and not is_view(m, graph) for m in readers[n.id])}
 
