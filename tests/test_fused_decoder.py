@@ -266,7 +266,8 @@ def _rkv(**kw):
 
 @pytest.mark.parametrize("build,match", [
     (_rkv(num_heads=2), r"rope_kv_write: qkv must be \[B, S, \(num_heads \+ 2 num_kv_heads\) \* "
-                        r"D\] = \[2, S, 32\] \(heads 2/1, caches \[2, 1, 6, 8\]\), got \[2, 3, 40\]"),
+                        r"D\] = \[2, S, 32\] \(heads 2/1, caches \[2, 1, 6, 8\]\), got "
+                        r"\[2, 3, 40\]"),
     (_rkv(num_heads=3, num_kv_heads=2), r"rope_kv_write: num_heads \(3\) and num_kv_heads \(2\) "
                                         r"must be positive ints, num_heads a multiple"),
     (_rkv(num_heads=0), r"rope_kv_write: num_heads \(0\)"),
@@ -310,7 +311,7 @@ def test_rope_kv_write_errors(build, match):
     _rkv_err(build, match)
 
 
-# ---- build_llama(fused=True) against fused=False ---------------------------------------------------
+# ---- build_llama(fused=True) against fused=False -----------------------------------------
 CFG = LlamaConfig(vocab_size=53, hidden_size=48, intermediate_size=37, num_hidden_layers=2,
                   num_attention_heads=3, num_key_value_heads=1, head_dim=16,
                   max_position_embeddings=64, attention_bias=True)

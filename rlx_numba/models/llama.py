@@ -272,8 +272,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         if cached:
             kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
         if cached and fused:   # rope of q and k and the cache write: one kernel
-            qh, k_all, v_all = g.rope_kv_write(qkv, cos, sin, kc, vc, pos if kind == "decode" else 0,
-                                               num_heads=hq, num_kv_heads=hkv)
+            row = pos if kind == "decode" else 0          # the cache row of the first token
+            qh, k_all, v_all = g.rope_kv_write(qkv, cos, sin, kc, vc, row, num_heads=hq,
+                                               num_kv_heads=hkv)
             if kind == "decode":
                 a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
             else:              # the prompt's keys/values: the caches' first s rows
