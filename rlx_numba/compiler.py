@@ -3,8 +3,10 @@
     validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
                write (a kv_write into a param matters even when nothing reads it)
     views      nodes that own no memory alias their input (reshape, same-dtype cast, the
-               transposes products read through an op-T flag); in-place writes alias their
-               target; no node may read memory after an in-place write replaced it
+               transposes products read through an op-T flag, narrows of an aligned
+               contiguous slice, and strided narrows only element-wise kernels read); in-place
+               writes alias their target; no node may read memory after an in-place write
+               replaced it
     layout     2-D weights read only by products are stored [N, K] (lower_matmul)
     fuse       element-wise regions and folded epilogues (passes/fusion.py)
     plan       activations, inputs, constants and outputs get byte ranges of one arena by
@@ -37,6 +39,7 @@ class Plan:
     live: set            # node ids that run (or are leaves)
     root: dict           # node id -> node id that owns its memory (views, in-place writes)
     absorbed: set        # transposes read by products through an op-T flag
+    strided: set         # narrows read in place (strides) by the element-wise kernels alone
     transposed: set      # weight params stored [N, K]
     fusion: object       # passes.fusion.Fusion
     buffers: dict        # root node id -> Buffer (params: a range past the arena, no bytes in it)
@@ -44,7 +47,7 @@ class Plan:
     report: MemoryReport
 
     def is_view(self, n) -> bool:
-        return lower.is_view(n, self.graph) or n.id in self.absorbed
+        return lower.is_view(n, self.graph) or n.id in self.absorbed or n.id in self.strided
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
@@ -69,10 +72,11 @@ def plan_graph(graph: Graph) -> Plan:
     outputs = set(graph.outputs)
     live = reachable(graph)
     absorbed = lower_matmul.absorbed_transposes(graph, outputs)
+    strided = lower.strided_narrows(graph, outputs)
     transposed = lower_matmul.transposed_weights(graph, outputs)
 
     def is_view(n):
-        return lower.is_view(n, graph) or n.id in absorbed
+        return lower.is_view(n, graph) or n.id in absorbed or n.id in strided
 
     root = {}
     for n in graph.nodes:
@@ -82,9 +86,10 @@ def plan_graph(graph: Graph) -> Plan:
     lower.check_inplace(graph, live, root)
     # fused regions and folded epilogues: interior nodes get no buffer and no step, a root
     # lowers as fusion.nodes[id] (the graph itself is not changed)
-    fused = fusion_pass.fuse(graph, live, root, is_view)
+    fused = fusion_pass.fuse(graph, live, root, is_view, strided)
     buffers, arena_bytes, report = plan_memory(graph, live, root, fused)
-    return Plan(graph, live, root, absorbed, transposed, fused, buffers, arena_bytes, report)
+    return Plan(graph, live, root, absorbed, strided, transposed, fused, buffers, arena_bytes,
+                report)
 
 
 def reachable(graph: Graph) -> set:

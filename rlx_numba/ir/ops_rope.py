@@ -1,4 +1,4 @@
-"""rope and kv_write: shape rules and the Graph builder methods (mixed into Graph).
+"""rope, kv_write and rope_kv_write: shape rules and the Graph builder methods (mixed into Graph).
 Kernels: kernels/rope.py; lowering: runtime/lower_rope.py."""
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _index_tensor(op, arg, t):
 def _base(t):
     """The node whose memory ``t`` shares (through reshapes, same-dtype casts, kv_writes)."""
     g, n = t.graph, t.node
-    while (n.op in ("reshape", "kv_write")
+    while (n.op in ("reshape", "kv_write", "kv_written")
            or (n.op == "cast" and g.nodes[n.inputs[0]].dtype == n.dtype)):
         n = g.nodes[n.inputs[0]]
     return n
@@ -184,3 +184,110 @@ class RopeOps:
             raise ValueError(f"{op}: position must be an int or an i32/i64 tensor of shape [] or "
                              f"[1], got {type(position).__name__}")
         return self._add(op, ins, cache.shape, cache.dtype, position=p)
+
+    def rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, cache_position, *, num_heads: int,
+                      num_kv_heads: int, n_rot=None, interleaved: bool = False, positions=None):
+        """RoPE of q and k and the KV-cache write, in one kernel, from the packed output of a
+        fused Q/K/V product: ``qkv`` f32 [B, S, (Hq + 2 Hkv) * D], each token's row the Hq query
+        heads, then the Hkv key heads, then the Hkv value heads (D each: the product of
+        concatenated q/k/v weights). Returns ``(q, k_all, v_all)``:
+
+        - q: the rotated queries, f32 [B, Hq, S, D] (a new tensor);
+        - k_all, v_all: ``k_cache`` / ``v_cache`` [B, Hkv, max_S, D] after the rotated keys and
+          the plain values of the S tokens were written IN PLACE at rows cache_position ..
+          cache_position + S - 1 (as kv_write: the results share the caches' memory; read the
+          caches through them).
+
+        Rotation as in ``rope`` (``n_rot``, ``interleaved``, cos / sin f32 [max_pos, n_rot/2]);
+        ``cache_position`` as kv_write's ``position`` (a Python int, or an i32/i64 tensor of
+        shape [] or [1]; a host-array run() input is range-checked, an in-graph one is not: rows
+        landing outside the cache are dropped). Token s's rope position is
+        ``positions[s]`` / ``positions[b, s]`` when ``positions`` (an i32/i64 tensor [S] or
+        [B, S]) is given (per-row positions of left-padded batches), else
+        cache_position + s; positions are clamped to [0, max_pos - 1] on the device (run()
+        range-checks host-array inputs)."""
+        op = "rope_kv_write"
+        for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                       ("v_cache", v_cache)):
+            self._check(op, arg, t)
+            _f32(op, arg, t)
+        hq, hkv = _int(op, "num_heads", num_heads), _int(op, "num_kv_heads", num_kv_heads)
+        if hq is None or hkv is None or hq < 1 or hkv < 1 or hq % hkv:
+            raise ValueError(f"{op}: num_heads ({num_heads!r}) and num_kv_heads "
+                             f"({num_kv_heads!r}) must be positive ints, num_heads a multiple "
+                             f"of num_kv_heads")
+        if len(k_cache.shape) != 4:
+            raise ValueError(f"{op}: k_cache must be [B, Hkv, max_S, D], got {fmt(k_cache.shape)}")
+        if tuple(v_cache.shape) != tuple(k_cache.shape):
+            raise ValueError(f"{op}: v_cache {fmt(v_cache.shape)} must have k_cache's shape "
+                             f"{fmt(k_cache.shape)}")
+        b, hc, max_s, d = k_cache.shape
+        if hc != hkv:
+            raise ValueError(f"{op}: k_cache {fmt(k_cache.shape)} has {hc} heads, num_kv_heads is "
+                             f"{hkv}")
+        width = (hq + 2 * hkv) * d
+        if len(qkv.shape) != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
+            raise ValueError(f"{op}: qkv must be [B, S, (num_heads + 2 num_kv_heads) * D] = "
+                             f"[{b}, S, {width}] (heads {hq}/{hkv}, caches "
+                             f"{fmt(k_cache.shape)}), got {fmt(qkv.shape)}")
+        s = qkv.shape[1]
+        if s > max_s:
+            raise ValueError(f"{op}: qkv {fmt(qkv.shape)} has {s} tokens but the caches "
+                             f"{fmt(k_cache.shape)} hold only {max_s} rows")
+        if n_rot is None:
+            n_rot = d
+        nr = _int(op, "n_rot", n_rot)
+        if nr is None or nr < 2 or nr > d or nr % 2:
+            raise ValueError(f"{op}: n_rot must be an even int in [2, D] with D = {d}, got "
+                             f"{n_rot!r}")
+        for arg, t in (("cos", cos), ("sin", sin)):
+            if len(t.shape) != 2 or t.shape[1] != nr // 2 or t.shape[0] == 0:
+                raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {nr // 2}] "
+                                 f"with max_pos >= 1 (n_rot {nr}), got {fmt(t.shape)}")
+        if tuple(cos.shape) != tuple(sin.shape):
+            raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
+                             f"same shape")
+        if not isinstance(interleaved, bool):
+            raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
+        for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            base = _base(t)
+            if base.op == "constant":
+                raise ValueError(f"{op}: {arg} {fmt(t.shape)} is (a view of) constant %{base.id}; "
+                                 f"a cache is written in place, so make it a param or an input")
+        if _base(k_cache).id == _base(v_cache).id:
+            raise ValueError(f"{op}: k_cache and v_cache share the memory of %{_base(k_cache).id}; "
+                             f"they must be distinct tensors")
+        max_pos = cos.shape[0]
+        ins = [qkv, cos, sin, k_cache, v_cache]
+        p = _int(op, "cache_position", cache_position)
+        if p is not None:
+            if p < 0 or p + s > max_s:
+                raise ValueError(f"{op}: cache_position {p} + S {s} (qkv {fmt(qkv.shape)}) must "
+                                 f"lie in [0, max_S] = [0, {max_s}] (caches {fmt(k_cache.shape)})")
+            if positions is None and p + s > max_pos:
+                raise ValueError(f"{op}: positions cache_position {p} + S {s} exceed max_pos "
+                                 f"{max_pos} (cos/sin {fmt(cos.shape)})")
+        elif hasattr(cache_position, "graph") and hasattr(cache_position, "node"):
+            self._check(op, "cache_position", cache_position)
+            _index_tensor(op, "cache_position", cache_position)
+            if tuple(cache_position.shape) not in ((), (1,)):
+                raise ValueError(f"{op}: cache_position must be a scalar tensor, shape [] or [1], "
+                                 f"got {fmt(cache_position.shape)}")
+            ins.append(cache_position)
+        else:
+            raise ValueError(f"{op}: cache_position must be an int or an i32/i64 tensor of shape "
+                             f"[] or [1], got {type(cache_position).__name__}")
+        if positions is not None:
+            self._check(op, "positions", positions)
+            _index_tensor(op, "positions", positions)
+            if tuple(positions.shape) not in ((s,), (b, s)):
+                raise ValueError(f"{op}: positions must be [S] = [{s}] or [B, S] = [{b}, {s}] "
+                                 f"(qkv {fmt(qkv.shape)}), got {fmt(positions.shape)}")
+            ins.append(positions)
+        q = self._add(op, ins, (b, hq, s, d), dt.F32, num_heads=hq, num_kv_heads=hkv,
+                      head_dim=d, n_rot=nr, interleaved=interleaved, cache_position=p,
+                      has_positions=positions is not None)
+        # the caches after the write: aliases of their memory that q's kernel fills
+        k_all = self._add("kv_written", (k_cache, q), k_cache.shape, dt.F32)
+        v_all = self._add("kv_written", (v_cache, q), v_cache.shape, dt.F32)
+        return q, k_all, v_all

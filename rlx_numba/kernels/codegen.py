@@ -232,19 +232,26 @@ def load_kernel(source: str):
 
 
 # ---- broadcasting: shapes -> modes, collapsed dims and strides ------------------------------
-def broadcast_layout(out_shape, in_shapes):
+def broadcast_layout(out_shape, in_shapes, in_strides=None):
     """Collapse the output's dims and give each input its mode and strides (in elements).
+
+    ``in_strides[j]`` (optional, None entries for contiguous inputs): input j's own per-dim
+    element strides, for a strided view (a narrow along an inner axis read in place); such an
+    input is never "full" (it is read through its strides).
 
     Returns (modes, dims, strides): dims is the collapsed output shape, strides[j] the
     per-dim strides of input j over those dims (0 where it is broadcast).
     """
     rank = len(out_shape)
+    given = list(in_strides) if in_strides is not None else [None] * len(in_shapes)
     strides = []
-    for s in in_shapes:
-        s = (1,) * (rank - len(s)) + tuple(s)
+    for s, own in zip(in_shapes, given):
+        pad = rank - len(s)
+        s = (1,) * pad + tuple(s)
+        own = (0,) * pad + tuple(own) if own is not None else None
         st, acc = [], 1
         for a in range(rank - 1, -1, -1):
-            st.append(0 if s[a] == 1 else acc)
+            st.append(0 if s[a] == 1 else own[a] if own is not None else acc)
             acc *= s[a]
         strides.append(st[::-1])
     dims = []
@@ -263,7 +270,7 @@ def broadcast_layout(out_shape, in_shapes):
     n = math.prod(out_shape)
     modes = []
     for j in range(len(in_shapes)):
-        if math.prod(in_shapes[j]) == n:
+        if math.prod(in_shapes[j]) == n and given[j] is None:
             modes.append("full")
         elif all(c == 0 for c in cols[j]):
             modes.append("scalar")

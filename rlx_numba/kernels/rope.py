@@ -13,6 +13,11 @@ n_rot/2) for NeoX, (2, 1) for GPT-J, so one kernel serves both with no branch.
 ``kv_write``: rows (b, h, j) of new [B, H, s, D] go to row position + j of the cache
 [B, H, max_S, D]; rows landing outside [0, max_S) are dropped.
 
+``rope_kv_write``: the packed [B, S, (Hq + 2 Hkv) * D] output of a fused Q/K/V product read in
+place; a row is one (token, head) (heads fastest, so neighbouring rows read neighbouring bytes):
+query heads rotate into q [B, Hq, S, D], key heads rotate into the k cache, value heads are
+copied into the v cache, both at row cache_position + s of [B, Hkv, max_S, D].
+
 All index math is uint64 (every scalar argument is np.uint64, literals are wrapped), see
 kernels/shape.py; only positions, which may be negative, are int64 until clamped.
 """
@@ -99,4 +104,67 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
         t = p + int64(j)
         if t >= int64(0) and t < int64(max_s):
             _copy_span(cache, (bh * max_s + uint64(t)) * D, new, r * D, c0, D, xstep)
+        r += ystep
+
+
+@cuda.jit(device=True)
+def _rotate_row(dst, do, src, so, cos, sin, cb, c, ncols, half, pair_mul, pair_gap, step):
+    """One head's items c, c + step, ... < ncols (rope's: rotated pairs, then the passed-through
+    dims) from src[so:] to dst[do:]; cos/sin of its position start at cb."""
+    while c < ncols:
+        if c < half:
+            i0 = c * pair_mul
+            i1 = i0 + pair_gap
+            a = src[so + i0]
+            b = src[so + i1]
+            cs = cos[cb + c]
+            sn = sin[cb + c]
+            dst[do + i0] = a * cs - b * sn
+            dst[do + i1] = b * cs + a * sn
+        else:
+            dst[do + c + half] = src[so + c + half]
+        c += step
+
+
+@jit
+def rope_kv_write(q, k_cache, v_cache, qkv, cos, sin, cpos, cache_position, use_cpos, pos,
+                  pos_bstride, use_pos, nrows, S, Hq, Hkv, NH, D, half, ncols, pair_mul,
+                  pair_gap, max_s, max_pos):
+    """See the module docstring. Row r = (b * S + s) * NH + h over the NH = Hq + 2 Hkv heads of
+    token (b, s); its cache row is t = p0 + s with p0 = cpos[0] when ``use_cpos`` else
+    ``cache_position`` (rows outside [0, max_s) are dropped); its rope position is
+    pos[b * pos_bstride + s] when ``use_pos`` else t, clamped to [0, max_pos - 1].
+    Grid: x along the head's items, y over rows."""
+    c0 = uint64(cuda.threadIdx.x) + uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x)
+    xstep = uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
+    r = uint64(cuda.threadIdx.y) + uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y)
+    ystep = uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
+    p0 = int64(cpos[0]) if use_cpos else cache_position
+    while r < nrows:
+        tok = r // NH
+        h = r - tok * NH
+        b = tok // S
+        s = tok - b * S
+        src = r * D                      # rows of qkv are the (token, head) rows themselves
+        t = p0 + int64(s)
+        v = int64(pos[b * pos_bstride + s]) if use_pos else t
+        if v < int64(0):
+            v = int64(0)
+        if v >= max_pos:
+            v = max_pos - int64(1)
+        cb = uint64(v) * half
+        if h < Hq:
+            _rotate_row(q, ((b * Hq + h) * S + s) * D, qkv, src, cos, sin, cb, c0, ncols, half,
+                        pair_mul, pair_gap, xstep)
+        elif t >= int64(0) and t < int64(max_s):
+            hk = h - Hq
+            if hk < Hkv:
+                _rotate_row(k_cache, ((b * Hkv + hk) * max_s + uint64(t)) * D, qkv, src, cos,
+                            sin, cb, c0, ncols, half, pair_mul, pair_gap, xstep)
+            else:
+                do = ((b * Hkv + hk - Hkv) * max_s + uint64(t)) * D
+                c = c0
+                while c < D:
+                    v_cache[do + c] = qkv[src + c]
+                    c += xstep
         r += ystep

@@ -129,10 +129,52 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
     return out
 
 
-def product_weights(cfg: LlamaConfig) -> list[str]:
-    """The parameters that are the weight of a product (what set_param_half may store half);
-    with tied embeddings the token table is the LM head's weight too."""
-    names = [k for k, s in llama_param_shapes(cfg).items()
+# the packed projections of build_llama(fused=True): one product a pack, its weight (and bias)
+# the parts' rows one after the other
+PACKS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+
+
+def _packs(cfg: LlamaConfig, names):
+    """(packed name, [part names]) of every packed weight / bias whose parts are in names."""
+    for n in range(cfg.num_hidden_layers):
+        for packed, parts in PACKS:
+            for what in ("weight", "bias"):
+                full = [f"model.layers.{n}.{part}.{what}" for part in parts]
+                if full[0] in names:
+                    yield f"model.layers.{n}.{packed}.{what}", full
+
+
+def graph_param_shapes(cfg: LlamaConfig, fused: bool = True) -> dict[str, tuple]:
+    """The params of ``build_llama(cfg, ..., fused=fused)``: those of ``llama_param_shapes``,
+    except that with ``fused`` each layer's q/k/v projections are one
+    ``self_attn.qkv_proj`` ([q + 2 kv, hidden]: q's rows, then k's, then v's; the bias
+    likewise) and gate/up one ``mlp.gate_up_proj`` ([2 intermediate, hidden]: gate's rows,
+    then up's)."""
+    shapes = llama_param_shapes(cfg)
+    if not fused:
+        return shapes
+    for packed, parts in list(_packs(cfg, shapes)):
+        rows = [shapes.pop(name) for name in parts]
+        shapes[packed] = (sum(r[0] for r in rows),) + rows[0][1:]
+    return shapes
+
+
+def graph_params(cfg: LlamaConfig, params: dict, fused: bool = True) -> dict:
+    """The graph's params (``graph_param_shapes``) from Hugging Face-named ones (checked, as
+    LlamaForCausalLM.params holds them): the packed weights concatenated on the host."""
+    out = dict(params)
+    if not fused:
+        return out
+    for packed, parts in list(_packs(cfg, params)):
+        out[packed] = np.concatenate([out.pop(name) for name in parts], axis=0)
+    return out
+
+
+def product_weights(cfg: LlamaConfig, fused: bool = True) -> list[str]:
+    """The graph params that are the weight of a product (what set_param_half may store
+    half); with tied embeddings the token table is the LM head's weight too."""
+    names = [k for k, s in graph_param_shapes(cfg, fused).items()
              if len(s) == 2 and k != "model.embed_tokens.weight"]
     return names + (["model.embed_tokens.weight"] if cfg.tie_word_embeddings else [])
 
@@ -160,9 +202,16 @@ def cache_names(cfg: LlamaConfig) -> list[str]:
 # ---- the graph -----------------------------------------------------------------------------------
 def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward",
                 cache_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0) -> Graph:
+                top_p: float = 1.0, fused: bool = True) -> Graph:
     """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
-    ``llama_param_shapes``.
+    ``graph_param_shapes(cfg, fused)`` (set them from Hugging Face-named weights with
+    ``graph_params``).
+
+    ``fused`` (the default) packs each layer into fewer, fatter kernels: one product for
+    q/k/v and one for gate/up (over the packed weights), RoPE of q and k with the KV-cache
+    write in one kernel (Graph.rope_kv_write), silu(gate) * up reading the packed product in
+    place. ``fused=False`` builds one product a projection and separate rope / kv_write
+    steps (same values; the reference the fused graph is tested against).
 
     kind "forward": outputs the logits [batch, seq, vocab] (causal attention over the seq
     tokens at positions 0..seq-1). kind "prefill": also writes every layer's rotated keys and
@@ -202,7 +251,8 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     b, s = int(batch), int(seq)
     d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
-    P = {k: g.param(k, shape) for k, shape in llama_param_shapes(cfg).items()}
+    P = {k: g.param(k, shape) for k, shape in graph_param_shapes(cfg, fused).items()}
+    inter = cfg.intermediate_size
 
     def lin(x, name):
         w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
@@ -223,7 +273,8 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         # pads at 0), and the pad columns are masked out as keys
         pad = g.input("pad", (b, 1), "i32")
         col = g.constant(np.arange(s, dtype=np.int32))
-        rows = g.reshape(g.max(col - pad, 0), (b * s, 1))
+        tok_pos = g.max(col - pad, 0)                                    # [b, s]
+        rows = g.reshape(tok_pos, (b * s, 1))
         keys = g.reshape(col >= pad, (b, 1, 1, s))
     else:
         # rope over [b*s, heads, 1, d]: token t of row r sits at position t (no transposes)
@@ -239,10 +290,28 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         else:                          # norm(resid + mlp) and the new resid in one kernel
             hn, resid = g.rms_norm(pending, P[p + "input_layernorm.weight"], eps=eps,
                                    residual=resid, return_residual=True)
-        q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
+        if fused:      # [b, s, (hq + 2 hkv) d]: each token's q, k and v heads
+            qkv = lin(hn, p + "self_attn.qkv_proj")
+            if not cached:     # forward: rope takes the three slices (copies) as below
+                q, k, v = (g.narrow(qkv, 2, o * d, w * d)
+                           for o, w in ((0, hq), (hq, hkv), (hq + hkv, hkv)))
+        else:
+            q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
         if cached:
             kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
-        if kind == "decode":
+        if cached and fused:   # rope of q and k and the cache write: one kernel
+            row = pos if kind == "decode" else 0          # the cache row of the first token
+            qh, k_all, v_all = g.rope_kv_write(qkv, cos, sin, kc, vc, row, num_heads=hq,
+                                               num_kv_heads=hkv,
+                                               positions=at if kind == "decode" else tok_pos)
+            if kind == "decode":
+                a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
+            else:              # the prompt's keys/values: the caches' first s rows
+                kp, vp = (g.narrow(t, 2, 0, s) for t in (k_all, v_all))
+                a = g.attention(qh, kp, vp, causal=True, mask=keys)       # [b, hq, s, d]
+                a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, s, hq * d))
+                caches += [k_all, v_all]
+        elif kind == "decode":
             qh = g.rope(g.reshape(q, (b, hq, 1, d)), cos, sin, positions=at)
             kh = g.rope(g.reshape(k, (b, hkv, 1, d)), cos, sin, positions=at)
             k_all = g.kv_write(kc, kh, pos)
@@ -261,7 +330,11 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         hn, resid = g.rms_norm(o, P[p + "post_attention_layernorm.weight"], eps=eps,
                                residual=resid, return_residual=True)
         # silu(gate) * up as one element-wise chain (one fused kernel), not a GEMM epilogue
-        act = g.silu(lin(hn, p + "mlp.gate_proj")) * lin(hn, p + "mlp.up_proj")
+        if fused:      # reading the packed [.., 2 I] product in place (strided narrows)
+            gu = lin(hn, p + "mlp.gate_up_proj")
+            act = g.silu(g.narrow(gu, 2, 0, inter)) * g.narrow(gu, 2, inter, inter)
+        else:
+            act = g.silu(lin(hn, p + "mlp.gate_proj")) * lin(hn, p + "mlp.up_proj")
         pending = lin(act, p + "mlp.down_proj")
     if kind == "prefill" and s > 1:    # only the last position's logits are needed
         pending, resid = g.narrow(pending, 1, s - 1, 1), g.narrow(resid, 1, s - 1, 1)
@@ -402,16 +475,19 @@ class LlamaForCausalLM:
                       params=self._exes.params, stream=self._exes.stream)
         half = set(product_weights(self.config)) if self.weights != "f32" else set()
         caches = set(cache_names(self.config))
-        for name in exe.unset_params:   # the first executable of the store uploads them
+        unset = exe.unset_params        # the first executable of the store uploads them
+        state = caches | {pad_name(cache_len)}    # per-shape state, not weights
+        weights = graph_params(self.config, self.params) if set(unset) - state else {}
+        for name in unset:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
                 exe.set_param(name, np.zeros((batch, self.config.num_key_value_heads, cache_len,
                                               self.config.head_dim), np.float32))
             elif name == pad_name(cache_len):   # no padding until a generation sets its pads
                 exe.set_param(name, np.zeros((batch, 1), np.int32))
             elif name in half:
-                exe.set_param_half(name, self.params[name], self.weights)
+                exe.set_param_half(name, weights[name], self.weights)
             else:
-                exe.set_param(name, self.params[name])
+                exe.set_param(name, weights[name])
         return exe
 
     def _prompts(self, prompt_ids, what: str):

@@ -1,6 +1,6 @@
 """Element-wise fusion and epilogue folding: the "fuse" step of compile().
 
-``fuse(graph, live, root, is_view)`` reads the graph (never changes it: a Graph can be compiled
+``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
 in the graph node's place (``nodes``). Three rewrites:
@@ -22,6 +22,10 @@ in the graph node's place (``nodes``). Three rewrites:
   operand would have been fused into the add, that operand keeps a kernel of its own instead
   (as many kernels; it may then be a matmul epilogue), and a matmul epilogue leaves such an add
   to the norm.
+
+A strided narrow (``strided``: runtime/lower.py ``strided_narrows``) is a leaf that only the generated
+element-wise kernels can read (through its row stride): the matmul-epilogue and norm-residual
+folds are not made over one.
 
 A rewritten root runs at its own position in the step order and reads every leaf there. That is
 wrong when an in-place node (kv_write) between a leaf's original reader and the root overwrites
@@ -68,9 +72,10 @@ class Fusion:
     folds: dict = field(default_factory=dict)     # root id -> (kind, member ids) of the folds
 
 
-def fuse(graph, live, root, is_view) -> Fusion:
+def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
     """The fusion plan of ``graph``: ``live`` the node ids that run, ``root`` node id -> the
-    node id owning its memory, ``is_view(node)`` whether a node aliases its input."""
+    node id owning its memory, ``is_view(node)`` whether a node aliases its input, ``strided``
+    the narrows that are views only the generated element-wise kernels can read."""
     if not enabled():
         return Fusion()
     nodes = graph.nodes
@@ -118,6 +123,8 @@ def fuse(graph, live, root, is_view) -> Fusion:
             if r in out.nodes:    # a @ b + c @ d: the first product took the add already
                 continue
             fold = _matmul_epilogue(nodes, n, groups[r], consumer, norm_adds)
+            if fold is not None and strided.intersection(fold.inputs[2:]):
+                fold = None    # the product's epilogue reads dense operands
             if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
                 out.regions.pop(r, None)
                 out.nodes[r] = fold
@@ -128,6 +135,8 @@ def fuse(graph, live, root, is_view) -> Fusion:
             fold = _norm_residual(nodes, n, single, region_of, groups)
             if n.inputs[0] in out.nodes:   # its add already became a matmul's epilogue
                 fold = None
+            if fold is not None and strided.intersection((fold.inputs[0], fold.inputs[-1])):
+                fold = None                # the norm reads dense operands
             if fold is not None and not _hazards(nodes, {n.id: [n.inputs[0], n.id]}, writes, root):
                 out.nodes[n.id] = fold
                 out.folds[n.id] = ("norm residual", (n.inputs[0], n.id))

@@ -112,6 +112,7 @@ class CudaExecutable:
         # with it their cuBLAS handle and 32 MiB workspace (one per stream)
         self.stream = cuda.stream() if stream is None else stream
         self.absorbed, self.transposed, self.fusion = plan.absorbed, plan.transposed, plan.fusion
+        self.strided = plan.strided            # strided narrows: views element-wise kernels read
         self._live, self._root = plan.live, plan.root
         self.buffers, self.arena_bytes, self._report = plan.buffers, plan.arena_bytes, plan.report
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
@@ -203,12 +204,13 @@ class CudaExecutable:
         n = self.graph.nodes[nid]
         root = self._root[nid]
         storage = n.dtype.storage
-        count = max(n.size, 1)
         mem = self._param_mem.get(root)
+        off, count = lower.view_window(self.graph, nid, self._root)   # narrow views: an offset
+        start = off * storage.itemsize
         if mem is not None:
-            return mem[:count * storage.itemsize].view(storage)
-        b = self.buffers[root]
-        return self.arena[b.offset:b.offset + count * storage.itemsize].view(storage)
+            return mem[start:start + count * storage.itemsize].view(storage)
+        start += self.buffers[root].offset
+        return self.arena[start:start + count * storage.itemsize].view(storage)
 
     def device_array(self, host):
         """A small device array owned by this executable (e.g. a step's index table)."""

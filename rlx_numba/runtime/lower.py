@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..ir.graph import Graph, Node
-from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT  # noqa: F401 - lowerings' names too
+from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER  # noqa: F401
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
 from ..device import SIMULATOR
+from ..memory import ALIGN
 
 log = logging.getLogger("rlx_numba")
 
@@ -42,10 +43,79 @@ def step_name(n: Node) -> str:
 
 
 def is_view(node: Node, graph: Graph) -> bool:
-    """Nodes that own no memory: they alias their input's buffer."""
+    """Nodes that own no memory: they alias their input's buffer (a narrow of a contiguous
+    slice at an ALIGN-multiple byte offset into it: every kernel and cuBLAS may read it as
+    its own buffer; other narrows are views only where ``strided_narrows`` says so, which
+    depends on their readers)."""
     if node.op == "reshape":
         return True
+    if node.op == "narrow":
+        off = narrow_layout(node, graph)[0] * node.dtype.storage.itemsize
+        return narrow_contiguous(node, graph) and off % ALIGN == 0
     return node.op == "cast" and graph.nodes[node.inputs[0]].dtype == node.dtype
+
+
+def narrow_layout(node: Node, graph: Graph) -> tuple:
+    """(offset, rows, row length, row stride) in elements of a narrow inside its input's
+    contiguous storage: the input is [rows, dim * inner], the slice [rows, length * inner]."""
+    x = graph.nodes[node.inputs[0]]
+    axis, start, length = node.attrs["axis"], node.attrs["start"], node.attrs["length"]
+    inner = math.prod(x.shape[axis + 1:])
+    return start * inner, math.prod(x.shape[:axis]), length * inner, x.shape[axis] * inner
+
+
+def narrow_contiguous(node: Node, graph: Graph) -> bool:
+    """The narrow is one contiguous run of its input (one row, or the whole rows)."""
+    _, rows, width, stride = narrow_layout(node, graph)
+    return rows <= 1 or width == stride
+
+
+def strided_narrows(graph: Graph, live_outputs) -> set:
+    """Narrows that are not plain views (``is_view``: strided, or at an offset that cuBLAS
+    and vector loads would not take) but which only element-wise kernels read (and which are
+    not outputs): those kernels read them in place through their strides and offset
+    (codegen's strided inputs, ``view_strides``; scalar loads, any alignment), so the narrow
+    is a view and costs no kernel. The fusion pass keeps such a narrow out of the folds whose
+    kernels read dense operands (matmul epilogues, norm residuals)."""
+    readers: dict[int, list] = {}
+    for n in graph.nodes:
+        for i in n.inputs:
+            readers.setdefault(i, []).append(n)
+    return {n.id for n in graph.nodes
+            if n.op == "narrow" and n.id not in live_outputs and not is_view(n, graph)
+            and readers.get(n.id)
+            and all(m.op in ELEMENTWISE and not is_view(m, graph) for m in readers[n.id])}
+
+
+def view_strides(exe, node: Node):
+    """Per-dim element strides of a strided narrow view (its input's contiguous strides),
+    or None for a node stored contiguously."""
+    if node.id not in getattr(exe, "strided", ()):
+        return None
+    x = exe.graph.nodes[node.inputs[0]]
+    st, acc = [], 1
+    for d in reversed(x.shape):
+        st.append(acc)
+        acc *= d
+    return st[::-1]
+
+
+def view_window(graph: Graph, nid: int, root) -> tuple:
+    """(offset, count) in elements of node ``nid``'s storage inside its root's buffer: narrow
+    views start at an offset; a strided narrow spans its rows and the gaps between them."""
+    n = graph.nodes[nid]
+    if n.size == 0:
+        return 0, 1
+    off, m = 0, n
+    while root[m.id] != m.id:
+        if m.op == "narrow":
+            off += narrow_layout(m, graph)[0]
+        m = graph.nodes[m.inputs[0]]
+    count = n.size
+    if n.op == "narrow" and root[nid] != nid and not narrow_contiguous(n, graph):
+        _, rows, width, stride = narrow_layout(n, graph)
+        count = (rows - 1) * stride + width
+    return off, count
 
 
 def check_inplace(graph: Graph, live, root) -> None:
@@ -224,12 +294,14 @@ def node_expr(node: Node, graph: Graph):
     return (node.op, attr, node.dtype) + leaves
 
 
-def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes) -> Step | None:
-    """A generated element-wise kernel writing ``out`` (flat) from flat inputs ``ins``."""
+def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes,
+                     in_strides=None) -> Step | None:
+    """A generated element-wise kernel writing ``out`` (flat) from flat inputs ``ins``
+    (``in_strides[j]``: input j's per-dim element strides when it is a strided view)."""
     n = math.prod(out_shape)
     if n == 0:
         return None
-    modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes)
+    modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes, in_strides)
     idx32 = n < IDX32_LIMIT
     src = codegen.kernel_source(expr, in_dtypes, modes, len(dims), idx32)
     kernel = codegen.load_kernel(src)
@@ -259,4 +331,5 @@ def _lower_elementwise(exe, n):
     else:
         expr, name = node_expr(n, exe.graph), step_name(n)
     return [elementwise_step(name, expr, exe.buf(n), n.shape, [exe.buf(i) for i in ins],
-                             [i.shape for i in ins], [i.dtype for i in ins])]
+                             [i.shape for i in ins], [i.dtype for i in ins],
+                             [view_strides(exe, i) for i in ins])]

@@ -1,5 +1,8 @@
 """Lowering of the ops in ir/ops_rope.py (kernels in kernels/rope.py).
 
+rope_kv_write's node is q; its caches come back as ``kv_written`` nodes (in-place aliases of the
+caches, ir/ops.py WRITTEN_BY_OTHER) that its kernel fills and that lower to nothing.
+
 kv_write is an in-place op (ir/ops.py INPLACE): the executable gives its result the memory of its
 input 0 (the cache), so the kernel here only writes the new rows into ``exe.buf(n)``.
 """
@@ -89,3 +92,46 @@ def _lower_kv_write(exe, n):
             U(nrows), U(s), U(max_s), U(d))
     return [Step(step_name(n), f"kv_write {nrows}x{d} into {max_s} rows", k.kv_write, grid, block,
                  args, {"bytes": 2 * new.nbytes})]
+
+
+@lowering("rope_kv_write")
+def _lower_rope_kv_write(exe, n):
+    g = exe.graph
+    a = n.attrs
+    qkv, cos, sin, kc, vc = (g.nodes[i] for i in n.inputs[:5])
+    rest = [g.nodes[i] for i in n.inputs[5:]]
+    b, hkv, max_s, d = kc.shape
+    s, hq, half = qkv.shape[1], a["num_heads"], a["n_rot"] // 2
+    max_pos = cos.shape[0]
+    what = f"rope_kv_write %{n.id} (qkv {fmt(qkv.shape)}, caches {fmt(kc.shape)}"
+    cpos, use_cpos, position = _dummy(exe), False, a["cache_position"]
+    if position is None:
+        pnode = rest.pop(0)
+        exe.add_index_check(pnode, 0, max_s - s, what + ")")
+        cpos, use_cpos, position = exe.buf(pnode), True, 0
+    pos, use_pos, pos_bstride = _dummy(exe), False, 0
+    if a["has_positions"]:
+        pnode = rest.pop(0)
+        exe.add_index_check(pnode, 0, max_pos - 1, what + f", positions of cos/sin "
+                            f"{fmt(cos.shape)})")
+        pos, use_pos, pos_bstride = exe.buf(pnode), True, (s if len(pnode.shape) == 2 else 0)
+    if qkv.size == 0:
+        return []
+    nh = hq + 2 * hkv
+    nrows = b * s * nh
+    ncols = half + (d - a["n_rot"])
+    mul, gap = (2, 1) if a["interleaved"] else (1, half)
+    grid, block = _geometry(d, nrows)
+    # the kv_written results alias the caches: their buffers are the caches' own
+    args = (exe.buf(n), exe.buf(kc), exe.buf(vc), exe.buf(qkv), exe.buf(cos), exe.buf(sin), cpos,
+            np.int64(position), use_cpos, pos, U(pos_bstride), use_pos, U(nrows), U(s), U(hq),
+            U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
+    layout = "gptj" if a["interleaved"] else "neox"
+    return [Step(step_name(n), f"rope_kv_write {layout} n_rot={a['n_rot']}/{d} {b}x{s} "
+                 f"heads {hq}/{hkv}", k.rope_kv_write, grid, block, args,
+                 {"bytes": 2 * qkv.nbytes + 2 * 4 * b * s * half})]
+
+
+@lowering("kv_written")
+def _lower_kv_written(exe, n):
+    return []       # filled by its rope_kv_write's kernel (input 1)

@@ -106,7 +106,7 @@ def assign_streams(reads, writes, n: int) -> Schedule:
 def node_units(exe):
     """The units of an executable: ``[(node id, steps, reads, writes)]`` in step order, the
     ranges being the arena bytes behind the node's operands and result."""
-    from ..ir.ops import WRITTEN_BY_INPUT
+    from ..ir.ops import WRITTEN_BY_INPUT, WRITTEN_BY_OTHER
     g, root, bufs = exe.graph, exe._root, exe.buffers
     fusion = getattr(exe, "fusion", None)
     lowered = fusion.nodes if fusion is not None else {}   # a fused root: its region's leaves
@@ -124,6 +124,8 @@ def node_units(exe):
         n = g.nodes[nid]
         if n.op in WRITTEN_BY_INPUT:
             written_by.setdefault(n.inputs[0], []).append(nid)
+        elif n.op in WRITTEN_BY_OTHER:   # the caches a rope_kv_write fills
+            written_by.setdefault(n.inputs[WRITTEN_BY_OTHER[n.op]], []).append(nid)
 
     def reads_of(n, out, seen):
         for i in n.inputs:
