@@ -4,7 +4,8 @@ weight bytes (the bytes a product has to read: N * K * 4 for f32, N * K * 2 for 
 
 Rows: M in {1, 8} x (N, K) in {(960, 576), (576, 576), (3072, 576), (576, 1536),
 (49152, 576)} (SmolLM2-135M's products and its vocabulary projection) x weight f32 / bf16:
-  tier3    y = x @ W^T through our executable, RLX_NUMBA_MATMUL_TIERS=3 (the numba kernel);
+  tier3    y = x @ W^T through our executable, RLX_NUMBA_MATMUL_TIERS=3 (the numba kernel;
+           with a bf16 weight it rounds x to bf16 in registers, as tier 0's cast does);
   lt       the same product on our cuBLASLt tier: tier 1 (f32, TF32 off) or tier 0 (bf16:
            x cast to bf16 by our cast kernel, then cuBLASLt with f32 output) -- the steps it
            runs, cast included;
@@ -15,7 +16,8 @@ Each is captured R times into one CUDA graph (torch.cuda.graph; our steps bound 
 capture stream), and the graph replayed over windows of >= 5 ms, CUDA events, best of 3:
 device time a product including the gap between kernels inside a graph, as in a decode step.
 ``copy %`` = weight bytes / time / copy bandwidth (torch copy_ of 1 GiB, same run). Also
-reported: which tier our compile-time timing picks when both are allowed (``pick``).
+reported: which tier our compile-time timing picks when both are allowed, for an executable
+compiled with exec_mode="graph" (``pick``, with the times it measured: a CUDA graph of 20).
 
   python bench/bench_gemv.py [--m 1,8] [--shapes 960x576,...] [--dtypes f32,bf16] [--out F]
 """
@@ -69,7 +71,7 @@ def graph_us(torch, enqueue, stream) -> float:
     return best * 1e3 / REPS
 
 
-def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn):
+def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, mode="stream"):
     """A compiled y = x @ w with the weight set (f32, or bf16 by set_param_half)."""
     if tiers is None:
         os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
@@ -78,7 +80,7 @@ def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn):
     g = rlx.Graph("skinny")
     x = g.input("x", (m, k))
     g.set_outputs([g.linear(x, g.param("w", (k, n)))])
-    exe = rlx.compile(g)
+    exe = rlx.compile(g, exec_mode=mode)
     if wdt == "f32":
         exe.set_param("w", w_kn)
     else:
@@ -103,7 +105,7 @@ def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs):
         wb = w.to(torch.bfloat16)
         ref = (x.double() @ wb.double().t()).float()
     for label, tiers in (("tier3", "3"), ("lt", "1" if wdt == "f32" else "0"), ("pick", None)):
-        exe = rlx_exe(rlx, tiers, m, n, k, wdt, w_kn)
+        exe = rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, "graph" if label == "pick" else "stream")
         (view,) = exe.run({"x": x}, outputs="view")
         got = torch.as_tensor(view, device="cuda")
         err = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -113,7 +115,7 @@ def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs):
         out[f"{label}_err"] = err
         if label == "pick":
             out["pick_why"] = prod.info["why"]
-            timed = [w for w in prod.info["why"] if "a product against" in w]
+            timed = [w for w in prod.info["why"] if "timed: tier 3" in w]   # (tier 3 us, other us)
             out["pick_timed"] = [float(v) for v in re.findall(r"([0-9.]+) us", timed[0])] if timed else []
         else:
             steps = exe.steps
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
           f"device us a product (CUDA graph of {REPS}, windows >= {WINDOW_MS:g} ms); "
           f"copy % = weight bytes / time / copy bandwidth\n")
     hdr = (f"{'M':>2} {'N':>6} {'K':>5} {'W':<4} {'MB':>6} | {'tier3 us':>8} {'copy%':>5} | "
-           f"{'lt us':>7} {'copy%':>5} | {'torch us':>8} {'copy%':>5} | pick (compile-time us)  err3   plan")
+           f"{'lt us':>7} {'copy%':>5} | {'torch us':>8} {'copy%':>5} | pick (3 / lt us)       err3   plan")
     print(hdr + "\n" + "-" * len(hdr))
     results = []
     for m in (int(v) for v in args.m.split(",")):

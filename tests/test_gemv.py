@@ -1,7 +1,8 @@
 """The skinny-product kernel (matmul tier 3, kernels/gemv.py) through the public API, against
 float64 NumPy: M up to 16, odd N and K (element loads) and 16-byte aligned K (vector loads,
-split K), f32 / f16 / bf16 weights, bias, activation and residual epilogues; M > 16 and a
-weight not stored [N, K] fall through to another tier."""
+split K), f32 / f16 / bf16 weights (x then rounded to the half type, as tier 0 does), bias,
+activation and residual epilogues; M > 16 and a weight not stored [N, K] fall through to
+another tier."""
 from math import erf
 
 import ml_dtypes
@@ -84,7 +85,9 @@ def test_skinny_matches_numpy(monkeypatch, rng, lead, k, n, wdt, bias, act, resi
         rv = rng.standard_normal((*lead, n)).astype(np.float32)
         inputs = {"x": xv, "r": rv} if residual else {"x": xv}
         (got,) = exe.run(inputs)
-        want = xv.astype(np.float64) @ w64
+        # with half weights x is rounded to that half type too (as tier 0 does)
+        x64 = xv.astype(np.float64) if wdt == "f32" else xv.astype(HALF[wdt]).astype(np.float64)
+        want = x64 @ w64
         if bias:
             want = want + bv
         want = act_np(act, want)
@@ -100,9 +103,9 @@ def test_split_k_is_planned():
     if not rlx.simulator_enabled():
         pytest.skip("the GPU's plan depends on its SM count")
     from rlx_numba.kernels import gemv
-    assert gemv.plan(1, 37, 129, "f32", 1, 1)[4] == 3
-    assert gemv.plan(1, 9, 264, "f16", 8, 1)[4] == 2
-    assert gemv.plan(3, 129, 37, "f16", 1, 1)[4] == 1
+    assert gemv.plan(1, 37, 129, "f32", 1, 1)[5] == 3
+    assert gemv.plan(1, 9, 264, "f16", 8, 1)[5] == 2
+    assert gemv.plan(3, 129, 37, "f16", 1, 1)[5] == 1
 
 
 def test_more_than_16_rows_fall_through(monkeypatch, rng):
@@ -161,5 +164,5 @@ def test_graph_mode_replays(monkeypatch, rng):
     for _ in range(3):
         xv = rng.standard_normal((3, 129)).astype(np.float32)
         (got,) = exe.run({"x": xv})
-        want = act_np("gelu", xv.astype(np.float64) @ w64 + bv)
+        want = act_np("gelu", xv.astype(ml_dtypes.bfloat16).astype(np.float64) @ w64 + bv)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())

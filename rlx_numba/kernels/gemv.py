@@ -2,7 +2,9 @@
 
 W is stored [N, K] row-major (the executable stores weights read only by products that way,
 as nn.Linear does), f32, or f16 / bf16 (``set_param_half``; bf16 as uint16 bit patterns,
-widened by a shift). x, y, bias and residual are f32; sums are f32.
+widened by a shift). x, y, bias and residual are f32; sums are f32. With half weights x is
+rounded to the same half type as it is read (tier 0 casts it so too), so whichever of tier 0
+and tier 3 the compile-time timing picks, only the order of the sums differs.
 
 At decode sizes the product is a stream over W's bytes with almost no arithmetic, so the
 kernel is shaped for the load queue: a block owns cpw consecutive columns (rows of W) and
@@ -28,6 +30,7 @@ the column groups (the simulator launches two).
 import functools
 
 from numba import cuda, float32, int32, int64, uint32, uint64
+from numba.core.types import float16
 
 from ..runtime.device import SIMULATOR
 from . import elementwise as ew
@@ -36,8 +39,9 @@ from . import ptx
 from .attention import reduce_scatter
 from .launch import jit, pow2_at_least
 
-NW = 1 if SIMULATOR else 4          # warps a block (all on the block's columns, K shared)
+NW = 2 if SIMULATOR else 4          # warps a block
 MAX_M = 16                          # rows of x the tier takes
+REGS = 96                           # register budget of the plan (see plan)
 KINDS = ("f32", "f16", "bf16")
 ZERO = float32(0.0)
 _HI = uint32(0xFFFF0000)
@@ -52,32 +56,44 @@ def vec_width(kind: str) -> int:
 
 
 @_inline
-def _widen(wr, uu, wf, cpw, wkind, vec):
-    """Registers of the columns' vector loads (wr[uu, c]: f32 values, or uint32 words of half
-    pairs) -> float32 weights wf[c, 0: vec]. Element by element (vec 1) they were widened at
-    the load already."""
-    for c in range(cpw):
-        if wkind == 0 or vec == 1:
-            for e in range(vec):
-                wf[c, e] = wr[uu, c, e]
-        else:
-            for j in range(vec // 2):
-                h = uint32(wr[uu, c, j])
-                if wkind == 1:
-                    lo, hi = ptx.h2f(h)
-                    wf[c, 2 * j] = lo
-                    wf[c, 2 * j + 1] = hi
-                else:                     # bf16: the f32 bits are the half's bits << 16
-                    wf[c, 2 * j] = mf.bits_f32(int32(h << _S16))
-                    wf[c, 2 * j + 1] = mf.bits_f32(int32(h & _HI))
+def _quad(wr, uu, c, h, wkind, vec):
+    """Weights 4h .. 4h + 3 of column c's vector load uu as float32 (wr[uu, c]: f32 values,
+    or uint32 words of half pairs); element by element (vec 1) only weight 0, widened at the
+    load already."""
+    # (every branch is typed whatever wr holds: the casts keep the returns float32)
+    if vec == 1:
+        return float32(wr[uu, c, 0]), ZERO, ZERO, ZERO
+    if wkind == 0:
+        return (float32(wr[uu, c, 4 * h]), float32(wr[uu, c, 4 * h + 1]),
+                float32(wr[uu, c, 4 * h + 2]), float32(wr[uu, c, 4 * h + 3]))
+    a, b = uint32(wr[uu, c, 2 * h]), uint32(wr[uu, c, 2 * h + 1])
+    if wkind == 1:
+        w0, w1 = ptx.h2f(a)
+        w2, w3 = ptx.h2f(b)
+        return w0, w1, w2, w3
+    # bf16: the f32 bits are the half's bits << 16
+    return (mf.bits_f32(int32(a << _S16)), mf.bits_f32(int32(a & _HI)),
+            mf.bits_f32(int32(b << _S16)), mf.bits_f32(int32(b & _HI)))
+
+
+@_inline
+def _round_x(v, wkind):
+    """x as the product sees it: rounded to the weights' half type (as tier 0 casts it), so
+    the tier the compile-time timing picks changes no more than the order of the sums."""
+    if wkind == 1:
+        return float32(float16(v))
+    if wkind == 2:
+        return ew.round_bf16(v)
+    return v
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool, act,
-                has_res: bool):
-    """The kernel for M = m rows, a block of nw warps on cpw columns, u vectors of each column
-    in flight a thread, weights of ``kind`` read ``vec`` at a time (1: element by element),
-    the epilogue act(. + bias) + residual (act: an element-wise activation name, or None).
+def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
+                act, has_res: bool, minb: int = 1):
+    """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
+    columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
+    at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
+    element-wise activation name, or None); minb: blocks a SM the registers are capped for.
 
     Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
     count, n, k, kchunk, splits) -- bias / res / part / count any 1-element arrays when unused;
@@ -93,11 +109,16 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
     actf = getattr(ew, act) if act else ew.neg
     has_act = bool(act)
     nt = nw * 32
-    step = nt * vec                       # the block's k per vector
+    teams = nw // tw
+    tnt = tw * 32                         # a team's threads
+    cpb = teams * cpw                     # columns a block (a column group)
+    step = tnt * vec                      # a team's k per vector
     wtype = float32 if wkind == 0 or vec == 1 else uint32
-    xv = max(1, vec // 4)                 # 16-byte loads of a row of x a vector
+    quads = max(1, vec // 4)              # groups of 4 weights a vector
+    qw = 1 if vec == 1 else 4             # weights a group
+    assert nw % tw == 0
 
-    @jit(launch_bounds=(nt, 1))
+    @jit(launch_bounds=(nt, minb))
     def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits):
         xs = cuda.shared.array((nw, 32), float32)     # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
@@ -106,23 +127,24 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
         acc = cuda.local.array(nvp, float32)
         tmp = cuda.local.array(nq, float32)
         wr = cuda.local.array((u, cpw, words), wtype)
-        wf = cuda.local.array((cpw, vec), float32)
-        xf = cuda.local.array(vec, float32)
+        xf = cuda.local.array((m, 4), float32)
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
+        team = int64(wp // tw)
+        tt = int64(tid % tnt)             # my thread of the team
         sp = int64(cuda.blockIdx.y)
-        groups = (n + cpw - 1) // cpw
+        groups = (n + cpb - 1) // cpb
         k_lo = sp * kchunk
         k_hi = min(k, k_lo + kchunk)
         grp = int64(cuda.blockIdx.x)
         while grp < groups:               # uniform across the block (barriers inside)
-            col0 = grp * cpw
+            col0 = grp * cpb + team * cpw
             for i in range(nvp):
                 acc[i] = ZERO
             kb = k_lo
             while kb < k_hi:
                 for uu in range(u):       # every load of the batch, then the arithmetic
-                    kk = kb + (uu * nt + int64(tid)) * vec
+                    kk = kb + (uu * tnt + tt) * vec
                     ok = kk < k_hi
                     for c in range(cpw):
                         wo = uint64(min(col0 + c, n - 1) * k + kk)
@@ -152,21 +174,22 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
                                 for e in range(4):
                                     wr[uu, c, e] = uint32(0)
                 for uu in range(u):
-                    kk = kb + (uu * nt + int64(tid)) * vec
+                    kk = kb + (uu * tnt + tt) * vec
                     if kk < k_hi:
-                        _widen(wr, uu, wf, cpw, wkind, vec)
-                        for r in range(m):   # a row of x read once, used by every column
-                            xo = uint64(r * k + kk)
-                            if vec == 1:
-                                xf[0] = x[xo]
-                            else:
-                                for h in range(xv):
-                                    x4 = ptx.ld4(x, xo + uint64(4 * h))
+                        for h in range(quads):   # 4 values of every row of x, read once
+                            for r in range(m):   # for all the columns
+                                xo = uint64(r * k + kk + 4 * h)
+                                if vec == 1:
+                                    xf[r, 0] = _round_x(x[xo], wkind)
+                                else:
+                                    x4 = ptx.ld4(x, xo)
                                     for e in range(4):
-                                        xf[4 * h + e] = x4[e]
+                                        xf[r, e] = _round_x(x4[e], wkind)
                             for c in range(cpw):
-                                for e in range(vec):
-                                    acc[r * cpw + c] += xf[e] * wf[c, e]
+                                w4 = _quad(wr, uu, c, h, wkind, vec)
+                                for r in range(m):
+                                    for e in range(qw):
+                                        acc[r * cpw + c] += xf[r, e] * w4[e]
                 kb += u * step
             for q in range(rounds):       # the warp's sums, one a lane, to shared memory
                 for i in range(nq):
@@ -176,12 +199,13 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
                     red[wp, q * nq + lane // rep] = tmp[0]
             cuda.syncthreads()
             e = int64(tid)
-            while e < nv:                 # the block's sum of value e: warps in order
-                v = red[0, e]
-                for ww in range(1, nw):
-                    v += red[ww, e]
-                r, c = e // cpw, e % cpw
-                col = col0 + c
+            while e < teams * nv:         # value e % nv of team e // nv: its warps in order
+                tm, vi = e // nv, e % nv
+                v = red[tm * tw, vi]
+                for ww in range(1, tw):
+                    v += red[tm * tw + ww, vi]
+                r, c = vi // cpw, vi % cpw
+                col = grp * cpb + tm * cpw + c
                 if col < n:
                     if splits == 1:
                         if has_bias:      # the epilogue: act(v + bias) + residual
@@ -205,9 +229,9 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
                     if tid == 0:
                         count[grp] = 0    # ready for the next launch
                     e = int64(tid)
-                    while e < nv:
-                        r, c = e // cpw, e % cpw
-                        col = col0 + c
+                    while e < m * cpb:
+                        r, cc = e // cpb, e % cpb
+                        col = grp * cpb + cc
                         if col < n:
                             s = ZERO
                             for p in range(splits):
@@ -226,41 +250,56 @@ def gemv_kernel(m: int, nw: int, cpw: int, u: int, kind: str, vec: int, has_bias
     return kernel
 
 
-def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, cpw=None, u=None,
-         target=None):
-    """(nw, cpw, u, groups, splits, kchunk) for a product: warps a block, columns a block,
-    vectors of a column in flight a thread, column groups (blocks), K splits and the K range
-    a split.
+def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None, cpw=None,
+         u=None, target=None):
+    """(nw, tw, cpw, u, groups, splits, kchunk, minb) for a product: warps a block, warps a
+    team, columns a team, vectors of a column in flight a thread, column groups (blocks), K
+    splits, the K range a split, and the blocks a SM the kernel's registers are capped for.
 
-    A block's threads share its columns' K, so a column group is one block: cpw grows (x is
-    then read once for more columns) while there are still >= 4 blocks a SM. u covers a
-    split's K in one batch where it can (at most 4, and 16 vectors a thread). K is split
-    across blocks only when the groups cannot reach ``target`` blocks (default: one a SM)."""
+    A team is the fewest warps that cover K in one batch of at most 4 vectors a thread (one
+    round trip to memory; fewer idle lanes on a short K than a whole block). cpw starts at 4
+    -- x is read once for all of a team's columns -- and halves while the registers would
+    pass REGS (fewer registers, more warps resident: on an H100 at M = 8 a budget of ~100
+    ran 49152x576 f32 at 69% of copy, 35% at ~140) or there would be fewer than 2 blocks a
+    SM; then teams grow to the whole block while blocks are still short. K is split across
+    blocks only when the groups cannot reach ``target`` blocks (default: one a SM)."""
     nw = nw or NW
-    nt = nw * 32
-    if SIMULATOR:   # few threads and few barriers: wide groups, K split past 64 values
+    if SIMULATOR:   # few threads and few barriers: wide groups, K split past 64 values;
+        tw = tw or (1 if m <= 4 else nw)     # both team shapes
         cpw = cpw or (4 if m <= 4 else 2)
         u = u or 2
         kchunk = 64 if k > 64 else k
-        kchunk = -(-kchunk // (nt * vec)) * nt * vec
-        return nw, cpw, u, -(-n // cpw), -(-k // kchunk), kchunk
-    if cpw is None:
-        cpw = 1
-        while cpw < 4 and n // (2 * cpw) >= 4 * sm and m * 2 * cpw <= 32:
-            cpw *= 2
-    groups = -(-n // cpw)
+        kchunk = -(-kchunk // (tw * 32 * vec)) * tw * 32 * vec
+        return nw, tw, cpw, u, -(-n // (cpw * nw // tw)), -(-k // kchunk), kchunk, 1
+    nvec = -(-k // vec)
+    if tw is None:                        # the smallest team covering K in one batch of 4
+        tw = 1
+        while tw < nw and nvec > 4 * 32 * tw:
+            tw *= 2
+    minb = 1
+    if kind != "f32" and m >= 8:          # arithmetic-heavy: whole-block teams, capped registers
+        tw, minb = nw, 4                  # (H100, M = 8 bf16: 49152x576 56 us against 68)
+    uk = min(4, -(-nvec // (32 * tw)))    # vectors a thread to cover K (at most 4)
+    if cpw is None:   # registers: m cpw sums + 4 m of x + 4 u cpw of loads, within REGS;
+        cpw = 4       # and >= 2 blocks a SM
+        while cpw > 1 and (m * cpw + 4 * m + 4 * uk * cpw > REGS
+                           or n // (cpw * nw // tw) < 2 * sm):
+            cpw //= 2
+    while tw < nw and n // (cpw * nw // tw) < 2 * sm:   # more blocks: bigger teams
+        tw *= 2
+    groups = -(-n // (cpw * nw // tw))
+    tnt = tw * 32
     target = target or sm
     splits = 1
-    nvec = -(-k // vec)
-    if groups < target and nvec > 2 * nt:
-        splits = min(-(-target // groups), nvec // nt)
-    kchunk = -(-(-(-k // splits)) // (nt * vec)) * nt * vec
+    if groups < target and nvec > 2 * tnt:
+        splits = min(-(-target // groups), nvec // tnt)
+    kchunk = -(-(-(-k // splits)) // (tnt * vec)) * tnt * vec
     splits = -(-k // kchunk)
     if u is None:
-        u = min(4, pow2_at_least(-(-kchunk // (nt * vec))))
+        u = min(4, -(-kchunk // (tnt * vec)))
         while u > 1 and u * cpw > 16:
-            u //= 2
-    return nw, cpw, u, groups, splits, kchunk
+            u -= 1
+    return nw, tw, cpw, u, groups, splits, kchunk, minb
 
 
 # ---- timing (runtime/lower_matmul.py times tier 3 against cuBLAS at compile time) --------------

@@ -11,7 +11,8 @@ Each product is planned once, at compile time, taking the first tier whose preco
   3  the skinny-product kernel (kernels/gemv.py) for unbatched products of M <= 16 rows whose
      weight is stored [N, K] (f32, or half by set_param_half), the whole epilogue fused. On a
      GPU it is timed at compile time against the tier the ladder would take (0 or 1) for that
-     exact shape, weight dtype and epilogue, and the faster one runs; the verdict is kept on
+     exact shape, weight dtype, epilogue and exec mode (replayed from a CUDA graph under
+     GRAPH), and the faster one runs; the verdict is kept on
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
@@ -174,10 +175,11 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
             steps = steps + _epilogue(exe, name, out, (batch * m, ncols), **{**epi, **fused})
             if skinny is not None:   # the faster of the two, timed (or known) for this shape
                 us3, us = _timed_choice(exe, skinny, steps, _choice_key(exe, b, m, ncols, k, epi, tier))
+                timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
-                    why.append(f"tier {tier}: {us:.2f} us a product against tier 3's {us3:.2f} us")
+                    why.append(f"tier {tier}: slower ({timed})")
                     return _done(n, 3, why, skinny, flops)
-                why.append(f"tier 3: {us3:.2f} us a product against tier {tier}'s {us:.2f} us")
+                why.append(f"tier 3: slower ({timed})")
             return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
@@ -335,9 +337,10 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     if k % vec or not SIMULATOR and (_ptr(wbuf) % 16 or _ptr(a.buf) % 16):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
-    nw, cpw, u, groups, splits, kchunk = gv.plan(m, n, k, kind, vec, sm)
+    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
-    kern = gv.gemv_kernel(m, nw, cpw, u, kind, vec, bias is not None, act, res is not None)
+    kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
+                          minb)
     dummy = _dummy(exe)
     part = exe.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = exe.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
@@ -348,7 +351,7 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     tags = "+".join(t for t in (kind, "bias" if bias is not None else "", act or "",
                                 "residual" if res is not None else "") if t)
     wbytes = n * k * np.dtype(wbuf.dtype).itemsize
-    return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} cpw{cpw} u{u} vec{vec}"
+    return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
                  f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
 
@@ -371,7 +374,8 @@ def _choice_key(exe, b, m, n, k, epi, tier) -> str:
     tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
                                 "residual" if epi["residual"] is not None else "") if t)
     return (f"v{CHOICE_VERSION}|{device_info()['name']}|{m}x{n}x{k}|{kind}|{tags or '-'}|"
-            f"tier{tier}{'|tf32' if cublas.allow_tf32 else ''}")
+            f"tier{tier}|{'graph' if _graph_mode(exe) else 'stream'}"
+            f"{'|tf32' if cublas.allow_tf32 else ''}")
 
 
 def _choice_path():
@@ -419,11 +423,18 @@ def _timed_choice(exe, skinny, other, key):
 TIMED_LAUNCHES = 20
 
 
+def _graph_mode(exe) -> bool:
+    mode = getattr(exe, "exec_mode", None)
+    return getattr(mode, "kind", None) == "graph"
+
+
 def _device_us(exe, steps) -> float:
-    """Device time of one run of ``steps`` (us): best of 3 windows of TIMED_LAUNCHES runs,
-    each queued behind a sleeping kernel so that the host's enqueue cost is not what the
-    events measure. The operands' contents do not matter (the output is overwritten by the
-    first real run)."""
+    """Device time of one run of ``steps`` (us), best of 3 windows of TIMED_LAUNCHES runs, as
+    the executable will run them: replayed from a CUDA graph under ExecMode GRAPH (its
+    launches sit closer together: a product of two kernels loses less there), else launched
+    on the stream, queued behind a sleeping kernel so that the host's enqueue cost is not
+    what the events measure. The operands' contents do not matter (the output is
+    overwritten by the first real run)."""
     from numba import cuda
     stream = exe.stream
     for s in steps:
@@ -431,6 +442,8 @@ def _device_us(exe, steps) -> float:
     for _ in range(2):                          # warm-up (and cuBLASLt's first-call setup)
         for s in steps:
             s()
+    if _graph_mode(exe):
+        return _graph_us(stream, steps)
     spin = gv.spin_kernel()
     best = math.inf
     for _ in range(3):
@@ -444,6 +457,41 @@ def _device_us(exe, steps) -> float:
         e1.synchronize()
         best = min(best, cuda.event_elapsed_time(e0, e1) * 1e3 / TIMED_LAUNCHES)
     return best
+
+
+def _graph_us(stream, steps) -> float:
+    """``_device_us`` through a CUDA graph of TIMED_LAUNCHES runs of the steps."""
+    from numba import cuda
+
+    from .cudagraph import _check, _destroy, _drv
+    drv = _drv()
+    h = drv.CUstream(int(stream))
+    _check(drv, drv.cuStreamBeginCapture(
+        h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+    try:
+        with cuda.defer_cleanup():
+            for _ in range(TIMED_LAUNCHES):
+                for s in steps:
+                    s()
+    finally:
+        res = drv.cuStreamEndCapture(h)        # always: never leave the stream capturing
+    graph = _check(drv, res, "cuStreamEndCapture")
+    exec_ = None
+    try:
+        exec_ = _check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+        best = math.inf
+        for _ in range(3):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            for _ in range(3):
+                _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+            e1.record(stream)
+            e1.synchronize()
+            best = min(best, cuda.event_elapsed_time(e0, e1) * 1e3 / (3 * TIMED_LAUNCHES))
+        return best
+    finally:
+        _destroy(exec_, graph)
 
 
 @lowering("matmul")
