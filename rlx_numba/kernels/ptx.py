@@ -2,7 +2,8 @@
 inline PTX), with plain Python twins for the simulator.
 
 ``ld2`` / ``ld4``: two / four float32 in one 8- / 16-byte load of read-only data
-(ld.global.nc.v2.f32, .v4.f32); ``vld4``
+(ld.global.nc.v2.f32, .v4.f32); ``ld4w``: 16 bytes of any array as four uint32 words (8 half
+weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16); ``vld4``
 and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
 partials). numba's array accesses are one element each, and a warp waiting on its load
 queue, not DRAM, is what bounds the decode kernel. ``ticket``: atomicAdd(+1) with
@@ -45,6 +46,36 @@ if not SIMULATOR:
     vld4 = intrinsic(_load("vld4", 4, False))
 
     @intrinsic
+    def ld4w(typingctx, arr, idx):
+        """The 16 bytes at a[i] (any element type; i a flat element offset, 16-byte aligned)
+        as 4 uint32 words, one read-only load: 8 f16/bf16 weights at once."""
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            vt = ir.VectorType(_I32, 4)
+            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+            v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=16)
+            v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            return context.make_tuple(builder, sig.return_type, [
+                builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+        return sig, codegen
+
+    @intrinsic
+    def h2f(typingctx, word):
+        """(low, high) f16 halves of a uint32 word as float32 (two cvt.f32.f16)."""
+        sig = types.UniTuple(types.float32, 2)(word)
+
+        def codegen(context, builder, sig, args):
+            st = ir.LiteralStructType([_F32, _F32])
+            asm = ir.InlineAsm(ir.FunctionType(st, [_I32]),
+                               "{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, $2;\n\t"
+                               "cvt.f32.f16 $0, l;\n\tcvt.f32.f16 $1, h;\n\t}", "=f,=f,r")
+            r = builder.call(asm, [args[0]])
+            return context.make_tuple(builder, sig.return_type,
+                                      [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+        return sig, codegen
+
+    @intrinsic
     def vst4(typingctx, arr, idx, x0, x1, x2, x3):
         """a[i: i + 4] = x0, x1, x2, x3 in one 16-byte store (i a multiple of 4, aligned)."""
         sig = types.void(arr, idx, x0, x1, x2, x3)
@@ -77,6 +108,7 @@ if not SIMULATOR:
             return builder.call(asm, [builder.ptrtoint(ptr, _I64)])
         return sig, codegen
 else:   # device functions, so the simulator hands them its cuda module as it does kernels
+    import numpy as np
     from numba import cuda
 
     def _flat(a):    # (the index is flat, as the GPU versions' pointer arithmetic is)
@@ -93,6 +125,17 @@ else:   # device functions, so the simulator hands them its cuda module as it do
         return f[i], f[i + 1], f[i + 2], f[i + 3]
 
     vld4 = ld4
+
+    @cuda.jit(device=True)
+    def ld4w(a, i):
+        f = _flat(a)
+        w = np.ascontiguousarray(f[i: i + 16 // f.itemsize]).view(np.uint32)
+        return w[0], w[1], w[2], w[3]
+
+    @cuda.jit(device=True)
+    def h2f(word):
+        h = np.array([word], np.uint32).view(np.float16).astype(np.float32)
+        return h[0], h[1]
 
     @cuda.jit(device=True)
     def vst4(a, i, x0, x1, x2, x3):

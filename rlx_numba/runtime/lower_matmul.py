@@ -8,6 +8,13 @@ Each product is planned once, at compile time, taking the first tier whose preco
      (a residual with no activation rides along as C with beta = 1);
   2  ``cublasSgemm_v2`` / strided-batched / pointer-array batched (batched products, or
      where cuBLASLt has no algorithm);
+  3  the skinny-product kernel (kernels/gemv.py) for unbatched products of M <= 16 rows whose
+     weight is stored [N, K] (f32, or half by set_param_half), the whole epilogue fused. On a
+     GPU it is timed at compile time against the tier the ladder would take (0 or 1) for that
+     exact shape, weight dtype, epilogue and exec mode (replayed from a CUDA graph under
+     GRAPH), and the faster one runs; the verdict is kept on
+     disk beside the kernel cache (``tier_choices.json``), so another process does not time
+     again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
@@ -22,17 +29,21 @@ the tiers tried (for tests and comparisons).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import cublas
+from ..device import SIMULATOR, device_info
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
+from ..kernels import gemv as gv
 from ..kernels import matmul as mm
-from ..device import SIMULATOR
+from ..kernels.launch import sm_count
 from .lower import CallStep, Step, elementwise_step, log, lowering, step_name
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
@@ -94,7 +105,7 @@ def operand(exe, nid) -> Operand:
 def _env_tiers():
     raw = os.environ.get("RLX_NUMBA_MATMUL_TIERS")
     if not raw:
-        return (0, 1, 2, 4)
+        return (0, 1, 2, 3, 4)
     tiers = tuple(int(t) for t in raw.split(","))
     if 4 not in tiers:      # the numba kernel is the floor: a product must always lower
         tiers += (4,)
@@ -148,6 +159,9 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     tiers = _env_tiers()
     ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
     flops = 2 * batch * m * ncols * k
+    skinny = _tier3(exe, name, a, b, out, m, ncols, k, batch, epi, why) if 3 in tiers else None
+    if 3 not in tiers:
+        why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
     for tier in (0, 1, 2):
         if tier not in tiers:
             why.append(f"tier {tier} not allowed by RLX_NUMBA_MATMUL_TIERS")
@@ -158,8 +172,17 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
         plan = _TIERS[tier](exe, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, why)
         if plan is not None:
             steps, fused = plan
-            return _done(n, tier, why, steps, flops) + _epilogue(exe, name, out, (batch * m, ncols),
-                                                                 **{**epi, **fused})
+            steps = steps + _epilogue(exe, name, out, (batch * m, ncols), **{**epi, **fused})
+            if skinny is not None:   # the faster of the two, timed (or known) for this shape
+                us3, us = _timed_choice(exe, skinny, steps, _choice_key(exe, b, m, ncols, k, epi, tier))
+                timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
+                if us3 <= us:
+                    why.append(f"tier {tier}: slower ({timed})")
+                    return _done(n, 3, why, skinny, flops)
+                why.append(f"tier 3: slower ({timed})")
+            return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
+    if skinny is not None:
+        return _done(n, 3, why, skinny, flops)
     kern = mm.sgemm_kernel(a.trans, b.trans)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
@@ -168,10 +191,11 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     return _done(n, 4, why, steps, flops) + _epilogue(exe, name, out, (batch * m, ncols), **epi)
 
 
-def _done(n, tier, why, steps, flops):
-    steps[-1].info.update(tier=tier, why=list(why), flops=flops)
+def _done(n, tier, why, steps, flops, last=-1):
+    """Steps of the chosen tier, its product step (``last``) carrying the tier and why."""
+    steps[last].info.update(tier=tier, why=list(why), flops=flops)
     if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
-        log.warning("%s: matmul tier %d (%s)%s", step_name(n), tier, steps[-1].kernel_name,
+        log.warning("%s: matmul tier %d (%s)%s", step_name(n), tier, steps[last].kernel_name,
                     "".join(f"; {w}" for w in why))
     return steps
 
@@ -289,6 +313,185 @@ def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
 
 
 _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
+
+
+def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
+    """The skinny-product kernel step (kernels/gemv.py), epilogue included, or None with the
+    reason in ``why``."""
+    raw = os.environ.get("RLX_NUMBA_MATMUL_TIERS") or ""
+    if SIMULATOR and "3" not in raw.split(","):
+        why.append("tier 3: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it")
+        return None
+    if batch > 1 or m > gv.MAX_M:
+        why.append(f"tier 3: {'batched product' if batch > 1 else f'M = {m} > {gv.MAX_M}'}")
+        return None
+    if a.trans or len(b.shape) != 2 or not b.trans:
+        why.append("tier 3: the weight is not a 2-D matrix stored [N, K] (or A is transposed)")
+        return None
+    half = exe.half_param(b.node)
+    wbuf, kind = (half[1], str(half[0])) if half is not None else (b.buf, "f32")
+    if half is None and np.dtype(b.buf.dtype) != np.float32:
+        why.append(f"tier 3: the weight is {b.buf.dtype}")
+        return None
+    vec = gv.vec_width(kind)
+    if k % vec or not SIMULATOR and (_ptr(wbuf) % 16 or _ptr(a.buf) % 16):
+        vec = 1                           # rows not 16-byte aligned: element loads
+    sm = 1 if SIMULATOR else sm_count()
+    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm)
+    bias, act, res = epi["bias"], epi["activation"], epi["residual"]
+    kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
+                          minb)
+    dummy = _dummy(exe)
+    part = exe.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
+    count = exe.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
+    grid = (min(groups, 2) if SIMULATOR else groups, splits)
+    args = (out, a.buf, wbuf, exe.buf(bias) if bias is not None else dummy,
+            exe.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
+            np.int64(kchunk), np.int64(splits))
+    tags = "+".join(t for t in (kind, "bias" if bias is not None else "", act or "",
+                                "residual" if res is not None else "") if t)
+    wbytes = n * k * np.dtype(wbuf.dtype).itemsize
+    return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
+                 f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
+                 {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
+
+
+def _dummy(exe):
+    if not hasattr(exe, "_gemv_dummy"):
+        exe._gemv_dummy = exe.device_array(np.zeros(1, np.float32))
+    return exe._gemv_dummy
+
+
+# ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
+CHOICE_VERSION = 1          # bump when the kernel or its plan changes: old verdicts are ignored
+CHOICE_FILE = "tier_choices.json"
+_CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
+
+
+def _choice_key(exe, b, m, n, k, epi, tier) -> str:
+    half = exe.half_param(b.node)
+    kind = str(half[0]) if half is not None else "f32"
+    tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
+                                "residual" if epi["residual"] is not None else "") if t)
+    return (f"v{CHOICE_VERSION}|{device_info()['name']}|{m}x{n}x{k}|{kind}|{tags or '-'}|"
+            f"tier{tier}|{'graph' if _graph_mode(exe) else 'stream'}"
+            f"{'|tf32' if cublas.allow_tf32 else ''}")
+
+
+def _choice_path():
+    from ..kernels.cache import cache_dir
+    return cache_dir() / CHOICE_FILE
+
+
+def _load_choices() -> dict:
+    try:
+        return json.loads(_choice_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_choice(key, value) -> None:
+    """Merge one verdict into the file (written whole to a temp file, then renamed)."""
+    try:
+        path = _choice_path()
+        data = _load_choices()
+        data[key] = value
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tier_choices")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=0)
+        os.replace(tmp, path)
+    except OSError as e:      # a read-only cache: the verdict is kept for this process only
+        log.warning("rlx_numba: could not save the tier-3 timing (%s)", e)
+
+
+def _timed_choice(exe, skinny, other, key):
+    """(tier 3 us, other us) a product: from this process, the disk, or timed now."""
+    got = _CHOICES.get(key)
+    if got is None:
+        disk = _load_choices().get(key)
+        if isinstance(disk, list) and len(disk) == 2:
+            got = tuple(float(v) for v in disk)
+    if got is None:
+        got = (_device_us(exe, skinny), _device_us(exe, other))
+        us3b = _device_us(exe, skinny)          # again, after the other: drift shows less
+        got = (min(got[0], us3b), got[1])
+        _save_choice(key, list(got))
+    _CHOICES[key] = got
+    return got
+
+
+TIMED_LAUNCHES = 20
+
+
+def _graph_mode(exe) -> bool:
+    mode = getattr(exe, "exec_mode", None)
+    return getattr(mode, "kind", None) == "graph"
+
+
+def _device_us(exe, steps) -> float:
+    """Device time of one run of ``steps`` (us), best of 3 windows of TIMED_LAUNCHES runs, as
+    the executable will run them: replayed from a CUDA graph under ExecMode GRAPH (its
+    launches sit closer together: a product of two kernels loses less there), else launched
+    on the stream, queued behind a sleeping kernel so that the host's enqueue cost is not
+    what the events measure. The operands' contents do not matter (the output is
+    overwritten by the first real run)."""
+    from numba import cuda
+    stream = exe.stream
+    for s in steps:
+        s.bind(stream, True)
+    for _ in range(2):                          # warm-up (and cuBLASLt's first-call setup)
+        for s in steps:
+            s()
+    if _graph_mode(exe):
+        return _graph_us(stream, steps)
+    spin = gv.spin_kernel()
+    best = math.inf
+    for _ in range(3):
+        spin[1, 1, stream](np.int64(gv.SPIN_NS))
+        e0, e1 = cuda.event(), cuda.event()
+        e0.record(stream)
+        for _ in range(TIMED_LAUNCHES):
+            for s in steps:
+                s()
+        e1.record(stream)
+        e1.synchronize()
+        best = min(best, cuda.event_elapsed_time(e0, e1) * 1e3 / TIMED_LAUNCHES)
+    return best
+
+
+def _graph_us(stream, steps) -> float:
+    """``_device_us`` through a CUDA graph of TIMED_LAUNCHES runs of the steps."""
+    from numba import cuda
+
+    from .cudagraph import _check, _destroy, _drv
+    drv = _drv()
+    h = drv.CUstream(int(stream))
+    _check(drv, drv.cuStreamBeginCapture(
+        h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
+    try:
+        with cuda.defer_cleanup():
+            for _ in range(TIMED_LAUNCHES):
+                for s in steps:
+                    s()
+    finally:
+        res = drv.cuStreamEndCapture(h)        # always: never leave the stream capturing
+    graph = _check(drv, res, "cuStreamEndCapture")
+    exec_ = None
+    try:
+        exec_ = _check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+        best = math.inf
+        for _ in range(3):
+            e0, e1 = cuda.event(), cuda.event()
+            e0.record(stream)
+            for _ in range(3):
+                _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+            e1.record(stream)
+            e1.synchronize()
+            best = min(best, cuda.event_elapsed_time(e0, e1) * 1e3 / (3 * TIMED_LAUNCHES))
+        return best
+    finally:
+        _destroy(exec_, graph)
 
 
 @lowering("matmul")

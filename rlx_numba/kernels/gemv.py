@@ -1,0 +1,319 @@
+"""Skinny products (matmul tier 3): y[M, N] = act(x[M, K] @ W^T + bias) + residual, M <= 16.
+
+W is stored [N, K] row-major (the executable stores weights read only by products that way,
+as nn.Linear does), f32, or f16 / bf16 (``set_param_half``; bf16 as uint16 bit patterns,
+widened by a shift). x, y, bias and residual are f32; sums are f32. With half weights x is
+rounded to the same half type as it is read (tier 0 casts it so too), so whichever of tier 0
+and tier 3 the compile-time timing picks, only the order of the sums differs.
+
+At decode sizes the product is a stream over W's bytes with almost no arithmetic, so the
+kernel is shaped for the load queue: a block owns cpw consecutive columns (rows of W) and
+its threads walk their K together, thread t taking the 16-byte vectors at
+k = (nt j + t) VEC (VEC = 4 f32 or 8 half values; one element when K or a pointer is not
+16-byte aligned), u vectors of each column issued before any arithmetic. x is read straight
+from global memory: every block of the GPU reads the same few kilobytes, so after the first
+touch they are L1 hits; a vector of x is loaded once for all the block's columns. Each
+thread keeps M x cpw partial sums; a warp reduce-scatter (``attention.reduce_scatter``:
+shuffles on a GPU, shared memory in the simulator) leaves one sum a lane, the warps' sums
+meet in shared memory, and a thread a (row, column) adds them in warp order and stores the
+result with the epilogue (bias, activation, residual) applied. One block a column group,
+rather than one warp, so that short products still have enough blocks for every SM
+without splitting K across blocks.
+
+Too few column groups to fill the GPU all the same (a small N with a long K): K is split
+over ``splits`` blocks (grid.y). Each writes its sums to a partials buffer; the last block
+of a column group to finish (an acquire-release ticket, as decode attention does) adds the
+partials in split order -- the same result every run -- applies the epilogue and writes y;
+it also resets the ticket, so CUDA graph replays find it at zero. Blocks grid-stride over
+the column groups (the simulator launches two).
+"""
+import functools
+
+from numba import cuda, float32, int32, int64, uint32, uint64
+from numba.core.types import float16
+
+from ..device import SIMULATOR
+from . import elementwise as ew
+from . import mathfn as mf
+from . import ptx
+from .attention import reduce_scatter
+from .launch import jit, pow2_at_least
+
+NW = 2 if SIMULATOR else 4          # warps a block
+MAX_M = 16                          # rows of x the tier takes
+REGS = 96                           # register budget of the plan (see plan)
+KINDS = ("f32", "f16", "bf16")
+ZERO = float32(0.0)
+_HI = uint32(0xFFFF0000)
+_S16 = uint32(16)
+
+_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+
+
+def vec_width(kind: str) -> int:
+    """Weights a 16-byte vector load brings: 4 f32 or 8 half values."""
+    return 4 if kind == "f32" else 8
+
+
+@_inline
+def _quad(wr, uu, c, h, wkind, vec):
+    """Weights 4h .. 4h + 3 of column c's vector load uu as float32 (wr[uu, c]: f32 values,
+    or uint32 words of half pairs); element by element (vec 1) only weight 0, widened at the
+    load already."""
+    # (every branch is typed whatever wr holds: the casts keep the returns float32)
+    if vec == 1:
+        return float32(wr[uu, c, 0]), ZERO, ZERO, ZERO
+    if wkind == 0:
+        return (float32(wr[uu, c, 4 * h]), float32(wr[uu, c, 4 * h + 1]),
+                float32(wr[uu, c, 4 * h + 2]), float32(wr[uu, c, 4 * h + 3]))
+    a, b = uint32(wr[uu, c, 2 * h]), uint32(wr[uu, c, 2 * h + 1])
+    if wkind == 1:
+        w0, w1 = ptx.h2f(a)
+        w2, w3 = ptx.h2f(b)
+        return w0, w1, w2, w3
+    # bf16: the f32 bits are the half's bits << 16
+    return (mf.bits_f32(int32(a << _S16)), mf.bits_f32(int32(a & _HI)),
+            mf.bits_f32(int32(b << _S16)), mf.bits_f32(int32(b & _HI)))
+
+
+@_inline
+def _round_x(v, wkind):
+    """x as the product sees it: rounded to the weights' half type (as tier 0 casts it), so
+    the tier the compile-time timing picks changes no more than the order of the sums."""
+    if wkind == 1:
+        return float32(float16(v))
+    if wkind == 2:
+        return ew.round_bf16(v)
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
+                act, has_res: bool, minb: int = 1):
+    """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
+    columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
+    at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
+    element-wise activation name, or None); minb: blocks a SM the registers are capped for.
+
+    Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
+    count, n, k, kchunk, splits) -- bias / res / part / count any 1-element arrays when unused;
+    part holds splits * m * n floats and count a zeroed int32 a column group when splits > 1."""
+    wkind = KINDS.index(kind)
+    nv = m * cpw                          # sums a thread holds
+    nvp = pow2_at_least(nv)
+    nq = min(32, nvp)                     # values a reduce-scatter round takes
+    rounds = nvp // nq
+    rep = 32 // nq                        # lanes holding each reduced value
+    words = vec if wkind == 0 or vec == 1 else vec // 2   # registers a vector load fills
+    xr_shape = (nw, 32, nq) if SIMULATOR else (1, 1, 1)
+    actf = getattr(ew, act) if act else ew.neg
+    has_act = bool(act)
+    nt = nw * 32
+    teams = nw // tw
+    tnt = tw * 32                         # a team's threads
+    cpb = teams * cpw                     # columns a block (a column group)
+    step = tnt * vec                      # a team's k per vector
+    wtype = float32 if wkind == 0 or vec == 1 else uint32
+    quads = max(1, vec // 4)              # groups of 4 weights a vector
+    qw = 1 if vec == 1 else 4             # weights a group
+    assert nw % tw == 0
+
+    @jit(launch_bounds=(nt, minb))
+    def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits):
+        xs = cuda.shared.array((nw, 32), float32)     # shuffle stand-in (simulator)
+        xr = cuda.shared.array(xr_shape, float32)
+        red = cuda.shared.array((nw, nvp), float32)   # the warps' sums
+        tk = cuda.shared.array(1, int32)
+        acc = cuda.local.array(nvp, float32)
+        tmp = cuda.local.array(nq, float32)
+        wr = cuda.local.array((u, cpw, words), wtype)
+        xf = cuda.local.array((m, 4), float32)
+        tid = cuda.threadIdx.x
+        lane, wp = tid % 32, tid // 32
+        team = int64(wp // tw)
+        tt = int64(tid % tnt)             # my thread of the team
+        sp = int64(cuda.blockIdx.y)
+        groups = (n + cpb - 1) // cpb
+        k_lo = sp * kchunk
+        k_hi = min(k, k_lo + kchunk)
+        grp = int64(cuda.blockIdx.x)
+        while grp < groups:               # uniform across the block (barriers inside)
+            col0 = grp * cpb + team * cpw
+            for i in range(nvp):
+                acc[i] = ZERO
+            kb = k_lo
+            while kb < k_hi:
+                for uu in range(u):       # every load of the batch, then the arithmetic
+                    kk = kb + (uu * tnt + tt) * vec
+                    ok = kk < k_hi
+                    for c in range(cpw):
+                        wo = uint64(min(col0 + c, n - 1) * k + kk)
+                        if vec == 1:
+                            if not ok:
+                                wr[uu, c, 0] = ZERO
+                            elif wkind == 0:
+                                wr[uu, c, 0] = w[wo]
+                            elif wkind == 1:
+                                wr[uu, c, 0] = float32(w[wo])
+                            else:
+                                wr[uu, c, 0] = ew.bf16_to_f32(w[wo])
+                        elif wkind == 0:
+                            if ok:
+                                v4 = ptx.ld4(w, wo)
+                                for e in range(4):
+                                    wr[uu, c, e] = v4[e]
+                            else:
+                                for e in range(4):
+                                    wr[uu, c, e] = ZERO
+                        else:
+                            if ok:
+                                v4 = ptx.ld4w(w, wo)
+                                for e in range(4):
+                                    wr[uu, c, e] = v4[e]
+                            else:
+                                for e in range(4):
+                                    wr[uu, c, e] = uint32(0)
+                for uu in range(u):
+                    kk = kb + (uu * tnt + tt) * vec
+                    if kk < k_hi:
+                        for h in range(quads):   # 4 values of every row of x, read once
+                            for r in range(m):   # for all the columns
+                                xo = uint64(r * k + kk + 4 * h)
+                                if vec == 1:
+                                    xf[r, 0] = _round_x(x[xo], wkind)
+                                else:
+                                    x4 = ptx.ld4(x, xo)
+                                    for e in range(4):
+                                        xf[r, e] = _round_x(x4[e], wkind)
+                            for c in range(cpw):
+                                w4 = _quad(wr, uu, c, h, wkind, vec)
+                                for r in range(m):
+                                    for e in range(qw):
+                                        acc[r * cpw + c] += xf[r, e] * w4[e]
+                kb += u * step
+            for q in range(rounds):       # the warp's sums, one a lane, to shared memory
+                for i in range(nq):
+                    tmp[i] = acc[q * nq + i]
+                reduce_scatter(tmp, nq, xs, xr, wp, lane)
+                if lane % rep == 0:
+                    red[wp, q * nq + lane // rep] = tmp[0]
+            cuda.syncthreads()
+            e = int64(tid)
+            while e < teams * nv:         # value e % nv of team e // nv: its warps in order
+                tm, vi = e // nv, e % nv
+                v = red[tm * tw, vi]
+                for ww in range(1, tw):
+                    v += red[tm * tw + ww, vi]
+                r, c = vi // cpw, vi % cpw
+                col = grp * cpb + tm * cpw + c
+                if col < n:
+                    if splits == 1:
+                        if has_bias:      # the epilogue: act(v + bias) + residual
+                            v += bias[col]
+                        if has_act:
+                            v = actf(v)
+                        if has_res:
+                            v += res[r * n + col]
+                        y[r * n + col] = v
+                    else:
+                        part[(sp * m + r) * n + col] = v
+                e += nt
+            if splits > 1:
+                # every thread's partials are written, then the ticket (acq_rel: release
+                # covers what the barrier made visible; acquire, for the last block)
+                cuda.syncthreads()
+                if tid == 0:
+                    tk[0] = ptx.ticket(count, grp)
+                cuda.syncthreads()
+                if tk[0] == splits - 1:   # the last block of this group: add the splits
+                    if tid == 0:
+                        count[grp] = 0    # ready for the next launch
+                    e = int64(tid)
+                    while e < m * cpb:
+                        r, cc = e // cpb, e % cpb
+                        col = grp * cpb + cc
+                        if col < n:
+                            s = ZERO
+                            for p in range(splits):
+                                s += part[(p * m + r) * n + col]
+                            if has_bias:
+                                s += bias[col]
+                            if has_act:
+                                s = actf(s)
+                            if has_res:
+                                s += res[r * n + col]
+                            y[r * n + col] = s
+                        e += nt
+            cuda.syncthreads()            # red is rewritten by the next group
+            grp += cuda.gridDim.x
+
+    return kernel
+
+
+def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None, cpw=None,
+         u=None, target=None):
+    """(nw, tw, cpw, u, groups, splits, kchunk, minb) for a product: warps a block, warps a
+    team, columns a team, vectors of a column in flight a thread, column groups (blocks), K
+    splits, the K range a split, and the blocks a SM the kernel's registers are capped for.
+
+    A team is the fewest warps that cover K in one batch of at most 4 vectors a thread (one
+    round trip to memory; fewer idle lanes on a short K than a whole block). cpw starts at 4
+    -- x is read once for all of a team's columns -- and halves while the registers would
+    pass REGS (fewer registers, more warps resident: on an H100 at M = 8 a budget of ~100
+    ran 49152x576 f32 at 69% of copy, 35% at ~140) or there would be fewer than 2 blocks a
+    SM; then teams grow to the whole block while blocks are still short. K is split across
+    blocks only when the groups cannot reach ``target`` blocks (default: one a SM)."""
+    nw = nw or NW
+    if SIMULATOR:   # few threads and few barriers: wide groups, K split past 64 values;
+        tw = tw or (1 if m <= 4 else nw)     # both team shapes
+        cpw = cpw or (4 if m <= 4 else 2)
+        u = u or 2
+        kchunk = 64 if k > 64 else k
+        kchunk = -(-kchunk // (tw * 32 * vec)) * tw * 32 * vec
+        return nw, tw, cpw, u, -(-n // (cpw * nw // tw)), -(-k // kchunk), kchunk, 1
+    nvec = -(-k // vec)
+    if tw is None:                        # the smallest team covering K in one batch of 4
+        tw = 1
+        while tw < nw and nvec > 4 * 32 * tw:
+            tw *= 2
+    minb = 1
+    if kind != "f32" and m >= 8:          # arithmetic-heavy: whole-block teams, capped registers
+        tw, minb = nw, 4                  # (H100, M = 8 bf16: 49152x576 56 us against 68)
+    uk = min(4, -(-nvec // (32 * tw)))    # vectors a thread to cover K (at most 4)
+    if cpw is None:   # registers: m cpw sums + 4 m of x + 4 u cpw of loads, within REGS;
+        cpw = 4       # and >= 2 blocks a SM
+        while cpw > 1 and (m * cpw + 4 * m + 4 * uk * cpw > REGS
+                           or n // (cpw * nw // tw) < 2 * sm):
+            cpw //= 2
+    while tw < nw and n // (cpw * nw // tw) < 2 * sm:   # more blocks: bigger teams
+        tw *= 2
+    groups = -(-n // (cpw * nw // tw))
+    tnt = tw * 32
+    target = target or sm
+    splits = 1
+    if groups < target and nvec > 2 * tnt:
+        splits = min(-(-target // groups), nvec // tnt)
+    kchunk = -(-(-(-k // splits)) // (tnt * vec)) * tnt * vec
+    splits = -(-k // kchunk)
+    if u is None:
+        u = min(4, -(-kchunk // (tnt * vec)))
+        while u > 1 and u * cpw > 16:
+            u -= 1
+    return nw, tw, cpw, u, groups, splits, kchunk, minb
+
+
+# ---- timing (runtime/lower_matmul.py times tier 3 against cuBLAS at compile time) --------------
+SPIN_NS = 3_000_000     # the sleep the timed launches queue behind: longer than enqueuing them
+
+
+@functools.cache
+def spin_kernel():
+    """One thread sleeping ~ns nanoseconds: the GPU is busy while the host enqueues the timed
+    launches behind it, so the events around them time the device, not the host."""
+    @jit
+    def spin(ns):
+        t = int64(0)
+        while t < ns:
+            cuda.nanosleep(uint32(1000))
+            t += 1000
+    return spin
