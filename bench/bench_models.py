@@ -219,6 +219,32 @@ def bench_corpus(torch, args, bert, rows):
     free_device_memory(args.cuda, torch)
 
 
+def decode_profile(model, cap, pos):
+    """exe.profile() of the batch-1 decode graph, summed by kernel kind (a step's time brackets
+    it with events, so on a launch-bound graph it holds the wait for the launch too)."""
+    from collections import defaultdict
+    dec = model.executable("decode", 1, 1, cap, (0.0, 0, 1.0))
+    feed = {"input_ids": np.zeros((1, 1), np.int32), "pos": np.array([pos], np.int32),
+            "seed": np.zeros(1, np.int64)}
+    prof = dec.profile(feed)
+    by = defaultdict(lambda: [0, 0.0])
+    for r in prof:
+        kind = " ".join(r.kernel.split()[:2])
+        by[kind][0] += 1
+        by[kind][1] += r.ms
+    print(f"    decode step profile ({len(prof)} steps, {prof.total_ms * 1e3:.0f} us summed):")
+    for kind, (cnt, ms) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"      {kind:<34} {cnt:4d} steps {ms * 1e3:8.1f} us")
+
+
+def settle(ctx):
+    """Collect garbage and flush numba's deferred frees: device bytes then held are live."""
+    import gc
+    gc.collect()
+    ctx.deallocations.clear()
+    ctx.synchronize()
+
+
 def launches_per_layer(LlamaConfig, LlamaForCausalLM, d: dict, args) -> int:
     """Steps of the decode graph of a 2-layer model minus a 1-layer one's (same config)."""
     counts = []
@@ -282,8 +308,7 @@ def bench_llama(torch, transformers, args, rows):
     for b in (1, 8):
         prompt = rng.integers(0, SMOLLM2["vocab_size"], (b, 32))
         ours._exes = type(ours._exes)("llama")     # a fresh store: the weights upload again
-        import gc
-        gc.collect()
+        settle(ctx)
         free0 = ctx.get_memory_info()[0]
         times, got = [], []
         for _ in range(2):              # the first pass compiles
@@ -294,7 +319,11 @@ def bench_llama(torch, transformers, args, rows):
             times.append((stamps[-1] - stamps[0]) / (n - 1))
             got = np.stack(toks, 1)
         t_rlx = times[-1]
+        settle(ctx)
         used = free0 - ctx.get_memory_info()[0]
+        arenas = sum(e.arena_bytes for e in ours._exes.values())
+        print(f"    (store {ours._exes.params.nbytes / 2**20:.1f} MiB, arenas {arenas / 2**20:.1f} "
+              f"MiB, {len(ours._exes)} graphs: {', '.join(map(str, ours._exes))})")
         cap = min(max(16, _next_pow2(32 + n - 1)), SMOLLM2["max_position_embeddings"])
         kv = 2 * SMOLLM2["num_hidden_layers"] * b * SMOLLM2["num_key_value_heads"] * cap * 64 * 4
         need = sum(v.nbytes for v in ours.params.values()) + kv
@@ -330,6 +359,8 @@ def bench_llama(torch, transformers, args, rows):
         print(f"  decode, batch {b:<13} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
               f"{'n/a':>9} {ratio:8.2f}  {bar}/s  {same}/{n} "
               f"{'PASS' if r['pass'] else 'FAIL'}", flush=True)
+        if b == 1:
+            decode_profile(ours, cap, prompt.shape[1] + n - 2)
         print(f"    device bytes of the generate {used / 2**20:.0f} MiB = "
               f"{used / need:.2f}x weights + KV cache ({need / 2**20:.0f} MiB; bar 1.2x)")
         ours._exes.clear()

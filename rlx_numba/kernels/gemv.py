@@ -307,13 +307,11 @@ SPIN_NS = 3_000_000     # the sleep the timed launches queue behind: longer than
 
 
 @functools.cache
-def spin_kernel():
+@jit
+def spin(ns):
     """One thread sleeping ~ns nanoseconds: the GPU is busy while the host enqueues the timed
     launches behind it, so the events around them time the device, not the host."""
-    @jit
-    def spin(ns):
-        t = int64(0)
-        while t < ns:
-            cuda.nanosleep(uint32(1000))
-            t += 1000
-    return spin
+    t = int64(0)
+    while t < ns:
+        cuda.nanosleep(uint32(1000))
+        t += 1000

@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass
 
 import numpy as np
+from numba import types
 
 from .. import cublas
 from ..device import SIMULATOR, device_info
@@ -44,7 +45,7 @@ from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
 from ..kernels.launch import sm_count
-from .lower import CallStep, Step, elementwise_step, log, lowering, step_name
+from .lower import CallStep, Step, _compile, elementwise_step, log, lowering, step_name
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
@@ -444,10 +445,12 @@ def _device_us(exe, steps) -> float:
             s()
     if _graph_mode(exe):
         return _graph_us(stream, steps)
-    spin = gv.spin_kernel()
+    # compiled on a worker thread (lower._compile): a compile on this one would keep this
+    # stack's frames, the executable being compiled among them, alive
+    _compile(gv.spin, (types.int64,))
     best = math.inf
     for _ in range(3):
-        spin[1, 1, stream](np.int64(gv.SPIN_NS))
+        gv.spin[1, 1, stream](np.int64(gv.SPIN_NS))
         e0, e1 = cuda.event(), cuda.event()
         e0.record(stream)
         for _ in range(TIMED_LAUNCHES):
