@@ -306,7 +306,6 @@ def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None,
 SPIN_NS = 3_000_000     # the sleep the timed launches queue behind: longer than enqueuing them
 
 
-@functools.cache
 @jit
 def spin(ns):
     """One thread sleeping ~ns nanoseconds: the GPU is busy while the host enqueues the timed
