@@ -107,9 +107,16 @@ def test_llama_half_weights_round_the_product_weights(llama):
     ids = np.array([[3, 17, 52, 0, 9], [41, 4, 4, 28, 1]])
     got = half(ids)
     x16 = (lambda t: t.astype(np.float16).astype(np.float64)) if ON_GPU else None
-    close(got, np_llama(GQA, rounded, ids, x16))
-    with pytest.raises(AssertionError):          # the rounding is visible at this tolerance
-        close(got, np_llama(GQA, llama.params, ids))
+    want = np_llama(GQA, rounded, ids, x16)
+    # rounding x to f16 is not continuous: the f32 kernels' last-bit differences from the
+    # float64 oracle flip a few roundings at half-ulp boundaries (measured: 3.0e-4 with the
+    # skinny-product tier, in the simulator too), so this bound is looser than close()'s
+    close(got, want, tol=5e-4)
+
+    def err(ref):
+        return np.abs(got - ref).max() / np.abs(ref).max()
+    # the rounding is visible: the oracle without it is at least twice as far
+    assert err(np_llama(GQA, llama.params, ids)) > 2 * err(want)
 
 
 def test_llama_untied_with_biases_matches_numpy():

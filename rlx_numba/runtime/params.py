@@ -78,7 +78,8 @@ class ParamStore:
             halves[transposed] = _half_relayout(other, e, hdt, transposed)
         e.users.add(exe)
         e.count += 1
-        weakref.finalize(exe, self._release, key)
+        # (not at interpreter exit: the CUDA context may be gone by then)
+        weakref.finalize(exe, self._release, key).atexit = False
         return e, buf, created
 
     def _release(self, key):
