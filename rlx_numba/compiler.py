@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ir.graph import Graph
-from .ir.ops import INPLACE, WRITTEN_BY_INPUT
-from .memory import Buffer, MemoryReport, plan
+from .ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
+from .memory import ALIGN, Buffer, MemoryReport, plan
 from .passes import fusion as fusion_pass
 from .runtime import lower, lower_matmul
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
@@ -40,6 +40,7 @@ class Plan:
     root: dict           # node id -> node id that owns its memory (views, in-place writes)
     absorbed: set        # transposes read by products through an op-T flag
     strided: set         # narrows read in place (strides) by the element-wise kernels alone
+    copied: set          # narrows kept as copies (memory they would view is overwritten later)
     transposed: set      # weight params stored [N, K]
     fusion: object       # passes.fusion.Fusion
     buffers: dict        # root node id -> Buffer (params: a range past the arena, no bytes in it)
@@ -47,7 +48,8 @@ class Plan:
     report: MemoryReport
 
     def is_view(self, n) -> bool:
-        return lower.is_view(n, self.graph) or n.id in self.absorbed or n.id in self.strided
+        return ((lower.is_view(n, self.graph) or n.id in self.strided)
+                and n.id not in self.copied or n.id in self.absorbed)
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
@@ -74,22 +76,64 @@ def plan_graph(graph: Graph) -> Plan:
     absorbed = lower_matmul.absorbed_transposes(graph, outputs)
     strided = lower.strided_narrows(graph, outputs)
     transposed = lower_matmul.transposed_weights(graph, outputs)
+    copied = set()       # narrows kept as copies: see overwritten_narrows
 
     def is_view(n):
-        return lower.is_view(n, graph) or n.id in absorbed or n.id in strided
+        return (lower.is_view(n, graph) or n.id in strided) and n.id not in copied \
+            or n.id in absorbed
 
-    root = {}
-    for n in graph.nodes:
-        if n.id in live:
-            alias = is_view(n) or n.op in INPLACE
-            root[n.id] = root[n.inputs[0]] if alias else n.id
+    root = aliases(graph, live, is_view)
+    copied = overwritten_narrows(graph, live, root)
+    if copied:
+        strided -= copied
+        root = aliases(graph, live, is_view)
+    for w in graph.nodes:       # an in-place write must reach the memory it names
+        r = graph.nodes[root.get(w.id, w.id)]
+        if w.id in live and w.op in INPLACE and r.op == "narrow":
+            raise ValueError(f"compile: {w.op} %{w.id} writes in place into narrow %{r.id} "
+                             f"{fmt(r.shape)}, which is a copy here (not a contiguous slice at a "
+                             f"{ALIGN}-byte multiple, or what it views is overwritten later), so "
+                             f"the write would not reach %{r.inputs[0]}; write into the whole "
+                             f"tensor or slice it contiguously at an aligned offset")
     lower.check_inplace(graph, live, root)
     # fused regions and folded epilogues: interior nodes get no buffer and no step, a root
     # lowers as fusion.nodes[id] (the graph itself is not changed)
     fused = fusion_pass.fuse(graph, live, root, is_view, strided)
     buffers, arena_bytes, report = plan_memory(graph, live, root, fused)
-    return Plan(graph, live, root, absorbed, strided, transposed, fused, buffers, arena_bytes,
-                report)
+    return Plan(graph, live, root, absorbed, strided, copied, transposed, fused, buffers,
+                arena_bytes, report)
+
+
+def aliases(graph: Graph, live: set, is_view) -> dict:
+    """node id -> the node id owning its memory: views and in-place writes alias input 0."""
+    root = {}
+    for n in graph.nodes:
+        if n.id in live:
+            alias = is_view(n) or n.op in INPLACE
+            root[n.id] = root[n.inputs[0]] if alias else n.id
+    return root
+
+
+def overwritten_narrows(graph: Graph, live: set, root: dict) -> set:
+    """Narrows that would be views of memory an in-place write (not one through the narrow
+    itself) changes later in the graph: read as views they would see the new contents, so
+    they stay copies made at their position, as a narrow always was."""
+    nodes = graph.nodes
+
+    def through(w, n):          # does w write through n (n on w's alias chain)?
+        m = nodes[w.inputs[0]]
+        while True:
+            if m.id == n.id:
+                return True
+            if root[m.id] == m.id:
+                return False
+            m = nodes[m.inputs[0]]
+
+    writes = [w for w in nodes if w.id in live and w.op in INPLACE]
+    return {n.id for n in nodes
+            if n.op == "narrow" and n.id in live and root[n.id] != n.id
+            and any(w.id > n.id and root[w.id] == root[n.id] and not through(w, n)
+                    for w in writes)}
 
 
 def reachable(graph: Graph) -> set:

@@ -402,3 +402,66 @@ def test_fused_decode_layer_kernel_count():
     assert len(steps(3, False)) - len(steps(2, False)) >= 15            # final norm, head, sample
     names = [s.kernel_name.split()[0] for s in fused3]
     assert names.count("rope_kv_write") == 3 and "rope" not in names and "kv_write" not in names
+
+
+def _cache_layer_graph(s):
+    """kv_write into layer 1 of a [2, 1, 1, s, 4] cache param, through a narrow."""
+    g = rlx.Graph(f"layer_write_{s}")
+    c = g.param("c", (2, 1, 1, s, 4), "f32")
+    layer1 = g.reshape(g.narrow(c, 0, 1, 1), (1, 1, s, 4))
+    p = g.input("p", (1,), "i64")
+    g.set_outputs([g.kv_write(layer1, g.input("new", (1, 1, 1, 4), "f32"), p)])
+    return g
+
+
+def test_in_place_write_through_a_narrow():
+    """An aligned slice is a view: the write lands in the param. An unaligned one would be a
+    copy, which the write would not reach: compile() refuses it."""
+    exe = rlx.compile(_cache_layer_graph(16))          # layer offset 16*4*4 B = 256 B
+    exe.set_param("c", np.zeros((2, 1, 1, 16, 4), np.float32))
+    for t in range(2):
+        exe.run({"new": np.full((1, 1, 1, 4), t + 1.0, np.float32), "p": np.array([t])})
+    want = np.zeros((2, 1, 1, 16, 4), np.float32)
+    want[1, 0, 0, 0], want[1, 0, 0, 1] = 1.0, 2.0
+    np.testing.assert_array_equal(exe.get_param("c"), want)
+    with pytest.raises(ValueError, match=r"compile: kv_write %\d+ writes in place into narrow "
+                                         r"%\d+ \[1, 1, 1, 7, 4\], which is a copy here"):
+        rlx.compile(_cache_layer_graph(7))
+
+
+def test_narrow_read_after_an_in_place_write_sees_the_old_values():
+    """A narrow of a cache read after a kv_write into the cache stays a copy made before the
+    write (a view would see the new rows)."""
+    for s in (16, 7):
+        g = rlx.Graph("snapshot")
+        c = g.param("c", (1, 1, s, 4), "f32")
+        old = g.narrow(c, 2, 0, 2)
+        new_c = g.kv_write(c, g.input("new", (1, 1, 1, 4), "f32"), 0)
+        g.set_outputs([g.exp(old), new_c])
+        exe = rlx.compile(g)
+        exe.set_param("c", np.zeros((1, 1, s, 4), np.float32))
+        before, after = exe.run({"new": np.full((1, 1, 1, 4), 3.0, np.float32)})
+        np.testing.assert_array_equal(before, np.ones((1, 1, 2, 4), np.float32))
+        assert after[0, 0, 0, 0] == 3.0
+
+
+def test_rope_kv_write_tensor_position_is_checked_against_cos_sin():
+    """Without positions the cache row is also the rope position: a run() value past the
+    cos/sin table is an IndexError, as an int cache_position past it is a ValueError."""
+    max_pos, max_s, d = 4, 8, 4
+    ang = np.arange(max_pos)[:, None] * np.array([1.0, 0.01])[None]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    g = rlx.Graph("rkw")
+    qkv = g.input("qkv", (1, 1, 3 * d), "f32")
+    kc, vc = g.param("kc", (1, 1, max_s, d), "f32"), g.param("vc", (1, 1, max_s, d), "f32")
+    q, _, _ = g.rope_kv_write(qkv, g.constant(cos), g.constant(sin), kc, vc,
+                              g.input("cp", (1,), "i64"), num_heads=1, num_kv_heads=1)
+    g.set_outputs([q])
+    exe = rlx.compile(g)
+    for name in ("kc", "vc"):
+        exe.set_param(name, np.zeros((1, 1, max_s, d), np.float32))
+    feed = {"qkv": np.ones((1, 1, 3 * d), np.float32)}
+    exe.run({**feed, "cp": np.array([3])})                  # the last position cos/sin hold
+    with pytest.raises(IndexError, match=r"cos/sin \[4, 2\]\): input 'cp' holds index 5 at "
+                                         r"\[0\], out of range \[0, 3\]"):
+        exe.run({**feed, "cp": np.array([5])})

@@ -147,6 +147,8 @@ def test_simulator_takes_tier_3_only_when_named(monkeypatch):
     step = product_step(exe)
     assert step.info["tier"] == 4
     assert any("only when RLX_NUMBA_MATMUL_TIERS names it" in w for w in step.info["why"])
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", " 4, 3")     # read as the other tiers are
+    assert product_step(rlx.compile(build((1,), 9, 5, False, None, False))).info["tier"] == 3
 
 
 def test_graph_mode_replays(monkeypatch, rng):
@@ -166,3 +168,36 @@ def test_graph_mode_replays(monkeypatch, rng):
         (got,) = exe.run({"x": xv})
         want = act_np("gelu", xv.astype(ml_dtypes.bfloat16).astype(np.float64) @ w64 + bv)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def _save_many(cache, start, barrier):
+    import os
+    os.environ["RLX_NUMBA_CACHE_DIR"] = cache
+    from rlx_numba.runtime import lower_matmul as lm
+    barrier.wait()                           # all at once
+    for i in range(start, start + 25):
+        lm._save_choice(f"k{i}", [1.0 + i, 2.0])
+
+
+def test_verdict_file_survives_damage_and_concurrent_writers(tmp_path, monkeypatch):
+    """tier_choices.json: odd contents are ignored (those shapes are timed again), and
+    processes saving at once keep each other's verdicts."""
+    import multiprocessing as mp
+
+    from rlx_numba.runtime import lower_matmul as lm
+    monkeypatch.setenv("RLX_NUMBA_CACHE_DIR", str(tmp_path))
+    path = lm._choice_path()
+    for text in ("[]", "not json", '{"a": [null, 1], "b": [1, "x"], "c": [1.5, 2.5]}'):
+        path.write_text(text)
+        assert lm._load_choices() == ({"c": [1.5, 2.5]} if "c" in text else {})
+    path.unlink()
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(4)
+    procs = [ctx.Process(target=_save_many, args=(str(tmp_path), 25 * j, barrier))
+             for j in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert lm._load_choices() == {f"k{i}": [1.0 + i, 2.0] for i in range(100)}

@@ -137,6 +137,8 @@ def test_llama_generate_greedy_matches_numpy_loop(llama):
     out = llama.generate(prompt, 3, streamer=streamed.append)
     want = np_greedy(GQA, llama.params, prompt, 3)
     np.testing.assert_array_equal(out, want)
+    # a list of equal-length prompts is the [batch, seq] array it spells (an array comes back)
+    np.testing.assert_array_equal(llama.generate(prompt.tolist(), 3), want)
     np.testing.assert_array_equal(np.stack(streamed, 1), want[:, 5:])
     # a 1-D prompt gives a 1-D result; EOS stops the stream (the first token is the EOS here)
     first = int(want[0, 5])

@@ -204,3 +204,59 @@ def test_bert_executables_share_weights():
     assert e2.memory_report()["shared_param_bytes"] == e1.memory_report()["param_bytes"] > 0
     np.testing.assert_allclose(m.run(np.concatenate([ids, ids[:, ::-1]]))[:1], a, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_half_copy_in_a_layout_made_after_the_half_set():
+    """A graph storing the weight row-major sets it half; a graph compiled afterwards stores it
+    [N, K] and gets the half copy transposed on its way in."""
+    rng = np.random.default_rng(5)
+    store = rlx.ParamStore()
+    g = rlx.Graph("row_major")
+    w = g.param("w", (7, 5), "f32")
+    g.set_outputs([g.exp(w)])
+    e_n = rlx.compile(g, params=store)
+    wv = rng.standard_normal((7, 5)).astype(np.float32)
+    e_n.set_param_half("w", wv, "f16")
+    e_t = rlx.compile(_mlp("products"), params=store)
+    hdt, dev = e_t.half_param(e_t._params["w"])
+    np.testing.assert_array_equal(dev.copy_to_host().view(np.float16).reshape(5, 7),
+                                  wv.astype(np.float16).T)
+    np.testing.assert_array_equal(e_t.get_param("w"), wv.astype(np.float16).astype(np.float32))
+
+
+def test_param_written_in_place_keeps_one_layout():
+    store = rlx.ParamStore()
+    gw = rlx.Graph("writer")
+    mem = gw.param("mem", (6, 4), "f32")
+    new = gw.input("new", (1, 1, 1, 4), "f32")
+    gw.set_outputs([gw.kv_write(gw.reshape(mem, (1, 1, 6, 4)), new, 2)])
+    gr = rlx.Graph("reader")                 # reads mem only as a product's weight: [N, K]
+    x = gr.input("x", (2, 6), "f32")
+    gr.set_outputs([gr.matmul(x, gr.param("mem", (6, 4), "f32"))])
+    writer = rlx.compile(gw, params=store)   # (kept: an entry goes with its last executable)
+    with pytest.raises(ValueError, match=r"compile: param 'mem' \[6, 4\]: another graph of the "
+                                         r"store writes it in place, and this graph stores it "
+                                         r"\[N, K\]"):
+        rlx.compile(gr, params=store)
+    store2 = rlx.ParamStore()
+    reader = rlx.compile(gr, params=store2)
+    with pytest.raises(ValueError, match=r"param 'mem' \[6, 4\]: this graph writes it in place, "
+                                         r"and this graph stores it row-major"):
+        rlx.compile(gw, params=store2)
+    assert writer.transposed == set() and reader.transposed
+
+
+def test_old_constructor_still_compiles():
+    """CudaExecutable(graph, ...) from before compiler.py: deprecated, still whole."""
+    from rlx_numba.runtime import executable as ex
+    rng = np.random.default_rng(6)
+    with pytest.warns(DeprecationWarning, match="CudaExecutable\\(graph, ...\\) is deprecated"):
+        e = rlx.CudaExecutable(_mlp("old"), "jit", "stream")
+    w, b = rng.standard_normal((7, 5)).astype(np.float32), np.zeros(5, np.float32)
+    e.set_param("w", w)
+    e.set_param("b", b)
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    np.testing.assert_allclose(e.run({"x": x})[0], _ref(x, w, b), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ex.eager(_mlp("e"), {"x": x}, {"w": w, "b": b})[0], _ref(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+    assert ex.compile(_mlp("c")).steps

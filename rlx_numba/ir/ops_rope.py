@@ -31,9 +31,10 @@ def _index_tensor(op, arg, t):
 
 
 def _base(t):
-    """The node whose memory ``t`` shares (through reshapes, same-dtype casts, kv_writes)."""
+    """The node whose memory ``t`` shares (through reshapes, narrows, same-dtype casts,
+    kv_writes)."""
     g, n = t.graph, t.node
-    while (n.op in ("reshape", "kv_write", "kv_written")
+    while (n.op in ("reshape", "narrow", "kv_write", "kv_written")
            or (n.op == "cast" and g.nodes[n.inputs[0]].dtype == n.dtype)):
         n = g.nodes[n.inputs[0]]
     return n

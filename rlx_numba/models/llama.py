@@ -492,9 +492,12 @@ class LlamaForCausalLM:
 
     def _prompts(self, prompt_ids, what: str):
         """(rows, ragged): the prompts as a list of int32 arrays, and whether they came as a
-        list of prompts (of any lengths) rather than a [seq] or [batch, seq] array."""
-        ragged = (isinstance(prompt_ids, (list, tuple)) and len(prompt_ids) > 0
-                  and not np.isscalar(prompt_ids[0]))
+        list of prompts of different lengths rather than a [seq] or [batch, seq] array (a
+        list of equal-length prompts is the [batch, seq] array it spells)."""
+        ragged = False
+        if isinstance(prompt_ids, (list, tuple)) and prompt_ids and np.ndim(prompt_ids[0]) >= 1:
+            lens = {len(p) if np.ndim(p) == 1 else None for p in prompt_ids}
+            ragged = len(lens) > 1 or None in lens     # (a bad prompt is reported below)
         if not ragged:
             return list(self._ids(prompt_ids, what)), False
         rows, v = [], self.config.vocab_size
@@ -627,8 +630,8 @@ class LlamaForCausalLM:
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,
                  max_seq_len: int | None = None, streamer=None):
         """The prompt followed by the generated tokens, [batch, seq + n] int64 ([seq + n] for a
-        1-D prompt), like transformers' generate. For a list of prompts (``generate_stream``),
-        a list of int64 arrays, one a prompt: the prompt followed by its own tokens, up to and
+        1-D prompt), like transformers' generate. For a list of prompts of different lengths
+        (``generate_stream``), a list of int64 arrays, one a prompt: the prompt followed by its own tokens, up to and
         including its first ``eos_token_id`` (what generating it alone gives). ``temperature``
         0 is greedy; otherwise top_k / top_p sampling with ``seed`` (the same seed gives the
         same tokens). ``streamer(ids)`` is called with each step's [batch] ids as they come."""

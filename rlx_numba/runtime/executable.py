@@ -6,6 +6,7 @@ import enum
 import logging
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,8 +99,19 @@ class CudaExecutable:
     """A compiled graph: an arena, params bound from a ParamStore, bound Steps, and run().
     Made by ``rlx_numba.compile`` (compiler.py), which plans the graph and lowers it."""
 
-    def __init__(self, plan, compile_mode: CompileMode, exec_mode: ExecMode,
+    def __init__(self, plan, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                  params: ParamStore | None = None, stream=None):
+        if not hasattr(plan, "graph"):   # CudaExecutable(graph, ...): the pre-compiler.py way
+            warnings.warn("CudaExecutable(graph, ...) is deprecated: use rlx_numba.compile(graph, "
+                          "...) or CudaExecutable.compile_with", DeprecationWarning, stacklevel=2)
+            from ..compiler import plan_graph
+            from .params import check_store
+            compile_mode, exec_mode = _compile_mode(compile_mode), _exec_mode(exec_mode)
+            check_store(params)
+            self.__init__(plan_graph(plan), compile_mode, exec_mode, params, stream)
+            self.lower_all()
+            self.start_runner()
+            return
         graph = self.graph = plan.graph
         self.plan = plan
         self.compile_mode, self.exec_mode = compile_mode, exec_mode
@@ -191,8 +203,10 @@ class CudaExecutable:
     def _bind_params(self):
         """Bind every param to its store entry (created there, or found: shared)."""
         own = shared = 0
+        written = {self._root[n.id] for n in self.graph.nodes
+                   if n.op in lower.INPLACE and n.id in self._live}
         for n in self._params.values():
-            e, mem, created = self.params.bind(self, n, n.id in self.transposed)
+            e, mem, created = self.params.bind(self, n, n.id in self.transposed, n.id in written)
             self._param_mem[n.id] = mem
             if created:
                 own += e.nbytes
@@ -305,6 +319,8 @@ class CudaExecutable:
         if dev is not None:
             self._copy_in(node, dev, "set_param")
             self.params.refresh_layouts(node, node.id in self.transposed, self.stream)
+            # other executables of the store run on other streams: the copy must have landed
+            self.stream.synchronize()
             self.params.mark_set(node)
         else:
             arr = np.asarray(value)
@@ -547,3 +563,16 @@ def _progress(items, desc: str):
         return items
     from tqdm import tqdm
     return tqdm(items, desc=desc, unit="kernel", leave=False, file=sys.stderr)
+
+
+def compile(graph, compile_mode="jit", exec_mode="stream", params=None, stream=None):  # noqa: A001
+    """Deprecated home of ``rlx_numba.compile`` (compiler.py), kept for code that imports it
+    from here."""
+    from ..compiler import compile as compile_graph
+    return compile_graph(graph, compile_mode, exec_mode, params, stream)
+
+
+def eager(graph, inputs=None, params=None):
+    """Deprecated home of ``rlx_numba.eager`` (compiler.py)."""
+    from ..compiler import eager as eager_graph
+    return eager_graph(graph, inputs, params)

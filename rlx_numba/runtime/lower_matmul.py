@@ -319,8 +319,7 @@ _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
 def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     """The skinny-product kernel step (kernels/gemv.py), epilogue included, or None with the
     reason in ``why``."""
-    raw = os.environ.get("RLX_NUMBA_MATMUL_TIERS") or ""
-    if SIMULATOR and "3" not in raw.split(","):
+    if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 3 in _env_tiers()):
         why.append("tier 3: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it")
         return None
     if batch > 1 or m > gv.MAX_M:
@@ -385,22 +384,33 @@ def _choice_path():
 
 
 def _load_choices() -> dict:
+    """The verdicts on disk: key -> [tier 3 us, other us]; anything else in the file (a damaged
+    or foreign one) is ignored, and those shapes are timed again."""
     try:
-        return json.loads(_choice_path().read_text())
+        data = json.loads(_choice_path().read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items()
+            if isinstance(v, list) and len(v) == 2
+            and all(isinstance(x, (int, float)) and math.isfinite(x) and x > 0 for x in v)}
 
 
 def _save_choice(key, value) -> None:
-    """Merge one verdict into the file (written whole to a temp file, then renamed)."""
+    """Merge one verdict into the file: read, merge and rename under a lock, so processes
+    timing at once keep each other's verdicts."""
+    import fcntl
     try:
         path = _choice_path()
-        data = _load_choices()
-        data[key] = value
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tier_choices")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=0)
-        os.replace(tmp, path)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = _load_choices()
+            data[key] = value
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tier_choices")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=0)
+            os.replace(tmp, path)
     except OSError as e:      # a read-only cache: the verdict is kept for this process only
         log.warning("rlx_numba: could not save the tier-3 timing (%s)", e)
 
@@ -410,7 +420,7 @@ def _timed_choice(exe, skinny, other, key):
     got = _CHOICES.get(key)
     if got is None:
         disk = _load_choices().get(key)
-        if isinstance(disk, list) and len(disk) == 2:
+        if disk is not None:
             got = tuple(float(v) for v in disk)
     if got is None:
         got = (_device_us(exe, skinny), _device_us(exe, other))

@@ -107,7 +107,10 @@ def _lower_rope_kv_write(exe, n):
     cpos, use_cpos, position = _dummy(exe), False, a["cache_position"]
     if position is None:
         pnode = rest.pop(0)
-        exe.add_index_check(pnode, 0, max_s - s, what + ")")
+        # without positions it is also the rope position of the first token: within cos/sin
+        hi = max_s - s if a["has_positions"] else min(max_s, max_pos) - s
+        exe.add_index_check(pnode, 0, hi, what + (")" if a["has_positions"] else
+                                                  f", cos/sin {fmt(cos.shape)})"))
         cpos, use_cpos, position = exe.buf(pnode), True, 0
     pos, use_pos, pos_bstride = _dummy(exe), False, 0
     if a["has_positions"]:

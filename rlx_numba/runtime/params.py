@@ -19,6 +19,7 @@ import weakref
 
 import numpy as np
 
+from ..ir.ops import fmt
 from ..memory import ALIGN
 
 
@@ -28,7 +29,8 @@ def _cuda():
 
 
 class _Entry:
-    __slots__ = ("name", "shape", "dtype", "copies", "half", "is_set", "users", "count")
+    __slots__ = ("name", "shape", "dtype", "copies", "half", "is_set", "users", "count",
+                 "written")
 
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
@@ -37,6 +39,7 @@ class _Entry:
         self.is_set = False
         self.users = weakref.WeakSet()   # executables bound to it (to re-plan their products)
         self.count = 0                   # how many of them are alive
+        self.written = False             # some executable writes it in place (kv_write)
 
     @property
     def size(self) -> int:
@@ -57,14 +60,24 @@ class ParamStore:
         self._entries: dict[tuple, _Entry] = {}
 
     # ---- binding (compile time) -------------------------------------------------------------
-    def bind(self, exe, node, transposed: bool):
-        """The flat uint8 device array holding ``node``'s value in the layout ``transposed``
-        for ``exe``; (array, created) where ``created`` says the bytes are new to the store."""
+    def bind(self, exe, node, transposed: bool, written: bool = False):
+        """(entry, the flat uint8 device array holding ``node``'s value in the layout
+        ``transposed`` for ``exe``, created) where ``created`` says the bytes are new to the
+        store. ``written``: ``exe`` writes the param in place (kv_write). Such a param keeps
+        one layout: the other would not see the writes."""
         key = (node.name, tuple(node.shape), node.dtype)
         e = self._entries.get(key)
         created = e is None
         if created:
             e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
+        if (written or e.written) and len(set(e.copies) | {transposed}) > 1:
+            what = "this graph writes it" if written else "another graph of the store writes it"
+            here = "[N, K] (read only by products)" if transposed else "row-major"
+            raise ValueError(f"compile: param {node.name!r} {fmt(node.shape)}: {what} in place, "
+                             f"and this graph stores it {here}, another the other way (a second "
+                             f"copy would not see the writes); give the graphs separate "
+                             f"ParamStores or separate params")
+        e.written = e.written or written
         buf = e.copies.get(transposed)
         if buf is None:
             nbytes = -(-max(e.nbytes, 1) // ALIGN) * ALIGN
@@ -162,7 +175,7 @@ def _transpose_into(dst, src, e: _Entry, to_transposed: bool, stream) -> None:
 
 def _half_relayout(other, e: _Entry, hdt, transposed: bool):
     """The half copy in the layout ``transposed`` from the one in the other layout."""
-    host = other.copy_to_host().view(hdt.host).reshape(e.shape[::-1] if transposed else e.shape)
+    host = other.copy_to_host().view(hdt.host).reshape(e.shape if transposed else e.shape[::-1])
     return _cuda().to_device(np.ascontiguousarray(host.T).view(hdt.storage).reshape(-1))
 
 
