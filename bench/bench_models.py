@@ -257,7 +257,7 @@ def launches_per_layer(LlamaConfig, LlamaForCausalLM, d: dict, args) -> int:
 
 def bench_llama(torch, transformers, args, rows):
     from rlx_numba.models import LlamaConfig, LlamaForCausalLM
-    from rlx_numba.models.llama import _next_pow2
+    from rlx_numba.models.executables import next_pow2
     ours = LlamaForCausalLM.from_config(LlamaConfig(**SMOLLM2), seed=0, weights=args.weights,
                                         exec_mode=args.decode_exec_mode)
     hf_cfg = hf_llama_config(transformers, SMOLLM2)
@@ -324,7 +324,7 @@ def bench_llama(torch, transformers, args, rows):
         arenas = sum(e.arena_bytes for e in ours._exes.values())
         print(f"    (store {ours._exes.params.nbytes / 2**20:.1f} MiB, arenas {arenas / 2**20:.1f} "
               f"MiB, {len(ours._exes)} graphs: {', '.join(map(str, ours._exes))})")
-        cap = min(max(16, _next_pow2(32 + n - 1)), SMOLLM2["max_position_embeddings"])
+        cap = min(max(16, next_pow2(32 + n - 1)), SMOLLM2["max_position_embeddings"])
         kv = 2 * SMOLLM2["num_hidden_layers"] * b * SMOLLM2["num_key_value_heads"] * cap * 64 * 4
         need = sum(v.nbytes for v in ours.params.values()) + kv
         with torch.inference_mode():

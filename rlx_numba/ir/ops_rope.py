@@ -40,6 +40,14 @@ def _base(t):
     return n
 
 
+def _not_constant(op, arg, t):
+    base = _base(t)
+    if base.op == "constant":
+        raise ValueError(f"{op}: {arg} {fmt(t.shape)} is (a view of) constant %{base.id}; a "
+                         f"cache is written in place, so make it a param (it persists across "
+                         f"runs) or an input")
+
+
 class RopeOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -163,28 +171,31 @@ class RopeOps:
         if new.dtype != cache.dtype:
             raise ValueError(f"{op}: new is {new.dtype} {fmt(new.shape)} but cache is "
                              f"{cache.dtype} {fmt(cache.shape)}; they must match")
-        base = _base(cache)
-        if base.op == "constant":
-            raise ValueError(f"{op}: cache {fmt(cache.shape)} is (a view of) constant %{base.id}; "
-                             f"a cache is written in place, so make it a param (it persists "
-                             f"across runs) or an input")
+        _not_constant(op, "cache", cache)
         ins = [cache, new]
-        p = _int(op, "position", position)
+        p = self._write_position(op, "position", position, s, max_s, ins,
+                                 f"new {fmt(new.shape)}", f"cache {fmt(cache.shape)}", rows="s")
+        return self._add(op, ins, cache.shape, cache.dtype, position=p)
+
+    def _write_position(self, op, arg, position, s, max_s, ins, src, dst, rows="S"):
+        """The first row an in-place write of ``s`` rows into ``max_s`` goes to: an int,
+        checked here (returned), or a scalar index tensor (appended to ``ins``; None)."""
+        p = _int(op, arg, position)
         if p is not None:
             if p < 0 or p + s > max_s:
-                raise ValueError(f"{op}: position {p} + s {s} (new {fmt(new.shape)}) must lie in "
-                                 f"[0, max_S] = [0, {max_s}] (cache {fmt(cache.shape)})")
-        elif hasattr(position, "graph") and hasattr(position, "node"):
-            self._check(op, "position", position)
-            _index_tensor(op, "position", position)
-            if tuple(position.shape) not in ((), (1,)):
-                raise ValueError(f"{op}: position must be a scalar tensor, shape [] or [1], got "
-                                 f"{fmt(position.shape)}")
-            ins.append(position)
-        else:
-            raise ValueError(f"{op}: position must be an int or an i32/i64 tensor of shape [] or "
+                raise ValueError(f"{op}: {arg} {p} + {rows} {s} ({src}) must lie in [0, max_S] = "
+                                 f"[0, {max_s}] ({dst})")
+            return p
+        if not (hasattr(position, "graph") and hasattr(position, "node")):
+            raise ValueError(f"{op}: {arg} must be an int or an i32/i64 tensor of shape [] or "
                              f"[1], got {type(position).__name__}")
-        return self._add(op, ins, cache.shape, cache.dtype, position=p)
+        self._check(op, arg, position)
+        _index_tensor(op, arg, position)
+        if tuple(position.shape) not in ((), (1,)):
+            raise ValueError(f"{op}: {arg} must be a scalar tensor, shape [] or [1], got "
+                             f"{fmt(position.shape)}")
+        ins.append(position)
+        return None
 
     def rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, cache_position, *, num_heads: int,
                       num_kv_heads: int, n_rot=None, interleaved: bool = False, positions=None):
@@ -251,33 +262,17 @@ class RopeOps:
         if not isinstance(interleaved, bool):
             raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
         for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            base = _base(t)
-            if base.op == "constant":
-                raise ValueError(f"{op}: {arg} {fmt(t.shape)} is (a view of) constant %{base.id}; "
-                                 f"a cache is written in place, so make it a param or an input")
+            _not_constant(op, arg, t)
         if _base(k_cache).id == _base(v_cache).id:
             raise ValueError(f"{op}: k_cache and v_cache share the memory of %{_base(k_cache).id}; "
                              f"they must be distinct tensors")
         max_pos = cos.shape[0]
         ins = [qkv, cos, sin, k_cache, v_cache]
-        p = _int(op, "cache_position", cache_position)
-        if p is not None:
-            if p < 0 or p + s > max_s:
-                raise ValueError(f"{op}: cache_position {p} + S {s} (qkv {fmt(qkv.shape)}) must "
-                                 f"lie in [0, max_S] = [0, {max_s}] (caches {fmt(k_cache.shape)})")
-            if positions is None and p + s > max_pos:
-                raise ValueError(f"{op}: positions cache_position {p} + S {s} exceed max_pos "
-                                 f"{max_pos} (cos/sin {fmt(cos.shape)})")
-        elif hasattr(cache_position, "graph") and hasattr(cache_position, "node"):
-            self._check(op, "cache_position", cache_position)
-            _index_tensor(op, "cache_position", cache_position)
-            if tuple(cache_position.shape) not in ((), (1,)):
-                raise ValueError(f"{op}: cache_position must be a scalar tensor, shape [] or [1], "
-                                 f"got {fmt(cache_position.shape)}")
-            ins.append(cache_position)
-        else:
-            raise ValueError(f"{op}: cache_position must be an int or an i32/i64 tensor of shape "
-                             f"[] or [1], got {type(cache_position).__name__}")
+        p = self._write_position(op, "cache_position", cache_position, s, max_s, ins,
+                                 f"qkv {fmt(qkv.shape)}", f"caches {fmt(k_cache.shape)}")
+        if p is not None and positions is None and p + s > max_pos:
+            raise ValueError(f"{op}: positions cache_position {p} + S {s} exceed max_pos "
+                             f"{max_pos} (cos/sin {fmt(cos.shape)})")
         if positions is not None:
             self._check(op, "positions", positions)
             _index_tensor(op, "positions", positions)

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .. import Graph, compile
-from .executables import ExecutableCache, bucket_length
+from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import as_path, check_params, load_safetensors, read_json
 
 # Hugging Face's hidden_act names -> Graph activation kinds
@@ -170,10 +170,6 @@ def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
         y = y / g.max(g.sqrt(g.sum(y * y, -1, keep_dim=True)), 1e-12)
     g.set_outputs([y])
     return g
-
-
-def _pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
 class BertModel:
@@ -376,7 +372,7 @@ class SentenceEncoder:
                                                                   max(1, self.max_tokens // s))
             rows = order[start:start + full]
             start += len(rows)
-            b = full if len(rows) == full else min(_pow2_at_least(len(rows), 1), full)
+            b = full if len(rows) == full else min(next_pow2(len(rows)), full)
             ids = np.full((b, s), pad, np.int32)
             types = np.zeros((b, s), np.int32)
             mask = np.zeros((b, s), bool)              # padded rows: every key masked -> zeros

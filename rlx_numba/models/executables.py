@@ -39,6 +39,11 @@ class ExecutableCache(OrderedDict):
         return exe
 
 
+def next_pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def bucket_length(n: int, *, lo: int, steps: int, align: int = 8) -> int:
     """``n`` rounded up to a grid of padded lengths, so inputs of many lengths share a few
     compiled shapes: at least ``lo``; above it, ``steps`` lengths an octave (2**k < n <=

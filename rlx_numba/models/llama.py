@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import Graph, compile
 from ..runtime.executable import _exec_mode
-from .executables import ExecutableCache, bucket_length
+from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       read_json, reverse_permute)
 
@@ -352,10 +352,6 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
 
 
 # ---- the model -----------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def prompt_bucket(n: int) -> int:
     """The columns ``generate`` left-pads a batch whose longest prompt has ``n`` tokens to
     (unless max_seq_len leaves less room): multiples of 8 up to 64, then four lengths an
@@ -580,7 +576,7 @@ class LlamaForCausalLM:
                              f"need {need} positions; the model has {limit}")
         padded = prompt_bucket(s)
         cap = max_seq_len if max_seq_len is not None else min(
-            max(16, _next_pow2(padded + max_new_tokens - 1)), limit)
+            max(16, next_pow2(padded + max_new_tokens - 1)), limit)
         if not isinstance(cap, (int, np.integer)) or not need <= cap <= limit:
             raise ValueError(f"LlamaForCausalLM.generate: max_seq_len must be in [{need}, {limit}] "
                              f"(prompt {s} + {max_new_tokens} new tokens - 1), got {max_seq_len!r}")

@@ -3,6 +3,7 @@ Steps), and run(). The compile pipeline itself is rlx_numba/compiler.py."""
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import os
 import sys
@@ -81,6 +82,12 @@ def _cuda():
     return cuda
 
 
+@functools.cache
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
 def _as_device_array(x):
     """x as a numba device array if it lives on the device (numba array, or anything with the
     CUDA Array Interface: torch, cupy), else None."""
@@ -123,6 +130,7 @@ class CudaExecutable:
         # executables that run one after another (a model's graphs) may share a stream, and
         # with it their cuBLAS handle and 32 MiB workspace (one per stream)
         self.stream = cuda.stream() if stream is None else stream
+        self._stream_handle = 0 if SIMULATOR else int(self.stream)   # the CUstream, for _memcpy
         self.absorbed, self.transposed, self.fusion = plan.absorbed, plan.transposed, plan.fusion
         self.strided = plan.strided            # strided narrows: views element-wise kernels read
         self._live, self._root = plan.live, plan.root
@@ -428,13 +436,18 @@ class CudaExecutable:
             self._d2d(dst, src, node, what)
 
     def _d2d(self, dst, src, node, what):
-        """dst <- src's node.nbytes as they lie in memory, queued on the executable's stream:
-        one driver call (numba's copy_to_device spent ~160 us of checks and views a call)."""
-        from cuda.bindings import driver as drv
-        err, = drv.cuMemcpyDtoDAsync(dst.device_ctypes_pointer.value,
-                                     src.device_ctypes_pointer.value, node.nbytes, int(self.stream))
+        """dst <- src's node.nbytes as they lie in memory (see _memcpy)."""
+        self._memcpy("cuMemcpyDtoDAsync", dst.device_ctypes_pointer.value,
+                     src.device_ctypes_pointer.value, node, f"{what} {node.name!r}")
+
+    def _memcpy(self, copy, dst, src, node, what):
+        """One driver copy of node.nbytes queued on the executable's stream (numba's
+        copy_to_device costs tens to ~160 us of checks and views a call; a decode step copies
+        three small inputs a token)."""
+        drv = _driver()
+        err, = getattr(drv, copy)(dst, src, node.nbytes, self._stream_handle)
         if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"{what} {node.name!r}: device-to-device copy failed: {err}")
+            raise RuntimeError(f"{what}: {copy} failed: {err}")
 
     def _bind_input(self, name, value):
         node = self._inputs[name]
@@ -454,19 +467,10 @@ class CudaExecutable:
             return
         if SIMULATOR:
             self._bufs[node.id].copy_to_device(self._storage(arr, node.dtype), stream=self.stream)
-        else:
-            self._h2d(node, np.ascontiguousarray(arr))
-
-    def _h2d(self, node, host):
-        """The arena slot of ``node`` <- a C-contiguous host array, queued on the executable's
-        stream: one driver call (numba's copy_to_device costs tens of us of Python a call, a
-        decode step has three small inputs). From pageable memory the call returns once the
-        bytes are staged, so ``host`` may go right after."""
-        from cuda.bindings import driver as drv
-        err, = drv.cuMemcpyHtoDAsync(self._in_ptr[node.id], host.ctypes.data, node.nbytes,
-                                     int(self.stream))
-        if err != drv.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"run: input {node.name!r}: host-to-device copy failed: {err}")
+        else:   # from pageable memory the call returns once the bytes are staged
+            host = np.ascontiguousarray(arr)
+            self._memcpy("cuMemcpyHtoDAsync", self._in_ptr[node.id], host.ctypes.data, node,
+                         f"run: input {name!r}")
 
     def run(self, inputs: dict | None = None, outputs: str = "numpy"):
         """Run the graph. Returns a list of numpy arrays, or of device arrays with
