@@ -102,9 +102,11 @@ def test_half_weight_is_seen_by_every_executable():
         np.testing.assert_array_equal(e.get_param("w"), wh)
     x = rng.standard_normal((2, 7)).astype(np.float32)
     np.testing.assert_allclose(e2.run({"x": x})[0], _ref(x, wh, 0), rtol=2e-2, atol=2e-2)
+    in_use = sum(s[2] for s in store._pool._slabs)
     e2.set_param("w", w)                    # back to f32 for both
     assert e1.half_param(e1._params["w"]) is None
     np.testing.assert_array_equal(e1.get_param("w"), w)
+    assert sum(s[2] for s in store._pool._slabs) < in_use      # the half copy was freed
 
 
 def test_kv_cache_written_by_one_is_read_by_the_other():
@@ -152,6 +154,7 @@ def test_entries_go_with_their_last_executable():
     del e2
     gc.collect()
     assert len(store) == 0 and store.nbytes == 0
+    assert store._pool.nbytes == 0          # the slabs went back to the driver
 
 
 def test_bad_store_and_unknown_param():
@@ -260,3 +263,33 @@ def test_old_constructor_still_compiles():
     np.testing.assert_allclose(ex.eager(_mlp("e"), {"x": x}, {"w": w, "b": b})[0], _ref(x, w, b),
                                rtol=1e-5, atol=1e-5)
     assert ex.compile(_mlp("c")).steps
+
+
+def test_pool_packs_copies_into_slabs_and_reuses_freed_ranges():
+    """The driver maps allocations past ~1 MiB in 2 MiB pages; the store carves its copies
+    from slabs instead: aligned, disjoint, fewer bytes than one allocation each."""
+    from rlx_numba.runtime.params import ALIGN, PAGE, _Pool, _up
+    pool = _Pool()
+    sizes = [300, 5000, 1 << 20, 1300000, 7, 2200000, 513]
+    views = [pool.alloc(n) for n in sizes]
+    spans = [pool._where[id(v)] for v in views]
+    for (slab, off, n), want in zip(spans, sizes):
+        assert off % ALIGN == 0 and n >= want and off + n <= slab[0].size
+    for i, (s1, o1, n1) in enumerate(spans):        # no two copies overlap
+        for s2, o2, n2 in spans[i + 1:]:
+            assert s1 is not s2 or o1 + n1 <= o2 or o2 + n2 <= o1
+    assert pool.nbytes < sum(_up(n, PAGE) for n in sizes)
+    for k, v in enumerate(views):                   # each keeps its own bytes
+        v[:sizes[k]].copy_to_device(np.full(sizes[k], k + 1, np.uint8))
+    for k, v in enumerate(views):
+        assert (v.copy_to_host()[:sizes[k]] == k + 1).all()
+    slab, off, _ = spans[1]
+    pool.free(views[1])
+    again = pool.alloc(4000)                        # first fit: the freed range
+    s_again, o_again, _ = pool._where[id(again)]
+    assert s_again is slab and o_again == off
+    half = pool.alloc(10, np.uint16)                # typed: exactly the bytes asked
+    assert half.dtype == np.uint16 and half.shape == (5,)
+    for v in views[:1] + views[2:] + [again, half]:
+        pool.free(v)
+    assert pool.nbytes == 0 and not pool._where
