@@ -7,6 +7,7 @@ Parameters keep Hugging Face's names (without a ``bert.`` prefix) and layouts; l
 """
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, fields
 
@@ -363,6 +364,13 @@ class SentenceEncoder:
             return out
         enc = self.tokenizer.encode_batch(items)
         lens = np.array([len(e.ids) for e in enc])
+        # every sentence's tokens in one flat array: a batch is then gathered with one
+        # fancy index, not a Python loop over its rows (4096 rows took ~40 ms of host time)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        flat_ids = np.fromiter(itertools.chain.from_iterable(e.ids for e in enc), np.int32,
+                               int(lens.sum()))
+        flat_types = np.fromiter(itertools.chain.from_iterable(e.type_ids for e in enc),
+                                 np.int32, int(lens.sum()))
         order = np.argsort(-lens, kind="stable")       # longest first, ties in input order
         pad = self.model.config.pad_token_id
         start = 0
@@ -376,10 +384,10 @@ class SentenceEncoder:
             ids = np.full((b, s), pad, np.int32)
             types = np.zeros((b, s), np.int32)
             mask = np.zeros((b, s), bool)              # padded rows: every key masked -> zeros
-            for r, i in enumerate(rows):
-                e = enc[i]
-                n = len(e.ids)
-                ids[r, :n], types[r, :n], mask[r, :n] = e.ids, e.type_ids, e.attention_mask
+            mask[:len(rows)] = np.arange(s) < lens[rows][:, None]   # no padding: all tokens
+            at = (starts[rows][:, None] + np.arange(s))[mask[:len(rows)]]
+            ids[:len(rows)][mask[:len(rows)]] = flat_ids[at]
+            types[:len(rows)][mask[:len(rows)]] = flat_types[at]
             y = self.model.run(ids, mask, types, pooling=self.pooling, normalize=self.normalize)
             out[rows] = y[:len(rows)]
         return out[0] if single else out
