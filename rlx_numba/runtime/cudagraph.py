@@ -278,6 +278,7 @@ class Runner:
             drv.cuGraphDestroy(graph)
             raise
         self._fin = weakref.finalize(self, _destroy, exec_, graph)
+        self._fin.atexit = False   # at exit the driver frees it with the context, maybe gone by then
         _check(drv, drv.cuGraphUpload(exec_, hs[0]), "cuGraphUpload")
         self._exec = exec_
         self.captures += 1
