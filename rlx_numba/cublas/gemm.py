@@ -13,6 +13,7 @@ that enqueues the GEMM on the stream.
 """
 from __future__ import annotations
 
+import weakref
 from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
@@ -41,7 +42,16 @@ def workspace(stream, dev: int | None = None) -> tuple[int, int]:
     key = (_device_id() if dev is None else dev, _stream_ptr(stream))
     if key not in _ws:
         _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
+        if stream is not None:    # a stream's workspace and handles go with it (32 MiB, and
+            # a cuBLAS handle holds ~64 MiB of its own on an H100)
+            weakref.finalize(stream, _drop_stream, key).atexit = False
     return _ws[key].device_ctypes_pointer.value, WORKSPACE_BYTES
+
+
+def _drop_stream(key) -> None:
+    _ws.pop(key, None)
+    for k in [k for k in _blas if k[:2] == key]:
+        api.libs()[0].cublasDestroy_v2(_blas.pop(k))
 
 
 def blas_handle(stream, tf32: bool) -> c_void_p:
