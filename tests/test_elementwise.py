@@ -161,6 +161,40 @@ def test_activations_float(rng, dtype):
         _check(res[2 * i + 1], want, dtype, exact=k in EXACT_ACTS, what=f"g.{k} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gated(rng, dtype, interleaved):
+    """activation(gate) * up over the halves (or even / odd entries) of the last axis, also
+    of a strided narrow read in place."""
+    g = rlx.Graph("gated")
+    x = g.input("x", (3, 5, 14), dtype)
+    outs = [g.gated(x, k, interleaved) for k in ("silu", "gelu", "sigmoid")]
+    outs.append(g.gated(g.narrow(x, 2, 2, 10), "gelu_tanh", interleaved))
+    g.set_outputs(outs)
+    xv = _rand(rng, (3, 5, 14), dtype)
+    res = run_graph(g, {"x": xv})
+
+    def ref(v, k):
+        v = _f64(v)
+        a, b = (v[..., 0::2], v[..., 1::2]) if interleaved else np.split(v, 2, axis=-1)
+        # the op rounds act(gate) to the dtype before the product, as the unfused pair does
+        return _f64(np.asarray(_act_oracle(k, a)).astype(HOST[dtype])) * b
+    for got, k in zip(res, ("silu", "gelu", "sigmoid")):
+        assert got.shape == (3, 5, 7)
+        _check(got, ref(xv, k), dtype, what=f"gated {k} {dtype}")
+    _check(res[3], ref(xv[..., 2:12], "gelu_tanh"), dtype, what="gated of a narrow")
+
+
+def test_gated_errors():
+    g = rlx.Graph("gated")
+    with pytest.raises(ValueError, match=r"gated: x's last axis must have an even length .*\[3, 5\]"):
+        g.gated(g.input("x", (3, 5)))
+    with pytest.raises(ValueError, match="gated: unknown activation 'swish'"):
+        g.gated(g.input("y", (3, 4)), "swish")
+    with pytest.raises(ValueError, match="gated: x must be a float tensor, got i32"):
+        g.gated(g.input("z", (3, 4), "i32"))
+
+
 @pytest.mark.parametrize("dtype", ["i32", "i64"])
 def test_activations_int(rng, dtype):
     """relu/neg/abs/round keep an integer dtype; the rest give f32 of the integer's value."""

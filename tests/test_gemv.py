@@ -201,3 +201,69 @@ def test_verdict_file_survives_damage_and_concurrent_writers(tmp_path, monkeypat
         p.join(60)
     assert all(p.exitcode == 0 for p in procs)
     assert lm._load_choices() == {f"k{i}": [1.0 + i, 2.0] for i in range(100)}
+
+
+def _gated_graph(lead, k, n2, bias):
+    """gated(x @ w (+ b), silu, interleaved): what build_llama's MLP computes."""
+    g = rlx.Graph("gated")
+    x = g.input("x", (*lead, k))
+    w = g.param("w", (k, n2))
+    h = g.linear(x, w, g.param("b", (n2,)) if bias else None)
+    g.set_outputs([g.gated(h, "silu", interleaved=True)])
+    return g
+
+
+@pytest.mark.parametrize("tiers,lead,k,n2,bias,wdt", [
+    ("3,4", (1,), 129, 38, True, "f32"),     # element loads, K split over blocks
+    ("3,4", (2, 3), 64, 18, False, "bf16"),  # vectors; 9 pairs: a block's last pair partial
+    ("3,4", (16,), 37, 6, True, "f32"),
+    ("4", (3,), 37, 10, True, "f32"),        # another tier: the product into a scratch, then
+])                                           # the gated kernel
+def test_gated_epilogue(monkeypatch, rng, tiers, lead, k, n2, bias, wdt):
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", tiers)
+    exe = rlx.compile(_gated_graph(lead, k, n2, bias))
+    wv = (rng.standard_normal((k, n2)) / np.sqrt(k)).astype(np.float32)
+    bv = rng.standard_normal(n2).astype(np.float32)
+    if wdt == "f32":
+        exe.set_param("w", wv)
+        w64 = wv.astype(np.float64)
+    else:
+        exe.set_param_half("w", wv, wdt)
+        w64 = wv.astype(HALF[wdt]).astype(np.float64)
+    if bias:
+        exe.set_param("b", bv)
+    step = product_step(exe)
+    if tiers == "3,4":
+        assert step.info["tier"] == 3 and "gated silu" in step.kernel_name
+        assert len(exe.steps) == 1                    # no kernel of its own
+    else:
+        assert [s.name.split()[-1] for s in exe.steps][-1] == "gated"
+    for _ in range(2):
+        xv = rng.standard_normal((*lead, k)).astype(np.float32)
+        (got,) = exe.run({"x": xv})
+        x64 = xv.astype(np.float64) if wdt == "f32" else xv.astype(HALF[wdt]).astype(np.float64)
+        h = x64 @ w64 + (bv if bias else 0)
+        want = act_np("silu", h[..., 0::2]) * h[..., 1::2]
+        assert got.shape == (*lead, n2 // 2)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+
+
+def test_gated_epilogue_only_for_skinny_interleaved_products(monkeypatch, rng):
+    """17 rows, the halves layout, or a product read twice: gated keeps its own kernel."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3,4")
+    g = rlx.Graph("no_fold")
+    x, x2 = g.input("x", (17, 8)), g.input("x2", (2, 8))
+    w = g.param("w", (8, 6))
+    h2 = x2 @ w
+    outs = [g.gated(x @ w, "silu", True), g.gated(x2 @ w, "silu", False), g.gated(h2, "silu", True), h2]
+    g.set_outputs(outs)
+    exe = rlx.compile(g)
+    assert sum(s.name.split()[1] == "gated" for s in exe.steps) == 3
+    wv = rng.standard_normal((8, 6)).astype(np.float32)
+    exe.set_param("w", wv)
+    xv, x2v = rng.standard_normal((17, 8)).astype(np.float32), rng.standard_normal((2, 8)).astype(np.float32)
+    got = exe.run({"x": xv, "x2": x2v})
+    for out, xin, inter in zip(got[:3], (xv, x2v, x2v), (True, False, True)):
+        h = xin.astype(np.float64) @ wv
+        a, b = (h[:, 0::2], h[:, 1::2]) if inter else (h[:, :3], h[:, 3:])
+        np.testing.assert_allclose(out, act_np("silu", a) * b, rtol=2e-5, atol=2e-5)

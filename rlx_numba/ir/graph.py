@@ -169,6 +169,15 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps):
         shape, d = ops.infer_activation(x, kind)
         return self._add("activation", (x,), shape, d, kind=kind)
 
+    def gated(self, x: Tensor, activation: str = "silu", interleaved: bool = False) -> Tensor:
+        """activation(gate) * up, [..., 2n] -> [..., n] (SwiGLU with silu, GeGLU with gelu):
+        gate and up are x's last axis's first and second halves, or with ``interleaved`` its
+        even and odd entries (a packed gate/up weight with their rows interleaved, so a
+        skinny product can apply it as its epilogue: passes/fusion.py)."""
+        self._check("gated", "x", x)
+        shape, d = ops.infer_gated(x, activation, interleaved)
+        return self._add("gated", (x,), shape, d, activation=activation, interleaved=interleaved)
+
     def _pair(self, op: str, kind: str, a, b, infer) -> Tensor:
         """A two-operand node; either operand may be a Python scalar."""
         if not isinstance(a, Tensor) and isinstance(b, Tensor):

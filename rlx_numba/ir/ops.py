@@ -86,6 +86,21 @@ def infer_binary(a, b, kind: str):
     return shape, out
 
 
+def infer_gated(x, activation: str, interleaved: bool):
+    """activation(gate) * up over the last axis's two halves (or its even / odd entries)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"gated: unknown activation {activation!r}; expected one of "
+                         f"{', '.join(ACTIVATIONS)}")
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"gated: interleaved must be a bool, got {interleaved!r}")
+    if not x.dtype.is_float:
+        raise ValueError(f"gated: x must be a float tensor, got {x.dtype} {fmt(x.shape)}")
+    if len(x.shape) == 0 or x.shape[-1] % 2:
+        raise ValueError(f"gated: x's last axis must have an even length (gate and up), got "
+                         f"x {fmt(x.shape)}")
+    return tuple(x.shape[:-1]) + (x.shape[-1] // 2,), x.dtype
+
+
 def infer_compare(a, b, kind: str):
     if kind not in COMPARE:
         raise ValueError(f"compare: unknown kind {kind!r}; expected one of {', '.join(COMPARE)}")

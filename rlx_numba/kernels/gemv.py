@@ -16,7 +16,9 @@ touch they are L1 hits; a vector of x is loaded once for all the block's columns
 thread keeps M x cpw partial sums; a warp reduce-scatter (``attention.reduce_scatter``:
 shuffles on a GPU, shared memory in the simulator) leaves one sum a lane, the warps' sums
 meet in shared memory, and a thread a (row, column) adds them in warp order and stores the
-result with the epilogue (bias, activation, residual) applied. One block a column group,
+result with the epilogue (bias, activation, residual) applied -- or, ``gated``, pairs the
+block's columns 2j, 2j + 1 (gate and up rows interleaved in the weight) into act(gate) * up,
+SwiGLU with no [M, N] product stored (passes/fusion.py). One block a column group,
 rather than one warp, so that short products still have enough blocks for every SM
 without splitting K across blocks.
 
@@ -89,11 +91,14 @@ def _round_x(v, wkind):
 
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
-                act, has_res: bool, minb: int = 1):
+                act, has_res: bool, minb: int = 1, gated: bool = False):
     """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
     columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
     at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
     element-wise activation name, or None); minb: blocks a SM the registers are capped for.
+    ``gated``: columns 2j and 2j + 1 are gate and up (a packed weight with their rows
+    interleaved, a block holding whole pairs: nw // tw * cpw even), and y [M, N / 2] takes
+    act(gate + bias) * (up + bias) + residual -- SwiGLU with no [M, N] product stored.
 
     Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
     count, n, k, kchunk, splits) -- bias / res / part / count any 1-element arrays when unused;
@@ -116,7 +121,34 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     wtype = float32 if wkind == 0 or vec == 1 else uint32
     quads = max(1, vec // 4)              # groups of 4 weights a vector
     qw = 1 if vec == 1 else 4             # weights a group
-    assert nw % tw == 0
+    assert nw % tw == 0 and (not gated or cpb % 2 == 0)
+    ocb = cpb // 2 if gated else cpb      # output columns a block
+
+    @_inline
+    def team_sum(red, r, cb):
+        """Column cb of the block, row r: its team's warps' sums in warp order."""
+        tm, c = cb // cpw, cb % cpw
+        v = red[tm * tw, r * cpw + c]
+        for ww in range(1, tw):
+            v += red[tm * tw + ww, r * cpw + c]
+        return v
+
+    @_inline
+    def store(y, bias, res, v, g, r, col, n):
+        """The epilogue of column col (and col + 1, g, when gated), row r, into y."""
+        if has_bias:
+            v += bias[col]
+            if gated:
+                g += bias[col + 1]
+        if has_act:
+            v = actf(v)
+        no, oc = n, col
+        if gated:
+            v *= g
+            no, oc = n // 2, col // 2
+        if has_res:
+            v += res[r * no + oc]
+        y[r * no + oc] = v
 
     @jit(launch_bounds=(nt, minb))
     def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits):
@@ -198,27 +230,23 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                 if lane % rep == 0:
                     red[wp, q * nq + lane // rep] = tmp[0]
             cuda.syncthreads()
-            e = int64(tid)
-            while e < teams * nv:         # value e % nv of team e // nv: its warps in order
-                tm, vi = e // nv, e % nv
-                v = red[tm * tw, vi]
-                for ww in range(1, tw):
-                    v += red[tm * tw + ww, vi]
-                r, c = vi // cpw, vi % cpw
-                col = grp * cpb + tm * cpw + c
-                if col < n:
-                    if splits == 1:
-                        if has_bias:      # the epilogue: act(v + bias) + residual
-                            v += bias[col]
-                        if has_act:
-                            v = actf(v)
-                        if has_res:
-                            v += res[r * n + col]
-                        y[r * n + col] = v
-                    else:
-                        part[(sp * m + r) * n + col] = v
-                e += nt
-            if splits > 1:
+            if splits == 1:               # the epilogue, an output value a thread
+                e = int64(tid)
+                while e < m * ocb:
+                    r, cb = e // ocb, e % ocb * (2 if gated else 1)
+                    col = grp * cpb + cb
+                    if col < n:
+                        store(y, bias, res, team_sum(red, r, cb),
+                              team_sum(red, r, cb + 1) if gated else ZERO, r, col, n)
+                    e += nt
+            else:                         # the block's sums to the partials
+                e = int64(tid)
+                while e < m * cpb:
+                    r, cb = e // cpb, e % cpb
+                    col = grp * cpb + cb
+                    if col < n:
+                        part[(sp * m + r) * n + col] = team_sum(red, r, cb)
+                    e += nt
                 # every thread's partials are written, then the ticket (acq_rel: release
                 # covers what the barrier made visible; acquire, for the last block)
                 cuda.syncthreads()
@@ -229,20 +257,17 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                     if tid == 0:
                         count[grp] = 0    # ready for the next launch
                     e = int64(tid)
-                    while e < m * cpb:
-                        r, cc = e // cpb, e % cpb
-                        col = grp * cpb + cc
+                    while e < m * ocb:
+                        r, cb = e // ocb, e % ocb * (2 if gated else 1)
+                        col = grp * cpb + cb
                         if col < n:
                             s = ZERO
+                            t = ZERO
                             for p in range(splits):
                                 s += part[(p * m + r) * n + col]
-                            if has_bias:
-                                s += bias[col]
-                            if has_act:
-                                s = actf(s)
-                            if has_res:
-                                s += res[r * n + col]
-                            y[r * n + col] = s
+                                if gated:
+                                    t += part[(p * m + r) * n + col + 1]
+                            store(y, bias, res, s, t, r, col, n)
                         e += nt
             cuda.syncthreads()            # red is rewritten by the next group
             grp += cuda.gridDim.x

@@ -130,9 +130,11 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
 
 
 # the packed projections of build_llama(fused=True): one product a pack, its weight (and bias)
-# the parts' rows one after the other
+# the parts' rows one after the other -- gate and up's rows interleaved (gate 0, up 0, gate 1,
+# ...), so that at decode the product's kernel pairs them in its epilogue (Graph.gated)
 PACKS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
          ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
+INTERLEAVED = ("mlp.gate_up_proj",)
 
 
 def _packs(cfg: LlamaConfig, names):
@@ -142,19 +144,19 @@ def _packs(cfg: LlamaConfig, names):
             for what in ("weight", "bias"):
                 full = [f"model.layers.{n}.{part}.{what}" for part in parts]
                 if full[0] in names:
-                    yield f"model.layers.{n}.{packed}.{what}", full
+                    yield f"model.layers.{n}.{packed}.{what}", full, packed in INTERLEAVED
 
 
 def graph_param_shapes(cfg: LlamaConfig, fused: bool = True) -> dict[str, tuple]:
     """The params of ``build_llama(cfg, ..., fused=fused)``: those of ``llama_param_shapes``,
     except that with ``fused`` each layer's q/k/v projections are one
     ``self_attn.qkv_proj`` ([q + 2 kv, hidden]: q's rows, then k's, then v's; the bias
-    likewise) and gate/up one ``mlp.gate_up_proj`` ([2 intermediate, hidden]: gate's rows,
-    then up's)."""
+    likewise) and gate/up one ``mlp.gate_up_proj`` ([2 intermediate, hidden]: gate's and up's
+    rows interleaved, gate's first; the bias likewise)."""
     shapes = llama_param_shapes(cfg)
     if not fused:
         return shapes
-    for packed, parts in list(_packs(cfg, shapes)):
+    for packed, parts, _ in list(_packs(cfg, shapes)):
         rows = [shapes.pop(name) for name in parts]
         shapes[packed] = (sum(r[0] for r in rows),) + rows[0][1:]
     return shapes
@@ -166,8 +168,10 @@ def graph_params(cfg: LlamaConfig, params: dict, fused: bool = True) -> dict:
     out = dict(params)
     if not fused:
         return out
-    for packed, parts in list(_packs(cfg, params)):
-        out[packed] = np.concatenate([out.pop(name) for name in parts], axis=0)
+    for packed, parts, interleaved in list(_packs(cfg, params)):
+        arrs = [out.pop(name) for name in parts]
+        out[packed] = (np.stack(arrs, axis=1).reshape((-1,) + arrs[0].shape[1:]) if interleaved
+                       else np.concatenate(arrs, axis=0))
     return out
 
 
@@ -209,9 +213,10 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
 
     ``fused`` (the default) packs each layer into fewer, fatter kernels: one product for
     q/k/v and one for gate/up (over the packed weights), RoPE of q and k with the KV-cache
-    write in one kernel (Graph.rope_kv_write), silu(gate) * up reading the packed product in
-    place. ``fused=False`` builds one product a projection and separate rope / kv_write
-    steps (same values; the reference the fused graph is tested against).
+    write in one kernel (Graph.rope_kv_write), silu(gate) * up (Graph.gated over the
+    interleaved gate/up product: at decode the product's epilogue). ``fused=False`` builds
+    one product a projection and separate rope / kv_write steps (same values; the reference
+    the fused graph is tested against).
 
     kind "forward": outputs the logits [batch, seq, vocab] (causal attention over the seq
     tokens at positions 0..seq-1). kind "prefill": also writes every layer's rotated keys and
@@ -252,7 +257,6 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
     P = {k: g.param(k, shape) for k, shape in graph_param_shapes(cfg, fused).items()}
-    inter = cfg.intermediate_size
 
     def lin(x, name):
         w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
@@ -329,10 +333,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         o = lin(a, p + "self_attn.o_proj")
         hn, resid = g.rms_norm(o, P[p + "post_attention_layernorm.weight"], eps=eps,
                                residual=resid, return_residual=True)
-        # silu(gate) * up as one element-wise chain (one fused kernel), not a GEMM epilogue
-        if fused:      # reading the packed [.., 2 I] product in place (strided narrows)
-            gu = lin(hn, p + "mlp.gate_up_proj")
-            act = g.silu(g.narrow(gu, 2, 0, inter)) * g.narrow(gu, 2, inter, inter)
+        if fused:      # silu(gate) * up over the interleaved [.., 2 I] product: at decode
+            # (<= 16 rows) the skinny product's epilogue (passes/fusion.py), else one kernel
+            act = g.gated(lin(hn, p + "mlp.gate_up_proj"), "silu", interleaved=True)
         else:
             act = g.silu(lin(hn, p + "mlp.gate_proj")) * lin(hn, p + "mlp.up_proj")
         pending = lin(act, p + "mlp.down_proj")

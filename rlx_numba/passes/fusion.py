@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Three rewrites:
+in the graph node's place (``nodes``). Four rewrites:
 
 - **Element-wise regions.** A live element-wise node (ir/ops.py ELEMENTWISE, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -17,6 +17,10 @@ in the graph node's place (``nodes``). Three rewrites:
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it.
+- **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use f32
+  product of a 2-D weight with at most 16 rows (decode) becomes the product with a ``gated``
+  epilogue: the skinny-product kernel pairs each block's interleaved gate and up columns, so
+  a SwiGLU MLP's activation costs no kernel of its own.
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use f32 add of
   two same-shape tensors becomes the norm with ``residual=b`` (one row kernel). When exactly one
   operand would have been fused into the add, that operand keeps a kernel of its own instead
@@ -35,6 +39,7 @@ the leaf's memory, so such readers are kept materialised (see ``_hazards``).
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field
 from ..ir import dtypes as dt
 from ..ir.graph import Node
 from ..ir.ops import ELEMENTWISE, INPLACE
+from ..kernels.gemv import MAX_M
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
 # the generated source repeats the expression per unrolled element
@@ -130,6 +136,15 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[r] = fold
                 out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # gated epilogues: gated(x @ w (+ bias), interleaved) of a skinny product
+        if n.op == "gated" and n.id in live:
+            fold = _gated_epilogue(nodes, n, out.nodes, single)
+            if fold is not None and not _hazards(nodes, {n.id: [n.inputs[0], n.id]}, writes, root):
+                members = out.folds.pop(n.inputs[0], ("", (n.inputs[0],)))[1] + (n.id,)
+                out.nodes.pop(n.inputs[0], None)
+                out.nodes[n.id] = fold
+                out.folds[n.id] = ("gated epilogue", tuple(sorted(members)))
+                interior.update(m for m in members if m != n.id)
     for n in nodes:   # residual + norm
         if n.op in NORMS and n.id in live and not n.attrs["has_residual"]:
             fold = _norm_residual(nodes, n, single, region_of, groups)
@@ -249,6 +264,23 @@ def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     ins = mm.inputs + tuple(t.id for t in (bias, res) if t is not None)
     return Node(members[-1], "matmul", ins, shape, dt.F32,
                 {"activation": act, "has_bias": bias is not None, "has_residual": res is not None})
+
+
+def _gated_epilogue(nodes, gated, folded, single):
+    """The product computing ``gated`` as its epilogue (tier 3 pairs the interleaved gate and
+    up columns of a block; lower_matmul runs the other tiers into a scratch of their own)
+    when its x is a single-use f32 product, bias at most, of a 2-D weight with at most
+    MAX_M rows, else None."""
+    x = nodes[gated.inputs[0]]
+    prod = folded.get(x.id, x)
+    if (not gated.attrs["interleaved"] or gated.dtype != dt.F32 or not single(x.id)
+            or prod.op not in ("matmul", "linear") or prod.attrs.get("activation")
+            or prod.attrs.get("has_residual") or len(nodes[prod.inputs[1]].shape) != 2
+            or math.prod(x.shape[:-1]) > MAX_M):
+        return None
+    return Node(gated.id, prod.op, prod.inputs, gated.shape, dt.F32,
+                {"activation": None, "has_bias": bool(prod.attrs.get("has_bias")),
+                 "has_residual": False, "gated": gated.attrs["activation"]})
 
 
 def _residual_add(nodes, x, single) -> bool:

@@ -92,12 +92,7 @@ def view_strides(exe, node: Node):
     or None for a node stored contiguously."""
     if node.id not in getattr(exe, "strided", ()):
         return None
-    x = exe.graph.nodes[node.inputs[0]]
-    st, acc = [], 1
-    for d in reversed(x.shape):
-        st.append(acc)
-        acc *= d
-    return st[::-1]
+    return contiguous_strides(exe.graph.nodes[node.inputs[0]].shape)
 
 
 def view_window(graph: Graph, nid: int, root) -> tuple:
@@ -320,6 +315,41 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes,
 
 
 # ---- lowering of the element-wise ops --------------------------------------------
+def gated_step(name, out, x_buf, x_shape, d, activation, interleaved, x_strides=None,
+               residual=None) -> Step | None:
+    """activation(gate) * up (+ residual) into ``out`` [..., n] as one generated kernel reading
+    x [..., 2n] in place: gate and up are two strided inputs over x's buffer (the halves of
+    its last axis, or its even and odd entries)."""
+    st = list(x_strides) if x_strides is not None else contiguous_strides(x_shape)
+    h = x_shape[-1] // 2
+    out_shape = tuple(x_shape[:-1]) + (h,)
+    pair = st[:-1] + [st[-1] * (2 if interleaved else 1)]
+    up = x_buf[st[-1] * (1 if interleaved else h):]
+    expr = ("binary", "mul", d, ("activation", activation, d, ("in", 0, d)), ("in", 1, d))
+    ins, strides = [x_buf, up], [pair, pair]
+    if residual is not None:
+        expr = ("binary", "add", d, expr, ("in", 2, d))
+        ins.append(residual)
+        strides.append(None)
+    return elementwise_step(name, expr, out, out_shape, ins, [out_shape] * len(ins),
+                            [d] * len(ins), strides)
+
+
+def contiguous_strides(shape) -> list:
+    st, acc = [], 1
+    for d in reversed(shape):
+        st.append(acc)
+        acc *= d
+    return st[::-1]
+
+
+@lowering("gated")
+def _lower_gated(exe, n):
+    x = exe.graph.nodes[n.inputs[0]]
+    return [gated_step(step_name(n), exe.buf(n), exe.buf(x), x.shape, x.dtype,
+                       n.attrs["activation"], n.attrs["interleaved"], view_strides(exe, x))]
+
+
 @lowering(*ELEMENTWISE, "fused")
 def _lower_elementwise(exe, n):
     """One op, or a fused region (passes/fusion.py: inputs are the region's leaves, the

@@ -45,7 +45,8 @@ from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
 from ..kernels.launch import sm_count
-from .lower import CallStep, Step, _compile, elementwise_step, log, lowering, step_name
+from .lower import (CallStep, Step, _compile, elementwise_step, gated_step, log, lowering,
+                    step_name)
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
@@ -137,8 +138,12 @@ def _uniform_stride(offs):
 
 
 def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
-                  residual=None) -> list:
-    """Steps computing activation(A @ B + bias) + residual into the node's buffer."""
+                  residual=None, gated=None) -> list:
+    """Steps computing activation(A @ B + bias) + residual into the node's buffer; with
+    ``gated`` (an activation: passes/fusion.py's gated epilogue, 2-D weight with gate/up
+    columns interleaved) gated(A @ B + bias) + residual, half the columns. Tier 3 does that
+    in its epilogue; the others write the product (+ bias) to a scratch of their own and a
+    gated kernel reads it."""
     name = step_name(n)
     out = exe.buf(n)
     m, k, ncols = a.shape[-2], a.shape[-1], b.shape[-1]
@@ -149,18 +154,27 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if batch * m * ncols == 0:
         return []
     epi = {"bias": bias, "activation": activation, "residual": residual}
+    post, full = [], out      # full: where the ladder's tiers write the [M, N] product
+    if gated:
+        full = exe.device_array(np.zeros(batch * m * ncols, np.float32))
+        post = [gated_step(name + " gated", out, full, (batch * m, ncols), dt.F32, gated, True,
+                           residual=exe.buf(residual) if residual is not None else None)]
+        epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
     if k == 0:   # an empty sum: zeros, then the epilogue
         steps.append(elementwise_step(name + " zero", ("cast", None, dt.F32, ("in", 0, dt.BOOL)),
-                                      out, (batch * m * ncols,), [exe.device_array(np.zeros(1, np.bool_))],
+                                      full, (batch * m * ncols,), [exe.device_array(np.zeros(1, np.bool_))],
                                       [(1,)], [dt.BOOL]))
-        return steps + _epilogue(exe, name, out, (batch * m, ncols), **epi)
+        return steps + _epilogue(exe, name, full, (batch * m, ncols), **epi) + post
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = _env_tiers()
     ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
     flops = 2 * batch * m * ncols * k
-    skinny = _tier3(exe, name, a, b, out, m, ncols, k, batch, epi, why) if 3 in tiers else None
+    skinny = (_tier3(exe, name, a, b, out, m, ncols, k, batch,
+                     {"bias": bias, "activation": gated or activation, "residual": residual,
+                      "gated": bool(gated)}, why)
+              if 3 in tiers else None)
     if 3 not in tiers:
         why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
     for tier in (0, 1, 2):
@@ -170,12 +184,13 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
         if not ok:
             why.append(f"tier {tier}: {reason.splitlines()[0]}")
             continue
-        plan = _TIERS[tier](exe, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, why)
+        plan = _TIERS[tier](exe, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why)
         if plan is not None:
             steps, fused = plan
-            steps = steps + _epilogue(exe, name, out, (batch * m, ncols), **{**epi, **fused})
+            steps = steps + _epilogue(exe, name, full, (batch * m, ncols), **{**epi, **fused}) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape
-                us3, us = _timed_choice(exe, skinny, steps, _choice_key(exe, b, m, ncols, k, epi, tier))
+                key = _choice_key(exe, b, m, ncols, k, epi, tier, gated)
+                us3, us = _timed_choice(exe, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
                     why.append(f"tier {tier}: slower ({timed})")
@@ -187,9 +202,10 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     kern = mm.sgemm_kernel(a.trans, b.trans)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
-                  (out, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
+                  (full, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
                    exe.device_array(offs_a), exe.device_array(offs_b), np.int64(batch)))]
-    return _done(n, 4, why, steps, flops) + _epilogue(exe, name, out, (batch * m, ncols), **epi)
+    return (_done(n, 4, why, steps, flops) + _epilogue(exe, name, full, (batch * m, ncols), **epi)
+            + post)
 
 
 def _done(n, tier, why, steps, flops, last=-1):
@@ -338,9 +354,12 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
     nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm)
+    gated = epi["gated"]
+    if gated and nw // tw * cpw % 2:      # a block takes whole (gate, up) pairs
+        nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, cpw=2 * cpw)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
-                          minb)
+                          minb, gated)
     dummy = _dummy(exe)
     part = exe.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = exe.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
@@ -348,7 +367,8 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     args = (out, a.buf, wbuf, exe.buf(bias) if bias is not None else dummy,
             exe.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
             np.int64(kchunk), np.int64(splits))
-    tags = "+".join(t for t in (kind, "bias" if bias is not None else "", act or "",
+    tags = "+".join(t for t in (kind, "bias" if bias is not None else "",
+                                f"gated {act}" if gated else act or "",
                                 "residual" if res is not None else "") if t)
     wbytes = n * k * np.dtype(wbuf.dtype).itemsize
     return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
@@ -368,10 +388,11 @@ CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
 
-def _choice_key(exe, b, m, n, k, epi, tier) -> str:
+def _choice_key(exe, b, m, n, k, epi, tier, gated=None) -> str:
     half = exe.half_param(b.node)
     kind = str(half[0]) if half is not None else "f32"
     tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
+                                f"gated-{gated}" if gated else "",
                                 "residual" if epi["residual"] is not None else "") if t)
     return (f"v{CHOICE_VERSION}|{device_info()['name']}|{m}x{n}x{k}|{kind}|{tags or '-'}|"
             f"tier{tier}|{'graph' if _graph_mode(exe) else 'stream'}"
@@ -514,7 +535,7 @@ def _lower_matmul(exe, n):
     a, b = (operand(exe, i) for i in n.inputs[:2])
     bias, res = _epilogue_inputs(exe.graph, n)
     return product_steps(exe, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
-                         residual=res)
+                         residual=res, gated=n.attrs.get("gated"))
 
 
 def _epilogue_inputs(g, n):
@@ -534,4 +555,5 @@ def _lower_linear(exe, n):
     a = Operand(exe.buf(x), x, False, (math.prod(x.shape[:-1]), k))
     bias, res = _epilogue_inputs(g, n)
     return product_steps(exe, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
-                         activation=n.attrs["activation"], residual=res)
+                         activation=n.attrs["activation"], residual=res,
+                         gated=n.attrs.get("gated"))
