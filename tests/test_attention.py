@@ -90,7 +90,7 @@ def test_gqa(rng, hq, hkv):
     run_attention(rng, 2, hq, hkv, 6, 9, 16, causal=True)
 
 
-@pytest.mark.parametrize("d", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize("d", [10, 16, 64, 80, 128, 256])
 def test_head_dims(rng, d):
     run_attention(rng, 1, 2, 1, 5 if d > 64 else 9, 7, d, causal=d % 32 == 0)
 

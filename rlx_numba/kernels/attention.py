@@ -1,17 +1,29 @@
 """Attention kernels, f32: a FlashAttention-style prefill kernel and a split-K decode kernel.
 
-``flash``: one block per (batch * query head, tile of BR queries). For each tile of BC keys
-the block computes S = Q K^T in registers (each thread a TR x SC patch of consecutive rows
-and columns, so its shared loads are 16-byte vectors), with Q and K staged through shared
-memory DC dims at a time (stored transposed, rows padded by 16 bytes; the next chunk's
-global loads are in flight while the current one computes); applies scale, softcap, bias
-and the masks; updates each query's running max m and sum l (online softmax: the
-accumulator is rescaled by exp(m_old - m_new) when the max grows); writes P to shared
-memory; and adds P V to the output accumulator (each thread TR rows x DPT head dims, in
-groups of 4 consecutive dims), V staged JC keys at a time and P read PK keys at a time.
-Nothing of size Sq x Sk is ever stored. A row's NC threads are consecutive lanes, so its max
-and sum are a ``group_reduce`` (warp shuffles on a GPU). Causal and window tiles that are
-entirely masked are skipped; causal blocks start from the heaviest query tiles.
+``flash``: one block of NT = 128 threads per (batch * query head, tile of BR queries), the
+threads in RG = 8 row groups of NC = 16 consecutive lanes. Thread (tr, tc) holds TR = 8
+consecutive query rows (BR = 64; TR = 4, BR = 32, above D = 128, to keep the accumulators
+at 64 registers), and for each tile of BC = 64 keys:
+
+* S = Q K^T in registers: a TR x 4 patch (keys 4 tc ..), 32 FMAs per head dim from three
+  16-byte shared loads. Q and K are staged DC = 16 head dims at a time, transposed (rows
+  padded by 16 bytes), through two shared slots: chunk n goes to slot n % 2, so one barrier a
+  chunk, and the next chunk's global loads (16 bytes each when d % 4 == 0) are in flight in
+  registers while this one computes. Q is re-staged with every key tile: it does not fit in
+  48 KB of static shared memory beside P^T and the slots.
+* scale, softcap, bias and masks (a tile that needs none skips the tests); the online
+  softmax: each row's max is a ``group_reduce`` over its NC lanes (shuffles), the accumulator
+  rescaled by exp(m_old - m_new); each thread keeps its own share of a row's sum l, summed
+  over the lanes once at the end.
+* P^T to shared memory (key-major: a key's TR probabilities are two 16-byte loads), then
+  O += P V with V staged JC = 16 keys at a time through the same two slots: each thread a
+  TR x DPT patch (DPT = ceil(D / NC) head dims in groups of 4, 64 apart: 4 tc .., 4 tc + 64
+  ..), 64 FMAs per key from four 16-byte loads, two keys a loop trip.
+
+Registers: up to D = 64 the kernel fits 168 a thread (3 blocks an SM); at D = 128 it takes
+~250 (2 blocks an SM: at 168 it spilled, and measured slower). Nothing of size Sq x Sk is ever
+stored. Causal and window tiles that are entirely masked are skipped; causal blocks start
+from the heaviest query tiles.
 
 ``decode_split``: few queries (decode). The keys of one key/value head are split across
 blocks; a block takes all the query rows that read that head (GQA group x Sq, at most
@@ -45,18 +57,13 @@ from .launch import jit
 GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
         "m_b", "m_h", "m_q", "m_k", "b_b", "b_h", "b_q", "b_k", "window", "off")
 
-# prefill geometry: BR queries x BC keys a tile; RG row groups of NC threads (TR rows each)
-BR, BC, TR, NC, DC = (8, 8, 2, 4, 4) if SIMULATOR else (64, 64, 4, 16, 16)
-RG = BR // TR
-NT = RG * NC
-SC = BC // NC
-JC = 4 if SIMULATOR else 16    # keys of V staged in shared memory at a time
-PAD = 4                 # rows padded by 16 bytes: fewer bank conflicts, 16-byte aligned rows
-PS_SHAPE = (BR, BC + PAD)
-PK = 4                  # keys of P a thread reads at once in P V (one 16-byte load a row)
-FLASH_OCC = 2           # blocks an SM the register budget aims at (D <= 128)
-assert (DC * BR) % NT == 0 and (DC * BC) % NT == 0 and NT % DC == 0
-RSTEP = NT // DC          # rows between a thread's elements of a Q/K chunk
+# prefill geometry (module docstring): NT threads, RG row groups of NC; BC keys a tile, Q and K
+# staged DC head dims at a time, V JC keys at a time; TR query rows a thread (flash_rows)
+NT, NC, BC, DC, JC = (16, 8, 32, 8, 4) if SIMULATOR else (128, 16, 64, 16, 16)
+RG = NT // NC
+SC = BC // NC           # keys of a tile a thread scores
+PAD = 4                 # rows of Q^T, K^T and P^T padded by 16 bytes: no bank conflicts
+assert SC % 4 == 0 and (BC * DC) % (4 * NT) == 0 and BC % JC == 0 and JC % 4 == 0
 
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
@@ -76,17 +83,32 @@ if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls 
     @cuda.jit(device=True)
     def warp_sync():
         cuda.syncthreads()
+
 else:
     @cuda.jit(device=True)
     def warp_sync():
         cuda.syncwarp(0xFFFFFFFF)
 
 
+
 def head_split(d: int) -> int:
-    """Head-dim columns a prefill thread accumulates (DPT): ceil(d / NC), rounded up to a
-    multiple of 4 above 4 so they come in 16-byte groups."""
-    dpt = -(-d // NC)
-    return dpt if dpt <= 4 else -(-dpt // 4) * 4
+    """Head dims of the output a prefill thread accumulates (DPT): ceil(d / NC) rounded up to
+    a multiple of 4, so they come in 16-byte groups."""
+    return -(-d // (4 * NC)) * 4
+
+
+def flash_occ(dpt: int) -> int:
+    """Blocks an SM the prefill kernel's registers aim at: 3 (168 registers a thread) up to
+    4 head dims a thread (D <= 64); 2 (255) above, where 168 spilled. (H100, causal B8 H32
+    S4096: D64 31.2 TFLOP/s at 3, 28.0 at 2; D128 32.8 at 2, 30.3 at 3 with DC = JC = 8 and
+    32 bytes spilled.)"""
+    return 3 if dpt <= 4 else 2
+
+
+def flash_rows(dpt: int) -> int:
+    """Query rows a prefill thread holds (TR): 8, or 4 above 8 head dims a thread (its
+    TR x DPT accumulators stay at 64 registers)."""
+    return 8 if dpt <= 8 else 4
 
 
 @cuda.jit(device=True)
@@ -117,68 +139,108 @@ def _score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_w
 
 
 @_inline
-def _fetch_rows(r, n, src, base, rs, row0, rstep, nrows, col, ok):
-    """Registers r[p] <- src[base + (row0 + p * rstep) * rs + col] for p < n (0 for a row past
-    nrows or where ok is false). Strides come in as locals: read from ``geom`` inside the
-    loop they were a global load and a 64-bit multiply a value."""
-    for p in range(n):
-        rr = row0 + p * rstep
-        r[p] = src[uint64(base + rr * rs + col)] if rr < nrows and ok else ZERO
+def _ld4(r, p, src, idx, n, vec):
+    """r[p: p + 4] <- src[idx: idx + 4], zeros from element n on (n <= 0: all zeros); one
+    16-byte load when vec (idx a multiple of 4, the data aligned: n is then <= 0 or >= 4)."""
+    if vec:
+        x = ptx.ld4(src, uint64(idx)) if n > 0 else (ZERO, ZERO, ZERO, ZERO)
+        for i in range(4):
+            r[p + i] = x[i]
+    else:
+        for i in range(4):
+            r[p + i] = src[uint64(idx + i)] if i < n else ZERO
 
 
 @_inline
-def _fetch_qk(rq, rk, nq, nk, q, k, qbase, kbase, qs, ks, q0, kv0, d0, fr, fc, rstep, sq, sk, d):
-    """Registers <- the (BR x dc) Q and (BC x dc) K chunks at head dim d0; this thread's
-    elements are rows fr, fr + rstep, ... and column fc of each."""
-    _fetch_rows(rq, nq, q, qbase, qs, q0 + fr, rstep, sq, d0 + fc, d0 + fc < d)
-    _fetch_rows(rk, nk, k, kbase, ks, kv0 + fr, rstep, sk, d0 + fc, d0 + fc < d)
+def _fetch(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
+    """Registers r <- this thread's n4 groups of 4 of a chunk of rows from row0 (stride rs),
+    g groups a row from column c0: group e = tid + p NT is row e // g, columns
+    c0 + 4 (e % g) ..; zeros past nrows and d."""
+    if NT % g == 0:                   # the same columns every p, rows NT / g apart: one
+        row = row0 + int64(tid // _u(g))      # address computed, the others added
+        col = c0 + int64(tid % _u(g)) * 4
+        at = base + row * rs + col
+        n = min(d - col, 4)
+        for p in range(n4):
+            _ld4(r, 4 * p, src, at + (p * (NT // g)) * rs, n if row + p * (NT // g) < nrows else 0,
+                 vec)
+    else:
+        for p in range(n4):
+            e = tid + _u(p * NT)
+            row = row0 + int64(e // _u(g))
+            col = c0 + int64(e % _u(g)) * 4
+            _ld4(r, 4 * p, src, base + row * rs + col, min(d - col, 4) if row < nrows else 0, vec)
 
 
 @_inline
-def _fetch_v(rv, nv, v, ks, tid, nt, dmax, kv0, kbase, sk, d):
-    """Registers <- the (jc x dmax) V chunk of keys from kv0 (0 outside)."""
-    for p in range(nv):
-        e = tid + _u(p) * nt
-        c, kj = int64(e % dmax), kv0 + int64(e // dmax)
-        rv[p] = v[uint64(kbase + kj * ks + c)] if kj < sk and c < d else ZERO
+def _put_t(stage, at, width, r, n4, tid):
+    """The groups of _fetch (g = DC / 4) into shared memory transposed: head dim major, rows of
+    ``width`` floats from ``at``."""
+    for p in range(n4):
+        e = tid + _u(p * NT)
+        row, f = e // _u(DC // 4), e % _u(DC // 4)
+        for i in range(4):
+            stage[at + (f * _u(4) + _u(i)) * _u(width) + row] = r[4 * p + i]
+
+
+@_inline
+def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
+    """O += P[:, key] V[key]: this thread's tr rows of P^T from Pt[pa:], its dpt head dims of
+    V (groups of 4, NC groups apart) from stage[va:]."""
+    for i4 in range(tr // 4):
+        x = ptx.vld4(Pt, pa + _u(4 * i4))
+        for t in range(4):
+            fp[4 * i4 + t] = x[t]
+    for c4 in range(dpt // 4):
+        x = ptx.vld4(stage, va + _u(4 * NC * c4))
+        for t in range(4):
+            fv[4 * c4 + t] = x[t]
+    for i in range(tr):
+        for c in range(dpt):
+            o[i, c] += fp[i] * fv[c]
 
 
 @functools.lru_cache(maxsize=None)
-def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
+def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+    """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v 16-byte
+    aligned, so their loads are 16 bytes)."""
+    TR = flash_rows(dpt)
+    BR = RG * TR
     dmax = NC * dpt
-    OCC = FLASH_OCC
-    vw = min(4, dpt)                  # head dims a thread takes together (one 16-byte load)
-    jc = JC                           # V keys staged at a time
-    dc = DC
-    qt_shape, kt_shape = (dc, BR + PAD), (dc, BC + PAD)
-    ql, kl, vl = dc * BR // NT, dc * BC // NT, jc * dmax // NT
-    uNC, uDC, uNT, uTR, uSC, uVW = _u(NC), _u(dc), _u(NT), _u(TR), _u(SC), _u(vw)
-    udmax, uJC, uPK = _u(dmax), _u(jc), _u(PK)
-    vs_shape = (jc, dmax)
+    jc = JC if dpt <= 8 or SIMULATOR else JC // 2     # (V's chunk in 16 registers a thread)
+    QW, KW = BR + PAD, BC + PAD       # row widths of Q^T and K^T (and P^T: QW)
+    KOFF = DC * QW                    # K^T's offset in a slot
+    SLOT = max(DC * (QW + KW), jc * dmax)
+    STAGE, PT = 2 * SLOT, BC * QW     # (array sizes: constants)
+    ql, kl, vl = BR * DC // (4 * NT), BC * DC // (4 * NT), jc * dmax // (4 * NT)
+    assert BR * DC % (4 * NT) == 0 and jc * dmax % (4 * NT) == 0 and BC % jc == 0
+    NQ, NK, NV = 4 * ql, 4 * kl, 4 * vl
+    uNC, uDC, uTR, uSC, uQW, uKW = _u(NC), _u(DC), _u(TR), _u(SC), _u(QW), _u(KW)
+    uKOFF, uSLOT, udmax, ujc = _u(KOFF), _u(SLOT), _u(dmax), _u(jc)
 
-    @_jit(NT, OCC if dpt <= 8 else 1)
+    @_jit(NT, flash_occ(dpt))
     def kernel(out, q, k, v, mask, bias, geom, scale, softcap):
-        # 16-byte aligned, so the loads of a thread's 4 consecutive floats become one
-        Qt = cuda.shared.array(qt_shape, float32, alignment=16)
-        Kt = cuda.shared.array(kt_shape, float32, alignment=16)
-        Vs = cuda.shared.array(vs_shape, float32, alignment=16)
-        Ps = cuda.shared.array(PS_SHAPE, float32, alignment=16)
+        # two slots, each a Q^T and K^T chunk or a V chunk: staging n fills slot n % 2 while
+        # the other may still be read, so one barrier a chunk
+        stage = cuda.shared.array(STAGE, float32, alignment=16)
+        Pt = cuda.shared.array(PT, float32, alignment=16)     # P^T: key-major
         red = cuda.shared.array(SLOTS, float32)
         s = cuda.local.array((TR, SC), float32)
         o = cuda.local.array((TR, dpt), float32)
         mr = cuda.local.array(TR, float32)
-        lr = cuda.local.array(TR, float32)
+        lr = cuda.local.array(TR, float32)           # this thread's share of each row's sum
         fa = cuda.local.array(TR, float32)
         fb = cuda.local.array(SC, float32)
-        fp = cuda.local.array((TR, PK), float32)
         fv = cuda.local.array(dpt, float32)
-        rq = cuda.local.array(ql, float32)       # tile loads in flight
-        rk = cuda.local.array(kl, float32)
-        rv = cuda.local.array(vl, float32)
+        fa2 = cuda.local.array(TR, float32)
+        fv2 = cuda.local.array(dpt, float32)
+        rq = cuda.local.array(NQ, float32)       # the next chunk's loads, in flight
+        rk = cuda.local.array(NK, float32)
+        rv = cuda.local.array(NV, float32)
         hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
         tid = uint64(cuda.threadIdx.x)
         tr, tc = tid // uNC, tid % uNC
-        row0, col0 = tr * uTR, tc * uSC      # this thread's rows and key columns of a tile
+        row0, col0 = tr * uTR, tc * uSC      # this thread's rows and keys of a tile
         bh = int64(cuda.blockIdx.y)
         b, h = _divmod(bh, hq)
         hk = _divmod(h, g)[0]
@@ -187,7 +249,6 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
         qbase = b * geom[5] + h * geom[6]
         kbase = b * geom[8] + hk * geom[9]
         qs, ks = geom[7], geom[10]
-        fr, fc = int64(tid // uDC), int64(tid % uDC)   # my row and column of a Q/K chunk
         off = geom[23]
         kv_end = sk
         if causal or has_window:          # keys past the tile's last query position: masked
@@ -200,38 +261,41 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
             lr[i] = ZERO
             for c in range(dpt):
                 o[i, c] = ZERO
+        slot = _u(0)
         if kv0 < kv_end:
-            _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0, int64(0), fr, fc,
-                      RSTEP, sq, sk, d)
+            _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+            _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
         while kv0 < kv_end:               # uniform across the block (barriers inside)
             for i in range(TR):
                 for j in range(SC):
                     s[i, j] = ZERO
             d0 = int64(0)
-            while d0 < d:                 # S += Q[:, d0:d0+dc] K[:, d0:d0+dc]^T
-                cuda.syncthreads()        # Qt/Kt free
-                for p in range(ql):
-                    e = tid + _u(p) * uNT
-                    Qt[e % uDC, e // uDC] = rq[p]
-                for p in range(kl):
-                    e = tid + _u(p) * uNT
-                    Kt[e % uDC, e // uDC] = rk[p]
+            while d0 < d:                 # S += Q[:, d0:d0+DC] K[:, d0:d0+DC]^T
+                sb = slot * uSLOT
+                _put_t(stage, sb, QW, rq, ql, tid)
+                _put_t(stage, sb + uKOFF, KW, rk, kl, tid)
                 cuda.syncthreads()
-                if d0 + dc < d:           # the next chunk's loads fly while this one computes
-                    _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0, d0 + dc, fr,
-                              fc, RSTEP, sq, sk, d)
+                if d0 + DC < d:           # the next chunk's loads fly while this one computes
+                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, d0 + DC, d, tid, vec)
+                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, d0 + DC, d, tid, vec)
                 du = _u(0)                # (a while loop: numba's range() state hides the
                 while du < uDC:           # trip count from LLVM, which then does not unroll)
-                    for i in range(TR):
-                        fa[i] = Qt[du, row0 + _u(i)]
-                    for j in range(SC):
-                        fb[j] = Kt[du, col0 + _u(j)]
+                    for i4 in range(TR // 4):
+                        x = ptx.vld4(stage, sb + du * uQW + row0 + _u(4 * i4))
+                        for t in range(4):
+                            fa[4 * i4 + t] = x[t]
+                    for j4 in range(SC // 4):
+                        x = ptx.vld4(stage, sb + uKOFF + du * uKW + col0 + _u(4 * j4))
+                        for t in range(4):
+                            fb[4 * j4 + t] = x[t]
                     for i in range(TR):
                         for j in range(SC):
                             s[i, j] += fa[i] * fb[j]
                     du += _u(1)
-                d0 += dc
-            _fetch_v(rv, vl, v, ks, tid, uNT, udmax, kv0, kbase, sk, d)   # flies during softmax
+                slot ^= _u(1)
+                d0 += DC
+            # V's first chunk: its loads fly during the softmax
+            _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
             # a tile with every query and key in range and (causal) every key at or before
             # every query's position needs no mask test (uniform across the block)
             plain = (not has_window and not has_mask and not has_bias and q0 + BR <= sq
@@ -263,46 +327,47 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
                     p_ = m.fast_exp(s[i, j] - mnew) if mnew != NEG_INF else ZERO
                     s[i, j] = p_
                     rsum += p_
-                rsum = group_reduce(rsum, red, NC, SUM)
-                lr[i] = lr[i] * alpha + rsum
+                lr[i] = lr[i] * alpha + rsum      # (summed over the row's threads at the end)
                 mr[i] = mnew
                 for c in range(dpt):
                     o[i, c] *= alpha
-                for j in range(SC):
-                    Ps[row0 + _u(i), col0 + _u(j)] = s[i, j]
+            for j in range(SC):           # P^T: (Pt was last read before this tile's barriers)
+                for i4 in range(TR // 4):
+                    ptx.vst4(Pt, (col0 + _u(j)) * uQW + row0 + _u(4 * i4), s[4 * i4, j],
+                             s[4 * i4 + 1, j], s[4 * i4 + 2, j], s[4 * i4 + 3, j])
             j0 = int64(0)
             while j0 < BC:                # O += P[:, j0:j0+jc] V[j0:j0+jc]
-                cuda.syncthreads()        # Ps complete; Vs free
-                for p in range(vl):
-                    e = tid + _u(p) * uNT
-                    Vs[e // udmax, e % udmax] = rv[p]
-                cuda.syncthreads()
+                sb = slot * uSLOT
+                for p in range(vl):       # (a key's dmax dims in a row: group e at 4 e)
+                    ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
+                             rv[4 * p + 2], rv[4 * p + 3])
+                cuda.syncthreads()        # (the first also completes Pt)
                 if j0 + jc < BC:          # prefetch: the next V chunk, or the next tile's Q/K
-                    _fetch_v(rv, vl, v, ks, tid, uNT, udmax, kv0 + j0 + jc, kbase, sk, d)
+                    _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0 + j0 + jc, sk, int64(0), d,
+                           tid, vec)
                 elif kv0 + BC < kv_end:
-                    _fetch_qk(rq, rk, ql, kl, q, k, qbase, kbase, qs, ks, q0, kv0 + BC,
-                              int64(0), fr, fc, RSTEP, sq, sk, d)
-                ju = _u(0)                # (a while loop, as in S += Q K^T)
-                while ju < uJC:
-                    for i in range(TR):
-                        for jj in range(PK):
-                            fp[i, jj] = Ps[row0 + _u(i), uint64(j0) + ju + _u(jj)]
-                    for jj in range(PK):
-                        for c in range(dpt):  # head dims in groups of vw: col(c) below
-                            fv[c] = Vs[ju + _u(jj), _u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw)]
-                        for i in range(TR):
-                            for c in range(dpt):
-                                o[i, c] += fp[i, jj] * fv[c]
-                    ju += uPK
+                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+                pa = uint64(j0) * uQW + row0      # this thread's P^T and V in shared memory
+                va = sb + tc * _u(4)
+                ju = _u(0)                # two keys a trip: the second key's loads are in
+                while ju < ujc:           # flight during the first one's FMAs
+                    _pv_key(o, fa, fv, Pt, pa, stage, va, TR, dpt)
+                    _pv_key(o, fa2, fv2, Pt, pa + uQW, stage, va + udmax, TR, dpt)
+                    pa += _u(2) * uQW
+                    va += _u(2) * udmax
+                    ju += _u(2)
+                slot ^= _u(1)
                 j0 += jc
-            kv0 += BC                     # (the next tile's first barrier frees Qt/Kt/Ps)
+            kv0 += BC
         obase = b * geom[11] + h * geom[12]
         for i in range(TR):
             qi = q0 + int64(row0 + _u(i))
+            li = group_reduce(lr[i], red, NC, SUM)
             if qi < sq:
-                inv = ONE / lr[i] if lr[i] > ZERO else ZERO     # no key at all: zeros
+                inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
                 for c in range(dpt):
-                    col = int64(_u(c // vw) * uNC * uVW + tc * uVW + _u(c % vw))
+                    col = int64(_u(4 * NC * (c // 4) + c % 4) + tc * _u(4))
                     if col < d:
                         out[uint64(obase + qi * geom[13] + col)] = o[i, c] * inv
 
@@ -310,7 +375,7 @@ def flash(dpt, causal, has_window, has_mask, has_bias, has_softcap):
 
 
 def flash_launch(b: int, hq: int, sq: int, d: int):
-    return (-(-sq // BR), b * hq), (NT,)
+    return (-(-sq // (RG * flash_rows(head_split(d)))), b * hq), (NT,)
 
 
 # ---- decode: split-K over the keys of one key/value head ---------------------------------------

@@ -20,6 +20,10 @@ def _bcast_strides(shape, full):
     return list(reversed(strides))
 
 
+def _aligned16(buf) -> bool:
+    return SIMULATOR or buf.device_ctypes_pointer.value % 16 == 0
+
+
 def _dummy(exe, dtype):
     key = f"_attn_dummy_{np.dtype(dtype).name}"
     if not hasattr(exe, key):
@@ -78,7 +82,10 @@ def _lower_attention(exe, n):
                      (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
                      {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
-    kern = A.flash(A.head_split(d), *flags)
+    # 16-byte loads of q, k, v: rows of whole groups of 4 from an aligned start (arena slots
+    # are 256-byte aligned; a view may start anywhere)
+    vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
+    kern = A.flash(A.head_split(d), vec, *flags)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
                  f"{b}x{hq}x{sq}x{sk}", kern, grid, block, (exe.buf(n), *args), flops)]
