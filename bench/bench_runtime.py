@@ -454,7 +454,7 @@ def main(argv=None) -> int:
           f"time, per step")
     stream = rows[0]
     print(f"exe.profile() sum for STREAM: {stream['profile_sum_us']:.1f} us (events around each "
-          f"step: includes the GPU waiting on launches, so not the kernel time)")
+          f"step, queued behind a sleeping kernel: about the kernels' time plus the gaps between them)")
     for r in rows:
         if "streams_used" in r:
             print(f"{r['mode']}: steps spread over {r['streams_used']} stream(s)")

@@ -1,7 +1,9 @@
 """Timing a run step by step: ``exe.profile(inputs)`` and ``RLX_NUMBA_TRACE=path.json``.
 
 On a GPU each step is bracketed by CUDA events on the executable's stream (GPU time, not
-Python's); under the simulator by the host clock. ``Profile`` prints as a table (step, kernel
+Python's), queued behind a sleeping kernel so the host enqueues every step before the first
+runs (without it a step of a few us would time the host's launch of the next); under the
+simulator by the host clock. ``Profile`` prints as a table (step, kernel
 or library call, time, bytes or FLOPs, achieved GB/s or TFLOP/s where the step says how much
 it moves or computes) and writes a Chrome/Perfetto trace: one complete ("X") event per step,
 with its kernel, tier and launch geometry in ``args``.
@@ -20,6 +22,8 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..device import SIMULATOR
 
@@ -96,7 +100,11 @@ def timed_steps(steps, stream, cuda, graph_name: str, device: str) -> Profile:
             b = time.perf_counter()
             rows.append(StepTime(s.name, s.kernel_name, (a - t0) * 1e3, (b - a) * 1e3, _info(s)))
         return Profile(rows, graph_name, device)
+    # the GPU sleeps while the host enqueues every step behind the first event, so the
+    # events time the kernels, not the host's launches (~us each, longer than a small kernel)
+    from ..kernels.gemv import spin
     events = [cuda.event() for _ in range(len(steps) + 1)]
+    spin[1, 1, stream](np.int64(max(3_000_000, 30_000 * len(steps))))
     events[0].record(stream)
     for s, e in zip(steps, events[1:]):
         s()
