@@ -8,6 +8,7 @@ import numpy as np
 
 from . import dtypes as dt
 from . import ops
+from .autodiff import sum_to, vjp
 from .ops import fmt
 from .ops_attention import AttentionOps
 from .ops_norm import NormOps
@@ -275,6 +276,24 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps):
         shape, d = ops.infer_reshape(x, shape)
         return self._add("reshape", (x,), shape, d)
 
+    # ---- autodiff (ir/autodiff.py; each op's VJP sits next to its builder) ----------------------
+    def grad(self, y: Tensor, wrt, seed=None):
+        """dy/dwrt appended to this graph: one Tensor per wrt (a list for a list), zeros for
+        a wrt y does not depend on; ``seed`` (y's shape) for a non-scalar y."""
+        from . import autodiff
+        return autodiff.grad(self, y, wrt, seed)
+
+    def stop_gradient(self, x: Tensor) -> Tensor:
+        """x to the forward pass (a view: no copy, no kernel), a constant to ``grad``."""
+        self._check("stop_gradient", "x", x)
+        return self._add("reshape", (x,), x.shape, x.dtype, stop_gradient=True)
+
+    def tensor(self, node_id: int) -> Tensor:
+        """A handle on node ``node_id`` of this graph."""
+        if not 0 <= node_id < len(self.nodes):
+            raise ValueError(f"tensor: no node %{node_id} in graph {self.name!r}")
+        return Tensor(self, node_id)
+
     # ---- outputs and printing ------------------------------------------------------------------
     def set_outputs(self, outputs) -> None:
         outs = list(outputs)
@@ -317,3 +336,90 @@ for _k in ops.BINARY:
     setattr(Graph, _k, _method(Graph.binary, _k))
 for _k in ops.COMPARE:
     setattr(Graph, _k, _method(Graph.compare, _k))
+
+
+# ---- VJPs of the ops built above (ir/autodiff.py) -----------------------------------------------
+_ACT_GRAD = ("relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")   # activation_grad kernels
+
+
+def _in(g, n, k=0):
+    return g.tensor(n.inputs[k])
+
+
+def _in_f32(g, *ts):
+    return [t if t.dtype == dt.F32 else g.cast(t, dt.F32) for t in ts]
+
+
+@vjp("activation")
+def _vjp_activation(g, n, dy):
+    """dy * f'(x): the activation_grad kernel where there is one, else f' composed; halves
+    are differentiated in f32."""
+    k = n.attrs["kind"]
+    x, y = _in(g, n), g.tensor(n.id)
+    if not x.dtype.is_float:
+        return [None]
+    dy, x, y = _in_f32(g, dy, x, y)
+    if k in _ACT_GRAD:
+        return [g._add("activation_grad", (dy, x), x.shape, dt.F32, kind=k)]
+    one = 1.0
+    d = {"exp": lambda: dy * y, "log": lambda: dy / x, "sqrt": lambda: dy * 0.5 / y,
+         "rsqrt": lambda: dy * -0.5 * y / x, "neg": lambda: -dy,
+         "abs": lambda: dy * (g.cast(g.gt(x, 0.0), dt.F32) - g.cast(g.lt(x, 0.0), dt.F32)),
+         "sin": lambda: dy * g.cos(x), "cos": lambda: -dy * g.sin(x),
+         "tan": lambda: dy * (y * y + one), "atan": lambda: dy / (x * x + one),
+         "round": lambda: dy * 0.0}[k]()      # round: zero almost everywhere, as torch
+    return [d]
+
+
+@vjp("binary")
+def _vjp_binary(g, n, dy):
+    """Each operand's gradient summed back to its shape (broadcasting); max / min split the
+    gradient evenly between equal operands and pow's exponent gradient is 0 where the base is
+    0 and the exponent >= 0, as torch."""
+    k = n.attrs["kind"]
+    a, b = _in(g, n, 0), _in(g, n, 1)
+    if not n.dtype.is_float:
+        return [None, None]
+    dy, af, bf = _in_f32(g, dy, a, b)
+    if k == "add":
+        da, db = dy, dy
+    elif k == "sub":
+        da, db = dy, -dy
+    elif k == "mul":
+        da, db = dy * bf, dy * af
+    elif k == "div":
+        da = dy / bf
+        db = -da * af / bf
+    elif k in ("max", "min"):
+        win = g.gt(af, bf) if k == "max" else g.lt(af, bf)
+        lose = g.lt(af, bf) if k == "max" else g.gt(af, bf)
+        half = g.where(g.eq(af, bf), dy * 0.5, dy)
+        da, db = g.where(lose, 0.0, half), g.where(win, 0.0, half)
+    else:   # pow
+        (y,) = _in_f32(g, g.tensor(n.id))
+        da = dy * bf * g.pow(af, bf - 1.0)
+        zero_base = g.min(g.eq(af, 0.0), g.ge(bf, 0.0))     # min of bools: and
+        db = g.where(zero_base, 0.0, dy * y * g.log(af))
+    return [sum_to(g, da, a.shape) if a.dtype.is_float else None,
+            sum_to(g, db, b.shape) if b.dtype.is_float else None]
+
+
+@vjp("where")
+def _vjp_where(g, n, dy):
+    c, a, b = (_in(g, n, k) for k in range(3))
+    return [None, sum_to(g, g.where(c, dy, 0.0), a.shape) if a.dtype.is_float else None,
+            sum_to(g, g.where(c, 0.0, dy), b.shape) if b.dtype.is_float else None]
+
+
+@vjp("cast")
+def _vjp_cast(g, n, dy):
+    x = _in(g, n)
+    return [g.cast(dy, x.dtype) if x.dtype.is_float and dy.dtype != x.dtype else
+            dy if x.dtype.is_float else None]
+
+
+@vjp("reshape")
+def _vjp_reshape(g, n, dy):
+    if n.attrs.get("stop_gradient"):
+        return [None]
+    return [g.reshape(dy, _in(g, n).shape)]

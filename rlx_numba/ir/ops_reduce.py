@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 from . import dtypes as dt
+from .autodiff import vjp
 from .ops import fmt, normalize_axes, normalize_axis
 
 REDUCE = ("sum", "mean", "max", "min", "prod")
@@ -143,3 +144,49 @@ class ReduceOps:
         self._check("cumsum", "x", x)
         shape, d, axis = infer_cumsum(x, axis, exclusive)
         return self._add("cumsum", (x,), shape, d, axis=axis, exclusive=exclusive)
+
+
+# ---- VJPs (ir/autodiff.py) ------------------------------------------------------------------------
+def _kept(g, n, t):
+    """A reduction's result (or its gradient) reshaped to keep_dim form: broadcasts over x."""
+    x = g.tensor(n.inputs[0])
+    return g.reshape(t, _out_shape(x.shape, n.attrs["axes"], True))
+
+
+@vjp("reduce")
+def _vjp_reduce(g, n, dy):
+    """sum/mean: dy spread back; max/min: dy shared evenly by the elements equal to the result
+    (torch's amax/amin); prod: the product of the others (zeros handled, as torch)."""
+    x = g.tensor(n.inputs[0])
+    if not x.dtype.is_float:
+        return [None]
+    k, axes = n.attrs["kind"], n.attrs["axes"]
+    xf = x if x.dtype == dt.F32 else g.cast(x, dt.F32)
+    d = _kept(g, n, dy if dy.dtype == dt.F32 else g.cast(dy, dt.F32))
+    if k == "sum":
+        dx = g.expand(d, x.shape)
+    elif k == "mean":
+        dx = g.expand(d * (1.0 / max(1, math.prod(x.shape[a] for a in axes))), x.shape)
+    elif k in ("max", "min"):
+        y = _kept(g, n, g.tensor(n.id) if n.dtype == dt.F32 else g.cast(g.tensor(n.id), dt.F32))
+        hit = g.cast(g.eq(xf, y), dt.F32)
+        dx = hit * d / g.reduce_sum(hit, axes, keep_dim=True)
+    else:       # prod: y / x where x != 0; at a zero the product of the others (0 if two zeros)
+        zero = g.eq(xf, 0.0)
+        others = g.reduce_prod(g.where(zero, 1.0, xf), axes, keep_dim=True)
+        zeros = g.reduce_sum(g.cast(zero, dt.F32), axes, keep_dim=True)
+        y = _kept(g, n, g.tensor(n.id) if n.dtype == dt.F32 else g.cast(g.tensor(n.id), dt.F32))
+        at_zero = g.where(g.eq(zeros, 1.0), others, 0.0)
+        dx = d * g.where(zero, at_zero, y / g.where(zero, 1.0, xf))
+    return [dx]
+
+
+@vjp("cumsum")
+def _vjp_cumsum(g, n, dy):
+    """The reverse running sum of dy: its total minus the running sum that stops short."""
+    x = g.tensor(n.inputs[0])
+    if not x.dtype.is_float:
+        return [None]
+    axis = n.attrs["axis"]
+    total = g.reduce_sum(dy, axis, keep_dim=True)
+    return [total - g.cumsum(dy, axis, exclusive=not n.attrs["exclusive"])]
