@@ -9,12 +9,18 @@ then ``bias`` (additive, broadcastable to [B, Hq, Sq, Sk]) and the masks: ``caus
 ``window`` are aligned to the end of the keys (query i sits at position Sk - Sq + i; causal
 keeps keys j <= pos, window w keeps pos - w < j <= pos), ``mask`` is a bool keep-mask
 broadcastable to [B, Hq, Sq, Sk]. A query whose keys are all masked gets zeros, never NaN.
+
+Backward (``g.grad``): FlashAttention-2 style, see the VJP at the end and
+kernels/attention_bwd.py: attention_lse (the rows' log-sum-exp), attention_bwd_delta
+(rowsum(dO * O)), attention_bwd_dq, attention_bwd_dkv ([2, *k.shape]: dK then dV) and, for a
+bias gradient only, attention_bwd_ds (dS, [B, Hq, Sq, Sk]).
 """
 from __future__ import annotations
 
 import math
 
 from . import dtypes as dt
+from .autodiff import sum_to, vjp
 from .ops import broadcast_shapes, fmt
 
 
@@ -97,3 +103,41 @@ class AttentionOps:
                          has_mask=mask is not None, has_bias=bias is not None, scale=scale,
                          softcap=None if softcap is None else float(softcap),
                          num_heads=num_heads, **dims)
+
+
+# ---- backward --------------------------------------------------------------------------------
+# FlashAttention-2: the VJP recomputes the probabilities from each row's log-sum-exp (one more
+# pass over the keys, kernels/attention_bwd.py) instead of storing them; no node but dS (only
+# for a bias gradient) is Sq x Sk. The backward nodes carry the forward node's attributes.
+
+def _attention_parts(g, n):
+    """Handles (q, k, v, mask or None, bias or None) of an attention node's inputs."""
+    ins = [g.tensor(i) for i in n.inputs]
+    rest = ins[3:]
+    mask = rest.pop(0) if n.attrs["has_mask"] else None
+    bias = rest.pop(0) if n.attrs["has_bias"] else None
+    return ins[0], ins[1], ins[2], mask, bias
+
+
+@vjp("attention")
+def _vjp_attention(g, n, dy):
+    """dQ, dK, dV (GQA: dK / dV summed over a group's query heads), None for the mask; the
+    bias gets dS summed over its broadcast dims (that one node is [B, Hq, Sq, Sk])."""
+    a = n.attrs
+    q, k, v, mask, bias = _attention_parts(g, n)
+    extra = [t for t in (mask, bias) if t is not None]
+    rows = (a["b"], a["hq"], a["sq"])
+    lse = g._add("attention_lse", (q, k, *extra), rows, dt.F32, **a)
+    dl = g._add("attention_bwd_delta", (g.tensor(n.id), dy), rows, dt.F32, **a)
+    ins = (q, k, v, dy, lse, dl, *extra)
+    dq = g._add("attention_bwd_dq", ins, q.shape, dt.F32, **a)
+    dkv = g._add("attention_bwd_dkv", ins, (2, *k.shape), dt.F32, **a)
+    dk = g.reshape(g.narrow(dkv, 0, 0, 1), k.shape)
+    dv = g.reshape(g.narrow(dkv, 0, 1, 1), v.shape)
+    grads = [dq, dk, dv]
+    if mask is not None:
+        grads.append(None)
+    if bias is not None:
+        ds = g._add("attention_bwd_ds", ins, (a["b"], a["hq"], a["sq"], a["sk"]), dt.F32, **a)
+        grads.append(sum_to(g, ds, bias.shape))
+    return grads

@@ -1,10 +1,13 @@
 """Lowering of attention (kernels in kernels/attention.py): the prefill (flash) kernel, or the
-split-K decode kernel when the queries that share a key/value head are few."""
+split-K decode kernel when the queries that share a key/value head are few; and of its
+backward ops (kernels/attention_bwd.py, built by attention's VJP in ir/ops_attention.py)."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..kernels import attention as A
+from ..kernels import attention_bwd as AB
+from ..kernels.launch import grid_1d
 from ..kernels.launch import sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
@@ -31,18 +34,10 @@ def _dummy(exe, dtype):
     return getattr(exe, key)
 
 
-@lowering("attention")
-def _lower_attention(exe, n):
-    g = exe.graph
+def _geom(exe, n, q, k, mask, bias):
+    """attention's GEOM array (kernels/attention.py) of node ``n``'s attributes."""
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
-    if b * hq * sq * d == 0:
-        return []
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v = ins[:3]
-    rest = ins[3:]
-    mask = rest.pop(0) if a["has_mask"] else None
-    bias = rest.pop(0) if a["has_bias"] else None
     full = (b, hq, sq, sk)
     if len(q.shape) == 4:
         qs, ks = (hq * sq * d, sq * d, d), (hkv * sk * d, sk * d, d)
@@ -54,13 +49,34 @@ def _lower_attention(exe, n):
                 k_b=ks[0], k_h=ks[1], k_s=ks[2], o_b=qs[0], o_h=qs[1], o_s=qs[2],
                 m_b=ms[0], m_h=ms[1], m_q=ms[2], m_k=ms[3], b_b=bs[0], b_h=bs[1], b_q=bs[2],
                 b_k=bs[3], window=a["window"] or 0, off=sk - sq)
-    geom = exe.device_array(np.array([vals[key] for key in A.GEOM], np.int64))
+    return exe.device_array(np.array([vals[key] for key in A.GEOM], np.int64)), ks
+
+
+def _masks(exe, n, rest):
+    """(mask node, bias node, their buffers or dummies, the kernels' flags, scale, softcap)
+    of an attention node whose trailing inputs are ``rest``."""
+    a = n.attrs
+    rest = list(rest)
+    mask = rest.pop(0) if a["has_mask"] else None
+    bias = rest.pop(0) if a["has_bias"] else None
     mbuf = exe.buf(mask) if mask is not None else _dummy(exe, np.bool_)
     bbuf = exe.buf(bias) if bias is not None else _dummy(exe, np.float32)
-    scale = np.float32(a["scale"])
-    softcap = np.float32(a["softcap"] or 1.0)
     flags = (a["causal"], a["window"] is not None, mask is not None, bias is not None,
              a["softcap"] is not None)
+    return mask, bias, mbuf, bbuf, flags, np.float32(a["scale"]), np.float32(a["softcap"] or 1.0)
+
+
+@lowering("attention")
+def _lower_attention(exe, n):
+    g = exe.graph
+    a = n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    if b * hq * sq * d == 0:
+        return []
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[3:])
+    geom, ks = _geom(exe, n, q, k, mask, bias)
     args = (exe.buf(q), exe.buf(k), exe.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
     rows_c = A.decode_rows(hq // hkv, sq, d)
@@ -89,3 +105,61 @@ def _lower_attention(exe, n):
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
                  f"{b}x{hq}x{sq}x{sk}", kern, grid, block, (exe.buf(n), *args), flops)]
+
+
+# ---- backward (attention's VJP) --------------------------------------------------------------
+@lowering("attention_lse")
+def _lower_attention_lse(exe, n):
+    """inputs (q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq]."""
+    g, a = exe.graph, n.attrs
+    if n.size == 0:
+        return []
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k = ins[:2]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[2:])
+    geom, _ = _geom(exe, n, q, k, mask, bias)
+    grid, block = AB.launch_q(a["b"], a["hq"], a["sq"], a["d"])
+    return [Step(step_name(n), f"attention_lse D={a['d']}", AB.lse(AB.dmax_of(a["d"]), *flags),
+                 grid, block, (exe.buf(n), exe.buf(q), exe.buf(k), mbuf, bbuf, geom, scale,
+                               softcap),
+                 {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
+
+
+@lowering("attention_bwd_delta")
+def _lower_attention_delta(exe, n):
+    """inputs (o, do): rowsum(dO * O) [B, Hq, Sq]."""
+    g = exe.graph
+    if n.size == 0:
+        return []
+    o, do = (g.nodes[i] for i in n.inputs)
+    geom, _ = _geom(exe, n, o, o, None, None)
+    grid, block = grid_1d(n.size)
+    return [Step(step_name(n), "attention_bwd_delta", AB.delta(), (grid,), (block,),
+                 (exe.buf(n), exe.buf(o), exe.buf(do), geom, np.int64(n.size)))]
+
+
+@lowering("attention_bwd_dq", "attention_bwd_ds", "attention_bwd_dkv")
+def _lower_attention_bwd(exe, n):
+    """inputs (q, k, v, dO, LSE, Dl, [mask], [bias]): dQ (q's shape), dS [B, Hq, Sq, Sk] (for
+    a bias gradient) or [dK, dV] ([2, *k.shape])."""
+    g, a = exe.graph, n.attrs
+    if n.size == 0:
+        return []
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, do, lse, dl = ins[:6]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[6:])
+    geom, _ = _geom(exe, n, q, k, mask, bias)
+    dmax = AB.dmax_of(a["d"])
+    args = (exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(v), exe.buf(do), exe.buf(lse),
+            exe.buf(dl), mbuf, bbuf, geom, scale, softcap)
+    per = {"attention_bwd_dq": 6, "attention_bwd_ds": 4, "attention_bwd_dkv": 8}[n.op]
+    flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
+    desc = f"{n.op} D={a['d']} {'causal ' if a['causal'] else ''}{a['b']}x{a['hq']}/{a['hkv']}" \
+           f"x{a['sq']}x{a['sk']}"
+    if n.op == "attention_bwd_dkv":
+        grid, block = AB.launch_kv(a["b"], a["hkv"], a["sk"], a["d"])
+        return [Step(step_name(n), desc, AB.dkv(dmax, *flags), grid, block,
+                     (*args, np.int64(n.size // 2)), flops)]
+    grid, block = AB.launch_q(a["b"], a["hq"], a["sq"], a["d"])
+    kern = AB.dq(dmax, *flags, n.op == "attention_bwd_ds")
+    return [Step(step_name(n), desc, kern, grid, block, args, flops)]
