@@ -152,3 +152,30 @@ def test_attention_grad_empty(sq, sk):
                               "v": np.ones(k.shape, np.float32)})
     for o, t in zip(out, [y, q, k, v]):
         assert o.shape == t.shape and not np.any(o)
+
+
+def test_attention_grad_rank3_everything(rng):
+    """Rank 3, GQA 3:1, window, a mask broadcast over batch, softcap and a differentiated
+    bias broadcast over batch and heads, Sq < Sk."""
+    mask = rng.random((1, 3, 5, 7)) < 0.8
+    _grad_case(rng, (2, 5, 6), (2, 7, 2), num_heads=3, window=3, mask=mask, softcap=1.7,
+               bias=rng.standard_normal((5, 7)), wrt=("q", "k", "v", "bias"))
+
+
+def test_attention_grad_gpu_tiles(rng, monkeypatch):
+    """The GPU's block geometry (128 threads, tiles of 16 rows, head dims padded to 32: several
+    accumulators a thread) run in the simulator, over several tiles each way."""
+    from rlx_numba.kernels import attention_bwd as AB
+    if not rlx.simulator_enabled():
+        pytest.skip("the GPU runs this geometry in every other test")
+    factories = (AB.lse, AB.dq, AB.dkv)
+    for f in factories:
+        f.cache_clear()
+    monkeypatch.setattr(AB, "NT", 128)
+    monkeypatch.setattr(AB, "DQ", 32)
+    monkeypatch.setattr(AB, "tile", lambda dmax: 16 if dmax <= 128 else 8)
+    try:
+        _grad_case(rng, (1, 2, 18, 40), (1, 1, 33, 40), causal=True, softcap=3.0)
+    finally:
+        for f in factories:
+            f.cache_clear()
