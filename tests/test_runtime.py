@@ -256,3 +256,28 @@ def test_executables_sharing_a_kernel_keep_their_own_launch_geometry():
     small.run({n: x[:1] for n, x in feeds[0].items()})
     (out,) = big.run(feeds[1])          # new inputs: a batch left out would keep old values
     np.testing.assert_allclose(out, want(feeds[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_step_with_dynamic_shared_memory():
+    """A Step's ``shared`` bytes reach the launch (cuda.shared.array(0, ...) in the kernel);
+    past 48 KiB the GPU path also opts the kernel in (cuFuncSetAttribute)."""
+    from numba import float32        # (cuda: the module's, which the simulator swaps in)
+
+    from rlx_numba.runtime.lower import Step
+
+    @cuda.jit
+    def reverse_doubled(out, x):
+        sm = cuda.shared.array(0, float32)
+        i = cuda.threadIdx.x
+        sm[i] = x[i] * 2
+        cuda.syncthreads()
+        out[i] = sm[cuda.blockDim.x - 1 - i]
+
+    x = cuda.to_device(np.arange(8, dtype=np.float32))
+    out = cuda.device_array(8, np.float32)
+    step = Step("%0 test", "reverse", reverse_doubled, (1,), (8,), (out, x), shared=8 * 4)
+    stream = cuda.stream()
+    step.bind(stream, False)
+    step()
+    stream.synchronize()
+    np.testing.assert_array_equal(out.copy_to_host(), np.arange(8)[::-1] * 2)

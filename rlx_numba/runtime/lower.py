@@ -152,6 +152,7 @@ class Step:
     args: tuple
     info: dict = field(default_factory=dict)
     launch: object = None
+    shared: int = 0           # bytes of dynamic shared memory (cuda.shared.array(0, ...))
 
     def bind(self, stream, aot: bool) -> None:
         """Prepare the launch: under the simulator numba's launcher; on a GPU the launch is
@@ -161,7 +162,7 @@ class Step:
         if SIMULATOR:   # configured at every call: the simulator's kernel[grid, block] sets
             # the grid on the kernel object itself, which every executable shares
             self.launch = functools.partial(_sim_launch, self.kernel, self.grid, self.block,
-                                            stream, self.args)
+                                            stream, self.args, self.shared)
         elif aot:
             self.compile()
 
@@ -169,7 +170,8 @@ class Step:
         """Compile the kernel (or load it from the disk cache) and pack the launch, unless
         that is done (always, in the simulator: it compiles nothing)."""
         if self.launch is None:
-            self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args)
+            self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args,
+                                      self.shared)
 
     def __call__(self) -> None:
         if self.launch is None:   # JIT: compile on first use
@@ -177,11 +179,11 @@ class Step:
         self.launch()
 
 
-def _sim_launch(kernel, grid, block, stream, args):
-    kernel[grid, block, stream](*args)
+def _sim_launch(kernel, grid, block, stream, args, shared=0):
+    kernel[grid, block, stream, shared](*args)
 
 
-def fast_launch(dispatcher, grid, block, stream, args):
+def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
     """A no-argument callable that enqueues the kernel with these (fixed) arguments.
 
     numba's ``kernel[grid, block, stream](*args)`` types every argument, finds the overload
@@ -197,8 +199,11 @@ def fast_launch(dispatcher, grid, block, stream, args):
 
     kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
     if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
-        return functools.partial(dispatcher[grid, block, stream], *args)
+        return functools.partial(dispatcher[grid, block, stream, shared], *args)
     kern.bind()   # load the module into the context and set it up, as numba's launch does
+    func = int(kern._codelibrary.get_cufunc().handle)
+    if shared > 48 << 10:   # past 48 KiB a kernel must opt in to dynamic shared memory
+        _set_max_dynamic_shared(func, shared)
     retr, params = [], []
     for ty, val in zip(kern.argument_types, args):
         kern._prepare_args(ty, val, stream, retr, params)
@@ -212,7 +217,7 @@ def fast_launch(dispatcher, grid, block, stream, args):
              ctypes.c_bool(bool(p)) if isinstance(p, (bool, np.bool_)) else ctypes.c_int64(int(p))
              for p in params]
     table = (ctypes.c_void_p * max(1, len(slots)))(*[ctypes.addressof(v) for v in slots])
-    call = (ctypes.c_void_p(int(kern._codelibrary.get_cufunc().handle)), *grid, *block, 0,
+    call = (ctypes.c_void_p(func), *grid, *block, int(shared),
             ctypes.c_void_p(int(stream)), table, None)
     name, fn = dispatcher.py_func.__qualname__, _cu_launch_kernel()
 
@@ -246,6 +251,16 @@ def _compile(dispatcher, sig):
     if "error" in out:
         raise out["error"]
     return out["kernel"]
+
+
+def _set_max_dynamic_shared(func: int, nbytes: int) -> None:
+    """cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): the opt-in past 48 KiB."""
+    fn = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    err = fn(ctypes.c_void_p(func), 8, int(nbytes))   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: "
+                           f"CUresult {err} (more than the GPU's shared memory a block?)")
 
 
 @functools.cache
