@@ -6,7 +6,10 @@ cast -> op in f32 -> cast back (activations are f32 on the device; half types ar
 """
 from __future__ import annotations
 
+import math
+
 from . import dtypes as dt
+from .autodiff import vjp, zeros
 from .ops import fmt, normalize_axis
 
 
@@ -86,3 +89,72 @@ class NormOps:
         """h * rsqrt(mean(h^2) + eps) * gamma (+ beta), h = x (+ residual), along axis.
         With ``return_residual=True`` returns (normed, h)."""
         return self._norm("rms_norm", x, gamma, beta, axis, eps, residual, return_residual)
+
+
+# ---- VJPs (ir/autodiff.py): fused backward row kernels, kernels/rows.py ----------------------------
+@vjp("softmax", "log_softmax")
+def _vjp_softmax(g, n, dy):
+    """One softmax_bwd row kernel from dy and the forward's output: softmax dx = y * (dy -
+    sum(dy * y)), log_softmax dx = dy - exp(y) * sum(dy)."""
+    y = g.tensor(n.id)
+    dx = g._add("softmax_bwd", (g._f32(dy), y), y.shape, dt.F32, kind=n.op, axis=n.attrs["axis"])
+    return [dx]
+
+
+def _zero_marker(g):
+    return g.__dict__.setdefault("_norm_residual_grads", {})
+
+
+@vjp("residual_sum")
+def _vjp_residual_sum(g, n, ds):
+    """s = x + residual is no function of the norm's output it hangs on (its input only
+    orders the kernels), so ds is kept for the norm's VJP, which adds it to d(x + residual).
+    The norm is handed a zero gradient so that its VJP runs even when only s is used; the
+    norm's VJP drops that zero again."""
+    y = g.tensor(n.inputs[0])
+    z = zeros(g, y.shape, y.dtype)
+    prev = _zero_marker(g).get(y.id)
+    ds = g._f32(ds)
+    _zero_marker(g)[y.id] = (z.id, ds if prev is None else prev[1] + ds)
+    return [z]
+
+
+def _drop_marker(g, dy, zid):
+    """dy without the residual_sum VJP's zero term (None when dy is that zero)."""
+    if dy.id == zid:
+        return None
+    node = dy.node
+    if node.op == "binary" and node.attrs["kind"] == "add" and zid in node.inputs:
+        other = [i for i in node.inputs if i != zid]
+        return g.tensor(other[0]) if other else None
+    return dy
+
+
+@vjp("layer_norm", "rms_norm")
+def _vjp_norm(g, n, dy):
+    """dh (h = x + residual) in one norm_bwd row pass, which also stores each row's (mean,
+    rstd); d gamma and d beta in one norm_param_bwd column reduction from them. The gradient
+    of a returned residual sum (return_residual=True) is added to dh."""
+    x, gamma = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
+    has_beta, has_res, axis = n.attrs["has_beta"], n.attrs["has_residual"], n.attrs["axis"]
+    res = g.tensor(n.inputs[-1]) if has_res else None
+    marked = _zero_marker(g).pop(n.id, None)
+    if marked is not None:
+        dy = _drop_marker(g, dy, marked[0])
+    dh = dgamma = dbeta = None
+    length = x.shape[axis]
+    if dy is not None:
+        dy = g._f32(dy)
+        extra = (res,) if has_res else ()
+        dh = g._add("norm_bwd", (dy, x, gamma) + extra, x.shape, dt.F32, kind=n.op, axis=axis,
+                    eps=n.attrs["eps"], has_residual=has_res)
+        rows = math.prod(x.shape) // max(1, length)
+        stats = g._add("norm_bwd_stats", (dh,), (rows, 2), dt.F32)   # written by norm_bwd
+        pg = g._add("norm_param_bwd", (dy, x) + extra + (stats,), (1 + has_beta, length), dt.F32,
+                    axis=axis, has_residual=has_res)
+        dgamma = g.reshape(g.narrow(pg, 0, 0, 1), (length,))
+        if has_beta:
+            dbeta = g.reshape(g.narrow(pg, 0, 1, 1), (length,))
+    if marked is not None:
+        dh = marked[1] if dh is None else dh + marked[1]
+    return [dh, dgamma] + ([dbeta] if has_beta else []) + ([dh] if has_res else [])

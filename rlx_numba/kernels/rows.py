@@ -380,3 +380,171 @@ def row_plan(cols_: int, softmaxish: bool):
     block = max(g, 32 if SIMULATOR else 256)
     per_sm = 1024 // block
     return g, vpt, block, softmaxish, 2 * per_sm if softmaxish else 16 * per_sm
+
+
+# ---- backward row kernels (the VJPs in ir/ops_norm.py) ------------------------------------------
+# Same [outer, n, inner] view as the forward: ``rowwise`` (inner == 1) puts one block on a row,
+# its threads striding the columns (coalesced) and reducing through ``group_reduce``; otherwise
+# one thread owns an (outer, inner) column, like ``cols``. Each reads its row twice: once for
+# the row sums, once to write dx.
+
+@functools.lru_cache(maxsize=None)
+def softmax_bwd(kind, block, rowwise):
+    """dx of softmax (y = softmax: dx = y * (dy - sum(dy * y))) or log_softmax (y = log_softmax:
+    dx = dy - exp(y) * sum(dy)) along the axis."""
+    soft = kind == SOFTMAX
+
+    @jit
+    def kernel(dx, dy, y, outer, n, inner):
+        if rowwise:
+            smem = cuda.shared.array(SLOTS, float32)
+            tid = cuda.threadIdx.x
+            row = cuda.blockIdx.x
+            while row < outer:            # uniform across the block: everyone reduces
+                base = row * n
+                acc = ZERO
+                c = tid
+                while c < n:
+                    acc += dy[base + c] * y[base + c] if soft else dy[base + c]
+                    c += block
+                s = group_reduce(acc, smem, block, SUM)
+                c = tid
+                while c < n:
+                    i = base + c
+                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                    c += block
+                row += cuda.gridDim.x
+        else:
+            t = cuda.grid(1)
+            while t < outer * inner:
+                o = t // inner
+                base = o * n * inner + (t - o * inner)
+                s = ZERO
+                for c in range(n):
+                    i = base + c * inner
+                    s += dy[i] * y[i] if soft else dy[i]
+                for c in range(n):
+                    i = base + c * inner
+                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                t += cuda.gridsize(1)
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _norm_bwd_stats(kind, p1, p2, p3, p4, k, n, eps):
+    """(mean, rstd, mean(g), mean(g * xhat)) of a row from its sums: layer_norm p1 = sum(h-k),
+    p2 = sum((h-k)^2), p3 = sum(g), p4 = sum(g*(h-k)) (shifted by the row's first value k, so
+    the variance keeps its digits); rms_norm p2 = sum(h^2), p4 = sum(g*h). g = dy * gamma."""
+    if kind == LAYER_NORM:
+        m1 = p1 / n
+        rstd = ONE / m.sqrt(max(p2 / n - m1 * m1, ZERO) + eps)
+        mg = p3 / n
+        return k + m1, rstd, mg, (p4 / n - m1 * mg) * rstd
+    rstd = ONE / m.sqrt(p2 / n + eps)
+    return ZERO, rstd, ZERO, p4 / n * rstd
+
+
+@functools.lru_cache(maxsize=None)
+def norm_bwd(kind, block, rowwise, has_res, write_stats):
+    """dh of layer_norm / rms_norm (h = x + res with HAS_RES), gamma applied, beta irrelevant:
+    layer_norm dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), rms_norm dh = rstd * (g -
+    xhat * mean(g * xhat)) (its -h * mean(g * h) / rms^3 term), g = dy * gamma. With
+    WRITE_STATS each row's (mean, rstd) go to ``stats`` for the gamma / beta kernel."""
+    ln = kind == LAYER_NORM
+
+    @jit
+    def kernel(dx, stats, dy, x, gamma, res, outer, n, inner, eps):
+        fn = float32(n)
+        if rowwise:
+            smem = cuda.shared.array(SLOTS, float32)
+            tid = cuda.threadIdx.x
+            row = cuda.blockIdx.x
+            while row < outer:
+                base = row * n
+                k = ZERO
+                if ln:
+                    k = x[base] + (res[base] if has_res else ZERO)
+                p1 = p2 = p3 = p4 = ZERO
+                c = tid
+                while c < n:
+                    i = base + c
+                    h = x[i] + (res[i] if has_res else ZERO) - k
+                    gv = dy[i] * gamma[c]
+                    p1 += h
+                    p2 += h * h
+                    p3 += gv
+                    p4 += gv * h
+                    c += block
+                p2 = group_reduce(p2, smem, block, SUM)
+                p4 = group_reduce(p4, smem, block, SUM)
+                if ln:
+                    p1 = group_reduce(p1, smem, block, SUM)
+                    p3 = group_reduce(p3, smem, block, SUM)
+                mean, rstd, mg, mgx = _norm_bwd_stats(kind, p1, p2, p3, p4, k, fn, eps)
+                if write_stats and tid == 0:
+                    stats[2 * row] = mean
+                    stats[2 * row + 1] = rstd
+                c = tid
+                while c < n:
+                    i = base + c
+                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
+                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                    c += block
+                row += cuda.gridDim.x
+        else:
+            t = cuda.grid(1)
+            while t < outer * inner:
+                o = t // inner
+                base = o * n * inner + (t - o * inner)
+                k = ZERO
+                if ln:
+                    k = x[base] + (res[base] if has_res else ZERO)
+                p1 = p2 = p3 = p4 = ZERO
+                for c in range(n):
+                    i = base + c * inner
+                    h = x[i] + (res[i] if has_res else ZERO) - k
+                    gv = dy[i] * gamma[c]
+                    p1 += h
+                    p2 += h * h
+                    p3 += gv
+                    p4 += gv * h
+                mean, rstd, mg, mgx = _norm_bwd_stats(kind, p1, p2, p3, p4, k, fn, eps)
+                if write_stats:
+                    stats[2 * t] = mean
+                    stats[2 * t + 1] = rstd
+                for c in range(n):
+                    i = base + c * inner
+                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
+                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                t += cuda.gridsize(1)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def norm_param_bwd(has_beta, has_res):
+    """The column reduction of a norm's backward: out[c] = sum over the rows of dy * xhat
+    (d gamma) and, with HAS_BETA, out[n + c] = sum of dy (d beta), xhat recomputed from x
+    (+ res) and the (mean, rstd) that norm_bwd stored per row. One thread a column, walking
+    the rows in order (deterministic); consecutive threads read consecutive columns."""
+    @jit
+    def kernel(out, dy, x, res, stats, outer, n, inner):
+        c = cuda.grid(1)
+        while c < n:
+            sg = ZERO
+            sb = ZERO
+            for o in range(outer):
+                for j in range(inner):
+                    i = (o * n + c) * inner + j
+                    r = o * inner + j
+                    xh = (x[i] + (res[i] if has_res else ZERO) - stats[2 * r]) * stats[2 * r + 1]
+                    d = dy[i]
+                    sg += d * xh
+                    sb += d
+            out[c] = sg
+            if has_beta:
+                out[n + c] = sb
+            c += cuda.gridsize(1)
+
+    return kernel

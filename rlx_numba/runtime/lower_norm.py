@@ -81,3 +81,72 @@ def _bytes(size, flags):
 @lowering("residual_sum")
 def _lower_residual_sum(exe, n):
     return []   # written by the norm's kernel (see _lower_rows)
+
+
+# ---- backward row ops (ir/ops_norm.py VJPs; kernels at the end of kernels/rows.py) -----------
+def _bwd_geometry(shape, axis):
+    """(outer, n, inner, rowwise, grid, block) of a backward row kernel over ``axis``."""
+    outer, n, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    if inner == 1:      # a block a row, grid-striding over the rows
+        block = 32 if SIMULATOR else 256
+        return outer, n, inner, True, max(1, min(outer, 2 if SIMULATOR else sm_count() * 8)), block
+    block = 32 if SIMULATOR else 256
+    return outer, n, inner, False, max(1, min(-(-(outer * inner) // block),
+                                               2 if SIMULATOR else sm_count() * 8)), block
+
+
+@lowering("softmax_bwd")
+def _lower_softmax_bwd(exe, n):
+    dy, y = (exe.graph.nodes[i] for i in n.inputs)
+    if y.size == 0:
+        return []
+    outer, length, inner, rowwise, grid, block = _bwd_geometry(y.shape, n.attrs["axis"])
+    k = rows.softmax_bwd(rows.KINDS[n.attrs["kind"]], block, rowwise)
+    return [Step(step_name(n), f"softmax_bwd {'rows' if rowwise else 'cols'}", k, (grid,),
+                 (block,), (exe.buf(n), exe.buf(dy), exe.buf(y), np.int64(outer),
+                            np.int64(length), np.int64(inner)), {"bytes": 4 * y.size * 5})]
+
+
+@lowering("norm_bwd")
+def _lower_norm_bwd(exe, n):
+    g = exe.graph
+    dy, x, gamma = (g.nodes[i] for i in n.inputs[:3])
+    if x.size == 0:
+        return []
+    has_res = n.attrs["has_residual"]
+    res = exe.buf(n.inputs[3]) if has_res else _dummy(exe)
+    stats, write = _dummy(exe), False
+    for m in g.nodes:   # a live norm_bwd_stats of this node: the kernel stores each row's stats
+        if m.op == "norm_bwd_stats" and m.inputs[0] == n.id and m.id in exe._live:
+            stats, write = exe.buf(m), True
+    outer, length, inner, rowwise, grid, block = _bwd_geometry(x.shape, n.attrs["axis"])
+    k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, rowwise, has_res, write)
+    return [Step(step_name(n), f"norm_bwd {'rows' if rowwise else 'cols'}", k, (grid,), (block,),
+                 (exe.buf(n), stats, exe.buf(dy), exe.buf(x), exe.buf(gamma), res,
+                  np.int64(outer), np.int64(length), np.int64(inner),
+                  np.float32(n.attrs["eps"])),
+                 {"bytes": 4 * x.size * (5 + 2 * has_res)})]
+
+
+@lowering("norm_bwd_stats")
+def _lower_norm_bwd_stats(exe, n):
+    return []   # written by the norm_bwd kernel (see _lower_norm_bwd)
+
+
+@lowering("norm_param_bwd")
+def _lower_norm_param_bwd(exe, n):
+    g = exe.graph
+    dy, x = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
+    has_res = n.attrs["has_residual"]
+    res = exe.buf(n.inputs[2]) if has_res else _dummy(exe)
+    stats = exe.buf(n.inputs[-1])
+    axis = n.attrs["axis"]
+    outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
+    if length == 0:
+        return []
+    block = 32 if SIMULATOR else 256
+    grid = max(1, min(-(-length // block), 2 if SIMULATOR else sm_count() * 8))
+    k = rows.norm_param_bwd(n.shape[0] == 2, has_res)
+    return [Step(step_name(n), "norm_param_bwd", k, (grid,), (block,),
+                 (exe.buf(n), exe.buf(dy), exe.buf(x), res, stats, np.int64(outer),
+                  np.int64(length), np.int64(inner)), {"bytes": 4 * x.size * (2 + has_res)})]
