@@ -126,7 +126,8 @@ def _softmax(x, axis):
 
 @pytest.mark.parametrize("op", ["softmax", "log_softmax"])
 @pytest.mark.parametrize("shape,axis", [((3, 5), -1), ((2, 3, 5), 1), ((3, 2, 4), 0),
-                                        ((2, 71), -1)])   # a row longer than the block
+                                        ((2, 71), -1),    # a row longer than the block
+                                        ((37, 3), -1)])   # short rows: blocks stride the rows
 def test_softmax_vjps(rng, op, shape, axis):
     g = rlx.Graph(f"d_{op}")
     feed, t = _inputs(g, rng, x=shape, r=shape)
@@ -154,7 +155,7 @@ def test_softmax_vjp_of_half_input(rng):
     np.testing.assert_allclose(got.astype(np.float64), want, atol=2e-3)
 
 
-# ---- layer_norm / rms_norm ------------------------------------------------------------------------
+# ---- layer_norm / rms_norm ---------------------------------------------------------------
 def _norm(op, x, gamma, beta, axis, eps):
     gshape = [1] * x.ndim
     gshape[axis] = -1
@@ -171,7 +172,8 @@ def _norm(op, x, gamma, beta, axis, eps):
 @pytest.mark.parametrize("shape,axis,beta,eps", [((3, 7), -1, True, 1e-5), ((2, 5), 1, False, 0.1),
                                                  ((2, 5, 3), 1, True, 1e-3),   # a middle axis
                                                  ((4, 2, 3), 0, False, 1e-5),
-                                                 ((2, 70), -1, True, 1e-5)])   # row > block
+                                                 ((2, 70), -1, True, 1e-5),    # row > block
+                                                 ((37, 3), -1, True, 1e-5)])   # many short rows
 def test_norm_vjps(rng, op, shape, axis, beta, eps):
     g = rlx.Graph(f"d_{op}")
     n = shape[axis]
@@ -180,9 +182,13 @@ def test_norm_vjps(rng, op, shape, axis, beta, eps):
     y = _weighted(g, getattr(g, op)(t["x"], t["gamma"], t["beta"] if beta else None, axis=axis,
                                     eps=eps), t["r"])
     wrt = {k: t[k] for k in ("x", "gamma") + (("beta",) if beta else ())}
+    first = len(g.nodes)
     check(g, y, wrt, feed,
           lambda x, gamma, beta, r, use=beta: float(
               (_norm(op, x, gamma, beta if use else None, axis, eps) * r).sum()))
+    bwd = [n.op for n in g.nodes[first:]]     # one row pass, one column reduction
+    assert bwd.count("norm_bwd") == 1 and bwd.count("norm_param_bwd") == 1
+    assert "reduce" not in bwd
 
 
 @pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
@@ -228,3 +234,74 @@ def test_rms_norm_dx_has_the_rms_cubed_term(rng):
     rms = np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
     want = dyv * gm / rms - x * (dyv * gm * x).mean(-1, keepdims=True) / rms ** 3
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_norm_vjp_of_half_input(rng):
+    """f16 x / gamma are decomposed to f32 by the builder; the gradients come back as f16."""
+    g = rlx.Graph("d_norm_f16")
+    x, gm = g.input("x", (3, 8), "f16"), g.input("gamma", (8,), "f16")
+    r = rng.standard_normal((3, 8)).astype(np.float32)
+    y = g.reduce_sum(g.cast(g.layer_norm(x, gm), "f32") * g.constant(r))
+    dx, dg = g.grad(y, [x, gm])
+    assert dx.dtype == dt.F16 and dg.dtype == dt.F16
+    g.set_outputs([dx, dg])
+    xv = rng.standard_normal((3, 8)).astype(np.float16)
+    gv = rng.standard_normal(8).astype(np.float16)
+    got_x, got_g = rlx.compile(g).run({"x": xv, "gamma": gv})
+    x64, g64 = xv.astype(np.float64), gv.astype(np.float64)
+    mu = x64.mean(-1, keepdims=True)
+    rstd = 1 / np.sqrt(((x64 - mu) ** 2).mean(-1, keepdims=True) + 1e-5)
+    xh = (x64 - mu) * rstd
+    gg = r * g64
+    want_x = rstd * (gg - gg.mean(-1, keepdims=True) - xh * (gg * xh).mean(-1, keepdims=True))
+    np.testing.assert_allclose(got_x.astype(np.float64), want_x, rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(got_g.astype(np.float64), (r * xh).sum(0), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_norm_bwd_builder_against_the_closed_form(rng, kind):
+    """g.norm_bwd on its own: (dh, dgamma, dbeta) of kind(x + residual) for a given dy, many
+    rows (the column reduction in several row chunks)."""
+    shape, eps = (9, 5), 1e-4
+    x, res, dyv = (rng.standard_normal(shape) for _ in range(3))
+    gm, bt = rng.standard_normal(5), rng.standard_normal(5)
+    g = rlx.Graph("norm_bwd")
+    xt, rt, dyt = g.input("x", shape), g.input("res", shape), g.input("dy", shape)
+    gt, bb = g.input("gamma", (5,)), g.input("beta", (5,))
+    dh, dgamma, dbeta = g.norm_bwd(kind, dyt, xt, gt, bb, axis=-1, eps=eps, residual=rt)
+    g.set_outputs([dh, dgamma, dbeta])
+    f32 = lambda v: v.astype(np.float32)
+    got = rlx.compile(g).run({"x": f32(x), "res": f32(res), "dy": f32(dyv), "gamma": f32(gm),
+                              "beta": f32(bt)})
+    h = x + res
+    mu = h.mean(-1, keepdims=True) if kind == "layer_norm" else 0.0
+    rstd = 1 / np.sqrt(((h - mu) ** 2).mean(-1, keepdims=True) + eps)
+    xh, gg = (h - mu) * rstd, dyv * gm
+    want = rstd * (gg - (gg.mean(-1, keepdims=True) if kind == "layer_norm" else 0.0)
+                   - xh * (gg * xh).mean(-1, keepdims=True))
+    for a, b in zip(got, (want, (dyv * xh).sum(0), dyv.sum(0))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_backward_builder_errors():
+    g = rlx.Graph("bad")
+    x, y = g.input("x", (3, 4)), g.input("y", (3, 5))
+    gm, i = g.input("gamma", (4,)), g.input("i", (3, 4), "i32")
+    with pytest.raises(ValueError,
+                       match=r"softmax_bwd: dy must have y's shape \[3, 5\], got \[3, 4\]"):
+        g.softmax_bwd(x, y)
+    with pytest.raises(ValueError, match=r"log_softmax_bwd: axis 2 is out of range for rank 2"):
+        g.softmax_bwd(y, y, axis=2, log=True)
+    with pytest.raises(ValueError, match=r"softmax_bwd: dy must be a float tensor, got i32"):
+        g.softmax_bwd(i, x)
+    with pytest.raises(ValueError, match=r"norm_bwd: kind must be 'layer_norm' or 'rms_norm'"):
+        g.norm_bwd("batch_norm", x, x, gm)
+    with pytest.raises(ValueError, match=r"rms_norm_bwd: gamma must have shape \[3\] \(x \[3, 4\] "
+                                         r"along axis 0\), got \[4\]"):
+        g.norm_bwd("rms_norm", x, x, gm, axis=0)
+    with pytest.raises(ValueError, match=r"layer_norm_bwd: dy must have x's shape \[3, 4\], got"):
+        g.norm_bwd("layer_norm", y, x, gm)
+    with pytest.raises(ValueError, match=r"layer_norm_bwd: residual must have x's shape"):
+        g.norm_bwd("layer_norm", x, x, gm, residual=y)
+    with pytest.raises(ValueError, match=r"layer_norm_bwd: eps must be a number >= 0, got -1"):
+        g.norm_bwd("layer_norm", x, x, gm, eps=-1)

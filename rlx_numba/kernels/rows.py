@@ -1,4 +1,5 @@
-"""Row kernels: softmax, log_softmax, layer_norm and rms_norm (with the fused residual).
+"""Row kernels: softmax, log_softmax, layer_norm and rms_norm (with the fused residual), and
+their backward kernels (softmax_bwd, norm_bwd, norm_param_bwd: at the end of the file).
 
 Three shapes of the same math, all f32:
 
@@ -383,37 +384,51 @@ def row_plan(cols_: int, softmaxish: bool):
 
 
 # ---- backward row kernels (the VJPs in ir/ops_norm.py) ------------------------------------------
-# Same [outer, n, inner] view as the forward: ``rowwise`` (inner == 1) puts one block on a row,
-# its threads striding the columns (coalesced) and reducing through ``group_reduce``; otherwise
-# one thread owns an (outer, inner) column, like ``cols``. Each reads its row twice: once for
-# the row sums, once to write dx.
+# Same [outer, n, inner] view as the forward: ``rowwise`` (inner == 1) puts a group of G
+# threads on a row (block // G rows a block, as rows_reg), its threads striding the columns
+# (coalesced) and reducing through ``group_reduce``; otherwise one thread owns an (outer,
+# inner) column, like ``cols``. Each reads its row twice: once for the row sums, once to
+# write dx.
+
+
+def bwd_group(n: int, block: int) -> int:
+    """Threads a row for the rowwise backward kernels: a power of two giving each about four
+    columns, at most the block."""
+    g = 1
+    while g < block and g * 4 < n:
+        g *= 2
+    return g
+
 
 @functools.lru_cache(maxsize=None)
-def softmax_bwd(kind, block, rowwise):
+def softmax_bwd(kind, block, g, rowwise):
     """dx of softmax (y = softmax: dx = y * (dy - sum(dy * y))) or log_softmax (y = log_softmax:
-    dx = dy - exp(y) * sum(dy)) along the axis."""
+    dx = dy - exp(y) * sum(dy)) along the axis; rowwise: G threads a row."""
     soft = kind == SOFTMAX
+    rpb = block // g
 
     @jit
     def kernel(dx, dy, y, outer, n, inner):
         if rowwise:
             smem = cuda.shared.array(SLOTS, float32)
             tid = cuda.threadIdx.x
-            row = cuda.blockIdx.x
-            while row < outer:            # uniform across the block: everyone reduces
+            lane = tid % g
+            r0 = cuda.blockIdx.x * rpb
+            while r0 < outer:            # uniform across the block: everyone reduces
+                row = r0 + tid // g
                 base = row * n
                 acc = ZERO
-                c = tid
+                c = lane if row < outer else n
                 while c < n:
                     acc += dy[base + c] * y[base + c] if soft else dy[base + c]
-                    c += block
-                s = group_reduce(acc, smem, block, SUM)
-                c = tid
+                    c += g
+                s = group_reduce(acc, smem, g, SUM)
+                c = lane if row < outer else n
                 while c < n:
                     i = base + c
                     dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
-                    c += block
-                row += cuda.gridDim.x
+                    c += g
+                r0 += cuda.gridDim.x * rpb
         else:
             t = cuda.grid(1)
             while t < outer * inner:
@@ -446,12 +461,14 @@ def _norm_bwd_stats(kind, p1, p2, p3, p4, k, n, eps):
 
 
 @functools.lru_cache(maxsize=None)
-def norm_bwd(kind, block, rowwise, has_res, write_stats):
+def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
     """dh of layer_norm / rms_norm (h = x + res with HAS_RES), gamma applied, beta irrelevant:
     layer_norm dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), rms_norm dh = rstd * (g -
     xhat * mean(g * xhat)) (its -h * mean(g * h) / rms^3 term), g = dy * gamma. With
-    WRITE_STATS each row's (mean, rstd) go to ``stats`` for the gamma / beta kernel."""
+    WRITE_STATS each row's (mean, rstd) go to ``stats`` for the gamma / beta kernel. Rowwise:
+    G threads a row."""
     ln = kind == LAYER_NORM
+    rpb = block // g
 
     @jit
     def kernel(dx, stats, dy, x, gamma, res, outer, n, inner, eps):
@@ -459,14 +476,17 @@ def norm_bwd(kind, block, rowwise, has_res, write_stats):
         if rowwise:
             smem = cuda.shared.array(SLOTS, float32)
             tid = cuda.threadIdx.x
-            row = cuda.blockIdx.x
-            while row < outer:
+            lane = tid % g
+            r0 = cuda.blockIdx.x * rpb
+            while r0 < outer:            # uniform across the block: everyone reduces
+                row = r0 + tid // g
+                ok = row < outer
                 base = row * n
                 k = ZERO
-                if ln:
+                if ln and ok:
                     k = x[base] + (res[base] if has_res else ZERO)
                 p1 = p2 = p3 = p4 = ZERO
-                c = tid
+                c = lane if ok else n
                 while c < n:
                     i = base + c
                     h = x[i] + (res[i] if has_res else ZERO) - k
@@ -475,23 +495,23 @@ def norm_bwd(kind, block, rowwise, has_res, write_stats):
                     p2 += h * h
                     p3 += gv
                     p4 += gv * h
-                    c += block
-                p2 = group_reduce(p2, smem, block, SUM)
-                p4 = group_reduce(p4, smem, block, SUM)
+                    c += g
+                p2 = group_reduce(p2, smem, g, SUM)
+                p4 = group_reduce(p4, smem, g, SUM)
                 if ln:
-                    p1 = group_reduce(p1, smem, block, SUM)
-                    p3 = group_reduce(p3, smem, block, SUM)
+                    p1 = group_reduce(p1, smem, g, SUM)
+                    p3 = group_reduce(p3, smem, g, SUM)
                 mean, rstd, mg, mgx = _norm_bwd_stats(kind, p1, p2, p3, p4, k, fn, eps)
-                if write_stats and tid == 0:
+                if write_stats and ok and lane == 0:
                     stats[2 * row] = mean
                     stats[2 * row + 1] = rstd
-                c = tid
+                c = lane if ok else n
                 while c < n:
                     i = base + c
                     xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
                     dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
-                    c += block
-                row += cuda.gridDim.x
+                    c += g
+                r0 += cuda.gridDim.x * rpb
         else:
             t = cuda.grid(1)
             while t < outer * inner:
@@ -523,28 +543,62 @@ def norm_bwd(kind, block, rowwise, has_res, write_stats):
 
 
 @functools.lru_cache(maxsize=None)
-def norm_param_bwd(has_beta, has_res):
-    """The column reduction of a norm's backward: out[c] = sum over the rows of dy * xhat
-    (d gamma) and, with HAS_BETA, out[n + c] = sum of dy (d beta), xhat recomputed from x
-    (+ res) and the (mean, rstd) that norm_bwd stored per row. One thread a column, walking
-    the rows in order (deterministic); consecutive threads read consecutive columns."""
+def norm_param_bwd(has_beta, has_res, lanes):
+    """The column reduction of a norm's backward, in partial sums: block (bx, by) sums the
+    rows by, by + P, ... (P = gridDim.y row chunks) of 32 columns: part[by, 0, c] = sum of
+    dy * xhat (d gamma), with HAS_BETA part[by, 1, c] = sum of dy (d beta), xhat recomputed
+    from x (+ res) and the (mean, rstd) norm_bwd stored per row. A block is 32 columns x
+    ``lanes`` rows: consecutive threads read consecutive columns, the lanes' sums are added
+    in shared memory in a fixed order (deterministic). ``norm_param_sum`` adds the P chunks."""
+    nt = 32 * lanes
+    w = 2 if has_beta else 1
+
     @jit
-    def kernel(out, dy, x, res, stats, outer, n, inner):
-        c = cuda.grid(1)
-        while c < n:
-            sg = ZERO
-            sb = ZERO
-            for o in range(outer):
-                for j in range(inner):
-                    i = (o * n + c) * inner + j
-                    r = o * inner + j
-                    xh = (x[i] + (res[i] if has_res else ZERO) - stats[2 * r]) * stats[2 * r + 1]
-                    d = dy[i]
-                    sg += d * xh
-                    sb += d
-            out[c] = sg
+    def kernel(part, dy, x, res, stats, outer, n, inner):
+        sg_s = cuda.shared.array(nt, float32)
+        sb_s = cuda.shared.array(nt, float32)
+        tid = cuda.threadIdx.x
+        tx = tid % 32
+        c = cuda.blockIdx.x * 32 + tx
+        rows_ = outer * inner
+        sg = ZERO
+        sb = ZERO
+        if c < n:
+            r = cuda.blockIdx.y * lanes + tid // 32
+            while r < rows_:
+                o = r // inner
+                i = (o * n + c) * inner + (r - o * inner)
+                xh = (x[i] + (res[i] if has_res else ZERO) - stats[2 * r]) * stats[2 * r + 1]
+                d = dy[i]
+                sg += d * xh
+                sb += d
+                r += cuda.gridDim.y * lanes
+        sg_s[tid] = sg
+        sb_s[tid] = sb
+        cuda.syncthreads()
+        if tid < 32 and c < n:
+            for k in range(1, lanes):
+                sg += sg_s[k * 32 + tid]
+                sb += sb_s[k * 32 + tid]
+            base = cuda.blockIdx.y * w * n
+            part[base + c] = sg
             if has_beta:
-                out[n + c] = sb
-            c += cuda.gridsize(1)
+                part[base + n + c] = sb
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def norm_param_sum():
+    """out[k] = the sum over the P chunks of part[p, k] (in order), k < w * n."""
+    @jit
+    def kernel(out, part, chunks, size):
+        k = cuda.grid(1)
+        while k < size:
+            s = ZERO
+            for p in range(chunks):
+                s += part[p * size + k]
+            out[k] = s
+            k += cuda.gridsize(1)
 
     return kernel
