@@ -8,7 +8,7 @@ import numpy as np
 
 from . import dtypes as dt
 from . import ops
-from .autodiff import sum_to, vjp
+from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
 from .ops_norm import NormOps
@@ -423,3 +423,82 @@ def _vjp_reshape(g, n, dy):
     if n.attrs.get("stop_gradient"):
         return [None]
     return [g.reshape(dy, _in(g, n).shape)]
+
+
+def _mT(g, t):
+    """t with its last two axes swapped (cuBLAS takes it as an op flag: no copy)."""
+    r = len(t.shape)
+    return g.transpose(t, tuple(range(r - 2)) + (r - 1, r - 2))
+
+
+def _product_fwd(g, a, b, bias):
+    """a @ b (+ bias), recomputed for an epilogue's backward."""
+    if len(b.shape) == 2:
+        return g.linear(a, b, bias)
+    z = g.matmul(a, b)
+    return z + bias if bias is not None else z
+
+
+@vjp("matmul", "linear")
+def _vjp_product(g, n, dy):
+    """y = epilogue(a @ b + bias) + residual, for a plain matmul, linear, and the fused
+    product nodes the fusion pass lowers (activation / has_bias / has_residual / gated
+    attrs). With a 2-D b (a weight) the products go through matmul_bias_activation_bwd
+    (leading dims folded into the rows, one GEMM each for d_a and d_b, and its
+    activation_grad kernel where it has one); other activations and the gated epilogue are
+    differentiated by their own VJPs on the recomputed pre-activation. A batched b gets
+    batched products, each gradient summed back over the broadcast batch dims."""
+    ins = [g.tensor(i) for i in n.inputs]
+    a, b, rest = ins[0], ins[1], ins[2:]
+    bias = rest.pop(0) if n.attrs.get("has_bias") else None
+    res = rest.pop(0) if n.attrs.get("has_residual") else None
+    act, gated = n.attrs.get("activation"), n.attrs.get("gated")
+    (dy,) = _in_f32(g, dy)
+    if math.prod(n.shape) == 0:
+        return [zeros(g, t.shape) for t in (a, b, bias) if t is not None] + \
+            ([dy] if res is not None else [])     # empty products: nothing to multiply
+    flat = len(a.shape) == 1            # linear's x may be a vector
+    a2 = g.reshape(a, (1,) + a.shape) if flat else a
+    dz = g.reshape(dy, (1,) + dy.shape) if flat else dy
+    kernel_act = None
+    if gated is not None:    # the fold's gated epilogue is interleaved (passes/fusion.py)
+        h = g.gated(_product_fwd(g, a2, b, bias), gated, interleaved=True)
+        dz = _vjp_gated(g, h.node, dz)[0]
+    elif act is not None:
+        if len(b.shape) == 2 and act in _ACT_GRAD:
+            kernel_act = act     # matmul_bias_activation_bwd recomputes z and applies f'
+        else:
+            h = g.activation(act, _product_fwd(g, a2, b, bias))
+            dz = _vjp_activation(g, h.node, dz)[0]
+    if len(b.shape) == 2:
+        da, db, dbias = g.matmul_bias_activation_bwd(dz, a2, b, bias, kernel_act)
+    else:
+        da = sum_to(g, g.matmul(dz, _mT(g, b)), a2.shape)
+        db = sum_to(g, g.matmul(_mT(g, a2), dz), b.shape)
+        dbias = sum_to(g, dz, bias.shape) if bias is not None else None
+    if flat:
+        da = g.reshape(da, a.shape)
+    return [da, db] + ([dbias] if bias is not None else []) + ([dy] if res is not None else [])
+
+
+@vjp("gated")
+def _vjp_gated(g, n, dy):
+    """d gate = dy * up * f'(gate) (the activation's VJP), d up = dy * f(gate), written back
+    to the halves or the even / odd entries of x's last axis."""
+    x = _in(g, n)
+    if not x.dtype.is_float:
+        return [None]
+    dy, xf = _in_f32(g, dy, x)
+    act, m, lead = n.attrs["activation"], n.shape[-1], tuple(x.shape[:-1])
+    if n.attrs["interleaved"]:
+        x3 = g.reshape(xf, lead + (m, 2))
+        gate, up = (g.reshape(g.narrow(x3, -1, k, 1), lead + (m,)) for k in (0, 1))
+    else:
+        gate, up = g.narrow(xf, -1, 0, m), g.narrow(xf, -1, m, m)
+    h = g.activation(act, gate)
+    d_gate = _vjp_activation(g, h.node, dy * up)[0]
+    d_up = dy * h
+    if n.attrs["interleaved"]:
+        col = lead + (m, 1)
+        return [g.reshape(g.concat([g.reshape(d_gate, col), g.reshape(d_up, col)], -1), x.shape)]
+    return [g.concat([d_gate, d_up], -1)]

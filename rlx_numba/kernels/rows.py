@@ -1,4 +1,5 @@
-"""Row kernels: softmax, log_softmax, layer_norm and rms_norm (with the fused residual).
+"""Row kernels: softmax, log_softmax, layer_norm and rms_norm (with the fused residual), and
+their backward kernels (softmax_bwd, norm_bwd, norm_param_bwd: at the end of the file).
 
 Three shapes of the same math, all f32:
 
@@ -380,3 +381,224 @@ def row_plan(cols_: int, softmaxish: bool):
     block = max(g, 32 if SIMULATOR else 256)
     per_sm = 1024 // block
     return g, vpt, block, softmaxish, 2 * per_sm if softmaxish else 16 * per_sm
+
+
+# ---- backward row kernels (the VJPs in ir/ops_norm.py) ------------------------------------------
+# Same [outer, n, inner] view as the forward: ``rowwise`` (inner == 1) puts a group of G
+# threads on a row (block // G rows a block, as rows_reg), its threads striding the columns
+# (coalesced) and reducing through ``group_reduce``; otherwise one thread owns an (outer,
+# inner) column, like ``cols``. Each reads its row twice: once for the row sums, once to
+# write dx.
+
+
+def bwd_group(n: int, block: int) -> int:
+    """Threads a row for the rowwise backward kernels: a power of two giving each about four
+    columns, at most the block."""
+    g = 1
+    while g < block and g * 4 < n:
+        g *= 2
+    return g
+
+
+@functools.lru_cache(maxsize=None)
+def softmax_bwd(kind, block, g, rowwise):
+    """dx of softmax (y = softmax: dx = y * (dy - sum(dy * y))) or log_softmax (y = log_softmax:
+    dx = dy - exp(y) * sum(dy)) along the axis; rowwise: G threads a row."""
+    soft = kind == SOFTMAX
+    rpb = block // g
+
+    @jit
+    def kernel(dx, dy, y, outer, n, inner):
+        if rowwise:
+            smem = cuda.shared.array(SLOTS, float32)
+            tid = cuda.threadIdx.x
+            lane = tid % g
+            r0 = cuda.blockIdx.x * rpb
+            while r0 < outer:            # uniform across the block: everyone reduces
+                row = r0 + tid // g
+                base = row * n
+                acc = ZERO
+                c = lane if row < outer else n
+                while c < n:
+                    acc += dy[base + c] * y[base + c] if soft else dy[base + c]
+                    c += g
+                s = group_reduce(acc, smem, g, SUM)
+                c = lane if row < outer else n
+                while c < n:
+                    i = base + c
+                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                    c += g
+                r0 += cuda.gridDim.x * rpb
+        else:
+            t = cuda.grid(1)
+            while t < outer * inner:
+                o = t // inner
+                base = o * n * inner + (t - o * inner)
+                s = ZERO
+                for c in range(n):
+                    i = base + c * inner
+                    s += dy[i] * y[i] if soft else dy[i]
+                for c in range(n):
+                    i = base + c * inner
+                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                t += cuda.gridsize(1)
+
+    return kernel
+
+
+@cuda.jit(device=True)
+def _norm_bwd_stats(kind, p1, p2, p3, p4, k, n, eps):
+    """(mean, rstd, mean(g), mean(g * xhat)) of a row from its sums: layer_norm p1 = sum(h-k),
+    p2 = sum((h-k)^2), p3 = sum(g), p4 = sum(g*(h-k)) (shifted by the row's first value k, so
+    the variance keeps its digits); rms_norm p2 = sum(h^2), p4 = sum(g*h). g = dy * gamma."""
+    if kind == LAYER_NORM:
+        m1 = p1 / n
+        rstd = ONE / m.sqrt(max(p2 / n - m1 * m1, ZERO) + eps)
+        mg = p3 / n
+        return k + m1, rstd, mg, (p4 / n - m1 * mg) * rstd
+    rstd = ONE / m.sqrt(p2 / n + eps)
+    return ZERO, rstd, ZERO, p4 / n * rstd
+
+
+@functools.lru_cache(maxsize=None)
+def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
+    """dh of layer_norm / rms_norm (h = x + res with HAS_RES), gamma applied, beta irrelevant:
+    layer_norm dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), rms_norm dh = rstd * (g -
+    xhat * mean(g * xhat)) (its -h * mean(g * h) / rms^3 term), g = dy * gamma. With
+    WRITE_STATS each row's (mean, rstd) go to ``stats`` for the gamma / beta kernel. Rowwise:
+    G threads a row."""
+    ln = kind == LAYER_NORM
+    rpb = block // g
+
+    @jit
+    def kernel(dx, stats, dy, x, gamma, res, outer, n, inner, eps):
+        fn = float32(n)
+        if rowwise:
+            smem = cuda.shared.array(SLOTS, float32)
+            tid = cuda.threadIdx.x
+            lane = tid % g
+            r0 = cuda.blockIdx.x * rpb
+            while r0 < outer:            # uniform across the block: everyone reduces
+                row = r0 + tid // g
+                ok = row < outer
+                base = row * n
+                k = ZERO
+                if ln and ok:
+                    k = x[base] + (res[base] if has_res else ZERO)
+                p1 = p2 = p3 = p4 = ZERO
+                c = lane if ok else n
+                while c < n:
+                    i = base + c
+                    h = x[i] + (res[i] if has_res else ZERO) - k
+                    gv = dy[i] * gamma[c]
+                    p1 += h
+                    p2 += h * h
+                    p3 += gv
+                    p4 += gv * h
+                    c += g
+                p2 = group_reduce(p2, smem, g, SUM)
+                p4 = group_reduce(p4, smem, g, SUM)
+                if ln:
+                    p1 = group_reduce(p1, smem, g, SUM)
+                    p3 = group_reduce(p3, smem, g, SUM)
+                mean, rstd, mg, mgx = _norm_bwd_stats(kind, p1, p2, p3, p4, k, fn, eps)
+                if write_stats and ok and lane == 0:
+                    stats[2 * row] = mean
+                    stats[2 * row + 1] = rstd
+                c = lane if ok else n
+                while c < n:
+                    i = base + c
+                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
+                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                    c += g
+                r0 += cuda.gridDim.x * rpb
+        else:
+            t = cuda.grid(1)
+            while t < outer * inner:
+                o = t // inner
+                base = o * n * inner + (t - o * inner)
+                k = ZERO
+                if ln:
+                    k = x[base] + (res[base] if has_res else ZERO)
+                p1 = p2 = p3 = p4 = ZERO
+                for c in range(n):
+                    i = base + c * inner
+                    h = x[i] + (res[i] if has_res else ZERO) - k
+                    gv = dy[i] * gamma[c]
+                    p1 += h
+                    p2 += h * h
+                    p3 += gv
+                    p4 += gv * h
+                mean, rstd, mg, mgx = _norm_bwd_stats(kind, p1, p2, p3, p4, k, fn, eps)
+                if write_stats:
+                    stats[2 * t] = mean
+                    stats[2 * t + 1] = rstd
+                for c in range(n):
+                    i = base + c * inner
+                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
+                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                t += cuda.gridsize(1)
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def norm_param_bwd(has_beta, has_res, lanes):
+    """The column reduction of a norm's backward, in partial sums: block (bx, by) sums the
+    rows by, by + P, ... (P = gridDim.y row chunks) of 32 columns: part[by, 0, c] = sum of
+    dy * xhat (d gamma), with HAS_BETA part[by, 1, c] = sum of dy (d beta), xhat recomputed
+    from x (+ res) and the (mean, rstd) norm_bwd stored per row. A block is 32 columns x
+    ``lanes`` rows: consecutive threads read consecutive columns, the lanes' sums are added
+    in shared memory in a fixed order (deterministic). ``norm_param_sum`` adds the P chunks."""
+    nt = 32 * lanes
+    w = 2 if has_beta else 1
+
+    @jit
+    def kernel(part, dy, x, res, stats, outer, n, inner):
+        sg_s = cuda.shared.array(nt, float32)
+        sb_s = cuda.shared.array(nt, float32)
+        tid = cuda.threadIdx.x
+        tx = tid % 32
+        c = cuda.blockIdx.x * 32 + tx
+        rows_ = outer * inner
+        sg = ZERO
+        sb = ZERO
+        if c < n:
+            r = cuda.blockIdx.y * lanes + tid // 32
+            while r < rows_:
+                o = r // inner
+                i = (o * n + c) * inner + (r - o * inner)
+                xh = (x[i] + (res[i] if has_res else ZERO) - stats[2 * r]) * stats[2 * r + 1]
+                d = dy[i]
+                sg += d * xh
+                sb += d
+                r += cuda.gridDim.y * lanes
+        sg_s[tid] = sg
+        sb_s[tid] = sb
+        cuda.syncthreads()
+        if tid < 32 and c < n:
+            for k in range(1, lanes):
+                sg += sg_s[k * 32 + tid]
+                sb += sb_s[k * 32 + tid]
+            base = cuda.blockIdx.y * w * n
+            part[base + c] = sg
+            if has_beta:
+                part[base + n + c] = sb
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def norm_param_sum():
+    """out[k] = the sum over the P chunks of part[p, k] (in order), k < w * n."""
+    @jit
+    def kernel(out, part, chunks, size):
+        k = cuda.grid(1)
+        while k < size:
+            s = ZERO
+            for p in range(chunks):
+                s += part[p * size + k]
+            out[k] = s
+            k += cuda.gridsize(1)
+
+    return kernel

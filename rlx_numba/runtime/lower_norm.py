@@ -1,4 +1,5 @@
-"""Lowerings of softmax, log_softmax, layer_norm, rms_norm (kernels/rows.py)."""
+"""Lowerings of softmax, log_softmax, layer_norm, rms_norm and their backward ops
+softmax_bwd, norm_bwd, norm_param_bwd (kernels/rows.py)."""
 from __future__ import annotations
 
 import math
@@ -81,3 +82,95 @@ def _bytes(size, flags):
 @lowering("residual_sum")
 def _lower_residual_sum(exe, n):
     return []   # written by the norm's kernel (see _lower_rows)
+
+
+# ---- backward row ops (ir/ops_norm.py VJPs; kernels at the end of kernels/rows.py) -----------
+def _bwd_geometry(shape, axis):
+    """(outer, n, inner, rowwise, grid, block, group) of a backward row kernel over ``axis``:
+    rows of the last axis get ``group`` threads each (rows.bwd_group), block // group rows a
+    block, the grid striding over the rest; other axes one thread a column."""
+    outer, n, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
+    block = 32 if SIMULATOR else 256
+    cap = 2 if SIMULATOR else sm_count() * 8
+    if inner == 1:
+        group = rows.bwd_group(n, block)
+        return outer, n, inner, True, max(1, min(-(-outer // (block // group)), cap)), block, group
+    return outer, n, inner, False, max(1, min(-(-(outer * inner) // block), cap)), block, 1
+
+
+@lowering("softmax_bwd")
+def _lower_softmax_bwd(exe, n):
+    dy, y = (exe.graph.nodes[i] for i in n.inputs)
+    if y.size == 0:
+        return []
+    outer, length, inner, rowwise, grid, block, group = _bwd_geometry(y.shape, n.attrs["axis"])
+    k = rows.softmax_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise)
+    label = f"softmax_bwd rows g={group}" if rowwise else "softmax_bwd cols"
+    return [Step(step_name(n), label, k, (grid,),
+                 (block,), (exe.buf(n), exe.buf(dy), exe.buf(y), np.int64(outer),
+                            np.int64(length), np.int64(inner)), {"bytes": 4 * y.size * 5})]
+
+
+@lowering("norm_bwd")
+def _lower_norm_bwd(exe, n):
+    g = exe.graph
+    dy, x, gamma = (g.nodes[i] for i in n.inputs[:3])
+    if x.size == 0:
+        return []
+    has_res = n.attrs["has_residual"]
+    res = exe.buf(n.inputs[3]) if has_res else _dummy(exe)
+    stats, write = _dummy(exe), False
+    for m in g.nodes:   # a live norm_bwd_stats of this node: the kernel stores each row's stats
+        if m.op == "norm_bwd_stats" and m.inputs[0] == n.id and m.id in exe._live:
+            stats, write = exe.buf(m), True
+    outer, length, inner, rowwise, grid, block, group = _bwd_geometry(x.shape, n.attrs["axis"])
+    k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write)
+    label = f"norm_bwd rows g={group}" if rowwise else "norm_bwd cols"
+    return [Step(step_name(n), label, k, (grid,), (block,),
+                 (exe.buf(n), stats, exe.buf(dy), exe.buf(x), exe.buf(gamma), res,
+                  np.int64(outer), np.int64(length), np.int64(inner),
+                  np.float32(n.attrs["eps"])),
+                 {"bytes": 4 * x.size * (5 + 2 * has_res)})]
+
+
+@lowering("norm_bwd_stats")
+def _lower_norm_bwd_stats(exe, n):
+    return []   # written by the norm_bwd kernel (see _lower_norm_bwd)
+
+
+@lowering("norm_param_bwd")
+def _lower_norm_param_bwd(exe, n):
+    """Partial column sums over P row chunks (a grid of 32-column tiles x P, enough blocks to
+    fill the GPU), then one kernel adding the chunks; P = 1 writes the result directly."""
+    g = exe.graph
+    dy, x = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
+    has_res = n.attrs["has_residual"]
+    res = exe.buf(n.inputs[2]) if has_res else _dummy(exe)
+    stats = exe.buf(n.inputs[-1])
+    axis = n.attrs["axis"]
+    outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
+    if length == 0:
+        return []
+    rows_, size = outer * inner, n.size
+    lanes = 2 if SIMULATOR else 8
+    tiles = -(-length // 32)
+    if SIMULATOR:   # two chunks whenever there are rows for them, so both kernels run
+        chunks = max(1, min(2, -(-rows_ // lanes)))
+    else:           # ~8 blocks an SM, each chunk at least 16 rows a lane
+        chunks = max(1, min(-(-sm_count() * 8 // tiles), -(-rows_ // (lanes * 16))))
+    name = step_name(n)
+    args = (exe.buf(dy), exe.buf(x), res, stats, np.int64(outer), np.int64(length),
+            np.int64(inner))
+    k = rows.norm_param_bwd(n.shape[0] == 2, has_res, lanes)
+    info = {"bytes": 4 * x.size * (2 + has_res)}
+    if chunks == 1:
+        return [Step(name, "norm_param_bwd", k, (tiles, 1), (32 * lanes,), (exe.buf(n),) + args,
+                     info)]
+    part = exe.device_array(np.zeros(chunks * size, np.float32))
+    threads = 32 if SIMULATOR else 256
+    return [Step(name, f"norm_param_bwd chunks={chunks}", k, (tiles, chunks), (32 * lanes,),
+                 (part,) + args, info),
+            Step(name, "norm_param_sum", rows.norm_param_sum(), (max(1, min(-(-size // threads),
+                 2 if SIMULATOR else sm_count() * 4)),), (threads,),
+                 (exe.buf(n), part, np.int64(chunks), np.int64(size)),
+                 {"bytes": 4 * size * (chunks + 1)})]
