@@ -295,8 +295,9 @@ class TrainMemoryReport(MemoryReport):
 
 class Trainer:
     """What ``compile_train`` returns: ``step(inputs) -> loss``, ``set_param``, ``get_param``,
-    ``set_lr``, ``memory_report()``; ``exe`` is the compiled executable (its graph, ``.graph``,
-    is the training copy with the backward), ``params`` the names of the trained params."""
+    ``set_lr``, ``optimizer_state(name)``, ``memory_report()``, ``profile(inputs)``; ``exe`` is
+    the compiled executable (its graph, ``.graph``, is the training copy with the backward; it
+    takes one more input, HYPER, which ``step`` fills), ``params`` the trained params' names."""
 
     def __init__(self, g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm):
         self.exe, self.graph, self.optimizer = exe, tg, optimizer
@@ -311,13 +312,24 @@ class Trainer:
     # ---- training ------------------------------------------------------------------------------
     def step(self, inputs: dict | None = None) -> float:
         """Forward, backward and update once; returns this step's loss (before the update)."""
-        inputs = dict(inputs or {})
-        if HYPER in inputs:
-            raise ValueError(f"step: input name {HYPER!r} is reserved for the optimizer")
-        inputs[HYPER] = self.optimizer.hyper(self._lr, self.steps_done + 1)
-        loss = self.exe.run(inputs, outputs="view")[0]
+        loss = self.exe.run(self._with_hyper(inputs, "step"), outputs="view")[0]
         self.steps_done += 1
         return float(loss.copy_to_host().reshape(-1)[0])
+
+    def profile(self, inputs: dict | None = None, warmup: int = 1):
+        """``exe.profile`` of the train step (a table per step, the update's included). Every
+        run of it trains: warmup + 2 steps (warmup + 1 without warmup), all with the per-step
+        values of the next step, and counted in ``steps_done``."""
+        prof = self.exe.profile(self._with_hyper(inputs, "profile"), warmup)
+        self.steps_done += warmup + (2 if warmup else 1)
+        return prof
+
+    def _with_hyper(self, inputs, what):
+        inputs = dict(inputs or {})
+        if HYPER in inputs:
+            raise ValueError(f"{what}: input name {HYPER!r} is reserved for the optimizer")
+        inputs[HYPER] = self.optimizer.hyper(self._lr, self.steps_done + 1)
+        return inputs
 
     @property
     def lr(self) -> float:

@@ -314,6 +314,11 @@ def test_memory_report_and_repr(rng):
     assert 0 < r["saved_for_backward_bytes"] <= r["arena_bytes"]
     assert "optimizer state" in str(r) and "saved for bwd" in str(r)
     assert "AdamW" in repr(tr) and "2 params" in repr(tr)
+    tr.set_param("w", rng.standard_normal((7, 9)).astype(np.float32))
+    tr.set_param("b", np.zeros(9, np.float32))
+    x, t = _batches(rng, 1)[0]
+    prof = tr.profile({"x": x, "t": t})
+    assert tr.steps_done == 3 and "adam_update" in str(prof) and "grad_sumsq" in str(prof)
 
 
 # ---- errors -----------------------------------------------------------------------------------
