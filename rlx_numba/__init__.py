@@ -6,6 +6,8 @@ from .ir.graph import Graph, Node, Tensor
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode
 from .compiler import compile, eager
 from .runtime.params import ParamStore
+from . import optim
+from .train import Trainer, compile_train
 
 if simulator_enabled():
     patch_simulator()
@@ -13,4 +15,5 @@ if simulator_enabled():
 __version__ = "0.1.0"
 
 __all__ = ["is_available", "simulator_enabled", "DType", "dtype", "Graph", "Node", "Tensor",
-           "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "ParamStore", "__version__"]
+           "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "ParamStore", "optim",
+           "compile_train", "Trainer", "__version__"]
