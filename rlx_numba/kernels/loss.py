@@ -86,7 +86,10 @@ def ce_forward(block: int):
                 elif lab < 0 or lab >= c:
                     loss[r] = NAN
                 else:
-                    loss[r] = top + m.log(s) - keep * picked - per_class * sx
+                    v = top + m.log(s) - keep * picked
+                    if eps != ZERO:        # (0 * the -inf sum of masked logits is NaN)
+                        v -= per_class * sx
+                    loss[r] = v
             r += cuda.gridDim.x
     return kernel
 
