@@ -176,3 +176,17 @@ def test_rope_kv_write_refuses_gradient():
     q, k, v = g.rope_kv_write(qkv, cos, sin, kc, vc, 0, num_heads=1, num_kv_heads=1)
     with pytest.raises(ValueError, match="rope_kv_write .* has no gradient"):
         g.grad(g.reduce_sum(q), [qkv])
+
+
+def test_rope_vjp_constant_tables(rng):
+    """The usual constant cos / sin tables: only dx is built (no table gradient nodes)."""
+    x, r = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 3, 4))
+    ang = np.arange(5)[:, None] * np.array([1.0, 0.1])
+    g, t = _graph("dRc", x=x.shape, r=r.shape)
+    cos, sin = g.constant(np.cos(ang).astype(np.float32)), g.constant(np.sin(ang).astype(np.float32))
+    y = g.reduce_sum(g.rope(t["x"], cos, sin, interleaved=True, position_offset=1) * t["r"])
+    before = len(g.nodes)
+    check(g, y, {"x": t["x"]}, {"x": x, "r": r},
+          lambda x, r: float((_rope_np(x, np.cos(ang), np.sin(ang), 4, True, np.arange(1, 4))
+                              * r).sum()))
+    assert not any(n.op == "scatter_add" or n.op == "concat" for n in g.nodes[before:])

@@ -315,6 +315,9 @@ def _vjp_rope(g, n, dy):
     a = n.attrs
     nr, inter, off = a["n_rot"], a["interleaved"], a["position_offset"]
     dx = g.rope(dy, cos, -sin, n_rot=nr, interleaved=inter, position_offset=off, positions=pos)
+    rest = [None] if pos is not None else []
+    if cos.node.op == "constant" and sin.node.op == "constant":    # the usual tables
+        return [dx, None, None] + rest
     x0, x1 = _pairs(g, x, nr, inter)
     d0, d1 = _pairs(g, dy, nr, inter)
     half, max_pos = nr // 2, cos.shape[0]
@@ -339,7 +342,7 @@ def _vjp_rope(g, n, dy):
             p = g.reshape(pos, (pos.shape[0] * (pos.shape[1] if len(pos.shape) == 2 else 1),))
             p = g.min(g.max(p, 0), max_pos - 1)
             out.append(g.scatter_add(zeros(g, (max_pos, half)), p, per_pos, 0))
-    return [dx, out[0], out[1]] + ([None] if pos is not None else [])
+    return [dx, out[0], out[1]] + rest
 
 
 def _no_gradient(why):

@@ -30,7 +30,7 @@ if SIMULATOR:   # numba's types as converters cost ~2 us a call in the simulator
 DOMAIN = 0x524C5801       # counter word 3 of dropout / random ("RLX", 1)
 UNIFORM, NORMAL = 0, 1
 
-_U0 = uint64(0)
+_UNIFORM = uint64(UNIFORM)
 _U32 = uint64(0xFFFFFFFF)
 _S32 = uint64(32)
 _S8 = uint64(8)
@@ -140,7 +140,7 @@ def random_kernel(out, seed, stream, n, dist):
     while j < nb:
         w0, w1, w2, w3 = _block(j, stream, seed)
         i = j << uint64(2)
-        if dist == UNIFORM:
+        if dist == _UNIFORM:
             if i < n:
                 out[i] = _unit(w0)
             if i + uint64(1) < n:
