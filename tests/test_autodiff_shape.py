@@ -139,7 +139,7 @@ def test_rope_vjp_positions(rng, per_row):
     b, s, d, max_pos = 2, 4, 4, 5
     x = rng.standard_normal((b, s, d))
     cos, sin = rng.standard_normal((max_pos, 2)), rng.standard_normal((max_pos, 2))
-    pos = np.array([[3, 0, 3, 1], [4, 4, 2, 0]], np.int32) if per_row else np.array([2, 0, 2, 4], np.int32)
+    pos = np.array([[3, 0, 3, 1], [4, 4, 2, 0]] if per_row else [2, 0, 2, 4], np.int32)
     r = rng.standard_normal(x.shape)
     g, t = _graph("dRp", x=x.shape, cos=cos.shape, sin=sin.shape, r=r.shape)
     pt = g.input("pos", pos.shape, "i32")
@@ -183,7 +183,8 @@ def test_rope_vjp_constant_tables(rng):
     x, r = rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 2, 3, 4))
     ang = np.arange(5)[:, None] * np.array([1.0, 0.1])
     g, t = _graph("dRc", x=x.shape, r=r.shape)
-    cos, sin = g.constant(np.cos(ang).astype(np.float32)), g.constant(np.sin(ang).astype(np.float32))
+    cos = g.constant(np.cos(ang).astype(np.float32))
+    sin = g.constant(np.sin(ang).astype(np.float32))
     y = g.reduce_sum(g.rope(t["x"], cos, sin, interleaved=True, position_offset=1) * t["r"])
     before = len(g.nodes)
     check(g, y, {"x": t["x"]}, {"x": x, "r": r},

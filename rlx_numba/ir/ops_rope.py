@@ -290,7 +290,7 @@ class RopeOps:
         return q, k_all, v_all
 
 
-# ---- VJPs (ir/autodiff.py) ------------------------------------------------------------------------
+# ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
 def _pairs(g, t, nr, interleaved):
     """(first, second) halves of the rotated pairs of t [..., D]: [..., nr/2] each."""
     lead, half = tuple(t.shape[:-1]), nr // 2

@@ -231,7 +231,7 @@ class ShapeOps:
         return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis)
 
 
-# ---- VJPs (ir/autodiff.py) ------------------------------------------------------------------------
+# ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
 def _f32(g, t):
     return t if t.dtype == dt.F32 else g.cast(t, dt.F32)
 
