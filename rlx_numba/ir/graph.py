@@ -11,7 +11,9 @@ from . import ops
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_loss import LossOps
 from .ops_norm import NormOps
+from .ops_random import RandomOps
 from .ops_reduce import ReduceOps
 from .ops_rope import RopeOps
 from .ops_sample import SampleOps
@@ -100,7 +102,7 @@ class Tensor:
         raise TypeError("a graph Tensor has no truth value (it is computed when the graph runs)")
 
 
-class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps):
+class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import operator
 
 from . import dtypes as dt
+from .autodiff import vjp, zeros
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
@@ -287,3 +288,76 @@ class RopeOps:
         k_all = self._add("kv_written", (k_cache, q), k_cache.shape, dt.F32)
         v_all = self._add("kv_written", (v_cache, q), v_cache.shape, dt.F32)
         return q, k_all, v_all
+
+
+# ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
+def _pairs(g, t, nr, interleaved):
+    """(first, second) halves of the rotated pairs of t [..., D]: [..., nr/2] each."""
+    lead, half = tuple(t.shape[:-1]), nr // 2
+    r = g.narrow(t, -1, 0, nr) if nr != t.shape[-1] else t
+    if not interleaved:
+        return g.narrow(r, -1, 0, half), g.narrow(r, -1, half, half)
+    r = g.reshape(r, lead + (half, 2))
+    return (g.reshape(g.narrow(r, -1, 0, 1), lead + (half,)),
+            g.reshape(g.narrow(r, -1, 1, 1), lead + (half,)))
+
+
+@vjp("rope")
+def _vjp_rope(g, n, dy):
+    """dx: dy rotated by the opposite angle (rope with -sin: the rotation's transpose), the
+    pass-through dims unchanged. d cos / d sin: per token dy0 x0 + dy1 x1 and dy1 x0 - dy0 x1,
+    summed over batch and heads, then added into the table rows of the token positions (a
+    slice for position_offset, a scatter_add for a positions tensor, clamped to the table
+    as the forward clamps)."""
+    ins = [g.tensor(i) for i in n.inputs]
+    x, cos, sin = ins[:3]
+    pos = ins[3] if len(ins) > 3 else None
+    a = n.attrs
+    nr, inter, off = a["n_rot"], a["interleaved"], a["position_offset"]
+    dx = g.rope(dy, cos, -sin, n_rot=nr, interleaved=inter, position_offset=off, positions=pos)
+    rest = [None] if pos is not None else []
+    if cos.node.op == "constant" and sin.node.op == "constant":    # the usual tables
+        return [dx, None, None] + rest
+    x0, x1 = _pairs(g, x, nr, inter)
+    d0, d1 = _pairs(g, dy, nr, inter)
+    half, max_pos = nr // 2, cos.shape[0]
+    b, s = x.shape[0], x.shape[-2]
+    heads = (1,) if len(x.shape) == 4 else ()
+    out = []
+    for per_tok in (d0 * x0 + d1 * x1, d1 * x0 - d0 * x1):      # [B, (H,) S, half]
+        if heads:
+            per_tok = g.reduce_sum(per_tok, 1)                    # [B, S, half]
+        if pos is None or len(pos.shape) == 1:
+            per_pos = g.reduce_sum(per_tok, 0)                    # [S, half]
+        else:
+            per_pos = g.reshape(per_tok, (b * s, half))
+        if pos is None:
+            parts = [per_pos]
+            if off:
+                parts.insert(0, zeros(g, (off, half)))
+            if max_pos - off - s:
+                parts.append(zeros(g, (max_pos - off - s, half)))
+            out.append(g.concat(parts, 0) if len(parts) > 1 else per_pos)
+        else:
+            p = g.reshape(pos, (pos.shape[0] * (pos.shape[1] if len(pos.shape) == 2 else 1),))
+            p = g.min(g.max(p, 0), max_pos - 1)
+            out.append(g.scatter_add(zeros(g, (max_pos, half)), p, per_pos, 0))
+    return [dx, out[0], out[1]] + rest
+
+
+def _no_gradient(why):
+    def fn(g, n, dy):
+        raise ValueError(f"grad: op {n.op} (%{n.id} {fmt(n.shape)}) has no gradient: {why}")
+    return fn
+
+
+# In-place cache writes carry no gradient: the cache's old contents are gone (and a param
+# cache is rewritten by every run), so no gradient can reach the values it held. Raised only
+# when a gradient has to flow through one (train on the prefill path: attention over the
+# fresh k/v, no cache).
+vjp("kv_write", "kv_written")(_no_gradient(
+    "it writes a KV cache in place; differentiate a graph without the cache (attention over "
+    "the new k / v themselves)"))
+vjp("rope_kv_write")(_no_gradient(
+    "it writes the KV caches in place; build training graphs from rope, attention and "
+    "separate q / k / v instead"))

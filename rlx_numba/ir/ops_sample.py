@@ -19,6 +19,7 @@ import numbers
 import numpy as np
 
 from . import dtypes as dt
+from .autodiff import vjp, zeros
 from .ops import fmt, normalize_axis
 
 MAX_ROW = 2**32 - 2     # indices are packed into 32 bits of the kernels' sort keys
@@ -147,3 +148,18 @@ class SampleOps:
         return self._add("sample", ins, tuple(logits.shape[:-1]), dt.I64,
                          temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed if seed_t is None else None)
+
+
+# ---- VJPs (ir/autodiff.py); topk's indices and sample's ids are integers: no gradient ----------
+@vjp("topk_values")
+def _vjp_topk_values(g, n, dy):
+    """dy scattered back to the k chosen positions of each row (torch.topk's values
+    gradient); rows are flattened so one scatter_add does every row."""
+    xt, idx = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
+    length, k = xt.shape[-1], idx.shape[-1]
+    rows = math.prod(xt.shape[:-1])
+    base = g.constant((np.arange(rows, dtype=np.int64) * length).reshape(idx.shape[:-1] + (1,)))
+    flat = g.reshape(idx + base, (rows * k,))
+    d = dy if dy.dtype == dt.F32 else g.cast(dy, dt.F32)
+    dx = g.scatter_add(zeros(g, (rows * length,)), flat, g.reshape(d, (rows * k,)), 0)
+    return [g.reshape(dx, xt.shape), None]

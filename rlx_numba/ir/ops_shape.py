@@ -9,6 +9,7 @@ import math
 import operator
 
 from . import dtypes as dt
+from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
@@ -228,3 +229,82 @@ class ShapeOps:
         self._check("scatter_add", "updates", updates)
         shape, d, axis = infer_scatter_add(target, indices, updates, axis)
         return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis)
+
+
+# ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
+def _f32(g, t):
+    return t if t.dtype == dt.F32 else g.cast(t, dt.F32)
+
+
+@vjp("transpose")
+def _vjp_transpose(g, n, dy):
+    """dy moved back by the inverse permutation."""
+    perm = n.attrs["perm"]
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return [g.transpose(dy, inv)]
+
+
+@vjp("narrow")
+def _vjp_narrow(g, n, dy):
+    """dy in its slice of a zero tensor of x's shape: zeros before and after, concatenated
+    (no zero block is built where the slice touches an end)."""
+    x = g.tensor(n.inputs[0])
+    axis, start, length = n.attrs["axis"], n.attrs["start"], n.attrs["length"]
+    parts = []
+    for size in (start, None, x.shape[axis] - start - length):
+        if size is None:
+            parts.append(dy)
+        elif size:
+            shape = list(x.shape)
+            shape[axis] = size
+            parts.append(zeros(g, shape, dy.dtype))
+    return [g.concat(parts, axis) if len(parts) > 1 else g.reshape(dy, x.shape)]
+
+
+@vjp("concat")
+def _vjp_concat(g, n, dy):
+    """Each input's slice of dy."""
+    axis, off, out = n.attrs["axis"], 0, []
+    for i in n.inputs:
+        length = g.nodes[i].shape[axis]
+        out.append(g.narrow(dy, axis, off, length) if g.nodes[i].dtype.is_float else None)
+        off += length
+    return out
+
+
+@vjp("expand")
+def _vjp_expand(g, n, dy):
+    """dy summed over the broadcast axes, back to x's shape."""
+    return [sum_to(g, dy, g.tensor(n.inputs[0]).shape)]
+
+
+def _flat_indices(g, n):
+    idx = g.tensor(n.inputs[1])
+    return g.reshape(idx, (math.prod(idx.shape),)) if len(idx.shape) != 1 else idx
+
+
+@vjp("gather")
+def _vjp_gather(g, n, dy):
+    """d table: dy scatter-added into zeros at the gathered rows (np.add.at), so an index
+    that appears several times collects every one of its rows. The adds are atomic f32 adds:
+    with repeated indices the sum's order, so its last bits, may differ from run to run (no
+    deterministic variant yet: a sort-by-index segment sum would be one). Negative indices
+    wrap as in the forward; an out-of-range in-graph index, which the forward clamps, gets
+    no gradient (scatter_add drops it)."""
+    table, idx = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
+    axis = n.attrs["axis"]
+    flat = _flat_indices(g, n)
+    upd = g.reshape(_f32(g, dy), tuple(table.shape[:axis]) + (math.prod(idx.shape),)
+                    + tuple(table.shape[axis + 1:]))
+    return [g.scatter_add(zeros(g, table.shape, dt.F32), flat, upd, axis), None]
+
+
+@vjp("scatter_add")
+def _vjp_scatter_add(g, n, dy):
+    """d target = dy; d updates = dy gathered at the indices (each update was added once)."""
+    target = g.tensor(n.inputs[0])
+    if not target.dtype.is_float:
+        return [None, None, None]
+    return [dy, None, g.gather(dy, g.tensor(n.inputs[1]), n.attrs["axis"])]

@@ -75,6 +75,7 @@ from ..device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, MIN, SLOTS, SUM, group_reduce
 from .launch import jit
+from .random import philox4x32_10, philox_kernel  # noqa: F401 (Philox lives in kernels/random.py)
 
 if SIMULATOR:
     # Kernels run as Python there, where calling a numba type as a converter costs ~2 us
@@ -115,48 +116,6 @@ _ZERO = float32(0.0)
 _ONE = float32(1.0)
 _NONE = int64(2**62)
 _I0 = int64(0)
-
-# Philox4x32 constants (Random123)
-_PM0 = uint64(0xD2511F53)
-_PM1 = uint64(0xCD9E8D57)
-_PW0 = uint64(0x9E3779B9)
-_PW1 = uint64(0xBB67AE85)
-
-
-# ---- Philox4x32-10 ---------------------------------------------------------------------------
-@_dev
-def philox4x32_10(c0, c1, c2, c3, k0, k1):
-    """Random123's philox4x32_10: four 32-bit counter words, two key words (each held in a
-    uint64) -> four 32-bit output words."""
-    for _ in range(10):
-        p0 = _PM0 * c0
-        p1 = _PM1 * c2
-        n0 = (p1 >> _S32) ^ c1 ^ k0
-        n1 = p1 & _U32
-        n2 = (p0 >> _S32) ^ c3 ^ k1
-        n3 = p0 & _U32
-        c0 = n0
-        c1 = n1
-        c2 = n2
-        c3 = n3
-        k0 = (k0 + _PW0) & _U32
-        k1 = (k1 + _PW1) & _U32
-    return c0, c1, c2, c3
-
-
-@jit
-def philox_kernel(out, ctr, key, n):
-    """out[i, :] = philox4x32_10(ctr[i, :], key[i, :]) (all uint64 arrays of 32-bit words);
-    for tests and for checking a GPU against the known answers."""
-    i = uint64(cuda.grid(1))
-    while i < n:
-        a, b, c, d = philox4x32_10(ctr[i, 0], ctr[i, 1], ctr[i, 2], ctr[i, 3], key[i, 0], key[i, 1])
-        out[i, 0] = a
-        out[i, 1] = b
-        out[i, 2] = c
-        out[i, 3] = d
-        i += uint64(cuda.gridsize(1))
-
 
 @_dev
 def row_uniform(row, seed):

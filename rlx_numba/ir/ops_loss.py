@@ -1,0 +1,94 @@
+"""cross_entropy: argument checks, the Graph builder method (mixed into Graph) and its VJP.
+Kernels: kernels/loss.py; lowering: runtime/lower_loss.py.
+
+``cross_entropy(logits, labels, ...)`` becomes, in the graph:
+  cross_entropy      (logits f32 [..., C], labels [...]) -> f32 [...]  each row's loss
+                     (0 where the label is ignore_index), one fused row kernel
+  [reduction]        "sum": reduce_sum; "mean": reduce_sum / the number of rows whose label
+                     is not ignore_index (torch: NaN when every row is ignored)
+and its VJP is one node, cross_entropy_bwd (logits, labels, dy rows) -> [..., C]: a row kernel
+that recomputes the softmax from the logits (nothing [rows, C] is saved for it).
+"""
+from __future__ import annotations
+
+import numbers
+
+from . import dtypes as dt
+from .autodiff import vjp
+from .ops import fmt
+
+REDUCTIONS = ("mean", "sum", "none")
+LABEL_DTYPES = (dt.I32, dt.I64)
+
+
+def check_cross_entropy(logits, labels, reduction, ignore_index, label_smoothing):
+    op = "cross_entropy"
+    if not logits.dtype.is_float:
+        raise ValueError(f"{op}: logits must be a float tensor, got {logits.dtype} "
+                         f"{fmt(logits.shape)}")
+    if len(logits.shape) == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"{op}: logits must be [..., C] with C >= 1 classes, got "
+                         f"{fmt(logits.shape)}")
+    if labels.dtype not in LABEL_DTYPES:
+        raise ValueError(f"{op}: labels must be class indices, i32 or i64, got {labels.dtype} "
+                         f"{fmt(labels.shape)} (class-probability targets are not supported)")
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{op}: labels must have logits' shape without the class axis, "
+                         f"{fmt(logits.shape[:-1])} (logits {fmt(logits.shape)}), got "
+                         f"{fmt(labels.shape)}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction must be one of {', '.join(REDUCTIONS)}, got "
+                         f"{reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise ValueError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+    if not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"{op}: ignore_index must fit in 64 bits, got {ignore_index!r}")
+    if (isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real)
+            or not 0.0 <= float(label_smoothing) <= 1.0):
+        raise ValueError(f"{op}: label_smoothing must be a number in [0, 1], got "
+                         f"{label_smoothing!r}")
+    return int(ignore_index), float(label_smoothing)
+
+
+class LossOps:
+    """Builder methods; ``self`` is the Graph."""
+
+    def cross_entropy(self, logits, labels, reduction: str = "mean", ignore_index: int = -100,
+                      label_smoothing: float = 0.0):
+        """torch.nn.functional.cross_entropy with class-index targets, the classes on the
+        LAST axis: logits [..., C] (e.g. [N, C], or [B, S, V] for a language model), labels
+        i32/i64 of logits.shape[:-1].
+
+        Row loss: (1 - eps) (lse - x[y]) + eps / C * sum_c (lse - x_c) with eps =
+        ``label_smoothing``; a row whose label equals ``ignore_index`` contributes 0 and is
+        not counted. ``reduction``: "mean" (the sum over the counted rows divided by their
+        number: NaN when none is counted, as torch), "sum", or "none" (labels' shape).
+        A label outside [0, C) that is not ignore_index gives a NaN row (run() raises
+        IndexError for host-array labels out of the range that contains [0, C) and
+        ignore_index). Half logits are computed in f32 and the loss cast back."""
+        op = "cross_entropy"
+        self._check(op, "logits", logits)
+        self._check(op, "labels", labels)
+        ignore, eps = check_cross_entropy(logits, labels, reduction, ignore_index,
+                                          label_smoothing)
+        x = logits if logits.dtype == dt.F32 else self.cast(logits, dt.F32)
+        rows = self._add(op, (x, labels), labels.shape, dt.F32, ignore_index=ignore,
+                         label_smoothing=eps)
+        if reduction == "none":
+            out = rows
+        else:
+            out = self.reduce_sum(rows) if rows.shape else rows
+            if reduction == "mean":
+                lab = labels if -2**31 <= ignore < 2**31 else self.cast(labels, dt.I64)
+                counted = self.cast(self.ne(lab, self.constant(ignore, lab.dtype)), dt.F32)
+                out = out / (self.reduce_sum(counted) if counted.shape else counted)
+        return out if logits.dtype == dt.F32 else self.cast(out, logits.dtype)
+
+
+@vjp("cross_entropy")
+def _vjp_cross_entropy(g, n, dy):
+    """d logits = dy_row * (softmax(x) - eps / C - (1 - eps) onehot(y)), 0 on ignored rows:
+    one fused row kernel; the reduction's scale (1/count for mean) is already in dy."""
+    x, labels = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
+    dx = g._add("cross_entropy_bwd", (x, labels, dy), x.shape, dt.F32, **n.attrs)
+    return [dx, None]

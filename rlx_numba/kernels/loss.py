@@ -1,0 +1,126 @@
+"""Cross-entropy row kernels (f32 logits [rows, C], integer labels [rows]).
+
+Forward: one block per row (grid-stride over rows) reads the row ONCE: each thread keeps an
+online (max, sum of exp) over its strided columns, the sum of the logits and the picked
+logit; four group reductions give the row's log-sum-exp L, the sum S and the picked x[y]:
+
+    loss = (1 - eps) (L - x[y]) + eps / C * sum_c (L - x_c) = L - (1 - eps) x[y] - eps / C * S
+
+(torch's label smoothing), 0 for a row whose label is ``ignore``, NaN for a label outside
+[0, C) (torch raises there; a NaN shows the bad row instead of reading out of bounds).
+
+Backward: the same pass for (max, sum of exp), then each element is written once:
+
+    dx_c = dy[row] * (softmax(x)_c - eps / C - (1 - eps) [c == y])
+
+so nothing of size [rows, C] is stored between the passes beyond the logits themselves (the
+softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy).
+"""
+import functools
+import math
+
+from numba import cuda, float32, int64
+
+from ..device import SIMULATOR
+from . import mathfn as m
+from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .launch import jit
+
+NEG_INF = float32(-math.inf)
+ZERO = float32(0.0)
+ONE = float32(1.0)
+NAN = float32(math.nan)
+
+
+def block_for(c: int) -> int:
+    """Threads of a row's block: ~8 columns a thread, 32..1024 (16 in the simulator)."""
+    if SIMULATOR:
+        return 16
+    b = 32
+    while b < 1024 and b * 8 < c:
+        b *= 2
+    return b
+
+
+@cuda.jit(device=True)
+def _row_stats(x, base, c, tid, block, smem, lab):
+    """(max, sum exp(x - max), sum x, x[lab]) of the row at x[base:base + c], to every thread."""
+    mx = NEG_INF
+    s = ZERO
+    sx = ZERO
+    picked = ZERO
+    i = tid
+    while i < c:
+        v = x[base + i]
+        if v > mx:
+            s = s * m.exp(mx - v) + ONE
+            mx = v
+        elif v != NEG_INF:         # (-inf - -inf would be NaN)
+            s += m.exp(v - mx)
+        sx += v
+        if i == lab:
+            picked = v
+        i += block
+    top = group_reduce(mx, smem, block, MAX)
+    if mx != NEG_INF:              # a thread with no columns (or only -inf) adds nothing
+        s = s * m.exp(mx - top)
+    return top, group_reduce(s, smem, block, SUM), group_reduce(sx, smem, block, SUM), \
+        group_reduce(picked, smem, block, SUM)
+
+
+@functools.lru_cache(maxsize=None)
+def ce_forward(block: int):
+    @jit(launch_bounds=block)
+    def kernel(loss, x, labels, rows, c, ignore, eps):
+        smem = cuda.shared.array(SLOTS, float32)
+        tid = cuda.threadIdx.x
+        r = cuda.blockIdx.x
+        keep = ONE - eps
+        per_class = eps / float32(c)
+        while r < rows:
+            lab = int64(labels[r])
+            top, s, sx, picked = _row_stats(x, int64(r) * int64(c), int64(c), tid, block, smem, lab)
+            if tid == 0:
+                if lab == ignore:
+                    loss[r] = ZERO
+                elif lab < 0 or lab >= c:
+                    loss[r] = NAN
+                else:
+                    v = top + m.log(s) - keep * picked
+                    if eps != ZERO:        # (0 * the -inf sum of masked logits is NaN)
+                        v -= per_class * sx
+                    loss[r] = v
+            r += cuda.gridDim.x
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def ce_backward(block: int):
+    @jit(launch_bounds=block)
+    def kernel(dx, x, labels, dy, rows, c, ignore, eps):
+        smem = cuda.shared.array(SLOTS, float32)
+        tid = cuda.threadIdx.x
+        r = cuda.blockIdx.x
+        keep = ONE - eps
+        per_class = eps / float32(c)
+        while r < rows:
+            lab = int64(labels[r])
+            base = int64(r) * int64(c)
+            top, s, _, _ = _row_stats(x, base, int64(c), tid, block, smem, lab)
+            g = dy[r]
+            inv = ONE / s
+            bad = lab != ignore and (lab < 0 or lab >= c)
+            i = tid
+            while i < c:
+                if lab == ignore:
+                    dx[base + i] = ZERO
+                elif bad:
+                    dx[base + i] = NAN
+                else:
+                    p = m.exp(x[base + i] - top) * inv - per_class
+                    if i == lab:
+                        p -= keep
+                    dx[base + i] = g * p
+                i += block
+            r += cuda.gridDim.x
+    return kernel
