@@ -3,11 +3,11 @@ sentence-transformers folders) and a Llama decoder (LlamaForCausalLM), with thei
 loaders (safetensors, GGUF). The loaders need the ``models`` extra (safetensors, gguf,
 tokenizers)."""
 from .bert import BertConfig, BertModel, SentenceEncoder, bert_param_shapes, build_bert
-from .llama import (LlamaConfig, LlamaForCausalLM, build_llama, llama_config_from_gguf,
-                    llama_param_shapes, rope_tables)
+from .llama import (LlamaConfig, LlamaForCausalLM, LlamaTrainer, build_llama,
+                    llama_config_from_gguf, llama_param_shapes, rope_tables)
 from .weights import GGUFFile, check_params, gguf_tokenizer, load_safetensors, reverse_permute
 
 __all__ = ["BertConfig", "BertModel", "SentenceEncoder", "bert_param_shapes", "build_bert",
-           "LlamaConfig", "LlamaForCausalLM", "build_llama", "llama_config_from_gguf",
+           "LlamaConfig", "LlamaForCausalLM", "LlamaTrainer", "build_llama", "llama_config_from_gguf",
            "llama_param_shapes", "rope_tables", "GGUFFile", "check_params", "gguf_tokenizer",
            "load_safetensors", "reverse_permute"]

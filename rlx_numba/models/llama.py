@@ -175,6 +175,26 @@ def graph_params(cfg: LlamaConfig, params: dict, fused: bool = True) -> dict:
     return out
 
 
+def unpack_graph_params(cfg: LlamaConfig, gp: dict, fused: bool = True) -> dict:
+    """Hugging Face-named params from the graph's (``graph_params``' inverse): the packed
+    weights split back into their parts."""
+    out = dict(gp)
+    if not fused:
+        return out
+    shapes = llama_param_shapes(cfg)
+    names = {part for _, parts, _ in _packs(cfg, shapes) for part in parts}
+    for packed, parts, interleaved in list(_packs(cfg, names)):
+        arr = out.pop(packed)
+        if interleaved:
+            for k, name in enumerate(parts):
+                out[name] = np.ascontiguousarray(arr[k::len(parts)])
+        else:
+            ends = np.cumsum([shapes[name][0] for name in parts])[:-1]
+            for name, piece in zip(parts, np.split(arr, ends, axis=0)):
+                out[name] = np.ascontiguousarray(piece)
+    return out
+
+
 def product_weights(cfg: LlamaConfig, fused: bool = True) -> list[str]:
     """The graph params that are the weight of a product (what set_param_half may store
     half); with tied embeddings the token table is the LM head's weight too."""
@@ -219,7 +239,10 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     the fused graph is tested against).
 
     kind "forward": outputs the logits [batch, seq, vocab] (causal attention over the seq
-    tokens at positions 0..seq-1). kind "prefill": also writes every layer's rotated keys and
+    tokens at positions 0..seq-1). kind "train": the forward graph with ``labels`` (i64
+    [batch, seq], Hugging Face's convention: the input ids again, -100 where no loss) whose
+    output is the mean next-token cross-entropy (position t against labels[:, t + 1]), what
+    ``rlx.compile_train`` differentiates. kind "prefill": also writes every layer's rotated keys and
     values into the caches (params ``cache.N.k`` / ``cache.N.v``, [batch, kv_heads, cache_len,
     head_dim]) at rows 0..seq-1; outputs the next token ids [batch] (i64, sampled from the last
     position), the last logits [batch, vocab], then the caches. kind "decode" (seq 1): takes
@@ -236,15 +259,15 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     sees no key: zeros). The decode step writes every row's key/value at cache row ``pos`` and
     rotates it with position pos - pad[r]. All-zero pads give the plain [batch, seq] graph's
     results."""
-    if kind not in ("forward", "prefill", "decode"):
-        raise ValueError(f"build_llama: kind must be 'forward', 'prefill' or 'decode', got "
-                         f"{kind!r}")
+    if kind not in ("forward", "prefill", "decode", "train"):
+        raise ValueError(f"build_llama: kind must be 'forward', 'prefill', 'decode' or 'train', "
+                         f"got {kind!r}")
     for arg, v in (("batch", batch), ("seq", seq)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"build_llama: {arg} must be a positive int, got {v!r}")
     if kind == "decode" and seq != 1:
         raise ValueError(f"build_llama: a decode graph takes one token a row (seq 1), got {seq}")
-    cached = kind != "forward"
+    cached = kind in ("prefill", "decode")
     if cached:
         if not isinstance(cache_len, (int, np.integer)) or not seq <= cache_len:
             raise ValueError(f"build_llama: {kind} needs cache_len >= seq ({seq}), got "
@@ -347,6 +370,15 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     if kind == "forward":
         g.set_outputs([logits])
         return g
+    if kind == "train":   # next-token cross-entropy: position t predicts labels[:, t + 1]
+        if s < 2:
+            raise ValueError(f"build_llama: a train graph needs seq >= 2 (position t predicts "
+                             f"token t + 1), got {s}")
+        labels = g.input("labels", (b, s), "i64")
+        pred = g.reshape(g.narrow(logits, 1, 0, s - 1), (b * (s - 1), cfg.vocab_size))
+        target = g.reshape(g.narrow(labels, 1, 1, s - 1), (b * (s - 1),))
+        g.set_outputs([g.cross_entropy(pred, target, ignore_index=-100)])
+        return g
     logits = g.reshape(logits, (b, cfg.vocab_size))
     seed = g.input("seed", (1,), "i64")
     nxt = g.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -395,6 +427,15 @@ class LlamaForCausalLM:
         self.max_cached = max_cached
         self._exes = ExecutableCache("llama")   # with one device copy of the weights
         self._kv_owner: dict = {}      # (batch, cache rows) -> the generation using that cache
+
+    # ---- training ---------------------------------------------------------------------------------
+    def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
+                exec_mode="graph") -> "LlamaTrainer":
+        """Next-token training of this model's weights on [batch, seq] token windows (the
+        ``build_llama`` kind "train" graph through ``rlx.compile_train``): forward, backward
+        and ``optimizer``'s update as one executable. See LlamaTrainer."""
+        return LlamaTrainer(self, batch, seq, optimizer, clip_grad_norm=clip_grad_norm,
+                            exec_mode=exec_mode)
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -798,3 +839,48 @@ def llama_config_from_gguf(f: GGUFFile) -> LlamaConfig:
             eos_token_id=f.get("tokenizer.ggml.eos_token_id"))
     except ValueError as e:
         raise ValueError(f"{f.path}: {e}") from None
+
+
+class LlamaTrainer:
+    """Trains a LlamaForCausalLM's weights (f32) on next-token prediction.
+
+    ``step(input_ids, labels=None) -> loss`` runs one forward + backward + update on the
+    device (labels default to the ids themselves, Hugging Face's convention: position t is
+    scored against token t + 1; -100 marks a position with no loss) and returns the mean
+    cross-entropy before the update. ``update_model()`` copies the trained weights back into
+    the model's ``params`` (Hugging Face names) and drops its compiled graphs, so ``generate``
+    then uses them. ``trainer`` is the underlying rlx.Trainer (set_lr, memory_report, ...)."""
+
+    def __init__(self, model: LlamaForCausalLM, batch: int, seq: int, optimizer, *,
+                 clip_grad_norm=None, exec_mode="graph"):
+        from ..train import compile_train
+        self.model, self.batch, self.seq = model, int(batch), int(seq)
+        g = build_llama(model.config, batch, seq, kind="train")
+        self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer,
+                                     exec_mode=exec_mode, clip_grad_norm=clip_grad_norm)
+        for name, arr in graph_params(model.config, model.params).items():
+            self.trainer.set_param(name, arr)
+
+    def step(self, input_ids, labels=None) -> float:
+        ids = np.asarray(input_ids)
+        want = (self.batch, self.seq)
+        lab = ids if labels is None else np.asarray(labels)
+        for arg, a in (("input_ids", ids), ("labels", lab)):
+            if a.shape != want or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"LlamaTrainer.step: {arg} must be an integer {list(want)} array "
+                                 f"(the trainer's batch and seq), got {a.dtype} {list(a.shape)}")
+        vocab = self.model.config.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"LlamaTrainer.step: input_ids hold {int(ids.min())}..{int(ids.max())}, "
+                             f"outside [0, {vocab})")
+        return self.trainer.step({"input_ids": ids.astype(np.int32), "labels": lab.astype(np.int64)})
+
+    def set_lr(self, lr: float) -> None:
+        self.trainer.set_lr(lr)
+
+    def update_model(self) -> None:
+        gp = {name: self.trainer.get_param(name) for name in self.trainer.params}
+        self.model.params.update(unpack_graph_params(self.model.config, gp))
+        # a fresh store and cache: graphs still held elsewhere keep the old weights' store
+        self.model._exes = ExecutableCache("llama")
+        self.model._kv_owner.clear()

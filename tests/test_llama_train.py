@@ -1,0 +1,91 @@
+"""Training a Llama: the kind "train" graph's loss and gradients against a float64 NumPy Llama
+(tests/test_models.py's np_llama) and finite differences, and LlamaTrainer's steps."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from rlx_numba.models import LlamaForCausalLM, build_llama
+from rlx_numba.models.llama import graph_params, unpack_graph_params
+from test_models import GQA, np_llama
+
+
+def np_loss(cfg, params, ids, labels):
+    """Mean next-token cross-entropy (Hugging Face's shift; -100 labels ignored)."""
+    logits = np_llama(cfg, params, ids)[:, :-1]
+    tgt = labels[:, 1:]
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    keep = tgt != -100
+    picked = np.take_along_axis(logp, np.where(keep, tgt, 0)[..., None], -1)[..., 0]
+    return float(-(picked * keep).sum() / keep.sum())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM.from_config(GQA, seed=3, std=0.2)
+
+
+def test_pack_unpack_round_trip(model):
+    gp = graph_params(GQA, model.params)
+    back = unpack_graph_params(GQA, gp)
+    assert set(back) == set(model.params)
+    for k, v in model.params.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def test_train_graph_loss_and_gradients_match_numpy(model, rng):
+    b, s = 2, 5
+    ids = rng.integers(0, GQA.vocab_size, (b, s))
+    labels = ids.copy()
+    labels[1, 2] = -100                         # a position with no loss
+    g = build_llama(GQA, b, s, kind="train")
+    loss = g.tensor(g.outputs[0])
+    names = [n.name for n in g.nodes if n.op == "param"]
+    grads = g.grad(loss, [g.tensor(n.id) for n in g.nodes if n.op == "param"])
+    g.set_outputs([loss, *grads])
+    exe = rlx.compile(g)
+    for name, arr in graph_params(GQA, model.params).items():
+        exe.set_param(name, arr)
+    got = exe.run({"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int64)})
+    want = np_loss(GQA, model.params, ids, labels)
+    np.testing.assert_allclose(got[0], want, rtol=1e-4)
+    # the packed params' gradients, unpacked like the weights, against central differences
+    dhf = unpack_graph_params(GQA, dict(zip(names, got[1:])))
+    params = {k: v.astype(np.float64) for k, v in model.params.items()}
+    eps = 1e-5
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate_proj.weight",
+                 "model.layers.0.input_layernorm.weight", "model.norm.weight"):
+        p = params[name]
+        for idx in [tuple(rng.integers(0, d) for d in p.shape) for _ in range(3)]:
+            if name == "model.embed_tokens.weight":
+                idx = (int(ids[0, 1]),) + idx[1:]      # a row that is read
+            old = p[idx]
+            p[idx] = old + eps
+            hi = np_loss(GQA, params, ids, labels)
+            p[idx] = old - eps
+            lo = np_loss(GQA, params, ids, labels)
+            p[idx] = old
+            fd = (hi - lo) / (2 * eps)
+            assert abs(dhf[name][idx] - fd) <= 1e-4 + 2e-3 * abs(fd), (name, idx, dhf[name][idx], fd)
+
+
+def test_llama_trainer_steps_and_updates_the_model(rng):
+    m = LlamaForCausalLM.from_config(GQA, seed=5, std=0.2)
+    before = {k: v.copy() for k, v in m.params.items()}
+    tr = m.trainer(2, 6, rlx.optim.AdamW(lr=1e-2), exec_mode="stream")
+    ids = rng.integers(0, GQA.vocab_size, (2, 6))
+    first = np_loss(GQA, m.params, ids, ids)
+    losses = [tr.step(ids) for _ in range(4)]
+    np.testing.assert_allclose(losses[0], first, rtol=1e-4)   # the loss before the first update
+    assert losses[-1] < losses[0]                  # the same batch: it is learnt
+    tr.update_model()
+    assert not np.array_equal(m.params["model.layers.0.mlp.down_proj.weight"],
+                              before["model.layers.0.mlp.down_proj.weight"])
+    np.testing.assert_allclose(np_loss(GQA, m.params, ids, ids), tr.step(ids), rtol=1e-4)
+    out = m.generate(ids[:1, :3], 2)               # the model runs with the trained weights
+    assert out.shape == (1, 5)
+    with pytest.raises(ValueError, match=r"LlamaTrainer.step: input_ids must be an integer \[2, 6\]"):
+        tr.step(ids[:, :5])
+    with pytest.raises(ValueError, match="build_llama: a train graph needs seq >= 2"):
+        m.trainer(2, 1, rlx.optim.SGD(lr=0.1))
