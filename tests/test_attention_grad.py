@@ -7,6 +7,7 @@ import pytest
 
 import rlx_numba as rlx
 from gradcheck import check
+from test_attention import ref_attention
 
 
 def attention64(q, k, v, causal=False, window=None, mask=None, bias=None, scale=None,
@@ -18,31 +19,9 @@ def attention64(q, k, v, causal=False, window=None, mask=None, bias=None, scale=
         d = hd // num_heads
         q = q.reshape(b, sq, num_heads, d).transpose(0, 2, 1, 3)
         k, v = (t.reshape(b, t.shape[1], -1, d).transpose(0, 2, 1, 3) for t in (k, v))
-    b, hq, sq, d = q.shape
-    g = hq // k.shape[1]
-    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
-    sk = k.shape[2]
-    s = q @ k.transpose(0, 1, 3, 2) * (1 / np.sqrt(d) if scale is None else scale)
-    if softcap is not None:
-        s = softcap * np.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias
-    pos = sk - sq + np.arange(sq)[:, None]
-    j = np.arange(sk)[None, :]
-    keep = np.ones((b, hq, sq, sk), bool)
-    if causal:
-        keep &= j <= pos
-    if window is not None:            # pos - w < j <= pos
-        keep &= (j > pos - window) & (j <= pos)
-    if mask is not None:
-        keep &= mask
-    s = np.where(keep, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
-    den = e.sum(-1, keepdims=True)
-    o = np.where(den > 0, e / np.where(den > 0, den, 1), 0) @ v
+    o = ref_attention(q, k, v, causal, window, mask, bias, scale, softcap)
     if rank3:
-        o = o.transpose(0, 2, 1, 3).reshape(b, sq, hq * d)
+        o = o.transpose(0, 2, 1, 3).reshape(b, sq, num_heads * d)
     return o
 
 
