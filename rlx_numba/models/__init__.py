@@ -2,12 +2,13 @@
 sentence-transformers folders) and a Llama decoder (LlamaForCausalLM), with their weight
 loaders (safetensors, GGUF). The loaders need the ``models`` extra (safetensors, gguf,
 tokenizers)."""
-from .bert import BertConfig, BertModel, SentenceEncoder, bert_param_shapes, build_bert
+from .bert import (BertConfig, BertModel, BertTrainer, SentenceEncoder, bert_param_shapes,
+                   build_bert)
 from .llama import (LlamaConfig, LlamaForCausalLM, LlamaTrainer, build_llama,
                     llama_config_from_gguf, llama_param_shapes, rope_tables)
 from .weights import GGUFFile, check_params, gguf_tokenizer, load_safetensors, reverse_permute
 
-__all__ = ["BertConfig", "BertModel", "SentenceEncoder", "bert_param_shapes", "build_bert",
+__all__ = ["BertConfig", "BertModel", "BertTrainer", "SentenceEncoder", "bert_param_shapes", "build_bert",
            "LlamaConfig", "LlamaForCausalLM", "LlamaTrainer", "build_llama", "llama_config_from_gguf",
            "llama_param_shapes", "rope_tables", "GGUFFile", "check_params", "gguf_tokenizer",
            "load_safetensors", "reverse_permute"]

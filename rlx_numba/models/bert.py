@@ -22,6 +22,7 @@ _ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tan
          "gelu_fast": "gelu_tanh", "relu": "relu", "silu": "silu", "swish": "silu",
          "tanh": "tanh"}
 POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len")     # sentence-transformers' order
+LOSSES = ("cross_entropy", "mse")
 
 
 @dataclass
@@ -105,20 +106,62 @@ def _check_pooling(pooling):
     return tuple(m for m in POOLING_MODES if m in modes)
 
 
+def head_shapes(cfg: BertConfig, num_labels: int, pooling=("cls",)) -> dict[str, tuple]:
+    """The params of a train graph's head (``build_bert`` kind "train"): ``classifier.weight``
+    [num_labels, hidden * pooling modes] and ``classifier.bias`` [num_labels] (Hugging Face's
+    names and [out, in] layout)."""
+    width = cfg.hidden_size * len(_check_pooling(pooling))
+    return {"classifier.weight": (num_labels, width), "classifier.bias": (num_labels,)}
+
+
+def _check_head(num_labels, loss):
+    """(num_labels, loss) of a train graph: loss defaults as Hugging Face's problem_type does,
+    "mse" (regression) for one label, "cross_entropy" (single-label classes) for more."""
+    if not isinstance(num_labels, (int, np.integer)) or isinstance(num_labels, bool) \
+            or num_labels < 1:
+        raise ValueError(f"build_bert: num_labels must be a positive int, got {num_labels!r}")
+    loss = loss or ("mse" if num_labels == 1 else "cross_entropy")
+    if loss not in LOSSES:
+        raise ValueError(f"build_bert: loss {loss!r} is not supported; expected one of "
+                         f"{', '.join(LOSSES)}")
+    if loss == "cross_entropy" and num_labels < 2:
+        raise ValueError("build_bert: loss 'cross_entropy' needs num_labels >= 2 (classes), got 1")
+    return int(num_labels), loss
+
+
 def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
-               normalize: bool = False) -> Graph:
+               normalize: bool = False, kind: str = "forward", num_labels: int | None = None,
+               loss: str | None = None) -> Graph:
     """A BERT encoder graph over ``input_ids``, ``token_type_ids`` (i32 [batch, seq]) and
     ``attention_mask`` (bool [batch, seq], True for real tokens; padded keys are masked out of
     every query's attention). Output: the last hidden state [batch, seq, hidden]; or, with
     ``pooling`` (some of "cls", "max", "mean", "mean_sqrt_len", concatenated in
     sentence-transformers' order), the pooled [batch, hidden * modes] over the real tokens,
-    L2-normalised when ``normalize``."""
+    L2-normalised when ``normalize``.
+
+    kind "train": the pooled embedding (``pooling`` defaults to "cls") through a linear head
+    (params ``head_shapes``: ``classifier.weight`` [num_labels, width], ``classifier.bias``)
+    to ``logits`` [batch, num_labels], scored against the input ``labels``. ``loss``
+    "cross_entropy" (the default for num_labels >= 2): labels i64 [batch], class indices,
+    -100 for a row with no loss, the mean over the other rows; "mse" (the default for one
+    label, regression): labels f32 [batch, num_labels], the mean squared error over every
+    element (torch's MSELoss). Outputs: the scalar loss (what ``rlx.compile_train``
+    differentiates), then the logits. Hugging Face's BertForSequenceClassification puts a
+    tanh pooler before its classifier; this head is the pooling and one linear layer (a
+    pooler is a kind="forward" graph's output plus layers of your own)."""
     for arg, v in (("batch", batch), ("seq", seq)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"build_bert: {arg} must be a positive int, got {v!r}")
     if seq > cfg.max_position_embeddings:
         raise ValueError(f"build_bert: seq {seq} exceeds max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
+    if kind not in ("forward", "train"):
+        raise ValueError(f"build_bert: kind must be 'forward' or 'train', got {kind!r}")
+    if kind == "train":
+        num_labels, loss = _check_head(num_labels, loss)
+        pooling = pooling or ("cls",)
+    elif num_labels is not None or loss is not None:
+        raise ValueError("build_bert: num_labels and loss belong to kind 'train' graphs")
     modes = _check_pooling(pooling)
     b, s, h, nh, eps = batch, seq, cfg.hidden_size, cfg.num_attention_heads, cfg.layer_norm_eps
     g = Graph(f"bert_{b}x{s}")
@@ -169,7 +212,19 @@ def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
     y = pooled[0] if len(pooled) == 1 else g.concat(pooled, -1)
     if normalize:                    # torch.nn.functional.normalize: x / max(||x||, 1e-12)
         y = y / g.max(g.sqrt(g.sum(y * y, -1, keep_dim=True)), 1e-12)
-    g.set_outputs([y])
+    if kind == "forward":
+        g.set_outputs([y])
+        return g
+    H = {k: g.param(k, shape) for k, shape in head_shapes(cfg, num_labels, modes).items()}
+    logits = g.linear(y, g.transpose(H["classifier.weight"], (1, 0)), H["classifier.bias"])
+    if loss == "cross_entropy":
+        labels = g.input("labels", (b,), "i64")
+        value = g.cross_entropy(logits, labels, ignore_index=-100)
+    else:
+        labels = g.input("labels", (b, num_labels), "f32")
+        diff = logits - labels
+        value = g.mean(g.reshape(diff * diff, (b * num_labels,)), 0)
+    g.set_outputs([value, logits])
     return g
 
 
@@ -218,6 +273,17 @@ class BertModel:
                                       source=folder / "config.json")
         return cls(config, load_safetensors(folder), source=folder / "model.safetensors", **kw)
 
+    def trainer(self, batch: int, seq: int, optimizer, *, num_labels: int = 2, loss=None,
+                pooling=("cls",), normalize: bool = False, head=None, seed: int = 0,
+                clip_grad_norm=None, exec_mode="graph") -> "BertTrainer":
+        """Fine-tuning of this encoder with a linear head on [batch, seq] batches (the
+        ``build_bert`` kind "train" graph through ``rlx.compile_train``): forward, backward
+        and ``optimizer``'s update of the encoder's and the head's weights as one executable.
+        See BertTrainer."""
+        return BertTrainer(self, batch, seq, optimizer, num_labels=num_labels, loss=loss,
+                           pooling=pooling, normalize=normalize, head=head, seed=seed,
+                           clip_grad_norm=clip_grad_norm, exec_mode=exec_mode)
+
     def executable(self, batch: int, seq: int, pooling=None, normalize: bool = False):
         key = (batch, seq, _check_pooling(pooling), bool(normalize))
         return self._exes.fetch(key, self.max_cached,
@@ -261,6 +327,98 @@ class BertModel:
         return y
 
     __call__ = run
+
+
+class BertTrainer:
+    """Trains a BertModel's weights (f32) with a linear head on a pooled embedding.
+
+    ``step(input_ids, labels, attention_mask=None, token_type_ids=None) -> loss`` runs one
+    forward + backward + update on the device and returns the loss before the update
+    (cross-entropy over class indices, -100 for no loss; or the mean squared error against
+    f32 targets, [batch] for one label, [batch, num_labels] for more; see ``build_bert``
+    kind "train"). The head (``classifier.weight`` [num_labels, width], ``classifier.bias``)
+    starts from ``head`` (a dict of those arrays) or, without it, as Hugging Face initialises
+    a classifier: weight N(0, 0.02) from ``seed``, bias 0. ``head_params()`` returns its
+    trained values; ``update_model()`` copies the trained encoder weights back into the
+    model's ``params`` and drops its compiled graphs, so ``run``/``encode`` then use them.
+    ``trainer`` is the underlying rlx.Trainer (set_lr, memory_report, profile, ...)."""
+
+    def __init__(self, model: BertModel, batch: int, seq: int, optimizer, *, num_labels: int = 2,
+                 loss=None, pooling=("cls",), normalize: bool = False, head=None, seed: int = 0,
+                 clip_grad_norm=None, exec_mode="graph"):
+        from ..train import compile_train
+        if not isinstance(model, BertModel):
+            raise ValueError(f"BertTrainer: model must be a BertModel, got {type(model).__name__}")
+        self.model, self.batch, self.seq = model, int(batch), int(seq)
+        self.num_labels, self.loss = _check_head(num_labels, loss)
+        self.pooling = _check_pooling(pooling)
+        g = build_bert(model.config, batch, seq, pooling=self.pooling, normalize=normalize,
+                       kind="train", num_labels=self.num_labels, loss=self.loss)
+        shapes = head_shapes(model.config, self.num_labels, self.pooling)
+        if head is None:
+            rng = np.random.default_rng(seed)
+            w_shape = shapes["classifier.weight"]
+            head = {"classifier.weight": 0.02 * rng.standard_normal(w_shape),
+                    "classifier.bias": np.zeros(shapes["classifier.bias"])}
+        head = check_params(shapes, dict(head), "BertTrainer head")
+        self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer, exec_mode=exec_mode,
+                                     clip_grad_norm=clip_grad_norm)
+        for name, arr in {**model.params, **head}.items():
+            self.trainer.set_param(name, arr)
+
+    def step(self, input_ids, labels, attention_mask=None, token_type_ids=None) -> float:
+        ids = np.asarray(input_ids)
+        want = (self.batch, self.seq)
+        mask = np.ones(want, bool) if attention_mask is None else np.asarray(attention_mask)
+        types = np.zeros(want, np.int32) if token_type_ids is None else np.asarray(token_type_ids)
+        for arg, a in (("input_ids", ids), ("token_type_ids", types)):
+            if a.shape != want or not np.issubdtype(a.dtype, np.integer):
+                raise ValueError(f"BertTrainer.step: {arg} must be an integer {list(want)} array "
+                                 f"(the trainer's batch and seq), got {a.dtype} {list(a.shape)}")
+        if mask.shape != want:
+            raise ValueError(f"BertTrainer.step: attention_mask has shape {list(mask.shape)}, "
+                             f"expected {list(want)}")
+        cfg = self.model.config
+        for arg, a, hi in (("input_ids", ids, cfg.vocab_size),
+                           ("token_type_ids", types, cfg.type_vocab_size)):
+            if a.min() < 0 or a.max() >= hi:
+                raise ValueError(f"BertTrainer.step: {arg} hold {int(a.min())}..{int(a.max())}, "
+                                 f"outside [0, {hi})")
+        lab = np.asarray(labels)
+        if self.loss == "cross_entropy":
+            if lab.shape != (self.batch,) or not np.issubdtype(lab.dtype, np.integer):
+                raise ValueError(f"BertTrainer.step: labels must be integer class indices "
+                                 f"[{self.batch}], got {lab.dtype} {list(lab.shape)}")
+            bad = (lab != -100) & ((lab < 0) | (lab >= self.num_labels))
+            if bad.any():
+                raise ValueError(f"BertTrainer.step: labels hold {int(lab[bad][0])}, outside "
+                                 f"[0, {self.num_labels}) (and not -100)")
+            lab = lab.astype(np.int64)
+        else:
+            shape = (self.batch, self.num_labels)
+            if lab.shape == (self.batch,) and self.num_labels == 1:
+                lab = lab.reshape(shape)
+            if lab.shape != shape or not np.issubdtype(lab.dtype, np.number):
+                raise ValueError(f"BertTrainer.step: labels must be numeric targets "
+                                 f"{list(shape)}, got {lab.dtype} {list(lab.shape)}")
+            lab = lab.astype(np.float32)
+        return self.trainer.step({"input_ids": ids.astype(np.int32),
+                                  "token_type_ids": types.astype(np.int32),
+                                  "attention_mask": mask.astype(bool), "labels": lab})
+
+    def set_lr(self, lr: float) -> None:
+        self.trainer.set_lr(lr)
+
+    def head_params(self) -> dict:
+        """The head's trained ``classifier.weight`` and ``classifier.bias``."""
+        return {k: self.trainer.get_param(k) for k in ("classifier.weight", "classifier.bias")}
+
+    def update_model(self) -> None:
+        names = bert_param_shapes(self.model.config)
+        self.model.params.update({k: self.trainer.get_param(k) for k in self.trainer.params
+                                  if k in names})
+        # a fresh store: graphs still held elsewhere keep the old weights' store
+        self.model._exes = ExecutableCache("bert")
 
 
 class SentenceEncoder:
