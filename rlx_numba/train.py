@@ -379,7 +379,12 @@ class Trainer:
         """The executable's memory report plus trained_param_bytes, optimizer_state_bytes,
         grad_bytes (arena outputs) and saved_for_backward_bytes (forward activations still in
         the arena when the backward starts)."""
-        return TrainMemoryReport({**self.exe.memory_report(), **self._stats})
+        rep = dict(self.exe.memory_report())
+        # the trained params are bound as views into the flat buffer: counted there, not twice
+        names = set(self.params)
+        rep["param_bytes"] -= sum(n.nbytes for n in self.graph.nodes
+                                  if n.op == "param" and n.name in names)
+        return TrainMemoryReport({**rep, **self._stats})
 
     def __repr__(self):
         return (f"Trainer({self.graph.name!r}, {type(self.optimizer).__name__}, "
