@@ -128,7 +128,12 @@ def _plot(losses, path, title) -> None:
         print("matplotlib is not installed: no plot (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(np.arange(1, len(losses) + 1), losses)
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=1, alpha=0.5 if len(losses) >= 20 else 1, label="loss a step")
+    if len(losses) >= 20:           # each step sees other windows: a running mean shows the trend
+        k = max(5, len(losses) // 20)
+        ax.plot(steps[k - 1:], np.convolve(losses, np.ones(k) / k, "valid"), lw=2,
+                label=f"mean of {k} steps")
     ax.axhline(math.log(VOCAB), ls=":", c="gray", label="ln 256 (uniform bytes)")
     ax.set_xlabel("step")
     ax.set_ylabel("next-byte cross-entropy")
@@ -191,7 +196,8 @@ def main(argv=None, prog: str = "train_tiny_llama.py") -> int:
     if not all(math.isfinite(v) for v in losses):
         print("the loss is not finite: lower --lr", file=sys.stderr)
         return 1
-    _plot(losses, args.out, f"tiny Llama on {Path(source).name}: {args.layers} layers, hidden "
+    _plot(losses, args.out, f"tiny Llama on {Path(source).name}: {args.layers} layer"
+                            f"{'s' if args.layers > 1 else ''}, hidden "
                             f"{args.hidden}")
     if args.sample > 0:
         prompt = np.frombuffer(data[:min(16, args.seq)], np.uint8).astype(np.int64)
