@@ -3,6 +3,9 @@ a few steps of the tiny byte-level Llama, in this process. (`info` and `demo` ru
 processes in test_device.py.)"""
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,10 +30,13 @@ def test_demo_train_runs_and_learns(tmp_path, capsys):
     assert last < first, out
 
 
-def test_demo_train_argument_errors(capsys):
+def test_demo_train_argument_errors(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["demo", "--train", "--model", "minilm"])
     assert "--train and --model are exclusive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--train", "--text", str(tmp_path / "missing.txt")])
+    assert "missing.txt: no such file" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"train_tiny_llama: the text has 5 bytes; a window of "
                                          r"seq 8 needs at least 9"):
         train_tiny_llama(b"short", steps=1, batch=1, seq=8, hidden=16, layers=1, lr=1e-2)
@@ -49,3 +55,12 @@ def test_tiny_config_and_schedule():
     assert np.allclose(lrs[:10], 1e-3 * np.arange(1, 11) / 10)       # warm-up
     assert lrs[10] == pytest.approx(1e-3) and np.all(np.diff(lrs[10:]) < 0)
     assert lrs[-1] > 1e-4                                                # decays towards lr/10
+
+
+def test_example_script_help():
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_llama.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    for arg in ("--text", "--steps", "--batch", "--seq", "--hidden", "--layers", "--lr", "--out"):
+        assert arg in r.stdout, arg

@@ -163,6 +163,8 @@ def main(argv=None, prog: str = "train_tiny_llama.py") -> int:
     args = p.parse_args(argv)
 
     if args.text:
+        if not Path(args.text).is_file():
+            p.error(f"--text {args.text}: no such file")
         source, data = args.text, Path(args.text).read_bytes()
     else:
         source, data = default_text()
