@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rlx_numba.cli import main
-from rlx_numba.models.tiny_lm import lr_at, tiny_config, train_tiny_llama
+from rlx_numba.models.tiny_lm import lr_at, main as train_main, tiny_config, train_tiny_llama
 
 
 def test_demo_train_runs_and_learns(tmp_path, capsys):
@@ -37,6 +37,9 @@ def test_demo_train_argument_errors(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["demo", "--train", "--text", str(tmp_path / "missing.txt")])
     assert "missing.txt: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--hidden", "18"])
+    assert "train_tiny_llama: hidden must be a multiple of 4" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"train_tiny_llama: the text has 5 bytes; a window of "
                                          r"seq 8 needs at least 9"):
         train_tiny_llama(b"short", steps=1, batch=1, seq=8, hidden=16, layers=1, lr=1e-2)

@@ -176,7 +176,10 @@ def main(argv=None, prog: str = "train_tiny_llama.py") -> int:
               "thread, so the defaults are a very small model and a few steps "
               f"({SIM_DEFAULTS}); the loss will barely move. On a GPU the defaults are "
               f"{GPU_DEFAULTS}.")
-    cfg = tiny_config(args.hidden, args.layers, args.seq)
+    try:
+        cfg = tiny_config(args.hidden, args.layers, args.seq)
+    except ValueError as e:
+        p.error(str(e))
     n_params = sum(int(np.prod(s)) for name, s in llama_param_shapes(cfg).items()
                    if name != "lm_head.weight")          # tied to the embeddings
     print(f"text: {source} ({len(data)} bytes); model: {args.layers} layers, hidden "
