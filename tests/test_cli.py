@@ -1,0 +1,69 @@
+"""`rlx-numba demo --train` (rlx_numba/models/tiny_lm.py, examples/train_tiny_llama.py's body):
+a few steps of the tiny byte-level Llama, in this process. (`info` and `demo` run in fresh
+processes in test_device.py.)"""
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlx_numba.cli import main
+from rlx_numba.models.tiny_lm import lr_at, main as train_main, tiny_config, train_tiny_llama
+
+
+def test_demo_train_runs_and_learns(tmp_path, capsys):
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"the cat sat on the mat. " * 8)     # repetitive: two steps must help
+    rc = main(["demo", "--train", "--text", str(text), "--steps", "2", "--sample", "0",
+               "--out", str(tmp_path / "loss.png")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"text: {text} (192 bytes)" in out and "2 steps of" in out
+    m = re.search(r"loss (\S+) -> (\S+) \(ln 256", out)
+    assert m, out
+    first, last = float(m.group(1)), float(m.group(2))
+    assert math.isfinite(first) and math.isfinite(last)
+    assert abs(first - math.log(256)) < 0.2        # std 0.02 init: about uniform over bytes
+    assert last < first, out
+
+
+def test_demo_train_argument_errors(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["demo", "--train", "--model", "minilm"])
+    assert "--train and --model are exclusive" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--train", "--text", str(tmp_path / "missing.txt")])
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        train_main(["--hidden", "18"])
+    assert "train_tiny_llama: hidden must be a multiple of 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"train_tiny_llama: the text has 5 bytes; a window of "
+                                         r"seq 8 needs at least 9"):
+        train_tiny_llama(b"short", steps=1, batch=1, seq=8, hidden=16, layers=1, lr=1e-2)
+    with pytest.raises(ValueError, match="train_tiny_llama: steps must be an int >= 1, got 0"):
+        train_tiny_llama(b"x" * 64, steps=0, batch=1, seq=8, hidden=16, layers=1, lr=1e-2)
+    with pytest.raises(ValueError, match="train_tiny_llama: hidden must be a multiple of 4"):
+        tiny_config(18, 1, 8)
+
+
+def test_tiny_config_and_schedule():
+    cfg = tiny_config(128, 4, 128)
+    assert (cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.max_position_embeddings) == (256, 8, 4, 16, 344, 256)
+    assert cfg.tie_word_embeddings
+    lrs = np.array([lr_at(s, 100, 1e-3) for s in range(100)])
+    assert np.allclose(lrs[:10], 1e-3 * np.arange(1, 11) / 10)       # warm-up
+    assert lrs[10] == pytest.approx(1e-3) and np.all(np.diff(lrs[10:]) < 0)
+    assert lrs[-1] > 1e-4                                                # decays towards lr/10
+
+
+def test_example_script_help():
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_llama.py"
+    r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    for arg in ("--text", "--steps", "--batch", "--seq", "--hidden", "--layers", "--lr", "--out"):
+        assert arg in r.stdout, arg
