@@ -222,8 +222,8 @@ def test_llama_errors(llama):
         LlamaForCausalLM(llama.config, llama.params, exec_mode="bogus")
     with pytest.raises(ValueError, match="a decode graph takes one token a row"):
         build_llama(GQA, 1, 2, kind="decode", cache_len=8)
-    with pytest.raises(ValueError, match="kind must be 'forward', 'prefill' or 'decode'"):
-        build_llama(GQA, 1, 2, kind="train")
+    with pytest.raises(ValueError, match="kind must be 'forward', 'prefill', 'decode' or 'train'"):
+        build_llama(GQA, 1, 2, kind="backward")
     with pytest.raises(ValueError, match="num_attention_heads 4 must be a multiple of "
                                          "num_key_value_heads 3"):
         LlamaConfig(vocab_size=5, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
