@@ -1,5 +1,7 @@
 """Training a Llama: the kind "train" graph's loss and gradients against a float64 NumPy Llama
 (tests/test_models.py's np_llama) and finite differences, and LlamaTrainer's steps."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -71,20 +73,19 @@ def test_train_graph_loss_and_gradients_match_numpy(model, rng):
 
 
 def test_llama_trainer_steps_and_updates_the_model(rng):
-    m = LlamaForCausalLM.from_config(GQA, seed=5, std=0.2)
+    cfg = dataclasses.replace(GQA, num_hidden_layers=1)      # (one layer: the simulator is slow)
+    m = LlamaForCausalLM.from_config(cfg, seed=5, std=0.2)
     before = {k: v.copy() for k, v in m.params.items()}
     tr = m.trainer(2, 6, rlx.optim.AdamW(lr=1e-2), exec_mode="stream")
-    ids = rng.integers(0, GQA.vocab_size, (2, 6))
-    first = np_loss(GQA, m.params, ids, ids)
-    losses = [tr.step(ids) for _ in range(4)]
+    ids = rng.integers(0, cfg.vocab_size, (2, 6))
+    first = np_loss(cfg, m.params, ids, ids)
+    losses = [tr.step(ids) for _ in range(3)]
     np.testing.assert_allclose(losses[0], first, rtol=1e-4)   # the loss before the first update
     assert losses[-1] < losses[0]                  # the same batch: it is learnt
     tr.update_model()
     assert not np.array_equal(m.params["model.layers.0.mlp.down_proj.weight"],
                               before["model.layers.0.mlp.down_proj.weight"])
-    np.testing.assert_allclose(np_loss(GQA, m.params, ids, ids), tr.step(ids), rtol=1e-4)
-    out = m.generate(ids[:1, :3], 2)               # the model runs with the trained weights
-    assert out.shape == (1, 5)
+    np.testing.assert_allclose(np_loss(cfg, m.params, ids, ids), tr.step(ids), rtol=1e-4)
     with pytest.raises(ValueError, match=r"LlamaTrainer.step: input_ids must be an integer \[2, 6\]"):
         tr.step(ids[:, :5])
     with pytest.raises(ValueError, match="build_llama: a train graph needs seq >= 2"):
