@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 
 import numpy as np
 
@@ -220,9 +219,7 @@ class TrainStore(ParamStore):
         if created:
             e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
             e.copies[False] = view
-        e.users.add(exe)
-        e.count += 1
-        weakref.finalize(exe, self._release, key).atexit = False
+        self._use(exe, key, e)
         return e, view, created
 
     def _release(self, key):

@@ -45,6 +45,15 @@ def build(lead, k, n, bias, act, residual):
     return g
 
 
+def set_weight(exe, wv, wdt):
+    """Set param w (f32, or stored half); the weight the product sees, in float64."""
+    if wdt == "f32":
+        exe.set_param("w", wv)
+        return wv.astype(np.float64)
+    exe.set_param_half("w", wv, wdt)
+    return wv.astype(HALF[wdt]).astype(np.float64)
+
+
 def product_step(exe):
     (s,) = [s for s in exe.steps if "tier" in s.info]
     return s
@@ -68,12 +77,7 @@ def test_skinny_matches_numpy(monkeypatch, rng, lead, k, n, wdt, bias, act, resi
     exe = rlx.compile(build(lead, k, n, bias, act, residual))
     wv = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
     bv = rng.standard_normal(n).astype(np.float32)
-    if wdt == "f32":
-        exe.set_param("w", wv)
-        w64 = wv.astype(np.float64)
-    else:
-        exe.set_param_half("w", wv, wdt)
-        w64 = wv.astype(HALF[wdt]).astype(np.float64)
+    w64 = set_weight(exe, wv, wdt)
     if bias:
         exe.set_param("b", bv)
     step = product_step(exe)
@@ -224,12 +228,7 @@ def test_gated_epilogue(monkeypatch, rng, tiers, lead, k, n2, bias, wdt):
     exe = rlx.compile(_gated_graph(lead, k, n2, bias))
     wv = (rng.standard_normal((k, n2)) / np.sqrt(k)).astype(np.float32)
     bv = rng.standard_normal(n2).astype(np.float32)
-    if wdt == "f32":
-        exe.set_param("w", wv)
-        w64 = wv.astype(np.float64)
-    else:
-        exe.set_param_half("w", wv, wdt)
-        w64 = wv.astype(HALF[wdt]).astype(np.float64)
+    w64 = set_weight(exe, wv, wdt)
     if bias:
         exe.set_param("b", bv)
     step = product_step(exe)

@@ -153,11 +153,15 @@ class ParamStore:
             hdt, halves = e.half
             other = next(iter(halves.values()))
             halves[transposed] = self._half_relayout(other, e, hdt, transposed)
+        self._use(exe, key, e)
+        return e, buf, created
+
+    def _use(self, exe, key, e) -> None:
+        """``exe`` reads entry ``e``: counted until it is collected."""
         e.users.add(exe)
         e.count += 1
         # (not at interpreter exit: the CUDA context may be gone by then)
         weakref.finalize(exe, self._release, key).atexit = False
-        return e, buf, created
 
     def _release(self, key):
         e = self._entries.get(key)
