@@ -108,13 +108,14 @@ def _grads(Qs, Ks, Vs, Os, Ls, Dls, Ps, Ss, i, j, q0, k0, b, h, mask, bias, geom
 def lse(dmax, causal, has_window, has_mask, has_bias, has_softcap):
     """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked)."""
     B = tile(dmax)
+    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
     assert B <= NT
 
     @jit
     def kernel(out, q, k, mask, bias, geom, scale, softcap):
-        Qs = cuda.shared.array(B * dmax, float32)
-        Ks = cuda.shared.array(B * dmax, float32)
-        Ss = cuda.shared.array(B * B, float32)
+        Qs = cuda.shared.array(BD, float32)
+        Ks = cuda.shared.array(BD, float32)
+        Ss = cuda.shared.array(BB, float32)
         hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
         tid = int64(cuda.threadIdx.x)
         b, h = _divmod(int64(cuda.blockIdx.y), hq)
@@ -183,16 +184,17 @@ def delta():
 def dq(dmax, causal, has_window, has_mask, has_bias, has_softcap, want_ds):
     """dQ (or, with want_ds, dS [B, Hq, Sq, Sk]) of a query tile a block."""
     B = tile(dmax)
+    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
     EPT = -(-B * dmax // NT)          # dQ elements a thread accumulates
 
     @jit
     def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap):
-        Qs = cuda.shared.array(B * dmax, float32)
-        Os = cuda.shared.array(B * dmax, float32)     # dO
-        Ks = cuda.shared.array(B * dmax, float32)
-        Vs = cuda.shared.array(B * dmax, float32)
-        Ps = cuda.shared.array(B * B, float32)
-        Ss = cuda.shared.array(B * B, float32)
+        Qs = cuda.shared.array(BD, float32)
+        Os = cuda.shared.array(BD, float32)     # dO
+        Ks = cuda.shared.array(BD, float32)
+        Vs = cuda.shared.array(BD, float32)
+        Ps = cuda.shared.array(BB, float32)
+        Ss = cuda.shared.array(BB, float32)
         Ls = cuda.shared.array(B, float32)
         Dls = cuda.shared.array(B, float32)
         acc = cuda.local.array(EPT, float32)
@@ -257,16 +259,17 @@ def dq(dmax, causal, has_window, has_mask, has_bias, has_softcap, want_ds):
 def dkv(dmax, causal, has_window, has_mask, has_bias, has_softcap):
     """dK and dV of a key tile a block, into out = [dK, dV] (each k's shape and strides)."""
     B = tile(dmax)
+    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
     EPT = -(-B * dmax // NT)
 
     @jit
     def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap, nk):
-        Qs = cuda.shared.array(B * dmax, float32)
-        Os = cuda.shared.array(B * dmax, float32)
-        Ks = cuda.shared.array(B * dmax, float32)
-        Vs = cuda.shared.array(B * dmax, float32)
-        Ps = cuda.shared.array(B * B, float32)
-        Ss = cuda.shared.array(B * B, float32)
+        Qs = cuda.shared.array(BD, float32)
+        Os = cuda.shared.array(BD, float32)
+        Ks = cuda.shared.array(BD, float32)
+        Vs = cuda.shared.array(BD, float32)
+        Ps = cuda.shared.array(BB, float32)
+        Ss = cuda.shared.array(BB, float32)
         Ls = cuda.shared.array(B, float32)
         Dls = cuda.shared.array(B, float32)
         dk = cuda.local.array(EPT, float32)
