@@ -23,7 +23,7 @@ Timing: wall clock (perf_counter around whole steps, synchronised) for the train
 CUDA events for the attention backward, as bench_attention.
 
   python bench/bench_train.py [--only llama|bert|attention] [--no-compile] [--iters 5]
-                              [--exec-mode graph] [--out bench/results/train.json]
+                              [--profile] [--exec-mode graph] [--out bench/results/train.json]
 """
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ def bench_llama(torch, transformers, rlx, args, rows):
     settle(ctx)
     used = free0 - ctx.get_memory_info()[0]
     report = tr.trainer.memory_report()
+    if args.profile:
+        print_top(tr.trainer.profile({"input_ids": ids.astype(np.int32), "labels": ids}), 25)
     print(f"\nrlx train step memory (SmolLM2-135M config, batch {b} x seq {s}):\n{report}")
     del tr
     ours._exes.clear()
@@ -202,6 +204,17 @@ def bench_bert(torch, transformers, rlx, args, rows):
           f"{'PASS' if r['pass'] else 'FAIL'}", flush=True)
 
 
+def print_top(prof, n):
+    """A profiled step's time summed by kernel (or library call), the n largest."""
+    by = {}
+    for r in prof:
+        t, c = by.get(r.kernel, (0.0, 0))
+        by[r.kernel] = (t + r.ms, c + 1)
+    print(f"\n{prof.graph_name}: {len(prof)} steps, {prof.total_ms:.2f} ms; top kernels")
+    for k, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:n]:
+        print(f"  {t:9.3f} ms {100 * t / prof.total_ms:5.1f}%  x{c:<4} {k[:90]}")
+
+
 def _iters(iters: int, est_ms: float) -> int:
     """Launches a timed window: ``iters``, or more when that would last under WINDOW_MS."""
     return max(iters, min(1000, int(WINDOW_MS / max(est_ms, 1e-4))))
@@ -272,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--only", choices=["llama", "bert", "attention"])
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--iters", type=int, default=5, help="steps a timed window (train steps)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the Llama train step's time by kernel (one profiled step)")
     p.add_argument("--exec-mode", default="graph", help="the trainers' exec_mode")
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "train.json")

@@ -25,7 +25,7 @@ def attention64(q, k, v, causal=False, window=None, mask=None, bias=None, scale=
     return o
 
 
-def _grad_case(rng, qs, ks, *, mask=None, bias=None, wrt=("q", "k", "v"), **kw):
+def _grad_case(rng, qs, ks, *, mask=None, bias=None, wrt=("q", "k", "v"), sample=None, **kw):
     g = rlx.Graph("attn_grad")
     q, k, v = g.input("q", qs), g.input("k", ks), g.input("v", ks)
     feed = {"q": rng.standard_normal(qs), "k": rng.standard_normal(ks),
@@ -42,7 +42,7 @@ def _grad_case(rng, qs, ks, *, mask=None, bias=None, wrt=("q", "k", "v"), **kw):
     tensors = {"q": q, "k": k, "v": v, **extra}
     check(g, y, {n: tensors[n] for n in wrt}, feed,
           lambda **f: attention64(f["q"], f["k"], f["v"], mask=f.get("mask"),
-                                  bias=f.get("bias"), **kw), seed=seed)
+                                  bias=f.get("bias"), **kw), seed=seed, sample=sample)
 
 
 CASES = {
@@ -141,20 +141,9 @@ def test_attention_grad_rank3_everything(rng):
                bias=rng.standard_normal((5, 7)), wrt=("q", "k", "v", "bias"))
 
 
-def test_attention_grad_gpu_tiles(rng, monkeypatch):
-    """The GPU's block geometry (128 threads, tiles of 16 rows, head dims padded to 32: several
-    accumulators a thread) run in the simulator, over several tiles each way."""
-    from rlx_numba.kernels import attention_bwd as AB
-    if not rlx.simulator_enabled():
-        pytest.skip("the GPU runs this geometry in every other test")
-    factories = (AB.lse, AB.dq, AB.dkv)
-    for f in factories:
-        f.cache_clear()
-    monkeypatch.setattr(AB, "NT", 128)
-    monkeypatch.setattr(AB, "DQ", 32)
-    monkeypatch.setattr(AB, "tile", lambda dmax: 16 if dmax <= 128 else 8)
-    try:
-        _grad_case(rng, (1, 2, 18, 40), (1, 1, 33, 40), causal=True, softcap=3.0)
-    finally:
-        for f in factories:
-            f.cache_clear()
+def test_attention_grad_several_tiles(rng):
+    """Several row and column tiles each way (the simulator's tiles: 16 rows x 32 columns),
+    Sq != Sk, GQA 2:1, a head dim of two head-dim groups a thread (d 36 > 32), a window
+    shorter than a tile, softcap and scale."""
+    _grad_case(rng, (1, 2, 20, 36), (1, 1, 40, 36), sample=40, causal=True, window=13,
+               softcap=3.0, scale=0.4)

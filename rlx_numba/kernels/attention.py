@@ -201,9 +201,10 @@ def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
 
 
 @functools.lru_cache(maxsize=None)
-def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_only=False):
     """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v 16-byte
-    aligned, so their loads are 16 bytes)."""
+    aligned, so their loads are 16 bytes). ``lse_only``: no P V; each row's log-sum-exp
+    (-inf where every key is masked) into out [B, Hq, Sq] instead (attention's backward)."""
     TR = flash_rows(dpt)
     BR = RG * TR
     dmax = NC * dpt
@@ -294,8 +295,12 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                     du += _u(1)
                 slot ^= _u(1)
                 d0 += DC
-            # V's first chunk: its loads fly during the softmax
-            _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
+            if lse_only:                  # the next tile's Q/K fly during the softmax
+                if kv0 + BC < kv_end:
+                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+            else:                         # V's first chunk: its loads fly during the softmax
+                _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
             # a tile with every query and key in range and (causal) every key at or before
             # every query's position needs no mask test (uniform across the block)
             plain = (not has_window and not has_mask and not has_bias and q0 + BR <= sq
@@ -331,6 +336,9 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                 mr[i] = mnew
                 for c in range(dpt):
                     o[i, c] *= alpha
+            if lse_only:
+                kv0 += BC
+                continue
             for j in range(SC):           # P^T: (Pt was last read before this tile's barriers)
                 for i4 in range(TR // 4):
                     ptx.vst4(Pt, (col0 + _u(j)) * uQW + row0 + _u(4 * i4), s[4 * i4, j],
@@ -364,7 +372,10 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
         for i in range(TR):
             qi = q0 + int64(row0 + _u(i))
             li = group_reduce(lr[i], red, NC, SUM)
-            if qi < sq:
+            if lse_only:
+                if qi < sq and tc == _u(0):
+                    out[uint64(bh * sq + qi)] = mr[i] + m.log(li) if li > ZERO else NEG_INF
+            elif qi < sq:
                 inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
                 for c in range(dpt):
                     col = int64(_u(4 * NC * (c // 4) + c % 4) + tc * _u(4))

@@ -14,150 +14,42 @@ gradient and Dl = rowsum(dO * O):
 Kernels (the integer geometry is attention's ``GEOM`` array: q / o / dO / dQ share q's strides,
 k / v / dK / dV k's; LSE and Dl are contiguous [B, Hq, Sq]):
 
-* ``lse``: a block per (batch * query head, tile of BQ queries); per key tile the BQ x BC
-  scores go through shared memory and one thread a row keeps its running (max, sum).
+* LSE: the forward's flash kernel with ``lse_only`` (its Q K^T and online softmax, no P V).
 * ``delta``: Dl, a thread a row (grid-stride).
-* ``dq``: a block per (batch * query head, query tile), looping over the key tiles the
-  causal / window masks leave; Q, dO, K, V tiles in shared memory (rows of DMAX floats,
-  zero-padded), dS' through shared memory, each thread accumulating fixed elements of the
-  BQ x DMAX dQ tile in registers. With ``want_ds`` it writes dS instead of dQ (every key tile:
-  the buffer is not zeroed).
-* ``dkv``: a block per (batch * key/value head, tile of BC keys), looping over the GQA group's
-  query heads and the query tiles that can see the tile's keys; P and dS' through shared
-  memory, dK and dV accumulated in registers (a GQA group's heads summed in the block: no
-  atomics, deterministic); output [2, *k.shape]: dK then dV.
-
-Correctness first: the dot products read shared rows with a thread an element (bank
-conflicts, no tensor cores, BQ = BC = 16). On a GPU the obvious next steps are the forward
-flash kernel's register tiling (a thread a TR x 4 patch of S, 16-byte shared loads), LSE
-written by the forward flash kernel itself instead of recomputed here (a residual_sum-style
-node filled by the attention step), and larger tiles.
+* ``grads``: dQ (or dS), or dK and dV, on the forward flash kernel's geometry and its staging
+  helpers (kernels/attention.py's docstring): a block of NT threads holds a tile of BR "rows"
+  (thread (tr, tc): TR consecutive rows, keys/queries 4 tc .. of a column tile of BC), and
+  for each column tile computes two products in registers, S and dP, Q/K and dO/V staged DC
+  head dims at a time through two shared slots; turns them into P and dS' (scores masked
+  exactly as the forward's); then accumulates TR x DPT patches of the output as the forward's
+  O += P V, the column operand staged JC rows at a time:
+    - dQ: rows are queries (a block per query tile and batch * query head), columns keys;
+      S = Q K^T, dP = dO V^T, dQ += dS' K.
+    - dK, dV: rows are keys (a block per key tile and batch * key/value head), columns the
+      queries of every head of its GQA group that can see the tile; S^T = K Q^T,
+      dP^T = V dO^T, dV += P^T dO, then dK += dS'^T Q (through the same P^T buffer, one after
+      the other: both do not fit 48 KB of static shared memory beside the slots). A group's
+      heads are summed in the block: no atomics, deterministic. Output [2, *k.shape].
+    - dS (bias gradient only): rows queries, every key tile, dS written from registers.
+  Seven products of Sq x Sk x D where FlashAttention-2 does five (it adds dQ with atomics
+  from the dK/dV kernel): deterministic, and each kernel is the forward's proven loop.
 """
 import functools
-import math
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint64
 
-from ..device import SIMULATOR
 from . import mathfn as m
-from .attention import _divmod, _score
+from . import ptx
+from .attention import (BC, DC, JC, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod, _fetch,
+                        _inline, _jit, _put_t, _pv_key, _score, _u, flash, flash_launch,
+                        flash_occ, flash_rows, head_split)
 from .launch import jit
 
-NT = 16 if SIMULATOR else 128       # threads a block
-DQ = 4 if SIMULATOR else 32         # head dims are padded to a multiple of this (DMAX)
-NEG_INF = float32(-math.inf)
-ZERO = float32(0.0)
-ONE = float32(1.0)
 
-
-def dmax_of(d: int) -> int:
-    return max(DQ, -(-d // DQ) * DQ)
-
-
-def tile(dmax: int) -> int:
-    """Rows of a query tile and of a key tile (BQ = BC): four DMAX-wide tiles fit 32 KB of
-    shared memory."""
-    if SIMULATOR:
-        return 4
-    return 16 if dmax <= 128 else 8
-
-
-@cuda.jit(device=True)
-def _load(dst, src, base, rs, r0, nrows, d, dmax, rows, tid):
-    """dst[r * dmax + c] <- src[base + (r0 + r) * rs + c] for r < rows, c < dmax; zeros past
-    nrows and d."""
-    e = int64(tid)
-    while e < rows * dmax:
-        r, c = e // dmax, e % dmax
-        dst[e] = src[base + (r0 + r) * rs + c] if r0 + r < nrows and c < d else ZERO
-        e += NT
-
-
-@cuda.jit(device=True)
-def _dot(a, ia, b, ib, d):
-    acc = ZERO
-    for c in range(d):
-        acc += a[ia + c] * b[ib + c]
-    return acc
-
-
-@cuda.jit(device=True)
-def _grads(Qs, Ks, Vs, Os, Ls, Dls, Ps, Ss, i, j, q0, k0, b, h, mask, bias, geom, scale, softcap,
-           causal, has_window, has_mask, has_bias, has_softcap, sq, sk, d, dmax, bc):
-    """Recompute P[i, j] of the tile at (q0, k0) and dS[i, j] into Ps, and dS' * scale into
-    Ss (index i * bc + j)."""
-    qi, kj = q0 + i, k0 + j
-    raw = _dot(Qs, i * dmax, Ks, j * dmax, d)
-    x = _score(raw, qi, kj, geom[23] + qi, b, h, mask, bias, geom, scale, softcap, causal,
-               has_window, has_mask, has_bias, has_softcap, sq, sk)
-    lse = Ls[i]
-    p = ZERO if x == NEG_INF or lse == NEG_INF else m.exp(x - lse)
-    ds = ZERO
-    if p != ZERO:
-        ds = p * (_dot(Os, i * dmax, Vs, j * dmax, d) - Dls[i])
-    Ps[i * bc + j] = p
-    dsr = ds
-    if has_softcap:                   # d softcap tanh(u / softcap) / du = 1 - tanh^2
-        t = m.tanh(raw * scale / softcap)
-        dsr = ds * (ONE - t * t)
-    Ss[i * bc + j] = dsr * scale
-    return ds
-
-
-@functools.lru_cache(maxsize=None)
-def lse(dmax, causal, has_window, has_mask, has_bias, has_softcap):
-    """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked)."""
-    B = tile(dmax)
-    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
-    assert B <= NT
-
-    @jit
-    def kernel(out, q, k, mask, bias, geom, scale, softcap):
-        Qs = cuda.shared.array(BD, float32)
-        Ks = cuda.shared.array(BD, float32)
-        Ss = cuda.shared.array(BB, float32)
-        hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
-        tid = int64(cuda.threadIdx.x)
-        b, h = _divmod(int64(cuda.blockIdx.y), hq)
-        hk = _divmod(h, g)[0]
-        q0 = int64(cuda.blockIdx.x) * B
-        off = geom[23]
-        _load(Qs, q, b * geom[5] + h * geom[6], geom[7], q0, sq, d, dmax, B, tid)
-        kv0, kv_end = int64(0), sk
-        if causal or has_window:
-            kv_end = min(sk, max(int64(0), off + q0 + B))
-        if has_window:
-            kv0 = max(int64(0), off + q0 - geom[22] + 1) // B * B
-        mr, lr = NEG_INF, ZERO        # thread tid < B: row tid's running max and sum
-        while kv0 < kv_end:
-            cuda.syncthreads()        # the last tile's Ks and Ss are read
-            _load(Ks, k, b * geom[8] + hk * geom[9], geom[10], kv0, sk, d, dmax, B, tid)
-            cuda.syncthreads()
-            e = tid
-            while e < B * B:
-                i, j = e // B, e % B
-                Ss[e] = _score(_dot(Qs, i * dmax, Ks, j * dmax, d), q0 + i, kv0 + j,
-                               off + q0 + i, b, h, mask, bias, geom, scale, softcap, causal,
-                               has_window, has_mask, has_bias, has_softcap, sq, sk)
-                e += NT
-            cuda.syncthreads()
-            if tid < B:
-                tmax = NEG_INF
-                for j in range(B):
-                    tmax = max(tmax, Ss[tid * B + j])
-                mnew = max(mr, tmax)
-                if mnew != NEG_INF:
-                    lr = lr * (m.exp(mr - mnew) if mr != NEG_INF else ZERO)
-                    for j in range(B):
-                        x = Ss[tid * B + j]
-                        if x != NEG_INF:
-                            lr += m.exp(x - mnew)
-                    mr = mnew
-            kv0 += B
-        if tid < B and q0 + tid < sq:
-            out[(b * hq + h) * sq + q0 + tid] = mr + m.log(lr) if lr > ZERO else NEG_INF
-
-    return kernel
+def lse(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+    """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked): the forward
+    kernel without its P V (launched as the forward, ``flash_launch``)."""
+    return flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_only=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,165 +72,270 @@ def delta():
     return kernel
 
 
+@_inline
+def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
+          vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
+    """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
+    B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
+    two slots from ``slot``; ra / rb hold the first chunk's loads on entry (the caller issues
+    them early). Returns the next slot."""
+    for i in range(tr):
+        for j in range(sc):
+            s[i, j] = ZERO
+    d0 = int64(0)
+    while d0 < d:
+        sb = slot * slot_size
+        _put_t(stage, sb, qw, ra, al, tid)
+        _put_t(stage, sb + koff, kw, rb, bl, tid)
+        cuda.syncthreads()
+        if d0 + DC < d:               # the next chunk's loads fly while this one computes
+            _fetch(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
+            _fetch(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
+        du = _u(0)
+        while du < _u(DC):
+            for i4 in range(tr // 4):
+                x = ptx.vld4(stage, sb + du * qw + row0 + _u(4 * i4))
+                for t in range(4):
+                    fa[4 * i4 + t] = x[t]
+            for j4 in range(sc // 4):
+                x = ptx.vld4(stage, sb + koff + du * kw + col0 + _u(4 * j4))
+                for t in range(4):
+                    fb[4 * j4 + t] = x[t]
+            for i in range(tr):
+                for j in range(sc):
+                    s[i, j] += fa[i] * fb[j]
+            du += _u(1)
+        slot ^= _u(1)
+        d0 += DC
+    return slot
+
+
+@_inline
+def _acc(o, fa, fv, fa2, fv2, stage, slot, Pt, rv, src, base, rs, c0, nrows, d, tid, vec, vl,
+         jc, dmax, tr, dpt, row0, tc, qw, slot_size):
+    """o[tr, dpt] += P[rows, BC columns] . src[c0 .., :d] (P in Pt column-major, as the
+    forward's P^T), src staged jc rows at a time; rv holds the first chunk's loads on entry.
+    Returns the next slot."""
+    j0 = int64(0)
+    while j0 < BC:
+        sb = slot * slot_size
+        for p in range(vl):           # (a row's dmax dims in a row: group e at 4 e)
+            ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
+                     rv[4 * p + 2], rv[4 * p + 3])
+        cuda.syncthreads()            # (the first also completes Pt)
+        if j0 + jc < BC:
+            _fetch(rv, vl, dmax // 4, src, base, rs, c0 + j0 + jc, nrows, int64(0), d, tid, vec)
+        pa = uint64(j0) * qw + row0
+        va = sb + tc * _u(4)
+        ju = int64(0)                 # two columns a trip: the second's loads fly during
+        while ju < jc:                # the first one's FMAs
+            _pv_key(o, fa, fv, Pt, pa, stage, va, tr, dpt)
+            _pv_key(o, fa2, fv2, Pt, pa + qw, stage, va + _u(dmax), tr, dpt)
+            pa += _u(2) * qw
+            va += _u(2 * dmax)
+            ju += 2
+        slot ^= _u(1)
+        j0 += jc
+    return slot
+
+
+@_inline
+def _put_pt(Pt, s, tr, sc, row0, col0, qw):
+    """Pt[col][row] <- s[row][col] of this thread's patch (16-byte stores)."""
+    for j in range(sc):
+        for i4 in range(tr // 4):
+            ptx.vst4(Pt, (col0 + _u(j)) * qw + row0 + _u(4 * i4), s[4 * i4, j],
+                     s[4 * i4 + 1, j], s[4 * i4 + 2, j], s[4 * i4 + 3, j])
+
+
+DQ, DKV, DS = 0, 1, 2               # what ``grads`` computes
+
+
 @functools.lru_cache(maxsize=None)
-def dq(dmax, causal, has_window, has_mask, has_bias, has_softcap, want_ds):
-    """dQ (or, with want_ds, dS [B, Hq, Sq, Sk]) of a query tile a block."""
-    B = tile(dmax)
-    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
-    EPT = -(-B * dmax // NT)          # dQ elements a thread accumulates
+def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+    """The backward kernel ``kind`` (DQ, DKV or DS) for DPT = head_split(d) (vec: d a multiple
+    of 4 and q, k, v, dO 16-byte aligned)."""
+    TR = flash_rows(dpt)
+    BR = RG * TR
+    dmax = NC * dpt
+    jc = JC if dpt <= 8 else JC // 2
+    QW, KW = BR + PAD, BC + PAD
+    KOFF = DC * QW
+    SLOT = max(DC * (QW + KW), jc * dmax)
+    STAGE, PT = 2 * SLOT, BC * QW
+    al, bl, vl = BR * DC // (4 * NT), BC * DC // (4 * NT), jc * dmax // (4 * NT)
+    assert BR * DC % (4 * NT) == 0 and jc * dmax % (4 * NT) == 0 and BC % jc == 0
+    NA, NB, NV = 4 * al, 4 * bl, 4 * vl
+    rows_q = kind != DKV              # rows are queries (dQ, dS) or keys (dK / dV)
+    uQW, uKW, uKOFF, uSLOT = _u(QW), _u(KW), _u(KOFF), _u(SLOT)
 
-    @jit
-    def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap):
-        Qs = cuda.shared.array(BD, float32)
-        Os = cuda.shared.array(BD, float32)     # dO
-        Ks = cuda.shared.array(BD, float32)
-        Vs = cuda.shared.array(BD, float32)
-        Ps = cuda.shared.array(BB, float32)
-        Ss = cuda.shared.array(BB, float32)
-        Ls = cuda.shared.array(B, float32)
-        Dls = cuda.shared.array(B, float32)
-        acc = cuda.local.array(EPT, float32)
-        hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
-        tid = int64(cuda.threadIdx.x)
-        b, h = _divmod(int64(cuda.blockIdx.y), hq)
-        hk = _divmod(h, g)[0]
-        q0 = int64(cuda.blockIdx.x) * B
-        off = geom[23]
-        qbase, kbase = b * geom[5] + h * geom[6], b * geom[8] + hk * geom[9]
-        _load(Qs, q, qbase, geom[7], q0, sq, d, dmax, B, tid)
-        _load(Os, do, qbase, geom[7], q0, sq, d, dmax, B, tid)
-        if tid < B:
-            r = (b * hq + h) * sq + q0 + tid
-            Ls[tid] = lse_[r] if q0 + tid < sq else NEG_INF
-            Dls[tid] = dl[r] if q0 + tid < sq else ZERO
-        for p in range(EPT):
-            acc[p] = ZERO
-        kv0, kv_end = int64(0), sk
-        if not want_ds:               # (dS is written everywhere: its buffer is not zeroed)
-            if causal or has_window:
-                kv_end = min(sk, max(int64(0), off + q0 + B))
-            if has_window:
-                kv0 = max(int64(0), off + q0 - geom[22] + 1) // B * B
-        while kv0 < kv_end:
-            cuda.syncthreads()        # the last tile's Ks, Vs, Ss are read
-            _load(Ks, k, kbase, geom[10], kv0, sk, d, dmax, B, tid)
-            _load(Vs, v, kbase, geom[10], kv0, sk, d, dmax, B, tid)
-            cuda.syncthreads()
-            e = tid
-            while e < B * B:
-                i, j = e // B, e % B
-                ds = _grads(Qs, Ks, Vs, Os, Ls, Dls, Ps, Ss, i, j, q0, kv0, b, h, mask, bias,
-                            geom, scale, softcap, causal, has_window, has_mask, has_bias,
-                            has_softcap, sq, sk, d, dmax, B)
-                if want_ds and q0 + i < sq and kv0 + j < sk:
-                    out[((b * hq + h) * sq + q0 + i) * sk + kv0 + j] = ds
-                e += NT
-            cuda.syncthreads()
-            if not want_ds:
-                for p in range(EPT):  # dQ[i, c] += sum_j dS'[i, j] K[j, c]
-                    e = tid + p * NT
-                    if e < B * dmax:
-                        i, c = e // dmax, e % dmax
-                        s = ZERO
-                        for j in range(B):
-                            s += Ss[i * B + j] * Ks[j * dmax + c]
-                        acc[p] += s
-            kv0 += B
-        if not want_ds:
-            for p in range(EPT):
-                e = tid + p * NT
-                if e < B * dmax:
-                    i, c = e // dmax, e % dmax
-                    if q0 + i < sq and c < d:
-                        out[qbase + (q0 + i) * geom[7] + c] = acc[p]
-
-    return kernel
-
-
-@functools.lru_cache(maxsize=None)
-def dkv(dmax, causal, has_window, has_mask, has_bias, has_softcap):
-    """dK and dV of a key tile a block, into out = [dK, dV] (each k's shape and strides)."""
-    B = tile(dmax)
-    BD, BB = B * dmax, B * B          # shared sizes must be compile-time constants
-    EPT = -(-B * dmax // NT)
-
-    @jit
+    @_jit(NT, flash_occ(dpt))
     def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap, nk):
-        Qs = cuda.shared.array(BD, float32)
-        Os = cuda.shared.array(BD, float32)
-        Ks = cuda.shared.array(BD, float32)
-        Vs = cuda.shared.array(BD, float32)
-        Ps = cuda.shared.array(BB, float32)
-        Ss = cuda.shared.array(BB, float32)
-        Ls = cuda.shared.array(B, float32)
-        Dls = cuda.shared.array(B, float32)
-        dk = cuda.local.array(EPT, float32)
-        dv = cuda.local.array(EPT, float32)
+        stage = cuda.shared.array(STAGE, float32, alignment=16)
+        Pt = cuda.shared.array(PT, float32, alignment=16)
+        s = cuda.local.array((TR, SC), float32)
+        dp = cuda.local.array((TR, SC), float32)
+        o1 = cuda.local.array((TR, dpt), float32)     # dQ, or dV
+        o2 = cuda.local.array((TR, dpt), float32)     # dK
+        lq = cuda.local.array(TR, float32)            # LSE and Dl of this thread's queries
+        dq_ = cuda.local.array(TR, float32)
+        fa = cuda.local.array(TR, float32)
+        fb = cuda.local.array(SC, float32)
+        fv = cuda.local.array(dpt, float32)
+        fa2 = cuda.local.array(TR, float32)
+        fv2 = cuda.local.array(dpt, float32)
+        ra = cuda.local.array(NA, float32)
+        rb = cuda.local.array(NB, float32)
+        rv = cuda.local.array(NV, float32)
         hq, g, sq, sk, d = geom[0], geom[1], geom[2], geom[3], geom[4]
-        hkv = hq // g
-        tid = int64(cuda.threadIdx.x)
-        b, hk = _divmod(int64(cuda.blockIdx.y), hkv)
-        k0 = int64(cuda.blockIdx.x) * B
-        off = geom[23]
+        off, qs, ks = geom[23], geom[7], geom[10]
+        tid = uint64(cuda.threadIdx.x)
+        tr, tc = tid // _u(NC), tid % _u(NC)
+        row0, col0 = tr * _u(TR), tc * _u(SC)
+        bx = int64(cuda.blockIdx.y)
+        for i in range(TR):
+            for c in range(dpt):
+                o1[i, c] = ZERO
+                o2[i, c] = ZERO
+        slot = _u(0)
+        if rows_q:
+            b, h = _divmod(bx, hq)
+            hk = _divmod(h, g)[0]
+            nrt = (sq + BR - 1) // BR
+            r0 = (nrt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
+            heads, c_lo, c_end = int64(1), int64(0), sk
+            if kind == DQ and (causal or has_window):     # (dS is written everywhere)
+                c_end = min(sk, max(int64(0), off + r0 + BR))
+            if kind == DQ and has_window:
+                c_lo = max(int64(0), off + r0 - geom[22] + 1) // BC * BC
+            for i in range(TR):
+                qi = r0 + int64(row0 + _u(i))
+                at = uint64(bx * sq + qi)
+                lq[i] = lse_[at] if qi < sq else NEG_INF
+                dq_[i] = dl[at] if qi < sq else ZERO
+        else:
+            hkv = hq // g
+            b, hk = _divmod(bx, hkv)
+            h = hk * g
+            r0 = int64(cuda.blockIdx.x) * BR                  # (the first key tiles see most)
+            heads, c_lo, c_end = g, int64(0), sq
+            if causal or has_window:  # queries at or after the tile's first key: pos >= key
+                c_lo = max(int64(0), r0 - off)
+            if has_window:            # and before its last key's window ends: pos - w < key
+                c_end = min(sq, max(int64(0), r0 + BR + geom[22] - 1 - off))
         kbase = b * geom[8] + hk * geom[9]
-        _load(Ks, k, kbase, geom[10], k0, sk, d, dmax, B, tid)
-        _load(Vs, v, kbase, geom[10], k0, sk, d, dmax, B, tid)
-        for p in range(EPT):
-            dk[p] = ZERO
-            dv[p] = ZERO
-        q_lo, q_end = int64(0), sq     # the queries that can see this tile's keys
-        if causal or has_window:       # pos = off + i >= key
-            q_lo = max(int64(0), k0 - off) // B * B
-        if has_window:                 # pos - w < key
-            q_end = min(sq, max(int64(0), k0 + B + geom[22] - 1 - off))
-        for gi in range(g):
-            h = hk * g + gi
-            qbase = b * geom[5] + h * geom[6]
-            q0 = q_lo
-            while q0 < q_end:
-                cuda.syncthreads()     # the last tile's Qs, Os, Ps, Ss are read
-                _load(Qs, q, qbase, geom[7], q0, sq, d, dmax, B, tid)
-                _load(Os, do, qbase, geom[7], q0, sq, d, dmax, B, tid)
-                if tid < B:
-                    r = (b * hq + h) * sq + q0 + tid
-                    Ls[tid] = lse_[r] if q0 + tid < sq else NEG_INF
-                    Dls[tid] = dl[r] if q0 + tid < sq else ZERO
-                cuda.syncthreads()
-                e = tid
-                while e < B * B:
-                    _grads(Qs, Ks, Vs, Os, Ls, Dls, Ps, Ss, e // B, e % B, q0, k0, b, h, mask,
-                           bias, geom, scale, softcap, causal, has_window, has_mask, has_bias,
-                           has_softcap, sq, sk, d, dmax, B)
-                    e += NT
-                cuda.syncthreads()
-                for p in range(EPT):   # dV[j] += sum_i P[i, j] dO[i]; dK[j] += sum_i dS'[i, j] Q[i]
-                    e = tid + p * NT
-                    if e < B * dmax:
-                        j, c = e // dmax, e % dmax
-                        sv, sk_ = ZERO, ZERO
-                        for i in range(B):
-                            sv += Ps[i * B + j] * Os[i * dmax + c]
-                            sk_ += Ss[i * B + j] * Qs[i * dmax + c]
-                        dv[p] += sv
-                        dk[p] += sk_
-                q0 += B
-        for p in range(EPT):
-            e = tid + p * NT
-            if e < B * dmax:
-                j, c = e // dmax, e % dmax
-                if k0 + j < sk and c < d:
-                    at = kbase + (k0 + j) * geom[10] + c
-                    out[at] = dk[p]
-                    out[nk + at] = dv[p]
+        for hi in range(heads):
+            hh = h + hi
+            qbase = b * geom[5] + hh * geom[6]
+            if rows_q:                # A = Q / dO rows, B = K / V columns
+                abase, as_, na, bbase, bs, nb = qbase, qs, sq, kbase, ks, sk
+            else:                     # A = K / V rows, B = Q / dO columns
+                abase, as_, na, bbase, bs, nb = kbase, ks, sk, qbase, qs, sq
+            c0 = c_lo
+            if c0 < c_end:
+                _fetch(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0), d,
+                       tid, vec)
+                _fetch(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0), d,
+                       tid, vec)
+            while c0 < c_end:         # uniform across the block (barriers inside)
+                # S (or S^T), then dP (or dP^T); each product's first loads fly during the last
+                slot = _prod(s, fa, fb, stage, slot, ra, rb, q if rows_q else k, abase, as_, r0,
+                             na, k if rows_q else q, bbase, bs, c0, nb, d, tid, vec, al, bl, TR,
+                             SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
+                _fetch(ra, al, DC // 4, do if rows_q else v, abase, as_, r0, na, int64(0), d,
+                       tid, vec)
+                _fetch(rb, bl, DC // 4, v if rows_q else do, bbase, bs, c0, nb, int64(0), d,
+                       tid, vec)
+                slot = _prod(dp, fa, fb, stage, slot, ra, rb, do if rows_q else v, abase, as_,
+                             r0, na, v if rows_q else do, bbase, bs, c0, nb, d, tid, vec, al,
+                             bl, TR, SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
+                if kind != DS:        # the first chunk of the accumulated product's operand
+                    _fetch(rv, vl, dmax // 4, k if kind == DQ else do, bbase, bs, c0, nb,
+                           int64(0), d, tid, vec)
+                if not rows_q:        # LSE and Dl of this thread's query columns
+                    for j in range(SC):
+                        qj = c0 + int64(col0 + _u(j))
+                        at = uint64((b * hq + hh) * sq + qj)
+                        lq[j] = lse_[at] if qj < sq else NEG_INF
+                        dq_[j] = dl[at] if qj < sq else ZERO
+                if rows_q:            # a tile needing no mask test (uniform across the block)
+                    plain = (r0 + BR <= sq and c0 + BC <= sk
+                             and (not causal or c0 + BC - 1 <= off + r0))
+                else:
+                    plain = (c0 + BC <= sq and r0 + BR <= sk
+                             and (not causal or r0 + BR - 1 <= off + c0))
+                plain = plain and not has_window and not has_mask and not has_bias
+                for i in range(TR):
+                    for j in range(SC):
+                        ri, cj = r0 + int64(row0 + _u(i)), c0 + int64(col0 + _u(j))
+                        qi, kj = (ri, cj) if rows_q else (cj, ri)
+                        raw = s[i, j]
+                        if plain:
+                            x = raw * scale
+                            if has_softcap:
+                                x = softcap * m.tanh(x / softcap)
+                        else:
+                            x = _score(raw, qi, kj, off + qi, b, hh, mask, bias, geom, scale,
+                                       softcap, causal, has_window, has_mask, has_bias,
+                                       has_softcap, sq, sk)
+                        lse_i = lq[i] if rows_q else lq[j]
+                        p = ZERO if x == NEG_INF else m.fast_exp(x - lse_i)
+                        ds = p * (dp[i, j] - (dq_[i] if rows_q else dq_[j]))
+                        if kind == DS:
+                            if qi < sq and kj < sk:
+                                out[uint64(((b * hq + hh) * sq + qi) * sk + kj)] = ds
+                        elif has_softcap:         # d softcap tanh(u / softcap) / du
+                            t = m.tanh(raw * scale / softcap)
+                            ds = ds * (ONE - t * t)
+                        s[i, j] = p
+                        dp[i, j] = ds * scale
+                if kind == DQ:        # dQ += dS' K
+                    _put_pt(Pt, dp, TR, SC, row0, col0, uQW)
+                    slot = _acc(o1, fa, fv, fa2, fv2, stage, slot, Pt, rv, k, bbase, bs, c0, nb,
+                                d, tid, vec, vl, jc, dmax, TR, dpt, row0, tc, uQW, uSLOT)
+                elif kind == DKV:     # dV += P^T dO, then dK += dS'^T Q
+                    _put_pt(Pt, s, TR, SC, row0, col0, uQW)
+                    slot = _acc(o1, fa, fv, fa2, fv2, stage, slot, Pt, rv, do, bbase, bs, c0,
+                                nb, d, tid, vec, vl, jc, dmax, TR, dpt, row0, tc, uQW, uSLOT)
+                    _fetch(rv, vl, dmax // 4, q, bbase, bs, c0, nb, int64(0), d, tid, vec)
+                    cuda.syncthreads()            # every thread is done reading P^T
+                    _put_pt(Pt, dp, TR, SC, row0, col0, uQW)
+                    slot = _acc(o2, fa, fv, fa2, fv2, stage, slot, Pt, rv, q, bbase, bs, c0,
+                                nb, d, tid, vec, vl, jc, dmax, TR, dpt, row0, tc, uQW, uSLOT)
+                c0 += BC                  # (Pt is rewritten after the next two products'
+                                          # barriers: no barrier here)
+                if c0 < c_end:
+                    _fetch(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0),
+                           d, tid, vec)
+                    _fetch(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0),
+                           d, tid, vec)
+        if kind == DS:
+            return
+        obase = b * geom[5] + h * geom[6] if rows_q else kbase
+        ostride = qs if rows_q else ks
+        nrows = sq if rows_q else sk
+        for i in range(TR):
+            ri = r0 + int64(row0 + _u(i))
+            if ri < nrows:
+                for c in range(dpt):
+                    col = int64(_u(4 * NC * (c // 4) + c % 4) + tc * _u(4))
+                    if col < d:
+                        at = uint64(obase + ri * ostride + col)
+                        if kind == DKV:   # out = [dK, dV]
+                            out[at] = o2[i, c]
+                            out[at + uint64(nk)] = o1[i, c]
+                        else:
+                            out[at] = o1[i, c]
 
     return kernel
 
 
-def launch_q(b: int, hq: int, sq: int, d: int):
-    """(grid, block) of ``lse`` and ``dq``: a block per (query tile, batch * head)."""
-    return (-(-sq // tile(dmax_of(d))), b * hq), (NT,)
+def launch(kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
+    """(grid, block) of ``grads``: a block per row tile and batch * (query or kv) head."""
+    br = RG * flash_rows(head_split(d))
+    if kind == DKV:
+        return (-(-sk // br), b * hkv), (NT,)
+    return (-(-sq // br), b * hq), (NT,)
 
 
-def launch_kv(b: int, hkv: int, sk: int, d: int):
-    """(grid, block) of ``dkv``: a block per (key tile, batch * key/value head)."""
-    return (-(-sk // tile(dmax_of(d))), b * hkv), (NT,)
+__all__ = ["DKV", "DQ", "DS", "delta", "flash_launch", "grads", "launch", "lse"]

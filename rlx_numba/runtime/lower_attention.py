@@ -110,7 +110,8 @@ def _lower_attention(exe, n):
 # ---- backward (attention's VJP) --------------------------------------------------------------
 @lowering("attention_lse")
 def _lower_attention_lse(exe, n):
-    """inputs (q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq]."""
+    """inputs (q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq] (the flash kernel
+    without its P V)."""
     g, a = exe.graph, n.attrs
     if n.size == 0:
         return []
@@ -118,10 +119,12 @@ def _lower_attention_lse(exe, n):
     q, k = ins[:2]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[2:])
     geom, _ = _geom(exe, n, q, k, mask, bias)
-    grid, block = AB.launch_q(a["b"], a["hq"], a["sq"], a["d"])
-    return [Step(step_name(n), f"attention_lse D={a['d']}", AB.lse(AB.dmax_of(a["d"]), *flags),
-                 grid, block, (exe.buf(n), exe.buf(q), exe.buf(k), mbuf, bbuf, geom, scale,
-                               softcap),
+    vec = a["d"] % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k))
+    grid, block = A.flash_launch(a["b"], a["hq"], a["sq"], a["d"])
+    return [Step(step_name(n), f"attention_lse D={a['d']}",
+                 AB.lse(A.head_split(a["d"]), vec, *flags), grid, block,
+                 (exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(k), mbuf, bbuf, geom, scale,
+                  softcap),
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
 
 
@@ -149,17 +152,16 @@ def _lower_attention_bwd(exe, n):
     q, k, v, do, lse, dl = ins[:6]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[6:])
     geom, _ = _geom(exe, n, q, k, mask, bias)
-    dmax = AB.dmax_of(a["d"])
+    kind = {"attention_bwd_dq": AB.DQ, "attention_bwd_ds": AB.DS,
+            "attention_bwd_dkv": AB.DKV}[n.op]
+    vec = a["d"] % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v, do))
     args = (exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(v), exe.buf(do), exe.buf(lse),
-            exe.buf(dl), mbuf, bbuf, geom, scale, softcap)
-    per = {"attention_bwd_dq": 6, "attention_bwd_ds": 4, "attention_bwd_dkv": 8}[n.op]
+            exe.buf(dl), mbuf, bbuf, geom, scale, softcap,
+            np.int64(n.size // 2 if kind == AB.DKV else 0))
+    per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
     flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
     desc = f"{n.op} D={a['d']} {'causal ' if a['causal'] else ''}{a['b']}x{a['hq']}/{a['hkv']}" \
            f"x{a['sq']}x{a['sk']}"
-    if n.op == "attention_bwd_dkv":
-        grid, block = AB.launch_kv(a["b"], a["hkv"], a["sk"], a["d"])
-        return [Step(step_name(n), desc, AB.dkv(dmax, *flags), grid, block,
-                     (*args, np.int64(n.size // 2)), flops)]
-    grid, block = AB.launch_q(a["b"], a["hq"], a["sq"], a["d"])
-    kern = AB.dq(dmax, *flags, n.op == "attention_bwd_ds")
-    return [Step(step_name(n), desc, kern, grid, block, args, flops)]
+    grid, block = AB.launch(kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
+    return [Step(step_name(n), desc, AB.grads(kind, A.head_split(a["d"]), vec, *flags), grid,
+                 block, args, flops)]
