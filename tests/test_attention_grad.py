@@ -88,16 +88,23 @@ def test_attention_grad_bias(rng, bias_shape):
 
 def test_attention_grad_no_sq_by_sk_node(rng):
     """Without a bias gradient no backward node is [.., Sq, Sk]: the probabilities are
-    recomputed from the saved log-sum-exp."""
-    g = rlx.Graph("attn_nodes")
-    q, k, v = g.input("q", (1, 2, 8, 4)), g.input("k", (1, 2, 16, 4)), g.input("v", (1, 2, 16, 4))
-    y = g.attention(q, k, v, causal=True)
-    grads = g.grad(g.reduce_sum(y), [q, k, v])
-    start = y.id + 1
-    assert [tuple(n.shape) for n in g.nodes[start:] if n.shape[-2:] == (8, 16)] == []
-    assert {n.op for n in g.nodes[start:]} >= {"attention_lse", "attention_bwd_delta",
-                                                "attention_bwd_dq", "attention_bwd_dkv"}
-    assert [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+    recomputed from the log-sum-exp, which the forward's flash kernel saves (no step of its
+    own); after the decode kernel (few queries a key/value head) the LSE node has its step."""
+    for sq, saved in ((24, True), (8, False)):
+        g = rlx.Graph("attn_nodes")
+        q, k, v = (g.input(n, (1, 2, s, 4)) for n, s in (("q", sq), ("k", 16), ("v", 16)))
+        y = g.attention(q, k, v, causal=True)
+        grads = g.grad(g.reduce_sum(y), [q, k, v])
+        g.set_outputs(grads)
+        start = y.id + 1
+        assert [tuple(n.shape) for n in g.nodes[start:] if n.shape[-2:] == (sq, 16)] == []
+        assert {n.op for n in g.nodes[start:]} >= {"attention_lse", "attention_bwd_delta",
+                                                    "attention_bwd_dq", "attention_bwd_dkv"}
+        assert [t.shape for t in grads] == [q.shape, k.shape, v.shape]
+        exe = rlx.compile(g)
+        lse = next(n.id for n in g.nodes if n.op == "attention_lse")
+        assert (not exe._node_steps[lse]) == saved
+        assert ("+lse" in exe._node_steps[y.id][0].kernel_name) == saved
 
 
 def test_attention_grad_constant_bias_no_ds(rng):

@@ -21,7 +21,7 @@ COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
 # How ops use memory, which the fusion pass and the memory plan read (kinds of op, not kernels):
 ELEMENTWISE = ("activation", "binary", "compare", "where", "cast", "activation_grad")
-WRITTEN_BY_INPUT = ("residual_sum", "norm_bwd_stats")   # nodes filled by their input's kernel, not their own
+WRITTEN_BY_INPUT = ("residual_sum", "norm_bwd_stats", "attention_lse")   # nodes filled by their input's kernel, not their own
 # in-place nodes: they write into their input 0's memory and their result aliases it (its
 # root is input 0's root, no allocation), but unlike views they lower to Steps; they always run
 INPLACE = ("kv_write", "kv_written")

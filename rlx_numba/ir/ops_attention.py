@@ -106,8 +106,8 @@ class AttentionOps:
 
 
 # ---- backward --------------------------------------------------------------------------------
-# FlashAttention-2: the VJP recomputes the probabilities from each row's log-sum-exp (one more
-# pass over the keys, kernels/attention_bwd.py) instead of storing them; no node but dS (only
+# FlashAttention-2: the VJP recomputes the probabilities from each row's log-sum-exp (saved by
+# the forward, kernels/attention_bwd.py) instead of storing them; no node but dS (only
 # for a bias gradient) is Sq x Sk. The backward nodes carry the forward node's attributes.
 
 def _attention_parts(g, n):
@@ -127,7 +127,8 @@ def _vjp_attention(g, n, dy):
     q, k, v, mask, bias = _attention_parts(g, n)
     extra = [t for t in (mask, bias) if t is not None]
     rows = (a["b"], a["hq"], a["sq"])
-    lse = g._add("attention_lse", (q, k, *extra), rows, dt.F32, **a)
+    # filled by the forward's flash kernel (WRITTEN_BY_INPUT), else its own step
+    lse = g._add("attention_lse", (g.tensor(n.id), q, k, *extra), rows, dt.F32, **a)
     dl = g._add("attention_bwd_delta", (g.tensor(n.id), dy), rows, dt.F32, **a)
     ins = (q, k, v, dy, lse, dl, *extra)
     dq = g._add("attention_bwd_dq", ins, q.shape, dt.F32, **a)

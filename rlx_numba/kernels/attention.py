@@ -200,11 +200,16 @@ def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
             o[i, c] += fp[i] * fv[c]
 
 
+NO_LSE, WITH_LSE, LSE_ONLY = 0, 1, 2     # flash's lse modes
+
+
 @functools.lru_cache(maxsize=None)
-def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_only=False):
+def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_LSE):
     """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v 16-byte
-    aligned, so their loads are 16 bytes). ``lse_only``: no P V; each row's log-sum-exp
-    (-inf where every key is masked) into out [B, Hq, Sq] instead (attention's backward)."""
+    aligned, so their loads are 16 bytes). ``lse``: WITH_LSE also writes each row's
+    log-sum-exp (-inf where every key is masked) into lse_out [B, Hq, Sq] (saved for the
+    backward); LSE_ONLY writes only that (no P V; ``out`` is not touched)."""
+    lse_only = lse == LSE_ONLY
     TR = flash_rows(dpt)
     BR = RG * TR
     dmax = NC * dpt
@@ -220,7 +225,7 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_onl
     uKOFF, uSLOT, udmax, ujc = _u(KOFF), _u(SLOT), _u(dmax), _u(jc)
 
     @_jit(NT, flash_occ(dpt))
-    def kernel(out, q, k, v, mask, bias, geom, scale, softcap):
+    def kernel(out, lse_out, q, k, v, mask, bias, geom, scale, softcap):
         # two slots, each a Q^T and K^T chunk or a V chunk: staging n fills slot n % 2 while
         # the other may still be read, so one barrier a chunk
         stage = cuda.shared.array(STAGE, float32, alignment=16)
@@ -372,10 +377,9 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_onl
         for i in range(TR):
             qi = q0 + int64(row0 + _u(i))
             li = group_reduce(lr[i], red, NC, SUM)
-            if lse_only:
-                if qi < sq and tc == _u(0):
-                    out[uint64(bh * sq + qi)] = mr[i] + m.log(li) if li > ZERO else NEG_INF
-            elif qi < sq:
+            if lse != NO_LSE and qi < sq and tc == _u(0):
+                lse_out[uint64(bh * sq + qi)] = mr[i] + m.log(li) if li > ZERO else NEG_INF
+            if not lse_only and qi < sq:
                 inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
                 for c in range(dpt):
                     col = int64(_u(4 * NC * (c // 4) + c % 4) + tc * _u(4))

@@ -14,8 +14,10 @@ gradient and Dl = rowsum(dO * O):
 Kernels (the integer geometry is attention's ``GEOM`` array: q / o / dO / dQ share q's strides,
 k / v / dK / dV k's; LSE and Dl are contiguous [B, Hq, Sq]):
 
-* LSE: the forward's flash kernel with ``lse_only`` (its Q K^T and online softmax, no P V).
-* ``delta``: Dl, a thread a row (grid-stride).
+* LSE: saved by the forward's flash kernel (``WITH_LSE``: the attention node's step fills the
+  ``attention_lse`` node, as norm_bwd fills norm_bwd_stats); where the forward ran the decode
+  kernel, the flash kernel with ``LSE_ONLY`` (its Q K^T and online softmax, no P V).
+* ``delta``: Dl, NC lanes a row.
 * ``grads``: dQ (or dS), or dK and dV, on the forward flash kernel's geometry and its staging
   helpers (kernels/attention.py's docstring): a block of NT threads holds a tile of BR "rows"
   (thread (tr, tc): TR consecutive rows, keys/queries 4 tc .. of a column tile of BC), and
@@ -40,36 +42,48 @@ from numba import cuda, float32, int64, uint64
 
 from . import mathfn as m
 from . import ptx
-from .attention import (BC, DC, JC, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod, _fetch,
+from .attention import (BC, DC, JC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod, _fetch,
                         _inline, _jit, _put_t, _pv_key, _score, _u, flash, flash_launch,
                         flash_occ, flash_rows, head_split)
+from .blockreduce import SLOTS, SUM, group_reduce
 from .launch import jit
 
 
 def lse(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked): the forward
-    kernel without its P V (launched as the forward, ``flash_launch``)."""
-    return flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse_only=True)
+    kernel without its P V (launched as the forward, ``flash_launch``), for a forward that
+    did not save it (the decode kernel's)."""
+    return flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
 
 
 @functools.lru_cache(maxsize=None)
 def delta():
-    """Dl[b, h, i] = sum_c dO[b, h, i, c] * O[b, h, i, c], a thread a row."""
+    """Dl[b, h, i] = sum_c dO[b, h, i, c] * O[b, h, i, c]: NC lanes a row (launch_delta), each
+    summing every NC-th element, then a shuffle reduction."""
     @jit
     def kernel(out, o, do, geom, rows):
+        red = cuda.shared.array(SLOTS, float32)
         hq, sq, d = geom[0], geom[2], geom[4]
-        r = int64(cuda.grid(1))
-        while r < rows:
+        tid = int64(cuda.threadIdx.x)
+        r = int64(cuda.blockIdx.x) * (NT // NC) + tid // NC
+        acc = ZERO
+        if r < rows:
             bh, i = _divmod(r, sq)
             b, h = _divmod(bh, hq)
             at = b * geom[11] + h * geom[12] + i * geom[13]
-            acc = ZERO
-            for c in range(d):
+            c = tid % NC
+            while c < d:
                 acc += o[at + c] * do[at + c]
+                c += NC
+        acc = group_reduce(acc, red, NC, SUM)      # (every thread: a barrier in the simulator)
+        if r < rows and tid % NC == 0:
             out[r] = acc
-            r += int64(cuda.gridDim.x) * int64(cuda.blockDim.x)
 
     return kernel
+
+
+def launch_delta(rows: int):
+    return (max(1, -(-rows // (NT // NC))),), (NT,)
 
 
 @_inline
@@ -338,4 +352,4 @@ def launch(kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
     return (-(-sq // br), b * hq), (NT,)
 
 
-__all__ = ["DKV", "DQ", "DS", "delta", "flash_launch", "grads", "launch", "lse"]
+__all__ = ["DKV", "DQ", "DS", "delta", "flash_launch", "grads", "launch", "launch_delta", "lse"]

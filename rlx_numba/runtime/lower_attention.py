@@ -7,7 +7,6 @@ import numpy as np
 
 from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
-from ..kernels.launch import grid_1d
 from ..kernels.launch import sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
@@ -66,6 +65,11 @@ def _masks(exe, n, rest):
     return mask, bias, mbuf, bbuf, flags, np.float32(a["scale"]), np.float32(a["softcap"] or 1.0)
 
 
+def _decodes(a) -> bool:
+    """attention node attrs ``a`` run the split-K decode kernel (else flash)."""
+    return A.decode_rows(a["hq"] // a["hkv"], a["sq"], a["d"]) is not None and a["sk"] > 0
+
+
 @lowering("attention")
 def _lower_attention(exe, n):
     g = exe.graph
@@ -79,8 +83,8 @@ def _lower_attention(exe, n):
     geom, ks = _geom(exe, n, q, k, mask, bias)
     args = (exe.buf(q), exe.buf(k), exe.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
-    rows_c = A.decode_rows(hq // hkv, sq, d)
-    if rows_c is not None and sk > 0:      # few queries a kv head: split the keys instead
+    if _decodes(a):                       # few queries a kv head: split the keys instead
+        rows_c = A.decode_rows(hq // hkv, sq, d)
         dpl = -(-d // 32)
         sm = 1 if SIMULATOR else sm_count()
         splits, chunk = A.decode_plan(b, hkv, sk, sm)
@@ -101,21 +105,27 @@ def _lower_attention(exe, n):
     # 16-byte loads of q, k, v: rows of whole groups of 4 from an aligned start (arena slots
     # are 256-byte aligned; a view may start anywhere)
     vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
-    kern = A.flash(A.head_split(d), vec, *flags)
+    # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
+    lse = [m for m in g.nodes if m.op == "attention_lse" and m.inputs[0] == n.id
+           and m.id in exe._live]
+    kern = A.flash(A.head_split(d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
-                 f"{b}x{hq}x{sq}x{sk}", kern, grid, block, (exe.buf(n), *args), flops)]
+                 f"{b}x{hq}x{sq}x{sk}{' +lse' if lse else ''}", kern, grid, block,
+                 (exe.buf(n), exe.buf(lse[0]) if lse else _dummy(exe, np.float32), *args),
+                 flops)]
 
 
 # ---- backward (attention's VJP) --------------------------------------------------------------
 @lowering("attention_lse")
 def _lower_attention_lse(exe, n):
-    """inputs (q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq] (the flash kernel
-    without its P V)."""
+    """inputs (the attention node, q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq],
+    saved by the forward's flash kernel; after a decode kernel, the flash kernel without its
+    P V."""
     g, a = exe.graph, n.attrs
-    if n.size == 0:
+    if n.size == 0 or (a["d"] > 0 and not _decodes(a)):
         return []
-    ins = [g.nodes[i] for i in n.inputs]
+    ins = [g.nodes[i] for i in n.inputs[1:]]
     q, k = ins[:2]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[2:])
     geom, _ = _geom(exe, n, q, k, mask, bias)
@@ -123,8 +133,8 @@ def _lower_attention_lse(exe, n):
     grid, block = A.flash_launch(a["b"], a["hq"], a["sq"], a["d"])
     return [Step(step_name(n), f"attention_lse D={a['d']}",
                  AB.lse(A.head_split(a["d"]), vec, *flags), grid, block,
-                 (exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(k), mbuf, bbuf, geom, scale,
-                  softcap),
+                 (_dummy(exe, np.float32), exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(k), mbuf,
+                  bbuf, geom, scale, softcap),
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
 
 
@@ -136,8 +146,8 @@ def _lower_attention_delta(exe, n):
         return []
     o, do = (g.nodes[i] for i in n.inputs)
     geom, _ = _geom(exe, n, o, o, None, None)
-    grid, block = grid_1d(n.size)
-    return [Step(step_name(n), "attention_bwd_delta", AB.delta(), (grid,), (block,),
+    grid, block = AB.launch_delta(n.size)
+    return [Step(step_name(n), "attention_bwd_delta", AB.delta(), grid, block,
                  (exe.buf(n), exe.buf(o), exe.buf(do), geom, np.int64(n.size)))]
 
 
