@@ -45,7 +45,7 @@ HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step 
 
 def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
                   exec_mode="graph", clip_grad_norm=None, compile_mode="jit",
-                  stream=None) -> "Trainer":
+                  stream=None, deterministic=False) -> "Trainer":
     """Compile one training step of ``g``: the forward to the scalar ``loss``, its gradient
     with respect to ``params``, and ``optimizer``'s update of them in place.
 
@@ -53,6 +53,8 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     depends on (through a differentiable path). ``clip_grad_norm=max_norm`` scales the
     gradients as ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` before the update.
     ``exec_mode``: "graph" (the step captured as one CUDA graph), "stream" or "eager".
+    ``deterministic``: the same gradient bits every step for the same inputs (``g.grad``'s:
+    embedding gradients summed in index order instead of by atomic adds).
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
@@ -73,7 +75,7 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
 
     tg = _copy(g)
     wrt = [tg.tensor(i) for i in ids]
-    grads = tg.grad(tg.tensor(loss.id), wrt)
+    grads = tg.grad(tg.tensor(loss.id), wrt, deterministic=deterministic)
     hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
     tg.set_outputs([tg.tensor(loss.id)] + grads)
     plan = plan_graph(tg)

@@ -65,6 +65,26 @@ def test_gather_vjp_accumulates_repeats(rng, axis):
           lambda table, r, idx: float((np.take(table, idx, axis) * r).sum()))
 
 
+def test_gather_vjp_deterministic(rng):
+    """grad(..., deterministic=True): the table's gradient sums repeated rows in index order
+    (the ordered scatter_add), np.add.at's bits exactly; a bad flag is refused."""
+    table = rng.standard_normal((7, 5)).astype(np.float32)
+    idx = np.array([3, 1, 3, 3, -1, 0, 3, 6, 1], np.int64)
+    seed = rng.standard_normal((9, 5)).astype(np.float32)
+    g, t = _graph("dGd", table=table.shape)
+    it = g.input("idx", idx.shape, "i64")
+    y = g.gather(t["table"], it, 0)
+    (d,) = g.grad(y, [t["table"]], seed=g.constant(seed), deterministic=True)
+    assert [n.attrs["deterministic"] for n in g.nodes if n.op == "scatter_add"] == [True]
+    g.set_outputs([d])
+    (got,) = rlx.compile(g).run({"table": table, "idx": idx})
+    want = np.zeros_like(table)
+    np.add.at(want, idx, seed)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="grad: deterministic must be a bool"):
+        g.grad(y, [t["table"]], seed=g.constant(seed), deterministic=1)
+
+
 def test_gather_vjp_in_graph_indices_i32_and_half_table(rng):
     """Constant i32 indices with a repeat, through an f16 table (scatter in f32, cast back)."""
     table = rng.standard_normal((6, 3)).astype(np.float32)

@@ -343,6 +343,27 @@ def test_optimizer_argument_errors(make, msg):
         make()
 
 
+def test_compile_train_deterministic_embedding(rng):
+    """deterministic=True: the embedding's gradient through the ordered scatter_add (index
+    order, the same bits every step); one SGD step against NumPy's np.add.at."""
+    g = rlx.Graph("emb")
+    e = g.param("e", (6, 3))
+    ids = g.input("ids", (8,), "i32")
+    r = g.input("r", (8, 3))
+    loss = g.reduce_sum(g.gather(e, ids, 0) * r)
+    g.set_outputs([loss])
+    tr = rlx.compile_train(g, loss, SGD(0.5), deterministic=True)
+    assert [n.attrs["deterministic"] for n in tr.exe.graph.nodes if n.op == "scatter_add"] == [True]
+    ev = rng.standard_normal((6, 3)).astype(np.float32)
+    iv = np.array([2, 0, 2, 5, 2, 1, 0, 2], np.int32)
+    rv = rng.standard_normal((8, 3)).astype(np.float32)
+    tr.set_param("e", ev)
+    tr.step({"ids": iv, "r": rv})
+    d = np.zeros_like(ev)
+    np.add.at(d, iv, rv)
+    np.testing.assert_array_equal(tr.get_param("e"), ev - np.float32(0.5) * d)
+
+
 def test_compile_train_errors():
     g, loss = tanh_model(extra=True)
     nodes = {n.name: g.tensor(n.id) for n in g.nodes if n.name}
@@ -362,6 +383,7 @@ def test_compile_train_errors():
         (dict(optimizer="adam"), "optimizer must be a rlx_numba.optim optimizer"),
         (dict(exec_mode="multistream(2)"), "exec_mode MULTISTREAM(2) is not supported"),
         (dict(clip_grad_norm=-1.0), "clip_grad_norm must satisfy 0.0 <= clip_grad_norm"),
+        (dict(deterministic="yes"), "grad: deterministic must be a bool"),
         (dict(loss=ow), "belongs to graph 'other'"),
     ]
     for kw, msg in cases:

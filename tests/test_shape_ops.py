@@ -237,9 +237,11 @@ def test_gather_in_graph_and_device_indices_are_clamped(rng):
 
 
 # ---- scatter_add -------------------------------------------------------------------------------
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("dtype", ["f32", "i32", "i64"])
 @pytest.mark.parametrize("axis", [0, 1, -1])
-def test_scatter_add(rng, dtype, axis):
+def test_scatter_add(rng, dtype, axis, deterministic):
+    """Atomic adds, or (deterministic) adds in index order: np.add.at's bits exactly."""
     tshape = (4, 6, 3)
     idx = np.array([1, -1, 1, 0, 3, 1, -4], np.int64)
     ushape = list(tshape)
@@ -252,16 +254,38 @@ def test_scatter_add(rng, dtype, axis):
     ti = g.input("t", tshape, dtype)
     ii = g.input("i", idx.shape, "i64")
     ui = g.input("u", upd.shape, dtype)
-    g.set_outputs([g.scatter_add(ti, ii, ui, axis=axis), g.scatter_add(ti, g.cast(ii, "i32"), ui, axis)])
+    g.set_outputs([g.scatter_add(ti, ii, ui, axis=axis, deterministic=deterministic),
+                   g.scatter_add(ti, g.cast(ii, "i32"), ui, axis, deterministic=deterministic)])
     ys = run_graph(g, {"t": target, "i": idx, "u": upd})
     ref = target.copy()
     np.add.at(ref, (slice(None),) * (axis % 3) + (idx,), upd)
     for y in ys:
         assert y.dtype == target.dtype
-        if dtype == "f32":
+        if dtype == "f32" and not deterministic:
             np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
         else:
             np.testing.assert_array_equal(y, ref)
+
+
+def test_scatter_add_deterministic_many_rows_and_repeats(rng):
+    """The ordered kernel over more rows than a block owns and columns than a block has
+    threads (on a GPU; the simulator grid-strides both): each element's adds in index order,
+    bit for bit np.add.at's, the same on every run; a bad flag is refused."""
+    t = rng.standard_normal((300, 70)).astype(np.float32)
+    idx = rng.integers(-300, 300, 60)
+    idx[::7] = 5                                   # one row hit many times
+    u = (rng.standard_normal((60, 70)) * 10 ** rng.uniform(-3, 3, (60, 1))).astype(np.float32)
+    g = rlx.Graph()
+    ti, ii, ui = g.input("t", t.shape), g.input("i", idx.shape, "i64"), g.input("u", u.shape)
+    g.set_outputs([g.scatter_add(ti, ii, ui, deterministic=True)])
+    exe = rlx.compile(g)
+    ref = t.copy()
+    np.add.at(ref, idx, u)
+    for _ in range(2):
+        (y,) = exe.run({"t": t, "i": idx, "u": u})
+        np.testing.assert_array_equal(y, ref)
+    with pytest.raises(ValueError, match="scatter_add: deterministic must be a bool"):
+        g.scatter_add(ti, ii, ui, deterministic="yes")
 
 
 def test_scatter_add_embedding_grad_and_checks(rng):
@@ -290,12 +314,13 @@ def test_scatter_add_in_graph_out_of_range_dropped(rng):
     g = rlx.Graph()
     ti = g.input("t", t.shape)
     ui = g.input("u", u.shape)
-    g.set_outputs([g.scatter_add(ti, g.constant(idx), ui)])
-    (y,) = run_graph(g, {"t": t, "u": u})
+    g.set_outputs([g.scatter_add(ti, g.constant(idx), ui),
+                   g.scatter_add(ti, g.constant(idx), ui, deterministic=True)])
     ref = t.copy()
     keep = (idx >= -4) & (idx < 4)
     np.add.at(ref, idx[keep], u[keep])
-    np.testing.assert_allclose(y, ref, rtol=1e-6)
+    for y in run_graph(g, {"t": t, "u": u}):
+        np.testing.assert_allclose(y, ref, rtol=1e-6)
 
 
 # ---- errors ----------------------------------------------------------------------------------

@@ -9,6 +9,10 @@ between ``wrt`` and ``y`` in reverse order, asks each for its VJP and sums the c
 to a node read more than once. An op without a VJP raises ValueError naming it, but only when
 a gradient has to flow through it.
 
+``deterministic=True``: the VJPs that scatter-add (gather, rope with a positions tensor)
+use scatter_add's ordered kernel instead of atomic adds, so repeated indices sum in index
+order and the gradients are the same bits on every run (torch.use_deterministic_algorithms).
+
 Integer and bool tensors carry no gradient (a ``wrt`` of such a dtype raises ValueError); a
 ``wrt`` that ``y`` does not depend on gets zeros; ``g.stop_gradient(x)`` is ``x`` to the
 forward pass (a view, no kernel) and a constant to the backward one.
@@ -50,16 +54,33 @@ def sum_to(g, t, shape):
     return g.reshape(t, shape) if tuple(t.shape) != shape else t
 
 
+def scatter_grad(g, target, indices, updates, axis):
+    """g.scatter_add for a VJP: ordered (deterministic) inside grad(..., deterministic=True)."""
+    return g.scatter_add(target, indices, updates, axis,
+                         deterministic=getattr(g, "_deterministic_grad", False))
+
+
 def zeros(g, shape, dtype=dt.F32):
     """A zero tensor of ``shape`` (one scalar constant, broadcast: no big constant baked)."""
     z = g.constant(np.zeros((), dtype.host), dtype)
     return g.expand(z, shape) if tuple(shape) else z
 
 
-def grad(g, y, wrt, seed=None):
+def grad(g, y, wrt, seed=None, deterministic=False):
     """The gradients of ``y`` (a scalar, or any shape with ``seed`` of y's shape: the
     vector of the vector-Jacobian product) with respect to each tensor of ``wrt`` (a
-    Tensor, or a list of them: a list back), appended to ``g``."""
+    Tensor, or a list of them: a list back), appended to ``g``; ``deterministic``: the
+    same bits on every run (the module docstring)."""
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"grad: deterministic must be a bool, got {deterministic!r}")
+    g._deterministic_grad = deterministic
+    try:
+        return _grad(g, y, wrt, seed)
+    finally:
+        g._deterministic_grad = False
+
+
+def _grad(g, y, wrt, seed):
     single = not isinstance(wrt, (list, tuple))
     targets = [wrt] if single else list(wrt)
     g._check("grad", "y", y)

@@ -279,11 +279,13 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         return self._add("reshape", (x,), shape, d)
 
     # ---- autodiff (ir/autodiff.py; each op's VJP sits next to its builder) ----------------------
-    def grad(self, y: Tensor, wrt, seed=None):
+    def grad(self, y: Tensor, wrt, seed=None, deterministic: bool = False):
         """dy/dwrt appended to this graph: one Tensor per wrt (a list for a list), zeros for
-        a wrt y does not depend on; ``seed`` (y's shape) for a non-scalar y."""
+        a wrt y does not depend on; ``seed`` (y's shape) for a non-scalar y;
+        ``deterministic``: repeated-index gradients (gather, rope positions) summed in index
+        order, not by atomic adds: the same bits on every run."""
         from . import autodiff
-        return autodiff.grad(self, y, wrt, seed)
+        return autodiff.grad(self, y, wrt, seed, deterministic)
 
     def stop_gradient(self, x: Tensor) -> Tensor:
         """x to the forward pass (a view: no copy, no kernel), a constant to ``grad``."""

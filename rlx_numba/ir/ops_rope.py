@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 
 from . import dtypes as dt
-from .autodiff import vjp, zeros
+from .autodiff import scatter_grad, vjp, zeros
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
@@ -341,7 +341,7 @@ def _vjp_rope(g, n, dy):
         else:
             p = g.reshape(pos, (pos.shape[0] * (pos.shape[1] if len(pos.shape) == 2 else 1),))
             p = g.min(g.max(p, 0), max_pos - 1)
-            out.append(g.scatter_add(zeros(g, (max_pos, half)), p, per_pos, 0))
+            out.append(scatter_grad(g, zeros(g, (max_pos, half)), p, per_pos, 0))
     return [dx, out[0], out[1]] + rest
 
 

@@ -9,7 +9,7 @@ import math
 import operator
 
 from . import dtypes as dt
-from .autodiff import sum_to, vjp, zeros
+from .autodiff import scatter_grad, sum_to, vjp, zeros
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
@@ -218,17 +218,22 @@ class ShapeOps:
         shape, d, axis = infer_gather(table, indices, axis)
         return self._add("gather", (table, indices), shape, d, axis=axis)
 
-    def scatter_add(self, target, indices, updates, axis: int = 0):
+    def scatter_add(self, target, indices, updates, axis: int = 0, deterministic: bool = False):
         """A copy of target with updates[..., j, ...] added at target[..., indices[j], ...]
         along axis (torch.index_add / np.add.at). indices 1-D i32/i64, negative wrap, repeats
-        accumulate (atomically, so f32 sums may differ in the last bits from run to run).
+        accumulate: atomically (f32 sums may differ in the last bits from run to run), or with
+        ``deterministic`` in index order, np.add.at's, the same bits every run (each block
+        owns a range of target rows and scans every index: slower with many rows).
         target f32, i32 or i64. Indices fed to run() are range-checked there (IndexError);
         out-of-range in-graph or device-array indices are dropped."""
+        if not isinstance(deterministic, bool):
+            raise ValueError(f"scatter_add: deterministic must be a bool, got {deterministic!r}")
         self._check("scatter_add", "target", target)
         self._check("scatter_add", "indices", indices)
         self._check("scatter_add", "updates", updates)
         shape, d, axis = infer_scatter_add(target, indices, updates, axis)
-        return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis)
+        extra = {"deterministic": True} if deterministic else {}    # (printed only when set)
+        return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis, **extra)
 
 
 # ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
@@ -288,9 +293,9 @@ def _flat_indices(g, n):
 @vjp("gather")
 def _vjp_gather(g, n, dy):
     """d table: dy scatter-added into zeros at the gathered rows (np.add.at), so an index
-    that appears several times collects every one of its rows. The adds are atomic f32 adds:
-    with repeated indices the sum's order, so its last bits, may differ from run to run (no
-    deterministic variant yet: a sort-by-index segment sum would be one). Negative indices
+    that appears several times collects every one of its rows. The adds are atomic f32 adds
+    (with repeated indices the sum's order, so its last bits, may differ from run to run)
+    unless grad(..., deterministic=True): then in index order. Negative indices
     wrap as in the forward; an out-of-range in-graph index, which the forward clamps, gets
     no gradient (scatter_add drops it)."""
     table, idx = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
@@ -298,7 +303,7 @@ def _vjp_gather(g, n, dy):
     flat = _flat_indices(g, n)
     upd = g.reshape(_f32(g, dy), tuple(table.shape[:axis]) + (math.prod(idx.shape),)
                     + tuple(table.shape[axis + 1:]))
-    return [g.scatter_add(zeros(g, table.shape, dt.F32), flat, upd, axis), None]
+    return [scatter_grad(g, zeros(g, table.shape, dt.F32), flat, upd, axis), None]
 
 
 @vjp("scatter_add")

@@ -197,3 +197,32 @@ def scatter_add(out, upd, idx, nouter, nidx, inner, dim):
                     c += xstep
             k += ystep
         o += uint64(cuda.gridDim.z)
+
+
+@jit
+def scatter_add_ordered(out, upd, idx, nouter, nidx, inner, dim, rows_per):
+    """scatter_add with each element's adds in index order (np.add.at's), the same bits every
+    run: a block (y: a range of rows_per target rows, z: outer; grid-strided) scans every
+    index and adds the update rows that land in its rows, a thread its columns (x). No
+    element is added to by two threads, so no atomics."""
+    d = int64(dim)
+    c0 = uint64(cuda.threadIdx.x) + uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x)
+    xstep = uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
+    o = uint64(cuda.blockIdx.z)
+    while o < nouter:
+        r0 = int64(cuda.blockIdx.y) * int64(rows_per)
+        while r0 < d:
+            r1 = min(r0 + int64(rows_per), d)
+            k = uint64(0)
+            while k < nidx:
+                v = _wrap(idx[k], d)
+                if v >= r0 and v < r1:
+                    to = (o * dim + uint64(v)) * inner
+                    so = (o * nidx + k) * inner
+                    c = c0
+                    while c < inner:
+                        out[to + c] += upd[so + c]
+                        c += xstep
+                k += uint64(1)
+            r0 += int64(cuda.gridDim.y) * int64(rows_per)
+        o += uint64(cuda.gridDim.z)

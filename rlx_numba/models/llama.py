@@ -430,12 +430,12 @@ class LlamaForCausalLM:
 
     # ---- training ---------------------------------------------------------------------------------
     def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
-                exec_mode="graph") -> "LlamaTrainer":
+                exec_mode="graph", deterministic=False) -> "LlamaTrainer":
         """Next-token training of this model's weights on [batch, seq] token windows (the
         ``build_llama`` kind "train" graph through ``rlx.compile_train``): forward, backward
         and ``optimizer``'s update as one executable. See LlamaTrainer."""
         return LlamaTrainer(self, batch, seq, optimizer, clip_grad_norm=clip_grad_norm,
-                            exec_mode=exec_mode)
+                            exec_mode=exec_mode, deterministic=deterministic)
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -852,12 +852,13 @@ class LlamaTrainer:
     then uses them. ``trainer`` is the underlying rlx.Trainer (set_lr, memory_report, ...)."""
 
     def __init__(self, model: LlamaForCausalLM, batch: int, seq: int, optimizer, *,
-                 clip_grad_norm=None, exec_mode="graph"):
+                 clip_grad_norm=None, exec_mode="graph", deterministic=False):
         from ..train import compile_train
         self.model, self.batch, self.seq = model, int(batch), int(seq)
         g = build_llama(model.config, batch, seq, kind="train")
         self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer,
-                                     exec_mode=exec_mode, clip_grad_norm=clip_grad_norm)
+                                     exec_mode=exec_mode, clip_grad_norm=clip_grad_norm,
+                                     deterministic=deterministic)
         for name, arr in graph_params(model.config, model.params).items():
             self.trainer.set_param(name, arr)
 

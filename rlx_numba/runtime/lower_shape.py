@@ -7,7 +7,8 @@ narrow     ``copy_rows`` over [outer, length * inner] rows
 concat     one ``copy_rows`` per non-empty input into its column range of the output
 expand     a generated element-wise copy with broadcasting (lower.elementwise_step)
 gather     ``gather`` over [outer, indices, inner]; run()-fed indices are range-checked
-scatter_add an element-wise copy of target, then atomic adds (``scatter_add``)
+scatter_add an element-wise copy of target, then atomic adds (``scatter_add``), or with
+           ``deterministic`` adds in index order (``scatter_add_ordered``)
 """
 from __future__ import annotations
 
@@ -235,9 +236,20 @@ def _lower_scatter_add(exe, n):
     if n.size == 0:
         return []
     steps = [_copy_step(step_name(n) + " copy", exe, n, target)]
-    if upd.size:
-        nouter = math.prod(target.shape[:axis])
-        inner = math.prod(target.shape[axis + 1:])
+    nouter = math.prod(target.shape[:axis])
+    inner = math.prod(target.shape[axis + 1:])
+    if upd.size and n.attrs.get("deterministic"):
+        tx = min(256, -(-inner // 32) * 32)
+        gx, gz = -(-inner // tx), min(nouter, 65535)
+        # ~1024 blocks, each scanning every index; its rows from the grid as launched (the
+        # simulator's is 2 x 2 x 1)
+        grid = grid_3d(gx, max(1, min(dim, 1024 // (gx * gz))), gz)
+        rows_per = -(-dim // grid[1])
+        args = (exe.buf(n), exe.buf(upd), exe.buf(idx), U(nouter), U(idx.size), U(inner), U(dim),
+                U(rows_per))
+        steps.append(Step(step_name(n), f"scatter_add ordered {nouter}x{idx.size}x{inner} into "
+                          f"{dim}", k.scatter_add_ordered, grid, (tx, 1), args, {"bytes": 3 * upd.nbytes + idx.nbytes}))
+    elif upd.size:
         grid, block = _index_geometry(nouter, idx.size, inner)
         args = (exe.buf(n), exe.buf(upd), exe.buf(idx), U(nouter), U(idx.size), U(inner), U(dim))
         steps.append(Step(step_name(n), f"scatter_add {nouter}x{idx.size}x{inner} into {dim}",
