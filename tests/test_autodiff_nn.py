@@ -118,6 +118,24 @@ def test_gated_vjp(rng, act, interleaved):
     check(g, y, {"x": t["x"]}, feed, oracle)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_gated_vjp_of_a_strided_view(rng, interleaved):
+    """gated of a narrow of the last axis (a strided view read in place) and a dy that is
+    itself a narrow: gated_bwd reads both through their strides."""
+    g = rlx.Graph("d_gated_view")
+    feed, t = _inputs(g, rng, x=(3, 13), r=(3, 7))
+    h = g.gated(g.narrow(t["x"], -1, 2, 10), "silu", interleaved=interleaved)
+    y = g.reduce_sum(h * g.narrow(t["r"], -1, 1, 5))
+    silu = ACTS["silu"]
+
+    def oracle(x, r):
+        v = x[:, 2:12]
+        gate, up = (v[:, 0::2], v[:, 1::2]) if interleaved else (v[:, :5], v[:, 5:])
+        return float((silu(gate) * up * r[:, 1:6]).sum())
+
+    check(g, y, {"x": t["x"], "r": t["r"]}, feed, oracle)
+
+
 # ---- softmax / log_softmax -----------------------------------------------------------------------
 def _softmax(x, axis):
     e = np.exp(x - x.max(axis, keepdims=True))

@@ -494,6 +494,9 @@ def _vjp_gated(g, n, dy):
         return [None]
     dy, xf = _in_f32(g, dy, x)
     act, m, lead = n.attrs["activation"], n.shape[-1], tuple(x.shape[:-1])
+    if act in _ACT_GRAD:          # one kernel reading x in place, writing dx whole
+        return [g._add("gated_bwd", (dy, xf), x.shape, dt.F32, activation=act,
+                       interleaved=n.attrs["interleaved"])]
     if n.attrs["interleaved"]:
         x3 = g.reshape(xf, lead + (m, 2))
         gate, up = (g.reshape(g.narrow(x3, -1, k, 1), lead + (m,)) for k in (0, 1))

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
 from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER  # noqa: F401
 from ..kernels import codegen
@@ -363,6 +364,35 @@ def _lower_gated(exe, n):
     x = exe.graph.nodes[n.inputs[0]]
     return [gated_step(step_name(n), exe.buf(n), exe.buf(x), x.shape, x.dtype,
                        n.attrs["activation"], n.attrs["interleaved"], view_strides(exe, x))]
+
+
+@lowering("gated_bwd")
+def _lower_gated_bwd(exe, n):
+    """dx of gated (its VJP) as one generated kernel over dx viewed [..., m, 2] (interleaved)
+    or [..., 2, m] (halves): a two-entry selector along the pair axis picks d gate =
+    activation_grad(dy * up, gate) or d up = dy * activation(gate); gate, up and dy are read
+    in place, strided and broadcast along the pair axis (no narrow or concat copies)."""
+    dy, x = (exe.graph.nodes[i] for i in n.inputs)
+    act, m, lead = n.attrs["activation"], x.shape[-1] // 2, list(x.shape[:-1])
+    st = view_strides(exe, x) or contiguous_strides(x.shape)
+    ds = view_strides(exe, dy) or contiguous_strides(dy.shape)
+    zeros = [0] * len(lead)
+    if n.attrs["interleaved"]:
+        shape, up_at = tuple(lead + [m, 2]), st[-1]
+        pair, dys, sel = st[:-1] + [2 * st[-1], 0], ds[:-1] + [ds[-1], 0], zeros + [0, 1]
+    else:
+        shape, up_at = tuple(lead + [2, m]), m * st[-1]
+        pair, dys, sel = st[:-1] + [0, st[-1]], ds[:-1] + [0, ds[-1]], zeros + [1, 0]
+    f = dt.F32
+    gate, up, dyv, first = ("in", 0, f), ("in", 1, f), ("in", 2, f), ("in", 3, dt.BOOL)
+    expr = ("where", None, f, first,
+            ("activation_grad", act, f, ("binary", "mul", f, dyv, up), gate),
+            ("binary", "mul", f, dyv, ("activation", act, f, gate)))
+    xb = exe.buf(x)
+    pick = exe.device_array(np.array([True, False]))
+    return [elementwise_step(step_name(n), expr, exe.buf(n), shape,
+                             [xb, xb[up_at:], exe.buf(dy), pick], [shape] * 4, [f, f, f, dt.BOOL],
+                             [pair, pair, dys, sel])]
 
 
 @lowering(*ELEMENTWISE, "fused")
