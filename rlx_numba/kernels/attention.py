@@ -200,6 +200,44 @@ def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
             o[i, c] += fp[i] * fv[c]
 
 
+@_inline
+def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
+          vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
+    """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
+    B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
+    two slots from ``slot``; ra / rb hold the first chunk's loads on entry (the caller issues
+    them early). Returns the next slot."""
+    for i in range(tr):
+        for j in range(sc):
+            s[i, j] = ZERO
+    d0 = int64(0)
+    while d0 < d:
+        sb = slot * slot_size
+        _put_t(stage, sb, qw, ra, al, tid)
+        _put_t(stage, sb + koff, kw, rb, bl, tid)
+        cuda.syncthreads()
+        if d0 + DC < d:               # the next chunk's loads fly while this one computes
+            _fetch(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
+            _fetch(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
+        du = _u(0)                    # (a while loop: numba's range() state hides the
+        while du < _u(DC):            # trip count from LLVM, which then does not unroll)
+            for i4 in range(tr // 4):
+                x = ptx.vld4(stage, sb + du * qw + row0 + _u(4 * i4))
+                for t in range(4):
+                    fa[4 * i4 + t] = x[t]
+            for j4 in range(sc // 4):
+                x = ptx.vld4(stage, sb + koff + du * kw + col0 + _u(4 * j4))
+                for t in range(4):
+                    fb[4 * j4 + t] = x[t]
+            for i in range(tr):
+                for j in range(sc):
+                    s[i, j] += fa[i] * fb[j]
+            du += _u(1)
+        slot ^= _u(1)
+        d0 += DC
+    return slot
+
+
 NO_LSE, WITH_LSE, LSE_ONLY = 0, 1, 2     # flash's lse modes
 
 
@@ -221,7 +259,7 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
     ql, kl, vl = BR * DC // (4 * NT), BC * DC // (4 * NT), jc * dmax // (4 * NT)
     assert BR * DC % (4 * NT) == 0 and jc * dmax % (4 * NT) == 0 and BC % jc == 0
     NQ, NK, NV = 4 * ql, 4 * kl, 4 * vl
-    uNC, uDC, uTR, uSC, uQW, uKW = _u(NC), _u(DC), _u(TR), _u(SC), _u(QW), _u(KW)
+    uNC, uTR, uSC, uQW, uKW = _u(NC), _u(TR), _u(SC), _u(QW), _u(KW)
     uKOFF, uSLOT, udmax, ujc = _u(KOFF), _u(SLOT), _u(dmax), _u(jc)
 
     @_jit(NT, flash_occ(dpt))
@@ -272,34 +310,9 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
             _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
             _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
         while kv0 < kv_end:               # uniform across the block (barriers inside)
-            for i in range(TR):
-                for j in range(SC):
-                    s[i, j] = ZERO
-            d0 = int64(0)
-            while d0 < d:                 # S += Q[:, d0:d0+DC] K[:, d0:d0+DC]^T
-                sb = slot * uSLOT
-                _put_t(stage, sb, QW, rq, ql, tid)
-                _put_t(stage, sb + uKOFF, KW, rk, kl, tid)
-                cuda.syncthreads()
-                if d0 + DC < d:           # the next chunk's loads fly while this one computes
-                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, d0 + DC, d, tid, vec)
-                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, d0 + DC, d, tid, vec)
-                du = _u(0)                # (a while loop: numba's range() state hides the
-                while du < uDC:           # trip count from LLVM, which then does not unroll)
-                    for i4 in range(TR // 4):
-                        x = ptx.vld4(stage, sb + du * uQW + row0 + _u(4 * i4))
-                        for t in range(4):
-                            fa[4 * i4 + t] = x[t]
-                    for j4 in range(SC // 4):
-                        x = ptx.vld4(stage, sb + uKOFF + du * uKW + col0 + _u(4 * j4))
-                        for t in range(4):
-                            fb[4 * j4 + t] = x[t]
-                    for i in range(TR):
-                        for j in range(SC):
-                            s[i, j] += fa[i] * fb[j]
-                    du += _u(1)
-                slot ^= _u(1)
-                d0 += DC
+            # S = Q K^T (the chunk-0 loads are in flight)
+            slot = _prod(s, fa, fb, stage, slot, rq, rk, q, qbase, qs, q0, sq, k, kbase, ks, kv0,
+                         sk, d, tid, vec, ql, kl, TR, SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
             if lse_only:                  # the next tile's Q/K fly during the softmax
                 if kv0 + BC < kv_end:
                     _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)

@@ -42,8 +42,8 @@ from numba import cuda, float32, int64, uint64
 
 from . import mathfn as m
 from . import ptx
-from .attention import (BC, DC, JC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod, _fetch,
-                        _inline, _jit, _put_t, _pv_key, _score, _u, flash, flash_launch,
+from .attention import (BC, DC, JC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod,
+                        _fetch, _inline, _jit, _prod, _pv_key, _score, _u, flash, flash_launch,
                         flash_occ, flash_rows, head_split)
 from .blockreduce import SLOTS, SUM, group_reduce
 from .launch import jit
@@ -84,44 +84,6 @@ def delta():
 
 def launch_delta(rows: int):
     return (max(1, -(-rows // (NT // NC))),), (NT,)
-
-
-@_inline
-def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
-          vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
-    """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
-    B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
-    two slots from ``slot``; ra / rb hold the first chunk's loads on entry (the caller issues
-    them early). Returns the next slot."""
-    for i in range(tr):
-        for j in range(sc):
-            s[i, j] = ZERO
-    d0 = int64(0)
-    while d0 < d:
-        sb = slot * slot_size
-        _put_t(stage, sb, qw, ra, al, tid)
-        _put_t(stage, sb + koff, kw, rb, bl, tid)
-        cuda.syncthreads()
-        if d0 + DC < d:               # the next chunk's loads fly while this one computes
-            _fetch(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
-            _fetch(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
-        du = _u(0)
-        while du < _u(DC):
-            for i4 in range(tr // 4):
-                x = ptx.vld4(stage, sb + du * qw + row0 + _u(4 * i4))
-                for t in range(4):
-                    fa[4 * i4 + t] = x[t]
-            for j4 in range(sc // 4):
-                x = ptx.vld4(stage, sb + koff + du * kw + col0 + _u(4 * j4))
-                for t in range(4):
-                    fb[4 * j4 + t] = x[t]
-            for i in range(tr):
-                for j in range(sc):
-                    s[i, j] += fa[i] * fb[j]
-            du += _u(1)
-        slot ^= _u(1)
-        d0 += DC
-    return slot
 
 
 @_inline
