@@ -149,8 +149,8 @@ def test_attention_grad_rank3_everything(rng):
 
 
 def test_attention_grad_several_tiles(rng):
-    """Several row and column tiles each way (the simulator's tiles: 16 rows x 32 columns),
-    Sq != Sk, GQA 2:1, a head dim of two head-dim groups a thread (d 36 > 32), a window
-    shorter than a tile, softcap and scale."""
+    """Several row and column tiles each way (the simulator's tiles: 16 x 16), Sq != Sk,
+    GQA 2:1, a head dim of three groups of 4 a thread (d 36: 12 dims a thread of 4 lanes,
+    zero-padded to 48), a window shorter than a tile, softcap and scale."""
     _grad_case(rng, (1, 2, 20, 36), (1, 1, 40, 36), sample=40, causal=True, window=13,
                softcap=3.0, scale=0.4)

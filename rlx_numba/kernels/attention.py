@@ -59,7 +59,8 @@ GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o
 
 # prefill geometry (module docstring): NT threads, RG row groups of NC; BC keys a tile, Q and K
 # staged DC head dims at a time, V JC keys at a time; TR query rows a thread (flash_rows)
-NT, NC, BC, DC, JC = (16, 8, 32, 8, 4) if SIMULATOR else (128, 16, 64, 16, 16)
+# (the simulator's are small: every CUDA thread is Python there, and tests' shapes are tiny)
+NT, NC, BC, DC, JC = (16, 4, 16, 8, 4) if SIMULATOR else (128, 16, 64, 16, 16)
 RG = NT // NC
 SC = BC // NC           # keys of a tile a thread scores
 PAD = 4                 # rows of Q^T, K^T and P^T padded by 16 bytes: no bank conflicts
@@ -107,8 +108,14 @@ def flash_occ(dpt: int) -> int:
 
 def flash_rows(dpt: int) -> int:
     """Query rows a prefill thread holds (TR): 8, or 4 above 8 head dims a thread (its
-    TR x DPT accumulators stay at 64 registers)."""
-    return 8 if dpt <= 8 else 4
+    TR x DPT accumulators stay at 64 registers); 4 in the simulator."""
+    return 8 if dpt <= 8 and not SIMULATOR else 4
+
+
+def flash_jc(dpt: int) -> int:
+    """Rows of the accumulated operand (V) staged at a time: JC, or JC / 2 above 8 head dims a
+    thread (V's chunk in 16 registers a thread)."""
+    return JC if dpt <= 8 or SIMULATOR else JC // 2
 
 
 @cuda.jit(device=True)
@@ -251,7 +258,7 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
     TR = flash_rows(dpt)
     BR = RG * TR
     dmax = NC * dpt
-    jc = JC if dpt <= 8 or SIMULATOR else JC // 2     # (V's chunk in 16 registers a thread)
+    jc = flash_jc(dpt)
     QW, KW = BR + PAD, BC + PAD       # row widths of Q^T and K^T (and P^T: QW)
     KOFF = DC * QW                    # K^T's offset in a slot
     SLOT = max(DC * (QW + KW), jc * dmax)

@@ -42,9 +42,9 @@ from numba import cuda, float32, int64, uint64
 
 from . import mathfn as m
 from . import ptx
-from .attention import (BC, DC, JC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod,
-                        _fetch, _inline, _jit, _prod, _pv_key, _score, _u, flash, flash_launch,
-                        flash_occ, flash_rows, head_split)
+from .attention import (BC, DC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod,
+                        _fetch, _inline, _jit, _prod, _pv_key, _score, _u, flash, flash_jc,
+                        flash_launch, flash_occ, flash_rows, head_split)
 from .blockreduce import SLOTS, SUM, group_reduce
 from .launch import jit
 
@@ -134,7 +134,7 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     TR = flash_rows(dpt)
     BR = RG * TR
     dmax = NC * dpt
-    jc = JC if dpt <= 8 else JC // 2
+    jc = flash_jc(dpt)
     QW, KW = BR + PAD, BC + PAD
     KOFF = DC * QW
     SLOT = max(DC * (QW + KW), jc * dmax)
