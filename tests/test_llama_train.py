@@ -22,6 +22,21 @@ def np_loss(cfg, params, ids, labels):
     return float(-(picked * keep).sum() / keep.sum())
 
 
+def train_graph_grads(cfg, params, ids, labels):
+    """The kind "train" graph's loss and every param's gradient, unpacked to Hugging Face
+    names (the packed projections split like the weights)."""
+    g = build_llama(cfg, *ids.shape, kind="train")
+    loss = g.tensor(g.outputs[0])
+    names = [n.name for n in g.nodes if n.op == "param"]
+    grads = g.grad(loss, [g.tensor(n.id) for n in g.nodes if n.op == "param"])
+    g.set_outputs([loss, *grads])
+    exe = rlx.compile(g)
+    for name, arr in graph_params(cfg, params).items():
+        exe.set_param(name, arr)
+    got = exe.run({"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int64)})
+    return got[0], unpack_graph_params(cfg, dict(zip(names, got[1:])))
+
+
 @pytest.fixture(scope="module")
 def model():
     return LlamaForCausalLM.from_config(GQA, seed=3, std=0.2)
@@ -40,19 +55,9 @@ def test_train_graph_loss_and_gradients_match_numpy(model, rng):
     ids = rng.integers(0, GQA.vocab_size, (b, s))
     labels = ids.copy()
     labels[1, 2] = -100                         # a position with no loss
-    g = build_llama(GQA, b, s, kind="train")
-    loss = g.tensor(g.outputs[0])
-    names = [n.name for n in g.nodes if n.op == "param"]
-    grads = g.grad(loss, [g.tensor(n.id) for n in g.nodes if n.op == "param"])
-    g.set_outputs([loss, *grads])
-    exe = rlx.compile(g)
-    for name, arr in graph_params(GQA, model.params).items():
-        exe.set_param(name, arr)
-    got = exe.run({"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int64)})
-    want = np_loss(GQA, model.params, ids, labels)
-    np.testing.assert_allclose(got[0], want, rtol=1e-4)
+    loss, dhf = train_graph_grads(GQA, model.params, ids, labels)
+    np.testing.assert_allclose(loss, np_loss(GQA, model.params, ids, labels), rtol=1e-4)
     # the packed params' gradients, unpacked like the weights, against central differences
-    dhf = unpack_graph_params(GQA, dict(zip(names, got[1:])))
     params = {k: v.astype(np.float64) for k, v in model.params.items()}
     eps = 1e-5
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight",

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(rlx.simulator_enabled(), reason="needs a GPU and
 torch = pytest.importorskip("torch") if not rlx.simulator_enabled() else None
 transformers = pytest.importorskip("transformers") if not rlx.simulator_enabled() else None
 
-from rlx_numba.models import LlamaConfig, LlamaForCausalLM, build_llama  # noqa: E402
-from rlx_numba.models.llama import graph_params, unpack_graph_params  # noqa: E402
+from rlx_numba.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from test_llama_train import train_graph_grads  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -52,22 +52,13 @@ def test_every_gradient_of_a_llama_matches_torch_autograd():
     ids = rng.integers(0, CFG.vocab_size, (b, s))
     labels = ids.copy()
     labels[1, 4:7] = -100
-    g = build_llama(CFG, b, s, kind="train")
-    loss = g.tensor(g.outputs[0])
-    names = [n.name for n in g.nodes if n.op == "param"]
-    grads = g.grad(loss, [g.tensor(n.id) for n in g.nodes if n.op == "param"])
-    g.set_outputs([loss, *grads])
-    exe = rlx.compile(g)
-    for name, arr in graph_params(CFG, model.params).items():
-        exe.set_param(name, arr)
-    got = exe.run({"input_ids": ids.astype(np.int32), "labels": labels.astype(np.int64)})
-    ours = unpack_graph_params(CFG, dict(zip(names, got[1:])))
+    loss, ours = train_graph_grads(CFG, model.params, ids, labels)
 
     hf = _hf(model)
     tl = hf(input_ids=torch.from_numpy(ids).cuda(), labels=torch.from_numpy(labels).cuda(),
             use_cache=False).loss
     tl.backward()
-    assert _rel(np.float64(got[0]), tl.item()) <= 1e-5
+    assert _rel(np.float64(loss), tl.item()) <= 1e-5
     want = {k: p.grad.detach().cpu().numpy() for k, p in hf.named_parameters()}
     assert set(ours) == set(want), (set(ours) ^ set(want))
     worst = {k: _rel(ours[k], want[k]) for k in want}
