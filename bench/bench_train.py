@@ -55,6 +55,23 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+def torch_steps(torch, step, model, args, what):
+    """torch's side of a train-step row: the first step's loss, the eager step's wall time, the
+    peak bytes allocated up to then, and torch.compile's step time (nan: off, or it failed)."""
+    loss0 = step(model).item()
+    t_eager = wall(lambda: step(model), torch.cuda.synchronize, args.iters)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    t_comp = math.nan
+    if args.compile:
+        try:
+            comp = torch.compile(model)
+            t_comp = wall(lambda: step(comp), torch.cuda.synchronize, args.iters)
+        except Exception as e:  # noqa: BLE001 - "where it works"
+            print(f"  torch.compile failed on the {what} train step: {type(e).__name__}: {e}")
+    return loss0, t_eager, t_comp, peak
+
+
 def bench_llama(torch, transformers, rlx, args, rows):
     from rlx_numba.models import LlamaConfig, LlamaForCausalLM
     b, s = LLAMA_SHAPE
@@ -95,17 +112,8 @@ def bench_llama(torch, transformers, rlx, args, rows):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    tloss0 = torch_step(hf).item()
-    t_eager = wall(lambda: torch_step(hf), torch.cuda.synchronize, args.iters)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    t_comp = math.nan
-    if args.compile:
-        try:
-            comp = torch.compile(hf)
-            t_comp = wall(lambda: torch_step(comp), torch.cuda.synchronize, args.iters)
-        except Exception as e:  # noqa: BLE001 - "where it works"
-            print(f"  torch.compile failed on the Llama train step: {type(e).__name__}: {e}")
+    tloss0, t_eager, t_comp, peak = torch_steps(torch, torch_step, hf, args, "Llama")
+    peak -= base
     del hf, opt, tids
     free_device_memory(args.cuda, torch)
 
@@ -178,15 +186,7 @@ def bench_bert(torch, transformers, rlx, args, rows):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    tloss0 = torch_step(hf).item()
-    t_eager = wall(lambda: torch_step(hf), torch.cuda.synchronize, args.iters)
-    t_comp = math.nan
-    if args.compile:
-        try:
-            comp = torch.compile(hf)
-            t_comp = wall(lambda: torch_step(comp), torch.cuda.synchronize, args.iters)
-        except Exception as e:  # noqa: BLE001 - "where it works"
-            print(f"  torch.compile failed on the BERT train step: {type(e).__name__}: {e}")
+    tloss0, t_eager, t_comp, _ = torch_steps(torch, torch_step, hf, args, "BERT")
     del hf, lin, opt
     free_device_memory(args.cuda, torch)
     ratio = t_eager / t_rlx
