@@ -1,7 +1,8 @@
-"""cast(x, dtype) between every ordered pair of the six dtypes.
+"""cast(x, dtype) between every ordered pair of the eight dtypes.
 
 Oracle: NumPy's astype (and ml_dtypes for bf16), written here. float -> int truncates toward
-zero like astype on in-range values, saturates out of range and sends NaN to 0; float -> f16 and
+zero like astype on in-range values, saturates out of range and sends NaN to 0 (to u8 / i8:
+through i32, then wrapped like PyTorch's casts); int -> narrower int wraps; float -> f16 and
 float -> bf16 round to nearest even; int -> bool is "nonzero"; bool -> number is 0/1; a cast to
 the dtype the tensor already has is a view (no copy, no kernel).
 """
@@ -14,10 +15,10 @@ from conftest import run_graph
 
 BF16 = ml_dtypes.bfloat16
 HOST = {"f32": np.float32, "f16": np.float16, "bf16": BF16, "i32": np.int32, "i64": np.int64,
-        "bool": np.bool_}
+        "u8": np.uint8, "i8": np.int8, "bool": np.bool_}
 DTYPES = tuple(HOST)
 FLOATS = ("f32", "f16", "bf16")
-INTS = ("i32", "i64")
+INTS = ("i32", "i64", "u8", "i8")
 I32_MAX, I32_MIN = 2**31 - 1, -2**31
 I64_MAX, I64_MIN = 2**63 - 1, -2**63
 
@@ -53,6 +54,10 @@ def _source(rng, dtype):
         return np.concatenate([I32_VALUES, rng.integers(-10**6, 10**6, 14)]).astype(np.int32)
     if dtype == "i64":
         return np.concatenate([I64_VALUES, rng.integers(-10**12, 10**12, 14)]).astype(np.int64)
+    if dtype in ("u8", "i8"):
+        info = np.iinfo(HOST[dtype])
+        edge = [0, 1, 2, 7, 100, 127, info.min, info.max, info.max - 1]
+        return np.concatenate([edge, rng.integers(info.min, info.max + 1, 14)]).astype(HOST[dtype])
     rand = rng.uniform(-300, 300, 14).astype(np.float32)
     v = np.concatenate([np.array(F32_VALUES, np.float32), rand])
     if dtype == "f32":
@@ -64,6 +69,8 @@ def _oracle(src, sdt, ddt):
     """Expected result of cast(src: sdt -> ddt), from NumPy / ml_dtypes alone."""
     if ddt == "bool":
         return src.astype(np.float64) != 0 if sdt != "bool" else src.copy()
+    if sdt in FLOATS and ddt in ("u8", "i8"):      # truncated to i32, then wrapped
+        return _oracle(src, sdt, "i32").astype(HOST[ddt])
     if sdt in FLOATS and ddt in INTS:
         f = src.astype(np.float64)
         lo, hi = (I32_MIN, I32_MAX) if ddt == "i32" else (I64_MIN, I64_MAX)
@@ -114,7 +121,8 @@ def test_cast_pair(rng, sdt, ddt):
     want = _oracle(src, sdt, ddt)
     _same(got, want, f"cast {sdt}->{ddt}")
     if sdt in FLOATS and ddt in INTS:       # truncation toward zero, like numpy astype
-        np.testing.assert_array_equal(got, src.astype(np.float64).astype(HOST[ddt]))
+        np.testing.assert_array_equal(got, np.trunc(src.astype(np.float64)).astype(np.int64)
+                                      .astype(HOST[ddt]))
     assert exe.memory_report()["views"] == (1 if sdt == ddt else 0)
 
 
@@ -212,3 +220,23 @@ def test_cast_dtype_spellings_and_chain(rng):
     _same(rc, v.astype(BF16), "bfloat16")
     _same(rd, v.astype(np.float16).astype(np.float32), "f32->f16->f32")
     _same(re_, v.astype(BF16).astype(np.float32).astype(np.int64), "f32->bf16->f32->i64")
+
+
+def test_u8_i8_wrap_and_promote():
+    """u8 / i8 results spelled out: float casts truncate then wrap, arithmetic wraps in the
+    dtype (PyTorch), u8 with i8 promotes to i32, and fused chains wrap each stored value."""
+    f = np.array([300.7, -1.5, 255.9, -129.2, 127.0], np.float32)
+    a = np.array([200, 100, 255, 0, 7], np.uint8)
+    b = np.array([-128, 127, -1, 5, -7], np.int8)
+    g = rlx.Graph("wrap")
+    xf, xa, xb = g.input("f", f.shape, "f32"), g.input("a", a.shape, "u8"), g.input("b", b.shape, "i8")
+    s = g.add(xa, xa)                                 # u8 + u8 stays u8 (wraps)
+    g.set_outputs([g.cast(xf, "u8"), g.cast(xf, "i8"), s, g.add(xa, xb), g.mul(g.add(s, xa), 1),
+                   g.cast(xa, "f32")])
+    cu, ci, ss, ab, chain, fl = run_graph(g, {"f": f, "a": a, "b": b})
+    assert cu.dtype == np.uint8 and list(cu) == [44, 255, 255, 127, 127]
+    assert ci.dtype == np.int8 and list(ci) == [44, -1, -1, 127, 127]
+    assert ss.dtype == np.uint8 and list(ss) == [144, 200, 254, 0, 14]
+    assert ab.dtype == np.int32 and list(ab) == [72, 227, 254, 5, 0]
+    assert chain.dtype == np.uint8 and list(chain) == [88, 44, 253, 0, 21]
+    np.testing.assert_array_equal(fl, a.astype(np.float32))

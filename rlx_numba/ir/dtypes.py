@@ -1,4 +1,4 @@
-"""The six dtypes, their NumPy mapping and the promotion rule.
+"""The eight dtypes, their NumPy mapping and the promotion rule.
 
 bf16 has no NumPy dtype of its own: on the host it is ``ml_dtypes.bfloat16``, on the device its
 16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays).
@@ -38,16 +38,18 @@ class DType:
 
 
 BOOL = DType("bool", np.dtype(np.bool_), np.dtype(np.bool_), "bool", 0)
-I32 = DType("i32", np.dtype(np.int32), np.dtype(np.int32), "int", 1)
-I64 = DType("i64", np.dtype(np.int64), np.dtype(np.int64), "int", 2)
-BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 3)
-F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 3)
-F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 4)
+U8 = DType("u8", np.dtype(np.uint8), np.dtype(np.uint8), "int", 1)
+I8 = DType("i8", np.dtype(np.int8), np.dtype(np.int8), "int", 1)
+I32 = DType("i32", np.dtype(np.int32), np.dtype(np.int32), "int", 2)
+I64 = DType("i64", np.dtype(np.int64), np.dtype(np.int64), "int", 3)
+BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 4)
+F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 4)
+F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 5)
 
-ALL = (F32, F16, BF16, I32, I64, BOOL)
+ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL)
 _BY_NAME = {d.name: d for d in ALL}
 _ALIASES = {"float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
-            "bool_": BOOL}
+            "uint8": U8, "int8": I8, "bool_": BOOL}
 _BY_HOST = {d.host: d for d in ALL}
 
 
@@ -72,11 +74,14 @@ def dtype(x) -> DType:
 
 
 def promote(a: DType, b: DType) -> DType:
-    """Result dtype of a binary op: bool < i32 < i64 < f16, bf16 < f32; f16 with bf16 is f32."""
+    """Result dtype of a binary op: bool < u8, i8 < i32 < i64 < f16, bf16 < f32; f16 with bf16
+    is f32, u8 with i8 is i32 (PyTorch's i16, which rlx_numba has not)."""
     if a == b:
         return a
     if {a, b} == {F16, BF16}:
         return F32
+    if {a, b} == {U8, I8}:
+        return I32
     return a if a.rank > b.rank else b
 
 

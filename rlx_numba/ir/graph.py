@@ -13,6 +13,7 @@ from .ops import fmt
 from .ops_attention import AttentionOps
 from .ops_loss import LossOps
 from .ops_norm import NormOps
+from .ops_quant import QuantOps
 from .ops_random import RandomOps
 from .ops_reduce import ReduceOps
 from .ops_rope import RopeOps
@@ -102,7 +103,8 @@ class Tensor:
         raise TypeError("a graph Tensor has no truth value (it is computed when the graph runs)")
 
 
-class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps):
+class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
+            QuantOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

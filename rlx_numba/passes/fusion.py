@@ -54,7 +54,7 @@ from ..kernels.gemv import MAX_M
 MAX_LEAVES = 16
 MAX_MEMBERS = 32
 # interior values rounded to their dtype, and the dtype they are computed in before that
-_ROUNDED = {dt.F16: dt.F32, dt.BF16: dt.F32, dt.I32: dt.I64}
+_ROUNDED = {dt.F16: dt.F32, dt.BF16: dt.F32, dt.I32: dt.I64, dt.U8: dt.I64, dt.I8: dt.I64}
 NORMS = ("layer_norm", "rms_norm")
 
 

@@ -1,0 +1,192 @@
+"""Quantised weights: dequantize and dequant_matmul, their checks, builder methods (mixed into
+Graph) and VJPs. Kernels: kernels/quant.py; lowering: runtime/lower_quant.py.
+
+A packed weight stands for an f32 [N, K] matrix laid out like nn.Linear's (DESIGN.md):
+  GGUF "q4_0" .. "q6_k"  w u8 [N, K / block * block bytes], the file's bytes as they are
+  "int8"                 w i8 [N, K], value = q * scale
+  "int4"                 w u8 [N, K / 2] (weight 2j in the low nibble), value = (q - zero) * scale
+with int8 / int4 scales (and zeros, default 8) [N] (per channel) or [N, K / group_size].
+
+``dequant_matmul(x, w, ...)`` is x [..., K] @ W^T -> [..., N] f32, accumulated in f32 with x as
+it is (never rounded to half). With at most MAX_M rows of x it is one node, a GEMV that
+dequantises in registers (decode: the packed bytes are all that is read); with more it is
+``dequantize`` (an f32 [N, K] in the arena, its bytes reused once the product is done) and a
+matmul (the GEMM tiers: cuBLAS on a GPU). The choice is made here, from the static shape, so the
+graph shows which path runs. Gradients flow to x, and to int8 / int4 scales and zeros.
+"""
+from __future__ import annotations
+
+import math
+
+from . import dtypes as dt
+from .autodiff import vjp
+from .ops import fmt
+
+# scheme -> (weights a block, bytes a block), ggml's block_q4_0 ... block_q6_K
+GGUF = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+        "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144),
+        "q5_k": (256, 176), "q6_k": (256, 210)}
+INTS = ("int8", "int4")
+SCHEMES = tuple(GGUF) + INTS
+UNIT = 32                  # weights the kernels dequantise at a time (kernels/quant.py)
+MAX_M = 16                 # rows of x the GEMV path takes (more: dequantize + a GEMM)
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} {fmt(t.shape)}"
+
+
+def check_quant(op, w, scales, zeros, scheme, group_size, k=None):
+    """(n, k, group size, scale groups a row) of a packed weight, or ValueError naming op, the
+    argument and the shapes. ``k``: the K the caller's x has (checked against w's)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"{op}: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    if len(w.shape) != 2:
+        raise ValueError(f"{op}: w must be 2-D [N, packed K] for {scheme}, got {_desc(w)}")
+    n, cols = w.shape
+    if scheme in GGUF:
+        qk, bb = GGUF[scheme]
+        if w.dtype != dt.U8:
+            raise ValueError(f"{op}: a {scheme} w holds raw GGUF bytes, u8; got {_desc(w)}")
+        if cols % bb:
+            raise ValueError(f"{op}: a {scheme} row is whole {bb}-byte blocks; w {_desc(w)} has "
+                             f"{cols} bytes a row")
+        wk = cols // bb * qk
+        if k is not None and k % qk:
+            raise ValueError(f"{op}: K = {k} is not a multiple of {scheme}'s block of {qk} "
+                             f"weights")
+        if scales is not None or zeros is not None:
+            raise ValueError(f"{op}: {scheme} keeps its scales inside the blocks; pass no "
+                             f"scales or zeros")
+        if group_size is not None:
+            raise ValueError(f"{op}: group_size is for int8 / int4, not {scheme}")
+        if k is not None and k != wk:
+            raise ValueError(f"{op}: w {_desc(w)} is {wk} weights a row ({cols // bb} {scheme} "
+                             f"blocks), x has K = {k}")
+        return n, wk, wk, 1
+    want = dt.I8 if scheme == "int8" else dt.U8
+    if w.dtype != want:
+        raise ValueError(f"{op}: an {scheme} w must be {want}, got {_desc(w)}")
+    wk = cols if scheme == "int8" else 2 * cols
+    if k is not None and k != wk:
+        raise ValueError(f"{op}: w {_desc(w)} is {wk} {scheme} weights a row, x has K = {k}")
+    if scales is None:
+        raise ValueError(f"{op}: {scheme} needs scales ([N] or [N, K // group_size])")
+    if zeros is not None and scheme == "int8":
+        raise ValueError(f"{op}: int8 is symmetric (value = q * scale); pass no zeros")
+    if group_size is None:
+        gs, groups = wk, (n,) if len(scales.shape) == 1 else (n, 1)
+    else:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"{op}: group_size must be a positive int, got {group_size!r}")
+        if wk % group_size:
+            raise ValueError(f"{op}: K = {wk} is not a multiple of group_size {group_size}")
+        gs, groups = group_size, (n, wk // group_size)
+    for arg, t in (("scales", scales), ("zeros", zeros)):
+        if t is None:
+            continue
+        if tuple(t.shape) != groups:
+            raise ValueError(f"{op}: {arg} must be {fmt(groups)} for w {_desc(w)} and "
+                             f"group_size {group_size}, got {fmt(t.shape)}")
+        if t.dtype == dt.BOOL or (arg == "scales" and not t.dtype.is_float):
+            raise ValueError(f"{op}: {arg} must be {'float' if arg == 'scales' else 'numeric'}, "
+                             f"got {_desc(t)}")
+    return n, wk, gs, wk // gs
+
+
+def units_ok(scheme, k, gs) -> bool:
+    """Whether the unit kernels (kernels/quant.py) take this weight: GGUF always; int8 / int4
+    when rows and groups are whole units of 32."""
+    return scheme in GGUF or (k % UNIT == 0 and gs % UNIT == 0)
+
+
+class QuantOps:
+    """Builder methods; ``self`` is the Graph."""
+
+    def _quant_inputs(self, op, w, scales, zeros):
+        ins = [self._check(op, "w", w)]
+        for arg, t in (("scales", scales), ("zeros", zeros)):
+            if t is not None:
+                t = self._check(op, arg, t)
+                ins.append(t if t.dtype == dt.F32 else self.cast(t, dt.F32))
+        return ins
+
+    def dequantize(self, w, scales=None, zeros=None, *, scheme: str, group_size=None):
+        """The f32 [N, K] matrix a packed weight stands for (schemes: dequant_matmul)."""
+        op = "dequantize"
+        n, k, gs, ng = check_quant(op, self._check(op, "w", w), scales, zeros, scheme,
+                                   group_size)
+        ins = self._quant_inputs(op, w, scales, zeros)
+        return self._add(op, ins, (n, k), dt.F32, scheme=scheme, group_size=group_size,
+                         has_zeros=zeros is not None)
+
+    def dequant_matmul(self, x, w, scales=None, zeros=None, *, scheme: str, group_size=None):
+        """x [..., K] @ W^T -> [..., N] f32 for a packed weight W [N, K] (module docstring;
+        DESIGN.md): GGUF blocks, int8 or int4 with per-channel or per-group scales."""
+        op = "dequant_matmul"
+        self._check(op, "x", x)
+        if not x.dtype.is_float or not x.shape:
+            raise ValueError(f"{op}: x must be a float tensor [..., K], got {_desc(x)}")
+        k = x.shape[-1]
+        n, _, gs, _ = check_quant(op, self._check(op, "w", w), scales, zeros, scheme,
+                                  group_size, k)
+        xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
+        m = math.prod(x.shape[:-1])
+        out_shape = tuple(x.shape[:-1]) + (n,)
+        if m <= MAX_M and units_ok(scheme, k, gs):
+            ins = [xf] + self._quant_inputs(op, w, scales, zeros)[1:]
+            ins.insert(1, w)
+            return self._add(op, ins, out_shape, dt.F32, scheme=scheme, group_size=group_size,
+                             has_zeros=zeros is not None)
+        wd = self.dequantize(w, scales, zeros, scheme=scheme, group_size=group_size)
+        y = self.matmul(self.reshape(xf, (m, k)), self.transpose(wd))
+        return self.reshape(y, out_shape)
+
+
+def _grad_params(g, node, dw_of):
+    """Gradients of an int8 / int4 node's scales and zeros from dL/dW (``dw_of()``, [N, K]):
+    dscale = sum over a group of dW * (q - zero), dzero = -sum of dW * scale."""
+    a = node.attrs
+    scheme, group_size = a["scheme"], a["group_size"]
+    if scheme not in INTS:
+        return []
+    w_id, s_id = node.inputs[-2 - a["has_zeros"]], node.inputs[-1 - a["has_zeros"]]
+    w, s = g.tensor(w_id), g.tensor(s_id)
+    n, k = (w.shape[0], w.shape[1] if scheme == "int8" else 2 * w.shape[1])
+    gs = k if group_size is None else group_size
+    ng = k // gs
+    dw = g.reshape(dw_of(), (n, ng, gs))
+    ones = g.expand(g.constant(1.0), s.shape)
+    zr = [g.tensor(node.inputs[-1])] if a["has_zeros"] else []
+    centred = g.dequantize(w, ones, *zr, scheme=scheme, group_size=group_size)
+    ds = g.reduce_sum(g.mul(dw, g.reshape(centred, (n, ng, gs))), 2)
+    out = [g.reshape(ds, s.shape)]
+    if a["has_zeros"]:
+        dz = g.neg(g.mul(g.reduce_sum(dw, 2), g.reshape(s, (n, ng))))
+        out.append(g.reshape(dz, s.shape))
+    return out
+
+
+def _weight(g, node):
+    a = node.attrs
+    w = g.tensor(node.inputs[1] if node.op == "dequant_matmul" else node.inputs[0])
+    rest = [g.tensor(i) for i in node.inputs[(2 if node.op == "dequant_matmul" else 1):]]
+    if a["scheme"] in GGUF:
+        return g.dequantize(w, scheme=a["scheme"])
+    return g.dequantize(w, *rest, scheme=a["scheme"], group_size=a["group_size"])
+
+
+@vjp("dequant_matmul")
+def _dequant_matmul_vjp(g, node, dy):
+    x = g.tensor(node.inputs[0])
+    k, n = x.shape[-1], node.shape[-1]
+    m = math.prod(x.shape[:-1])
+    dy2 = g.reshape(dy, (m, n))
+    dx = g.reshape(g.matmul(dy2, _weight(g, node)), x.shape)
+    params = _grad_params(g, node, lambda: g.matmul(g.transpose(dy2), g.reshape(x, (m, k))))
+    return [dx, None] + params
+
+
+@vjp("dequantize")
+def _dequantize_vjp(g, node, dy):
+    return [None] + _grad_params(g, node, lambda: dy)

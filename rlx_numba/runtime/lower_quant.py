@@ -1,0 +1,76 @@
+"""Lowering of dequant_matmul (the GEMV of kernels/quant.py) and dequantize (to f32, the
+GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..device import SIMULATOR
+from ..ir.ops_quant import GGUF, UNIT, units_ok
+from ..kernels import quant as Q
+from ..kernels.launch import grid_1d, sm_count
+from .lower import Step, lowering, step_name
+from .lower_matmul import _dummy, _ptr
+
+
+def _layout(exe, n, w_at):
+    """(scheme, has_zeros, w as the kernels read it, scales, zeros, k, rowhw, ng, gs) of a
+    quantised node whose packed weight is input ``w_at``."""
+    g = exe.graph
+    a = n.attrs
+    scheme, has_zeros = a["scheme"], a["has_zeros"]
+    w = g.nodes[n.inputs[w_at]]
+    rows, cols = w.shape
+    k = cols // GGUF[scheme][1] * GGUF[scheme][0] if scheme in GGUF else (
+        cols if scheme == "int8" else 2 * cols)
+    gs = k if a["group_size"] is None or scheme in GGUF else a["group_size"]
+    extra = [exe.buf(i) for i in n.inputs[w_at + 1:]]
+    sc = extra[0] if extra else _dummy(exe)
+    zr = extra[1] if has_zeros else _dummy(exe)
+    wbuf = exe.buf(w)
+    if units_ok(scheme, k, gs):
+        wbuf = wbuf.view(np.uint16)
+    return scheme, has_zeros, wbuf, sc, zr, k, cols // 2, k // gs, gs
+
+
+@lowering("dequant_matmul")
+def _lower_dequant_matmul(exe, n):
+    g = exe.graph
+    x = g.nodes[n.inputs[0]]
+    scheme, has_zeros, w, sc, zr, k, rowhw, ng, gs = _layout(exe, n, 1)
+    rows = g.nodes[n.inputs[1]].shape[0]
+    m = x.size // k if k else 0
+    if m == 0 or rows == 0:
+        return []
+    xbuf = exe.buf(x)
+    xvec = SIMULATOR or (k % 4 == 0 and _ptr(xbuf) % 16 == 0)
+    nw, r, wpr, tiles = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
+    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, xvec)
+    grid = (min(tiles, 2) if SIMULATOR else tiles,)
+    wbytes = g.nodes[n.inputs[1]].nbytes
+    args = (exe.buf(n), xbuf, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
+            np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
+    return [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr}",
+                 kern, grid, (nw * 32,), args,
+                 {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
+
+
+@lowering("dequantize")
+def _lower_dequantize(exe, n):
+    scheme, has_zeros, w, sc, zr, k, rowhw, ng, gs = _layout(exe, n, 0)
+    rows = n.shape[0]
+    if rows * k == 0:
+        return []
+    if units_ok(scheme, k, gs):
+        units = k // UNIT
+        grid, block = grid_1d(rows * units)
+        return [Step(step_name(n), f"dequantize {scheme} {rows}x{k}",
+                     Q.dequant_units_kernel(scheme, has_zeros), (grid,), (block,),
+                     (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(units),
+                      np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT)),
+                     {"bytes": exe.graph.nodes[n.inputs[0]].nbytes + n.nbytes})]
+    grid, block = grid_1d(rows * k)
+    return [Step(step_name(n), f"dequantize {scheme} {rows}x{k} (by element)",
+                 Q.dequant_ints_kernel(scheme, has_zeros), (grid,), (block,),
+                 (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(ng),
+                  np.int64(gs)),
+                 {"bytes": exe.graph.nodes[n.inputs[0]].nbytes + n.nbytes})]

@@ -1,0 +1,242 @@
+"""dequantize / dequant_matmul against independent oracles: the gguf package's
+``gguf.quants.dequantize`` (llama.cpp's own Python reference) for the GGUF block formats, and
+NumPy written here for int8 / int4; products against float64 NumPy matmuls; gradients
+against their closed forms in NumPy. Random valid blocks: random bytes with the f16 scale
+fields set to finite values."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from conftest import run_graph
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+
+GGUF = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+        "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144),
+        "q5_k": (256, 176), "q6_k": (256, 210)}
+# byte offsets of each block's f16 fields (ggml's block structs)
+F16_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+          "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+QTYPE = {s: getattr(gguf.GGMLQuantizationType, s.upper().replace("_K", "_K")) for s in GGUF}
+
+
+def random_blocks(rng, scheme, n, k):
+    """[n, k / block * bytes] u8: random bytes, each f16 field a random finite scale."""
+    qk, bb = GGUF[scheme]
+    raw = rng.integers(0, 256, (n, k // qk, bb), dtype=np.uint8)
+    for at in F16_AT[scheme]:
+        d = rng.uniform(-0.05, 0.05, (n, k // qk)).astype(np.float16)
+        raw[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // qk, 2)
+    return raw.reshape(n, -1)
+
+
+def ref_int(scheme, q, scales, zeros, group_size):
+    """f32 [N, K] of an int8 [N, K] / int4 [N, K / 2] weight, NumPy."""
+    if scheme == "int4":
+        q = np.stack([q & 15, q >> 4], axis=-1).reshape(q.shape[0], -1).astype(np.float64)
+        q = q - (8.0 if zeros is None else np.repeat(zeros.reshape(q.shape[0], -1),
+                                                    group_size or q.shape[1], axis=1))
+    s = np.repeat(scales.reshape(q.shape[0], -1).astype(np.float64), group_size or q.shape[1],
+                  axis=1)
+    return q.astype(np.float64) * s
+
+
+def _close(got, want, rel=1e-5):
+    scale = max(np.abs(want).max(), 1e-30)
+    np.testing.assert_allclose(got, want, rtol=0, atol=rel * scale)
+
+
+def _run_quant(scheme, raw, x, scales=None, zeros=None, group_size=None, wdtype="u8"):
+    g = rlx.Graph("quant")
+    w = g.param("w", raw.shape, wdtype)
+    xs = g.input("x", x.shape)
+    extra = {}
+    feeds = {"x": x}
+    if scales is not None:
+        extra["scales"] = g.input("s", scales.shape)
+        feeds["s"] = scales
+    if zeros is not None:
+        extra["zeros"] = g.input("z", zeros.shape, str(rlx.dtype(zeros.dtype)))
+        feeds["z"] = zeros
+    kw = dict(scheme=scheme, group_size=group_size)
+    y = g.dequant_matmul(xs, w, **extra, **kw)
+    wd = g.dequantize(w, **extra, **kw)
+    g.set_outputs([y, wd])
+    exe = rlx.compile(g)
+    exe.set_param("w", raw)
+    np.testing.assert_array_equal(exe.get_param("w"), raw)      # packed bytes kept as given
+    return exe.run(feeds), g
+
+
+@pytest.mark.parametrize("scheme", list(GGUF))
+def test_gguf_gemv_and_dequantize(rng, scheme):
+    qk, _ = GGUF[scheme]
+    k = qk * (3 if qk == 32 else 1)
+    raw = random_blocks(rng, scheme, 7, k)
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    (y, wd), g = _run_quant(scheme, raw, x)
+    want = gguf_dequantize(raw, QTYPE[scheme]).astype(np.float64)
+    assert wd.shape == (7, k)
+    _close(wd, want, 1e-6)
+    _close(y, x.astype(np.float64) @ want.T)
+    assert any(nd.op == "dequant_matmul" for nd in g.nodes)       # 3 rows: the GEMV path
+
+
+@pytest.mark.parametrize("scheme", ["q4_0", "q5_1", "q6_k"])
+def test_gguf_gemm_path(rng, scheme):
+    """More than 16 rows of x: dequantize into the arena, then the matmul tiers."""
+    qk, _ = GGUF[scheme]
+    raw = random_blocks(rng, scheme, 5, qk)
+    x = rng.standard_normal((2, 9, qk)).astype(np.float32)
+    (y, _), g = _run_quant(scheme, raw, x)
+    want = gguf_dequantize(raw, QTYPE[scheme]).astype(np.float64)
+    assert y.shape == (2, 9, 5)
+    _close(y, x.astype(np.float64) @ want.T)
+    ops = [nd.op for nd in g.nodes]
+    assert "dequant_matmul" not in ops and "dequantize" in ops and "matmul" in ops
+
+
+@pytest.mark.parametrize("scheme,k,group_size,zeros,m", [
+    ("int8", 64, None, False, 2),     # per channel, unit kernels
+    ("int8", 96, 32, False, 1),       # per group
+    ("int8", 40, None, False, 3),     # K not whole units: element kernel + matmul
+    ("int4", 64, 32, False, 2),       # zero 8
+    ("int4", 128, 64, True, 4),       # zeros given (u8)
+    ("int4", 50, 10, True, 1),        # groups of 10: element kernel + matmul
+    ("int4", 64, None, True, 18),     # per channel, GEMM path
+])
+def test_int_schemes(rng, scheme, k, group_size, zeros, m):
+    n = 6
+    ng = 1 if group_size is None else k // group_size
+    if scheme == "int8":
+        q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    else:
+        q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    sshape = (n,) if group_size is None else (n, ng)
+    scales = rng.uniform(0.01, 0.1, sshape).astype(np.float32)
+    zr = rng.integers(0, 16, sshape).astype(np.uint8) if zeros else None
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    (y, wd), _ = _run_quant(scheme, q, x, scales, zr, group_size,
+                             wdtype="i8" if scheme == "int8" else "u8")
+    want = ref_int(scheme, q, scales, zr, group_size)
+    _close(wd, want, 1e-6)
+    _close(y, x.astype(np.float64) @ want.T)
+
+
+def test_int4_nibble_order_spelled_out():
+    """Weight 2j is the low nibble: byte 0x21 holds (1, 2); zero 8, scale 0.5."""
+    q = np.array([[0x21, 0xF0] + [0x88] * 14], np.uint8)           # K = 32
+    g = rlx.Graph("nib")
+    w = g.param("w", q.shape, "u8")
+    s = g.constant(np.array([0.5], np.float32))
+    g.set_outputs([g.dequantize(w, s, scheme="int4")])
+    exe = rlx.compile(g)
+    exe.set_param("w", q)
+    (wd,) = exe.run({})
+    assert list(wd[0, :4]) == [-3.5, -3.0, -4.0, 3.5] and np.all(wd[0, 4:] == 0)
+
+
+def test_half_x_and_leading_dims(rng):
+    raw = random_blocks(rng, "q8_0", 4, 64)
+    x = rng.standard_normal((2, 1, 64)).astype(np.float16)
+    g = rlx.Graph("half")
+    w = g.param("w", raw.shape, "u8")
+    xs = g.input("x", x.shape, "f16")
+    y = g.dequant_matmul(xs, w, scheme="q8_0")
+    assert y.shape == (2, 1, 4) and str(y.dtype) == "f32"
+    g.set_outputs([y])
+    exe = rlx.compile(g)
+    exe.set_param("w", raw)
+    (got,) = exe.run({"x": x})
+    want = x.astype(np.float64) @ gguf_dequantize(raw, QTYPE["q8_0"]).astype(np.float64).T
+    _close(got, want)
+
+
+@pytest.mark.parametrize("m", [2, 20])
+def test_gradients(rng, m):
+    """loss = sum(y * r): dx = r @ W; int4 dscale = sum over the group of (r^T x) (q - z),
+    dzero = -sum over the group of (r^T x) scale (NumPy, closed form)."""
+    n, k, gs = 5, 64, 32
+    q = rng.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    scales = rng.uniform(0.01, 0.1, (n, k // gs)).astype(np.float32)
+    zr = rng.uniform(6, 9, (n, k // gs)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    g = rlx.Graph("qgrad")
+    w = g.param("w", q.shape, "u8")
+    xs, ss, zs = g.input("x", x.shape), g.input("s", scales.shape), g.input("z", zr.shape)
+    rs = g.input("r", r.shape)
+    y = g.dequant_matmul(xs, w, ss, zs, scheme="int4", group_size=gs)
+    loss = g.reduce_sum(g.mul(y, rs))
+    dx, ds, dz = g.grad(loss, [xs, ss, zs])
+    g.set_outputs([dx, ds, dz])
+    exe = rlx.compile(g)
+    exe.set_param("w", q)
+    got_dx, got_ds, got_dz = exe.run({"x": x, "s": scales, "z": zr, "r": r})
+    W = ref_int("int4", q, scales, zr, gs)
+    _close(got_dx, r.astype(np.float64) @ W)
+    dW = (r.astype(np.float64).T @ x.astype(np.float64)).reshape(n, k // gs, gs)
+    nib = np.stack([q & 15, q >> 4], axis=-1).reshape(n, k // gs, gs).astype(np.float64)
+    _close(got_ds, (dW * (nib - zr[..., None])).sum(-1))
+    _close(got_dz, -(dW.sum(-1) * scales))
+
+
+def test_gguf_x_gradient(rng):
+    raw = random_blocks(rng, "q4_k", 3, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    g = rlx.Graph("qgrad2")
+    w = g.param("w", raw.shape, "u8")
+    xs = g.input("x", x.shape)
+    dx = g.grad(g.reduce_sum(g.dequant_matmul(xs, w, scheme="q4_k")), xs)
+    g.set_outputs([dx])
+    exe = rlx.compile(g)
+    exe.set_param("w", raw)
+    (got,) = exe.run({"x": x})
+    _close(got, gguf_dequantize(raw, QTYPE["q4_k"]).astype(np.float64).sum(0, keepdims=True))
+
+
+def test_errors():
+    g = rlx.Graph("qerr")
+    x = g.input("x", (2, 64))
+    w = g.param("w", (4, 36), "u8")
+    with pytest.raises(ValueError, match=r"dequant_matmul: unknown scheme 'q4_2'"):
+        g.dequant_matmul(x, w, scheme="q4_2")
+    with pytest.raises(ValueError, match=r"K = 100 is not a multiple of q4_0's block of 32"):
+        g.dequant_matmul(g.input("x2", (1, 100)), w, scheme="q4_0")
+    with pytest.raises(ValueError, match=r"K = 64 is not a multiple of q4_k's block of 256"):
+        g.dequant_matmul(x, g.param("wk", (4, 144), "u8"), scheme="q4_k")
+    with pytest.raises(ValueError, match=r"whole 20-byte blocks; w u8 \[4, 36\]"):
+        g.dequant_matmul(x, w, scheme="q4_1")
+    with pytest.raises(ValueError, match=r"w u8 \[4, 36\] is 64 weights a row .* x has K = 96"):
+        g.dequant_matmul(g.input("x3", (1, 96)), w, scheme="q4_0")
+    with pytest.raises(ValueError, match=r"raw GGUF bytes, u8; got i8"):
+        g.dequant_matmul(x, g.param("wi", (4, 36), "i8"), scheme="q4_0")
+    with pytest.raises(ValueError, match=r"q4_0 keeps its scales inside the blocks"):
+        g.dequant_matmul(x, w, g.input("s", (4,)), scheme="q4_0")
+    w8 = g.param("w8", (4, 64), "i8")
+    with pytest.raises(ValueError, match=r"int8 needs scales"):
+        g.dequant_matmul(x, w8, scheme="int8")
+    with pytest.raises(ValueError, match=r"scales must be \[4, 2\] for w i8 \[4, 64\] and "
+                                         r"group_size 32, got \[4, 3\]"):
+        g.dequant_matmul(x, w8, g.input("s3", (4, 3)), scheme="int8", group_size=32)
+    with pytest.raises(ValueError, match=r"K = 64 is not a multiple of group_size 24"):
+        g.dequant_matmul(x, w8, g.input("s4", (4, 2)), scheme="int8", group_size=24)
+    with pytest.raises(ValueError, match=r"an int4 w must be u8, got i8"):
+        g.dequant_matmul(x, w8, g.input("s5", (4,)), scheme="int4")
+    with pytest.raises(ValueError, match=r"int8 is symmetric"):
+        g.dequant_matmul(x, w8, g.input("s6", (4,)), g.input("z6", (4,)), scheme="int8")
+    with pytest.raises(ValueError, match=r"x must be a float tensor"):
+        g.dequant_matmul(g.input("xi", (2, 64), "i32"), w, scheme="q4_0")
+
+
+def test_u8_i8_params_and_io(rng):
+    a = rng.integers(0, 256, (3, 5), dtype=np.uint8)
+    b = rng.integers(-128, 128, (5,), dtype=np.int8)
+    g = rlx.Graph("bytes")
+    pa, xb = g.param("a", a.shape, "u8"), g.input("b", b.shape, "i8")
+    g.set_outputs([g.add(g.cast(pa, "i32"), xb), pa])
+    got, back = run_graph(g, {"b": b}, params={"a": a})
+    np.testing.assert_array_equal(got, a.astype(np.int32) + b)
+    assert back.dtype == np.uint8
+    np.testing.assert_array_equal(back, a)
