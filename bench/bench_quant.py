@@ -1,0 +1,164 @@
+"""Quantised products on the GPU beside torch in the same process (issue 18's bench).
+
+GEMV rows (M = 1, decode): y = x @ W^T for a packed W [N, K] through ``g.dequant_matmul``
+(kernels/quant.py's dequantise-in-registers GEMV), as device us a product and as GB/s and
+% of copy bandwidth on the *packed* bytes (what the product has to read). Beside it, torch's
+bf16 GEMV of the same shape (x.bfloat16() @ w_bf16.t(): torch has no q4 kernel; a bf16 weight
+is the smallest one it runs), and our f32 GEMV (matmul tier 3) for scale.
+GEMM rows (M = 512, prefill): dequantize into the arena + the matmul tiers (cuBLAS), TFLOP/s
+beside torch bf16 mm and torch f32 mm (TF32 off) of the same shape.
+Every time: a CUDA graph of 50 products replayed over >= 5 ms windows, best of 3 (bench_gemv's
+``graph_us``). ``err``: max |ours - ref| / max |ref| with ref = x @ dequantize(W)^T in float64
+(our dequantize: checked against gguf.quants.dequantize in tests/test_quant.py).
+
+  python bench/bench_quant.py [--schemes q4_0,q4_k,q8_0,int4] [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gemv import graph_us  # noqa: E402
+from common import copy_bandwidth, free_device_memory  # noqa: E402
+
+GEMV_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))    # (N, K)
+GEMM_SHAPE = (512, 4096, 4096)                                 # (M, N, K)
+GGUF = {"q4_0": (32, 18), "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24),
+        "q8_0": (32, 34), "q2_k": (256, 84), "q3_k": (256, 110), "q4_k": (256, 144),
+        "q5_k": (256, 176), "q6_k": (256, 210)}
+F16_AT = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,),
+          "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+GROUP = 128                                                    # int4 / int8 group size
+
+
+def packed(rng, scheme, n, k):
+    """(w bytes, scales or None, dtype) of a random valid packed [N, K] weight."""
+    if scheme in GGUF:
+        qk, bb = GGUF[scheme]
+        raw = rng.integers(0, 256, (n, k // qk, bb), dtype=np.uint8)
+        for at in F16_AT[scheme]:
+            d = rng.uniform(-0.01, 0.01, (n, k // qk)).astype(np.float16)
+            raw[:, :, at:at + 2] = d.view(np.uint8).reshape(n, k // qk, 2)
+        return raw.reshape(n, -1), None, "u8"
+    scales = rng.uniform(0.001, 0.01, (n, k // GROUP)).astype(np.float32)
+    if scheme == "int8":
+        return rng.integers(-128, 128, (n, k), dtype=np.int8), scales, "i8"
+    return rng.integers(0, 256, (n, k // 2), dtype=np.uint8), scales, "u8"
+
+
+def _compiled(rlx, build, w, scales, wdt):
+    """An executable of ``build(g, w_param, scales_param)`` with the packed weight set."""
+    g = rlx.Graph("quant")
+    pw = g.param("w", w.shape, wdt)
+    ps = g.param("s", scales.shape) if scales is not None else None
+    g.set_outputs([build(g, pw, ps)])
+    exe = rlx.compile(g)
+    exe.set_param("w", w)
+    if ps is not None:
+        exe.set_param("s", scales)
+    return exe
+
+
+def rlx_product(rlx, m, scheme, w, scales, wdt, k):
+    """(y = x @ W^T executable, W dequantised executable)."""
+    gs = GROUP if scales is not None else None
+    exe = _compiled(rlx, lambda g, pw, ps: g.dequant_matmul(g.input("x", (m, k)), pw, ps,
+                                                            scheme=scheme, group_size=gs),
+                    w, scales, wdt)
+    deq = _compiled(rlx, lambda g, pw, ps: g.dequantize(pw, ps, scheme=scheme, group_size=gs),
+                    w, scales, wdt)
+    return exe, deq
+
+
+def timed_steps(cuda, torch, exe, stream):
+    ext = cuda.external_stream(stream.cuda_stream)
+    for s in exe.steps:
+        s.bind(ext, True)
+
+    def enqueue(steps=exe.steps):
+        for s in steps:
+            s()
+    us = graph_us(torch, enqueue, stream)
+    exe.stream.synchronize()
+    return us
+
+
+def row(rlx, cuda, torch, m, n, k, scheme, copy_gbs):
+    rng = np.random.default_rng(0)
+    w, scales, wdt = packed(rng, scheme, n, k)
+    exe, deq = rlx_product(rlx, m, scheme, w, scales, wdt, k)
+    x = torch.randn(m, k, device="cuda")
+    (view,) = exe.run({"x": x}, outputs="view")
+    got = torch.as_tensor(view, device="cuda").clone()
+    (wdv,) = deq.run({}, outputs="view")
+    wd = torch.as_tensor(wdv, device="cuda").clone()
+    ref = x.double() @ wd.double().t()
+    err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+    stream = torch.cuda.Stream()
+    us = timed_steps(cuda, torch, exe, stream)
+    wb = wd.to(torch.bfloat16)
+    bf16_us = graph_us(torch, lambda: x.bfloat16() @ wb.t(), stream)
+    f32_us = graph_us(torch, lambda: torch.nn.functional.linear(x, wd), stream)
+    out = dict(m=m, n=n, k=k, scheme=scheme, packed_bytes=int(w.nbytes), us=us, err=err,
+               kernels=[s.kernel_name for s in exe.steps], torch_bf16_us=bf16_us,
+               torch_f32_us=f32_us)
+    out["gbs"] = w.nbytes / (us * 1e-6) / 1e9
+    out["copy_pct"] = 100 * out["gbs"] / copy_gbs
+    out["tflops"] = 2 * m * n * k / (us * 1e-6) / 1e12
+    out["torch_bf16_tflops"] = 2 * m * n * k / (bf16_us * 1e-6) / 1e12
+    out["torch_f32_tflops"] = 2 * m * n * k / (f32_us * 1e-6) / 1e12
+    del exe, deq, view, wdv, got, wd, wb, x
+    free_device_memory(cuda, torch)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--schemes", default="q4_0,q4_k,q8_0,int4")
+    p.add_argument("--gemm-schemes", default="q4_0,q4_k")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "quant.json")
+    args = p.parse_args(argv)
+    import rlx_numba as rlx
+    if rlx.simulator_enabled():
+        print("bench_quant: no CUDA GPU here (simulator); this benchmark needs a GPU. Nothing measured.")
+        return 0
+    import torch
+    from numba import cuda
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gpu = torch.cuda.get_device_name()
+    copy_gbs = copy_bandwidth(torch, 1 << 28)
+    print(f"GPU: {gpu}   torch {torch.__version__}   copy bandwidth {copy_gbs:.0f} GB/s "
+          f"(torch copy_ of 1 GiB, read + write)\n")
+    results = []
+    hdr = (f"{'scheme':<6} {'M':>4} {'N':>6} {'K':>6} {'MB':>6} | {'us':>8} {'GB/s':>6} "
+           f"{'copy%':>5} {'TFLOP/s':>7} | {'torch bf16 us':>13} {'TFLOP/s':>7} | "
+           f"{'torch f32 us':>12} |  err")
+    print(hdr + "\n" + "-" * len(hdr))
+    todo = [(1, n, k, s) for s in args.schemes.split(",") for n, k in GEMV_SHAPES]
+    todo += [(GEMM_SHAPE[0], GEMM_SHAPE[1], GEMM_SHAPE[2], s) for s in args.gemm_schemes.split(",") if s]
+    for m, n, k, scheme in todo:
+        try:
+            r = row(rlx, cuda, torch, m, n, k, scheme, copy_gbs)
+        except Exception as e:  # noqa: BLE001 - report the row, keep going
+            print(f"{scheme:<6} {m:>4} {n:>6} {k:>6} ERROR {type(e).__name__}: {e}", flush=True)
+            results.append(dict(m=m, n=n, k=k, scheme=scheme, error=str(e)))
+            free_device_memory(cuda, torch)
+            continue
+        results.append(r)
+        print(f"{scheme:<6} {m:>4} {n:>6} {k:>6} {r['packed_bytes'] / 1e6:6.2f} | {r['us']:8.2f} "
+              f"{r['gbs']:6.0f} {r['copy_pct']:5.0f} {r['tflops']:7.2f} | {r['torch_bf16_us']:13.2f} "
+              f"{r['torch_bf16_tflops']:7.2f} | {r['torch_f32_us']:12.2f} | {r['err']:.0e}  "
+              f"{' + '.join(r['kernels'])}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, results=results), indent=1))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
