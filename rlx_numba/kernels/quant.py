@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
@@ -33,24 +33,33 @@ from .launch import jit, pow2_at_least
 ZERO = float32(0.0)
 
 _inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+SPLIT16 = ("q4_0", "q4_1", "q5_0", "q5_1")   # byte j holds weights j and j + 16 of a block
 
 
 @_inline
 def _f16(h):
     """float32 of the f16 bit pattern h (a halfword)."""
-    return ptx.h2f(int32(h) & int32(0xFFFF))[0]
+    return ptx.h2f(uint32(h))[0]
+
+
+@_inline
+def _b4(w, h):
+    """The 4 bytes of halfwords h, h + 1, as ints."""
+    a, b = int32(w[h]), int32(w[h + 1])
+    return a & 255, a >> 8, b & 255, b >> 8
+
+
+@_inline
+def _b8(w, h):
+    a, b, c, d = _b4(w, h)
+    e, f, g, i = _b4(w, h + 2)
+    return a, b, c, d, e, f, g, i
 
 
 @_inline
 def _byte(w, hb, c):
-    """Byte c of the block starting at halfword hb (c a constant after unrolling)."""
-    return (int32(w[hb + (c >> 1)]) >> ((c & 1) * 8)) & 0xFF
-
-
-@_inline
-def _u32(w, hb, c):
-    """The little-endian uint32 at byte c (even) of the block at halfword hb, as int64."""
-    return int64(w[hb + (c >> 1)]) | (int64(w[hb + (c >> 1) + 1]) << 16)
+    """Byte c of the block starting at halfword hb."""
+    return (int32(w[hb + (c >> 1)]) >> ((c & 1) * 8)) & 255
 
 
 @_inline
@@ -58,84 +67,105 @@ def _i8(b):
     return b - ((b & 0x80) << 1)
 
 
-# ---- GGUF units: w a uint16 view, hb the block's first halfword, s the unit of the block ----
 @_inline
-def _q4_0(w, hb, s, wv):
-    d = _f16(w[hb])
-    for j in range(16):
-        b = _byte(w, hb, 2 + j)
-        wv[j] = float32((b & 15) - 8) * d
-        wv[j + 16] = float32((b >> 4) - 8) * d
-
-
-@_inline
-def _q4_1(w, hb, s, wv):
-    d, m = _f16(w[hb]), _f16(w[hb + 1])
-    for j in range(16):
-        b = _byte(w, hb, 4 + j)
-        wv[j] = float32(b & 15) * d + m
-        wv[j + 16] = float32(b >> 4) * d + m
+def _nib(b, d, m, off):
+    """Low and high nibbles of the 4 bytes b, as (q - off) * d + m."""
+    return ((float32((b[0] & 15) - off) * d + m, float32((b[1] & 15) - off) * d + m,
+             float32((b[2] & 15) - off) * d + m, float32((b[3] & 15) - off) * d + m),
+            (float32((b[0] >> 4) - off) * d + m, float32((b[1] >> 4) - off) * d + m,
+             float32((b[2] >> 4) - off) * d + m, float32((b[3] >> 4) - off) * d + m))
 
 
 @_inline
-def _q5_0(w, hb, s, wv):
-    d = _f16(w[hb])
-    qh = _u32(w, hb, 2)
-    for j in range(16):
-        b = _byte(w, hb, 6 + j)
-        lo = (b & 15) | int32(((qh >> j) << 4) & 16)
-        hi = (b >> 4) | int32((qh >> (j + 12)) & 16)
-        wv[j] = float32(lo - 16) * d
-        wv[j + 16] = float32(hi - 16) * d
+def _five(b, qh, j0, d, m, off):
+    """q5_0 / q5_1: the nibbles of bytes b (weights j0 + i and j0 + 16 + i) with their fifth
+    bits from qh (bit j of weight j), as (q - off) * d + m."""
+    lo = (((b[0] & 15) | int32(((qh >> j0) << 4) & 16)),
+          ((b[1] & 15) | int32(((qh >> (j0 + 1)) << 4) & 16)),
+          ((b[2] & 15) | int32(((qh >> (j0 + 2)) << 4) & 16)),
+          ((b[3] & 15) | int32(((qh >> (j0 + 3)) << 4) & 16)))
+    hi = (((b[0] >> 4) | int32((qh >> (j0 + 12)) & 16)),
+          ((b[1] >> 4) | int32((qh >> (j0 + 13)) & 16)),
+          ((b[2] >> 4) | int32((qh >> (j0 + 14)) & 16)),
+          ((b[3] >> 4) | int32((qh >> (j0 + 15)) & 16)))
+    return ((float32(lo[0] - off) * d + m, float32(lo[1] - off) * d + m,
+             float32(lo[2] - off) * d + m, float32(lo[3] - off) * d + m),
+            (float32(hi[0] - off) * d + m, float32(hi[1] - off) * d + m,
+             float32(hi[2] - off) * d + m, float32(hi[3] - off) * d + m))
 
 
 @_inline
-def _q5_1(w, hb, s, wv):
-    d, m = _f16(w[hb]), _f16(w[hb + 1])
-    qh = _u32(w, hb, 4)
-    for j in range(16):
-        b = _byte(w, hb, 8 + j)
-        lo = (b & 15) | int32(((qh >> j) << 4) & 16)
-        hi = (b >> 4) | int32((qh >> (j + 12)) & 16)
-        wv[j] = float32(lo) * d + m
-        wv[j + 16] = float32(hi) * d + m
+def _lin8(q, d, m):
+    """8 values q * d + m as two quads."""
+    return ((float32(q[0]) * d + m, float32(q[1]) * d + m, float32(q[2]) * d + m,
+             float32(q[3]) * d + m),
+            (float32(q[4]) * d + m, float32(q[5]) * d + m, float32(q[6]) * d + m,
+             float32(q[7]) * d + m))
+
+
+# ---- GGUF: w a uint16 view, hb the block's first halfword, s the unit of the block, t the
+# lane quarter; each returns its two quads (unit_fn) --------------------------------------
+@_inline
+def _q4_0(w, hb, s, t):
+    return _nib(_b4(w, hb + 1 + 2 * t), _f16(w[hb]), ZERO, 8)
 
 
 @_inline
-def _q8_0(w, hb, s, wv):
-    d = _f16(w[hb])
-    for j in range(32):
-        wv[j] = float32(_i8(_byte(w, hb, 2 + j))) * d
+def _q4_1(w, hb, s, t):
+    return _nib(_b4(w, hb + 2 + 2 * t), _f16(w[hb]), _f16(w[hb + 1]), 0)
 
 
 @_inline
-def _q2_k(w, hb, s, wv):
-    # scales[16] qs[64] d dmin; unit s = 4 h + j: qs[32 h + l] >> 2 j, scales 2 s, 2 s + 1
-    d, dmin = _f16(w[hb + 40]), _f16(w[hb + 41])
-    qo, shift = 16 + 32 * (s >> 2), 2 * (s & 3)
-    for half in range(2):
-        sc = _byte(w, hb, 2 * s + half)
-        dl, ml = d * float32(sc & 15), dmin * float32(sc >> 4)
-        for l in range(16):
-            q = (_byte(w, hb, qo + 16 * half + l) >> shift) & 3
-            wv[16 * half + l] = dl * float32(q) - ml
+def _q5_0(w, hb, s, t):
+    qh = int64(w[hb + 1]) | (int64(w[hb + 2]) << 16)
+    return _five(_b4(w, hb + 3 + 2 * t), qh, 4 * t, _f16(w[hb]), ZERO, 16)
 
 
 @_inline
-def _q3_k(w, hb, s, wv):
-    # hmask[32] qs[64] scales[12] d; 6-bit scales: low 4 bits from bytes 0..7, high 2 from 8..11
-    d = _f16(w[hb + 54])
-    qo, shift, hbit = 32 + 32 * (s >> 2), 2 * (s & 3), 1 << s
-    for half in range(2):
-        si = 2 * s + half
-        lo4 = (_byte(w, hb, 96 + (si & 7)) >> (4 * (si >> 3))) & 15
-        hi2 = (_byte(w, hb, 104 + (si & 3)) >> (2 * (si >> 2))) & 3
-        dl = d * float32((lo4 | (hi2 << 4)) - 32)
-        for l in range(16):
-            q = (_byte(w, hb, qo + 16 * half + l) >> shift) & 3
-            if (_byte(w, hb, 16 * half + l) & hbit) == 0:
-                q -= 4
-            wv[16 * half + l] = dl * float32(q)
+def _q5_1(w, hb, s, t):
+    qh = int64(w[hb + 2]) | (int64(w[hb + 3]) << 16)
+    return _five(_b4(w, hb + 4 + 2 * t), qh, 4 * t, _f16(w[hb]), _f16(w[hb + 1]), 0)
+
+
+@_inline
+def _q8_0(w, hb, s, t):
+    b = _b8(w, hb + 1 + 4 * t)
+    return _lin8((_i8(b[0]), _i8(b[1]), _i8(b[2]), _i8(b[3]), _i8(b[4]), _i8(b[5]),
+                  _i8(b[6]), _i8(b[7])), _f16(w[hb]), ZERO)
+
+
+@_inline
+def _q2_k(w, hb, s, t):
+    # scales[16] qs[64] d dmin; unit s = 4 h + j: 2-bit fields j of qs[32 h + l], scale bytes
+    # 2 s (l < 16) and 2 s + 1
+    sc = _byte(w, hb, 2 * s + (t >> 1))
+    dl, ml = _f16(w[hb + 40]) * float32(sc & 15), _f16(w[hb + 41]) * float32(sc >> 4)
+    b = _b8(w, hb + 8 + 16 * (s >> 2) + 4 * t)
+    sh = 2 * (s & 3)
+    return _lin8(((b[0] >> sh) & 3, (b[1] >> sh) & 3, (b[2] >> sh) & 3, (b[3] >> sh) & 3,
+                  (b[4] >> sh) & 3, (b[5] >> sh) & 3, (b[6] >> sh) & 3, (b[7] >> sh) & 3),
+                 dl, -ml)
+
+
+@_inline
+def _q3_k(w, hb, s, t):
+    # hmask[32] qs[64] scales[12] d: 6-bit scale si = low 4 bits of byte 96 + si % 8 (high
+    # nibble past 8), high 2 bits of byte 104 + si % 4; weight - 4 where its hmask bit is clear
+    si = 2 * s + (t >> 1)
+    lo4 = (_byte(w, hb, 96 + (si & 7)) >> (4 * (si >> 3))) & 15
+    hi2 = (_byte(w, hb, 104 + (si & 3)) >> (2 * (si >> 2))) & 3
+    dl = _f16(w[hb + 54]) * float32((lo4 | (hi2 << 4)) - 32)
+    q = _b8(w, hb + 16 + 16 * (s >> 2) + 4 * t)
+    m = _b8(w, hb + 4 * t)
+    sh = 2 * (s & 3)
+    return _lin8((((q[0] >> sh) & 3) - (((m[0] >> s) & 1) ^ 1) * 4,
+                  ((q[1] >> sh) & 3) - (((m[1] >> s) & 1) ^ 1) * 4,
+                  ((q[2] >> sh) & 3) - (((m[2] >> s) & 1) ^ 1) * 4,
+                  ((q[3] >> sh) & 3) - (((m[3] >> s) & 1) ^ 1) * 4,
+                  ((q[4] >> sh) & 3) - (((m[4] >> s) & 1) ^ 1) * 4,
+                  ((q[5] >> sh) & 3) - (((m[5] >> s) & 1) ^ 1) * 4,
+                  ((q[6] >> sh) & 3) - (((m[6] >> s) & 1) ^ 1) * 4,
+                  ((q[7] >> sh) & 3) - (((m[7] >> s) & 1) ^ 1) * 4), dl, ZERO)
 
 
 @_inline
@@ -149,40 +179,51 @@ def _scale_min_k4(w, hb, j):
 
 
 @_inline
-def _q4_k(w, hb, s, wv):
-    # d dmin scales[12] qs[128]; unit s: qs[32 (s // 2) + l], low nibble for even s
-    d, dmin = _f16(w[hb]), _f16(w[hb + 1])
+def _q4_k(w, hb, s, t):
+    # d dmin scales[12] qs[128]; unit s: nibble (s % 2) of qs[32 (s // 2) + l]
     sc, mn = _scale_min_k4(w, hb, s)
-    dl, ml = d * float32(sc), dmin * float32(mn)
-    qo, shift = 16 + 32 * (s >> 1), 4 * (s & 1)
-    for l in range(32):
-        wv[l] = dl * float32((_byte(w, hb, qo + l) >> shift) & 15) - ml
+    b = _b8(w, hb + 8 + 16 * (s >> 1) + 4 * t)
+    sh = 4 * (s & 1)
+    return _lin8(((b[0] >> sh) & 15, (b[1] >> sh) & 15, (b[2] >> sh) & 15, (b[3] >> sh) & 15,
+                  (b[4] >> sh) & 15, (b[5] >> sh) & 15, (b[6] >> sh) & 15, (b[7] >> sh) & 15),
+                 _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
 
 
 @_inline
-def _q5_k(w, hb, s, wv):
+def _q5_k(w, hb, s, t):
     # d dmin scales[12] qh[32] qs[128]; the fifth bit of unit s is bit s of qh[l]
-    d, dmin = _f16(w[hb]), _f16(w[hb + 1])
     sc, mn = _scale_min_k4(w, hb, s)
-    dl, ml = d * float32(sc), dmin * float32(mn)
-    qo, shift = 48 + 32 * (s >> 1), 4 * (s & 1)
-    for l in range(32):
-        q = ((_byte(w, hb, qo + l) >> shift) & 15) | (((_byte(w, hb, 16 + l) >> s) & 1) << 4)
-        wv[l] = dl * float32(q) - ml
+    b = _b8(w, hb + 24 + 16 * (s >> 1) + 4 * t)
+    h = _b8(w, hb + 8 + 4 * t)
+    sh = 4 * (s & 1)
+    return _lin8((((b[0] >> sh) & 15) | (((h[0] >> s) & 1) << 4),
+                  ((b[1] >> sh) & 15) | (((h[1] >> s) & 1) << 4),
+                  ((b[2] >> sh) & 15) | (((h[2] >> s) & 1) << 4),
+                  ((b[3] >> sh) & 15) | (((h[3] >> s) & 1) << 4),
+                  ((b[4] >> sh) & 15) | (((h[4] >> s) & 1) << 4),
+                  ((b[5] >> sh) & 15) | (((h[5] >> s) & 1) << 4),
+                  ((b[6] >> sh) & 15) | (((h[6] >> s) & 1) << 4),
+                  ((b[7] >> sh) & 15) | (((h[7] >> s) & 1) << 4)),
+                 _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
 
 
 @_inline
-def _q6_k(w, hb, s, wv):
-    # ql[128] qh[64] scales[16] (int8) d; unit s = 4 h + j
-    d = _f16(w[hb + 104])
+def _q6_k(w, hb, s, t):
+    # ql[128] qh[64] scales[16] (int8) d; unit s = 4 h + j: nibble (j // 2) of
+    # ql[64 h + 32 (j % 2) + l], 2-bit field j of qh[32 h + l], scale 8 h + 2 j + l // 16
     h, j = s >> 2, s & 3
-    lo, nib, ho, hs = 64 * h + 32 * (j & 1), 4 * (j >> 1), 128 + 32 * h, 2 * j
-    for half in range(2):
-        dl = d * float32(_i8(_byte(w, hb, 192 + 8 * h + 2 * j + half)))
-        for l in range(16):
-            ll = 16 * half + l
-            q = ((_byte(w, hb, lo + ll) >> nib) & 15) | (((_byte(w, hb, ho + ll) >> hs) & 3) << 4)
-            wv[ll] = dl * float32(q - 32)
+    dl = _f16(w[hb + 104]) * float32(_i8(_byte(w, hb, 192 + 8 * h + 2 * j + (t >> 1))))
+    lo = _b8(w, hb + 32 * h + 16 * (j & 1) + 4 * t)
+    hi = _b8(w, hb + 64 + 16 * h + 4 * t)
+    nb, hs = 4 * (j >> 1), 2 * j
+    return _lin8(((((lo[0] >> nb) & 15) | (((hi[0] >> hs) & 3) << 4)) - 32,
+                 (((lo[1] >> nb) & 15) | (((hi[1] >> hs) & 3) << 4)) - 32,
+                 (((lo[2] >> nb) & 15) | (((hi[2] >> hs) & 3) << 4)) - 32,
+                 (((lo[3] >> nb) & 15) | (((hi[3] >> hs) & 3) << 4)) - 32,
+                 (((lo[4] >> nb) & 15) | (((hi[4] >> hs) & 3) << 4)) - 32,
+                 (((lo[5] >> nb) & 15) | (((hi[5] >> hs) & 3) << 4)) - 32,
+                 (((lo[6] >> nb) & 15) | (((hi[6] >> hs) & 3) << 4)) - 32,
+                 (((lo[7] >> nb) & 15) | (((hi[7] >> hs) & 3) << 4)) - 32), dl, ZERO)
 
 
 _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
@@ -191,9 +232,10 @@ _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0
 
 @functools.lru_cache(maxsize=None)
 def unit_fn(scheme: str, has_zero: bool = False):
-    """``unit(w, sc, zr, row, u, rowhw, ng, gsu, wv)``: wv[0..31] <- weights 32 u .. 32 u + 31
-    of ``row``. w: the packed data as uint16 (rowhw halfwords a row); int8 / int4: sc / zr the
-    f32 scales / zeros [N, ng] (zr unused unless has_zero; the zero is 8 then), gsu units a
+    """``unit(w, sc, zr, row, u, t, rowhw, ng, gsu)``: the two quads of weights (p0 .. p0 + 3 and
+    p1 .. p1 + 3: p0 = 4 t, p1 = 16 + 4 t for SPLIT16 schemes, else 8 t and 8 t + 4) that lane quarter t (0..3) decodes of unit u (weights 32 u .. 32 u + 31)
+    of ``row``. w: the packed data as uint16 (rowhw halfwords a row); int8 / int4: sc / zr
+    the f32 scales / zeros [N, ng] (zr unused unless has_zero: the zero is 8), gsu units a
     group."""
     if scheme in GGUF:
         f = _GGUF_UNITS[scheme]
@@ -201,28 +243,27 @@ def unit_fn(scheme: str, has_zero: bool = False):
         upb, bhw = qk // UNIT, bb // 2
 
         @_inline
-        def unit(w, sc, zr, row, u, rowhw, ng, gsu, wv):
-            f(w, row * rowhw + (u // upb) * bhw, u % upb, wv)
+        def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
+            return f(w, row * rowhw + (u // upb) * bhw, u % upb, t)
         return unit
     if scheme == "int8":
         @_inline
-        def unit(w, sc, zr, row, u, rowhw, ng, gsu, wv):
-            s = sc[row * ng + u // gsu]
-            hb = row * rowhw + 16 * u
-            for j in range(32):
-                wv[j] = float32(_i8(_byte(w, hb, j))) * s
+        def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
+            b = _b8(w, row * rowhw + 16 * u + 4 * t)
+            return _lin8((_i8(b[0]), _i8(b[1]), _i8(b[2]), _i8(b[3]), _i8(b[4]), _i8(b[5]),
+                          _i8(b[6]), _i8(b[7])), sc[row * ng + u // gsu], ZERO)
         return unit
 
     @_inline
-    def unit(w, sc, zr, row, u, rowhw, ng, gsu, wv):
+    def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
         g = row * ng + u // gsu
         s = sc[g]
         z = zr[g] if has_zero else float32(8.0)
-        hb = row * rowhw + 8 * u
-        for j in range(16):
-            b = _byte(w, hb, j)
-            wv[2 * j] = (float32(b & 15) - z) * s
-            wv[2 * j + 1] = (float32(b >> 4) - z) * s
+        b = _b4(w, row * rowhw + 8 * u + 2 * t)     # byte j: weights 2 j (low nibble), 2 j + 1
+        return (((float32(b[0] & 15) - z) * s, (float32(b[0] >> 4) - z) * s,
+                 (float32(b[1] & 15) - z) * s, (float32(b[1] >> 4) - z) * s),
+                ((float32(b[2] & 15) - z) * s, (float32(b[2] >> 4) - z) * s,
+                 (float32(b[3] & 15) - z) * s, (float32(b[3] >> 4) - z) * s))
     return unit
 
 
@@ -242,11 +283,20 @@ def plan(m: int, n: int, sm: int):
     return nw, r, wpr, -(-n // (r * nw // wpr))
 
 
+@_inline
+def _dot8(v, xa, xb):
+    return (v[0][0] * xa[0] + v[0][1] * xa[1] + v[0][2] * xa[2] + v[0][3] * xa[3]
+            + v[1][0] * xb[0] + v[1][1] * xb[1] + v[1][2] * xb[2] + v[1][3] * xb[3])
+
+
 @functools.lru_cache(maxsize=None)
-def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, xvec: bool):
+def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool):
     """y[M, N] = x[M, K] @ dequant(W)^T for M = m. Launch: grid (blocks,), block nw * 32;
-    arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu). ``xvec``: x's rows are
-    16-byte aligned (16-byte loads)."""
+    arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu); x's rows 16-byte aligned.
+
+    A warp takes 8 units (256 weights) of its r rows a step, 4 lanes a unit, 8 weights a lane
+    (unit_fn): the lanes' x loads and weight loads are both contiguous across the warp;
+    a lane's 8 x values are loaded once for the r rows when m = 1."""
     unit = unit_fn(scheme, has_zero)
     nv = r * m
     nvp = pow2_at_least(nv)
@@ -255,19 +305,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
     teams = nw // wpr
     rows_blk = teams * r
     xr_shape = (nw, 32, nvp) if SIMULATOR else (1, 1, 1)
-
-    @_inline
-    def dot_x(wv, x, base):
-        s = ZERO
-        if xvec:
-            for i in range(8):
-                x4 = ptx.ld4(x, base + 4 * i)
-                s += wv[4 * i] * x4[0] + wv[4 * i + 1] * x4[1] + wv[4 * i + 2] * x4[2] \
-                    + wv[4 * i + 3] * x4[3]
-        else:
-            for i in range(32):
-                s += wv[i] * x[base + i]
-        return s
+    split = scheme in SPLIT16
 
     @jit
     def kernel(y, x, w, sc, zr, n, k, units, rowhw, ng, gsu):
@@ -275,34 +313,32 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
         xr = cuda.shared.array(xr_shape, float32)
         red = cuda.shared.array((nw, nvp), float32)
         acc = cuda.local.array(nvp, float32)
-        wv = cuda.local.array(UNIT, float32)
-        xv = cuda.local.array(UNIT, float32)
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
         team, tw = wp // wpr, wp % wpr
+        t = lane % 4
+        p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
         tiles = (n + rows_blk - 1) // rows_blk
         tile = int64(cuda.blockIdx.x)
         while tile < tiles:                   # uniform across the block (barriers inside)
             row0 = tile * rows_blk + team * r
             for i in range(nvp):
                 acc[i] = ZERO
-            u = int64(tw * 32 + lane)
+            u = int64(tw * 8 + lane // 4)
             while u < units:
                 kb = u * UNIT
-                if m == 1:                    # x of the unit in registers for the r rows
-                    for i in range(UNIT):
-                        xv[i] = x[kb + i]
-                for rr in range(r):
-                    unit(w, sc, zr, min(row0 + rr, n - 1), u, rowhw, ng, gsu, wv)
-                    if m == 1:
-                        s = ZERO
-                        for i in range(UNIT):
-                            s += wv[i] * xv[i]
-                        acc[rr] += s
-                    else:
+                if m == 1:                    # the lane's x values, for all r rows
+                    xa, xb = ptx.ld4(x, kb + p0), ptx.ld4(x, kb + p1)
+                    for rr in range(r):
+                        acc[rr] += _dot8(unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw,
+                                              ng, gsu), xa, xb)
+                else:
+                    for rr in range(r):
+                        v = unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw, ng, gsu)
                         for mm in range(m):
-                            acc[rr * m + mm] += dot_x(wv, x, mm * k + kb)
-                u += 32 * wpr
+                            acc[rr * m + mm] += _dot8(v, ptx.ld4(x, mm * k + kb + p0),
+                                                      ptx.ld4(x, mm * k + kb + p1))
+                u += 8 * wpr
             reduce_scatter(acc, nvp, xs, xr, wp, lane)
             if lane % rep == 0:
                 red[wp, lane // rep] = acc[0]
@@ -324,20 +360,23 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
 # ---- dequantise to f32 (the GEMM path) ----------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def dequant_units_kernel(scheme: str, has_zero: bool):
-    """out[N, K] f32 <- W, a thread a unit (grid-stride). Arguments (out, w, sc, zr, n, k,
-    units, rowhw, ng, gsu)."""
+    """out[N, K] f32 <- W, a thread a quarter unit (8 weights; grid-stride). Arguments (out, w,
+    sc, zr, n, k, units, rowhw, ng, gsu)."""
     unit = unit_fn(scheme, has_zero)
+    split = scheme in SPLIT16
 
     @jit
     def kernel(out, w, sc, zr, n, k, units, rowhw, ng, gsu):
-        wv = cuda.local.array(UNIT, float32)
         i = int64(cuda.grid(1))
-        while i < n * units:
-            row, u = i // units, i % units
-            unit(w, sc, zr, row, u, rowhw, ng, gsu, wv)
+        while i < n * units * 4:
+            q, t = i // 4, i % 4
+            row, u = q // units, q % units
+            v = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
+            p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
             base = row * k + u * UNIT
-            for j in range(UNIT):
-                out[base + j] = wv[j]
+            for j in range(4):
+                out[base + p0 + j] = v[0][j]
+                out[base + p1 + j] = v[1][j]
             i += cuda.gridsize(1)
 
     return kernel

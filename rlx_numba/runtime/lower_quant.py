@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..device import SIMULATOR
+from ..ir import dtypes as dt
 from ..ir.ops_quant import GGUF, UNIT, units_ok
 from ..kernels import quant as Q
 from ..kernels.launch import grid_1d, sm_count
-from .lower import Step, lowering, step_name
+from .lower import Step, elementwise_step, lowering, step_name
 from .lower_matmul import _dummy, _ptr
 
 
@@ -41,15 +42,18 @@ def _lower_dequant_matmul(exe, n):
     m = x.size // k if k else 0
     if m == 0 or rows == 0:
         return []
-    xbuf = exe.buf(x)
-    xvec = SIMULATOR or (k % 4 == 0 and _ptr(xbuf) % 16 == 0)
+    xbuf, steps = exe.buf(x), []
+    if not SIMULATOR and _ptr(xbuf) % 16:     # the kernel's 16-byte x loads: an aligned copy
+        xbuf = exe.device_array(np.zeros(m * k, np.float32))
+        steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
+                                      [exe.buf(x)], [(m * k,)], [dt.F32]))
     nw, r, wpr, tiles = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
-    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, xvec)
+    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros)
     grid = (min(tiles, 2) if SIMULATOR else tiles,)
     wbytes = g.nodes[n.inputs[1]].nbytes
     args = (exe.buf(n), xbuf, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
             np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
-    return [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr}",
+    return steps + [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr}",
                  kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
 
