@@ -21,6 +21,7 @@ y value: deterministic, no atomics. x is not rounded: the contract is f32 arithm
 from __future__ import annotations
 
 import functools
+import os
 
 from numba import cuda, float32, int32, int64, uint32
 
@@ -275,6 +276,8 @@ def plan(m: int, n: int, sm: int):
     if SIMULATOR:
         nw, r = 2, min(2, max(1, 32 // m))
         wpr = 2 if n <= 4 else 1
+    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr (tuning)
+        nw, r, wpr = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
     else:
         nw, r = 4, max(1, min(4, 32 // m))
         wpr = 1
