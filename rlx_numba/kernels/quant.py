@@ -27,6 +27,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
+from . import mathfn as mf
 from . import ptx
 from .attention import reduce_scatter
 from .launch import jit, pow2_at_least
@@ -68,71 +69,84 @@ def _i8(b):
     return b - ((b & 0x80) << 1)
 
 
-@_inline
-def _nib(b, d, m, off):
-    """Low and high nibbles of the 4 bytes b, as (q - off) * d + m."""
-    return ((float32((b[0] & 15) - off) * d + m, float32((b[1] & 15) - off) * d + m,
-             float32((b[2] & 15) - off) * d + m, float32((b[3] & 15) - off) * d + m),
-            (float32((b[0] >> 4) - off) * d + m, float32((b[1] >> 4) - off) * d + m,
-             float32((b[2] >> 4) - off) * d + m, float32((b[3] >> 4) - off) * d + m))
+# Each decoder returns (ua, ub, d, m): two quads of unsigned fields and the lane's scale and
+# bias, weight = (u - OFF[scheme]) * d + m. The products keep d and m out of the inner sum
+# (d * sum (u - off) x + m * sum x), and u - off is exact in f32: the field is OR-ed into the
+# mantissa of 2**23 and the float subtracted (two full-rate instructions, not a quarter-rate
+# int-to-float conversion).
+OFF = {"q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0, "q8_0": 128, "q2_k": 0, "q3_k": 4,
+       "q4_k": 0, "q5_k": 0, "q6_k": 32, "int8": 128, "int4": 0}
 
 
 @_inline
-def _five(b, qh, j0, d, m, off):
-    """q5_0 / q5_1: the nibbles of bytes b (weights j0 + i and j0 + 16 + i) with their fifth
-    bits from qh (bit j of weight j), as (q - off) * d + m."""
-    lo = (((b[0] & 15) | int32(((qh >> j0) << 4) & 16)),
-          ((b[1] & 15) | int32(((qh >> (j0 + 1)) << 4) & 16)),
-          ((b[2] & 15) | int32(((qh >> (j0 + 2)) << 4) & 16)),
-          ((b[3] & 15) | int32(((qh >> (j0 + 3)) << 4) & 16)))
-    hi = (((b[0] >> 4) | int32((qh >> (j0 + 12)) & 16)),
-          ((b[1] >> 4) | int32((qh >> (j0 + 13)) & 16)),
-          ((b[2] >> 4) | int32((qh >> (j0 + 14)) & 16)),
-          ((b[3] >> 4) | int32((qh >> (j0 + 15)) & 16)))
-    return ((float32(lo[0] - off) * d + m, float32(lo[1] - off) * d + m,
-             float32(lo[2] - off) * d + m, float32(lo[3] - off) * d + m),
-            (float32(hi[0] - off) * d + m, float32(hi[1] - off) * d + m,
-             float32(hi[2] - off) * d + m, float32(hi[3] - off) * d + m))
+def _lo4(b):
+    return b[0] & 15, b[1] & 15, b[2] & 15, b[3] & 15
 
 
 @_inline
-def _lin8(q, d, m):
-    """8 values q * d + m as two quads."""
-    return ((float32(q[0]) * d + m, float32(q[1]) * d + m, float32(q[2]) * d + m,
-             float32(q[3]) * d + m),
-            (float32(q[4]) * d + m, float32(q[5]) * d + m, float32(q[6]) * d + m,
-             float32(q[7]) * d + m))
+def _hi4(b):
+    return b[0] >> 4, b[1] >> 4, b[2] >> 4, b[3] >> 4
+
+
+@_inline
+def _five(b, qh, j0):
+    """q5_0 / q5_1: the 5-bit fields of weights j0 + i (low nibbles of b) and j0 + 16 + i
+    (high nibbles), their fifth bits from qh (bit j of weight j)."""
+    return ((b[0] & 15) | int32(((qh >> j0) << 4) & 16),
+            (b[1] & 15) | int32(((qh >> (j0 + 1)) << 4) & 16),
+            (b[2] & 15) | int32(((qh >> (j0 + 2)) << 4) & 16),
+            (b[3] & 15) | int32(((qh >> (j0 + 3)) << 4) & 16)), \
+           ((b[0] >> 4) | int32((qh >> (j0 + 12)) & 16),
+            (b[1] >> 4) | int32((qh >> (j0 + 13)) & 16),
+            (b[2] >> 4) | int32((qh >> (j0 + 14)) & 16),
+            (b[3] >> 4) | int32((qh >> (j0 + 15)) & 16))
+
+
+@_inline
+def _sh8(b, sh, mask):
+    return (((b[0] >> sh) & mask, (b[1] >> sh) & mask, (b[2] >> sh) & mask, (b[3] >> sh) & mask),
+            ((b[4] >> sh) & mask, (b[5] >> sh) & mask, (b[6] >> sh) & mask, (b[7] >> sh) & mask))
+
+
+@_inline
+def _signed8(b):
+    """int8 bytes as unsigned fields (b ^ 0x80 = q + 128)."""
+    return ((b[0] ^ 128, b[1] ^ 128, b[2] ^ 128, b[3] ^ 128),
+            (b[4] ^ 128, b[5] ^ 128, b[6] ^ 128, b[7] ^ 128))
 
 
 # ---- GGUF: w a uint16 view, hb the block's first halfword, s the unit of the block, t the
-# lane quarter; each returns its two quads (unit_fn) --------------------------------------
+# lane quarter ------------------------------------------------------------------------------
 @_inline
 def _q4_0(w, hb, s, t):
-    return _nib(_b4(w, hb + 1 + 2 * t), _f16(w[hb]), ZERO, 8)
+    b = _b4(w, hb + 1 + 2 * t)
+    return _lo4(b), _hi4(b), _f16(w[hb]), ZERO
 
 
 @_inline
 def _q4_1(w, hb, s, t):
-    return _nib(_b4(w, hb + 2 + 2 * t), _f16(w[hb]), _f16(w[hb + 1]), 0)
+    b = _b4(w, hb + 2 + 2 * t)
+    return _lo4(b), _hi4(b), _f16(w[hb]), _f16(w[hb + 1])
 
 
 @_inline
 def _q5_0(w, hb, s, t):
     qh = int64(w[hb + 1]) | (int64(w[hb + 2]) << 16)
-    return _five(_b4(w, hb + 3 + 2 * t), qh, 4 * t, _f16(w[hb]), ZERO, 16)
+    ua, ub = _five(_b4(w, hb + 3 + 2 * t), qh, 4 * t)
+    return ua, ub, _f16(w[hb]), ZERO
 
 
 @_inline
 def _q5_1(w, hb, s, t):
     qh = int64(w[hb + 2]) | (int64(w[hb + 3]) << 16)
-    return _five(_b4(w, hb + 4 + 2 * t), qh, 4 * t, _f16(w[hb]), _f16(w[hb + 1]), 0)
+    ua, ub = _five(_b4(w, hb + 4 + 2 * t), qh, 4 * t)
+    return ua, ub, _f16(w[hb]), _f16(w[hb + 1])
 
 
 @_inline
 def _q8_0(w, hb, s, t):
-    b = _b8(w, hb + 1 + 4 * t)
-    return _lin8((_i8(b[0]), _i8(b[1]), _i8(b[2]), _i8(b[3]), _i8(b[4]), _i8(b[5]),
-                  _i8(b[6]), _i8(b[7])), _f16(w[hb]), ZERO)
+    ua, ub = _signed8(_b8(w, hb + 1 + 4 * t))
+    return ua, ub, _f16(w[hb]), ZERO
 
 
 @_inline
@@ -140,33 +154,22 @@ def _q2_k(w, hb, s, t):
     # scales[16] qs[64] d dmin; unit s = 4 h + j: 2-bit fields j of qs[32 h + l], scale bytes
     # 2 s (l < 16) and 2 s + 1
     sc = _byte(w, hb, 2 * s + (t >> 1))
-    dl, ml = _f16(w[hb + 40]) * float32(sc & 15), _f16(w[hb + 41]) * float32(sc >> 4)
-    b = _b8(w, hb + 8 + 16 * (s >> 2) + 4 * t)
-    sh = 2 * (s & 3)
-    return _lin8(((b[0] >> sh) & 3, (b[1] >> sh) & 3, (b[2] >> sh) & 3, (b[3] >> sh) & 3,
-                  (b[4] >> sh) & 3, (b[5] >> sh) & 3, (b[6] >> sh) & 3, (b[7] >> sh) & 3),
-                 dl, -ml)
+    ua, ub = _sh8(_b8(w, hb + 8 + 16 * (s >> 2) + 4 * t), 2 * (s & 3), 3)
+    return ua, ub, _f16(w[hb + 40]) * float32(sc & 15), -_f16(w[hb + 41]) * float32(sc >> 4)
 
 
 @_inline
 def _q3_k(w, hb, s, t):
     # hmask[32] qs[64] scales[12] d: 6-bit scale si = low 4 bits of byte 96 + si % 8 (high
-    # nibble past 8), high 2 bits of byte 104 + si % 4; weight - 4 where its hmask bit is clear
+    # nibble past 8), high 2 bits of byte 104 + si % 4; the field is q + 4 * (hmask bit s)
     si = 2 * s + (t >> 1)
     lo4 = (_byte(w, hb, 96 + (si & 7)) >> (4 * (si >> 3))) & 15
     hi2 = (_byte(w, hb, 104 + (si & 3)) >> (2 * (si >> 2))) & 3
-    dl = _f16(w[hb + 54]) * float32((lo4 | (hi2 << 4)) - 32)
-    q = _b8(w, hb + 16 + 16 * (s >> 2) + 4 * t)
-    m = _b8(w, hb + 4 * t)
-    sh = 2 * (s & 3)
-    return _lin8((((q[0] >> sh) & 3) - (((m[0] >> s) & 1) ^ 1) * 4,
-                  ((q[1] >> sh) & 3) - (((m[1] >> s) & 1) ^ 1) * 4,
-                  ((q[2] >> sh) & 3) - (((m[2] >> s) & 1) ^ 1) * 4,
-                  ((q[3] >> sh) & 3) - (((m[3] >> s) & 1) ^ 1) * 4,
-                  ((q[4] >> sh) & 3) - (((m[4] >> s) & 1) ^ 1) * 4,
-                  ((q[5] >> sh) & 3) - (((m[5] >> s) & 1) ^ 1) * 4,
-                  ((q[6] >> sh) & 3) - (((m[6] >> s) & 1) ^ 1) * 4,
-                  ((q[7] >> sh) & 3) - (((m[7] >> s) & 1) ^ 1) * 4), dl, ZERO)
+    qa, qb = _sh8(_b8(w, hb + 16 + 16 * (s >> 2) + 4 * t), 2 * (s & 3), 3)
+    ma, mb = _sh8(_b8(w, hb + 4 * t), s, 1)
+    return ((qa[0] | (ma[0] << 2), qa[1] | (ma[1] << 2), qa[2] | (ma[2] << 2), qa[3] | (ma[3] << 2)),
+            (qb[0] | (mb[0] << 2), qb[1] | (mb[1] << 2), qb[2] | (mb[2] << 2), qb[3] | (mb[3] << 2)),
+            _f16(w[hb + 54]) * float32((lo4 | (hi2 << 4)) - 32), ZERO)
 
 
 @_inline
@@ -183,29 +186,19 @@ def _scale_min_k4(w, hb, j):
 def _q4_k(w, hb, s, t):
     # d dmin scales[12] qs[128]; unit s: nibble (s % 2) of qs[32 (s // 2) + l]
     sc, mn = _scale_min_k4(w, hb, s)
-    b = _b8(w, hb + 8 + 16 * (s >> 1) + 4 * t)
-    sh = 4 * (s & 1)
-    return _lin8(((b[0] >> sh) & 15, (b[1] >> sh) & 15, (b[2] >> sh) & 15, (b[3] >> sh) & 15,
-                  (b[4] >> sh) & 15, (b[5] >> sh) & 15, (b[6] >> sh) & 15, (b[7] >> sh) & 15),
-                 _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
+    ua, ub = _sh8(_b8(w, hb + 8 + 16 * (s >> 1) + 4 * t), 4 * (s & 1), 15)
+    return ua, ub, _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn)
 
 
 @_inline
 def _q5_k(w, hb, s, t):
     # d dmin scales[12] qh[32] qs[128]; the fifth bit of unit s is bit s of qh[l]
     sc, mn = _scale_min_k4(w, hb, s)
-    b = _b8(w, hb + 24 + 16 * (s >> 1) + 4 * t)
-    h = _b8(w, hb + 8 + 4 * t)
-    sh = 4 * (s & 1)
-    return _lin8((((b[0] >> sh) & 15) | (((h[0] >> s) & 1) << 4),
-                  ((b[1] >> sh) & 15) | (((h[1] >> s) & 1) << 4),
-                  ((b[2] >> sh) & 15) | (((h[2] >> s) & 1) << 4),
-                  ((b[3] >> sh) & 15) | (((h[3] >> s) & 1) << 4),
-                  ((b[4] >> sh) & 15) | (((h[4] >> s) & 1) << 4),
-                  ((b[5] >> sh) & 15) | (((h[5] >> s) & 1) << 4),
-                  ((b[6] >> sh) & 15) | (((h[6] >> s) & 1) << 4),
-                  ((b[7] >> sh) & 15) | (((h[7] >> s) & 1) << 4)),
-                 _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
+    qa, qb = _sh8(_b8(w, hb + 24 + 16 * (s >> 1) + 4 * t), 4 * (s & 1), 15)
+    ha, hb_ = _sh8(_b8(w, hb + 8 + 4 * t), s, 1)
+    return ((qa[0] | (ha[0] << 4), qa[1] | (ha[1] << 4), qa[2] | (ha[2] << 4), qa[3] | (ha[3] << 4)),
+            (qb[0] | (hb_[0] << 4), qb[1] | (hb_[1] << 4), qb[2] | (hb_[2] << 4), qb[3] | (hb_[3] << 4)),
+            _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
 
 
 @_inline
@@ -213,18 +206,12 @@ def _q6_k(w, hb, s, t):
     # ql[128] qh[64] scales[16] (int8) d; unit s = 4 h + j: nibble (j // 2) of
     # ql[64 h + 32 (j % 2) + l], 2-bit field j of qh[32 h + l], scale 8 h + 2 j + l // 16
     h, j = s >> 2, s & 3
-    dl = _f16(w[hb + 104]) * float32(_i8(_byte(w, hb, 192 + 8 * h + 2 * j + (t >> 1))))
-    lo = _b8(w, hb + 32 * h + 16 * (j & 1) + 4 * t)
-    hi = _b8(w, hb + 64 + 16 * h + 4 * t)
-    nb, hs = 4 * (j >> 1), 2 * j
-    return _lin8(((((lo[0] >> nb) & 15) | (((hi[0] >> hs) & 3) << 4)) - 32,
-                 (((lo[1] >> nb) & 15) | (((hi[1] >> hs) & 3) << 4)) - 32,
-                 (((lo[2] >> nb) & 15) | (((hi[2] >> hs) & 3) << 4)) - 32,
-                 (((lo[3] >> nb) & 15) | (((hi[3] >> hs) & 3) << 4)) - 32,
-                 (((lo[4] >> nb) & 15) | (((hi[4] >> hs) & 3) << 4)) - 32,
-                 (((lo[5] >> nb) & 15) | (((hi[5] >> hs) & 3) << 4)) - 32,
-                 (((lo[6] >> nb) & 15) | (((hi[6] >> hs) & 3) << 4)) - 32,
-                 (((lo[7] >> nb) & 15) | (((hi[7] >> hs) & 3) << 4)) - 32), dl, ZERO)
+    la, lb = _sh8(_b8(w, hb + 32 * h + 16 * (j & 1) + 4 * t), 4 * (j >> 1), 15)
+    ha, hb_ = _sh8(_b8(w, hb + 64 + 16 * h + 4 * t), 2 * j, 3)
+    d = _f16(w[hb + 104]) * float32(_i8(_byte(w, hb, 192 + 8 * h + 2 * j + (t >> 1))))
+    return ((la[0] | (ha[0] << 4), la[1] | (ha[1] << 4), la[2] | (ha[2] << 4), la[3] | (ha[3] << 4)),
+            (lb[0] | (hb_[0] << 4), lb[1] | (hb_[1] << 4), lb[2] | (hb_[2] << 4), lb[3] | (hb_[3] << 4)),
+            d, ZERO)
 
 
 _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
@@ -233,11 +220,22 @@ _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0
 
 @functools.lru_cache(maxsize=None)
 def unit_fn(scheme: str, has_zero: bool = False):
-    """``unit(w, sc, zr, row, u, t, rowhw, ng, gsu)``: the two quads of weights (p0 .. p0 + 3 and
-    p1 .. p1 + 3: p0 = 4 t, p1 = 16 + 4 t for SPLIT16 schemes, else 8 t and 8 t + 4) that lane quarter t (0..3) decodes of unit u (weights 32 u .. 32 u + 31)
-    of ``row``. w: the packed data as uint16 (rowhw halfwords a row); int8 / int4: sc / zr
-    the f32 scales / zeros [N, ng] (zr unused unless has_zero: the zero is 8), gsu units a
-    group."""
+    """``unit(w, sc, zr, row, u, t, rowhw, ng, gsu) -> (qa, qb, d, m)``: lane quarter t (0..3)
+    of unit u (weights 32 u .. 32 u + 31) of ``row``: weights p0 + i = qa[i] * d + m and
+    p1 + i = qb[i] * d + m (i < 4; p0 = 4 t, p1 = 16 + 4 t for SPLIT16 schemes, else 8 t and
+    8 t + 4), qa / qb float32 (the fields less OFF[scheme]). w: the packed data as uint16
+    (rowhw halfwords a row); int8 / int4: sc / zr the f32 scales / zeros [N, ng] (zr unused
+    unless has_zero: the zero is 8), gsu units a group."""
+    magic = float32(8388608 + OFF[scheme])       # 2**23 + OFF
+
+    @_inline
+    def fq(u):
+        return mf.bits_f32(int32(0x4B000000 | u)) - magic
+
+    @_inline
+    def fq4(u):
+        return fq(u[0]), fq(u[1]), fq(u[2]), fq(u[3])
+
     if scheme in GGUF:
         f = _GGUF_UNITS[scheme]
         qk, bb = GGUF[scheme]
@@ -245,14 +243,14 @@ def unit_fn(scheme: str, has_zero: bool = False):
 
         @_inline
         def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
-            return f(w, row * rowhw + (u // upb) * bhw, u % upb, t)
+            ua, ub, d, m = f(w, row * rowhw + (u // upb) * bhw, u % upb, t)
+            return fq4(ua), fq4(ub), d, m
         return unit
     if scheme == "int8":
         @_inline
         def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
-            b = _b8(w, row * rowhw + 16 * u + 4 * t)
-            return _lin8((_i8(b[0]), _i8(b[1]), _i8(b[2]), _i8(b[3]), _i8(b[4]), _i8(b[5]),
-                          _i8(b[6]), _i8(b[7])), sc[row * ng + u // gsu], ZERO)
+            ua, ub = _signed8(_b8(w, row * rowhw + 16 * u + 4 * t))
+            return fq4(ua), fq4(ub), sc[row * ng + u // gsu], ZERO
         return unit
 
     @_inline
@@ -261,10 +259,8 @@ def unit_fn(scheme: str, has_zero: bool = False):
         s = sc[g]
         z = zr[g] if has_zero else float32(8.0)
         b = _b4(w, row * rowhw + 8 * u + 2 * t)     # byte j: weights 2 j (low nibble), 2 j + 1
-        return (((float32(b[0] & 15) - z) * s, (float32(b[0] >> 4) - z) * s,
-                 (float32(b[1] & 15) - z) * s, (float32(b[1] >> 4) - z) * s),
-                ((float32(b[2] & 15) - z) * s, (float32(b[2] >> 4) - z) * s,
-                 (float32(b[3] & 15) - z) * s, (float32(b[3] >> 4) - z) * s))
+        return ((fq(b[0] & 15), fq(b[0] >> 4), fq(b[1] & 15), fq(b[1] >> 4)),
+                (fq(b[2] & 15), fq(b[2] >> 4), fq(b[3] & 15), fq(b[3] >> 4)), s, -z * s)
     return unit
 
 
@@ -287,9 +283,17 @@ def plan(m: int, n: int, sm: int):
 
 
 @_inline
-def _dot8(v, xa, xb):
-    return (v[0][0] * xa[0] + v[0][1] * xa[1] + v[0][2] * xa[2] + v[0][3] * xa[3]
-            + v[1][0] * xb[0] + v[1][1] * xb[1] + v[1][2] * xb[2] + v[1][3] * xb[3])
+def _sum8(xa, xb):
+    return xa[0] + xa[1] + xa[2] + xa[3] + xb[0] + xb[1] + xb[2] + xb[3]
+
+
+@_inline
+def _dot8(v, xa, xb, sx):
+    """The lane's 8 weights (a unit_fn result) dotted with its x values (sx their sum)."""
+    qa, qb, d, m = v
+    s = (qa[0] * xa[0] + qa[1] * xa[1] + qa[2] * xa[2] + qa[3] * xa[3]
+         + qb[0] * xb[0] + qb[1] * xb[1] + qb[2] * xb[2] + qb[3] * xb[3])
+    return d * s + m * sx
 
 
 @functools.lru_cache(maxsize=None)
@@ -332,15 +336,17 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool):
                 kb = u * UNIT
                 if m == 1:                    # the lane's x values, for all r rows
                     xa, xb = ptx.ld4(x, kb + p0), ptx.ld4(x, kb + p1)
+                    sx = _sum8(xa, xb)
                     for rr in range(r):
                         acc[rr] += _dot8(unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw,
-                                              ng, gsu), xa, xb)
+                                              ng, gsu), xa, xb, sx)
                 else:
                     for rr in range(r):
                         v = unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw, ng, gsu)
                         for mm in range(m):
-                            acc[rr * m + mm] += _dot8(v, ptx.ld4(x, mm * k + kb + p0),
-                                                      ptx.ld4(x, mm * k + kb + p1))
+                            xa = ptx.ld4(x, mm * k + kb + p0)
+                            xb = ptx.ld4(x, mm * k + kb + p1)
+                            acc[rr * m + mm] += _dot8(v, xa, xb, _sum8(xa, xb))
                 u += 8 * wpr
             reduce_scatter(acc, nvp, xs, xr, wp, lane)
             if lane % rep == 0:
@@ -374,12 +380,12 @@ def dequant_units_kernel(scheme: str, has_zero: bool):
         while i < n * units * 4:
             q, t = i // 4, i % 4
             row, u = q // units, q % units
-            v = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
+            qa, qb, d, m = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
             p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
             base = row * k + u * UNIT
             for j in range(4):
-                out[base + p0 + j] = v[0][j]
-                out[base + p1 + j] = v[1][j]
+                out[base + p0 + j] = qa[j] * d + m
+                out[base + p1 + j] = qb[j] * d + m
             i += cuda.gridsize(1)
 
     return kernel
