@@ -364,3 +364,28 @@ def test_gguf_bad_files(tmp_path):
         LlamaForCausalLM.from_gguf(path("extra"))
     with pytest.raises(FileNotFoundError, match="nothere.gguf: no such GGUF file"):
         LlamaForCausalLM.from_gguf(path("nothere"))
+
+
+def test_gguf_weights_kept_packed(tmp_path):
+    """weights="gguf": the Q8_0 projections go to the device as their blocks (u8 params, the
+    products dequant_matmul), and the logits equal the dequantised-f32 model's."""
+    params = hf_params(CFG, 5)
+    q8 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+          "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight")
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, CFG, params, q8=q8)
+    ref = LlamaForCausalLM.from_gguf(path, exec_mode="stream")
+    m = LlamaForCausalLM.from_gguf(path, weights="gguf", exec_mode="stream")
+    assert sorted(m.packed) == sorted(q8) and all(s == "q8_0" for s, _ in m.packed.values())
+    ids = np.array([[5, 17, 200, 3]], np.int32)
+    (want,) = ref.executable("forward", 1, 4).run({"input_ids": ids})
+    exe = m.executable("forward", 1, 4)
+    (got,) = exe.run({"input_ids": ids})
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    g = exe.graph
+    quantised = [n for n in g.nodes if n.op == "param" and str(n.dtype) == "u8"]
+    assert sorted(n.name for n in quantised) == sorted(q8)
+    assert sum(n.op == "dequant_matmul" for n in g.nodes) == 4  # 4 rows of x: the GEMV path
+    assert m.generate(ids[0], max_new_tokens=3).tolist() == ref.generate(ids[0], max_new_tokens=3).tolist()
+    with pytest.raises(ValueError, match="weights='gguf' comes from from_gguf"):
+        LlamaForCausalLM(CFG, params, weights="gguf")

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from .. import Graph, compile
+from ..ir.ops_quant import GGUF as GGUF_SCHEMES
 from ..runtime.executable import _exec_mode
 from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
@@ -226,10 +227,12 @@ def cache_names(cfg: LlamaConfig) -> list[str]:
 # ---- the graph -----------------------------------------------------------------------------------
 def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward",
                 cache_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, fused: bool = True) -> Graph:
+                top_p: float = 1.0, fused: bool = True, quant: dict | None = None) -> Graph:
     """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
     ``graph_param_shapes(cfg, fused)`` (set them from Hugging Face-named weights with
-    ``graph_params``).
+    ``graph_params``). ``quant`` (with fused=False): projection weight name -> (scheme,
+    packed shape): that param is the packed u8 weight and its product a
+    ``Graph.dequant_matmul``.
 
     ``fused`` (the default) packs each layer into fewer, fatter kernels: one product for
     q/k/v and one for gate/up (over the packed weights), RoPE of q and k with the KV-cache
@@ -279,9 +282,16 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     b, s = int(batch), int(seq)
     d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
-    P = {k: g.param(k, shape) for k, shape in graph_param_shapes(cfg, fused).items()}
+    quant = quant or {}
+    if quant and fused:
+        raise ValueError("build_llama: quantised weights (quant=) need fused=False")
+    P = {k: g.param(k, quant[k][1], "u8") if k in quant else g.param(k, shape)
+         for k, shape in graph_param_shapes(cfg, fused).items()}
 
     def lin(x, name):
+        if name + ".weight" in quant:
+            y = g.dequant_matmul(x, P[name + ".weight"], scheme=quant[name + ".weight"][0])
+            return y + P[name + ".bias"] if name + ".bias" in P else y
         w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
         return g.linear(x, w, P.get(name + ".bias"))
 
@@ -407,13 +417,16 @@ class LlamaForCausalLM:
     decode graph of the same batch and cache length share their KV cache."""
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
-                 exec_mode="graph", max_cached: int = 4, source="params"):
+                 exec_mode="graph", max_cached: int = 4, source="params", packed=None):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"LlamaForCausalLM: config must be a LlamaConfig, got "
                              f"{type(config).__name__}")
-        if weights not in ("f32", "f16", "bf16"):
-            raise ValueError(f"LlamaForCausalLM: weights must be 'f32', 'f16' or 'bf16', got "
-                             f"{weights!r}")
+        if weights not in ("f32", "f16", "bf16", "gguf"):
+            raise ValueError(f"LlamaForCausalLM: weights must be 'f32', 'f16', 'bf16' or 'gguf', "
+                             f"got {weights!r}")
+        if (weights == "gguf") != (packed is not None):
+            raise ValueError("LlamaForCausalLM: weights='gguf' comes from from_gguf (the file's "
+                             "packed blocks); other weights take no packed=")
         try:
             mode = _exec_mode(exec_mode)
         except ValueError as e:
@@ -423,6 +436,9 @@ class LlamaForCausalLM:
         self.params = check_params(llama_param_shapes(config), params, source, ignore=ignore)
         self.tokenizer = tokenizer
         self.weights = weights
+        # weights="gguf": HF name -> (scheme, u8 [N, bytes]) of the projections kept packed on
+        # the device (self.params still holds every weight dequantised, on the host)
+        self.packed = packed or {}
         self.exec_mode = mode
         self.max_cached = max_cached
         self._exes = ExecutableCache("llama")   # with one device copy of the weights
@@ -471,10 +487,13 @@ class LlamaForCausalLM:
         return cls(config, arrays, tokenizer=tok, source=src, **kw)
 
     @classmethod
-    def from_gguf(cls, path, **kw) -> "LlamaForCausalLM":
+    def from_gguf(cls, path, weights: str = "f32", **kw) -> "LlamaForCausalLM":
         """A llama.cpp GGUF file (architecture 'llama'): weights dequantised to f32 (any type
         the gguf package reads: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...), Q/K rows
-        un-permuted back to the half-split rope layout; the tokenizer from its vocabulary."""
+        un-permuted back to the half-split rope layout; the tokenizer from its vocabulary.
+        ``weights="gguf"``: the projections stored in a block format dequant_matmul reads
+        (q4_0 .. q8_0, q2_k .. q6_k) stay packed on the device, their products dequantising
+        as they go; the other tensors (embeddings, norms, F16/F32 ones) are f32."""
         f = GGUFFile(as_path(path))
         config = llama_config_from_gguf(f)
         tensors = {}
@@ -483,20 +502,27 @@ class LlamaForCausalLM:
             if hf is None:
                 raise ValueError(f"{f.path}: unexpected tensor {gname!r} for a llama model")
             tensors[hf] = (gname, f.tensor(gname))
-        arrays = {}
+        arrays, packed = {}, {}
         for hf, (gname, arr) in tensors.items():
-            if hf.endswith(("q_proj.weight", "q_proj.bias")):
-                arr = _unpermute(f, gname, arr, config.num_attention_heads, config.head_dim)
-            elif hf.endswith(("k_proj.weight", "k_proj.bias")):
-                arr = _unpermute(f, gname, arr, config.num_key_value_heads, config.head_dim)
+            heads = (config.num_attention_heads if hf.endswith(("q_proj.weight", "q_proj.bias"))
+                     else config.num_key_value_heads
+                     if hf.endswith(("k_proj.weight", "k_proj.bias")) else None)
+            if heads:
+                arr = _unpermute(f, gname, arr, heads, config.head_dim)
             arrays[hf] = arr
+            scheme = f.type_name(gname).lower()
+            if (weights == "gguf" and scheme in GGUF_SCHEMES and hf.endswith("_proj.weight")):
+                raw = f.raw(gname).reshape(arr.shape[0], -1)
+                packed[hf] = (scheme, reverse_permute(raw, heads) if heads else raw)
+        if weights == "gguf":
+            kw["packed"] = packed
         tok = None
         if f.get("tokenizer.ggml.model") is not None:
             try:
                 tok = gguf_tokenizer(f)
             except ValueError as e:
                 log.warning("%s", e)
-        return cls(config, arrays, tokenizer=tok, source=f.path, **kw)
+        return cls(config, arrays, tokenizer=tok, source=f.path, weights=weights, **kw)
 
     # ---- compiled graphs -------------------------------------------------------------------------
     def executable(self, kind: str, batch: int, seq: int, cache_len: int | None = None,
@@ -509,21 +535,26 @@ class LlamaForCausalLM:
 
     def _compile(self, kind, batch, seq, cache_len, sampling):
         t, k, p = sampling
+        quant = {name: (scheme, raw.shape) for name, (scheme, raw) in self.packed.items()}
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
-                        top_k=k, top_p=p)
+                        top_k=k, top_p=p, fused=not quant, quant=quant)
         exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
                       params=self._exes.params, stream=self._exes.stream)
-        half = set(product_weights(self.config)) if self.weights != "f32" else set()
+        half = (set(product_weights(self.config)) if self.weights in ("f16", "bf16")
+                else set())
         caches = set(cache_names(self.config))
         unset = exe.unset_params        # the first executable of the store uploads them
         state = caches | {pad_name(cache_len)}    # per-shape state, not weights
-        weights = graph_params(self.config, self.params) if set(unset) - state else {}
+        weights = (graph_params(self.config, self.params, fused=not self.packed)
+                   if set(unset) - state else {})
         for name in unset:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
                 exe.set_param(name, np.zeros((batch, self.config.num_key_value_heads, cache_len,
                                               self.config.head_dim), np.float32))
             elif name == pad_name(cache_len):   # no padding until a generation sets its pads
                 exe.set_param(name, np.zeros((batch, 1), np.int32))
+            elif name in self.packed:
+                exe.set_param(name, self.packed[name][1])
             elif name in half:
                 exe.set_param_half(name, weights[name], self.weights)
             else:

@@ -183,6 +183,17 @@ class GGUFFile:
         return np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
 
 
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as stored (u8 [rows, bytes a row]): a quantised tensor's blocks
+        for Graph.dequant_matmul."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ValueError(f"{self.path}: GGUF tensor {name!r} is missing")
+        data = np.asarray(t.data)
+        rows = self.shape(name)[0] if len(self.shape(name)) > 1 else 1
+        return np.ascontiguousarray(data.view(np.uint8).reshape(rows, -1))
+
+
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's permutation of a Q or K projection (rows [n_head * head_dim, ...]):
     its converter reorders each head's rows from the half-split rope layout (HF's rotate_half)
