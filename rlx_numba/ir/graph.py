@@ -12,6 +12,7 @@ from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
 from .ops_loss import LossOps
+from .ops_moe import MoEOps
 from .ops_norm import NormOps
 from .ops_quant import QuantOps
 from .ops_random import RandomOps
@@ -104,7 +105,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps):
+            QuantOps, MoEOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

@@ -6,7 +6,9 @@ inline PTX), with plain Python twins for the simulator.
 weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16); ``vld4``
 and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
 partials). numba's array accesses are one element each, and a warp waiting on its load
-queue, not DRAM, is what bounds the decode kernel. ``ticket``: atomicAdd(+1) with
+queue, not DRAM, is what bounds the decode kernel. ``ldw`` / ``fld4`` / ``fbits`` / ``spread4``: 32-bit words of packed
+quantised data and their bit fields as exact floats (numba types every integer op 64-bit).
+``ticket``: atomicAdd(+1) with
 acquire-release semantics (atom.acq_rel.gpu), the last-block-combines handshake without
 the two sequentially consistent fences (membar.gl) that numba's threadfence would add.
 Indices are flat element offsets from the array's start, whatever its rank.
@@ -76,6 +78,73 @@ if not SIMULATOR:
         return sig, codegen
 
     @intrinsic
+    def ldw(typingctx, arr, idx):
+        """The little-endian uint32 of halfwords a[i], a[i + 1] (a uint16 array; any i: two
+        read-only 2-byte loads joined in 32-bit registers -- numba's own integer ops widen
+        every value to 64 bits)."""
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            base = _data(context, builder, sig.args[0], args[0])
+            i = context.cast(builder, args[1], sig.args[1], types.int64)
+            lo = builder.load(builder.gep(base, [i]))
+            hi = builder.load(builder.gep(base, [builder.add(i, ir.Constant(_I64, 1))]))
+            for v in (lo, hi):
+                v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            return builder.or_(builder.zext(lo, _I32),
+                               builder.shl(builder.zext(hi, _I32), ir.Constant(_I32, 16)))
+        return sig, codegen
+
+    @intrinsic
+    def fld4(typingctx, word, stride, sh, mask, xo, hw, hstride, hsh, hmask, hpos, bias):
+        """Four bit fields of a 32-bit word as float32, in 32-bit integer ops: field i is
+        ((word >> (stride i + sh)) & mask) ^ xo, OR-ed with ((hw >> (hstride i + hsh)) & hmask)
+        << hpos (its high bits from another word), then made a float exactly by OR-ing it
+        into the mantissa of 2**23: returned as that float less ``bias`` (2**23 + offset)."""
+        sig = types.UniTuple(types.float32, 4)(word, stride, sh, mask, xo, hw, hstride, hsh,
+                                               hmask, hpos, bias)
+
+        def codegen(context, builder, sig, args):
+            w, st, s, m, x, h, hst, hs, hm, hp = (
+                context.cast(builder, a, t, types.uint32) for a, t in zip(args[:10], sig.args[:10]))
+            b = context.cast(builder, args[10], sig.args[10], types.float32)
+            outs = []
+            for i in range(4):
+                c = ir.Constant(_I32, i)
+                f = builder.xor(builder.and_(builder.lshr(w, builder.add(builder.mul(st, c), s)), m), x)
+                g = builder.and_(builder.lshr(h, builder.add(builder.mul(hst, c), hs)), hm)
+                f = builder.or_(builder.or_(f, builder.shl(g, hp)), ir.Constant(_I32, 0x4B000000))
+                outs.append(builder.fsub(builder.bitcast(f, _F32), b))
+            return context.make_tuple(builder, sig.return_type, outs)
+        return sig, codegen
+
+    @intrinsic
+    def fbits(typingctx, word, sh, mask):
+        """float32 of (word >> sh) & mask (32-bit ops; exact through the 2**23 mantissa)."""
+        sig = types.float32(word, sh, mask)
+
+        def codegen(context, builder, sig, args):
+            w, s, m = (context.cast(builder, a, t, types.uint32) for a, t in zip(args, sig.args))
+            f = builder.or_(builder.and_(builder.lshr(w, s), m), ir.Constant(_I32, 0x4B000000))
+            return builder.fsub(builder.bitcast(f, _F32), ir.Constant(_F32, 8388608.0))
+        return sig, codegen
+
+    @intrinsic
+    def spread4(typingctx, word, j):
+        """A word whose byte i is bit j + i of ``word`` (j + 3 < 32)."""
+        sig = types.uint32(word, j)
+
+        def codegen(context, builder, sig, args):
+            w, jj = (context.cast(builder, a, t, types.uint32) for a, t in zip(args, sig.args))
+            v = builder.and_(builder.lshr(w, jj), ir.Constant(_I32, 15))
+            out = builder.and_(v, ir.Constant(_I32, 1))
+            for bit, sh in ((2, 7), (4, 14), (8, 21)):
+                out = builder.or_(out, builder.shl(builder.and_(v, ir.Constant(_I32, bit)),
+                                                   ir.Constant(_I32, sh)))
+            return out
+        return sig, codegen
+
+    @intrinsic
     def vst4(typingctx, arr, idx, x0, x1, x2, x3):
         """a[i: i + 4] = x0, x1, x2, x3 in one 16-byte store (i a multiple of 4, aligned)."""
         sig = types.void(arr, idx, x0, x1, x2, x3)
@@ -136,6 +205,29 @@ else:   # device functions, so the simulator hands them its cuda module as it do
     def h2f(word):
         h = np.array([word], np.uint32).view(np.float16).astype(np.float32)
         return h[0], h[1]
+
+    @cuda.jit(device=True)
+    def ldw(a, i):
+        f = _flat(a)
+        return np.uint32(int(f[i]) | (int(f[i + 1]) << 16))
+
+    @cuda.jit(device=True)
+    def fld4(word, stride, sh, mask, xo, hw, hstride, hsh, hmask, hpos, bias):
+        w, h = int(word), int(hw)
+        out = []
+        for i in range(4):
+            f = (((w >> (stride * i + sh)) & mask) ^ xo) | (((h >> (hstride * i + hsh)) & hmask) << hpos)
+            out.append(np.float32(np.float32(8388608 + f) - np.float32(bias)))
+        return out[0], out[1], out[2], out[3]
+
+    @cuda.jit(device=True)
+    def fbits(word, sh, mask):
+        return np.float32((int(word) >> int(sh)) & int(mask))
+
+    @cuda.jit(device=True)
+    def spread4(word, j):
+        v = (int(word) >> int(j)) & 15
+        return np.uint32((v & 1) | ((v & 2) << 7) | ((v & 4) << 14) | ((v & 8) << 21))
 
     @cuda.jit(device=True)
     def vst4(a, i, x0, x1, x2, x3):

@@ -44,161 +44,122 @@ def _f16(h):
     return ptx.h2f(uint32(h))[0]
 
 
-@_inline
-def _b4(w, h):
-    """The 4 bytes of halfwords h, h + 1, as ints."""
-    a, b = int32(w[h]), int32(w[h + 1])
-    return a & 255, a >> 8, b & 255, b >> 8
+# Each decoder returns (fa, fb, d, m): the two quads of its weights' integer fields less the
+# scheme's offset, as float32, and the lane's scale and bias: weight = f * d + m. The products
+# keep d and m out of the inner sum (d * sum f x + m * sum x). The fields are cut out of 32-bit
+# words by ptx.fld4 (32-bit integer ops, and the field made a float by OR-ing it into the
+# mantissa of 2**23: no int-to-float conversions).
+# Offsets: q4_0 8, q5_0 16, q3_k 4 (its field is q + 4 * the hmask bit), q6_k 32, q8_0 / int8
+# 128 (the byte ^ 0x80), the others 0.
+_OFF0, _OFF4, _OFF8, _OFF16, _OFF32, _OFF128 = (float32(8388608 + o) for o in (0, 4, 8, 16, 32, 128))
 
 
 @_inline
-def _b8(w, h):
-    a, b, c, d = _b4(w, h)
-    e, f, g, i = _b4(w, h + 2)
-    return a, b, c, d, e, f, g, i
+def _bytes(word, sh, mask, bias):
+    """The 4 bytes of word, (b >> sh) & mask less the offset in bias."""
+    return ptx.fld4(word, 8, sh, mask, 0, 0, 0, 0, 0, 0, bias)
 
 
 @_inline
-def _byte(w, hb, c):
-    """Byte c of the block starting at halfword hb."""
-    return (int32(w[hb + (c >> 1)]) >> ((c & 1) * 8)) & 255
-
-
-@_inline
-def _i8(b):
-    return b - ((b & 0x80) << 1)
-
-
-# Each decoder returns (ua, ub, d, m): two quads of unsigned fields and the lane's scale and
-# bias, weight = (u - OFF[scheme]) * d + m. The products keep d and m out of the inner sum
-# (d * sum (u - off) x + m * sum x), and u - off is exact in f32: the field is OR-ed into the
-# mantissa of 2**23 and the float subtracted (two full-rate instructions, not a quarter-rate
-# int-to-float conversion).
-OFF = {"q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0, "q8_0": 128, "q2_k": 0, "q3_k": 4,
-       "q4_k": 0, "q5_k": 0, "q6_k": 32, "int8": 128, "int4": 0}
-
-
-@_inline
-def _lo4(b):
-    return b[0] & 15, b[1] & 15, b[2] & 15, b[3] & 15
-
-
-@_inline
-def _hi4(b):
-    return b[0] >> 4, b[1] >> 4, b[2] >> 4, b[3] >> 4
-
-
-@_inline
-def _five(b, qh, j0):
-    """q5_0 / q5_1: the 5-bit fields of weights j0 + i (low nibbles of b) and j0 + 16 + i
-    (high nibbles), their fifth bits from qh (bit j of weight j)."""
-    return ((b[0] & 15) | int32(((qh >> j0) << 4) & 16),
-            (b[1] & 15) | int32(((qh >> (j0 + 1)) << 4) & 16),
-            (b[2] & 15) | int32(((qh >> (j0 + 2)) << 4) & 16),
-            (b[3] & 15) | int32(((qh >> (j0 + 3)) << 4) & 16)), \
-           ((b[0] >> 4) | int32((qh >> (j0 + 12)) & 16),
-            (b[1] >> 4) | int32((qh >> (j0 + 13)) & 16),
-            (b[2] >> 4) | int32((qh >> (j0 + 14)) & 16),
-            (b[3] >> 4) | int32((qh >> (j0 + 15)) & 16))
-
-
-@_inline
-def _sh8(b, sh, mask):
-    return (((b[0] >> sh) & mask, (b[1] >> sh) & mask, (b[2] >> sh) & mask, (b[3] >> sh) & mask),
-            ((b[4] >> sh) & mask, (b[5] >> sh) & mask, (b[6] >> sh) & mask, (b[7] >> sh) & mask))
-
-
-@_inline
-def _signed8(b):
-    """int8 bytes as unsigned fields (b ^ 0x80 = q + 128)."""
-    return ((b[0] ^ 128, b[1] ^ 128, b[2] ^ 128, b[3] ^ 128),
-            (b[4] ^ 128, b[5] ^ 128, b[6] ^ 128, b[7] ^ 128))
+def _bytes_hi(word, sh, mask, hw, hsh, hmask, hpos, bias):
+    """As _bytes, OR-ed with bits (hb >> hsh) & hmask << hpos of the matching bytes of hw."""
+    return ptx.fld4(word, 8, sh, mask, 0, hw, 8, hsh, hmask, hpos, bias)
 
 
 # ---- GGUF: w a uint16 view, hb the block's first halfword, s the unit of the block, t the
 # lane quarter ------------------------------------------------------------------------------
 @_inline
 def _q4_0(w, hb, s, t):
-    b = _b4(w, hb + 1 + 2 * t)
-    return _lo4(b), _hi4(b), _f16(w[hb]), ZERO
+    q = ptx.ldw(w, hb + 1 + 2 * t)
+    return _bytes(q, 0, 15, _OFF8), _bytes(q, 4, 15, _OFF8), _f16(w[hb]), ZERO
 
 
 @_inline
 def _q4_1(w, hb, s, t):
-    b = _b4(w, hb + 2 + 2 * t)
-    return _lo4(b), _hi4(b), _f16(w[hb]), _f16(w[hb + 1])
+    q = ptx.ldw(w, hb + 2 + 2 * t)
+    return _bytes(q, 0, 15, _OFF0), _bytes(q, 4, 15, _OFF0), _f16(w[hb]), _f16(w[hb + 1])
 
 
 @_inline
 def _q5_0(w, hb, s, t):
-    qh = int64(w[hb + 1]) | (int64(w[hb + 2]) << 16)
-    ua, ub = _five(_b4(w, hb + 3 + 2 * t), qh, 4 * t)
-    return ua, ub, _f16(w[hb]), ZERO
+    q, qh = ptx.ldw(w, hb + 3 + 2 * t), ptx.ldw(w, hb + 1)
+    return (_bytes_hi(q, 0, 15, ptx.spread4(qh, 4 * t), 0, 1, 4, _OFF16),
+            _bytes_hi(q, 4, 15, ptx.spread4(qh, 4 * t + 16), 0, 1, 4, _OFF16), _f16(w[hb]), ZERO)
 
 
 @_inline
 def _q5_1(w, hb, s, t):
-    qh = int64(w[hb + 2]) | (int64(w[hb + 3]) << 16)
-    ua, ub = _five(_b4(w, hb + 4 + 2 * t), qh, 4 * t)
-    return ua, ub, _f16(w[hb]), _f16(w[hb + 1])
+    q, qh = ptx.ldw(w, hb + 4 + 2 * t), ptx.ldw(w, hb + 2)
+    return (_bytes_hi(q, 0, 15, ptx.spread4(qh, 4 * t), 0, 1, 4, _OFF0),
+            _bytes_hi(q, 4, 15, ptx.spread4(qh, 4 * t + 16), 0, 1, 4, _OFF0),
+            _f16(w[hb]), _f16(w[hb + 1]))
+
+
+@_inline
+def _signed8(w, h, d):
+    """8 int8 bytes from halfword h (b ^ 0x80 = q + 128, less 128)."""
+    return (ptx.fld4(ptx.ldw(w, h), 8, 0, 255, 128, 0, 0, 0, 0, 0, _OFF128),
+            ptx.fld4(ptx.ldw(w, h + 2), 8, 0, 255, 128, 0, 0, 0, 0, 0, _OFF128), d, ZERO)
 
 
 @_inline
 def _q8_0(w, hb, s, t):
-    ua, ub = _signed8(_b8(w, hb + 1 + 4 * t))
-    return ua, ub, _f16(w[hb]), ZERO
+    return _signed8(w, hb + 1 + 4 * t, _f16(w[hb]))
 
 
 @_inline
 def _q2_k(w, hb, s, t):
     # scales[16] qs[64] d dmin; unit s = 4 h + j: 2-bit fields j of qs[32 h + l], scale bytes
-    # 2 s (l < 16) and 2 s + 1
-    sc = _byte(w, hb, 2 * s + (t >> 1))
-    ua, ub = _sh8(_b8(w, hb + 8 + 16 * (s >> 2) + 4 * t), 2 * (s & 3), 3)
-    return ua, ub, _f16(w[hb + 40]) * float32(sc & 15), -_f16(w[hb + 41]) * float32(sc >> 4)
+    # 2 s (l < 16) and 2 s + 1 (low nibble the scale, high the min)
+    sw, ss = ptx.ldw(w, hb + s), 8 * (t >> 1)
+    h, sh = hb + 8 + 16 * (s >> 2) + 4 * t, 2 * (s & 3)
+    return (_bytes(ptx.ldw(w, h), sh, 3, _OFF0), _bytes(ptx.ldw(w, h + 2), sh, 3, _OFF0),
+            _f16(w[hb + 40]) * ptx.fbits(sw, ss, 15), -_f16(w[hb + 41]) * ptx.fbits(sw, ss + 4, 15))
 
 
 @_inline
 def _q3_k(w, hb, s, t):
-    # hmask[32] qs[64] scales[12] d: 6-bit scale si = low 4 bits of byte 96 + si % 8 (high
-    # nibble past 8), high 2 bits of byte 104 + si % 4; the field is q + 4 * (hmask bit s)
+    # hmask[32] qs[64] scales[12] d: 6-bit scale si = low 4 bits of byte 96 + si % 8 (its
+    # high nibble past 8) and high 2 bits of byte 104 + si % 4; the field is q + 4 * (hmask
+    # bit s), offset 4
     si = 2 * s + (t >> 1)
-    lo4 = (_byte(w, hb, 96 + (si & 7)) >> (4 * (si >> 3))) & 15
-    hi2 = (_byte(w, hb, 104 + (si & 3)) >> (2 * (si >> 2))) & 3
-    qa, qb = _sh8(_b8(w, hb + 16 + 16 * (s >> 2) + 4 * t), 2 * (s & 3), 3)
-    ma, mb = _sh8(_b8(w, hb + 4 * t), s, 1)
-    return ((qa[0] | (ma[0] << 2), qa[1] | (ma[1] << 2), qa[2] | (ma[2] << 2), qa[3] | (ma[3] << 2)),
-            (qb[0] | (mb[0] << 2), qb[1] | (mb[1] << 2), qb[2] | (mb[2] << 2), qb[3] | (mb[3] << 2)),
-            _f16(w[hb + 54]) * float32((lo4 | (hi2 << 4)) - 32), ZERO)
+    sc = (ptx.fbits(ptx.ldw(w, hb + 48 + 2 * ((si & 7) >> 2)), 8 * (si & 3) + 4 * (si >> 3), 15)
+          + float32(16.0) * ptx.fbits(ptx.ldw(w, hb + 52), 8 * (si & 3) + 2 * (si >> 2), 3))
+    h, sh = hb + 16 + 16 * (s >> 2) + 4 * t, 2 * (s & 3)
+    return (_bytes_hi(ptx.ldw(w, h), sh, 3, ptx.ldw(w, hb + 4 * t), s, 1, 2, _OFF4),
+            _bytes_hi(ptx.ldw(w, h + 2), sh, 3, ptx.ldw(w, hb + 4 * t + 2), s, 1, 2, _OFF4),
+            _f16(w[hb + 54]) * (sc - float32(32.0)), ZERO)
 
 
 @_inline
 def _scale_min_k4(w, hb, j):
-    """ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j (scales at byte 4)."""
-    if j < 4:
-        return _byte(w, hb, 4 + j) & 63, _byte(w, hb, 8 + j) & 63
-    sc = (_byte(w, hb, 8 + j) & 15) | ((_byte(w, hb, j) >> 6) << 4)
-    mn = (_byte(w, hb, 8 + j) >> 4) | ((_byte(w, hb, 4 + j) >> 6) << 4)
-    return sc, mn
+    """ggml's get_scale_min_k4 (scales at byte 4), branch-free: the 6-bit scale and min of
+    sub-block j as floats."""
+    a, b, c = ptx.ldw(w, hb + 2), ptx.ldw(w, hb + 4), ptx.ldw(w, hb + 6)
+    sh = 8 * (j & 3)
+    sc_lo, mn_lo = ptx.fbits(a, sh, 63), ptx.fbits(b, sh, 63)
+    sc_hi = ptx.fbits(c, sh, 15) + float32(16.0) * ptx.fbits(a, sh + 6, 3)
+    mn_hi = ptx.fbits(c, sh + 4, 15) + float32(16.0) * ptx.fbits(b, sh + 6, 3)
+    return (sc_hi if j >= 4 else sc_lo), (mn_hi if j >= 4 else mn_lo)
 
 
 @_inline
 def _q4_k(w, hb, s, t):
     # d dmin scales[12] qs[128]; unit s: nibble (s % 2) of qs[32 (s // 2) + l]
     sc, mn = _scale_min_k4(w, hb, s)
-    ua, ub = _sh8(_b8(w, hb + 8 + 16 * (s >> 1) + 4 * t), 4 * (s & 1), 15)
-    return ua, ub, _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn)
+    h, sh = hb + 8 + 16 * (s >> 1) + 4 * t, 4 * (s & 1)
+    return (_bytes(ptx.ldw(w, h), sh, 15, _OFF0), _bytes(ptx.ldw(w, h + 2), sh, 15, _OFF0),
+            _f16(w[hb]) * sc, -_f16(w[hb + 1]) * mn)
 
 
 @_inline
 def _q5_k(w, hb, s, t):
     # d dmin scales[12] qh[32] qs[128]; the fifth bit of unit s is bit s of qh[l]
     sc, mn = _scale_min_k4(w, hb, s)
-    qa, qb = _sh8(_b8(w, hb + 24 + 16 * (s >> 1) + 4 * t), 4 * (s & 1), 15)
-    ha, hb_ = _sh8(_b8(w, hb + 8 + 4 * t), s, 1)
-    return ((qa[0] | (ha[0] << 4), qa[1] | (ha[1] << 4), qa[2] | (ha[2] << 4), qa[3] | (ha[3] << 4)),
-            (qb[0] | (hb_[0] << 4), qb[1] | (hb_[1] << 4), qb[2] | (hb_[2] << 4), qb[3] | (hb_[3] << 4)),
-            _f16(w[hb]) * float32(sc), -_f16(w[hb + 1]) * float32(mn))
+    h, sh, hh = hb + 24 + 16 * (s >> 1) + 4 * t, 4 * (s & 1), hb + 8 + 4 * t
+    return (_bytes_hi(ptx.ldw(w, h), sh, 15, ptx.ldw(w, hh), s, 1, 4, _OFF0),
+            _bytes_hi(ptx.ldw(w, h + 2), sh, 15, ptx.ldw(w, hh + 2), s, 1, 4, _OFF0),
+            _f16(w[hb]) * sc, -_f16(w[hb + 1]) * mn)
 
 
 @_inline
@@ -206,12 +167,12 @@ def _q6_k(w, hb, s, t):
     # ql[128] qh[64] scales[16] (int8) d; unit s = 4 h + j: nibble (j // 2) of
     # ql[64 h + 32 (j % 2) + l], 2-bit field j of qh[32 h + l], scale 8 h + 2 j + l // 16
     h, j = s >> 2, s & 3
-    la, lb = _sh8(_b8(w, hb + 32 * h + 16 * (j & 1) + 4 * t), 4 * (j >> 1), 15)
-    ha, hb_ = _sh8(_b8(w, hb + 64 + 16 * h + 4 * t), 2 * j, 3)
-    d = _f16(w[hb + 104]) * float32(_i8(_byte(w, hb, 192 + 8 * h + 2 * j + (t >> 1))))
-    return ((la[0] | (ha[0] << 4), la[1] | (ha[1] << 4), la[2] | (ha[2] << 4), la[3] | (ha[3] << 4)),
-            (lb[0] | (hb_[0] << 4), lb[1] | (hb_[1] << 4), lb[2] | (hb_[2] << 4), lb[3] | (hb_[3] << 4)),
-            d, ZERO)
+    lo, hi, nb, hs = hb + 32 * h + 16 * (j & 1) + 4 * t, hb + 64 + 16 * h + 4 * t, 4 * (j >> 1), 2 * j
+    si = 8 * h + 2 * j + (t >> 1)                 # int8 scale: byte si of bytes 192 ..
+    sc = ptx.fbits(ptx.ldw(w, hb + 96 + 2 * (si >> 2)), 8 * (si & 3), 255)
+    d = _f16(w[hb + 104]) * (sc - float32(256.0) if sc >= float32(128.0) else sc)
+    return (_bytes_hi(ptx.ldw(w, lo), nb, 15, ptx.ldw(w, hi), hs, 3, 4, _OFF32),
+            _bytes_hi(ptx.ldw(w, lo + 2), nb, 15, ptx.ldw(w, hi + 2), hs, 3, 4, _OFF32), d, ZERO)
 
 
 _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0": _q8_0,
@@ -219,22 +180,17 @@ _GGUF_UNITS = {"q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q5_1": _q5_1, "q8_0
 
 
 @functools.lru_cache(maxsize=None)
-def unit_fn(scheme: str, has_zero: bool = False):
-    """``unit(w, sc, zr, row, u, t, rowhw, ng, gsu) -> (qa, qb, d, m)``: lane quarter t (0..3)
-    of unit u (weights 32 u .. 32 u + 31) of ``row``: weights p0 + i = qa[i] * d + m and
-    p1 + i = qb[i] * d + m (i < 4; p0 = 4 t, p1 = 16 + 4 t for SPLIT16 schemes, else 8 t and
-    8 t + 4), qa / qb float32 (the fields less OFF[scheme]). w: the packed data as uint16
-    (rowhw halfwords a row); int8 / int4: sc / zr the f32 scales / zeros [N, ng] (zr unused
-    unless has_zero: the zero is 8), gsu units a group."""
-    magic = float32(8388608 + OFF[scheme])       # 2**23 + OFF
+def unit_fn(scheme: str, has_zero: bool = False, gshift: int = -1):
+    """``unit(w, sc, zr, row, u, t, rowhw, ng, gsu) -> (fa, fb, d, m)``: lane quarter t (0..3)
+    of unit u (weights 32 u .. 32 u + 31) of ``row``: weights p0 + i = fa[i] * d + m and
+    p1 + i = fb[i] * d + m (i < 4; p0 = 4 t, p1 = 16 + 4 t for SPLIT16 schemes, else 8 t and
+    8 t + 4). w: the packed data as uint16 (rowhw halfwords a row); int8 / int4: sc / zr the
+    f32 scales / zeros [N, ng] (zr unused unless has_zero: the zero is 8), gsu units a
+    group (2**gshift when gshift >= 0: a shift, not a 64-bit division)."""
 
     @_inline
-    def fq(u):
-        return mf.bits_f32(int32(0x4B000000 | u)) - magic
-
-    @_inline
-    def fq4(u):
-        return fq(u[0]), fq(u[1]), fq(u[2]), fq(u[3])
+    def group(row, u, ng, gsu):
+        return row * ng + (u >> gshift if gshift >= 0 else u // gsu)
 
     if scheme in GGUF:
         f = _GGUF_UNITS[scheme]
@@ -243,28 +199,32 @@ def unit_fn(scheme: str, has_zero: bool = False):
 
         @_inline
         def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
-            ua, ub, d, m = f(w, row * rowhw + (u // upb) * bhw, u % upb, t)
-            return fq4(ua), fq4(ub), d, m
+            return f(w, row * rowhw + (u // upb) * bhw, u % upb, t)
         return unit
     if scheme == "int8":
         @_inline
         def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
-            ua, ub = _signed8(_b8(w, row * rowhw + 16 * u + 4 * t))
-            return fq4(ua), fq4(ub), sc[row * ng + u // gsu], ZERO
+            return _signed8(w, row * rowhw + 16 * u + 4 * t, sc[group(row, u, ng, gsu)])
         return unit
 
     @_inline
     def unit(w, sc, zr, row, u, t, rowhw, ng, gsu):
-        g = row * ng + u // gsu
+        g = group(row, u, ng, gsu)
         s = sc[g]
         z = zr[g] if has_zero else float32(8.0)
-        b = _b4(w, row * rowhw + 8 * u + 2 * t)     # byte j: weights 2 j (low nibble), 2 j + 1
-        return ((fq(b[0] & 15), fq(b[0] >> 4), fq(b[1] & 15), fq(b[1] >> 4)),
-                (fq(b[2] & 15), fq(b[2] >> 4), fq(b[3] & 15), fq(b[3] >> 4)), s, -z * s)
+        h = row * rowhw + 8 * u + 2 * t          # nibble i of the word: weight 8 t + i
+        q = ptx.ldw(w, h)
+        return (ptx.fld4(q, 4, 0, 15, 0, 0, 0, 0, 0, 0, _OFF0),
+                ptx.fld4(q, 4, 16, 15, 0, 0, 0, 0, 0, 0, _OFF0), s, -z * s)
     return unit
 
 
 # ---- GEMV ---------------------------------------------------------------------------------
+def group_shift(gsu: int) -> int:
+    """log2 of the units a scale group when a power of two, else -1."""
+    return gsu.bit_length() - 1 if gsu & (gsu - 1) == 0 else -1
+
+
 def plan(m: int, n: int, sm: int):
     """(nw, r, wpr, tiles): warps a block, rows a warp, warps sharing a row group, and row
     groups (blocks). r * m <= 32 sums a lane (one reduce-scatter round); warps split K
@@ -273,7 +233,7 @@ def plan(m: int, n: int, sm: int):
         nw, r = 2, min(2, max(1, 32 // m))
         wpr = 2 if n <= 4 else 1
     elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr (tuning)
-        nw, r, wpr = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
+        nw, r, wpr = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(",")[:3])
     else:
         nw, r = 4, max(1, min(4, 32 // m))
         wpr = 1
@@ -297,14 +257,16 @@ def _dot8(v, xa, xb, sx):
 
 
 @functools.lru_cache(maxsize=None)
-def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool):
+def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, gshift: int = -1,
+                minb: int = 1):
     """y[M, N] = x[M, K] @ dequant(W)^T for M = m. Launch: grid (blocks,), block nw * 32;
-    arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu); x's rows 16-byte aligned.
+    arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu); x's rows 16-byte aligned;
+    gshift: unit_fn's.
 
     A warp takes 8 units (256 weights) of its r rows a step, 4 lanes a unit, 8 weights a lane
     (unit_fn): the lanes' x loads and weight loads are both contiguous across the warp;
     a lane's 8 x values are loaded once for the r rows when m = 1."""
-    unit = unit_fn(scheme, has_zero)
+    unit = unit_fn(scheme, has_zero, gshift)
     nv = r * m
     nvp = pow2_at_least(nv)
     assert nvp <= 32 and nw % wpr == 0
@@ -314,7 +276,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool):
     xr_shape = (nw, 32, nvp) if SIMULATOR else (1, 1, 1)
     split = scheme in SPLIT16
 
-    @jit
+    @jit(launch_bounds=(nw * 32, minb))
     def kernel(y, x, w, sc, zr, n, k, units, rowhw, ng, gsu):
         xs = cuda.shared.array((nw, 32), float32)        # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
@@ -368,10 +330,10 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool):
 
 # ---- dequantise to f32 (the GEMM path) ----------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def dequant_units_kernel(scheme: str, has_zero: bool):
+def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1):
     """out[N, K] f32 <- W, a thread a quarter unit (8 weights; grid-stride). Arguments (out, w,
     sc, zr, n, k, units, rowhw, ng, gsu)."""
-    unit = unit_fn(scheme, has_zero)
+    unit = unit_fn(scheme, has_zero, gshift)
     split = scheme in SPLIT16
 
     @jit

@@ -2,6 +2,8 @@
 GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ..device import SIMULATOR
@@ -48,7 +50,8 @@ def _lower_dequant_matmul(exe, n):
         steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
                                       [exe.buf(x)], [(m * k,)], [dt.F32]))
     nw, r, wpr, tiles = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
-    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros)
+    minb = int(os.environ.get("RLX_NUMBA_QGEMV", "0,0,0,1").split(",")[3])
+    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), minb)
     grid = (min(tiles, 2) if SIMULATOR else tiles,)
     wbytes = g.nodes[n.inputs[1]].nbytes
     args = (exe.buf(n), xbuf, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
@@ -68,7 +71,8 @@ def _lower_dequantize(exe, n):
         units = k // UNIT
         grid, block = grid_1d(rows * units)
         return [Step(step_name(n), f"dequantize {scheme} {rows}x{k}",
-                     Q.dequant_units_kernel(scheme, has_zeros), (grid,), (block,),
+                     Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT)),
+                     (grid,), (block,),
                      (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(units),
                       np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT)),
                      {"bytes": exe.graph.nodes[n.inputs[0]].nbytes + n.nbytes})]

@@ -1,0 +1,133 @@
+"""Mixture-of-experts and adapter products: grouped_matmul and lora_matmul, their checks, the
+builder methods (mixed into Graph) and VJPs. Kernels: kernels/grouped.py; lowering:
+runtime/lower_grouped.py.
+
+``grouped_matmul(x, w, expert_ids)`` is one node, out[i] = x[i] @ w[expert_ids[i]]; on the
+device a routing kernel buckets the rows by expert (a stable counting sort, each expert's
+segment padded to whole row tiles) and one tiled GEMM launch covers every expert, with nothing
+read back to the host (so it can sit in a CUDA graph). Internally the node carries
+``trans_w``: with it, out[i] = x[i] @ w[e_i]^T (x [M, N] -> [M, K]), the product dx needs.
+The weight gradient is its own node, ``grouped_matmul_wgrad(a, b, ids)`` -> [E, Ka, Nb] with
+out[e] = sum over the rows i of expert e of a[i]^T b[i], summed in row order (no atomics: the
+same bits every run). The three nodes' VJPs are each other, so gradients of gradients work.
+
+``lora_matmul(x, w, a, b, scale)`` = x @ w + scale * (x @ a) @ b is built from ``linear``
+nodes: the matmul tiers (cuBLAS on a GPU, set_param_half) and their VJPs apply as they are.
+"""
+from __future__ import annotations
+
+import numbers
+
+from . import dtypes as dt
+from .autodiff import vjp
+from .ops import fmt
+
+ID_DTYPES = (dt.I32, dt.I64)
+
+
+def _desc(t) -> str:
+    return f"{t.dtype} {fmt(t.shape)}"
+
+
+def check_grouped(x, w, ids):
+    """(M, K, E, N) of grouped_matmul's operands, or ValueError naming the argument."""
+    op = "grouped_matmul"
+    for arg, t in (("x", x), ("w", w)):
+        if not t.dtype.is_float:
+            raise ValueError(f"{op}: {arg} must be a float tensor, got {_desc(t)}")
+    if len(x.shape) != 2:
+        raise ValueError(f"{op}: x must be 2-D [M, K], got {_desc(x)}")
+    if len(w.shape) != 3:
+        raise ValueError(f"{op}: w must be 3-D [E, K, N] (one [K, N] matrix an expert), got "
+                         f"{_desc(w)}")
+    (m, k), (e, wk, n) = x.shape, w.shape
+    if k != wk:
+        raise ValueError(f"{op}: x {fmt(x.shape)} has K={k} but w {fmt(w.shape)} has K={wk}")
+    if ids.dtype not in ID_DTYPES:
+        raise ValueError(f"{op}: expert_ids must be i32 or i64, got {_desc(ids)}")
+    if tuple(ids.shape) != (m,):
+        raise ValueError(f"{op}: expert_ids must be [{m}] (one expert a row of x "
+                         f"{fmt(x.shape)}), got {fmt(ids.shape)}")
+    if e == 0 and m:
+        raise ValueError(f"{op}: w {fmt(w.shape)} has no experts, so no expert id of x's {m} "
+                         f"rows can be valid")
+    return m, k, e, n
+
+
+def check_lora(x, w, a, b, scale):
+    """(K, N, r) of lora_matmul's operands, or ValueError naming the argument."""
+    op = "lora_matmul"
+    for arg, t in (("x", x), ("w", w), ("a", a), ("b", b)):
+        if not t.dtype.is_float:
+            raise ValueError(f"{op}: {arg} must be a float tensor, got {_desc(t)}")
+    if not x.shape:
+        raise ValueError(f"{op}: x must be [..., K], got a scalar {_desc(x)}")
+    for arg, t, dims in (("w", w, "[K, N]"), ("a", a, "[K, r]"), ("b", b, "[r, N]")):
+        if len(t.shape) != 2:
+            raise ValueError(f"{op}: {arg} must be 2-D {dims}, got {_desc(t)}")
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"{op}: x {fmt(x.shape)} has K={x.shape[-1]} but w {fmt(w.shape)} has "
+                         f"K={k}")
+    if a.shape[0] != k:
+        raise ValueError(f"{op}: a must be [K={k}, r] to match w {fmt(w.shape)}, got "
+                         f"{fmt(a.shape)}")
+    r = a.shape[1]
+    if tuple(b.shape) != (r, n):
+        raise ValueError(f"{op}: b must be [r={r}, N={n}] to match a {fmt(a.shape)} and w "
+                         f"{fmt(w.shape)}, got {fmt(b.shape)}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"{op}: scale must be a Python number, got {scale!r}")
+    return k, n, r
+
+
+class MoEOps:
+    """Builder methods; ``self`` is the Graph (``_f32``: NormOps')."""
+
+    def grouped_matmul(self, x, w, expert_ids):
+        """out[i] = x[i] @ w[expert_ids[i]]: x [M, K], w [E, K, N], expert_ids i32/i64 [M] ->
+        f32 [M, N] (mixture-of-experts expert products, module docstring). Ids need not be
+        sorted; experts may repeat or go unused (an unused one costs nothing). expert_ids fed
+        to run() as host arrays are checked there (IndexError outside [0, E)); a row whose
+        in-graph or device-array id is out of range comes out as zeros. Half x / w are
+        computed in f32."""
+        op = "grouped_matmul"
+        for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
+            self._check(op, arg, t)
+        m, _, _, n = check_grouped(x, w, expert_ids)
+        return self._add(op, (self._f32(x), self._f32(w), expert_ids), (m, n), dt.F32,
+                         trans_w=False)
+
+    def lora_matmul(self, x, w, a, b, scale):
+        """x @ w + scale * (x @ a) @ b: x [..., K], w [K, N], a [K, r], b [r, N], scale a
+        Python number -> f32 [..., N]. The scale is applied to the narrow x @ a ([..., r]);
+        the low-rank product is added in the base product's epilogue (linear's residual)."""
+        op = "lora_matmul"
+        for arg, t in (("x", x), ("w", w), ("a", a), ("b", b)):
+            self._check(op, arg, t)
+        check_lora(x, w, a, b, scale)
+        x, w, a, b = (self._f32(t) for t in (x, w, a, b))
+        low = self.linear(self.linear(x, a) * float(scale), b)
+        return self.linear(x, w, residual=low)
+
+
+@vjp("grouped_matmul")
+def _vjp_grouped_matmul(g, n, dy):
+    """y[i] = x[i] @ W_e (W_e = w[e], or w[e]^T with trans_w): dx[i] = dy[i] @ W_e^T, the
+    same node with trans_w flipped; dw[e] = sum over e's rows of x[i]^T dy[i] (dy[i]^T x[i]
+    with trans_w, w[e] being [K, N] either way). The ids get none."""
+    x, w, ids = (g.tensor(i) for i in n.inputs)
+    trans = n.attrs["trans_w"]
+    dx = g._add("grouped_matmul", (dy, w, ids), x.shape, dt.F32, trans_w=not trans)
+    dw = g._add("grouped_matmul_wgrad", ((dy, x) if trans else (x, dy)) + (ids,), w.shape,
+                dt.F32)
+    return [dx, dw, None]
+
+
+@vjp("grouped_matmul_wgrad")
+def _vjp_grouped_wgrad(g, n, dy):
+    """out[e] = sum a[i]^T b[i]: da[i] = b[i] @ dy[e]^T, db[i] = a[i] @ dy[e]."""
+    a, b, ids = (g.tensor(i) for i in n.inputs)
+    da = g._add("grouped_matmul", (b, dy, ids), a.shape, dt.F32, trans_w=True)
+    db = g._add("grouped_matmul", (a, dy, ids), b.shape, dt.F32, trans_w=False)
+    return [da, db, None]
