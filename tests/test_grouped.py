@@ -8,6 +8,7 @@ import pytest
 from numba import cuda
 
 import rlx_numba as rlx
+from rlx_numba.kernels import grouped as G
 from gradcheck import check
 
 M, K, N, E = 13, 19, 11, 5
@@ -162,6 +163,34 @@ def test_grouped_matmul_no_rows_and_no_k(rng):
     np.testing.assert_array_equal(got[0], np.zeros((3, 4)))
     assert got[1].shape == (0, 4)
     np.testing.assert_array_equal(got[2], np.zeros((2, 3, 4)))
+
+
+def test_route_kernel_is_a_stable_padded_counting_sort(rng):
+    """The routing tables against NumPy's stable argsort: more experts than the routing
+    block has threads (its scan carries across chunks of experts), several chunks of rows,
+    unused experts, and an out-of-range id (routed nowhere, its output row zeroed)."""
+    m, e, n_out = 40, G.ROUTE_T + 4, 3
+    ids = rng.integers(0, e - 6, m).astype(np.int32)    # the last 6 experts unused
+    ids[5] = e
+    nchunks, ch, max_tiles = G.route_plan(m, e)
+    assert nchunks > 1
+    bufs = [cuda.to_device(np.zeros(size, np.int32))
+            for size in (nchunks * e, e + 1, e, max_tiles, max_tiles * G.BM)]
+    out = cuda.to_device(np.ones(m * n_out, np.float32))
+    G.route_kernel[(1,), (G.ROUTE_T,)](cuda.to_device(ids), m, e, ch, nchunks, *bufs, out, n_out)
+    _, start, count, tile_expert, rows = (b.copy_to_host() for b in bufs)
+    np.testing.assert_array_equal(count, np.bincount(ids[ids < e], minlength=e))
+    padded = -(-count // G.BM) * G.BM
+    np.testing.assert_array_equal(start, np.concatenate([[0], np.cumsum(padded)]))
+    assert start[e] // G.BM <= max_tiles
+    for x in range(e):
+        seg = rows[start[x]:start[x] + padded[x]]
+        np.testing.assert_array_equal(seg[:count[x]], np.flatnonzero(ids == x))   # row order
+        assert np.all(seg[count[x]:] == -1)
+        assert np.all(tile_expert[start[x] // G.BM:start[x + 1] // G.BM] == x)
+    want_out = np.ones((m, n_out))
+    want_out[5] = 0
+    np.testing.assert_array_equal(out.copy_to_host().reshape(m, n_out), want_out)
 
 
 def test_grouped_matmul_errors():

@@ -107,6 +107,7 @@ def test_gguf_gemm_path(rng, scheme):
 @pytest.mark.parametrize("scheme,k,group_size,zeros,m", [
     ("int8", 64, None, False, 2),     # per channel, unit kernels
     ("int8", 96, 32, False, 1),       # per group
+    ("int8", 192, 96, False, 2),      # groups of 3 units: a division, not a shift
     ("int8", 40, None, False, 3),     # K not whole units: element kernel + matmul
     ("int4", 64, 32, False, 2),       # zero 8
     ("int4", 128, 64, True, 4),       # zeros given (u8)
