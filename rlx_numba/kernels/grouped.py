@@ -114,7 +114,7 @@ def route_kernel(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, 
     c = tid
     while c < nchunks:          # the stable scatter: each chunk's rows in order
         base = c * num_e
-        for j in range(min(m, c * ch + ch) - 1, c * ch - 1, -1):
+        for j in range(c * ch, min(m, c * ch + ch)):
             ex = ids[j]
             if 0 <= ex < num_e:
                 rows[start[ex] + counts[base + ex]] = j

@@ -226,20 +226,20 @@ def group_shift(gsu: int) -> int:
 
 
 def plan(m: int, n: int, sm: int):
-    """(nw, r, wpr, tiles): warps a block, rows a warp, warps sharing a row group, and row
-    groups (blocks). r * m <= 32 sums a lane (one reduce-scatter round); warps split K
-    (wpr > 1) while there would be fewer than 4 blocks a SM."""
+    """(nw, r, wpr, tiles, qpl): warps a block, rows a warp, warps sharing a row group, row
+    groups (blocks), quarters a lane. r * m <= 32 sums a lane (one reduce-scatter round); at
+    least 2 warps split K, more while there would be fewer than 4 blocks a SM. (H200, M = 1,
+    11008 x 4096: wpr 2 and qpl 2 were the best of the shapes tried; qpl 4 -- a lane a unit
+    -- loses the contiguous x loads and ran 1.4x slower.)"""
     if SIMULATOR:
-        nw, r = 2, min(2, max(1, 32 // m))
-        wpr = 2 if n <= 4 else 1
-    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr (tuning)
-        nw, r, wpr = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(",")[:3])
+        nw, r, wpr, qpl = 2, min(2, max(1, 32 // m)), (2 if n <= 4 else 1), 2
+    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr,minb,qpl (tuning)
+        nw, r, wpr, _, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
     else:
-        nw, r = 4, max(1, min(4, 32 // m))
-        wpr = 1
+        nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 2, 2
         while wpr < nw and -(-n // (r * nw // wpr)) < 4 * sm:
             wpr *= 2
-    return nw, r, wpr, -(-n // (r * nw // wpr))
+    return nw, r, wpr, -(-n // (r * nw // wpr)), qpl
 
 
 @_inline
@@ -258,14 +258,15 @@ def _dot8(v, xa, xb, sx):
 
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, gshift: int = -1,
-                minb: int = 1):
+                qpl: int = 2):
     """y[M, N] = x[M, K] @ dequant(W)^T for M = m. Launch: grid (blocks,), block nw * 32;
     arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu); x's rows 16-byte aligned;
     gshift: unit_fn's.
 
-    A warp takes 8 units (256 weights) of its r rows a step, 4 lanes a unit, 8 weights a lane
-    (unit_fn): the lanes' x loads and weight loads are both contiguous across the warp;
-    a lane's 8 x values are loaded once for the r rows when m = 1."""
+    A lane decodes ``qpl`` quarters (8 weights each, unit_fn) of a unit, 4 / qpl lanes a unit,
+    so a warp takes 8 qpl units of its r rows a step: the lanes' x loads and weight loads
+    are contiguous across the warp, what a lane's quarters share (the block's scales, index
+    math) is computed once, and when m = 1 a lane's x values are loaded once for the r rows."""
     unit = unit_fn(scheme, has_zero, gshift)
     nv = r * m
     nvp = pow2_at_least(nv)
@@ -275,41 +276,57 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
     rows_blk = teams * r
     xr_shape = (nw, 32, nvp) if SIMULATOR else (1, 1, 1)
     split = scheme in SPLIT16
+    lpu = 4 // qpl                            # lanes a unit
+    upw = 32 // lpu                           # units a warp step
 
-    @jit(launch_bounds=(nw * 32, minb))
+    @jit
     def kernel(y, x, w, sc, zr, n, k, units, rowhw, ng, gsu):
         xs = cuda.shared.array((nw, 32), float32)        # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
         red = cuda.shared.array((nw, nvp), float32)
         acc = cuda.local.array(nvp, float32)
+        xv = cuda.local.array((qpl, 2, 4), float32)
+        sx = cuda.local.array(qpl, float32)
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
         team, tw = wp // wpr, wp % wpr
-        t = lane % 4
-        p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
+        t0 = (lane % lpu) * qpl
         tiles = (n + rows_blk - 1) // rows_blk
         tile = int64(cuda.blockIdx.x)
         while tile < tiles:                   # uniform across the block (barriers inside)
             row0 = tile * rows_blk + team * r
             for i in range(nvp):
                 acc[i] = ZERO
-            u = int64(tw * 8 + lane // 4)
+            u = int64(tw * upw + lane // lpu)
             while u < units:
                 kb = u * UNIT
                 if m == 1:                    # the lane's x values, for all r rows
-                    xa, xb = ptx.ld4(x, kb + p0), ptx.ld4(x, kb + p1)
-                    sx = _sum8(xa, xb)
+                    for q in range(qpl):
+                        t = t0 + q
+                        xa = ptx.ld4(x, kb + (4 * t if split else 8 * t))
+                        xb = ptx.ld4(x, kb + (16 + 4 * t if split else 8 * t + 4))
+                        for e in range(4):
+                            xv[q, 0, e] = xa[e]
+                            xv[q, 1, e] = xb[e]
+                        sx[q] = _sum8(xa, xb)
                     for rr in range(r):
-                        acc[rr] += _dot8(unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw,
-                                              ng, gsu), xa, xb, sx)
+                        row = min(row0 + rr, n - 1)
+                        for q in range(qpl):
+                            acc[rr] += _dot8(unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu),
+                                             (xv[q, 0, 0], xv[q, 0, 1], xv[q, 0, 2], xv[q, 0, 3]),
+                                             (xv[q, 1, 0], xv[q, 1, 1], xv[q, 1, 2], xv[q, 1, 3]),
+                                             sx[q])
                 else:
                     for rr in range(r):
-                        v = unit(w, sc, zr, min(row0 + rr, n - 1), u, t, rowhw, ng, gsu)
-                        for mm in range(m):
-                            xa = ptx.ld4(x, mm * k + kb + p0)
-                            xb = ptx.ld4(x, mm * k + kb + p1)
-                            acc[rr * m + mm] += _dot8(v, xa, xb, _sum8(xa, xb))
-                u += 8 * wpr
+                        row = min(row0 + rr, n - 1)
+                        for q in range(qpl):
+                            t = t0 + q
+                            v = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
+                            for mm in range(m):
+                                xa = ptx.ld4(x, mm * k + kb + (4 * t if split else 8 * t))
+                                xb = ptx.ld4(x, mm * k + kb + (16 + 4 * t if split else 8 * t + 4))
+                                acc[rr * m + mm] += _dot8(v, xa, xb, _sum8(xa, xb))
+                u += upw * wpr
             reduce_scatter(acc, nvp, xs, xr, wp, lane)
             if lane % rep == 0:
                 red[wp, lane // rep] = acc[0]

@@ -1,7 +1,9 @@
 """Lowering of grouped_matmul and grouped_matmul_wgrad (kernels/grouped.py): each node is a
 routing step (one block: the rows bucketed by expert, on the device) and one GEMM launch over
 every expert; the routing tables are the node's own small device arrays, sized at compile time
-from the static shapes (so no run-time allocation and no host sync)."""
+from the static shapes (so no run-time allocation and no host sync). Each node routes its
+ids itself, so a forward and backward route the same ids three times (one block each, small
+beside the GEMMs; sharing them would need the routing as a graph node of its own)."""
 from __future__ import annotations
 
 import numpy as np

@@ -2,8 +2,6 @@
 GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..device import SIMULATOR
@@ -49,14 +47,14 @@ def _lower_dequant_matmul(exe, n):
         xbuf = exe.device_array(np.zeros(m * k, np.float32))
         steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
                                       [exe.buf(x)], [(m * k,)], [dt.F32]))
-    nw, r, wpr, tiles = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
-    minb = int(os.environ.get("RLX_NUMBA_QGEMV", "0,0,0,1").split(",")[3])
-    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), minb)
+    nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
+    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl)
     grid = (min(tiles, 2) if SIMULATOR else tiles,)
     wbytes = g.nodes[n.inputs[1]].nbytes
     args = (exe.buf(n), xbuf, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
             np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
-    return steps + [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr}",
+    return steps + [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr} "
+                         f"qpl{qpl}",
                  kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
 
