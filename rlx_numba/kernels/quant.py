@@ -233,8 +233,8 @@ def plan(m: int, n: int, sm: int):
     -- loses the contiguous x loads and ran 1.4x slower.)"""
     if SIMULATOR:
         nw, r, wpr, qpl = 2, min(2, max(1, 32 // m)), (2 if n <= 4 else 1), 2
-    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr,minb,qpl (tuning)
-        nw, r, wpr, _, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
+    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr,qpl (tuning)
+        nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
     else:
         nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 2, 2
         while wpr < nw and -(-n // (r * nw // wpr)) < 4 * sm:
