@@ -191,11 +191,11 @@ def test_reshape_errors():
         g.reshape(x, (2, -3))
 
 
-@pytest.mark.parametrize("bad", ["f64", "float64", "int8", "half", ""])
+@pytest.mark.parametrize("bad", ["f64", "float64", "int16", "half", ""])
 def test_unknown_dtype_string(bad):
     g = _g()
     with pytest.raises(ValueError, match=rf"unknown dtype {re.escape(repr(bad))}; expected one "
-                                         rf"of f32, f16, bf16, i32, i64, bool"):
+                                         rf"of f32, f16, bf16, i32, i64, u8, i8, bool"):
         g.input("x", (3,), bad)
     x = g.input("y", (3,), "f32")
     with pytest.raises(ValueError, match=rf"unknown dtype {re.escape(repr(bad))}"):
@@ -208,8 +208,8 @@ def test_numpy_dtype_without_rlx_dtype():
     g = _g()
     with pytest.raises(ValueError, match=r"NumPy dtype float64 has no rlx_numba dtype"):
         g.input("x", (3,), np.float64)
-    with pytest.raises(ValueError, match=r"NumPy dtype uint8 has no rlx_numba dtype"):
-        g.constant(np.zeros(3, np.uint8) + 1)
+    with pytest.raises(ValueError, match=r"NumPy dtype uint16 has no rlx_numba dtype"):
+        g.constant(np.zeros(3, np.uint16) + 1)
 
 
 def test_bad_shapes_of_leaves():

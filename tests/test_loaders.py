@@ -371,7 +371,8 @@ def test_gguf_weights_kept_packed(tmp_path):
     products dequant_matmul), and the logits equal the dequantised-f32 model's."""
     params = hf_params(CFG, 5)
     q8 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-          "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight")
+          "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+          "model.embed_tokens.weight")
     path = tmp_path / "packed.gguf"
     write_gguf(path, CFG, params, q8=q8)
     ref = LlamaForCausalLM.from_gguf(path, exec_mode="stream")
@@ -384,8 +385,23 @@ def test_gguf_weights_kept_packed(tmp_path):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
     g = exe.graph
     quantised = [n for n in g.nodes if n.op == "param" and str(n.dtype) == "u8"]
+    # layer 0's q and k are packed but v is not: the unfused graph (one product a projection)
     assert sorted(n.name for n in quantised) == sorted(q8)
-    assert sum(n.op == "dequant_matmul" for n in g.nodes) == 4  # 4 rows of x: the GEMV path
+    # 4 rows of x: the GEMV path; the tied head too, and the token lookup dequantises rows
+    assert sum(n.op == "dequant_matmul" for n in g.nodes) == 5
+    assert sum(n.op == "dequantize" and n.attrs["gather"] for n in g.nodes) == 1
+    # every projection of a pack packed with one scheme: the fused graph
+    all_q8 = tuple(k for k in params if k.endswith("_proj.weight") and not k.endswith("down_proj.weight"))
+    write_gguf(tmp_path / "all.gguf", CFG, params, q8=all_q8)
+    ref2 = LlamaForCausalLM.from_gguf(tmp_path / "all.gguf", exec_mode="stream")
+    m2 = LlamaForCausalLM.from_gguf(tmp_path / "all.gguf", weights="gguf", exec_mode="stream")
+    exe2 = m2.executable("forward", 1, 4)
+    names = {n.name for n in exe2.graph.nodes if n.op == "param" and str(n.dtype) == "u8"}
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names
+    assert "model.layers.1.mlp.gate_up_proj.weight" in names
+    (want2,) = ref2.executable("forward", 1, 4).run({"input_ids": ids})
+    (got2,) = exe2.run({"input_ids": ids})
+    np.testing.assert_allclose(got2, want2, rtol=0, atol=1e-4 * np.abs(want2).max())
     assert m.generate(ids[0], max_new_tokens=3).tolist() == ref.generate(ids[0], max_new_tokens=3).tolist()
     with pytest.raises(ValueError, match="weights='gguf' comes from from_gguf"):
         LlamaForCausalLM(CFG, params, weights="gguf")

@@ -250,3 +250,25 @@ def test_u8_i8_params_and_io(rng):
     np.testing.assert_array_equal(got, a.astype(np.int32) + b)
     assert back.dtype == np.uint8
     np.testing.assert_array_equal(back, a)
+
+
+@needs_gguf
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_k"])
+def test_dequantize_rows_is_an_embedding_lookup(rng, scheme):
+    qk, _ = GGUF[scheme]
+    raw = random_blocks(rng, scheme, 9, qk)
+    ids = np.array([[3, 0, 8], [3, 5, 1]], np.int64)
+    g = rlx.Graph("qgather")
+    w = g.param("w", raw.shape, "u8")
+    xi = g.input("ids", ids.shape, "i64")
+    rows = g.dequantize(w, scheme=scheme, rows=xi)
+    assert rows.shape == (2, 3, qk)
+    g.set_outputs([rows])
+    exe = rlx.compile(g)
+    exe.set_param("w", raw)
+    (got,) = exe.run({"ids": ids})
+    _close(got, gguf_dequantize(raw, QTYPE[scheme]).astype(np.float64)[ids], 1e-6)
+    with pytest.raises(IndexError, match=r"dequantize %\d+ \(rows of a 9-row table\)"):
+        exe.run({"ids": np.array([[3, 0, 9], [0, 0, 0]], np.int64)})
+    with pytest.raises(ValueError, match=r"dequantize: rows must be i32 or i64"):
+        g.dequantize(w, scheme=scheme, rows=g.input("f", (2,)))

@@ -111,14 +111,24 @@ class QuantOps:
                 ins.append(t if t.dtype == dt.F32 else self.cast(t, dt.F32))
         return ins
 
-    def dequantize(self, w, scales=None, zeros=None, *, scheme: str, group_size=None):
-        """The f32 [N, K] matrix a packed weight stands for (schemes: dequant_matmul)."""
+    def dequantize(self, w, scales=None, zeros=None, *, scheme: str, group_size=None,
+                   rows=None):
+        """The f32 [N, K] matrix a packed weight stands for (schemes: dequant_matmul); with
+        ``rows`` (an i32 / i64 tensor of row indices), only those rows: [*rows.shape, K], an
+        embedding lookup in a packed table (no gradient flows to the scales then)."""
         op = "dequantize"
         n, k, gs, ng = check_quant(op, self._check(op, "w", w), scales, zeros, scheme,
                                    group_size)
         ins = self._quant_inputs(op, w, scales, zeros)
-        return self._add(op, ins, (n, k), dt.F32, scheme=scheme, group_size=group_size,
-                         has_zeros=zeros is not None)
+        shape = (n, k)
+        if rows is not None:
+            self._check(op, "rows", rows)
+            if rows.dtype not in (dt.I32, dt.I64):
+                raise ValueError(f"{op}: rows must be i32 or i64 row indices, got {_desc(rows)}")
+            ins.append(rows)
+            shape = tuple(rows.shape) + (k,)
+        return self._add(op, ins, shape, dt.F32, scheme=scheme, group_size=group_size,
+                         has_zeros=zeros is not None, gather=rows is not None)
 
     def dequant_matmul(self, x, w, scales=None, zeros=None, *, scheme: str, group_size=None):
         """x [..., K] @ W^T -> [..., N] f32 for a packed weight W [N, K] (module docstring;
@@ -189,4 +199,9 @@ def _dequant_matmul_vjp(g, node, dy):
 
 @vjp("dequantize")
 def _dequantize_vjp(g, node, dy):
+    if node.attrs["gather"]:
+        if node.attrs["scheme"] in INTS:
+            raise ValueError(f"grad: dequantize %{node.id} with rows= has no gradient to its "
+                             f"scales or zeros")
+        return [None, None]
     return [None] + _grad_params(g, node, lambda: dy)

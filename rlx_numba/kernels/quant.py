@@ -347,19 +347,21 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
 
 # ---- dequantise to f32 (the GEMM path) ----------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1):
-    """out[N, K] f32 <- W, a thread a quarter unit (8 weights; grid-stride). Arguments (out, w,
-    sc, zr, n, k, units, rowhw, ng, gsu)."""
+def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1, gather: bool = False):
+    """out[n, K] f32 <- W, a thread a quarter unit (8 weights; grid-stride). Arguments (out, w,
+    sc, zr, n, k, units, rowhw, ng, gsu, ids, nsrc); ``gather``: out row i is W's row ids[i]
+    (clamped to [0, nsrc)), else row i (ids unused)."""
     unit = unit_fn(scheme, has_zero, gshift)
     split = scheme in SPLIT16
 
     @jit
-    def kernel(out, w, sc, zr, n, k, units, rowhw, ng, gsu):
+    def kernel(out, w, sc, zr, n, k, units, rowhw, ng, gsu, ids, nsrc):
         i = int64(cuda.grid(1))
         while i < n * units * 4:
             q, t = i // 4, i % 4
             row, u = q // units, q % units
-            qa, qb, d, m = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
+            src = min(max(int64(ids[row]), 0), nsrc - 1) if gather else row
+            qa, qb, d, m = unit(w, sc, zr, src, u, t, rowhw, ng, gsu)
             p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
             base = row * k + u * UNIT
             for j in range(4):

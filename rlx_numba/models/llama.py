@@ -230,9 +230,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
                 top_p: float = 1.0, fused: bool = True, quant: dict | None = None) -> Graph:
     """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
     ``graph_param_shapes(cfg, fused)`` (set them from Hugging Face-named weights with
-    ``graph_params``). ``quant`` (with fused=False): projection weight name -> (scheme,
-    packed shape): that param is the packed u8 weight and its product a
-    ``Graph.dequant_matmul``.
+    ``graph_params``). ``quant``: graph param name -> (scheme, packed shape) of the weights
+    kept packed (GGUF blocks): that param is u8, its products ``Graph.dequant_matmul`` and the
+    token table's lookup ``Graph.dequantize(rows=)``.
 
     ``fused`` (the default) packs each layer into fewer, fatter kernels: one product for
     q/k/v and one for gate/up (over the packed weights), RoPE of q and k with the KV-cache
@@ -283,8 +283,6 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
     quant = quant or {}
-    if quant and fused:
-        raise ValueError("build_llama: quantised weights (quant=) need fused=False")
     P = {k: g.param(k, quant[k][1], "u8") if k in quant else g.param(k, shape)
          for k, shape in graph_param_shapes(cfg, fused).items()}
 
@@ -318,7 +316,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         rows = g.constant(np.tile(np.arange(s, dtype=np.int32), b).reshape(b * s, 1))
         keys = None
     caches = []
-    x = g.gather(P["model.embed_tokens.weight"], ids)                  # [b, s, hidden]
+    emb = "model.embed_tokens.weight"
+    x = (g.dequantize(P[emb], scheme=quant[emb][0], rows=ids) if emb in quant
+         else g.gather(P[emb], ids))                                   # [b, s, hidden]
     resid, pending = x, None          # the residual stream, and the branch not yet added to it
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -375,8 +375,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     if kind == "prefill" and s > 1:    # only the last position's logits are needed
         pending, resid = g.narrow(pending, 1, s - 1, 1), g.narrow(resid, 1, s - 1, 1)
     final = g.rms_norm(pending, P["model.norm.weight"], eps=eps, residual=resid)
-    head = P.get("lm_head.weight", P["model.embed_tokens.weight"])
-    logits = g.linear(final, g.transpose(head, (1, 0)))
+    head = "lm_head.weight" if "lm_head.weight" in P else emb
+    logits = (g.dequant_matmul(final, P[head], scheme=quant[head][0]) if head in quant
+              else g.linear(final, g.transpose(P[head], (1, 0))))
     if kind == "forward":
         g.set_outputs([logits])
         return g
@@ -491,9 +492,10 @@ class LlamaForCausalLM:
         """A llama.cpp GGUF file (architecture 'llama'): weights dequantised to f32 (any type
         the gguf package reads: F32, F16, BF16, Q4_0, Q4_1, Q8_0, K-quants, ...), Q/K rows
         un-permuted back to the half-split rope layout; the tokenizer from its vocabulary.
-        ``weights="gguf"``: the projections stored in a block format dequant_matmul reads
-        (q4_0 .. q8_0, q2_k .. q6_k) stay packed on the device, their products dequantising
-        as they go; the other tensors (embeddings, norms, F16/F32 ones) are f32."""
+        ``weights="gguf"``: the projections, token table and head stored in a block format
+        dequant_matmul reads (q4_0 .. q8_0, q2_k .. q6_k) stay packed on the device, their
+        products dequantising as they go (the table's lookup dequantises the rows it reads);
+        the other tensors (norms, F16 / F32 ones) are f32."""
         f = GGUFFile(as_path(path))
         config = llama_config_from_gguf(f)
         tensors = {}
@@ -511,7 +513,9 @@ class LlamaForCausalLM:
                 arr = _unpermute(f, gname, arr, heads, config.head_dim)
             arrays[hf] = arr
             scheme = f.type_name(gname).lower()
-            if (weights == "gguf" and scheme in GGUF_SCHEMES and hf.endswith("_proj.weight")):
+            if (weights == "gguf" and scheme in GGUF_SCHEMES
+                    and (hf.endswith("_proj.weight") or hf in ("model.embed_tokens.weight",
+                                                               "lm_head.weight"))):
                 raw = f.raw(gname).reshape(arr.shape[0], -1)
                 packed[hf] = (scheme, reverse_permute(raw, heads) if heads else raw)
         if weights == "gguf":
@@ -535,9 +539,10 @@ class LlamaForCausalLM:
 
     def _compile(self, kind, batch, seq, cache_len, sampling):
         t, k, p = sampling
-        quant = {name: (scheme, raw.shape) for name, (scheme, raw) in self.packed.items()}
+        fused, packed = self._graph_packed()
+        quant = {name: (scheme, raw.shape) for name, (scheme, raw) in packed.items()}
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
-                        top_k=k, top_p=p, fused=not quant, quant=quant)
+                        top_k=k, top_p=p, fused=fused, quant=quant)
         exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
                       params=self._exes.params, stream=self._exes.stream)
         half = (set(product_weights(self.config)) if self.weights in ("f16", "bf16")
@@ -545,7 +550,7 @@ class LlamaForCausalLM:
         caches = set(cache_names(self.config))
         unset = exe.unset_params        # the first executable of the store uploads them
         state = caches | {pad_name(cache_len)}    # per-shape state, not weights
-        weights = (graph_params(self.config, self.params, fused=not self.packed)
+        weights = (graph_params(self.config, self.params, fused=fused)
                    if set(unset) - state else {})
         for name in unset:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
@@ -553,13 +558,34 @@ class LlamaForCausalLM:
                                               self.config.head_dim), np.float32))
             elif name == pad_name(cache_len):   # no padding until a generation sets its pads
                 exe.set_param(name, np.zeros((batch, 1), np.int32))
-            elif name in self.packed:
-                exe.set_param(name, self.packed[name][1])
+            elif name in packed:
+                exe.set_param(name, packed[name][1])
             elif name in half:
                 exe.set_param_half(name, weights[name], self.weights)
             else:
                 exe.set_param(name, weights[name])
         return exe
+
+    def _graph_packed(self):
+        """(fused, graph param name -> (scheme, packed bytes)): the packed weights under the
+        graph's names. A fused pack (qkv, gate/up) of packed parts of one scheme is their
+        rows concatenated (or interleaved) as graph_params does; a pack whose parts differ
+        in scheme or packing builds the unfused graph instead."""
+        if not self.packed:
+            return True, {}
+        out = dict(self.packed)
+        for pname, parts, interleaved in list(_packs(self.config, set(self.params))):
+            got = [self.packed.get(name) for name in parts]
+            if all(v is None for v in got):
+                continue
+            if any(v is None for v in got) or len({(v[0], v[1].shape[1]) for v in got}) > 1:
+                return False, dict(self.packed)
+            for name in parts:
+                del out[name]
+            arrs = [v[1] for v in got]
+            out[pname] = (got[0][0], np.stack(arrs, axis=1).reshape(-1, arrs[0].shape[1])
+                          if interleaved else np.concatenate(arrs, axis=0))
+        return True, out
 
     def _prompts(self, prompt_ids, what: str):
         """(rows, ragged): the prompts as a list of int32 arrays, and whether they came as a

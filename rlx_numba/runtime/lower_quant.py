@@ -24,7 +24,7 @@ def _layout(exe, n, w_at):
     k = cols // GGUF[scheme][1] * GGUF[scheme][0] if scheme in GGUF else (
         cols if scheme == "int8" else 2 * cols)
     gs = k if a["group_size"] is None or scheme in GGUF else a["group_size"]
-    extra = [exe.buf(i) for i in n.inputs[w_at + 1:]]
+    extra = [exe.buf(i) for i in n.inputs[w_at + 1:len(n.inputs) - n.attrs.get("gather", 0)]]
     sc = extra[0] if extra else _dummy(exe)
     zr = extra[1] if has_zeros else _dummy(exe)
     wbuf = exe.buf(w)
@@ -62,18 +62,30 @@ def _lower_dequant_matmul(exe, n):
 @lowering("dequantize")
 def _lower_dequantize(exe, n):
     scheme, has_zeros, w, sc, zr, k, rowhw, ng, gs = _layout(exe, n, 0)
-    rows = n.shape[0]
-    if rows * k == 0:
+    g = exe.graph
+    gather = n.attrs["gather"]
+    rows = n.size // k if k else 0
+    if rows == 0:
         return []
+    wnode = g.nodes[n.inputs[0]]
+    if gather:      # run() checks host-array indices; the kernel clamps device ones
+        ids = g.nodes[n.inputs[-1]]
+        exe.add_index_check(ids, 0, wnode.shape[0] - 1, f"dequantize %{n.id} (rows of a "
+                            f"{wnode.shape[0]}-row table)")
     if units_ok(scheme, k, gs):
         units = k // UNIT
-        grid, block = grid_1d(rows * units)
-        return [Step(step_name(n), f"dequantize {scheme} {rows}x{k}",
-                     Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT)),
-                     (grid,), (block,),
-                     (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(units),
-                      np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT)),
-                     {"bytes": exe.graph.nodes[n.inputs[0]].nbytes + n.nbytes})]
+        grid, block = grid_1d(rows * units * 4)
+        kern = Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT), gather)
+        args = (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(units),
+                np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
+                exe.buf(ids) if gather else _dummy(exe), np.int64(wnode.shape[0]))
+        return [Step(step_name(n), f"dequantize {scheme} {rows}x{k}{' rows' if gather else ''}",
+                     kern, (grid,), (block,), args,
+                     {"bytes": (wnode.nbytes * rows // wnode.shape[0] if gather else wnode.nbytes)
+                      + n.nbytes})]
+    if gather:
+        raise NotImplementedError(f"dequantize %{n.id}: rows= needs K and the group size "
+                                  f"multiples of {UNIT}")
     grid, block = grid_1d(rows * k)
     return [Step(step_name(n), f"dequantize {scheme} {rows}x{k} (by element)",
                  Q.dequant_ints_kernel(scheme, has_zeros), (grid,), (block,),
