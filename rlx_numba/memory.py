@@ -51,7 +51,9 @@ def plan(buffers: list[Buffer]) -> int:
 class MemoryReport(dict):
     """A dict of arena statistics that prints as a small table. Params are not in the arena:
     ``param_bytes`` counts those this executable added to its ParamStore, ``shared_param_bytes``
-    those it found there (another executable of the store holds them: not counted twice)."""
+    those it found there (another executable of the store holds them: not counted twice);
+    ``param_bytes_by_format`` the device bytes of every param it reads by format (f32, the half
+    copy of a set_param_half weight, u8 packed quantised blocks, ...)."""
 
     def __str__(self) -> str:
         def mib(n):
@@ -66,6 +68,7 @@ class MemoryReport(dict):
         out = [f"memory plan: {self['buffers']} buffers, {self['views']} views, "
                f"reuse saves {100 * self['saved_fraction']:.1f}%"]
         out += [f"  {name:<18}{mib(v)}" for name, v in rows]
+        out += [f"    as {fmt:<13}{mib(v)}" for fmt, v in sorted(self.get("param_bytes_by_format", {}).items())]
         return "\n".join(out)
 
     __repr__ = __str__

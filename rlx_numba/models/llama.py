@@ -566,6 +566,11 @@ class LlamaForCausalLM:
                 exe.set_param(name, weights[name])
         return exe
 
+    def device_bytes(self) -> dict:
+        """Device bytes of the weights (and KV caches) the model's executables share, by format
+        (f32, a half copy, u8 packed GGUF blocks): ParamStore.bytes_by_format."""
+        return self._exes.params.bytes_by_format()
+
     def _graph_packed(self):
         """(fused, graph param name -> (scheme, packed bytes)): the packed weights under the
         graph's names. A fused pack (qkv, gate/up) of packed parts of one scheme is their

@@ -292,7 +292,11 @@ class CudaExecutable:
 
     # ---- public API ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
-        return MemoryReport(self._report)
+        by_format: dict = {}
+        for n in self._params.values():     # as set now (a half copy appears with set_param_half)
+            for k, v in self.params.entry_bytes(self._entry(n)).items():
+                by_format[k] = by_format.get(k, 0) + v
+        return MemoryReport(self._report, param_bytes_by_format=by_format)
 
     @property
     def fused_regions(self):

@@ -238,14 +238,26 @@ class ParamStore:
                     self._pool.free(buf)
 
     # ---- reporting ------------------------------------------------------------------------------
+    @staticmethod
+    def entry_bytes(e: _Entry) -> dict:
+        """Device bytes of an entry's copies by format (dtype name; a half copy of a weight
+        under its half dtype)."""
+        out = {e.dtype.name: len(e.copies) * e.nbytes}
+        if e.half is not None:
+            out[e.half[0].name] = out.get(e.half[0].name, 0) + len(e.half[1]) * e.size * e.half[0].itemsize
+        return out
+
+    def bytes_by_format(self) -> dict:
+        """Device bytes of every entry's copies, by format (``entry_bytes``)."""
+        total: dict = {}
+        for e in self._entries.values():
+            for k, v in self.entry_bytes(e).items():
+                total[k] = total.get(k, 0) + v
+        return total
+
     @property
     def nbytes(self) -> int:
-        total = 0
-        for e in self._entries.values():
-            total += len(e.copies) * e.nbytes
-            if e.half is not None:
-                total += len(e.half[1]) * e.size * e.half[0].itemsize
-        return total
+        return sum(self.bytes_by_format().values())
 
     def __len__(self) -> int:
         return len(self._entries)
