@@ -272,3 +272,36 @@ def test_dequantize_rows_is_an_embedding_lookup(rng, scheme):
         exe.run({"ids": np.array([[3, 0, 9], [0, 0, 0]], np.int64)})
     with pytest.raises(ValueError, match=r"dequantize: rows must be i32 or i64"):
         g.dequantize(w, scheme=scheme, rows=g.input("f", (2,)))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_epilogues(rng, m):
+    """bias + activation + residual, and a gated (SwiGLU) pair of interleaved columns, fold
+    into the quantised GEMV (passes/fusion.py) and give the unfused values."""
+    n, k = 6, 64
+    q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    s = rng.uniform(0.01, 0.05, (n,)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal(n).astype(np.float32)
+    res = rng.standard_normal((m, n)).astype(np.float32)
+    res2 = rng.standard_normal((m, n // 2)).astype(np.float32)
+    g = rlx.Graph("qepi")
+    w, ss = g.param("w", q.shape, "i8"), g.constant(s)
+    xs, bs, rs, r2 = (g.input(a, v.shape) for a, v in (("x", x), ("b", b), ("r", res), ("r2", res2)))
+    y1 = g.gelu_tanh(g.dequant_matmul(xs, w, ss, scheme="int8") + bs) + rs
+    y2 = g.gated(g.dequant_matmul(xs, w, ss, scheme="int8") + bs, "silu", interleaved=True) + r2
+    g.set_outputs([y1, y2])
+    exe = rlx.compile(g)
+    exe.set_param("w", q)
+    kinds = sorted(kind for kind, _ in exe.fusion.folds.values())
+    assert kinds == ["gated epilogue", "matmul epilogue"], kinds
+    # two GEMVs with their epilogues, and the add after the gated pair (not folded, as for f32)
+    assert [st.kernel_name.split(" ")[:3] for st in exe.steps][:2] == [
+        ["dequant", "gemv", "int8+bias+gelu_tanh+residual"], ["dequant", "gemv", "int8+bias+gated"]]
+    assert len(exe.steps) == 3, [st.kernel_name for st in exe.steps]
+    got1, got2 = exe.run({"x": x, "b": b, "r": res, "r2": res2})
+    z = x.astype(np.float64) @ (q.astype(np.float64) * s[:, None]).T + b
+    gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    _close(got1, gelu + res)
+    gate, up = z[:, 0::2], z[:, 1::2]
+    _close(got2, gate / (1 + np.exp(-gate)) * up + res2)

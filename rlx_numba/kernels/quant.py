@@ -27,7 +27,7 @@ from numba import cuda, float32, int32, int64, uint32
 
 from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
-from . import mathfn as mf
+from . import elementwise as ew
 from . import ptx
 from .attention import reduce_scatter
 from .launch import jit, pow2_at_least
@@ -258,19 +258,24 @@ def _dot8(v, xa, xb, sx):
 
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, gshift: int = -1,
-                qpl: int = 2):
-    """y[M, N] = x[M, K] @ dequant(W)^T for M = m. Launch: grid (blocks,), block nw * 32;
-    arguments (y, x, w, sc, zr, n, k, units, rowhw, ng, gsu); x's rows 16-byte aligned;
-    gshift: unit_fn's.
+                qpl: int = 2, has_bias: bool = False, act=None, has_res: bool = False,
+                gated: bool = False):
+    """y = epilogue(x[M, K] @ dequant(W)^T) for M = m. Launch: grid (blocks,), block nw * 32;
+    arguments (y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu); x's rows 16-byte
+    aligned; gshift: unit_fn's. Epilogue (passes/fusion.py): act(v + bias[col]) + res, or
+    ``gated``: columns 2j, 2j + 1 (gate and up rows interleaved in W) give y[., j] =
+    act(gate + bias) * (up + bias) + res, y [M, N / 2] (bias / res any 1-element arrays when
+    unused).
 
     A lane decodes ``qpl`` quarters (8 weights each, unit_fn) of a unit, 4 / qpl lanes a unit,
     so a warp takes 8 qpl units of its r rows a step: the lanes' x loads and weight loads
     are contiguous across the warp, what a lane's quarters share (the block's scales, index
-    math) is computed once, and when m = 1 a lane's x values are loaded once for the r rows."""
+    math) is computed once, and the x values (m = 1) or their sums (m > 1) of a unit once
+    for the r rows."""
     unit = unit_fn(scheme, has_zero, gshift)
     nv = r * m
     nvp = pow2_at_least(nv)
-    assert nvp <= 32 and nw % wpr == 0
+    assert nvp <= 32 and nw % wpr == 0 and (not gated or r % 2 == 0)
     rep = 32 // nvp
     teams = nw // wpr
     rows_blk = teams * r
@@ -278,15 +283,21 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
     split = scheme in SPLIT16
     lpu = 4 // qpl                            # lanes a unit
     upw = 32 // lpu                           # units a warp step
+    actf = getattr(ew, act) if act else ew.neg
+    has_act = bool(act)
+
+    @_inline
+    def xoff(t):
+        return (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
 
     @jit
-    def kernel(y, x, w, sc, zr, n, k, units, rowhw, ng, gsu):
+    def kernel(y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu):
         xs = cuda.shared.array((nw, 32), float32)        # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
         red = cuda.shared.array((nw, nvp), float32)
         acc = cuda.local.array(nvp, float32)
         xv = cuda.local.array((qpl, 2, 4), float32)
-        sx = cuda.local.array(qpl, float32)
+        sx = cuda.local.array((m, qpl), float32)
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
         team, tw = wp // wpr, wp % wpr
@@ -300,32 +311,29 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
             u = int64(tw * upw + lane // lpu)
             while u < units:
                 kb = u * UNIT
-                if m == 1:                    # the lane's x values, for all r rows
+                for mm in range(m):           # the sums of the lane's x values, for all r rows
                     for q in range(qpl):
-                        t = t0 + q
-                        xa = ptx.ld4(x, kb + (4 * t if split else 8 * t))
-                        xb = ptx.ld4(x, kb + (16 + 4 * t if split else 8 * t + 4))
-                        for e in range(4):
-                            xv[q, 0, e] = xa[e]
-                            xv[q, 1, e] = xb[e]
-                        sx[q] = _sum8(xa, xb)
-                    for rr in range(r):
-                        row = min(row0 + rr, n - 1)
-                        for q in range(qpl):
-                            acc[rr] += _dot8(unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu),
-                                             (xv[q, 0, 0], xv[q, 0, 1], xv[q, 0, 2], xv[q, 0, 3]),
+                        o0, o1 = xoff(t0 + q)
+                        xa = ptx.ld4(x, mm * k + kb + o0)
+                        xb = ptx.ld4(x, mm * k + kb + o1)
+                        sx[mm, q] = _sum8(xa, xb)
+                        if m == 1:            # and the values themselves
+                            for e in range(4):
+                                xv[q, 0, e] = xa[e]
+                                xv[q, 1, e] = xb[e]
+                for rr in range(r):
+                    row = min(row0 + rr, n - 1)
+                    for q in range(qpl):
+                        v = unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu)
+                        if m == 1:
+                            acc[rr] += _dot8(v, (xv[q, 0, 0], xv[q, 0, 1], xv[q, 0, 2], xv[q, 0, 3]),
                                              (xv[q, 1, 0], xv[q, 1, 1], xv[q, 1, 2], xv[q, 1, 3]),
-                                             sx[q])
-                else:
-                    for rr in range(r):
-                        row = min(row0 + rr, n - 1)
-                        for q in range(qpl):
-                            t = t0 + q
-                            v = unit(w, sc, zr, row, u, t, rowhw, ng, gsu)
+                                             sx[0, q])
+                        else:
+                            o0, o1 = xoff(t0 + q)
                             for mm in range(m):
-                                xa = ptx.ld4(x, mm * k + kb + (4 * t if split else 8 * t))
-                                xb = ptx.ld4(x, mm * k + kb + (16 + 4 * t if split else 8 * t + 4))
-                                acc[rr * m + mm] += _dot8(v, xa, xb, _sum8(xa, xb))
+                                acc[rr * m + mm] += _dot8(v, ptx.ld4(x, mm * k + kb + o0),
+                                                          ptx.ld4(x, mm * k + kb + o1), sx[mm, q])
                 u += upw * wpr
             reduce_scatter(acc, nvp, xs, xr, wp, lane)
             if lane % rep == 0:
@@ -333,12 +341,28 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
             cuda.syncthreads()
             if tid < teams * nv:
                 tm, i = tid // nv, tid % nv
-                v = red[tm * wpr, i]
-                for ww in range(1, wpr):
-                    v += red[tm * wpr + ww, i]
-                row = tile * rows_blk + tm * r + i // m
-                if row < n:
-                    y[(i % m) * n + row] = v
+                rr, mm = i // m, i % m
+                row = tile * rows_blk + tm * r + rr
+                if row < n and (not gated or rr % 2 == 0):
+                    v = red[tm * wpr, i]
+                    for ww in range(1, wpr):
+                        v += red[tm * wpr + ww, i]
+                    if has_bias:
+                        v += bias[row]
+                    if has_act:
+                        v = actf(v)
+                    at = mm * n + row
+                    if gated:                 # the up column is the next row of W
+                        g = red[tm * wpr, i + m]
+                        for ww in range(1, wpr):
+                            g += red[tm * wpr + ww, i + m]
+                        if has_bias:
+                            g += bias[row + 1]
+                        v *= g
+                        at = mm * (n // 2) + row // 2
+                    if has_res:
+                        v += res[at]
+                    y[at] = v
             cuda.syncthreads()
             tile += cuda.gridDim.x
 

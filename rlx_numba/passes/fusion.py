@@ -16,9 +16,10 @@ in the graph node's place (``nodes``). Four rewrites:
 - **Matmul epilogues.** A region that is exactly ``activation(matmul(a, b) + bias) + residual``
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
-  cuBLASLt tier can fuse it.
+  cuBLASLt tier can fuse it; a ``dequant_matmul`` (the quantised GEMV) likewise.
 - **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use f32
-  product of a 2-D weight with at most 16 rows (decode) becomes the product with a ``gated``
+  product (matmul, linear or dequant_matmul) of a 2-D weight with at most 16 rows (decode)
+  becomes the product with a ``gated``
   epilogue: the skinny-product kernel pairs each block's interleaved gate and up columns, so
   a SwiGLU MLP's activation costs no kernel of its own.
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use f32 add of
@@ -124,7 +125,8 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
             out.regions[r] = Region(r, tuple(sorted(ms)), tuple(leaves), expr)
             interior.update(m for m in ms if m != r)
     for n in nodes:   # matmul epilogues: a region that is exactly the linear epilogue
-        if n.op == "matmul" and n.id in live and single(n.id) and consumer.get(n.id) in region_of:
+        if (n.op in ("matmul", "dequant_matmul") and n.id in live and single(n.id)
+                and consumer.get(n.id) in region_of):
             r = region_of[consumer[n.id]]
             if r in out.nodes:    # a @ b + c @ d: the first product took the add already
                 continue
@@ -262,8 +264,10 @@ def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     if not chain or chain[-1] != members[-1] or sorted(chain) != list(members):
         return None
     ins = mm.inputs + tuple(t.id for t in (bias, res) if t is not None)
-    return Node(members[-1], "matmul", ins, shape, dt.F32,
-                {"activation": act, "has_bias": bias is not None, "has_residual": res is not None})
+    keep = mm.attrs if mm.op == "dequant_matmul" else {}     # (its scheme, ...)
+    return Node(members[-1], mm.op, ins, shape, dt.F32,
+                {**keep, "activation": act, "has_bias": bias is not None,
+                 "has_residual": res is not None})
 
 
 def _gated_epilogue(nodes, gated, folded, single):
@@ -274,12 +278,13 @@ def _gated_epilogue(nodes, gated, folded, single):
     x = nodes[gated.inputs[0]]
     prod = folded.get(x.id, x)
     if (not gated.attrs["interleaved"] or gated.dtype != dt.F32 or not single(x.id)
-            or prod.op not in ("matmul", "linear") or prod.attrs.get("activation")
+            or prod.op not in ("matmul", "linear", "dequant_matmul") or prod.attrs.get("activation")
             or prod.attrs.get("has_residual") or len(nodes[prod.inputs[1]].shape) != 2
             or math.prod(x.shape[:-1]) > MAX_M):
         return None
+    keep = prod.attrs if prod.op == "dequant_matmul" else {}
     return Node(gated.id, prod.op, prod.inputs, gated.shape, dt.F32,
-                {"activation": None, "has_bias": bool(prod.attrs.get("has_bias")),
+                {**keep, "activation": None, "has_bias": bool(prod.attrs.get("has_bias")),
                  "has_residual": False, "gated": gated.attrs["activation"]})
 
 

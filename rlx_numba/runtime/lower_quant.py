@@ -6,7 +6,7 @@ import numpy as np
 
 from ..device import SIMULATOR
 from ..ir import dtypes as dt
-from ..ir.ops_quant import GGUF, UNIT, units_ok
+from ..ir.ops_quant import GGUF, INTS, UNIT, units_ok
 from ..kernels import quant as Q
 from ..kernels.launch import grid_1d, sm_count
 from .lower import Step, elementwise_step, lowering, step_name
@@ -24,7 +24,8 @@ def _layout(exe, n, w_at):
     k = cols // GGUF[scheme][1] * GGUF[scheme][0] if scheme in GGUF else (
         cols if scheme == "int8" else 2 * cols)
     gs = k if a["group_size"] is None or scheme in GGUF else a["group_size"]
-    extra = [exe.buf(i) for i in n.inputs[w_at + 1:len(n.inputs) - n.attrs.get("gather", 0)]]
+    nq = (scheme in INTS) + has_zeros           # scales, zeros (epilogue inputs may follow)
+    extra = [exe.buf(i) for i in n.inputs[w_at + 1:w_at + 1 + nq]]
     sc = extra[0] if extra else _dummy(exe)
     zr = extra[1] if has_zeros else _dummy(exe)
     wbuf = exe.buf(w)
@@ -48,13 +49,23 @@ def _lower_dequant_matmul(exe, n):
         steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
                                       [exe.buf(x)], [(m * k,)], [dt.F32]))
     nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
-    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl)
+    a = n.attrs       # the epilogue passes/fusion.py folded in (inputs after the weight's)
+    act, gated = a.get("activation"), a.get("gated")
+    epi = [exe.buf(i) for i in n.inputs[len(n.inputs) - a.get("has_bias", 0) - a.get("has_residual", 0):]]
+    bias = epi.pop(0) if a.get("has_bias") else _dummy(exe)
+    res = epi.pop(0) if a.get("has_residual") else _dummy(exe)
+    kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl,
+                         bool(a.get("has_bias")), gated or act, bool(a.get("has_residual")),
+                         bool(gated))
     grid = (min(tiles, 2) if SIMULATOR else tiles,)
     wbytes = g.nodes[n.inputs[1]].nbytes
-    args = (exe.buf(n), xbuf, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
-            np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
-    return steps + [Step(step_name(n), f"dequant gemv {scheme} {m}x{rows}x{k} nw{nw} r{r} wpr{wpr} "
-                         f"qpl{qpl}",
+    args = (exe.buf(n), xbuf, w, sc, zr, bias, res, np.int64(rows), np.int64(k),
+            np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
+    tags = "".join(f"+{t}" for t in ("bias" if a.get("has_bias") else "",
+                                     f"gated {gated}" if gated else act or "",
+                                     "residual" if a.get("has_residual") else "") if t)
+    return steps + [Step(step_name(n), f"dequant gemv {scheme}{tags} {m}x{rows}x{k} nw{nw} r{r} "
+                         f"wpr{wpr} qpl{qpl}",
                  kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
 
