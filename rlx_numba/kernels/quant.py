@@ -232,7 +232,8 @@ def plan(m: int, n: int, sm: int):
     11008 x 4096: wpr 2 and qpl 2 were the best of the shapes tried; qpl 4 -- a lane a unit
     -- loses the contiguous x loads and ran 1.4x slower.)"""
     if SIMULATOR:
-        nw, r, wpr, qpl = 2, min(2, max(1, 32 // m)), (2 if n <= 4 else 1), 2
+        # (a Python thread a CUDA thread, a barrier costly: one warp, many rows a warp)
+        nw, r, wpr, qpl = (2, 2, 2, 2) if n <= 4 else (1, min(8, 32 // m) & ~1, 1, 2)
     elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr,qpl (tuning)
         nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
     else:

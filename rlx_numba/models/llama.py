@@ -20,7 +20,7 @@ from ..ir.ops_quant import GGUF as GGUF_SCHEMES
 from ..runtime.executable import _exec_mode
 from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
-                      read_json, reverse_permute)
+                      quantize, read_json, reverse_permute)
 
 log = logging.getLogger("rlx_numba")
 
@@ -528,6 +528,24 @@ class LlamaForCausalLM:
                 log.warning("%s", e)
         return cls(config, arrays, tokenizer=tok, source=f.path, weights=weights, **kw)
 
+    def quantized(self, scheme: str, **kw) -> "LlamaForCausalLM":
+        """This model with its projections, token table and head quantised to GGUF ``scheme``
+        (weights.quantize: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k) and kept packed on the device,
+        as ``from_gguf(weights="gguf")`` keeps a file's (a weight whose K is not a multiple
+        of the block stays f32). ``params`` become the dequantised values; ``kw`` as the
+        constructor's (exec_mode, max_cached)."""
+        qk = 256 if scheme.endswith("_k") else 32
+        params, packed = dict(self.params), {}
+        for name, v in self.params.items():
+            if (v.ndim == 2 and v.shape[1] % qk == 0 and (name.endswith("_proj.weight") or name in (
+                    "model.embed_tokens.weight", "lm_head.weight"))):
+                raw = quantize(v, scheme)
+                packed[name] = (scheme, raw)
+                params[name] = _dequantized(raw, scheme, v.shape)
+        kw = {"exec_mode": self.exec_mode, "max_cached": self.max_cached, **kw}
+        return type(self)(self.config, params, tokenizer=self.tokenizer, weights="gguf",
+                          packed=packed, source=f"quantized({scheme!r})", **kw)
+
     # ---- compiled graphs -------------------------------------------------------------------------
     def executable(self, kind: str, batch: int, seq: int, cache_len: int | None = None,
                    sampling=(0.0, 0, 1.0)):
@@ -827,6 +845,14 @@ _GGUF_LAYER = {
 }
 _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight",
              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _dequantized(raw, scheme, shape):
+    """The f32 values of GGUF blocks (the gguf package's dequantize)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return np.ascontiguousarray(dequantize(raw, getattr(GGMLQuantizationType, scheme.upper())),
+                                dtype=np.float32).reshape(shape)
 
 
 def _gguf_to_hf(name: str) -> str | None:

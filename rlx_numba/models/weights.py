@@ -194,6 +194,54 @@ class GGUFFile:
         return np.ascontiguousarray(data.view(np.uint8).reshape(rows, -1))
 
 
+def quantize(w: np.ndarray, scheme: str) -> np.ndarray:
+    """GGUF blocks (u8 [N, K / block * bytes]) of an f32 weight [N, K], one row of blocks a
+    row as Graph.dequant_matmul reads them: q4_0, q4_1, q5_0, q5_1, q8_0 by the gguf package
+    (llama.cpp's reference quantisers), q4_k here (a min/max fit per 32-weight sub-block, its
+    scale and min quantised to 6 bits against the super-block's f16 d and dmin: simpler than
+    llama.cpp's search, the same format)."""
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize: w must be 2-D [N, K], got shape {list(w.shape)}")
+    qk = 256 if scheme.endswith("_k") else 32
+    if w.shape[1] % qk:
+        raise ValueError(f"quantize: K = {w.shape[1]} is not a multiple of {scheme}'s block of "
+                         f"{qk}")
+    if scheme == "q4_k":
+        return _quantize_q4_k(w)
+    if scheme not in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+        raise ValueError(f"quantize: scheme {scheme!r} is not one of q4_0, q4_1, q5_0, q5_1, "
+                         f"q8_0, q4_k")
+    gguf = _need("gguf")
+    from gguf import quants
+    return quants.quantize(w, getattr(gguf.GGMLQuantizationType, scheme.upper()))
+
+
+def _quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    n, k = w.shape
+    x = w.reshape(n, k // 256, 8, 32).astype(np.float64)
+    lo = np.minimum(x.min(-1), 0.0)
+    step = (x.max(-1) - lo) / 15
+    d = (step.max(-1) / 63).astype(np.float16)
+    dmin = ((-lo).max(-1) / 63).astype(np.float16)
+    df, mf = d.astype(np.float64)[..., None], dmin.astype(np.float64)[..., None]
+    sc = np.clip(np.rint(np.divide(step, df, out=np.zeros_like(step), where=df > 0)), 0, 63)
+    mn = np.clip(np.rint(np.divide(-lo, mf, out=np.zeros_like(lo), where=mf > 0)), 0, 63)
+    scale, low = df * sc, mf * mn
+    q = np.clip(np.rint(np.divide(x + low[..., None], scale[..., None],
+                                  out=np.zeros_like(x), where=scale[..., None] > 0)), 0, 15)
+    sc, mn, q = sc.astype(np.uint8), mn.astype(np.uint8), q.astype(np.uint8)
+    out = np.zeros((n, k // 256, 144), np.uint8)
+    out[..., 0:2] = d[..., None].view(np.uint8)
+    out[..., 2:4] = dmin[..., None].view(np.uint8)
+    out[..., 4:8] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)          # ggml's get_scale_min_k4
+    out[..., 8:12] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    out[..., 12:16] = (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)
+    pairs = q.reshape(n, k // 256, 4, 2, 32)                         # unit 2p low, 2p + 1 high
+    out[..., 16:] = (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(n, k // 256, 128)
+    return out.reshape(n, -1)
+
+
 def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's permutation of a Q or K projection (rows [n_head * head_dim, ...]):
     its converter reorders each head's rows from the half-split rope layout (HF's rotate_half)
