@@ -17,6 +17,14 @@ the decode step (the steps of a 2-layer decode graph minus a 1-layer one's) <= 8
 wall clock (perf_counter around whole calls, synchronised), best of 3. torch.compile columns
 where it works (the encoder and the prefill; the decode loop's growing cache would recompile
 every step, so none there).
+Weight formats (``--only formats``; issue 18): Llama decode tok/s at batch 1 and 8 (greedy,
+32-token prompts, --new tokens, the generate loop timed as above) with the same random weights
+held f32, bf16 (set_param_half) and GGUF-packed q4_0 / q4_k (``LlamaForCausalLM.quantized``:
+the bench quantises them), for SmolLM2-135M's config and a Llama-3.2-1B-shaped one (where the
+weight bytes, not the launches, decide the speed), with the device bytes each holds (weights
+and KV caches, by format).
+Bars: 1B batch 1, q4 >= 2.5x and bf16 >= 1.6x the f32 tok/s; SmolLM2, every format >= 1.0x f32
+at both batches.
 
   python bench/bench_models.py [--no-compile] [--decode-exec-mode stream] [--weights f16]
                                [--new 128] [--out bench/results/models.json]
@@ -367,13 +375,70 @@ def bench_llama(torch, transformers, args, rows):
     free_device_memory(args.cuda, torch)
 
 
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                bos_token_id=128000, eos_token_id=128001)
+FORMATS = ("f32", "bf16", "q4_0", "q4_k")
+
+
+def decode_tok_s(model, batch, n, vocab, ctx):
+    """Decode tok/s of ``model.generate_stream`` (the second of two runs: the first compiles)."""
+    prompt = np.random.default_rng(1).integers(0, vocab, (batch, 32))
+    for _ in range(2):
+        stamps = []
+        for _tok in model.generate_stream(prompt, n):
+            stamps.append(time.perf_counter())
+    settle(ctx)
+    return batch * (n - 1) / (stamps[-1] - stamps[0])
+
+
+def bench_formats(args, rows):
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    ctx = args.cuda.current_context()
+    print(f"\n{'decode tok/s by weight format':<30} {'batch 1':>9} {'x f32':>6} {'batch 8':>9} "
+          f"{'x f32':>6} {'device MiB':>11} (weights + the batch-8 KV caches)")
+    for label, d in (("SmolLM2-135M config", SMOLLM2), ("Llama-3.2-1B shape", LLAMA_1B)):
+        cfg = LlamaConfig(**d)
+        base = LlamaForCausalLM.from_config(cfg, seed=0, exec_mode=args.decode_exec_mode)
+        f32 = {}
+        for fmt in FORMATS:
+            if fmt.startswith("q"):
+                m = base.quantized(fmt)
+            else:
+                m = LlamaForCausalLM(cfg, base.params, weights=fmt, exec_mode=args.decode_exec_mode)
+            r = dict(model=label, phase="decode", weights=fmt)
+            for b in (1, 8):
+                r[f"b{b}_tok_s"] = decode_tok_s(m, b, args.new, cfg.vocab_size, ctx)
+            r["device_bytes_by_format"] = m.device_bytes()
+            r["device_bytes"] = held = sum(r["device_bytes_by_format"].values())
+            if fmt == "f32":
+                f32 = r
+            for b in (1, 8):
+                r[f"b{b}_x_f32"] = r[f"b{b}_tok_s"] / f32[f"b{b}_tok_s"]
+            big = d is LLAMA_1B
+            bar = (2.5 if fmt.startswith("q") else 1.6 if fmt == "bf16" else None) if big else 1.0
+            r["bar"] = bar
+            r["pass"] = bar is None or fmt == "f32" or (
+                r["b1_x_f32"] >= bar and (big or r["b8_x_f32"] >= bar))
+            rows.append(r)
+            print(f"  {label:<20} {fmt:<9} {r['b1_tok_s']:9.0f} {r['b1_x_f32']:6.2f} "
+                  f"{r['b8_tok_s']:9.0f} {r['b8_x_f32']:6.2f} {held / 2**20:11.1f}  "
+                  f"{'' if fmt == 'f32' or bar is None else ('PASS' if r['pass'] else 'FAIL')}",
+                  flush=True)
+            del m
+            settle(ctx)
+        del base
+        settle(ctx)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--decode-exec-mode", default="graph")
     p.add_argument("--weights", default="f32", choices=["f32", "f16", "bf16"])
     p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
-    p.add_argument("--only", choices=["bert", "llama"])
+    p.add_argument("--only", choices=["bert", "llama", "formats"])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "models.json")
     args = p.parse_args(argv)
@@ -396,6 +461,8 @@ def main(argv=None) -> int:
         bench_bert(torch, transformers, args, rows)
     if args.only in (None, "llama"):
         bench_llama(torch, transformers, args, rows)
+    if args.only in (None, "formats"):
+        bench_formats(args, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
              for r in rows]
