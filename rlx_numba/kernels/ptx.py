@@ -6,7 +6,7 @@ inline PTX), with plain Python twins for the simulator.
 weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16); ``vld4``
 and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
 partials). numba's array accesses are one element each, and a warp waiting on its load
-queue, not DRAM, is what bounds the decode kernel. ``ldw`` / ``fld4`` / ``fbits`` / ``spread4``: 32-bit words of packed
+queue, not DRAM, is what bounds the decode kernel. ``ldh`` / ``ldw`` / ``fld4`` / ``fbits`` / ``spread4``: 32-bit words of packed
 quantised data and their bit fields as exact floats (numba types every integer op 64-bit).
 ``ticket``: atomicAdd(+1) with
 acquire-release semantics (atom.acq_rel.gpu), the last-block-combines handshake without
@@ -75,6 +75,18 @@ if not SIMULATOR:
             r = builder.call(asm, [args[0]])
             return context.make_tuple(builder, sig.return_type,
                                       [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+        return sig, codegen
+
+    @intrinsic
+    def ldh(typingctx, arr, idx):
+        """The halfword a[i] (a uint16 array) as uint32, a read-only load."""
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            i = context.cast(builder, args[1], sig.args[1], types.int64)
+            v = builder.load(builder.gep(_data(context, builder, sig.args[0], args[0]), [i]))
+            v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            return builder.zext(v, _I32)
         return sig, codegen
 
     @intrinsic
@@ -205,6 +217,10 @@ else:   # device functions, so the simulator hands them its cuda module as it do
     def h2f(word):
         h = np.array([word], np.uint32).view(np.float16).astype(np.float32)
         return h[0], h[1]
+
+    @cuda.jit(device=True)
+    def ldh(a, i):
+        return np.uint32(_flat(a)[i])
 
     @cuda.jit(device=True)
     def ldw(a, i):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 
-from numba import cuda, float32, int32, int64, uint32
+from numba import cuda, float32, int32, int64
 
 from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
@@ -39,9 +39,9 @@ SPLIT16 = ("q4_0", "q4_1", "q5_0", "q5_1")   # byte j holds weights j and j + 16
 
 
 @_inline
-def _f16(h):
-    """float32 of the f16 bit pattern h (a halfword)."""
-    return ptx.h2f(uint32(h))[0]
+def _f16(w, i):
+    """float32 of the f16 at halfword i of w (a read-only load)."""
+    return ptx.h2f(ptx.ldh(w, i))[0]
 
 
 # Each decoder returns (fa, fb, d, m): the two quads of its weights' integer fields less the
@@ -71,20 +71,20 @@ def _bytes_hi(word, sh, mask, hw, hsh, hmask, hpos, bias):
 @_inline
 def _q4_0(w, hb, s, t):
     q = ptx.ldw(w, hb + 1 + 2 * t)
-    return _bytes(q, 0, 15, _OFF8), _bytes(q, 4, 15, _OFF8), _f16(w[hb]), ZERO
+    return _bytes(q, 0, 15, _OFF8), _bytes(q, 4, 15, _OFF8), _f16(w, hb), ZERO
 
 
 @_inline
 def _q4_1(w, hb, s, t):
     q = ptx.ldw(w, hb + 2 + 2 * t)
-    return _bytes(q, 0, 15, _OFF0), _bytes(q, 4, 15, _OFF0), _f16(w[hb]), _f16(w[hb + 1])
+    return _bytes(q, 0, 15, _OFF0), _bytes(q, 4, 15, _OFF0), _f16(w, hb), _f16(w, hb + 1)
 
 
 @_inline
 def _q5_0(w, hb, s, t):
     q, qh = ptx.ldw(w, hb + 3 + 2 * t), ptx.ldw(w, hb + 1)
     return (_bytes_hi(q, 0, 15, ptx.spread4(qh, 4 * t), 0, 1, 4, _OFF16),
-            _bytes_hi(q, 4, 15, ptx.spread4(qh, 4 * t + 16), 0, 1, 4, _OFF16), _f16(w[hb]), ZERO)
+            _bytes_hi(q, 4, 15, ptx.spread4(qh, 4 * t + 16), 0, 1, 4, _OFF16), _f16(w, hb), ZERO)
 
 
 @_inline
@@ -92,7 +92,7 @@ def _q5_1(w, hb, s, t):
     q, qh = ptx.ldw(w, hb + 4 + 2 * t), ptx.ldw(w, hb + 2)
     return (_bytes_hi(q, 0, 15, ptx.spread4(qh, 4 * t), 0, 1, 4, _OFF0),
             _bytes_hi(q, 4, 15, ptx.spread4(qh, 4 * t + 16), 0, 1, 4, _OFF0),
-            _f16(w[hb]), _f16(w[hb + 1]))
+            _f16(w, hb), _f16(w, hb + 1))
 
 
 @_inline
@@ -104,7 +104,7 @@ def _signed8(w, h, d):
 
 @_inline
 def _q8_0(w, hb, s, t):
-    return _signed8(w, hb + 1 + 4 * t, _f16(w[hb]))
+    return _signed8(w, hb + 1 + 4 * t, _f16(w, hb))
 
 
 @_inline
@@ -114,7 +114,7 @@ def _q2_k(w, hb, s, t):
     sw, ss = ptx.ldw(w, hb + s), 8 * (t >> 1)
     h, sh = hb + 8 + 16 * (s >> 2) + 4 * t, 2 * (s & 3)
     return (_bytes(ptx.ldw(w, h), sh, 3, _OFF0), _bytes(ptx.ldw(w, h + 2), sh, 3, _OFF0),
-            _f16(w[hb + 40]) * ptx.fbits(sw, ss, 15), -_f16(w[hb + 41]) * ptx.fbits(sw, ss + 4, 15))
+            _f16(w, hb + 40) * ptx.fbits(sw, ss, 15), -_f16(w, hb + 41) * ptx.fbits(sw, ss + 4, 15))
 
 
 @_inline
@@ -128,7 +128,7 @@ def _q3_k(w, hb, s, t):
     h, sh = hb + 16 + 16 * (s >> 2) + 4 * t, 2 * (s & 3)
     return (_bytes_hi(ptx.ldw(w, h), sh, 3, ptx.ldw(w, hb + 4 * t), s, 1, 2, _OFF4),
             _bytes_hi(ptx.ldw(w, h + 2), sh, 3, ptx.ldw(w, hb + 4 * t + 2), s, 1, 2, _OFF4),
-            _f16(w[hb + 54]) * (sc - float32(32.0)), ZERO)
+            _f16(w, hb + 54) * (sc - float32(32.0)), ZERO)
 
 
 @_inline
@@ -149,7 +149,7 @@ def _q4_k(w, hb, s, t):
     sc, mn = _scale_min_k4(w, hb, s)
     h, sh = hb + 8 + 16 * (s >> 1) + 4 * t, 4 * (s & 1)
     return (_bytes(ptx.ldw(w, h), sh, 15, _OFF0), _bytes(ptx.ldw(w, h + 2), sh, 15, _OFF0),
-            _f16(w[hb]) * sc, -_f16(w[hb + 1]) * mn)
+            _f16(w, hb) * sc, -_f16(w, hb + 1) * mn)
 
 
 @_inline
@@ -159,7 +159,7 @@ def _q5_k(w, hb, s, t):
     h, sh, hh = hb + 24 + 16 * (s >> 1) + 4 * t, 4 * (s & 1), hb + 8 + 4 * t
     return (_bytes_hi(ptx.ldw(w, h), sh, 15, ptx.ldw(w, hh), s, 1, 4, _OFF0),
             _bytes_hi(ptx.ldw(w, h + 2), sh, 15, ptx.ldw(w, hh + 2), s, 1, 4, _OFF0),
-            _f16(w[hb]) * sc, -_f16(w[hb + 1]) * mn)
+            _f16(w, hb) * sc, -_f16(w, hb + 1) * mn)
 
 
 @_inline
@@ -170,7 +170,7 @@ def _q6_k(w, hb, s, t):
     lo, hi, nb, hs = hb + 32 * h + 16 * (j & 1) + 4 * t, hb + 64 + 16 * h + 4 * t, 4 * (j >> 1), 2 * j
     si = 8 * h + 2 * j + (t >> 1)                 # int8 scale: byte si of bytes 192 ..
     sc = ptx.fbits(ptx.ldw(w, hb + 96 + 2 * (si >> 2)), 8 * (si & 3), 255)
-    d = _f16(w[hb + 104]) * (sc - float32(256.0) if sc >= float32(128.0) else sc)
+    d = _f16(w, hb + 104) * (sc - float32(256.0) if sc >= float32(128.0) else sc)
     return (_bytes_hi(ptx.ldw(w, lo), nb, 15, ptx.ldw(w, hi), hs, 3, 4, _OFF32),
             _bytes_hi(ptx.ldw(w, lo + 2), nb, 15, ptx.ldw(w, hi + 2), hs, 3, 4, _OFF32), d, ZERO)
 
