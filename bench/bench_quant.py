@@ -7,6 +7,10 @@ bf16 GEMV of the same shape (x.bfloat16() @ w_bf16.t(): torch has no q4 kernel; 
 is the smallest one it runs), and our f32 GEMV (matmul tier 3) for scale.
 GEMM rows (M = 512, prefill): dequantize into the arena + the matmul tiers (cuBLAS), TFLOP/s
 beside torch bf16 mm and torch f32 mm (TF32 off) of the same shape.
+Grouped rows (mixture of experts): ``g.grouped_matmul`` of 8192 rows (4096 tokens x top-2)
+routed over 64 experts, K = N = 1024, f32, beside a torch loop over the experts (index, mm,
+index_copy: what a plain MoE layer does) and torch bf16 mm of the same FLOPs (one [8192, 1024]
+@ [1024, 1024] product): TFLOP/s.
 Every time: a CUDA graph of 50 products replayed over >= 5 ms windows, best of 3 (bench_gemv's
 ``graph_us``). ``err``: max |ours - ref| / max |ref| with ref = x @ dequantize(W)^T in float64
 (our dequantize: checked against gguf.quants.dequantize in tests/test_quant.py).
@@ -24,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import graph_us  # noqa: E402
-from common import copy_bandwidth, free_device_memory  # noqa: E402
+from common import copy_bandwidth, free_device_memory, time_torch  # noqa: E402
 
 GEMV_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))    # (N, K)
 GEMM_SHAPE = (512, 4096, 4096)                                 # (M, N, K)
@@ -117,6 +121,43 @@ def row(rlx, cuda, torch, m, n, k, scheme, copy_gbs):
     return out
 
 
+GROUPED = (8192, 1024, 1024, 64)      # rows, K, N, experts
+
+
+def grouped_row(rlx, cuda, torch):
+    m, k, n, e = GROUPED
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen)
+    w = torch.randn(e, k, n, device="cuda", generator=gen) / k ** 0.5
+    ids = torch.randint(0, e, (m,), device="cuda", generator=gen, dtype=torch.int32)
+    g = rlx.Graph("grouped")
+    gx, gi = g.input("x", (m, k)), g.input("ids", (m,), "i32")
+    g.set_outputs([g.grouped_matmul(gx, g.param("w", (e, k, n)), gi)])
+    exe = rlx.compile(g)
+    exe.set_param("w", w.cpu().numpy())
+    (view,) = exe.run({"x": x, "ids": ids}, outputs="view")
+    got = torch.as_tensor(view, device="cuda").clone()
+    ref = torch.bmm(x.double()[:, None, :], w.double()[ids.long()])[:, 0]
+    err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+    stream = torch.cuda.Stream()
+    us = timed_steps(cuda, torch, exe, stream)
+    idl = ids.long()
+
+    def loop():
+        out = torch.empty(m, n, device="cuda")
+        for j in range(e):
+            rows = (idl == j).nonzero(as_tuple=True)[0]
+            out.index_copy_(0, rows, x.index_select(0, rows) @ w[j])
+        return out
+    loop_us = time_torch(torch, loop, 5, 2, 3) * 1e3     # (nonzero syncs: no CUDA graph)
+    xb, wb = x.bfloat16(), w[0].bfloat16()
+    bf16_us = graph_us(torch, lambda: xb @ wb, stream)
+    fl = 2 * m * k * n
+    return dict(m=m, k=k, n=n, experts=e, us=us, err=err, torch_loop_us=loop_us,
+                torch_bf16_mm_us=bf16_us, tflops=fl / us / 1e6, torch_loop_tflops=fl / loop_us / 1e6,
+                torch_bf16_tflops=fl / bf16_us / 1e6, kernels=[s.kernel_name for s in exe.steps])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemes", default="q4_0,q4_k,q8_0,int4")
@@ -154,6 +195,17 @@ def main(argv=None) -> int:
               f"{r['gbs']:6.0f} {r['copy_pct']:5.0f} {r['tflops']:7.2f} | {r['torch_bf16_us']:13.2f} "
               f"{r['torch_bf16_tflops']:7.2f} | {r['torch_f32_us']:12.2f} | {r['err']:.0e}  "
               f"{' + '.join(r['kernels'])}", flush=True)
+    try:
+        r = grouped_row(rlx, cuda, torch)
+        results.append(r)
+        print(f"\ngrouped_matmul {r['m']} rows x {r['k']} x {r['n']}, {r['experts']} experts: "
+              f"{r['us']:.1f} us {r['tflops']:.2f} TFLOP/s | torch loop {r['torch_loop_us']:.1f} us "
+              f"{r['torch_loop_tflops']:.2f} | torch bf16 mm {r['torch_bf16_mm_us']:.1f} us "
+              f"{r['torch_bf16_tflops']:.1f} | ours / bf16 mm {r['torch_bf16_mm_us'] / r['us']:.3f}x"
+              f" | err {r['err']:.0e}", flush=True)
+    except Exception as e:  # noqa: BLE001 - report the row, keep going
+        print(f"grouped_matmul ERROR {type(e).__name__}: {e}")
+        results.append(dict(grouped=True, error=str(e)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, results=results), indent=1))
     print(f"\nwrote {args.out}")
