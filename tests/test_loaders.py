@@ -402,6 +402,6 @@ def test_gguf_weights_kept_packed(tmp_path):
     (want2,) = ref2.executable("forward", 1, 4).run({"input_ids": ids})
     (got2,) = exe2.run({"input_ids": ids})
     np.testing.assert_allclose(got2, want2, rtol=0, atol=1e-4 * np.abs(want2).max())
-    assert m.generate(ids[0], max_new_tokens=3).tolist() == ref.generate(ids[0], max_new_tokens=3).tolist()
+    assert m.generate(ids[0], max_new_tokens=2).tolist() == ref.generate(ids[0], max_new_tokens=2).tolist()
     with pytest.raises(ValueError, match="weights='gguf' comes from from_gguf"):
         LlamaForCausalLM(CFG, params, weights="gguf")
