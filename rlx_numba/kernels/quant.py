@@ -299,6 +299,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
         acc = cuda.local.array(nvp, float32)
         xv = cuda.local.array((qpl, 2, 4), float32)
         sx = cuda.local.array((m, qpl), float32)
+        wq = cuda.local.array((r, 10), float32)         # m > 1: decoded quarters of the r rows
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
         team, tw = wp // wpr, wp % wpr
@@ -322,19 +323,33 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                             for e in range(4):
                                 xv[q, 0, e] = xa[e]
                                 xv[q, 1, e] = xb[e]
-                for rr in range(r):
-                    row = min(row0 + rr, n - 1)
-                    for q in range(qpl):
-                        v = unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu)
-                        if m == 1:
+                if m == 1:
+                    for rr in range(r):
+                        row = min(row0 + rr, n - 1)
+                        for q in range(qpl):
+                            v = unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu)
                             acc[rr] += _dot8(v, (xv[q, 0, 0], xv[q, 0, 1], xv[q, 0, 2], xv[q, 0, 3]),
                                              (xv[q, 1, 0], xv[q, 1, 1], xv[q, 1, 2], xv[q, 1, 3]),
                                              sx[0, q])
-                        else:
-                            o0, o1 = xoff(t0 + q)
-                            for mm in range(m):
-                                acc[rr * m + mm] += _dot8(v, ptx.ld4(x, mm * k + kb + o0),
-                                                          ptx.ld4(x, mm * k + kb + o1), sx[mm, q])
+                else:             # the r rows' weights decoded once, each x quad loaded once
+                    for q in range(qpl):
+                        for rr in range(r):
+                            fa, fb, d, mb = unit(w, sc, zr, min(row0 + rr, n - 1), u, t0 + q,
+                                                 rowhw, ng, gsu)
+                            for e in range(4):
+                                wq[rr, e] = fa[e]
+                                wq[rr, 4 + e] = fb[e]
+                            wq[rr, 8] = d
+                            wq[rr, 9] = mb
+                        o0, o1 = xoff(t0 + q)
+                        for mm in range(m):
+                            xa = ptx.ld4(x, mm * k + kb + o0)
+                            xb = ptx.ld4(x, mm * k + kb + o1)
+                            for rr in range(r):
+                                acc[rr * m + mm] += _dot8(
+                                    ((wq[rr, 0], wq[rr, 1], wq[rr, 2], wq[rr, 3]),
+                                     (wq[rr, 4], wq[rr, 5], wq[rr, 6], wq[rr, 7]), wq[rr, 8], wq[rr, 9]),
+                                    xa, xb, sx[mm, q])
                 u += upw * wpr
             reduce_scatter(acc, nvp, xs, xr, wp, lane)
             if lane % rep == 0:
