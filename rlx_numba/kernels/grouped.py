@@ -32,7 +32,8 @@ from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
 from .launch import grid_3d, jit
-from .matmul import BK, BM, BN, LA, LAUNCH_BOUNDS, LB, NT, SA, SB, TM, TN, TX, TY
+from .matmul import (BK, BM, BN, LA, LAUNCH_BOUNDS, LB, NT, SA, SB, TM, TN, TX, TY,
+                     mma, store_tile, zero_acc)
 
 ROUTE_T = 16 if SIMULATOR else 256      # the routing block's threads (also its chunk cap)
 
@@ -40,7 +41,7 @@ _inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinl
 _jit = jit(launch_bounds=LAUNCH_BOUNDS)
 
 _u = np.uint64
-uBM, uBN, uBK, uTX, uTY = _u(BM), _u(BN), _u(BK), _u(TX), _u(TY)
+uBM, uBN, uBK, uTX = _u(BM), _u(BN), _u(BK), _u(TX)
 U0, U1 = _u(0), _u(1)
 ZERO = float32(0.0)
 
@@ -125,29 +126,6 @@ def route_kernel(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, 
         c += ROUTE_T
 
 
-@_inline
-def _zero(acc):
-    for i in range(TM):
-        for j in range(TN):
-            acc[i, j] = ZERO
-
-
-@_inline
-def _mma(As, Bs, buf, acc, fa, fb, tx, ty):
-    """acc += this thread's TM x TN share of shared tile ``buf``'s BK-deep product (the
-    thread's rows ty + i*TY and columns tx + j*TX, as kernels/matmul.py)."""
-    q = U0
-    while q < uBK:
-        for i in range(TM):
-            fa[i] = As[buf, q, ty + _u(i) * uTY]
-        for j in range(TN):
-            fb[j] = Bs[buf, q, tx + _u(j) * uTX]
-        for i in range(TM):
-            for j in range(TN):
-                acc[i, j] += fa[i] * fb[j]
-        q += U1
-
-
 @functools.lru_cache(maxsize=None)
 def rows_kernel(trans_w: bool):
     """kernel(out, x, w, n, k, num_e, start, tile_expert, rows): out[r] (f32 [M, n]) =
@@ -200,7 +178,7 @@ def rows_kernel(trans_w: bool):
             while bx < tiles_n:
                 col0 = bx * uBN
                 c0 = col0 + bc
-                _zero(acc)
+                zero_acc(acc)
                 load(ra, rb, x, w, xrow, bo, c0, U0, aq, bq, n, k)
                 stage(As, Bs, ra, rb, U0, ar, aq, bq, bc)
                 cuda.syncthreads()
@@ -210,7 +188,7 @@ def rows_kernel(trans_w: bool):
                     more = k0 + uBK < k
                     if more:     # the next tile's loads in flight during the FMAs
                         load(ra, rb, x, w, xrow, bo, c0, k0 + uBK, aq, bq, n, k)
-                    _mma(As, Bs, buf, acc, fa, fb, tx, ty)
+                    mma(As, Bs, buf, acc, fa, fb, tx, ty)
                     if more:
                         stage(As, Bs, ra, rb, buf ^ U1, ar, aq, bq, bc)
                     cuda.syncthreads()
@@ -294,7 +272,7 @@ def wgrad_kernel(dw, a, b, ka, nb, num_e, start, count, rows):
             while bx < tiles_n:
                 col0 = bx * uBN
                 r0, c0 = row0 + ar, col0 + bc
-                _zero(acc)
+                zero_acc(acc)
                 _wload(ra, rb, a, b, rows, s, r0, c0, U0, aq, bq, ka, nb, cnt)
                 _wstage(As, Bs, ra, rb, U0, ar, aq, bq, bc)
                 cuda.syncthreads()
@@ -304,20 +282,14 @@ def wgrad_kernel(dw, a, b, ka, nb, num_e, start, count, rows):
                     more = k0 + uBK < cnt
                     if more:
                         _wload(ra, rb, a, b, rows, s, r0, c0, k0 + uBK, aq, bq, ka, nb, cnt)
-                    _mma(As, Bs, buf, acc, fa, fb, tx, ty)
+                    mma(As, Bs, buf, acc, fa, fb, tx, ty)
                     if more:
                         _wstage(As, Bs, ra, rb, buf ^ U1, ar, aq, bq, bc)
                     cuda.syncthreads()
                     buf ^= U1
                     k0 += uBK
                 r, cl = row0 + ty, col0 + tx
-                nrows, ncols = ka - min(r, ka), nb - min(cl, nb)
-                base = co + r * nb + cl
-                for i in range(TM):
-                    if _u(i * TY) < nrows:
-                        for j in range(TN):
-                            if _u(j * TX) < ncols:
-                                dw[base + _u(i * TY) * nb + _u(j * TX)] = acc[i, j]
+                store_tile(dw, acc, co + r * nb + cl, ka - min(r, ka), nb - min(cl, nb), nb)
                 bx += uint64(cuda.gridDim.x)
             by += uint64(cuda.gridDim.y)
         z += uint64(cuda.gridDim.z)

@@ -45,6 +45,43 @@ U0, U1 = _u(0), _u(1)
 ZERO = float32(0.0)
 
 
+# ---- the register tile, shared with kernels/grouped.py ------------------------------------
+@_inline
+def zero_acc(acc):
+    for i in range(TM):
+        for j in range(TN):
+            acc[i, j] = ZERO
+
+
+@_inline
+def mma(As, Bs, buf, acc, fa, fb, tx, ty):
+    """acc += this thread's TM x TN share (rows ty + i TY, columns tx + j TX) of shared tile
+    ``buf``'s BK-deep product."""
+    q = U0
+    while q < uBK:   # not range(): its int64 count and signed index cost ~10 instructions a k
+                     # (LLVM keeps this loop rolled)
+        for i in range(TM):
+            fa[i] = As[buf, q, ty + _u(i) * uTY]
+        for j in range(TN):
+            fb[j] = Bs[buf, q, tx + _u(j) * uTX]
+        for i in range(TM):
+            for j in range(TN):
+                acc[i, j] += fa[i] * fb[j]
+        q += U1
+
+
+@_inline
+def store_tile(c, acc, base, rows, cols, n):
+    """c[base + i TY n + j TX] = acc[i, j] where i TY < rows and j TX < cols: bounds as
+    "constant < rows / columns left", one register each, not 64-bit indices per i and j
+    (those spilled around the live accumulators)."""
+    for i in range(TM):
+        if _u(i * TY) < rows:
+            for j in range(TN):
+                if _u(j * TX) < cols:
+                    c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
+
+
 @functools.lru_cache(maxsize=None)
 def sgemm_kernel(trans_a: bool, trans_b: bool):
     """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat f32 [batch, m, n]) =
@@ -105,9 +142,7 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
                 while bx < tiles_n:
                     col0 = bx * uBN
                     r0, c0 = row0 + ar, col0 + bc   # this thread's first row of A / column of B
-                    for i in range(TM):
-                        for j in range(TN):
-                            acc[i, j] = ZERO
+                    zero_acc(acc)
                     load(ra, rb, a, b, ao, bo, r0, c0, U0, aq, bq, m, n, k)
                     stage(As, Bs, ra, rb, U0, ar, aq, bq, bc)
                     cuda.syncthreads()
@@ -117,32 +152,14 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
                         more = k0 + uBK < k
                         if more:   # issue the next tile's loads now, store them after the FMAs
                             load(ra, rb, a, b, ao, bo, r0, c0, k0 + uBK, aq, bq, m, n, k)
-                        q = U0
-                        while q < uBK:   # not range(): its int64 count and signed index cost
-                                         # ~10 instructions a k (LLVM keeps this loop rolled)
-                            for i in range(TM):
-                                fa[i] = As[buf, q, ty + _u(i) * uTY]
-                            for j in range(TN):
-                                fb[j] = Bs[buf, q, tx + _u(j) * uTX]
-                            for i in range(TM):
-                                for j in range(TN):
-                                    acc[i, j] += fa[i] * fb[j]
-                            q += U1
+                        mma(As, Bs, buf, acc, fa, fb, tx, ty)
                         if more:   # the other buffer: its last readers passed the barrier below
                             stage(As, Bs, ra, rb, buf ^ U1, ar, aq, bq, bc)
                         cuda.syncthreads()
                         buf ^= U1
                         k0 += uBK
-                    # bounds as "constant < rows/columns left": one register each, not
-                    # 64-bit indices per i and j (those spilled around the live accumulators)
                     r, cl = row0 + ty, col0 + tx
-                    rows, cols = m - min(r, m), n - min(cl, n)
-                    base = co + r * n + cl
-                    for i in range(TM):
-                        if _u(i * TY) < rows:
-                            for j in range(TN):
-                                if _u(j * TX) < cols:
-                                    c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
+                    store_tile(c, acc, co + r * n + cl, m - min(r, m), n - min(cl, n), n)
                     bx += uint64(cuda.gridDim.x)
                 by += uint64(cuda.gridDim.y)
             z += uint64(cuda.gridDim.z)

@@ -593,9 +593,15 @@ class LlamaForCausalLM:
         """(fused, graph param name -> (scheme, packed bytes)): the packed weights under the
         graph's names. A fused pack (qkv, gate/up) of packed parts of one scheme is their
         rows concatenated (or interleaved) as graph_params does; a pack whose parts differ
-        in scheme or packing builds the unfused graph instead."""
+        in scheme or packing builds the unfused graph instead. Built once (every compile of
+        the model reads it)."""
         if not self.packed:
             return True, {}
+        if getattr(self, "_packed_graph", None) is None:
+            self._packed_graph = self._pack_graph()
+        return self._packed_graph
+
+    def _pack_graph(self):
         out = dict(self.packed)
         for pname, parts, interleaved in list(_packs(self.config, set(self.params))):
             got = [self.packed.get(name) for name in parts]
