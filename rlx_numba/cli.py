@@ -1,4 +1,4 @@
-"""`rlx-numba info | demo [--model minilm|smollm2 | --train]`."""
+"""`rlx-numba info [--weights F] | demo [--model minilm|smollm2 | --train]`."""
 from __future__ import annotations
 
 import argparse
@@ -22,7 +22,26 @@ def _libraries() -> list[tuple[str, str]]:
     return rows
 
 
-def info() -> int:
+def weights_info(path: str) -> int:
+    """Bytes of a weight file by format, and what f32 would take."""
+    from rlx_numba.models.weights import weight_formats
+    try:
+        rows = weight_formats(path)
+    except (OSError, ValueError) as e:
+        print(f"info --weights: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}\n  {'format':<10} {'tensors':>8} {'MiB':>10} {'as f32 MiB':>11}")
+    for fmt_, r in sorted(rows.items(), key=lambda kv: -kv[1]["bytes"]):
+        print(f"  {fmt_:<10} {r['tensors']:>8} {r['bytes'] / 2**20:>10.1f} {r['f32_bytes'] / 2**20:>11.1f}")
+    tb, tf = sum(r["bytes"] for r in rows.values()), sum(r["f32_bytes"] for r in rows.values())
+    print(f"  {'total':<10} {sum(r['tensors'] for r in rows.values()):>8} {tb / 2**20:>10.1f} "
+          f"{tf / 2**20:>11.1f}")
+    return 0
+
+
+def info(weights: str | None = None) -> int:
+    if weights:
+        return weights_info(weights)
     import numba
     import numpy as np
 
@@ -153,7 +172,10 @@ def demo_model(name: str, path: str | None = None, prompt: str | None = None) ->
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rlx-numba", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="GPU or simulator, versions, CUDA libraries found")
+    i = sub.add_parser("info", help="GPU or simulator, versions, CUDA libraries found; with "
+                                    "--weights, a weight file's bytes by format")
+    i.add_argument("--weights", help="a .gguf or .safetensors file (or a folder of them): its "
+                                     "tensors' bytes by format (Q4_0, Q4_K, F16, F32 ...)")
     d = sub.add_parser("demo", help="run a small MLP graph and check it against NumPy; with "
                                     "--model, a real model whose weights are installed; with "
                                     "--train, train a tiny byte-level Llama on a text")
@@ -180,7 +202,9 @@ def main(argv=None) -> int:
         return train_main(extra, prog="rlx-numba demo --train")
     if args.cmd == "demo" and args.model:
         return demo_model(args.model, args.path, args.prompt)
-    return {"info": info, "demo": demo}[args.cmd]()
+    if args.cmd == "info":
+        return info(args.weights)
+    return demo()
 
 
 if __name__ == "__main__":

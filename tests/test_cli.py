@@ -67,3 +67,36 @@ def test_example_script_help():
     assert r.returncode == 0, r.stderr
     for arg in ("--text", "--steps", "--batch", "--seq", "--hidden", "--layers", "--lr", "--out"):
         assert arg in r.stdout, arg
+
+
+def test_info_weights_bytes_by_format(tmp_path, capsys):
+    """`rlx-numba info --weights F`: a file's bytes by format from its header, against sizes
+    worked out here (Q8_0: 34 bytes a block of 32)."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import quantize
+    rng = np.random.default_rng(0)
+    path = tmp_path / "w.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    q = quantize(rng.standard_normal((6, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("a", q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("b", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("c", rng.standard_normal(7).astype(np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["info", "--weights", str(path)]) == 0
+    out = capsys.readouterr().out
+    from rlx_numba.models.weights import weight_formats
+    got = weight_formats(path)
+    assert got == {"Q8_0": {"tensors": 1, "bytes": 6 * 2 * 34, "f32_bytes": 6 * 64 * 4},
+                   "F32": {"tensors": 1, "bytes": 60, "f32_bytes": 60},
+                   "F16": {"tensors": 1, "bytes": 14, "f32_bytes": 28}}
+    assert re.search(r"Q8_0\s+1\s+0\.0\s+0\.0", out) and "total" in out
+    st = pytest.importorskip("safetensors.numpy")
+    st.save_file({"x": np.zeros((4, 8), np.float16), "y": np.zeros(3, np.float32)},
+                 str(tmp_path / "model.safetensors"))
+    assert weight_formats(tmp_path) == {"F16": {"tensors": 1, "bytes": 64, "f32_bytes": 128},
+                                        "F32": {"tensors": 1, "bytes": 12, "f32_bytes": 12}}
+    assert main(["info", "--weights", str(tmp_path / "missing.gguf")]) == 2
+    assert "info --weights" in capsys.readouterr().err

@@ -3,8 +3,9 @@
 W is stored [N, K] row-major (the executable stores weights read only by products that way,
 as nn.Linear does), f32, or f16 / bf16 (``set_param_half``; bf16 as uint16 bit patterns,
 widened by a shift). x, y, bias and residual are f32; sums are f32. With half weights x is
-rounded to the same half type as it is read (tier 0 casts it so too), so whichever of tier 0
-and tier 3 the compile-time timing picks, only the order of the sums differs.
+not rounded (tier 0 casts it to the half type for cuBLAS): rounding it here cost ~4
+instructions an x value for every column group reading it, which made half weights slower
+than f32 at M = 8 (H200, SmolLM2 shapes); the product is the exactly widened weight times x.
 
 At decode sizes the product is a stream over W's bytes with almost no arithmetic, so the
 kernel is shaped for the load queue: a block owns cpw consecutive columns (rows of W) and
@@ -32,7 +33,6 @@ the column groups (the simulator launches two).
 import functools
 
 from numba import cuda, float32, int32, int64, uint32, uint64
-from numba.core.types import float16
 
 from ..device import SIMULATOR
 from . import elementwise as ew
@@ -76,17 +76,6 @@ def _quad(wr, uu, c, h, wkind, vec):
     # bf16: the f32 bits are the half's bits << 16
     return (mf.bits_f32(int32(a << _S16)), mf.bits_f32(int32(a & _HI)),
             mf.bits_f32(int32(b << _S16)), mf.bits_f32(int32(b & _HI)))
-
-
-@_inline
-def _round_x(v, wkind):
-    """x as the product sees it: rounded to the weights' half type (as tier 0 casts it), so
-    the tier the compile-time timing picks changes no more than the order of the sums."""
-    if wkind == 1:
-        return float32(float16(v))
-    if wkind == 2:
-        return ew.round_bf16(v)
-    return v
 
 
 @functools.lru_cache(maxsize=None)
@@ -212,11 +201,11 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                             for r in range(m):   # for all the columns
                                 xo = uint64(r * k + kk + 4 * h)
                                 if vec == 1:
-                                    xf[r, 0] = _round_x(x[xo], wkind)
+                                    xf[r, 0] = x[xo]
                                 else:
                                     x4 = ptx.ld4(x, xo)
                                     for e in range(4):
-                                        xf[r, e] = _round_x(x4[e], wkind)
+                                        xf[r, e] = x4[e]
                             for c in range(cpw):
                                 w4 = _quad(wr, uu, c, h, wkind, vec)
                                 for r in range(m):

@@ -194,6 +194,41 @@ class GGUFFile:
         return np.ascontiguousarray(data.view(np.uint8).reshape(rows, -1))
 
 
+def weight_formats(path) -> dict[str, dict]:
+    """Bytes of a weight file by format, from its header (no tensor read): {format: {"tensors",
+    "bytes" (as stored), "f32_bytes" (the same tensors held f32)}}. A GGUF file (types as
+    gguf names them: Q4_0, Q4_K, F16 ...), a .safetensors file or a folder of them (F32,
+    BF16 ...)."""
+    path = as_path(path)
+    out: dict[str, dict] = {}
+
+    def add(fmt_, nbytes, elements):
+        row = out.setdefault(fmt_, {"tensors": 0, "bytes": 0, "f32_bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += int(nbytes)
+        row["f32_bytes"] += 4 * int(elements)
+
+    if path.suffix == ".gguf":
+        for t in _gguf_reader(path).tensors:
+            add(t.tensor_type.name, t.n_bytes, t.n_elements)
+        return out
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files:
+        raise ValueError(f"weight_formats: {path} is not a .gguf or .safetensors file, nor a "
+                         f"folder holding .safetensors files")
+    _need("safetensors")
+    from safetensors import safe_open
+    size = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "U8": 1,
+            "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+    for f in files:
+        with safe_open(str(f), framework="numpy") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                dtype, n = sl.get_dtype(), int(np.prod(sl.get_shape(), dtype=np.int64))
+                add(dtype, n * size.get(dtype, 4), n)
+    return out
+
+
 def quantize(w: np.ndarray, scheme: str) -> np.ndarray:
     """GGUF blocks (u8 [N, K / block * bytes]) of an f32 weight [N, K], one row of blocks a
     row as Graph.dequant_matmul reads them: q4_0, q4_1, q5_0, q5_1, q8_0 by the gguf package
