@@ -5,8 +5,9 @@ runtime/lower_grouped.py.
 ``grouped_matmul(x, w, expert_ids)`` is one node, out[i] = x[i] @ w[expert_ids[i]]; on the
 device a routing kernel buckets the rows by expert (a stable counting sort, each expert's
 segment padded to whole row tiles) and one tiled GEMM launch covers every expert, with nothing
-read back to the host (so it can sit in a CUDA graph). Internally the node carries
-``trans_w``: with it, out[i] = x[i] @ w[e_i]^T (x [M, N] -> [M, K]), the product dx needs.
+read back to the host (so it can sit in a CUDA graph). The node carries ``trans_w`` (a
+builder argument too): with it, out[i] = x[i] @ w[e_i]^T (w [E, N, K]), the product dx needs
+and the layout of transformers' fused expert weights ([E, out, in]).
 The weight gradient is its own node, ``grouped_matmul_wgrad(a, b, ids)`` -> [E, Ka, Nb] with
 out[e] = sum over the rows i of expert e of a[i]^T b[i], summed in row order (no atomics: the
 same bits every run). The three nodes' VJPs are each other, so gradients of gradients work.
@@ -29,20 +30,24 @@ def _desc(t) -> str:
     return f"{t.dtype} {fmt(t.shape)}"
 
 
-def check_grouped(x, w, ids):
-    """(M, K, E, N) of grouped_matmul's operands, or ValueError naming the argument."""
+def check_grouped(x, w, ids, trans_w=False):
+    """(M, K, E, N) of grouped_matmul's operands, or ValueError naming the argument. With
+    ``trans_w`` w is [E, N, K]."""
     op = "grouped_matmul"
     for arg, t in (("x", x), ("w", w)):
         if not t.dtype.is_float:
             raise ValueError(f"{op}: {arg} must be a float tensor, got {_desc(t)}")
     if len(x.shape) != 2:
         raise ValueError(f"{op}: x must be 2-D [M, K], got {_desc(x)}")
+    layout = "[E, N, K] (trans_w: one [N, K] matrix an expert)" if trans_w else \
+        "[E, K, N] (one [K, N] matrix an expert)"
     if len(w.shape) != 3:
-        raise ValueError(f"{op}: w must be 3-D [E, K, N] (one [K, N] matrix an expert), got "
-                         f"{_desc(w)}")
-    (m, k), (e, wk, n) = x.shape, w.shape
+        raise ValueError(f"{op}: w must be 3-D {layout}, got {_desc(w)}")
+    (m, k), e = x.shape, w.shape[0]
+    wk, n = (w.shape[2], w.shape[1]) if trans_w else w.shape[1:]
     if k != wk:
-        raise ValueError(f"{op}: x {fmt(x.shape)} has K={k} but w {fmt(w.shape)} has K={wk}")
+        raise ValueError(f"{op}: x {fmt(x.shape)} has K={k} but w {fmt(w.shape)} has K={wk}"
+                         + (" (trans_w: w is [E, N, K])" if trans_w else ""))
     if ids.dtype not in ID_DTYPES:
         raise ValueError(f"{op}: expert_ids must be i32 or i64, got {_desc(ids)}")
     if tuple(ids.shape) != (m,):
@@ -84,19 +89,23 @@ def check_lora(x, w, a, b, scale):
 class MoEOps:
     """Builder methods; ``self`` is the Graph (``_f32``: NormOps')."""
 
-    def grouped_matmul(self, x, w, expert_ids):
+    def grouped_matmul(self, x, w, expert_ids, trans_w: bool = False):
         """out[i] = x[i] @ w[expert_ids[i]]: x [M, K], w [E, K, N], expert_ids i32/i64 [M] ->
-        f32 [M, N] (mixture-of-experts expert products, module docstring). Ids need not be
-        sorted; experts may repeat or go unused (an unused one costs nothing). expert_ids fed
-        to run() as host arrays are checked there (IndexError outside [0, E)); a row whose
-        in-graph or device-array id is out of range comes out as zeros. Half x / w are
-        computed in f32."""
+        f32 [M, N] (mixture-of-experts expert products, module docstring). ``trans_w``: w is
+        [E, N, K] (each expert's matrix [out, in], like nn.Linear and transformers' fused
+        expert weights) and out[i] = x[i] @ w[expert_ids[i]]^T, read in place (no copy). Ids
+        need not be sorted; experts may repeat or go unused (an unused one costs nothing).
+        expert_ids fed to run() as host arrays are checked there (IndexError outside [0, E));
+        a row whose in-graph or device-array id is out of range comes out as zeros. Half x /
+        w are computed in f32."""
         op = "grouped_matmul"
         for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
             self._check(op, arg, t)
-        m, _, _, n = check_grouped(x, w, expert_ids)
+        if not isinstance(trans_w, bool):
+            raise ValueError(f"{op}: trans_w must be a bool, got {trans_w!r}")
+        m, _, _, n = check_grouped(x, w, expert_ids, trans_w)
         return self._add(op, (self._f32(x), self._f32(w), expert_ids), (m, n), dt.F32,
-                         trans_w=False)
+                         trans_w=trans_w)
 
     def lora_matmul(self, x, w, a, b, scale):
         """x @ w + scale * (x @ a) @ b: x [..., K], w [K, N], a [K, r], b [r, N], scale a

@@ -167,7 +167,7 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact)
                         if kind == SOFTMAX:
                             vals[j] = e      # one exp an element: the store scales it
                 s = group_reduce(s, smem, g, SUM)
-                b = ONE / s
+                b = ONE / s if ok else ZERO      # (rows past the last: s = 0)
                 if kind == LOG_SOFTMAX:
                     a = a + m.log(s)
             elif kind == LAYER_NORM:

@@ -4,6 +4,12 @@ LlamaForCausalLM: weights from a config (random), a Hugging Face folder or a GGU
 ``model(input_ids)`` -> logits; ``generate`` with a KV cache (one prefill graph, then one decode
 graph replayed per token).
 
+The same config and graphs cover the mixture-of-experts decoders of that family (Mixtral,
+Qwen2-MoE, OLMoE: ``num_experts`` > 0): their sparse layers route each token to its top-k
+experts (grouped_matmul over transformers 5's fused expert weights), with Qwen2-MoE's shared
+expert and dense layers, OLMoE's q/k norms and Mixtral's sliding window. models/moe.py has
+their model class and checkpoint loading.
+
 Parameters keep Hugging Face's names and layouts (a projection is [out, in]); the graphs read
 them through a transpose of the last two axes, which the products take as an operand flag, so
 no weight is copied or transposed on the host.
@@ -43,6 +49,19 @@ class LlamaConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
+    model_type: str = "llama"                     # config.json's: one of MODEL_TYPES
+    qkv_bias: bool = False                        # q/k/v biases without o_proj's (Qwen2-MoE)
+    qk_norm: bool = False                         # OLMoE: RMSNorm over all of q / k, before rope
+    clip_qkv: float | None = None                 # OLMoE: q, k, v clamped to [-c, c]
+    sliding_window: int | None = None             # Mixtral: keys pos - w < j <= pos
+    # mixture of experts (Mixtral, Qwen2-MoE, OLMoE); num_experts 0: every MLP dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None      # an expert's; None: intermediate_size
+    norm_topk_prob: bool = False                  # renormalise the top-k probabilities
+    shared_expert_intermediate_size: int = 0      # Qwen2-MoE's sigmoid-gated shared expert
+    decoder_sparse_step: int = 1                  # Qwen2-MoE: n sparse if (n + 1) % step == 0
+    mlp_only_layers: list = field(default_factory=list)   # ... and not listed here
     extra: dict = field(default_factory=dict, repr=False)   # keys we read but do not use
 
     def __post_init__(self):
@@ -69,6 +88,41 @@ class LlamaConfig:
         if not self.rope_theta > 0 or not self.rms_norm_eps >= 0:
             raise ValueError(f"LlamaConfig: rope_theta must be > 0 and rms_norm_eps >= 0, got "
                              f"{self.rope_theta!r}, {self.rms_norm_eps!r}")
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"LlamaConfig: model_type must be one of {', '.join(MODEL_TYPES)}, "
+                             f"got {self.model_type!r}")
+        for f, v in (("clip_qkv", self.clip_qkv), ("sliding_window", self.sliding_window)):
+            if v is not None and not v > 0:
+                raise ValueError(f"LlamaConfig: {f} must be None or > 0, got {v!r}")
+        self._check_moe()
+
+    def _check_moe(self):
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
+        for f, lo in (("num_experts", 0), ("num_experts_per_tok", 1), ("moe_intermediate_size", 1),
+                      ("shared_expert_intermediate_size", 0), ("decoder_sparse_step", 1)):
+            v = getattr(self, f)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"LlamaConfig: {f} must be an int >= {lo}, got {v!r}")
+            setattr(self, f, int(v))
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"LlamaConfig: num_experts_per_tok {self.num_experts_per_tok} exceeds "
+                             f"num_experts {self.num_experts} (top-k of the router's experts)")
+        if not isinstance(self.mlp_only_layers, (list, tuple)):
+            raise ValueError(f"LlamaConfig: mlp_only_layers must be a list of layer indices, got "
+                             f"{self.mlp_only_layers!r}")
+        bad = [n for n in self.mlp_only_layers
+               if not isinstance(n, (int, np.integer)) or not 0 <= n < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"LlamaConfig: mlp_only_layers must hold layer indices in [0, "
+                             f"{self.num_hidden_layers}), got {bad[0]!r}")
+        self.mlp_only_layers = sorted({int(n) for n in self.mlp_only_layers})
+
+    def sparse_layer(self, n: int) -> bool:
+        """Whether layer n's MLP is routed experts (Qwen2-MoE's rule; every layer of Mixtral
+        and OLMoE)."""
+        return (self.num_experts > 0 and n not in self.mlp_only_layers
+                and (n + 1) % self.decoder_sparse_step == 0)
 
     @property
     def eos_ids(self) -> list[int]:
@@ -77,10 +131,27 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, d: dict, source="config") -> "LlamaConfig":
-        """From a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+        """From a Hugging Face config.json dict (transformers 4 or 5 layout) of model_type
+        'llama', 'mixtral', 'qwen2_moe' or 'olmoe' (keys it lacks take transformers' defaults
+        for that type; router_jitter_noise and the aux-loss keys only matter in training)."""
         mt = d.get("model_type", "llama")
-        if mt != "llama":
-            raise ValueError(f"{source}: model_type is {mt!r}; LlamaConfig reads 'llama' configs")
+        if mt not in MODEL_TYPES:
+            raise ValueError(f"{source}: model_type is {mt!r}; LlamaConfig reads "
+                             f"{', '.join(map(repr, MODEL_TYPES))} configs")
+        d = {**_TYPE_DEFAULTS.get(mt, {}), **{k: v for k, v in d.items() if v is not None}}
+        if mt == "mixtral":        # top-k always renormalised; every expert intermediate_size
+            d.update(num_experts=d.get("num_local_experts", d.get("num_experts")),
+                     norm_topk_prob=True, moe_intermediate_size=d["intermediate_size"])
+        elif mt == "olmoe":
+            d["qk_norm"] = True
+        elif mt == "qwen2_moe":
+            if d.get("use_sliding_window") or any(t != "full_attention"
+                                                  for t in d.get("layer_types") or ()):
+                raise ValueError(f"{source}: Qwen2-MoE's sliding-window layers "
+                                 f"(use_sliding_window) are not supported")
+            d.pop("sliding_window", None)
+        else:
+            d.pop("sliding_window", None)
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (Llama uses silu)")
@@ -91,10 +162,10 @@ class LlamaConfig:
             raise ValueError(f"{source}: rope scaling {rtype!r} is not supported (only the "
                              f"default rope)")
         theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        names = {f.name for f in fields(cls)} - {"extra", "rope_theta"}
+        names = {f.name for f in fields(cls)} - {"extra", "rope_theta", "model_type"}
         kw = {k: d[k] for k in names if k in d and d[k] is not None}
         try:
-            return cls(rope_theta=float(theta), **kw)
+            return cls(rope_theta=float(theta), model_type=mt, **kw)
         except TypeError as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -102,6 +173,19 @@ class LlamaConfig:
         d = asdict(self)
         d.pop("extra")
         return d
+
+
+MODEL_TYPES = ("llama", "mixtral", "qwen2_moe", "olmoe")
+# transformers' defaults for the keys a hub config.json of that type may leave out
+_TYPE_DEFAULTS = {
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6, "num_local_experts": 8,
+                "num_experts_per_tok": 2},
+    "qwen2_moe": {"rms_norm_eps": 1e-6, "qkv_bias": True, "num_experts": 60,
+                  "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                  "shared_expert_intermediate_size": 5632, "norm_topk_prob": False},
+    "olmoe": {"rms_norm_eps": 1e-5, "num_experts": 64, "num_experts_per_tok": 8,
+              "norm_topk_prob": False},
+}
 
 
 def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
@@ -114,12 +198,27 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
         out[p + "input_layernorm.weight"] = (h,)
         for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             out[p + f"self_attn.{name}.weight"] = (rows, h)
-            if cfg.attention_bias:
+            if cfg.attention_bias or cfg.qkv_bias:
                 out[p + f"self_attn.{name}.bias"] = (rows,)
         out[p + "self_attn.o_proj.weight"] = (h, q)
         if cfg.attention_bias:
             out[p + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            out[p + "self_attn.q_norm.weight"] = (q,)
+            out[p + "self_attn.k_norm.weight"] = (kv,)
         out[p + "post_attention_layernorm.weight"] = (h,)
+        if cfg.sparse_layer(n):    # transformers 5's names and layouts ([E, out, in])
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            si = cfg.shared_expert_intermediate_size
+            out[p + "mlp.gate.weight"] = (e, h)                       # the router
+            out[p + "mlp.experts.gate_up_proj"] = (e, 2 * mi, h)      # gate's rows, then up's
+            out[p + "mlp.experts.down_proj"] = (e, h, mi)
+            if si:
+                for name, shape in (("gate_proj", (si, h)), ("up_proj", (si, h)),
+                                    ("down_proj", (h, si))):
+                    out[p + f"mlp.shared_expert.{name}.weight"] = shape
+                out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+            continue
         for name, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             out[p + f"mlp.{name}.weight"] = shape
             if cfg.mlp_bias:
@@ -134,8 +233,10 @@ def llama_param_shapes(cfg: LlamaConfig) -> dict[str, tuple]:
 # the parts' rows one after the other -- gate and up's rows interleaved (gate 0, up 0, gate 1,
 # ...), so that at decode the product's kernel pairs them in its epilogue (Graph.gated)
 PACKS = (("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")))
-INTERLEAVED = ("mlp.gate_up_proj",)
+         ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+         ("mlp.shared_expert.gate_up_proj", ("mlp.shared_expert.gate_proj",
+                                             "mlp.shared_expert.up_proj")))
+INTERLEAVED = ("mlp.gate_up_proj", "mlp.shared_expert.gate_up_proj")
 
 
 def _packs(cfg: LlamaConfig, names):
@@ -293,6 +394,50 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
         return g.linear(x, w, P.get(name + ".bias"))
 
+    def swiglu(x, m):      # m: "...mlp." or "...mlp.shared_expert."
+        if fused:   # silu(gate) * up over the interleaved [.., 2 I] product: at decode
+            # (<= 16 rows) the skinny product's epilogue (passes/fusion.py), else one kernel
+            act = g.gated(lin(x, m + "gate_up_proj"), "silu", interleaved=True)
+        else:
+            act = g.silu(lin(x, m + "gate_proj")) * lin(x, m + "up_proj")
+        return lin(act, m + "down_proj")
+
+    def moe(x, p):
+        """The sparse block over the b*s tokens (transformers' Mixtral / Qwen2-MoE / OLMoE):
+        softmax over the router's logits, the top k (renormalised with norm_topk_prob), each
+        token's row repeated k times beside its k expert ids, the experts' SwiGLU as two
+        grouped products over the fused [E, out, in] weights, the k outputs summed with
+        their routing weights; plus Qwen2-MoE's shared expert times sigmoid(its gate)."""
+        t, h, k = b * s, cfg.hidden_size, cfg.num_experts_per_tok
+        xt = g.reshape(x, (t, h))
+        top, ids = g.topk(g.softmax(lin(xt, p + "mlp.gate"), axis=-1), k)          # [t, k]
+        if cfg.norm_topk_prob:
+            top = top / g.sum(top, -1, keep_dim=True)
+        ids = g.reshape(ids, (t * k,))
+        rows = g.reshape(g.expand(g.reshape(xt, (t, 1, h)), (t, k, h)), (t * k, h))
+        gate_up = g.grouped_matmul(rows, P[p + "mlp.experts.gate_up_proj"], ids, trans_w=True)
+        y = g.grouped_matmul(g.gated(gate_up, "silu"), P[p + "mlp.experts.down_proj"], ids,
+                             trans_w=True)                                      # [t k, h]
+        y = g.sum(g.reshape(y, (t, k, h)) * g.reshape(top, (t, k, 1)), 1)      # [t, h]
+        if cfg.shared_expert_intermediate_size:
+            y = y + g.sigmoid(lin(xt, p + "mlp.shared_expert_gate")) * swiglu(
+                xt, p + "mlp.shared_expert.")
+        return g.reshape(y, (b, s, h))
+
+    def qk_prep(q, k, v, p):
+        """OLMoE's RMSNorm over all of q's / k's heads and clamp of q, k, v (before rope)."""
+        if cfg.qk_norm:
+            q = g.rms_norm(q, P[p + "self_attn.q_norm.weight"], eps=eps)
+            k = g.rms_norm(k, P[p + "self_attn.k_norm.weight"], eps=eps)
+        if cfg.clip_qkv is not None:
+            c = float(cfg.clip_qkv)
+            q, k, v = (g.min(g.max(t, -c), c) for t in (q, k, v))
+        return q, k, v
+
+    def split(qkv):        # the q, k and v slices (copies) of the packed product
+        return [g.narrow(qkv, 2, o * d, w * d) for o, w in ((0, hq), (hq, hkv), (hq + hkv, hkv))]
+
+    win = cfg.sliding_window
     ids = g.input("input_ids", (b, s), "i32")
     cos_np, sin_np = rope_tables(d, cfg.rope_theta, n_pos)
     cos, sin = g.constant(cos_np), g.constant(sin_np)
@@ -301,7 +446,10 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         pad = g.param(pad_name(cache_len), (b, 1), "i32")
         col = g.constant(np.arange(cache_len, dtype=np.int32))
         # rows pad..pos are live (bool min: and); the new token sits at position pos - pad
-        keep = g.reshape(g.min(col >= pad, col <= pos), (b, 1, 1, cache_len))
+        live = g.min(col >= pad, col <= pos)
+        if win is not None:            # and rows the sliding window still sees
+            live = g.min(live, col > pos - win)
+        keep = g.reshape(live, (b, 1, 1, cache_len))
         at = pos - pad                                                   # [b, 1]
     elif kind == "prefill":
         # rope over [b*s, heads, 1, d]: column t of row r sits at position t - pad[r] (the
@@ -327,13 +475,17 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         else:                          # norm(resid + mlp) and the new resid in one kernel
             hn, resid = g.rms_norm(pending, P[p + "input_layernorm.weight"], eps=eps,
                                    residual=resid, return_residual=True)
+        prep = cfg.qk_norm or cfg.clip_qkv is not None
         if fused:      # [b, s, (hq + 2 hkv) d]: each token's q, k and v heads
             qkv = lin(hn, p + "self_attn.qkv_proj")
-            if not cached:     # forward: rope takes the three slices (copies) as below
-                q, k, v = (g.narrow(qkv, 2, o * d, w * d)
-                           for o, w in ((0, hq), (hq, hkv), (hq + hkv, hkv)))
+            if prep:           # packed again for rope_kv_write
+                qkv = g.concat(qk_prep(*split(qkv), p), 2)
+            if not cached:     # forward: rope takes the three slices as below
+                q, k, v = split(qkv)
         else:
             q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
+            if prep:
+                q, k, v = qk_prep(q, k, v, p)
         if cached:
             kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
         if cached and fused:   # rope of q and k and the cache write: one kernel
@@ -345,7 +497,7 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
                 a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
             else:              # the prompt's keys/values: the caches' first s rows
                 kp, vp = (g.narrow(t, 2, 0, s) for t in (k_all, v_all))
-                a = g.attention(qh, kp, vp, causal=True, mask=keys)       # [b, hq, s, d]
+                a = g.attention(qh, kp, vp, causal=True, window=win, mask=keys)  # [b, hq, s, d]
                 a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, s, hq * d))
                 caches += [k_all, v_all]
         elif kind == "decode":
@@ -358,7 +510,7 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
             qh = g.rope(g.reshape(q, (b * s, hq, 1, d)), cos, sin, positions=rows)
             kh = g.rope(g.reshape(k, (b * s, hkv, 1, d)), cos, sin, positions=rows)
             a = g.attention(g.reshape(qh, (b, s, hq * d)), g.reshape(kh, (b, s, hkv * d)), v,
-                            causal=True, mask=keys, num_heads=hq)
+                            causal=True, window=win, mask=keys, num_heads=hq)
             if kind == "prefill":      # the cache as [b, kv heads, rows, d]
                 for cache, t in ((kc, kh), (vc, v)):
                     heads = g.transpose(g.reshape(t, (b, s, hkv, d)), (0, 2, 1, 3))
@@ -366,12 +518,7 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         o = lin(a, p + "self_attn.o_proj")
         hn, resid = g.rms_norm(o, P[p + "post_attention_layernorm.weight"], eps=eps,
                                residual=resid, return_residual=True)
-        if fused:      # silu(gate) * up over the interleaved [.., 2 I] product: at decode
-            # (<= 16 rows) the skinny product's epilogue (passes/fusion.py), else one kernel
-            act = g.gated(lin(hn, p + "mlp.gate_up_proj"), "silu", interleaved=True)
-        else:
-            act = g.silu(lin(hn, p + "mlp.gate_proj")) * lin(hn, p + "mlp.up_proj")
-        pending = lin(act, p + "mlp.down_proj")
+        pending = moe(hn, p) if cfg.sparse_layer(n) else swiglu(hn, p + "mlp.")
     if kind == "prefill" and s > 1:    # only the last position's logits are needed
         pending, resid = g.narrow(pending, 1, s - 1, 1), g.narrow(resid, 1, s - 1, 1)
     final = g.rms_norm(pending, P["model.norm.weight"], eps=eps, residual=resid)
@@ -485,7 +632,18 @@ class LlamaForCausalLM:
             from tokenizers import Tokenizer
             tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
         src = folder / "model.safetensors" if (folder / "model.safetensors").exists() else folder
-        return cls(config, arrays, tokenizer=tok, source=src, **kw)
+        return cls(config, cls._checkpoint_params(config, arrays, src), tokenizer=tok,
+                   source=src, **kw)
+
+    @classmethod
+    def _checkpoint_params(cls, config, arrays, source) -> dict:
+        """A checkpoint's tensors under the names of ``llama_param_shapes`` (MoeForCausalLM
+        renames and stacks per-expert tensors)."""
+        if config.num_experts:
+            raise ValueError(f"{source}: a mixture-of-experts model (model_type "
+                             f"{config.model_type!r}); load it with "
+                             f"rlx_numba.models.MoeForCausalLM")
+        return arrays
 
     @classmethod
     def from_gguf(cls, path, weights: str = "f32", **kw) -> "LlamaForCausalLM":
@@ -832,9 +990,10 @@ class LlamaForCausalLM:
 
     def __repr__(self):
         c = self.config
-        return (f"LlamaForCausalLM({c.num_hidden_layers} layers, hidden {c.hidden_size}, heads "
-                f"{c.num_attention_heads}/{c.num_key_value_heads}, vocab {c.vocab_size}, "
-                f"weights {self.weights}, decode {self.exec_mode})")
+        moe = (f", {c.num_experts} experts top-{c.num_experts_per_tok}" if c.num_experts else "")
+        return (f"{type(self).__name__}({c.num_hidden_layers} layers, hidden {c.hidden_size}, "
+                f"heads {c.num_attention_heads}/{c.num_key_value_heads}{moe}, vocab "
+                f"{c.vocab_size}, weights {self.weights}, decode {self.exec_mode})")
 
 
 # ---- GGUF ------------------------------------------------------------------------------------------
