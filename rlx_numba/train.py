@@ -222,7 +222,7 @@ class TrainStore(ParamStore):
             e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
             e.copies[False] = view
         self._use(exe, key, e)
-        return e, view, created
+        return e, view, e.nbytes if created else 0     # (the bytes it added: ParamStore.bind)
 
     def _release(self, key):
         e = self._entries.get(key)

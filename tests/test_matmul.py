@@ -179,6 +179,32 @@ def test_half_weights(rng, half, tol):
     assert not any(s.info.get("tier") == 0 for s in exe.steps)
 
 
+@pytest.mark.parametrize("tiers", ["0,3", "2"])
+def test_half_weight_holds_f32_only_for_a_tier_reading_it(rng, monkeypatch, tiers):
+    """A half weight stored [N, K] keeps no f32 copy unless a product of it takes a tier that
+    reads f32 (a tier restriction, no cuBLAS: tier 4 in the simulator); then the store makes
+    the copy again from the half one. Batched, with A op-T: tier 0 on a GPU."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", tiers)
+    g = rlx.Graph("half_f32")
+    x, w = g.input("x", (2, 7, 3)), g.param("w", (7, 5))
+    g.set_outputs([g.matmul(g.transpose(x, (0, 2, 1)), w)])
+    exe = rlx.compile(g)
+    assert exe.transposed and exe.absorbed
+    xv = rng.standard_normal((2, 7, 3)).astype(np.float32)
+    wv = rng.standard_normal((7, 5)).astype(np.float32)
+    exe.set_param_half("w", wv, "f16")
+    (step,) = [s for s in exe.steps if "tier" in s.info]
+    reads_f32 = step.info["tier"] not in (0, 3)
+    assert reads_f32 == (tiers == "2" or not GPU), step.info
+    assert ("reads the half weight's f32 copy" in " ".join(step.info["why"])) == reads_f32
+    want = {"f16": 7 * 5 * 2, **({"f32": 7 * 5 * 4} if reads_f32 else {})}
+    assert exe.params.bytes_by_format() == want
+    xt = xv.transpose(0, 2, 1).astype(np.float64)
+    if step.info["tier"] == 0:
+        xt = xt.astype(np.float16).astype(np.float64)
+    close(exe.run({"x": xv})[0], xt @ wv.astype(np.float16).astype(np.float64), 3e-3)
+
+
 @pytest.mark.parametrize("half", [None, "f16"])
 def test_weights_stored_transposed(rng, half):
     """A 2-D param read only as a product's weight is stored [N, K] (op-T products); one

@@ -293,3 +293,111 @@ def test_pool_packs_copies_into_slabs_and_reuses_freed_ranges():
     for v in views[:1] + views[2:] + [again, half]:
         pool.free(v)
     assert pool.nbytes == 0 and not pool._where
+
+
+def _tied(m=3):
+    """A table gathered row-major that is also the head's weight (tied embeddings), and a
+    weight read only by a product (stored [N, K])."""
+    g = rlx.Graph(f"tied{m}")
+    ids, x = g.input("ids", (m,), "i32"), g.input("x", (m, 7), "f32")
+    e, w = g.param("e", (11, 7), "f32"), g.param("w", (7, 7), "f32")
+    h = g.gather(e, ids) + g.linear(x, w)
+    g.set_outputs([h @ g.transpose(e, (1, 0))])
+    return g
+
+
+def _tied_ref(ids, x, e, w):
+    h = e.astype(np.float64)[ids] + x.astype(np.float64) @ w
+    return h @ e.T
+
+
+def _product(name, m):
+    g = rlx.Graph(name)
+    x = g.input("x", (m, 7), "f32")
+    g.set_outputs([g.linear(x, g.param("w", (7, 7), "f32"))])
+    return g
+
+
+def test_half_weight_read_only_by_products_keeps_no_f32_copy(monkeypatch):
+    """set_param_half: the [N, K] f32 copy of a weight only products read is dropped (they
+    read the half copy), a row-major one is kept; a later graph deriving the row-major layout
+    or reading f32 (tier 4: the simulator, M > 16) gets it back; set_param goes back to f32;
+    nothing leaks."""
+    from numba import cuda
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "0,3")   # the tiers reading the half copy
+    rng = np.random.default_rng(7)
+    store = rlx.ParamStore()
+    exe = rlx.compile(_tied(), params=store)
+    ev = rng.standard_normal((11, 7)).astype(np.float32)
+    wv = rng.standard_normal((7, 7)).astype(np.float32)
+    exe.set_param_half("e", ev, "bf16")
+    exe.set_param_half("w", wv, "bf16")
+    eh, wh = (v.astype(dt.BF16.host).astype(np.float32) for v in (ev, wv))
+    assert exe.transposed == {exe._params["w"].id}
+    by = {"f32": 11 * 7 * 4, "bf16": (11 * 7 + 7 * 7) * 2}     # e: f32 kept (gathered)
+    assert store.bytes_by_format() == by == exe.memory_report()["param_bytes_by_format"]
+    assert {s.info["tier"] for s in exe.steps if "tier" in s.info} <= {0, 3}
+    with pytest.raises(RuntimeError, match=r"param 'w' \[7, 7\] is stored bf16 and holds no "
+                                           r"f32 copy in its \[N, K\] layout"):
+        exe.buf(exe._params["w"])
+    ids = np.array([3, 10, 0], np.int32)
+    x = rng.standard_normal((3, 7)).astype(np.float32)
+    tol = dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(exe.run({"ids": ids, "x": x})[0], _tied_ref(ids, x, eh, wh), **tol)
+    np.testing.assert_array_equal(exe.get_param("w"), wh)     # from the half copy
+    np.testing.assert_array_equal(exe.get_param("e"), eh)
+    # a graph reading w element-wise: its row-major layout is derived from the half copy
+    g = rlx.Graph("elementwise")
+    g.set_outputs([g.exp(g.param("w", (7, 7), "f32"))])
+    e_n = rlx.compile(g, params=store)
+    assert e_n.memory_report()["param_bytes"] == 7 * 7 * (4 + 2)   # f32 and half, row-major
+    np.testing.assert_allclose(e_n.run()[0], np.exp(wh), rtol=1e-6)
+    assert store.bytes_by_format() == {"f32": (11 * 7 + 7 * 7) * 4,
+                                       "bf16": (11 * 7 + 2 * 7 * 7) * 2}
+    # a product of 20 rows: tier 0 on a GPU; tier 4 in the simulator, which reads f32
+    e20 = rlx.compile(_product("rows20", 20), params=store)
+    x20 = rng.standard_normal((20, 7)).astype(np.float32)
+    np.testing.assert_allclose(e20.run({"x": x20})[0], x20 @ wh, **tol)
+    f32_w = 2 if rlx.simulator_enabled() else 1                  # layouts holding f32 w
+    assert store.bytes_by_format()["f32"] == (11 * 7 + f32_w * 7 * 7) * 4
+    np.testing.assert_allclose(exe.run({"ids": ids, "x": x})[0], _tied_ref(ids, x, eh, wh), **tol)
+    # back to f32: every layout holds f32 again, no half copy of w
+    wv2 = rng.standard_normal((7, 7)).astype(np.float32)
+    exe.set_param("w", wv2)
+    assert store.bytes_by_format() == {"f32": (11 * 7 + 2 * 7 * 7) * 4, "bf16": 11 * 7 * 2}
+    assert exe.half_param(exe._params["w"]) is None
+    assert all(s.info["tier"] != 0 for s in e20.steps if "tier" in s.info)
+    np.testing.assert_allclose(exe.run({"ids": ids, "x": x})[0], _tied_ref(ids, x, eh, wv2), **tol)
+    np.testing.assert_allclose(e20.run({"x": x20})[0], x20 @ wv2, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(e_n.run()[0], np.exp(wv2), rtol=1e-6)
+    np.testing.assert_array_equal(e20.get_param("w"), wv2)
+    # half again, then f32 from a device array through the [N, K] graph
+    exe.set_param_half("w", wv, "f16")
+    wv3 = rng.standard_normal((7, 7)).astype(np.float32)
+    e20.set_param("w", cuda.to_device(wv3))
+    np.testing.assert_allclose(exe.run({"ids": ids, "x": x})[0], _tied_ref(ids, x, eh, wv3), **tol)
+    np.testing.assert_allclose(e_n.run()[0], np.exp(wv3), rtol=1e-6)
+    np.testing.assert_array_equal(exe.get_param("w"), wv3)
+    del exe, e_n, e20
+    gc.collect()
+    assert len(store) == 0 and store._pool.nbytes == 0 and not store._pool._where
+
+
+def test_half_weight_of_a_graph_compiled_after_the_set(monkeypatch):
+    """A graph compiled after set_param_half stores the weight [N, K]: it gets the half copy
+    only (its own layout, derived from the row-major one) and reads it."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "0,3")
+    rng = np.random.default_rng(8)
+    store = rlx.ParamStore()
+    g = rlx.Graph("row_major")
+    g.set_outputs([g.exp(g.param("w", (7, 7), "f32"))])
+    e_n = rlx.compile(g, params=store)
+    wv = rng.standard_normal((7, 7)).astype(np.float32)
+    e_n.set_param_half("w", wv, "f16")
+    e_t = rlx.compile(_product("later", 2), params=store)
+    assert e_t.memory_report()["param_bytes"] == 7 * 7 * 2       # the [N, K] half copy only
+    assert store.bytes_by_format() == {"f32": 7 * 7 * 4, "f16": 2 * 7 * 7 * 2}
+    x = rng.standard_normal((2, 7)).astype(np.float32)
+    wh = wv.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(e_t.run({"x": x})[0], x @ wh, rtol=3e-3, atol=3e-3)
+    np.testing.assert_array_equal(e_t.get_param("w"), wh)

@@ -139,7 +139,8 @@ class CudaExecutable:
         self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
         nodes = graph.nodes
         self._params = {n.name: n for n in nodes if n.op == "param"}
-        self._param_mem = {}                 # param node id -> its flat uint8 store array
+        self._param_mem = {}                 # param node id -> its flat uint8 store array (or
+                                             # None: a half weight's dropped f32 copy, params.py)
         self._bind_params()
         self._bufs = {}                      # node id -> flat device view of its storage
         for nid in self._root:
@@ -215,10 +216,10 @@ class CudaExecutable:
         written = {self._root[n.id] for n in self.graph.nodes
                    if n.op in lower.INPLACE and n.id in self._live}
         for n in self._params.values():
-            e, mem, created = self.params.bind(self, n, n.id in self.transposed, n.id in written)
+            e, mem, added = self.params.bind(self, n, n.id in self.transposed, n.id in written)
             self._param_mem[n.id] = mem
-            if created:
-                own += e.nbytes
+            if added:
+                own += added
             else:
                 shared += e.nbytes
         self._report.update(param_bytes=own, shared_param_bytes=shared)
@@ -230,10 +231,12 @@ class CudaExecutable:
         n = self.graph.nodes[nid]
         root = self._root[nid]
         storage = n.dtype.storage
-        mem = self._param_mem.get(root)
         off, count = lower.view_window(self.graph, nid, self._root)   # narrow views: an offset
         start = off * storage.itemsize
-        if mem is not None:
+        if root in self._param_mem:
+            mem = self._param_mem[root]
+            if mem is None:               # a half weight's dropped f32 copy (params.py)
+                return None
             return mem[start:start + count * storage.itemsize].view(storage)
         start += self.buffers[root].offset
         return self.arena[start:start + count * storage.itemsize].view(storage)
@@ -247,6 +250,29 @@ class CudaExecutable:
     def keep(self, arrays) -> None:
         """Keep device arrays a step points at (e.g. cuBLAS pointer tables) alive."""
         self._extra.extend(arrays)
+
+    def _rebind_param(self, name) -> None:
+        """The store dropped or made again the f32 copy of param ``name``: take the new views
+        (the products that read them are planned again by the store's set)."""
+        node = self._params.get(name)
+        if node is None:
+            return
+        self._param_mem[node.id] = self._entry(node).copies[node.id in self.transposed]
+        if hasattr(self, "_bufs"):           # (else __init__ makes them next)
+            for nid in self._bufs:
+                if self._root[nid] == node.id:
+                    self._bufs[nid] = self._flat(nid)
+
+    def weight_buf(self, node):
+        """``buf(node)`` for a product's weight, or None where the store holds no f32 copy of
+        it (a half weight's [N, K] layout: see ``half_param`` and ``param_f32``)."""
+        return self._bufs[node.id]
+
+    def param_f32(self, node):
+        """The f32 copy of param ``node`` in this executable's layout, made again by the store
+        where set_param_half dropped it (for a product on a tier that reads f32)."""
+        self.params.f32_copy(node, node.id in self.transposed)     # (rebinds our views)
+        return self.buf(node)
 
     def half_param(self, node):
         """(half dtype, device array) when the param ``node`` was set by set_param_half."""
@@ -276,7 +302,16 @@ class CudaExecutable:
 
     def buf(self, node_or_id):
         """The flat device view of a node's storage."""
-        return self._bufs[getattr(node_or_id, "id", node_or_id)]
+        nid = getattr(node_or_id, "id", node_or_id)
+        b = self._bufs[nid]
+        if b is None:      # never a freed copy's bytes
+            p = self.graph.nodes[self._root[nid]]
+            raise RuntimeError(
+                f"graph {self.graph.name!r}: param {p.name!r} {fmt(p.shape)} is stored "
+                f"{self._entry(p).half[0]} and holds no f32 copy in its [N, K] layout (only "
+                f"products read it there, from the half copy); a step reading it as f32 must "
+                f"ask for it with param_f32()")
+        return b
 
     @staticmethod
     def _storage(arr, d: dt.DType):
@@ -330,6 +365,7 @@ class CudaExecutable:
                              f"(params: {known})")
         dev = _as_device_array(value)
         if dev is not None:
+            self.params.hold_f32(node)      # (after set_param_half: the f32 copies come back)
             self._copy_in(node, dev, "set_param")
             self.params.refresh_layouts(node, node.id in self.transposed, self.stream)
             # other executables of the store run on other streams: the copy must have landed
@@ -359,18 +395,14 @@ class CudaExecutable:
             if name in self._unset:
                 raise ValueError(f"get_param {name!r}: the param was never set")
         self.stream.synchronize()
-        if not node.size:
-            return np.empty(node.shape, node.dtype.host)
-        host = self._bufs[node.id][:node.size].copy_to_host().view(node.dtype.host)
-        if node.id in self.transposed:
-            return np.ascontiguousarray(host.reshape(node.shape[::-1]).T)
-        return host.reshape(node.shape)
+        return self.params.get_host(node, node.id in self.transposed)
 
     def set_param_half(self, name: str, value, dtype: str) -> None:
         """Store an f32 weight on the device as f16 or bf16 (``dtype``): the products that take
-        it as their weight then run on half operands with f32 accumulation (matmul tier 0).
-        Anything else that reads the param sees the half-rounded values as f32. set_param()
-        later goes back to f32."""
+        it as their weight then read the half copy (matmul tier 0: half operands, f32
+        accumulation; tier 3: the skinny kernel reads it directly). A weight read only by
+        products keeps no f32 copy on the device; anything else that reads the param sees the
+        half-rounded values as f32. set_param() later goes back to f32."""
         node = self._params.get(name)
         if node is None:
             known = ", ".join(self._params) or "none"

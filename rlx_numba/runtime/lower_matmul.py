@@ -3,7 +3,9 @@
 Each product is planned once, at compile time, taking the first tier whose preconditions hold:
 
   0  the weight (B) is a param stored half by ``set_param_half``: the activations are cast to
-     that half type (a generated cast kernel), then ``cublasGemmEx`` with f32 accumulation;
+     that half type (a generated cast kernel), then ``cublasGemmEx`` with f32 accumulation
+     (a half weight stored [N, K] holds no f32 copy while its products read the half one:
+     a tier that reads f32 asks the store to make it again, ``_f32_weight``);
   1  cuBLASLt, every unbatched product: the bias and relu / gelu_tanh fused in its epilogue
      (a residual with no activation rides along as C with beta = 1);
   2  ``cublasSgemm_v2`` / strided-batched / pointer-array batched (batched products, or
@@ -12,7 +14,8 @@ Each product is planned once, at compile time, taking the first tier whose preco
      weight is stored [N, K] (f32, or half by set_param_half), the whole epilogue fused. On a
      GPU it is timed at compile time against the tier the ladder would take (0 or 1) for that
      exact shape, weight dtype, epilogue and exec mode (replayed from a CUDA graph under
-     GRAPH), and the faster one runs; the verdict is kept on
+     GRAPH) -- every step that tier adds: tier 0's cast kernel, the product, the epilogue and
+     gated kernels -- and the faster one runs; the verdict is kept on
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
@@ -29,6 +32,7 @@ the tiers tried (for tests and comparisons).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -76,7 +80,8 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
     """2-D f32 params read only as a product's weight (B): stored transposed, [N, K] as
     nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are about twice as fast as
     NN on the skinny products of decoding and small batches: 3.9 against 7.5 us for
-    16x256x256 on an H200). set_param / set_param_half transpose on the way in."""
+    16x256x256 on an H200). set_param / set_param_half transpose on the way in; a half weight
+    keeps no f32 copy in this layout (runtime/params.py)."""
     consumers: dict[int, list] = {}
     for n in graph.nodes:
         for j, i in enumerate(n.inputs):
@@ -89,7 +94,8 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
 
 @dataclass
 class Operand:
-    buf: object        # flat device view of the stored matrix (or matrices)
+    buf: object        # flat device view of the stored matrix (or matrices); None for a half
+                       # weight holding no f32 copy (tiers 0 and 3 read exe.half_param)
     node: object       # the node whose memory that is (a transpose's input when absorbed)
     trans: bool        # stored as the transpose of the logical operand (last two axes)
     shape: tuple       # logical shape [..., rows, cols]
@@ -101,7 +107,17 @@ def operand(exe, nid) -> Operand:
     if nid in exe.absorbed:
         src = g.nodes[n.inputs[0]]
         return Operand(exe.buf(src), src, True, n.shape)
-    return Operand(exe.buf(n), n, nid in exe.transposed, n.shape)
+    return Operand(exe.weight_buf(n), n, nid in exe.transposed, n.shape)
+
+
+def _f32_weight(exe, b: Operand, tier, why) -> Operand:
+    """``b`` for a tier that reads the weight as f32. A half weight stored [N, K] holds no f32
+    copy while its products read the half one; where one cannot (no cuBLAS, a tier
+    restriction), the store makes the f32 copy again and keeps it while the weight is half."""
+    if b.buf is not None:
+        return b
+    why.append(f"tier {tier} reads the half weight's f32 copy (kept beside the half one)")
+    return dataclasses.replace(b, buf=exe.param_f32(b.node))
 
 
 def _env_tiers():
@@ -184,11 +200,14 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
         if not ok:
             why.append(f"tier {tier}: {reason.splitlines()[0]}")
             continue
+        if tier:
+            b = _f32_weight(exe, b, tier, why)
         plan = _TIERS[tier](exe, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why)
         if plan is not None:
             steps, fused = plan
             steps = steps + _epilogue(exe, name, full, (batch * m, ncols), **{**epi, **fused}) + post
-            if skinny is not None:   # the faster of the two, timed (or known) for this shape
+            if skinny is not None:   # the faster of the two, timed (or known) for this shape:
+                # all of ``steps`` (tier 0's cast kernel included), as the run launches them
                 key = _choice_key(exe, b, m, ncols, k, epi, tier, gated)
                 us3, us = _timed_choice(exe, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
@@ -199,6 +218,7 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
             return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
+    b = _f32_weight(exe, b, 4, why)
     kern = mm.sgemm_kernel(a.trans, b.trans)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
@@ -383,7 +403,7 @@ def _dummy(exe):
 
 
 # ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
-CHOICE_VERSION = 1          # bump when the kernel or its plan changes: old verdicts are ignored
+CHOICE_VERSION = 2          # bump when the kernel or its plan changes: old verdicts are ignored
 CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 

@@ -10,8 +10,12 @@ An entry is keyed by (name, shape, dtype): a KV cache param of another batch siz
 entry. Its storage layout (row-major, or [N, K] for a 2-D weight read only by products, see
 lower_matmul.transposed_weights) is per executable, so an entry keeps one device copy per
 layout asked for, all rewritten by every set. A weight stored half by ``set_param_half`` has
-its half copy here too, and every executable reading it re-plans its products. An entry
-lives while an executable uses it.
+a half copy per layout here too, and every executable reading it re-plans its products,
+which then read the half copy (matmul tiers 0 and 3). Its f32 copy in the [N, K] layout is
+then dropped: only products read that layout. A product that must still read f32 (no cuBLAS,
+a tier restriction) gets it back (``f32_copy``), kept while the weight stays half; set_param
+brings every f32 copy back. A row-major copy stays f32 beside the half one (a gather, an
+element-wise op may read it). An entry lives while an executable uses it.
 
 The copies are carved from slabs (``_Pool``), not allocated one by one: the driver maps an
 allocation past ~1 MiB in whole 2 MiB pages, so a 1.3 MB weight took 2 MiB and a 2.2 MB one
@@ -98,7 +102,9 @@ class _Entry:
 
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
-        self.copies = {}      # transposed (bool) -> flat uint8 device array
+        # transposed (bool) -> flat uint8 device array; None: the [N, K] f32 copy of a half
+        # weight, dropped (its products read the half copy)
+        self.copies = {}
         self.half = None      # (half DType, {transposed: device array}) after set_param_half
         self.is_set = False
         self.users = weakref.WeakSet()   # executables bound to it (to re-plan their products)
@@ -127,13 +133,13 @@ class ParamStore:
     # ---- binding (compile time) -------------------------------------------------------------
     def bind(self, exe, node, transposed: bool, written: bool = False):
         """(entry, the flat uint8 device array holding ``node``'s value in the layout
-        ``transposed`` for ``exe``, created) where ``created`` says the bytes are new to the
-        store. ``written``: ``exe`` writes the param in place (kv_write). Such a param keeps
-        one layout: the other would not see the writes."""
+        ``transposed`` for ``exe`` -- None for a half weight's [N, K] layout, whose products
+        read the half copy --, the device bytes this added to the store). ``written``: ``exe``
+        writes the param in place (kv_write). Such a param keeps one layout: the other would
+        not see the writes."""
         key = (node.name, tuple(node.shape), node.dtype)
         e = self._entries.get(key)
-        created = e is None
-        if created:
+        if e is None:
             e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
         if (written or e.written) and len(set(e.copies) | {transposed}) > 1:
             what = "this graph writes it" if written else "another graph of the store writes it"
@@ -143,18 +149,21 @@ class ParamStore:
                              f"copy would not see the writes); give the graphs separate "
                              f"ParamStores or separate params")
         e.written = e.written or written
-        buf = e.copies.get(transposed)
-        if buf is None:
-            buf = e.copies[transposed] = self._pool.alloc(e.nbytes)
-            created = True
-            if e.is_set and e.size:          # derive the new layout from the other one
-                _transpose_into(buf, e.copies[not transposed], e, transposed, exe.stream)
-        if e.half is not None and transposed not in e.half[1]:
-            hdt, halves = e.half
-            other = next(iter(halves.values()))
-            halves[transposed] = self._half_relayout(other, e, hdt, transposed)
+        added = 0
+        if transposed not in e.copies:
+            if e.half is not None and transposed:
+                e.copies[True] = None          # products only: they read the half copy
+            else:
+                e.copies[transposed] = self._pool.alloc(e.nbytes)
+                added += e.nbytes
+                if e.is_set and e.size:        # derive the new layout from a held one
+                    self._derive(e, transposed, exe.stream)
+            if e.half is not None and e.size:
+                hdt, halves = e.half
+                halves[transposed] = self._half_copy(self._half_host(e, transposed), hdt)
+                added += e.size * hdt.itemsize
         self._use(exe, key, e)
-        return e, buf, created
+        return e, e.copies[transposed], added
 
     def _use(self, exe, key, e) -> None:
         """``exe`` reads entry ``e``: counted until it is collected."""
@@ -170,7 +179,8 @@ class ParamStore:
             if not e.count:
                 del self._entries[key]
                 for buf in e.copies.values():
-                    self._pool.free(buf)
+                    if buf is not None:
+                        self._pool.free(buf)
                 self._free_halves(e)
 
     # ---- values ---------------------------------------------------------------------------------
@@ -178,26 +188,52 @@ class ParamStore:
         return self._entries[(node.name, tuple(node.shape), node.dtype)]
 
     def set_host(self, node, host: np.ndarray) -> None:
-        """Write a host value (already of the param's dtype and shape) to every layout."""
+        """Write a host value (already of the param's dtype and shape) to every layout, in
+        f32 again after set_param_half."""
         e = self.entry(node)
-        if e.size:
-            for transposed, buf in e.copies.items():
-                v = host.T if transposed else host
-                buf[:e.nbytes].view(e.dtype.storage).copy_to_device(
-                    np.ascontiguousarray(v).view(e.dtype.storage).reshape(-1))
+        self._hold_f32(e, fill=False)
+        self._write(e, host)
         self._set(e, None)
 
     def set_half(self, node, host: np.ndarray, hdt) -> None:
-        """Store a float host value half (``hdt``) for products, and its half-rounded f32 for
-        everything else."""
+        """Store a float host value half (``hdt``) for products, and its half-rounded f32 in
+        the row-major layout for everything else (see the module docstring)."""
         e = self.entry(node)
         rounded = host.astype(hdt.host)
-        halves = {}
-        for transposed in e.copies:
-            v = np.ascontiguousarray(rounded.T if transposed else rounded)
-            halves[transposed] = self._half_copy(v.view(hdt.storage)) if e.size else None
-        self.set_host(node, rounded.astype(np.float32))
+        halves = {t: self._half_copy(np.ascontiguousarray(rounded.T if t else rounded), hdt)
+                  if e.size else None for t in e.copies}
+        if e.copies.get(True) is not None:   # only products read it, and they read the half
+            self._pool.free(e.copies[True])
+            e.copies[True] = None
+            self._rebind(e)
+        self._write(e, rounded.astype(np.float32))
         self._set(e, (hdt, halves))
+
+    def hold_f32(self, node) -> None:
+        """Every layout's f32 copy held again, with the value (a set_param from a device
+        array after set_param_half writes one layout and derives the others)."""
+        self._hold_f32(self.entry(node), fill=True)
+
+    def f32_copy(self, node, transposed: bool):
+        """The f32 copy in the layout ``transposed``, made again from the half copy where
+        set_param_half dropped it (a product on a tier that reads f32); kept while the
+        weight stays half."""
+        e = self.entry(node)
+        self._hold_f32(e, fill=True, layouts=(transposed,))
+        return e.copies[transposed]
+
+    def get_host(self, node, transposed: bool) -> np.ndarray:
+        """The value as set (a half weight as its rounded f32), from the f32 copy in the
+        layout ``transposed``, else from another held copy."""
+        e = self.entry(node)
+        if not e.size:
+            return np.empty(e.shape, e.dtype.host)
+        for t in (transposed, not transposed):
+            buf = e.copies.get(t)
+            if buf is not None:
+                host = buf[:e.nbytes].copy_to_host().view(e.dtype.host)
+                return _logical(host, e.shape, t)
+        return self._half_host(e).astype(np.float32)
 
     def refresh_layouts(self, node, written: bool, stream) -> None:
         """After a device-side write into the layout ``written``: rewrite the other one."""
@@ -220,16 +256,57 @@ class ParamStore:
             for exe in list(e.users):
                 exe._relower_products_named(e.name)
 
-    def _half_copy(self, host: np.ndarray):
-        """A device copy of a half host array ([N] of its storage dtype) from the pool."""
+    def _write(self, e: _Entry, host: np.ndarray, layouts=(False, True)) -> None:
+        """host (of the entry's dtype, logical shape) into the held copies of ``layouts``."""
+        if not e.size:
+            return
+        for t in layouts:
+            buf = e.copies.get(t)
+            if buf is not None:
+                buf[:e.nbytes].view(e.dtype.storage).copy_to_device(
+                    np.ascontiguousarray(host.T if t else host).view(e.dtype.storage).reshape(-1))
+
+    def _hold_f32(self, e: _Entry, fill: bool, layouts=(False, True)) -> None:
+        """Allocate the dropped f32 copies of ``layouts`` again (with the half copy's values
+        when ``fill``), and point the executables at them."""
+        missing = [t for t in layouts if t in e.copies and e.copies[t] is None]
+        if not missing:
+            return
+        for t in missing:
+            e.copies[t] = self._pool.alloc(e.nbytes)
+        if fill:
+            self._write(e, self._half_host(e).astype(np.float32), missing)
+        self._rebind(e)
+
+    def _rebind(self, e: _Entry) -> None:
+        """An f32 copy was dropped or made again: its executables take the new views."""
+        for exe in list(e.users):
+            exe._rebind_param(e.name)
+
+    def _derive(self, e: _Entry, t: bool, stream) -> None:
+        """Fill the new f32 layout ``t`` from the other one, or from the half copy where that
+        one was dropped."""
+        other = e.copies.get(not t)
+        if other is not None:
+            _transpose_into(e.copies[t], other, e, t, stream)
+        else:
+            self._write(e, self._half_host(e).astype(np.float32), (t,))
+
+    def _half_copy(self, host: np.ndarray, hdt):
+        """A device copy of a C-contiguous host array of ``hdt`` from the pool, flat, of its
+        storage dtype."""
+        host = host.view(hdt.storage).reshape(-1)
         out = self._pool.alloc(host.nbytes, host.dtype)
-        out.copy_to_device(np.ascontiguousarray(host).reshape(-1))
+        out.copy_to_device(host)
         return out
 
-    def _half_relayout(self, other, e: _Entry, hdt, transposed: bool):
-        """The half copy in the layout ``transposed`` from the one in the other layout."""
-        host = other.copy_to_host().view(hdt.host).reshape(e.shape if transposed else e.shape[::-1])
-        return self._half_copy(np.ascontiguousarray(host.T).view(hdt.storage))
+    def _half_host(self, e: _Entry, transposed: bool = False) -> np.ndarray:
+        """A half entry's value on the host, of its half dtype, in the layout ``transposed``
+        (C-contiguous), read from any of its half copies."""
+        hdt, halves = e.half
+        t, buf = next(iter(halves.items()))
+        host = _logical(buf.copy_to_host().view(hdt.host), e.shape, t)
+        return np.ascontiguousarray(host.T if transposed else host)
 
     def _free_halves(self, e: _Entry) -> None:
         if e.half is not None:
@@ -240,12 +317,13 @@ class ParamStore:
     # ---- reporting ------------------------------------------------------------------------------
     @staticmethod
     def entry_bytes(e: _Entry) -> dict:
-        """Device bytes of an entry's copies by format (dtype name; a half copy of a weight
-        under its half dtype)."""
-        out = {e.dtype.name: len(e.copies) * e.nbytes}
+        """Device bytes of the copies an entry holds, by format (dtype name; a half copy of a
+        weight under its half dtype); formats it holds none of are left out."""
+        held = sum(buf is not None for buf in e.copies.values())
+        out = {e.dtype.name: held * e.nbytes}
         if e.half is not None:
             out[e.half[0].name] = out.get(e.half[0].name, 0) + len(e.half[1]) * e.size * e.half[0].itemsize
-        return out
+        return {k: v for k, v in out.items() if v}
 
     def bytes_by_format(self) -> dict:
         """Device bytes of every entry's copies, by format (``entry_bytes``)."""
@@ -264,6 +342,13 @@ class ParamStore:
 
     def __repr__(self):
         return f"ParamStore({self.name!r}, {len(self)} params, {self.nbytes / 2**20:.1f} MiB)"
+
+
+def _logical(flat: np.ndarray, shape, transposed: bool) -> np.ndarray:
+    """A flat host copy of a layout as the param's logical shape."""
+    if transposed:
+        return np.ascontiguousarray(flat.reshape(shape[::-1]).T)
+    return flat.reshape(shape)
 
 
 def _transpose_into(dst, src, e: _Entry, to_transposed: bool, stream) -> None:
