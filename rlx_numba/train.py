@@ -204,10 +204,10 @@ class TrainStore(ParamStore):
         super().__init__(name)
         self._slots = slots           # name -> (shape, flat uint8 view)
 
-    def bind(self, exe, node, transposed: bool, written: bool = False):
+    def bind(self, exe, node, transposed: bool, written: bool = False, weight_only=None):
         shape, view = self._slots.get(node.name, (None, None))
         if view is None or (tuple(node.shape), node.dtype) != (shape, dt.F32):
-            return super().bind(exe, node, transposed, written)
+            return super().bind(exe, node, transposed, written, weight_only)
         if written:
             raise ValueError(f"compile_train: param {node.name!r} is written in place by the "
                              f"graph ({', '.join(INPLACE)}); it cannot be trained")

@@ -400,3 +400,34 @@ def test_half_weight_of_a_graph_compiled_after_the_set(monkeypatch):
     wh = wv.astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(e_t.run({"x": x})[0], x @ wh, rtol=3e-3, atol=3e-3)
     np.testing.assert_array_equal(e_t.get_param("w"), wh)
+
+
+def test_half_weight_read_through_a_transpose_keeps_no_f32_copy(monkeypatch):
+    """nn.Linear's [N, K] weight read row-major through an absorbed transpose (as the models'
+    projections are): only products read it, so set_param_half drops its f32 copy; a graph
+    that gathers its rows binds later and gets the f32 copy back, made from the half one."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "0,3")
+    rng = np.random.default_rng(9)
+    store = rlx.ParamStore()
+    g = rlx.Graph("proj")
+    x = g.input("x", (3, 7), "f32")
+    w = g.param("w", (5, 7), "f32")                       # [N, K]
+    g.set_outputs([g.matmul(x, g.transpose(w, (1, 0)))])
+    exe = rlx.compile(g, params=store)
+    assert exe.transposed == set() and exe.absorbed
+    wv = rng.standard_normal((5, 7)).astype(np.float32)
+    exe.set_param_half("w", wv, "bf16")
+    wh = wv.astype(dt.BF16.host).astype(np.float64)
+    assert store.bytes_by_format() == {"bf16": 5 * 7 * 2}
+    xv = rng.standard_normal((3, 7)).astype(np.float32)
+    got = exe.run({"x": xv})[0]
+    tier0 = any(s.info.get("tier") == 0 for s in exe.steps)
+    xr = xv.astype(dt.BF16.host).astype(np.float64) if tier0 else xv.astype(np.float64)
+    np.testing.assert_allclose(got, xr @ wh.T, rtol=1e-4, atol=1e-4)
+    g2 = rlx.Graph("rows")
+    ids = g2.input("ids", (2,), "i32")
+    g2.set_outputs([g2.gather(g2.param("w", (5, 7), "f32"), ids)])
+    e2 = rlx.compile(g2, params=store)
+    assert store.bytes_by_format() == {"f32": 5 * 7 * 4, "bf16": 5 * 7 * 2}
+    np.testing.assert_array_equal(e2.run({"ids": np.array([4, 1], np.int32)})[0], wh[[4, 1]])
+    np.testing.assert_allclose(exe.run({"x": xv})[0], got, rtol=0, atol=0)

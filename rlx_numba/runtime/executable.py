@@ -215,8 +215,10 @@ class CudaExecutable:
         own = shared = 0
         written = {self._root[n.id] for n in self.graph.nodes
                    if n.op in lower.INPLACE and n.id in self._live}
+        weight_only = lower_matmul.weight_only_params(self.graph, self.absorbed, self.transposed)
         for n in self._params.values():
-            e, mem, added = self.params.bind(self, n, n.id in self.transposed, n.id in written)
+            e, mem, added = self.params.bind(self, n, n.id in self.transposed, n.id in written,
+                                             weight_only=n.id in weight_only)
             self._param_mem[n.id] = mem
             if added:
                 own += added

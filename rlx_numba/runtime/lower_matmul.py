@@ -92,6 +92,25 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
             and all(m.op in PRODUCTS and j == 1 for m, j in consumers[n.id])}
 
 
+def weight_only_params(graph: Graph, absorbed: set, transposed: set) -> set:
+    """Params read only as a product's weight (B): those stored [N, K] (``transposed``), and
+    2-D params whose every reader is a product's B or an absorbed transpose feeding only
+    products' B (nn.Linear's [N, K] weights through ``linear``). A half weight among them
+    needs no f32 copy (runtime/params.py)."""
+    consumers: dict[int, list] = {}
+    for n in graph.nodes:
+        for j, i in enumerate(n.inputs):
+            consumers.setdefault(i, []).append((n, j))
+
+    def weight_only(nid):
+        uses = consumers.get(nid)
+        return bool(uses) and all(
+            (m.op in PRODUCTS and j == 1) or (m.id in absorbed and weight_only(m.id))
+            for m, j in uses)
+    return set(transposed) | {n.id for n in graph.nodes if n.op == "param" and len(n.shape) == 2
+                              and weight_only(n.id)}
+
+
 @dataclass
 class Operand:
     buf: object        # flat device view of the stored matrix (or matrices); None for a half
@@ -106,7 +125,7 @@ def operand(exe, nid) -> Operand:
     n = g.nodes[nid]
     if nid in exe.absorbed:
         src = g.nodes[n.inputs[0]]
-        return Operand(exe.buf(src), src, True, n.shape)
+        return Operand(exe.weight_buf(src), src, True, n.shape)
     return Operand(exe.weight_buf(n), n, nid in exe.transposed, n.shape)
 
 

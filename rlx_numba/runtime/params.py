@@ -11,11 +11,13 @@ entry. Its storage layout (row-major, or [N, K] for a 2-D weight read only by pr
 lower_matmul.transposed_weights) is per executable, so an entry keeps one device copy per
 layout asked for, all rewritten by every set. A weight stored half by ``set_param_half`` has
 a half copy per layout here too, and every executable reading it re-plans its products,
-which then read the half copy (matmul tiers 0 and 3). Its f32 copy in the [N, K] layout is
-then dropped: only products read that layout. A product that must still read f32 (no cuBLAS,
-a tier restriction) gets it back (``f32_copy``), kept while the weight stays half; set_param
-brings every f32 copy back. A row-major copy stays f32 beside the half one (a gather, an
-element-wise op may read it). An entry lives while an executable uses it.
+which then read the half copy (matmul tiers 0 and 3). Its f32 copy in a layout that only
+products read as their weight (the [N, K] one always; a row-major one when no executable
+reads it otherwise: nn.Linear weights through ``linear``) is then dropped. A product that
+must still read f32 (no cuBLAS, a tier restriction) gets it back (``f32_copy``), kept while
+the weight stays half; an executable binding it as something else's input (a tied embedding
+table's gather) likewise; set_param brings every f32 copy back. An entry lives while an
+executable uses it.
 
 The copies are carved from slabs (``_Pool``), not allocated one by one: the driver maps an
 allocation past ~1 MiB in whole 2 MiB pages, so a 1.3 MB weight took 2 MiB and a 2.2 MB one
@@ -98,18 +100,21 @@ class _Pool:
 
 class _Entry:
     __slots__ = ("name", "shape", "dtype", "copies", "half", "is_set", "users", "count",
-                 "written")
+                 "written", "f32_readers")
 
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
-        # transposed (bool) -> flat uint8 device array; None: the [N, K] f32 copy of a half
-        # weight, dropped (its products read the half copy)
+        # transposed (bool) -> flat uint8 device array; None: the f32 copy of a half weight,
+        # dropped (only products read it, and they read the half copy)
         self.copies = {}
         self.half = None      # (half DType, {transposed: device array}) after set_param_half
         self.is_set = False
         self.users = weakref.WeakSet()   # executables bound to it (to re-plan their products)
         self.count = 0                   # how many of them are alive
         self.written = False             # some executable writes it in place (kv_write)
+        # executables reading the row-major layout other than as a product's weight (a
+        # gather, an element-wise op): that layout keeps its f32 copy when the weight is half
+        self.f32_readers = weakref.WeakSet()
 
     @property
     def size(self) -> int:
@@ -131,12 +136,14 @@ class ParamStore:
         self._pool = _Pool()
 
     # ---- binding (compile time) -------------------------------------------------------------
-    def bind(self, exe, node, transposed: bool, written: bool = False):
+    def bind(self, exe, node, transposed: bool, written: bool = False, weight_only=None):
         """(entry, the flat uint8 device array holding ``node``'s value in the layout
-        ``transposed`` for ``exe`` -- None for a half weight's [N, K] layout, whose products
-        read the half copy --, the device bytes this added to the store). ``written``: ``exe``
-        writes the param in place (kv_write). Such a param keeps one layout: the other would
-        not see the writes."""
+        ``transposed`` for ``exe`` -- None for a half weight that only products read there,
+        from the half copy --, the device bytes this added to the store). ``weight_only``:
+        ``exe`` reads the param only as a product's weight (always so in the [N, K] layout).
+        ``written``: ``exe`` writes the param in place (kv_write). Such a param keeps one
+        layout: the other would not see the writes."""
+        weight_only = transposed if weight_only is None else weight_only
         key = (node.name, tuple(node.shape), node.dtype)
         e = self._entries.get(key)
         if e is None:
@@ -149,10 +156,15 @@ class ParamStore:
                              f"copy would not see the writes); give the graphs separate "
                              f"ParamStores or separate params")
         e.written = e.written or written
+        if not weight_only:
+            e.f32_readers.add(exe)
         added = 0
+        if transposed in e.copies and e.copies[transposed] is None and not weight_only:
+            self._hold_f32(e, fill=True, layouts=(transposed,))    # a reader of the f32 value
+            added += e.nbytes
         if transposed not in e.copies:
-            if e.half is not None and transposed:
-                e.copies[True] = None          # products only: they read the half copy
+            if e.half is not None and self._droppable(e, transposed):
+                e.copies[transposed] = None    # products only: they read the half copy
             else:
                 e.copies[transposed] = self._pool.alloc(e.nbytes)
                 added += e.nbytes
@@ -202,12 +214,19 @@ class ParamStore:
         rounded = host.astype(hdt.host)
         halves = {t: self._half_copy(np.ascontiguousarray(rounded.T if t else rounded), hdt)
                   if e.size else None for t in e.copies}
-        if e.copies.get(True) is not None:   # only products read it, and they read the half
-            self._pool.free(e.copies[True])
-            e.copies[True] = None
+        drop = [t for t, buf in e.copies.items() if buf is not None and self._droppable(e, t)]
+        for t in drop:                       # only products read it, and they read the half
+            self._pool.free(e.copies[t])
+            e.copies[t] = None
+        if drop:
             self._rebind(e)
         self._write(e, rounded.astype(np.float32))
         self._set(e, (hdt, halves))
+
+    @staticmethod
+    def _droppable(e: _Entry, transposed: bool) -> bool:
+        """Only products read the layout as f32: its copy may go while the weight is half."""
+        return transposed or not e.f32_readers
 
     def hold_f32(self, node) -> None:
         """Every layout's f32 copy held again, with the value (a set_param from a device
