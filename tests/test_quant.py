@@ -90,6 +90,20 @@ def test_gguf_gemv_and_dequantize(rng, scheme):
 
 
 @needs_gguf
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_k", "q8_0"])
+def test_gemv_plan_of_a_lane_a_quarter(rng, monkeypatch, scheme):
+    """The GPU's plan for few rows at M = 1 (warps sharing a row group's K, a lane a quarter
+    unit: qpl 1), forced here through RLX_NUMBA_QGEMV (nw, r, wpr, qpl)."""
+    monkeypatch.setenv("RLX_NUMBA_QGEMV", "2,2,2,1")
+    qk, _ = GGUF[scheme]
+    k = qk * (5 if qk == 32 else 2)
+    raw = random_blocks(rng, scheme, 5, k)
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    (y, _), g = _run_quant(scheme, raw, x)
+    _close(y, x.astype(np.float64) @ gguf_dequantize(raw, QTYPE[scheme]).astype(np.float64).T)
+
+
+@needs_gguf
 @pytest.mark.parametrize("scheme", ["q4_0", "q5_1", "q6_k"])
 def test_gguf_gemm_path(rng, scheme):
     """More than 16 rows of x: dequantize into the arena, then the matmul tiers."""

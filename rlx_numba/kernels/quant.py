@@ -231,11 +231,22 @@ def plan(m: int, n: int, sm: int):
     least 2 warps split K, more while there would be fewer than 4 blocks a SM. (H200, M = 1,
     11008 x 4096: wpr 2 and qpl 2 were the best of the shapes tried; qpl 4 -- a lane a unit
     -- loses the contiguous x loads and ran 1.4x slower.)"""
-    if SIMULATOR:
+    if os.environ.get("RLX_NUMBA_QGEMV"):       # nw,r,wpr,qpl (tuning, tests)
+        nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
+    elif SIMULATOR:
         # (a Python thread a CUDA thread, a barrier costly: one warp, many rows a warp)
         nw, r, wpr, qpl = (2, 2, 2, 2) if n <= 4 else (1, min(8, 32 // m) & ~1, 1, 2)
-    elif os.environ.get("RLX_NUMBA_QGEMV"):     # nw,r,wpr,qpl (tuning)
-        nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
+    elif m == 1:
+        nw, r, wpr, qpl = 4, 4, 2, 2
+        if -(-n // (r * nw // wpr)) < 4 * sm:
+            # too few rows for a warp each to fill the GPU: the block's warps share a row
+            # group's K, a lane a quarter unit -- and two rows a warp where four would leave
+            # under 2 blocks a SM. (H200, q4_0 M = 1, us: 576x576 2.58 -> 1.95, 3072x576
+            # 3.45 -> 2.96, 2048x8192 7.54 -> 6.76; f32 GEMV 2.06, 2.74, 17.9; 16384x2048 and
+            # 49152x576 keep 2 warps a row group, 12.7 and 20.8 us against 14.2 and 24.3)
+            wpr, qpl = nw, 1
+            if -(-n // r) < 2 * sm:
+                r = 2
     else:
         nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 2, 2
         while wpr < nw and -(-n // (r * nw // wpr)) < 4 * sm:
