@@ -225,28 +225,30 @@ def group_shift(gsu: int) -> int:
     return gsu.bit_length() - 1 if gsu & (gsu - 1) == 0 else -1
 
 
-def plan(m: int, n: int, sm: int):
+def plan(m: int, n: int, sm: int, scheme: str = "q4_0"):
     """(nw, r, wpr, tiles, qpl): warps a block, rows a warp, warps sharing a row group, row
     groups (blocks), quarters a lane. r * m <= 32 sums a lane (one reduce-scatter round); at
     least 2 warps split K, more while there would be fewer than 4 blocks a SM. (H200, M = 1,
     11008 x 4096: wpr 2 and qpl 2 were the best of the shapes tried; qpl 4 -- a lane a unit
-    -- loses the contiguous x loads and ran 1.4x slower.)"""
+    -- loses the contiguous x loads and ran 1.4x slower.)
+
+    The 32-bit block formats (SPLIT16: q4_0 .. q5_1) decode a quarter in a few instructions:
+    where rows are short of filling the GPU (M = 1) or at M > 1, the block's warps share a row
+    group's K and a lane takes one quarter (qpl 1). H200, q4_0, us: M = 1 576x576 2.58 ->
+    1.95, 3072x576 3.45 -> 2.96, 2048x8192 7.54 -> 6.76 (16384x2048, 49152x576: 12.7 and 20.8
+    as before, against 14.2 and 24.3 this way); M = 8 3072x576 7.98 -> 5.41, 3072x2048 11.0
+    -> 8.5, 16384x2048 44.2 -> 33.8. q4_k and q8_0 ran slower so (4096x11008 at M = 1: 30.8
+    -> 35.1 and 28.7 -> 35.0 us) and keep qpl 2."""
+    cheap = scheme in SPLIT16
     if os.environ.get("RLX_NUMBA_QGEMV"):       # nw,r,wpr,qpl (tuning, tests)
         nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
     elif SIMULATOR:
         # (a Python thread a CUDA thread, a barrier costly: one warp, many rows a warp)
         nw, r, wpr, qpl = (2, 2, 2, 2) if n <= 4 else (1, min(8, 32 // m) & ~1, 1, 2)
-    elif m == 1:
-        nw, r, wpr, qpl = 4, 4, 2, 2
-        if -(-n // (r * nw // wpr)) < 4 * sm:
-            # too few rows for a warp each to fill the GPU: the block's warps share a row
-            # group's K, a lane a quarter unit -- and two rows a warp where four would leave
-            # under 2 blocks a SM. (H200, q4_0 M = 1, us: 576x576 2.58 -> 1.95, 3072x576
-            # 3.45 -> 2.96, 2048x8192 7.54 -> 6.76; f32 GEMV 2.06, 2.74, 17.9; 16384x2048 and
-            # 49152x576 keep 2 warps a row group, 12.7 and 20.8 us against 14.2 and 24.3)
-            wpr, qpl = nw, 1
-            if -(-n // r) < 2 * sm:
-                r = 2
+    elif cheap and m > 1:
+        nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 4, 1
+    elif cheap and -(-n // 8) < 4 * sm:        # M = 1, fewer than 4 blocks a SM of 2 warps
+        nw, r, wpr, qpl = 4, 4 if -(-n // 4) >= 2 * sm else 2, 4, 1
     else:
         nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 2, 2
         while wpr < nw and -(-n // (r * nw // wpr)) < 4 * sm:

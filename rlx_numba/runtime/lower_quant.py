@@ -48,7 +48,7 @@ def _lower_dequant_matmul(exe, n):
         xbuf = exe.device_array(np.zeros(m * k, np.float32))
         steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
                                       [exe.buf(x)], [(m * k,)], [dt.F32]))
-    nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count())
+    nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count(), scheme)
     a = n.attrs       # the epilogue passes/fusion.py folded in (inputs after the weight's)
     act, gated = a.get("activation"), a.get("gated")
     epi = [exe.buf(i) for i in n.inputs[len(n.inputs) - a.get("has_bias", 0) - a.get("has_residual", 0):]]
