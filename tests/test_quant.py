@@ -360,3 +360,73 @@ def test_llama_quantized_model(rng):
     (want,) = ref.executable("forward", 1, 3).run({"input_ids": ids})
     _close(got, want)
     assert q.device_bytes()["u8"] < 0.2 * ref.device_bytes()["f32"]
+
+
+def _grouped_case(rng, scheme, e, n, k, group_size=None, zeros=False):
+    """(packed w [E, N, ...], scales, zeros, the f32 experts [E, N, K] in float64)."""
+    if scheme in GGUF:
+        raw = np.stack([random_blocks(rng, scheme, n, k) for _ in range(e)])
+        return raw, None, None, np.stack([gguf_dequantize(r, QTYPE[scheme]) for r in raw]).astype(np.float64)
+    ng = k // group_size if group_size else 1
+    sc = rng.uniform(0.01, 0.1, (e, n, ng) if group_size else (e, n)).astype(np.float32)
+    zr = rng.uniform(6, 9, sc.shape).astype(np.float32) if zeros else None
+    q = (rng.integers(0, 256, (e, n, k // 2), dtype=np.uint8) if scheme == "int4"
+         else rng.integers(-128, 128, (e, n, k), dtype=np.int8))
+    wd = np.stack([ref_int(scheme, q[i], sc[i], None if zr is None else zr[i], group_size)
+                   for i in range(e)])
+    return q, sc, zr, wd
+
+
+@pytest.mark.parametrize("scheme,k,group_size,zeros", [
+    pytest.param("q4_0", 64, None, False, marks=needs_gguf),
+    pytest.param("q4_k", 256, None, False, marks=needs_gguf),
+    ("int4", 64, 32, True),
+    ("int8", 64, None, False),
+])
+@pytest.mark.parametrize("m", [4, 17])      # the GEMV a row, and dequantize + grouped_matmul
+def test_dequant_grouped_matmul(rng, scheme, k, group_size, zeros, m):
+    """out[i] = x[i] @ dequant(w[ids[i]])^T for 3 experts of 5 rows, ids with repeats and an
+    unused expert; dx through g.grad (dy @ the row's expert); a host id out of range raises."""
+    e, n = 3, 5
+    w, sc, zr, wd = _grouped_case(rng, scheme, e, n, k, group_size, zeros)
+    ids = np.array(([0, 2, 2, 0] * 5)[:m], np.int32)              # expert 1 unused
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    r = rng.standard_normal((m, n)).astype(np.float32)
+    g = rlx.Graph("dgmm")
+    xs, ids_in, rs = g.input("x", x.shape), g.input("ids", (m,), "i32"), g.input("r", r.shape)
+    pw = g.param("w", w.shape, "i8" if scheme == "int8" else "u8")
+    extra = [g.param("s", sc.shape) if sc is not None else None,
+             g.param("z", zr.shape) if zr is not None else None]
+    y = g.dequant_grouped_matmul(xs, pw, ids_in, *extra, scheme=scheme, group_size=group_size)
+    dx = g.grad(g.reduce_sum(g.mul(y, rs)), xs)
+    g.set_outputs([y, dx])
+    assert any(nd.op == "dequant_grouped_matmul" for nd in g.nodes) == (m <= 16)
+    exe = rlx.compile(g)
+    exe.set_param("w", w)
+    for name, v in (("s", sc), ("z", zr)):
+        if v is not None:
+            exe.set_param(name, v)
+    got, got_dx = exe.run({"x": x, "ids": ids, "r": r})
+    _close(got, np.einsum("mk,mnk->mn", x.astype(np.float64), wd[ids]))
+    _close(got_dx, np.einsum("mn,mnk->mk", r.astype(np.float64), wd[ids]))
+    with pytest.raises(IndexError, match="dequant_grouped_matmul|grouped_matmul"):
+        exe.run({"x": x, "ids": np.full(m, 3, np.int32), "r": r})
+
+
+def test_dequant_grouped_matmul_errors():
+    g = rlx.Graph("dgerr")
+    x, ids = g.input("x", (2, 64)), g.input("ids", (2,), "i32")
+    w = g.param("w", (3, 5, 36), "u8")
+    with pytest.raises(ValueError, match=r"dequant_grouped_matmul: w must be 3-D \[E, N, packed "
+                                         r"K\]"):
+        g.dequant_grouped_matmul(x, g.param("w2", (15, 36), "u8"), ids, scheme="q4_0")
+    with pytest.raises(ValueError, match=r"dequant_grouped_matmul: w u8 \[15, 36\] is 64 "
+                                         r"weights a row .* x has K = 32 \(w u8 \[3, 5, 36\]: "
+                                         r"its 3 experts' rows"):
+        g.dequant_grouped_matmul(g.input("x3", (2, 32)), w, ids, scheme="q4_0")
+    with pytest.raises(ValueError, match=r"expert_ids must be i32 / i64 \[2\]"):
+        g.dequant_grouped_matmul(x, w, g.input("i3", (3,), "i32"), scheme="q4_0")
+    w4 = g.param("w4", (3, 5, 32), "u8")
+    with pytest.raises(ValueError, match=r"scales must be \[E=3, N=5\] or \[E, N, K // "
+                                         r"group_size\] for w u8 \[3, 5, 32\], got \[5, 2\]"):
+        g.dequant_grouped_matmul(x, w4, ids, g.input("s", (5, 2)), scheme="int4", group_size=32)

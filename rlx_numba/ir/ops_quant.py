@@ -13,6 +13,10 @@ dequantises in registers (decode: the packed bytes are all that is read); with m
 ``dequantize`` (an f32 [N, K] in the arena, its bytes reused once the product is done) and a
 matmul (the GEMM tiers: cuBLAS on a GPU). The choice is made here, from the static shape, so the
 graph shows which path runs. Gradients flow to x, and to int8 / int4 scales and zeros.
+``dequant_grouped_matmul(x, w, expert_ids, ...)`` is the mixture-of-experts form: w [E, N,
+packed K], out[i] = x[i] @ dequant(w[ids[i]])^T, a GEMV a row of x over its expert's packed
+bytes (the same kernel, one launch) or, for many rows, the experts dequantised and
+grouped_matmul (ops_moe.py).
 """
 from __future__ import annotations
 
@@ -152,6 +156,61 @@ class QuantOps:
         y = self.matmul(self.reshape(xf, (m, k)), self.transpose(wd))
         return self.reshape(y, out_shape)
 
+    def dequant_grouped_matmul(self, x, w, expert_ids, scales=None, zeros=None, *, scheme: str,
+                               group_size=None):
+        """out[i] = x[i] @ dequant(w[expert_ids[i]])^T -> f32 [M, N]: x [M, K], w [E, N, packed
+        K] (each expert a packed [N, K] weight of ``scheme``, as dequant_matmul's), scales /
+        zeros [E, N] or [E, N, K // group_size], expert_ids i32 / i64 [M] (any order, repeats
+        and unused experts). Up to max(MAX_M, E) rows it is one node: a GEMV a row over its
+        expert's packed bytes, dequantised in registers (decode); with more, the experts are
+        dequantised to f32 and grouped_matmul runs (prefill). Ids fed to run() as host arrays
+        are checked there (IndexError outside [0, E)); an in-graph or device-array id out of
+        range gives a row of zeros. Gradients flow to x only."""
+        op = "dequant_grouped_matmul"
+        for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
+            self._check(op, arg, t)
+        if not x.dtype.is_float or len(x.shape) != 2:
+            raise ValueError(f"{op}: x must be a float tensor [M, K], got {_desc(x)}")
+        (m, k) = x.shape
+        e, w2, s2, z2 = _experts_2d(self, op, w, scales, zeros)
+        try:
+            n, _, gs, _ = check_quant(op, w2, s2, z2, scheme, group_size, k)
+        except ValueError as err:
+            raise ValueError(f"{err} (w {_desc(w)}: its {e} experts' rows read as one "
+                             f"{fmt(w2.shape)} matrix)") from None
+        n //= e
+        if expert_ids.dtype not in (dt.I32, dt.I64) or tuple(expert_ids.shape) != (m,):
+            raise ValueError(f"{op}: expert_ids must be i32 / i64 [{m}] (an expert a row of x "
+                             f"{fmt(x.shape)}), got {_desc(expert_ids)}")
+        if e == 0 and m:
+            raise ValueError(f"{op}: w {_desc(w)} has no experts")
+        xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
+        if m <= max(MAX_M, e) and units_ok(scheme, k, gs):
+            ins = [xf] + self._quant_inputs(op, w2, s2, z2) + [expert_ids]
+            return self._add(op, ins, (m, n), dt.F32, scheme=scheme, group_size=group_size,
+                             has_zeros=zeros is not None, experts=e)
+        wd = self.dequantize(w2, s2, z2, scheme=scheme, group_size=group_size)
+        return self.grouped_matmul(xf, self.reshape(wd, (e, n, k)), expert_ids, trans_w=True)
+
+
+def _experts_2d(g, op, w, scales, zeros):
+    """(E, w, scales, zeros) with the experts' rows stacked: w [E, N, packed K] -> [E * N,
+    packed K], scales / zeros [E, N(, groups)] -> [E * N(, groups)] (views)."""
+    if len(w.shape) != 3:
+        raise ValueError(f"{op}: w must be 3-D [E, N, packed K] (one packed [N, K] matrix an "
+                         f"expert), got {_desc(w)}")
+    e, n = w.shape[:2]
+    out = [g.reshape(w, (e * n, w.shape[2]))]
+    for arg, t in (("scales", scales), ("zeros", zeros)):
+        if t is None:
+            out.append(None)
+            continue
+        if len(t.shape) not in (2, 3) or tuple(t.shape[:2]) != (e, n):
+            raise ValueError(f"{op}: {arg} must be [E={e}, N={n}] or [E, N, K // group_size] "
+                             f"for w {_desc(w)}, got {fmt(t.shape)}")
+        out.append(g.reshape(t, (e * n,) + tuple(t.shape[2:])))
+    return (e, *out)
+
 
 def _grad_params(g, node, dw_of):
     """Gradients of an int8 / int4 node's scales and zeros from dL/dW (``dw_of()``, [N, K]):
@@ -177,10 +236,13 @@ def _grad_params(g, node, dw_of):
     return out
 
 
-def _weight(g, node):
+def _weight(g, node, w_at=None, rest_end=None):
+    """The f32 matrix a node's packed weight stands for (input ``w_at``; its scales / zeros
+    after it, up to ``rest_end``)."""
     a = node.attrs
-    w = g.tensor(node.inputs[1] if node.op == "dequant_matmul" else node.inputs[0])
-    rest = [g.tensor(i) for i in node.inputs[(2 if node.op == "dequant_matmul" else 1):]]
+    w_at = (1 if node.op == "dequant_matmul" else 0) if w_at is None else w_at
+    w = g.tensor(node.inputs[w_at])
+    rest = [g.tensor(i) for i in node.inputs[w_at + 1:rest_end]]
     if a["scheme"] in GGUF:
         return g.dequantize(w, scheme=a["scheme"])
     return g.dequantize(w, *rest, scheme=a["scheme"], group_size=a["group_size"])
@@ -195,6 +257,17 @@ def _dequant_matmul_vjp(g, node, dy):
     dx = g.reshape(g.matmul(dy2, _weight(g, node)), x.shape)
     params = _grad_params(g, node, lambda: g.matmul(g.transpose(dy2), g.reshape(x, (m, k))))
     return [dx, None] + params
+
+
+@vjp("dequant_grouped_matmul")
+def _dequant_grouped_matmul_vjp(g, node, dy):
+    """dx[i] = dy[i] @ dequant(W_e) (grouped_matmul over the dequantised experts); none to
+    the packed weight, its scales and zeros, or the ids."""
+    x, w2 = g.tensor(node.inputs[0]), g.tensor(node.inputs[1])
+    e, n, k = node.attrs["experts"], node.shape[1], x.shape[1]
+    wd = g.reshape(_weight(g, node, w_at=1, rest_end=-1), (e, n, k))
+    dx = g.grouped_matmul(dy, wd, g.tensor(node.inputs[-1]))
+    return [dx] + [None] * (len(node.inputs) - 1)
 
 
 @vjp("dequantize")

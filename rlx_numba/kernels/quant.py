@@ -273,13 +273,15 @@ def _dot8(v, xa, xb, sx):
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, gshift: int = -1,
                 qpl: int = 2, has_bias: bool = False, act=None, has_res: bool = False,
-                gated: bool = False):
+                gated: bool = False, grouped: bool = False):
     """y = epilogue(x[M, K] @ dequant(W)^T) for M = m. Launch: grid (blocks,), block nw * 32;
-    arguments (y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu); x's rows 16-byte
-    aligned; gshift: unit_fn's. Epilogue (passes/fusion.py): act(v + bias[col]) + res, or
-    ``gated``: columns 2j, 2j + 1 (gate and up rows interleaved in W) give y[., j] =
-    act(gate + bias) * (up + bias) + res, y [M, N / 2] (bias / res any 1-element arrays when
-    unused).
+    arguments (y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu, ids, ne); x's rows
+    16-byte aligned; gshift: unit_fn's. Epilogue (passes/fusion.py): act(v + bias[col]) + res,
+    or ``gated``: columns 2j, 2j + 1 (gate and up rows interleaved in W) give y[., j] =
+    act(gate + bias) * (up + bias) + res, y [M, N / 2] (bias / res / ids any 1-element arrays
+    when unused). ``grouped`` (m = 1; dequant_grouped_matmul): W holds ne experts of n rows,
+    grid (blocks, slots), and slot s computes y[s] = x[s] @ dequant(W[ids[s]])^T -- zeros
+    for an id outside [0, ne).
 
     A lane decodes ``qpl`` quarters (8 weights each, unit_fn) of a unit, 4 / qpl lanes a unit,
     so a warp takes 8 qpl units of its r rows a step: the lanes' x loads and weight loads
@@ -305,7 +307,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
         return (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
 
     @jit
-    def kernel(y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu):
+    def kernel(y, x, w, sc, zr, bias, res, n, k, units, rowhw, ng, gsu, ids, ne):
         xs = cuda.shared.array((nw, 32), float32)        # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
         red = cuda.shared.array((nw, nvp), float32)
@@ -318,6 +320,12 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
         team, tw = wp // wpr, wp % wpr
         t0 = (lane % lpu) * qpl
         tiles = (n + rows_blk - 1) // rows_blk
+        roff, xo, yo, live = int64(0), int64(0), int64(0), True
+        if grouped:                       # this block's slot: its x row, expert and y row
+            slot = int64(cuda.blockIdx.y)
+            e = int64(ids[slot])
+            live = e >= 0 and e < ne
+            roff, xo, yo = min(max(e, 0), ne - 1) * n, slot * k, slot * n
         tile = int64(cuda.blockIdx.x)
         while tile < tiles:                   # uniform across the block (barriers inside)
             row0 = tile * rows_blk + team * r
@@ -329,8 +337,8 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                 for mm in range(m):           # the sums of the lane's x values, for all r rows
                     for q in range(qpl):
                         o0, o1 = xoff(t0 + q)
-                        xa = ptx.ld4(x, mm * k + kb + o0)
-                        xb = ptx.ld4(x, mm * k + kb + o1)
+                        xa = ptx.ld4(x, xo + mm * k + kb + o0)
+                        xb = ptx.ld4(x, xo + mm * k + kb + o1)
                         sx[mm, q] = _sum8(xa, xb)
                         if m == 1:            # and the values themselves
                             for e in range(4):
@@ -338,7 +346,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                                 xv[q, 1, e] = xb[e]
                 if m == 1:
                     for rr in range(r):
-                        row = min(row0 + rr, n - 1)
+                        row = roff + min(row0 + rr, n - 1)
                         for q in range(qpl):
                             v = unit(w, sc, zr, row, u, t0 + q, rowhw, ng, gsu)
                             acc[rr] += _dot8(v, (xv[q, 0, 0], xv[q, 0, 1], xv[q, 0, 2], xv[q, 0, 3]),
@@ -347,7 +355,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                 else:             # the r rows' weights decoded once, each x quad loaded once
                     for q in range(qpl):
                         for rr in range(r):
-                            fa, fb, d, mb = unit(w, sc, zr, min(row0 + rr, n - 1), u, t0 + q,
+                            fa, fb, d, mb = unit(w, sc, zr, roff + min(row0 + rr, n - 1), u, t0 + q,
                                                  rowhw, ng, gsu)
                             for e in range(4):
                                 wq[rr, e] = fa[e]
@@ -356,8 +364,8 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                             wq[rr, 9] = mb
                         o0, o1 = xoff(t0 + q)
                         for mm in range(m):
-                            xa = ptx.ld4(x, mm * k + kb + o0)
-                            xb = ptx.ld4(x, mm * k + kb + o1)
+                            xa = ptx.ld4(x, xo + mm * k + kb + o0)
+                            xb = ptx.ld4(x, xo + mm * k + kb + o1)
                             for rr in range(r):
                                 acc[rr * m + mm] += _dot8(
                                     ((wq[rr, 0], wq[rr, 1], wq[rr, 2], wq[rr, 3]),
@@ -391,7 +399,7 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
                         at = mm * (n // 2) + row // 2
                     if has_res:
                         v += res[at]
-                    y[at] = v
+                    y[yo + at] = v if live else ZERO
             cuda.syncthreads()
             tile += cuda.gridDim.x
 

@@ -1,5 +1,5 @@
-"""Lowering of dequant_matmul (the GEMV of kernels/quant.py) and dequantize (to f32, the
-GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
+"""Lowering of dequant_matmul and dequant_grouped_matmul (the GEMV of kernels/quant.py) and
+dequantize (to f32, the GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,6 +34,17 @@ def _layout(exe, n, w_at):
     return scheme, has_zeros, wbuf, sc, zr, k, cols // 2, k // gs, gs
 
 
+def _aligned_x(exe, n, x, m, k):
+    """(x's buffer, steps): x as is, or an aligned copy where its pointer is not 16-byte
+    aligned (the GEMV's 16-byte x loads)."""
+    xbuf = exe.buf(x)
+    if SIMULATOR or _ptr(xbuf) % 16 == 0:
+        return xbuf, []
+    copy = exe.device_array(np.zeros(m * k, np.float32))
+    return copy, [elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), copy, (m * k,),
+                                   [xbuf], [(m * k,)], [dt.F32])]
+
+
 @lowering("dequant_matmul")
 def _lower_dequant_matmul(exe, n):
     g = exe.graph
@@ -43,11 +54,7 @@ def _lower_dequant_matmul(exe, n):
     m = x.size // k if k else 0
     if m == 0 or rows == 0:
         return []
-    xbuf, steps = exe.buf(x), []
-    if not SIMULATOR and _ptr(xbuf) % 16:     # the kernel's 16-byte x loads: an aligned copy
-        xbuf = exe.device_array(np.zeros(m * k, np.float32))
-        steps.append(elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), xbuf, (m * k,),
-                                      [exe.buf(x)], [(m * k,)], [dt.F32]))
+    xbuf, steps = _aligned_x(exe, n, x, m, k)
     nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count(), scheme)
     a = n.attrs       # the epilogue passes/fusion.py folded in (inputs after the weight's)
     act, gated = a.get("activation"), a.get("gated")
@@ -60,7 +67,8 @@ def _lower_dequant_matmul(exe, n):
     grid = (min(tiles, 2) if SIMULATOR else tiles,)
     wbytes = g.nodes[n.inputs[1]].nbytes
     args = (exe.buf(n), xbuf, w, sc, zr, bias, res, np.int64(rows), np.int64(k),
-            np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT))
+            np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
+            _dummy(exe), np.int64(1))
     tags = "".join(f"+{t}" for t in ("bias" if a.get("has_bias") else "",
                                      f"gated {gated}" if gated else act or "",
                                      "residual" if a.get("has_residual") else "") if t)
@@ -68,6 +76,33 @@ def _lower_dequant_matmul(exe, n):
                          f"wpr{wpr} qpl{qpl}",
                  kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
+
+
+@lowering("dequant_grouped_matmul")
+def _lower_dequant_grouped_matmul(exe, n):
+    """A GEMV a row of x (grid.y), each over its expert's packed rows."""
+    g = exe.graph
+    x, ids = g.nodes[n.inputs[0]], g.nodes[n.inputs[-1]]
+    scheme, has_zeros, w, sc, zr, k, rowhw, ng, gs = _layout(exe, n, 1)
+    e = n.attrs["experts"]
+    m, rows = n.shape
+    if m == 0 or rows == 0:
+        return []
+    exe.add_index_check(ids, 0, e - 1, f"dequant_grouped_matmul %{n.id} (expert ids of {e} "
+                        f"experts)")
+    xbuf, steps = _aligned_x(exe, n, x, m, k)
+    nw, r, wpr, _, qpl = Q.plan(1, rows * m, 1 if SIMULATOR else sm_count(), scheme)
+    tiles = -(-rows // (r * nw // wpr))
+    kern = Q.gemv_kernel(scheme, 1, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl,
+                         grouped=True)
+    grid = (min(tiles, 2) if SIMULATOR else tiles, m)
+    args = (exe.buf(n), xbuf, w, sc, zr, _dummy(exe), _dummy(exe), np.int64(rows), np.int64(k),
+            np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
+            exe.buf(ids), np.int64(e))
+    wbytes = g.nodes[n.inputs[1]].nbytes // e * min(m, e)      # the experts a step can touch
+    return steps + [Step(step_name(n), f"dequant grouped gemv {scheme} {m}x{rows}x{k} E{e} "
+                         f"nw{nw} r{r} wpr{wpr} qpl{qpl}", kern, grid, (nw * 32,), args,
+                         {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
 
 
 @lowering("dequantize")
