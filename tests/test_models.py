@@ -32,16 +32,37 @@ def np_rotate_half(x):
     return np.concatenate([-x[..., h:], x[..., :h]], -1)
 
 
+def np_rope_tables(cfg, s):
+    """cos, sin [s, head_dim] of HF's rotate_half RoPE."""
+    d = cfg.head_dim
+    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
+    ang = np.arange(s)[:, None] * inv[None, :]
+    return np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+
+def np_attention(cfg, q, k, v, cos, sin, keep):
+    """q [b, s, hq * d], k / v [b, s, hkv * d] -> [b, s, hq * d]: RoPE, the kv heads repeated
+    for their query heads, softmax(q k^T / sqrt(d)) where ``keep`` [s, s], times v."""
+    b, s = q.shape[:2]
+    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    q = q.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
+    k = k.reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+    v = v.reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
+    q = q * cos + np_rotate_half(q) * sin
+    k = k * cos + np_rotate_half(k) * sin
+    k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
+    sc = np.where(keep, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -np.inf)
+    pr = np.exp(sc - sc.max(-1, keepdims=True))
+    return ((pr / pr.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(b, s, hq * d)
+
+
 def np_llama(cfg, params, ids, x_round=None):
     """Logits [B, S, V] in float64; ``x_round`` rounds the input of every product (what matmul
     tier 0 does to the activations when the weights are stored half)."""
     rnd = x_round or (lambda t: t)
     P = {k: v.astype(np.float64) for k, v in params.items()}
-    b, s = ids.shape
-    d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
-    ang = np.arange(s)[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    s = ids.shape[1]
+    cos, sin = np_rope_tables(cfg, s)
 
     def proj(x, name):
         y = rnd(x) @ P[name + ".weight"].T
@@ -52,16 +73,9 @@ def np_llama(cfg, params, ids, x_round=None):
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
         h = np_rms(x, P[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        q = proj(h, p + "self_attn.q_proj").reshape(b, s, hq, d).transpose(0, 2, 1, 3)
-        k = proj(h, p + "self_attn.k_proj").reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
-        v = proj(h, p + "self_attn.v_proj").reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
-        q = q * cos + np_rotate_half(q) * sin
-        k = k * cos + np_rotate_half(k) * sin
-        k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
-        sc = np.where(causal, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -np.inf)
-        pr = np.exp(sc - sc.max(-1, keepdims=True))
-        a = (pr / pr.sum(-1, keepdims=True)) @ v
-        x = x + proj(a.transpose(0, 2, 1, 3).reshape(b, s, hq * d), p + "self_attn.o_proj")
+        q, k, v = (proj(h, p + f"self_attn.{m}_proj") for m in "qkv")
+        a = np_attention(cfg, q, k, v, cos, sin, causal)
+        x = x + proj(a, p + "self_attn.o_proj")
         h = np_rms(x, P[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
         gate = proj(h, p + "mlp.gate_proj")
         x = x + proj(gate / (1 + np.exp(-gate)) * proj(h, p + "mlp.up_proj"), p + "mlp.down_proj")

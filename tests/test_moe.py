@@ -5,7 +5,6 @@ against a loop that recomputes everything, the unfused graph, from_safetensors w
 per-expert (hub) and fused (transformers 5) tensor names, and the errors. Tiny shapes: the
 whole file runs in the simulator in well under a minute."""
 import json
-import math
 
 import ml_dtypes
 import numpy as np
@@ -17,6 +16,7 @@ from rlx_numba.models.llama import graph_params
 
 pytest.importorskip("safetensors")
 from safetensors.numpy import save_file  # noqa: E402
+from test_models import close, np_attention, np_rms, np_rope_tables  # noqa: E402
 
 BASE = {"vocab_size": 29, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "max_position_embeddings": 64, "hidden_act": "silu"}
@@ -39,24 +39,9 @@ CONFIGS = {
 IDS = np.array([[3, 17, 28, 0, 9, 9, 21], [11, 4, 4, 26, 1, 8, 2]])
 
 
-def close(got, want, tol=2e-4):
-    want = np.asarray(want, np.float64)
-    err = np.abs(np.asarray(got, np.float64) - want).max() / max(np.abs(want).max(), 1e-30)
-    assert err < tol, f"relative error {err:.3g}"
-
-
 # ---- NumPy reference (transformers' modeling_mixtral / _qwen2_moe / _olmoe, written out) -------
-def np_rms(x, g, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
-
-
 def np_silu(x):
     return x / (1 + np.exp(-x))
-
-
-def np_rotate_half(x):
-    h = x.shape[-1] // 2
-    return np.concatenate([-x[..., h:], x[..., :h]], -1)
 
 
 def np_swiglu(P, x, m):
@@ -93,12 +78,8 @@ def np_moe(cfg, params, ids, window="config"):
     """Logits [B, S, V] in float64. ``window``: the sliding window (default the config's)."""
     P = {k: v.astype(np.float64) for k, v in params.items()}
     w = cfg.sliding_window if window == "config" else window
-    b, s = ids.shape
-    d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.rms_norm_eps
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2) / d)
-    ang = np.arange(s)[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+    s, eps = ids.shape[1], cfg.rms_norm_eps
+    cos, sin = np_rope_tables(cfg, s)
     i, j = np.arange(s)[:, None], np.arange(s)[None, :]
     keep = (j <= i) & ((j > i - w) if w else True)
 
@@ -116,16 +97,7 @@ def np_moe(cfg, params, ids, window="config"):
             k = np_rms(k, P[p + "self_attn.k_norm.weight"], eps)
         if cfg.clip_qkv is not None:
             q, k, v = (np.clip(t, -cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.reshape(b, s, hq, d).transpose(0, 2, 1, 3)
-        k = k.reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
-        v = v.reshape(b, s, hkv, d).transpose(0, 2, 1, 3)
-        q = q * cos + np_rotate_half(q) * sin
-        k = k * cos + np_rotate_half(k) * sin
-        k, v = np.repeat(k, hq // hkv, 1), np.repeat(v, hq // hkv, 1)
-        sc = np.where(keep, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -np.inf)
-        pr = np.exp(sc - sc.max(-1, keepdims=True))
-        a = (pr / pr.sum(-1, keepdims=True)) @ v
-        x = x + proj(a.transpose(0, 2, 1, 3).reshape(b, s, hq * d), p + "self_attn.o_proj")
+        x = x + proj(np_attention(cfg, q, k, v, cos, sin, keep), p + "self_attn.o_proj")
         h = np_rms(x, P[p + "post_attention_layernorm.weight"], eps)
         sparse = n not in cfg.mlp_only_layers and (n + 1) % cfg.decoder_sparse_step == 0
         x = x + (np_moe_block(cfg, P, p, h) if sparse else np_swiglu(P, h, p + "mlp."))

@@ -97,7 +97,7 @@ def _storer(n, kind, has_beta, exact=False):
     def store(vals, out, gamma, beta, base, c0, stride, limit, ok, a, b):
         for u in range(n):
             c = c0 + uint64(u) * stride
-            if exact or c < limit:
+            if ok and (exact or c < limit):       # (a row past the last holds no values)
                 if kind == SOFTMAX:
                     vals[u] *= b
                 else:
