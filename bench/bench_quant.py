@@ -11,6 +11,9 @@ Grouped rows (mixture of experts): ``g.grouped_matmul`` of 8192 rows (4096 token
 routed over 64 experts, K = N = 1024, f32, beside a torch loop over the experts (index, mm,
 index_copy: what a plain MoE layer does) and torch bf16 mm of the same FLOPs (one [8192, 1024]
 @ [1024, 1024] product): TFLOP/s.
+Dequantised grouped row: ``g.dequant_grouped_matmul`` at decode (8 rows, each through its
+own expert of 64, K 2048, N 1408, q4_0), GB/s on the packed bytes of the 8 experts touched,
+beside a torch loop of 8 bf16 GEMVs.
 Every time: a CUDA graph of 50 products replayed over >= 5 ms windows, best of 3 (bench_gemv's
 ``graph_us``). ``err``: max |ours - ref| / max |ref| with ref = x @ dequantize(W)^T in float64
 (our dequantize: checked against gguf.quants.dequantize in tests/test_quant.py).
@@ -158,6 +161,36 @@ def grouped_row(rlx, cuda, torch):
                 torch_bf16_tflops=fl / bf16_us / 1e6, kernels=[s.kernel_name for s in exe.steps])
 
 
+DGROUPED = (8, 64, 2048, 1408)       # decode rows (4 tokens x top-2), experts, K, N
+
+
+def dequant_grouped_row(rlx, cuda, torch, copy_gbs, scheme="q4_0"):
+    """g.dequant_grouped_matmul at decode: 8 rows, each through its own expert's packed
+    [N, K] weight (64 experts, OLMoE-sized), beside a torch loop of bf16 GEMVs over the same
+    experts (torch has no packed kernel). GB/s on the packed bytes of the experts touched."""
+    m, e, k, n = DGROUPED
+    rng = np.random.default_rng(0)
+    w = np.stack([packed(rng, scheme, n, k)[0] for _ in range(e)])
+    ids = rng.choice(e, m, replace=False).astype(np.int32)
+    g = rlx.Graph("dgrouped")
+    gx, gi = g.input("x", (m, k)), g.input("ids", (m,), "i32")
+    g.set_outputs([g.dequant_grouped_matmul(gx, g.param("w", w.shape, "u8"), gi, scheme=scheme)])
+    exe = rlx.compile(g)
+    exe.set_param("w", w)
+    x = torch.randn(m, k, device="cuda")
+    idt = torch.as_tensor(ids, device="cuda")
+    exe.run({"x": x, "ids": idt}, outputs="view")
+    stream = torch.cuda.Stream()
+    us = timed_steps(cuda, torch, exe, stream)
+    wb = torch.randn(m, n, k, device="cuda").bfloat16()       # the touched experts, bf16
+    xb = x.bfloat16()
+    loop_us = graph_us(torch, lambda: [xb[i] @ wb[i].t() for i in range(m)], stream)
+    touched = w[0].nbytes * m
+    return dict(m=m, experts=e, k=k, n=n, scheme=scheme, us=us, torch_bf16_loop_us=loop_us,
+                gbs=touched / (us * 1e-6) / 1e9, copy_pct=100 * touched / (us * 1e-6) / 1e9 / copy_gbs,
+                kernels=[s.kernel_name for s in exe.steps])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--schemes", default="q4_0,q4_k,q8_0,int4")
@@ -206,6 +239,16 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - report the row, keep going
         print(f"grouped_matmul ERROR {type(e).__name__}: {e}")
         results.append(dict(grouped=True, error=str(e)))
+    try:
+        r = dequant_grouped_row(rlx, cuda, torch, copy_gbs)
+        results.append(r)
+        print(f"dequant_grouped_matmul {r['scheme']} {r['m']} rows x {r['k']} x {r['n']}, "
+              f"{r['experts']} experts: {r['us']:.1f} us, {r['gbs']:.0f} GB/s of the touched "
+              f"experts ({r['copy_pct']:.0f}% of copy) | torch bf16 GEMV loop "
+              f"{r['torch_bf16_loop_us']:.1f} us", flush=True)
+    except Exception as e:  # noqa: BLE001 - report the row, keep going
+        print(f"dequant_grouped_matmul ERROR {type(e).__name__}: {e}")
+        results.append(dict(dequant_grouped=True, error=str(e)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, results=results), indent=1))
     print(f"\nwrote {args.out}")
