@@ -430,3 +430,22 @@ def test_dequant_grouped_matmul_errors():
     with pytest.raises(ValueError, match=r"scales must be \[E=3, N=5\] or \[E, N, K // "
                                          r"group_size\] for w u8 \[3, 5, 32\], got \[5, 2\]"):
         g.dequant_grouped_matmul(x, w4, ids, g.input("s", (5, 2)), scheme="int4", group_size=32)
+
+
+@needs_gguf
+def test_quantized_k_quant_falls_back_to_q5_0():
+    """quantized("q4_k"): a weight whose K is not a multiple of 256 takes q5_0 (llama.cpp's
+    fallback) instead of staying f32; logits equal the f32 model holding the same values."""
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    q = LlamaForCausalLM.from_config(cfg, seed=0, exec_mode="stream").quantized("q4_k")
+    schemes = {name: s for name, (s, _) in q.packed.items()}
+    assert schemes.pop("model.layers.0.mlp.down_proj.weight") == "q4_k"      # K = 256
+    assert len(schemes) == 7 and set(schemes.values()) == {"q5_0"}           # K = 64
+    ids = np.array([[3, 4, 5]], np.int32)
+    (got,) = q.executable("forward", 1, 3).run({"input_ids": ids})
+    ref = LlamaForCausalLM(cfg, q.params, exec_mode="stream")
+    (want,) = ref.executable("forward", 1, 3).run({"input_ids": ids})
+    _close(got, want)

@@ -689,17 +689,21 @@ class LlamaForCausalLM:
     def quantized(self, scheme: str, **kw) -> "LlamaForCausalLM":
         """This model with its projections, token table and head quantised to GGUF ``scheme``
         (weights.quantize: q4_0, q4_1, q5_0, q5_1, q8_0, q4_k) and kept packed on the device,
-        as ``from_gguf(weights="gguf")`` keeps a file's (a weight whose K is not a multiple
-        of the block stays f32). ``params`` become the dequantised values; ``kw`` as the
-        constructor's (exec_mode, max_cached)."""
-        qk = 256 if scheme.endswith("_k") else 32
+        as ``from_gguf(weights="gguf")`` keeps a file's. A weight whose K is not a multiple
+        of q4_k's 256 takes q5_0, as llama.cpp's quantizer falls back; one not a multiple of
+        32 stays f32. ``params`` become the dequantised values; ``kw`` as the constructor's
+        (exec_mode, max_cached)."""
         params, packed = dict(self.params), {}
         for name, v in self.params.items():
-            if (v.ndim == 2 and v.shape[1] % qk == 0 and (name.endswith("_proj.weight") or name in (
-                    "model.embed_tokens.weight", "lm_head.weight"))):
-                raw = quantize(v, scheme)
-                packed[name] = (scheme, raw)
-                params[name] = _dequantized(raw, scheme, v.shape)
+            if v.ndim != 2 or not (name.endswith("_proj.weight") or name in (
+                    "model.embed_tokens.weight", "lm_head.weight")):
+                continue
+            s = scheme if v.shape[1] % (256 if scheme.endswith("_k") else 32) == 0 else (
+                "q5_0" if scheme.endswith("_k") and v.shape[1] % 32 == 0 else None)
+            if s is not None:
+                raw = quantize(v, s)
+                packed[name] = (s, raw)
+                params[name] = _dequantized(raw, s, v.shape)
         kw = {"exec_mode": self.exec_mode, "max_cached": self.max_cached, **kw}
         return type(self)(self.config, params, tokenizer=self.tokenizer, weights="gguf",
                           packed=packed, source=f"quantized({scheme!r})", **kw)
