@@ -228,27 +228,29 @@ def main(argv=None) -> int:
               f"{r['gbs']:6.0f} {r['copy_pct']:5.0f} {r['tflops']:7.2f} | {r['torch_bf16_us']:13.2f} "
               f"{r['torch_bf16_tflops']:7.2f} | {r['torch_f32_us']:12.2f} | {r['err']:.0e}  "
               f"{' + '.join(r['kernels'])}", flush=True)
-    try:
-        r = grouped_row(rlx, cuda, torch)
-        results.append(r)
-        print(f"\ngrouped_matmul {r['m']} rows x {r['k']} x {r['n']}, {r['experts']} experts: "
-              f"{r['us']:.1f} us {r['tflops']:.2f} TFLOP/s | torch loop {r['torch_loop_us']:.1f} us "
-              f"{r['torch_loop_tflops']:.2f} | torch bf16 mm {r['torch_bf16_mm_us']:.1f} us "
-              f"{r['torch_bf16_tflops']:.1f} | ours / bf16 mm {r['torch_bf16_mm_us'] / r['us']:.3f}x"
-              f" | err {r['err']:.0e}", flush=True)
-    except Exception as e:  # noqa: BLE001 - report the row, keep going
-        print(f"grouped_matmul ERROR {type(e).__name__}: {e}")
-        results.append(dict(grouped=True, error=str(e)))
-    try:
-        r = dequant_grouped_row(rlx, cuda, torch, copy_gbs)
-        results.append(r)
-        print(f"dequant_grouped_matmul {r['scheme']} {r['m']} rows x {r['k']} x {r['n']}, "
-              f"{r['experts']} experts: {r['us']:.1f} us, {r['gbs']:.0f} GB/s of the touched "
-              f"experts ({r['copy_pct']:.0f}% of copy) | torch bf16 GEMV loop "
-              f"{r['torch_bf16_loop_us']:.1f} us", flush=True)
-    except Exception as e:  # noqa: BLE001 - report the row, keep going
-        print(f"dequant_grouped_matmul ERROR {type(e).__name__}: {e}")
-        results.append(dict(dequant_grouped=True, error=str(e)))
+    def grouped_line(r):
+        return (f"\ngrouped_matmul {r['m']} rows x {r['k']} x {r['n']}, {r['experts']} experts: "
+                f"{r['us']:.1f} us {r['tflops']:.2f} TFLOP/s | torch loop {r['torch_loop_us']:.1f} "
+                f"us {r['torch_loop_tflops']:.2f} | torch bf16 mm {r['torch_bf16_mm_us']:.1f} us "
+                f"{r['torch_bf16_tflops']:.1f} | ours / bf16 mm "
+                f"{r['torch_bf16_mm_us'] / r['us']:.3f}x | err {r['err']:.0e}")
+
+    def dgrouped_line(r):
+        return (f"dequant_grouped_matmul {r['scheme']} {r['m']} rows x {r['k']} x {r['n']}, "
+                f"{r['experts']} experts: {r['us']:.1f} us, {r['gbs']:.0f} GB/s of the touched "
+                f"experts ({r['copy_pct']:.0f}% of copy) | torch bf16 GEMV loop "
+                f"{r['torch_bf16_loop_us']:.1f} us")
+
+    for name, measure, line in (("grouped_matmul", lambda: grouped_row(rlx, cuda, torch), grouped_line),
+                                ("dequant_grouped_matmul",
+                                 lambda: dequant_grouped_row(rlx, cuda, torch, copy_gbs), dgrouped_line)):
+        try:
+            r = measure()
+            results.append(r)
+            print(line(r), flush=True)
+        except Exception as e:  # noqa: BLE001 - report the row, keep going
+            print(f"{name} ERROR {type(e).__name__}: {e}")
+            results.append(dict(row=name, error=str(e)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, results=results), indent=1))
     print(f"\nwrote {args.out}")
