@@ -419,6 +419,8 @@ def test_half_weight_read_through_a_transpose_keeps_no_f32_copy(monkeypatch):
     exe.set_param_half("w", wv, "bf16")
     wh = wv.astype(dt.BF16.host).astype(np.float64)
     assert store.bytes_by_format() == {"bf16": 5 * 7 * 2}
+    again = rlx.compile(g, params=store).memory_report()      # shares what the store holds
+    assert (again["param_bytes"], again["shared_param_bytes"]) == (0, 5 * 7 * 2)
     xv = rng.standard_normal((3, 7)).astype(np.float32)
     got = exe.run({"x": xv})[0]
     tier0 = any(s.info.get("tier") == 0 for s in exe.steps)

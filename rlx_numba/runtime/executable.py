@@ -222,8 +222,8 @@ class CudaExecutable:
             self._param_mem[n.id] = mem
             if added:
                 own += added
-            else:
-                shared += e.nbytes
+            else:               # what the store holds for it (a half weight: its half copy)
+                shared += sum(ParamStore.entry_bytes(e).values())
         self._report.update(param_bytes=own, shared_param_bytes=shared)
 
     def _entry(self, node):
