@@ -337,7 +337,7 @@ def test_half_weight_read_only_by_products_keeps_no_f32_copy(monkeypatch):
     assert store.bytes_by_format() == by == exe.memory_report()["param_bytes_by_format"]
     assert {s.info["tier"] for s in exe.steps if "tier" in s.info} <= {0, 3}
     with pytest.raises(RuntimeError, match=r"param 'w' \[7, 7\] is stored bf16 and holds no "
-                                           r"f32 copy in its \[N, K\] layout"):
+                                           r"f32 copy in this graph.s layout"):
         exe.buf(exe._params["w"])
     ids = np.array([3, 10, 0], np.int32)
     x = rng.standard_normal((3, 7)).astype(np.float32)

@@ -478,14 +478,14 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         prep = cfg.qk_norm or cfg.clip_qkv is not None
         if fused:      # [b, s, (hq + 2 hkv) d]: each token's q, k and v heads
             qkv = lin(hn, p + "self_attn.qkv_proj")
-            if prep:           # packed again for rope_kv_write
-                qkv = g.concat(qk_prep(*split(qkv), p), 2)
-            if not cached:     # forward: rope takes the three slices as below
+            if prep or not cached:     # forward: rope takes the three slices as below
                 q, k, v = split(qkv)
         else:
             q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
-            if prep:
-                q, k, v = qk_prep(q, k, v, p)
+        if prep:
+            q, k, v = qk_prep(q, k, v, p)
+            if fused and cached:       # packed again for rope_kv_write
+                qkv = g.concat([q, k, v], 2)
         if cached:
             kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
         if cached and fused:   # rope of q and k and the cache write: one kernel

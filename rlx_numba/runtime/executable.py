@@ -267,7 +267,7 @@ class CudaExecutable:
 
     def weight_buf(self, node):
         """``buf(node)`` for a product's weight, or None where the store holds no f32 copy of
-        it (a half weight's [N, K] layout: see ``half_param`` and ``param_f32``)."""
+        it (a half weight only products read: see ``half_param`` and ``param_f32``)."""
         return self._bufs[node.id]
 
     def param_f32(self, node):
@@ -310,8 +310,8 @@ class CudaExecutable:
             p = self.graph.nodes[self._root[nid]]
             raise RuntimeError(
                 f"graph {self.graph.name!r}: param {p.name!r} {fmt(p.shape)} is stored "
-                f"{self._entry(p).half[0]} and holds no f32 copy in its [N, K] layout (only "
-                f"products read it there, from the half copy); a step reading it as f32 must "
+                f"{self._entry(p).half[0]} and holds no f32 copy in this graph's layout (only "
+                f"products read it here, from the half copy); a step reading it as f32 must "
                 f"ask for it with param_f32()")
         return b
 

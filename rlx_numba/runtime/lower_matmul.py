@@ -4,7 +4,7 @@ Each product is planned once, at compile time, taking the first tier whose preco
 
   0  the weight (B) is a param stored half by ``set_param_half``: the activations are cast to
      that half type (a generated cast kernel), then ``cublasGemmEx`` with f32 accumulation
-     (a half weight stored [N, K] holds no f32 copy while its products read the half one:
+     (a half weight read only by products holds no f32 copy while they read the half one:
      a tier that reads f32 asks the store to make it again, ``_f32_weight``);
   1  cuBLASLt, every unbatched product: the bias and relu / gelu_tanh fused in its epilogue
      (a residual with no activation rides along as C with beta = 1);
@@ -56,13 +56,19 @@ LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh for
 PRODUCTS = ("matmul", "linear")
 
 
+def _consumers(graph: Graph) -> dict:
+    """node id -> [(consumer node, input position)]."""
+    out: dict[int, list] = {}
+    for n in graph.nodes:
+        for j, i in enumerate(n.inputs):
+            out.setdefault(i, []).append((n, j))
+    return out
+
+
 def absorbed_transposes(graph: Graph, live_outputs) -> set:
     """Transposes of the last two axes that only feed products (matmul's operands, linear's
     weight) and are not outputs: their consumers read the input with a transpose flag."""
-    consumers: dict[int, list] = {}
-    for n in graph.nodes:
-        for j, i in enumerate(n.inputs):
-            consumers.setdefault(i, []).append((n, j))
+    consumers = _consumers(graph)
     out = set()
     for n in graph.nodes:
         if n.op != "transpose" or n.id in live_outputs:
@@ -80,12 +86,8 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
     """2-D f32 params read only as a product's weight (B): stored transposed, [N, K] as
     nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are about twice as fast as
     NN on the skinny products of decoding and small batches: 3.9 against 7.5 us for
-    16x256x256 on an H200). set_param / set_param_half transpose on the way in; a half weight
-    keeps no f32 copy in this layout (runtime/params.py)."""
-    consumers: dict[int, list] = {}
-    for n in graph.nodes:
-        for j, i in enumerate(n.inputs):
-            consumers.setdefault(i, []).append((n, j))
+    16x256x256 on an H200). set_param / set_param_half transpose on the way in."""
+    consumers = _consumers(graph)
     return {n.id for n in graph.nodes
             if n.op == "param" and n.dtype == dt.F32 and len(n.shape) == 2 and n.size
             and n.id not in live_outputs and consumers.get(n.id)
@@ -97,10 +99,7 @@ def weight_only_params(graph: Graph, absorbed: set, transposed: set) -> set:
     2-D params whose every reader is a product's B or an absorbed transpose feeding only
     products' B (nn.Linear's [N, K] weights through ``linear``). A half weight among them
     needs no f32 copy (runtime/params.py)."""
-    consumers: dict[int, list] = {}
-    for n in graph.nodes:
-        for j, i in enumerate(n.inputs):
-            consumers.setdefault(i, []).append((n, j))
+    consumers = _consumers(graph)
 
     def weight_only(nid):
         uses = consumers.get(nid)
@@ -130,8 +129,8 @@ def operand(exe, nid) -> Operand:
 
 
 def _f32_weight(exe, b: Operand, tier, why) -> Operand:
-    """``b`` for a tier that reads the weight as f32. A half weight stored [N, K] holds no f32
-    copy while its products read the half one; where one cannot (no cuBLAS, a tier
+    """``b`` for a tier that reads the weight as f32. A half weight read only by products
+    holds no f32 copy while they read the half one; where one cannot (no cuBLAS, a tier
     restriction), the store makes the f32 copy again and keeps it while the weight is half."""
     if b.buf is not None:
         return b
