@@ -426,6 +426,8 @@ def test_dequant_grouped_matmul_errors():
         g.dequant_grouped_matmul(g.input("x3", (2, 32)), w, ids, scheme="q4_0")
     with pytest.raises(ValueError, match=r"expert_ids must be i32 / i64 \[2\]"):
         g.dequant_grouped_matmul(x, w, g.input("i3", (3,), "i32"), scheme="q4_0")
+    with pytest.raises(ValueError, match=r"dequant_grouped_matmul: w u8 \[0, 5, 36\] has no experts"):
+        g.dequant_grouped_matmul(x, g.param("w0", (0, 5, 36), "u8"), ids, scheme="q4_0")
     w4 = g.param("w4", (3, 5, 32), "u8")
     with pytest.raises(ValueError, match=r"scales must be \[E=3, N=5\] or \[E, N, K // "
                                          r"group_size\] for w u8 \[3, 5, 32\], got \[5, 2\]"):

@@ -173,6 +173,8 @@ class QuantOps:
             raise ValueError(f"{op}: x must be a float tensor [M, K], got {_desc(x)}")
         (m, k) = x.shape
         e, w2, s2, z2 = _experts_2d(self, op, w, scales, zeros)
+        if e == 0:
+            raise ValueError(f"{op}: w {_desc(w)} has no experts")
         try:
             n, _, gs, _ = check_quant(op, w2, s2, z2, scheme, group_size, k)
         except ValueError as err:
@@ -182,8 +184,6 @@ class QuantOps:
         if expert_ids.dtype not in (dt.I32, dt.I64) or tuple(expert_ids.shape) != (m,):
             raise ValueError(f"{op}: expert_ids must be i32 / i64 [{m}] (an expert a row of x "
                              f"{fmt(x.shape)}), got {_desc(expert_ids)}")
-        if e == 0 and m:
-            raise ValueError(f"{op}: w {_desc(w)} has no experts")
         xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
         if m <= max(MAX_M, e) and units_ok(scheme, k, gs):
             ins = [xf] + self._quant_inputs(op, w2, s2, z2) + [expert_ids]
