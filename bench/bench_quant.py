@@ -5,8 +5,9 @@ GEMV rows (M = 1, decode): y = x @ W^T for a packed W [N, K] through ``g.dequant
 % of copy bandwidth on the *packed* bytes (what the product has to read). Beside it, torch's
 bf16 GEMV of the same shape (x.bfloat16() @ w_bf16.t(): torch has no q4 kernel; a bf16 weight
 is the smallest one it runs), and our f32 GEMV (matmul tier 3) for scale.
-GEMM rows (M = 512, prefill): dequantize into the arena + the matmul tiers (cuBLAS), TFLOP/s
-beside torch bf16 mm and torch f32 mm (TF32 off) of the same shape.
+GEMM rows (M = 512, prefill): dequantize to bf16 into the arena + matmul tier 0 (cuBLAS bf16
+tensor cores, f32 accumulation, x cast to bf16), TFLOP/s beside torch bf16 mm and torch f32 mm
+(TF32 off) of the same shape.
 Grouped rows (mixture of experts): ``g.grouped_matmul`` of 8192 rows (4096 tokens x top-2)
 routed over 64 experts, K = N = 1024, f32, beside a torch loop over the experts (index, mm,
 index_copy: what a plain MoE layer does) and torch bf16 mm of the same FLOPs (one [8192, 1024]
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
            f"{'copy%':>5} {'TFLOP/s':>7} | {'torch bf16 us':>13} {'TFLOP/s':>7} | "
            f"{'torch f32 us':>12} |  err")
     print(hdr + "\n" + "-" * len(hdr))
-    todo = [(1, n, k, s) for s in args.schemes.split(",") for n, k in GEMV_SHAPES]
+    todo = [(1, n, k, s) for s in args.schemes.split(",") if s for n, k in GEMV_SHAPES]
     todo += [(GEMM_SHAPE[0], GEMM_SHAPE[1], GEMM_SHAPE[2], s) for s in args.gemm_schemes.split(",") if s]
     for m, n, k, scheme in todo:
         try:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
-from conftest import run_graph
+from conftest import ON_GPU, run_graph
 
 try:
     import gguf
@@ -50,6 +50,11 @@ def ref_int(scheme, q, scales, zeros, group_size):
 def _close(got, want, rel=1e-5):
     scale = max(np.abs(want).max(), 1e-30)
     np.testing.assert_allclose(got, want, rtol=0, atol=rel * scale)
+
+
+# the GEMM path's tolerance: on a GPU (cuBLAS) x and the dequantised weight are rounded to
+# bf16 for tier 0's tensor cores (lower_quant.py); the simulator's products are f32
+GEMM_REL = 1e-2 if ON_GPU else 1e-5
 
 
 def _run_quant(scheme, raw, x, scales=None, zeros=None, group_size=None, wdtype="u8"):
@@ -113,9 +118,55 @@ def test_gguf_gemm_path(rng, scheme):
     (y, _), g = _run_quant(scheme, raw, x)
     want = gguf_dequantize(raw, QTYPE[scheme]).astype(np.float64)
     assert y.shape == (2, 9, 5)
-    _close(y, x.astype(np.float64) @ want.T)
+    _close(y, x.astype(np.float64) @ want.T, GEMM_REL)
     ops = [nd.op for nd in g.nodes]
     assert "dequant_matmul" not in ops and "dequantize" in ops and "matmul" in ops
+
+
+@needs_gguf
+@pytest.mark.parametrize("scheme", ["q4_0", "q4_k", "q6_k"])
+def test_dequantize_to_bf16_kernel(rng, scheme):
+    """The GEMM path's bf16 dequantisation (tier 0's weight on a GPU), run as a kernel: each
+    weight the f32 value rounded to the nearest bf16 (ties to even), two a word, low first."""
+    from numba import cuda
+
+    from rlx_numba.kernels import quant as Q
+    qk, _ = GGUF[scheme]
+    n, k = 3, qk * (3 if qk == 32 else 1)
+    raw = random_blocks(rng, scheme, n, k)
+    want = gguf_dequantize(raw, QTYPE[scheme]).astype(np.float32)
+    out = cuda.to_device(np.zeros(n * k // 2, np.uint32))
+    dummy = cuda.to_device(np.zeros(1, np.float32))
+    kern = Q.dequant_units_kernel(scheme, False, Q.group_shift(k // 32), bf16=True)
+    kern[2, 32](out, cuda.to_device(raw.reshape(-1).view(np.uint16)), dummy, dummy, np.int64(n),
+                np.int64(k), np.int64(k // 32), np.int64(raw.shape[1] // 2), np.int64(1),
+                np.int64(k // 32), cuda.to_device(np.zeros(1, np.int64)), np.int64(n))
+    bits = want.reshape(-1).view(np.uint32).astype(np.uint64)
+    rne = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    as_f32 = lambda h: (h.astype(np.uint32) << 16).view(np.float32)   # noqa: E731
+    np.testing.assert_array_equal(as_f32(out.copy_to_host().view(np.uint16)), as_f32(rne))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the bf16 GEMM path needs cuBLAS (a GPU)")
+def test_gemm_path_takes_bf16_tensor_cores(rng, monkeypatch):
+    """On a GPU the dequantised weight is written bf16 and the product runs on tier 0; with
+    tier 0 excluded it stays f32 (and exact to f32 rounding)."""
+    k, n, m = 128, 40, 33
+    q = rng.integers(-128, 128, (n, k), dtype=np.int8)
+    scales = rng.uniform(0.01, 0.1, (n,)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x.astype(np.float64) @ ref_int("int8", q, scales, None, None).T
+    for tiers, rel, step in (("0,1,2", 1e-2, "to bf16"), ("1,2", 1e-5, "int8 40x128")):
+        monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", tiers)
+        g = rlx.Graph("q")
+        w, xs, s = g.param("w", (n, k), "i8"), g.input("x", (m, k)), g.input("s", (n,))
+        g.set_outputs([g.dequant_matmul(xs, w, s, scheme="int8")])
+        exe = rlx.compile(g)
+        exe.set_param("w", q)
+        (y,) = exe.run({"x": x, "s": scales})
+        _close(y, want, rel)
+        assert any(st.kernel_name.startswith("dequantize") and st.kernel_name.endswith(step)
+                   for st in exe.steps), [st.kernel_name for st in exe.steps]
 
 
 @pytest.mark.parametrize("scheme,k,group_size,zeros,m", [
@@ -143,7 +194,7 @@ def test_int_schemes(rng, scheme, k, group_size, zeros, m):
                              wdtype="i8" if scheme == "int8" else "u8")
     want = ref_int(scheme, q, scales, zr, group_size)
     _close(wd, want, 1e-6)
-    _close(y, x.astype(np.float64) @ want.T)
+    _close(y, x.astype(np.float64) @ want.T, GEMM_REL if m > 16 else 1e-5)
 
 
 def test_int4_nibble_order_spelled_out():

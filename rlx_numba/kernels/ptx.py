@@ -4,8 +4,8 @@ inline PTX), with plain Python twins for the simulator.
 ``ld2`` / ``ld4``: two / four float32 in one 8- / 16-byte load of read-only data
 (ld.global.nc.v2.f32, .v4.f32); ``ld4w``: 16 bytes of any array as four uint32 words (8 half
 weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16); ``vld4``
-and ``vst4``: a 16-byte load and store of memory the kernel also writes (shared memory,
-partials). numba's array accesses are one element each, and a warp waiting on its load
+and ``vst4`` / ``vst2``: a 16-byte load and a 16- / 8-byte store of memory the kernel also
+writes (shared memory, partials, dequantised weights). numba's array accesses are one element each, and a warp waiting on its load
 queue, not DRAM, is what bounds the decode kernel. ``ldh`` / ``ldw`` / ``fld4`` / ``fbits`` / ``spread4``: 32-bit words of packed
 quantised data and their bit fields as exact floats (numba types every integer op 64-bit).
 ``ticket``: atomicAdd(+1) with
@@ -156,21 +156,26 @@ if not SIMULATOR:
             return out
         return sig, codegen
 
+    def _store_codegen(context, builder, sig, args):
+        ty = sig.args[0].dtype                  # the array's element type (f32, u32 words)
+        n = len(args) - 2
+        vt = ir.VectorType(context.get_value_type(ty), n)
+        v = ir.Constant(vt, ir.Undefined)
+        for i in range(n):
+            x = context.cast(builder, args[2 + i], sig.args[2 + i], ty)
+            v = builder.insert_element(v, x, ir.Constant(_I32, i))
+        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+        builder.store(v, builder.bitcast(ptr, vt.as_pointer()), align=4 * n)
+        return context.get_dummy_value()
+
+    # a[i: i + n] = x0, ..., in one 4n-byte store of 4-byte elements (i a multiple of n, aligned)
+    @intrinsic
+    def vst2(typingctx, arr, idx, x0, x1):
+        return types.void(arr, idx, x0, x1), _store_codegen
+
     @intrinsic
     def vst4(typingctx, arr, idx, x0, x1, x2, x3):
-        """a[i: i + 4] = x0, x1, x2, x3 in one 16-byte store (i a multiple of 4, aligned)."""
-        sig = types.void(arr, idx, x0, x1, x2, x3)
-
-        def codegen(context, builder, sig, args):
-            vt = ir.VectorType(_F32, 4)
-            v = ir.Constant(vt, ir.Undefined)
-            for i in range(4):
-                x = context.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
-                v = builder.insert_element(v, x, ir.Constant(_I32, i))
-            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-            builder.store(v, builder.bitcast(ptr, vt.as_pointer()), align=16)
-            return context.get_dummy_value()
-        return sig, codegen
+        return types.void(arr, idx, x0, x1, x2, x3), _store_codegen
 
     @intrinsic
     def ticket(typingctx, arr, idx):
@@ -244,6 +249,11 @@ else:   # device functions, so the simulator hands them its cuda module as it do
     def spread4(word, j):
         v = (int(word) >> int(j)) & 15
         return np.uint32((v & 1) | ((v & 2) << 7) | ((v & 4) << 14) | ((v & 8) << 21))
+
+    @cuda.jit(device=True)
+    def vst2(a, i, x0, x1):
+        f = _flat(a)
+        f[i], f[i + 1] = x0, x1
 
     @cuda.jit(device=True)
     def vst4(a, i, x0, x1, x2, x3):

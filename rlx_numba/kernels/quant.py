@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, uint32
 
 from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
@@ -408,10 +408,12 @@ def gemv_kernel(scheme: str, m: int, nw: int, r: int, wpr: int, has_zero: bool, 
 
 # ---- dequantise to f32 (the GEMM path) ----------------------------------------------------
 @functools.lru_cache(maxsize=None)
-def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1, gather: bool = False):
+def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1, gather: bool = False,
+                         bf16: bool = False):
     """out[n, K] f32 <- W, a thread a quarter unit (8 weights; grid-stride). Arguments (out, w,
     sc, zr, n, k, units, rowhw, ng, gsu, ids, nsrc); ``gather``: out row i is W's row ids[i]
-    (clamped to [0, nsrc)), else row i (ids unused)."""
+    (clamped to [0, nsrc)), else row i (ids unused). ``bf16``: out is uint32 words, each two
+    bf16 weights (round to nearest even; the low half the even column)."""
     unit = unit_fn(scheme, has_zero, gshift)
     split = scheme in SPLIT16
 
@@ -424,12 +426,30 @@ def dequant_units_kernel(scheme: str, has_zero: bool, gshift: int = -1, gather: 
             src = min(max(int64(ids[row]), 0), nsrc - 1) if gather else row
             qa, qb, d, m = unit(w, sc, zr, src, u, t, rowhw, ng, gsu)
             p0, p1 = (4 * t, 16 + 4 * t) if split else (8 * t, 8 * t + 4)
-            base = row * k + u * UNIT          # two 16-byte stores (the arena aligns out)
-            ptx.vst4(out, base + p0, qa[0] * d + m, qa[1] * d + m, qa[2] * d + m, qa[3] * d + m)
-            ptx.vst4(out, base + p1, qb[0] * d + m, qb[1] * d + m, qb[2] * d + m, qb[3] * d + m)
+            base = row * k + u * UNIT          # (the arena aligns out)
+            if bf16:      # 8 weights: one 16-byte store, or two 8-byte ones (split formats)
+                wa0 = _bf16x2(qa[0] * d + m, qa[1] * d + m)
+                wa1 = _bf16x2(qa[2] * d + m, qa[3] * d + m)
+                wb0 = _bf16x2(qb[0] * d + m, qb[1] * d + m)
+                wb1 = _bf16x2(qb[2] * d + m, qb[3] * d + m)
+                if split:
+                    ptx.vst2(out, (base + p0) // 2, wa0, wa1)
+                    ptx.vst2(out, (base + p1) // 2, wb0, wb1)
+                else:
+                    ptx.vst4(out, (base + p0) // 2, wa0, wa1, wb0, wb1)
+            else:                              # two 16-byte stores
+                ptx.vst4(out, base + p0, qa[0] * d + m, qa[1] * d + m, qa[2] * d + m,
+                         qa[3] * d + m)
+                ptx.vst4(out, base + p1, qb[0] * d + m, qb[1] * d + m, qb[2] * d + m,
+                         qb[3] * d + m)
             i += cuda.gridsize(1)
 
     return kernel
+
+
+@_inline
+def _bf16x2(lo, hi):
+    return uint32(ew.f32_to_bf16(lo)) | (uint32(ew.f32_to_bf16(hi)) << uint32(16))
 
 
 @functools.lru_cache(maxsize=None)

@@ -161,6 +161,9 @@ class CudaExecutable:
         self._node_steps = {}                # node id -> its bound steps, in graph order
         self.steps = None                    # lower_all() makes them
         self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
+        # node id -> (half dtype, view): a node only products read as their weight that its
+        # lowering wrote half into its own buffer (a dequantised weight for tier 0's tensor cores)
+        self.half_outputs = {}
 
     def lower_all(self) -> None:
         """Lower every node that runs to bound Steps (AOT: and compile their kernels)."""
@@ -266,9 +269,10 @@ class CudaExecutable:
                     self._bufs[nid] = self._flat(nid)
 
     def weight_buf(self, node):
-        """``buf(node)`` for a product's weight, or None where the store holds no f32 copy of
-        it (a half weight only products read: see ``half_param`` and ``param_f32``)."""
-        return self._bufs[node.id]
+        """``buf(node)`` for a product's weight, or None where it has no f32 copy: a half weight
+        only products read (see ``half_param`` and ``param_f32``), or a weight dequantised to
+        bf16 (``half_outputs``)."""
+        return None if node.id in self.half_outputs else self._bufs[node.id]
 
     def param_f32(self, node):
         """The f32 copy of param ``node`` in this executable's layout, made again by the store
@@ -277,7 +281,10 @@ class CudaExecutable:
         return self.buf(node)
 
     def half_param(self, node):
-        """(half dtype, device array) when the param ``node`` was set by set_param_half."""
+        """(half dtype, device array) when the param ``node`` was set by set_param_half, or
+        ``node`` is a weight its lowering wrote half (``half_outputs``)."""
+        if node.id in self.half_outputs:
+            return self.half_outputs[node.id]
         if node.op != "param":
             return None
         half = self._entry(node).half

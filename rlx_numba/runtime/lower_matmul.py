@@ -94,20 +94,23 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
             and all(m.op in PRODUCTS and j == 1 for m, j in consumers[n.id])}
 
 
+def read_as_weight(consumers: dict, absorbed: set, nid) -> bool:
+    """Whether node ``nid`` is read only as products' weight (B): directly or through absorbed
+    transposes that feed only products' B."""
+    uses = consumers.get(nid)
+    return bool(uses) and all((m.op in PRODUCTS and j == 1)
+                              or (m.id in absorbed and read_as_weight(consumers, absorbed, m.id))
+                              for m, j in uses)
+
+
 def weight_only_params(graph: Graph, absorbed: set, transposed: set) -> set:
     """Params read only as a product's weight (B): those stored [N, K] (``transposed``), and
     2-D params whose every reader is a product's B or an absorbed transpose feeding only
     products' B (nn.Linear's [N, K] weights through ``linear``). A half weight among them
     needs no f32 copy (runtime/params.py)."""
     consumers = _consumers(graph)
-
-    def weight_only(nid):
-        uses = consumers.get(nid)
-        return bool(uses) and all(
-            (m.op in PRODUCTS and j == 1) or (m.id in absorbed and weight_only(m.id))
-            for m, j in uses)
     return set(transposed) | {n.id for n in graph.nodes if n.op == "param" and len(n.shape) == 2
-                              and weight_only(n.id)}
+                              and read_as_weight(consumers, absorbed, n.id)}
 
 
 @dataclass
@@ -134,6 +137,8 @@ def _f32_weight(exe, b: Operand, tier, why) -> Operand:
     restriction), the store makes the f32 copy again and keeps it while the weight is half."""
     if b.buf is not None:
         return b
+    if b.node.op != "param":    # a dequantised weight written bf16 takes tier 0 (lower_quant.py)
+        raise RuntimeError(f"tier {tier}: %{b.node.id} was written bf16 for tier 0 only")
     why.append(f"tier {tier} reads the half weight's f32 copy (kept beside the half one)")
     return dataclasses.replace(b, buf=exe.param_f32(b.node))
 

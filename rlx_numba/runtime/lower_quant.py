@@ -1,16 +1,20 @@
 """Lowering of dequant_matmul and dequant_grouped_matmul (the GEMV of kernels/quant.py) and
-dequantize (to f32, the GEMM path's operand: the matmul after it takes the cuBLAS tiers)."""
+dequantize (the GEMM path's operand: the matmul after it takes the cuBLAS tiers). A dequantised
+weight that only products read as their weight is written bf16 on a GPU with cuBLAS, into the
+first half of its own f32 buffer, and the products read it as a half weight: tier 0, bf16
+tensor cores with f32 accumulation (x rounded to bf16, as a bf16 weight's products do)."""
 from __future__ import annotations
 
 import numpy as np
 
+from .. import cublas
 from ..device import SIMULATOR
 from ..ir import dtypes as dt
-from ..ir.ops_quant import GGUF, INTS, UNIT, units_ok
+from ..ir.ops_quant import GGUF, INTS, MAX_M, UNIT, units_ok
 from ..kernels import quant as Q
 from ..kernels.launch import grid_1d, sm_count
 from .lower import Step, elementwise_step, lowering, step_name
-from .lower_matmul import _dummy, _ptr
+from .lower_matmul import PRODUCTS, _consumers, _dummy, _env_tiers, _ptr, read_as_weight
 
 
 def _layout(exe, n, w_at):
@@ -105,6 +109,27 @@ def _lower_dequant_grouped_matmul(exe, n):
                          {"bytes": wbytes + 4 * (m * k + m * rows), "flops": 2 * m * rows * k})]
 
 
+def _bf16_weight(exe, n) -> bool:
+    """Whether dequantize ``n`` is written bf16 for tier 0 (module docstring): a GPU with
+    cuBLAS, tier 0 allowed, and every reader a product taking it as the weight (B) of an f32 A
+    of more than MAX_M rows (fewer: the product is a GEMV reading the weight, where rounding x
+    would buy nothing), directly or through absorbed transposes."""
+    if SIMULATOR or n.id in exe._outputs or 0 not in _env_tiers() or not cublas.available()[0]:
+        return False
+    consumers = _consumers(exe.graph)
+    if not read_as_weight(consumers, exe.absorbed, n.id):
+        return False
+    products, todo = [], [n.id]
+    while todo:
+        for m, _ in consumers.get(todo.pop(), []):
+            if m.op in PRODUCTS:
+                products.append(m)
+            else:
+                todo.append(m.id)
+    return all(exe.graph.nodes[m.inputs[0]].dtype == dt.F32 and m.size // m.shape[-1] > MAX_M
+               for m in products)
+
+
 @lowering("dequantize")
 def _lower_dequantize(exe, n):
     scheme, has_zeros, w, sc, zr, k, rowhw, ng, gs = _layout(exe, n, 0)
@@ -113,6 +138,15 @@ def _lower_dequantize(exe, n):
     rows = n.size // k if k else 0
     if rows == 0:
         return []
+    if not gather and units_ok(scheme, k, gs) and _bf16_weight(exe, n):
+        out = exe.buf(n).view(np.uint32)[:n.size // 2]
+        exe.half_outputs[n.id] = (dt.BF16, exe.buf(n).view(np.uint16)[:n.size])
+        grid, block = grid_1d(rows * k // UNIT * 4)
+        kern = Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT), bf16=True)
+        args = (out, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
+                np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT), _dummy(exe), np.int64(rows))
+        return [Step(step_name(n), f"dequantize {scheme} {rows}x{k} to bf16", kern, (grid,),
+                     (block,), args, {"bytes": g.nodes[n.inputs[0]].nbytes + n.nbytes // 2})]
     wnode = g.nodes[n.inputs[0]]
     if gather:      # run() checks host-array indices; the kernel clamps device ones
         ids = g.nodes[n.inputs[-1]]
