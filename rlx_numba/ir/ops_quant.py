@@ -11,7 +11,9 @@ with int8 / int4 scales (and zeros, default 8) [N] (per channel) or [N, K / grou
 it is (never rounded to half). With at most MAX_M rows of x it is one node, a GEMV that
 dequantises in registers (decode: the packed bytes are all that is read); with more it is
 ``dequantize`` (an f32 [N, K] in the arena, its bytes reused once the product is done) and a
-matmul (the GEMM tiers: cuBLAS on a GPU). The choice is made here, from the static shape, so the
+matmul (the GEMM tiers). On a GPU with cuBLAS that weight is written bf16 and the product runs
+on bf16 tensor cores with f32 accumulation, x rounded to bf16 (runtime/lower_quant.py;
+RLX_NUMBA_MATMUL_TIERS without 0 keeps it f32). The choice is made here, from the static shape, so the
 graph shows which path runs. Gradients flow to x, and to int8 / int4 scales and zeros.
 ``dequant_grouped_matmul(x, w, expert_ids, ...)`` is the mixture-of-experts form: w [E, N,
 packed K], out[i] = x[i] @ dequant(w[ids[i]])^T, a GEMV a row of x over its expert's packed
