@@ -11,6 +11,7 @@ from . import ops
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_vision import VisionOps
 from .ops_loss import LossOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
@@ -105,7 +106,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps, MoEOps):
+            QuantOps, MoEOps, VisionOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

@@ -1,0 +1,196 @@
+"""conv and conv_transpose (1/2/3-d) against NumPy references written here (a sum over kernel
+offsets of strided slices of the zero-padded input; the transpose as the scatter of each input
+element through the kernel, then cropped), gradients against finite differences."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from conftest import run_graph
+from gradcheck import check
+
+
+def conv_ref(x, w, b=None, stride=1, padding=0, dilation=1, groups=1):
+    d = w.ndim - 2
+    st, dl = (stride,) * d if np.isscalar(stride) else stride, \
+        (dilation,) * d if np.isscalar(dilation) else dilation
+    k = w.shape[2:]
+    if padding == "same":
+        tot = [dl[i] * (k[i] - 1) for i in range(d)]
+        pads = [(t // 2, t - t // 2) for t in tot]
+    elif padding == "valid":
+        pads = [(0, 0)] * d
+    else:
+        p = (padding,) * d if np.isscalar(padding) else padding
+        pads = [(q, q) for q in p]
+    xp = np.pad(x.astype(np.float64), [(0, 0), (0, 0)] + pads)
+    n, c = x.shape[:2]
+    cout, cg, cog = w.shape[0], c // groups, w.shape[0] // groups
+    out = [(xp.shape[2 + i] - dl[i] * (k[i] - 1) - 1) // st[i] + 1 for i in range(d)]
+    y = np.zeros((n, cout, *out))
+    for kidx in np.ndindex(*k):
+        sl = tuple(slice(kidx[i] * dl[i], kidx[i] * dl[i] + st[i] * (out[i] - 1) + 1, st[i])
+                   for i in range(d))
+        patch = xp[(slice(None), slice(None)) + sl]
+        for gi in range(groups):
+            wk = w[(slice(gi * cog, (gi + 1) * cog), slice(None)) + kidx].astype(np.float64)
+            y[:, gi * cog:(gi + 1) * cog] += np.einsum("oc,nc...->no...", wk,
+                                                       patch[:, gi * cg:(gi + 1) * cg])
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * d)
+    return y
+
+
+def conv_t_ref(x, w, b=None, stride=1, padding=0, output_padding=0, dilation=1, groups=1):
+    d = w.ndim - 2
+    tup = lambda v: (v,) * d if np.isscalar(v) else v    # noqa: E731
+    st, p, op, dl = tup(stride), tup(padding), tup(output_padding), tup(dilation)
+    n, c = x.shape[:2]
+    size, k = x.shape[2:], w.shape[2:]
+    cg, cog = c // groups, w.shape[1]
+    full = [(size[i] - 1) * st[i] + dl[i] * (k[i] - 1) + 1 + op[i] for i in range(d)]
+    y = np.zeros((n, cog * groups, *full))
+    for kidx in np.ndindex(*k):
+        sl = tuple(slice(kidx[i] * dl[i], kidx[i] * dl[i] + st[i] * (size[i] - 1) + 1, st[i])
+                   for i in range(d))
+        for gi in range(groups):
+            wk = w[(slice(gi * cg, (gi + 1) * cg), slice(None)) + kidx].astype(np.float64)
+            y[(slice(None), slice(gi * cog, (gi + 1) * cog)) + sl] += np.einsum(
+                "co,nc...->no...", wk, x[:, gi * cg:(gi + 1) * cg].astype(np.float64))
+    y = y[(slice(None), slice(None)) + tuple(slice(p[i], full[i] - p[i]) for i in range(d))]
+    if b is not None:
+        y += b.reshape((1, -1) + (1,) * d)
+    return y
+
+
+CONV_CASES = [
+    # x shape, w shape, kwargs
+    ((2, 3, 11), (4, 3, 3), dict(stride=2, padding=1)),                          # 1-d
+    ((1, 4, 9), (4, 1, 5), dict(padding="same", dilation=2, groups=4)),          # depthwise same
+    ((2, 4, 7, 6), (6, 2, 3, 2), dict(stride=(2, 1), padding=(1, 2), dilation=(1, 2),
+                                      groups=2)),
+    ((1, 3, 8, 7), (5, 3, 1, 1), dict()),                                        # 1x1
+    ((2, 2, 9, 8), (3, 2, 4, 3), dict(padding="same")),                          # even kernel
+    ((1, 2, 7, 5), (3, 2, 7, 3), dict(stride=2, padding=3)),                     # 7x7 s2
+    ((1, 2, 5, 4, 6), (3, 2, 2, 3, 3), dict(stride=(1, 2, 1), padding=(0, 1, 1))),   # 3-d
+    ((2, 5, 6), (2, 5, 6), dict(padding="valid")),                               # whole input
+]
+
+
+@pytest.mark.parametrize("xs,ws,kw", CONV_CASES)
+def test_conv(rng, xs, ws, kw):
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = rng.standard_normal(ws).astype(np.float32)
+    b = rng.standard_normal(ws[0]).astype(np.float32)
+    g = rlx.Graph("conv")
+    y = g.conv(g.input("x", xs), g.param("w", ws), g.param("b", (ws[0],)), **kw)
+    g.set_outputs([y])
+    (got,) = run_graph(g, {"x": x}, {"w": w, "b": b})
+    want = conv_ref(x, w, b, **kw)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_unbatched_and_no_bias(rng):
+    x = rng.standard_normal((3, 6, 5)).astype(np.float32)
+    w = rng.standard_normal((2, 3, 3, 3)).astype(np.float32)
+    g = rlx.Graph("conv")
+    y = g.conv(g.input("x", x.shape), g.input("w", w.shape), padding=1)
+    assert y.shape == (2, 6, 5)
+    g.set_outputs([y])
+    (got,) = run_graph(g, {"x": x, "w": w})
+    np.testing.assert_allclose(got, conv_ref(x[None], w, padding=1)[0], rtol=1e-4, atol=1e-4)
+
+
+CONV_T_CASES = [
+    ((2, 3, 5), (3, 2, 3), dict(stride=2, padding=1, output_padding=1)),          # 1-d
+    ((1, 4, 4, 3), (4, 3, 2, 2), dict(stride=2)),                                 # U-Net 2x2 s2
+    ((2, 4, 3, 4), (4, 1, 3, 2), dict(stride=(2, 3), padding=(1, 0), dilation=(2, 1),
+                                      groups=2, output_padding=(1, 2))),
+    ((1, 2, 2, 3, 2), (2, 3, 3, 2, 2), dict(stride=(1, 2, 2), padding=(1, 0, 1))),  # 3-d
+]
+
+
+@pytest.mark.parametrize("xs,ws,kw", CONV_T_CASES)
+def test_conv_transpose(rng, xs, ws, kw):
+    x = rng.standard_normal(xs).astype(np.float32)
+    w = rng.standard_normal(ws).astype(np.float32)
+    groups = kw.get("groups", 1)
+    b = rng.standard_normal(ws[1] * groups).astype(np.float32)
+    g = rlx.Graph("convt")
+    y = g.conv_transpose(g.input("x", xs), g.param("w", ws), g.param("b", b.shape), **kw)
+    g.set_outputs([y])
+    (got,) = run_graph(g, {"x": x}, {"w": w, "b": b})
+    want = conv_t_ref(x, w, b, **kw)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_gradients(rng):
+    x = rng.standard_normal((2, 4, 5, 4))
+    w = rng.standard_normal((4, 2, 3, 2))
+    b = rng.standard_normal(4)
+    kw = dict(stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2)
+    g = rlx.Graph("convg")
+    xs, ws, bs = g.input("x", x.shape), g.input("w", w.shape), g.input("b", b.shape)
+    y = g.conv(xs, ws, bs, **kw)
+    seed = rng.standard_normal(y.shape).astype(np.float32)
+    check(g, y, {"x": xs, "w": ws, "b": bs}, {"x": x, "w": w, "b": b},
+          lambda x, w, b: conv_ref(x, w, b, **kw), seed=seed)
+
+
+def test_conv_transpose_gradients(rng):
+    x = rng.standard_normal((1, 2, 3, 4))
+    w = rng.standard_normal((2, 3, 3, 2))
+    kw = dict(stride=2, padding=(1, 0), output_padding=(1, 0))
+    g = rlx.Graph("convtg")
+    xs, ws = g.input("x", x.shape), g.input("w", w.shape)
+    y = g.conv_transpose(xs, ws, **kw)
+    seed = rng.standard_normal(y.shape).astype(np.float32)
+    check(g, y, {"x": xs, "w": ws}, {"x": x, "w": w},
+          lambda x, w: conv_t_ref(x, w, **kw), seed=seed)
+
+
+def test_conv_1d_3d_gradients(rng):
+    for xs, ws, kw in (((1, 2, 7), (3, 2, 3), dict(stride=2, padding="valid")),
+                       ((1, 1, 3, 4, 3), (2, 1, 2, 2, 2), dict(padding=1))):
+        x, w = rng.standard_normal(xs), rng.standard_normal(ws)
+        g = rlx.Graph("convg")
+        xt, wt = g.input("x", xs), g.input("w", ws)
+        y = g.conv(xt, wt, **kw)
+        check(g, y, {"x": xt, "w": wt}, {"x": x, "w": w},
+              lambda x, w, kw=kw: conv_ref(x, w, **kw), seed=rng.standard_normal(y.shape))
+
+
+def test_conv_errors():
+    g = rlx.Graph("e")
+    x = g.input("x", (1, 4, 5, 5))
+    cases = [
+        (lambda: g.conv(x, g.input("w1", (6, 3, 3, 3)), groups=2),
+         "w f32 [6, 3, 3, 3] must have C/groups = 2 input channels"),
+        (lambda: g.conv(x, g.input("w2", (6, 4, 3, 3)), groups=3),
+         "channels must divide into groups=3"),
+        (lambda: g.conv(x, g.input("w3", (2, 4, 3, 3)), padding="full"),
+         "padding must be an int, a tuple, 'same' or 'valid', got 'full'"),
+        (lambda: g.conv(x, g.input("w4", (2, 4, 3, 3)), padding="same", stride=2),
+         "padding='same' needs stride 1"),
+        (lambda: g.conv(x, g.input("w5", (2, 4, 7, 3))),
+         "is larger than the padded input [5, 5]"),
+        (lambda: g.conv(x, g.input("w6", (2, 4, 3))), "x must be [N, C, *spatial] or [C, "
+         "*spatial] with 1 spatial dims"),
+        (lambda: g.conv(x, g.input("w7", (2, 4, 3, 3)), stride=(1, 0)),
+         "stride must be an int >= 1 or 2 of them, got (1, 0)"),
+        (lambda: g.conv(x, g.input("w8", (2, 4, 3, 3)), g.input("b8", (3,))),
+         "bias must be f32 [2] (one per output channel), got f32 [3]"),
+        (lambda: g.conv(x, g.input("w9", (2, 4, 3, 3, 3, 3))), "w must be 3-, 4- or 5-D"),
+        (lambda: g.conv_transpose(x, g.input("w10", (3, 2, 2, 2))),
+         "w f32 [3, 2, 2, 2] must be [C, Cout/groups, *kernel] with C = 4"),
+        (lambda: g.conv_transpose(x, g.input("w11", (4, 2, 2, 2)), stride=2, output_padding=2),
+         "output_padding [2, 2] must be smaller than stride [2, 2] or dilation [1, 1]"),
+        (lambda: g.conv_transpose(x, g.input("w12", (4, 2, 1, 1)), padding=3),
+         "the output would be [-1, -1]"),
+    ]
+    for make, msg in cases:
+        with pytest.raises(ValueError) as e:
+            make()
+        assert msg in str(e.value), str(e.value)
+        assert str(e.value).startswith(("conv:", "conv_transpose:")), str(e.value)
