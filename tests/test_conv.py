@@ -194,3 +194,94 @@ def test_conv_errors():
             make()
         assert msg in str(e.value), str(e.value)
         assert str(e.value).startswith(("conv:", "conv_transpose:")), str(e.value)
+
+
+def pool_ref(x, kind, k, stride=None, padding=0, dilation=1, ceil_mode=False,
+             count_include_pad=True):
+    d = len(k)
+    tup = lambda v: (v,) * d if np.isscalar(v) else v    # noqa: E731
+    st, p, dl = tup(stride or k), tup(padding), tup(dilation)
+    size = x.shape[2:]
+    out = []
+    for i in range(d):
+        span = dl[i] * (k[i] - 1) + 1
+        num = size[i] + 2 * p[i] - span
+        o = (-(-num // st[i]) if ceil_mode else num // st[i]) + 1
+        if ceil_mode and (o - 1) * st[i] >= size[i] + p[i]:
+            o -= 1
+        out.append(o)
+    y = np.empty(x.shape[:2] + tuple(out))
+    for o in np.ndindex(*out):
+        starts = [o[i] * st[i] - p[i] for i in range(d)]
+        idx = [[s + j * dl[i] for j in range(k[i]) if 0 <= s + j * dl[i] < size[i]]
+               for i, s in enumerate(starts)]
+        win = x[(slice(None), slice(None)) + np.ix_(*idx)].reshape(x.shape[:2] + (-1,))
+        if kind == "max":
+            y[(slice(None), slice(None)) + o] = win.max(-1)
+        else:
+            div = (np.prod([min(starts[i] + k[i], size[i] + p[i]) - starts[i] for i in range(d)])
+                   if count_include_pad else np.prod([len(v) for v in idx]))
+            y[(slice(None), slice(None)) + o] = win.sum(-1) / div
+    return y
+
+
+POOL_CASES = [
+    ((2, 3, 11), "max", (3,), dict(stride=2, padding=1)),
+    ((1, 2, 10), "avg", (4,), dict(stride=3, ceil_mode=True)),
+    ((2, 3, 7, 6), "max", (3, 2), dict(stride=(2, 1), padding=(1, 1), dilation=(2, 1))),
+    ((2, 3, 7, 6), "max", (3, 3), dict(stride=2, padding=1, ceil_mode=True)),   # ResNet stem
+    ((1, 2, 7, 5), "avg", (3, 3), dict(stride=2, padding=1)),
+    ((1, 2, 7, 5), "avg", (3, 3), dict(stride=2, padding=1, count_include_pad=False,
+                                       ceil_mode=True)),
+    ((1, 2, 5, 4, 6), "max", (2, 2, 3), dict(stride=(1, 2, 2), padding=(1, 0, 1))),
+    ((1, 2, 5, 4, 6), "avg", (3, 2, 2), dict(padding=(1, 1, 0), count_include_pad=False)),
+]
+
+
+@pytest.mark.parametrize("xs,kind,k,kw", POOL_CASES)
+def test_pool(rng, xs, kind, k, kw):
+    x = rng.standard_normal(xs)
+    g = rlx.Graph("pool")
+    xt = g.input("x", xs)
+    y = g.pool(xt, kind, k, **kw)
+    seed = rng.standard_normal(y.shape)
+    check(g, y, {"x": xt}, {"x": x}, lambda x: pool_ref(x, kind, k, **kw), seed=seed)
+    g2 = rlx.Graph("pool2")
+    g2.set_outputs([g2.pool(g2.input("x", xs), kind, k, **kw)])
+    (got,) = run_graph(g2, {"x": x.astype(np.float32)})
+    np.testing.assert_allclose(got, pool_ref(x, kind, k, **kw), rtol=1e-5, atol=1e-6)
+
+
+def test_max_pool_is_not_avg_pool_and_nan_wins(rng):
+    x = rng.standard_normal((1, 2, 6, 6)).astype(np.float32)
+    x[0, 1, 2, 3] = np.nan
+    g = rlx.Graph("p")
+    xt = g.input("x", x.shape)
+    unbatched = g.pool(g.reshape(xt, (2, 6, 6)), "max", (3, 3))
+    g.set_outputs([g.pool(xt, "max", 2), g.pool(xt, "avg", 2), unbatched])
+    mx, av, unb = run_graph(g, {"x": x})
+    ref = pool_ref(x.astype(np.float64), "max", (2, 2))
+    np.testing.assert_array_equal(np.isnan(mx), np.isnan(ref))
+    assert np.isnan(mx[0, 1, 1, 1])
+    keep = ~np.isnan(ref)
+    np.testing.assert_allclose(mx[keep], ref[keep])
+    assert not np.allclose(mx[0, 0], av[0, 0])
+    np.testing.assert_allclose(unb, pool_ref(x[0:1].reshape(1, 2, 6, 6), "max", (3, 3))[0])
+
+
+def test_pool_errors():
+    g = rlx.Graph("e")
+    x = g.input("x", (1, 2, 5, 5))
+    cases = [
+        (lambda: g.pool(x, "min", 2), "kind must be 'max' or 'avg', got 'min'"),
+        (lambda: g.pool(x, "avg", 3, dilation=2), "avg pooling has no dilation"),
+        (lambda: g.pool(x, "max", 3, padding=2), "padding [2, 2] must be at most half the "
+         "window [3, 3]"),
+        (lambda: g.pool(x, "max", (7, 2)), "the window [7, 2] is larger than the padded input"),
+        (lambda: g.pool(x, "max", (2, 2, 2, 2)), "with 1-3 spatial dims"),
+        (lambda: g.pool(x, "max", 0), "kernel_size must be an int >= 1"),
+    ]
+    for make, msg in cases:
+        with pytest.raises(ValueError) as e:
+            make()
+        assert msg in str(e.value) and str(e.value).startswith("pool:"), str(e.value)

@@ -1,5 +1,7 @@
-"""Vision ops (NCHW, PyTorch's semantics). Convolution: conv and conv_transpose (1/2/3-d by the
-semantics), built on two data-movement ops and the matmul tier ladder:
+"""Vision ops (NCHW, PyTorch's semantics): conv, conv_transpose and pool, 1/2/3-d.
+
+conv and conv_transpose (the spatial rank is the weight's) are built on two data-movement ops
+and the matmul tier ladder:
 
   im2col  x [N, C, *S] -> cols [N, G, C/G * prod(k), prod(O)]: cols[n, g, (c, kidx), o] =
           x[n, g*C/G + c, o*stride - pad + kidx*dilation] (zero outside x)
@@ -106,7 +108,8 @@ class VisionOps:
             raise ValueError(f"{op}: the kernel {fmt(k)} (dilation {fmt(dilation)}: spans "
                              f"{fmt(span)}) is larger than the padded input {fmt(size)} + "
                              f"padding {fmt(lo)}/{fmt(hi)}")
-        out = tuple((s + a + b - sp) // st + 1 for s, a, b, sp, st in zip(size, lo, hi, span, stride))
+        out = tuple((s + a + b - sp) // st + 1
+                    for s, a, b, sp, st in zip(size, lo, hi, span, stride))
         geo = dict(kernel=k, stride=stride, pad=lo, dilation=dilation, image=size, cols=out)
         r = cg * math.prod(k)
         cols = self._add("im2col", (xb,), (n, groups, r, math.prod(out)), dt.F32, **geo)
@@ -150,6 +153,58 @@ class VisionOps:
                       pad=pad, dilation=dilation, image=out, cols=size)
         y = _bias(self, op, bias, cout, y, d)
         return y if batched else self.reshape(y, (cout,) + out)
+
+
+    def pool(self, x, kind, kernel_size, stride=None, padding=0, *, dilation=1,
+             ceil_mode=False, count_include_pad=True):
+        """torch's max_pool1d/2d/3d ("max") and avg_pool1d/2d/3d ("avg") over x [N, C, *S]
+        (or [C, *S]); the spatial rank is kernel_size's length, or x's rank - 2 for an int.
+        stride None = kernel_size; padding <= half the (dilated) window; dilation: max only;
+        ceil_mode: windows that start inside the input or its low padding round the output
+        size up; count_include_pad: avg divides by the window clipped to the padded input
+        (else to the input)."""
+        op = "pool"
+        self._check(op, "x", x)
+        if kind not in ("max", "avg"):
+            raise ValueError(f"{op}: kind must be 'max' or 'avg', got {kind!r}")
+        d = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else len(x.shape) - 2
+        if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
+            raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
+                             f"spatial dims for kernel_size {kernel_size!r}, got {_desc(x)}")
+        if x.dtype != dt.F32:
+            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        k = _ints(op, "kernel_size", kernel_size, d, 1)
+        st = k if stride is None else _ints(op, "stride", stride, d, 1)
+        pad = _ints(op, "padding", padding, d, 0)
+        dil = _ints(op, "dilation", dilation, d, 1)
+        if kind == "avg" and any(v != 1 for v in dil):
+            raise ValueError(f"{op}: avg pooling has no dilation, got dilation={dilation!r}")
+        span = tuple(dl * (kk - 1) + 1 for dl, kk in zip(dil, k))
+        if any(2 * p > sp for p, sp in zip(pad, span)):
+            raise ValueError(f"{op}: padding {fmt(pad)} must be at most half the window "
+                             f"{fmt(span)}")
+        batched = len(x.shape) == d + 2
+        xb = x if batched else self.reshape(x, (1,) + tuple(x.shape))
+        size = tuple(xb.shape[2:])
+        out = []
+        for s, p, sp, sd in zip(size, pad, span, st):
+            o = (s + 2 * p - sp + (sd - 1 if ceil_mode else 0)) // sd + 1
+            if ceil_mode and (o - 1) * sd >= s + p:     # the last window starts in the padding
+                o -= 1
+            out.append(o)
+        if any(o < 1 for o in out):
+            raise ValueError(f"{op}: the window {fmt(span)} is larger than the padded input "
+                             f"{fmt(size)} + 2 x {fmt(pad)}")
+        y = self._add("pool", (xb,), tuple(xb.shape[:2]) + tuple(out), dt.F32, kind=kind,
+                      kernel=k, stride=st, pad=pad, dilation=dil, image=size, cols=tuple(out),
+                      count_include_pad=bool(count_include_pad))
+        return y if batched else self.reshape(y, tuple(x.shape[:1]) + tuple(out))
+
+
+@vjp("pool")
+def _pool_vjp(g, node, dy):
+    x = g.tensor(node.inputs[0])
+    return [g._add("pool_grad", (x, dy), x.shape, dt.F32, **node.attrs)]
 
 
 @vjp("im2col")
