@@ -1,0 +1,95 @@
+"""Vision ops on the GPU beside torch in the same process (issue 17's bench; a first cut: the
+layers below, not yet ResNet-50 / ViT images/s).
+
+Each row builds one op as a graph, checks it against torch (F.conv2d / conv_transpose2d /
+conv3d / max_pool2d / avg_pool2d, f32, TF32 off: ``rel`` is max |ours - torch| / max |torch|),
+then times ours as the sum of its steps' CUDA-event times (``exe.profile``) and torch's call
+by CUDA events (mean of 20, best of 3). ``ratio`` = torch us / ours (>= 1: ours faster); the
+steps column says where our time goes.
+
+  python bench/bench_vision.py [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_torch  # noqa: E402
+
+
+def rows(rlx, F, rng):
+    w = lambda *s: (rng.standard_normal(s) * 0.05).astype(np.float32)   # noqa: E731
+    return [
+        ("conv 3x3 s1 64->64 56x56 b8", (8, 64, 56, 56),
+         lambda g, x, p: g.conv(x, p["w"], p["b"], padding=1),
+         lambda x, p: F.conv2d(x, p["w"], p["b"], padding=1), {"w": w(64, 64, 3, 3), "b": w(64)}),
+        ("conv 1x1 256->64 56x56 b8", (8, 256, 56, 56), lambda g, x, p: g.conv(x, p["w"]),
+         lambda x, p: F.conv2d(x, p["w"]), {"w": w(64, 256, 1, 1)}),
+        ("conv 7x7 s2 3->64 224 b8", (8, 3, 224, 224),
+         lambda g, x, p: g.conv(x, p["w"], stride=2, padding=3),
+         lambda x, p: F.conv2d(x, p["w"], stride=2, padding=3), {"w": w(64, 3, 7, 7)}),
+        ("depthwise 3x3 128ch 28x28 b8", (8, 128, 28, 28),
+         lambda g, x, p: g.conv(x, p["w"], padding=1, groups=128),
+         lambda x, p: F.conv2d(x, p["w"], padding=1, groups=128), {"w": w(128, 1, 3, 3)}),
+        ("conv_transpose 2x2 s2 128->64 28 b8", (8, 128, 28, 28),
+         lambda g, x, p: g.conv_transpose(x, p["w"], stride=2),
+         lambda x, p: F.conv_transpose2d(x, p["w"], stride=2), {"w": w(128, 64, 2, 2)}),
+        ("conv3d 3x3x3 16->32 16^3 b2", (2, 16, 16, 16, 16),
+         lambda g, x, p: g.conv(x, p["w"], padding=1),
+         lambda x, p: F.conv3d(x, p["w"], padding=1), {"w": w(32, 16, 3, 3, 3)}),
+        ("max pool 3x3 s2 p1 64ch 112 b8", (8, 64, 112, 112),
+         lambda g, x, p: g.pool(x, "max", 3, 2, 1), lambda x, p: F.max_pool2d(x, 3, 2, 1), {}),
+        ("avg pool 3x3 s2 p1 ceil 64ch 56 b8", (8, 64, 56, 56),
+         lambda g, x, p: g.pool(x, "avg", 3, 2, 1, ceil_mode=True, count_include_pad=False),
+         lambda x, p: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), {}),
+    ]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "vision.json")
+    args = p.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    import rlx_numba as rlx
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32, TF32 off\n")
+    print(f"{'layer':<38} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
+    results = []
+    for name, xs, build, ref, params in rows(rlx, F, rng):
+        x = rng.standard_normal(xs).astype(np.float32)
+        g = rlx.Graph("vision")
+        xt = g.input("x", xs)
+        g.set_outputs([build(g, xt, {k: g.param(k, v.shape) for k, v in params.items()})])
+        exe = rlx.compile(g)
+        for k, v in params.items():
+            exe.set_param(k, v)
+        (got,) = exe.run({"x": x})
+        tx = torch.tensor(x, device="cuda")
+        tp = {k: torch.tensor(v, device="cuda") for k, v in params.items()}
+        want = ref(tx, tp).cpu().numpy()
+        rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+        prof = exe.profile({"x": x}, warmup=2)
+        ours = prof.total_ms * 1e3
+        theirs = time_torch(torch, lambda: ref(tx, tp), 20, 3, 3) * 1e3
+        steps = " | ".join(f"{r.kernel[:24]} {r.ms * 1e3:.1f}" for r in prof)
+        print(f"{name:<38} {rel:8.1e} {ours:9.1f} {theirs:9.1f} {theirs / ours:6.2f}  {steps}",
+              flush=True)
+        results.append(dict(layer=name, rel=rel, rlx_us=ours, torch_us=theirs,
+                            ratio=theirs / ours, steps=[(r.kernel, r.ms * 1e3) for r in prof]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
