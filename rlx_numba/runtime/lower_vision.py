@@ -1,75 +1,78 @@
 """Lowering of im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py), the ops
-of ir/ops_vision.py: one grid-stride kernel each, the geometry a small int64 device array."""
+of ir/ops_vision.py: one kernel each, made for the node's kernel size, stride and dilation,
+its threads along lines of the output (kernels/conv.py), the rest of the geometry a small
+int64 device array."""
 from __future__ import annotations
 
+import math
 
 import numpy as np
 
+from ..ir.ops import fmt
 from ..kernels import conv as K
 from ..kernels import pool as P
-from ..kernels.launch import grid_1d
-from ..ir.ops import fmt
 from .lower import Step, lowering, step_name
+
+
+def _3d(a, key, unit):
+    return (unit,) * (3 - len(a["kernel"])) + tuple(a[key])
+
+
+def _consts(a):
+    """(kernel, stride, dilation) as 3-d: the kernels' compile-time constants."""
+    return _3d(a, "kernel", 1), _3d(a, "stride", 1), _3d(a, "dilation", 1)
 
 
 def _geo(exe, a):
     """kernel, cols spatial, image spatial, stride, pad, dilation as 3-d (unit dims in front)."""
-    lead = 3 - len(a["kernel"])
-    vals = []
-    for key, unit in (("kernel", 1), ("cols", 1), ("image", 1), ("stride", 1), ("pad", 0),
-                      ("dilation", 1)):
-        vals += [unit] * lead + list(a[key])
+    vals = [v for key, unit in (("kernel", 1), ("cols", 1), ("image", 1), ("stride", 1),
+                                ("pad", 0), ("dilation", 1)) for v in _3d(a, key, unit)]
     return exe.device_array(np.array(vals, np.int64))
 
 
-def _step(exe, n, kernel, out, src, what):
-    a = n.attrs
+def _step(exe, n, kern, args, src_nodes, what, line_shape):
+    """One Step over the lines of ``line_shape`` (its last dim along a line)."""
     if n.size == 0:
         return []
-    nb, c = src.shape[0], (n.shape[1] if kernel is K.col2im_kernel else src.shape[1])
-    grid, block = grid_1d(n.size)
-    return [Step(step_name(n), f"{what} {'x'.join(map(str, a['kernel']))} kernel, image "
-                 f"{'x'.join(map(str, a['image']))}, {nb}x{c} channels", kernel, (grid,),
-                 (block,), (exe.buf(n), exe.buf(src), np.int64(nb), np.int64(c), _geo(exe, a)),
-                 {"bytes": n.nbytes + src.nbytes})]
+    a = n.attrs
+    grid, block = K.lines_launch(math.prod(line_shape[:-1]), line_shape[-1])
+    return [Step(step_name(n), f"{what} {'x'.join(map(str, a['kernel']))} of "
+                 f"{fmt(exe.graph.nodes[n.inputs[0]].shape)}", kern, grid, block,
+                 (exe.buf(n),) + tuple(exe.buf(s) for s in src_nodes) + args + (_geo(exe, a),),
+                 {"bytes": n.nbytes + sum(s.nbytes for s in src_nodes)})]
 
 
 @lowering("im2col")
 def _lower_im2col(exe, n):
     x = exe.graph.nodes[n.inputs[0]]
-    return _step(exe, n, K.im2col_kernel, n, x, "im2col")
+    nc = x.shape[0] * x.shape[1]
+    kk = math.prod(n.attrs["kernel"])
+    return _step(exe, n, K.im2col_kernel(*_consts(n.attrs)), (np.int64(nc),), [x], "im2col",
+                 (nc * kk,) + _3d(n.attrs, "cols", 1))
 
 
 @lowering("col2im")
 def _lower_col2im(exe, n):
     cols = exe.graph.nodes[n.inputs[0]]
-    return _step(exe, n, K.col2im_kernel, n, cols, "col2im")
+    nc = n.shape[0] * n.shape[1]
+    return _step(exe, n, K.col2im_kernel(*_consts(n.attrs)), (np.int64(nc),), [cols], "col2im",
+                 (nc,) + _3d(n.attrs, "image", 1))
 
 
 @lowering("pool")
 def _lower_pool(exe, n):
-    if n.size == 0:
-        return []
     a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    grid, block = grid_1d(n.size)
-    kern = P.pool_kernel(a["kind"] == "max", a["count_include_pad"])
-    return [Step(step_name(n), f"{a['kind']} pool {'x'.join(map(str, a['kernel']))} of "
-                 f"{fmt(x.shape)}", kern, (grid,), (block,),
-                 (exe.buf(n), exe.buf(x), np.int64(nc), _geo(exe, a)),
-                 {"bytes": n.nbytes + x.nbytes})]
+    kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
+    return _step(exe, n, kern, (np.int64(nc),), [x], f"{a['kind']} pool",
+                 (nc,) + _3d(a, "cols", 1))
 
 
 @lowering("pool_grad")
 def _lower_pool_grad(exe, n):
-    if n.size == 0:
-        return []
     a = n.attrs
     x, dy = (exe.graph.nodes[i] for i in n.inputs)
     nc = n.shape[0] * n.shape[1]
-    grid, block = grid_1d(n.size)
-    kern = P.pool_grad_kernel(a["kind"] == "max", a["count_include_pad"])
-    return [Step(step_name(n), f"{a['kind']} pool grad {'x'.join(map(str, a['kernel']))} of "
-                 f"{fmt(x.shape)}", kern, (grid,), (block,),
-                 (exe.buf(n), exe.buf(x), exe.buf(dy), np.int64(nc), _geo(exe, a)),
-                 {"bytes": n.nbytes + x.nbytes + dy.nbytes})]
+    kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
+    return _step(exe, n, kern, (np.int64(nc),), [x, dy], f"{a['kind']} pool grad",
+                 (nc,) + _3d(a, "image", 1))
