@@ -112,7 +112,10 @@ class VisionOps:
                     for s, a, b, sp, st in zip(size, lo, hi, span, stride))
         geo = dict(kernel=k, stride=stride, pad=lo, dilation=dilation, image=size, cols=out)
         r = cg * math.prod(k)
-        cols = self._add("im2col", (xb,), (n, groups, r, math.prod(out)), dt.F32, **geo)
+        if all(v == 1 for v in k + stride) and not any(lo + hi):    # 1x1: x is its own cols
+            cols = self.reshape(xb, (n, groups, r, math.prod(out)))
+        else:
+            cols = self._add("im2col", (xb,), (n, groups, r, math.prod(out)), dt.F32, **geo)
         y = self.matmul(self.reshape(w, (groups, cout // groups, r)), cols)
         y = _bias(self, op, bias, cout, self.reshape(y, (n, cout) + out), d)
         return y if batched else self.reshape(y, (cout,) + out)

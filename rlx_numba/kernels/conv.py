@@ -1,6 +1,6 @@
 """im2col and col2im (ir/ops_vision.py), 1/2/3-d as 3-d with unit leading dims.
 
-``geo`` (int64 [18]): kernel (kd, kh, kw), cols spatial (od, oh, ow), image spatial (d, h, w),
+``geo`` (uint64 [18]): kernel (kd, kh, kw), cols spatial (od, oh, ow), image spatial (d, h, w),
 stride, pad (low side), dilation, each (depth, height, width). Image element [n, c, z, y, x]
 and cols element [n, c, (kz, ky, kx), (oz, oy, ox)] (flat [N, C, K, O]: the group split of
 ir/ops_vision.py is the same memory) meet where z = oz*stride - pad + kz*dilation (and so on).
@@ -8,13 +8,21 @@ ir/ops_vision.py is the same memory) meet where z = oz*stride - pad + kz*dilatio
 The kernels are made per (kernel, stride, dilation), compile-time constants, so the window
 loops unroll and the stride tests are multiplications, not divisions. A block's threads run
 along lines (one output row of one kernel offset; one image row), threadIdx.y picks the line,
-so a line's index is decoded once and the loads and stores along it are coalesced.
+so a line's index is decoded once and the loads and stores along it are coalesced. Index math
+is uint64 (as kernels/codegen.py's): numba adds a negative-index fix-up to signed subscripts and
+sign fix-ups to signed // and %. Window positions are compared in the padded input, so no
+index goes negative.
 """
 import functools
 
-from numba import cuda, float32, int64
+import numpy as np
+from numba import cuda, float32, uint64
 
 from .launch import block_rows, grid_3d, jit
+
+
+def _u(*vals):
+    return tuple(np.uint64(v) for v in vals)
 
 
 def lines_launch(lines: int, width: int):
@@ -27,33 +35,34 @@ def lines_launch(lines: int, width: int):
 def im2col_kernel(k, stride, dil):
     """cols[n, c, kidx, o] = x at the window position, 0 in the padding. Arguments (cols, x,
     nc, geo)."""
-    kd, kh, kw = k
-    sd, sh, sw = stride
-    dd, dh, dw = dil
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+    dd, dh, dw = _u(*dil)
     kk = kd * kh * kw
 
     @jit
     def kernel(cols, x, nc, geo):
         od, oh, ow, d, h, w = geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
         pd, ph, pw = geo[12], geo[13], geo[14]
-        line = int64(cuda.blockIdx.y) * cuda.blockDim.y + cuda.threadIdx.y
+        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < nc * kk * od * oh:
             oy, t = line % oh, line // oh
             oz, t = t % od, t // od
             kidx, q = t % kk, t // kk
             kx, ky, kz = kidx % kw, (kidx // kw) % kh, kidx // (kw * kh)
-            z, y = oz * sd - pd + kz * dd, oy * sh - ph + ky * dh
-            inside = z >= 0 and z < d and y >= 0 and y < h
-            src, dst = ((q * d + z) * h + y) * w, line * ow
-            ox = int64(cuda.threadIdx.x)
+            zp, yp = oz * sd + kz * dd, oy * sh + ky * dh     # in the padded input
+            inside = pd <= zp < pd + d and ph <= yp < ph + h
+            src = ((q * d + zp - pd) * h + yp - ph) * w if inside else uint64(0)
+            dst = line * ow
+            ox = uint64(cuda.threadIdx.x)
             while ox < ow:
-                xx = ox * sw - pw + kx * dw
+                xp = ox * sw + kx * dw
                 v = float32(0.0)
-                if inside and xx >= 0 and xx < w:
-                    v = x[src + xx]
+                if inside and pw <= xp < pw + w:
+                    v = x[src + xp - pw]
                 cols[dst + ox] = v
-                ox += cuda.blockDim.x
-            line += cuda.gridDim.y * cuda.blockDim.y
+                ox += uint64(cuda.blockDim.x)
+            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel
 
@@ -63,9 +72,9 @@ def col2im_kernel(k, stride, dil):
     """img[n, c, z, y, x] = the sum of the cols entries whose window position is (z, y, x):
     for each kernel offset, the output position (z + pad - k*dilation) / stride when that
     divides exactly and lies inside (a gather: no atomics). Arguments (img, cols, nc, geo)."""
-    kd, kh, kw = k
-    sd, sh, sw = stride
-    dd, dh, dw = dil
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+    dd, dh, dw = _u(*dil)
     kk = kd * kh * kw
 
     @jit
@@ -73,29 +82,36 @@ def col2im_kernel(k, stride, dil):
         od, oh, ow, d, h, w = geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
         pd, ph, pw = geo[12], geo[13], geo[14]
         oo = od * oh * ow
-        line = int64(cuda.blockIdx.y) * cuda.blockDim.y + cuda.threadIdx.y
+        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < nc * d * h:
             y, t = line % h, line // h
             z, q = t % d, t // d
-            xx = int64(cuda.threadIdx.x)
+            xx = uint64(cuda.threadIdx.x)
             while xx < w:
                 acc = float32(0.0)
                 for kz in range(kd):
-                    tz = z + pd - kz * dd
-                    if tz < 0 or tz % sd != 0 or tz // sd >= od:
+                    if z + pd < uint64(kz) * dd:
+                        continue
+                    tz = z + pd - uint64(kz) * dd
+                    if tz % sd != 0 or tz // sd >= od:
                         continue
                     for ky in range(kh):
-                        ty = y + ph - ky * dh
-                        if ty < 0 or ty % sh != 0 or ty // sh >= oh:
+                        if y + ph < uint64(ky) * dh:
+                            continue
+                        ty = y + ph - uint64(ky) * dh
+                        if ty % sh != 0 or ty // sh >= oh:
                             continue
                         for kx in range(kw):
-                            tx = xx + pw - kx * dw
-                            if tx < 0 or tx % sw != 0 or tx // sw >= ow:
+                            if xx + pw < uint64(kx) * dw:
+                                continue
+                            tx = xx + pw - uint64(kx) * dw
+                            if tx % sw != 0 or tx // sw >= ow:
                                 continue
                             o = ((tz // sd) * oh + ty // sh) * ow + tx // sw
-                            acc += cols[(q * kk + (kz * kh + ky) * kw + kx) * oo + o]
+                            r = (q * kk + (uint64(kz) * kh + uint64(ky)) * kw + uint64(kx))
+                            acc += cols[r * oo + o]
                 img[line * w + xx] = acc
-                xx += cuda.blockDim.x
-            line += cuda.gridDim.y * cuda.blockDim.y
+                xx += uint64(cuda.blockDim.x)
+            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel

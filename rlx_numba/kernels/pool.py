@@ -1,55 +1,78 @@
 """pool (max / avg) and its gradient (ir/ops_vision.py), 1/2/3-d as 3-d with unit leading dims.
-``geo`` and the launch are kernels/conv.py's (kernel, output spatial, input spatial, stride,
-pad, dilation; a block's threads along lines), the kernel, stride and dilation compile-time
-constants. Max takes the first largest value of a window in row-major order (a NaN wins, as
-torch's); its gradient goes to that element. Avg divides by the window clipped to the padded
+``geo``, the launch and the uint64 index math are kernels/conv.py's (kernel, output spatial,
+input spatial, stride, pad, dilation; a block's threads along lines), the kernel, stride and
+dilation compile-time constants. Max takes the first largest value of a window in row-major
+order (a NaN wins, as torch's); its gradient goes to that element. Avg divides by the window clipped to the padded
 input (count_include_pad) or to the input. The gradients gather (a thread an input element,
 over the windows that hold it): no atomics, the same bits every run."""
 import functools
 import math
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int64, uint64
 
+from .conv import _u
 from .launch import jit
 
 
 @functools.lru_cache(maxsize=None)
 def _window_fn(k, stride, dil, is_max, include_pad):
     """window(x, base, geo, oz, oy, ox) -> (max or mean, flat offset of the max or -1)."""
-    kd, kh, kw = k
-    sd, sh, sw = stride
-    dd, dh, dw = dil
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+    dd, dh, dw = _u(*dil)
+    divisor = _divisor_fn(k, stride, include_pad)
 
     @cuda.jit(device=True)
     def window(x, base, geo, oz, oy, ox):
-        d, h, w = geo[6], geo[7], geo[8]
-        z0, y0, x0 = oz * sd - geo[12], oy * sh - geo[13], ox * sw - geo[14]
+        d, h, w, pd, ph, pw = geo[6], geo[7], geo[8], geo[12], geo[13], geo[14]
         acc = float32(-math.inf) if is_max else float32(0.0)
         at = int64(-1)
         for kz in range(kd):
-            z = z0 + kz * dd
-            if z < 0 or z >= d:
+            zp = oz * sd + uint64(kz) * dd              # in the padded input
+            if zp < pd or zp >= pd + d:
                 continue
             for ky in range(kh):
-                y = y0 + ky * dh
-                if y < 0 or y >= h:
+                yp = oy * sh + uint64(ky) * dh
+                if yp < ph or yp >= ph + h:
                     continue
                 for kx in range(kw):
-                    xx = x0 + kx * dw
-                    if xx < 0 or xx >= w:
+                    xp = ox * sw + uint64(kx) * dw
+                    if xp < pw or xp >= pw + w:
                         continue
-                    off = (z * h + y) * w + xx
+                    off = ((zp - pd) * h + yp - ph) * w + xp - pw
                     v = x[base + off]
                     if is_max:
                         if v > acc or (v != v and acc == acc) or at < 0:
-                            acc, at = v, off
+                            acc, at = v, int64(off)
                     else:
                         acc += v
         if not is_max:
-            acc = acc / _divisor(geo, oz, oy, ox, kd, kh, kw, sd, sh, sw, include_pad)
+            acc = acc / divisor(geo, oz, oy, ox)
         return acc, at
 
     return window
+
+
+@functools.lru_cache(maxsize=None)
+def _divisor_fn(k, stride, include_pad):
+    """divisor(geo, oz, oy, ox): avg's divisor of a window, the window clipped to the padded
+    input or to the input (in padded coordinates: the input is [pad, pad + size))."""
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+
+    @cuda.jit(device=True)
+    def divisor(geo, oz, oy, ox):
+        d, h, w, pd, ph, pw = geo[6], geo[7], geo[8], geo[12], geo[13], geo[14]
+        z0, y0, x0 = oz * sd, oy * sh, ox * sw
+        if include_pad:
+            n = ((min(z0 + kd, d + 2 * pd) - z0) * (min(y0 + kh, h + 2 * ph) - y0)
+                 * (min(x0 + kw, w + 2 * pw) - x0))
+        else:
+            n = ((min(z0 + kd, d + pd) - max(z0, pd)) * (min(y0 + kh, h + ph) - max(y0, ph))
+                 * (min(x0 + kw, w + pw) - max(x0, pw)))
+        return float32(n)
+
+    return divisor
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,15 +84,15 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
     def kernel(out, x, nc, geo):
         od, oh, ow = geo[3], geo[4], geo[5]
         dhw = geo[6] * geo[7] * geo[8]
-        line = int64(cuda.blockIdx.y) * cuda.blockDim.y + cuda.threadIdx.y
+        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < nc * od * oh:
             oy, t = line % oh, line // oh
             oz, q = t % od, t // od
-            ox = int64(cuda.threadIdx.x)
+            ox = uint64(cuda.threadIdx.x)
             while ox < ow:
                 out[line * ow + ox] = window(x, q * dhw, geo, oz, oy, ox)[0]
-                ox += cuda.blockDim.x
-            line += cuda.gridDim.y * cuda.blockDim.y
+                ox += uint64(cuda.blockDim.x)
+            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel
 
@@ -78,59 +101,51 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
 def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool):
     """dx[nc, z, y, x] = the sum over the windows holding it of dy (max: where it is the
     window's max; avg: dy / the window's divisor); arguments (dx, x, dy, nc, geo)."""
-    kd, kh, kw = k
-    sd, sh, sw = stride
-    dd, dh, dw = dil
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+    dd, dh, dw = _u(*dil)
     window = _window_fn(k, stride, dil, is_max, include_pad)
+    divisor = _divisor_fn(k, stride, include_pad)
 
     @jit
     def kernel(dx, x, dy, nc, geo):
         od, oh, ow, d, h, w = geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
-        line = int64(cuda.blockIdx.y) * cuda.blockDim.y + cuda.threadIdx.y
+        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < nc * d * h:
             y, t = line % h, line // h
             z, q = t % d, t // d
-            xx = int64(cuda.threadIdx.x)
+            xx = uint64(cuda.threadIdx.x)
             while xx < w:
-                me = (z * h + y) * w + xx
+                me = int64((z * h + y) * w + xx)
                 acc = float32(0.0)
-                for kz in range(kd):
-                    tz = z + geo[12] - kz * dd
-                    if tz < 0 or tz % sd != 0 or tz // sd >= od:
+                zp, yp, xp = z + geo[12], y + geo[13], xx + geo[14]    # in the padded input
+                for kz in range(kd):       # the windows holding (z, y, xx), as col2im's
+                    if zp < uint64(kz) * dd:
+                        continue
+                    tz = zp - uint64(kz) * dd
+                    if tz % sd != 0 or tz // sd >= od:
                         continue
                     for ky in range(kh):
-                        ty = y + geo[13] - ky * dh
-                        if ty < 0 or ty % sh != 0 or ty // sh >= oh:
+                        if yp < uint64(ky) * dh:
+                            continue
+                        ty = yp - uint64(ky) * dh
+                        if ty % sh != 0 or ty // sh >= oh:
                             continue
                         for kx in range(kw):
-                            tx = xx + geo[14] - kx * dw
-                            if tx < 0 or tx % sw != 0 or tx // sw >= ow:
+                            if xp < uint64(kx) * dw:
+                                continue
+                            tx = xp - uint64(kx) * dw
+                            if tx % sw != 0 or tx // sw >= ow:
                                 continue
                             oz, oy, ox = tz // sd, ty // sh, tx // sw
-                            o = (q * od + oz) * oh * ow + oy * ow + ox
+                            o = ((q * od + oz) * oh + oy) * ow + ox
                             if is_max:
                                 if window(x, q * d * h * w, geo, oz, oy, ox)[1] == me:
                                     acc += dy[o]
                             else:
-                                acc += dy[o] / _divisor(geo, oz, oy, ox, kd, kh, kw, sd, sh, sw,
-                                                        include_pad)
+                                acc += dy[o] / divisor(geo, oz, oy, ox)
                 dx[line * w + xx] = acc
-                xx += cuda.blockDim.x
-            line += cuda.gridDim.y * cuda.blockDim.y
+                xx += uint64(cuda.blockDim.x)
+            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel
-
-
-@cuda.jit(device=True)
-def _divisor(geo, oz, oy, ox, kd, kh, kw, sd, sh, sw, include_pad):
-    """avg's divisor of window (oz, oy, ox): the window clipped to the padded input, or to
-    the input."""
-    d, h, w = geo[6], geo[7], geo[8]
-    z0, y0, x0 = oz * sd - geo[12], oy * sh - geo[13], ox * sw - geo[14]
-    if include_pad:
-        div = ((min(z0 + kd, d + geo[12]) - z0) * (min(y0 + kh, h + geo[13]) - y0)
-               * (min(x0 + kw, w + geo[14]) - x0))
-    else:
-        div = ((min(z0 + kd, d) - max(z0, 0)) * (min(y0 + kh, h) - max(y0, 0))
-               * (min(x0 + kw, w) - max(x0, 0)))
-    return float32(div)

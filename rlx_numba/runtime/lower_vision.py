@@ -1,7 +1,7 @@
 """Lowering of im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py), the ops
 of ir/ops_vision.py: one kernel each, made for the node's kernel size, stride and dilation,
 its threads along lines of the output (kernels/conv.py), the rest of the geometry a small
-int64 device array."""
+uint64 device array."""
 from __future__ import annotations
 
 import math
@@ -27,7 +27,7 @@ def _geo(exe, a):
     """kernel, cols spatial, image spatial, stride, pad, dilation as 3-d (unit dims in front)."""
     vals = [v for key, unit in (("kernel", 1), ("cols", 1), ("image", 1), ("stride", 1),
                                 ("pad", 0), ("dilation", 1)) for v in _3d(a, key, unit)]
-    return exe.device_array(np.array(vals, np.int64))
+    return exe.device_array(np.array(vals, np.uint64))
 
 
 def _step(exe, n, kern, args, src_nodes, what, line_shape):
@@ -47,7 +47,7 @@ def _lower_im2col(exe, n):
     x = exe.graph.nodes[n.inputs[0]]
     nc = x.shape[0] * x.shape[1]
     kk = math.prod(n.attrs["kernel"])
-    return _step(exe, n, K.im2col_kernel(*_consts(n.attrs)), (np.int64(nc),), [x], "im2col",
+    return _step(exe, n, K.im2col_kernel(*_consts(n.attrs)), (np.uint64(nc),), [x], "im2col",
                  (nc * kk,) + _3d(n.attrs, "cols", 1))
 
 
@@ -55,7 +55,7 @@ def _lower_im2col(exe, n):
 def _lower_col2im(exe, n):
     cols = exe.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    return _step(exe, n, K.col2im_kernel(*_consts(n.attrs)), (np.int64(nc),), [cols], "col2im",
+    return _step(exe, n, K.col2im_kernel(*_consts(n.attrs)), (np.uint64(nc),), [cols], "col2im",
                  (nc,) + _3d(n.attrs, "image", 1))
 
 
@@ -64,7 +64,7 @@ def _lower_pool(exe, n):
     a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
-    return _step(exe, n, kern, (np.int64(nc),), [x], f"{a['kind']} pool",
+    return _step(exe, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool",
                  (nc,) + _3d(a, "cols", 1))
 
 
@@ -74,5 +74,5 @@ def _lower_pool_grad(exe, n):
     x, dy = (exe.graph.nodes[i] for i in n.inputs)
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
-    return _step(exe, n, kern, (np.int64(nc),), [x, dy], f"{a['kind']} pool grad",
+    return _step(exe, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
                  (nc,) + _3d(a, "image", 1))
