@@ -11,7 +11,7 @@ from . import ops
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
-from .ops_vision import VisionOps
+from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
@@ -106,7 +106,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps, MoEOps, VisionOps):
+            QuantOps, MoEOps, VisionOps, ResampleOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
@@ -319,10 +319,9 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             if n.op in ("input", "param"):
                 lines.append(f"{head} = {n.op} {n.name!r}")
                 continue
-            attrs = {k: v for k, v in n.attrs.items() if k not in ("value", "has_bias")}
-            if n.op == "constant":
-                v = n.attrs["value"]
-                attrs = {"value": v.item() if v.size == 1 else f"<{v.size} values>"}
+            attrs = {k: (v.item() if v.size == 1 else f"<{v.size} values>")
+                     if isinstance(v, np.ndarray) else v
+                     for k, v in n.attrs.items() if k != "has_bias"}
             args = [f"%{i}" for i in n.inputs] + [f"{k}={v}" for k, v in attrs.items() if v is not None]
             lines.append(f"{head} = {n.op}({', '.join(args)})")
         return "\n".join(lines)

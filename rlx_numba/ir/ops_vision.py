@@ -1,4 +1,6 @@
-"""Vision ops (NCHW, PyTorch's semantics): conv, conv_transpose and pool, 1/2/3-d.
+"""Vision ops (NCHW, PyTorch's semantics), 1/2/3-d: conv, conv_transpose, pool, the norms
+(batch_norm, group_norm, layer_norm2d: compositions of graph ops), pad, resize and
+adaptive_avg_pool (one "resample" node an axis, below).
 
 conv and conv_transpose (the spatial rank is the weight's) are built on two data-movement ops
 and the matmul tier ladder:
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import math
 import operator
+
+import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
@@ -53,6 +57,11 @@ def _geometry(op, x, w, n_spatial_w):
         if t.dtype != dt.F32:
             raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
     return d, len(x.shape) == d + 2
+
+
+def _eps(op, eps):
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"{op}: eps must be a number >= 0, got {eps!r}")
 
 
 def _bias(g, op, bias, cout, y, d):
@@ -203,6 +212,66 @@ class VisionOps:
                       count_include_pad=bool(count_include_pad))
         return y if batched else self.reshape(y, tuple(x.shape[:1]) + tuple(out))
 
+    def batch_norm(self, x, mean, var, gamma=None, beta=None, eps=1e-5):
+        """Inference batch norm over x [N, C, ...] with running statistics, per channel:
+        (x - mean) / sqrt(var + eps) * gamma + beta (torch's F.batch_norm, training=False)."""
+        op = "batch_norm"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32 or len(x.shape) < 2:
+            raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
+        c = x.shape[1]
+        for arg, t in (("mean", mean), ("var", var), ("gamma", gamma), ("beta", beta)):
+            if t is None and arg in ("gamma", "beta"):
+                continue
+            self._check(op, arg, t)
+            if tuple(t.shape) != (c,) or t.dtype != dt.F32:
+                raise ValueError(f"{op}: {arg} must be f32 [{c}] (one per channel of x "
+                                 f"{_desc(x)}), got {_desc(t)}")
+        _eps(op, eps)
+        b = (c,) + (1,) * (len(x.shape) - 2)
+        scale = self.rsqrt(self.add(var, float(eps)))
+        if gamma is not None:
+            scale = self.mul(gamma, scale)
+        y = self.mul(self.sub(x, self.reshape(mean, b)), self.reshape(scale, b))
+        return y if beta is None else self.add(y, self.reshape(beta, b))
+
+    def group_norm(self, x, num_groups, gamma=None, beta=None, eps=1e-5):
+        """torch's F.group_norm: x [N, C, *S] normalised over each group of C / num_groups
+        channels (and every position), then gamma [C] and beta [C] per channel."""
+        op = "group_norm"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32 or len(x.shape) < 2:
+            raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
+        n, c = x.shape[:2]
+        groups = _ints(op, "num_groups", num_groups, 1, 1)[0]
+        if c % groups:
+            raise ValueError(f"{op}: the {c} channels of x {_desc(x)} do not divide into "
+                             f"num_groups={groups}")
+        for arg, t in (("gamma", gamma), ("beta", beta)):
+            if t is not None:
+                self._check(op, arg, t)
+                if tuple(t.shape) != (c,) or t.dtype != dt.F32:
+                    raise ValueError(f"{op}: {arg} must be f32 [{c}], got {_desc(t)}")
+        _eps(op, eps)
+        inner = math.prod(x.shape) // (n * groups)
+        h = self.layer_norm(self.reshape(x, (n, groups, inner)),
+                            self.constant(np.ones(inner, np.float32)), eps=float(eps))
+        h = self.reshape(h, x.shape)
+        b = (c,) + (1,) * (len(x.shape) - 2)
+        if gamma is not None:
+            h = self.mul(h, self.reshape(gamma, b))
+        return h if beta is None else self.add(h, self.reshape(beta, b))
+
+    def layer_norm2d(self, x, gamma, beta=None, eps=1e-6):
+        """SAM's LayerNorm2d: x [N, C, *S] normalised over C at each position, then gamma [C]
+        (and beta [C]) per channel."""
+        op = "layer_norm2d"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32 or len(x.shape) < 3:
+            raise ValueError(f"{op}: x must be f32 [N, C, *spatial], got {_desc(x)}")
+        return self.layer_norm(x, gamma, beta, axis=1, eps=eps)
+
+
 
 @vjp("pool")
 def _pool_vjp(g, node, dy):
@@ -220,3 +289,201 @@ def _im2col_vjp(g, node, dy):
 def _col2im_vjp(g, node, dy):
     cols = g.tensor(node.inputs[0])
     return [g._add("im2col", (dy,), cols.shape, dt.F32, **node.attrs)]
+
+
+# ---- resampling along one axis: pad, resize, adaptive_avg_pool -----------------------------
+# Each is separable: one "resample" node per axis, out[a, o, b] = const[o] + sum_t w[o, t] *
+# x[a, idx[o, t], b] with host-made tables (kernels/resample.py); its VJP is the same op with
+# the transposed tables (a gather: no atomics).
+
+def _transposed(idx, w, n_in):
+    """Tables of the adjoint: for each input i, the (o, w) pairs that read it."""
+    pairs = [[] for _ in range(n_in)]
+    for o in range(idx.shape[0]):
+        for t in range(idx.shape[1]):
+            if w[o, t] != 0:
+                pairs[idx[o, t]].append((o, w[o, t]))
+    taps = max(1, max(len(p) for p in pairs))
+    ti, tw = np.zeros((n_in, taps), np.int64), np.zeros((n_in, taps), np.float32)
+    for i, p in enumerate(pairs):
+        for t, (o, wt) in enumerate(p):
+            ti[i, t], tw[i, t] = o, wt
+    return ti, tw
+
+
+def _resample(g, x, axis, idx, w, const=None):
+    shape = list(x.shape)
+    shape[axis] = idx.shape[0]
+    c = np.zeros(idx.shape[0], np.float32) if const is None else const.astype(np.float32)
+    return g._add("resample", (x,), tuple(shape), dt.F32, axis=axis, idx=idx, w=w, const=c)
+
+
+@vjp("resample")
+def _resample_vjp(g, node, dy):
+    x = g.tensor(node.inputs[0])
+    ti, tw = _transposed(node.attrs["idx"], node.attrs["w"], x.shape[node.attrs["axis"]])
+    return [_resample(g, dy, node.attrs["axis"], ti, tw)]
+
+
+def _pad_table(mode, n, lo, hi, value):
+    out = n + lo + hi
+    idx, w = np.zeros((out, 1), np.int64), np.ones((out, 1), np.float32)
+    const = np.zeros(out, np.float32)
+    for o in range(out):
+        s = o - lo
+        if mode == "reflect":
+            s = -s if s < 0 else (2 * (n - 1) - s if s >= n else s)
+        elif mode == "replicate":
+            s = min(max(s, 0), n - 1)
+        elif not 0 <= s < n:
+            s, w[o, 0], const[o] = 0, 0.0, value
+        idx[o, 0] = s
+    return idx, w, const
+
+
+def _resize_table(mode, n_in, n_out, align_corners, scale_factor):
+    """torch's upsample index math in float32 (area_pixel_compute_scale / source_index)."""
+    f32 = np.float32
+    if align_corners:
+        scale = f32((n_in - 1) / (n_out - 1)) if n_out > 1 else f32(0.0)
+    else:
+        scale = f32(1.0 / scale_factor) if scale_factor else f32(n_in / n_out)
+    if mode == "nearest":
+        idx = np.array([[min(int(np.floor(f32(o) * scale)), n_in - 1)] for o in range(n_out)],
+                       np.int64)
+        return idx, np.ones((n_out, 1), np.float32)
+    idx, w = np.zeros((n_out, 2), np.int64), np.zeros((n_out, 2), np.float32)
+    for o in range(n_out):
+        src = scale * f32(o) if align_corners else max(scale * (f32(o) + f32(0.5)) - f32(0.5),
+                                                       f32(0.0))
+        i0 = min(int(src), n_in - 1)
+        lam = f32(src - f32(i0))
+        idx[o] = (i0, i0 + 1 if i0 < n_in - 1 else i0)
+        w[o] = (f32(1.0) - lam, lam)
+    return idx, w
+
+
+def _adaptive_table(n_in, n_out):
+    starts = [(o * n_in) // n_out for o in range(n_out)]
+    ends = [-(-((o + 1) * n_in) // n_out) for o in range(n_out)]
+    taps = max(e - s for s, e in zip(starts, ends))
+    idx, w = np.zeros((n_out, taps), np.int64), np.zeros((n_out, taps), np.float32)
+    for o, (s, e) in enumerate(zip(starts, ends)):
+        idx[o, :e - s] = np.arange(s, e)
+        w[o, :e - s] = np.float32(1.0) / np.float32(e - s)
+    return idx, w
+
+
+_RESIZE_RANK = {"linear": 1, "bilinear": 2, "trilinear": 3}
+
+
+class ResampleOps:
+    """pad, resize and adaptive_avg_pool; ``self`` is the Graph."""
+
+    def pad(self, x, pads, mode="constant", value=0.0):
+        """torch.nn.functional.pad: ``pads`` (left, right) pairs from the last axis back;
+        "constant" (pads may be negative: a crop), "reflect" (pads < the axis' size) or
+        "replicate"."""
+        op = "pad"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32:
+            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        if mode not in ("constant", "reflect", "replicate"):
+            raise ValueError(f"{op}: mode must be 'constant', 'reflect' or 'replicate', got "
+                             f"{mode!r}")
+        pads = tuple(pads) if isinstance(pads, (tuple, list)) else (pads,)
+        try:
+            pads = tuple(operator.index(p) for p in pads if not isinstance(p, bool))
+        except TypeError:
+            pads = ()
+        if not pads or len(pads) % 2 or len(pads) // 2 > len(x.shape):
+            raise ValueError(f"{op}: pads must be (left, right) int pairs for at most "
+                             f"{len(x.shape)} axes of x {_desc(x)}, got {pads!r}")
+        y = x
+        for j in range(len(pads) // 2):
+            axis, lo, hi = len(x.shape) - 1 - j, pads[2 * j], pads[2 * j + 1]
+            n = y.shape[axis]
+            if mode != "constant" and (lo < 0 or hi < 0):
+                raise ValueError(f"{op}: {mode} pads must be >= 0, got {pads!r}")
+            if mode == "reflect" and (lo >= n or hi >= n):
+                raise ValueError(f"{op}: reflect pads must be smaller than the axis: axis "
+                                 f"{axis} of x {_desc(x)} has {n}, pads {pads!r}")
+            if mode == "replicate" and n == 0 and lo + hi:
+                raise ValueError(f"{op}: replicate cannot pad the empty axis {axis} of {_desc(x)}")
+            if lo < 0 or hi < 0:           # a crop first
+                if n + min(lo, 0) + min(hi, 0) < 0:
+                    raise ValueError(f"{op}: pads {pads!r} crop more than axis {axis} of x "
+                                     f"{_desc(x)} holds")
+                y = self.narrow(y, axis, -min(lo, 0), n + min(lo, 0) + min(hi, 0))
+                n, lo, hi = y.shape[axis], max(lo, 0), max(hi, 0)
+            if lo or hi:
+                y = _resample(self, y, axis, *_pad_table(mode, n, lo, hi, float(value)))
+        return y
+
+    def resize(self, x, size=None, scale_factor=None, mode="nearest", align_corners=None):
+        """torch.nn.functional.interpolate over x [N, C, *S] (1-3 spatial dims): mode
+        "nearest", "linear" (1-d), "bilinear" (2-d) or "trilinear" (3-d); exactly one of
+        ``size`` (int or one a dim) and ``scale_factor`` (output floor(S * f)); align_corners
+        (linear modes only, default False)."""
+        op = "resize"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32:
+            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        d = len(x.shape) - 2
+        if d not in (1, 2, 3):
+            raise ValueError(f"{op}: x must be [N, C, *spatial] with 1-3 spatial dims, got "
+                             f"{_desc(x)}")
+        if mode != "nearest" and _RESIZE_RANK.get(mode) != d:
+            raise ValueError(f"{op}: mode must be 'nearest' or the interpolating mode of {d} "
+                             f"spatial dims ({[m for m, r in _RESIZE_RANK.items() if r == d][0]}"
+                             f"), got {mode!r} for x {_desc(x)}")
+        if mode == "nearest" and align_corners is not None:
+            raise ValueError(f"{op}: align_corners is for the interpolating modes, not nearest")
+        if (size is None) == (scale_factor is None):
+            raise ValueError(f"{op}: give exactly one of size and scale_factor")
+        spatial = tuple(x.shape[2:])
+        if size is not None:
+            out = _ints(op, "size", size, d, 1)
+            factors = (None,) * d
+        else:
+            fs = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor,) * d
+            if len(fs) != d or any(not isinstance(f, (int, float)) or isinstance(f, bool)
+                                   or f <= 0 for f in fs):
+                raise ValueError(f"{op}: scale_factor must be a positive number or {d} of them, "
+                                 f"got {scale_factor!r}")
+            factors = tuple(float(f) for f in fs)
+            out = tuple(int(math.floor(s * f)) for s, f in zip(spatial, factors))
+            if any(o < 1 for o in out):
+                raise ValueError(f"{op}: scale_factor {scale_factor!r} makes an empty output "
+                                 f"{fmt(out)} from {fmt(spatial)}")
+        y = x
+        for j in range(d):
+            if out[j] == spatial[j] and factors[j] in (None, 1.0):
+                continue
+            table = _resize_table("nearest" if mode == "nearest" else "linear", spatial[j],
+                                  out[j], bool(align_corners), factors[j])
+            y = _resample(self, y, 2 + j, *table)
+        return y
+
+    def adaptive_avg_pool(self, x, output_size):
+        """torch's adaptive_avg_pool1d/2d/3d over x [N, C, *S] (or [C, *S]); the spatial rank is
+        output_size's length (x's rank - 2 for an int); a None entry keeps that dim. Window o of
+        a dim is [floor(o*S/O), ceil((o+1)*S/O))."""
+        op = "adaptive_avg_pool"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32:
+            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else None
+        d = len(sizes) if sizes is not None else len(x.shape) - 2
+        if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
+            raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
+                             f"spatial dims for output_size {output_size!r}, got {_desc(x)}")
+        spatial = tuple(x.shape[len(x.shape) - d:])
+        sizes = sizes if sizes is not None else (output_size,) * d
+        out = tuple(s if o is None else _ints(op, "output_size", o, 1, 1)[0]
+                    for s, o in zip(spatial, sizes))
+        y = x
+        for j in range(d):
+            if out[j] != spatial[j]:
+                y = _resample(self, y, len(x.shape) - d + j, *_adaptive_table(spatial[j], out[j]))
+        return y

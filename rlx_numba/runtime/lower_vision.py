@@ -1,7 +1,7 @@
-"""Lowering of im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py), the ops
-of ir/ops_vision.py: one kernel each, made for the node's kernel size, stride and dilation,
-its threads along lines of the output (kernels/conv.py), the rest of the geometry a small
-uint64 device array."""
+"""Lowering of im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py) and
+resample (kernels/resample.py), the ops of ir/ops_vision.py. The first four: one kernel each,
+made for the node's kernel size, stride and dilation, its threads along lines of the output
+(kernels/conv.py), the rest of the geometry a small uint64 device array."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,8 @@ import numpy as np
 from ..ir.ops import fmt
 from ..kernels import conv as K
 from ..kernels import pool as P
+from ..kernels import resample as R
+from ..kernels.launch import grid_1d
 from .lower import Step, lowering, step_name
 
 
@@ -76,3 +78,22 @@ def _lower_pool_grad(exe, n):
     kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
     return _step(exe, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
                  (nc,) + _3d(a, "image", 1))
+
+
+@lowering("resample")
+def _lower_resample(exe, n):
+    if n.size == 0:
+        return []
+    a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
+    ax = a["axis"]
+    idx, w = a["idx"], a["w"]
+    olen, taps = idx.shape
+    inner = math.prod(n.shape[ax + 1:])
+    grid, block = grid_1d(n.size)
+    u = np.uint64
+    return [Step(step_name(n), f"resample axis {ax} {x.shape[ax]} -> {olen} ({taps} taps) of "
+                 f"{fmt(x.shape)}", R.resample_kernel, (grid,), (block,),
+                 (exe.buf(n), exe.buf(x), exe.device_array(idx.reshape(-1)),
+                  exe.device_array(w.reshape(-1)), exe.device_array(a["const"]), u(n.size),
+                  u(olen), u(x.shape[ax]), u(inner), u(taps)),
+                 {"bytes": n.nbytes + x.nbytes})]
