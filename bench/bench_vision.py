@@ -1,11 +1,13 @@
-"""Vision ops on the GPU beside torch in the same process (issue 17's bench; a first cut: the
-layers below, not yet ResNet-50 / ViT images/s).
+"""Vision ops and models on the GPU beside torch in the same process (issue 17's bench).
 
 Each row builds one op as a graph, checks it against torch (F.conv2d / conv_transpose2d /
 conv3d / max_pool2d / avg_pool2d, f32, TF32 off: ``rel`` is max |ours - torch| / max |torch|),
 then times ours as the sum of its steps' CUDA-event times (``exe.profile``) and torch's call
 by CUDA events (mean of 20, best of 3). ``ratio`` = torch us / ours (>= 1: ours faster); the
-steps column says where our time goes.
+steps column says where our time goes. Model rows: ResNet-50 and ViT-B/16 (random weights,
+batch 32, 224 x 224) images/s, ours (the compiled executable on a device-resident batch, in its
+exec mode) beside torchvision's eager model, each timed with CUDA events on its own stream over
+10 runs (best of 3).
 
   python bench/bench_vision.py [--out F]
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_torch  # noqa: E402
+from common import time_rlx, time_torch  # noqa: E402
 
 
 def rows(rlx, F, rng):
@@ -48,6 +50,32 @@ def rows(rlx, F, rng):
          lambda g, x, p: g.pool(x, "avg", 3, 2, 1, ceil_mode=True, count_include_pad=False),
          lambda x, p: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), {}),
     ]
+
+
+def model_row(rlx, torch, arch, batch):
+    """images/s of our model and torchvision's eager one (same random weights)."""
+    import tempfile
+
+    import torchvision
+    from numba import cuda
+    from safetensors.torch import save_file
+
+    from rlx_numba.models import ResNet, ViT
+    torch.manual_seed(0)
+    tmodel = getattr(torchvision.models, arch)(weights=None).eval().cuda()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/m.safetensors"
+        save_file({k: v.contiguous().cpu() for k, v in tmodel.state_dict().items()}, path)
+        ours = (ResNet if arch.startswith("resnet") else ViT).from_safetensors(path, arch)
+    x = torch.randn(batch, 3, 224, 224, device="cuda")
+    exe = ours.executable(batch, 224, 224)
+    dx = cuda.as_cuda_array(x)
+    torch.cuda.synchronize()
+    t_ours = time_rlx(cuda, lambda: exe.run({"images": dx}, outputs="view"), exe.stream, 10, 2, 3)
+    with torch.no_grad():
+        t_torch = time_torch(torch, lambda: tmodel(x), 10, 2, 3)
+    return dict(layer=arch, batch=batch, rlx_per_s=batch / (t_ours * 1e-3),
+                torch_per_s=batch / (t_torch * 1e-3), ratio=t_torch / t_ours)
 
 
 def main():
@@ -86,6 +114,12 @@ def main():
               flush=True)
         results.append(dict(layer=name, rel=rel, rlx_us=ours, torch_us=theirs,
                             ratio=theirs / ours, steps=[(r.kernel, r.ms * 1e3) for r in prof]))
+    print(f"\n{'model, batch 32, 224 x 224':<38} {'ours img/s':>11} {'torch img/s':>11} {'ratio':>6}")
+    for arch in ("resnet50", "vit_b_16"):
+        r = model_row(rlx, torch, arch, 32)
+        print(f"{arch:<38} {r['rlx_per_s']:11.0f} {r['torch_per_s']:11.0f} {r['ratio']:6.2f}",
+              flush=True)
+        results.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
     print(f"\nwrote {args.out}")
