@@ -228,3 +228,30 @@ def test_vision_op_errors():
         with pytest.raises(ValueError) as e:
             make()
         assert msg in str(e.value), str(e.value)
+
+
+def test_unet_block(rng):
+    """conv -> group_norm -> silu -> nearest 2x resize -> conv_transpose 2x2 s2, and the
+    gradients of its input and first weight, against NumPy (the references above and
+    test_conv's)."""
+    from test_conv import conv_ref, conv_t_ref
+    x = rng.standard_normal((1, 2, 5, 4))
+    w1, b1 = rng.standard_normal((4, 2, 3, 3)) * 0.3, rng.standard_normal(4)
+    gamma, beta = rng.standard_normal(4), rng.standard_normal(4)
+    w2 = rng.standard_normal((4, 3, 2, 2)) * 0.3
+
+    def ref(x, w1):
+        h = gn_ref(conv_ref(x, w1, b1, padding=1), 2, gamma, beta, 1e-5)
+        h = h / (1 + np.exp(-h))
+        h = resize_ref(h, (10, 8), "nearest", factors=(2.0, 2.0))
+        return conv_t_ref(h, w2, stride=2)
+
+    g = rlx.Graph("unet")
+    xt, w1t = g.input("x", x.shape), g.input("w1", w1.shape)
+    h = g.conv(xt, w1t, g.constant(b1), padding=1)
+    h = g.silu(g.group_norm(h, 2, g.constant(gamma), g.constant(beta)))
+    h = g.resize(h, scale_factor=2, mode="nearest")
+    y = g.conv_transpose(h, g.constant(w2), stride=2)
+    assert y.shape == (1, 3, 20, 16)
+    check(g, y, {"x": xt, "w1": w1t}, {"x": x, "w1": w1}, ref,
+          seed=rng.standard_normal(y.shape), sample=12)
