@@ -1,0 +1,212 @@
+"""cuDNN through ctypes: convolution forward, backward-data and backward-filter (the conv tier
+0 of ir/ops_vision.py), f32 NCHW, with the algorithm found once when a step is bound.
+
+The library is NVIDIA's pip wheel (``nvidia-cudnn-cu12`` / ``-cu13``: ``nvidia/cudnn/lib``, or
+``nvidia/cu13/lib``), ``$CUDA_HOME``, or the system loader; cuDNN 9's sub-libraries are loaded
+from the same directory first (RTLD_GLOBAL), as its dispatcher opens them by name. The calls
+are the descriptor API (cudnnConvolutionForward and its two backward siblings), which cuDNN 9
+keeps. Math is CUDNN_FMA_MATH (no TF32) unless ``rlx_numba.cublas.allow_tf32`` is set when
+the step is bound. 1-D convolutions run as 2-D ones of height 1. Each (device, stream) has one
+workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent streams do not.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from ctypes import POINTER, byref, c_float, c_int, c_size_t, c_void_p
+from pathlib import Path
+
+DATA_FLOAT, TENSOR_NCHW, CROSS_CORRELATION = 0, 0, 1
+DEFAULT_MATH, FMA_MATH = 0, 3
+WORKSPACE_BYTES = 64 << 20
+SUBLIBS = ("graph", "ops", "cnn", "adv", "engines_precompiled", "engines_runtime_compiled",
+           "heuristic")
+
+
+class CudnnError(RuntimeError):
+    def __init__(self, call: str, status: int, text: str = ""):
+        self.call, self.status = call, status
+        super().__init__(f"{call} failed: cuDNN status {status} {text}".rstrip())
+
+
+class AlgoPerf(ctypes.Structure):   # cudnnConvolution{Fwd,BwdData,BwdFilter}AlgoPerf_t
+    _fields_ = [("algo", c_int), ("status", c_int), ("time", c_float), ("memory", c_size_t),
+                ("determinism", c_int), ("mathType", c_int), ("reserved", c_int * 3)]
+
+
+P = c_void_p
+PROTOS = {
+    "cudnnCreate": [POINTER(c_void_p)],
+    "cudnnSetStream": [P, P],
+    "cudnnCreateTensorDescriptor": [POINTER(c_void_p)],
+    "cudnnSetTensorNdDescriptor": [P, c_int, c_int, POINTER(c_int), POINTER(c_int)],
+    "cudnnCreateFilterDescriptor": [POINTER(c_void_p)],
+    "cudnnSetFilterNdDescriptor": [P, c_int, c_int, c_int, POINTER(c_int)],
+    "cudnnCreateConvolutionDescriptor": [POINTER(c_void_p)],
+    "cudnnSetConvolutionNdDescriptor": [P, c_int, POINTER(c_int), POINTER(c_int), POINTER(c_int),
+                                        c_int, c_int],
+    "cudnnSetConvolutionGroupCount": [P, c_int],
+    "cudnnSetConvolutionMathType": [P, c_int],
+    "cudnnFindConvolutionForwardAlgorithmEx": [P, P, P, P, P, P, P, P, c_int, POINTER(c_int),
+                                               POINTER(AlgoPerf), P, c_size_t],
+    "cudnnFindConvolutionBackwardDataAlgorithmEx": [P, P, P, P, P, P, P, P, c_int,
+                                                    POINTER(c_int), POINTER(AlgoPerf), P,
+                                                    c_size_t],
+    "cudnnFindConvolutionBackwardFilterAlgorithmEx": [P, P, P, P, P, P, P, P, c_int,
+                                                      POINTER(c_int), POINTER(AlgoPerf), P,
+                                                      c_size_t],
+    "cudnnConvolutionForward": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
+    "cudnnConvolutionBackwardData": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
+    "cudnnConvolutionBackwardFilter": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
+}
+
+_lib = None
+_handles: dict = {}          # (device, stream) -> cudnnHandle_t
+_ws: dict = {}               # (device, stream) -> workspace device array
+_ONE, _ZERO = c_float(1.0), c_float(0.0)
+
+
+def _candidates() -> list[str]:
+    from .cublas.loader import site_dirs
+    out = [str(d / sub / "libcudnn.so.9") for d in site_dirs()
+           for sub in ("nvidia/cudnn/lib", "nvidia/cu13/lib")]
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(env)
+        if root:
+            out += [str(Path(root) / sub / "libcudnn.so.9") for sub in ("lib64", "lib")]
+    return list(dict.fromkeys(out)) + ["libcudnn.so.9"]
+
+
+def lib():
+    """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
+    global _lib
+    if _lib is None:
+        tried = []
+        for path in _candidates():
+            if os.sep in path and not os.path.exists(path):
+                tried.append(f"{path} (no such file)")
+                continue
+            try:
+                if os.sep in path:
+                    for sub in SUBLIBS:
+                        p = Path(path).parent / f"libcudnn_{sub}.so.9"
+                        if p.exists():
+                            ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
+                loaded = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as e:
+                tried.append(f"{path} ({e})")
+                continue
+            err = loaded.cudnnGetErrorString
+            err.argtypes, err.restype = [c_int], ctypes.c_char_p
+            for name, argtypes in PROTOS.items():
+                fn = getattr(loaded, name)
+                fn.argtypes, fn.restype = argtypes, c_int
+                fn.errcheck = (lambda status, func, args, err=err: _check(status, func, err))
+            loaded.path = path
+            _lib = loaded
+            break
+        else:
+            raise RuntimeError("cuDNN (libcudnn.so.9) not found; install NVIDIA's wheel "
+                               "(pip install 'rlx_numba[cu12]' or [cu13]). Tried:\n  "
+                               + "\n  ".join(tried))
+    return _lib
+
+
+def _check(status, func, err):
+    if status != 0:
+        raise CudnnError(func.__name__, status, err(status).decode(errors="replace"))
+    return status
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the library loads (no GPU work), else (False, why). Never raises."""
+    try:
+        lib()
+        return True, ""
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        return False, str(e).splitlines()[0]
+
+
+def _key(stream):
+    from numba import cuda
+    return cuda.get_current_device().id, int(stream) if stream is not None else 0
+
+
+def handle(stream):
+    """(cudnnHandle_t bound to the stream, workspace pointer) for (device, stream)."""
+    key = _key(stream)
+    if key not in _handles:
+        from numba import cuda
+        h = c_void_p()
+        lib().cudnnCreate(byref(h))
+        lib().cudnnSetStream(h, c_void_p(key[1]))
+        _handles[key] = h
+        _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
+    return _handles[key], _ws[key].device_ctypes_pointer.value
+
+
+def _ints(vals):
+    return (c_int * len(vals))(*vals)
+
+
+def _tensor(shape):
+    d = c_void_p()
+    lib().cudnnCreateTensorDescriptor(byref(d))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    lib().cudnnSetTensorNdDescriptor(d, DATA_FLOAT, len(shape), _ints(shape), _ints(strides))
+    return d
+
+
+def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilation, groups,
+              x_ptr: int, w_ptr: int, y_ptr: int, tf32: bool = False):
+    """A no-argument callable enqueueing one convolution call on ``stream``, in the forward
+    convolution's terms: x [N, C, *S] the input, w [K, C/groups, *k], y [N, K, *O] the output.
+    ``kind`` "fwd" writes y from x and w; "bwd_data" writes x (dx) from y (dy) and w;
+    "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
+    workspace is found now (cudnnFind*AlgorithmEx, run on these buffers)."""
+    L = lib()
+    if len(x_shape) == 3:        # 1-D as 2-D of height 1
+        x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
+        pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
+    h, ws = handle(stream)
+    xd, yd = _tensor(list(x_shape)), _tensor(list(y_shape))
+    wd = c_void_p()
+    L.cudnnCreateFilterDescriptor(byref(wd))
+    L.cudnnSetFilterNdDescriptor(wd, DATA_FLOAT, TENSOR_NCHW, len(w_shape), _ints(list(w_shape)))
+    cd = c_void_p()
+    L.cudnnCreateConvolutionDescriptor(byref(cd))
+    nd = len(x_shape) - 2
+    L.cudnnSetConvolutionNdDescriptor(cd, nd, _ints(list(pad)), _ints(list(stride)),
+                                      _ints(list(dilation)), CROSS_CORRELATION, DATA_FLOAT)
+    L.cudnnSetConvolutionGroupCount(cd, groups)
+    math_type = DEFAULT_MATH if tf32 else FMA_MATH
+    L.cudnnSetConvolutionMathType(cd, math_type)
+    perf, count = (AlgoPerf * 8)(), c_int()
+    x, w, y, wsp = (c_void_p(p) for p in (x_ptr, w_ptr, y_ptr, ws))
+    find, call, args = {
+        "fwd": ("cudnnFindConvolutionForwardAlgorithmEx", "cudnnConvolutionForward",
+                (xd, x, wd, w, cd, yd, y)),
+        "bwd_data": ("cudnnFindConvolutionBackwardDataAlgorithmEx",
+                     "cudnnConvolutionBackwardData", (wd, w, yd, y, cd, xd, x)),
+        "bwd_filter": ("cudnnFindConvolutionBackwardFilterAlgorithmEx",
+                       "cudnnConvolutionBackwardFilter", (xd, x, yd, y, cd, wd, w)),
+    }[kind]
+    getattr(L, find)(h, *args, 8, byref(count), perf, wsp, WORKSPACE_BYTES)
+    ok = [p for p in perf[:count.value] if p.status == 0 and p.memory <= WORKSPACE_BYTES
+          and (tf32 or p.mathType != 1)]             # 1: tensor-op (TF32) math
+    if not ok:
+        raise CudnnError(find, 0, f"found no algorithm for {kind} x {list(x_shape)} w "
+                         f"{list(w_shape)} y {list(y_shape)}")
+    best = ok[0]
+    L.cudnnSetConvolutionMathType(cd, best.mathType)
+    fn = getattr(L, call)
+    keep = (xd, yd, wd, cd)                           # the descriptors live with the callable
+    head = (h, byref(_ONE), *args[:4], cd, best.algo, wsp, c_size_t(WORKSPACE_BYTES),
+            byref(_ZERO), *args[5:])
+
+    def launch(fn=fn, head=head, keep=keep):
+        fn(*head)
+    launch.algo, launch.math_type = best.algo, best.mathType
+    return launch
