@@ -1,5 +1,7 @@
 """compile(): a Graph becomes a CudaExecutable, one stage after another.
 
+    legalise   conv-family nodes cuDNN will not run become im2col / col2im and products, on a
+               copy of the graph (runtime/lower_vision.py conv_tier0)
     validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
                write (a kv_write into a param matters even when nothing reads it)
     views      nodes that own no memory alias their input (reshape, same-dtype cast, the
@@ -27,7 +29,7 @@ from .ir.graph import Graph
 from .ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
 from .memory import ALIGN, Buffer, MemoryReport, plan
 from .passes import fusion as fusion_pass
-from .runtime import lower, lower_matmul
+from .runtime import lower, lower_matmul, lower_vision
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
 from .runtime.params import ParamStore, check_store
 
@@ -67,10 +69,27 @@ def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
     return exe
 
 
+def legalise(graph: Graph) -> Graph:
+    """``graph``, or a copy with the conv-family nodes cuDNN does not run expanded into
+    im2col / col2im and products (each node's tier logged by RLX_NUMBA_LOG_FALLBACK=1)."""
+    from .ir.ops_vision import CONV_OPS, expand_conv
+    expand = set()
+    for n in graph.nodes:
+        if n.op in CONV_OPS:
+            ok, why = lower_vision.conv_tier0(graph, n)
+            lower_vision.log_conv_tier(n, ok, why)
+            if not ok:
+                expand.add(n.id)
+    if not expand:
+        return graph
+    return graph.rewritten(lambda g, n, ins: expand_conv(g, n, ins) if n.id in expand else None)
+
+
 def plan_graph(graph: Graph) -> Plan:
-    """The stages validate .. plan."""
+    """The stages legalise .. plan."""
     if not graph.outputs:
         raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
+    graph = legalise(graph)
     outputs = set(graph.outputs)
     live = reachable(graph)
     absorbed = lower_matmul.absorbed_transposes(graph, outputs)

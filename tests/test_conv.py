@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
-from conftest import run_graph
+from conftest import ON_GPU, run_graph
 from gradcheck import check
 
 
@@ -285,3 +285,41 @@ def test_pool_errors():
         with pytest.raises(ValueError) as e:
             make()
         assert msg in str(e.value) and str(e.value).startswith("pool:"), str(e.value)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN (tier 0) against the im2col tier on a GPU")
+@pytest.mark.parametrize("tiers", ["0", "1"])
+def test_conv_tiers_on_gpu(rng, monkeypatch, tiers):
+    """Forward and both gradients of conv and conv_transpose through cuDNN (tier 0) and through
+    im2col / col2im and cuBLAS (RLX_NUMBA_CONV_TIERS=1), against NumPy."""
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", tiers)
+    x = rng.standard_normal((2, 4, 9, 8))
+    w = rng.standard_normal((6, 2, 3, 3))
+    kw = dict(stride=(2, 1), padding=1, dilation=(1, 2), groups=2)
+    g = rlx.Graph("tiers")
+    xs, ws = g.input("x", x.shape), g.input("w", w.shape)
+    y = g.conv(xs, ws, **kw)
+    yt = g.conv_transpose(y, g.reshape(ws, (6, 2, 3, 3)), stride=2, padding=1, groups=2)
+    seed = rng.standard_normal(yt.shape)
+    dx, dw = g.grad(g.reduce_sum(g.mul(yt, g.constant(seed))), [xs, ws])
+    g.set_outputs([y, yt, dx, dw])
+    exe = rlx.compile(g)
+    got = exe.run({"x": x.astype(np.float32), "w": w.astype(np.float32)})
+    y_ref = conv_ref(x, w, **kw)
+    yt_ref = conv_t_ref(y_ref, w, stride=2, padding=1, groups=2)
+    for a, b in ((got[0], y_ref), (got[1], yt_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+    eps, i = 1e-3, (1, 2, 4, 3)                   # one finite difference each for dx and dw
+    f = lambda x, w: float((conv_t_ref(conv_ref(x, w, **kw), w, stride=2, padding=1,  # noqa: E731
+                                       groups=2) * seed).sum())
+    xp, xm = x.copy(), x.copy()
+    xp[i] += eps
+    xm[i] -= eps
+    assert abs(got[2][i] - (f(xp, w) - f(xm, w)) / (2 * eps)) < 1e-3 * (1 + abs(got[2][i]))
+    j = (3, 1, 2, 0)
+    wp, wm = w.copy(), w.copy()
+    wp[j] += eps
+    wm[j] -= eps
+    assert abs(got[3][j] - (f(x, wp) - f(x, wm)) / (2 * eps)) < 1e-3 * (1 + abs(got[3][j]))
+    names = " ".join(s.kernel_name for s in exe.steps)
+    assert ("cudnn" in names) == (tiers == "0"), names

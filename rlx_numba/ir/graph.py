@@ -115,6 +115,24 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         self.outputs: list[int] = []
         self._leaf_names: dict[str, int] = {}
 
+    def rewritten(self, expand) -> "Graph":
+        """A copy of this graph in which each node that ``expand(g, node, inputs)`` returns a
+        Tensor for (built on the copy ``g`` from the copies of its inputs) is replaced by it;
+        the other nodes are copied as they are (names, attrs, outputs in order). The compiler's
+        rewrites (compiler.py) use it; the graph itself is never changed."""
+        g = Graph(self.name)
+        done: dict[int, Tensor] = {}
+        for n in self.nodes:
+            ins = [done[i] for i in n.inputs]
+            t = expand(g, n, ins)
+            if t is None:
+                t = (g._leaf(n.op, n.name, n.shape, n.dtype) if n.op in ("input", "param") else
+                     g._add(n.op, ins, n.shape, n.dtype, n.name, **n.attrs))
+            done[n.id] = t
+        if self.outputs:
+            g.set_outputs([done[o] for o in self.outputs])
+        return g
+
     # ---- internals -----------------------------------------------------------------------
     def _add(self, op, inputs, shape, dtype, name=None, **attrs) -> Tensor:
         node = Node(len(self.nodes), op, tuple(t.id for t in inputs), tuple(shape), dtype, attrs, name)

@@ -2,8 +2,9 @@
 (batch_norm, group_norm, layer_norm2d: compositions of graph ops), pad, resize and
 adaptive_avg_pool (one "resample" node an axis, below).
 
-conv and conv_transpose (the spatial rank is the weight's) are built on two data-movement ops
-and the matmul tier ladder:
+conv and conv_transpose (the spatial rank is the weight's) are nodes of their own, as is the
+weight gradient conv_wgrad; the VJPs map each to the others. The compiler leaves them to cuDNN
+(tier 0) or rewrites them (``expand_conv``) with two data-movement ops and the matmul ladder:
 
   im2col  x [N, C, *S] -> cols [N, G, C/G * prod(k), prod(O)]: cols[n, g, (c, kidx), o] =
           x[n, g*C/G + c, o*stride - pad + kidx*dilation] (zero outside x)
@@ -11,8 +12,8 @@ and the matmul tier ladder:
           gather: each image element reads the cols entries that map to it, no atomics)
 
 conv is im2col, then w [G, Cout/G, C/G * prod(k)] @ cols (a batched product: cuBLAS on a GPU,
-the numba SGEMM in the simulator) and the bias; conv_transpose is w^T @ x and col2im. Each
-is the other's VJP, so gradients to x, w and bias come from these and the matmul's.
+the numba SGEMM in the simulator); conv_transpose is w^T @ x and col2im; conv_wgrad is the sum
+over the batch of dy @ cols^T. Bias is a broadcast add after the node.
 Kernels: kernels/conv.py; lowering: runtime/lower_vision.py.
 """
 from __future__ import annotations
@@ -119,14 +120,9 @@ class VisionOps:
                              f"padding {fmt(lo)}/{fmt(hi)}")
         out = tuple((s + a + b - sp) // st + 1
                     for s, a, b, sp, st in zip(size, lo, hi, span, stride))
-        geo = dict(kernel=k, stride=stride, pad=lo, dilation=dilation, image=size, cols=out)
-        r = cg * math.prod(k)
-        if all(v == 1 for v in k + stride) and not any(lo + hi):    # 1x1: x is its own cols
-            cols = self.reshape(xb, (n, groups, r, math.prod(out)))
-        else:
-            cols = self._add("im2col", (xb,), (n, groups, r, math.prod(out)), dt.F32, **geo)
-        y = self.matmul(self.reshape(w, (groups, cout // groups, r)), cols)
-        y = _bias(self, op, bias, cout, self.reshape(y, (n, cout) + out), d)
+        y = self._add("conv", (xb, w), (n, cout) + out, dt.F32, kernel=k, stride=stride, pad=lo,
+                      dilation=dilation, groups=groups)
+        y = _bias(self, op, bias, cout, y, d)
         return y if batched else self.reshape(y, (cout,) + out)
 
     def conv_transpose(self, x, w, bias=None, *, stride=1, padding=0, output_padding=0,
@@ -158,14 +154,10 @@ class VisionOps:
         if any(o <= 0 for o in out):
             raise ValueError(f"{op}: the output would be {fmt(out)} for x {_desc(x)}, kernel "
                              f"{fmt(k)}, stride {fmt(stride)}, padding {fmt(pad)}")
-        cg, kk = c // groups, math.prod(k)
-        wt = self.transpose(self.reshape(w, (groups, cg, cog * kk)), (0, 2, 1))
-        cols = self.matmul(wt, self.reshape(xb, (n, groups, cg, math.prod(size))))
-        y = self._add("col2im", (cols,), (n, cout) + out, dt.F32, kernel=k, stride=stride,
-                      pad=pad, dilation=dilation, image=out, cols=size)
+        y = self._add("conv_transpose", (xb, w), (n, cout) + out, dt.F32, kernel=k,
+                      stride=stride, pad=pad, dilation=dilation, groups=groups)
         y = _bias(self, op, bias, cout, y, d)
         return y if batched else self.reshape(y, (cout,) + out)
-
 
     def pool(self, x, kind, kernel_size, stride=None, padding=0, *, dilation=1,
              ceil_mode=False, count_include_pad=True):
@@ -279,16 +271,64 @@ def _pool_vjp(g, node, dy):
     return [g._add("pool_grad", (x, dy), x.shape, dt.F32, **node.attrs)]
 
 
-@vjp("im2col")
-def _im2col_vjp(g, node, dy):
-    x = g.tensor(node.inputs[0])
-    return [g._add("col2im", (dy,), x.shape, dt.F32, **node.attrs)]
+@vjp("conv")
+def _conv_vjp(g, node, dy):
+    x, w = (g.tensor(i) for i in node.inputs)
+    return [g._add("conv_transpose", (dy, w), x.shape, dt.F32, **node.attrs),
+            g._add("conv_wgrad", (x, dy), w.shape, dt.F32, **node.attrs)]
 
 
-@vjp("col2im")
-def _col2im_vjp(g, node, dy):
-    cols = g.tensor(node.inputs[0])
-    return [g._add("im2col", (dy,), cols.shape, dt.F32, **node.attrs)]
+@vjp("conv_transpose")
+def _conv_transpose_vjp(g, node, dy):
+    z, w = (g.tensor(i) for i in node.inputs)
+    return [g._add("conv", (dy, w), z.shape, dt.F32, **node.attrs),
+            g._add("conv_wgrad", (dy, z), w.shape, dt.F32, **node.attrs)]
+
+
+# ---- the convolutions as im2col / col2im and products (where cuDNN does not run them) --------
+CONV_OPS = ("conv", "conv_transpose", "conv_wgrad")
+
+
+def conv_geometry(node, image_shape, cols_shape):
+    """im2col / col2im attrs of a conv-family node: ``image_shape`` [N, C, *S] the convolution's
+    input, ``cols_shape`` [N, K, *O] its output."""
+    a = node.attrs
+    return dict(kernel=a["kernel"], stride=a["stride"], pad=a["pad"], dilation=a["dilation"],
+                image=tuple(image_shape[2:]), cols=tuple(cols_shape[2:]))
+
+
+def expand_conv(g, node, ins):
+    """A conv-family node as im2col / col2im and the matmul ladder, on graph ``g`` (the
+    compiler's rewrite where cuDNN does not run it: runtime/lower_vision.py conv_tier0):
+      conv            cols = im2col(x); y = w [G, K/G, R] @ cols
+      conv_transpose  cols = w^T @ z; img = col2im(cols)
+      conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T"""
+    a = node.attrs
+    groups, k = a["groups"], a["kernel"]
+    if node.op == "conv_transpose":
+        z, w = ins
+        n, kc = z.shape[:2]
+        r = w.shape[1] * math.prod(k)
+        wt = g.transpose(g.reshape(w, (groups, kc // groups, r)), (0, 2, 1))
+        cols = g.matmul(wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))))
+        return g._add("col2im", (cols,), node.shape, dt.F32,
+                      **conv_geometry(node, node.shape, z.shape))
+    x = ins[0]
+    out_shape = node.shape if node.op == "conv" else ins[1].shape
+    kc = out_shape[1]
+    n, c = x.shape[:2]
+    r, length = c // groups * math.prod(k), math.prod(out_shape[2:])
+    trivial = (all(v == 1 for v in k + a["stride"]) and not any(a["pad"])
+               and tuple(x.shape[2:]) == tuple(out_shape[2:]))
+    cols = (g.reshape(x, (n, groups, r, length)) if trivial else      # 1x1: x is its own cols
+            g._add("im2col", (x,), (n, groups, r, length), dt.F32,
+                   **conv_geometry(node, x.shape, out_shape)))
+    if node.op == "conv":
+        y = g.matmul(g.reshape(ins[1], (groups, kc // groups, r)), cols)
+        return g.reshape(y, node.shape)
+    dy = g.reshape(ins[1], (n, groups, kc // groups, length))
+    dw = g.reduce_sum(g.matmul(dy, g.transpose(cols, (0, 1, 3, 2))), 0)
+    return g.reshape(dw, node.shape)
 
 
 # ---- resampling along one axis: pad, resize, adaptive_avg_pool -----------------------------

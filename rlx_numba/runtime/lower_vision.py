@@ -1,19 +1,26 @@
-"""Lowering of im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py) and
-resample (kernels/resample.py), the ops of ir/ops_vision.py. The first four: one kernel each,
+"""Lowering of the ops of ir/ops_vision.py. conv, conv_transpose and conv_wgrad: one cuDNN call
+(tier 0, cudnn.py), where ``conv_tier0`` allows it; elsewhere the compiler has rewritten them
+as im2col / col2im and products (the matmul ladder: cuBLAS on a GPU, the numba SGEMM in the
+simulator). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py) and resample
+(kernels/resample.py). The kernels of the middle four: one each,
 made for the node's kernel size, stride and dilation, its threads along lines of the output
 (kernels/conv.py), the rest of the geometry a small uint64 device array."""
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
+from .. import cublas, cudnn
+from ..device import SIMULATOR
 from ..ir.ops import fmt
 from ..kernels import conv as K
 from ..kernels import pool as P
 from ..kernels import resample as R
 from ..kernels.launch import grid_1d
-from .lower import Step, lowering, step_name
+from . import lower
+from .lower import CallStep, Step, lowering, step_name
 
 
 def _3d(a, key, unit):
@@ -97,3 +104,59 @@ def _lower_resample(exe, n):
                   exe.device_array(w.reshape(-1)), exe.device_array(a["const"]), u(n.size),
                   u(olen), u(x.shape[ax]), u(inner), u(taps)),
                  {"bytes": n.nbytes + x.nbytes})]
+
+
+# ---- the convolutions: cuDNN (tier 0), or im2col / col2im and products -----------------------
+def conv_tier0(graph, n) -> tuple[bool, str]:
+    """Whether cuDNN runs conv-family node ``n`` (else the compiler rewrites it as im2col /
+    col2im and products, ir/ops_vision.py expand_conv), and why not."""
+    if SIMULATOR:
+        return False, "the simulator has no cuDNN"
+    tiers = os.environ.get("RLX_NUMBA_CONV_TIERS")
+    if tiers and "0" not in tiers.replace(" ", "").split(","):
+        return False, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS"
+    image, cols = _conv_shapes(graph, n)
+    a = n.attrs
+    for s, o, k, st, p, dl in zip(image[2:], cols[2:], a["kernel"], a["stride"], a["pad"],
+                                  a["dilation"]):
+        if (s + 2 * p - dl * (k - 1) - 1) // st + 1 != o:
+            return False, (f"cuDNN pads both sides alike: image {fmt(image[2:])} with padding "
+                           f"{fmt(a['pad'])} on both sides does not give {fmt(cols[2:])}")
+    ok, why = cudnn.available()
+    return ok, f"tier 0: {why}" if why else ""
+
+
+def _conv_shapes(graph, n):
+    """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms."""
+    a, b = (graph.nodes[i].shape for i in n.inputs)
+    return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
+
+
+def log_conv_tier(n, tier0, why) -> None:
+    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
+        lower.log.warning("%s %%%d: conv tier %s%s", n.op, n.id,
+                          "0 (cuDNN)" if tier0 else "1 (im2col / col2im and the matmul ladder)",
+                          "" if tier0 else f"; {why}")
+
+
+@lowering("conv", "conv_transpose", "conv_wgrad")
+def _lower_conv(exe, n):
+    """One cuDNN call (the compiler left this node to tier 0)."""
+    if n.size == 0:
+        return []
+    g, a = exe.graph, n.attrs
+    image, cols = _conv_shapes(g, n)
+    w_shape = n.shape if n.op == "conv_wgrad" else g.nodes[n.inputs[1]].shape
+    kind, x, w, y = {
+        "conv": ("fwd", n.inputs[0], n.inputs[1], n.id),
+        "conv_transpose": ("bwd_data", n.id, n.inputs[1], n.inputs[0]),
+        "conv_wgrad": ("bwd_filter", n.inputs[0], n.id, n.inputs[1]),
+    }[n.op]
+    ptr = lambda i: exe.buf(i).device_ctypes_pointer.value     # noqa: E731
+    tf32 = cublas.allow_tf32
+    make = lambda stream: cudnn.conv_plan(  # noqa: E731
+        stream, kind, image, w_shape, cols, a["pad"], a["stride"], a["dilation"], a["groups"],
+        ptr(x), ptr(w), ptr(y), tf32)
+    flops = 2 * math.prod(cols) * math.prod(w_shape[1:])
+    return [CallStep(step_name(n), f"cudnn {kind} {'x'.join(map(str, a['kernel']))} of "
+                     f"{fmt(image)} -> {fmt(cols)}", make, {"flops": flops, "tier": 0})]
