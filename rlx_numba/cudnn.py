@@ -195,11 +195,11 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     }[kind]
     getattr(L, find)(h, *args, 8, byref(count), perf, wsp, WORKSPACE_BYTES)
     ok = [p for p in perf[:count.value] if p.status == 0 and p.memory <= WORKSPACE_BYTES
-          and (tf32 or p.mathType != 1)]             # 1: tensor-op (TF32) math
+          and (tf32 or p.mathType == FMA_MATH)]      # never TF32 unless asked for
     if not ok:
         raise CudnnError(find, 0, f"found no algorithm for {kind} x {list(x_shape)} w "
                          f"{list(w_shape)} y {list(y_shape)}")
-    best = ok[0]
+    best = ok[0]                                      # (sorted by time)
     L.cudnnSetConvolutionMathType(cd, best.mathType)
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callable
