@@ -49,7 +49,33 @@ def rows(rlx, F, rng):
         ("avg pool 3x3 s2 p1 ceil 64ch 56 b8", (8, 64, 56, 56),
          lambda g, x, p: g.pool(x, "avg", 3, 2, 1, ceil_mode=True, count_include_pad=False),
          lambda x, p: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), {}),
+        ("group_norm 32 groups 320ch 64x64 b4", (4, 320, 64, 64),
+         lambda g, x, p: g.group_norm(x, 32, p["g"], p["b"]),
+         lambda x, p: F.group_norm(x, 32, p["g"], p["b"]), {"g": w(320), "b": w(320)}),
+        ("layer_norm2d 256ch 64x64 b4", (4, 256, 64, 64),
+         lambda g, x, p: g.layer_norm2d(x, p["g"], p["b"]),
+         lambda x, p: _layer_norm2d(x, p["g"], p["b"]), {"g": w(256), "b": w(256)}),
+        ("batch_norm (eval) 256ch 56x56 b8", (8, 256, 56, 56),
+         lambda g, x, p: g.batch_norm(x, p["m"], p["v"], p["g"], p["b"]),
+         lambda x, p: F.batch_norm(x, p["m"], p["v"], p["g"], p["b"]),
+         {"m": w(256), "v": 1 + np.abs(w(256)), "g": w(256), "b": w(256)}),
+        ("resize bilinear 2x 64ch 56x56 b8", (8, 64, 56, 56),
+         lambda g, x, p: g.resize(x, scale_factor=2, mode="bilinear"),
+         lambda x, p: F.interpolate(x, scale_factor=2, mode="bilinear"), {}),
+        ("resize nearest 2x 64ch 56x56 b8", (8, 64, 56, 56),
+         lambda g, x, p: g.resize(x, scale_factor=2, mode="nearest"),
+         lambda x, p: F.interpolate(x, scale_factor=2, mode="nearest"), {}),
+        ("pad reflect 1 64ch 56x56 b8", (8, 64, 56, 56),
+         lambda g, x, p: g.pad(x, (1, 1, 1, 1), "reflect"),
+         lambda x, p: F.pad(x, (1, 1, 1, 1), "reflect"), {}),
     ]
+
+
+def _layer_norm2d(x, g, b, eps=1e-6):     # SAM's LayerNorm2d, as written there
+    u = x.mean(1, keepdim=True)
+    s = (x - u).pow(2).mean(1, keepdim=True)
+    x = (x - u) / (s + eps).sqrt()
+    return g[:, None, None] * x + b[:, None, None]
 
 
 def model_row(rlx, torch, arch, batch):

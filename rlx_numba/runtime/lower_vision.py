@@ -18,7 +18,6 @@ from ..ir.ops import fmt
 from ..kernels import conv as K
 from ..kernels import pool as P
 from ..kernels import resample as R
-from ..kernels.launch import grid_1d
 from . import lower
 from .lower import CallStep, Step, lowering, step_name
 
@@ -96,14 +95,19 @@ def _lower_resample(exe, n):
     idx, w = a["idx"], a["w"]
     olen, taps = idx.shape
     inner = math.prod(n.shape[ax + 1:])
-    grid, block = grid_1d(n.size)
+    rows = math.prod(n.shape[:ax])
     u = np.uint64
+    tables = (exe.device_array(idx.reshape(-1)), exe.device_array(w.reshape(-1)),
+              exe.device_array(a["const"]))
+    if inner == 1:
+        grid, block = K.lines_launch(rows, olen)
+        kern, sizes = R.resample_last_kernel, (u(rows), u(olen), u(x.shape[ax]), u(taps))
+    else:
+        grid, block = K.lines_launch(rows * olen, inner)
+        kern, sizes = R.resample_kernel, (u(rows), u(olen), u(x.shape[ax]), u(inner), u(taps))
     return [Step(step_name(n), f"resample axis {ax} {x.shape[ax]} -> {olen} ({taps} taps) of "
-                 f"{fmt(x.shape)}", R.resample_kernel, (grid,), (block,),
-                 (exe.buf(n), exe.buf(x), exe.device_array(idx.reshape(-1)),
-                  exe.device_array(w.reshape(-1)), exe.device_array(a["const"]), u(n.size),
-                  u(olen), u(x.shape[ax]), u(inner), u(taps)),
-                 {"bytes": n.nbytes + x.nbytes})]
+                 f"{fmt(x.shape)}", kern, grid, block,
+                 (exe.buf(n), exe.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
 
 
 # ---- the convolutions: cuDNN (tier 0), or im2col / col2im and products -----------------------
