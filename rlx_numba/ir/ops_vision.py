@@ -220,12 +220,10 @@ class VisionOps:
                 raise ValueError(f"{op}: {arg} must be f32 [{c}] (one per channel of x "
                                  f"{_desc(x)}), got {_desc(t)}")
         _eps(op, eps)
-        b = (c,) + (1,) * (len(x.shape) - 2)
         scale = self.rsqrt(self.add(var, float(eps)))
         if gamma is not None:
             scale = self.mul(gamma, scale)
-        y = self.mul(self.sub(x, self.reshape(mean, b)), self.reshape(scale, b))
-        return y if beta is None else self.add(y, self.reshape(beta, b))
+        return _channel_affine(self, x, mean, scale, beta)
 
     def group_norm(self, x, num_groups, gamma=None, beta=None, eps=1e-5):
         """torch's F.group_norm: x [N, C, *S] normalised over each group of C / num_groups
@@ -249,10 +247,8 @@ class VisionOps:
         h = self.layer_norm(self.reshape(x, (n, groups, inner)),
                             self.constant(np.ones(inner, np.float32)), eps=float(eps))
         h = self.reshape(h, x.shape)
-        b = (c,) + (1,) * (len(x.shape) - 2)
-        if gamma is not None:
-            h = self.mul(h, self.reshape(gamma, b))
-        return h if beta is None else self.add(h, self.reshape(beta, b))
+        return h if gamma is None and beta is None else _channel_affine(self, h, None, gamma,
+                                                                        beta)
 
     def layer_norm2d(self, x, gamma, beta=None, eps=1e-6):
         """SAM's LayerNorm2d: x [N, C, *S] normalised over C at each position, then gamma [C]
@@ -263,6 +259,26 @@ class VisionOps:
             raise ValueError(f"{op}: x must be f32 [N, C, *spatial], got {_desc(x)}")
         return self.layer_norm(x, gamma, beta, axis=1, eps=eps)
 
+
+
+def _channel_affine(g, x, center, scale, shift):
+    """(x - center[c]) * scale[c] + shift[c] over x [N, C, ...] (a None: 0, 1, 0), one kernel."""
+    c = x.shape[1]
+    fill = lambda t, v: t if t is not None else g.constant(np.full(c, v, np.float32))  # noqa: E731
+    return g._add("channel_affine", (x, fill(center, 0.0), fill(scale, 1.0), fill(shift, 0.0)),
+                  x.shape, dt.F32)
+
+
+@vjp("channel_affine")
+def _channel_affine_vjp(g, node, dy):
+    x, center, scale, _ = (g.tensor(i) for i in node.inputs)
+    axes = (0,) + tuple(range(2, len(x.shape)))
+    c = x.shape[1]
+    b = (c,) + (1,) * (len(x.shape) - 2)
+    dshift = g.reduce_sum(dy, axes)
+    centred = g.sub(x, g.reshape(center, b))
+    return [_channel_affine(g, dy, None, scale, None), g.neg(g.mul(dshift, scale)),
+            g.reduce_sum(g.mul(dy, centred), axes), dshift]
 
 
 @vjp("pool")

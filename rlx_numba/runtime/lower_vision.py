@@ -1,10 +1,10 @@
 """Lowering of the ops of ir/ops_vision.py. conv, conv_transpose and conv_wgrad: one cuDNN call
 (tier 0, cudnn.py), where ``conv_tier0`` allows it; elsewhere the compiler has rewritten them
 as im2col / col2im and products (the matmul ladder: cuBLAS on a GPU, the numba SGEMM in the
-simulator). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py) and resample
-(kernels/resample.py). The kernels of the middle four: one each,
-made for the node's kernel size, stride and dilation, its threads along lines of the output
-(kernels/conv.py), the rest of the geometry a small uint64 device array."""
+simulator). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
+kernel each, made for the node's kernel size, stride and dilation, its threads along lines of
+the output (kernels/conv.py), the rest of the geometry a small uint64 device array; resample
+(kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too."""
 from __future__ import annotations
 
 import math
@@ -15,6 +15,7 @@ import numpy as np
 from .. import cublas, cudnn
 from ..device import SIMULATOR
 from ..ir.ops import fmt
+from ..kernels import channel as C
 from ..kernels import conv as K
 from ..kernels import pool as P
 from ..kernels import resample as R
@@ -84,6 +85,20 @@ def _lower_pool_grad(exe, n):
     kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
     return _step(exe, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
                  (nc,) + _3d(a, "image", 1))
+
+
+@lowering("channel_affine")
+def _lower_channel_affine(exe, n):
+    if n.size == 0:
+        return []
+    x, center, scale, shift = n.inputs
+    rows = n.shape[0] * n.shape[1]
+    length = n.size // rows
+    grid, block = K.lines_launch(rows, length)
+    return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", C.channel_affine_kernel,
+                 grid, block, (exe.buf(n), exe.buf(x), exe.buf(center), exe.buf(scale),
+                               exe.buf(shift), np.uint64(rows), np.uint64(n.shape[1]),
+                               np.uint64(length)), {"bytes": 2 * n.nbytes})]
 
 
 @lowering("resample")
