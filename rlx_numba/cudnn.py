@@ -58,7 +58,12 @@ PROTOS = {
     "cudnnConvolutionForward": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
     "cudnnConvolutionBackwardData": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
     "cudnnConvolutionBackwardFilter": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P],
+    "cudnnConvolutionBiasActivationForward": [P, P, P, P, P, P, P, c_int, P, c_size_t, P, P, P,
+                                              P, P, P, P, P],
+    "cudnnCreateActivationDescriptor": [POINTER(c_void_p)],
+    "cudnnSetActivationDescriptor": [P, c_int, c_int, ctypes.c_double],
 }
+RELU, PROPAGATE_NAN = 1, 1
 
 _lib = None
 _handles: dict = {}          # (device, stream) -> cudnnHandle_t
@@ -160,12 +165,15 @@ def _tensor(shape):
 
 
 def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilation, groups,
-              x_ptr: int, w_ptr: int, y_ptr: int, tf32: bool = False):
+              x_ptr: int, w_ptr: int, y_ptr: int, tf32: bool = False, bias_ptr=None,
+              z_ptr=None):
     """A no-argument callable enqueueing one convolution call on ``stream``, in the forward
     convolution's terms: x [N, C, *S] the input, w [K, C/groups, *k], y [N, K, *O] the output.
     ``kind`` "fwd" writes y from x and w; "bwd_data" writes x (dx) from y (dy) and w;
     "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
-    workspace is found now (cudnnFind*AlgorithmEx, run on these buffers)."""
+    workspace is found now (cudnnFind*AlgorithmEx, run on these buffers). A forward with
+    ``bias_ptr`` (a [K] bias) is relu(conv + bias (+ z [N, K, *O] at ``z_ptr``)) in one
+    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu)."""
     L = lib()
     if len(x_shape) == 3:        # 1-D as 2-D of height 1
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
@@ -205,6 +213,16 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callable
     head = (h, byref(_ONE), *args[:4], cd, best.algo, wsp, c_size_t(WORKSPACE_BYTES),
             byref(_ZERO), *args[5:])
+    if bias_ptr is not None:
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2)), c_void_p()
+        L.cudnnCreateActivationDescriptor(byref(ad))
+        L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
+        keep += (bd, ad)
+        fn = L.cudnnConvolutionBiasActivationForward
+        z = c_void_p(z_ptr) if z_ptr is not None else y
+        head = (h, byref(_ONE), xd, x, wd, w, cd, best.algo, wsp, c_size_t(WORKSPACE_BYTES),
+                byref(_ONE if z_ptr is not None else _ZERO), yd, z, bd, c_void_p(bias_ptr), ad,
+                yd, y)
 
     def launch(fn=fn, head=head, keep=keep):
         fn(*head)

@@ -323,3 +323,31 @@ def test_conv_tiers_on_gpu(rng, monkeypatch, tiers):
     assert abs(got[3][j] - (f(x, wp) - f(x, wm)) / (2 * eps)) < 1e-3 * (1 + abs(got[3][j]))
     names = " ".join(s.kernel_name for s in exe.steps)
     assert ("cudnn" in names) == (tiers == "0"), names
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused epilogue runs on a GPU")
+def test_conv_epilogue_fused_on_gpu(rng):
+    """relu(conv + bias + z) and relu(conv + bias) fold into one cuDNN call each (fusion
+    pass), against NumPy; NaN in z propagates through the relu as torch's does."""
+    x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    z = rng.standard_normal((2, 4, 7, 6)).astype(np.float32)
+    z[1, 2, 3, 4] = np.nan
+    g = rlx.Graph("epi")
+    xs, zs = g.input("x", x.shape), g.input("z", z.shape)
+    ws, bs = g.param("w", w.shape), g.param("b", b.shape)
+    y1 = g.relu(g.add(g.conv(xs, ws, bs, padding=1), zs))
+    y2 = g.relu(g.conv(xs, ws, bs, padding=1))
+    g.set_outputs([y1, y2])
+    exe = rlx.compile(g)
+    exe.set_param("w", w)
+    exe.set_param("b", b)
+    got1, got2 = exe.run({"x": x, "z": z})
+    conv = conv_ref(x, w, b, padding=1)
+    want1, want2 = conv + z, np.maximum(conv, 0)
+    want1 = np.where(np.isnan(want1), np.nan, np.maximum(want1, 0))
+    np.testing.assert_allclose(got1, want1, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got2, want2, rtol=1e-4, atol=1e-4)
+    names = [s.kernel_name for s in exe.steps]
+    assert sum("+bias +z relu" in k for k in names) == 1 and len(names) == 2, names

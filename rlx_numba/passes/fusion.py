@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Four rewrites:
+in the graph node's place (``nodes``). Five rewrites:
 
 - **Element-wise regions.** A live element-wise node (ir/ops.py ELEMENTWISE, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -17,6 +17,10 @@ in the graph node's place (``nodes``). Four rewrites:
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it; a ``dequant_matmul`` (the quantised GEMV) likewise.
+- **Conv epilogues.** ``relu(conv + bias (+ z))`` over a single-use conv that cuDNN runs
+  (the compiler's legalise stage left it a conv node), bias [K] broadcast over the positions
+  and z of the output's shape, becomes the conv with that epilogue: one
+  cudnnConvolutionBiasActivationForward (a ResNet block's conv, bias, skip and relu).
 - **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use f32
   product (matmul, linear or dequant_matmul) of a 2-D weight with at most 16 rows (decode)
   becomes the product with a ``gated``
@@ -137,6 +141,18 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.regions.pop(r, None)
                 out.nodes[r] = fold
                 out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
+                interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # conv epilogues (cuDNN's): relu(conv + bias (+ z)), the conv on tier 0
+        if (n.op == "conv" and n.id in live and single(n.id) and consumer.get(n.id) in region_of
+                and n.attrs.get("activation") is None):
+            r = region_of[consumer[n.id]]
+            fold = _conv_epilogue(nodes, n, groups[r], consumer)
+            if fold is not None and strided.intersection(fold.inputs[2:]):
+                fold = None
+            if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
+                out.regions.pop(r, None)
+                out.nodes[r] = fold
+                out.folds[r] = ("conv epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
     for n in nodes:   # gated epilogues: gated(x @ w (+ bias), interleaved) of a skinny product
         if n.op == "gated" and n.id in live:
@@ -268,6 +284,43 @@ def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     return Node(members[-1], mm.op, ins, shape, dt.F32,
                 {**keep, "activation": act, "has_bias": bias is not None,
                  "has_residual": res is not None})
+
+
+def _conv_epilogue(nodes, cv, members, consumer):
+    """The conv node computing ``relu(cv + bias (+ z))`` (cuDNN's fused forward: bias [K]
+    broadcast over the positions, z of the output's shape, in either order) when the region
+    ``members`` is exactly that chain, else None."""
+    shape, k = cv.shape, cv.shape[1]
+    bias_shape = (k,) + (1,) * (len(shape) - 2)
+    chain, cur, bias, z = [], cv.id, None, None
+    while cur in consumer and len(chain) < 3:
+        n = nodes[consumer[cur]]
+        if n.id not in members or n.dtype != dt.F32 or n.shape != shape:
+            return None
+        if n.op == "activation":
+            if n.attrs["kind"] != "relu" or bias is None:
+                return None
+            chain.append(n.id)
+            break
+        if n.op != "binary" or n.attrs["kind"] != "add" or list(n.inputs).count(cur) != 1:
+            return None
+        o = nodes[n.inputs[1] if n.inputs[0] == cur else n.inputs[0]]
+        if o.dtype != dt.F32:
+            return None
+        if (bias is None and o.op == "reshape" and o.shape == bias_shape
+                and nodes[o.inputs[0]].shape == (k,)):
+            bias = o
+        elif z is None and o.shape == shape:
+            z = o
+        else:
+            return None
+        chain.append(n.id)
+        cur = n.id
+    if not chain or nodes[chain[-1]].op != "activation" or sorted(chain) != list(members):
+        return None
+    ins = cv.inputs + (bias.id,) + ((z.id,) if z is not None else ())
+    return Node(chain[-1], "conv", ins, shape, dt.F32,
+                {**cv.attrs, "activation": "relu", "has_bias": True, "has_residual": z is not None})
 
 
 def _gated_epilogue(nodes, gated, folded, single):

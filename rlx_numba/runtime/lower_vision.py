@@ -151,7 +151,7 @@ def conv_tier0(graph, n) -> tuple[bool, str]:
 
 def _conv_shapes(graph, n):
     """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms."""
-    a, b = (graph.nodes[i].shape for i in n.inputs)
+    a, b = (graph.nodes[i].shape for i in n.inputs[:2])
     return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
 
 
@@ -177,9 +177,15 @@ def _lower_conv(exe, n):
     }[n.op]
     ptr = lambda i: exe.buf(i).device_ctypes_pointer.value     # noqa: E731
     tf32 = cublas.allow_tf32
+    epi = {}                  # passes/fusion.py's conv epilogue: relu(conv + bias (+ z))
+    if a.get("has_bias"):
+        epi["bias_ptr"] = ptr(n.inputs[2])
+        if a.get("has_residual"):
+            epi["z_ptr"] = ptr(n.inputs[3])
     make = lambda stream: cudnn.conv_plan(  # noqa: E731
         stream, kind, image, w_shape, cols, a["pad"], a["stride"], a["dilation"], a["groups"],
-        ptr(x), ptr(w), ptr(y), tf32)
+        ptr(x), ptr(w), ptr(y), tf32, **epi)
     flops = 2 * math.prod(cols) * math.prod(w_shape[1:])
-    return [CallStep(step_name(n), f"cudnn {kind} {'x'.join(map(str, a['kernel']))} of "
+    tags = " +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
+    return [CallStep(step_name(n), f"cudnn {kind}{tags} {'x'.join(map(str, a['kernel']))} of "
                      f"{fmt(image)} -> {fmt(cols)}", make, {"flops": flops, "tier": 0})]
