@@ -351,3 +351,29 @@ def test_conv_epilogue_fused_on_gpu(rng):
     np.testing.assert_allclose(got2, want2, rtol=1e-4, atol=1e-4)
     names = [s.kernel_name for s in exe.steps]
     assert sum("+bias +z relu" in k for k in names) == 1 and len(names) == 2, names
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN steps inside CUDA graphs and on several streams")
+@pytest.mark.parametrize("mode", ["graph", "multistream"])
+def test_conv_exec_modes_on_gpu(rng, mode):
+    """A conv / pool / conv_transpose graph with gradients gives the STREAM results when
+    captured into a CUDA graph (replayed twice) and when spread over streams."""
+    x = rng.standard_normal((2, 3, 10, 9)).astype(np.float32)
+    w1 = rng.standard_normal((6, 3, 3, 3)).astype(np.float32)
+    w2 = rng.standard_normal((6, 4, 2, 2)).astype(np.float32)
+
+    def build():
+        g = rlx.Graph("modes")
+        xs, a, b = g.input("x", x.shape), g.input("w1", w1.shape), g.input("w2", w2.shape)
+        h = g.pool(g.relu(g.conv(xs, a, padding=1)), "max", 2)
+        y = g.conv_transpose(h, b, stride=2)
+        g.set_outputs([y] + g.grad(g.reduce_sum(g.mul(y, y)), [xs, a, b]))
+        return g
+
+    feed = {"x": x, "w1": w1, "w2": w2}
+    want = rlx.compile(build(), exec_mode="stream").run(feed)
+    exe = rlx.compile(build(), exec_mode=mode if mode == "graph" else rlx.ExecMode.MULTISTREAM(2))
+    for _ in range(2):
+        got = exe.run(feed)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
