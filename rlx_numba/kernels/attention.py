@@ -52,7 +52,7 @@ from ..device import SIMULATOR
 from . import mathfn as m
 from . import ptx
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
-from .launch import jit
+from .launch import jit, inline as _inline
 
 GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
         "m_b", "m_h", "m_q", "m_k", "b_b", "b_h", "b_q", "b_k", "window", "off")
@@ -77,7 +77,6 @@ def _jit(threads, min_blocks):
 
 
 # inlined into the kernel, so its loop counts are constants and its arrays stay registers
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)

@@ -39,7 +39,7 @@ from . import elementwise as ew
 from . import mathfn as mf
 from . import ptx
 from .attention import reduce_scatter
-from .launch import jit, pow2_at_least
+from .launch import jit, pow2_at_least, inline as _inline
 
 NW = 2 if SIMULATOR else 4          # warps a block
 MAX_M = 16                          # rows of x the tier takes
@@ -49,7 +49,6 @@ ZERO = float32(0.0)
 _HI = uint32(0xFFFF0000)
 _S16 = uint32(16)
 
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 def vec_width(kind: str) -> int:

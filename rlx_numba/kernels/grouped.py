@@ -31,13 +31,12 @@ import numpy as np
 from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
-from .launch import grid_3d, jit
+from .launch import grid_3d, jit, inline as _inline
 from .matmul import (BK, BM, BN, LA, LAUNCH_BOUNDS, LB, NT, SA, SB, TM, TN, TX, TY,
                      mma, store_tile, zero_acc)
 
 ROUTE_T = 16 if SIMULATOR else 256      # the routing block's threads (also its chunk cap)
 
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 _jit = jit(launch_bounds=LAUNCH_BOUNDS)
 
 _u = np.uint64

@@ -17,6 +17,10 @@ def jit(fn=None, *, launch_bounds=None):
         return cache.attach(cuda.jit(**opts)(f), opts)
     return deco(fn) if fn is not None else deco
 
+# a device function the compiler must inline (a call per element costs more than the work);
+# the simulator takes no forceinline
+inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
+
 _SM = None
 
 

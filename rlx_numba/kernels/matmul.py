@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from ..device import SIMULATOR
-from .launch import grid_3d, jit
+from .launch import grid_3d, jit, inline as _inline
 
 # Each simulated thread is an OS thread: keep the simulator's blocks tiny (16 threads).
 BM, BN, BK, TM, TN = (8, 8, 4, 2, 2) if SIMULATOR else (128, 128, 8, 8, 8)
@@ -32,7 +32,6 @@ SA, SB = (2, BK, BM + PAD), (2, BK, BN + PAD)   # double-buffered shared tiles
 LA, LB = BM * BK // NT, BN * BK // NT   # A / B tile elements each thread loads
 assert BM % TM == 0 and BN % TN == 0 and NT % BM == 0 and NT % BN == 0 and NT % BK == 0
 
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 # 256 threads x at most 128 registers: two blocks an SM, and the 64 accumulators, the
 # fragments and the tile in flight still fit without spills (tools/ptx_report.py checks)
 LAUNCH_BOUNDS = (NT, 2)

@@ -11,7 +11,7 @@ import math
 from numba import cuda, float32, int64, uint64
 
 from .conv import _u
-from .launch import jit
+from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
@@ -22,7 +22,7 @@ def _window_fn(k, stride, dil, is_max, include_pad):
     dd, dh, dw = _u(*dil)
     divisor = _divisor_fn(k, stride, include_pad)
 
-    @cuda.jit(device=True)
+    @inline
     def window(x, base, geo, oz, oy, ox):
         d, h, w, pd, ph, pw = geo[6], geo[7], geo[8], geo[12], geo[13], geo[14]
         acc = float32(-math.inf) if is_max else float32(0.0)
@@ -60,7 +60,7 @@ def _divisor_fn(k, stride, include_pad):
     kd, kh, kw = _u(*k)
     sd, sh, sw = _u(*stride)
 
-    @cuda.jit(device=True)
+    @inline
     def divisor(geo, oz, oy, ox):
         d, h, w, pd, ph, pw = geo[6], geo[7], geo[8], geo[12], geo[13], geo[14]
         z0, y0, x0 = oz * sd, oy * sh, ox * sw

@@ -30,11 +30,10 @@ from ..ir.ops_quant import GGUF, UNIT
 from . import elementwise as ew
 from . import ptx
 from .attention import reduce_scatter
-from .launch import jit, pow2_at_least
+from .launch import jit, pow2_at_least, inline as _inline
 
 ZERO = float32(0.0)
 
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 SPLIT16 = ("q4_0", "q4_1", "q5_0", "q5_1")   # byte j holds weights j and j + 16 of a block
 
 

@@ -6,10 +6,10 @@ clamped position never multiplies an inf or NaN by zero. Launched as kernels/con
 (B = 1) a line is one row a, along o; otherwise a line is one (a, o), along b."""
 from numba import cuda, uint64
 
-from .launch import jit
+from .launch import inline, jit
 
 
-@cuda.jit(device=True)
+@inline
 def _tap_sum(x, base, stride, idx, w, const, o, taps):
     acc = const[o]
     for j in range(taps):

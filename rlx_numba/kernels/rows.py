@@ -28,12 +28,11 @@ from numba import cuda, float32, uint64
 from ..device import SIMULATOR
 from . import mathfn as m
 from .blockreduce import MAX, SLOTS, SUM, group_reduce
-from .launch import jit
+from .launch import jit, inline as _inline
 
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
          "rms_norm": RMS_NORM}
-_inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
 
 def _jit(block):
