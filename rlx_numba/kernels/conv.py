@@ -33,8 +33,10 @@ def lines_launch(lines: int, width: int):
 
 @functools.lru_cache(maxsize=None)
 def im2col_kernel(k, stride, dil):
-    """cols[n, c, kidx, o] = x at the window position, 0 in the padding. Arguments (cols, x,
-    nc, geo)."""
+    """cols[n, c, kidx, o] = x at the window position, 0 in the padding. A line is one output
+    row (n, c, oz, oy); its threads write that row for every kernel tap in turn (the taps'
+    reads of x overlap, in L1), so the line is decoded once for all of them. Arguments (cols,
+    x, nc, geo)."""
     kd, kh, kw = _u(*k)
     sd, sh, sw = _u(*stride)
     dd, dh, dw = _u(*dil)
@@ -44,24 +46,28 @@ def im2col_kernel(k, stride, dil):
     def kernel(cols, x, nc, geo):
         od, oh, ow, d, h, w = geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
         pd, ph, pw = geo[12], geo[13], geo[14]
+        oo = od * oh * ow
         line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
-        while line < nc * kk * od * oh:
+        while line < nc * od * oh:
             oy, t = line % oh, line // oh
-            oz, t = t % od, t // od
-            kidx, q = t % kk, t // kk
-            kx, ky, kz = kidx % kw, (kidx // kw) % kh, kidx // (kw * kh)
-            zp, yp = oz * sd + kz * dd, oy * sh + ky * dh     # in the padded input
-            inside = pd <= zp < pd + d and ph <= yp < ph + h
-            src = ((q * d + zp - pd) * h + yp - ph) * w if inside else uint64(0)
-            dst = line * ow
-            ox = uint64(cuda.threadIdx.x)
-            while ox < ow:
-                xp = ox * sw + kx * dw
-                v = float32(0.0)
-                if inside and pw <= xp < pw + w:
-                    v = x[src + xp - pw]
-                cols[dst + ox] = v
-                ox += uint64(cuda.blockDim.x)
+            oz, q = t % od, t // od
+            row = q * kk * oo + (oz * oh + oy) * ow      # cols row of tap 0, this output row
+            for kz in range(kd):
+                zp = oz * sd + uint64(kz) * dd           # in the padded input
+                for ky in range(kh):
+                    yp = oy * sh + uint64(ky) * dh
+                    inside = pd <= zp < pd + d and ph <= yp < ph + h
+                    src = ((q * d + zp - pd) * h + yp - ph) * w if inside else uint64(0)
+                    for kx in range(kw):
+                        dst = row + ((uint64(kz) * kh + uint64(ky)) * kw + uint64(kx)) * oo
+                        ox = uint64(cuda.threadIdx.x)
+                        while ox < ow:
+                            xp = ox * sw + uint64(kx) * dw
+                            v = float32(0.0)
+                            if inside and pw <= xp < pw + w:
+                                v = x[src + xp - pw]
+                            cols[dst + ox] = v
+                            ox += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel

@@ -55,9 +55,8 @@ def _step(exe, n, kern, args, src_nodes, what, line_shape):
 def _lower_im2col(exe, n):
     x = exe.graph.nodes[n.inputs[0]]
     nc = x.shape[0] * x.shape[1]
-    kk = math.prod(n.attrs["kernel"])
     return _step(exe, n, K.im2col_kernel(*_consts(n.attrs)), (np.uint64(nc),), [x], "im2col",
-                 (nc * kk,) + _3d(n.attrs, "cols", 1))
+                 (nc,) + _3d(n.attrs, "cols", 1))
 
 
 @lowering("col2im")
