@@ -69,9 +69,10 @@ def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
     return exe
 
 
-def legalise(graph: Graph) -> Graph:
+def legalise(graph: Graph, moved: dict | None = None) -> Graph:
     """``graph``, or a copy with the conv-family nodes cuDNN does not run expanded into
-    im2col / col2im and products (each node's tier logged by RLX_NUMBA_LOG_FALLBACK=1)."""
+    im2col / col2im and products (each node's tier logged by RLX_NUMBA_LOG_FALLBACK=1).
+    ``moved`` receives node id -> its Tensor in the copy (nothing when no copy is made)."""
     from .ir.ops_vision import CONV_OPS, expand_conv
     expand = set()
     for n in graph.nodes:
@@ -82,7 +83,8 @@ def legalise(graph: Graph) -> Graph:
                 expand.add(n.id)
     if not expand:
         return graph
-    return graph.rewritten(lambda g, n, ins: expand_conv(g, n, ins) if n.id in expand else None)
+    return graph.rewritten(lambda g, n, ins: expand_conv(g, n, ins) if n.id in expand else None,
+                           moved)
 
 
 def plan_graph(graph: Graph) -> Plan:

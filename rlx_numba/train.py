@@ -29,7 +29,7 @@ import dataclasses
 
 import numpy as np
 
-from .compiler import plan_graph
+from .compiler import legalise, plan_graph
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
 from .ir.ops import INPLACE, fmt
@@ -77,13 +77,21 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     wrt = [tg.tensor(i) for i in ids]
     grads = tg.grad(tg.tensor(loss.id), wrt, deterministic=deterministic)
     hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
-    tg.set_outputs([tg.tensor(loss.id)] + grads)
+    loss_t = tg.tensor(loss.id)
+    tg.set_outputs([loss_t] + grads)
+    n_forward = len(g.nodes)
+    moved: dict = {}
+    tg = legalise(tg, moved)   # (the convolutions cuDNN does not run: a copy, other node ids)
+    if moved:
+        ids = [moved[i].id for i in ids]
+        grads, hyper, loss_t = [moved[d.id] for d in grads], moved[hyper.id], moved[loss_t.id]
+        n_forward = moved[n_forward - 1].id + 1
     plan = plan_graph(tg)
     stuck = [k for k, d in enumerate(grads) if tg.nodes[plan.root[d.id]].op == "param"]
     if stuck:       # a gradient that is a param's own memory: the update needs it in the arena
         for k in stuck:
             grads[k] = grads[k] * 1.0
-        tg.set_outputs([tg.tensor(loss.id)] + grads)
+        tg.set_outputs([loss_t] + grads)
         plan = plan_graph(tg)
     plan.transposed = plan.transposed - set(ids)     # row-major, like their grads
 
@@ -97,7 +105,7 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     exe._flatten_steps()
     exe._compile_steps(steps)
     exe.start_runner()
-    return Trainer(g, exe, tg, optimizer, ids, layout, plan, len(g.nodes), max_norm)
+    return Trainer(g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm)
 
 
 # ---- which params, the graph copy -------------------------------------------------------------

@@ -377,3 +377,31 @@ def test_conv_exec_modes_on_gpu(rng, mode):
         got = exe.run(feed)
         for a, b in zip(got, want):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
+
+
+def test_compile_train_through_a_conv(rng):
+    """compile_train over a conv net (whose convolutions the compiler rewrites into im2col and
+    products where cuDNN does not run them: new node ids) takes the SGD step that NumPy's
+    finite-difference gradient gives."""
+    from gradcheck import numeric_grad
+    x = rng.standard_normal((2, 2, 6, 5))
+    w = rng.standard_normal((3, 2, 3, 3)) * 0.5
+    b = rng.standard_normal(3) * 0.1
+
+    def loss_ref(x, w, b):
+        h = np.maximum(conv_ref(x, w, b, stride=2, padding=1), 0)
+        return float((h * h).mean())
+
+    g = rlx.Graph("cnn")
+    xs, ws, bs = g.input("x", x.shape), g.param("w", w.shape), g.param("b", b.shape)
+    h = g.relu(g.conv(xs, ws, bs, stride=2, padding=1))
+    loss = g.reduce_mean(g.mul(h, h))
+    tr = rlx.compile_train(g, loss, optimizer=rlx.optim.SGD(lr=0.1), exec_mode="stream")
+    tr.set_param("w", w.astype(np.float32))
+    tr.set_param("b", b.astype(np.float32))
+    got = tr.step({"x": x.astype(np.float32)})
+    assert abs(got - loss_ref(x, w, b)) < 1e-5 * (1 + abs(got))
+    feed = {"x": x, "w": w.copy(), "b": b.copy()}
+    for name, v in (("w", w), ("b", b)):
+        want = v - 0.1 * numeric_grad(loss_ref, feed, name)
+        np.testing.assert_allclose(tr.get_param(name), want, rtol=1e-4, atol=1e-5)

@@ -115,13 +115,14 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         self.outputs: list[int] = []
         self._leaf_names: dict[str, int] = {}
 
-    def rewritten(self, expand) -> "Graph":
+    def rewritten(self, expand, moved: dict | None = None) -> "Graph":
         """A copy of this graph in which each node that ``expand(g, node, inputs)`` returns a
         Tensor for (built on the copy ``g`` from the copies of its inputs) is replaced by it;
-        the other nodes are copied as they are (names, attrs, outputs in order). The compiler's
-        rewrites (compiler.py) use it; the graph itself is never changed."""
+        the other nodes are copied as they are (names, attrs, outputs, order). ``moved``, when
+        given, receives node id -> its Tensor in the copy. The compiler's rewrites
+        (compiler.py) use it; the graph itself is never changed."""
         g = Graph(self.name)
-        done: dict[int, Tensor] = {}
+        done: dict[int, Tensor] = {} if moved is None else moved
         for n in self.nodes:
             ins = [done[i] for i in n.inputs]
             t = expand(g, n, ins)
