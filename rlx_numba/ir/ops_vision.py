@@ -60,6 +60,14 @@ def _geometry(op, x, w, n_spatial_w):
     return d, len(x.shape) == d + 2
 
 
+def _conv_input(g, op, x, w):
+    """(spatial rank, whether x is batched, x as [N, C, *S]) of a conv or conv_transpose."""
+    g._check(op, "x", x)
+    g._check(op, "w", w)
+    d, batched = _geometry(op, x, w, len(w.shape) - 2)
+    return d, batched, x if batched else g.reshape(x, (1,) + tuple(x.shape))
+
+
 def _eps(op, eps):
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
         raise ValueError(f"{op}: eps must be a number >= 0, got {eps!r}")
@@ -84,10 +92,7 @@ class VisionOps:
         // stride + 1. padding: an int, one int a spatial dim, "valid" (0) or "same" (stride
         1 only; an odd total puts the extra on the high side, as torch does)."""
         op = "conv"
-        self._check(op, "x", x)
-        self._check(op, "w", w)
-        d, batched = _geometry(op, x, w, len(w.shape) - 2)
-        xb = x if batched else self.reshape(x, (1,) + tuple(x.shape))
+        d, batched, xb = _conv_input(self, op, x, w)
         n, c, size = xb.shape[0], xb.shape[1], tuple(xb.shape[2:])
         cout, cg, k = w.shape[0], w.shape[1], tuple(w.shape[2:])
         groups = _ints(op, "groups", groups, 1, 1)[0]
@@ -131,10 +136,7 @@ class VisionOps:
         Cout/groups, *k], bias [Cout] -> [N, Cout, *O], O = (S - 1)*stride - 2*padding +
         dilation*(k - 1) + output_padding + 1 (output_padding < stride or < dilation)."""
         op = "conv_transpose"
-        self._check(op, "x", x)
-        self._check(op, "w", w)
-        d, batched = _geometry(op, x, w, len(w.shape) - 2)
-        xb = x if batched else self.reshape(x, (1,) + tuple(x.shape))
+        d, batched, xb = _conv_input(self, op, x, w)
         n, c, size = xb.shape[0], xb.shape[1], tuple(xb.shape[2:])
         groups = _ints(op, "groups", groups, 1, 1)[0]
         if w.shape[0] != c or c % groups:

@@ -18,7 +18,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
-from .launch import block_rows, grid_3d, jit
+from .launch import block_rows, grid_3d, inline, jit
 
 
 def _u(*vals):
@@ -29,6 +29,18 @@ def lines_launch(lines: int, width: int):
     """(grid, block) for ``lines`` lines of ``width`` elements (the kernels grid-stride)."""
     tx, ty = block_rows(width, 128)
     return grid_3d(1, -(-lines // ty)), (tx, ty)
+
+
+@inline
+def window_at(p, tap, dil, stride, n):
+    """The output index whose window holds padded-input position ``p`` at kernel tap ``tap``
+    (one dim), or ``n`` when none does (col2im's and pool_grad's gathers; all uint64)."""
+    if p < tap * dil:
+        return n
+    t = p - tap * dil
+    if t % stride != 0 or t // stride >= n:
+        return n
+    return t // stride
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,26 +108,19 @@ def col2im_kernel(k, stride, dil):
             while xx < w:
                 acc = float32(0.0)
                 for kz in range(kd):
-                    if z + pd < uint64(kz) * dd:
-                        continue
-                    tz = z + pd - uint64(kz) * dd
-                    if tz % sd != 0 or tz // sd >= od:
+                    oz = window_at(z + pd, uint64(kz), dd, sd, od)
+                    if oz == od:
                         continue
                     for ky in range(kh):
-                        if y + ph < uint64(ky) * dh:
-                            continue
-                        ty = y + ph - uint64(ky) * dh
-                        if ty % sh != 0 or ty // sh >= oh:
+                        oy = window_at(y + ph, uint64(ky), dh, sh, oh)
+                        if oy == oh:
                             continue
                         for kx in range(kw):
-                            if xx + pw < uint64(kx) * dw:
+                            ox = window_at(xx + pw, uint64(kx), dw, sw, ow)
+                            if ox == ow:
                                 continue
-                            tx = xx + pw - uint64(kx) * dw
-                            if tx % sw != 0 or tx // sw >= ow:
-                                continue
-                            o = ((tz // sd) * oh + ty // sh) * ow + tx // sw
                             r = (q * kk + (uint64(kz) * kh + uint64(ky)) * kw + uint64(kx))
-                            acc += cols[r * oo + o]
+                            acc += cols[r * oo + (oz * oh + oy) * ow + ox]
                 img[line * w + xx] = acc
                 xx += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)

@@ -10,7 +10,7 @@ import math
 
 from numba import cuda, float32, int64, uint64
 
-from .conv import _u
+from .conv import _u, window_at
 from .launch import inline, jit
 
 
@@ -120,24 +120,17 @@ def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool):
                 acc = float32(0.0)
                 zp, yp, xp = z + geo[12], y + geo[13], xx + geo[14]    # in the padded input
                 for kz in range(kd):       # the windows holding (z, y, xx), as col2im's
-                    if zp < uint64(kz) * dd:
-                        continue
-                    tz = zp - uint64(kz) * dd
-                    if tz % sd != 0 or tz // sd >= od:
+                    oz = window_at(zp, uint64(kz), dd, sd, od)
+                    if oz == od:
                         continue
                     for ky in range(kh):
-                        if yp < uint64(ky) * dh:
-                            continue
-                        ty = yp - uint64(ky) * dh
-                        if ty % sh != 0 or ty // sh >= oh:
+                        oy = window_at(yp, uint64(ky), dh, sh, oh)
+                        if oy == oh:
                             continue
                         for kx in range(kw):
-                            if xp < uint64(kx) * dw:
+                            ox = window_at(xp, uint64(kx), dw, sw, ow)
+                            if ox == ow:
                                 continue
-                            tx = xp - uint64(kx) * dw
-                            if tx % sw != 0 or tx // sw >= ow:
-                                continue
-                            oz, oy, ox = tz // sd, ty // sh, tx // sw
                             o = ((q * od + oz) * oh + oy) * ow + ox
                             if is_max:
                                 if window(x, q * d * h * w, geo, oz, oy, ox)[1] == me:
