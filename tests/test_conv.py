@@ -326,9 +326,10 @@ def test_conv_tiers_on_gpu(rng, monkeypatch, tiers):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused epilogue runs on a GPU")
-def test_conv_epilogue_fused_on_gpu(rng):
+def test_conv_epilogue_fused_on_gpu(rng, monkeypatch):
     """relu(conv + bias + z) and relu(conv + bias) fold into one cuDNN call each (fusion
     pass), against NumPy; NaN in z propagates through the relu as torch's does."""
+    monkeypatch.delenv("RLX_NUMBA_CONV_TIERS", raising=False)      # (the fold is tier 0's)
     x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     b = rng.standard_normal(4).astype(np.float32)
