@@ -7,9 +7,10 @@ by CUDA events (mean of 20, best of 3). ``ratio`` = torch us / ours (>= 1: ours 
 steps column says where our time goes. Model rows: ResNet-50 and ViT-B/16 (random weights,
 batch 32, 224 x 224) images/s, ours (the compiled executable on a device-resident batch, in its
 exec mode) beside torchvision's eager model, each timed with CUDA events on its own stream over
-10 runs (best of 3).
+10 runs (best of 3). The convolution rows are timed again on tiers 1 and 2
+(RLX_NUMBA_CONV_TIERS) and with TF32 on both sides.
 
-  python bench/bench_vision.py [--out F]
+  python bench/bench_vision.py [--out F] [--no-models]
 """
 from __future__ import annotations
 
@@ -104,48 +105,80 @@ def model_row(rlx, torch, arch, batch):
                 torch_per_s=batch / (t_torch * 1e-3), ratio=t_torch / t_ours)
 
 
+CONV_ROWS = 6        # the first rows of rows() are the convolutions: also timed by tier
+
+
+def bench_row(rlx, torch, F, rng, row, label=""):
+    """One row: ours (compiled as the environment says) against torch's call, checked."""
+    name, xs, build, ref, params = row
+    x = rng.standard_normal(xs).astype(np.float32)
+    g = rlx.Graph("vision")
+    xt = g.input("x", xs)
+    g.set_outputs([build(g, xt, {k: g.param(k, v.shape) for k, v in params.items()})])
+    exe = rlx.compile(g)
+    for k, v in params.items():
+        exe.set_param(k, v)
+    (got,) = exe.run({"x": x})
+    tx = torch.tensor(x, device="cuda")
+    tp = {k: torch.tensor(v, device="cuda") for k, v in params.items()}
+    want = ref(tx, tp).cpu().numpy()
+    rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    prof = exe.profile({"x": x}, warmup=2)
+    ours = prof.total_ms * 1e3
+    theirs = time_torch(torch, lambda: ref(tx, tp), 20, 3, 3) * 1e3
+    steps = " | ".join(f"{r.kernel[:24]} {r.ms * 1e3:.1f}" for r in prof)
+    name = f"{name} {label}".strip()
+    print(f"{name:<44} {rel:8.1e} {ours:9.1f} {theirs:9.1f} {theirs / ours:6.2f}  {steps}",
+          flush=True)
+    return dict(layer=name, rel=rel, rlx_us=ours, torch_us=theirs, ratio=theirs / ours,
+                steps=[(r.kernel, r.ms * 1e3) for r in prof])
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "vision.json")
+    p.add_argument("--no-models", action="store_true", help="skip the ResNet-50 / ViT rows")
     args = p.parse_args()
+    import os
+
     import torch
     import torch.nn.functional as F
 
     import rlx_numba as rlx
+    from rlx_numba import cublas
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     rng = np.random.default_rng(0)
     print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32, TF32 off\n")
-    print(f"{'layer':<38} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
-    results = []
-    for name, xs, build, ref, params in rows(rlx, F, rng):
-        x = rng.standard_normal(xs).astype(np.float32)
-        g = rlx.Graph("vision")
-        xt = g.input("x", xs)
-        g.set_outputs([build(g, xt, {k: g.param(k, v.shape) for k, v in params.items()})])
-        exe = rlx.compile(g)
-        for k, v in params.items():
-            exe.set_param(k, v)
-        (got,) = exe.run({"x": x})
-        tx = torch.tensor(x, device="cuda")
-        tp = {k: torch.tensor(v, device="cuda") for k, v in params.items()}
-        want = ref(tx, tp).cpu().numpy()
-        rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-        prof = exe.profile({"x": x}, warmup=2)
-        ours = prof.total_ms * 1e3
-        theirs = time_torch(torch, lambda: ref(tx, tp), 20, 3, 3) * 1e3
-        steps = " | ".join(f"{r.kernel[:24]} {r.ms * 1e3:.1f}" for r in prof)
-        print(f"{name:<38} {rel:8.1e} {ours:9.1f} {theirs:9.1f} {theirs / ours:6.2f}  {steps}",
-              flush=True)
-        results.append(dict(layer=name, rel=rel, rlx_us=ours, torch_us=theirs,
-                            ratio=theirs / ours, steps=[(r.kernel, r.ms * 1e3) for r in prof]))
-    print(f"\n{'model, batch 32, 224 x 224':<38} {'ours img/s':>11} {'torch img/s':>11} {'ratio':>6}")
-    for arch in ("resnet50", "vit_b_16"):
-        r = model_row(rlx, torch, arch, 32)
-        print(f"{arch:<38} {r['rlx_per_s']:11.0f} {r['torch_per_s']:11.0f} {r['ratio']:6.2f}",
-              flush=True)
-        results.append(r)
+    print(f"{'layer':<44} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
+    table = rows(rlx, F, rng)
+    results = [bench_row(rlx, torch, F, rng, row) for row in table]
+    print("\nthe convolutions on each lower tier (RLX_NUMBA_CONV_TIERS)")
+    for tier in ("1", "2"):
+        os.environ["RLX_NUMBA_CONV_TIERS"] = tier
+        try:
+            results += [bench_row(rlx, torch, F, rng, row, f"[tier {tier}]")
+                        for row in table[:CONV_ROWS]]
+        finally:
+            os.environ.pop("RLX_NUMBA_CONV_TIERS")
+    print("\nTF32 on, both sides (torch.backends.cudnn / cuda.matmul.allow_tf32, "
+          "rlx_numba.cublas.allow_tf32)")
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    cublas.allow_tf32 = True
+    try:
+        results += [bench_row(rlx, torch, F, rng, row, "[tf32]") for row in table[:CONV_ROWS]]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        cublas.allow_tf32 = False
+    if not args.no_models:
+        print(f"\n{'model, batch 32, 224 x 224':<44} {'ours img/s':>11} {'torch img/s':>11} "
+              f"{'ratio':>6}")
+        for arch in ("resnet50", "vit_b_16"):
+            r = model_row(rlx, torch, arch, 32)
+            print(f"{arch:<44} {r['rlx_per_s']:11.0f} {r['torch_per_s']:11.0f} "
+                  f"{r['ratio']:6.2f}", flush=True)
+            results.append(r)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
     print(f"\nwrote {args.out}")

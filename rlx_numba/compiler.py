@@ -1,7 +1,7 @@
 """compile(): a Graph becomes a CudaExecutable, one stage after another.
 
-    legalise   conv-family nodes cuDNN will not run become im2col / col2im and products, on a
-               copy of the graph (runtime/lower_vision.py conv_tier0)
+    legalise   conv-family nodes cuDNN will not run become im2col / col2im and products or
+               numba implicit-GEMM nodes, on a copy of the graph (lower_vision.py conv_tier)
     validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
                write (a kv_write into a param matters even when nothing reads it)
     views      nodes that own no memory alias their input (reshape, same-dtype cast, the
@@ -70,21 +70,22 @@ def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
 
 
 def legalise(graph: Graph, moved: dict | None = None) -> Graph:
-    """``graph``, or a copy with the conv-family nodes cuDNN does not run expanded into
-    im2col / col2im and products (each node's tier logged by RLX_NUMBA_LOG_FALLBACK=1).
-    ``moved`` receives node id -> its Tensor in the copy (nothing when no copy is made)."""
-    from .ir.ops_vision import CONV_OPS, expand_conv
-    expand = set()
+    """``graph``, or a copy with the conv-family nodes cuDNN does not run rewritten: into
+    im2col / col2im and products (tier 1) or an implicit_gemm node (tier 2, the numba kernel);
+    runtime/lower_vision.py conv_tier decides, RLX_NUMBA_LOG_FALLBACK=1 logs it. ``moved``
+    receives node id -> its Tensor in the copy (nothing when no copy is made)."""
+    from .ir.ops_vision import CONV_OPS, expand_conv, implicit_gemm
+    rewrite = {}
     for n in graph.nodes:
         if n.op in CONV_OPS:
-            ok, why = lower_vision.conv_tier0(graph, n)
-            lower_vision.log_conv_tier(n, ok, why)
-            if not ok:
-                expand.add(n.id)
-    if not expand:
+            tier, why = lower_vision.conv_tier(graph, n)
+            lower_vision.log_conv_tier(n, tier, why)
+            if tier:
+                rewrite[n.id] = expand_conv if tier == 1 else implicit_gemm
+    if not rewrite:
         return graph
-    return graph.rewritten(lambda g, n, ins: expand_conv(g, n, ins) if n.id in expand else None,
-                           moved)
+    return graph.rewritten(lambda g, n, ins: rewrite[n.id](g, n, ins) if n.id in rewrite
+                           else None, moved)
 
 
 def plan_graph(graph: Graph) -> Plan:

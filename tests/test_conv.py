@@ -287,11 +287,12 @@ def test_pool_errors():
         assert msg in str(e.value) and str(e.value).startswith("pool:"), str(e.value)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="cuDNN (tier 0) against the im2col tier on a GPU")
-@pytest.mark.parametrize("tiers", ["0", "1"])
-def test_conv_tiers_on_gpu(rng, monkeypatch, tiers):
-    """Forward and both gradients of conv and conv_transpose through cuDNN (tier 0) and through
-    im2col / col2im and cuBLAS (RLX_NUMBA_CONV_TIERS=1), against NumPy."""
+@pytest.mark.parametrize("tiers", [
+    pytest.param("0", marks=pytest.mark.skipif(not ON_GPU, reason="cuDNN runs on a GPU")),
+    "1", "2"])
+def test_conv_tiers(rng, monkeypatch, tiers):
+    """Forward and both gradients of conv and conv_transpose through each tier (RLX_NUMBA_CONV_
+    TIERS): cuDNN, im2col / col2im and the matmul ladder, the numba implicit-GEMM kernels."""
     monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", tiers)
     x = rng.standard_normal((2, 4, 9, 8))
     w = rng.standard_normal((6, 2, 3, 3))
@@ -323,6 +324,34 @@ def test_conv_tiers_on_gpu(rng, monkeypatch, tiers):
     assert abs(got[3][j] - (f(x, wp) - f(x, wm)) / (2 * eps)) < 1e-3 * (1 + abs(got[3][j]))
     names = " ".join(s.kernel_name for s in exe.steps)
     assert ("cudnn" in names) == (tiers == "0"), names
+    assert ("implicit-GEMM" in names) == (tiers == "2"), names
+    assert ("im2col" in names) == (tiers != "0"), names   # tier 2's weight gradient: im2col
+
+
+def test_conv_tier_choice(monkeypatch):
+    """What conv_tier picks and says, and a bad RLX_NUMBA_CONV_TIERS."""
+    from rlx_numba.runtime.lower_vision import conv_tier
+    g = rlx.Graph("choice")
+    x = g.input("x", (1, 2, 6, 6))
+    w = g.input("w", (3, 2, 3, 3))
+    y3 = g.conv(x, w, padding=1)
+    y1 = g.conv(x, g.input("w1", (3, 2, 1, 1)))
+    dw = g.grad(g.reduce_sum(y3), [w])[0]
+    nodes = {t: t.node for t in (y3, y1)}
+    wgrad = next(n for n in g.nodes if n.op == "conv_wgrad")
+    assert dw.shape == (3, 2, 3, 3)
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "2")
+    assert conv_tier(g, nodes[y3])[0] == 2 and conv_tier(g, nodes[y1])[0] == 2
+    assert conv_tier(g, wgrad) == (1, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS; "
+                                      "the weight gradient has no tier-2 kernel")
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "1,2")
+    assert conv_tier(g, nodes[y1])[0] == 1          # a 1x1 is one product: no im2col
+    if not ON_GPU:
+        assert conv_tier(g, nodes[y3]) == (2, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS; "
+                                              "the simulator runs the numba kernel")
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "0,3")
+    with pytest.raises(ValueError, match="RLX_NUMBA_CONV_TIERS='0,3': expected"):
+        conv_tier(g, nodes[y3])
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused epilogue runs on a GPU")

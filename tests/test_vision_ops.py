@@ -163,6 +163,19 @@ def test_resize(rng, shape, kw, out):
     check(g, y, {"x": xt}, {"x": x}, ref, seed=rng.standard_normal(y.shape))
 
 
+def test_last_two_axes_resample_in_one_node():
+    """pad / resize / adaptive_avg_pool over the last two axes: one resample node (one kernel,
+    no intermediate); a third axis is a node of its own."""
+    g = rlx.Graph("r")
+    x = g.input("x", (1, 2, 3, 4, 5))
+    count = lambda t: sum(n.op == "resample" for n in g.nodes if n.id <= t.id)  # noqa: E731
+    assert count(g.resize(x, scale_factor=2)) == 2
+    y = g.pad(x, (1, 1, 2, 0), "reflect")
+    assert y.node.op == "resample" and "idx2" in y.node.attrs and y.shape == (1, 2, 3, 6, 7)
+    z = g.adaptive_avg_pool(x, (None, 2, 1))
+    assert z.node.attrs["axis"] == 3 and g.nodes[z.node.inputs[0]].op == "input"
+
+
 def adaptive_ref(x, out):
     d = len(out)
     size = x.shape[2:]

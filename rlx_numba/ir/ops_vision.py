@@ -317,7 +317,7 @@ def conv_geometry(node, image_shape, cols_shape):
 
 def expand_conv(g, node, ins):
     """A conv-family node as im2col / col2im and the matmul ladder, on graph ``g`` (the
-    compiler's rewrite where cuDNN does not run it: runtime/lower_vision.py conv_tier0):
+    compiler's rewrite for conv tier 1: runtime/lower_vision.py conv_tier):
       conv            cols = im2col(x); y = w [G, K/G, R] @ cols
       conv_transpose  cols = w^T @ z; img = col2im(cols)
       conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T"""
@@ -349,10 +349,20 @@ def expand_conv(g, node, ins):
     return g.reshape(dw, node.shape)
 
 
-# ---- resampling along one axis: pad, resize, adaptive_avg_pool -----------------------------
-# Each is separable: one "resample" node per axis, out[a, o, b] = const[o] + sum_t w[o, t] *
-# x[a, idx[o, t], b] with host-made tables (kernels/resample.py); its VJP is the same op with
-# the transposed tables (a gather: no atomics).
+def implicit_gemm(g, node, ins):
+    """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2)."""
+    a = node.attrs
+    return g._add("implicit_gemm", tuple(ins[:2]), node.shape, dt.F32, of=node.op,
+                  **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups")})
+
+
+# ---- resampling: pad, resize, adaptive_avg_pool ---------------------------------------------
+# Each is separable: out[a, o, b] = const[o] + sum_t w[o, t] * x[a, idx[o, t], b] along each
+# axis, with host-made tables (kernels/resample.py). The last two axes, when both resample,
+# are one node (one kernel, no intermediate): the last axis' table applied first, then the
+# other's (idx2 / w2 / const2 are the last axis'). For the tables made here the order does not
+# matter: only pad has constants, and a padded position is the pad value either way. The VJP
+# is the same op with the transposed tables (a gather: no atomics).
 
 def _transposed(idx, w, n_in):
     """Tables of the adjoint: for each input i, the (o, w) pairs that read it."""
@@ -366,21 +376,37 @@ def _transposed(idx, w, n_in):
     for i, p in enumerate(pairs):
         for t, (o, wt) in enumerate(p):
             ti[i, t], tw[i, t] = o, wt
-    return ti, tw
+    return ti, tw, np.zeros(n_in, np.float32)
 
 
-def _resample(g, x, axis, idx, w, const=None):
-    shape = list(x.shape)
-    shape[axis] = idx.shape[0]
-    c = np.zeros(idx.shape[0], np.float32) if const is None else const.astype(np.float32)
-    return g._add("resample", (x,), tuple(shape), dt.F32, axis=axis, idx=idx, w=w, const=c)
+def _resample(g, x, tables):
+    """x resampled along each axis of ``tables`` {axis: (idx, w, const or None)}."""
+    y, last = x, len(x.shape) - 1
+    pair = last in tables and last - 1 in tables
+    for axis in sorted(tables):
+        if pair and axis == last:
+            continue
+        shape = list(y.shape)
+        t = [tables[axis]] + ([tables[last]] if pair and axis == last - 1 else [])
+        attrs = {}
+        for k, (idx, w, const) in enumerate(t):
+            shape[axis + k] = idx.shape[0]
+            sfx = "2" if k else ""
+            attrs.update({"idx" + sfx: idx, "w" + sfx: w, "const" + sfx:
+                          np.zeros(idx.shape[0], np.float32) if const is None
+                          else const.astype(np.float32)})
+        y = g._add("resample", (y,), tuple(shape), dt.F32, axis=axis, **attrs)
+    return y
 
 
 @vjp("resample")
 def _resample_vjp(g, node, dy):
-    x = g.tensor(node.inputs[0])
-    ti, tw = _transposed(node.attrs["idx"], node.attrs["w"], x.shape[node.attrs["axis"]])
-    return [_resample(g, dy, node.attrs["axis"], ti, tw)]
+    x, a = g.tensor(node.inputs[0]), node.attrs
+    ax = a["axis"]
+    tables = {ax: _transposed(a["idx"], a["w"], x.shape[ax])}
+    if "idx2" in a:
+        tables[ax + 1] = _transposed(a["idx2"], a["w2"], x.shape[ax + 1])
+    return [_resample(g, dy, tables)]
 
 
 def _pad_table(mode, n, lo, hi, value):
@@ -409,7 +435,7 @@ def _resize_table(mode, n_in, n_out, align_corners, scale_factor):
     if mode == "nearest":
         idx = np.array([[min(int(np.floor(f32(o) * scale)), n_in - 1)] for o in range(n_out)],
                        np.int64)
-        return idx, np.ones((n_out, 1), np.float32)
+        return idx, np.ones((n_out, 1), np.float32), None
     idx, w = np.zeros((n_out, 2), np.int64), np.zeros((n_out, 2), np.float32)
     for o in range(n_out):
         src = scale * f32(o) if align_corners else max(scale * (f32(o) + f32(0.5)) - f32(0.5),
@@ -418,7 +444,7 @@ def _resize_table(mode, n_in, n_out, align_corners, scale_factor):
         lam = f32(src - f32(i0))
         idx[o] = (i0, i0 + 1 if i0 < n_in - 1 else i0)
         w[o] = (f32(1.0) - lam, lam)
-    return idx, w
+    return idx, w, None
 
 
 def _adaptive_table(n_in, n_out):
@@ -429,7 +455,7 @@ def _adaptive_table(n_in, n_out):
     for o, (s, e) in enumerate(zip(starts, ends)):
         idx[o, :e - s] = np.arange(s, e)
         w[o, :e - s] = np.float32(1.0) / np.float32(e - s)
-    return idx, w
+    return idx, w, None
 
 
 _RESIZE_RANK = {"linear": 1, "bilinear": 2, "trilinear": 3}
@@ -457,7 +483,7 @@ class ResampleOps:
         if not pads or len(pads) % 2 or len(pads) // 2 > len(x.shape):
             raise ValueError(f"{op}: pads must be (left, right) int pairs for at most "
                              f"{len(x.shape)} axes of x {_desc(x)}, got {pads!r}")
-        y = x
+        y, tables = x, {}
         for j in range(len(pads) // 2):
             axis, lo, hi = len(x.shape) - 1 - j, pads[2 * j], pads[2 * j + 1]
             n = y.shape[axis]
@@ -475,8 +501,8 @@ class ResampleOps:
                 y = self.narrow(y, axis, -min(lo, 0), n + min(lo, 0) + min(hi, 0))
                 n, lo, hi = y.shape[axis], max(lo, 0), max(hi, 0)
             if lo or hi:
-                y = _resample(self, y, axis, *_pad_table(mode, n, lo, hi, float(value)))
-        return y
+                tables[axis] = _pad_table(mode, n, lo, hi, float(value))
+        return _resample(self, y, tables)
 
     def resize(self, x, size=None, scale_factor=None, mode="nearest", align_corners=None):
         """torch.nn.functional.interpolate over x [N, C, *S] (1-3 spatial dims): mode
@@ -514,14 +540,10 @@ class ResampleOps:
             if any(o < 1 for o in out):
                 raise ValueError(f"{op}: scale_factor {scale_factor!r} makes an empty output "
                                  f"{fmt(out)} from {fmt(spatial)}")
-        y = x
-        for j in range(d):
-            if out[j] == spatial[j] and factors[j] in (None, 1.0):
-                continue
-            table = _resize_table("nearest" if mode == "nearest" else "linear", spatial[j],
-                                  out[j], bool(align_corners), factors[j])
-            y = _resample(self, y, 2 + j, *table)
-        return y
+        return _resample(self, x, {
+            2 + j: _resize_table("nearest" if mode == "nearest" else "linear", spatial[j],
+                                 out[j], bool(align_corners), factors[j])
+            for j in range(d) if out[j] != spatial[j] or factors[j] not in (None, 1.0)})
 
     def adaptive_avg_pool(self, x, output_size):
         """torch's adaptive_avg_pool1d/2d/3d over x [N, C, *S] (or [C, *S]); the spatial rank is
@@ -540,8 +562,5 @@ class ResampleOps:
         sizes = sizes if sizes is not None else (output_size,) * d
         out = tuple(s if o is None else _ints(op, "output_size", o, 1, 1)[0]
                     for s, o in zip(spatial, sizes))
-        y = x
-        for j in range(d):
-            if out[j] != spatial[j]:
-                y = _resample(self, y, len(x.shape) - d + j, *_adaptive_table(spatial[j], out[j]))
-        return y
+        return _resample(self, x, {len(x.shape) - d + j: _adaptive_table(spatial[j], out[j])
+                                   for j in range(d) if out[j] != spatial[j]})

@@ -18,6 +18,7 @@ import functools
 import numpy as np
 from numba import cuda, float32, uint64
 
+from . import matmul as mm
 from .launch import block_rows, grid_3d, inline, jit
 
 
@@ -124,5 +125,77 @@ def col2im_kernel(k, stride, dil):
                 img[line * w + xx] = acc
                 xx += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
+
+    return kernel
+
+
+# ---- the numba tier: implicit-GEMM convolutions ------------------------------------------
+# kernels/matmul.py's tiled product with B (and A) gathered from the image and the weight as
+# the tiles load, so no column matrix is ever written. For batch z = n * G + g:
+#   conv            y[n, g] [Kg, L] = w[g] [Kg, R] @ cols, cols[(c, tap), o] the image at o's
+#                   window position for tap (0 in the padding): im2col on the fly;
+#   conv_transpose  img[n, g] [Cg, S] = w[g]^T [Cg, (k, tap)] @ z gathered, the z entry whose
+#                   window holds the image position at tap (window_at; 0 where none): col2im's
+#                   gather on the fly.
+# a_off / b_off hold each z's first element of the weight and of the gathered source.
+
+@functools.lru_cache(maxsize=None)
+def conv_gemm_kernel(k, stride, dil, transposed):
+    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above);
+    launch with kernels/matmul.py's sgemm_launch(m, n, batch)."""
+    kd, kh, kw = _u(*k)
+    sd, sh, sw = _u(*stride)
+    dd, dh, dw = _u(*dil)
+    kk, khw = kd * kh * kw, kh * kw
+
+    @inline
+    def fetch_w(a, ao, r, q, m, kdim, geo):
+        if transposed:    # w [Kc, Cg, taps]: row r = c, q = (k, tap)
+            return a[ao + (q // kk * m + r) * kk + q % kk]
+        return a[ao + r * kdim + q]
+
+    @inline
+    def out_position(cl, n, geo):
+        """Output position cl's window origin in the padded input (forward conv)."""
+        ow, oh = geo[5], geo[4]
+        ox, r = cl % ow, cl // ow
+        return r // oh * sd, r % oh * sh, ox * sw
+
+    @inline
+    def image_position(cl, n, geo):
+        """Image position cl in the padded input (conv_transpose)."""
+        h, w = geo[7], geo[8]
+        xx, r = cl % w, cl // w
+        return r // h + geo[12], r % h + geo[13], xx + geo[14]
+
+    @inline
+    def gather_image(b, bo, q, cl, pos, n, kdim, geo):
+        d, h, w = geo[6], geo[7], geo[8]
+        c, t = q // kk, q % kk
+        zp = pos[0] + t // khw * dd               # in the padded input
+        yp = pos[1] + t // kw % kh * dh
+        xp = pos[2] + t % kw * dw
+        if geo[12] <= zp < geo[12] + d and geo[13] <= yp < geo[13] + h \
+                and geo[14] <= xp < geo[14] + w:
+            return b[bo + ((c * d + zp - geo[12]) * h + yp - geo[13]) * w + xp - geo[14]]
+        return float32(0.0)
+
+    @inline
+    def gather_cols(b, bo, q, cl, pos, n, kdim, geo):
+        od, oh, ow = geo[3], geo[4], geo[5]
+        kc, t = q // kk, q % kk
+        oz = window_at(pos[0], t // khw, dd, sd, od)
+        oy = window_at(pos[1], t // kw % kh, dh, sh, oh)
+        ox = window_at(pos[2], t % kw, dw, sw, ow)
+        if oz == od or oy == oh or ox == ow:
+            return float32(0.0)
+        return b[bo + (kc * od + oz) * oh * ow + oy * ow + ox]
+
+    tiles = mm.gemm_tiles(False, False, fetch_w, gather_cols if transposed else gather_image,
+                          image_position if transposed else out_position)
+
+    @jit(launch_bounds=mm.LAUNCH_BOUNDS)
+    def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo):
+        tiles(out, w, src, m, n, kdim, a_off, b_off, batch, geo)
 
     return kernel

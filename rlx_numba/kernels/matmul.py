@@ -81,13 +81,17 @@ def store_tile(c, acc, base, rows, cols, n):
                     c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
 
 
-@functools.lru_cache(maxsize=None)
-def sgemm_kernel(trans_a: bool, trans_b: bool):
-    """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat f32 [batch, m, n]) =
-    A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
-    transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
-    Launch with sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any
-    grid works. k == 0 writes zeros."""
+def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
+    """The tiled product as an inline device function tiles(c, a, b, m, n, k, a_off, b_off,
+    batch, geo): c[z] (flat f32 [batch, m, n]) = A[z] @ B[z], where element (r, q) of A[z] is
+    fetch_a(a, a_off[z], r, q, m, k, geo) and (q, col) of B[z] is fetch_b(b, b_off[z], q, col,
+    column(c0, n, geo), n, k, geo) (called inside the bounds only; c0 the thread's first
+    column of the tile: ``column`` works out, once a tile rather than once a load, what
+    fetch_b needs of it). ``trans_a`` / ``trans_b`` say which axis of
+    each source is contiguous, so consecutive threads load along it. sgemm_kernel fetches
+    plain row-major matrices; kernels/conv.py's implicit-GEMM convolutions gather B (and A)
+    from the image and the weight as they go, described by ``geo`` (B not transposed: a
+    thread loads one column of each B tile)."""
 
     # Tile loads: consecutive threads walk each source's contiguous axis. Thread tid's p-th
     # element of the A tile is (row ar + p*ARS, k aq + p*AQS); of the B tile (k bq + p*BQS,
@@ -96,15 +100,15 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
     BQS, BCS = (0, NT // BK) if trans_b else (NT // BN, 0)
 
     @_inline
-    def load(ra, rb, a, b, ao, bo, r0, c0, k0, aq, bq, m, n, k):
+    def load(ra, rb, a, b, ao, bo, r0, c0, col, k0, aq, bq, m, n, k, geo):
         """This thread's elements of the A and B tiles at K offset k0 into registers (r0, c0:
-        its first row / column), zero outside the matrices."""
+        its first row / column; col: column(c0, n, geo)), zero outside the matrices."""
         for p in range(LA):
             r, q = r0 + _u(p * ARS), k0 + aq + _u(p * AQS)
-            ra[p] = a[ao + (q * m + r if trans_a else r * k + q)] if r < m and q < k else ZERO
+            ra[p] = fetch_a(a, ao, r, q, m, k, geo) if r < m and q < k else ZERO
         for p in range(LB):
             q, cl = k0 + bq + _u(p * BQS), c0 + _u(p * BCS)
-            rb[p] = b[bo + (cl * k + q if trans_b else q * n + cl)] if cl < n and q < k else ZERO
+            rb[p] = fetch_b(b, bo, q, cl, col, n, k, geo) if cl < n and q < k else ZERO
 
     @_inline
     def stage(As, Bs, ra, rb, buf, ar, aq, bq, bc):
@@ -114,8 +118,8 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
         for p in range(LB):
             Bs[buf, bq + _u(p * BQS), bc + _u(p * BCS)] = rb[p]
 
-    @_jit
-    def kernel(c, a, b, m, n, k, a_off, b_off, batch):
+    @_inline
+    def tiles(c, a, b, m, n, k, a_off, b_off, batch, geo):
         As = cuda.shared.array(SA, float32)
         Bs = cuda.shared.array(SB, float32)
         acc = cuda.local.array((TM, TN), float32)   # constant indices only: registers
@@ -141,8 +145,9 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
                 while bx < tiles_n:
                     col0 = bx * uBN
                     r0, c0 = row0 + ar, col0 + bc   # this thread's first row of A / column of B
+                    col = column(c0, n, geo)
                     zero_acc(acc)
-                    load(ra, rb, a, b, ao, bo, r0, c0, U0, aq, bq, m, n, k)
+                    load(ra, rb, a, b, ao, bo, r0, c0, col, U0, aq, bq, m, n, k, geo)
                     stage(As, Bs, ra, rb, U0, ar, aq, bq, bc)
                     cuda.syncthreads()
                     buf = U0
@@ -150,7 +155,8 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
                     while k0 < k:
                         more = k0 + uBK < k
                         if more:   # issue the next tile's loads now, store them after the FMAs
-                            load(ra, rb, a, b, ao, bo, r0, c0, k0 + uBK, aq, bq, m, n, k)
+                            load(ra, rb, a, b, ao, bo, r0, c0, col, k0 + uBK, aq, bq, m, n, k,
+                                 geo)
                         mma(As, Bs, buf, acc, fa, fb, tx, ty)
                         if more:   # the other buffer: its last readers passed the barrier below
                             stage(As, Bs, ra, rb, buf ^ U1, ar, aq, bq, bc)
@@ -162,6 +168,35 @@ def sgemm_kernel(trans_a: bool, trans_b: bool):
                     bx += uint64(cuda.gridDim.x)
                 by += uint64(cuda.gridDim.y)
             z += uint64(cuda.gridDim.z)
+
+    return tiles
+
+
+@functools.lru_cache(maxsize=None)
+def sgemm_kernel(trans_a: bool, trans_b: bool):
+    """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat f32 [batch, m, n]) =
+    A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
+    transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
+    Launch with sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any
+    grid works. k == 0 writes zeros."""
+
+    @_inline
+    def fetch_a(a, ao, r, q, m, k, geo):
+        return a[ao + (q * m + r if trans_a else r * k + q)]
+
+    @_inline
+    def fetch_b(b, bo, q, cl, col, n, k, geo):
+        return b[bo + (cl * k + q if trans_b else q * n + cl)]
+
+    @_inline
+    def column(c0, n, geo):
+        return c0
+
+    tiles = gemm_tiles(trans_a, trans_b, fetch_a, fetch_b, column)
+
+    @_jit
+    def kernel(c, a, b, m, n, k, a_off, b_off, batch):
+        tiles(c, a, b, m, n, k, a_off, b_off, batch, a_off)     # (no geometry: a_off unused)
 
     return kernel
 

@@ -1,21 +1,27 @@
 """resample (ir/ops_vision.py): x viewed as [A, I, B] (the axis between), out [A, O, B],
 out[a, o, b] = const[o] + sum_t w[o, t] * x[a, idx[o, t], b] with tables made on the host (pad,
-resize, adaptive_avg_pool and their adjoints). Taps of weight 0 are skipped, so a padded or
+resize, adaptive_avg_pool and their adjoints). Taps of weight 0 add nothing, so a padded or
 clamped position never multiplies an inf or NaN by zero. Launched as kernels/conv.py's lines
 (threadIdx.y a line, the x threads along it, no division an element): for the last axis
-(B = 1) a line is one row a, along o; otherwise a line is one (a, o), along b."""
-from numba import cuda, uint64
+(B = 1) a line is one row a, along o; otherwise a line is one (a, o), along b. A node over the
+last two axes (tables idx2 / w2 / const2 for the last one, applied first) is one kernel:
+resample2_kernel, a line one (a, o) along the last axis' outputs."""
+from numba import cuda, float32, uint64
 
 from .launch import inline, jit
 
 
 @inline
-def _tap_sum(x, base, stride, idx, w, const, o, taps):
+def _tap_sum(x, base, stride, idx, w, const, o, taps, live):
+    """const[o] + sum_t w[o, t] x[base + idx[o, t] stride]. The tables' loads are not behind
+    the weight's test (every index is in bounds), so they are in flight together and x's
+    load waits on one of them, not on a chain; ``live``: x is not empty."""
     acc = const[o]
     for j in range(taps):
         wt = w[o * taps + j]
+        v = x[base + uint64(idx[o * taps + j]) * stride] if live else float32(0.0)
         if wt != 0:
-            acc += wt * x[base + uint64(idx[o * taps + j]) * stride]
+            acc += wt * v
     return acc
 
 
@@ -26,7 +32,8 @@ def resample_last_kernel(out, x, idx, w, const, rows, olen, ilen, taps):
     while a < rows:
         o = uint64(cuda.threadIdx.x)
         while o < olen:
-            out[a * olen + o] = _tap_sum(x, a * ilen, uint64(1), idx, w, const, o, taps)
+            out[a * olen + o] = _tap_sum(x, a * ilen, uint64(1), idx, w, const, o, taps,
+                                         ilen != 0)
             o += uint64(cuda.blockDim.x)
         a += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
@@ -40,6 +47,28 @@ def resample_kernel(out, x, idx, w, const, rows, olen, ilen, inner, taps):
         b = uint64(cuda.threadIdx.x)
         while b < inner:
             out[line * inner + b] = _tap_sum(x, a * ilen * inner + b, inner, idx, w, const, o,
-                                             taps)
+                                             taps, ilen != 0)
             b += uint64(cuda.blockDim.x)
+        line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
+
+
+@jit
+def resample2_kernel(out, x, idx, w, const, idx2, w2, const2, rows, olen, ilen, olen2, ilen2,
+                     taps, taps2):
+    """The last two axes: x [A, I, I2] -> out [A, O, O2]; line (a, o), threads along o2."""
+    live = ilen != 0 and ilen2 != 0
+    line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
+    while line < rows * olen:
+        o, a = line % olen, line // olen
+        o2 = uint64(cuda.threadIdx.x)
+        while o2 < olen2:
+            acc = const[o]
+            for j in range(taps):
+                wt = w[o * taps + j]
+                base = (a * ilen + uint64(idx[o * taps + j])) * ilen2
+                v = _tap_sum(x, base, uint64(1), idx2, w2, const2, o2, taps2, live)
+                if wt != 0:
+                    acc += wt * v
+            out[line * olen2 + o2] = acc
+            o2 += uint64(cuda.blockDim.x)
         line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)

@@ -1,7 +1,7 @@
 """Lowering of the ops of ir/ops_vision.py. conv, conv_transpose and conv_wgrad: one cuDNN call
-(tier 0, cudnn.py), where ``conv_tier0`` allows it; elsewhere the compiler has rewritten them
-as im2col / col2im and products (the matmul ladder: cuBLAS on a GPU, the numba SGEMM in the
-simulator). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
+(tier 0, cudnn.py) where ``conv_tier`` says 0; elsewhere the compiler has rewritten them as
+im2col / col2im and products (tier 1, the matmul ladder) or as an implicit_gemm node (tier 2,
+the numba kernel). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
 kernel each, made for the node's kernel size, stride and dilation, its threads along lines of
 the output (kernels/conv.py), the rest of the geometry a small uint64 device array; resample
 (kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too."""
@@ -17,6 +17,7 @@ from ..device import SIMULATOR
 from ..ir.ops import fmt
 from ..kernels import channel as C
 from ..kernels import conv as K
+from ..kernels import matmul as mm
 from ..kernels import pool as P
 from ..kernels import resample as R
 from . import lower
@@ -111,41 +112,92 @@ def _lower_resample(exe, n):
     inner = math.prod(n.shape[ax + 1:])
     rows = math.prod(n.shape[:ax])
     u = np.uint64
-    tables = (exe.device_array(idx.reshape(-1)), exe.device_array(w.reshape(-1)),
-              exe.device_array(a["const"]))
-    if inner == 1:
+    table = lambda i, w, c: (exe.device_array(i.reshape(-1)),  # noqa: E731
+                             exe.device_array(w.reshape(-1)), exe.device_array(c))
+    tables = table(idx, w, a["const"])
+    what = f"{x.shape[ax]} -> {olen} ({taps} taps)"
+    if "idx2" in a:
+        olen2, taps2 = a["idx2"].shape
+        grid, block = K.lines_launch(rows * olen, olen2)
+        kern = R.resample2_kernel
+        tables += table(a["idx2"], a["w2"], a["const2"])
+        sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]), u(taps),
+                 u(taps2))
+        what = (f"axes {ax}, {ax + 1} {fmt(x.shape[ax:])} -> {fmt(n.shape[ax:])} "
+                f"({taps}x{taps2} taps)")
+    elif inner == 1:
         grid, block = K.lines_launch(rows, olen)
         kern, sizes = R.resample_last_kernel, (u(rows), u(olen), u(x.shape[ax]), u(taps))
+        what = f"axis {ax} {what}"
     else:
         grid, block = K.lines_launch(rows * olen, inner)
         kern, sizes = R.resample_kernel, (u(rows), u(olen), u(x.shape[ax]), u(inner), u(taps))
-    return [Step(step_name(n), f"resample axis {ax} {x.shape[ax]} -> {olen} ({taps} taps) of "
-                 f"{fmt(x.shape)}", kern, grid, block,
+        what = f"axis {ax} {what}"
+    return [Step(step_name(n), f"resample {what} of {fmt(x.shape)}", kern, grid, block,
                  (exe.buf(n), exe.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
 
 
-# ---- the convolutions: cuDNN (tier 0), or im2col / col2im and products -----------------------
-def conv_tier0(graph, n) -> tuple[bool, str]:
-    """Whether cuDNN runs conv-family node ``n`` (else the compiler rewrites it as im2col /
-    col2im and products, ir/ops_vision.py expand_conv), and why not."""
-    if SIMULATOR:
-        return False, "the simulator has no cuDNN"
-    tiers = os.environ.get("RLX_NUMBA_CONV_TIERS")
-    if tiers and "0" not in tiers.replace(" ", "").split(","):
-        return False, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS"
+# ---- the convolutions: the tier ladder ------------------------------------------------------
+#   0  cuDNN (cudnn.py): this module's lowering of conv / conv_transpose / conv_wgrad;
+#   1  im2col / col2im and the matmul ladder: the compiler rewrites the node
+#      (ir/ops_vision.py expand_conv);
+#   2  the numba implicit-GEMM kernels (kernels/conv.py): the compiler rewrites conv and
+#      conv_transpose into an "implicit_gemm" node; the weight gradient takes tier 1 there
+#      (im2col and the product of the matmul ladder).
+# The simulator runs tier 2 (tier 1 for a 1x1 convolution, which needs no im2col).
+
+def _tiers() -> set:
+    env = os.environ.get("RLX_NUMBA_CONV_TIERS")
+    if not env:
+        return {0, 1, 2}
+    try:
+        tiers = {int(t) for t in env.replace(" ", "").split(",") if t}
+    except ValueError:
+        tiers = set()
+    if not tiers or not tiers <= {0, 1, 2}:
+        raise ValueError(f"RLX_NUMBA_CONV_TIERS={env!r}: expected a comma-separated subset of "
+                         f"0 (cuDNN), 1 (im2col + matmul ladder), 2 (numba implicit GEMM)")
+    return tiers
+
+
+def conv_tier(graph, n) -> tuple[int, str]:
+    """(tier, why not a lower one) for conv-family node ``n``: 0 cuDNN, 1 im2col / col2im and
+    products, 2 the numba implicit-GEMM kernel."""
+    tiers, why = _tiers(), []
     image, cols = _conv_shapes(graph, n)
     a = n.attrs
-    if (all(v == 1 for v in a["kernel"] + a["stride"]) and not any(a["pad"])
-            and image[2:] == cols[2:]):
-        return False, ("a 1x1 convolution is one batched product, no im2col (cuBLAS: 25.7 us "
-                       "against cuDNN's 45.4 for 8x256x56x56 -> 64 on an H200)")
-    for s, o, k, st, p, dl in zip(image[2:], cols[2:], a["kernel"], a["stride"], a["pad"],
-                                  a["dilation"]):
-        if (s + 2 * p - dl * (k - 1) - 1) // st + 1 != o:
-            return False, (f"cuDNN pads both sides alike: image {fmt(image[2:])} with padding "
+    one_by_one = (all(v == 1 for v in a["kernel"] + a["stride"]) and not any(a["pad"])
+                  and image[2:] == cols[2:])
+    if 0 not in tiers:
+        why.append("tier 0 not allowed by RLX_NUMBA_CONV_TIERS")
+    elif SIMULATOR:
+        why.append("the simulator has no cuDNN")
+    elif one_by_one and 1 in tiers:
+        why.append("a 1x1 convolution is one batched product, no im2col (cuBLAS: 25.7 us "
+                   "against cuDNN's 45.4 for 8x256x56x56 -> 64 on an H200)")
+    else:
+        for s, o, k, st, p, dl in zip(image[2:], cols[2:], a["kernel"], a["stride"], a["pad"],
+                                      a["dilation"]):
+            if (s + 2 * p - dl * (k - 1) - 1) // st + 1 != o:
+                why.append(f"cuDNN pads both sides alike: image {fmt(image[2:])} with padding "
                            f"{fmt(a['pad'])} on both sides does not give {fmt(cols[2:])}")
-    ok, why = cudnn.available()
-    return ok, f"tier 0: {why}" if why else ""
+                break
+        else:
+            ok, err = cudnn.available()
+            if ok:
+                return 0, ""
+            why.append(f"tier 0: {err}")
+    if n.op == "conv_wgrad" or 2 not in tiers:
+        if 1 not in tiers:
+            why.append("the weight gradient has no tier-2 kernel" if n.op == "conv_wgrad"
+                       else "tier 2 not allowed by RLX_NUMBA_CONV_TIERS")
+        return 1, "; ".join(why)
+    if 1 in tiers and (one_by_one or not SIMULATOR and cublas.available()[0]):
+        return 1, "; ".join(why)
+    why.append("tier 1 not allowed by RLX_NUMBA_CONV_TIERS" if 1 not in tiers
+               else "no cuBLAS for tier 1's product" if not SIMULATOR
+               else "the simulator runs the numba kernel")
+    return 2, "; ".join(why)
 
 
 def _conv_shapes(graph, n):
@@ -154,11 +206,49 @@ def _conv_shapes(graph, n):
     return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
 
 
-def log_conv_tier(n, tier0, why) -> None:
+def log_conv_tier(n, tier, why) -> None:
     if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
-        lower.log.warning("%s %%%d: conv tier %s%s", n.op, n.id,
-                          "0 (cuDNN)" if tier0 else "1 (im2col / col2im and the matmul ladder)",
-                          "" if tier0 else f"; {why}")
+        lower.log.warning("%s %%%d: conv tier %s%s", n.op, n.id, TIER_NAMES[tier],
+                          f"; {why}" if why else "")
+
+
+TIER_NAMES = {0: "0 (cuDNN)", 1: "1 (im2col / col2im and the matmul ladder)",
+              2: "2 (the numba implicit-GEMM kernel)"}
+
+
+@lowering("implicit_gemm")
+def _lower_implicit_gemm(exe, n):
+    """Tier 2: one kernels/conv.py conv_gemm_kernel launch."""
+    if n.size == 0:
+        return []
+    g, a = exe.graph, n.attrs
+    src, w = (g.nodes[i] for i in n.inputs)
+    transposed = a["of"] == "conv_transpose"
+    image, cols = (n.shape, src.shape) if transposed else (src.shape, n.shape)
+    groups, taps = a["groups"], math.prod(a["kernel"])
+    batch = image[0] * groups
+    if transposed:     # img[nn, g] [Cg, S] = w[g]^T [Cg, Kg taps] @ z gathered
+        kg = cols[1] // groups
+        m, ncols, kdim = w.shape[1], math.prod(image[2:]), kg * taps
+        a_off = [(z % groups) * kg * m * taps for z in range(batch)]
+        b_off = [(z // groups * cols[1] + z % groups * kg) * math.prod(cols[2:])
+                 for z in range(batch)]
+    else:              # y[nn, g] [Kg, L] = w[g] [Kg, Cg taps] @ image gathered
+        cg = image[1] // groups
+        m, ncols, kdim = cols[1] // groups, math.prod(cols[2:]), cg * taps
+        a_off = [(z % groups) * m * kdim for z in range(batch)]
+        b_off = [(z // groups * image[1] + z % groups * cg) * math.prod(image[2:])
+                 for z in range(batch)]
+    kern = K.conv_gemm_kernel(*_consts(a), transposed)
+    grid, block = mm.sgemm_launch(m, ncols, batch)
+    geo = dict(a, image=image[2:], cols=cols[2:])
+    return [Step(step_name(n), f"numba implicit-GEMM {a['of']} {'x'.join(map(str, a['kernel']))} "
+                 f"of {fmt(src.shape)} -> {fmt(n.shape)}", kern, grid, block,
+                 (exe.buf(n), exe.buf(w), exe.buf(src), np.uint64(m), np.uint64(ncols),
+                  np.uint64(kdim), exe.device_array(np.array(a_off, np.int64)),
+                  exe.device_array(np.array(b_off, np.int64)), np.uint64(batch),
+                  _geo(exe, geo)),
+                 {"flops": 2 * batch * m * ncols * kdim, "tier": 2})]
 
 
 @lowering("conv", "conv_transpose", "conv_wgrad")
