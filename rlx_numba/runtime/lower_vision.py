@@ -119,19 +119,18 @@ def _lower_resample(exe, n):
     if "idx2" in a:
         olen2, taps2 = a["idx2"].shape
         grid, block = K.lines_launch(rows * olen, olen2)
-        kern = R.resample2_kernel
+        kern = R.resample2_kernel(taps, taps2)
         tables += table(a["idx2"], a["w2"], a["const2"])
-        sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]), u(taps),
-                 u(taps2))
+        sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]))
         what = (f"axes {ax}, {ax + 1} {fmt(x.shape[ax:])} -> {fmt(n.shape[ax:])} "
                 f"({taps}x{taps2} taps)")
     elif inner == 1:
         grid, block = K.lines_launch(rows, olen)
-        kern, sizes = R.resample_last_kernel, (u(rows), u(olen), u(x.shape[ax]), u(taps))
+        kern, sizes = R.resample_last_kernel(taps), (u(rows), u(olen), u(x.shape[ax]))
         what = f"axis {ax} {what}"
     else:
         grid, block = K.lines_launch(rows * olen, inner)
-        kern, sizes = R.resample_kernel, (u(rows), u(olen), u(x.shape[ax]), u(inner), u(taps))
+        kern, sizes = R.resample_kernel(taps), (u(rows), u(olen), u(x.shape[ax]), u(inner))
         what = f"axis {ax} {what}"
     return [Step(step_name(n), f"resample {what} of {fmt(x.shape)}", kern, grid, block,
                  (exe.buf(n), exe.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
