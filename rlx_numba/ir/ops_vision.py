@@ -222,10 +222,7 @@ class VisionOps:
                 raise ValueError(f"{op}: {arg} must be f32 [{c}] (one per channel of x "
                                  f"{_desc(x)}), got {_desc(t)}")
         _eps(op, eps)
-        scale = self.rsqrt(self.add(var, float(eps)))
-        if gamma is not None:
-            scale = self.mul(gamma, scale)
-        return _channel_affine(self, x, mean, scale, beta)
+        return _channel_affine(self, x, mean, gamma, beta, (var, float(eps)))
 
     def group_norm(self, x, num_groups, gamma=None, beta=None, eps=1e-5):
         """torch's F.group_norm: x [N, C, *S] normalised over each group of C / num_groups
@@ -263,24 +260,36 @@ class VisionOps:
 
 
 
-def _channel_affine(g, x, center, scale, shift):
-    """(x - center[c]) * scale[c] + shift[c] over x [N, C, ...] (a None: 0, 1, 0), one kernel."""
+def _channel_affine(g, x, center, scale, shift, var_eps=None):
+    """(x - center[c]) * scale[c] + shift[c] over x [N, C, ...] (a None: 0, 1, 0), one kernel;
+    with ``var_eps`` = (var, eps) the scale is scale[c] / sqrt(var[c] + eps) (batch_norm: its
+    per-channel step in the same kernel, not a launch of its own)."""
     c = x.shape[1]
     fill = lambda t, v: t if t is not None else g.constant(np.full(c, v, np.float32))  # noqa: E731
-    return g._add("channel_affine", (x, fill(center, 0.0), fill(scale, 1.0), fill(shift, 0.0)),
-                  x.shape, dt.F32)
+    ins = (x, fill(center, 0.0), fill(scale, 1.0), fill(shift, 0.0))
+    if var_eps is None:
+        return g._add("channel_affine", ins, x.shape, dt.F32)
+    return g._add("channel_affine", ins + (var_eps[0],), x.shape, dt.F32, eps=var_eps[1])
 
 
 @vjp("channel_affine")
 def _channel_affine_vjp(g, node, dy):
-    x, center, scale, _ = (g.tensor(i) for i in node.inputs)
+    x, center, scale = (g.tensor(i) for i in node.inputs[:3])
     axes = (0,) + tuple(range(2, len(x.shape)))
     c = x.shape[1]
     b = (c,) + (1,) * (len(x.shape) - 2)
     dshift = g.reduce_sum(dy, axes)
     centred = g.sub(x, g.reshape(center, b))
-    return [_channel_affine(g, dy, None, scale, None), g.neg(g.mul(dshift, scale)),
-            g.reduce_sum(g.mul(dy, centred), axes), dshift]
+    dscale = g.reduce_sum(g.mul(dy, centred), axes)    # of the effective scale
+    if len(node.inputs) == 4:
+        return [_channel_affine(g, dy, None, scale, None), g.neg(g.mul(dshift, scale)),
+                dscale, dshift]
+    var = g.tensor(node.inputs[4])
+    r = g.rsqrt(g.add(var, node.attrs["eps"]))        # d(s r)/ds = r, d(s r)/dvar = -s r^3 / 2
+    eff = g.mul(scale, r)
+    dvar = g.mul(g.mul(dscale, g.mul(scale, g.mul(r, g.mul(r, r)))), -0.5)
+    return [_channel_affine(g, dy, None, eff, None), g.neg(g.mul(dshift, eff)),
+            g.mul(dscale, r), dshift, dvar]
 
 
 @vjp("pool")

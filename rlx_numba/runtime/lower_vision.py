@@ -73,8 +73,9 @@ def _lower_pool(exe, n):
     a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
-    return _step(exe, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool",
-                 (nc,) + _3d(a, "cols", 1))
+    cols = _3d(a, "cols", 1)
+    lines = -(-nc * cols[0] * cols[1] // P.GROUP)
+    return _step(exe, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool", (lines, cols[2]))
 
 
 @lowering("pool_grad")
@@ -91,14 +92,18 @@ def _lower_pool_grad(exe, n):
 def _lower_channel_affine(exe, n):
     if n.size == 0:
         return []
-    x, center, scale, shift = n.inputs
+    x, center, scale, shift = n.inputs[:4]
     rows = n.shape[0] * n.shape[1]
     length = n.size // rows
     grid, block = K.lines_launch(rows, length)
-    return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", C.channel_affine_kernel,
-                 grid, block, (exe.buf(n), exe.buf(x), exe.buf(center), exe.buf(scale),
-                               exe.buf(shift), np.uint64(rows), np.uint64(n.shape[1]),
-                               np.uint64(length)), {"bytes": 2 * n.nbytes})]
+    kern, extra = C.channel_affine_kernel, ()
+    if len(n.inputs) == 5:                       # batch_norm's: scale / sqrt(var + eps)
+        kern, extra = C.channel_affine_var_kernel, (exe.buf(n.inputs[4]),
+                                                    np.float32(n.attrs["eps"]))
+    return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", kern, grid, block,
+                 (exe.buf(n), exe.buf(x), exe.buf(center), exe.buf(scale), exe.buf(shift))
+                 + extra + (np.uint64(rows), np.uint64(n.shape[1]), np.uint64(length)),
+                 {"bytes": 2 * n.nbytes})]
 
 
 @lowering("resample")
@@ -118,7 +123,7 @@ def _lower_resample(exe, n):
     what = f"{x.shape[ax]} -> {olen} ({taps} taps)"
     if "idx2" in a:
         olen2, taps2 = a["idx2"].shape
-        grid, block = K.lines_launch(rows * olen, olen2)
+        grid, block = K.lines_launch(-(-rows * olen // R.GROUP), olen2)
         kern = R.resample2_kernel(taps, taps2)
         tables += table(a["idx2"], a["w2"], a["const2"])
         sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]))
