@@ -3,9 +3,12 @@
 
 The library is NVIDIA's pip wheel (``nvidia-cudnn-cu12`` / ``-cu13``: ``nvidia/cudnn/lib``, or
 ``nvidia/cu13/lib``), ``$CUDA_HOME``, or the system loader; cuDNN 9's sub-libraries are loaded
-from the same directory first (RTLD_GLOBAL), as its dispatcher opens them by name. The calls
-are the descriptor API (cudnnConvolutionForward and its two backward siblings), which cuDNN 9
-keeps. Math is CUDNN_FMA_MATH (no TF32) unless ``rlx_numba.cublas.allow_tf32`` is set when
+from the same directory first (RTLD_GLOBAL), as its dispatcher opens them by name. Two APIs,
+timed against each other when a step is bound: the descriptor API (cudnnFind*AlgorithmEx and
+cudnnConvolutionForward and its two backward siblings), and the graph (backend) API, whose
+engines the descriptor API does not reach (the implicit-GEMM engine torch runs for a 3x3
+64->64 layer of 8x64x56x56: 65.7 us, against 96.6 for the descriptor API's best on an H200).
+A fused bias + relu epilogue runs on the descriptor API (cudnnConvolutionBiasActivationForward). Math is CUDNN_FMA_MATH (no TF32) unless ``rlx_numba.cublas.allow_tf32`` is set when
 the step is bound. 1-D convolutions run as 2-D ones of height 1. Each (device, stream) has one
 workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent streams do not.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from ctypes import POINTER, byref, c_float, c_int, c_size_t, c_void_p
+from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
 DATA_FLOAT, TENSOR_NCHW, CROSS_CORRELATION = 0, 0, 1
@@ -62,6 +65,12 @@ PROTOS = {
                                               P, P, P, P, P],
     "cudnnCreateActivationDescriptor": [POINTER(c_void_p)],
     "cudnnSetActivationDescriptor": [P, c_int, c_int, ctypes.c_double],
+    "cudnnBackendCreateDescriptor": [c_int, POINTER(c_void_p)],
+    "cudnnBackendDestroyDescriptor": [P],
+    "cudnnBackendFinalize": [P],
+    "cudnnBackendSetAttribute": [P, c_int, c_int, c_int64, P],
+    "cudnnBackendGetAttribute": [P, c_int, c_int, c_int64, POINTER(c_int64), P],
+    "cudnnBackendExecute": [P, P, P],
 }
 RELU, PROPAGATE_NAN = 1, 1
 
@@ -207,12 +216,8 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     if not ok:
         raise CudnnError(find, 0, f"found no algorithm for {kind} x {list(x_shape)} w "
                          f"{list(w_shape)} y {list(y_shape)}")
-    best = ok[0]                                      # (sorted by time)
-    L.cudnnSetConvolutionMathType(cd, best.mathType)
     fn = getattr(L, call)
-    keep = (xd, yd, wd, cd)                           # the descriptors live with the callable
-    head = (h, byref(_ONE), *args[:4], cd, best.algo, wsp, c_size_t(WORKSPACE_BYTES),
-            byref(_ZERO), *args[5:])
+    keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
         bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2)), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
@@ -220,11 +225,164 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
         keep += (bd, ad)
         fn = L.cudnnConvolutionBiasActivationForward
         z = c_void_p(z_ptr) if z_ptr is not None else y
-        head = (h, byref(_ONE), xd, x, wd, w, cd, best.algo, wsp, c_size_t(WORKSPACE_BYTES),
-                byref(_ONE if z_ptr is not None else _ZERO), yd, z, bd, c_void_p(bias_ptr), ad,
-                yd, y)
 
-    def launch(fn=fn, head=head, keep=keep):
-        fn(*head)
-    launch.algo, launch.math_type = best.algo, best.mathType
-    return launch
+    def legacy(p):
+        if bias_ptr is not None:
+            head = (h, byref(_ONE), xd, x, wd, w, cd, p.algo, wsp, c_size_t(WORKSPACE_BYTES),
+                    byref(_ONE if z_ptr is not None else _ZERO), yd, z, bd, c_void_p(bias_ptr),
+                    ad, yd, y)
+        else:
+            head = (h, byref(_ONE), *args[:4], cd, p.algo, wsp, c_size_t(WORKSPACE_BYTES),
+                    byref(_ZERO), *args[5:])
+
+        def launch(fn=fn, head=head, keep=keep):
+            fn(*head)
+        launch.api = "descriptor"
+        return launch
+
+    # Find's ranking is one run each (it has put a 3x3x3 conv3d's 56 us algorithm before its
+    # 16 us one): the first few (of the first one's math type: the descriptor holds one) are
+    # timed again here, beside the graph API's engines
+    ok = [p for p in ok if p.mathType == ok[0].mathType]
+    L.cudnnSetConvolutionMathType(cd, ok[0].mathType)
+    cands = [legacy(p) for p in ok[:3]]
+    if bias_ptr is None:
+        cands += _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation,
+                              (x_ptr, w_ptr, y_ptr), ws, tf32)
+    if len(cands) == 1:
+        return cands[0]
+    return min(cands, key=lambda c: _time(c, stream))
+
+
+def _time(fn, stream, runs: int = 3) -> float:
+    """ms a call of ``fn`` (after one warm-up), by CUDA events on ``stream``."""
+    from numba import cuda
+    s = stream if stream is not None else 0
+    fn()
+    e0, e1 = cuda.event(), cuda.event()
+    e0.record(s)
+    for _ in range(runs):
+        fn()
+    e1.record(s)
+    e1.synchronize()
+    return cuda.event_elapsed_time(e0, e1) / runs
+
+
+# ---- the graph (backend) API ----------------------------------------------------------------
+# enum values of cudnn_graph.h (cuDNN 9): attribute types, descriptor types, attribute names
+T_HANDLE, T_DATA_TYPE, T_INT64, T_FLOAT, T_VOID_PTR, T_CONV_MODE = 0, 1, 3, 4, 6, 7
+T_HEUR_MODE, T_NOTE, T_DESC = 8, 11, 15
+D_CONV, D_ENGINE, D_ENGINECFG, D_HEUR, D_PLAN = 1, 2, 3, 4, 5
+D_OPGRAPH, D_VARIANT_PACK, D_TENSOR = 15, 16, 17
+D_OP = {"fwd": 10, "bwd_filter": 11, "bwd_data": 12}
+OP_ATTRS = {   # (alpha, beta, conv descriptor, {tensor role: attribute}) per operation
+    "fwd": (700, 701, 702, {"w": 703, "x": 704, "y": 705}),
+    "bwd_data": (706, 707, 708, {"w": 709, "x": 710, "y": 711}),       # dx, dy
+    "bwd_filter": (712, 713, 714, {"w": 715, "x": 716, "y": 717}),     # dw, x, dy
+}
+NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT = 0, 1
+# engine configs asked of the heuristics, and the most tried (in their order): for f32 with TF32
+# off most of them are tensor-core (TF32) engines, skipped; the 3x3 layer above has its FMA
+# engine at places 28-30 of 32
+HEUR_INSTANT, HEUR_CONFIGS, GRAPH_PLANS = 0, 64, 4
+
+
+class _Desc:
+    """A backend descriptor, destroyed with this object."""
+
+    def __init__(self, kind: int):
+        self.p = c_void_p()
+        lib().cudnnBackendCreateDescriptor(kind, byref(self.p))
+
+    def set(self, attr: int, typ: int, vals, ctype=c_int64):
+        arr = (ctype * len(vals))(*vals)
+        lib().cudnnBackendSetAttribute(self.p, attr, typ, len(vals), arr)
+        return self
+
+    def desc(self, attr: int, *descs):
+        return self.set(attr, T_DESC, [d.p.value for d in descs], c_void_p)
+
+    def get_descs(self, attr: int, kind: int, n: int) -> list:
+        out = [_Desc(kind) for _ in range(n)]
+        arr, count = (c_void_p * n)(*[d.p.value for d in out]), c_int64()
+        lib().cudnnBackendGetAttribute(self.p, attr, T_DESC, n, byref(count), arr)
+        return out[:count.value]
+
+    def finalize(self):
+        lib().cudnnBackendFinalize(self.p)
+        return self
+
+    def __del__(self):
+        if self.p.value and _lib is not None:
+            try:
+                _lib.cudnnBackendDestroyDescriptor(self.p)
+            except Exception:  # noqa: BLE001 - at interpreter exit the library may be gone
+                pass
+
+
+def _align(*ptrs) -> int:
+    a = 16
+    while a > 4 and any(p % a for p in ptrs):
+        a //= 2
+    return a
+
+
+def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs, ws, tf32):
+    """Launch callables for the first GRAPH_PLANS engine configs cuDNN's heuristics give for
+    this convolution that finalize, fit the workspace and (unless ``tf32``) do no TF32."""
+    try:
+        align = _align(*ptrs)
+        tensors = {}
+        for uid, (role, shape) in enumerate((("x", x_shape), ("w", w_shape),
+                                             ("y", y_shape)), 1):
+            strides = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                strides[i] = strides[i + 1] * shape[i + 1]
+            tensors[role] = (_Desc(D_TENSOR).set(901, T_DATA_TYPE, [DATA_FLOAT], c_int)
+                             .set(902, T_INT64, list(shape)).set(903, T_INT64, strides)
+                             .set(906, T_INT64, [uid]).set(900, T_INT64, [align]).finalize())
+        conv = (_Desc(D_CONV).set(100, T_DATA_TYPE, [DATA_FLOAT], c_int)
+                .set(101, T_CONV_MODE, [CROSS_CORRELATION], c_int)
+                .set(106, T_INT64, [len(pad)]).set(102, T_INT64, list(dilation))
+                .set(103, T_INT64, list(stride)).set(105, T_INT64, list(pad))
+                .set(104, T_INT64, list(pad)).finalize())
+        alpha, beta, conv_attr, roles = OP_ATTRS[kind]
+        op = _Desc(D_OP[kind]).set(alpha, T_FLOAT, [1.0], c_float).set(beta, T_FLOAT, [0.0],
+                                                                         c_float)
+        for role, attr in roles.items():
+            op.desc(attr, tensors[role])
+        op.desc(conv_attr, conv).finalize()
+        graph = _Desc(D_OPGRAPH).desc(801, op).set(800, T_HANDLE, [h.value], c_void_p).finalize()
+        heur = (_Desc(D_HEUR).desc(201, graph).set(200, T_HEUR_MODE, [HEUR_INSTANT], c_int)
+                .finalize())
+        cfgs = heur.get_descs(202, D_ENGINECFG, HEUR_CONFIGS)
+    except CudnnError:
+        return []
+    plans = []
+    for cfg in cfgs:
+        if len(plans) == GRAPH_PLANS:
+            break
+        try:
+            if not tf32:
+                engine = cfg.get_descs(300, D_ENGINE, 1)[0]
+                notes, n = (c_int * 16)(), c_int64()
+                lib().cudnnBackendGetAttribute(engine.p, 1303, T_NOTE, 16, byref(n), notes)
+                if {NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT} & set(notes[:n.value]):
+                    continue
+            plan = _Desc(D_PLAN).set(400, T_HANDLE, [h.value], c_void_p).desc(401, cfg).finalize()
+            need = c_int64()
+            lib().cudnnBackendGetAttribute(plan.p, 402, T_INT64, 1, byref(c_int64()),
+                                           byref(need))
+            if need.value > WORKSPACE_BYTES:
+                continue
+            pack = (_Desc(D_VARIANT_PACK).set(1000, T_INT64, [1, 2, 3])
+                    .set(1001, T_VOID_PTR, list(ptrs), c_void_p)
+                    .set(1003, T_VOID_PTR, [ws], c_void_p).finalize())
+        except CudnnError:
+            continue
+
+        def launch(h=h, plan=plan, pack=pack, keep=(tensors, conv, op, graph, cfg)):
+            lib().cudnnBackendExecute(h, plan.p, pack.p)
+        launch.api, launch.workspace = "graph", need.value
+        plans.append(launch)
+    return plans
