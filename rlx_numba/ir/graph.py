@@ -19,6 +19,7 @@ from .ops_quant import QuantOps
 from .ops_random import RandomOps
 from .ops_reduce import ReduceOps
 from .ops_rope import RopeOps
+from .ops_scan import ScanOps
 from .ops_sample import SampleOps
 from .ops_shape import ShapeOps
 
@@ -106,7 +107,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps, MoEOps, VisionOps, ResampleOps):
+            QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

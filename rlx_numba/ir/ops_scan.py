@@ -1,0 +1,97 @@
+"""selective_scan (Mamba's S6, mamba_ssm's selective_scan_ref) and softplus: argument checks,
+the Graph builder methods (mixed into Graph) and the scan's VJP.
+
+The "selective_scan" node is the recurrence alone (kernels/scan.py, lowering
+runtime/lower_scan.py): inputs u, delta, A, B, C; its output is flat, [y (B*D*L) | the last
+state (B*D*N)], which the builder cuts into y [B, D, L] and last [B, D, N]. delta_bias,
+softplus, the D skip and the z gate are graph ops around it, so autodiff covers them; the
+node's VJP is one "selective_scan_grad" node, flat [dA | dB | dC | du | ddelta].
+"""
+from __future__ import annotations
+
+from . import dtypes as dt
+from .autodiff import vjp
+from .ops import fmt
+
+
+def _desc(t):
+    return f"{t.dtype} {fmt(t.shape)}"
+
+
+class ScanOps:
+    """Builder methods; ``self`` is the Graph."""
+
+    def softplus(self, x):
+        """torch.nn.functional.softplus (beta 1): log(1 + exp(x)), as relu(x) + log1p(e) with
+        e = exp(-|x|) (no exp overflows); log1p(e) as e (1 - e / 2) below e = 1e-3, where
+        log(1 + e) would round 1 + e (its error there: e^3 / 3)."""
+        self._check("softplus", "x", x)
+        if x.dtype != dt.F32:
+            raise ValueError(f"softplus: x must be f32, got {_desc(x)}")
+        e = self.exp(self.neg(self.abs(x)))
+        small = self.mul(e, self.sub(1.0, self.mul(e, 0.5)))
+        return self.add(self.relu(x), self.where(self.lt(e, 1e-3), small,
+                                                 self.log(self.add(e, 1.0))))
+
+    def selective_scan(self, u, delta, A, B, C, D=None, z=None, delta_bias=None,
+                       delta_softplus=False, return_last_state=False):
+        """mamba_ssm's selective_scan_ref: u, delta [Bt, Dm, L], A [Dm, N], B, C [Bt, N, L],
+        D [Dm], z [Bt, Dm, L], delta_bias [Dm]. delta += delta_bias, then softplus when
+        ``delta_softplus``; x_l = exp(delta_l A) x_{l-1} + delta_l B_l u_l from x = 0,
+        y_l = C_l . x_l (+ D u_l) (* silu(z_l)). Returns y [Bt, Dm, L], and with
+        ``return_last_state`` (y, the last x [Bt, Dm, N])."""
+        op = "selective_scan"
+        for arg, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
+            self._check(op, arg, t)
+            if t.dtype != dt.F32:
+                raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
+        if len(u.shape) != 3:
+            raise ValueError(f"{op}: u must be [batch, dim, length], got {_desc(u)}")
+        bt, dm, length = u.shape
+        if len(A.shape) != 2 or A.shape[0] != dm:
+            raise ValueError(f"{op}: A must be [{dm}, N] (dim of u {_desc(u)}), got {_desc(A)}")
+        n = A.shape[1]
+        if not 1 <= n <= 256:
+            raise ValueError(f"{op}: A's state size must be 1..256, got {_desc(A)}")
+        want = {"delta": (bt, dm, length), "B": (bt, n, length), "C": (bt, n, length),
+                "D": (dm,), "z": (bt, dm, length), "delta_bias": (dm,)}
+        for arg, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z),
+                       ("delta_bias", delta_bias)):
+            if t is None:
+                continue
+            self._check(op, arg, t)
+            if tuple(t.shape) != want[arg] or t.dtype != dt.F32:
+                raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (u {_desc(u)}, A "
+                                 f"{_desc(A)}), got {_desc(t)}")
+        if delta_bias is not None:
+            delta = self.add(delta, self.reshape(delta_bias, (dm, 1)))
+        if delta_softplus:
+            delta = self.softplus(delta)
+        ny, nl = bt * dm * length, bt * dm * n
+        flat = self._add(op, (u, delta, A, B, C), (ny + nl,), dt.F32)
+        y = self.reshape(self.narrow(flat, 0, 0, ny), (bt, dm, length))
+        if D is not None:
+            y = self.add(y, self.mul(u, self.reshape(D, (dm, 1))))
+        if z is not None:
+            y = self.mul(y, self.silu(z))
+        if return_last_state:
+            return y, self.reshape(self.narrow(flat, 0, ny, nl), (bt, dm, n))
+        return y
+
+
+@vjp("selective_scan")
+def _selective_scan_vjp(g, node, dflat):
+    u, delta, A, B, C = (g.tensor(i) for i in node.inputs)
+    bt, dm, length = u.shape
+    n = A.shape[1]
+    sizes = {"dA": dm * n, "dB": bt * n * length, "dC": bt * n * length,
+             "du": bt * dm * length, "ddelta": bt * dm * length}
+    flat = g._add("selective_scan_grad", (u, delta, A, B, C, dflat), (sum(sizes.values()),),
+                  dt.F32)
+    out, at = {}, 0
+    for name, size in sizes.items():
+        out[name] = g.narrow(flat, 0, at, size)
+        at += size
+    return [g.reshape(out["du"], u.shape), g.reshape(out["ddelta"], u.shape),
+            g.reshape(out["dA"], A.shape), g.reshape(out["dB"], B.shape),
+            g.reshape(out["dC"], C.shape)]
