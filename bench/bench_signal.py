@@ -1,0 +1,123 @@
+"""Sequence ops and the Mamba model on the GPU beside torch / transformers in the same process
+(issue 20's bench).
+
+  selective_scan B8 Dm1536 N16 L2048 (softplus, D, z): ours (the three chunk kernels, CUDA
+    events over the executable's steps) against transformers' slow path (MambaMixer's
+    reference scan in torch: deltaA / deltaB_u materialised, a loop over L), bar 10x;
+  Mamba (mamba-130m's config, random weights) greedy decode at batch 1: tokens/s of ours
+    (prefill, then one decode graph run a token) against transformers' generate (its slow
+    path: no mamba_ssm kernels), bar 2x.
+
+  python bench/bench_signal.py [--out F]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import time_torch  # noqa: E402
+
+
+def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
+    F = torch.nn.functional
+    feed = dict(u=rng.standard_normal((b, dm, length)), delta=rng.standard_normal((b, dm, length)),
+                A=-np.exp(rng.standard_normal((dm, n)) * 0.5),
+                B=rng.standard_normal((b, n, length)), C=rng.standard_normal((b, n, length)),
+                D=rng.standard_normal(dm), z=rng.standard_normal((b, dm, length)))
+    feed = {k: v.astype(np.float32) for k, v in feed.items()}
+    g = rlx.Graph("scan")
+    t = {k: g.input(k, v.shape) for k, v in feed.items()}
+    g.set_outputs([g.selective_scan(t["u"], t["delta"], t["A"], t["B"], t["C"], D=t["D"],
+                                    z=t["z"], delta_softplus=True)])
+    exe = rlx.compile(g)
+    (got,) = exe.run(feed)
+    prof = exe.profile(feed, warmup=1)
+    T = {k: torch.tensor(v, device="cuda") for k, v in feed.items()}
+
+    def slow():    # transformers' MambaMixer.slow_forward, its scan
+        dt = F.softplus(T["delta"])
+        dA = torch.exp(T["A"][None, :, None, :] * dt[:, :, :, None])
+        dBu = dt[:, :, :, None] * T["B"].transpose(1, 2)[:, None] * T["u"][:, :, :, None]
+        st = torch.zeros(b, dm, n, device="cuda")
+        ys = []
+        for i in range(length):
+            st = dA[:, :, i] * st + dBu[:, :, i]
+            ys.append(torch.matmul(st, T["C"][:, :, i, None])[..., 0])
+        y = torch.stack(ys, dim=-1) + T["u"] * T["D"][None, :, None]
+        return y * F.silu(T["z"])
+    with torch.no_grad():
+        want = slow().cpu().numpy()
+        theirs = time_torch(torch, slow, 1, 1, 2)
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    return dict(row=f"selective_scan B{b} Dm{dm} N{n} L{length}", rel=rel,
+                rlx_ms=prof.total_ms, torch_ms=theirs, ratio=theirs / prof.total_ms,
+                steps=[(r.kernel, r.ms) for r in prof])
+
+
+def decode_row(torch, rng, new_tokens=64, prompt=8):
+    import transformers as tf
+
+    from rlx_numba.models import MambaConfig, MambaForCausalLM
+    cfg = tf.MambaConfig(vocab_size=50280, hidden_size=768, state_size=16, num_hidden_layers=24,
+                         conv_kernel=4, expand=2)
+    torch.manual_seed(0)
+    ref = tf.MambaForCausalLM(cfg).eval().cuda()
+    params = {k: v.detach().float().cpu().numpy() for k, v in ref.state_dict().items()}
+    params.pop("lm_head.weight", None)
+    ours = MambaForCausalLM(MambaConfig.from_hf(cfg.to_dict()), params)
+    ids = rng.integers(0, 50280, (1, prompt))
+    ours.generate(ids, max_new_tokens=new_tokens)          # compile + warm
+    best_ours = best_theirs = float("inf")
+    tids = torch.tensor(ids, device="cuda")
+    with torch.no_grad():
+        ref.generate(tids, max_new_tokens=4, do_sample=False)
+        for _ in range(2):
+            t0 = time.perf_counter()
+            mine = ours.generate(ids, max_new_tokens=new_tokens)
+            best_ours = min(best_ours, time.perf_counter() - t0)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            theirs = ref.generate(tids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                  do_sample=False)
+            torch.cuda.synchronize()
+            best_theirs = min(best_theirs, time.perf_counter() - t0)
+    same = bool((mine == theirs.cpu().numpy()).all())
+    return dict(row=f"Mamba-130m config decode b1 ({prompt} + {new_tokens} tokens)",
+                rlx_tok_s=new_tokens / best_ours, torch_tok_s=new_tokens / best_theirs,
+                ratio=best_theirs / best_ours, same_tokens=same)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "signal.json")
+    args = p.parse_args()
+    import torch
+
+    import rlx_numba as rlx
+    torch.backends.cuda.matmul.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32\n")
+    results = []
+    r = scan_row(rlx, torch, rng)
+    print(f"{r['row']:<44} rel {r['rel']:.1e}  ours {r['rlx_ms']:8.2f} ms  slow path "
+          f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:6.1f}   "
+          + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
+    results.append(r)
+    r = decode_row(torch, rng)
+    print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers {r['torch_tok_s']:7.1f}"
+          f" tok/s  ratio {r['ratio']:5.2f}  same tokens: {r['same_tokens']}", flush=True)
+    results.append(r)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
