@@ -11,6 +11,7 @@ from . import ops
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_fft import FftOps
 from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
 from .ops_moe import MoEOps
@@ -107,7 +108,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps):
+            QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

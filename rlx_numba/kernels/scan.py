@@ -114,6 +114,7 @@ def scan_grad_kernel(n_state: int):
     chunks): the scan's VJP (dy of y, dlast of the last state); dA, dB, dC must be zero
     (atomics add into them); states: the chunks' start states (steps 1-2 of the forward)."""
     N = n_state
+    HIST = CHUNK * N                  # a chunk's states, rescanned (a compile-time size)
 
     @jit
     def kernel(dA, dB, dC, du, ddelta, states, u, delta, A, B, C, dy, dlast, batch, dim, length,
@@ -122,7 +123,7 @@ def scan_grad_kernel(n_state: int):
         x0 = cuda.local.array(N, float32)
         a = cuda.local.array(N, float32)
         da = cuda.local.array(N, float32)
-        hist = cuda.local.array(CHUNK * N, float32)
+        hist = cuda.local.array(HIST, float32)
         t = uint64(cuda.grid(1))
         while t < batch * dim:
             d, b = t % dim, t // dim

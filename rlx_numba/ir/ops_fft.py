@@ -1,0 +1,207 @@
+"""fft, rfft, irfft and welch: argument checks, the Graph builder methods (mixed into Graph)
+and the "fft" node's VJP. Complex values are a trailing axis of 2 (re, im).
+
+The "fft" node is the unnormalised DFT along axis -2 of x [..., n, 2] for n a power of two
+(sign -1, or +1 with ``inverse``; kernels/fft.py, lowering runtime/lower_fft.py). Other
+lengths are Bluestein's chirp-z over it, as graph ops: x_j c_j (c_j = exp(-+ i pi j^2 / n))
+zero-padded to a power of two m >= 2n - 1, convolved with conj(c) by two m-point transforms
+and the transform of conj(c) made on the host (float64), times c_k. The norms are torch's.
+rfft is the transform of x with a zero imaginary part (its first n // 2 + 1 bins); irfft
+builds the Hermitian spectrum and keeps the real part of the inverse. welch is SciPy's
+(framing by a gather, detrend "constant", the window, rfft, density scaling, one-sided,
+the mean over segments).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import dtypes as dt
+from .autodiff import vjp
+from .ops import fmt
+
+NORMS = ("backward", "ortho", "forward")
+
+
+def _desc(t):
+    return f"{t.dtype} {fmt(t.shape)}"
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _scale(norm: str, n: int, inverse: bool) -> float:
+    if norm == "ortho":
+        return 1.0 / math.sqrt(n)
+    return 1.0 / n if (norm == "backward") == inverse else 1.0
+
+
+def _cmul(g, a, b):
+    """a * b for complex tensors [..., 2] (b broadcast)."""
+    ar, ai = g.narrow(a, -1, 0, 1), g.narrow(a, -1, 1, 1)
+    br, bi = g.narrow(b, -1, 0, 1), g.narrow(b, -1, 1, 1)
+    return g.concat([g.sub(g.mul(ar, br), g.mul(ai, bi)), g.add(g.mul(ar, bi), g.mul(ai, br))], -1)
+
+
+def _complex_const(z: np.ndarray) -> np.ndarray:
+    return np.stack([z.real, z.imag], -1).astype(np.float32)
+
+
+def _dft(g, x, inverse: bool):
+    """The unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
+    n = x.shape[-2]
+    if _pow2(n):
+        return g._add("fft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+    m = 1 << (2 * n - 2).bit_length()                 # >= 2n - 1
+    s = 1.0 if inverse else -1.0
+    j = np.arange(n)
+    c = np.exp(1j * s * math.pi * ((j * j) % (2 * n)) / n)          # the chirp, float64
+    b = np.zeros(m, np.complex128)
+    b[:n] = np.conj(c)
+    b[m - n + 1:] = np.conj(c[1:])[::-1]
+    bhat = np.fft.fft(b) / m                          # with the inverse's 1 / m
+    pads = (0, 0, 0, m - n)
+    a = g.pad(_cmul(g, x, g.constant(_complex_const(c))), pads)
+    conv = g._add("fft", (_cmul(g, g._add("fft", (a,), a.shape, dt.F32, inverse=False),
+                                g.constant(_complex_const(bhat))),), a.shape, dt.F32,
+                  inverse=True)
+    return _cmul(g, g.narrow(conv, -2, 0, n), g.constant(_complex_const(c)))
+
+
+@vjp("fft")
+def _fft_vjp(g, node, dy):
+    # the adjoint of an unnormalised DFT is the unnormalised DFT the other way
+    return [g._add("fft", (dy,), dy.shape, dt.F32, inverse=not node.attrs["inverse"])]
+
+
+class FftOps:
+    """Builder methods; ``self`` is the Graph."""
+
+    def _fft_args(self, op, x, norm):
+        self._check(op, "x", x)
+        if x.dtype != dt.F32:
+            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        if norm not in NORMS:
+            raise ValueError(f"{op}: norm must be one of {NORMS}, got {norm!r}")
+
+    def fft(self, x, inverse: bool = False, norm: str = "backward"):
+        """torch.fft.fft / ifft along the last complex axis: x f32 [..., n, 2] (re, im) ->
+        [..., n, 2]; any n >= 1; norm "backward" (inverse scaled 1/n), "ortho", "forward"."""
+        op = "fft"
+        self._fft_args(op, x, norm)
+        if len(x.shape) < 2 or x.shape[-1] != 2 or x.shape[-2] < 1:
+            raise ValueError(f"{op}: x must be complex as [..., n, 2] (re, im) with n >= 1, got "
+                             f"{_desc(x)}")
+        y = _dft(self, x, inverse)
+        scale = _scale(norm, x.shape[-2], inverse)
+        return y if scale == 1.0 else self.mul(y, scale)
+
+    def rfft(self, x, norm: str = "backward"):
+        """torch.fft.rfft along the last axis: x f32 [..., n] -> [..., n // 2 + 1, 2]."""
+        op = "rfft"
+        self._fft_args(op, x, norm)
+        if len(x.shape) < 1 or x.shape[-1] < 1:
+            raise ValueError(f"{op}: x must be [..., n] with n >= 1, got {_desc(x)}")
+        n = x.shape[-1]
+        z = self.pad(self.reshape(x, tuple(x.shape) + (1,)), (0, 1))    # imaginary part 0
+        y = self.narrow(_dft(self, z, False), -2, 0, n // 2 + 1)
+        scale = _scale(norm, n, False)
+        return y if scale == 1.0 else self.mul(y, scale)
+
+    def irfft(self, x, n: int | None = None, norm: str = "backward"):
+        """torch.fft.irfft: x f32 [..., m, 2] (a one-sided spectrum) -> [..., n] real, n
+        default 2 (m - 1); x is cut or zero-padded to n // 2 + 1 bins, the imaginary parts of
+        bin 0 (and n / 2) do not count."""
+        op = "irfft"
+        self._fft_args(op, x, norm)
+        if len(x.shape) < 2 or x.shape[-1] != 2 or x.shape[-2] < 1:
+            raise ValueError(f"{op}: x must be complex as [..., m, 2] (re, im) with m >= 1, got "
+                             f"{_desc(x)}")
+        m = x.shape[-2]
+        n = 2 * (m - 1) if n is None else n
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{op}: n must be a positive int, got {n!r} (x {_desc(x)})")
+        h = n // 2 + 1
+        xh = self.narrow(x, -2, 0, h) if m >= h else self.pad(x, (0, 0, 0, h - m))
+        if n > h:       # bins h .. n-1 are conj(x[n - k])
+            idx = self.constant(np.arange(n - h, 0, -1, dtype=np.int64))
+            tail = self.mul(self.gather(xh, idx, axis=len(x.shape) - 2),
+                            self.constant(np.array([1.0, -1.0], np.float32)))
+            xh = self.concat([xh, tail], -2)
+        y = _dft(self, xh, True)
+        y = self.reshape(self.narrow(y, -1, 0, 1), tuple(x.shape[:-2]) + (n,))
+        scale = _scale(norm, n, True)
+        return y if scale == 1.0 else self.mul(y, scale)
+
+    def welch(self, x, nperseg: int = 256, noverlap: int | None = None, window="hann",
+              fs: float = 1.0):
+        """scipy.signal.welch(x, fs, window, nperseg, noverlap) along the last axis with its
+        defaults (detrend "constant", return_onesided, scaling "density", average "mean"):
+        the PSD [..., nperseg // 2 + 1]. nperseg longer than x is cut to x's length, as SciPy
+        does. ``window``: "hann" / "hamming" (periodic, SciPy's get_window), "boxcar", or an
+        array of nperseg. Frequencies: welch_frequencies(nperseg, fs)."""
+        op = "welch"
+        self._check(op, "x", x)
+        if x.dtype != dt.F32 or len(x.shape) < 1 or x.shape[-1] < 1:
+            raise ValueError(f"{op}: x must be f32 [..., n] with n >= 1, got {_desc(x)}")
+        t = x.shape[-1]
+        if not isinstance(nperseg, (int, np.integer)) or isinstance(nperseg, bool) or nperseg < 1:
+            raise ValueError(f"{op}: nperseg must be a positive int, got {nperseg!r}")
+        nperseg = min(int(nperseg), t)
+        noverlap = nperseg // 2 if noverlap is None else noverlap
+        if not isinstance(noverlap, (int, np.integer)) or not 0 <= noverlap < nperseg:
+            raise ValueError(f"{op}: noverlap must be an int in [0, nperseg={nperseg}), got "
+                             f"{noverlap!r}")
+        if not fs > 0:
+            raise ValueError(f"{op}: fs must be > 0, got {fs!r}")
+        win = welch_window(window, nperseg)
+        step = nperseg - noverlap
+        nseg = (t - noverlap) // step
+        idx = np.arange(nseg)[:, None] * step + np.arange(nperseg)[None, :]
+        frames = self.gather(x, self.constant(idx.astype(np.int64)), axis=len(x.shape) - 1)
+        frames = self.sub(frames, self.reduce_mean(frames, -1, keep_dim=True))
+        spec = self.rfft(self.mul(frames, self.constant(win.astype(np.float32))))
+        power = self.reduce_sum(self.mul(spec, spec), -1)             # |X|^2
+        bins = nperseg // 2 + 1
+        scale = np.full(bins, 2.0 / (fs * float((win * win).sum())))
+        scale[0] /= 2
+        if nperseg % 2 == 0:
+            scale[-1] /= 2
+        power = self.mul(power, self.constant(scale.astype(np.float32)))
+        return self.reduce_mean(power, -2)
+
+    def welch_peaks(self, psd, k: int, nperseg: int, fs: float = 1.0):
+        """The ``k`` largest bins of a welch PSD [..., bins]: (powers, frequencies), both
+        [..., k], largest first (frequencies f32: bin * fs / nperseg)."""
+        self._check("welch_peaks", "psd", psd)
+        if psd.shape[-1] != nperseg // 2 + 1:
+            raise ValueError(f"welch_peaks: psd {_desc(psd)} does not have the {nperseg // 2 + 1}"
+                             f" bins of nperseg={nperseg}")
+        vals, idx = self.topk(psd, k)
+        return vals, self.mul(self.cast(idx, dt.F32), float(fs) / nperseg)
+
+
+def welch_window(window, nperseg: int) -> np.ndarray:
+    """SciPy's get_window(window, nperseg) (periodic) for "hann", "hamming", "boxcar"; an
+    array of nperseg as is."""
+    if isinstance(window, str):
+        j = np.arange(nperseg)
+        w = {"hann": lambda: 0.5 - 0.5 * np.cos(2 * np.pi * j / nperseg),
+             "hamming": lambda: 0.54 - 0.46 * np.cos(2 * np.pi * j / nperseg),
+             "boxcar": lambda: np.ones(nperseg)}.get(window)
+        if w is None:
+            raise ValueError(f"welch: window must be 'hann', 'hamming', 'boxcar' or an array of "
+                             f"{nperseg}, got {window!r}")
+        return w()
+    arr = np.asarray(window, np.float64)
+    if arr.shape != (nperseg,):
+        raise ValueError(f"welch: a window array must have nperseg={nperseg} values, got shape "
+                         f"{list(arr.shape)}")
+    return arr
+
+
+def welch_frequencies(nperseg: int, fs: float = 1.0) -> np.ndarray:
+    """The frequencies of welch's bins: np.fft.rfftfreq(nperseg, 1 / fs)."""
+    return np.fft.rfftfreq(nperseg, 1.0 / fs)
