@@ -29,17 +29,18 @@ U1, U2 = uint64(1), uint64(2)
 def fft_row_kernel(n: int):
     """kernel(out, x, tw, rows): out[r] = DFT(x[r]) for rows of n complex values."""
     half = n // 2
-    un, uhalf = uint64(n), uint64(half)
+    un, uhalf, u2n = uint64(n), uint64(half), uint64(2 * n)
+    shape = (2, 2 * n)                       # a compile-time constant for the shared array
 
     @jit
     def kernel(out, x, tw, rows):
-        buf = cuda.shared.array((2, 2 * n), float32)
+        buf = cuda.shared.array(shape, float32)
         tid = uint64(cuda.threadIdx.x)
         r = uint64(cuda.blockIdx.x)
         while r < rows:
-            base = r * uint64(2 * n)
+            base = r * u2n
             i = tid
-            while i < uint64(2 * n):
+            while i < u2n:
                 buf[0, i] = x[base + i]
                 i += uint64(cuda.blockDim.x)
             cuda.syncthreads()
@@ -65,7 +66,7 @@ def fft_row_kernel(n: int):
                 src = 1 - src
                 ns *= uint64(2)
             i = tid
-            while i < uint64(2 * n):
+            while i < u2n:
                 out[base + i] = buf[src, i]
                 i += uint64(cuda.blockDim.x)
             cuda.syncthreads()
