@@ -23,6 +23,7 @@ from .ops_rope import RopeOps
 from .ops_scan import ScanOps
 from .ops_sample import SampleOps
 from .ops_shape import ShapeOps
+from .ops_sort import SortOps
 
 
 @dataclass
@@ -108,7 +109,7 @@ class Tensor:
 
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
-            QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps):
+            QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

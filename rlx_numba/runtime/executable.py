@@ -17,7 +17,7 @@ from ..ir.ops import fmt
 from ..memory import MemoryReport
 from . import (lower, lower_attention, lower_fft, lower_grouped, lower_loss,  # noqa: F401
                lower_matmul, lower_norm, lower_quant, lower_random, lower_reduce, lower_rope,
-               lower_sample, lower_scan, lower_shape, lower_vision)  # (each registers its lowerings)
+               lower_sample, lower_scan, lower_shape, lower_sort, lower_vision)  # (each registers its lowerings)
 from ..device import SIMULATOR
 from . import trace
 from .params import ParamStore
