@@ -121,3 +121,27 @@ def test_selective_scan_gpu_size(rng):
     g.set_outputs([y])
     (got,) = run_graph(g, {k: v.astype(np.float32) for k, v in feed.items()})
     np.testing.assert_allclose(got, scan_ref(**feed, delta_softplus=True), rtol=1e-3, atol=1e-3)
+
+
+def test_selective_state_update_is_one_scan_step(rng):
+    """The generation step from a state equals the scan over the sequence one step longer."""
+    feed = _inputs(rng, 2, 3, 5, 4)
+    names = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias"]
+    g = rlx.Graph("step")
+    t = {k: g.input(k, feed[k].shape) for k in names}
+    state = g.input("state", (2, 3, 4))
+    last = lambda a: g.reshape(g.narrow(a, 2, 4, 1), a.shape[:2])  # noqa: E731
+    y, new = g.selective_state_update(state, last(t["u"]), last(t["delta"]), t["A"],
+                                      last(t["B"]), last(t["C"]), D=t["D"], z=last(t["z"]),
+                                      dt_bias=t["delta_bias"], dt_softplus=True)
+    g.set_outputs([y, new])
+    prefix = {k: (v[..., :4] if v.ndim == 3 else v) for k, v in feed.items()}
+    _, st = scan_ref(**{k: prefix[k] for k in names}, delta_softplus=True, last=True)
+    got = run_graph(g, {**{k: v.astype(np.float32) for k, v in feed.items()},
+                        "state": st.astype(np.float32)})
+    want_y, want_st = scan_ref(**feed, delta_softplus=True, last=True)
+    np.testing.assert_allclose(got[0], want_y[..., 4], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], want_st, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"selective_state_update: B must be f32 \[2, 4\]"):
+        g.selective_state_update(state, last(t["u"]), last(t["delta"]), t["A"], t["B"],
+                                 last(t["C"]))

@@ -14,6 +14,9 @@ from .autodiff import vjp
 from .ops import fmt
 
 
+_F32 = dt.F32      # (selective_state_update's argument dt shadows the module)
+
+
 def _desc(t):
     return f"{t.dtype} {fmt(t.shape)}"
 
@@ -77,6 +80,42 @@ class ScanOps:
         if return_last_state:
             return y, self.reshape(self.narrow(flat, 0, ny, nl), (bt, dm, n))
         return y
+
+    def selective_state_update(self, state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                               dt_softplus=False):
+        """One step of the scan (mamba_ssm's selective_state_update, generation): state
+        [Bt, Dm, N], x and dt [Bt, Dm], B and C [Bt, N], A [Dm, N], D / dt_bias [Dm], z
+        [Bt, Dm]. Returns (y [Bt, Dm], the next state): state' = exp(dt A) state + dt x B,
+        y = C . state' (+ D x) (* silu(z)). Element-wise graph ops (fused)."""
+        op = "selective_state_update"
+        self._check(op, "state", state)
+        if len(state.shape) != 3 or state.dtype != _F32:
+            raise ValueError(f"{op}: state must be f32 [batch, dim, N], got {_desc(state)}")
+        bt, dm, n = state.shape
+        want = {"x": (bt, dm), "dt": (bt, dm), "A": (dm, n), "B": (bt, n), "C": (bt, n),
+                "D": (dm,), "z": (bt, dm), "dt_bias": (dm,)}
+        for arg, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z),
+                       ("dt_bias", dt_bias)):
+            if t is None:
+                continue
+            self._check(op, arg, t)
+            if tuple(t.shape) != want[arg] or t.dtype != _F32:
+                raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (state "
+                                 f"{_desc(state)}), got {_desc(t)}")
+        if dt_bias is not None:
+            dt = self.add(dt, dt_bias)
+        if dt_softplus:
+            dt = self.softplus(dt)
+        dt3 = self.reshape(dt, (bt, dm, 1))
+        new = self.add(self.mul(state, self.exp(self.mul(dt3, A))),
+                       self.mul(self.mul(dt3, self.reshape(x, (bt, dm, 1))),
+                                self.reshape(B, (bt, 1, n))))
+        y = self.reduce_sum(self.mul(new, self.reshape(C, (bt, 1, n))), 2)
+        if D is not None:
+            y = self.add(y, self.mul(x, D))
+        if z is not None:
+            y = self.mul(y, self.silu(z))
+        return y, new
 
 
 @vjp("selective_scan")

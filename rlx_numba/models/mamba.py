@@ -125,13 +125,10 @@ def build_mamba(cfg: MambaConfig, batch: int, seq: int, kind: str = "forward") -
                 xc = g.add(xc, P[p + "conv1d.bias"])
             xc = g.silu(xc)                                             # [b, di]
             dbl = g.reshape(lin(g.reshape(xc, (b, 1, di)), p + "x_proj"), (b, r + 2 * n))
-            dt = g.softplus(lin(g.narrow(dbl, 1, 0, r), p + "dt_proj"))   # [b, di]
-            Bm, Cm = g.narrow(dbl, 1, r, n), g.narrow(dbl, 1, r + n, n)   # [b, n]
-            dt3 = g.reshape(dt, (b, di, 1))
-            ssm = g.add(g.mul(g.input(f"ssm.{i}", (b, di, n)), g.exp(g.mul(dt3, A))),
-                        g.mul(g.mul(dt3, g.reshape(xc, (b, di, 1))), g.reshape(Bm, (b, 1, n))))
-            y = g.reduce_sum(g.mul(ssm, g.reshape(Cm, (b, 1, n))), 2)
-            y = g.mul(g.add(y, g.mul(xc, P[p + "D"])), g.silu(z))     # [b, di]
+            dt = lin(g.narrow(dbl, 1, 0, r), p + "dt_proj")            # [b, di]
+            y, ssm = g.selective_state_update(
+                g.input(f"ssm.{i}", (b, di, n)), xc, dt, A, g.narrow(dbl, 1, r, n),
+                g.narrow(dbl, 1, r + n, n), D=P[p + "D"], z=z, dt_softplus=True)
             out = lin(g.reshape(y, (b, 1, di)), p + "out_proj")
             states += [g.narrow(window, 2, 1, k - 1), ssm]
         else:
