@@ -6,7 +6,11 @@
     reference scan in torch: deltaA / deltaB_u materialised, a loop over L), bar 10x;
   Mamba (mamba-130m's config, random weights) greedy decode at batch 1: tokens/s of ours
     (prefill, then one decode graph run a token) against transformers' generate (its slow
-    path: no mamba_ssm kernels), bar 2x.
+    path: no mamba_ssm kernels), bar 2x;
+  rfft / fft of 2^20 points batch 64 and a length that is not a power of two (Bluestein)
+    against torch.fft (cuFFT): the numba tier, bar 0.3x (no cuFFT tier yet);
+  sort of 1M f32 (one row) and 4096 rows x 32k against torch.sort(stable=True), bar 0.7x.
+Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch's by events.
 
   python bench/bench_signal.py [--out F]
 """
@@ -60,6 +64,45 @@ def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
                 steps=[(r.kernel, r.ms) for r in prof])
 
 
+def op_row(rlx, torch, name, shape, build, ref, check):
+    """One graph op beside its torch call: (rel or equality, ours ms, torch ms)."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np.float32)
+    g = rlx.Graph(name)
+    g.set_outputs(list(build(g, g.input("x", shape))))
+    exe = rlx.compile(g)
+    got = exe.run({"x": x})
+    tx = torch.tensor(x, device="cuda")
+    want = ref(tx)
+    ok = check(got, want)
+    prof = exe.profile({"x": x}, warmup=1)
+    theirs = time_torch(torch, lambda: ref(tx), 5, 1, 3)
+    return dict(row=name, check=ok, rlx_ms=prof.total_ms, torch_ms=theirs,
+                ratio=theirs / prof.total_ms, steps=[(r.kernel, r.ms) for r in prof])
+
+
+def fft_sort_rows(rlx, torch):
+    def rel(got, want):
+        w = torch.view_as_real(want).cpu().numpy() if want.is_complex() else want.cpu().numpy()
+        return float(np.abs(got[0] - w).max() / np.abs(w).max())
+
+    def same(got, want):
+        return bool((got[1] == want.indices.cpu().numpy()).all())
+    rows = [
+        ("rfft 2^20 x 64", (64, 2**20), lambda g, x: [g.rfft(x)],
+         lambda x: torch.fft.rfft(x), rel),
+        ("fft 2^20 x 64", (64, 2**20, 2), lambda g, x: [g.fft(x)],
+         lambda x: torch.fft.fft(torch.view_as_complex(x)), rel),
+        ("rfft 1000 x 4096 (Bluestein)", (4096, 1000), lambda g, x: [g.rfft(x)],
+         lambda x: torch.fft.rfft(x), rel),
+        ("sort 1M f32", (1, 2**20), lambda g, x: g.sort(x),
+         lambda x: torch.sort(x, stable=True), same),
+        ("sort 4096 x 32k f32", (4096, 32768), lambda g, x: g.sort(x),
+         lambda x: torch.sort(x, stable=True), same),
+    ]
+    return [op_row(rlx, torch, *r) for r in rows]
+
+
 def decode_row(torch, rng, new_tokens=64, prompt=8):
     import transformers as tf
 
@@ -110,6 +153,11 @@ def main():
           f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:6.1f}   "
           + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
     results.append(r)
+    for r in fft_sort_rows(rlx, torch):
+        print(f"{r['row']:<44} check {r['check']}  ours {r['rlx_ms']:8.3f} ms  torch "
+              f"{r['torch_ms']:8.3f} ms  ratio {r['ratio']:5.2f}   "
+              + " | ".join(f"{k[:28]} {ms:.3f}" for k, ms in r["steps"][:6]), flush=True)
+        results.append(r)
     r = decode_row(torch, rng)
     print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers {r['torch_tok_s']:7.1f}"
           f" tok/s  ratio {r['ratio']:5.2f}  same tokens: {r['same_tokens']}", flush=True)
