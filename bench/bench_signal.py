@@ -17,7 +17,6 @@ Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_torch  # noqa: E402
+from common import time_torch, write_results  # noqa: E402
 
 
 def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
@@ -162,9 +161,7 @@ def main():
     print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers {r['torch_tok_s']:7.1f}"
           f" tok/s  ratio {r['ratio']:5.2f}  same tokens: {r['same_tokens']}", flush=True)
     results.append(r)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, torch, results)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ exec mode) beside torchvision's eager model, each timed with CUDA events on its 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_rlx, time_torch  # noqa: E402
+from common import time_rlx, time_torch, write_results  # noqa: E402
 
 
 def rows(rlx, F, rng):
@@ -179,9 +178,7 @@ def main():
             print(f"{arch:<44} {r['rlx_per_s']:11.0f} {r['torch_per_s']:11.0f} "
                   f"{r['ratio']:6.2f}", flush=True)
             results.append(r)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=results), indent=1))
-    print(f"\nwrote {args.out}")
+    write_results(args.out, torch, results)
 
 
 if __name__ == "__main__":

@@ -79,3 +79,11 @@ def copy_bandwidth(torch, n: int = 1 << 27) -> float:
     gb = gbps(8 * n, time_torch(torch, lambda: c.copy_(a), 20, 3, 3))
     del a, c
     return gb
+
+
+def write_results(path, torch, rows) -> None:
+    """The rows as JSON at ``path`` (its folder made), with the GPU's name."""
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
+    print(f"\nwrote {path}")
