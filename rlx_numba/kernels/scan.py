@@ -7,7 +7,7 @@ u, delta, y [B, D, L]; A [D, N]; B, C [B, N, L]. The sequence is cut into chunks
 so that B * D * chunks threads run at once, never holding [B, D, N, L]:
   1. scan_kernel(FIRST): each chunk scans from a zero state; writes its end state and the sum
      of its deltas (the chunk's decay is exp(A * that sum), the product of its steps' decays);
-  2. carry_kernel: per (b, d), walks the chunks in order: a chunk's start state is
+  2. carry_kernel: per (b, d, n), walks the chunks in order: a chunk's start state is
      decay * the previous start + the previous chunk's zero-start end state; writes the start
      states over the end states, and the last state;
   3. scan_kernel(FINAL): each chunk scans again from its start state, writing y.
@@ -80,29 +80,26 @@ def scan_kernel(n_state: int, mode: int):
 
 @functools.lru_cache(maxsize=None)
 def carry_kernel(n_state: int):
-    """kernel(last, states, dsum, A, batch, dim, chunks): per (b, d), the chunks' start
-    states over their zero-start end states, and last[b, d, :] the state after the last."""
-    N = n_state
+    """kernel(last, states, dsum, A, batch, dim, chunks): a thread per (b, d, n) walks the
+    chunks: their start states over their zero-start end states, and last[b, d, n] the
+    state after the last chunk."""
+    N = uint64(n_state)
 
     @jit
     def kernel(last, states, dsum, A, batch, dim, chunks):
-        x = cuda.local.array(N, float32)
         t = uint64(cuda.grid(1))
-        while t < batch * dim:
-            d = t % dim
-            for n in range(N):
-                x[n] = float32(0.0)
+        while t < batch * dim * N:
+            n, bd = t % N, t // N
+            a = A[(bd % dim) * N + n]
+            x = float32(0.0)
             c = uint64(0)
             while c < chunks:
-                s = dsum[t * chunks + c]
-                st = (t * chunks + c) * uint64(N)
-                for n in range(N):
-                    end = states[st + uint64(n)]
-                    states[st + uint64(n)] = x[n]
-                    x[n] = math.exp(A[d * uint64(N) + uint64(n)] * s) * x[n] + end
+                i = (bd * chunks + c) * N + n
+                end = states[i]
+                states[i] = x
+                x = math.exp(a * dsum[bd * chunks + c]) * x + end
                 c += uint64(1)
-            for n in range(N):
-                last[t * uint64(N) + uint64(n)] = x[n]
+            last[t] = x
             t += uint64(cuda.gridsize(1))
 
     return kernel

@@ -31,7 +31,7 @@ def _chunk_steps(exe, n, last):
     sizes = (_U(bt), _U(dm), _U(length), _U(nc))
     name, what = step_name(n), f"{bt}x{dm}x{length} N={ns}, {nc} chunks of {K.CHUNK}"
     g1 = grid_1d(bt * dm * nc, 128)
-    g2 = grid_1d(bt * dm, 128)
+    g2 = grid_1d(bt * dm * ns, 128)
     return [Step(name, f"selective scan chunks {what}", K.scan_kernel(ns, K.FIRST), (g1[0],),
                  (g1[1],), (states, states, dsum, u, delta, a, b, c) + sizes, {}),
             Step(name, f"selective scan carry {what}", K.carry_kernel(ns), (g2[0],), (g2[1],),
