@@ -88,10 +88,11 @@ def mamba_param_shapes(cfg: MambaConfig) -> dict[str, tuple]:
 
 def build_mamba(cfg: MambaConfig, batch: int, seq: int, kind: str = "forward") -> Graph:
     """A Mamba graph over ``input_ids`` (i32 [batch, seq]). kind "forward": outputs the logits
-    [batch, seq, vocab]. "prefill": the last position's logits [batch, vocab], then per layer
-    i its conv state ``conv.i`` [batch, di, conv_kernel - 1] and ssm state ``ssm.i`` [batch,
-    di, state_size]. "decode" (seq 1): takes those states as inputs of the same names and
-    outputs the logits [batch, vocab] and the next states."""
+    [batch, seq, vocab]. "prefill": the greedy next ids (i64 [batch], the argmax on the
+    device) and the last position's logits [batch, vocab], then per layer i its conv state
+    ``conv.i`` [batch, di, conv_kernel - 1] and ssm state ``ssm.i`` [batch, di, state_size].
+    "decode" (seq 1): takes those states as inputs of the same names and outputs the next
+    ids, the logits [batch, vocab] and the next states."""
     if kind not in ("forward", "prefill", "decode"):
         raise ValueError(f"build_mamba: kind must be 'forward', 'prefill' or 'decode', got "
                          f"{kind!r}")
@@ -151,7 +152,7 @@ def build_mamba(cfg: MambaConfig, batch: int, seq: int, kind: str = "forward") -
     if kind != "forward":
         h = g.reshape(g.narrow(h, 1, s - 1, 1), (b, d))
     logits = g.matmul(h, g.transpose(head, (1, 0)))
-    g.set_outputs([logits] + (states if kind != "forward" else []))
+    g.set_outputs([logits] if kind == "forward" else [g.argmax(logits, 1), logits] + states)
     return g
 
 
@@ -246,13 +247,13 @@ class MambaForCausalLM:
         tokens = [ids]
         step = self.executable(b, 1, "decode")
         for t in range(max_new_tokens):
-            nxt = np.argmax(out[0].copy_to_host(), axis=-1).astype(np.int32)[:, None]
+            nxt = out[0].copy_to_host().astype(np.int32)[:, None]     # b ids, not b x vocab
             tokens.append(nxt)
             if t == max_new_tokens - 1:
                 break
             feed = {"input_ids": nxt}
             for i in range(layers):
-                feed[f"conv.{i}"], feed[f"ssm.{i}"] = out[1 + 2 * i], out[2 + 2 * i]
+                feed[f"conv.{i}"], feed[f"ssm.{i}"] = out[2 + 2 * i], out[3 + 2 * i]
             out = step.run(feed, outputs="view")
         res = np.concatenate(tokens, axis=1)
         return res[0] if single else res

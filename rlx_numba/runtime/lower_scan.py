@@ -17,14 +17,15 @@ _U = np.uint64
 
 
 def _dims(exe, n):
+    """(batch, dim, length, N, chunks, B * D * L) of a scan node or its gradient."""
     u, _, a = (exe.graph.nodes[i] for i in n.inputs[:3])
     bt, dm, length = u.shape
-    return bt, dm, length, a.shape[1], max(1, -(-length // K.CHUNK))
+    return bt, dm, length, a.shape[1], max(1, -(-length // K.CHUNK)), bt * dm * length
 
 
 def _chunk_steps(exe, n, last):
     """Steps 1-2 of the forward into a fresh scratch: (steps, states)."""
-    bt, dm, length, ns, nc = _dims(exe, n)
+    bt, dm, length, ns, nc, _ = _dims(exe, n)
     u, delta, a, b, c = (exe.buf(i) for i in n.inputs[:5])
     states = exe.device_array(np.zeros(bt * dm * nc * ns, np.float32))
     dsum = exe.device_array(np.zeros(bt * dm * nc, np.float32))
@@ -40,11 +41,10 @@ def _chunk_steps(exe, n, last):
 
 @lowering("selective_scan")
 def _lower_scan(exe, n):
-    bt, dm, length, ns, nc = _dims(exe, n)
-    if bt * dm * length == 0:
+    bt, dm, length, ns, nc, ny = _dims(exe, n)
+    if ny == 0:
         return []
     out = exe.buf(n)
-    ny = bt * dm * length
     steps, states, dsum = _chunk_steps(exe, n, out[ny:])
     u, delta, a, b, c = (exe.buf(i) for i in n.inputs)
     g1 = grid_1d(bt * dm * nc, 128)
@@ -57,11 +57,10 @@ def _lower_scan(exe, n):
 
 @lowering("selective_scan_grad")
 def _lower_scan_grad(exe, n):
-    bt, dm, length, ns, nc = _dims(exe, n)
-    if bt * dm * length == 0:
+    bt, dm, length, ns, nc, ny = _dims(exe, n)
+    if ny == 0:
         return []
     out = exe.buf(n)
-    ny = bt * dm * length
     last = exe.device_array(np.zeros(bt * dm * ns, np.float32))
     steps, states, _ = _chunk_steps(exe, n, last)
     sizes = [dm * ns, bt * ns * length, bt * ns * length, ny, ny]
