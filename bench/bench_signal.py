@@ -7,16 +7,18 @@
   Mamba (mamba-130m's config, random weights) greedy decode at batch 1: tokens/s of ours
     (prefill, then one decode graph run a token) against transformers' generate (its slow
     path: no mamba_ssm kernels), bar 2x;
-  rfft / fft of 2^20 points batch 64 and a length that is not a power of two (Bluestein)
-    against torch.fft (cuFFT): the numba tier, bar 0.3x (no cuFFT tier yet);
+  rfft / fft / irfft of 2^20 points batch 64 and rfft of a length that is not a power of two
+    against torch.fft (cuFFT): our tier 0 (cuFFT, bar 0.9x) and tier 1 (numba Stockham, and
+    Bluestein for 1000; bar 0.3x);
   sort of 1M f32 (one row) and 4096 rows x 32k against torch.sort(stable=True), bar 0.7x.
 Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch's by events.
 
-  python bench/bench_signal.py [--out F]
+  python bench/bench_signal.py [--out F] [--skip scan,decode]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -63,13 +65,20 @@ def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
                 steps=[(r.kernel, r.ms) for r in prof])
 
 
-def op_row(rlx, torch, name, shape, build, ref, check):
-    """One graph op beside its torch call: (rel or equality, ours ms, torch ms)."""
+def op_row(rlx, torch, name, shape, build, ref, check, tiers=None):
+    """One graph op beside its torch call: (rel or equality, ours ms, torch ms); ``tiers``:
+    RLX_NUMBA_FFT_TIERS while it compiles."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(np.float32)
     g = rlx.Graph(name)
     g.set_outputs(list(build(g, g.input("x", shape))))
-    exe = rlx.compile(g)
+    if tiers:
+        os.environ["RLX_NUMBA_FFT_TIERS"] = tiers
+        name += f" tier {tiers}"
+    try:
+        exe = rlx.compile(g)
+    finally:
+        os.environ.pop("RLX_NUMBA_FFT_TIERS", None)
     got = exe.run({"x": x})
     tx = torch.tensor(x, device="cuda")
     want = ref(tx)
@@ -87,19 +96,24 @@ def fft_sort_rows(rlx, torch):
 
     def same(got, want):
         return bool((got[1] == want.indices.cpu().numpy()).all())
-    rows = [
+    ffts = [
         ("rfft 2^20 x 64", (64, 2**20), lambda g, x: [g.rfft(x)],
          lambda x: torch.fft.rfft(x), rel),
         ("fft 2^20 x 64", (64, 2**20, 2), lambda g, x: [g.fft(x)],
          lambda x: torch.fft.fft(torch.view_as_complex(x)), rel),
-        ("rfft 1000 x 4096 (Bluestein)", (4096, 1000), lambda g, x: [g.rfft(x)],
+        ("irfft 2^20 x 64", (64, 2**19 + 1, 2), lambda g, x: [g.irfft(x)],
+         lambda x: torch.fft.irfft(torch.view_as_complex(x)), rel),
+        ("rfft 1000 x 4096", (4096, 1000), lambda g, x: [g.rfft(x)],
          lambda x: torch.fft.rfft(x), rel),
+    ]
+    rows = [
         ("sort 1M f32", (1, 2**20), lambda g, x: g.sort(x),
          lambda x: torch.sort(x, stable=True), same),
         ("sort 4096 x 32k f32", (4096, 32768), lambda g, x: g.sort(x),
          lambda x: torch.sort(x, stable=True), same),
     ]
-    return [op_row(rlx, torch, *r) for r in rows]
+    return ([op_row(rlx, torch, *r, tiers=t) for r in ffts for t in ("0", "1")]
+            + [op_row(rlx, torch, *r) for r in rows])
 
 
 def decode_row(torch, rng, new_tokens=64, prompt=8):
@@ -139,7 +153,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "signal.json")
+    p.add_argument("--skip", default="", help="comma-separated: scan, decode")
     args = p.parse_args()
+    skip = set(args.skip.split(","))
     import torch
 
     import rlx_numba as rlx
@@ -147,20 +163,23 @@ def main():
     rng = np.random.default_rng(0)
     print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32\n")
     results = []
-    r = scan_row(rlx, torch, rng)
-    print(f"{r['row']:<44} rel {r['rel']:.1e}  ours {r['rlx_ms']:8.2f} ms  slow path "
+    r = scan_row(rlx, torch, rng) if "scan" not in skip else None
+    if r:
+        print(f"{r['row']:<44} rel {r['rel']:.1e}  ours {r['rlx_ms']:8.2f} ms  slow path "
           f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:6.1f}   "
-          + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
-    results.append(r)
+              + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
+        results.append(r)
     for r in fft_sort_rows(rlx, torch):
         print(f"{r['row']:<44} check {r['check']}  ours {r['rlx_ms']:8.3f} ms  torch "
               f"{r['torch_ms']:8.3f} ms  ratio {r['ratio']:5.2f}   "
               + " | ".join(f"{k[:28]} {ms:.3f}" for k, ms in r["steps"][:6]), flush=True)
         results.append(r)
-    r = decode_row(torch, rng)
-    print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers {r['torch_tok_s']:7.1f}"
-          f" tok/s  ratio {r['ratio']:5.2f}  same tokens: {r['same_tokens']}", flush=True)
-    results.append(r)
+    if "decode" not in skip:
+        r = decode_row(torch, rng)
+        print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers "
+              f"{r['torch_tok_s']:7.1f} tok/s  ratio {r['ratio']:5.2f}  same tokens: "
+              f"{r['same_tokens']}", flush=True)
+        results.append(r)
     write_results(args.out, torch, results)
 
 

@@ -1,7 +1,8 @@
 """compile(): a Graph becomes a CudaExecutable, one stage after another.
 
     legalise   conv-family nodes cuDNN will not run become im2col / col2im and products or
-               numba implicit-GEMM nodes, on a copy of the graph (lower_vision.py conv_tier)
+               numba implicit-GEMM nodes (lower_vision.py conv_tier), FFT nodes cuFFT will not
+               run the numba tier's nodes (lower_fft.py fft_tier), on a copy of the graph
     validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
                write (a kv_write into a param matters even when nothing reads it)
     views      nodes that own no memory alias their input (reshape, same-dtype cast, the
@@ -29,7 +30,7 @@ from .ir.graph import Graph
 from .ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
 from .memory import ALIGN, Buffer, MemoryReport, plan
 from .passes import fusion as fusion_pass
-from .runtime import lower, lower_matmul, lower_vision
+from .runtime import lower, lower_fft, lower_matmul, lower_vision
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
 from .runtime.params import ParamStore, check_store
 
@@ -74,10 +75,16 @@ def legalise(graph: Graph, moved: dict | None = None) -> Graph:
     im2col / col2im and products (tier 1) or an implicit_gemm node (tier 2, the numba kernel);
     runtime/lower_vision.py conv_tier decides, RLX_NUMBA_LOG_FALLBACK=1 logs it. ``moved``
     receives node id -> its Tensor in the copy (nothing when no copy is made)."""
+    from .ir.ops_fft import FFT_NODES, expand_fft
     from .ir.ops_vision import CONV_OPS, expand_conv, implicit_gemm
     rewrite = {}
     for n in graph.nodes:
-        if n.op in CONV_OPS:
+        if n.op in FFT_NODES:
+            tier, why = lower_fft.fft_tier(graph, n)
+            lower_fft.log_fft_tier(n, tier, why)
+            if tier:
+                rewrite[n.id] = expand_fft
+        elif n.op in CONV_OPS:
             tier, why = lower_vision.conv_tier(graph, n)
             lower_vision.log_conv_tier(n, tier, why)
             if tier:

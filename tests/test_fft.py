@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
-from conftest import run_graph
+from conftest import ON_GPU, run_graph
 from gradcheck import check
+from rlx_numba.ir import dtypes as dt
 from rlx_numba.ir.ops_fft import welch_frequencies
 
 LENGTHS = [1, 7, 12, 30, 64, 1000]
@@ -88,7 +89,64 @@ def test_rfft_irfft_gradients(rng):
           seed=rng.standard_normal(y.shape))
 
 
+@pytest.mark.parametrize("n", [8, 7])
+def test_rfft_and_irfft_gradients_alone(rng, n):
+    # irfft's VJP doubles the bins that also stand conjugated in the Hermitian extension; the
+    # imaginary parts of bins 0 and n / 2 do not count (their finite differences are 0)
+    x = rng.standard_normal((2, n))
+    s = rng.standard_normal((2, n // 2 + 1, 2))
+    g = rlx.Graph("rfft_grad")
+    tx = g.input("x", x.shape)
+    y = g.rfft(tx, norm="ortho")
+    check(g, y, {"x": tx}, {"x": x}, lambda x: _pair(np.fft.rfft(x, norm="ortho")),
+          seed=rng.standard_normal(y.shape))
+    g = rlx.Graph("irfft_grad")
+    ts = g.input("s", s.shape)
+    y = g.irfft(ts, n=n)
+    check(g, y, {"s": ts}, {"s": s}, lambda s: np.fft.irfft(_c(s), n=n),
+          seed=rng.standard_normal(y.shape))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuFFT (tier 0) runs on a GPU")
+@pytest.mark.parametrize("tier", ["0", "1"])
+def test_fft_tiers_on_gpu(rng, monkeypatch, tier):
+    monkeypatch.setenv("RLX_NUMBA_FFT_TIERS", tier)
+    x = rng.standard_normal((3, 5000, 2)).astype(np.float32)     # Bluestein (tier 1): 16384
+    r = rng.standard_normal((4, 4096)).astype(np.float32)        # past one block's shared memory
+    s = _pair(np.fft.rfft(rng.standard_normal((2, 1000)))).astype(np.float32)
+    g = rlx.Graph("fft_tiers")
+    tx, tr, ts = g.input("x", x.shape), g.input("r", r.shape), g.input("s", s.shape)
+    g.set_outputs([g.fft(tx), g.fft(tx, inverse=True, norm="ortho"), g.rfft(tr),
+                   g.irfft(ts), g.irfft(ts, n=1001)])
+    exe = rlx.compile(g)
+    got = exe.run({"x": x, "r": r, "s": s})
+    z = _c(x.astype(np.float64))
+    wants = [np.fft.fft(z), np.fft.ifft(z, norm="ortho"), np.fft.rfft(r.astype(np.float64)),
+             np.fft.irfft(_c(s.astype(np.float64))), np.fft.irfft(_c(s.astype(np.float64)), 1001)]
+    for out, want in zip(got, wants):
+        want = _pair(want) if np.iscomplexobj(want) else want
+        np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+    cufft_steps = [st for st in exe.steps if st.kernel_name.startswith("cufft")]
+    assert len(cufft_steps) == (5 if tier == "0" else 0), [st.kernel_name for st in exe.steps]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuFFT (tier 0) runs on a GPU")
+def test_cufft_c2r_keeps_an_input_it_does_not_own(rng):
+    # cuFFT's C2R overwrites its input: a graph input fed straight to the node is copied first
+    n = 64
+    s = _pair(np.fft.rfft(rng.standard_normal((3, n)))).astype(np.float32)
+    g = rlx.Graph("c2r")
+    ts = g.input("s", s.shape)
+    y = g._add("irdft", (ts,), (3, n), dt.F32, n=n)
+    g.set_outputs([y, g.mul(ts, 1.0)])
+    got, again = rlx.compile(g).run({"s": s})
+    np.testing.assert_allclose(got, np.fft.irfft(_c(s.astype(np.float64)), n) * n, rtol=1e-4,
+                               atol=1e-3)
+    np.testing.assert_array_equal(again, s)
+
+
 def welch_ref(x, fs, nperseg, noverlap, window):
+
     """scipy.signal.welch's defaults written out: periodic window, detrend constant, density,
     one-sided, mean."""
     nperseg = min(nperseg, x.shape[-1])
@@ -161,3 +219,24 @@ def test_fft_errors():
         with pytest.raises(ValueError) as e:
             make()
         assert msg in str(e.value), str(e.value)
+
+
+def test_fft_tier_choice(monkeypatch):
+    from rlx_numba import cufft
+    from rlx_numba.runtime.lower_fft import fft_tier
+    g = rlx.Graph("tier")
+    y = g.rfft(g.input("x", (2, 8)))
+    node = g.nodes[y.id]
+    monkeypatch.setenv("RLX_NUMBA_FFT_TIERS", "1")
+    assert fft_tier(g, node) == (1, "tier 0 not allowed by RLX_NUMBA_FFT_TIERS")
+    monkeypatch.setenv("RLX_NUMBA_FFT_TIERS", "0,3")
+    with pytest.raises(ValueError, match="RLX_NUMBA_FFT_TIERS='0,3': expected"):
+        fft_tier(g, node)
+    monkeypatch.delenv("RLX_NUMBA_FFT_TIERS")
+    if not ON_GPU:
+        assert fft_tier(g, node) == (1, "the simulator has no cuFFT")
+    # a missing library is reported, never raised
+    monkeypatch.setattr(cufft, "_lib", None)
+    monkeypatch.setattr(cufft, "_candidates", lambda: ["/nonexistent/libcufft.so.12"])
+    ok, why = cufft.available()
+    assert not ok and "libcufft.so.12" in why

@@ -1,15 +1,22 @@
-"""fft, rfft, irfft and welch: argument checks, the Graph builder methods (mixed into Graph)
-and the "fft" node's VJP. Complex values are a trailing axis of 2 (re, im).
+"""fft, rfft, irfft and welch: argument checks, the Graph builder methods (mixed into Graph),
+the FFT nodes' VJPs and their expansion for the numba tier. Complex values are a trailing axis
+of 2 (re, im).
 
-The "fft" node is the unnormalised DFT along axis -2 of x [..., n, 2] for n a power of two
-(sign -1, or +1 with ``inverse``; kernels/fft.py, lowering runtime/lower_fft.py). Other
-lengths are Bluestein's chirp-z over it, as graph ops: x_j c_j (c_j = exp(-+ i pi j^2 / n))
-zero-padded to a power of two m >= 2n - 1, convolved with conj(c) by two m-point transforms
-and the transform of conj(c) made on the host (float64), times c_k. The norms are torch's.
-rfft is the transform of x with a zero imaginary part (its first n // 2 + 1 bins); irfft
-builds the Hermitian spectrum and keeps the real part of the inverse. welch is SciPy's
-(framing by a gather, detrend "constant", the window, rfft, density scaling, one-sided,
-the mean over segments).
+Three nodes, the unnormalised transforms along the complex axis, any length:
+  "dft"    x [..., n, 2] -> [..., n, 2], sign -1 (or +1 with ``inverse``)
+  "rdft"   x [..., n] real -> its first n // 2 + 1 bins [..., n // 2 + 1, 2]
+  "irdft"  x [..., n // 2 + 1, 2] (one-sided, imaginary parts of bins 0 and n / 2 zero) ->
+           the real inverse [..., n] (attr ``n``)
+The compiler (compiler.py legalise, runtime/lower_fft.py fft_tier) keeps them for cuFFT (tier
+0: C2C, R2C, C2R) or rewrites them with ``expand_fft`` into the numba tier: the "fft" node,
+radix-2 Stockham kernels for n a power of two (kernels/fft.py), and for other lengths
+Bluestein's chirp-z over it as graph ops: x_j c_j (c_j = exp(-+ i pi j^2 / n)) zero-padded to a
+power of two m >= 2n - 1, convolved with conj(c) by two m-point transforms and the transform
+of conj(c) made on the host (float64), times c_k. rdft there is the complex transform of x
+with a zero imaginary part (its first bins); irdft builds the Hermitian spectrum and keeps the
+real part of the inverse. The norms are torch's scales, as graph ops. welch is SciPy's
+(framing by a gather, detrend "constant", the window, rfft, density scaling, one-sided, the
+mean over segments).
 """
 from __future__ import annotations
 
@@ -49,8 +56,11 @@ def _complex_const(z: np.ndarray) -> np.ndarray:
     return np.stack([z.real, z.imag], -1).astype(np.float32)
 
 
-def _dft(g, x, inverse: bool):
-    """The unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
+FFT_NODES = ("dft", "rdft", "irdft")
+
+
+def _stockham_or_bluestein(g, x, inverse: bool):
+    """The numba tier's unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
     n = x.shape[-2]
     if _pow2(n):
         return g._add("fft", (x,), x.shape, dt.F32, inverse=bool(inverse))
@@ -70,10 +80,60 @@ def _dft(g, x, inverse: bool):
     return _cmul(g, g.narrow(conv, -2, 0, n), g.constant(_complex_const(c)))
 
 
-@vjp("fft")
-def _fft_vjp(g, node, dy):
+def expand_fft(g, node, ins):
+    """An FFT node as the numba tier, on graph ``g`` (the compiler's rewrite when
+    runtime/lower_fft.py fft_tier says 1)."""
+    (x,) = ins
+    if node.op == "dft":
+        return _stockham_or_bluestein(g, x, node.attrs["inverse"])
+    if node.op == "rdft":
+        n = x.shape[-1]
+        z = g.pad(g.reshape(x, tuple(x.shape) + (1,)), (0, 1))       # imaginary part 0
+        return g.narrow(_stockham_or_bluestein(g, z, False), -2, 0, n // 2 + 1)
+    n, h = node.attrs["n"], x.shape[-2]
+    if n > h:           # bins h .. n-1 are conj(x[n - k])
+        idx = g.constant(np.arange(n - h, 0, -1, dtype=np.int64))
+        tail = g.mul(g.gather(x, idx, axis=len(x.shape) - 2),
+                     g.constant(np.array([1.0, -1.0], np.float32)))
+        x = g.concat([x, tail], -2)
+    y = _stockham_or_bluestein(g, x, True)
+    return g.reshape(g.narrow(y, -1, 0, 1), node.shape)
+
+
+def _dft(g, x, inverse: bool):
+    return g._add("dft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+
+
+def _rdft(g, x):
+    n = x.shape[-1]
+    return g._add("rdft", (x,), tuple(x.shape[:-1]) + (n // 2 + 1, 2), dt.F32)
+
+
+@vjp("dft")
+def _dft_vjp(g, node, dy):
     # the adjoint of an unnormalised DFT is the unnormalised DFT the other way
-    return [g._add("fft", (dy,), dy.shape, dt.F32, inverse=not node.attrs["inverse"])]
+    return [_dft(g, dy, not node.attrs["inverse"])]
+
+
+@vjp("rdft")
+def _rdft_vjp(g, node, dy):
+    # dx_j = Re(sum_k dy_k e^{+2 pi i jk / n}) over the kept bins: the inverse transform of dy
+    # zero-extended to n bins, its real part
+    x = g.nodes[node.inputs[0]]
+    n, h = x.shape[-1], dy.shape[-2]
+    full = g.pad(dy, (0, 0, 0, n - h)) if n > h else dy
+    return [g.reshape(g.narrow(_dft(g, full, True), -1, 0, 1), x.shape)]
+
+
+@vjp("irdft")
+def _irdft_vjp(g, node, dy):
+    # y = Re(IDFT(X extended Hermitian)): dX_k = DFT(dy)_k, twice for the bins 1 .. n - h that
+    # also stand (conjugated) in the extension; the imaginary parts of bins 0 and n / 2 get 0
+    n = node.attrs["n"]
+    h = n // 2 + 1
+    w = np.ones((h, 1), np.float32)
+    w[1:n - h + 1] = 2.0
+    return [g.mul(_rdft(g, dy), g.constant(w))]
 
 
 class FftOps:
@@ -105,8 +165,7 @@ class FftOps:
         if len(x.shape) < 1 or x.shape[-1] < 1:
             raise ValueError(f"{op}: x must be [..., n] with n >= 1, got {_desc(x)}")
         n = x.shape[-1]
-        z = self.pad(self.reshape(x, tuple(x.shape) + (1,)), (0, 1))    # imaginary part 0
-        y = self.narrow(_dft(self, z, False), -2, 0, n // 2 + 1)
+        y = _rdft(self, x)
         scale = _scale(norm, n, False)
         return y if scale == 1.0 else self.mul(y, scale)
 
@@ -125,15 +184,15 @@ class FftOps:
             raise ValueError(f"{op}: n must be a positive int, got {n!r} (x {_desc(x)})")
         h = n // 2 + 1
         xh = self.narrow(x, -2, 0, h) if m >= h else self.pad(x, (0, 0, 0, h - m))
-        if n > h:       # bins h .. n-1 are conj(x[n - k])
-            idx = self.constant(np.arange(n - h, 0, -1, dtype=np.int64))
-            tail = self.mul(self.gather(xh, idx, axis=len(x.shape) - 2),
-                            self.constant(np.array([1.0, -1.0], np.float32)))
-            xh = self.concat([xh, tail], -2)
-        y = _dft(self, xh, True)
-        y = self.reshape(self.narrow(y, -1, 0, 1), tuple(x.shape[:-2]) + (n,))
-        scale = _scale(norm, n, True)
-        return y if scale == 1.0 else self.mul(y, scale)
+        # the imaginary parts of bins 0 and n / 2 do not count (numpy.fft.irfft's meaning),
+        # and the norm's scale goes on the half-size input; the product is also the fresh
+        # buffer cuFFT's C2R may overwrite
+        keep = np.full((h, 2), _scale(norm, n, True), np.float32)
+        keep[0, 1] = 0.0
+        if n % 2 == 0:
+            keep[-1, 1] = 0.0
+        xh = self.mul(xh, self.constant(keep))
+        return self._add("irdft", (xh,), tuple(x.shape[:-2]) + (n,), dt.F32, n=int(n))
 
     def welch(self, x, nperseg: int = 256, noverlap: int | None = None, window="hann",
               fs: float = 1.0):

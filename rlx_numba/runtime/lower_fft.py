@@ -1,17 +1,27 @@
-"""Lowering of the "fft" node (kernels/fft.py): rows of n = 2^p complex values, one kernel a
+"""The FFT family's tiers and lowerings (ir/ops_fft.py).
+
+Tier 0, cuFFT (cufft.py): the "dft", "rdft" and "irdft" nodes as one batched C2C / R2C / C2R
+call each, any length. Tier 1, numba: the compiler rewrites those nodes (ops_fft.expand_fft)
+into "fft" nodes and graph ops; an "fft" node is rows of n = 2^p complex values, one kernel a
 row in shared memory up to SHARED_N, else one launch a Stockham stage over every row in global
-memory, ping-ponging between the output and a scratch array. The twiddle table is made on the
-host in float64 (conjugated for the inverse)."""
+memory, ping-ponging between the output and a scratch array, with the twiddle table made on
+the host in float64 (conjugated for the inverse). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
+limits the choice; the simulator runs tier 1.
+"""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-from ..ir.ops import fmt
+import os
+
+from .. import cufft
+from ..device import SIMULATOR
+from ..ir.ops import INPLACE, fmt
 from ..kernels import fft as K
 from ..kernels.launch import grid_1d, grid_3d
-from .lower import Step, lowering, step_name
+from .lower import CallStep, Step, log, lowering, step_name
 
 _U = np.uint64
 
@@ -51,3 +61,76 @@ def _lower_fft(exe, n):
                           {"bytes": 4 * n.nbytes // 2}))
         src, ns = dst, ns * 2
     return steps
+
+
+def fft_tier(graph, n) -> tuple[int, str]:
+    """(tier, why not tier 0) for an FFT node: 0 cuFFT, 1 the numba kernels."""
+    env = os.environ.get("RLX_NUMBA_FFT_TIERS")
+    tiers = {0, 1}
+    if env:
+        try:
+            tiers = {int(t) for t in env.replace(" ", "").split(",") if t}
+        except ValueError:
+            tiers = set()
+        if not tiers or not tiers <= {0, 1}:
+            raise ValueError(f"RLX_NUMBA_FFT_TIERS={env!r}: expected a comma-separated subset of "
+                             f"0 (cuFFT), 1 (numba Stockham / Bluestein)")
+    if 0 not in tiers:
+        return 1, "tier 0 not allowed by RLX_NUMBA_FFT_TIERS"
+    if 1 in tiers and SIMULATOR:
+        return 1, "the simulator has no cuFFT"
+    ok, err = cufft.available()
+    if ok or 1 not in tiers:
+        return 0, ""
+    return 1, f"tier 0: {err}"
+
+
+def log_fft_tier(n, tier, why) -> None:
+    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
+        log.warning("%s %%%d: fft tier %s%s", n.op, n.id, "0 (cuFFT)" if tier == 0 else
+                    "1 (numba)", f"; {why}" if why else "")
+
+
+def _owned_by(exe, src, n) -> bool:
+    """Whether only ``n`` reads ``src``'s memory and nothing needs it after (cuFFT's C2R may
+    overwrite its input)."""
+    g = exe.graph
+    if src.op in ("input", "param", "constant") or src.op in INPLACE or exe._is_view(src) \
+            or src.id in g.outputs:
+        return False
+    return all(m.id == n.id or src.id not in m.inputs for m in g.nodes)
+
+
+@lowering("dft", "rdft", "irdft")
+def _lower_cufft(exe, n):
+    """Tier 0: one cuFFT call (the compiler left this node to cuFFT)."""
+    if n.size == 0:
+        return []
+    src = exe.graph.nodes[n.inputs[0]]
+    length = n.attrs["n"] if n.op == "irdft" else src.shape[-1] if n.op == "rdft" \
+        else n.shape[-2]
+    rows = math.prod(n.shape[:-1 if n.op == "irdft" else -2]) if n.op != "rdft" \
+        else math.prod(src.shape[:-1])
+    kind = {"dft": cufft.C2C, "rdft": cufft.R2C, "irdft": cufft.C2R}[n.op]
+    inverse = bool(n.attrs.get("inverse"))
+    x, out = exe.buf(src), exe.buf(n)
+    if n.op == "irdft" and not _owned_by(exe, src, n):
+        x = exe.device_array(np.zeros(src.size, np.float32))     # C2R overwrites its input
+        copy = (exe.buf(src), x)
+    else:
+        copy = None
+
+    def make(stream):
+        call = cufft.exec_call(stream, kind, length, rows, x.device_ctypes_pointer.value,
+                               out.device_ctypes_pointer.value, inverse)
+        if copy is None:
+            return call
+        x_ = copy[1]
+
+        def go():
+            x_.copy_to_device(copy[0], stream=stream)
+            call()
+        return go
+    what = {"dft": "ifft" if inverse else "fft", "rdft": "rfft", "irdft": "irfft"}[n.op]
+    return [CallStep(step_name(n), f"cufft {what} {rows}x{length} of {fmt(n.shape)}", make,
+                     {"flops": 5 * rows * length * math.log2(max(length, 2)), "tier": 0})]
