@@ -1,4 +1,5 @@
-"""`rlx-numba info [--weights F] | demo [--model minilm|smollm2 | --train]`."""
+"""`rlx-numba info [--weights F] | demo [--model minilm|smollm2 | --train] |
+launch --gpus N [--master-port P] script.py [args...]`."""
 from __future__ import annotations
 
 import argparse
@@ -192,7 +193,23 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, help="with --train: training steps")
     d.add_argument("--sample", type=int, help="with --train: bytes to generate after (0: none)")
     d.add_argument("--out", help="with --train: the loss plot (default loss.png)")
+    la = sub.add_parser("launch", help="run a script as N processes, one per GPU, with RANK, "
+                                       "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as "
+                                       "torchrun sets them (rlx_numba.distributed.init reads them)")
+    la.add_argument("--gpus", type=int, required=True, help="processes to start (one per GPU)")
+    la.add_argument("--master-port", type=int,
+                    help="the port rank 0 serves the NCCL id on (default: a free one)")
+    la.add_argument("script", help="the Python script each process runs")
+    la.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
     args = p.parse_args(argv)
+    if args.cmd == "launch":
+        if args.gpus < 1:
+            p.error(f"launch: --gpus must be >= 1, got {args.gpus}")
+        from rlx_numba.distributed.launch import launch
+        try:
+            return launch(args.gpus, args.script, args.script_args, master_port=args.master_port)
+        except FileNotFoundError as e:
+            p.error(str(e))
     if args.cmd == "demo" and args.train:
         if args.model:
             p.error("demo: --train and --model are exclusive")

@@ -45,7 +45,7 @@ HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step 
 
 def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
                   exec_mode="graph", clip_grad_norm=None, compile_mode="jit",
-                  stream=None, deterministic=False) -> "Trainer":
+                  stream=None, deterministic=False, data_parallel=False) -> "Trainer":
     """Compile one training step of ``g``: the forward to the scalar ``loss``, its gradient
     with respect to ``params``, and ``optimizer``'s update of them in place.
 
@@ -55,6 +55,11 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     ``exec_mode``: "graph" (the step captured as one CUDA graph), "stream" or "eager".
     ``deterministic``: the same gradient bits every step for the same inputs (``g.grad``'s:
     embedding gradients summed in index order instead of by atomic adds).
+    ``data_parallel``: this process (or in-process rank) is one replica of data-parallel
+    training on the current communicator (rlx_numba.distributed): the gradients are averaged
+    over the ranks before the update (flattened into buckets of BUCKET_BYTES, one
+    all_reduce("avg") a bucket), so every replica makes the same update, the one of the mean
+    of the ranks' losses; ``step`` returns this rank's loss.
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
@@ -76,6 +81,8 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     tg = _copy(g)
     wrt = [tg.tensor(i) for i in ids]
     grads = tg.grad(tg.tensor(loss.id), wrt, deterministic=deterministic)
+    if data_parallel:
+        grads = _averaged(tg, grads)
     hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
     loss_t = tg.tensor(loss.id)
     tg.set_outputs([loss_t] + grads)
@@ -106,6 +113,33 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     exe._compile_steps(steps)
     exe.start_runner()
     return Trainer(g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm)
+
+
+BUCKET_BYTES = 25 << 20     # torch DDP's default bucket
+
+
+def _averaged(g: Graph, grads: list) -> list:
+    """``grads`` averaged over the current communicator's ranks: packed into buckets of up to
+    BUCKET_BYTES, last param first (the order the backward finishes them), one all_reduce
+    ("avg") a bucket, then narrowed back out of it."""
+    buckets, size = [[]], 0
+    for k in reversed(range(len(grads))):
+        n = grads[k].node.size
+        if buckets[-1] and 4 * (size + n) > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(k)
+        size += n
+    out = list(grads)
+    for ks in buckets:
+        flat = [g.reshape(grads[k], (grads[k].node.size,)) for k in ks]
+        red = g.all_reduce(g.concat(flat, 0) if len(flat) > 1 else flat[0], "avg")
+        off = 0
+        for k in ks:
+            n = grads[k].node.size
+            out[k] = g.reshape(g.narrow(red, 0, off, n), grads[k].shape)
+            off += n
+    return out
 
 
 # ---- which params, the graph copy -------------------------------------------------------------

@@ -17,7 +17,7 @@ no weight is copied or transposed on the host.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -305,6 +305,54 @@ def product_weights(cfg: LlamaConfig, fused: bool = True) -> list[str]:
     return names + (["model.embed_tokens.weight"] if cfg.tie_word_embeddings else [])
 
 
+# ---- tensor parallelism (Megatron's layout) ---------------------------------------------------
+# q/k/v and gate/up are split by output rows (heads, intermediate units), o_proj and down_proj
+# by input columns (their partial products summed by an all_reduce, then their bias added),
+# the token table and the head by vocabulary rows (vocab-parallel: each rank looks up the ids in
+# its range, an all_reduce sums the rows; the logits' shards are all-gathered)
+ROW_PARALLEL = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def shard_config(cfg: LlamaConfig, world: int) -> LlamaConfig:
+    """One rank's config of a ``world``-way tensor-parallel ``cfg``: a world-th of the vocabulary,
+    the attention and KV heads and the intermediate units (head_dim kept)."""
+    if world == 1:
+        return cfg
+    need = {"vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads,
+            "intermediate_size": cfg.intermediate_size}
+    bad = [f"{k} {v}" for k, v in need.items() if v % world]
+    if bad:
+        raise ValueError(f"tensor_parallel={world}: {', '.join(bad)} not a multiple of {world}")
+    if cfg.num_experts or cfg.qk_norm:
+        raise ValueError(f"tensor_parallel={world}: mixture-of-experts layers and qk_norm (a norm "
+                         f"over every head) are not sharded; use tensor_parallel=1")
+    return replace(cfg, head_dim=cfg.head_dim,
+                               **{k: v // world for k, v in need.items()})
+
+
+def _slicer(cfg: LlamaConfig, rank: int, world: int):
+    """select(name, shape) -> the index of rank's slice of a Hugging Face-named tensor."""
+    def select(name, shape):
+        if world == 1 or name.endswith(("norm.weight", "o_proj.bias", "down_proj.bias")) \
+                or name.endswith("rotary_emb.inv_freq"):
+            return None
+        axis = 1 if name.endswith(ROW_PARALLEL) else 0
+        k = shape[axis] // world
+        return (slice(None),) * axis + (slice(rank * k, (rank + 1) * k),)
+    return select
+
+
+def shard_params(cfg: LlamaConfig, params: dict, rank: int, world: int) -> dict:
+    """Rank ``rank``'s slices of full Hugging Face-named ``params`` (see shard_config)."""
+    select = _slicer(cfg, rank, world)
+    out = {}
+    for name, a in params.items():
+        part = select(name, np.shape(a))
+        out[name] = a if part is None else np.ascontiguousarray(a[part])
+    return out
+
+
 def rope_tables(head_dim: int, theta: float, n_pos: int):
     """cos, sin [n_pos, head_dim/2] computed like transformers' Llama rotary embedding, in f32
     (inverse frequencies, position * frequency and cos/sin all f32), so long positions match
@@ -328,7 +376,8 @@ def cache_names(cfg: LlamaConfig) -> list[str]:
 # ---- the graph -----------------------------------------------------------------------------------
 def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward",
                 cache_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                top_p: float = 1.0, fused: bool = True, quant: dict | None = None) -> Graph:
+                top_p: float = 1.0, fused: bool = True, quant: dict | None = None,
+                tensor_parallel: tuple | None = None) -> Graph:
     """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
     ``graph_param_shapes(cfg, fused)`` (set them from Hugging Face-named weights with
     ``graph_params``). ``quant``: graph param name -> (scheme, packed shape) of the weights
@@ -362,7 +411,12 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     and the keys in columns < pad[r] are masked out of every query's attention (a pad query
     sees no key: zeros). The decode step writes every row's key/value at cache row ``pos`` and
     rotates it with position pos - pad[r]. All-zero pads give the plain [batch, seq] graph's
-    results."""
+    results.
+
+    ``tensor_parallel=(rank, world)``: the graph of one rank of a world-way tensor-parallel model
+    (shard_config / shard_params: its params are that rank's slices, under the same names);
+    the collectives run on the current communicator (rlx_numba.distributed). Every rank
+    outputs the full logits, ids and its own KV-cache heads."""
     if kind not in ("forward", "prefill", "decode", "train"):
         raise ValueError(f"build_llama: kind must be 'forward', 'prefill', 'decode' or 'train', "
                          f"got {kind!r}")
@@ -381,6 +435,13 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         raise ValueError(f"build_llama: {n_pos} positions exceed max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
     b, s = int(batch), int(seq)
+    rank, world = tensor_parallel or (0, 1)
+    vocab = cfg.vocab_size
+    if world > 1:
+        if quant:
+            raise ValueError("build_llama: packed (GGUF) weights are not tensor-parallel")
+        cfg = shard_config(cfg, world)
+    tp = dict(world_size=world, rank=rank)
     d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
     quant = quant or {}
@@ -392,6 +453,9 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
             y = g.dequant_matmul(x, P[name + ".weight"], scheme=quant[name + ".weight"][0])
             return y + P[name + ".bias"] if name + ".bias" in P else y
         w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
+        if world > 1 and (name + ".weight").endswith(ROW_PARALLEL):   # partial sums
+            y = g.all_reduce(g.linear(x, w), **tp)
+            return y + P[name + ".bias"] if name + ".bias" in P else y
         return g.linear(x, w, P.get(name + ".bias"))
 
     def swiglu(x, m):      # m: "...mlp." or "...mlp.shared_expert."
@@ -465,8 +529,14 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
         keys = None
     caches = []
     emb = "model.embed_tokens.weight"
-    x = (g.dequantize(P[emb], scheme=quant[emb][0], rows=ids) if emb in quant
-         else g.gather(P[emb], ids))                                   # [b, s, hidden]
+    if world > 1:      # this rank's rows of the table: ids outside its range give zeros
+        local = ids - rank * cfg.vocab_size
+        mine = g.min(local >= 0, local < cfg.vocab_size)
+        rows_ = g.gather(P[emb], g.min(g.max(local, 0), cfg.vocab_size - 1))
+        x = g.all_reduce(rows_ * g.reshape(g.cast(mine, "f32"), (b, s, 1)), **tp)
+    else:
+        x = (g.dequantize(P[emb], scheme=quant[emb][0], rows=ids) if emb in quant
+             else g.gather(P[emb], ids))                               # [b, s, hidden]
     resid, pending = x, None          # the residual stream, and the branch not yet added to it
     for n in range(cfg.num_hidden_layers):
         p = f"model.layers.{n}."
@@ -525,6 +595,8 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     head = "lm_head.weight" if "lm_head.weight" in P else emb
     logits = (g.dequant_matmul(final, P[head], scheme=quant[head][0]) if head in quant
               else g.linear(final, g.transpose(P[head], (1, 0))))
+    if world > 1:      # the vocabulary shards side by side
+        logits = g.all_gather(logits, -1, **tp)
     if kind == "forward":
         g.set_outputs([logits])
         return g
@@ -533,11 +605,11 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
             raise ValueError(f"build_llama: a train graph needs seq >= 2 (position t predicts "
                              f"token t + 1), got {s}")
         labels = g.input("labels", (b, s), "i64")
-        pred = g.reshape(g.narrow(logits, 1, 0, s - 1), (b * (s - 1), cfg.vocab_size))
+        pred = g.reshape(g.narrow(logits, 1, 0, s - 1), (b * (s - 1), vocab))
         target = g.reshape(g.narrow(labels, 1, 1, s - 1), (b * (s - 1),))
         g.set_outputs([g.cross_entropy(pred, target, ignore_index=-100)])
         return g
-    logits = g.reshape(logits, (b, cfg.vocab_size))
+    logits = g.reshape(logits, (b, vocab))
     seed = g.input("seed", (1,), "i64")
     nxt = g.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     g.set_outputs([nxt, logits] + caches)
@@ -552,6 +624,24 @@ def prompt_bucket(n: int) -> int:
     return bucket_length(n, lo=8, steps=4)
 
 
+def _shard_of(tensor_parallel, weights) -> tuple[int, int]:
+    """(rank, world) of a model built with ``tensor_parallel`` (None: (0, 1))."""
+    if tensor_parallel is None:
+        return 0, 1
+    if not isinstance(tensor_parallel, (int, np.integer)) or tensor_parallel < 1:
+        raise ValueError(f"LlamaForCausalLM: tensor_parallel must be a positive int, got "
+                         f"{tensor_parallel!r}")
+    from ..distributed import current
+    comm = current()
+    if comm is None or comm.world_size != tensor_parallel:
+        raise ValueError(f"LlamaForCausalLM: tensor_parallel={tensor_parallel} needs a current "
+                         f"communicator of {tensor_parallel} ranks (rlx_numba.distributed.init or "
+                         f"run_ranks), got {comm!r}")
+    if weights == "gguf" and tensor_parallel > 1:
+        raise ValueError("LlamaForCausalLM: packed GGUF weights are not tensor-parallel")
+    return comm.rank, int(tensor_parallel)
+
+
 class LlamaForCausalLM:
     """A Llama causal LM over rlx_numba executables.
 
@@ -562,10 +652,18 @@ class LlamaForCausalLM:
     replayed per token (the simulator runs it as "stream"); the other graphs run "stream".
     Compiled graphs are kept per shape (the ``max_cached`` most recent); they all read one
     device copy of the weights (a ParamStore) and run on one stream, and a prefill and the
-    decode graph of the same batch and cache length share their KV cache."""
+    decode graph of the same batch and cache length share their KV cache.
+
+    ``tensor_parallel=N``: this process (or in-process rank) is one of N ranks of a
+    tensor-parallel model (build_llama's layout); the current communicator
+    (rlx_numba.distributed.init / run_ranks) must have N ranks. ``params`` may be the full
+    weights (this rank keeps its slices: shard_params) or the rank's slices already
+    (``from_safetensors(..., tensor_parallel=N)`` reads only those). Every rank returns the
+    same logits and tokens."""
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
-                 exec_mode="graph", max_cached: int = 4, source="params", packed=None):
+                 exec_mode="graph", max_cached: int = 4, source="params", packed=None,
+                 tensor_parallel: int | None = None):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"LlamaForCausalLM: config must be a LlamaConfig, got "
                              f"{type(config).__name__}")
@@ -580,8 +678,14 @@ class LlamaForCausalLM:
         except ValueError as e:
             raise ValueError(f"LlamaForCausalLM: {str(e).removeprefix('compile: ')}") from None
         self.config = config
+        self.shard = _shard_of(tensor_parallel, weights)
+        self.local_config = shard_config(config, self.shard[1])
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
-        self.params = check_params(llama_param_shapes(config), params, source, ignore=ignore)
+        full = llama_param_shapes(config)
+        if self.shard[1] > 1 and all(np.shape(v) == full.get(k) for k, v in params.items()):
+            params = shard_params(config, params, *self.shard)
+        self.params = check_params(llama_param_shapes(self.local_config), params, source,
+                                   ignore=ignore)
         self.tokenizer = tokenizer
         self.weights = weights
         # weights="gguf": HF name -> (scheme, u8 [N, bytes]) of the projections kept packed on
@@ -594,12 +698,16 @@ class LlamaForCausalLM:
 
     # ---- training ---------------------------------------------------------------------------------
     def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
-                exec_mode="graph", deterministic=False) -> "LlamaTrainer":
+                exec_mode="graph", deterministic=False,
+                data_parallel=False) -> "LlamaTrainer":
         """Next-token training of this model's weights on [batch, seq] token windows (the
         ``build_llama`` kind "train" graph through ``rlx.compile_train``): forward, backward
-        and ``optimizer``'s update as one executable. See LlamaTrainer."""
+        and ``optimizer``'s update as one executable. See LlamaTrainer. ``data_parallel``:
+        this process is one replica of data-parallel training (``rlx.compile_train``'s), its
+        ``batch`` rows its share of the global batch."""
         return LlamaTrainer(self, batch, seq, optimizer, clip_grad_norm=clip_grad_norm,
-                            exec_mode=exec_mode, deterministic=deterministic)
+                            exec_mode=exec_mode, deterministic=deterministic,
+                            data_parallel=data_parallel)
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -624,7 +732,8 @@ class LlamaForCausalLM:
         folder = as_path(folder)
         config = LlamaConfig.from_dict(read_json(folder / "config.json", "config.json"),
                                        source=folder / "config.json")
-        arrays = load_safetensors(folder)
+        tp = kw.get("tensor_parallel")
+        arrays = load_safetensors(folder, _slicer(config, *_shard_of(tp, "f32")) if tp else None)
         # older checkpoints carry the rotary tables as buffers; they are recomputed here
         arrays = {k: v for k, v in arrays.items() if not k.endswith("rotary_emb.inv_freq")}
         tok = None
@@ -722,20 +831,21 @@ class LlamaForCausalLM:
         fused, packed = self._graph_packed()
         quant = {name: (scheme, raw.shape) for name, (scheme, raw) in packed.items()}
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
-                        top_k=k, top_p=p, fused=fused, quant=quant)
+                        top_k=k, top_p=p, fused=fused, quant=quant,
+                        tensor_parallel=self.shard if self.shard[1] > 1 else None)
+        local = self.local_config
         exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
                       params=self._exes.params, stream=self._exes.stream)
-        half = (set(product_weights(self.config)) if self.weights in ("f16", "bf16")
-                else set())
-        caches = set(cache_names(self.config))
+        half = set(product_weights(local)) if self.weights in ("f16", "bf16") else set()
+        caches = set(cache_names(local))
         unset = exe.unset_params        # the first executable of the store uploads them
         state = caches | {pad_name(cache_len)}    # per-shape state, not weights
-        weights = (graph_params(self.config, self.params, fused=fused)
+        weights = (graph_params(local, self.params, fused=fused)
                    if set(unset) - state else {})
         for name in unset:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
-                exe.set_param(name, np.zeros((batch, self.config.num_key_value_heads, cache_len,
-                                              self.config.head_dim), np.float32))
+                exe.set_param(name, np.zeros((batch, local.num_key_value_heads, cache_len,
+                                              local.head_dim), np.float32))
             elif name == pad_name(cache_len):   # no padding until a generation sets its pads
                 exe.set_param(name, np.zeros((batch, 1), np.int32))
             elif name in packed:
@@ -1109,13 +1219,17 @@ class LlamaTrainer:
     then uses them. ``trainer`` is the underlying rlx.Trainer (set_lr, memory_report, ...)."""
 
     def __init__(self, model: LlamaForCausalLM, batch: int, seq: int, optimizer, *,
-                 clip_grad_norm=None, exec_mode="graph", deterministic=False):
+                 clip_grad_norm=None, exec_mode="graph", deterministic=False,
+                 data_parallel=False):
         from ..train import compile_train
+        if model.shard[1] > 1:
+            raise ValueError("LlamaForCausalLM.trainer: a tensor-parallel model does not train "
+                             "here; train data-parallel (data_parallel=True) on full replicas")
         self.model, self.batch, self.seq = model, int(batch), int(seq)
         g = build_llama(model.config, batch, seq, kind="train")
         self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer,
                                      exec_mode=exec_mode, clip_grad_norm=clip_grad_norm,
-                                     deterministic=deterministic)
+                                     deterministic=deterministic, data_parallel=data_parallel)
         for name, arr in graph_params(model.config, model.params).items():
             self.trainer.set_param(name, arr)
 

@@ -53,9 +53,11 @@ def _safetensors_diagnosis(path: Path) -> str:
     return ""
 
 
-def load_safetensors(path) -> dict[str, np.ndarray]:
+def load_safetensors(path, select=None) -> dict[str, np.ndarray]:
     """All tensors of one .safetensors file, or of a folder's model.safetensors (or its shards,
-    model.safetensors.index.json), as numpy arrays (bf16 as ml_dtypes.bfloat16)."""
+    model.safetensors.index.json), as numpy arrays (bf16 as ml_dtypes.bfloat16). ``select(name,
+    shape)``: the index (a tuple of slices) of the part of a tensor to read, or None for all of
+    it (a tensor-parallel rank reads only its slices)."""
     _need("safetensors")
     from safetensors import SafetensorError, safe_open
 
@@ -70,7 +72,7 @@ def load_safetensors(path) -> dict[str, np.ndarray]:
                                  f"unreadable: {e})") from None
             out = {}
             for shard in shards:
-                out.update(load_safetensors(path / shard))
+                out.update(load_safetensors(path / shard, select))
             return out
         path = path / "model.safetensors"
     if not path.exists():
@@ -80,7 +82,10 @@ def load_safetensors(path) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="numpy") as f:
             for name in f.keys():
                 try:
-                    out[name] = f.get_tensor(name)
+                    part = select(name, tuple(f.get_slice(name).get_shape())) if select \
+                        else None
+                    out[name] = f.get_tensor(name) if part is None else \
+                        np.ascontiguousarray(f.get_slice(name)[part])
                 except (SafetensorError, TypeError, ValueError) as e:
                     raise ValueError(f"{path}: tensor {name!r} cannot be read: {e}") from None
     except SafetensorError as e:

@@ -15,9 +15,10 @@ import numpy as np
 from ..ir import dtypes as dt
 from ..ir.ops import fmt
 from ..memory import MemoryReport
-from . import (lower, lower_attention, lower_fft, lower_grouped, lower_loss,  # noqa: F401
-               lower_matmul, lower_norm, lower_quant, lower_random, lower_reduce, lower_rope,
-               lower_sample, lower_scan, lower_shape, lower_sort, lower_vision)  # (each registers its lowerings)
+from . import (lower, lower_attention, lower_dist, lower_fft, lower_grouped,  # noqa: F401
+               lower_loss, lower_matmul, lower_norm, lower_quant, lower_random, lower_reduce,
+               lower_rope, lower_sample, lower_scan, lower_shape, lower_sort,
+               lower_vision)  # (each registers its lowerings)
 from ..device import SIMULATOR
 from . import trace
 from .params import ParamStore
