@@ -11,6 +11,7 @@ import ctypes
 import logging
 import os
 import sys
+import threading
 
 log = logging.getLogger("rlx_numba")
 
@@ -145,3 +146,24 @@ def patch_simulator() -> None:
 
     cls.array = array
     cls._rlx_locked = True
+
+
+# ---- the communicator of this thread / process ---------------------------------------------------
+# rlx_numba.distributed sets it (init: the process's; run_ranks: each rank thread's); the graph's
+# collective builders (ir/ops_dist.py) read it for the rank and world size
+_comm_local = threading.local()
+_comm_process = None
+
+
+def current_comm(process_wide: bool = False):
+    """This thread's communicator, else the process-wide one, else None."""
+    comm = None if process_wide else getattr(_comm_local, "comm", None)
+    return comm if comm is not None else _comm_process
+
+
+def set_current_comm(comm, process_wide: bool = False) -> None:
+    global _comm_process
+    if process_wide:
+        _comm_process = comm
+    else:
+        _comm_local.comm = comm

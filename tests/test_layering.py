@@ -2,7 +2,8 @@
 
     0 device.py          discovery, the simulator switch
     1 ir/, memory.py     the graph, dtypes, op rules; the arena planner
-    2 kernels/, cublas/, cudnn.py   numba kernels; the cuBLAS / cuBLASLt and cuDNN shims
+    2 kernels/, cublas/, cudnn.py, cufft.py, distributed/   numba kernels; the cuBLAS /
+                         cuBLASLt, cuDNN, cuFFT and NCCL shims, the communicators
     3 passes/            graph passes (fusion)
     4 runtime/           lowering to Steps, the executable, params, CUDA graphs
     5 compiler.py        the compile pipeline; train.py (compile_train) and optim.py (the
@@ -15,7 +16,8 @@ from pathlib import Path
 import rlx_numba
 
 PKG = Path(rlx_numba.__file__).parent
-FLOORS = {"device": 0, "ir": 1, "memory": 1, "kernels": 2, "cublas": 2, "cudnn": 2, "passes": 3,
+FLOORS = {"device": 0, "ir": 1, "memory": 1, "kernels": 2, "cublas": 2, "cudnn": 2, "cufft": 2,
+          "distributed": 2, "passes": 3,
           "runtime": 4, "compiler": 5, "train": 5, "optim": 5,
           "models": 6, "cli": 6, "__init__": 6}
 # the one documented exception: the contract's CudaExecutable.compile_with calls compile()

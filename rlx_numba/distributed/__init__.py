@@ -50,7 +50,8 @@ def init(rank: int | None = None, world_size: int | None = None, local_rank: int
     "env://" (TCP on MASTER_ADDR:MASTER_PORT), "tcp://host:port", or "file:///path" (a file
     all ranks see; a fresh path per run). ``timeout``: seconds to wait for the exchange."""
     from ..device import simulator_enabled
-    from .comm import _process_current
+    from .comm import process_current
+    _process_current = process_current()
     if simulator_enabled():
         raise RuntimeError("distributed.init: NCCL needs GPUs, and kernels run in the numba CUDA "
                            "simulator here; run the ranks as threads with "
@@ -102,8 +103,8 @@ def init(rank: int | None = None, world_size: int | None = None, local_rank: int
 def destroy() -> None:
     """Close the communicator ``init`` made (ncclCommDestroy) and forget it; a no-op when
     there is none."""
-    from . import comm as _comm
-    c = _comm._process_current
+    from .comm import process_current
+    c = process_current()
     if c is not None:
         set_current(None, process_wide=True)
         c.close()

@@ -23,33 +23,31 @@ import time
 
 import numpy as np
 
+from .. import device
 from . import nccl
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REDUCING = ("all_reduce", "reduce_scatter")
 DEFAULT_TIMEOUT = 300.0     # seconds a rank waits at a barrier for the others before failing
 
-_local = threading.local()
-_process_current: "Communicator | None" = None
-
-
 def current() -> "Communicator | None":
     """This thread's communicator (set by ``run_ranks`` or ``set_current``), else the
-    process-wide one (set by ``init``), else None."""
-    comm = getattr(_local, "comm", None)
-    return comm if comm is not None else _process_current
+    process-wide one (set by ``init``), else None. (The registry is device.py's, so the graph
+    builders below this floor can read it.)"""
+    return device.current_comm()
 
 
 def set_current(comm: "Communicator | None", process_wide: bool = False) -> None:
     """Make ``comm`` this thread's current communicator (or the process-wide one)."""
-    global _process_current
     if comm is not None and not isinstance(comm, Communicator):
         raise TypeError(f"set_current: expected a Communicator or None, got "
                         f"{type(comm).__name__}")
-    if process_wide:
-        _process_current = comm
-    else:
-        _local.comm = comm
+    device.set_current_comm(comm, process_wide)
+
+
+def process_current() -> "Communicator | None":
+    """The process-wide communicator (``init``'s), whatever this thread's is."""
+    return device.current_comm(process_wide=True)
 
 
 def check_args(name: str, send_size: int, recv_size: int, send_dtype: str, recv_dtype: str,

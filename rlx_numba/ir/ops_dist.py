@@ -30,8 +30,8 @@ NCCL_TYPES = (dt.F32, dt.F16, dt.BF16, dt.I32, dt.I64, dt.I8, dt.U8)
 def _world(op, world_size, rank):
     """(world_size, rank): the arguments, else the current communicator's."""
     if world_size is None or rank is None:
-        from ..distributed import current
-        comm = current()
+        from ..device import current_comm
+        comm = current_comm()
         if comm is None:
             raise ValueError(f"{op}: no communicator; call rlx_numba.distributed.init() (or "
                              f"build inside distributed.run_ranks) or pass world_size= and rank=")

@@ -198,11 +198,12 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
     array argument at each call: 11.0-11.3 us of host time a launch against 8.6-8.9 us now,
     over bench_runtime's block graph on an H100; the rest is the driver call)."""
 
-    kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
-    if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
-        return functools.partial(dispatcher[grid, block, stream, shared], *args)
-    kern.bind()   # load the module into the context and set it up, as numba's launch does
-    func = int(kern._codelibrary.get_cufunc().handle)
+    with _LOAD_LOCK:
+        kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
+        if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
+            return functools.partial(dispatcher[grid, block, stream, shared], *args)
+        kern.bind()   # load the module into the context and set it up, as numba's launch does
+        func = int(kern._codelibrary.get_cufunc().handle)
     if shared > 48 << 10:   # past 48 KiB a kernel must opt in to dynamic shared memory
         _set_max_dynamic_shared(func, shared)
     retr, params = [], []
@@ -228,6 +229,11 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
             raise RuntimeError(f"cuLaunchKernel of {name} grid {grid} block {block} failed: "
                                f"CUresult {err}")
     return go
+
+
+# numba-cuda's module table is not thread-safe: two threads loading the same kernel into one
+# context (the ranks of distributed.run_ranks on one GPU) fail with "key already in dictionary"
+_LOAD_LOCK = threading.RLock()
 
 
 def _compile(dispatcher, sig):
