@@ -15,7 +15,6 @@ workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent stre
 from __future__ import annotations
 
 import ctypes
-import os
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
@@ -81,48 +80,31 @@ _ONE, _ZERO = c_float(1.0), c_float(0.0)
 
 
 def _candidates() -> list[str]:
-    from .cublas.loader import site_dirs
-    out = [str(d / sub / "libcudnn.so.9") for d in site_dirs()
-           for sub in ("nvidia/cudnn/lib", "nvidia/cu13/lib")]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(env)
-        if root:
-            out += [str(Path(root) / sub / "libcudnn.so.9") for sub in ("lib64", "lib")]
-    return list(dict.fromkeys(out)) + ["libcudnn.so.9"]
+    from .cublas.loader import wheel_candidates
+    return wheel_candidates(("libcudnn.so.9",), ("nvidia/cudnn/lib", "nvidia/cu13/lib"))
+
+
+def _sublibs(path: str) -> None:
+    for sub in SUBLIBS:
+        p = Path(path).parent / f"libcudnn_{sub}.so.9"
+        if p.exists():
+            ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
 
 
 def lib():
     """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
     global _lib
     if _lib is None:
-        tried = []
-        for path in _candidates():
-            if os.sep in path and not os.path.exists(path):
-                tried.append(f"{path} (no such file)")
-                continue
-            try:
-                if os.sep in path:
-                    for sub in SUBLIBS:
-                        p = Path(path).parent / f"libcudnn_{sub}.so.9"
-                        if p.exists():
-                            ctypes.CDLL(str(p), mode=ctypes.RTLD_GLOBAL)
-                loaded = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError as e:
-                tried.append(f"{path} ({e})")
-                continue
-            err = loaded.cudnnGetErrorString
-            err.argtypes, err.restype = [c_int], ctypes.c_char_p
-            for name, argtypes in PROTOS.items():
-                fn = getattr(loaded, name)
-                fn.argtypes, fn.restype = argtypes, c_int
-                fn.errcheck = (lambda status, func, args, err=err: _check(status, func, err))
-            loaded.path = path
-            _lib = loaded
-            break
-        else:
-            raise RuntimeError("cuDNN (libcudnn.so.9) not found; install NVIDIA's wheel "
-                               "(pip install 'rlx_numba[cu12]' or [cu13]). Tried:\n  "
-                               + "\n  ".join(tried))
+        from .cublas.loader import load_first
+        loaded = load_first("cuDNN (libcudnn.so.9)", _candidates(), ctypes.RTLD_GLOBAL,
+                            before=_sublibs)
+        err = loaded.cudnnGetErrorString
+        err.argtypes, err.restype = [c_int], ctypes.c_char_p
+        for name, argtypes in PROTOS.items():
+            fn = getattr(loaded, name)
+            fn.argtypes, fn.restype = argtypes, c_int
+            fn.errcheck = (lambda status, func, args, err=err: _check(status, func, err))
+        _lib = loaded
     return _lib
 
 

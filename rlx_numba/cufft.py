@@ -10,10 +10,7 @@ system loader. cuFFT's soname major is not CUDA's (cuFFT 11 ships with CUDA 12).
 """
 from __future__ import annotations
 
-import ctypes
-import os
 from ctypes import POINTER, byref, c_int, c_void_p
-from pathlib import Path
 
 C2C, R2C, C2R = 0x29, 0x2A, 0x2C
 FORWARD, INVERSE = -1, 1
@@ -48,41 +45,21 @@ _plans: dict = {}            # (device, stream, type, n, batch) -> cufftHandle
 
 
 def _candidates() -> list[str]:
-    from .cublas.loader import site_dirs
-    out = [str(d / sub / so) for so in SONAMES for d in site_dirs()
-           for sub in ("nvidia/cu13/lib", "nvidia/cufft/lib")]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(env)
-        if root:
-            out += [str(Path(root) / sub / so) for so in SONAMES for sub in ("lib64", "lib")]
-    return list(dict.fromkeys(out)) + list(SONAMES)
+    from .cublas.loader import wheel_candidates
+    return wheel_candidates(SONAMES, ("nvidia/cu13/lib", "nvidia/cufft/lib"))
 
 
 def lib():
     """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
     global _lib
     if _lib is None:
-        tried = []
-        for path in _candidates():
-            if os.sep in path and not os.path.exists(path):
-                tried.append(f"{path} (no such file)")
-                continue
-            try:
-                loaded = ctypes.CDLL(path)
-            except OSError as e:
-                tried.append(f"{path} ({e})")
-                continue
-            for name, argtypes in PROTOS.items():
-                fn = getattr(loaded, name)
-                fn.argtypes, fn.restype = argtypes, c_int
-                fn.errcheck = _check
-            loaded.path = path
-            _lib = loaded
-            break
-        else:
-            raise RuntimeError("cuFFT (libcufft.so.12 / .11) not found; install NVIDIA's wheel "
-                               "(pip install 'rlx_numba[cu12]' or [cu13]). Tried:\n  "
-                               + "\n  ".join(tried))
+        from .cublas.loader import load_first
+        loaded = load_first("cuFFT (libcufft.so.12 / .11)", _candidates())
+        for name, argtypes in PROTOS.items():
+            fn = getattr(loaded, name)
+            fn.argtypes, fn.restype = argtypes, c_int
+            fn.errcheck = _check
+        _lib = loaded
     return _lib
 
 

@@ -133,6 +133,39 @@ def load_nvrtc() -> Loaded:
     return _cache["nvrtc"]
 
 
+def wheel_candidates(sonames, subdirs) -> list[str]:
+    """Paths to try for a library of NVIDIA's other wheels (cuDNN, cuFFT, NCCL): each site
+    dir's ``subdirs``, then $CUDA_HOME / $CUDA_PATH (lib64, lib), then the bare sonames (the
+    system loader)."""
+    out = [str(d / sub / so) for so in sonames for d in site_dirs() for sub in subdirs]
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(env)
+        if root:
+            out += [str(Path(root) / sub / so) for so in sonames for sub in ("lib64", "lib")]
+    return list(dict.fromkeys(out)) + list(sonames)
+
+
+def load_first(what: str, paths, mode: int = ctypes.DEFAULT_MODE, before=None) -> ctypes.CDLL:
+    """The first of ``paths`` that loads (``before(path)`` runs first for a full path: cuDNN's
+    sub-libraries), its ``path`` set; LibraryNotFound naming every place tried."""
+    tried: list[str] = []
+    for path in paths:
+        if os.sep in path and not os.path.exists(path):
+            tried.append(f"{path} (no such file)")
+            continue
+        try:
+            if before is not None and os.sep in path:
+                before(path)
+            lib = ctypes.CDLL(path, mode=mode)
+        except OSError as e:
+            tried.append(f"{path} ({e})")
+            continue
+        lib.path = path
+        return lib
+    raise LibraryNotFound(f"{what} not found; install NVIDIA's wheel (pip install "
+                          f"'rlx_numba[cu12]' or [cu13]). Tried:\n  " + "\n  ".join(tried))
+
+
 def _message(what: str, tried: list[str]) -> str:
     drv = driver_version()
     head = (f"{what} not found (driver {drv // 1000}.{drv % 1000 // 10}" if drv else

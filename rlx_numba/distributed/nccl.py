@@ -10,9 +10,7 @@ Enum values are nccl.h's (NCCL 2.x).
 from __future__ import annotations
 
 import ctypes
-import os
 from ctypes import POINTER, byref, c_char, c_char_p, c_int, c_size_t, c_void_p
-from pathlib import Path
 
 SONAME = "libnccl.so.2"
 NCCL_UNIQUE_ID_BYTES = 128
@@ -71,38 +69,18 @@ _lib = None
 
 
 def _candidates() -> list[str]:
-    from ..cublas.loader import site_dirs
-    out = [str(d / sub / SONAME) for d in site_dirs()
-           for sub in ("nvidia/nccl/lib", "nvidia/cu13/lib")]
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        root = os.environ.get(env)
-        if root:
-            out += [str(Path(root) / sub / SONAME) for sub in ("lib64", "lib")]
-    return list(dict.fromkeys(out)) + [SONAME]
+    from ..cublas.loader import wheel_candidates
+    return wheel_candidates((SONAME,), ("nvidia/nccl/lib", "nvidia/cu13/lib"))
 
 
 def lib():
     """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
     global _lib
     if _lib is None:
-        tried = []
-        for path in _candidates():
-            if os.sep in path and not os.path.exists(path):
-                tried.append(f"{path} (no such file)")
-                continue
-            try:
-                loaded = ctypes.CDLL(path)
-            except OSError as e:
-                tried.append(f"{path} ({e})")
-                continue
-            _prototype(loaded)
-            loaded.path = path
-            _lib = loaded
-            break
-        else:
-            raise RuntimeError(f"NCCL ({SONAME}) not found; install NVIDIA's wheel "
-                               "(pip install 'rlx_numba[cu12]' or [cu13]). Tried:\n  "
-                               + "\n  ".join(tried))
+        from ..cublas.loader import load_first
+        loaded = load_first(f"NCCL ({SONAME})", _candidates())
+        _prototype(loaded)
+        _lib = loaded
     return _lib
 
 
