@@ -59,6 +59,36 @@ def test_rfft_irfft(rng, n, norm):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("n", [128, 256, 512])
+def test_fft_kernel_paths(rng, n):
+    # the simulator's shared rows are 16 points: 128 and 256 take the four-step kernels (one
+    # or two columns a block), 512 the stage-a-launch kernels
+    x = rng.standard_normal((2, n, 2)).astype(np.float32)
+    g = rlx.Graph("fft_paths")
+    t = g.input("x", x.shape)
+    g.set_outputs([g.fft(t), g.fft(t, inverse=True)])
+    got = run_graph(g, {"x": x})
+    z = _c(x.astype(np.float64))
+    for out, want in zip(got, (np.fft.fft(z), np.fft.ifft(z))):
+        np.testing.assert_allclose(_c(out), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_bluestein_as_graph_ops(rng, monkeypatch):
+    # past BLUESTEIN_M the chirp-z is graph ops over two power-of-two transforms
+    from rlx_numba.ir import ops_fft
+    monkeypatch.setattr(ops_fft, "BLUESTEIN_M", 8)
+    x = rng.standard_normal((3, 7, 2)).astype(np.float32)
+    g = rlx.Graph("bluestein_ops")
+    t = g.input("x", x.shape)
+    g.set_outputs([g.fft(t), g.fft(t, inverse=True)])
+    exe = rlx.compile(g)
+    assert not any("bluestein" in st.kernel_name for st in exe.steps)
+    got = exe.run({"x": x})
+    z = _c(x.astype(np.float64))
+    for out, want in zip(got, (np.fft.fft(z), np.fft.ifft(z))):
+        np.testing.assert_allclose(_c(out), want, rtol=1e-4, atol=1e-5)
+
+
 def test_irfft_cuts_and_pads(rng):
     spec = _pair(rng.standard_normal((2, 5)) + 1j * rng.standard_normal((2, 5))).astype(np.float32)
     g = rlx.Graph("irfft")

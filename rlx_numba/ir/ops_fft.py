@@ -10,7 +10,8 @@ Three nodes, the unnormalised transforms along the complex axis, any length:
 The compiler (compiler.py legalise, runtime/lower_fft.py fft_tier) keeps them for cuFFT (tier
 0: C2C, R2C, C2R) or rewrites them with ``expand_fft`` into the numba tier: the "fft" node,
 radix-2 Stockham kernels for n a power of two (kernels/fft.py), and for other lengths
-Bluestein's chirp-z over it as graph ops: x_j c_j (c_j = exp(-+ i pi j^2 / n)) zero-padded to a
+Bluestein's chirp-z: one "bluestein" node (a row in shared memory) while the padded length
+fits BLUESTEIN_M, else graph ops over the "fft" node: x_j c_j (c_j = exp(-+ i pi j^2 / n)) zero-padded to a
 power of two m >= 2n - 1, convolved with conj(c) by two m-point transforms and the transform
 of conj(c) made on the host (float64), times c_k. rdft there is the complex transform of x
 with a zero imaginary part (its first bins); irdft builds the Hermitian spectrum and keeps the
@@ -59,11 +60,14 @@ def _complex_const(z: np.ndarray) -> np.ndarray:
 FFT_NODES = ("dft", "rdft", "irdft")
 
 
-def _stockham_or_bluestein(g, x, inverse: bool):
-    """The numba tier's unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
-    n = x.shape[-2]
-    if _pow2(n):
-        return g._add("fft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+# the longest padded length m of the one-kernel Bluestein ("bluestein" node: a row in shared
+# memory, kernels/fft.py); longer ones are graph ops over two "fft" nodes
+BLUESTEIN_M = 2048
+
+
+def bluestein_tables(n: int, inverse: bool):
+    """(m, chirp c [n], filter [m]) of Bluestein's n-point DFT, complex128: c_j = exp(-+ i pi
+    j^2 / n), the filter the m-point DFT of conj(c) wrapped around, times the inverse's 1 / m."""
     m = 1 << (2 * n - 2).bit_length()                 # >= 2n - 1
     s = 1.0 if inverse else -1.0
     j = np.arange(n)
@@ -71,7 +75,17 @@ def _stockham_or_bluestein(g, x, inverse: bool):
     b = np.zeros(m, np.complex128)
     b[:n] = np.conj(c)
     b[m - n + 1:] = np.conj(c[1:])[::-1]
-    bhat = np.fft.fft(b) / m                          # with the inverse's 1 / m
+    return m, c, np.fft.fft(b) / m
+
+
+def _stockham_or_bluestein(g, x, inverse: bool):
+    """The numba tier's unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
+    n = x.shape[-2]
+    if _pow2(n):
+        return g._add("fft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+    m, c, bhat = bluestein_tables(n, inverse)
+    if m <= BLUESTEIN_M:
+        return g._add("bluestein", (x,), x.shape, dt.F32, inverse=bool(inverse))
     pads = (0, 0, 0, m - n)
     a = g.pad(_cmul(g, x, g.constant(_complex_const(c))), pads)
     conv = g._add("fft", (_cmul(g, g._add("fft", (a,), a.shape, dt.F32, inverse=False),

@@ -6,9 +6,10 @@ values with ties in index order (stable), for either direction:
   1. key_kernel: the keys;
   2. tile_sort_kernel(P): a block a tile of P keys of a row (a power of two: the whole row
      when it fits in shared memory), bitonic in shared memory, padded with 2^64 - 1;
-  3. merge_kernel: pairs of sorted runs of ``width`` merged in global memory, each key moved
-     to its rank (its place in its run + the number of smaller keys in the other run, by
-     binary search), ping-ponging between two arrays, until one run spans the row;
+  3. merge_tile_kernel(P): pairs of sorted runs of ``width`` merged, a block P outputs by
+     merge path: the runs' slices it needs loaded into shared memory, each key moved to its
+     rank (its place in its slice + the other slice's keys below it, by binary search),
+     ping-ponging between two arrays, until one run spans the row;
   4. the indices are the keys' low 32 bits (index_kernel); values gather them.
 """
 import functools
@@ -100,30 +101,70 @@ def tile_sort_kernel(p: int):
     return kernel
 
 
-@jit
-def merge_kernel(out, keys, rows, n, width):
-    """Runs of ``width`` sorted keys merged in pairs: keys -> out, each row of n."""
-    i = uint64(cuda.grid(1))
-    while i < rows * n:
-        r, p = i // n, i % n
-        q = p // width
-        start = q * width
-        other = (q ^ uint64(1)) * width
-        key = keys[i]
-        dest = p
-        if other < n:
-            lo = uint64(0)
-            hi = min(width, n - other)
-            base = r * n + other
-            while lo < hi:                      # the other run's keys below key
-                mid = (lo + hi) // uint64(2)
-                if keys[base + mid] < key:
-                    lo = mid + uint64(1)
-                else:
-                    hi = mid
-            dest = min(start, other) + (p - start) + lo
-        out[r * n + dest] = key
-        i += uint64(cuda.gridsize(1))
+@functools.lru_cache(maxsize=None)
+def merge_tile_kernel(tile: int):
+    """kernel(out, keys, rows, n, width): runs of ``width`` sorted keys merged in pairs, keys
+    -> out, each row of n; a block makes ``tile`` consecutive outputs of a row (2 width is a
+    multiple of tile). Merge path (Odeh et al.): the block's first and last output split the
+    pair's two runs at i and d - i (a binary search each); the block loads those slices of
+    the runs into shared memory (coalesced) and moves each key to its rank there."""
+    ut = uint64(tile)
+
+    @jit
+    def kernel(out, keys, rows, n, width):
+        sh = cuda.shared.array(tile, uint64)
+        cut = cuda.shared.array(2, uint64)
+        tid = uint64(cuda.threadIdx.x)
+        per_row = (n + ut - uint64(1)) // ut
+        task = uint64(cuda.blockIdx.x)
+        while task < rows * per_row:
+            r = task // per_row
+            o0 = (task - r * per_row) * ut                  # the tile's first output in the row
+            start = o0 // (uint64(2) * width) * (uint64(2) * width)   # its pair of runs
+            la = min(width, n - start)
+            lb = min(width, n - start - la)
+            a = r * n + start                           # run A; run B at a + la
+            if tid < uint64(2):                         # split at output d: i keys of A
+                d = min(o0 - start + tid * ut, la + lb)
+                lo = d - min(d, lb)
+                hi = min(d, la)
+                while lo < hi:
+                    mid = (lo + hi) // uint64(2)
+                    if keys[a + mid] < keys[a + la + d - mid - uint64(1)]:
+                        lo = mid + uint64(1)
+                    else:
+                        hi = mid
+                cut[tid] = lo
+            cuda.syncthreads()
+            i0, i1 = cut[0], cut[1]
+            d0 = o0 - start
+            j0 = d0 - i0
+            na = i1 - i0
+            nb = min(d0 + ut, la + lb) - d0 - na
+            k = tid
+            while k < na + nb:                          # A's slice, then B's
+                sh[k] = keys[a + i0 + k] if k < na else keys[a + la + j0 + k - na]
+                k += uint64(cuda.blockDim.x)
+            cuda.syncthreads()
+            k = tid
+            while k < na + nb:
+                key = sh[k]
+                if k < na:                              # B's keys below it
+                    lo, hi, base, own = uint64(0), nb, na, k
+                else:                                   # A's keys below it
+                    lo, hi, base, own = uint64(0), na, uint64(0), k - na
+                while lo < hi:
+                    mid = (lo + hi) // uint64(2)
+                    if sh[base + mid] < key:
+                        lo = mid + uint64(1)
+                    else:
+                        hi = mid
+                out[a + d0 + own + lo] = key
+                k += uint64(cuda.blockDim.x)
+            cuda.syncthreads()
+            task += uint64(cuda.gridDim.x)
+
+    return kernel
 
 
 @jit

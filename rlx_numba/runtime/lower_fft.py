@@ -2,23 +2,25 @@
 
 Tier 0, cuFFT (cufft.py): the "dft", "rdft" and "irdft" nodes as one batched C2C / R2C / C2R
 call each, any length. Tier 1, numba: the compiler rewrites those nodes (ops_fft.expand_fft)
-into "fft" nodes and graph ops; an "fft" node is rows of n = 2^p complex values, one kernel a
-row in shared memory up to SHARED_N, else one launch a Stockham stage over every row in global
-memory, ping-ponging between the output and a scratch array, with the twiddle table made on
-the host in float64 (conjugated for the inverse). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
+into "fft" and "bluestein" nodes and graph ops. An "fft" node is rows of n = 2^p complex
+values: one kernel a row in shared memory up to SHARED_N, the four-step's two kernels up to
+SHARED_N^2, else one launch a Stockham stage over every row in global memory, ping-ponging
+between the output and a scratch array; the twiddle table is made on the host in float64
+(conjugated for the inverse). A "bluestein" node is one kernel a row (its chirp and filter
+tables from the host, float64 made). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
 limits the choice; the simulator runs tier 1.
 """
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
-
-import os
 
 from .. import cufft
 from ..device import SIMULATOR
 from ..ir.ops import INPLACE, fmt
+from ..ir.ops_fft import bluestein_tables
 from ..kernels import fft as K
 from ..kernels.launch import grid_1d, grid_3d
 from .lower import CallStep, Step, log, lowering, step_name
@@ -33,6 +35,11 @@ def twiddles(n: int, inverse: bool) -> np.ndarray:
     return np.stack([w.real, w.imag], -1).reshape(-1).astype(np.float32)
 
 
+def _table(exe, z) -> object:
+    """A complex128 table as an interleaved f32 device array."""
+    return exe.device_array(np.stack([z.real, z.imag], -1).reshape(-1).astype(np.float32))
+
+
 @lowering("fft")
 def _lower_fft(exe, n):
     if n.size == 0:
@@ -44,23 +51,51 @@ def _lower_fft(exe, n):
     tw = exe.device_array(twiddles(length, n.attrs["inverse"]))
     name = step_name(n)
     what = f"{'inverse ' if n.attrs['inverse'] else ''}fft {rows}x{length} of {fmt(n.shape)}"
+    info = {"flops": 5 * rows * length * math.log2(length)}
     if length <= K.SHARED_N:
         return [Step(name, f"{what} (shared memory)", K.fft_row_kernel(length),
-                     grid_3d(rows), (K.THREADS,),
-                     (out, x, tw, _U(rows)), {"flops": 5 * rows * length * math.log2(length)})]
-    stages = int(math.log2(length))
+                     grid_3d(rows), (K.THREADS,), (out, x, tw, _U(rows)), info)]
+    p = int(math.log2(length))
+    if length <= K.SHARED_N ** 2:   # four-step: columns of n1, then rows of n2
+        n1, n2 = 1 << (p - p // 2), 1 << (p // 2)
+        scratch = exe.device_array(np.zeros(n.size, np.float32))
+
+        def lines(m):
+            return 2 if 2 * m <= K.SHARED_N else 1
+        la, lb = lines(n1), lines(n2)
+        return [Step(name, f"{what} four-step columns of {n1}", K.fft_cols_kernel(n1, n2, la),
+                     grid_3d(rows * n2 // la), (K.THREADS,), (scratch, x, tw, _U(rows)), info),
+                Step(name, f"{what} four-step rows of {n2}", K.fft_rows_kernel(n1, n2, lb),
+                     grid_3d(rows * n1 // lb), (K.THREADS,), (out, scratch, tw, _U(rows)),
+                     {"bytes": 4 * n.size})]
     scratch = exe.device_array(np.zeros(n.size, np.float32))
     # the last stage writes out: an odd count starts in out, an even one in scratch
-    bufs = [out, scratch] if stages % 2 else [scratch, out]
+    bufs = [out, scratch] if p % 2 else [scratch, out]
     grid, block = grid_1d(rows * length // 2)
     steps, src, ns = [], x, 1
-    for s in range(stages):
+    for s in range(p):
         dst = bufs[s % 2]
-        steps.append(Step(name, f"{what} stage {s + 1}/{stages}", K.fft_stage_kernel, (grid,),
+        steps.append(Step(name, f"{what} stage {s + 1}/{p}", K.fft_stage_kernel, (grid,),
                           (block,), (dst, src, tw, _U(rows), _U(length), _U(ns)),
                           {"bytes": 4 * n.nbytes // 2}))
         src, ns = dst, ns * 2
     return steps
+
+
+@lowering("bluestein")
+def _lower_bluestein(exe, n):
+    """Bluestein's DFT of rows of any length, one kernel (kernels/fft.py)."""
+    if n.size == 0:
+        return []
+    length = n.shape[-2]
+    rows = n.size // (2 * length)
+    m, c, filt = bluestein_tables(length, n.attrs["inverse"])
+    args = (exe.buf(n), exe.buf(n.inputs[0]), _table(exe, c), _table(exe, filt),
+            exe.device_array(twiddles(m, False)), _U(rows))
+    what = (f"{'inverse ' if n.attrs['inverse'] else ''}bluestein fft {rows}x{length} "
+            f"({m} points) of {fmt(n.shape)}")
+    return [Step(step_name(n), what, K.bluestein_row_kernel(length, m), grid_3d(rows),
+                 (K.THREADS,), args, {"flops": 10 * rows * m * math.log2(m)})]
 
 
 def fft_tier(graph, n) -> tuple[int, str]:

@@ -35,10 +35,11 @@ def _lower_argsort(exe, n):
                           grid_3d(tiles), (min(K.THREADS, tile // 2),),
                           (keys[0], _U(rows), _U(length)), {}))
     cur, width = 0, tile
-    while width < length:
-        steps.append(Step(name, f"sort merge runs of {width}", K.merge_kernel, (blocks,),
-                          (threads,), (keys[1 - cur], keys[cur], _U(rows), _U(length),
-                                       _U(width)), {}))
+    while width < length:       # (tile == K.TILE here: a row longer than one tile)
+        steps.append(Step(name, f"sort merge runs of {width}", K.merge_tile_kernel(tile),
+                          grid_3d(rows * -(-length // tile)), (K.THREADS,),
+                          (keys[1 - cur], keys[cur], _U(rows), _U(length), _U(width)),
+                          {"bytes": 16 * n.size}))
         cur, width = 1 - cur, width * 2
     steps.append(Step(name, f"sort indices {rows}x{length}", K.index_kernel, (blocks,),
                       (threads,), (exe.buf(n), keys[cur], _U(n.size)),
