@@ -14,13 +14,14 @@ values with ties in index order (stable), for either direction:
 """
 import functools
 
-from numba import cuda, uint32, uint64
+from numba import cuda, int32, uint8, uint32, uint64
 
 from ..device import SIMULATOR
 from .launch import jit
 
 TILE = 8 if SIMULATOR else 2048        # keys a block sorts in shared memory (16 KiB)
 THREADS = 4 if SIMULATOR else 512
+PROBES = THREADS // 2 if SIMULATOR else 32     # a merge split's search: points probed a round
 F32, I32 = 0, 1
 _HI = uint64(32)
 _SIGN = uint32(0x80000000)
@@ -106,14 +107,16 @@ def merge_tile_kernel(tile: int):
     """kernel(out, keys, rows, n, width): runs of ``width`` sorted keys merged in pairs, keys
     -> out, each row of n; a block makes ``tile`` consecutive outputs of a row (2 width is a
     multiple of tile). Merge path (Odeh et al.): the block's first and last output split the
-    pair's two runs at i and d - i (a binary search each); the block loads those slices of
+    pair's two runs at i and d - i (a 32-ary search each); the block loads those slices of
     the runs into shared memory (coalesced) and moves each key to its rank there."""
-    ut = uint64(tile)
+    ut, up = uint64(tile), uint64(PROBES)
+    nflags = 2 * PROBES                      # (a compile-time constant for the shared array)
 
     @jit
     def kernel(out, keys, rows, n, width):
         sh = cuda.shared.array(tile, uint64)
         cut = cuda.shared.array(2, uint64)
+        flags = cuda.shared.array(nflags, uint8)
         tid = uint64(cuda.threadIdx.x)
         per_row = (n + ut - uint64(1)) // ut
         task = uint64(cuda.blockIdx.x)
@@ -124,17 +127,34 @@ def merge_tile_kernel(tile: int):
             la = min(width, n - start)
             lb = min(width, n - start - la)
             a = r * n + start                           # run A; run B at a + la
-            if tid < uint64(2):                         # split at output d: i keys of A
-                d = min(o0 - start + tid * ut, la + lb)
-                lo = d - min(d, lb)
-                hi = min(d, la)
-                while lo < hi:
-                    mid = (lo + hi) // uint64(2)
-                    if keys[a + mid] < keys[a + la + d - mid - uint64(1)]:
-                        lo = mid + uint64(1)
+            # the splits at outputs d0 and d0 + tile: the first i with A[i] > B[d - i - 1]
+            # (i keys of A among the first d outputs), PROBES threads each probing one of
+            # PROBES points of the range a round (a 32-ary search: 3 rounds of global loads
+            # for a range of 2048, not 11)
+            side, lane = tid // up, tid % up
+            active = side < uint64(2)
+            d = min(o0 - start + side * ut, la + lb)
+            lo = d - min(d, lb) if active else uint64(0)
+            hi = min(d, la) if active else uint64(0)
+            while cuda.syncthreads_or(int32(lo < hi)):
+                if lo < hi:
+                    q = lo + (hi - lo) * lane // up
+                    flags[tid] = keys[a + q] < keys[a + la + d - q - uint64(1)]
+                cuda.syncthreads()
+                if lo < hi:
+                    cnt = uint64(0)
+                    for j in range(PROBES):
+                        cnt += uint64(flags[side * up + uint64(j)])
+                    if cnt == uint64(0):
+                        hi = lo
                     else:
-                        hi = mid
-                cut[tid] = lo
+                        nlo = lo + (hi - lo) * (cnt - uint64(1)) // up + uint64(1)
+                        if cnt < up:
+                            hi = lo + (hi - lo) * cnt // up
+                        lo = nlo
+                cuda.syncthreads()
+            if active and lane == uint64(0):
+                cut[side] = lo
             cuda.syncthreads()
             i0, i1 = cut[0], cut[1]
             d0 = o0 - start

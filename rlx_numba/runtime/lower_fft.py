@@ -3,11 +3,10 @@
 Tier 0, cuFFT (cufft.py): the "dft", "rdft" and "irdft" nodes as one batched C2C / R2C / C2R
 call each, any length. Tier 1, numba: the compiler rewrites those nodes (ops_fft.expand_fft)
 into "fft" and "bluestein" nodes and graph ops. An "fft" node is rows of n = 2^p complex
-values: one kernel a row in shared memory up to SHARED_N, the four-step's two kernels up to
-SHARED_N^2, else one launch a Stockham stage over every row in global memory, ping-ponging
-between the output and a scratch array; the twiddle table is made on the host in float64
-(conjugated for the inverse). A "bluestein" node is one kernel a row (its chirp and filter
-tables from the host, float64 made). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
+values: one kernel a row in shared memory up to SHARED_N, else passes of radix up to
+MAX_RADIX over every row, ping-ponging between the output and a scratch array. A
+"bluestein" node is one kernel a row (its chirp and filter tables made on the host in
+float64). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
 limits the choice; the simulator runs tier 1.
 """
 from __future__ import annotations
@@ -22,17 +21,10 @@ from ..device import SIMULATOR
 from ..ir.ops import INPLACE, fmt
 from ..ir.ops_fft import bluestein_tables
 from ..kernels import fft as K
-from ..kernels.launch import grid_1d, grid_3d
+from ..kernels.launch import grid_3d
 from .lower import CallStep, Step, log, lowering, step_name
 
 _U = np.uint64
-
-
-def twiddles(n: int, inverse: bool) -> np.ndarray:
-    """exp(-+2 pi i t / n) for t < max(1, n / 2), interleaved f32."""
-    t = np.arange(max(1, n // 2))
-    w = np.exp((1j if inverse else -1j) * 2 * np.pi * t / n)
-    return np.stack([w.real, w.imag], -1).reshape(-1).astype(np.float32)
 
 
 def _table(exe, z) -> object:
@@ -48,37 +40,33 @@ def _lower_fft(exe, n):
     rows = n.size // (2 * length)
     x = exe.buf(n.inputs[0])
     out = exe.buf(n)
-    tw = exe.device_array(twiddles(length, n.attrs["inverse"]))
+    sign = np.float32(1.0 if n.attrs["inverse"] else -1.0)
     name = step_name(n)
     what = f"{'inverse ' if n.attrs['inverse'] else ''}fft {rows}x{length} of {fmt(n.shape)}"
     info = {"flops": 5 * rows * length * math.log2(length)}
     if length <= K.SHARED_N:
         return [Step(name, f"{what} (shared memory)", K.fft_row_kernel(length),
-                     grid_3d(rows), (K.THREADS,), (out, x, tw, _U(rows)), info)]
-    p = int(math.log2(length))
-    if length <= K.SHARED_N ** 2:   # four-step: columns of n1, then rows of n2
-        n1, n2 = 1 << (p - p // 2), 1 << (p // 2)
-        scratch = exe.device_array(np.zeros(n.size, np.float32))
-
-        def lines(m):
-            return 2 if 2 * m <= K.SHARED_N else 1
-        la, lb = lines(n1), lines(n2)
-        return [Step(name, f"{what} four-step columns of {n1}", K.fft_cols_kernel(n1, n2, la),
-                     grid_3d(rows * n2 // la), (K.THREADS,), (scratch, x, tw, _U(rows)), info),
-                Step(name, f"{what} four-step rows of {n2}", K.fft_rows_kernel(n1, n2, lb),
-                     grid_3d(rows * n1 // lb), (K.THREADS,), (out, scratch, tw, _U(rows)),
-                     {"bytes": 4 * n.size})]
+                     grid_3d(rows), (K.THREADS,),
+                     (out, x, sign, _U(rows)), info)]
+    # passes of radix 2^b, the b's as even as they come (each <= log2 MAX_RADIX)
+    p = length.bit_length() - 1
+    npass = -(-p // (K.MAX_RADIX.bit_length() - 1))
+    bits = [p // npass + (k < p % npass) for k in range(npass)]
     scratch = exe.device_array(np.zeros(n.size, np.float32))
-    # the last stage writes out: an odd count starts in out, an even one in scratch
-    bufs = [out, scratch] if p % 2 else [scratch, out]
-    grid, block = grid_1d(rows * length // 2)
+    # the last pass writes out: an odd count starts in out, an even one in scratch
+    bufs = [out, scratch] if npass % 2 else [scratch, out]
     steps, src, ns = [], x, 1
-    for s in range(p):
-        dst = bufs[s % 2]
-        steps.append(Step(name, f"{what} stage {s + 1}/{p}", K.fft_stage_kernel, (grid,),
-                          (block,), (dst, src, tw, _U(rows), _U(length), _U(ns)),
-                          {"bytes": 4 * n.nbytes // 2}))
-        src, ns = dst, ns * 2
+    for k, b in enumerate(bits):
+        radix = 1 << b
+        nr = length // radix
+        lines = min(K.PASS_LINES, nr, ns if k else K.PASS_LINES)
+        dst = bufs[k % 2]
+        steps.append(Step(name, f"{what} pass {k + 1}/{npass} radix {radix}",
+                          K.fft_pass_kernel(radix, lines, k == 0),
+                          grid_3d(rows * nr // lines), (K.THREADS,),
+                          (dst, src, _U(rows), _U(length), _U(nr), _U(ns),
+                           _U(ns.bit_length() - 1), sign), {"bytes": 2 * n.nbytes}))
+        src, ns = dst, ns * radix
     return steps
 
 
@@ -90,8 +78,7 @@ def _lower_bluestein(exe, n):
     length = n.shape[-2]
     rows = n.size // (2 * length)
     m, c, filt = bluestein_tables(length, n.attrs["inverse"])
-    args = (exe.buf(n), exe.buf(n.inputs[0]), _table(exe, c), _table(exe, filt),
-            exe.device_array(twiddles(m, False)), _U(rows))
+    args = (exe.buf(n), exe.buf(n.inputs[0]), _table(exe, c), _table(exe, filt), _U(rows))
     what = (f"{'inverse ' if n.attrs['inverse'] else ''}bluestein fft {rows}x{length} "
             f"({m} points) of {fmt(n.shape)}")
     return [Step(step_name(n), what, K.bluestein_row_kernel(length, m), grid_3d(rows),
