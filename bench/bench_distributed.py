@@ -131,18 +131,29 @@ def dp_rows(rlx, torch, tdist, comm, batch=8, seq=256, steps=5):
         t0 = time.perf_counter()
         for _ in range(steps):
             loss = tr.step(ids)
-        return batch * steps / (time.perf_counter() - t0), loss
+        return batch * steps / (time.perf_counter() - t0), loss, tr
     rows = []
-    many, loss = rate(True)
+    many, loss, tr = rate(True)
+    # every replica made the same updates (the averaged gradients): equal weights everywhere
+    w = torch.tensor(tr.trainer.get_param("model.layers.0.mlp.down_proj.weight"), device="cuda")
+    lo, hi = w.clone(), w.clone()
+    tdist.all_reduce(lo, op=tdist.ReduceOp.MIN)
+    tdist.all_reduce(hi, op=tdist.ReduceOp.MAX)
+    same = bool(torch.equal(lo, hi))
+    steps_info = [s.kernel_name for s in tr.trainer.exe.steps if "second stream" in s.kernel_name
+                  or s.kernel_name.startswith("wait for")]
+    del tr
     tdist.barrier()
     if comm.rank == 0:      # one GPU alone, the same batch (no collectives)
-        one, _ = rate(False)
+        one, _, _ = rate(False)
         total = many * comm.world_size
         rows.append(dict(row=f"SmolLM2-135M DP train step b{batch}x{seq} a GPU",
                          gpus=comm.world_size, dp_samples_s=total, one_samples_s=one,
-                         ratio=total / one, loss=float(loss)))
+                         ratio=total / one, loss=float(loss), replicas_equal=same,
+                         overlap_steps=len(steps_info)))
         say(comm, f"{rows[-1]['row']:<40} {comm.world_size} GPUs {total:8.1f} samples/s  one GPU "
-                  f"{one:8.1f} samples/s  ratio {total / one:5.2f}")
+                  f"{one:8.1f} samples/s  ratio {total / one:5.2f}  replicas equal {same}  "
+                  f"loss {float(loss):.3f}  ({len(steps_info)} overlap / join steps)")
     tdist.barrier()
     return rows
 

@@ -36,7 +36,7 @@ from .ir.ops import INPLACE, fmt
 from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
 from .optim import HYPER_LEN, Optimizer, _number
-from .runtime import lower
+from .runtime import lower, lower_dist
 from .runtime.executable import CudaExecutable, _compile_mode, _exec_mode
 from .runtime.params import ParamStore, _Entry
 
@@ -58,8 +58,9 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     ``data_parallel``: this process (or in-process rank) is one replica of data-parallel
     training on the current communicator (rlx_numba.distributed): the gradients are averaged
     over the ranks before the update (flattened into buckets of BUCKET_BYTES, one
-    all_reduce("avg") a bucket), so every replica makes the same update, the one of the mean
-    of the ranks' losses; ``step`` returns this rank's loss.
+    all_reduce("avg") a bucket, on a second stream while the backward goes on), so every
+    replica makes the same update, the one of the mean of the ranks' losses; ``step``
+    returns this rank's loss.
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
@@ -107,6 +108,7 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     exe = CudaExecutable(plan, cm, em, store, stream)
     exe.lower_all()
     steps = _update_steps(exe, plan, optimizer, layout, [d.id for d in grads], hyper, max_norm)
+    steps[:0] = lower_dist.join_steps(exe)     # the overlapped all_reduces done
     exe._node_steps.pop(hyper.id, None)   # (re)inserted last: the update runs after every step
     exe._node_steps[hyper.id] = steps
     exe._flatten_steps()
@@ -120,8 +122,9 @@ BUCKET_BYTES = 25 << 20     # torch DDP's default bucket
 
 def _averaged(g: Graph, grads: list) -> list:
     """``grads`` averaged over the current communicator's ranks: packed into buckets of up to
-    BUCKET_BYTES, last param first (the order the backward finishes them), one all_reduce
-    ("avg") a bucket, then narrowed back out of it."""
+    BUCKET_BYTES, last param first (the order the backward finishes them), one in-place
+    all_reduce ("avg") a bucket, overlapped with the rest of the backward, then narrowed
+    back out of it."""
     buckets, size = [[]], 0
     for k in reversed(range(len(grads))):
         n = grads[k].node.size
@@ -130,10 +133,16 @@ def _averaged(g: Graph, grads: list) -> list:
             size = 0
         buckets[-1].append(k)
         size += n
+    from .ir.ops_dist import world
+    w, r = world("compile_train", None, None)
     out = list(grads)
     for ks in buckets:
         flat = [g.reshape(grads[k], (grads[k].node.size,)) for k in ks]
-        red = g.all_reduce(g.concat(flat, 0) if len(flat) > 1 else flat[0], "avg")
+        flat = g.concat(flat, 0) if len(flat) > 1 else flat[0]
+        # in place (the bucket lives to the update) and on a second stream: the later
+        # buckets' backward runs while NCCL averages this one (runtime/lower_dist.py)
+        red = g._add("all_reduce_inplace", (flat,), flat.shape, flat.dtype, reduce="avg",
+                     world=w, rank=r, overlap=True)
         off = 0
         for k in ks:
             n = grads[k].node.size

@@ -8,6 +8,9 @@ thread's or process's current one, ``distributed.current()``) unless given. The 
   "all_gather"      x -> [world, *x.shape], rank r's x at index r
   "reduce_scatter"  x [world, *rest] -> rest: rank r gets the reduction of every rank's x[r]
   "broadcast"       x -> x's shape, rank ``root``'s x
+  "all_reduce_inplace"  all_reduce into x's own memory (ir/ops.py INPLACE), with attr
+                    ``overlap``: on a second stream, joined before the optimizer's update
+                    (compile_train's data-parallel buckets; no VJP)
 The builder methods move ``axis`` with transposes and reshapes around them. Gradients follow
 the convention of data- and tensor-parallel training: the loss is the sum of every rank's
 loss, so all_reduce(sum)'s VJP is all_reduce(sum), all_gather's is reduce_scatter(sum) and
@@ -27,7 +30,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 NCCL_TYPES = (dt.F32, dt.F16, dt.BF16, dt.I32, dt.I64, dt.I8, dt.U8)
 
 
-def _world(op, world_size, rank):
+def world(op, world_size, rank):
     """(world_size, rank): the arguments, else the current communicator's."""
     if world_size is None or rank is None:
         from ..device import current_comm
@@ -65,14 +68,14 @@ class DistOps:
         self._check("all_reduce", "x", x)
         check_dtype("all_reduce", x)
         _reduce_op("all_reduce", op)
-        w, r = _world("all_reduce", world_size, rank)
+        w, r = world("all_reduce", world_size, rank)
         return self._add("all_reduce", (x,), x.shape, x.dtype, reduce=op, world=w, rank=r)
 
     def all_gather(self, x, axis: int = 0, *, world_size=None, rank=None):
         """The ranks' ``x`` concatenated along ``axis`` in rank order."""
         self._check("all_gather", "x", x)
         check_dtype("all_gather", x)
-        w, r = _world("all_gather", world_size, rank)
+        w, r = world("all_gather", world_size, rank)
         if not x.shape:
             x = self.reshape(x, (1,))
         a = _axis("all_gather", x, axis)
@@ -90,7 +93,7 @@ class DistOps:
         self._check("reduce_scatter", "x", x)
         check_dtype("reduce_scatter", x)
         _reduce_op("reduce_scatter", op)
-        w, r = _world("reduce_scatter", world_size, rank)
+        w, r = world("reduce_scatter", world_size, rank)
         a = _axis("reduce_scatter", x, axis)
         if x.shape[a] % w:
             raise ValueError(f"reduce_scatter: x {x.dtype} {fmt(x.shape)} axis {a} ({x.shape[a]})"
@@ -110,7 +113,7 @@ class DistOps:
         """Rank ``root``'s ``x`` on every rank."""
         self._check("broadcast", "x", x)
         check_dtype("broadcast", x)
-        w, r = _world("broadcast", world_size, rank)
+        w, r = world("broadcast", world_size, rank)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < w:
             raise ValueError(f"broadcast: root must be a rank in [0, {w}), got {root!r}")
         return self._add("broadcast", (x,), x.shape, x.dtype, root=int(root), world=w, rank=r)

@@ -2,7 +2,13 @@
 executable's stream. The communicator is the current one (``distributed.current()``) when the
 graph is compiled: NCCL (NcclCommunicator: ncclAllReduce & co. on the arena's pointers, so a
 CUDA graph captures them) or the in-process one of the simulator and CPU tests (host copies and
-a barrier between the ranks' threads)."""
+a barrier between the ranks' threads).
+
+An "all_reduce_inplace" node with ``overlap`` (compile_train's data-parallel buckets) runs its
+NCCL call on a second stream: an event forks it off the executable's stream once the bucket
+is written, and ``join_steps`` (the update's first step) makes the stream wait for every such
+call. The bucket is the node's own memory, live to the update, so the kernels that run
+meanwhile never touch it; a CUDA graph captures the fork and the join."""
 from __future__ import annotations
 
 from ..ir import dtypes as dt
@@ -24,16 +30,18 @@ def _comm(n):
     return comm
 
 
-@lowering("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+@lowering("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce_inplace")
 def _lower_collective(exe, n):
     comm = _comm(n)
     src = exe.graph.nodes[n.inputs[0]]
     send, recv = exe.buf(src), exe.buf(n)
     op, root = n.attrs.get("reduce", "sum"), n.attrs.get("root", 0)
-    what = f"{n.op}{'.' + op if n.op in ('all_reduce', 'reduce_scatter') else ''} of " \
+    what = f"{n.op}{'.' + op if 'reduce' in n.op else ''} of " \
            f"{n.dtype} {fmt(src.shape)} over {comm.world_size} ranks ({comm.kind})"
     if n.size == 0:
         return []
+    info = {"bytes": src.size * n.dtype.itemsize, "collective": True}
+    kind = "all_reduce" if n.op == "all_reduce_inplace" else n.op
     if comm.kind == "nccl":
         count = n.size if n.op == "reduce_scatter" else src.size
         sp, rp = send.device_ctypes_pointer.value, recv.device_ctypes_pointer.value
@@ -41,13 +49,39 @@ def _lower_collective(exe, n):
 
         def make(stream):
             handle = int(stream) if stream is not None else 0
-            return lambda: comm.pointer_call(n.op, sp, rp, count, name, op, handle, root)
+            if not n.attrs.get("overlap"):
+                return lambda: comm.pointer_call(kind, sp, rp, count, name, op, handle, root)
+            from numba import cuda
+            side, ready, done = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
+            info["done"], info["side"] = done, side
+
+            def go(h=int(side)):
+                ready.record(stream)
+                ready.wait(side)
+                comm.pointer_call(kind, sp, rp, count, name, op, h, root)
+                done.record(side)
+            return go
     else:
         if n.dtype == dt.BF16:
             raise ValueError(f"compile: {n.op} %{n.id}: bf16 collectives need NCCL (the "
                              f"in-process communicator reduces the stored uint16 values)")
 
         def make(stream):
-            return lambda: comm.call(n.op, send, recv, op=op, root=root, stream=stream)
-    return [CallStep(step_name(n), what, make,
-                     {"bytes": src.size * n.dtype.itemsize, "collective": True})]
+            return lambda: comm.call(kind, send, recv, op=op, root=root, stream=stream)
+    return [CallStep(step_name(n), what + (" on a second stream" if n.attrs.get("overlap") and
+                                           comm.kind == "nccl" else ""), make, info)]
+
+
+def join_steps(exe) -> list:
+    """A step that makes the executable's stream wait for every overlapped all_reduce (none
+    when there is none)."""
+    infos = [s.info for steps in exe._node_steps.values() for s in steps
+             if "done" in s.info]
+    if not infos:
+        return []
+
+    def make(stream):
+        return lambda: [i["done"].wait(stream) for i in infos]
+    step = CallStep("join", f"wait for {len(infos)} overlapped all_reduce(s)", make, {})
+    step.bind(exe.stream, False)
+    return [step]
