@@ -116,11 +116,8 @@ def _check(status, func, err):
 
 def available() -> tuple[bool, str]:
     """(True, "") when the library loads (no GPU work), else (False, why). Never raises."""
-    try:
-        lib()
-        return True, ""
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        return False, str(e).splitlines()[0]
+    from .cublas.loader import probe
+    return probe(lib)
 
 
 def _key(stream):

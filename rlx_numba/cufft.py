@@ -71,11 +71,8 @@ def _check(status, func, args):
 
 def available() -> tuple[bool, str]:
     """(True, "") when the library loads (no GPU work), else (False, why). Never raises."""
-    try:
-        lib()
-        return True, ""
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        return False, str(e).splitlines()[0]
+    from .cublas.loader import probe
+    return probe(lib)
 
 
 def version() -> int:

@@ -166,6 +166,17 @@ def load_first(what: str, paths, mode: int = ctypes.DEFAULT_MODE, before=None) -
                           f"'rlx_numba[cu12]' or [cu13]). Tried:\n  " + "\n  ".join(tried))
 
 
+def probe(load, whole: bool = False) -> tuple[bool, str]:
+    """(True, "") when ``load()`` succeeds (no GPU work), else (False, why): the error's first
+    line, or ``whole`` of it on one line. Never raises."""
+    try:
+        load()
+        return True, ""
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        lines = str(e).splitlines() or [type(e).__name__]
+        return False, " ".join(x.strip() for x in lines) if whole else lines[0]
+
+
 def _message(what: str, tried: list[str]) -> str:
     drv = driver_version()
     head = (f"{what} not found (driver {drv // 1000}.{drv % 1000 // 10}" if drv else

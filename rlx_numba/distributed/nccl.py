@@ -108,12 +108,10 @@ def _check(result, func, err, last):
 
 
 def available() -> tuple[bool, str]:
-    """(True, "") when the library loads (no GPU work), else (False, why). Never raises."""
-    try:
-        lib()
-        return True, ""
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        return False, " ".join(line.strip() for line in str(e).splitlines())   # one line
+    """(True, "") when the library loads (no GPU work), else (False, why: every place tried,
+    on one line). Never raises."""
+    from ..cublas.loader import probe
+    return probe(lib, whole=True)
 
 
 def version() -> int:
