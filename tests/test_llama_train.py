@@ -84,7 +84,7 @@ def test_llama_trainer_steps_and_updates_the_model(rng):
     tr = m.trainer(2, 6, rlx.optim.AdamW(lr=1e-2), exec_mode="stream")
     ids = rng.integers(0, cfg.vocab_size, (2, 6))
     first = np_loss(cfg, m.params, ids, ids)
-    losses = [tr.step(ids) for _ in range(3)]
+    losses = [tr.step(ids) for _ in range(2)]
     np.testing.assert_allclose(losses[0], first, rtol=1e-4)   # the loss before the first update
     assert losses[-1] < losses[0]                  # the same batch: it is learnt
     tr.update_model()
