@@ -80,7 +80,7 @@ def legalise(graph: Graph, moved: dict | None = None) -> Graph:
     rewrite = {}
     for n in graph.nodes:
         if n.op in FFT_NODES:
-            tier, why = lower_fft.fft_tier(graph, n)
+            tier, why = lower_fft.fft_tier(n)
             lower_fft.log_fft_tier(n, tier, why)
             if tier:
                 rewrite[n.id] = expand_fft

@@ -33,6 +33,7 @@ from .compiler import legalise, plan_graph
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
 from .ir.ops import INPLACE, fmt
+from .ir.ops_dist import world
 from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
 from .optim import HYPER_LEN, Optimizer, _number
@@ -133,7 +134,6 @@ def _averaged(g: Graph, grads: list) -> list:
             size = 0
         buckets[-1].append(k)
         size += n
-    from .ir.ops_dist import world
     w, r = world("compile_train", None, None)
     out = list(grads)
     for ks in buckets:

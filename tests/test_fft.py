@@ -258,13 +258,13 @@ def test_fft_tier_choice(monkeypatch):
     y = g.rfft(g.input("x", (2, 8)))
     node = g.nodes[y.id]
     monkeypatch.setenv("RLX_NUMBA_FFT_TIERS", "1")
-    assert fft_tier(g, node) == (1, "tier 0 not allowed by RLX_NUMBA_FFT_TIERS")
+    assert fft_tier(node) == (1, "tier 0 not allowed by RLX_NUMBA_FFT_TIERS")
     monkeypatch.setenv("RLX_NUMBA_FFT_TIERS", "0,3")
     with pytest.raises(ValueError, match="RLX_NUMBA_FFT_TIERS='0,3': expected"):
-        fft_tier(g, node)
+        fft_tier(node)
     monkeypatch.delenv("RLX_NUMBA_FFT_TIERS")
     if not ON_GPU:
-        assert fft_tier(g, node) == (1, "the simulator has no cuFFT")
+        assert fft_tier(node) == (1, "the simulator has no cuFFT")
     # a missing library is reported, never raised
     monkeypatch.setattr(cufft, "_lib", None)
     monkeypatch.setattr(cufft, "_candidates", lambda: ["/nonexistent/libcufft.so.12"])

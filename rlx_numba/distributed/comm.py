@@ -2,8 +2,9 @@
 contiguous device arrays of any shape, in two implementations of one interface.
 
 * ``NcclCommunicator``: one process per GPU, NCCL through ``nccl.py``. The collectives are
-  enqueued on the given stream and return at once (NCCL's semantics); ``pointer_call`` takes
-  raw device pointers and a raw cudaStream_t, for compiled steps that already hold them.
+  enqueued on the given stream and return at once (NCCL's semantics); ``prepare`` takes
+  raw device pointers and a raw cudaStream_t and returns the call, its arguments converted
+  once, for compiled steps that already hold them.
 * ``InProcessCommunicator``: ``world_size`` ranks as threads of one process (``run_ranks``),
   the data exchanged through host memory and reduced with NumPy in the array's dtype, rank 0
   first, so the result is deterministic and the same on every rank. It runs under the numba
@@ -173,40 +174,45 @@ class NcclCommunicator(Communicator):
         self._barrier_buf = None
         self._barrier_stream = None
 
-    def pointer_call(self, name: str, send_ptr: int, recv_ptr: int, count: int,
-                     dtype_name: str, op: str = "sum", stream_handle: int = 0,
-                     root: int = 0) -> None:
-        """Enqueue collective ``name`` on raw device pointers and a raw cudaStream_t (0: the
-        legacy default stream). ``count`` is NCCL's: the elements of send for all_reduce,
-        broadcast and all_gather (recv holds world_size * count), of recv for reduce_scatter
-        (send holds world_size * count)."""
-        if self.closed:
-            raise RuntimeError(f"{name}: the nccl communicator of rank {self.rank} is closed")
+    def prepare(self, name: str, send_ptr: int, recv_ptr: int, count: int, dtype_name: str,
+                op: str = "sum", stream_handle: int = 0, root: int = 0):
+        """The no-argument callable that enqueues collective ``name`` on raw device pointers
+        and a raw cudaStream_t (0: the legacy default stream), its arguments checked and
+        converted once (a compiled step calls it every run). ``count`` is NCCL's: the
+        elements of send for all_reduce, broadcast and all_gather (recv holds world_size *
+        count), of recv for reduce_scatter (send holds world_size * count)."""
         if name not in COLLECTIVES:
             raise ValueError(f"collective {name!r} is not one of {list(COLLECTIVES)}")
         dt = nccl.dtype_code(dtype_name, name)
         if count < 0:
             raise ValueError(f"{name}: count {count} is negative")
         L, h, s = self.lib, self.handle, nccl.Stream(int(stream_handle) or None)
-        send, recv, count = ctypes.c_void_p(send_ptr or None), ctypes.c_void_p(recv_ptr or None), \
-            ctypes.c_size_t(count)
+        args = (ctypes.c_void_p(send_ptr or None), ctypes.c_void_p(recv_ptr or None),
+                ctypes.c_size_t(count), dt)
         if name == "all_reduce":
-            L.ncclAllReduce(send, recv, count, dt, nccl.op_code(op, name), h, s)
+            fn, args = L.ncclAllReduce, args + (nccl.op_code(op, name), h, s)
         elif name == "all_gather":
-            L.ncclAllGather(send, recv, count, dt, h, s)
+            fn, args = L.ncclAllGather, args + (h, s)
         elif name == "reduce_scatter":
-            L.ncclReduceScatter(send, recv, count, dt, nccl.op_code(op, name), h, s)
+            fn, args = L.ncclReduceScatter, args + (nccl.op_code(op, name), h, s)
         else:
             if not 0 <= root < self.world_size:
                 raise ValueError(f"broadcast: root {root} is not a rank of world_size "
                                  f"{self.world_size}")
-            L.ncclBroadcast(send, recv, count, dt, int(root), h, s)
+            fn, args = L.ncclBroadcast, args + (int(root), h, s)
+
+        def call():
+            if self.closed:
+                raise RuntimeError(f"{name}: the nccl communicator of rank {self.rank} is "
+                                   f"closed")
+            fn(*args)
+        return call
 
     def _collective(self, name, send, recv, op, root, stream):
         count = recv.size if name == "reduce_scatter" else send.size
-        self.pointer_call(name, send.device_ctypes_pointer.value or 0,
-                          recv.device_ctypes_pointer.value or 0, count,
-                          np.dtype(send.dtype).name, op, _stream_handle(stream), root)
+        self.prepare(name, send.device_ctypes_pointer.value or 0,
+                     recv.device_ctypes_pointer.value or 0, count,
+                     np.dtype(send.dtype).name, op, _stream_handle(stream), root)()
 
     def barrier(self) -> None:
         """A one-element all_reduce on a private stream, waited for."""

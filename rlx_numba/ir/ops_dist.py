@@ -129,13 +129,18 @@ def _same(node):
     return dict(world_size=node.attrs["world"], rank=node.attrs["rank"])
 
 
-@vjp("all_reduce")
-def _all_reduce_vjp(g, node, dy):
+def _linear(node) -> str:
+    """The node's reduce op when it has a gradient here ('sum' and 'avg' are linear)."""
     op = node.attrs["reduce"]
     if op not in ("sum", "avg"):
-        raise ValueError(f"grad: all_reduce with op {op!r} has no gradient here (only 'sum' "
+        raise ValueError(f"grad: {node.op} with op {op!r} has no gradient here (only 'sum' "
                          f"and 'avg')")
-    return [g.all_reduce(dy, op, **_same(node))]
+    return op
+
+
+@vjp("all_reduce")
+def _all_reduce_vjp(g, node, dy):
+    return [g.all_reduce(dy, _linear(node), **_same(node))]
 
 
 @vjp("all_gather")
@@ -147,10 +152,7 @@ def _all_gather_vjp(g, node, dy):
 
 @vjp("reduce_scatter")
 def _reduce_scatter_vjp(g, node, dy):
-    op = node.attrs["reduce"]
-    if op not in ("sum", "avg"):
-        raise ValueError(f"grad: reduce_scatter with op {op!r} has no gradient here (only "
-                         f"'sum' and 'avg')")
+    op = _linear(node)
     w = node.attrs["world"]
     dx = g._add("all_gather", (dy,), (w,) + tuple(dy.shape), dy.dtype, world=w,
                 rank=node.attrs["rank"])

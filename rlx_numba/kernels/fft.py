@@ -6,10 +6,10 @@ r inputs at j + q n / r, turns input q by w_(r Ns)^(q k) with k = j % Ns, and wr
 r-point DFT at (j / Ns) r Ns + k + s Ns; after the stages the row is in natural order, with
 no bit reversal. In shared memory the stages are radix 4 (one radix 2 first for odd p).
 
-  fft_row_kernel(n): a block a row, the two ping-pong buffers in shared memory (n <= SHARED_N);
-  fft_pass_kernel(radix, lines, first): longer rows, in passes over memory of radix up to
-    MAX_RADIX (each butterfly a shared-memory DFT of ``lines`` columns at once): 3 passes for
-    2^20 points, each reading and writing runs of ``lines`` values;
+  fft_pass_kernel(radix, lines, first): one pass over memory of radix-``radix`` butterflies,
+    each a shared-memory DFT, ``lines`` of them a block. A row of n <= SHARED_N is one pass
+    of radix n (a block a row); longer rows take passes of radix up to MAX_RADIX, 3 for 2^20
+    points, each reading and writing runs of ``lines`` values;
   bluestein_row_kernel(n, m): a block a row of any length n with m = 2^p >= 2n - 1 <=
     ir/ops_fft.py's BLUESTEIN_M: the chirp, m-point transform, the product with the chirp
     filter's transform, the inverse (as conj(FFT(conj))) and the chirp again, in shared memory.
@@ -24,7 +24,7 @@ from numba import cuda, float32, uint32, uint64
 from ..device import SIMULATOR
 from .launch import inline, jit
 
-# complex values a row the shared-memory kernels take (2 x 16 KiB); longer rows take passes of
+# complex values a row one pass takes (2 x 16 KiB of shared memory); longer rows take passes of
 # MAX_RADIX-point DFTs, PASS_LINES of them a block (2 x 16 KiB); the simulator's small sizes
 # send short rows through every kernel
 SHARED_N = 16 if SIMULATOR else 2048
@@ -132,37 +132,6 @@ def _lines_fft(n: int, lines: int):
         return so
 
     return run
-
-
-@functools.lru_cache(maxsize=None)
-def fft_row_kernel(n: int):
-    """kernel(out, x, sign, rows): out[r] = DFT(x[r]) of sign ``sign`` (-1 forward, +1
-    inverse) for rows of n complex values."""
-    u2n = uint64(2 * n)
-    size = 4 * n                             # a compile-time constant for the shared array
-    fft = _lines_fft(n, 1)
-
-    @jit
-    def kernel(out, x, sign, rows):
-        buf = cuda.shared.array(size, float32)
-        tid = uint64(cuda.threadIdx.x)
-        r = uint64(cuda.blockIdx.x)
-        while r < rows:
-            base = r * u2n
-            i = tid
-            while i < u2n:
-                buf[i] = x[base + i]
-                i += uint64(cuda.blockDim.x)
-            cuda.syncthreads()
-            so = uint64(fft(buf, sign))
-            i = tid
-            while i < u2n:
-                out[base + i] = buf[so + i]
-                i += uint64(cuda.blockDim.x)
-            cuda.syncthreads()
-            r += uint64(cuda.gridDim.x)
-
-    return kernel
 
 
 @functools.lru_cache(maxsize=None)

@@ -327,11 +327,10 @@ def shard_config(cfg: LlamaConfig, world: int) -> LlamaConfig:
     if cfg.num_experts or cfg.qk_norm:
         raise ValueError(f"tensor_parallel={world}: mixture-of-experts layers and qk_norm (a norm "
                          f"over every head) are not sharded; use tensor_parallel=1")
-    return replace(cfg, head_dim=cfg.head_dim,
-                               **{k: v // world for k, v in need.items()})
+    return replace(cfg, head_dim=cfg.head_dim, **{k: v // world for k, v in need.items()})
 
 
-def _slicer(cfg: LlamaConfig, rank: int, world: int):
+def _slicer(rank: int, world: int):
     """select(name, shape) -> the index of rank's slice of a Hugging Face-named tensor."""
     def select(name, shape):
         if world == 1 or name.endswith(("norm.weight", "o_proj.bias", "down_proj.bias")) \
@@ -343,9 +342,9 @@ def _slicer(cfg: LlamaConfig, rank: int, world: int):
     return select
 
 
-def shard_params(cfg: LlamaConfig, params: dict, rank: int, world: int) -> dict:
+def shard_params(params: dict, rank: int, world: int) -> dict:
     """Rank ``rank``'s slices of full Hugging Face-named ``params`` (see shard_config)."""
-    select = _slicer(cfg, rank, world)
+    select = _slicer(rank, world)
     out = {}
     for name, a in params.items():
         part = select(name, np.shape(a))
@@ -683,7 +682,7 @@ class LlamaForCausalLM:
         ignore = ("lm_head.weight",) if config.tie_word_embeddings else ()
         full = llama_param_shapes(config)
         if self.shard[1] > 1 and all(np.shape(v) == full.get(k) for k, v in params.items()):
-            params = shard_params(config, params, *self.shard)
+            params = shard_params(params, *self.shard)
         self.params = check_params(llama_param_shapes(self.local_config), params, source,
                                    ignore=ignore)
         self.tokenizer = tokenizer
@@ -733,7 +732,7 @@ class LlamaForCausalLM:
         config = LlamaConfig.from_dict(read_json(folder / "config.json", "config.json"),
                                        source=folder / "config.json")
         tp = kw.get("tensor_parallel")
-        arrays = load_safetensors(folder, _slicer(config, *_shard_of(tp, "f32")) if tp else None)
+        arrays = load_safetensors(folder, _slicer(*_shard_of(tp, "f32")) if tp else None)
         # older checkpoints carry the rotary tables as buffers; they are recomputed here
         arrays = {k: v for k, v in arrays.items() if not k.endswith("rotary_emb.inv_freq")}
         tok = None

@@ -10,6 +10,7 @@ import ctypes
 import functools
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -37,6 +38,22 @@ def lowering(*ops):
             LOWERINGS[op] = fn
         return fn
     return deco
+
+
+def env_tiers(var: str, names: dict) -> set:
+    """The tiers environment variable ``var`` allows (a comma-separated subset of ``names``:
+    tier -> what it is), all of them when it is unset; ValueError naming it otherwise."""
+    env = os.environ.get(var)
+    if not env:
+        return set(names)
+    try:
+        tiers = {int(t) for t in env.replace(" ", "").split(",") if t}
+    except ValueError:
+        tiers = set()
+    if not tiers or not tiers <= set(names):
+        raise ValueError(f"{var}={env!r}: expected a comma-separated subset of "
+                         + ", ".join(f"{t} ({w})" for t, w in names.items()))
+    return tiers
 
 
 def step_name(n: Node) -> str:

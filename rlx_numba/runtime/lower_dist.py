@@ -48,17 +48,18 @@ def _lower_collective(exe, n):
         name = n.dtype.host.name
 
         def make(stream):
-            handle = int(stream) if stream is not None else 0
             if not n.attrs.get("overlap"):
-                return lambda: comm.pointer_call(kind, sp, rp, count, name, op, handle, root)
+                return comm.prepare(kind, sp, rp, count, name, op,
+                                    int(stream) if stream is not None else 0, root)
             from numba import cuda
             side, ready, done = cuda.stream(), cuda.event(timing=False), cuda.event(timing=False)
             info["done"], info["side"] = done, side
+            call = comm.prepare(kind, sp, rp, count, name, op, int(side), root)
 
-            def go(h=int(side)):
+            def go():
                 ready.record(stream)
                 ready.wait(side)
-                comm.pointer_call(kind, sp, rp, count, name, op, h, root)
+                call()
                 done.record(side)
             return go
     else:

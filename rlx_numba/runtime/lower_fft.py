@@ -3,8 +3,9 @@
 Tier 0, cuFFT (cufft.py): the "dft", "rdft" and "irdft" nodes as one batched C2C / R2C / C2R
 call each, any length. Tier 1, numba: the compiler rewrites those nodes (ops_fft.expand_fft)
 into "fft" and "bluestein" nodes and graph ops. An "fft" node is rows of n = 2^p complex
-values: one kernel a row in shared memory up to SHARED_N, else passes of radix up to
-MAX_RADIX over every row, ping-ponging between the output and a scratch array. A
+values in Stockham passes of fft_pass_kernel: one (a row a block, in shared memory) up to
+SHARED_N, else passes of radix up to MAX_RADIX over every row, ping-ponging between the
+output and a scratch array. A
 "bluestein" node is one kernel a row (its chirp and filter tables made on the host in
 float64). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
 limits the choice; the simulator runs tier 1.
@@ -22,7 +23,7 @@ from ..ir.ops import INPLACE, fmt
 from ..ir.ops_fft import bluestein_tables
 from ..kernels import fft as K
 from ..kernels.launch import grid_3d
-from .lower import CallStep, Step, log, lowering, step_name
+from .lower import CallStep, Step, env_tiers, log, lowering, step_name
 
 _U = np.uint64
 
@@ -32,40 +33,41 @@ def _table(exe, z) -> object:
     return exe.device_array(np.stack([z.real, z.imag], -1).reshape(-1).astype(np.float32))
 
 
+def _rows(n) -> tuple[int, int]:
+    """(length, rows) of an FFT node over [..., length, 2]."""
+    length = n.shape[-2]
+    return length, n.size // (2 * length)
+
+
 @lowering("fft")
 def _lower_fft(exe, n):
     if n.size == 0:
         return []
-    length = n.shape[-2]
-    rows = n.size // (2 * length)
-    x = exe.buf(n.inputs[0])
-    out = exe.buf(n)
+    length, rows = _rows(n)
     sign = np.float32(1.0 if n.attrs["inverse"] else -1.0)
-    name = step_name(n)
     what = f"{'inverse ' if n.attrs['inverse'] else ''}fft {rows}x{length} of {fmt(n.shape)}"
-    info = {"flops": 5 * rows * length * math.log2(length)}
-    if length <= K.SHARED_N:
-        return [Step(name, f"{what} (shared memory)", K.fft_row_kernel(length),
-                     grid_3d(rows), (K.THREADS,),
-                     (out, x, sign, _U(rows)), info)]
-    # passes of radix 2^b, the b's as even as they come (each <= log2 MAX_RADIX)
+    # one pass (the whole row a block in shared memory) up to SHARED_N, else passes of
+    # radix 2^b, the b's as even as they come (each <= log2 MAX_RADIX)
     p = length.bit_length() - 1
-    npass = -(-p // (K.MAX_RADIX.bit_length() - 1))
+    npass = 1 if length <= K.SHARED_N else -(-p // (K.MAX_RADIX.bit_length() - 1))
     bits = [p // npass + (k < p % npass) for k in range(npass)]
-    scratch = exe.device_array(np.zeros(n.size, np.float32))
-    # the last pass writes out: an odd count starts in out, an even one in scratch
-    bufs = [out, scratch] if npass % 2 else [scratch, out]
-    steps, src, ns = [], x, 1
+    # the last pass writes out: an odd count starts in out, an even one in a scratch array
+    out = exe.buf(n)
+    bufs = [out] if npass == 1 else [out, exe.device_array(np.zeros(n.size, np.float32))]
+    if npass % 2 == 0:
+        bufs.reverse()
+    steps, src, ns = [], exe.buf(n.inputs[0]), 1
     for k, b in enumerate(bits):
         radix = 1 << b
         nr = length // radix
         lines = min(K.PASS_LINES, nr, ns if k else K.PASS_LINES)
         dst = bufs[k % 2]
-        steps.append(Step(name, f"{what} pass {k + 1}/{npass} radix {radix}",
+        steps.append(Step(step_name(n), f"{what} pass {k + 1}/{npass} radix {radix}",
                           K.fft_pass_kernel(radix, lines, k == 0),
                           grid_3d(rows * nr // lines), (K.THREADS,),
                           (dst, src, _U(rows), _U(length), _U(nr), _U(ns),
-                           _U(ns.bit_length() - 1), sign), {"bytes": 2 * n.nbytes}))
+                           _U(ns.bit_length() - 1), sign),
+                          {"flops": 5 * rows * length * b, "bytes": 2 * n.nbytes}))
         src, ns = dst, ns * radix
     return steps
 
@@ -75,8 +77,7 @@ def _lower_bluestein(exe, n):
     """Bluestein's DFT of rows of any length, one kernel (kernels/fft.py)."""
     if n.size == 0:
         return []
-    length = n.shape[-2]
-    rows = n.size // (2 * length)
+    length, rows = _rows(n)
     m, c, filt = bluestein_tables(length, n.attrs["inverse"])
     args = (exe.buf(n), exe.buf(n.inputs[0]), _table(exe, c), _table(exe, filt), _U(rows))
     what = (f"{'inverse ' if n.attrs['inverse'] else ''}bluestein fft {rows}x{length} "
@@ -85,18 +86,9 @@ def _lower_bluestein(exe, n):
                  (K.THREADS,), args, {"flops": 10 * rows * m * math.log2(m)})]
 
 
-def fft_tier(graph, n) -> tuple[int, str]:
+def fft_tier(n) -> tuple[int, str]:
     """(tier, why not tier 0) for an FFT node: 0 cuFFT, 1 the numba kernels."""
-    env = os.environ.get("RLX_NUMBA_FFT_TIERS")
-    tiers = {0, 1}
-    if env:
-        try:
-            tiers = {int(t) for t in env.replace(" ", "").split(",") if t}
-        except ValueError:
-            tiers = set()
-        if not tiers or not tiers <= {0, 1}:
-            raise ValueError(f"RLX_NUMBA_FFT_TIERS={env!r}: expected a comma-separated subset of "
-                             f"0 (cuFFT), 1 (numba Stockham / Bluestein)")
+    tiers = env_tiers("RLX_NUMBA_FFT_TIERS", {0: "cuFFT", 1: "numba Stockham / Bluestein"})
     if 0 not in tiers:
         return 1, "tier 0 not allowed by RLX_NUMBA_FFT_TIERS"
     if 1 in tiers and SIMULATOR:

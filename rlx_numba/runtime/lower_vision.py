@@ -151,17 +151,8 @@ def _lower_resample(exe, n):
 # The simulator runs tier 2 (tier 1 for a 1x1 convolution, which needs no im2col).
 
 def _tiers() -> set:
-    env = os.environ.get("RLX_NUMBA_CONV_TIERS")
-    if not env:
-        return {0, 1, 2}
-    try:
-        tiers = {int(t) for t in env.replace(" ", "").split(",") if t}
-    except ValueError:
-        tiers = set()
-    if not tiers or not tiers <= {0, 1, 2}:
-        raise ValueError(f"RLX_NUMBA_CONV_TIERS={env!r}: expected a comma-separated subset of "
-                         f"0 (cuDNN), 1 (im2col + matmul ladder), 2 (numba implicit GEMM)")
-    return tiers
+    return lower.env_tiers("RLX_NUMBA_CONV_TIERS", {0: "cuDNN", 1: "im2col + matmul ladder",
+                                                    2: "numba implicit GEMM"})
 
 
 def conv_tier(graph, n) -> tuple[int, str]:
