@@ -21,17 +21,48 @@ from __future__ import annotations
 
 import numpy as np
 
+from collections.abc import MutableMapping
+
 from . import dtypes as dt
+from .opdef import OPS, opdef, registering
 from .ops import fmt
 
-VJPS: dict = {}
+
+class VjpTable(MutableMapping):
+    """op name -> its VJP, read from and written to the OpDefs (one place holds a VJP)."""
+
+    def __getitem__(self, op):
+        fn = OPS[op].vjp if op in OPS else None
+        if fn is None:
+            raise KeyError(op)
+        return fn
+
+    def __setitem__(self, op, fn):
+        opdef(op).vjp = fn
+
+    def __delitem__(self, op):
+        self[op]        # KeyError when it has none
+        OPS[op].vjp = None
+
+    def __iter__(self):
+        return (n for n, d in OPS.items() if d.vjp is not None)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+VJPS = VjpTable()
 
 
 def vjp(*ops):
-    """Register ``fn(g, node, dy) -> list of input gradients`` as the VJP of ``ops``."""
+    """Register ``fn(g, node, dy) -> list of input gradients`` as the VJP of ``ops`` (their
+    OpDef's ``vjp``; once each)."""
     def register(fn):
         for op in ops:
-            VJPS[op] = fn
+            d = registering(op)
+            if d.vjp is not None:
+                raise ValueError(f"vjp: op {op} already has a VJP ({d.vjp.__qualname__})")
+            d.vjp = fn
         return fn
     return register
 
@@ -122,7 +153,7 @@ def _grad(g, y, wrt, seed):
             continue
         if not any(i in relevant for i in n.inputs):
             continue
-        fn = VJPS.get(n.op)
+        fn = opdef(n.op).vjp
         if fn is None:
             raise ValueError(f"grad: op {n.op} (%{n.id} {fmt(n.shape)}) has no gradient")
         grads = fn(g, n, dy)

@@ -8,6 +8,7 @@ import numpy as np
 
 from . import dtypes as dt
 from . import ops
+from .opdef import LEAF, OPS, opdef
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
@@ -36,6 +37,7 @@ class Node:
     dtype: dt.DType
     attrs: dict = field(default_factory=dict)
     name: str | None = None
+    results: list = field(default_factory=list)   # ids of its further results (OpDef.results)
 
     @property
     def size(self) -> int:
@@ -139,10 +141,36 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             g.set_outputs([done[o] for o in self.outputs])
         return g
 
+    def bind(self, op: str, inputs, **attrs):
+        """A node of op ``op`` (its OpDef, ir/opdef.py) on ``inputs`` with ``attrs``: the
+        definition's inference checks them and gives the results. Returns the Tensor, or a
+        tuple of Tensors for an op with several results (its further results are nodes of
+        the OpDef's ``results`` ops, which its kernel fills; in-place ones alias the input
+        the OpDef names)."""
+        d = opdef(op)
+        if d.memory == LEAF:
+            raise ValueError(f"bind: {op} is a leaf; build it with g.{op}(...)")
+        inputs = [self._check(op, f"inputs[{i}]", t) for i, t in enumerate(inputs)]
+        res = d.infer_results(inputs, attrs)
+        if len(res) > 1 + len(d.results):
+            raise ValueError(f"bind: {op}'s inference gave {len(res)} results, its OpDef "
+                             f"declares {1 + len(d.results)}")
+        main = self._add(op, inputs, *res[0], **attrs)
+        if not d.results:
+            return main
+        outs = [main]
+        for (shape, dtype), (rop, alias) in zip(res[1:], d.results):
+            ins = (main,) if alias is None else (inputs[alias], main)
+            outs.append(self._add(rop, ins, shape, dtype))
+        return tuple(outs)
+
     # ---- internals -----------------------------------------------------------------------
-    def _add(self, op, inputs, shape, dtype, name=None, **attrs) -> Tensor:
+    def _add(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:
         node = Node(len(self.nodes), op, tuple(t.id for t in inputs), tuple(shape), dtype, attrs, name)
         self.nodes.append(node)
+        by = OPS[op].written_by if op in OPS else None
+        if by is not None:           # a further result: its producer lists it
+            self.nodes[node.inputs[by]].results.append(node.id)
         return Tensor(self, node.id)
 
     def _check(self, op: str, arg: str, t) -> Tensor:
@@ -171,7 +199,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             raise ValueError(f"{kind}: name {name!r} is already used by "
                              f"{self.nodes[self._leaf_names[name]].op} %{self._leaf_names[name]}")
         shape = ops.normalize_shape(kind, "shape", shape)
-        t = self._add(kind, (), shape, dt.dtype(dtype), name=name)
+        t = self._add(kind, (), shape, dt.dtype(dtype), name)
         self._leaf_names[name] = t.id
         return t
 
@@ -197,8 +225,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
     # ---- element-wise ----------------------------------------------------------------------
     def activation(self, kind: str, x: Tensor) -> Tensor:
         self._check(f"activation {kind}", "x", x)
-        shape, d = ops.infer_activation(x, kind)
-        return self._add("activation", (x,), shape, d, kind=kind)
+        return self.bind("activation", [x], kind=kind)
 
     def gated(self, x: Tensor, activation: str = "silu", interleaved: bool = False) -> Tensor:
         """activation(gate) * up, [..., 2n] -> [..., n] (SwiGLU with silu, GeGLU with gelu):
@@ -206,43 +233,38 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         even and odd entries (a packed gate/up weight with their rows interleaved, so a
         skinny product can apply it as its epilogue: passes/fusion.py)."""
         self._check("gated", "x", x)
-        shape, d = ops.infer_gated(x, activation, interleaved)
-        return self._add("gated", (x,), shape, d, activation=activation, interleaved=interleaved)
+        return self.bind("gated", [x], activation=activation, interleaved=interleaved)
 
-    def _pair(self, op: str, kind: str, a, b, infer) -> Tensor:
+    def _pair(self, op: str, kind: str, a, b) -> Tensor:
         """A two-operand node; either operand may be a Python scalar."""
         if not isinstance(a, Tensor) and isinstance(b, Tensor):
             a = self._operand(a, like=b, op=kind)
         self._check(kind, "a", a)
         b = self._check(kind, "b", self._operand(b, like=a, op=kind))
-        shape, d = infer(a, b, kind)
-        return self._add(op, (a, b), shape, d, kind=kind)
+        return self.bind(op, [a, b], kind=kind)
 
     def binary(self, kind: str, a, b) -> Tensor:
-        return self._pair("binary", kind, a, b, ops.infer_binary)
+        return self._pair("binary", kind, a, b)
 
     def compare(self, kind: str, a, b) -> Tensor:
-        return self._pair("compare", kind, a, b, ops.infer_compare)
+        return self._pair("compare", kind, a, b)
 
     def where(self, cond: Tensor, a, b) -> Tensor:
         self._check("where", "cond", cond)
         like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else cond
         a = self._check("where", "a", self._operand(a, like=like, op="where"))
         b = self._check("where", "b", self._operand(b, like=a, op="where"))
-        shape, d = ops.infer_where(cond, a, b)
-        return self._add("where", (cond, a, b), shape, d)
+        return self.bind("where", [cond, a, b])
 
     def cast(self, x: Tensor, dtype) -> Tensor:
         self._check("cast", "x", x)
-        shape, d = ops.infer_cast(x, dtype)
-        return self._add("cast", (x,), shape, d, to=d)
+        return self.bind("cast", [x], to=dt.dtype(dtype))
 
     # ---- linear algebra ---------------------------------------------------------------------
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         self._check("matmul", "a", a)
         self._check("matmul", "b", b)
-        shape, d = ops.infer_matmul(a, b)
-        return self._add("matmul", (a, b), shape, d)
+        return self.bind("matmul", [a, b])
 
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None,
                residual: Tensor | None = None) -> Tensor:
@@ -255,8 +277,8 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             ins.append(self._check("linear", "bias", bias))
         if residual is not None:
             ins.append(self._check("linear", "residual", residual))
-        shape, d = ops.infer_linear(x, w, bias, activation, residual)
-        return self._add("linear", ins, shape, d, activation=activation, has_bias=bias is not None,
+        ops.infer_linear(x, w, bias, activation, residual)   # (its messages name bias / residual)
+        return self.bind("linear", ins, activation=activation, has_bias=bias is not None,
                          has_residual=residual is not None)
 
     def matmul_bias_activation_bwd(self, grad: Tensor, a: Tensor, b: Tensor,
@@ -294,7 +316,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         gp = g2
         if activation is not None:
             z = self.linear(a2, b, bias)
-            gp = self._add("activation_grad", (g2, z), (rows, n), dt.F32, kind=activation)
+            gp = self.bind("activation_grad", [g2, z], kind=activation)
         d_a = self.reshape(self.matmul(gp, self.transpose(b, (1, 0))), a.shape)
         d_b = self.matmul(self.transpose(a2, (1, 0)), gp)
         d_bias = self.sum(gp, 0) if bias is not None else None
@@ -303,8 +325,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
     # ---- shape -----------------------------------------------------------------------------
     def reshape(self, x: Tensor, shape) -> Tensor:
         self._check("reshape", "x", x)
-        shape, d = ops.infer_reshape(x, shape)
-        return self._add("reshape", (x,), shape, d)
+        return self.bind("reshape", [x], shape=ops.infer_reshape(x, shape)[0])
 
     # ---- autodiff (ir/autodiff.py; each op's VJP sits next to its builder) ----------------------
     def grad(self, y: Tensor, wrt, seed=None, deterministic: bool = False):
@@ -318,7 +339,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
     def stop_gradient(self, x: Tensor) -> Tensor:
         """x to the forward pass (a view: no copy, no kernel), a constant to ``grad``."""
         self._check("stop_gradient", "x", x)
-        return self._add("reshape", (x,), x.shape, x.dtype, stop_gradient=True)
+        return self.bind("reshape", [x], shape=x.shape, stop_gradient=True)
 
     def tensor(self, node_id: int) -> Tensor:
         """A handle on node ``node_id`` of this graph."""
@@ -391,7 +412,7 @@ def _vjp_activation(g, n, dy):
         return [None]
     dy, x, y = _in_f32(g, dy, x, y)
     if k in _ACT_GRAD:
-        return [g._add("activation_grad", (dy, x), x.shape, dt.F32, kind=k)]
+        return [g.bind("activation_grad", [dy, x], kind=k)]
     one = 1.0
     d = {"exp": lambda: dy * y, "log": lambda: dy / x, "sqrt": lambda: dy * 0.5 / y,
          "rsqrt": lambda: dy * -0.5 * y / x, "neg": lambda: -dy,
@@ -522,7 +543,7 @@ def _vjp_gated(g, n, dy):
     dy, xf = _in_f32(g, dy, x)
     act, m, lead = n.attrs["activation"], n.shape[-1], tuple(x.shape[:-1])
     if act in _ACT_GRAD:          # one kernel reading x in place, writing dx whole
-        return [g._add("gated_bwd", (dy, xf), x.shape, dt.F32, activation=act,
+        return [g.bind("gated_bwd", [dy, xf], activation=act,
                        interleaved=n.attrs["interleaved"])]
     if n.attrs["interleaved"]:
         x3 = g.reshape(xf, lead + (m, 2))

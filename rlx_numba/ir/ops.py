@@ -1,14 +1,16 @@
-"""One definition per op: its attributes, input checks and shape/dtype rule.
+"""The leaves, the element-wise ops, the products and reshape: their OpDefs (ir/opdef.py),
+and the shared helpers of every op's inference (broadcasting, axes, shapes).
 
-Each ``infer_<op>(inputs, **attrs)`` takes the input Tensors (``.shape``, ``.dtype``), checks
+Each ``infer_<op>(*inputs, **attrs)`` takes the input Tensors (``.shape``, ``.dtype``), checks
 them, and returns ``(shape, dtype)`` or raises ValueError naming the op, the argument and the
-shapes. The Graph builder methods call these; nothing else decides shapes.
+shapes. ``Graph.bind`` calls them through the OpDefs; nothing else decides shapes.
 """
 from __future__ import annotations
 
 import math
 
 from . import dtypes as dt
+from .opdef import EXACT, F32, F32_ONLY, LEAF, STORAGE, VIEW, defop
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt",
                "rsqrt", "neg", "abs", "sin", "cos", "tan", "atan", "round")
@@ -118,7 +120,7 @@ def infer_cast(x, to):
     return x.shape, dt.dtype(to)
 
 
-def infer_reshape(x, shape):
+def infer_reshape(x, shape, stop_gradient=False):
     shape = list(shape)
     n = math.prod(x.shape)
     if sum(1 for d in shape if d == -1) > 1:
@@ -199,3 +201,64 @@ def normalize_axes(op: str, arg: str, axes, rank: int) -> tuple:
     if len(set(out)) != len(out):
         raise ValueError(f"{op}: {arg} {axes!r} repeats an axis")
     return out
+
+
+def infer_linear_node(x, w, *rest, activation=None, has_bias=False, has_residual=False):
+    """infer_linear from a linear node's inputs [x, w, (bias), (residual)] and attrs."""
+    rest = list(rest)
+    bias = rest.pop(0) if has_bias else None
+    residual = rest.pop(0) if has_residual else None
+    return infer_linear(x, w, bias, activation, residual)
+
+
+def infer_activation_grad(dy, x, kind):
+    """dy * f'(x), the gradient kernel of an activation (GRAD_ACTIVATIONS)."""
+    if kind not in GRAD_ACTIVATIONS or kind is None:
+        raise ValueError(f"activation_grad: no gradient kernel for {kind!r}")
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"activation_grad: dy {fmt(dy.shape)} and x {fmt(x.shape)} differ")
+    return x.shape, dt.F32
+
+
+def infer_gated_bwd(dy, x, activation, interleaved):
+    """The gradient of gated(x): x's shape."""
+    shape, _ = infer_gated(x, activation, interleaved)
+    if tuple(dy.shape) != shape:
+        raise ValueError(f"gated_bwd: dy must be {fmt(shape)} (gated of x {fmt(x.shape)}), got "
+                         f"{fmt(dy.shape)}")
+    return x.shape, dt.F32
+
+
+def _built_by_graph(*inputs, **attrs):
+    raise ValueError("a leaf is built by g.input / g.param / g.constant, not bind")
+
+
+def _built_by_fusion(*inputs, **attrs):
+    raise ValueError("a fused region is built by the fusion pass (passes/fusion.py), not bind")
+
+
+def _cast_aliases(node, graph) -> bool:
+    return graph.nodes[node.inputs[0]].dtype == node.dtype
+
+
+for _leaf in ("input", "param", "constant"):
+    defop(_leaf, _built_by_graph, memory=LEAF, dtype_rule=STORAGE,
+          doc="a run() input, a weight, or a constant baked into the graph")
+defop("activation", infer_activation, elementwise=True,
+      doc="kind(x) for kind in ACTIVATIONS; integer inputs give f32 except relu/neg/abs/round")
+defop("binary", infer_binary, elementwise=True,
+      doc="kind(a, b) with NumPy broadcasting and torch's promotion")
+defop("compare", infer_compare, elementwise=True, dtype_rule=EXACT, doc="a kind b -> bool")
+defop("where", infer_where, elementwise=True, doc="cond ? a : b, broadcast")
+defop("cast", infer_cast, memory=VIEW, view_if=_cast_aliases, elementwise=True,
+      dtype_rule=STORAGE, doc="a real conversion; a view when the dtype does not change")
+defop("activation_grad", infer_activation_grad, elementwise=True, doc="dy * kind'(x)")
+defop("fused", _built_by_fusion, elementwise=True,
+      doc="an element-wise region fused into one generated kernel (passes/fusion.py)")
+defop("gated", infer_gated, doc="activation(gate) * up over x's last axis's halves or pairs")
+defop("gated_bwd", infer_gated_bwd, doc="gated's gradient in one kernel")
+defop("matmul", infer_matmul, dtype_rule=F32_ONLY, doc="[..., M, K] @ [..., K, N], batch broadcast")
+defop("linear", infer_linear_node, dtype_rule=F32_ONLY,
+      doc="activation(x @ w + bias) + residual, w [K, N]")
+defop("reshape", infer_reshape, memory=VIEW, dtype_rule=STORAGE,
+      doc="the same elements in a new shape (a view); stop_gradient=True is g.stop_gradient")

@@ -330,10 +330,7 @@ class CudaExecutable:
     def _lower(self, n):
         if n.op in ("input", "param", "constant") or self._is_view(n):
             return []
-        fn = lower.LOWERINGS.get(n.op)
-        if fn is None:
-            raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
-        return fn(self, n)
+        return lower.plan_node(self, n)
 
     # ---- public API ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:

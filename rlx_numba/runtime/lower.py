@@ -7,17 +7,20 @@ calls them.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import math
 import os
 import threading
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
+from ..ir.opdef import OPS, VIEW, Tier, add_tier, opdef
 from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER  # noqa: F401
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
@@ -26,18 +29,82 @@ from ..memory import ALIGN
 
 log = logging.getLogger("rlx_numba")
 
-LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 
 
-def lowering(*ops):
-    """Register ``fn(exe, node) -> [Step | None, ...]`` as the lowering of these ops. ``exe``
-    gives ``exe.graph``, ``exe.buf(node)`` (flat device view) and ``exe.device_array(host)``."""
+def lowering(*ops, tier: str = "kernel", available=None):
+    """Register ``fn(exe, node) -> [Step | None, ...]`` as tier ``tier`` of these ops (their
+    OpDef's tiers, tried in the order registered: ``plan_node``). ``exe`` is the lowering's
+    context: ``exe.graph``, ``exe.buf(node)`` (flat device view), ``exe.device_array(host)``.
+    ``available(exe, node)`` returns None when the tier can run the node, else why not."""
     def deco(fn):
         for op in ops:
-            LOWERINGS[op] = fn
+            add_tier(op, Tier(tier, fn, available))
         return fn
     return deco
+
+
+class LoweringTable(MutableMapping):
+    """op name -> the plan of its first tier (a view of the OpDefs; tests swap one in)."""
+
+    def __getitem__(self, op):
+        if op not in OPS or not OPS[op].tiers:
+            raise KeyError(op)
+        return OPS[op].tiers[0].plan
+
+    def __setitem__(self, op, fn):
+        d = opdef(op)
+        if d.tiers:
+            d.tiers[0] = dataclasses.replace(d.tiers[0], plan=fn)
+        else:
+            d.tiers.append(Tier("kernel", fn))
+
+    def __delitem__(self, op):
+        self[op]
+        OPS[op].tiers.pop(0)
+
+    def __iter__(self):
+        return (n for n, d in OPS.items() if d.tiers)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+LOWERINGS = LoweringTable()
+
+
+def plan_node(exe, n) -> list:
+    """The steps of node ``n``: its op's first tier that is allowed (the OpDef's
+    RLX_NUMBA_*_TIERS variable), available and applies; RLX_NUMBA_LOG_FALLBACK=1 logs the
+    tiers passed over and why."""
+    d = opdef(n.op)
+    if not d.tiers:
+        raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
+    allowed = (env_tiers(d.tier_env, {i: t.name for i, t in enumerate(d.tiers)})
+               if d.tier_env else range(len(d.tiers)))
+    why = []
+    for i, t in enumerate(d.tiers):
+        if i not in allowed:
+            why.append(f"tier {i} ({t.name}) not allowed by {d.tier_env}")
+            continue
+        reason = t.available(exe, n) if t.available is not None else None
+        if reason is None:
+            steps = t.plan(exe, n)
+            if steps is not None:
+                if why:
+                    log_tier(n, f"{i} ({t.name})", why)
+                return steps
+            reason = "does not apply"
+        why.append(f"tier {i} ({t.name}): {reason}")
+    raise NotImplementedError(f"compile: no tier of {n.op} runs node %{n.id}: " + "; ".join(why))
+
+
+def log_tier(n, tier: str, why) -> None:
+    """With RLX_NUMBA_LOG_FALLBACK=1, one line: the tier that runs node ``n`` and why the
+    ones before it did not (every op family logs through here)."""
+    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
+        why = [why] if isinstance(why, str) else list(why)
+        log.warning("%s: %s tier %s%s", step_name(n), n.op, tier, "".join(f"; {w}" for w in why))
 
 
 def env_tiers(var: str, names: dict) -> set:
@@ -65,12 +132,13 @@ def is_view(node: Node, graph: Graph) -> bool:
     slice at an ALIGN-multiple byte offset into it: every kernel and cuBLAS may read it as
     its own buffer; other narrows are views only where ``strided_narrows`` says so, which
     depends on their readers)."""
-    if node.op == "reshape":
-        return True
-    if node.op == "narrow":
+    d = OPS.get(node.op)
+    if d is not None and d.memory == VIEW:
+        return d.view_if is None or d.view_if(node, graph)
+    if node.op == "narrow":   # TRANSITIONAL: until narrow's OpDef carries this as its view_if
         off = narrow_layout(node, graph)[0] * node.dtype.storage.itemsize
         return narrow_contiguous(node, graph) and off % ALIGN == 0
-    return node.op == "cast" and graph.nodes[node.inputs[0]].dtype == node.dtype
+    return False
 
 
 def narrow_layout(node: Node, graph: Graph) -> tuple:
