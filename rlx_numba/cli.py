@@ -1,4 +1,4 @@
-"""`rlx-numba info [--weights F] | demo [--model minilm|smollm2 | --train] |
+"""`rlx-numba info [--weights F | --ops] | demo [--model minilm|smollm2 | --train] |
 launch --gpus N [--master-port P] script.py [args...]`."""
 from __future__ import annotations
 
@@ -40,7 +40,35 @@ def weights_info(path: str) -> int:
     return 0
 
 
-def info(weights: str | None = None) -> int:
+def ops_table() -> list[str]:
+    """One line per op of the registry (ir/opdef.py): its family, memory kind, compute-dtype
+    rule, further results, tiers in the order tried (and the variable restricting them), VJP."""
+    import rlx_numba  # noqa: F401  (every family declares its ops and registers its tiers)
+    from rlx_numba.ir.opdef import OPS
+
+    rows = []
+    for name in sorted(OPS):
+        d = OPS[name]
+        tiers = " > ".join(t.name + (" (rewrite)" if t.rewrite else "") for t in d.tiers)
+        tiers = tiers or ("none: a view" if d.memory == "view" else
+                          "none: bound, not computed" if d.memory == "leaf" else "none")
+        if d.tier_env:
+            tiers += f"  [{d.tier_env}]"
+        extra = [f"+{r}" for r, _ in d.results]
+        if d.written_by is not None:
+            extra.append(f"filled by input {d.written_by}")
+        rows.append((name, d.owner.rsplit(".", 1)[-1], d.memory, d.dtype_rule,
+                     "yes" if d.vjp else "-", " ".join(extra), tiers))
+    head = ("op", "declared in", "memory", "dtype", "vjp", "results", "tiers")
+    w = [max(len(r[i]) for r in rows + [head]) for i in range(6)]
+    fmt_row = lambda r: "  ".join(c.ljust(w[i]) for i, c in enumerate(r[:6])) + "  " + r[6]
+    return [fmt_row(head)] + [fmt_row(r) for r in rows] + [f"{len(rows)} ops"]
+
+
+def info(weights: str | None = None, ops: bool = False) -> int:
+    if ops:
+        print("\n".join(ops_table()))
+        return 0
     if weights:
         return weights_info(weights)
     import numba
@@ -177,6 +205,9 @@ def main(argv=None) -> int:
                                     "--weights, a weight file's bytes by format")
     i.add_argument("--weights", help="a .gguf or .safetensors file (or a folder of them): its "
                                      "tensors' bytes by format (Q4_0, Q4_K, F16, F32 ...)")
+    i.add_argument("--ops", action="store_true",
+                   help="every op of the graph IR: memory kind, compute dtype, results, its "
+                        "implementation tiers in the order tried, whether it has a gradient")
     d = sub.add_parser("demo", help="run a small MLP graph and check it against NumPy; with "
                                     "--model, a real model whose weights are installed; with "
                                     "--train, train a tiny byte-level Llama on a text")
@@ -220,7 +251,7 @@ def main(argv=None) -> int:
     if args.cmd == "demo" and args.model:
         return demo_model(args.model, args.path, args.prompt)
     if args.cmd == "info":
-        return info(args.weights)
+        return info(args.weights, args.ops)
     return demo()
 
 

@@ -27,10 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .ir.graph import Graph
+from .ir.opdef import opdef
 from .ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
 from .memory import ALIGN, Buffer, MemoryReport, plan
 from .passes import fusion as fusion_pass
-from .runtime import lower, lower_fft, lower_matmul, lower_vision
+from .runtime import lower, lower_matmul
 from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
 from .runtime.params import ParamStore, check_store
 
@@ -71,24 +72,20 @@ def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
 
 
 def legalise(graph: Graph, moved: dict | None = None) -> Graph:
-    """``graph``, or a copy with the conv-family nodes cuDNN does not run rewritten: into
-    im2col / col2im and products (tier 1) or an implicit_gemm node (tier 2, the numba kernel);
-    runtime/lower_vision.py conv_tier decides, RLX_NUMBA_LOG_FALLBACK=1 logs it. ``moved``
-    receives node id -> its Tensor in the copy (nothing when no copy is made)."""
-    from .ir.ops_fft import FFT_NODES, expand_fft
-    from .ir.ops_vision import CONV_OPS, expand_conv, implicit_gemm
+    """``graph``, or a copy in which each node whose op picks its tier here (its OpDef's
+    ``choose``: the conv family, runtime/lower_vision.py; the FFTs, lower_fft.py) and got a
+    tier that rewrites it (im2col / col2im and products, the numba implicit-GEMM node, the
+    numba FFT nodes) is rebuilt as that tier's ops. RLX_NUMBA_LOG_FALLBACK=1 logs each choice.
+    ``moved`` receives node id -> its Tensor in the copy (nothing when no copy is made)."""
     rewrite = {}
     for n in graph.nodes:
-        if n.op in FFT_NODES:
-            tier, why = lower_fft.fft_tier(n)
-            lower_fft.log_fft_tier(n, tier, why)
-            if tier:
-                rewrite[n.id] = expand_fft
-        elif n.op in CONV_OPS:
-            tier, why = lower_vision.conv_tier(graph, n)
-            lower_vision.log_conv_tier(n, tier, why)
-            if tier:
-                rewrite[n.id] = expand_conv if tier == 1 else implicit_gemm
+        d = opdef(n.op)
+        if d.choose is None:
+            continue
+        tier, why = d.choose(graph, n)
+        lower.log_tier(n, n.op, f"{tier} ({d.tiers[tier].name})", why)
+        if d.tiers[tier].rewrite is not None:
+            rewrite[n.id] = d.tiers[tier].rewrite
     if not rewrite:
         return graph
     return graph.rewritten(lambda g, n, ins: rewrite[n.id](g, n, ins) if n.id in rewrite

@@ -43,10 +43,13 @@ class Tier:
     """One way to run an op. ``plan(ctx, node)`` returns its steps (or None: it does not apply
     to this node after all, and the next tier is tried); ``available(ctx, node)`` returns None
     when the tier can run the node, else the reason it cannot (logged with
-    RLX_NUMBA_LOG_FALLBACK=1). ``ctx`` is what a lowering sees of the executable."""
+    RLX_NUMBA_LOG_FALLBACK=1). ``ctx`` is what a lowering sees of the executable. A tier
+    with ``rewrite(g, node, inputs) -> Tensor`` instead runs as other ops: the compiler's
+    legalise stage rebuilds the node so when the op's ``choose`` picks it."""
     name: str
-    plan: Callable
+    plan: Callable | None
     available: Callable | None = None
+    rewrite: Callable | None = None
 
 
 @dataclass
@@ -61,6 +64,7 @@ class OpDef:
     written_by: int | None = None    # the input whose node's kernel fills this node
     results: tuple = ()              # (op, aliased input or None) of each further result
     tier_env: str | None = None      # the RLX_NUMBA_*_TIERS variable restricting its tiers
+    choose: Callable | None = None   # (graph, node) -> (tier index, why): picked at legalise
     vjp: Callable | None = None      # fn(g, node, dy) -> [d input, ...] (ir/autodiff.py)
     tiers: list = field(default_factory=list)
     owner: str = ""                  # the module that declared it
@@ -114,6 +118,14 @@ def add_tier(op: str, t: Tier, first: bool = False) -> None:
     if any(x.name == t.name for x in d.tiers):
         raise ValueError(f"op {op}: tier {t.name!r} registered twice")
     d.tiers.insert(0, t) if first else d.tiers.append(t)
+
+
+def set_chooser(op: str, choose: Callable, tier_env: str) -> None:
+    """Op ``op`` picks its tier at the compiler's legalise stage with ``choose(graph, node)
+    -> (tier index, why the ones before it were passed over)``, ``tier_env`` restricting it
+    (runtime/lower_vision.py, lower_fft.py: tiers that rewrite the node into other ops)."""
+    d = registering(op)
+    d.choose, d.tier_env = choose, tier_env
 
 
 def ops_where(**facts) -> frozenset:

@@ -32,14 +32,16 @@ log = logging.getLogger("rlx_numba")
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 
 
-def lowering(*ops, tier: str = "kernel", available=None):
-    """Register ``fn(exe, node) -> [Step | None, ...]`` as tier ``tier`` of these ops (their
-    OpDef's tiers, tried in the order registered: ``plan_node``). ``exe`` is the lowering's
-    context: ``exe.graph``, ``exe.buf(node)`` (flat device view), ``exe.device_array(host)``.
-    ``available(exe, node)`` returns None when the tier can run the node, else why not."""
+def lowering(*ops, tier: str | None = None, available=None):
+    """Register ``fn(exe, node) -> [Step | None, ...]`` as tier ``tier`` (default: the
+    function's module and name) of these ops (their OpDef's tiers, tried in the order
+    registered: ``plan_node``). ``exe`` is the lowering's context: ``exe.graph``,
+    ``exe.buf(node)`` (flat device view), ``exe.device_array(host)``. ``available(exe, node)``
+    returns None when the tier can run the node, else why not."""
     def deco(fn):
+        name = tier or f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__.lstrip('_')}"
         for op in ops:
-            add_tier(op, Tier(tier, fn, available))
+            add_tier(op, Tier(name, fn, available))
         return fn
     return deco
 
@@ -78,12 +80,14 @@ def plan_node(exe, n) -> list:
     RLX_NUMBA_*_TIERS variable), available and applies; RLX_NUMBA_LOG_FALLBACK=1 logs the
     tiers passed over and why."""
     d = opdef(n.op)
-    if not d.tiers:
+    if not any(t.plan for t in d.tiers):
         raise NotImplementedError(f"compile: op {n.op!r} (node %{n.id}) has no lowering yet")
     allowed = (env_tiers(d.tier_env, {i: t.name for i, t in enumerate(d.tiers)})
                if d.tier_env else range(len(d.tiers)))
     why = []
     for i, t in enumerate(d.tiers):
+        if t.plan is None:      # a rewrite tier: legalise has run it, or it was not chosen
+            continue
         if i not in allowed:
             why.append(f"tier {i} ({t.name}) not allowed by {d.tier_env}")
             continue
@@ -92,19 +96,20 @@ def plan_node(exe, n) -> list:
             steps = t.plan(exe, n)
             if steps is not None:
                 if why:
-                    log_tier(n, f"{i} ({t.name})", why)
+                    log_tier(n, n.op, f"{i} ({t.name})", why)
                 return steps
             reason = "does not apply"
         why.append(f"tier {i} ({t.name}): {reason}")
     raise NotImplementedError(f"compile: no tier of {n.op} runs node %{n.id}: " + "; ".join(why))
 
 
-def log_tier(n, tier: str, why) -> None:
-    """With RLX_NUMBA_LOG_FALLBACK=1, one line: the tier that runs node ``n`` and why the
-    ones before it did not (every op family logs through here)."""
+def log_tier(n, family: str, tier: str, why) -> None:
+    """With RLX_NUMBA_LOG_FALLBACK=1, one line: the ``family`` tier that runs node ``n`` and
+    why the ones before it did not (every op family logs through here)."""
     if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
         why = [why] if isinstance(why, str) else list(why)
-        log.warning("%s: %s tier %s%s", step_name(n), n.op, tier, "".join(f"; {w}" for w in why))
+        log.warning("%s: %s tier %s%s", step_name(n), family, tier,
+                    "".join(f"; {w}" for w in why if w))
 
 
 def env_tiers(var: str, names: dict) -> set:

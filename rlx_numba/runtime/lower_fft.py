@@ -20,7 +20,8 @@ import numpy as np
 from .. import cufft
 from ..device import SIMULATOR
 from ..ir.ops import INPLACE, fmt
-from ..ir.ops_fft import bluestein_tables
+from ..ir.opdef import Tier, add_tier, set_chooser
+from ..ir.ops_fft import FFT_NODES, bluestein_tables, expand_fft
 from ..kernels import fft as K
 from ..kernels.launch import grid_3d
 from .lower import CallStep, Step, env_tiers, log, lowering, step_name
@@ -99,12 +100,6 @@ def fft_tier(n) -> tuple[int, str]:
     return 1, f"tier 0: {err}"
 
 
-def log_fft_tier(n, tier, why) -> None:
-    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
-        log.warning("%s %%%d: fft tier %s%s", n.op, n.id, "0 (cuFFT)" if tier == 0 else
-                    "1 (numba)", f"; {why}" if why else "")
-
-
 def _owned_by(exe, src, n) -> bool:
     """Whether only ``n`` reads ``src``'s memory and nothing needs it after (cuFFT's C2R may
     overwrite its input)."""
@@ -115,7 +110,7 @@ def _owned_by(exe, src, n) -> bool:
     return all(m.id == n.id or src.id not in m.inputs for m in g.nodes)
 
 
-@lowering("dft", "rdft", "irdft")
+@lowering(*FFT_NODES, tier="cuFFT")
 def _lower_cufft(exe, n):
     """Tier 0: one cuFFT call (the compiler left this node to cuFFT)."""
     if n.size == 0:
@@ -148,3 +143,8 @@ def _lower_cufft(exe, n):
     what = {"dft": "ifft" if inverse else "fft", "rdft": "rfft", "irdft": "irfft"}[n.op]
     return [CallStep(step_name(n), f"cufft {what} {rows}x{length} of {fmt(n.shape)}", make,
                      {"flops": 5 * rows * length * math.log2(max(length, 2)), "tier": 0})]
+
+
+for _op in FFT_NODES:   # tier 1 rewrites the node into the numba kernels' ops at legalise
+    add_tier(_op, Tier("numba Stockham / Bluestein", None, rewrite=expand_fft))
+    set_chooser(_op, lambda graph, n: fft_tier(n), "RLX_NUMBA_FFT_TIERS")

@@ -49,8 +49,8 @@ from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
 from ..kernels.launch import sm_count
-from .lower import (CallStep, Step, _compile, elementwise_step, gated_step, log, lowering,
-                    step_name)
+from .lower import (CallStep, Step, _compile, elementwise_step, env_tiers, gated_step, log,
+                    log_tier, lowering, step_name)
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
@@ -144,13 +144,16 @@ def _f32_weight(exe, b: Operand, tier, why) -> Operand:
 
 
 def _env_tiers():
-    raw = os.environ.get("RLX_NUMBA_MATMUL_TIERS")
-    if not raw:
-        return (0, 1, 2, 3, 4)
-    tiers = tuple(int(t) for t in raw.split(","))
-    if 4 not in tiers:      # the numba kernel is the floor: a product must always lower
-        tiers += (4,)
-    return tiers
+    """The tiers RLX_NUMBA_MATMUL_TIERS allows; tier 4 always (a product must lower)."""
+    return env_tiers("RLX_NUMBA_MATMUL_TIERS", TIER_NAMES) | {4}
+
+
+TIER_NAMES = {0: "cuBLAS GemmEx on a half weight", 1: "cuBLASLt, fused epilogue",
+              2: "cuBLAS Sgemm", 3: "numba skinny product", 4: "numba SGEMM"}
+# the products' one lowering runs the ladder itself (tier 3 is timed against 0 / 1 per shape,
+# which a first-that-applies runner cannot express)
+LADDER = "ladder: " + " | ".join(f"{t} {w}" for t, w in TIER_NAMES.items()) + \
+    " [RLX_NUMBA_MATMUL_TIERS]"
 
 
 def _batch_offsets(shape, batch_shape, mat):
@@ -254,9 +257,7 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
 def _done(n, tier, why, steps, flops, last=-1):
     """Steps of the chosen tier, its product step (``last``) carrying the tier and why."""
     steps[last].info.update(tier=tier, why=list(why), flops=flops)
-    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
-        log.warning("%s: matmul tier %d (%s)%s", step_name(n), tier, steps[last].kernel_name,
-                    "".join(f"; {w}" for w in why))
+    log_tier(n, "matmul", f"{tier} ({steps[last].kernel_name})", why)
     return steps
 
 
@@ -571,7 +572,7 @@ def _graph_us(stream, steps) -> float:
         _destroy(exec_, graph)
 
 
-@lowering("matmul")
+@lowering("matmul", tier=LADDER)
 def _lower_matmul(exe, n):
     # a matmul folded with its epilogue by passes/fusion.py carries linear's attributes and
     # its bias / residual as inputs 2 and 3
@@ -589,7 +590,7 @@ def _epilogue_inputs(g, n):
     return bias, res
 
 
-@lowering("linear")
+@lowering("linear", tier=LADDER)
 def _lower_linear(exe, n):
     g = exe.graph
     x = g.nodes[n.inputs[0]]

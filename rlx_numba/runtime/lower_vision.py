@@ -14,7 +14,9 @@ import numpy as np
 
 from .. import cublas, cudnn
 from ..device import SIMULATOR
+from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops import fmt
+from ..ir.ops_vision import CONV_OPS, expand_conv, implicit_gemm
 from ..kernels import channel as C
 from ..kernels import conv as K
 from ..kernels import matmul as mm
@@ -201,16 +203,6 @@ def _conv_shapes(graph, n):
     return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
 
 
-def log_conv_tier(n, tier, why) -> None:
-    if os.environ.get("RLX_NUMBA_LOG_FALLBACK") == "1":
-        lower.log.warning("%s %%%d: conv tier %s%s", n.op, n.id, TIER_NAMES[tier],
-                          f"; {why}" if why else "")
-
-
-TIER_NAMES = {0: "0 (cuDNN)", 1: "1 (im2col / col2im and the matmul ladder)",
-              2: "2 (the numba implicit-GEMM kernel)"}
-
-
 @lowering("implicit_gemm")
 def _lower_implicit_gemm(exe, n):
     """Tier 2: one kernels/conv.py conv_gemm_kernel launch."""
@@ -246,7 +238,7 @@ def _lower_implicit_gemm(exe, n):
                  {"flops": 2 * batch * m * ncols * kdim, "tier": 2})]
 
 
-@lowering("conv", "conv_transpose", "conv_wgrad")
+@lowering(*CONV_OPS, tier="cuDNN")
 def _lower_conv(exe, n):
     """One cuDNN call (the compiler left this node to tier 0)."""
     if n.size == 0:
@@ -273,3 +265,9 @@ def _lower_conv(exe, n):
     tags = " +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
     return [CallStep(step_name(n), f"cudnn {kind}{tags} {'x'.join(map(str, a['kernel']))} of "
                      f"{fmt(image)} -> {fmt(cols)}", make, {"flops": flops, "tier": 0})]
+
+
+for _op in CONV_OPS:    # tiers 1 and 2 rewrite the node at legalise (compiler.py)
+    add_tier(_op, Tier("im2col / col2im and the matmul ladder", None, rewrite=expand_conv))
+    add_tier(_op, Tier("the numba implicit-GEMM kernel", None, rewrite=implicit_gemm))
+    set_chooser(_op, conv_tier, "RLX_NUMBA_CONV_TIERS")
