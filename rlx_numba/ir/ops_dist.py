@@ -1,6 +1,7 @@
 """Collectives as graph ops (rlx_numba.distributed): all_reduce, all_gather, reduce_scatter,
-broadcast, their OpDefs (ir/opdef.py), argument checks and VJPs. Lowering: runtime/lower_dist.py (NCCL on the
-executable's stream, or the in-process communicator of the simulator and CPU tests).
+broadcast, their OpDefs (ir/opdef.py), argument checks and VJPs. Lowering:
+runtime/lower_dist.py (NCCL on the executable's stream, or the in-process communicator of the
+simulator and CPU tests).
 
 A graph is built for one rank: ``world_size`` and ``rank`` are the communicator's (the
 thread's or process's current one, ``distributed.current()``) unless given. The nodes:

@@ -1,6 +1,6 @@
 """fft, rfft, irfft and welch: the FFT nodes' OpDefs (ir/opdef.py), argument checks, the Graph
-builder methods (mixed into Graph), the nodes' VJPs and their expansion for the numba tier. Complex values are a trailing axis
-of 2 (re, im).
+builder methods (mixed into Graph), the nodes' VJPs and their expansion for the numba tier.
+Complex values are a trailing axis of 2 (re, im).
 
 Three nodes, the unnormalised transforms along the complex axis, any length:
   "dft"    x [..., n, 2] -> [..., n, 2], sign -1 (or +1 with ``inverse``)

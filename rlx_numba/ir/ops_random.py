@@ -1,7 +1,8 @@
 """dropout and random: their OpDefs (ir/opdef.py), argument checks, the Graph builder methods
-(mixed into Graph) and dropout's VJP. Both draw from the counter-based Philox4x32-10 stream defined in
-kernels/random.py (lowering: runtime/lower_random.py), so a GPU and the simulator give the
-same values, and the backward of dropout redraws the forward's mask instead of storing it.
+(mixed into Graph) and dropout's VJP. Both draw from the counter-based Philox4x32-10 stream
+defined in kernels/random.py (lowering: runtime/lower_random.py), so a GPU and the simulator
+give the same values, and the backward of dropout redraws the forward's mask instead of
+storing it.
 
 Each dropout / random built in a graph takes the next ``stream`` number (0, 1, 2, ... in
 build order), part of the Philox counter: two dropouts with the same seed still draw

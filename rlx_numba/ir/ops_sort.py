@@ -1,7 +1,8 @@
 """sort and argsort: argsort's OpDef (ir/opdef.py), argument checks and the Graph builder
 methods (mixed into Graph). The "argsort" node (kernels/sort.py, lowering
-runtime/lower_sort.py) gives each row's stable order along the last axis as i64; values are topk_values' row gather of those indices (whose
-VJP scatters the gradient back). A non-last axis is moved last by a transpose and back."""
+runtime/lower_sort.py) gives each row's stable order along the last axis as i64; values are
+topk_values' row gather of those indices (whose VJP scatters the gradient back). A non-last
+axis is moved last by a transpose and back."""
 from __future__ import annotations
 
 import numpy as np
