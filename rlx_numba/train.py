@@ -141,8 +141,7 @@ def _averaged(g: Graph, grads: list) -> list:
         flat = g.concat(flat, 0) if len(flat) > 1 else flat[0]
         # in place (the bucket lives to the update) and on a second stream: the later
         # buckets' backward runs while NCCL averages this one (runtime/lower_dist.py)
-        red = g._add("all_reduce_inplace", (flat,), flat.shape, flat.dtype, reduce="avg",
-                     world=w, rank=r, overlap=True)
+        red = g.bind("all_reduce_inplace", [flat], reduce="avg", world=w, rank=r, overlap=True)
         off = 0
         for k in ks:
             n = grads[k].node.size

@@ -366,7 +366,8 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
                 continue
             attrs = {k: (v.item() if v.size == 1 else f"<{v.size} values>")
                      if isinstance(v, np.ndarray) else v
-                     for k, v in n.attrs.items() if k != "has_bias"}
+                     for k, v in n.attrs.items() if k != "has_bias"
+                     and not (k == "shape" and v == n.shape)}   # (printed in front)
             args = [f"%{i}" for i in n.inputs] + [f"{k}={v}" for k, v in attrs.items() if v is not None]
             lines.append(f"{head} = {n.op}({', '.join(args)})")
         return "\n".join(lines)

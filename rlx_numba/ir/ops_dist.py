@@ -1,6 +1,7 @@
 """Collectives as graph ops (rlx_numba.distributed): all_reduce, all_gather, reduce_scatter,
-broadcast, their argument checks and VJPs. Lowering: runtime/lower_dist.py (NCCL on the
-executable's stream, or the in-process communicator of the simulator and CPU tests).
+broadcast, their OpDefs (ir/opdef.py), argument checks and VJPs. Lowering:
+runtime/lower_dist.py (NCCL on the executable's stream, or the in-process communicator of the
+simulator and CPU tests).
 
 A graph is built for one rank: ``world_size`` and ``rank`` are the communicator's (the
 thread's or process's current one, ``distributed.current()``) unless given. The nodes:
@@ -8,7 +9,7 @@ thread's or process's current one, ``distributed.current()``) unless given. The 
   "all_gather"      x -> [world, *x.shape], rank r's x at index r
   "reduce_scatter"  x [world, *rest] -> rest: rank r gets the reduction of every rank's x[r]
   "broadcast"       x -> x's shape, rank ``root``'s x
-  "all_reduce_inplace"  all_reduce into x's own memory (ir/ops.py INPLACE), with attr
+  "all_reduce_inplace"  all_reduce into x's own memory (memory kind INPLACE), with attr
                     ``overlap``: on a second stream, joined before the optimizer's update
                     (compile_train's data-parallel buckets; no VJP)
 The builder methods move ``axis`` with transposes and reshapes around them. Gradients follow
@@ -22,6 +23,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import INPLACE, STORAGE, defop
 from .ops import fmt
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "prod")
@@ -59,6 +61,60 @@ def _reduce_op(op, red):
         raise ValueError(f"{op}: op must be one of {REDUCE_OPS}, got {red!r}")
 
 
+def _collective(op, x, world, rank, reduce=None):
+    """The checks every collective node makes of its operand and attrs."""
+    check_dtype(op, x)
+    if reduce is not None:
+        _reduce_op(op, reduce)
+    if (isinstance(world, bool) or not isinstance(world, int) or world < 1
+            or isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
+        raise ValueError(f"{op}: need world >= 1 and 0 <= rank < world, got world={world!r}, "
+                         f"rank={rank!r}")
+
+
+def infer_all_reduce(x, reduce, world, rank):
+    _collective("all_reduce", x, world, rank, reduce)
+    return x.shape, x.dtype
+
+
+def infer_all_reduce_inplace(x, reduce, world, rank, overlap=False):
+    if not isinstance(overlap, bool):
+        raise ValueError(f"all_reduce_inplace: overlap must be a bool, got {overlap!r}")
+    _collective("all_reduce_inplace", x, world, rank, reduce)
+    return x.shape, x.dtype
+
+
+def infer_all_gather(x, world, rank):
+    _collective("all_gather", x, world, rank)
+    return (world,) + tuple(x.shape), x.dtype
+
+
+def infer_reduce_scatter(x, reduce, world, rank):
+    _collective("reduce_scatter", x, world, rank, reduce)
+    if not x.shape or x.shape[0] != world:
+        raise ValueError(f"reduce_scatter: x must be [world={world}, ...] (one part a rank), "
+                         f"got {x.dtype} {fmt(x.shape)}")
+    return tuple(x.shape[1:]), x.dtype
+
+
+def infer_broadcast(x, root, world, rank):
+    _collective("broadcast", x, world, rank)
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < world:
+        raise ValueError(f"broadcast: root must be a rank in [0, {world}), got {root!r}")
+    return x.shape, x.dtype
+
+
+defop("all_reduce", infer_all_reduce, dtype_rule=STORAGE,
+      doc="every rank's x reduced element-wise (reduce: sum avg max min prod)")
+defop("all_gather", infer_all_gather, dtype_rule=STORAGE,
+      doc="[world, *x.shape]: rank r's x at index r")
+defop("reduce_scatter", infer_reduce_scatter, dtype_rule=STORAGE,
+      doc="x [world, *rest] -> rest: rank r gets every rank's x[r] reduced")
+defop("broadcast", infer_broadcast, dtype_rule=STORAGE, doc="rank root's x on every rank")
+defop("all_reduce_inplace", infer_all_reduce_inplace, memory=INPLACE, dtype_rule=STORAGE,
+      doc="all_reduce into x's own memory (overlap: on a second stream; compile_train)")
+
+
 class DistOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -69,7 +125,7 @@ class DistOps:
         check_dtype("all_reduce", x)
         _reduce_op("all_reduce", op)
         w, r = world("all_reduce", world_size, rank)
-        return self._add("all_reduce", (x,), x.shape, x.dtype, reduce=op, world=w, rank=r)
+        return self.bind("all_reduce", [x], reduce=op, world=w, rank=r)
 
     def all_gather(self, x, axis: int = 0, *, world_size=None, rank=None):
         """The ranks' ``x`` concatenated along ``axis`` in rank order."""
@@ -79,7 +135,7 @@ class DistOps:
         if not x.shape:
             x = self.reshape(x, (1,))
         a = _axis("all_gather", x, axis)
-        y = self._add("all_gather", (x,), (w,) + tuple(x.shape), x.dtype, world=w, rank=r)
+        y = self.bind("all_gather", [x], world=w, rank=r)
         if a:       # [w, ..., s_a, ...] -> [..., w, s_a, ...]
             perm = tuple(range(1, a + 1)) + (0,) + tuple(range(a + 1, len(x.shape) + 1))
             y = self.transpose(y, perm)
@@ -105,8 +161,7 @@ class DistOps:
         if a:       # the rank axis first
             perm = (a,) + tuple(range(a)) + tuple(range(a + 1, len(split)))
             xs = self.transpose(xs, perm)
-        rest = tuple(xs.shape[1:])
-        y = self._add("reduce_scatter", (xs,), rest, x.dtype, reduce=op, world=w, rank=r)
+        y = self.bind("reduce_scatter", [xs], reduce=op, world=w, rank=r)
         return self.reshape(y, tuple(part))
 
     def broadcast(self, x, root: int = 0, *, world_size=None, rank=None):
@@ -116,7 +171,7 @@ class DistOps:
         w, r = world("broadcast", world_size, rank)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < w:
             raise ValueError(f"broadcast: root must be a rank in [0, {w}), got {root!r}")
-        return self._add("broadcast", (x,), x.shape, x.dtype, root=int(root), world=w, rank=r)
+        return self.bind("broadcast", [x], root=int(root), world=w, rank=r)
 
 
 def check_dtype(op, x):
@@ -146,16 +201,15 @@ def _all_reduce_vjp(g, node, dy):
 @vjp("all_gather")
 def _all_gather_vjp(g, node, dy):
     # dy [w, *shape]: rank r's gradient is the sum over ranks of their dy[r]
-    return [g._add("reduce_scatter", (dy,), dy.shape[1:], dy.dtype, reduce="sum",
-                   world=node.attrs["world"], rank=node.attrs["rank"])]
+    return [g.bind("reduce_scatter", [dy], reduce="sum", world=node.attrs["world"],
+                   rank=node.attrs["rank"])]
 
 
 @vjp("reduce_scatter")
 def _reduce_scatter_vjp(g, node, dy):
     op = _linear(node)
     w = node.attrs["world"]
-    dx = g._add("all_gather", (dy,), (w,) + tuple(dy.shape), dy.dtype, world=w,
-                rank=node.attrs["rank"])
+    dx = g.bind("all_gather", [dy], world=w, rank=node.attrs["rank"])
     return [dx if op == "sum" else g.mul(dx, 1.0 / w)]
 
 

@@ -1,6 +1,6 @@
-"""fft, rfft, irfft and welch: argument checks, the Graph builder methods (mixed into Graph),
-the FFT nodes' VJPs and their expansion for the numba tier. Complex values are a trailing axis
-of 2 (re, im).
+"""fft, rfft, irfft and welch: the FFT nodes' OpDefs (ir/opdef.py), argument checks, the Graph
+builder methods (mixed into Graph), the nodes' VJPs and their expansion for the numba tier.
+Complex values are a trailing axis of 2 (re, im).
 
 Three nodes, the unnormalised transforms along the complex axis, any length:
   "dft"    x [..., n, 2] -> [..., n, 2], sign -1 (or +1 with ``inverse``)
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 NORMS = ("backward", "ortho", "forward")
@@ -65,10 +66,15 @@ FFT_NODES = ("dft", "rdft", "irdft")
 BLUESTEIN_M = 2048
 
 
+def bluestein_length(n: int) -> int:
+    """Bluestein's padded length m: the power of two >= 2n - 1."""
+    return 1 << (2 * n - 2).bit_length()
+
+
 def bluestein_tables(n: int, inverse: bool):
     """(m, chirp c [n], filter [m]) of Bluestein's n-point DFT, complex128: c_j = exp(-+ i pi
     j^2 / n), the filter the m-point DFT of conj(c) wrapped around, times the inverse's 1 / m."""
-    m = 1 << (2 * n - 2).bit_length()                 # >= 2n - 1
+    m = bluestein_length(n)
     s = 1.0 if inverse else -1.0
     j = np.arange(n)
     c = np.exp(1j * s * math.pi * ((j * j) % (2 * n)) / n)          # the chirp, float64
@@ -78,19 +84,70 @@ def bluestein_tables(n: int, inverse: bool):
     return m, c, np.fft.fft(b) / m
 
 
+def _complex(op, x):
+    if x.dtype != dt.F32 or len(x.shape) < 2 or x.shape[-1] != 2 or x.shape[-2] < 1:
+        raise ValueError(f"{op}: x must be f32 complex as [..., n, 2] (re, im) with n >= 1, got "
+                         f"{_desc(x)}")
+
+
+def infer_dft(x, inverse):
+    _complex("dft", x)
+    return x.shape, dt.F32
+
+
+def infer_rdft(x):
+    if x.dtype != dt.F32 or len(x.shape) < 1 or x.shape[-1] < 1:
+        raise ValueError(f"rdft: x must be f32 [..., n] with n >= 1, got {_desc(x)}")
+    return tuple(x.shape[:-1]) + (x.shape[-1] // 2 + 1, 2), dt.F32
+
+
+def infer_irdft(x, n):
+    _complex("irdft", x)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or x.shape[-2] != n // 2 + 1:
+        raise ValueError(f"irdft: x must hold the n // 2 + 1 bins of n={n!r}, got {_desc(x)}")
+    return tuple(x.shape[:-2]) + (n,), dt.F32
+
+
+def infer_fft(x, inverse):
+    _complex("fft", x)
+    if not _pow2(x.shape[-2]):
+        raise ValueError(f"fft: the Stockham kernels take a power-of-two length, got {_desc(x)}")
+    return x.shape, dt.F32
+
+
+def infer_bluestein(x, inverse):
+    _complex("bluestein", x)
+    n = x.shape[-2]
+    if _pow2(n) or bluestein_length(n) > BLUESTEIN_M:
+        raise ValueError(f"bluestein: takes a length that is not a power of two whose padded "
+                         f"length fits {BLUESTEIN_M}, got {_desc(x)}")
+    return x.shape, dt.F32
+
+
+defop("dft", infer_dft, dtype_rule=F32_ONLY,
+      doc="the unnormalised DFT along the complex axis, any length (inverse: sign +1)")
+defop("rdft", infer_rdft, dtype_rule=F32_ONLY,
+      doc="the first n // 2 + 1 bins of a real signal's unnormalised DFT")
+defop("irdft", infer_irdft, dtype_rule=F32_ONLY,
+      doc="the real unnormalised inverse of a one-sided spectrum of n // 2 + 1 bins (attr n)")
+defop("fft", infer_fft, dtype_rule=F32_ONLY,
+      doc="the numba tier's radix-2 Stockham DFT (a power-of-two length)")
+defop("bluestein", infer_bluestein, dtype_rule=F32_ONLY,
+      doc="the numba tier's one-kernel Bluestein DFT (a row in shared memory)")
+
+
 def _stockham_or_bluestein(g, x, inverse: bool):
     """The numba tier's unnormalised DFT of x [..., n, 2] along axis -2, any n >= 1."""
     n = x.shape[-2]
     if _pow2(n):
-        return g._add("fft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+        return g.bind("fft", [x], inverse=bool(inverse))
     m, c, bhat = bluestein_tables(n, inverse)
     if m <= BLUESTEIN_M:
-        return g._add("bluestein", (x,), x.shape, dt.F32, inverse=bool(inverse))
+        return g.bind("bluestein", [x], inverse=bool(inverse))
     pads = (0, 0, 0, m - n)
     a = g.pad(_cmul(g, x, g.constant(_complex_const(c))), pads)
-    conv = g._add("fft", (_cmul(g, g._add("fft", (a,), a.shape, dt.F32, inverse=False),
-                                g.constant(_complex_const(bhat))),), a.shape, dt.F32,
-                  inverse=True)
+    conv = g.bind("fft", [_cmul(g, g.bind("fft", [a], inverse=False),
+                                g.constant(_complex_const(bhat)))], inverse=True)
     return _cmul(g, g.narrow(conv, -2, 0, n), g.constant(_complex_const(c)))
 
 
@@ -115,12 +172,11 @@ def expand_fft(g, node, ins):
 
 
 def _dft(g, x, inverse: bool):
-    return g._add("dft", (x,), x.shape, dt.F32, inverse=bool(inverse))
+    return g.bind("dft", [x], inverse=bool(inverse))
 
 
 def _rdft(g, x):
-    n = x.shape[-1]
-    return g._add("rdft", (x,), tuple(x.shape[:-1]) + (n // 2 + 1, 2), dt.F32)
+    return g.bind("rdft", [x])
 
 
 @vjp("dft")
@@ -206,7 +262,7 @@ class FftOps:
         if n % 2 == 0:
             keep[-1, 1] = 0.0
         xh = self.mul(xh, self.constant(keep))
-        return self._add("irdft", (xh,), tuple(x.shape[:-2]) + (n,), dt.F32, n=int(n))
+        return self.bind("irdft", [xh], n=int(n))
 
     def welch(self, x, nperseg: int = 256, noverlap: int | None = None, window="hann",
               fs: float = 1.0):

@@ -1,4 +1,5 @@
-"""cross_entropy: argument checks, the Graph builder method (mixed into Graph) and its VJP.
+"""cross_entropy: its OpDefs (ir/opdef.py), argument checks, the Graph builder method (mixed
+into Graph) and its VJP.
 Kernels: kernels/loss.py; lowering: runtime/lower_loss.py.
 
 ``cross_entropy(logits, labels, ...)`` becomes, in the graph:
@@ -15,6 +16,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -50,6 +52,35 @@ def check_cross_entropy(logits, labels, reduction, ignore_index, label_smoothing
     return int(ignore_index), float(label_smoothing)
 
 
+def _rows_operands(op, x, labels):
+    """The nodes' operands: f32 logits [..., C] (the builder casts halves) and their labels."""
+    if x.dtype != dt.F32 or len(x.shape) == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: logits must be f32 [..., C] with C >= 1, got {x.dtype} "
+                         f"{fmt(x.shape)}")
+    if labels.dtype not in LABEL_DTYPES or tuple(labels.shape) != tuple(x.shape[:-1]):
+        raise ValueError(f"{op}: labels must be i32 or i64 {fmt(x.shape[:-1])} (logits "
+                         f"{fmt(x.shape)}), got {labels.dtype} {fmt(labels.shape)}")
+
+
+def infer_cross_entropy(x, labels, ignore_index, label_smoothing):
+    _rows_operands("cross_entropy", x, labels)
+    return labels.shape, dt.F32
+
+
+def infer_cross_entropy_bwd(x, labels, dy, ignore_index, label_smoothing):
+    _rows_operands("cross_entropy_bwd", x, labels)
+    if dy.dtype != dt.F32 or tuple(dy.shape) != tuple(labels.shape):
+        raise ValueError(f"cross_entropy_bwd: dy must be f32 {fmt(labels.shape)} (one per row), "
+                         f"got {dy.dtype} {fmt(dy.shape)}")
+    return x.shape, dt.F32
+
+
+defop("cross_entropy", infer_cross_entropy, dtype_rule=F32_ONLY,
+      doc="each row's (label-smoothed) cross-entropy loss, 0 on ignore_index rows")
+defop("cross_entropy_bwd", infer_cross_entropy_bwd, dtype_rule=F32_ONLY,
+      doc="cross_entropy's d logits, the softmax recomputed: one row kernel")
+
+
 class LossOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -72,8 +103,7 @@ class LossOps:
         ignore, eps = check_cross_entropy(logits, labels, reduction, ignore_index,
                                           label_smoothing)
         x = logits if logits.dtype == dt.F32 else self.cast(logits, dt.F32)
-        rows = self._add(op, (x, labels), labels.shape, dt.F32, ignore_index=ignore,
-                         label_smoothing=eps)
+        rows = self.bind(op, [x, labels], ignore_index=ignore, label_smoothing=eps)
         if reduction == "none":
             out = rows
         else:
@@ -90,5 +120,5 @@ def _vjp_cross_entropy(g, n, dy):
     """d logits = dy_row * (softmax(x) - eps / C - (1 - eps) onehot(y)), 0 on ignored rows:
     one fused row kernel; the reduction's scale (1/count for mean) is already in dy."""
     x, labels = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
-    dx = g._add("cross_entropy_bwd", (x, labels, dy), x.shape, dt.F32, **n.attrs)
+    dx = g.bind("cross_entropy_bwd", [x, labels, dy], **n.attrs)
     return [dx, None]

@@ -1,7 +1,8 @@
-"""dropout and random: argument checks, the Graph builder methods (mixed into Graph) and
-dropout's VJP. Both draw from the counter-based Philox4x32-10 stream defined in
-kernels/random.py (lowering: runtime/lower_random.py), so a GPU and the simulator give the
-same values, and the backward of dropout redraws the forward's mask instead of storing it.
+"""dropout and random: their OpDefs (ir/opdef.py), argument checks, the Graph builder methods
+(mixed into Graph) and dropout's VJP. Both draw from the counter-based Philox4x32-10 stream
+defined in kernels/random.py (lowering: runtime/lower_random.py), so a GPU and the simulator
+give the same values, and the backward of dropout redraws the forward's mask instead of
+storing it.
 
 Each dropout / random built in a graph takes the next ``stream`` number (0, 1, 2, ... in
 build order), part of the Philox counter: two dropouts with the same seed still draw
@@ -13,6 +14,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32, F32_ONLY, defop
 from .ops import fmt, normalize_shape
 
 DISTS = ("uniform", "normal")
@@ -31,6 +33,42 @@ def _seed(op, seed):
         return seed
     raise ValueError(f"{op}: seed must be an int or an i32/i64 Tensor of shape [] or [1], got "
                      f"{type(seed).__name__}")
+
+
+def _stream_seed(op, seed_t, seed, stream):
+    """A node's seed: an int attr, or (seed None) one i64 input of shape [] or [1]."""
+    if seed_t:
+        (t,) = seed_t
+        if seed is not None or t.dtype != dt.I64 or tuple(t.shape) not in ((), (1,)):
+            raise ValueError(f"{op}: a seed input must be i64 of shape [] or [1] (and the seed "
+                             f"attr None), got {t.dtype} {fmt(t.shape)} and seed={seed!r}")
+    elif isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"{op}: seed must be an int in [0, 2^64) or an input, got {seed!r}")
+    if isinstance(stream, bool) or not isinstance(stream, int) or stream < 0:
+        raise ValueError(f"{op}: stream must be an int >= 0, got {stream!r}")
+
+
+def infer_dropout(x, *seed_t, p, seed, stream):
+    if x.dtype != dt.F32:
+        raise ValueError(f"dropout: x must be f32 (the builder casts halves), got {x.dtype} "
+                         f"{fmt(x.shape)}")
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"dropout: p must be in (0, 1], got {p!r}")
+    _stream_seed("dropout", seed_t, seed, stream)
+    return x.shape, dt.F32
+
+
+def infer_random(*seed_t, shape, dist, seed, stream):
+    if dist not in DISTS:
+        raise ValueError(f"random: dist must be one of {', '.join(DISTS)}, got {dist!r}")
+    _stream_seed("random", seed_t, seed, stream)
+    return normalize_shape("random", "shape", shape), dt.F32
+
+
+defop("dropout", infer_dropout, dtype_rule=F32_ONLY,
+      doc="x zeroed with probability p (a Philox mask, redrawn by the VJP), kept ones / (1 - p)")
+defop("random", infer_random, dtype_rule=F32,
+      doc="f32 of shape drawn from the Philox stream: uniform [0, 1) or normal")
 
 
 class RandomOps:
@@ -67,8 +105,7 @@ class RandomOps:
         if float(p) == 0.0:
             return x
         xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
-        y = self._add(op, (xf, *extra), x.shape, dt.F32, p=float(p), seed=seed,
-                      stream=self._rng_stream())
+        y = self.bind(op, [xf, *extra], p=float(p), seed=seed, stream=self._rng_stream())
         return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
 
     def random(self, shape, dist: str = "uniform", seed=0):
@@ -80,7 +117,7 @@ class RandomOps:
         if dist not in DISTS:
             raise ValueError(f"{op}: dist must be one of {', '.join(DISTS)}, got {dist!r}")
         seed, extra = self._seed_inputs(op, seed)
-        return self._add(op, extra, shape, dt.F32, dist=dist, seed=seed,
+        return self.bind(op, extra, shape=shape, dist=dist, seed=seed,
                          stream=self._rng_stream())
 
 
@@ -88,4 +125,4 @@ class RandomOps:
 def _vjp_dropout(g, n, dy):
     """dy through the forward's mask and scale: the same Philox stream drawn again."""
     extra = tuple(g.tensor(i) for i in n.inputs[1:])
-    return [g._add("dropout", (dy, *extra), dy.shape, dt.F32, **n.attrs)] + [None] * len(extra)
+    return [g.bind("dropout", [dy, *extra], **n.attrs)] + [None] * len(extra)

@@ -1,7 +1,7 @@
 """Reductions: reduce (sum mean max min prod), argmax/argmin, cumsum.
 
-Shape/dtype rules (``infer_*``) and the Graph builder methods (mixed into Graph). Kernels:
-kernels/reduce.py; lowering: runtime/lower_reduce.py.
+Their OpDefs (ir/opdef.py), shape/dtype rules and the Graph builder methods (mixed into
+Graph). Kernels: kernels/reduce.py; lowering: runtime/lower_reduce.py.
 
 Dtypes follow PyTorch: sum/prod of bool/i32/i64 give i64, of a float the same float; mean gives
 the same float (ints and bool: f32); max/min keep the dtype; argmax/argmin give i64; cumsum
@@ -17,6 +17,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import EXACT, defop
 from .ops import fmt, normalize_axes, normalize_axis
 
 REDUCE = ("sum", "mean", "max", "min", "prod")
@@ -57,8 +58,8 @@ def reduce_dtype(kind: str, d: dt.DType) -> dt.DType:
     return d
 
 
-def infer_reduce(x, kind: str, axes, keep_dim: bool):
-    """(shape, dtype, normalised axes) of reduce(kind, x, axes, keep_dim)."""
+def reduce_axes(x, kind: str, axes, keep_dim: bool) -> tuple:
+    """The normalised axes of reduce(kind, x, axes, keep_dim), checked."""
     if kind not in REDUCE:
         raise ValueError(f"reduce: unknown kind {kind!r}; expected one of {', '.join(REDUCE)}")
     op = f"reduce {kind}"
@@ -68,11 +69,16 @@ def infer_reduce(x, kind: str, axes, keep_dim: bool):
     if count == 0 and kind in ("max", "min"):
         raise ValueError(f"{op}: cannot reduce x {fmt(x.shape)} over axes {list(axes)}: the reduced "
                          f"extent is empty and {kind} has no identity")
-    return _out_shape(x.shape, axes, keep_dim), reduce_dtype(kind, x.dtype), axes
+    return axes
 
 
-def infer_argreduce(x, op: str, axis, keep_dim: bool):
-    """(shape, i64, axes) of argmax/argmin; axis=None means over the flattened tensor."""
+def infer_reduce(x, kind: str, axes, keep_dim: bool):
+    axes = reduce_axes(x, kind, axes, keep_dim)
+    return _out_shape(x.shape, axes, keep_dim), reduce_dtype(kind, x.dtype)
+
+
+def argreduce_axes(x, op: str, axis, keep_dim: bool) -> tuple:
+    """The axes of argmax/argmin over ``axis`` (None: the flattened tensor), checked."""
     _keep_dim(op, keep_dim)
     if axis is None:
         axes = tuple(range(len(x.shape)))
@@ -82,21 +88,49 @@ def infer_argreduce(x, op: str, axis, keep_dim: bool):
     if math.prod(x.shape[a] for a in axes) == 0:
         where = "" if axis is None else f" along axis {axis}"
         raise ValueError(f"{op}: x {fmt(x.shape)} is empty{where}; {op} of nothing is undefined")
-    return _out_shape(x.shape, axes, keep_dim), dt.I64, axes
+    return axes
 
 
-def infer_cumsum(x, axis, exclusive: bool):
+def _infer_argreduce(op: str):
+    def infer(x, axes, keep_dim: bool):
+        """The node's axes: one axis, or every axis (over the flattened tensor)."""
+        axes = tuple(axes)
+        if axes != tuple(range(len(x.shape))):
+            if len(axes) != 1:
+                raise ValueError(f"{op}: axes {axes} must be one axis or all of x "
+                                 f"{fmt(x.shape)}'s")
+            argreduce_axes(x, op, axes[0], keep_dim)
+        else:
+            argreduce_axes(x, op, None, keep_dim)
+        return _out_shape(x.shape, axes, keep_dim), dt.I64
+    return infer
+
+
+def cumsum_axis(x, axis, exclusive: bool) -> int:
     if not isinstance(exclusive, bool):
         raise ValueError(f"cumsum: exclusive must be a bool, got {exclusive!r}")
     if len(x.shape) == 0:
         raise ValueError("cumsum: x must have rank >= 1, got a scalar")
     axis = int(axis) if isinstance(axis, np.integer) else axis
-    axis = normalize_axis("cumsum", "axis", axis, len(x.shape))
-    return x.shape, (x.dtype if x.dtype.is_float else dt.I64), axis
+    return normalize_axis("cumsum", "axis", axis, len(x.shape))
+
+
+def infer_cumsum(x, axis, exclusive: bool):
+    cumsum_axis(x, axis, exclusive)
+    return x.shape, (x.dtype if x.dtype.is_float else dt.I64)
+
+
+defop("reduce", infer_reduce,
+      doc="sum / mean / max / min / prod over axes (torch's result dtypes, f32 accumulation)")
+defop("argmax", _infer_argreduce("argmax"), dtype_rule=EXACT,
+      doc="i64 index of the largest value over one axis or all (first on ties, NaN largest)")
+defop("argmin", _infer_argreduce("argmin"), dtype_rule=EXACT,
+      doc="i64 index of the smallest value over one axis or all (first on ties, NaN smallest)")
+defop("cumsum", infer_cumsum, doc="running sum along axis (exclusive: starting at 0)")
 
 
 class ReduceOps:
-    """Builder methods; ``self`` is the Graph (_check, _add).
+    """Builder methods; ``self`` is the Graph (_check, bind).
 
     ``g.max``/``g.min`` are the element-wise binary ops, so the reductions are named
     ``reduce_sum reduce_mean reduce_max reduce_min reduce_prod`` (and ``sum``, ``mean``)."""
@@ -104,8 +138,8 @@ class ReduceOps:
     def reduce(self, kind: str, x, axes=None, keep_dim: bool = False):
         """Reduce x over ``axes`` (int, sequence, or None for all) with sum/mean/max/min/prod."""
         self._check(f"reduce {kind}", "x", x)
-        shape, d, axes = infer_reduce(x, kind, axes, keep_dim)
-        return self._add("reduce", (x,), shape, d, kind=kind, axes=axes, keep_dim=keep_dim)
+        return self.bind("reduce", [x], kind=kind, axes=reduce_axes(x, kind, axes, keep_dim),
+                         keep_dim=keep_dim)
 
     def reduce_sum(self, x, axes=None, keep_dim: bool = False):
         return self.reduce("sum", x, axes, keep_dim)
@@ -127,8 +161,7 @@ class ReduceOps:
 
     def _argreduce(self, op, x, axis, keep_dim):
         self._check(op, "x", x)
-        shape, d, axes = infer_argreduce(x, op, axis, keep_dim)
-        return self._add(op, (x,), shape, d, axes=axes, keep_dim=keep_dim)
+        return self.bind(op, [x], axes=argreduce_axes(x, op, axis, keep_dim), keep_dim=keep_dim)
 
     def argmax(self, x, axis=None, keep_dim: bool = False):
         """i64 index of the largest value along ``axis`` (None: of the flattened x). The first
@@ -142,8 +175,8 @@ class ReduceOps:
     def cumsum(self, x, axis: int, exclusive: bool = False):
         """Running sum along ``axis``; ``exclusive`` starts at 0 and leaves the element out."""
         self._check("cumsum", "x", x)
-        shape, d, axis = infer_cumsum(x, axis, exclusive)
-        return self._add("cumsum", (x,), shape, d, axis=axis, exclusive=exclusive)
+        return self.bind("cumsum", [x], axis=cumsum_axis(x, axis, exclusive),
+                         exclusive=exclusive)
 
 
 # ---- VJPs (ir/autodiff.py) ------------------------------------------------------------------------

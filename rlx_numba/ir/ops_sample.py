@@ -1,5 +1,5 @@
-"""topk and sample: argument checks, shape rules and the Graph builder methods (mixed into
-Graph). Kernels: kernels/sample.py; lowering: runtime/lower_sample.py.
+"""topk and sample: their OpDefs (ir/opdef.py), argument checks, shape rules and the Graph
+builder methods (mixed into Graph). Kernels: kernels/sample.py; lowering: runtime/lower_sample.py.
 
 topk(x, k, axis) becomes, in the graph:
   [transpose moving ``axis`` last, when it is not]    (one copy of x; the kernels want rows)
@@ -20,6 +20,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp, zeros
+from .opdef import EXACT, F32, STORAGE, defop
 from .ops import fmt, normalize_axis
 
 MAX_ROW = 2**32 - 2     # indices are packed into 32 bits of the kernels' sort keys
@@ -41,7 +42,7 @@ def _real_arg(v):
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
-def infer_topk(x, k, axis):
+def topk_args(x, k, axis):
     """(normalised axis, n, k as int) of topk(x, k, axis); ValueError otherwise."""
     _float_x("topk", "x", x)
     if isinstance(axis, np.integer):
@@ -92,6 +93,39 @@ def check_sample(logits, temperature, top_k, top_p, seed):
     return float(temperature), int(top_k), float(top_p), seed
 
 
+def infer_topk(x, k):
+    """The node: the k largest of each row of x (the axis last), i64 indices."""
+    topk_args(x, k, -1)
+    return tuple(x.shape[:-1]) + (k,), dt.I64
+
+
+def infer_topk_values(x, idx, k):
+    """x's rows gathered at idx [..., k] (topk's, or argsort's with k the row length)."""
+    want = tuple(x.shape[:-1]) + (k,)
+    if idx.dtype != dt.I64 or tuple(idx.shape) != want:
+        raise ValueError(f"topk_values: idx must be i64 {fmt(want)} (x {fmt(x.shape)}, k={k}), "
+                         f"got {idx.dtype} {fmt(idx.shape)}")
+    return want, x.dtype
+
+
+def infer_sample(logits, *seed_t, temperature, top_k, top_p, seed):
+    if seed_t:      # a seed tensor instead of the int attr
+        if seed is not None or len(seed_t) != 1 or seed_t[0].dtype != dt.I64:
+            raise ValueError(f"sample: takes one i64 seed input (with the seed attr None), got "
+                             f"{[str(t.dtype) for t in seed_t]} and seed={seed!r}")
+        seed = seed_t[0]
+    check_sample(logits, temperature, top_k, top_p, seed)
+    return tuple(logits.shape[:-1]), dt.I64
+
+
+defop("topk", infer_topk, dtype_rule=EXACT,
+      doc="i64 indices of each row's k largest, by value descending (ties: smaller index)")
+defop("topk_values", infer_topk_values, dtype_rule=STORAGE,
+      doc="x's rows gathered at i64 indices [..., k] (topk's values, sort's values)")
+defop("sample", infer_sample, dtype_rule=F32,
+      doc="i64 token ids drawn from softmax(logits / temperature) after top_k / top_p")
+
+
 class SampleOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -101,15 +135,14 @@ class SampleOps:
         index), like torch.topk. values keep x's dtype, indices are i64. A non-last axis is
         moved last by a transpose (a copy of x) and the results moved back."""
         self._check("topk", "x", x)
-        axis, _, k = infer_topk(x, k, axis)
+        axis, _, k = topk_args(x, k, axis)
         last = len(x.shape) - 1
         xt = x
         if axis != last:
             perm = [a for a in range(len(x.shape)) if a != axis] + [axis]
             xt = self.transpose(x, perm)
-        shape = tuple(xt.shape[:-1]) + (k,)
-        idx = self._add("topk", (xt,), shape, dt.I64, k=k)
-        vals = self._add("topk_values", (xt, idx), shape, x.dtype, k=k)
+        idx = self.bind("topk", [xt], k=k)
+        vals = self.bind("topk_values", [xt, idx], k=k)
         if axis != last:
             inv = [int(a) for a in np.argsort(perm)]
             vals, idx = self.transpose(vals, inv), self.transpose(idx, inv)
@@ -145,8 +178,7 @@ class SampleOps:
         if top_k >= n:
             top_k = 0                       # keeps everything
         ins = (logits,) if seed_t is None else (logits, seed_t)
-        return self._add("sample", ins, tuple(logits.shape[:-1]), dt.I64,
-                         temperature=temperature, top_k=top_k, top_p=top_p,
+        return self.bind("sample", ins, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=seed if seed_t is None else None)
 
 

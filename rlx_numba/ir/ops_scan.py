@@ -1,5 +1,5 @@
-"""selective_scan (Mamba's S6, mamba_ssm's selective_scan_ref) and softplus: argument checks,
-the Graph builder methods (mixed into Graph) and the scan's VJP.
+"""selective_scan (Mamba's S6, mamba_ssm's selective_scan_ref) and softplus: the scan's OpDefs
+(ir/opdef.py), argument checks, the Graph builder methods (mixed into Graph) and its VJP.
 
 The "selective_scan" node is the recurrence alone (kernels/scan.py, lowering
 runtime/lower_scan.py): inputs u, delta, A, B, C; its output is flat, [y (B*D*L) | the last
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 
@@ -19,6 +20,49 @@ _F32 = dt.F32      # (selective_state_update's argument dt shadows the module)
 
 def _desc(t):
     return f"{t.dtype} {fmt(t.shape)}"
+
+
+def scan_dims(op, u, delta, A, B, C) -> tuple:
+    """(batch, dim, length, state) of the scan's operands u, delta, A, B, C, checked."""
+    for arg, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
+        if t.dtype != dt.F32:
+            raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
+    if len(u.shape) != 3:
+        raise ValueError(f"{op}: u must be [batch, dim, length], got {_desc(u)}")
+    bt, dm, length = u.shape
+    if len(A.shape) != 2 or A.shape[0] != dm:
+        raise ValueError(f"{op}: A must be [{dm}, N] (dim of u {_desc(u)}), got {_desc(A)}")
+    n = A.shape[1]
+    if not 1 <= n <= 256:
+        raise ValueError(f"{op}: A's state size must be 1..256, got {_desc(A)}")
+    for arg, t, want in (("delta", delta, (bt, dm, length)), ("B", B, (bt, n, length)),
+                         ("C", C, (bt, n, length))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{op}: {arg} must be f32 {fmt(want)} (u {_desc(u)}, A "
+                             f"{_desc(A)}), got {_desc(t)}")
+    return bt, dm, length, n
+
+
+def infer_selective_scan(u, delta, A, B, C):
+    """Flat [y (B*D*L) | the last state (B*D*N)]."""
+    bt, dm, length, n = scan_dims("selective_scan", u, delta, A, B, C)
+    return (bt * dm * length + bt * dm * n,), _F32
+
+
+def infer_selective_scan_grad(u, delta, A, B, C, dflat):
+    """Flat [dA | dB | dC | du | ddelta] from the forward's operands and its flat gradient."""
+    bt, dm, length, n = scan_dims("selective_scan_grad", u, delta, A, B, C)
+    want = (bt * dm * length + bt * dm * n,)
+    if dflat.dtype != _F32 or tuple(dflat.shape) != want:
+        raise ValueError(f"selective_scan_grad: dflat must be f32 {fmt(want)}, got "
+                         f"{_desc(dflat)}")
+    return (dm * n + 2 * bt * n * length + 2 * bt * dm * length,), _F32
+
+
+defop("selective_scan", infer_selective_scan, dtype_rule=F32_ONLY,
+      doc="Mamba's S6 recurrence: flat [y | the last state]")
+defop("selective_scan_grad", infer_selective_scan_grad, dtype_rule=F32_ONLY,
+      doc="selective_scan's gradient: flat [dA | dB | dC | du | ddelta]")
 
 
 class ScanOps:
@@ -46,20 +90,9 @@ class ScanOps:
         op = "selective_scan"
         for arg, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
             self._check(op, arg, t)
-            if t.dtype != dt.F32:
-                raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
-        if len(u.shape) != 3:
-            raise ValueError(f"{op}: u must be [batch, dim, length], got {_desc(u)}")
-        bt, dm, length = u.shape
-        if len(A.shape) != 2 or A.shape[0] != dm:
-            raise ValueError(f"{op}: A must be [{dm}, N] (dim of u {_desc(u)}), got {_desc(A)}")
-        n = A.shape[1]
-        if not 1 <= n <= 256:
-            raise ValueError(f"{op}: A's state size must be 1..256, got {_desc(A)}")
-        want = {"delta": (bt, dm, length), "B": (bt, n, length), "C": (bt, n, length),
-                "D": (dm,), "z": (bt, dm, length), "delta_bias": (dm,)}
-        for arg, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z),
-                       ("delta_bias", delta_bias)):
+        bt, dm, length, n = scan_dims(op, u, delta, A, B, C)
+        want = {"D": (dm,), "z": (bt, dm, length), "delta_bias": (dm,)}
+        for arg, t in (("D", D), ("z", z), ("delta_bias", delta_bias)):
             if t is None:
                 continue
             self._check(op, arg, t)
@@ -71,7 +104,7 @@ class ScanOps:
         if delta_softplus:
             delta = self.softplus(delta)
         ny, nl = bt * dm * length, bt * dm * n
-        flat = self._add(op, (u, delta, A, B, C), (ny + nl,), dt.F32)
+        flat = self.bind(op, [u, delta, A, B, C])
         y = self.reshape(self.narrow(flat, 0, 0, ny), (bt, dm, length))
         if D is not None:
             y = self.add(y, self.mul(u, self.reshape(D, (dm, 1))))
@@ -125,8 +158,7 @@ def _selective_scan_vjp(g, node, dflat):
     n = A.shape[1]
     sizes = {"dA": dm * n, "dB": bt * n * length, "dC": bt * n * length,
              "du": bt * dm * length, "ddelta": bt * dm * length}
-    flat = g._add("selective_scan_grad", (u, delta, A, B, C, dflat), (sum(sizes.values()),),
-                  dt.F32)
+    flat = g.bind("selective_scan_grad", [u, delta, A, B, C, dflat])
     out, at = {}, 0
     for name, size in sizes.items():
         out[name] = g.narrow(flat, 0, at, size)

@@ -1,7 +1,10 @@
-"""shape ops: shape/dtype rules and the Graph builder methods (mixed into Graph).
+"""shape ops: their OpDefs (ir/opdef.py), shape/dtype rules and the Graph builder methods
+(mixed into Graph).
 
-transpose, narrow, concat, expand, gather, scatter_add. Every one materialises its output
-(each node owns contiguous memory); ``reshape`` (a view) lives in graph.py.
+transpose, concat, expand, gather and scatter_add materialise their output (each node owns
+contiguous memory); narrow is a view of its input when it is an aligned contiguous slice
+(``narrow_aliases``), else a copy (or a strided view: runtime/lower.py ``strided_narrows``);
+``reshape`` (a view) lives in ir/ops.py and graph.py.
 """
 from __future__ import annotations
 
@@ -9,7 +12,9 @@ import math
 import operator
 
 from . import dtypes as dt
+from ..memory import ALIGN
 from .autodiff import scatter_grad, sum_to, vjp, zeros
+from .opdef import F32_ONLY, STORAGE, VIEW, defop
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
@@ -43,31 +48,33 @@ def _ints(op: str, arg: str, seq) -> tuple:
     return tuple(_int(op, f"{arg} entry", v) for v in items)
 
 
-# ---- shape rules ---------------------------------------------------------------------------
-def infer_transpose(x, perm=None):
-    """Output axis i is input axis perm[i]; perm None reverses the axes. Returns (shape, dtype,
-    perm normalised to non-negative axes)."""
+# ---- shape rules (each op's arguments checked and normalised, then its inference) ----------
+def transpose_perm(x, perm=None) -> tuple:
+    """perm as non-negative axes (output axis i is input axis perm[i]); None reverses them."""
     rank = len(x.shape)
     if perm is None:
-        perm = tuple(range(rank - 1, -1, -1))
-    else:
-        raw = _ints("transpose", "perm", perm)
-        if len(raw) != rank:
-            raise ValueError(f"transpose: perm {list(raw)} has {len(raw)} axes but x "
-                             f"{fmt(x.shape)} has rank {rank}")
-        for p in raw:
-            if not -rank <= p < rank:
-                raise ValueError(f"transpose: perm {list(raw)} holds axis {p}, out of range for "
-                                 f"x {fmt(x.shape)} (rank {rank})")
-        perm = tuple(p % rank for p in raw)
-        if len(set(perm)) != rank:
-            raise ValueError(f"transpose: perm {list(raw)} is not a permutation of the axes of "
-                             f"x {fmt(x.shape)}")
-    return tuple(x.shape[p] for p in perm), x.dtype, perm
+        return tuple(range(rank - 1, -1, -1))
+    raw = _ints("transpose", "perm", perm)
+    if len(raw) != rank:
+        raise ValueError(f"transpose: perm {list(raw)} has {len(raw)} axes but x "
+                         f"{fmt(x.shape)} has rank {rank}")
+    for p in raw:
+        if not -rank <= p < rank:
+            raise ValueError(f"transpose: perm {list(raw)} holds axis {p}, out of range for "
+                             f"x {fmt(x.shape)} (rank {rank})")
+    perm = tuple(p % rank for p in raw)
+    if len(set(perm)) != rank:
+        raise ValueError(f"transpose: perm {list(raw)} is not a permutation of the axes of "
+                         f"x {fmt(x.shape)}")
+    return perm
 
 
-def infer_narrow(x, axis, start, length):
-    """x's elements start..start+length-1 along axis. Returns (shape, dtype, axis)."""
+def infer_transpose(x, perm):
+    return tuple(x.shape[p] for p in transpose_perm(x, perm)), x.dtype
+
+
+def narrow_args(x, axis, start, length) -> tuple:
+    """(axis, start, length) of x's elements start..start+length-1 along axis, checked."""
     if len(x.shape) == 0:
         raise ValueError("narrow: x must have rank >= 1, got []")
     axis = _axis("narrow", "axis", axis, x)
@@ -77,18 +84,44 @@ def infer_narrow(x, axis, start, length):
     if start < 0 or length < 0 or start + length > dim:
         raise ValueError(f"narrow: start {start} and length {length} must satisfy 0 <= start, "
                          f"0 <= length, start + length <= {dim} (axis {axis} of x {fmt(x.shape)})")
+    return axis, start, length
+
+
+def infer_narrow(x, axis, start, length):
+    axis, start, length = narrow_args(x, axis, start, length)
     shape = list(x.shape)
     shape[axis] = length
-    return tuple(shape), x.dtype, axis, start, length
+    return tuple(shape), x.dtype
 
 
-def infer_concat(xs, axis):
+def narrow_layout(node, graph) -> tuple:
+    """(offset, rows, row length, row stride) in elements of a narrow inside its input's
+    contiguous storage: the input is [rows, dim * inner], the slice [rows, length * inner]."""
+    x = graph.nodes[node.inputs[0]]
+    axis, start, length = node.attrs["axis"], node.attrs["start"], node.attrs["length"]
+    inner = math.prod(x.shape[axis + 1:])
+    return start * inner, math.prod(x.shape[:axis]), length * inner, x.shape[axis] * inner
+
+
+def narrow_contiguous(node, graph) -> bool:
+    """The narrow is one contiguous run of its input (one row, or the whole rows)."""
+    _, rows, width, stride = narrow_layout(node, graph)
+    return rows <= 1 or width == stride
+
+
+def narrow_aliases(node, graph) -> bool:
+    """narrow's view_if: a contiguous slice at an ALIGN-multiple byte offset into its input,
+    which every kernel and cuBLAS may read as its own buffer."""
+    off = narrow_layout(node, graph)[0] * node.dtype.storage.itemsize
+    return narrow_contiguous(node, graph) and off % ALIGN == 0
+
+
+def concat_axis(xs, axis) -> int:
     """xs joined along axis; every other dim, the rank and the dtype must match."""
     first = xs[0]
     if len(first.shape) == 0:
         raise ValueError("concat: xs[0] must have rank >= 1, got []")
     axis = _axis("concat", "axis", axis, first, "xs[0]")
-    total = 0
     for i, t in enumerate(xs):
         if len(t.shape) != len(first.shape):
             raise ValueError(f"concat: xs[{i}] {fmt(t.shape)} has rank {len(t.shape)} but xs[0] "
@@ -100,10 +133,14 @@ def infer_concat(xs, axis):
             if a != axis and d0 != d:
                 raise ValueError(f"concat: xs[{i}] {fmt(t.shape)} does not match xs[0] "
                                  f"{fmt(first.shape)} on axis {a} (only axis {axis} may differ)")
-        total += t.shape[axis]
-    shape = list(first.shape)
-    shape[axis] = total
-    return tuple(shape), first.dtype, axis
+    return axis
+
+
+def infer_concat(*xs, axis):
+    axis = concat_axis(xs, axis)
+    shape = list(xs[0].shape)
+    shape[axis] = sum(t.shape[axis] for t in xs)
+    return tuple(shape), xs[0].dtype
 
 
 def infer_expand(x, shape):
@@ -140,20 +177,25 @@ def _index_operand(op, indices):
                          f"{fmt(indices.shape)}")
 
 
-def infer_gather(table, indices, axis=0):
-    """out = table.shape[:axis] + indices.shape + table.shape[axis+1:], dtype of table."""
+def gather_axis(table, indices, axis) -> int:
     if len(table.shape) == 0:
         raise ValueError("gather: table must have rank >= 1, got []")
     axis = _axis("gather", "axis", axis, table, "table")
     _index_operand("gather", indices)
+    return axis
+
+
+def infer_gather(table, indices, axis=0):
+    """out = table.shape[:axis] + indices.shape + table.shape[axis+1:], dtype of table."""
+    axis = gather_axis(table, indices, axis)
     shape = tuple(table.shape[:axis]) + tuple(indices.shape) + tuple(table.shape[axis + 1:])
     if table.shape[axis] == 0 and math.prod(shape):
         raise ValueError(f"gather: table {fmt(table.shape)} is empty along axis {axis}, so no "
                          f"index of indices {fmt(indices.shape)} can be valid")
-    return shape, table.dtype, axis
+    return shape, table.dtype
 
 
-def infer_scatter_add(target, indices, updates, axis=0):
+def scatter_axis(target, indices, updates, axis) -> int:
     """out = target, then out[..., indices[j], ...] += updates[..., j, ...] along axis."""
     if len(target.shape) == 0:
         raise ValueError("scatter_add: target must have rank >= 1, got []")
@@ -175,24 +217,43 @@ def infer_scatter_add(target, indices, updates, axis=0):
     if target.shape[axis] == 0 and math.prod(want):
         raise ValueError(f"scatter_add: target {fmt(target.shape)} is empty along axis {axis}, so "
                          f"no index of indices {fmt(indices.shape)} can be valid")
-    return tuple(target.shape), target.dtype, axis
+    return axis
+
+
+def infer_scatter_add(target, indices, updates, axis=0, deterministic=False):
+    if not isinstance(deterministic, bool):
+        raise ValueError(f"scatter_add: deterministic must be a bool, got {deterministic!r}")
+    scatter_axis(target, indices, updates, axis)
+    return tuple(target.shape), target.dtype
+
+
+defop("transpose", infer_transpose, dtype_rule=STORAGE,
+      doc="x's axes permuted (perm), materialised")
+defop("narrow", infer_narrow, memory=VIEW, view_if=narrow_aliases, dtype_rule=STORAGE,
+      doc="x[start:start+length] along axis: a view when an aligned contiguous slice")
+defop("concat", infer_concat, dtype_rule=STORAGE, doc="its inputs joined along axis")
+defop("expand", infer_expand, dtype_rule=STORAGE,
+      doc="x broadcast to shape (NumPy broadcast_to), materialised")
+defop("gather", infer_gather, dtype_rule=STORAGE,
+      doc="table's slices along axis at i32/i64 indices")
+defop("scatter_add", infer_scatter_add, dtype_rule=F32_ONLY,
+      doc="target with updates added at indices along axis (atomic, or ordered: deterministic)")
 
 
 class ShapeOps:
-    """Builder methods; self is the Graph (_check, _add, _operand)."""
+    """Builder methods; self is the Graph (_check, bind)."""
 
     def transpose(self, x, perm=None):
         """Permute the axes: output axis i is x's axis perm[i] (negative allowed); perm None
         reverses them."""
         self._check("transpose", "x", x)
-        shape, d, perm = infer_transpose(x, perm)
-        return self._add("transpose", (x,), shape, d, perm=perm)
+        return self.bind("transpose", [x], perm=transpose_perm(x, perm))
 
     def narrow(self, x, axis: int, start: int, length: int):
         """x[..., start:start+length, ...] along axis (0 <= start, start + length <= dim)."""
         self._check("narrow", "x", x)
-        shape, d, axis, start, length = infer_narrow(x, axis, start, length)
-        return self._add("narrow", (x,), shape, d, axis=axis, start=start, length=length)
+        axis, start, length = narrow_args(x, axis, start, length)
+        return self.bind("narrow", [x], axis=axis, start=start, length=length)
 
     def concat(self, xs, axis: int):
         """Join one or more tensors of one rank and dtype along axis."""
@@ -200,14 +261,12 @@ class ShapeOps:
             raise ValueError(f"concat: xs must be a non-empty list of Tensors, got {xs!r}")
         for i, t in enumerate(xs):
             self._check("concat", f"xs[{i}]", t)
-        shape, d, axis = infer_concat(xs, axis)
-        return self._add("concat", tuple(xs), shape, d, axis=axis)
+        return self.bind("concat", xs, axis=concat_axis(xs, axis))
 
     def expand(self, x, shape):
         """Broadcast x to shape (NumPy broadcast_to; -1 keeps a dim), materialised."""
         self._check("expand", "x", x)
-        shape, d = infer_expand(x, shape)
-        return self._add("expand", (x,), shape, d)
+        return self.bind("expand", [x], shape=infer_expand(x, shape)[0])
 
     def gather(self, table, indices, axis: int = 0):
         """table's slices along axis at indices (i32/i64): out shape table.shape[:axis] +
@@ -215,8 +274,7 @@ class ShapeOps:
         range-checked there (IndexError); in-graph and device-array indices are clamped."""
         self._check("gather", "table", table)
         self._check("gather", "indices", indices)
-        shape, d, axis = infer_gather(table, indices, axis)
-        return self._add("gather", (table, indices), shape, d, axis=axis)
+        return self.bind("gather", [table, indices], axis=gather_axis(table, indices, axis))
 
     def scatter_add(self, target, indices, updates, axis: int = 0, deterministic: bool = False):
         """A copy of target with updates[..., j, ...] added at target[..., indices[j], ...]
@@ -231,9 +289,9 @@ class ShapeOps:
         self._check("scatter_add", "target", target)
         self._check("scatter_add", "indices", indices)
         self._check("scatter_add", "updates", updates)
-        shape, d, axis = infer_scatter_add(target, indices, updates, axis)
+        axis = scatter_axis(target, indices, updates, axis)
         extra = {"deterministic": True} if deterministic else {}    # (printed only when set)
-        return self._add("scatter_add", (target, indices, updates), shape, d, axis=axis, **extra)
+        return self.bind("scatter_add", [target, indices, updates], axis=axis, **extra)
 
 
 # ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------

@@ -1,13 +1,36 @@
-"""sort and argsort: argument checks and the Graph builder methods (mixed into Graph). The
-"argsort" node (kernels/sort.py, lowering runtime/lower_sort.py) gives each row's stable
-order along the last axis as i64; values are topk_values' row gather of those indices (whose
-VJP scatters the gradient back). A non-last axis is moved last by a transpose and back."""
+"""sort and argsort: argsort's OpDef (ir/opdef.py), argument checks and the Graph builder
+methods (mixed into Graph). The "argsort" node (kernels/sort.py, lowering
+runtime/lower_sort.py) gives each row's stable order along the last axis as i64; values are
+topk_values' row gather of those indices (whose VJP scatters the gradient back). A non-last
+axis is moved last by a transpose and back."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import dtypes as dt
+from .opdef import EXACT, defop
 from .ops import fmt
+
+
+def _sortable(op, x):
+    if x.dtype not in (dt.F32, dt.I32):
+        raise ValueError(f"{op}: x must be f32 or i32, got {x.dtype} {fmt(x.shape)}")
+    if len(x.shape) == 0:
+        raise ValueError(f"{op}: x must have at least one axis, got a scalar")
+
+
+def infer_argsort(x, descending):
+    """Each row's stable order along the last axis, i64."""
+    _sortable("argsort", x)
+    if x.shape[-1] >= 2**32:
+        raise ValueError(f"argsort: an axis of {x.shape[-1]} is too long (at most 2^32 - 1)")
+    if not isinstance(descending, bool):
+        raise ValueError(f"argsort: descending must be a bool, got {descending!r}")
+    return x.shape, dt.I64
+
+
+defop("argsort", infer_argsort, dtype_rule=EXACT,
+      doc="i64 stable sort order of each row along the last axis (NaN largest)")
 
 
 class SortOps:
@@ -15,11 +38,8 @@ class SortOps:
 
     def _argsort_last(self, op, x, axis, descending):
         self._check(op, "x", x)
-        if x.dtype not in (dt.F32, dt.I32):
-            raise ValueError(f"{op}: x must be f32 or i32, got {x.dtype} {fmt(x.shape)}")
+        _sortable(op, x)
         rank = len(x.shape)
-        if rank == 0:
-            raise ValueError(f"{op}: x must have at least one axis, got a scalar")
         if not isinstance(axis, (int, np.integer)) or not -rank <= axis < rank:
             raise ValueError(f"{op}: axis {axis!r} out of range for x {x.dtype} {fmt(x.shape)}")
         if x.shape[axis] >= 2**32:
@@ -29,7 +49,7 @@ class SortOps:
         if axis != rank - 1:
             perm = [a for a in range(rank) if a != axis] + [axis]
             x = self.transpose(x, perm)
-        idx = self._add("argsort", (x,), x.shape, dt.I64, descending=bool(descending))
+        idx = self.bind("argsort", [x], descending=bool(descending))
         return x, idx, perm
 
     def _back(self, t, perm):
@@ -39,7 +59,7 @@ class SortOps:
         """torch.sort(x, dim=axis, descending, stable=True): (values, i64 indices); ties keep
         their order; NaN is the largest value (last ascending, first descending)."""
         xt, idx, perm = self._argsort_last("sort", x, axis, descending)
-        vals = self._add("topk_values", (xt, idx), xt.shape, x.dtype, k=xt.shape[-1])
+        vals = self.bind("topk_values", [xt, idx], k=xt.shape[-1])
         return self._back(vals, perm), self._back(idx, perm)
 
     def argsort(self, x, axis: int = -1, descending: bool = False):

@@ -22,10 +22,10 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
 from ..ir.opdef import OPS, VIEW, Tier, add_tier, opdef
 from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER  # noqa: F401
+from ..ir.ops_shape import narrow_contiguous, narrow_layout
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
 from ..device import SIMULATOR
-from ..memory import ALIGN
 
 log = logging.getLogger("rlx_numba")
 
@@ -133,32 +133,14 @@ def step_name(n: Node) -> str:
 
 
 def is_view(node: Node, graph: Graph) -> bool:
-    """Nodes that own no memory: they alias their input's buffer (a narrow of a contiguous
-    slice at an ALIGN-multiple byte offset into it: every kernel and cuBLAS may read it as
-    its own buffer; other narrows are views only where ``strided_narrows`` says so, which
-    depends on their readers)."""
+    """Nodes that own no memory: they alias their input's buffer (their OpDef's memory kind
+    is VIEW and its ``view_if`` holds: a narrow only of an aligned contiguous slice; other
+    narrows are views only where ``strided_narrows`` says so, which depends on their
+    readers)."""
     d = OPS.get(node.op)
     if d is not None and d.memory == VIEW:
         return d.view_if is None or d.view_if(node, graph)
-    if node.op == "narrow":   # TRANSITIONAL: until narrow's OpDef carries this as its view_if
-        off = narrow_layout(node, graph)[0] * node.dtype.storage.itemsize
-        return narrow_contiguous(node, graph) and off % ALIGN == 0
     return False
-
-
-def narrow_layout(node: Node, graph: Graph) -> tuple:
-    """(offset, rows, row length, row stride) in elements of a narrow inside its input's
-    contiguous storage: the input is [rows, dim * inner], the slice [rows, length * inner]."""
-    x = graph.nodes[node.inputs[0]]
-    axis, start, length = node.attrs["axis"], node.attrs["start"], node.attrs["length"]
-    inner = math.prod(x.shape[axis + 1:])
-    return start * inner, math.prod(x.shape[:axis]), length * inner, x.shape[axis] * inner
-
-
-def narrow_contiguous(node: Node, graph: Graph) -> bool:
-    """The narrow is one contiguous run of its input (one row, or the whole rows)."""
-    _, rows, width, stride = narrow_layout(node, graph)
-    return rows <= 1 or width == stride
 
 
 def strided_narrows(graph: Graph, live_outputs) -> set:
