@@ -37,9 +37,11 @@ def _row_axis(op, x, axis):
     return axis
 
 
-def infer_softmax(x, axis):
-    _row_axis("softmax", x, axis)
-    return x.shape, dt.F32
+def _infer_row(op):
+    def infer(x, axis):
+        _row_axis(op, x, axis)
+        return x.shape, dt.F32
+    return infer
 
 
 def _norm_operands(op, x, gamma, rest, axis, eps, has_beta, has_residual):
@@ -80,11 +82,12 @@ def _infer_norm(op):
     return infer
 
 
-def _further_result(op, producer):
-    """The inference of an op that only ``producer``'s bind makes (its kernel fills it)."""
+def further_result(op, producer):
+    """The inference of an op that only ``producer``'s bind makes (its kernel fills it: a
+    further result bound on its own would be filled by nothing)."""
     def infer(*inputs, **attrs):
-        raise ValueError(f"{op}: a further result of {producer}, made by "
-                         f"g.bind({producer!r}, ...), not on its own")
+        raise ValueError(f"{op}: a further result of {producer}: that op's bind makes it, "
+                         f"not a bind of its own")
     return infer
 
 
@@ -133,20 +136,21 @@ def infer_norm_param_bwd(dy, x, *rest, axis, has_residual, has_beta):
     return (1 + bool(has_beta), x.shape[axis]), dt.F32
 
 
-defop("softmax", infer_softmax, dtype_rule=F32_ONLY, doc="exp(x - max) / sum(exp(x - max)) along axis")
-defop("log_softmax", infer_softmax, dtype_rule=F32_ONLY,
+defop("softmax", _infer_row("softmax"), dtype_rule=F32_ONLY,
+      doc="exp(x - max) / sum(exp(x - max)) along axis")
+defop("log_softmax", _infer_row("log_softmax"), dtype_rule=F32_ONLY,
       doc="x - max - log(sum(exp(x - max))) along axis")
 for _op in ("layer_norm", "rms_norm"):
     defop(_op, _infer_norm(_op), dtype_rule=F32_ONLY, results=(("residual_sum", None),),
           doc=f"{_op} of h = x (+ residual) along axis, * gamma (+ beta); return_residual=True "
               f"also gives h (residual_sum)")
-defop("residual_sum", _further_result("residual_sum", "layer_norm / rms_norm"), written_by=0,
+defop("residual_sum", further_result("residual_sum", "layer_norm / rms_norm"), written_by=0,
       dtype_rule=F32_ONLY, doc="the x + residual a norm's kernel computed (return_residual=True)")
 defop("softmax_bwd", infer_softmax_bwd, dtype_rule=F32_ONLY,
       doc="dx of softmax (y * (dy - sum(dy * y))) or log_softmax (dy - exp(y) * sum(dy))")
 defop("norm_bwd", infer_norm_bwd, dtype_rule=F32_ONLY, results=(("norm_bwd_stats", None),),
       doc="dh of layer_norm / rms_norm in one row pass, and each row's (mean, rstd)")
-defop("norm_bwd_stats", _further_result("norm_bwd_stats", "norm_bwd"), written_by=0,
+defop("norm_bwd_stats", further_result("norm_bwd_stats", "norm_bwd"), written_by=0,
       dtype_rule=F32_ONLY, doc="each row's (mean, rstd), stored by norm_bwd's kernel")
 defop("norm_param_bwd", infer_norm_param_bwd, dtype_rule=F32_ONLY,
       doc="d gamma (and d beta) of a norm: one column reduction over the rows")

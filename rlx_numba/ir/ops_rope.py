@@ -8,6 +8,7 @@ from . import dtypes as dt
 from .autodiff import scatter_grad, vjp, zeros
 from .opdef import F32_ONLY, INPLACE, STORAGE, defop
 from .ops import fmt
+from .ops_norm import further_result
 
 INDEX_DTYPES = (dt.I32, dt.I64)
 
@@ -209,14 +210,6 @@ def infer_rope_kv_write(qkv, cos, sin, k_cache, v_cache, *rest, num_heads, num_k
             (v_cache.shape, v_cache.dtype)]
 
 
-def _further_result(op, producer):
-    """The inference of an op that only ``producer``'s bind makes (its kernel fills it)."""
-    def infer(*inputs, **attrs):
-        raise ValueError(f"{op}: a further result of {producer}, made by "
-                         f"g.bind({producer!r}, ...), not on its own")
-    return infer
-
-
 defop("rope", infer_rope, dtype_rule=F32_ONLY,
       doc="rotary position embedding of x [B, (H,) S, D] from cos / sin tables")
 defop("kv_write", infer_kv_write, memory=INPLACE, dtype_rule=STORAGE,
@@ -226,7 +219,7 @@ defop("kv_write", infer_kv_write, memory=INPLACE, dtype_rule=STORAGE,
 defop("rope_kv_write", infer_rope_kv_write, dtype_rule=F32_ONLY,
       results=(("kv_written", 3), ("kv_written", 4)),
       doc="RoPE of q and k and the KV-cache write from a packed qkv, in one kernel")
-defop("kv_written", _further_result("kv_written", "rope_kv_write"), memory=INPLACE,
+defop("kv_written", further_result("kv_written", "rope_kv_write"), memory=INPLACE,
       written_by=1, dtype_rule=F32_ONLY,
       doc="a KV cache after rope_kv_write wrote into it in place")
 

@@ -165,16 +165,15 @@ def infer_implicit_gemm(src, w, *, of, **a):
     return (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
 
 
-def _unfold(op, t, a, side):
-    """The checks of im2col's image / col2im's cols against the node's geometry."""
-    if t.dtype != dt.F32 or len(t.shape) != (2 + len(a["kernel"]) if side == "image" else 4):
-        raise ValueError(f"{op}: input must be f32 {'[N, C, *S]' if side == 'image' else '[N, G, R, L]'}"
-                         f", got {_desc(t)}")
+def _unfold(op, t, rank, want):
+    """im2col's image / col2im's cols: f32 of this rank."""
+    if t.dtype != dt.F32 or len(t.shape) != rank:
+        raise ValueError(f"{op}: input must be f32 {want}, got {_desc(t)}")
 
 
 def infer_im2col(x, *, kernel, stride, pad, dilation, image, cols, groups):
     op = "im2col"
-    _unfold(op, x, dict(kernel=kernel), "image")
+    _unfold(op, x, 2 + len(kernel), "[N, C, *S]")
     if tuple(x.shape[2:]) != tuple(image) or x.shape[1] % groups:
         raise ValueError(f"{op}: x {_desc(x)} must be [N, C, *image] with image {fmt(image)} "
                          f"and C divisible by groups={groups}")
@@ -185,7 +184,7 @@ def infer_im2col(x, *, kernel, stride, pad, dilation, image, cols, groups):
 def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
     """cols [N, G, Cout/G * prod(kernel), prod(cols)] -> the image [N, Cout, *image]."""
     op = "col2im"
-    _unfold(op, c, dict(kernel=kernel), "cols")
+    _unfold(op, c, 4, "[N, G, R, L]")
     taps = math.prod(kernel)
     if c.shape[2] % taps or c.shape[3] != math.prod(cols):
         raise ValueError(f"{op}: cols {_desc(c)} must be [N, G, C/G * {taps}, {math.prod(cols)}]"
