@@ -21,10 +21,12 @@ import math
 
 from . import dtypes as dt
 from .autodiff import sum_to, vjp
+from .opdef import F32_ONLY, defop
 from .ops import broadcast_shapes, fmt
 
 
-def infer_attention(q, k, v, mask, bias, num_heads, window, scale, softcap):
+def attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap):
+    """The checks of attention's operands; dict(b, hq, hkv, sq, sk, d) (the node's attrs)."""
     op = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype != dt.F32:
@@ -80,8 +82,97 @@ def infer_attention(q, k, v, mask, bias, num_heads, window, scale, softcap):
             raise ValueError(f"{op}: {arg} must be a finite number, got {val!r}")
     if softcap is not None and softcap <= 0:
         raise ValueError(f"{op}: softcap must be > 0, got {softcap!r}")
-    dims = dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d)
-    return q.shape, dt.F32, dims
+    return dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d)
+
+
+def _mask_bias(op, rest, has_mask, has_bias):
+    """(mask or None, bias or None) of the inputs after q, k, v."""
+    rest = list(rest)
+    if len(rest) != has_mask + has_bias:
+        raise ValueError(f"{op}: {3 + len(rest)} inputs do not match has_mask={has_mask}, "
+                         f"has_bias={has_bias}")
+    mask = rest.pop(0) if has_mask else None
+    return mask, rest.pop(0) if has_bias else None
+
+
+def _check_dims(op, got, want):
+    if got != want:
+        raise ValueError(f"{op}: dims {got} do not match its operands' {want}")
+
+
+def infer_attention(q, k, v, *rest, causal, window, has_mask, has_bias, scale, softcap,
+                    num_heads, b, hq, hkv, sq, sk, d):
+    mask, bias = _mask_bias("attention", rest, has_mask, has_bias)
+    if not isinstance(causal, bool):
+        raise ValueError(f"attention: causal must be a bool, got {causal!r}")
+    if not isinstance(scale, float):
+        raise ValueError(f"attention: scale must be a float, got {scale!r}")
+    _check_dims("attention", dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d),
+                attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap))
+    return q.shape, dt.F32
+
+
+def _bwd_infer(op, n_lead, shape_of, masks=True):
+    """Inference of a backward node: its inputs are ``n_lead`` tensors, then (``masks``) the
+    forward's mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
+    shape."""
+    def infer(*inputs, **a):
+        lead = inputs[:n_lead]
+        _mask_bias(op, inputs[n_lead:], a["has_mask"] and masks, a["has_bias"] and masks)
+        for i, t in enumerate(inputs):
+            if t.dtype not in (dt.F32, dt.BOOL):
+                raise ValueError(f"{op}: input {i} must be f32, got {t.dtype} {fmt(t.shape)}")
+        return shape_of(lead, a), dt.F32
+    return infer
+
+
+def _rows(a):
+    return (a["b"], a["hq"], a["sq"])
+
+
+def _lse_shape(lead, a):
+    """inputs (the attention node, q, k): o must be q's shape."""
+    o, q, _ = lead
+    if tuple(o.shape) != tuple(q.shape):
+        raise ValueError(f"attention_lse: input 0 must be the attention's output (q's shape "
+                         f"{fmt(q.shape)}), got {fmt(o.shape)}")
+    return _rows(a)
+
+
+def _delta_shape(lead, a):
+    o, do = lead
+    if tuple(do.shape) != tuple(o.shape):
+        raise ValueError(f"attention_bwd_delta: dO {fmt(do.shape)} must have O's shape "
+                         f"{fmt(o.shape)}")
+    return _rows(a)
+
+
+def _grads_shape(kind):
+    """dq: q's shape; dkv: [2, *k.shape] (dK then dV); ds: [B, Hq, Sq, Sk]."""
+    def shape_of(lead, a):
+        q, k, v, do, lse, dl = lead
+        if tuple(do.shape) != tuple(q.shape) or tuple(lse.shape) != _rows(a) \
+                or tuple(dl.shape) != _rows(a):
+            raise ValueError(f"attention_bwd_{kind}: dO {fmt(do.shape)}, LSE {fmt(lse.shape)} "
+                             f"and delta {fmt(dl.shape)} must be q's {fmt(q.shape)} and the "
+                             f"rows' {fmt(_rows(a))}")
+        return {"dq": tuple(q.shape), "dkv": (2, *k.shape),
+                "ds": (a["b"], a["hq"], a["sq"], a["sk"])}[kind]
+    return shape_of
+
+
+defop("attention", infer_attention, dtype_rule=F32_ONLY,
+      doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA), flash or split-K")
+# filled by the forward's flash kernel when it is live (its VJP makes it); after a decode
+# kernel its own step (runtime/lower_attention.py)
+defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
+      dtype_rule=F32_ONLY, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's)")
+defop("attention_bwd_delta", _bwd_infer("attention_bwd_delta", 2, _delta_shape, masks=False),
+      dtype_rule=F32_ONLY, doc="rowsum(dO * O) [B, Hq, Sq]")
+for _kind, _doc in (("dq", "dQ (q's shape)"), ("dkv", "[dK, dV] ([2, *k.shape])"),
+                    ("ds", "dS [B, Hq, Sq, Sk] (for a bias gradient)")):
+    defop(f"attention_bwd_{_kind}", _bwd_infer(f"attention_bwd_{_kind}", 6, _grads_shape(_kind)),
+          dtype_rule=F32_ONLY, doc=f"attention's {_doc}, FlashAttention-2 style")
 
 
 class AttentionOps:
@@ -97,9 +188,10 @@ class AttentionOps:
             ins.append(self._check("attention", "bias", bias))
         if not isinstance(causal, bool):
             raise ValueError(f"attention: causal must be a bool, got {causal!r}")
-        shape, d, dims = infer_attention(q, k, v, mask, bias, num_heads, window, scale, softcap)
+        # the dims (attrs the kernels read) and the default scale need the checked shapes
+        dims = attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap)
         scale = float(scale) if scale is not None else 1.0 / math.sqrt(dims["d"]) if dims["d"] else 1.0
-        return self._add("attention", ins, shape, d, causal=causal, window=window,
+        return self.bind("attention", ins, causal=causal, window=window,
                          has_mask=mask is not None, has_bias=bias is not None, scale=scale,
                          softcap=None if softcap is None else float(softcap),
                          num_heads=num_heads, **dims)
@@ -126,19 +218,19 @@ def _vjp_attention(g, n, dy):
     a = n.attrs
     q, k, v, mask, bias = _attention_parts(g, n)
     extra = [t for t in (mask, bias) if t is not None]
-    rows = (a["b"], a["hq"], a["sq"])
-    # filled by the forward's flash kernel (WRITTEN_BY_INPUT), else its own step
-    lse = g._add("attention_lse", (g.tensor(n.id), q, k, *extra), rows, dt.F32, **a)
-    dl = g._add("attention_bwd_delta", (g.tensor(n.id), dy), rows, dt.F32, **a)
+    # filled by the forward's flash kernel (written_by: it is in the attention's results),
+    # else its own step
+    lse = g.bind("attention_lse", (g.tensor(n.id), q, k, *extra), **a)
+    dl = g.bind("attention_bwd_delta", (g.tensor(n.id), dy), **a)
     ins = (q, k, v, dy, lse, dl, *extra)
-    dq = g._add("attention_bwd_dq", ins, q.shape, dt.F32, **a)
-    dkv = g._add("attention_bwd_dkv", ins, (2, *k.shape), dt.F32, **a)
+    dq = g.bind("attention_bwd_dq", ins, **a)
+    dkv = g.bind("attention_bwd_dkv", ins, **a)
     dk = g.reshape(g.narrow(dkv, 0, 0, 1), k.shape)
     dv = g.reshape(g.narrow(dkv, 0, 1, 1), v.shape)
     grads = [dq, dk, dv]
     if mask is not None:
         grads.append(None)
     if bias is not None:
-        ds = g._add("attention_bwd_ds", ins, (a["b"], a["hq"], a["sq"], a["sk"]), dt.F32, **a)
+        ds = g.bind("attention_bwd_ds", ins, **a)
         grads.append(sum_to(g, ds, bias.shape))
     return grads

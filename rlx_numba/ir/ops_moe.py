@@ -21,6 +21,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 ID_DTYPES = (dt.I32, dt.I64)
@@ -86,6 +87,40 @@ def check_lora(x, w, a, b, scale):
     return k, n, r
 
 
+def _f32_operands(op, **ts):
+    for arg, t in ts.items():
+        if t.dtype != dt.F32:
+            raise ValueError(f"{op}: {arg} must be f32 (the builder casts halves), got {_desc(t)}")
+
+
+def infer_grouped_matmul(x, w, ids, trans_w):
+    if not isinstance(trans_w, bool):
+        raise ValueError(f"grouped_matmul: trans_w must be a bool, got {trans_w!r}")
+    m, _, _, n = check_grouped(x, w, ids, trans_w)
+    _f32_operands("grouped_matmul", x=x, w=w)
+    return (m, n), dt.F32
+
+
+def infer_grouped_matmul_wgrad(a, b, ids, experts):
+    """out[e] = sum over the rows i of expert e of a[i]^T b[i]: [E, Ka, Nb]."""
+    op = "grouped_matmul_wgrad"
+    _f32_operands(op, a=a, b=b)
+    if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"{op}: a and b must be [M, Ka] and [M, Nb], got {_desc(a)} and "
+                         f"{_desc(b)}")
+    if ids.dtype not in ID_DTYPES or tuple(ids.shape) != (a.shape[0],):
+        raise ValueError(f"{op}: expert_ids must be i32 / i64 [{a.shape[0]}], got {_desc(ids)}")
+    if not isinstance(experts, int) or experts < 0:
+        raise ValueError(f"{op}: experts must be an int >= 0, got {experts!r}")
+    return (experts, a.shape[1], b.shape[1]), dt.F32
+
+
+defop("grouped_matmul", infer_grouped_matmul, dtype_rule=F32_ONLY,
+      doc="out[i] = x[i] @ w[expert_ids[i]] (or its transpose), one routed tiled GEMM")
+defop("grouped_matmul_wgrad", infer_grouped_matmul_wgrad, dtype_rule=F32_ONLY,
+      doc="grouped_matmul's weight gradient: per expert the sum of its rows' a^T b, in row order")
+
+
 class MoEOps:
     """Builder methods; ``self`` is the Graph (``_f32``: NormOps')."""
 
@@ -103,9 +138,8 @@ class MoEOps:
             self._check(op, arg, t)
         if not isinstance(trans_w, bool):
             raise ValueError(f"{op}: trans_w must be a bool, got {trans_w!r}")
-        m, _, _, n = check_grouped(x, w, expert_ids, trans_w)
-        return self._add(op, (self._f32(x), self._f32(w), expert_ids), (m, n), dt.F32,
-                         trans_w=trans_w)
+        check_grouped(x, w, expert_ids, trans_w)   # on the arguments as given (halves too)
+        return self.bind(op, (self._f32(x), self._f32(w), expert_ids), trans_w=trans_w)
 
     def lora_matmul(self, x, w, a, b, scale):
         """x @ w + scale * (x @ a) @ b: x [..., K], w [K, N], a [K, r], b [r, N], scale a
@@ -127,9 +161,9 @@ def _vjp_grouped_matmul(g, n, dy):
     with trans_w, w[e] being [K, N] either way). The ids get none."""
     x, w, ids = (g.tensor(i) for i in n.inputs)
     trans = n.attrs["trans_w"]
-    dx = g._add("grouped_matmul", (dy, w, ids), x.shape, dt.F32, trans_w=not trans)
-    dw = g._add("grouped_matmul_wgrad", ((dy, x) if trans else (x, dy)) + (ids,), w.shape,
-                dt.F32)
+    dx = g.bind("grouped_matmul", (dy, w, ids), trans_w=not trans)
+    dw = g.bind("grouped_matmul_wgrad", ((dy, x) if trans else (x, dy)) + (ids,),
+                experts=w.shape[0])
     return [dx, dw, None]
 
 
@@ -137,6 +171,6 @@ def _vjp_grouped_matmul(g, n, dy):
 def _vjp_grouped_wgrad(g, n, dy):
     """out[e] = sum a[i]^T b[i]: da[i] = b[i] @ dy[e]^T, db[i] = a[i] @ dy[e]."""
     a, b, ids = (g.tensor(i) for i in n.inputs)
-    da = g._add("grouped_matmul", (b, dy, ids), a.shape, dt.F32, trans_w=True)
-    db = g._add("grouped_matmul", (a, dy, ids), b.shape, dt.F32, trans_w=False)
+    da = g.bind("grouped_matmul", (b, dy, ids), trans_w=True)
+    db = g.bind("grouped_matmul", (a, dy, ids), trans_w=False)
     return [da, db, None]

@@ -11,12 +11,149 @@ import math
 
 from . import dtypes as dt
 from .autodiff import vjp, zeros
+from .opdef import F32_ONLY, defop
 from .ops import fmt, normalize_axis
 
 
 def _float(op, arg, t):
     if not t.dtype.is_float:
         raise ValueError(f"{op}: {arg} must be a float tensor, got {t.dtype} {fmt(t.shape)}")
+
+
+# ---- inference (ir/opdef.py): the nodes take f32 operands; the builders cast halves first ----
+def _f32_operand(op, arg, t):
+    if t.dtype != dt.F32:
+        raise ValueError(f"{op}: {arg} must be f32 (the builder casts halves), got {t.dtype} "
+                         f"{fmt(t.shape)}")
+
+
+def _row_axis(op, x, axis):
+    _f32_operand(op, "x", x)
+    if len(x.shape) == 0:
+        raise ValueError(f"{op}: x must have rank >= 1, got a scalar")
+    if not isinstance(axis, int) or not 0 <= axis < len(x.shape):
+        raise ValueError(f"{op}: axis must be in [0, {len(x.shape)}) for x {fmt(x.shape)}, "
+                         f"got {axis!r}")
+    return axis
+
+
+def _infer_row(op):
+    def infer(x, axis):
+        _row_axis(op, x, axis)
+        return x.shape, dt.F32
+    return infer
+
+
+def _norm_operands(op, x, gamma, rest, axis, eps, has_beta, has_residual):
+    """(beta or None, residual or None) of a norm's inputs [x, gamma, (beta), (residual)],
+    checked."""
+    _row_axis(op, x, axis)
+    rest = list(rest)
+    if len(rest) != has_beta + has_residual:
+        raise ValueError(f"{op}: {2 + len(rest)} inputs do not match has_beta={has_beta}, "
+                         f"has_residual={has_residual}")
+    beta = rest.pop(0) if has_beta else None
+    residual = rest.pop(0) if has_residual else None
+    n = x.shape[axis]
+    for arg, t in (("gamma", gamma), ("beta", beta)):
+        if t is not None:
+            _f32_operand(op, arg, t)
+            if tuple(t.shape) != (n,):
+                raise ValueError(f"{op}: {arg} must have shape [{n}] (x {fmt(x.shape)} along axis "
+                                 f"{axis}), got {fmt(t.shape)}")
+    if residual is not None:
+        _f32_operand(op, "residual", residual)
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: residual must have x's shape {fmt(x.shape)}, got "
+                             f"{fmt(residual.shape)}")
+    if not isinstance(eps, float) or eps < 0:
+        raise ValueError(f"{op}: eps must be a float >= 0, got {eps!r}")
+    return beta, residual
+
+
+def _infer_norm(op):
+    def infer(x, gamma, *rest, axis, eps, has_beta, has_residual, return_residual=False):
+        """The normed x; with ``return_residual`` also the x + residual its kernel computes
+        (a residual_sum node the norm's kernel fills)."""
+        _norm_operands(op, x, gamma, rest, axis, eps, has_beta, has_residual)
+        if return_residual and not has_residual:
+            raise ValueError(f"{op}: return_residual=True needs a residual")
+        return [(x.shape, dt.F32)] * (2 if return_residual else 1)
+    return infer
+
+
+def further_result(op, producer):
+    """The inference of an op that only ``producer``'s bind makes (its kernel fills it: a
+    further result bound on its own would be filled by nothing)."""
+    def infer(*inputs, **attrs):
+        raise ValueError(f"{op}: a further result of {producer}: that op's bind makes it, "
+                         f"not a bind of its own")
+    return infer
+
+
+def infer_softmax_bwd(dy, y, kind, axis):
+    op = "softmax_bwd"
+    if kind not in ("softmax", "log_softmax"):
+        raise ValueError(f"{op}: kind must be 'softmax' or 'log_softmax', got {kind!r}")
+    _row_axis(op, y, axis)
+    _f32_operand(op, "dy", dy)
+    if tuple(dy.shape) != tuple(y.shape):
+        raise ValueError(f"{op}: dy must have y's shape {fmt(y.shape)}, got {fmt(dy.shape)}")
+    return y.shape, dt.F32
+
+
+def _norm_rows(x, axis):
+    return math.prod(x.shape) // max(1, x.shape[axis])
+
+
+def infer_norm_bwd(dy, x, gamma, *rest, kind, axis, eps, has_residual):
+    """dh (x's shape) and each row's (mean, rstd) [rows, 2] (norm_bwd_stats, its kernel's)."""
+    if kind not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"norm_bwd: kind must be 'layer_norm' or 'rms_norm', got {kind!r}")
+    op = f"{kind}_bwd"
+    _norm_operands(op, x, gamma, rest, axis, eps, False, has_residual)
+    _f32_operand(op, "dy", dy)
+    if tuple(dy.shape) != tuple(x.shape):
+        raise ValueError(f"{op}: dy must have x's shape {fmt(x.shape)}, got {fmt(dy.shape)}")
+    return [(x.shape, dt.F32), ((_norm_rows(x, axis), 2), dt.F32)]
+
+
+def infer_norm_param_bwd(dy, x, *rest, axis, has_residual, has_beta):
+    """d gamma (and d beta) [1 + has_beta, N] from dy, x (, residual) and norm_bwd's stats."""
+    op = "norm_param_bwd"
+    _row_axis(op, x, axis)
+    if len(rest) != 1 + has_residual:
+        raise ValueError(f"{op}: {2 + len(rest)} inputs do not match has_residual={has_residual}")
+    for arg, t in (("dy", dy),) + ((("residual", rest[0]),) if has_residual else ()):
+        _f32_operand(op, arg, t)
+        if tuple(t.shape) != tuple(x.shape):
+            raise ValueError(f"{op}: {arg} must have x's shape {fmt(x.shape)}, got "
+                             f"{fmt(t.shape)}")
+    stats = rest[-1]
+    if tuple(stats.shape) != (_norm_rows(x, axis), 2):
+        raise ValueError(f"{op}: stats must be [{_norm_rows(x, axis)}, 2] (norm_bwd's of x "
+                         f"{fmt(x.shape)}), got {fmt(stats.shape)}")
+    return (1 + bool(has_beta), x.shape[axis]), dt.F32
+
+
+defop("softmax", _infer_row("softmax"), dtype_rule=F32_ONLY,
+      doc="exp(x - max) / sum(exp(x - max)) along axis")
+defop("log_softmax", _infer_row("log_softmax"), dtype_rule=F32_ONLY,
+      doc="x - max - log(sum(exp(x - max))) along axis")
+for _op in ("layer_norm", "rms_norm"):
+    defop(_op, _infer_norm(_op), dtype_rule=F32_ONLY, results=(("residual_sum", None),),
+          doc=f"{_op} of h = x (+ residual) along axis, * gamma (+ beta); return_residual=True "
+              f"also gives h (residual_sum)")
+defop("residual_sum", further_result("residual_sum", "layer_norm / rms_norm"), written_by=0,
+      dtype_rule=F32_ONLY, doc="the x + residual a norm's kernel computed (return_residual=True)")
+defop("softmax_bwd", infer_softmax_bwd, dtype_rule=F32_ONLY,
+      doc="dx of softmax (y * (dy - sum(dy * y))) or log_softmax (dy - exp(y) * sum(dy))")
+defop("norm_bwd", infer_norm_bwd, dtype_rule=F32_ONLY, results=(("norm_bwd_stats", None),),
+      doc="dh of layer_norm / rms_norm in one row pass, and each row's (mean, rstd)")
+defop("norm_bwd_stats", further_result("norm_bwd_stats", "norm_bwd"), written_by=0,
+      dtype_rule=F32_ONLY, doc="each row's (mean, rstd), stored by norm_bwd's kernel")
+defop("norm_param_bwd", infer_norm_param_bwd, dtype_rule=F32_ONLY,
+      doc="d gamma (and d beta) of a norm: one column reduction over the rows")
 
 
 class NormOps:
@@ -36,13 +173,13 @@ class NormOps:
     def softmax(self, x, axis: int = -1):
         """exp(x - max) / sum(exp(x - max)) along ``axis``."""
         axis = self._row_op("softmax", x, axis)
-        y = self._add("softmax", (self._f32(x),), x.shape, dt.F32, axis=axis)
+        y = self.bind("softmax", [self._f32(x)], axis=axis)
         return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
 
     def log_softmax(self, x, axis: int = -1):
         """x - max - log(sum(exp(x - max))) along ``axis``."""
         axis = self._row_op("log_softmax", x, axis)
-        y = self._add("log_softmax", (self._f32(x),), x.shape, dt.F32, axis=axis)
+        y = self.bind("log_softmax", [self._f32(x)], axis=axis)
         return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
 
     def _norm_args(self, op, x, gamma, beta, axis, eps, residual):
@@ -76,13 +213,13 @@ class NormOps:
         ins = [self._f32(x), self._f32(gamma)] + ([self._f32(beta)] if beta is not None else [])
         if residual is not None:
             ins.append(self._f32(residual))
-        y = self._add(op, ins, x.shape, dt.F32, axis=axis, eps=float(eps),
-                      has_beta=beta is not None, has_residual=residual is not None)
-        out = y if x.dtype == dt.F32 else self.cast(y, x.dtype)
-        if not return_residual:
-            return out
-        s = self._add("residual_sum", (y,), x.shape, dt.F32)   # the x + residual the norm computed
-        return out, (s if x.dtype == dt.F32 else self.cast(s, x.dtype))
+        # return_residual is stored only when asked (printed graphs of plain norms unchanged)
+        ys = self.bind(op, ins, axis=axis, eps=float(eps), has_beta=beta is not None,
+                       has_residual=residual is not None,
+                       **({"return_residual": True} if return_residual else {}))
+        # (y, the x + residual the norm computed): a residual_sum node its kernel fills
+        out = tuple(y if x.dtype == dt.F32 else self.cast(y, x.dtype) for y in ys)
+        return out if return_residual else out[0]
 
     def layer_norm(self, x, gamma, beta=None, axis: int = -1, eps: float = 1e-5, residual=None,
                    return_residual: bool = False):
@@ -106,7 +243,7 @@ class NormOps:
         _float(op, "dy", dy)
         if tuple(dy.shape) != tuple(y.shape):
             raise ValueError(f"{op}: dy must have y's shape {fmt(y.shape)}, got {fmt(dy.shape)}")
-        dx = self._add("softmax_bwd", (self._f32(dy), self._f32(y)), y.shape, dt.F32,
+        dx = self.bind("softmax_bwd", [self._f32(dy), self._f32(y)],
                        kind="log_softmax" if log else "softmax", axis=axis)
         return dx if y.dtype == dt.F32 else self.cast(dx, y.dtype)
 
@@ -130,13 +267,11 @@ class NormOps:
         length = x.shape[axis]
         extra = (self._f32(residual),) if residual is not None else ()
         dy, xf = self._f32(dy), self._f32(x)
-        dh = self._add("norm_bwd", (dy, xf, self._f32(gamma)) + extra, x.shape, dt.F32,
-                       kind=kind, axis=axis, eps=float(eps), has_residual=bool(extra))
-        rows = math.prod(x.shape) // max(1, length)
-        stats = self._add("norm_bwd_stats", (dh,), (rows, 2), dt.F32)   # norm_bwd writes it
-        pg = self._add("norm_param_bwd", (dy, xf) + extra + (stats,),
-                       (1 + (beta is not None), length), dt.F32, axis=axis,
-                       has_residual=bool(extra))
+        # stats: each row's (mean, rstd), a norm_bwd_stats node norm_bwd's kernel fills
+        dh, stats = self.bind("norm_bwd", (dy, xf, self._f32(gamma)) + extra, kind=kind,
+                              axis=axis, eps=float(eps), has_residual=bool(extra))
+        pg = self.bind("norm_param_bwd", (dy, xf) + extra + (stats,), axis=axis,
+                       has_residual=bool(extra), has_beta=beta is not None)
         dgamma = self.reshape(self.narrow(pg, 0, 0, 1), (length,))
         dbeta = self.reshape(self.narrow(pg, 0, 1, 1), (length,)) if beta is not None else None
         def back(t, like):   # half operands get half gradients

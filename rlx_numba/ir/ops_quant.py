@@ -26,6 +26,7 @@ import math
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 # scheme -> (weights a block, bytes a block), ggml's block_q4_0 ... block_q6_K
@@ -106,6 +107,93 @@ def units_ok(scheme, k, gs) -> bool:
     return scheme in GGUF or (k % UNIT == 0 and gs % UNIT == 0)
 
 
+# ---- inference (ir/opdef.py): scales, zeros and x reach the nodes as f32 (the builders cast) ---
+def _f32_operand(op, arg, t):
+    if t is not None and t.dtype != dt.F32:
+        raise ValueError(f"{op}: {arg} must be f32 (the builder casts it), got {_desc(t)}")
+
+
+def _packed(op, ins, scheme, has_zeros):
+    """(w, scales or None, zeros or None) of a node's packed-weight inputs [w, (scales),
+    (zeros)]: scales for int8 / int4, zeros with has_zeros."""
+    want = 1 + (scheme in INTS) + bool(has_zeros)
+    if len(ins) != want:
+        raise ValueError(f"{op}: a {scheme} weight is {want} inputs (w, scales, zeros as "
+                         f"given), got {len(ins)}")
+    w, rest = ins[0], list(ins[1:])
+    scales = rest.pop(0) if scheme in INTS else None
+    zeros = rest.pop(0) if has_zeros else None
+    _f32_operand(op, "scales", scales)
+    _f32_operand(op, "zeros", zeros)
+    return w, scales, zeros
+
+
+def infer_dequantize(w, *rest, scheme, group_size, has_zeros, gather):
+    """The f32 [N, K] matrix, or [*rows.shape, K] of the rows given (an index input last)."""
+    op = "dequantize"
+    rest = list(rest)
+    rows = rest.pop() if gather else None
+    if scheme not in SCHEMES:
+        raise ValueError(f"{op}: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    w, scales, zeros = _packed(op, [w] + rest, scheme, has_zeros)
+    n, k, _, _ = check_quant(op, w, scales, zeros, scheme, group_size)
+    if rows is None:
+        return (n, k), dt.F32
+    if rows.dtype not in (dt.I32, dt.I64):
+        raise ValueError(f"{op}: rows must be i32 or i64 row indices, got {_desc(rows)}")
+    return tuple(rows.shape) + (k,), dt.F32
+
+
+def _units(op, scheme, k, gs):
+    if not units_ok(scheme, k, gs):
+        raise ValueError(f"{op}: the GEMV kernel takes whole units of {UNIT} (K = {k}, group "
+                         f"size {gs}); dequantize and a matmul take the rest")
+
+
+def infer_dequant_matmul(x, w, *rest, scheme, group_size, has_zeros):
+    """x [..., K] @ W^T -> [..., N], one GEMV node (the builder's choice for few rows)."""
+    op = "dequant_matmul"
+    if not x.shape:
+        raise ValueError(f"{op}: x must be an f32 tensor [..., K], got {_desc(x)}")
+    _f32_operand(op, "x", x)
+    if scheme not in SCHEMES:
+        raise ValueError(f"{op}: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    w, scales, zeros = _packed(op, [w, *rest], scheme, has_zeros)
+    n, k, gs, _ = check_quant(op, w, scales, zeros, scheme, group_size, x.shape[-1])
+    _units(op, scheme, k, gs)
+    return tuple(x.shape[:-1]) + (n,), dt.F32
+
+
+def infer_dequant_grouped_matmul(x, w, *rest, scheme, group_size, has_zeros, experts):
+    """x [M, K] and the experts' packed rows w [E * N, packed K] (scales / zeros likewise),
+    expert_ids [M] last -> [M, N]."""
+    op = "dequant_grouped_matmul"
+    *rest, ids = rest
+    if len(x.shape) != 2:
+        raise ValueError(f"{op}: x must be an f32 tensor [M, K], got {_desc(x)}")
+    _f32_operand(op, "x", x)
+    if scheme not in SCHEMES:
+        raise ValueError(f"{op}: unknown scheme {scheme!r}; expected one of {', '.join(SCHEMES)}")
+    w, scales, zeros = _packed(op, [w, *rest], scheme, has_zeros)
+    n, k, gs, _ = check_quant(op, w, scales, zeros, scheme, group_size, x.shape[1])
+    if not isinstance(experts, int) or experts < 1 or n % experts:
+        raise ValueError(f"{op}: experts must be a positive int dividing w's {n} rows, got "
+                         f"{experts!r}")
+    if ids.dtype not in (dt.I32, dt.I64) or tuple(ids.shape) != (x.shape[0],):
+        raise ValueError(f"{op}: expert_ids must be i32 / i64 [{x.shape[0]}] (an expert a row "
+                         f"of x {fmt(x.shape)}), got {_desc(ids)}")
+    _units(op, scheme, k, gs)
+    return (x.shape[0], n // experts), dt.F32
+
+
+defop("dequantize", infer_dequantize, dtype_rule=F32_ONLY,
+      doc="the f32 matrix a packed (GGUF / int8 / int4) weight stands for, or some of its rows")
+defop("dequant_matmul", infer_dequant_matmul, dtype_rule=F32_ONLY,
+      doc="x @ W^T for a packed W, dequantised in registers (a GEMV: few rows of x)")
+defop("dequant_grouped_matmul", infer_dequant_grouped_matmul, dtype_rule=F32_ONLY,
+      doc="x[i] @ W[ids[i]]^T over packed experts, a GEMV a row (few rows of x)")
+
+
 class QuantOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -123,17 +211,12 @@ class QuantOps:
         ``rows`` (an i32 / i64 tensor of row indices), only those rows: [*rows.shape, K], an
         embedding lookup in a packed table (no gradient flows to the scales then)."""
         op = "dequantize"
-        n, k, gs, ng = check_quant(op, self._check(op, "w", w), scales, zeros, scheme,
-                                   group_size)
+        # (the checks on the arguments as given: the node sees scales and zeros cast to f32)
+        check_quant(op, self._check(op, "w", w), scales, zeros, scheme, group_size)
         ins = self._quant_inputs(op, w, scales, zeros)
-        shape = (n, k)
         if rows is not None:
-            self._check(op, "rows", rows)
-            if rows.dtype not in (dt.I32, dt.I64):
-                raise ValueError(f"{op}: rows must be i32 or i64 row indices, got {_desc(rows)}")
-            ins.append(rows)
-            shape = tuple(rows.shape) + (k,)
-        return self._add(op, ins, shape, dt.F32, scheme=scheme, group_size=group_size,
+            ins.append(self._check(op, "rows", rows))
+        return self.bind(op, ins, scheme=scheme, group_size=group_size,
                          has_zeros=zeros is not None, gather=rows is not None)
 
     def dequant_matmul(self, x, w, scales=None, zeros=None, *, scheme: str, group_size=None):
@@ -152,7 +235,7 @@ class QuantOps:
         if m <= MAX_M and units_ok(scheme, k, gs):
             ins = [xf] + self._quant_inputs(op, w, scales, zeros)[1:]
             ins.insert(1, w)
-            return self._add(op, ins, out_shape, dt.F32, scheme=scheme, group_size=group_size,
+            return self.bind(op, ins, scheme=scheme, group_size=group_size,
                              has_zeros=zeros is not None)
         wd = self.dequantize(w, scales, zeros, scheme=scheme, group_size=group_size)
         y = self.matmul(self.reshape(xf, (m, k)), self.transpose(wd))
@@ -189,7 +272,7 @@ class QuantOps:
         xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
         if m <= max(MAX_M, e) and units_ok(scheme, k, gs):
             ins = [xf] + self._quant_inputs(op, w2, s2, z2) + [expert_ids]
-            return self._add(op, ins, (m, n), dt.F32, scheme=scheme, group_size=group_size,
+            return self.bind(op, ins, scheme=scheme, group_size=group_size,
                              has_zeros=zeros is not None, experts=e)
         wd = self.dequantize(w2, s2, z2, scheme=scheme, group_size=group_size)
         return self.grouped_matmul(xf, self.reshape(wd, (e, n, k)), expert_ids, trans_w=True)

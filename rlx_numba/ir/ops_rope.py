@@ -6,7 +6,9 @@ import operator
 
 from . import dtypes as dt
 from .autodiff import scatter_grad, vjp, zeros
+from .opdef import F32_ONLY, INPLACE, STORAGE, defop
 from .ops import fmt
+from .ops_norm import further_result
 
 INDEX_DTYPES = (dt.I32, dt.I64)
 
@@ -41,12 +43,185 @@ def _base(t):
     return n
 
 
+def _as_int(v):
+    """v as an int when it is one (NumPy ints too), else as given (the inference rejects it)."""
+    i = _int("", "", v)
+    return v if i is None else i
+
+
 def _not_constant(op, arg, t):
     base = _base(t)
     if base.op == "constant":
         raise ValueError(f"{op}: {arg} {fmt(t.shape)} is (a view of) constant %{base.id}; a "
                          f"cache is written in place, so make it a param (it persists across "
                          f"runs) or an input")
+
+
+# ---- inference (ir/opdef.py) ---------------------------------------------------------------------
+def _rot(op, n_rot, d, where):
+    """n_rot as an int, checked: even, in [2, D]."""
+    nr = _int(op, "n_rot", n_rot)
+    if nr is None or nr < 2 or nr > d or nr % 2:
+        raise ValueError(f"{op}: n_rot must be an even int in [2, D] with D = {d}{where}, got "
+                         f"{n_rot!r}")
+    return nr
+
+
+def _positions_input(op, positions, b, s, what):
+    _index_tensor(op, "positions", positions)
+    if tuple(positions.shape) not in ((s,), (b, s)):
+        raise ValueError(f"{op}: positions must be [S] = [{s}] or [B, S] = [{b}, {s}] "
+                         f"({what}), got {fmt(positions.shape)}")
+
+
+def infer_rope(x, cos, sin, *positions, n_rot, interleaved, position_offset):
+    op = "rope"
+    if len(x.shape) not in (3, 4):
+        raise ValueError(f"{op}: x must be [B, H, S, D] (or [B, S, D]), got {fmt(x.shape)}")
+    _f32(op, "x", x)
+    b, s, d = x.shape[0], x.shape[-2], x.shape[-1]
+    half = _rot(op, n_rot, d, f" (x {fmt(x.shape)})") // 2
+    for arg, t in (("cos", cos), ("sin", sin)):
+        if len(t.shape) != 2 or t.shape[1] != half:
+            raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {half}] "
+                             f"(n_rot {n_rot}, x {fmt(x.shape)}), got {fmt(t.shape)}")
+        _f32(op, arg, t)
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
+                         f"same shape")
+    max_pos = cos.shape[0]
+    if max_pos == 0:
+        raise ValueError(f"{op}: cos and sin {fmt(cos.shape)} hold no positions")
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
+    off = _int(op, "position_offset", position_offset)
+    if off is None or off < 0:
+        raise ValueError(f"{op}: position_offset must be an int >= 0, got {position_offset!r}")
+    if len(positions) > 1:
+        raise ValueError(f"{op}: at most one positions input, got {len(positions)}")
+    if not positions:
+        if off + s > max_pos:
+            raise ValueError(f"{op}: position_offset {off} + S {s} (x {fmt(x.shape)}) exceeds "
+                             f"max_pos {max_pos} (cos/sin {fmt(cos.shape)})")
+    else:
+        if off:
+            raise ValueError(f"{op}: pass either position_offset ({off}) or positions "
+                             f"{fmt(positions[0].shape)}, not both")
+        _positions_input(op, positions[0], b, s, f"x {fmt(x.shape)}")
+    return x.shape, dt.F32
+
+
+def _check_position(op, arg, p, rest, s, max_s, src, dst, rows="S"):
+    """An in-place write of ``s`` rows into ``max_s`` at int ``p``, or (p None) at the scalar
+    index tensor ``rest[0]``; the inputs after it."""
+    if p is not None:
+        if _int(op, arg, p) is None or p < 0 or p + s > max_s:
+            raise ValueError(f"{op}: {arg} {p} + {rows} {s} ({src}) must lie in [0, max_S] = "
+                             f"[0, {max_s}] ({dst})")
+        return list(rest)
+    if not rest:
+        raise ValueError(f"{op}: {arg} is None and no {arg} tensor is an input")
+    position = rest[0]
+    _index_tensor(op, arg, position)
+    if tuple(position.shape) not in ((), (1,)):
+        raise ValueError(f"{op}: {arg} must be a scalar tensor, shape [] or [1], got "
+                         f"{fmt(position.shape)}")
+    return list(rest[1:])
+
+
+def infer_kv_write(cache, new, *rest, position):
+    op = "kv_write"
+    if len(cache.shape) != 4:
+        raise ValueError(f"{op}: cache must be [B, H, max_S, D], got {fmt(cache.shape)}")
+    if len(new.shape) != 4:
+        raise ValueError(f"{op}: new must be [B, H, s, D], got {fmt(new.shape)}")
+    b, h, max_s, d = cache.shape
+    s = new.shape[2]
+    if (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d):
+        raise ValueError(f"{op}: new must be [B, H, s, D] = [{b}, {h}, s, {d}] to match cache "
+                         f"{fmt(cache.shape)}, got {fmt(new.shape)}")
+    if s > max_s:
+        raise ValueError(f"{op}: new {fmt(new.shape)} has {s} rows but cache "
+                         f"{fmt(cache.shape)} holds only {max_s}")
+    if new.dtype != cache.dtype:
+        raise ValueError(f"{op}: new is {new.dtype} {fmt(new.shape)} but cache is "
+                         f"{cache.dtype} {fmt(cache.shape)}; they must match")
+    if _check_position(op, "position", position, rest, s, max_s, f"new {fmt(new.shape)}",
+                       f"cache {fmt(cache.shape)}", rows="s"):
+        raise ValueError(f"{op}: inputs after the position: {len(rest)} inputs in all")
+    return cache.shape, cache.dtype
+
+
+def infer_rope_kv_write(qkv, cos, sin, k_cache, v_cache, *rest, num_heads, num_kv_heads,
+                        head_dim, n_rot, interleaved, cache_position, has_positions):
+    """q [B, Hq, S, D] and the two caches after the write (kv_written: in place)."""
+    op = "rope_kv_write"
+    for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                   ("v_cache", v_cache)):
+        _f32(op, arg, t)
+    hq, hkv = _int(op, "num_heads", num_heads), _int(op, "num_kv_heads", num_kv_heads)
+    if hq is None or hkv is None or hq < 1 or hkv < 1 or hq % hkv:
+        raise ValueError(f"{op}: num_heads ({num_heads!r}) and num_kv_heads "
+                         f"({num_kv_heads!r}) must be positive ints, num_heads a multiple "
+                         f"of num_kv_heads")
+    if len(k_cache.shape) != 4:
+        raise ValueError(f"{op}: k_cache must be [B, Hkv, max_S, D], got {fmt(k_cache.shape)}")
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"{op}: v_cache {fmt(v_cache.shape)} must have k_cache's shape "
+                         f"{fmt(k_cache.shape)}")
+    b, hc, max_s, d = k_cache.shape
+    if hc != hkv:
+        raise ValueError(f"{op}: k_cache {fmt(k_cache.shape)} has {hc} heads, num_kv_heads is "
+                         f"{hkv}")
+    if head_dim != d:
+        raise ValueError(f"{op}: head_dim {head_dim!r} is not the caches' D = {d}")
+    width = (hq + 2 * hkv) * d
+    if len(qkv.shape) != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
+        raise ValueError(f"{op}: qkv must be [B, S, (num_heads + 2 num_kv_heads) * D] = "
+                         f"[{b}, S, {width}] (heads {hq}/{hkv}, caches "
+                         f"{fmt(k_cache.shape)}), got {fmt(qkv.shape)}")
+    s = qkv.shape[1]
+    if s > max_s:
+        raise ValueError(f"{op}: qkv {fmt(qkv.shape)} has {s} tokens but the caches "
+                         f"{fmt(k_cache.shape)} hold only {max_s} rows")
+    nr = _rot(op, n_rot, d, "")
+    for arg, t in (("cos", cos), ("sin", sin)):
+        if len(t.shape) != 2 or t.shape[1] != nr // 2 or t.shape[0] == 0:
+            raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {nr // 2}] "
+                             f"with max_pos >= 1 (n_rot {nr}), got {fmt(t.shape)}")
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
+                         f"same shape")
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
+    max_pos = cos.shape[0]
+    p = cache_position
+    rest = _check_position(op, "cache_position", p, rest, s, max_s, f"qkv {fmt(qkv.shape)}",
+                           f"caches {fmt(k_cache.shape)}")
+    if p is not None and not has_positions and p + s > max_pos:
+        raise ValueError(f"{op}: positions cache_position {p} + S {s} exceed max_pos "
+                         f"{max_pos} (cos/sin {fmt(cos.shape)})")
+    if len(rest) != bool(has_positions):
+        raise ValueError(f"{op}: {len(rest)} inputs after the caches' position do not match "
+                         f"has_positions={has_positions}")
+    if has_positions:
+        _positions_input(op, rest[0], b, s, f"qkv {fmt(qkv.shape)}")
+    return [((b, hq, s, d), dt.F32), (k_cache.shape, k_cache.dtype),
+            (v_cache.shape, v_cache.dtype)]
+
+
+defop("rope", infer_rope, dtype_rule=F32_ONLY,
+      doc="rotary position embedding of x [B, (H,) S, D] from cos / sin tables")
+defop("kv_write", infer_kv_write, memory=INPLACE, dtype_rule=STORAGE,
+      doc="new's rows written into the cache at position, in place; the cache after")
+# the caches after a rope_kv_write: aliases of their memory (input 0) that the rope_kv_write
+# node (input 1) fills
+defop("rope_kv_write", infer_rope_kv_write, dtype_rule=F32_ONLY,
+      results=(("kv_written", 3), ("kv_written", 4)),
+      doc="RoPE of q and k and the KV-cache write from a packed qkv, in one kernel")
+defop("kv_written", further_result("kv_written", "rope_kv_write"), memory=INPLACE,
+      written_by=1, dtype_rule=F32_ONLY,
+      doc="a KV cache after rope_kv_write wrote into it in place")
 
 
 class RopeOps:
@@ -73,50 +248,13 @@ class RopeOps:
         self._check(op, "x", x)
         self._check(op, "cos", cos)
         self._check(op, "sin", sin)
-        if len(x.shape) not in (3, 4):
-            raise ValueError(f"{op}: x must be [B, H, S, D] (or [B, S, D]), got {fmt(x.shape)}")
-        _f32(op, "x", x)
-        b, s, d = x.shape[0], x.shape[-2], x.shape[-1]
         if n_rot is None:
-            n_rot = d
-        nr = _int(op, "n_rot", n_rot)
-        if nr is None or nr < 2 or nr > d or nr % 2:
-            raise ValueError(f"{op}: n_rot must be an even int in [2, D] with D = {d} (x "
-                             f"{fmt(x.shape)}), got {n_rot!r}")
-        half = nr // 2
-        for arg, t in (("cos", cos), ("sin", sin)):
-            if len(t.shape) != 2 or t.shape[1] != half:
-                raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {half}] "
-                                 f"(n_rot {nr}, x {fmt(x.shape)}), got {fmt(t.shape)}")
-            _f32(op, arg, t)
-        if tuple(cos.shape) != tuple(sin.shape):
-            raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
-                             f"same shape")
-        max_pos = cos.shape[0]
-        if max_pos == 0:
-            raise ValueError(f"{op}: cos and sin {fmt(cos.shape)} hold no positions")
-        if not isinstance(interleaved, bool):
-            raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
-        off = _int(op, "position_offset", position_offset)
-        if off is None or off < 0:
-            raise ValueError(f"{op}: position_offset must be an int >= 0, got {position_offset!r}")
+            n_rot = x.shape[-1] if x.shape else 0
         ins = [x, cos, sin]
-        if positions is None:
-            if off + s > max_pos:
-                raise ValueError(f"{op}: position_offset {off} + S {s} (x {fmt(x.shape)}) exceeds "
-                                 f"max_pos {max_pos} (cos/sin {fmt(cos.shape)})")
-        else:
-            self._check(op, "positions", positions)
-            _index_tensor(op, "positions", positions)
-            if off:
-                raise ValueError(f"{op}: pass either position_offset ({off}) or positions "
-                                 f"{fmt(positions.shape)}, not both")
-            if tuple(positions.shape) not in ((s,), (b, s)):
-                raise ValueError(f"{op}: positions must be [S] = [{s}] or [B, S] = [{b}, {s}] "
-                                 f"(x {fmt(x.shape)}), got {fmt(positions.shape)}")
-            ins.append(positions)
-        return self._add(op, ins, x.shape, dt.F32, n_rot=nr, interleaved=interleaved,
-                         position_offset=off)
+        if positions is not None:
+            ins.append(self._check(op, "positions", positions))
+        return self.bind(op, ins, n_rot=_as_int(n_rot), interleaved=interleaved,
+                         position_offset=_as_int(position_offset))
 
     def kv_write(self, cache, new, position):
         """Write ``new`` [B, H, s, D] into ``cache`` [B, H, max_S, D] at rows
@@ -157,45 +295,21 @@ class RopeOps:
         op = "kv_write"
         self._check(op, "cache", cache)
         self._check(op, "new", new)
-        if len(cache.shape) != 4:
-            raise ValueError(f"{op}: cache must be [B, H, max_S, D], got {fmt(cache.shape)}")
-        if len(new.shape) != 4:
-            raise ValueError(f"{op}: new must be [B, H, s, D], got {fmt(new.shape)}")
-        b, h, max_s, d = cache.shape
-        s = new.shape[2]
-        if (new.shape[0], new.shape[1], new.shape[3]) != (b, h, d):
-            raise ValueError(f"{op}: new must be [B, H, s, D] = [{b}, {h}, s, {d}] to match cache "
-                             f"{fmt(cache.shape)}, got {fmt(new.shape)}")
-        if s > max_s:
-            raise ValueError(f"{op}: new {fmt(new.shape)} has {s} rows but cache "
-                             f"{fmt(cache.shape)} holds only {max_s}")
-        if new.dtype != cache.dtype:
-            raise ValueError(f"{op}: new is {new.dtype} {fmt(new.shape)} but cache is "
-                             f"{cache.dtype} {fmt(cache.shape)}; they must match")
         _not_constant(op, "cache", cache)
         ins = [cache, new]
-        p = self._write_position(op, "position", position, s, max_s, ins,
-                                 f"new {fmt(new.shape)}", f"cache {fmt(cache.shape)}", rows="s")
-        return self._add(op, ins, cache.shape, cache.dtype, position=p)
+        p = self._write_position(op, "position", position, ins)
+        return self.bind(op, ins, position=p)
 
-    def _write_position(self, op, arg, position, s, max_s, ins, src, dst, rows="S"):
-        """The first row an in-place write of ``s`` rows into ``max_s`` goes to: an int,
-        checked here (returned), or a scalar index tensor (appended to ``ins``; None)."""
+    def _write_position(self, op, arg, position, ins):
+        """The first row an in-place write goes to: an int (returned, checked by the op's
+        inference), or a scalar index tensor (appended to ``ins``; None)."""
         p = _int(op, arg, position)
         if p is not None:
-            if p < 0 or p + s > max_s:
-                raise ValueError(f"{op}: {arg} {p} + {rows} {s} ({src}) must lie in [0, max_S] = "
-                                 f"[0, {max_s}] ({dst})")
             return p
         if not (hasattr(position, "graph") and hasattr(position, "node")):
             raise ValueError(f"{op}: {arg} must be an int or an i32/i64 tensor of shape [] or "
                              f"[1], got {type(position).__name__}")
-        self._check(op, arg, position)
-        _index_tensor(op, arg, position)
-        if tuple(position.shape) not in ((), (1,)):
-            raise ValueError(f"{op}: {arg} must be a scalar tensor, shape [] or [1], got "
-                             f"{fmt(position.shape)}")
-        ins.append(position)
+        ins.append(self._check(op, arg, position))
         return None
 
     def rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, cache_position, *, num_heads: int,
@@ -223,71 +337,23 @@ class RopeOps:
         for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                        ("v_cache", v_cache)):
             self._check(op, arg, t)
-            _f32(op, arg, t)
-        hq, hkv = _int(op, "num_heads", num_heads), _int(op, "num_kv_heads", num_kv_heads)
-        if hq is None or hkv is None or hq < 1 or hkv < 1 or hq % hkv:
-            raise ValueError(f"{op}: num_heads ({num_heads!r}) and num_kv_heads "
-                             f"({num_kv_heads!r}) must be positive ints, num_heads a multiple "
-                             f"of num_kv_heads")
-        if len(k_cache.shape) != 4:
-            raise ValueError(f"{op}: k_cache must be [B, Hkv, max_S, D], got {fmt(k_cache.shape)}")
-        if tuple(v_cache.shape) != tuple(k_cache.shape):
-            raise ValueError(f"{op}: v_cache {fmt(v_cache.shape)} must have k_cache's shape "
-                             f"{fmt(k_cache.shape)}")
-        b, hc, max_s, d = k_cache.shape
-        if hc != hkv:
-            raise ValueError(f"{op}: k_cache {fmt(k_cache.shape)} has {hc} heads, num_kv_heads is "
-                             f"{hkv}")
-        width = (hq + 2 * hkv) * d
-        if len(qkv.shape) != 3 or qkv.shape[0] != b or qkv.shape[2] != width:
-            raise ValueError(f"{op}: qkv must be [B, S, (num_heads + 2 num_kv_heads) * D] = "
-                             f"[{b}, S, {width}] (heads {hq}/{hkv}, caches "
-                             f"{fmt(k_cache.shape)}), got {fmt(qkv.shape)}")
-        s = qkv.shape[1]
-        if s > max_s:
-            raise ValueError(f"{op}: qkv {fmt(qkv.shape)} has {s} tokens but the caches "
-                             f"{fmt(k_cache.shape)} hold only {max_s} rows")
+        d = k_cache.shape[-1] if len(k_cache.shape) == 4 else None
         if n_rot is None:
             n_rot = d
-        nr = _int(op, "n_rot", n_rot)
-        if nr is None or nr < 2 or nr > d or nr % 2:
-            raise ValueError(f"{op}: n_rot must be an even int in [2, D] with D = {d}, got "
-                             f"{n_rot!r}")
-        for arg, t in (("cos", cos), ("sin", sin)):
-            if len(t.shape) != 2 or t.shape[1] != nr // 2 or t.shape[0] == 0:
-                raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {nr // 2}] "
-                                 f"with max_pos >= 1 (n_rot {nr}), got {fmt(t.shape)}")
-        if tuple(cos.shape) != tuple(sin.shape):
-            raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
-                             f"same shape")
-        if not isinstance(interleaved, bool):
-            raise ValueError(f"{op}: interleaved must be a bool, got {interleaved!r}")
+        ins = [qkv, cos, sin, k_cache, v_cache]
+        p = self._write_position(op, "cache_position", cache_position, ins)
+        if positions is not None:
+            ins.append(self._check(op, "positions", positions))
+        attrs = dict(num_heads=_as_int(num_heads), num_kv_heads=_as_int(num_kv_heads),
+                     head_dim=d, n_rot=_as_int(n_rot), interleaved=interleaved,
+                     cache_position=p, has_positions=positions is not None)
         for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             _not_constant(op, arg, t)
         if _base(k_cache).id == _base(v_cache).id:
             raise ValueError(f"{op}: k_cache and v_cache share the memory of %{_base(k_cache).id}; "
                              f"they must be distinct tensors")
-        max_pos = cos.shape[0]
-        ins = [qkv, cos, sin, k_cache, v_cache]
-        p = self._write_position(op, "cache_position", cache_position, s, max_s, ins,
-                                 f"qkv {fmt(qkv.shape)}", f"caches {fmt(k_cache.shape)}")
-        if p is not None and positions is None and p + s > max_pos:
-            raise ValueError(f"{op}: positions cache_position {p} + S {s} exceed max_pos "
-                             f"{max_pos} (cos/sin {fmt(cos.shape)})")
-        if positions is not None:
-            self._check(op, "positions", positions)
-            _index_tensor(op, "positions", positions)
-            if tuple(positions.shape) not in ((s,), (b, s)):
-                raise ValueError(f"{op}: positions must be [S] = [{s}] or [B, S] = [{b}, {s}] "
-                                 f"(qkv {fmt(qkv.shape)}), got {fmt(positions.shape)}")
-            ins.append(positions)
-        q = self._add(op, ins, (b, hq, s, d), dt.F32, num_heads=hq, num_kv_heads=hkv,
-                      head_dim=d, n_rot=nr, interleaved=interleaved, cache_position=p,
-                      has_positions=positions is not None)
-        # the caches after the write: aliases of their memory that q's kernel fills
-        k_all = self._add("kv_written", (k_cache, q), k_cache.shape, dt.F32)
-        v_all = self._add("kv_written", (v_cache, q), v_cache.shape, dt.F32)
-        return q, k_all, v_all
+        # q, and the caches after the write: aliases of their memory that q's kernel fills
+        return self.bind(op, ins, **attrs)
 
 
 # ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------

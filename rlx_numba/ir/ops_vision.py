@@ -25,6 +25,7 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 
@@ -83,6 +84,190 @@ def _bias(g, op, bias, cout, y, d):
     return g.add(y, g.reshape(bias, (cout,) + (1,) * d))
 
 
+# ---- inference (ir/opdef.py) -----------------------------------------------------------------
+# A conv-family node relates an image [N, C, *S] and its cols [N, K, *O] through
+#   S + pad + pad_hi - span = (O - 1) * stride,  span = dilation * (kernel - 1) + 1,
+# conv flooring O (the image's last rows no window reaches), conv_transpose giving S exactly.
+# pad_hi is the high side's padding: pad's but for padding="same" with an odd total, and
+# pad - output_padding for conv_transpose (negative: rows past the last window).
+
+def _span(a):
+    return tuple(dl * (k - 1) + 1 for dl, k in zip(a["dilation"], a["kernel"]))
+
+
+def _conv_operands(op, x, w, kernel):
+    d = len(kernel)
+    if len(w.shape) != d + 2 or tuple(w.shape[2:]) != tuple(kernel):
+        raise ValueError(f"{op}: w {_desc(w)} must be [*, *, *kernel] with kernel {fmt(kernel)}")
+    if len(x.shape) != d + 2:
+        raise ValueError(f"{op}: x must be [N, C, *spatial] with {d} spatial dims for w "
+                         f"{_desc(w)}, got {_desc(x)}")
+    for arg, t in (("x", x), ("w", w)):
+        if t.dtype != dt.F32:
+            raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
+
+
+def infer_conv(x, w, **a):
+    op = "conv"
+    _conv_operands(op, x, w, a["kernel"])
+    n, c, size = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    cout, cg, groups = w.shape[0], w.shape[1], a["groups"]
+    if c % groups or cout % groups:
+        raise ValueError(f"{op}: channels must divide into groups={groups}: x {_desc(x)} has "
+                         f"{c} in, w {_desc(w)} has {cout} out")
+    if cg != c // groups:
+        raise ValueError(f"{op}: w {_desc(w)} must have C/groups = {c // groups} input "
+                         f"channels for x {_desc(x)} and groups={groups}")
+    lo, hi, span = a["pad"], a["pad_hi"], _span(a)
+    if any(sp > s + p + q for sp, s, p, q in zip(span, size, lo, hi)):
+        raise ValueError(f"{op}: the kernel {fmt(a['kernel'])} (dilation {fmt(a['dilation'])}: "
+                         f"spans {fmt(span)}) is larger than the padded input {fmt(size)} + "
+                         f"padding {fmt(lo)}/{fmt(hi)}")
+    out = tuple((s + p + q - sp) // st + 1
+                for s, p, q, sp, st in zip(size, lo, hi, span, a["stride"]))
+    return (n, cout) + out, dt.F32
+
+
+def infer_conv_transpose(z, w, **a):
+    op = "conv_transpose"
+    _conv_operands(op, z, w, a["kernel"])
+    n, c, size, groups = z.shape[0], z.shape[1], tuple(z.shape[2:]), a["groups"]
+    if w.shape[0] != c or c % groups:
+        raise ValueError(f"{op}: w {_desc(w)} must be [C, Cout/groups, *kernel] with C = "
+                         f"{c} (x {_desc(z)}) divisible by groups={groups}")
+    out = tuple((o - 1) * st - p - q + sp for o, st, p, q, sp in
+                zip(size, a["stride"], a["pad"], a["pad_hi"], _span(a)))
+    if any(o <= 0 for o in out):
+        raise ValueError(f"{op}: the output would be {fmt(out)} for x {_desc(z)}, kernel "
+                         f"{fmt(a['kernel'])}, stride {fmt(a['stride'])}, padding "
+                         f"{fmt(a['pad'])}")
+    return (n, w.shape[1] * groups) + out, dt.F32
+
+
+def infer_conv_wgrad(x, dy, **a):
+    """The weight gradient [K, C/groups, *kernel] from the image x [N, C, *S] and the cols'
+    gradient dy [N, K, *O]."""
+    op, d = "conv_wgrad", len(a["kernel"])
+    for arg, t in (("x", x), ("dy", dy)):
+        if len(t.shape) != d + 2 or t.dtype != dt.F32:
+            raise ValueError(f"{op}: {arg} must be f32 [N, C, *spatial] with {d} spatial dims, "
+                             f"got {_desc(t)}")
+    if x.shape[0] != dy.shape[0] or x.shape[1] % a["groups"] or dy.shape[1] % a["groups"]:
+        raise ValueError(f"{op}: x {_desc(x)} and dy {_desc(dy)} must share N and have "
+                         f"channels divisible by groups={a['groups']}")
+    return (dy.shape[1], x.shape[1] // a["groups"]) + tuple(a["kernel"]), dt.F32
+
+
+def infer_implicit_gemm(src, w, *, of, **a):
+    """conv or conv_transpose (``of``) as one implicit-GEMM kernel: its inference."""
+    if of not in ("conv", "conv_transpose"):
+        raise ValueError(f"implicit_gemm: of must be 'conv' or 'conv_transpose', got {of!r}")
+    return (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
+
+
+def _unfold(op, t, rank, want):
+    """im2col's image / col2im's cols: f32 of this rank."""
+    if t.dtype != dt.F32 or len(t.shape) != rank:
+        raise ValueError(f"{op}: input must be f32 {want}, got {_desc(t)}")
+
+
+def infer_im2col(x, *, kernel, stride, pad, dilation, image, cols, groups):
+    op = "im2col"
+    _unfold(op, x, 2 + len(kernel), "[N, C, *S]")
+    if tuple(x.shape[2:]) != tuple(image) or x.shape[1] % groups:
+        raise ValueError(f"{op}: x {_desc(x)} must be [N, C, *image] with image {fmt(image)} "
+                         f"and C divisible by groups={groups}")
+    return ((x.shape[0], groups, x.shape[1] // groups * math.prod(kernel), math.prod(cols)),
+            dt.F32)
+
+
+def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
+    """cols [N, G, Cout/G * prod(kernel), prod(cols)] -> the image [N, Cout, *image]."""
+    op = "col2im"
+    _unfold(op, c, 4, "[N, G, R, L]")
+    taps = math.prod(kernel)
+    if c.shape[2] % taps or c.shape[3] != math.prod(cols):
+        raise ValueError(f"{op}: cols {_desc(c)} must be [N, G, C/G * {taps}, {math.prod(cols)}]"
+                         f" for kernel {fmt(kernel)} and cols {fmt(cols)}")
+    return (c.shape[0], c.shape[1] * c.shape[2] // taps) + tuple(image), dt.F32
+
+
+def infer_pool(x, **a):
+    op, d = "pool", len(a["kernel"])
+    if a["kind"] not in ("max", "avg"):
+        raise ValueError(f"{op}: kind must be 'max' or 'avg', got {a['kind']!r}")
+    if len(x.shape) != d + 2 or x.dtype != dt.F32 or tuple(x.shape[2:]) != tuple(a["image"]):
+        raise ValueError(f"{op}: x must be f32 [N, C, *image] with image {fmt(a['image'])}, got "
+                         f"{_desc(x)}")
+    if len(a["cols"]) != d or any(o < 1 for o in a["cols"]):
+        raise ValueError(f"{op}: cols {fmt(a['cols'])} must be {d} sizes >= 1")
+    return tuple(x.shape[:2]) + tuple(a["cols"]), dt.F32
+
+
+def infer_pool_grad(x, dy, **a):
+    """dx (x's shape) of a pool node (its attrs) from dy (the pool's output shape)."""
+    want, _ = infer_pool(x, **a)
+    if tuple(dy.shape) != want or dy.dtype != dt.F32:
+        raise ValueError(f"pool_grad: dy must be f32 {fmt(want)}, got {_desc(dy)}")
+    return x.shape, dt.F32
+
+
+def infer_channel_affine(x, *params, eps=None):
+    """x [N, C, ...] with center, scale, shift (and, with eps, var) [C]."""
+    op = "channel_affine"
+    if x.dtype != dt.F32 or len(x.shape) < 2:
+        raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
+    if len(params) != 3 + (eps is not None):
+        raise ValueError(f"{op}: {1 + len(params)} inputs: x, center, scale, shift"
+                         f"{', var' if eps is not None else ''} expected")
+    for t in params:
+        if tuple(t.shape) != (x.shape[1],) or t.dtype != dt.F32:
+            raise ValueError(f"{op}: a per-channel operand must be f32 [{x.shape[1]}], got "
+                             f"{_desc(t)}")
+    return x.shape, dt.F32
+
+
+def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None):
+    """x with axis (and axis + 1, given the second tables) resampled: out[o] = const[o] +
+    sum_t w[o, t] * x[idx[o, t]]."""
+    op = "resample"
+    if x.dtype != dt.F32 or not 0 <= axis < len(x.shape) - (idx2 is not None):
+        raise ValueError(f"{op}: x must be f32 with axis {axis}"
+                         f"{' and the next' if idx2 is not None else ''}, got {_desc(x)}")
+    shape = list(x.shape)
+    for k, (i, ww, c) in enumerate(((idx, w, const), (idx2, w2, const2))):
+        if i is None:
+            continue
+        n_in = x.shape[axis + k]
+        if (i.ndim != 2 or ww.shape != i.shape or c.shape != (i.shape[0],)
+                or (i.size and (i.min() < 0 or i.max() >= max(n_in, 1)))):
+            raise ValueError(f"{op}: the tables of axis {axis + k} ({n_in} long) must be idx / w "
+                             f"[out, taps] with indices in range and const [out], got idx "
+                             f"{fmt(i.shape)}, w {fmt(ww.shape)}, const {fmt(c.shape)}")
+        shape[axis + k] = i.shape[0]
+    return tuple(shape), dt.F32
+
+
+defop("conv", infer_conv, dtype_rule=F32_ONLY,
+      doc="N-d convolution (torch's conv1d/2d/3d), NCHW, groups, dilation, asymmetric padding")
+defop("conv_transpose", infer_conv_transpose, dtype_rule=F32_ONLY,
+      doc="N-d transposed convolution (torch's conv_transpose1d/2d/3d)")
+defop("conv_wgrad", infer_conv_wgrad, dtype_rule=F32_ONLY,
+      doc="a convolution's weight gradient from its image and its output's gradient")
+defop("implicit_gemm", infer_implicit_gemm, dtype_rule=F32_ONLY,
+      doc="conv / conv_transpose as one implicit-GEMM kernel (conv tier 2's rewrite)")
+defop("im2col", infer_im2col, dtype_rule=F32_ONLY,
+      doc="the image's windows as columns [N, G, C/G * taps, positions] (conv tier 1)")
+defop("col2im", infer_col2im, dtype_rule=F32_ONLY,
+      doc="im2col's adjoint: columns summed back into the image (conv tier 1)")
+defop("pool", infer_pool, dtype_rule=F32_ONLY, doc="max / avg pooling over 1-3 spatial dims")
+defop("pool_grad", infer_pool_grad, dtype_rule=F32_ONLY, doc="pool's gradient (a gather)")
+defop("channel_affine", infer_channel_affine, dtype_rule=F32_ONLY,
+      doc="(x - center[c]) * scale[c] (/ sqrt(var[c] + eps)) + shift[c] over x [N, C, ...]")
+defop("resample", infer_resample, dtype_rule=F32_ONLY,
+      doc="one or two adjacent axes resampled by host tables (pad, resize, adaptive pools)")
+
+
 class VisionOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -93,15 +278,8 @@ class VisionOps:
         1 only; an odd total puts the extra on the high side, as torch does)."""
         op = "conv"
         d, batched, xb = _conv_input(self, op, x, w)
-        n, c, size = xb.shape[0], xb.shape[1], tuple(xb.shape[2:])
-        cout, cg, k = w.shape[0], w.shape[1], tuple(w.shape[2:])
+        cout, k = w.shape[0], tuple(w.shape[2:])
         groups = _ints(op, "groups", groups, 1, 1)[0]
-        if c % groups or cout % groups:
-            raise ValueError(f"{op}: channels must divide into groups={groups}: x {_desc(x)} has "
-                             f"{c} in, w {_desc(w)} has {cout} out")
-        if cg != c // groups:
-            raise ValueError(f"{op}: w {_desc(w)} must have C/groups = {c // groups} input "
-                             f"channels for x {_desc(x)} and groups={groups}")
         stride = _ints(op, "stride", stride, d, 1)
         dilation = _ints(op, "dilation", dilation, d, 1)
         if isinstance(padding, str):
@@ -118,17 +296,10 @@ class VisionOps:
                                  f"{padding!r}")
         else:
             lo = hi = _ints(op, "padding", padding, d, 0)
-        span = tuple(dl * (kk - 1) + 1 for dl, kk in zip(dilation, k))
-        if any(sp > s + a + b for sp, s, a, b in zip(span, size, lo, hi)):
-            raise ValueError(f"{op}: the kernel {fmt(k)} (dilation {fmt(dilation)}: spans "
-                             f"{fmt(span)}) is larger than the padded input {fmt(size)} + "
-                             f"padding {fmt(lo)}/{fmt(hi)}")
-        out = tuple((s + a + b - sp) // st + 1
-                    for s, a, b, sp, st in zip(size, lo, hi, span, stride))
-        y = self._add("conv", (xb, w), (n, cout) + out, dt.F32, kernel=k, stride=stride, pad=lo,
-                      dilation=dilation, groups=groups)
+        y = self.bind("conv", [xb, w], kernel=k, stride=stride, pad=lo, dilation=dilation,
+                      groups=groups, pad_hi=hi)
         y = _bias(self, op, bias, cout, y, d)
-        return y if batched else self.reshape(y, (cout,) + out)
+        return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def conv_transpose(self, x, w, bias=None, *, stride=1, padding=0, output_padding=0,
                        dilation=1, groups=1):
@@ -137,13 +308,8 @@ class VisionOps:
         dilation*(k - 1) + output_padding + 1 (output_padding < stride or < dilation)."""
         op = "conv_transpose"
         d, batched, xb = _conv_input(self, op, x, w)
-        n, c, size = xb.shape[0], xb.shape[1], tuple(xb.shape[2:])
         groups = _ints(op, "groups", groups, 1, 1)[0]
-        if w.shape[0] != c or c % groups:
-            raise ValueError(f"{op}: w {_desc(w)} must be [C, Cout/groups, *kernel] with C = "
-                             f"{c} (x {_desc(x)}) divisible by groups={groups}")
-        cog, k = w.shape[1], tuple(w.shape[2:])
-        cout = cog * groups
+        k = tuple(w.shape[2:])
         stride = _ints(op, "stride", stride, d, 1)
         dilation = _ints(op, "dilation", dilation, d, 1)
         pad = _ints(op, "padding", padding, d, 0)
@@ -151,15 +317,11 @@ class VisionOps:
         if any(p >= max(s, dl) for p, s, dl in zip(opad, stride, dilation)):
             raise ValueError(f"{op}: output_padding {fmt(opad)} must be smaller than stride "
                              f"{fmt(stride)} or dilation {fmt(dilation)}")
-        out = tuple((s - 1) * st - 2 * p + dl * (kk - 1) + op_ + 1
-                    for s, st, p, dl, kk, op_ in zip(size, stride, pad, dilation, k, opad))
-        if any(o <= 0 for o in out):
-            raise ValueError(f"{op}: the output would be {fmt(out)} for x {_desc(x)}, kernel "
-                             f"{fmt(k)}, stride {fmt(stride)}, padding {fmt(pad)}")
-        y = self._add("conv_transpose", (xb, w), (n, cout) + out, dt.F32, kernel=k,
-                      stride=stride, pad=pad, dilation=dilation, groups=groups)
-        y = _bias(self, op, bias, cout, y, d)
-        return y if batched else self.reshape(y, (cout,) + out)
+        y = self.bind("conv_transpose", [xb, w], kernel=k, stride=stride, pad=pad,
+                      dilation=dilation, groups=groups,
+                      pad_hi=tuple(p - o for p, o in zip(pad, opad)))
+        y = _bias(self, op, bias, y.shape[1], y, d)
+        return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def pool(self, x, kind, kernel_size, stride=None, padding=0, *, dilation=1,
              ceil_mode=False, count_include_pad=True):
@@ -201,9 +363,8 @@ class VisionOps:
         if any(o < 1 for o in out):
             raise ValueError(f"{op}: the window {fmt(span)} is larger than the padded input "
                              f"{fmt(size)} + 2 x {fmt(pad)}")
-        y = self._add("pool", (xb,), tuple(xb.shape[:2]) + tuple(out), dt.F32, kind=kind,
-                      kernel=k, stride=st, pad=pad, dilation=dil, image=size, cols=tuple(out),
-                      count_include_pad=bool(count_include_pad))
+        y = self.bind("pool", [xb], kind=kind, kernel=k, stride=st, pad=pad, dilation=dil,
+                      image=size, cols=tuple(out), count_include_pad=bool(count_include_pad))
         return y if batched else self.reshape(y, tuple(x.shape[:1]) + tuple(out))
 
     def batch_norm(self, x, mean, var, gamma=None, beta=None, eps=1e-5):
@@ -268,8 +429,8 @@ def _channel_affine(g, x, center, scale, shift, var_eps=None):
     fill = lambda t, v: t if t is not None else g.constant(np.full(c, v, np.float32))  # noqa: E731
     ins = (x, fill(center, 0.0), fill(scale, 1.0), fill(shift, 0.0))
     if var_eps is None:
-        return g._add("channel_affine", ins, x.shape, dt.F32)
-    return g._add("channel_affine", ins + (var_eps[0],), x.shape, dt.F32, eps=var_eps[1])
+        return g.bind("channel_affine", ins)
+    return g.bind("channel_affine", ins + (var_eps[0],), eps=var_eps[1])
 
 
 @vjp("channel_affine")
@@ -295,21 +456,26 @@ def _channel_affine_vjp(g, node, dy):
 @vjp("pool")
 def _pool_vjp(g, node, dy):
     x = g.tensor(node.inputs[0])
-    return [g._add("pool_grad", (x, dy), x.shape, dt.F32, **node.attrs)]
+    return [g.bind("pool_grad", (x, dy), **node.attrs)]
 
 
 @vjp("conv")
 def _conv_vjp(g, node, dy):
+    """dx: conv_transpose of dy giving x's size exactly: its pad_hi drops the rows of x no
+    window reached (conv's floor); dw: conv_wgrad."""
     x, w = (g.tensor(i) for i in node.inputs)
-    return [g._add("conv_transpose", (dy, w), x.shape, dt.F32, **node.attrs),
-            g._add("conv_wgrad", (x, dy), w.shape, dt.F32, **node.attrs)]
+    a = node.attrs
+    rem = tuple((s + p + q - sp) % st for s, p, q, sp, st in
+                zip(x.shape[2:], a["pad"], a["pad_hi"], _span(a), a["stride"]))
+    return [g.bind("conv_transpose", (dy, w),
+                   **{**a, "pad_hi": tuple(q - r for q, r in zip(a["pad_hi"], rem))}),
+            g.bind("conv_wgrad", (x, dy), **a)]
 
 
 @vjp("conv_transpose")
 def _conv_transpose_vjp(g, node, dy):
     z, w = (g.tensor(i) for i in node.inputs)
-    return [g._add("conv", (dy, w), z.shape, dt.F32, **node.attrs),
-            g._add("conv_wgrad", (dy, z), w.shape, dt.F32, **node.attrs)]
+    return [g.bind("conv", (dy, w), **node.attrs), g.bind("conv_wgrad", (dy, z), **node.attrs)]
 
 
 # ---- the convolutions as im2col / col2im and products (where cuDNN does not run them) --------
@@ -338,8 +504,7 @@ def expand_conv(g, node, ins):
         r = w.shape[1] * math.prod(k)
         wt = g.transpose(g.reshape(w, (groups, kc // groups, r)), (0, 2, 1))
         cols = g.matmul(wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))))
-        return g._add("col2im", (cols,), node.shape, dt.F32,
-                      **conv_geometry(node, node.shape, z.shape))
+        return g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
     x = ins[0]
     out_shape = node.shape if node.op == "conv" else ins[1].shape
     kc = out_shape[1]
@@ -348,8 +513,7 @@ def expand_conv(g, node, ins):
     trivial = (all(v == 1 for v in k + a["stride"]) and not any(a["pad"])
                and tuple(x.shape[2:]) == tuple(out_shape[2:]))
     cols = (g.reshape(x, (n, groups, r, length)) if trivial else      # 1x1: x is its own cols
-            g._add("im2col", (x,), (n, groups, r, length), dt.F32,
-                   **conv_geometry(node, x.shape, out_shape)))
+            g.bind("im2col", (x,), groups=groups, **conv_geometry(node, x.shape, out_shape)))
     if node.op == "conv":
         y = g.matmul(g.reshape(ins[1], (groups, kc // groups, r)), cols)
         return g.reshape(y, node.shape)
@@ -361,8 +525,8 @@ def expand_conv(g, node, ins):
 def implicit_gemm(g, node, ins):
     """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2)."""
     a = node.attrs
-    return g._add("implicit_gemm", tuple(ins[:2]), node.shape, dt.F32, of=node.op,
-                  **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups")})
+    return g.bind("implicit_gemm", tuple(ins[:2]), of=node.op,
+                  **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups", "pad_hi")})
 
 
 # ---- resampling: pad, resize, adaptive_avg_pool ---------------------------------------------
@@ -395,16 +559,14 @@ def _resample(g, x, tables):
     for axis in sorted(tables):
         if pair and axis == last:
             continue
-        shape = list(y.shape)
         t = [tables[axis]] + ([tables[last]] if pair and axis == last - 1 else [])
         attrs = {}
         for k, (idx, w, const) in enumerate(t):
-            shape[axis + k] = idx.shape[0]
             sfx = "2" if k else ""
             attrs.update({"idx" + sfx: idx, "w" + sfx: w, "const" + sfx:
                           np.zeros(idx.shape[0], np.float32) if const is None
                           else const.astype(np.float32)})
-        y = g._add("resample", (y,), tuple(shape), dt.F32, axis=axis, **attrs)
+        y = g.bind("resample", (y,), axis=axis, **attrs)
     return y
 
 

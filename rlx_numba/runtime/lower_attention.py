@@ -106,8 +106,7 @@ def _lower_attention(exe, n):
     # are 256-byte aligned; a view may start anywhere)
     vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
-    lse = [m for m in g.nodes if m.op == "attention_lse" and m.inputs[0] == n.id
-           and m.id in exe._live]
+    lse = [r for r in g.nodes[n.id].results if r in exe._live]
     kern = A.flash(A.head_split(d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"

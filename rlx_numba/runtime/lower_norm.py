@@ -37,9 +37,9 @@ def _lower_rows(exe, n):
             beta, has_beta = exe.buf(ins.pop(0)), True
         if n.attrs["has_residual"]:
             res, has_res = exe.buf(ins.pop(0)), True
-        for m in g.nodes:   # a live residual_sum of this node: the kernel stores x + residual
-            if m.op == "residual_sum" and m.inputs[0] == n.id and m.id in exe._live:
-                sum_out, write_sum = exe.buf(m), True
+        for r in g.nodes[n.id].results:   # a live residual_sum: the kernel stores x + residual
+            if r in exe._live:
+                sum_out, write_sum = exe.buf(r), True
     axis = n.attrs["axis"]
     shape = x.shape
     outer, length, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
@@ -120,9 +120,9 @@ def _lower_norm_bwd(exe, n):
     has_res = n.attrs["has_residual"]
     res = exe.buf(n.inputs[3]) if has_res else _dummy(exe)
     stats, write = _dummy(exe), False
-    for m in g.nodes:   # a live norm_bwd_stats of this node: the kernel stores each row's stats
-        if m.op == "norm_bwd_stats" and m.inputs[0] == n.id and m.id in exe._live:
-            stats, write = exe.buf(m), True
+    for r in g.nodes[n.id].results:   # a live norm_bwd_stats: the kernel stores each row's stats
+        if r in exe._live:
+            stats, write = exe.buf(r), True
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(x.shape, n.attrs["axis"])
     k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write)
     label = f"norm_bwd rows g={group}" if rowwise else "norm_bwd cols"
