@@ -51,7 +51,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from ..device import SIMULATOR
 from . import mathfn as m
 from . import ptx
-from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .warp import MAX, SLOTS, SUM, group_reduce, reduce_scatter, warp_sync, xor_shfl
 from .launch import jit, inline as _inline
 
 GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
@@ -77,18 +77,6 @@ def _jit(threads, min_blocks):
 
 
 # inlined into the kernel, so its loop counts are constants and its arrays stay registers
-
-
-if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)
-    @cuda.jit(device=True)
-    def warp_sync():
-        cuda.syncthreads()
-
-else:
-    @cuda.jit(device=True)
-    def warp_sync():
-        cuda.syncwarp(0xFFFFFFFF)
-
 
 
 def head_split(d: int) -> int:
@@ -118,7 +106,7 @@ def flash_jc(dpt: int) -> int:
 
 
 @cuda.jit(device=True)
-def _divmod(x, y):
+def divmod_small(x, y):
     """(x // y, x % y) of small non-negative indices with one 32-bit division: numba's int64
     floor division is ~150 instructions, which a short decode block's prologue paid 5 times."""
     qt = int64(uint32(x) // uint32(y))
@@ -126,7 +114,7 @@ def _divmod(x, y):
 
 
 @cuda.jit(device=True)
-def _score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
+def score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
            has_bias, has_softcap, sq, sk):
     """scale * q.k -> softcapped, biased, masked score (-inf when masked)."""
     x = x * scale
@@ -158,7 +146,7 @@ def _ld4(r, p, src, idx, n, vec):
 
 
 @_inline
-def _fetch(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
+def fetch_rows(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
     """Registers r <- this thread's n4 groups of 4 of a chunk of rows from row0 (stride rs),
     g groups a row from column c0: group e = tid + p NT is row e // g, columns
     c0 + 4 (e % g) ..; zeros past nrows and d."""
@@ -180,7 +168,7 @@ def _fetch(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
 
 @_inline
 def _put_t(stage, at, width, r, n4, tid):
-    """The groups of _fetch (g = DC / 4) into shared memory transposed: head dim major, rows of
+    """The groups of fetch_rows (g = DC / 4) into shared memory transposed: head dim major, rows of
     ``width`` floats from ``at``."""
     for p in range(n4):
         e = tid + _u(p * NT)
@@ -190,7 +178,7 @@ def _put_t(stage, at, width, r, n4, tid):
 
 
 @_inline
-def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
+def pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
     """O += P[:, key] V[key]: this thread's tr rows of P^T from Pt[pa:], its dpt head dims of
     V (groups of 4, NC groups apart) from stage[va:]."""
     for i4 in range(tr // 4):
@@ -207,7 +195,7 @@ def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
 
 
 @_inline
-def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
+def stage_product(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
           vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
     """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
     B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
@@ -223,8 +211,8 @@ def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, 
         _put_t(stage, sb + koff, kw, rb, bl, tid)
         cuda.syncthreads()
         if d0 + DC < d:               # the next chunk's loads fly while this one computes
-            _fetch(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
-            _fetch(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
+            fetch_rows(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
+            fetch_rows(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
         du = _u(0)                    # (a while loop: numba's range() state hides the
         while du < _u(DC):            # trip count from LLVM, which then does not unroll)
             for i4 in range(tr // 4):
@@ -292,8 +280,8 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
         tr, tc = tid // uNC, tid % uNC
         row0, col0 = tr * uTR, tc * uSC      # this thread's rows and keys of a tile
         bh = int64(cuda.blockIdx.y)
-        b, h = _divmod(bh, hq)
-        hk = _divmod(h, g)[0]
+        b, h = divmod_small(bh, hq)
+        hk = divmod_small(h, g)[0]
         nqt = (sq + BR - 1) // BR
         q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
         qbase = b * geom[5] + h * geom[6]
@@ -313,18 +301,18 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                 o[i, c] = ZERO
         slot = _u(0)
         if kv0 < kv_end:
-            _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-            _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
+            fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+            fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
         while kv0 < kv_end:               # uniform across the block (barriers inside)
             # S = Q K^T (the chunk-0 loads are in flight)
-            slot = _prod(s, fa, fb, stage, slot, rq, rk, q, qbase, qs, q0, sq, k, kbase, ks, kv0,
+            slot = stage_product(s, fa, fb, stage, slot, rq, rk, q, qbase, qs, q0, sq, k, kbase, ks, kv0,
                          sk, d, tid, vec, ql, kl, TR, SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
             if lse_only:                  # the next tile's Q/K fly during the softmax
                 if kv0 + BC < kv_end:
-                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+                    fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
             else:                         # V's first chunk: its loads fly during the softmax
-                _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
+                fetch_rows(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
             # a tile with every query and key in range and (causal) every key at or before
             # every query's position needs no mask test (uniform across the block)
             plain = (not has_window and not has_mask and not has_bias and q0 + BR <= sq
@@ -338,7 +326,7 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                             x = softcap * m.tanh(x / softcap)
                         s[i, j] = x
                     else:
-                        s[i, j] = _score(s[i, j], qi, kv0 + int64(col0 + _u(j)), off + qi, b, h,
+                        s[i, j] = score(s[i, j], qi, kv0 + int64(col0 + _u(j)), off + qi, b, h,
                                          mask, bias, geom, scale, softcap, causal, has_window,
                                          has_mask, has_bias, has_softcap, sq, sk)
             for i in range(TR):           # the online softmax, row by row
@@ -375,17 +363,17 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                              rv[4 * p + 2], rv[4 * p + 3])
                 cuda.syncthreads()        # (the first also completes Pt)
                 if j0 + jc < BC:          # prefetch: the next V chunk, or the next tile's Q/K
-                    _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0 + j0 + jc, sk, int64(0), d,
+                    fetch_rows(rv, vl, dmax // 4, v, kbase, ks, kv0 + j0 + jc, sk, int64(0), d,
                            tid, vec)
                 elif kv0 + BC < kv_end:
-                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+                    fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
                 pa = uint64(j0) * uQW + row0      # this thread's P^T and V in shared memory
                 va = sb + tc * _u(4)
                 ju = _u(0)                # two keys a trip: the second key's loads are in
                 while ju < ujc:           # flight during the first one's FMAs
-                    _pv_key(o, fa, fv, Pt, pa, stage, va, TR, dpt)
-                    _pv_key(o, fa2, fv2, Pt, pa + uQW, stage, va + udmax, TR, dpt)
+                    pv_key(o, fa, fv, Pt, pa, stage, va, TR, dpt)
+                    pv_key(o, fa2, fv2, Pt, pa + uQW, stage, va + udmax, TR, dpt)
                     pa += _u(2) * uQW
                     va += _u(2) * udmax
                     ju += _u(2)
@@ -433,60 +421,6 @@ def decode_rows(g: int, sq: int, d: int) -> int | None:
     while r < rows:
         r *= 2
     return r
-
-
-if SIMULATOR:   # no shuffles there: exchange through the warp's row of shared memory
-    @cuda.jit(device=True)
-    def xor_shfl(v, off, xs, w, lane):
-        xs[w, lane] = v
-        cuda.syncthreads()
-        r = xs[w, lane ^ off]
-        cuda.syncthreads()
-        return r
-else:
-    @cuda.jit(device=True)
-    def xor_shfl(v, off, xs, w, lane):
-        return cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-
-
-@cuda.jit(device=True)
-def _rs_stage(vals, cnt, off, xs, w, lane):
-    """One stage of a warp reduce-scatter of ``cnt`` values a lane (lanes paired by ``off``):
-    each lane keeps half the values (the upper half when its ``off`` bit is set) plus its
-    partner's copy of them. Once one value is left the stage is a plain butterfly sum."""
-    if cnt > 1:
-        h = cnt // 2
-        up = (lane & off) != 0
-        for i in range(h):
-            a, b = vals[i], vals[i + h]
-            vals[i] = (b if up else a) + xor_shfl(a if up else b, off, xs, w, lane)
-    else:
-        vals[0] += xor_shfl(vals[0], off, xs, w, lane)
-
-
-if SIMULATOR:   # the same sums through shared memory in one exchange (each barrier is costly)
-    @cuda.jit(device=True)
-    def reduce_scatter(vals, nv, xs, xr, w, lane):
-        """vals[0] <- the warp's sum of value lane // (32 // nv) (see the GPU version)."""
-        for i in range(nv):
-            xr[w, lane, i] = vals[i]
-        cuda.syncthreads()
-        idx = lane // (32 // nv)
-        t = ZERO
-        for src in range(32):
-            t += xr[w, src, idx]
-        cuda.syncthreads()
-        vals[0] = t
-else:
-    @cuda.jit(device=True)
-    def reduce_scatter(vals, nv, xs, xr, w, lane):
-        """vals[0] <- the warp's sum of value lane // (32 // nv): 5 shuffle stages, halving
-        the values a lane holds while there are several (see _rs_stage)."""
-        _rs_stage(vals, max(1, nv), 16, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 1), 8, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 2), 4, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 3), 2, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 4), 1, xs, w, lane)
 
 
 def decode_keys(dpl: int, rows_c: int) -> int:
@@ -555,7 +489,7 @@ def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_m
     nv = rows_c * kt
     rep = 32 // nv
     reduce_scatter(vals, nv, xs, xr, w, lane)
-    x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
+    x = score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
                scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
     tm = x                            # the tile's max of my row: over the lanes of its keys
     o_ = rep
@@ -639,17 +573,17 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         tid = uint64(cuda.threadIdx.x)
         lane, w = tid % U32, tid // U32
         bk = int64(cuda.blockIdx.y)
-        b, hk = _divmod(bk, hkv)
+        b, hk = divmod_small(bk, hkv)
         rb = int64(cuda.blockIdx.z) * rows_c    # this block's rows: rb .. rb + rows_c
         bkz = bk * int64(cuda.gridDim.z) + int64(cuda.blockIdx.z)   # its partials and ticket
         off = geom[23]
         idx = int64(lane) // rep          # the score this lane holds after the reduce-scatter
         r_me, j_me = idx // kt, idx % kt
-        gi_me, qi_me = _divmod(rb + r_me, sq)
+        gi_me, qi_me = divmod_small(rb + r_me, sq)
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         for r in range(rows_c):
-            gi, qi = _divmod(rb + r, sq)
+            gi, qi = divmod_small(rb + r, sq)
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
@@ -722,7 +656,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     for i in range(pair):
                         fv[i] += Wa[ww, r, j + i * tpr] * wg[ww]
             if splits == 1:               # the block saw every key: the output itself
-                gi, qi = _divmod(rb + r, sq)
+                gi, qi = divmod_small(rb + r, sq)
                 for i in range(pair):
                     dd = j * 4 + i if pair == 4 else j + i * tpr
                     if rb + r < rows and dd < d:
@@ -798,7 +732,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     for u in range(dpl):
                         fv[u] += ab[i, u] * wb[i]
                 p0 += CB
-            gi, qi = _divmod(rb + rr, sq)
+            gi, qi = divmod_small(rb + rr, sq)
             if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
                     dg = _dec_dim(lane, u, pair) if pair == 4 else int64(lane) + u * 32

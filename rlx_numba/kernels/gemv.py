@@ -14,7 +14,7 @@ k = (nt j + t) VEC (VEC = 4 f32 or 8 half values; one element when K or a pointe
 16-byte aligned), u vectors of each column issued before any arithmetic. x is read straight
 from global memory: every block of the GPU reads the same few kilobytes, so after the first
 touch they are L1 hits; a vector of x is loaded once for all the block's columns. Each
-thread keeps M x cpw partial sums; a warp reduce-scatter (``attention.reduce_scatter``:
+thread keeps M x cpw partial sums; a warp reduce-scatter (``warp.reduce_scatter``:
 shuffles on a GPU, shared memory in the simulator) leaves one sum a lane, the warps' sums
 meet in shared memory, and a thread a (row, column) adds them in warp order and stores the
 result with the epilogue (bias, activation, residual) applied -- or, ``gated``, pairs the
@@ -38,8 +38,8 @@ from ..device import SIMULATOR
 from . import elementwise as ew
 from . import mathfn as mf
 from . import ptx
-from .attention import reduce_scatter
 from .launch import jit, pow2_at_least, inline as _inline
+from .warp import reduce_scatter
 
 NW = 2 if SIMULATOR else 4          # warps a block
 MAX_M = 16                          # rows of x the tier takes

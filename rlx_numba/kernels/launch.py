@@ -21,6 +21,19 @@ def jit(fn=None, *, launch_bounds=None):
 # the simulator takes no forceinline
 inline = cuda.jit(device=True) if SIMULATOR else cuda.jit(device=True, forceinline=True)
 
+
+def device(f):
+    """A device function, called (the compiler decides whether to inline it)."""
+    return cuda.jit(device=True)(f)
+
+
+def py_in_sim(f):
+    """A device function on a GPU; in the simulator the plain Python function (a device-function
+    call there costs ~15 us). Only for helpers that need no barrier; they may use the cuda
+    module's atomics only when the kernels calling them live in the same module (the simulator
+    swaps a kernel's own module's ``cuda`` while it runs)."""
+    return f if SIMULATOR else cuda.jit(device=True)(f)
+
 _SM = None
 
 

@@ -15,7 +15,7 @@ GEMV (decode, M <= MAX_M rows of x): a warp holds ``r`` rows of W; lane l takes 
 l, l + 32 wpr, ... of its rows (``wpr`` warps of a block share a row group, splitting its K:
 short-N products still fill the GPU), so the x values of a unit are loaded once for the r
 rows (held in registers when M = 1). Sums are f32 in a fixed order; a warp reduce-scatter
-(attention.reduce_scatter) and the row group's warps' sums, added in warp order, give each
+(warp.reduce_scatter) and the row group's warps' sums, added in warp order, give each
 y value: deterministic, no atomics. x is not rounded: the contract is f32 arithmetic.
 """
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
 from . import elementwise as ew
 from . import ptx
-from .attention import reduce_scatter
 from .launch import jit, pow2_at_least, inline as _inline
+from .warp import reduce_scatter
 
 ZERO = float32(0.0)
 

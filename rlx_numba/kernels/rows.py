@@ -27,7 +27,7 @@ from numba import cuda, float32, uint64
 
 from ..device import SIMULATOR
 from . import mathfn as m
-from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .warp import MAX, SLOTS, SUM, group_reduce
 from .launch import jit, inline as _inline
 
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3

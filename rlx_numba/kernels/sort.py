@@ -18,6 +18,7 @@ from numba import cuda, int32, uint8, uint32, uint64
 
 from ..device import SIMULATOR
 from .launch import jit
+from .warp import bitonic_sort
 
 TILE = 8 if SIMULATOR else 2048        # keys a block sorts in shared memory (16 KiB)
 THREADS = 4 if SIMULATOR else 512
@@ -59,8 +60,8 @@ def key_kernel(kind: int, descending: bool):
 @functools.lru_cache(maxsize=None)
 def tile_sort_kernel(p: int):
     """kernel(keys, rows, n): each tile of p keys of each row sorted in place (bitonic)."""
-    half = p // 2
     up = uint64(p)
+    sort = bitonic_sort(False)
 
     @jit
     def kernel(keys, rows, n):
@@ -77,21 +78,7 @@ def tile_sort_kernel(p: int):
                 s[i] = keys[base + i] if i < count else _MAX
                 i += uint64(cuda.blockDim.x)
             cuda.syncthreads()
-            size = uint64(2)
-            while size <= up:
-                stride = size // uint64(2)
-                while stride > uint64(0):
-                    j = tid
-                    while j < uint64(half):
-                        lo = uint64(2) * j - (j & (stride - uint64(1)))
-                        hi = lo + stride
-                        a, b = s[lo], s[hi]
-                        if (a > b) == ((lo & size) == uint64(0)):
-                            s[lo], s[hi] = b, a
-                        j += uint64(cuda.blockDim.x)
-                    cuda.syncthreads()
-                    stride //= uint64(2)
-                size *= uint64(2)
+            sort(s, uint64(0), up, tid, uint64(cuda.blockDim.x))
             i = tid
             while i < count:
                 keys[base + i] = s[i]
