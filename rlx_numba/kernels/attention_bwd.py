@@ -43,26 +43,27 @@ from numba import cuda, float32, int64, uint64
 
 from . import mathfn as m
 from . import ptx
-from .attention import (BC, DC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, divmod_small,
-                        fetch_rows, flash, flash_jc, flash_launch, flash_occ, flash_rows,
-                        head_split, pv_key, score, stage_product)
+from .attention import (LSE_ONLY, NEG_INF, ONE, PAD, ZERO, divmod_small, flash, flash_jc,
+                        flash_launch, flash_occ, flash_rows, head_split, prefill_helpers, score)
 from .warp import SLOTS, SUM, group_reduce
 from .launch import inline as _inline, jit
 
 _u = np.uint64   # (compile-time index constants)
 
 
-def lse(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def lse(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked): the forward
     kernel without its P V (launched as the forward, ``flash_launch``), for a forward that
     did not save it (the decode kernel's)."""
-    return flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
+    return flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
 
 
 @functools.lru_cache(maxsize=None)
-def delta():
+def delta(geo):
     """Dl[b, h, i] = sum_c dO[b, h, i, c] * O[b, h, i, c]: NC lanes a row (launch_delta), each
     summing every NC-th element, then a shuffle reduction."""
+    NT, NC = geo.nt, geo.nc
+
     @jit
     def kernel(out, o, do, geom, rows):
         red = cuda.shared.array(SLOTS, float32)
@@ -85,37 +86,47 @@ def delta():
     return kernel
 
 
-def launch_delta(rows: int):
-    return (max(1, -(-rows // (NT // NC))),), (NT,)
+def launch_delta(geo, rows: int):
+    return (max(1, -(-rows // geo.rg)),), (geo.nt,)
 
 
-@_inline
-def _acc(o, fa, fv, fa2, fv2, stage, slot, Pt, rv, src, base, rs, c0, nrows, d, tid, vec, vl,
-         jc, dmax, tr, dpt, row0, tc, qw, slot_size):
-    """o[tr, dpt] += P[rows, BC columns] . src[c0 .., :d] (P in Pt column-major, as the
-    forward's P^T), src staged jc rows at a time; rv holds the first chunk's loads on entry.
-    Returns the next slot."""
-    j0 = int64(0)
-    while j0 < BC:
-        sb = slot * slot_size
-        for p in range(vl):           # (a row's dmax dims in a row: group e at 4 e)
-            ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
-                     rv[4 * p + 2], rv[4 * p + 3])
-        cuda.syncthreads()            # (the first also completes Pt)
-        if j0 + jc < BC:
-            fetch_rows(rv, vl, dmax // 4, src, base, rs, c0 + j0 + jc, nrows, int64(0), d, tid, vec)
-        pa = uint64(j0) * qw + row0
-        va = sb + tc * _u(4)
-        ju = int64(0)                 # two columns a trip: the second's loads fly during
-        while ju < jc:                # the first one's FMAs
-            pv_key(o, fa, fv, Pt, pa, stage, va, tr, dpt)
-            pv_key(o, fa2, fv2, Pt, pa + qw, stage, va + _u(dmax), tr, dpt)
-            pa += _u(2) * qw
-            va += _u(2 * dmax)
-            ju += 2
-        slot ^= _u(1)
-        j0 += jc
-    return slot
+@functools.cache
+def _acc_fn(geo):
+    """The backward's O += P . src device function for one geometry (see prefill_helpers)."""
+    NT, BC = geo.nt, geo.bc
+    h_ = prefill_helpers(geo)
+    fetch_rows, pv_key = h_.fetch_rows, h_.pv_key
+
+    @_inline
+    def _acc(o, fa, fv, fa2, fv2, stage, slot, Pt, rv, src, base, rs, c0, nrows, d, tid, vec, vl,
+             jc, dmax, tr, dpt, row0, tc, qw, slot_size):
+        """o[tr, dpt] += P[rows, BC columns] . src[c0 .., :d] (P in Pt column-major, as the
+        forward's P^T), src staged jc rows at a time; rv holds the first chunk's loads on entry.
+        Returns the next slot."""
+        j0 = int64(0)
+        while j0 < BC:
+            sb = slot * slot_size
+            for p in range(vl):           # (a row's dmax dims in a row: group e at 4 e)
+                ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
+                         rv[4 * p + 2], rv[4 * p + 3])
+            cuda.syncthreads()            # (the first also completes Pt)
+            if j0 + jc < BC:
+                fetch_rows(rv, vl, dmax // 4, src, base, rs, c0 + j0 + jc, nrows, int64(0), d,
+                           tid, vec)
+            pa = uint64(j0) * qw + row0
+            va = sb + tc * _u(4)
+            ju = int64(0)                 # two columns a trip: the second's loads fly during
+            while ju < jc:                # the first one's FMAs
+                pv_key(o, fa, fv, Pt, pa, stage, va, tr, dpt)
+                pv_key(o, fa2, fv2, Pt, pa + qw, stage, va + _u(dmax), tr, dpt)
+                pa += _u(2) * qw
+                va += _u(2 * dmax)
+                ju += 2
+            slot ^= _u(1)
+            j0 += jc
+        return slot
+
+    return _acc
 
 
 @_inline
@@ -131,13 +142,16 @@ DQ, DKV, DS = 0, 1, 2               # what ``grads`` computes
 
 
 @functools.lru_cache(maxsize=None)
-def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def grads(geo, kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     """The backward kernel ``kind`` (DQ, DKV or DS) for DPT = head_split(d) (vec: d a multiple
     of 4 and q, k, v, dO 16-byte aligned)."""
-    TR = flash_rows(dpt)
+    NT, NC, BC, DC, RG, SC = geo.nt, geo.nc, geo.bc, geo.dc, geo.rg, geo.sc
+    h_ = prefill_helpers(geo)
+    fetch_rows, stage_product, _acc = h_.fetch_rows, h_.stage_product, _acc_fn(geo)
+    TR = flash_rows(geo, dpt)
     BR = RG * TR
     dmax = NC * dpt
-    jc = flash_jc(dpt)
+    jc = flash_jc(geo, dpt)
     QW, KW = BR + PAD, BC + PAD
     KOFF = DC * QW
     SLOT = max(DC * (QW + KW), jc * dmax)
@@ -309,12 +323,12 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     return kernel
 
 
-def launch(kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
+def launch(geo, kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
     """(grid, block) of ``grads``: a block per row tile and batch * (query or kv) head."""
-    br = RG * flash_rows(head_split(d))
+    br = geo.rg * flash_rows(geo, head_split(geo, d))
     if kind == DKV:
-        return (-(-sk // br), b * hkv), (NT,)
-    return (-(-sq // br), b * hq), (NT,)
+        return (-(-sk // br), b * hkv), (geo.nt,)
+    return (-(-sq // br), b * hq), (geo.nt,)
 
 
 __all__ = ["DKV", "DQ", "DS", "delta", "flash_launch", "grads", "launch", "launch_delta", "lse"]

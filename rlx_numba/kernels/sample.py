@@ -67,6 +67,7 @@ pass), ~15-20 us a pass, ~100 us; a grid-wide mass descent would fix it.
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
@@ -74,7 +75,7 @@ from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 from ..device import SIMULATOR
 from . import mathfn as m
 from .warp import MAX, MIN, SLOTS, SUM, bitonic_sort, group_reduce
-from .launch import jit, py_in_sim
+from .launch import jit, py_in_sim, register_geometry
 from .random import philox4x32_10, philox_kernel  # noqa: F401 (Philox lives in kernels/random.py)
 
 if SIMULATOR:
@@ -86,13 +87,33 @@ if SIMULATOR:
 SMALL_N = 32            # rows up to this long: a thread per row (O(n^2) per row)
 RADIX_BITS = 8          # digit of one select pass
 NBINS = 1 << RADIX_BITS
-# Shared memory (48 KB of static shared memory a block on a GPU; small in the simulator, so
-# the tests reach the global-memory paths): keys a segment block stages, the largest k
-# (rounded up to a power of two) topk_rows sorts in shared memory, and the key slots
-# topk_rows may hold there in all (the staged source plus the sort buffer).
-SEG_MAX = 1024 if SIMULATOR else 4096       # 32 KB
-SMEM_SORT = 256 if SIMULATOR else 2048      # 16 KB
-SMEM_KEYS = 1024 if SIMULATOR else 5120     # 40 KB
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The family's shapes (runtime/lower_sample.py plans with them). Shared memory (48 KB of
+    static shared memory a block on a GPU; small in the simulator, so the tests reach the
+    global-memory paths): seg_max keys a segment block stages, smem_sort the largest k
+    (rounded up to a power of two) topk_rows sorts there, smem_keys the key slots topk_rows
+    may hold there in all (the staged source plus the sort buffer). Threads: block, those of
+    a block-per-row kernel (0: from the row, ~8 elements a thread, 64..1024), seg_block those
+    of the segment kernels. Segments: seg_want blocks at least (0: 2 a SM), each of min_seg
+    elements at least."""
+    seg_max: int
+    smem_sort: int
+    smem_keys: int
+    block: int
+    seg_block: int
+    seg_want: int
+    min_seg: int
+
+
+GPU = Geometry(seg_max=4096, smem_sort=2048, smem_keys=5120, block=0, seg_block=256,
+               seg_want=0, min_seg=512)          # 32, 16 and 40 KB of shared memory
+# (a barrier costs the simulator ~1 ms at 16 threads a block)
+SIM = Geometry(seg_max=1024, smem_sort=256, smem_keys=1024, block=8, seg_block=8, seg_want=4,
+               min_seg=128)
+register_geometry("sample", gpu=GPU, sim=SIM)
 
 
 
@@ -449,9 +470,9 @@ def topk_small(ld: str):
 
 
 @functools.lru_cache(maxsize=None)
-def topk_segments(ld: str, block: int, nan_low: bool):
+def topk_segments(ld: str, block: int, nan_low: bool, seg_max: int):
     """Stage 1: block per (row, segment) q: cand[q*k : q*k+k] = the top min(k, len) keys of
-    segment q % nseg of row q // nseg (elements [s*seg, min((s+1)*seg, n)), seg <= SEG_MAX),
+    segment q % nseg of row q // nseg (elements [s*seg, min((s+1)*seg, n)), seg <= seg_max),
     in no order, 0-padded. The segment's keys are computed once into shared memory."""
     load = _x_loader(ld, nan_low)
     select = _select_count(_key_only, block)
@@ -464,7 +485,7 @@ def topk_segments(ld: str, block: int, nan_low: bool):
         tot = cuda.shared.array(NT, uint64)
         ctl = cuda.shared.array(4, uint64)
         slot = cuda.shared.array(1, uint32)
-        kbuf = cuda.shared.array(SEG_MAX, uint64)
+        kbuf = cuda.shared.array(seg_max, uint64)
         tid = uint64(cuda.threadIdx.x)
         q = uint64(cuda.blockIdx.x)
         while q < nq:                         # uniform across the block
@@ -515,7 +536,6 @@ def topk_rows(src: str, block: int, kp: int, smem: bool, stage: int, out_kind: i
     load = _key_only if src == "keys" else _x_loader(src, nan_low)
     select_staged = _select_count(_key_only, block)
     select_src = _select_count(load, block)
-    assert not (stage and smem and stage + kp > SMEM_KEYS)
     # descending by key, or by index: ascending, as descending low 32 bits (0 pads sort last)
     sort = bitonic_sort(True, out_kind == KEYS_BY_INDEX)
     B = uint64(block)

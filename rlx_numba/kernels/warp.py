@@ -4,8 +4,8 @@ lane exchange (``xor_shfl``) and reduce-scatter (``reduce_scatter``), and the bl
 sort (``bitonic_sort``). Each has a GPU body (warp shuffles) and, where the simulator lacks
 the warp intrinsics, a shared-memory equivalent there.
 
-Group reductions, for the row kernels: a block is split into groups of G consecutive threads (G a power of two, G divides the block);
-``group_reduce(v, smem, G, OP)`` returns the group's reduction of ``v`` to every member. On a
+Group reductions, for the row kernels: a block is split into groups of G consecutive threads
+(G a power of two, G divides the block); ``group_reduce(v, smem, G, OP)`` returns the group's reduction of ``v`` to every member. On a
 GPU it uses warp shuffles, then shared memory across the warps of a group when G > 32. The
 simulator has no warp intrinsics, so there the same function goes through shared memory. Every
 thread of the block must call it (it synchronises), and ``smem`` must be a shared array of
@@ -22,8 +22,10 @@ from ..device import SIMULATOR
 from .launch import inline
 
 SUM, MAX, MIN, PROD = 0, 1, 2, 3
-MAX_THREADS = 64 if SIMULATOR else 1024   # largest block the row kernels launch
-SLOTS = MAX_THREADS if SIMULATOR else 32   # shared slots group_reduce needs
+MAX_THREADS = 1024                         # largest block a kernel launches
+# shared slots group_reduce needs: a warp's one on a GPU, a thread's one in the simulator
+# (there at any block size, so the simulator can run the GPU's tile geometry)
+SLOTS = MAX_THREADS if SIMULATOR else 32
 
 
 @cuda.jit(device=True)
