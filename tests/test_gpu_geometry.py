@@ -128,3 +128,22 @@ def test_sample_gpu_geometry(rng):
         _check_topk(rng.standard_normal((2, 40)).astype(np.float32), 3)
         _check_sample((rng.standard_normal((1, 40)) * 3).astype(np.float32), temperature=0.8,
                       top_k=5, top_p=0.9, seed=3)
+
+
+def test_sort_gpu_geometry(rng):
+    """argsort with the GPU's shapes: a row of 300 keys is one bitonic tile of 512 on 256
+    threads. (Merging tiles of 2048 needs rows past 2048 keys: too slow for the simulator.)"""
+    from rlx_numba.kernels import sort as S
+    from test_sort import ref_order
+    x = rng.standard_normal((2, 300)).astype(np.float32)
+    x[0, ::7] = x[0, 3]                                     # ties: index order
+    g = rlx.Graph("sort")
+    v, i = g.sort(g.input("x", x.shape), descending=True)
+    g.set_outputs([v, i])
+    with override_geometry("sort", S.GPU):
+        exe = rlx.compile(g)
+        assert any(s.kernel_name == "sort tiles of 512" and s.block == (256,) for s in exe.steps)
+        got_v, got_i = exe.run({"x": x})
+    want = ref_order(x, -1, True)
+    np.testing.assert_array_equal(got_i, want)
+    np.testing.assert_array_equal(got_v, np.take_along_axis(x, want, -1))
