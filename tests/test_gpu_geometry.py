@@ -1,7 +1,11 @@
 """The GPU's tile geometry, run by the simulator on small problems (against NumPy oracles):
-the kernel factories take a geometry, so the shapes a GPU launches (128-thread attention
-blocks, 4-warp decode and gemv blocks, ...) run in CI too, not only the simulator's small
-ones. On a GPU these are the default geometry already (the rest of the suite covers them)."""
+the kernel factories and plans take a geometry, so the shapes a GPU launches (128-thread
+attention blocks, 4-warp decode and GEMV blocks, 512-thread reduction rows, 256-thread row,
+sort and FFT blocks, ...) run in CI too, not only the simulator's small ones. Warp shuffles
+stay the simulator's shared-memory stand-ins (kernels/warp.py); tests/test_ptx_gpu.py checks
+the inline-PTX twins. On a GPU these geometries are the defaults (the rest of the suite covers
+them), so the file is skipped there.
+"""
 import numpy as np
 import pytest
 
@@ -15,7 +19,9 @@ pytestmark = pytest.mark.skipif(not rlx.simulator_enabled(),
                                 reason="on a GPU the GPU geometry is the default one")
 
 
-def test_attention_geometry_is_chosen_in_one_place():
+def test_geometry_is_chosen_in_one_place():
+    for family in ("attention", "gemv", "quant", "sample", "reduce", "sort", "fft", "rows"):
+        assert default_geometry(family) != gpu_geometry(family), family   # the simulator's
     assert default_geometry("attention") == A.SIM and gpu_geometry("attention") == A.GPU
     assert A.GPU == A.Geometry(nt=128, nc=16, bc=64, dc=16, jc=16, tr=8, halve_jc=True,
                                dec_nw=4)
@@ -147,3 +153,44 @@ def test_sort_gpu_geometry(rng):
     want = ref_order(x, -1, True)
     np.testing.assert_array_equal(got_i, want)
     np.testing.assert_array_equal(got_v, np.take_along_axis(x, want, -1))
+
+
+def test_fft_gpu_geometry(rng):
+    """The numba FFT kernels on the GPU's 256-thread blocks: a 64-point row in one shared-memory
+    pass and a 12-point row through Bluestein's kernel. (Rows past 2048 points, the multi-pass
+    plan, are too slow for the simulator.)"""
+    from rlx_numba.kernels import fft as F
+    x = rng.standard_normal((2, 64, 2)).astype(np.float32)
+    y = rng.standard_normal((1, 12, 2)).astype(np.float32)
+    g = rlx.Graph("fft")
+    g.set_outputs([g.fft(g.input("x", x.shape)), g.fft(g.input("y", y.shape), inverse=True)])
+    with override_geometry("fft", F.GPU):
+        exe = rlx.compile(g)
+        blocks = [s.block for s in exe.steps if "fft" in s.kernel_name]
+        assert len(blocks) >= 2 and all(b == (256,) for b in blocks), blocks
+        gx, gy = exe.run({"x": x, "y": y})
+    for got, z, f in ((gx, x, np.fft.fft), (gy, y, np.fft.ifft)):
+        want = f(z[..., 0].astype(np.float64) + 1j * z[..., 1])
+        np.testing.assert_allclose(got[..., 0] + 1j * got[..., 1], want, rtol=1e-5,
+                                   atol=2e-5 * np.abs(want).max())
+
+
+def test_rows_gpu_geometry(rng):
+    """softmax (the prefetching kernel) and layer_norm with the GPU's row plan: 32 threads a
+    row at least, 256-thread blocks (8 rows a block), values a thread up to 16."""
+    from rlx_numba.kernels import rows as R
+    from test_rows import np_layer_norm
+    assert R.row_plan(40, True, R.GPU)[:3] == (32, 2, 256)
+    assert R.row_plan(600, False, R.GPU)[:3] == (64, 16, 256)
+    x = rng.standard_normal((9, 40)).astype(np.float32)
+    z = rng.standard_normal((2, 600)).astype(np.float32)
+    gam = rng.standard_normal(600).astype(np.float32)
+    g = rlx.Graph("rows")
+    xt, zt = g.input("x", x.shape), g.input("z", z.shape)
+    g.set_outputs([g.softmax(xt, -1), g.layer_norm(zt, g.input("gam", gam.shape))])
+    with override_geometry("rows", R.GPU):
+        sm, ln = rlx.compile(g).run({"x": x, "z": z, "gam": gam})
+    e = np.exp(x - x.max(-1, keepdims=True))
+    np.testing.assert_allclose(sm, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ln, np_layer_norm(z.astype(np.float64), gam, None, -1, 1e-5),
+                               rtol=1e-4, atol=1e-4)

@@ -400,7 +400,8 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, geo=geo)
     gated = epi["gated"]
     if gated and nw // tw * cpw % 2:      # a block takes whole (gate, up) pairs
-        nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, cpw=2 * cpw, geo=geo)
+        nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm,
+                                                               cpw=2 * cpw, geo=geo)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
                           minb, gated)
