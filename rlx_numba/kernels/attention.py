@@ -40,10 +40,14 @@ launch (one split: the block writes the output itself). A launch of fewer blocks
 splits the rows over blocks too. K and V are read once, whatever the GQA
 ratio (once per row group when the rows are split).
 
-Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short.
+Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short. Tile
+geometry (NT, NC, BC, DC, JC, TR and the decode block's warps) is a ``Geometry``: each kernel
+factory takes one, the GPU's (GPU) or the simulator's small one (SIM), chosen in one place
+(``launch.default_geometry("attention")``); the simulator can run the GPU's too (tests do).
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
@@ -51,20 +55,46 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from ..device import SIMULATOR
 from . import mathfn as m
 from . import ptx
-from .blockreduce import MAX, SLOTS, SUM, group_reduce
-from .launch import jit, inline as _inline
+from .warp import MAX, SLOTS, SUM, group_reduce, reduce_scatter, warp_sync, xor_shfl
+from .launch import default_geometry, inline as _inline, jit, register_geometry
 
 GEOM = ("hq", "g", "sq", "sk", "d", "q_b", "q_h", "q_s", "k_b", "k_h", "k_s", "o_b", "o_h", "o_s",
         "m_b", "m_h", "m_q", "m_k", "b_b", "b_h", "b_q", "b_k", "window", "off")
 
-# prefill geometry (module docstring): NT threads, RG row groups of NC; BC keys a tile, Q and K
-# staged DC head dims at a time, V JC keys at a time; TR query rows a thread (flash_rows)
-# (the simulator's are small: every CUDA thread is Python there, and tests' shapes are tiny)
-NT, NC, BC, DC, JC = (16, 4, 16, 8, 4) if SIMULATOR else (128, 16, 64, 16, 16)
-RG = NT // NC
-SC = BC // NC           # keys of a tile a thread scores
+
+@dataclass(frozen=True)
+class Geometry:
+    """Prefill (module docstring): nt threads, nt / nc row groups of nc lanes; bc keys a tile,
+    Q and K staged dc head dims at a time, V jc keys at a time (jc / 2 above 8 head dims a
+    thread when halve_jc); tr query rows a thread up to 8 head dims a thread, 4 above
+    (flash_rows). Decode: dec_nw warps a block."""
+    nt: int
+    nc: int
+    bc: int
+    dc: int
+    jc: int
+    tr: int
+    halve_jc: bool
+    dec_nw: int
+
+    def __post_init__(self):
+        assert self.sc % 4 == 0 and (self.bc * self.dc) % (4 * self.nt) == 0
+        assert self.bc % self.jc == 0 and self.jc % 4 == 0 and self.tr in (4, 8)
+
+    @property
+    def rg(self):       # row groups
+        return self.nt // self.nc
+
+    @property
+    def sc(self):       # keys of a tile a thread scores
+        return self.bc // self.nc
+
+
+GPU = Geometry(nt=128, nc=16, bc=64, dc=16, jc=16, tr=8, halve_jc=True, dec_nw=4)
+# the simulator's: every CUDA thread is Python there, and most tests' shapes are tiny
+SIM = Geometry(nt=16, nc=4, bc=16, dc=8, jc=4, tr=4, halve_jc=False, dec_nw=2)
+register_geometry("attention", gpu=GPU, sim=SIM)
 PAD = 4                 # rows of Q^T, K^T and P^T padded by 16 bytes: no bank conflicts
-assert SC % 4 == 0 and (BC * DC) % (4 * NT) == 0 and BC % JC == 0 and JC % 4 == 0
 
 NEG_INF = float32(-math.inf)
 ZERO = float32(0.0)
@@ -76,25 +106,10 @@ def _jit(threads, min_blocks):
     return jit(launch_bounds=(threads, min_blocks))
 
 
-# inlined into the kernel, so its loop counts are constants and its arrays stay registers
-
-
-if SIMULATOR:   # no warp intrinsics there: the block barrier (every warp calls it together)
-    @cuda.jit(device=True)
-    def warp_sync():
-        cuda.syncthreads()
-
-else:
-    @cuda.jit(device=True)
-    def warp_sync():
-        cuda.syncwarp(0xFFFFFFFF)
-
-
-
-def head_split(d: int) -> int:
+def head_split(geo: Geometry, d: int) -> int:
     """Head dims of the output a prefill thread accumulates (DPT): ceil(d / NC) rounded up to
     a multiple of 4, so they come in 16-byte groups."""
-    return -(-d // (4 * NC)) * 4
+    return -(-d // (4 * geo.nc)) * 4
 
 
 def flash_occ(dpt: int) -> int:
@@ -105,20 +120,20 @@ def flash_occ(dpt: int) -> int:
     return 3 if dpt <= 4 else 2
 
 
-def flash_rows(dpt: int) -> int:
-    """Query rows a prefill thread holds (TR): 8, or 4 above 8 head dims a thread (its
-    TR x DPT accumulators stay at 64 registers); 4 in the simulator."""
-    return 8 if dpt <= 8 and not SIMULATOR else 4
+def flash_rows(geo: Geometry, dpt: int) -> int:
+    """Query rows a prefill thread holds (TR): geo.tr (8 on a GPU), or 4 above 8 head dims a
+    thread (its TR x DPT accumulators stay at 64 registers)."""
+    return geo.tr if dpt <= 8 else 4
 
 
-def flash_jc(dpt: int) -> int:
+def flash_jc(geo: Geometry, dpt: int) -> int:
     """Rows of the accumulated operand (V) staged at a time: JC, or JC / 2 above 8 head dims a
-    thread (V's chunk in 16 registers a thread)."""
-    return JC if dpt <= 8 or SIMULATOR else JC // 2
+    thread when geo.halve_jc (V's chunk in 16 registers a thread)."""
+    return geo.jc // 2 if dpt > 8 and geo.halve_jc else geo.jc
 
 
 @cuda.jit(device=True)
-def _divmod(x, y):
+def divmod_small(x, y):
     """(x // y, x % y) of small non-negative indices with one 32-bit division: numba's int64
     floor division is ~150 instructions, which a short decode block's prologue paid 5 times."""
     qt = int64(uint32(x) // uint32(y))
@@ -126,7 +141,7 @@ def _divmod(x, y):
 
 
 @cuda.jit(device=True)
-def _score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
+def score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
            has_bias, has_softcap, sq, sk):
     """scale * q.k -> softcapped, biased, masked score (-inf when masked)."""
     x = x * scale
@@ -157,107 +172,127 @@ def _ld4(r, p, src, idx, n, vec):
             r[p + i] = src[uint64(idx + i)] if i < n else ZERO
 
 
-@_inline
-def _fetch(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
-    """Registers r <- this thread's n4 groups of 4 of a chunk of rows from row0 (stride rs),
-    g groups a row from column c0: group e = tid + p NT is row e // g, columns
-    c0 + 4 (e % g) ..; zeros past nrows and d."""
-    if NT % g == 0:                   # the same columns every p, rows NT / g apart: one
-        row = row0 + int64(tid // _u(g))      # address computed, the others added
-        col = c0 + int64(tid % _u(g)) * 4
-        at = base + row * rs + col
-        n = min(d - col, 4)
-        for p in range(n4):
-            _ld4(r, 4 * p, src, at + (p * (NT // g)) * rs, n if row + p * (NT // g) < nrows else 0,
-                 vec)
-    else:
+@dataclass(frozen=True)
+class PrefillHelpers:
+    fetch_rows: object
+    put_t: object
+    pv_key: object
+    stage_product: object
+
+
+@functools.cache
+def prefill_helpers(geo: Geometry) -> PrefillHelpers:
+    """The prefill kernels' staging device functions for one geometry (inlined into the
+    kernel, so their loop counts are constants and their arrays stay registers)."""
+    NT, NC, DC = geo.nt, geo.nc, geo.dc
+
+    @_inline
+    def fetch_rows(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
+        """Registers r <- this thread's n4 groups of 4 of a chunk of rows from row0 (stride rs),
+        g groups a row from column c0: group e = tid + p NT is row e // g, columns
+        c0 + 4 (e % g) ..; zeros past nrows and d."""
+        if NT % g == 0:                   # the same columns every p, rows NT / g apart: one
+            row = row0 + int64(tid // _u(g))      # address computed, the others added
+            col = c0 + int64(tid % _u(g)) * 4
+            at = base + row * rs + col
+            n = min(d - col, 4)
+            for p in range(n4):
+                _ld4(r, 4 * p, src, at + (p * (NT // g)) * rs,
+                     n if row + p * (NT // g) < nrows else 0, vec)
+        else:
+            for p in range(n4):
+                e = tid + _u(p * NT)
+                row = row0 + int64(e // _u(g))
+                col = c0 + int64(e % _u(g)) * 4
+                _ld4(r, 4 * p, src, base + row * rs + col, min(d - col, 4) if row < nrows else 0,
+                     vec)
+
+
+    @_inline
+    def _put_t(stage, at, width, r, n4, tid):
+        """The groups of fetch_rows (g = DC / 4) into shared memory transposed: head dim
+        major, rows of ``width`` floats from ``at``."""
         for p in range(n4):
             e = tid + _u(p * NT)
-            row = row0 + int64(e // _u(g))
-            col = c0 + int64(e % _u(g)) * 4
-            _ld4(r, 4 * p, src, base + row * rs + col, min(d - col, 4) if row < nrows else 0, vec)
+            row, f = e // _u(DC // 4), e % _u(DC // 4)
+            for i in range(4):
+                stage[at + (f * _u(4) + _u(i)) * _u(width) + row] = r[4 * p + i]
 
 
-@_inline
-def _put_t(stage, at, width, r, n4, tid):
-    """The groups of _fetch (g = DC / 4) into shared memory transposed: head dim major, rows of
-    ``width`` floats from ``at``."""
-    for p in range(n4):
-        e = tid + _u(p * NT)
-        row, f = e // _u(DC // 4), e % _u(DC // 4)
-        for i in range(4):
-            stage[at + (f * _u(4) + _u(i)) * _u(width) + row] = r[4 * p + i]
+    @_inline
+    def pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
+        """O += P[:, key] V[key]: this thread's tr rows of P^T from Pt[pa:], its dpt head dims of
+        V (groups of 4, NC groups apart) from stage[va:]."""
+        for i4 in range(tr // 4):
+            x = ptx.vld4(Pt, pa + _u(4 * i4))
+            for t in range(4):
+                fp[4 * i4 + t] = x[t]
+        for c4 in range(dpt // 4):
+            x = ptx.vld4(stage, va + _u(4 * NC * c4))
+            for t in range(4):
+                fv[4 * c4 + t] = x[t]
+        for i in range(tr):
+            for c in range(dpt):
+                o[i, c] += fp[i] * fv[c]
 
 
-@_inline
-def _pv_key(o, fp, fv, Pt, pa, stage, va, tr, dpt):
-    """O += P[:, key] V[key]: this thread's tr rows of P^T from Pt[pa:], its dpt head dims of
-    V (groups of 4, NC groups apart) from stage[va:]."""
-    for i4 in range(tr // 4):
-        x = ptx.vld4(Pt, pa + _u(4 * i4))
-        for t in range(4):
-            fp[4 * i4 + t] = x[t]
-    for c4 in range(dpt // 4):
-        x = ptx.vld4(stage, va + _u(4 * NC * c4))
-        for t in range(4):
-            fv[4 * c4 + t] = x[t]
-    for i in range(tr):
-        for c in range(dpt):
-            o[i, c] += fp[i] * fv[c]
+    @_inline
+    def stage_product(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0,
+                      nb, d, tid, vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
+        """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
+        B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
+        two slots from ``slot``; ra / rb hold the first chunk's loads on entry (the caller issues
+        them early). Returns the next slot."""
+        for i in range(tr):
+            for j in range(sc):
+                s[i, j] = ZERO
+        d0 = int64(0)
+        while d0 < d:
+            sb = slot * slot_size
+            _put_t(stage, sb, qw, ra, al, tid)
+            _put_t(stage, sb + koff, kw, rb, bl, tid)
+            cuda.syncthreads()
+            if d0 + DC < d:               # the next chunk's loads fly while this one computes
+                fetch_rows(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
+                fetch_rows(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
+            du = _u(0)                    # (a while loop: numba's range() state hides the
+            while du < _u(DC):            # trip count from LLVM, which then does not unroll)
+                for i4 in range(tr // 4):
+                    x = ptx.vld4(stage, sb + du * qw + row0 + _u(4 * i4))
+                    for t in range(4):
+                        fa[4 * i4 + t] = x[t]
+                for j4 in range(sc // 4):
+                    x = ptx.vld4(stage, sb + koff + du * kw + col0 + _u(4 * j4))
+                    for t in range(4):
+                        fb[4 * j4 + t] = x[t]
+                for i in range(tr):
+                    for j in range(sc):
+                        s[i, j] += fa[i] * fb[j]
+                du += _u(1)
+            slot ^= _u(1)
+            d0 += DC
+        return slot
 
-
-@_inline
-def _prod(s, fa, fb, stage, slot, ra, rb, a, abase, as_, a0, na, bm, bbase, bs, b0, nb, d, tid,
-          vec, al, bl, tr, sc, qw, kw, koff, slot_size, row0, col0):
-    """s[tr, sc] = A[a0 + row0 ..] . B[b0 + col0 ..] over the head dims (A's rows stride as_,
-    B's bs; zeros past na / nb rows), staged DC dims at a time, transposed, through stage's
-    two slots from ``slot``; ra / rb hold the first chunk's loads on entry (the caller issues
-    them early). Returns the next slot."""
-    for i in range(tr):
-        for j in range(sc):
-            s[i, j] = ZERO
-    d0 = int64(0)
-    while d0 < d:
-        sb = slot * slot_size
-        _put_t(stage, sb, qw, ra, al, tid)
-        _put_t(stage, sb + koff, kw, rb, bl, tid)
-        cuda.syncthreads()
-        if d0 + DC < d:               # the next chunk's loads fly while this one computes
-            _fetch(ra, al, DC // 4, a, abase, as_, a0, na, d0 + DC, d, tid, vec)
-            _fetch(rb, bl, DC // 4, bm, bbase, bs, b0, nb, d0 + DC, d, tid, vec)
-        du = _u(0)                    # (a while loop: numba's range() state hides the
-        while du < _u(DC):            # trip count from LLVM, which then does not unroll)
-            for i4 in range(tr // 4):
-                x = ptx.vld4(stage, sb + du * qw + row0 + _u(4 * i4))
-                for t in range(4):
-                    fa[4 * i4 + t] = x[t]
-            for j4 in range(sc // 4):
-                x = ptx.vld4(stage, sb + koff + du * kw + col0 + _u(4 * j4))
-                for t in range(4):
-                    fb[4 * j4 + t] = x[t]
-            for i in range(tr):
-                for j in range(sc):
-                    s[i, j] += fa[i] * fb[j]
-            du += _u(1)
-        slot ^= _u(1)
-        d0 += DC
-    return slot
+    return PrefillHelpers(fetch_rows, _put_t, pv_key, stage_product)
 
 
 NO_LSE, WITH_LSE, LSE_ONLY = 0, 1, 2     # flash's lse modes
 
 
 @functools.lru_cache(maxsize=None)
-def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_LSE):
+def flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_LSE):
     """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v 16-byte
     aligned, so their loads are 16 bytes). ``lse``: WITH_LSE also writes each row's
     log-sum-exp (-inf where every key is masked) into lse_out [B, Hq, Sq] (saved for the
     backward); LSE_ONLY writes only that (no P V; ``out`` is not touched)."""
     lse_only = lse == LSE_ONLY
-    TR = flash_rows(dpt)
+    NT, NC, BC, DC, RG, SC = geo.nt, geo.nc, geo.bc, geo.dc, geo.rg, geo.sc
+    h_ = prefill_helpers(geo)
+    fetch_rows, pv_key, stage_product = h_.fetch_rows, h_.pv_key, h_.stage_product
+    TR = flash_rows(geo, dpt)
     BR = RG * TR
     dmax = NC * dpt
-    jc = flash_jc(dpt)
+    jc = flash_jc(geo, dpt)
     QW, KW = BR + PAD, BC + PAD       # row widths of Q^T and K^T (and P^T: QW)
     KOFF = DC * QW                    # K^T's offset in a slot
     SLOT = max(DC * (QW + KW), jc * dmax)
@@ -292,8 +327,8 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
         tr, tc = tid // uNC, tid % uNC
         row0, col0 = tr * uTR, tc * uSC      # this thread's rows and keys of a tile
         bh = int64(cuda.blockIdx.y)
-        b, h = _divmod(bh, hq)
-        hk = _divmod(h, g)[0]
+        b, h = divmod_small(bh, hq)
+        hk = divmod_small(h, g)[0]
         nqt = (sq + BR - 1) // BR
         q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
         qbase = b * geom[5] + h * geom[6]
@@ -313,18 +348,18 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                 o[i, c] = ZERO
         slot = _u(0)
         if kv0 < kv_end:
-            _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-            _fetch(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
+            fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+            fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0, sk, int64(0), d, tid, vec)
         while kv0 < kv_end:               # uniform across the block (barriers inside)
             # S = Q K^T (the chunk-0 loads are in flight)
-            slot = _prod(s, fa, fb, stage, slot, rq, rk, q, qbase, qs, q0, sq, k, kbase, ks, kv0,
+            slot = stage_product(s, fa, fb, stage, slot, rq, rk, q, qbase, qs, q0, sq, k, kbase, ks, kv0,
                          sk, d, tid, vec, ql, kl, TR, SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
             if lse_only:                  # the next tile's Q/K fly during the softmax
                 if kv0 + BC < kv_end:
-                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+                    fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
             else:                         # V's first chunk: its loads fly during the softmax
-                _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
+                fetch_rows(rv, vl, dmax // 4, v, kbase, ks, kv0, sk, int64(0), d, tid, vec)
             # a tile with every query and key in range and (causal) every key at or before
             # every query's position needs no mask test (uniform across the block)
             plain = (not has_window and not has_mask and not has_bias and q0 + BR <= sq
@@ -338,7 +373,7 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                             x = softcap * m.tanh(x / softcap)
                         s[i, j] = x
                     else:
-                        s[i, j] = _score(s[i, j], qi, kv0 + int64(col0 + _u(j)), off + qi, b, h,
+                        s[i, j] = score(s[i, j], qi, kv0 + int64(col0 + _u(j)), off + qi, b, h,
                                          mask, bias, geom, scale, softcap, causal, has_window,
                                          has_mask, has_bias, has_softcap, sq, sk)
             for i in range(TR):           # the online softmax, row by row
@@ -375,17 +410,17 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
                              rv[4 * p + 2], rv[4 * p + 3])
                 cuda.syncthreads()        # (the first also completes Pt)
                 if j0 + jc < BC:          # prefetch: the next V chunk, or the next tile's Q/K
-                    _fetch(rv, vl, dmax // 4, v, kbase, ks, kv0 + j0 + jc, sk, int64(0), d,
+                    fetch_rows(rv, vl, dmax // 4, v, kbase, ks, kv0 + j0 + jc, sk, int64(0), d,
                            tid, vec)
                 elif kv0 + BC < kv_end:
-                    _fetch(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
-                    _fetch(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
+                    fetch_rows(rq, ql, DC // 4, q, qbase, qs, q0, sq, int64(0), d, tid, vec)
+                    fetch_rows(rk, kl, DC // 4, k, kbase, ks, kv0 + BC, sk, int64(0), d, tid, vec)
                 pa = uint64(j0) * uQW + row0      # this thread's P^T and V in shared memory
                 va = sb + tc * _u(4)
                 ju = _u(0)                # two keys a trip: the second key's loads are in
                 while ju < ujc:           # flight during the first one's FMAs
-                    _pv_key(o, fa, fv, Pt, pa, stage, va, TR, dpt)
-                    _pv_key(o, fa2, fv2, Pt, pa + uQW, stage, va + udmax, TR, dpt)
+                    pv_key(o, fa, fv, Pt, pa, stage, va, TR, dpt)
+                    pv_key(o, fa2, fv2, Pt, pa + uQW, stage, va + udmax, TR, dpt)
                     pa += _u(2) * uQW
                     va += _u(2) * udmax
                     ju += _u(2)
@@ -408,12 +443,11 @@ def flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_
     return kernel
 
 
-def flash_launch(b: int, hq: int, sq: int, d: int):
-    return (-(-sq // (RG * flash_rows(head_split(d)))), b * hq), (NT,)
+def flash_launch(geo: Geometry, b: int, hq: int, sq: int, d: int):
+    return (-(-sq // (geo.rg * flash_rows(geo, head_split(geo, d)))), b * hq), (geo.nt,)
 
 
 # ---- decode: split-K over the keys of one key/value head ---------------------------------------
-DEC_NW = 2 if SIMULATOR else 4      # warps a block
 DEC_ROWS = 8                        # at most this many query rows share a key/value head
 CB = 8                              # splits whose partials the combine loads at once
 DEC_OCC = 2                         # blocks an SM the decode kernel's registers aim at
@@ -433,60 +467,6 @@ def decode_rows(g: int, sq: int, d: int) -> int | None:
     while r < rows:
         r *= 2
     return r
-
-
-if SIMULATOR:   # no shuffles there: exchange through the warp's row of shared memory
-    @cuda.jit(device=True)
-    def xor_shfl(v, off, xs, w, lane):
-        xs[w, lane] = v
-        cuda.syncthreads()
-        r = xs[w, lane ^ off]
-        cuda.syncthreads()
-        return r
-else:
-    @cuda.jit(device=True)
-    def xor_shfl(v, off, xs, w, lane):
-        return cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
-
-
-@cuda.jit(device=True)
-def _rs_stage(vals, cnt, off, xs, w, lane):
-    """One stage of a warp reduce-scatter of ``cnt`` values a lane (lanes paired by ``off``):
-    each lane keeps half the values (the upper half when its ``off`` bit is set) plus its
-    partner's copy of them. Once one value is left the stage is a plain butterfly sum."""
-    if cnt > 1:
-        h = cnt // 2
-        up = (lane & off) != 0
-        for i in range(h):
-            a, b = vals[i], vals[i + h]
-            vals[i] = (b if up else a) + xor_shfl(a if up else b, off, xs, w, lane)
-    else:
-        vals[0] += xor_shfl(vals[0], off, xs, w, lane)
-
-
-if SIMULATOR:   # the same sums through shared memory in one exchange (each barrier is costly)
-    @cuda.jit(device=True)
-    def reduce_scatter(vals, nv, xs, xr, w, lane):
-        """vals[0] <- the warp's sum of value lane // (32 // nv) (see the GPU version)."""
-        for i in range(nv):
-            xr[w, lane, i] = vals[i]
-        cuda.syncthreads()
-        idx = lane // (32 // nv)
-        t = ZERO
-        for src in range(32):
-            t += xr[w, src, idx]
-        cuda.syncthreads()
-        vals[0] = t
-else:
-    @cuda.jit(device=True)
-    def reduce_scatter(vals, nv, xs, xr, w, lane):
-        """vals[0] <- the warp's sum of value lane // (32 // nv): 5 shuffle stages, halving
-        the values a lane holds while there are several (see _rs_stage)."""
-        _rs_stage(vals, max(1, nv), 16, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 1), 8, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 2), 4, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 3), 2, xs, w, lane)
-        _rs_stage(vals, max(1, nv >> 4), 1, xs, w, lane)
 
 
 def decode_keys(dpl: int, rows_c: int) -> int:
@@ -555,7 +535,7 @@ def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_m
     nv = rows_c * kt
     rep = 32 // nv
     reduce_scatter(vals, nv, xs, xr, w, lane)
-    x = _score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
+    x = score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
                scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
     tm = x                            # the tile's max of my row: over the lanes of its keys
     o_ = rep
@@ -588,7 +568,7 @@ def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_m
 
 
 @functools.lru_cache(maxsize=None)
-def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap):
+def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap):
     """Attention for every row reading one kv head, the keys split across blocks (see the
     module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head).
 
@@ -599,6 +579,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
     after which lane l holds the full score of (row, key) number l // rep; row maxima and
     sums are shuffles among the lanes of a row, and P reaches every lane through shared
     memory for the P V update. No shared memory traffic on the K and V bytes."""
+    DEC_NW = geo.dec_nw               # warps a block
     dmax = 32 * dpl
     kt = decode_keys(dpl, rows_c)
     nv = rows_c * kt                  # scores a warp computes a tile
@@ -639,17 +620,17 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
         tid = uint64(cuda.threadIdx.x)
         lane, w = tid % U32, tid // U32
         bk = int64(cuda.blockIdx.y)
-        b, hk = _divmod(bk, hkv)
+        b, hk = divmod_small(bk, hkv)
         rb = int64(cuda.blockIdx.z) * rows_c    # this block's rows: rb .. rb + rows_c
         bkz = bk * int64(cuda.gridDim.z) + int64(cuda.blockIdx.z)   # its partials and ticket
         off = geom[23]
         idx = int64(lane) // rep          # the score this lane holds after the reduce-scatter
         r_me, j_me = idx // kt, idx % kt
-        gi_me, qi_me = _divmod(rb + r_me, sq)
+        gi_me, qi_me = divmod_small(rb + r_me, sq)
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         for r in range(rows_c):
-            gi, qi = _divmod(rb + r, sq)
+            gi, qi = divmod_small(rb + r, sq)
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
@@ -722,7 +703,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     for i in range(pair):
                         fv[i] += Wa[ww, r, j + i * tpr] * wg[ww]
             if splits == 1:               # the block saw every key: the output itself
-                gi, qi = _divmod(rb + r, sq)
+                gi, qi = divmod_small(rb + r, sq)
                 for i in range(pair):
                     dd = j * 4 + i if pair == 4 else j + i * tpr
                     if rb + r < rows and dd < d:
@@ -798,7 +779,7 @@ def decode_split(dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_
                     for u in range(dpl):
                         fv[u] += ab[i, u] * wb[i]
                 p0 += CB
-            gi, qi = _divmod(rb + rr, sq)
+            gi, qi = divmod_small(rb + rr, sq)
             if r < rows_c and rb + r < rows:   # (warps past rows_c hold a copy of the last row)
                 for u in range(dpl):
                     dg = _dec_dim(lane, u, pair) if pair == 4 else int64(lane) + u * 32
@@ -826,8 +807,9 @@ def decode_groups(rows_c: int, rows: int, blocks: int, sm: int) -> tuple[int, in
 
 def decode_plan(b: int, hkv: int, sk: int, sm: int):
     """(splits, keys a split): whole waves of blocks (DEC_OCC resident a SM), one wave unless
-    a split would pass DEC_SPLIT_KEYS keys; each warp at least 32 keys."""
-    step = DEC_NW * DEC_WARP_KEYS
+    a split would pass DEC_SPLIT_KEYS keys; each warp of the device's default geometry at
+    least 32 keys (a kernel of another geometry takes any chunk, just less evenly)."""
+    step = default_geometry("attention").dec_nw * DEC_WARP_KEYS
     per_wave = max(1, sm * DEC_OCC // (b * hkv))
     splits = per_wave * max(1, -(-sk // (per_wave * DEC_SPLIT_KEYS)))
     splits = max(1, min(splits, -(-sk // step)))

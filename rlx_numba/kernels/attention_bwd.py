@@ -4,7 +4,7 @@ broadcast reduction).
 
 The forward saves nothing; the backward recomputes the probabilities from the per-row
 log-sum-exp: P = exp(s - LSE), s the forward's score (scale, softcap, bias and masks through
-the forward's own ``_score``, so every mask is honoured exactly as there). With dO the output
+the forward's own ``score``, so every mask is honoured exactly as there). With dO the output
 gradient and Dl = rowsum(dO * O):
 
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - Dl)   (the gradient of the biased score),
@@ -38,28 +38,32 @@ k / v / dK / dV k's; LSE and Dl are contiguous [B, Hq, Sq]):
 """
 import functools
 
+import numpy as np
 from numba import cuda, float32, int64, uint64
 
 from . import mathfn as m
 from . import ptx
-from .attention import (BC, DC, LSE_ONLY, NC, NEG_INF, NT, ONE, PAD, RG, SC, ZERO, _divmod,
-                        _fetch, _inline, _jit, _prod, _pv_key, _score, _u, flash, flash_jc,
-                        flash_launch, flash_occ, flash_rows, head_split)
-from .blockreduce import SLOTS, SUM, group_reduce
-from .launch import jit
+from .attention import (LSE_ONLY, NEG_INF, ONE, PAD, ZERO, divmod_small, flash, flash_jc,
+                        flash_launch, flash_occ, flash_rows, head_split, prefill_helpers, score)
+from .warp import SLOTS, SUM, group_reduce
+from .launch import inline as _inline, jit
+
+_u = np.uint64   # (compile-time index constants)
 
 
-def lse(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def lse(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked): the forward
     kernel without its P V (launched as the forward, ``flash_launch``), for a forward that
     did not save it (the decode kernel's)."""
-    return flash(dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
+    return flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
 
 
 @functools.lru_cache(maxsize=None)
-def delta():
+def delta(geo):
     """Dl[b, h, i] = sum_c dO[b, h, i, c] * O[b, h, i, c]: NC lanes a row (launch_delta), each
     summing every NC-th element, then a shuffle reduction."""
+    NT, NC = geo.nt, geo.nc
+
     @jit
     def kernel(out, o, do, geom, rows):
         red = cuda.shared.array(SLOTS, float32)
@@ -68,8 +72,8 @@ def delta():
         r = int64(cuda.blockIdx.x) * (NT // NC) + tid // NC
         acc = ZERO
         if r < rows:
-            bh, i = _divmod(r, sq)
-            b, h = _divmod(bh, hq)
+            bh, i = divmod_small(r, sq)
+            b, h = divmod_small(bh, hq)
             at = b * geom[11] + h * geom[12] + i * geom[13]
             c = tid % NC
             while c < d:
@@ -82,37 +86,47 @@ def delta():
     return kernel
 
 
-def launch_delta(rows: int):
-    return (max(1, -(-rows // (NT // NC))),), (NT,)
+def launch_delta(geo, rows: int):
+    return (max(1, -(-rows // geo.rg)),), (geo.nt,)
 
 
-@_inline
-def _acc(o, fa, fv, fa2, fv2, stage, slot, Pt, rv, src, base, rs, c0, nrows, d, tid, vec, vl,
-         jc, dmax, tr, dpt, row0, tc, qw, slot_size):
-    """o[tr, dpt] += P[rows, BC columns] . src[c0 .., :d] (P in Pt column-major, as the
-    forward's P^T), src staged jc rows at a time; rv holds the first chunk's loads on entry.
-    Returns the next slot."""
-    j0 = int64(0)
-    while j0 < BC:
-        sb = slot * slot_size
-        for p in range(vl):           # (a row's dmax dims in a row: group e at 4 e)
-            ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
-                     rv[4 * p + 2], rv[4 * p + 3])
-        cuda.syncthreads()            # (the first also completes Pt)
-        if j0 + jc < BC:
-            _fetch(rv, vl, dmax // 4, src, base, rs, c0 + j0 + jc, nrows, int64(0), d, tid, vec)
-        pa = uint64(j0) * qw + row0
-        va = sb + tc * _u(4)
-        ju = int64(0)                 # two columns a trip: the second's loads fly during
-        while ju < jc:                # the first one's FMAs
-            _pv_key(o, fa, fv, Pt, pa, stage, va, tr, dpt)
-            _pv_key(o, fa2, fv2, Pt, pa + qw, stage, va + _u(dmax), tr, dpt)
-            pa += _u(2) * qw
-            va += _u(2 * dmax)
-            ju += 2
-        slot ^= _u(1)
-        j0 += jc
-    return slot
+@functools.cache
+def _acc_fn(geo):
+    """The backward's O += P . src device function for one geometry (see prefill_helpers)."""
+    NT, BC = geo.nt, geo.bc
+    h_ = prefill_helpers(geo)
+    fetch_rows, pv_key = h_.fetch_rows, h_.pv_key
+
+    @_inline
+    def _acc(o, fa, fv, fa2, fv2, stage, slot, Pt, rv, src, base, rs, c0, nrows, d, tid, vec, vl,
+             jc, dmax, tr, dpt, row0, tc, qw, slot_size):
+        """o[tr, dpt] += P[rows, BC columns] . src[c0 .., :d] (P in Pt column-major, as the
+        forward's P^T), src staged jc rows at a time; rv holds the first chunk's loads on entry.
+        Returns the next slot."""
+        j0 = int64(0)
+        while j0 < BC:
+            sb = slot * slot_size
+            for p in range(vl):           # (a row's dmax dims in a row: group e at 4 e)
+                ptx.vst4(stage, sb + (tid + _u(p * NT)) * _u(4), rv[4 * p], rv[4 * p + 1],
+                         rv[4 * p + 2], rv[4 * p + 3])
+            cuda.syncthreads()            # (the first also completes Pt)
+            if j0 + jc < BC:
+                fetch_rows(rv, vl, dmax // 4, src, base, rs, c0 + j0 + jc, nrows, int64(0), d,
+                           tid, vec)
+            pa = uint64(j0) * qw + row0
+            va = sb + tc * _u(4)
+            ju = int64(0)                 # two columns a trip: the second's loads fly during
+            while ju < jc:                # the first one's FMAs
+                pv_key(o, fa, fv, Pt, pa, stage, va, tr, dpt)
+                pv_key(o, fa2, fv2, Pt, pa + qw, stage, va + _u(dmax), tr, dpt)
+                pa += _u(2) * qw
+                va += _u(2 * dmax)
+                ju += 2
+            slot ^= _u(1)
+            j0 += jc
+        return slot
+
+    return _acc
 
 
 @_inline
@@ -128,13 +142,16 @@ DQ, DKV, DS = 0, 1, 2               # what ``grads`` computes
 
 
 @functools.lru_cache(maxsize=None)
-def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def grads(geo, kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     """The backward kernel ``kind`` (DQ, DKV or DS) for DPT = head_split(d) (vec: d a multiple
     of 4 and q, k, v, dO 16-byte aligned)."""
-    TR = flash_rows(dpt)
+    NT, NC, BC, DC, RG, SC = geo.nt, geo.nc, geo.bc, geo.dc, geo.rg, geo.sc
+    h_ = prefill_helpers(geo)
+    fetch_rows, stage_product, _acc = h_.fetch_rows, h_.stage_product, _acc_fn(geo)
+    TR = flash_rows(geo, dpt)
     BR = RG * TR
     dmax = NC * dpt
-    jc = flash_jc(dpt)
+    jc = flash_jc(geo, dpt)
     QW, KW = BR + PAD, BC + PAD
     KOFF = DC * QW
     SLOT = max(DC * (QW + KW), jc * dmax)
@@ -145,7 +162,7 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     rows_q = kind != DKV              # rows are queries (dQ, dS) or keys (dK / dV)
     uQW, uKW, uKOFF, uSLOT = _u(QW), _u(KW), _u(KOFF), _u(SLOT)
 
-    @_jit(NT, flash_occ(dpt))
+    @jit(launch_bounds=(NT, flash_occ(dpt)))
     def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap, nk):
         stage = cuda.shared.array(STAGE, float32, alignment=16)
         Pt = cuda.shared.array(PT, float32, alignment=16)
@@ -175,8 +192,8 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                 o2[i, c] = ZERO
         slot = _u(0)
         if rows_q:
-            b, h = _divmod(bx, hq)
-            hk = _divmod(h, g)[0]
+            b, h = divmod_small(bx, hq)
+            hk = divmod_small(h, g)[0]
             nrt = (sq + BR - 1) // BR
             r0 = (nrt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
             heads, c_lo, c_end = int64(1), int64(0), sk
@@ -191,7 +208,7 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                 dq_[i] = dl[at] if qi < sq else ZERO
         else:
             hkv = hq // g
-            b, hk = _divmod(bx, hkv)
+            b, hk = divmod_small(bx, hkv)
             h = hk * g
             r0 = int64(cuda.blockIdx.x) * BR                  # (the first key tiles see most)
             heads, c_lo, c_end = g, int64(0), sq
@@ -209,24 +226,24 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                 abase, as_, na, bbase, bs, nb = kbase, ks, sk, qbase, qs, sq
             c0 = c_lo
             if c0 < c_end:
-                _fetch(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0), d,
+                fetch_rows(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0), d,
                        tid, vec)
-                _fetch(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0), d,
+                fetch_rows(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0), d,
                        tid, vec)
             while c0 < c_end:         # uniform across the block (barriers inside)
                 # S (or S^T), then dP (or dP^T); each product's first loads fly during the last
-                slot = _prod(s, fa, fb, stage, slot, ra, rb, q if rows_q else k, abase, as_, r0,
+                slot = stage_product(s, fa, fb, stage, slot, ra, rb, q if rows_q else k, abase, as_, r0,
                              na, k if rows_q else q, bbase, bs, c0, nb, d, tid, vec, al, bl, TR,
                              SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
-                _fetch(ra, al, DC // 4, do if rows_q else v, abase, as_, r0, na, int64(0), d,
+                fetch_rows(ra, al, DC // 4, do if rows_q else v, abase, as_, r0, na, int64(0), d,
                        tid, vec)
-                _fetch(rb, bl, DC // 4, v if rows_q else do, bbase, bs, c0, nb, int64(0), d,
+                fetch_rows(rb, bl, DC // 4, v if rows_q else do, bbase, bs, c0, nb, int64(0), d,
                        tid, vec)
-                slot = _prod(dp, fa, fb, stage, slot, ra, rb, do if rows_q else v, abase, as_,
+                slot = stage_product(dp, fa, fb, stage, slot, ra, rb, do if rows_q else v, abase, as_,
                              r0, na, v if rows_q else do, bbase, bs, c0, nb, d, tid, vec, al,
                              bl, TR, SC, uQW, uKW, uKOFF, uSLOT, row0, col0)
                 if kind != DS:        # the first chunk of the accumulated product's operand
-                    _fetch(rv, vl, dmax // 4, k if kind == DQ else do, bbase, bs, c0, nb,
+                    fetch_rows(rv, vl, dmax // 4, k if kind == DQ else do, bbase, bs, c0, nb,
                            int64(0), d, tid, vec)
                 if not rows_q:        # LSE and Dl of this thread's query columns
                     for j in range(SC):
@@ -251,7 +268,7 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                             if has_softcap:
                                 x = softcap * m.tanh(x / softcap)
                         else:
-                            x = _score(raw, qi, kj, off + qi, b, hh, mask, bias, geom, scale,
+                            x = score(raw, qi, kj, off + qi, b, hh, mask, bias, geom, scale,
                                        softcap, causal, has_window, has_mask, has_bias,
                                        has_softcap, sq, sk)
                         lse_i = lq[i] if rows_q else lq[j]
@@ -273,7 +290,7 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                     _put_pt(Pt, s, TR, SC, row0, col0, uQW)
                     slot = _acc(o1, fa, fv, fa2, fv2, stage, slot, Pt, rv, do, bbase, bs, c0,
                                 nb, d, tid, vec, vl, jc, dmax, TR, dpt, row0, tc, uQW, uSLOT)
-                    _fetch(rv, vl, dmax // 4, q, bbase, bs, c0, nb, int64(0), d, tid, vec)
+                    fetch_rows(rv, vl, dmax // 4, q, bbase, bs, c0, nb, int64(0), d, tid, vec)
                     cuda.syncthreads()            # every thread is done reading P^T
                     _put_pt(Pt, dp, TR, SC, row0, col0, uQW)
                     slot = _acc(o2, fa, fv, fa2, fv2, stage, slot, Pt, rv, q, bbase, bs, c0,
@@ -281,9 +298,9 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
                 c0 += BC                  # (Pt is rewritten after the next two products'
                                           # barriers: no barrier here)
                 if c0 < c_end:
-                    _fetch(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0),
+                    fetch_rows(ra, al, DC // 4, q if rows_q else k, abase, as_, r0, na, int64(0),
                            d, tid, vec)
-                    _fetch(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0),
+                    fetch_rows(rb, bl, DC // 4, k if rows_q else q, bbase, bs, c0, nb, int64(0),
                            d, tid, vec)
         if kind == DS:
             return
@@ -306,12 +323,12 @@ def grads(kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
     return kernel
 
 
-def launch(kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
+def launch(geo, kind, b: int, hq: int, hkv: int, sq: int, sk: int, d: int):
     """(grid, block) of ``grads``: a block per row tile and batch * (query or kv) head."""
-    br = RG * flash_rows(head_split(d))
+    br = geo.rg * flash_rows(geo, head_split(geo, d))
     if kind == DKV:
-        return (-(-sk // br), b * hkv), (NT,)
-    return (-(-sq // br), b * hq), (NT,)
+        return (-(-sk // br), b * hkv), (geo.nt,)
+    return (-(-sq // br), b * hq), (geo.nt,)
 
 
 __all__ = ["DKV", "DQ", "DS", "delta", "flash_launch", "grads", "launch", "launch_delta", "lse"]

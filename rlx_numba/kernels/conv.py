@@ -22,7 +22,8 @@ from . import matmul as mm
 from .launch import block_rows, grid_3d, inline, jit
 
 
-def _u(*vals):
+def u64s(*vals):
+    """The values as uint64 compile-time constants (a kernel's index arithmetic stays unsigned)."""
     return tuple(np.uint64(v) for v in vals)
 
 
@@ -50,9 +51,9 @@ def im2col_kernel(k, stride, dil):
     row (n, c, oz, oy); its threads write that row for every kernel tap in turn (the taps'
     reads of x overlap, in L1), so the line is decoded once for all of them. Arguments (cols,
     x, nc, geo)."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
-    dd, dh, dw = _u(*dil)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
+    dd, dh, dw = u64s(*dil)
     kk = kd * kh * kw
 
     @jit
@@ -91,9 +92,9 @@ def col2im_kernel(k, stride, dil):
     """img[n, c, z, y, x] = the sum of the cols entries whose window position is (z, y, x):
     for each kernel offset, the output position (z + pad - k*dilation) / stride when that
     divides exactly and lies inside (a gather: no atomics). Arguments (img, cols, nc, geo)."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
-    dd, dh, dw = _u(*dil)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
+    dd, dh, dw = u64s(*dil)
     kk = kd * kh * kw
 
     @jit
@@ -143,9 +144,9 @@ def col2im_kernel(k, stride, dil):
 def conv_gemm_kernel(k, stride, dil, transposed):
     """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above);
     launch with kernels/matmul.py's sgemm_launch(m, n, batch)."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
-    dd, dh, dw = _u(*dil)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
+    dd, dh, dw = u64s(*dil)
     kk, khw = kd * kh * kw, kh * kw
 
     @inline

@@ -8,6 +8,7 @@ function here is the single definition of its op.
 from numba import cuda, float32, int32, int64, uint16, uint32
 
 from . import mathfn as m
+from .launch import device
 
 _SQRT1_2 = float32(0.7071067811865476)
 _SQRT_2_PI = float32(0.7978845608028654)
@@ -16,92 +17,90 @@ _ONE = float32(1.0)
 _ZERO = float32(0.0)
 
 
-def _dev(f):
-    return cuda.jit(device=True)(f)
 
 
 # ---- float activations (float32 -> float32) --------------------------------------------------
-@_dev
+@device
 def gelu(x):  # exact, erf form
     return _HALF * x * (_ONE + m.erf(x * _SQRT1_2))
 
 
-@_dev
+@device
 def gelu_tanh(x):
     return _HALF * x * (_ONE + m.tanh(_SQRT_2_PI * (x + float32(0.044715) * x * x * x)))
 
 
-@_dev
+@device
 def silu(x):
     return x / (_ONE + m.exp(-x))
 
 
-@_dev
+@device
 def relu(x):
     return _ZERO if x < _ZERO else x  # NaN stays NaN, like torch
 
 
-@_dev
+@device
 def sigmoid(x):
     return _ONE / (_ONE + m.exp(-x))
 
 
-@_dev
+@device
 def tanh(x):
     return m.tanh(x)
 
 
-@_dev
+@device
 def exp(x):
     return m.exp(x)
 
 
-@_dev
+@device
 def log(x):
     return m.log(x)
 
 
-@_dev
+@device
 def sqrt(x):
     return m.sqrt(x)
 
 
-@_dev
+@device
 def rsqrt(x):
     return _ONE / m.sqrt(x)
 
 
-@_dev
+@device
 def neg(x):
     return -x
 
 
-@_dev
+@device
 def abs(x):  # noqa: A001 - the op's name
     return -x if x < _ZERO else x + _ZERO  # abs(-0.0) is 0.0
 
 
-@_dev
+@device
 def sin(x):
     return m.sin(x)
 
 
-@_dev
+@device
 def cos(x):
     return m.cos(x)
 
 
-@_dev
+@device
 def tan(x):
     return m.tan(x)
 
 
-@_dev
+@device
 def atan(x):
     return m.atan(x)
 
 
-@_dev
+@device
 def round(x):  # noqa: A001 - half to even, like numpy.round / torch.round
     return m.rint(x)
 
@@ -110,17 +109,17 @@ def round(x):  # noqa: A001 - half to even, like numpy.round / torch.round
 _INV_SQRT_2PI = float32(0.3989422804014327)
 
 
-@_dev
+@device
 def relu_grad(g, z):
     return g if z > _ZERO else _ZERO
 
 
-@_dev
+@device
 def gelu_grad(g, z):   # d/dz z*Phi(z) = Phi(z) + z*phi(z)
     return g * (_HALF * (_ONE + m.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * m.exp(-_HALF * z * z))
 
 
-@_dev
+@device
 def gelu_tanh_grad(g, z):
     u = _SQRT_2_PI * (z + float32(0.044715) * z * z * z)
     t = m.tanh(u)
@@ -128,77 +127,77 @@ def gelu_tanh_grad(g, z):
     return g * (_HALF * (_ONE + t) + _HALF * z * (_ONE - t * t) * du)
 
 
-@_dev
+@device
 def silu_grad(g, z):
     s = _ONE / (_ONE + m.exp(-z))
     return g * s * (_ONE + z * (_ONE - s))
 
 
-@_dev
+@device
 def sigmoid_grad(g, z):
     s = _ONE / (_ONE + m.exp(-z))
     return g * s * (_ONE - s)
 
 
-@_dev
+@device
 def tanh_grad(g, z):
     t = m.tanh(z)
     return g * (_ONE - t * t)
 
 
 # ---- integer activations (same type in and out) --------------------------------------------------
-@_dev
+@device
 def relu_i(x):
     return x - x if x < 0 else x
 
 
-@_dev
+@device
 def neg_i(x):
     return -x
 
 
-@_dev
+@device
 def abs_i(x):
     return -x if x < 0 else x
 
 
-@_dev
+@device
 def round_i(x):
     return x
 
 
 # ---- binary ops ---------------------------------------------------------------------------
-@_dev
+@device
 def add(a, b):
     return a + b
 
 
-@_dev
+@device
 def sub(a, b):
     return a - b
 
 
-@_dev
+@device
 def mul(a, b):
     return a * b
 
 
-@_dev
+@device
 def div(a, b):
     return a / b
 
 
-@_dev
+@device
 def max(a, b):  # noqa: A001 - NaN-propagating, like torch.maximum
     return a if (a > b or a != a) else b
 
 
-@_dev
+@device
 def min(a, b):  # noqa: A001 - NaN-propagating, like torch.minimum
     return a if (a < b or a != a) else b
 
 
-@_dev
+@device
 def pow(a, b):  # noqa: A001
     return m.pow(a, b)
 
@@ -206,7 +205,7 @@ def pow(a, b):  # noqa: A001
 add_i, sub_i, mul_i, max_i, min_i = add, sub, mul, max, min
 
 
-@_dev
+@device
 def pow_i(a, b):
     """Integer power by squaring; a negative exponent gives 1/a**|b| truncated (0 unless |a|=1)."""
     if b < 0:
@@ -224,24 +223,24 @@ def pow_i(a, b):
     return r
 
 
-@_dev
+@device
 def max_b(a, b):
     return a or b
 
 
-@_dev
+@device
 def min_b(a, b):
     return a and b
 
 
 # ---- conversions -------------------------------------------------------------------------------
-@_dev
+@device
 def bf16_to_f32(u):
     """bf16 bit pattern (uint16) -> float32 (exact)."""
     return m.bits_f32(int32(uint32(u) << uint32(16)))
 
 
-@_dev
+@device
 def f32_to_bf16(x):
     """float32 -> bf16 bit pattern, round to nearest even; NaN stays a quiet NaN."""
     b = uint32(m.f32_bits(x))
@@ -251,13 +250,13 @@ def f32_to_bf16(x):
     return uint16(b >> uint32(16))
 
 
-@_dev
+@device
 def round_bf16(x):
     """float32 rounded to the nearest bf16 value, kept as float32."""
     return bf16_to_f32(f32_to_bf16(x))
 
 
-@_dev
+@device
 def f2i32(x):
     """float32 -> int32, truncating toward zero; saturates, NaN -> 0 (CUDA's cvt.rzi.sat)."""
     if x != x:
@@ -269,7 +268,7 @@ def f2i32(x):
     return int32(x)
 
 
-@_dev
+@device
 def f2i64(x):
     """float32 -> int64, truncating toward zero; saturates, NaN -> 0."""
     if x != x:

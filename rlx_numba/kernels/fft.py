@@ -7,8 +7,8 @@ r-point DFT at (j / Ns) r Ns + k + s Ns; after the stages the row is in natural 
 no bit reversal. In shared memory the stages are radix 4 (one radix 2 first for odd p).
 
   fft_pass_kernel(radix, lines, first): one pass over memory of radix-``radix`` butterflies,
-    each a shared-memory DFT, ``lines`` of them a block. A row of n <= SHARED_N is one pass
-    of radix n (a block a row); longer rows take passes of radix up to MAX_RADIX, 3 for 2^20
+    each a shared-memory DFT, ``lines`` of them a block. A row of n <= shared_n is one pass
+    of radix n (a block a row); longer rows take passes of radix up to max_radix, 3 for 2^20
     points, each reading and writing runs of ``lines`` values;
   bluestein_row_kernel(n, m): a block a row of any length n with m = 2^p >= 2n - 1 <=
     ir/ops_fft.py's BLUESTEIN_M: the chirp, m-point transform, the product with the chirp
@@ -18,19 +18,29 @@ for huge arguments, the PTX's only float64, never runs).
 """
 import functools
 import math
+from dataclasses import dataclass
 
 from numba import cuda, float32, uint32, uint64
 
-from ..device import SIMULATOR
-from .launch import inline, jit
+from .launch import inline, jit, register_geometry
 
-# complex values a row one pass takes (2 x 16 KiB of shared memory); longer rows take passes of
-# MAX_RADIX-point DFTs, PASS_LINES of them a block (2 x 16 KiB); the simulator's small sizes
-# send short rows through every kernel
-SHARED_N = 16 if SIMULATOR else 2048
-MAX_RADIX = 4 if SIMULATOR else 128
-PASS_LINES = 2 if SIMULATOR else 16
-THREADS = 16 if SIMULATOR else 256
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """runtime/lower_fft.py's plan: shared_n complex values a row one pass takes; longer rows
+    take passes of DFTs of up to max_radix points, pass_lines of them a block; threads a
+    block."""
+    shared_n: int
+    max_radix: int
+    pass_lines: int
+    threads: int
+
+
+GPU = Geometry(shared_n=2048, max_radix=128, pass_lines=16, threads=256)   # 2 x 16 KiB
+# (the simulator's small sizes send short rows through every kernel)
+SIM = Geometry(shared_n=16, max_radix=4, pass_lines=2, threads=16)
+register_geometry("fft", gpu=GPU, sim=SIM)
 U1, U2 = uint64(1), uint64(2)
 
 

@@ -14,7 +14,7 @@ k = (nt j + t) VEC (VEC = 4 f32 or 8 half values; one element when K or a pointe
 16-byte aligned), u vectors of each column issued before any arithmetic. x is read straight
 from global memory: every block of the GPU reads the same few kilobytes, so after the first
 touch they are L1 hits; a vector of x is loaded once for all the block's columns. Each
-thread keeps M x cpw partial sums; a warp reduce-scatter (``attention.reduce_scatter``:
+thread keeps M x cpw partial sums; a warp reduce-scatter (``warp.reduce_scatter``:
 shuffles on a GPU, shared memory in the simulator) leaves one sum a lane, the warps' sums
 meet in shared memory, and a thread a (row, column) adds them in warp order and stores the
 result with the epilogue (bias, activation, residual) applied -- or, ``gated``, pairs the
@@ -31,6 +31,7 @@ it also resets the ticket, so CUDA graph replays find it at zero. Blocks grid-st
 the column groups (the simulator launches two).
 """
 import functools
+from dataclasses import dataclass
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
@@ -38,10 +39,22 @@ from ..device import SIMULATOR
 from . import elementwise as ew
 from . import mathfn as mf
 from . import ptx
-from .attention import reduce_scatter
-from .launch import jit, pow2_at_least, inline as _inline
+from .launch import default_geometry, inline as _inline, jit, pow2_at_least, register_geometry
+from .warp import reduce_scatter
 
-NW = 2 if SIMULATOR else 4          # warps a block
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """``plan``'s shapes: nw warps a block; small: the simulator's plan (wide groups, K split
+    past 64 values: few threads and few barriers) instead of the GPU's tuned one."""
+    nw: int
+    small: bool
+
+
+GPU = Geometry(nw=4, small=False)
+SIM = Geometry(nw=2, small=True)
+register_geometry("gemv", gpu=GPU, sim=SIM)
 MAX_M = 16                          # rows of x the tier takes
 REGS = 96                           # register budget of the plan (see plan)
 KINDS = ("f32", "f16", "bf16")
@@ -264,7 +277,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
 
 
 def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None, cpw=None,
-         u=None, target=None):
+         u=None, target=None, geo=None):
     """(nw, tw, cpw, u, groups, splits, kchunk, minb) for a product: warps a block, warps a
     team, columns a team, vectors of a column in flight a thread, column groups (blocks), K
     splits, the K range a split, and the blocks a SM the kernel's registers are capped for.
@@ -275,9 +288,11 @@ def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None,
     pass REGS (fewer registers, more warps resident: on an H100 at M = 8 a budget of ~100
     ran 49152x576 f32 at 69% of copy, 35% at ~140) or there would be fewer than 2 blocks a
     SM; then teams grow to the whole block while blocks are still short. K is split across
-    blocks only when the groups cannot reach ``target`` blocks (default: one a SM)."""
-    nw = nw or NW
-    if SIMULATOR:   # few threads and few barriers: wide groups, K split past 64 values;
+    blocks only when the groups cannot reach ``target`` blocks (default: one a SM). ``geo``:
+    the device's default geometry unless given."""
+    geo = geo or default_geometry("gemv")
+    nw = nw or geo.nw
+    if geo.small:   # few threads and few barriers: wide groups, K split past 64 values;
         tw = tw or (1 if m <= 4 else nw)     # both team shapes
         cpw = cpw or (4 if m <= 4 else 2)
         u = u or 2

@@ -23,7 +23,7 @@ from numba import cuda, float32, int64
 
 from ..device import SIMULATOR
 from . import mathfn as m
-from .blockreduce import MAX, SLOTS, SUM, group_reduce
+from .warp import MAX, SLOTS, SUM, group_reduce
 from .launch import jit
 
 NEG_INF = float32(-math.inf)

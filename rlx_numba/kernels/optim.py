@@ -25,7 +25,7 @@ import math
 from numba import cuda, float32
 
 from ..device import SIMULATOR
-from .blockreduce import SLOTS, SUM, group_reduce
+from .warp import SLOTS, SUM, group_reduce
 from .launch import jit
 
 BLOCK = 16 if SIMULATOR else 512          # threads a block (group_reduce over the whole block)

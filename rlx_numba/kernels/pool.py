@@ -10,16 +10,16 @@ import math
 
 from numba import cuda, float32, int64, uint64
 
-from .conv import _u, window_at
+from .conv import u64s, window_at
 from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
 def _window_fn(k, stride, dil, is_max, include_pad):
     """window(x, base, geo, oz, oy, ox) -> (max or mean, flat offset of the max or -1)."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
-    dd, dh, dw = _u(*dil)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
+    dd, dh, dw = u64s(*dil)
     divisor = _divisor_fn(k, stride, include_pad)
 
     @inline
@@ -57,8 +57,8 @@ def _window_fn(k, stride, dil, is_max, include_pad):
 def _divisor_fn(k, stride, include_pad):
     """divisor(geo, oz, oy, ox): avg's divisor of a window, the window clipped to the padded
     input or to the input (in padded coordinates: the input is [pad, pad + size))."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
 
     @inline
     def divisor(geo, oz, oy, ox):
@@ -116,9 +116,9 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
 def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool):
     """dx[nc, z, y, x] = the sum over the windows holding it of dy (max: where it is the
     window's max; avg: dy / the window's divisor); arguments (dx, x, dy, nc, geo)."""
-    kd, kh, kw = _u(*k)
-    sd, sh, sw = _u(*stride)
-    dd, dh, dw = _u(*dil)
+    kd, kh, kw = u64s(*k)
+    sd, sh, sw = u64s(*stride)
+    dd, dh, dw = u64s(*dil)
     window = _window_fn(k, stride, dil, is_max, include_pad)
     divisor = _divisor_fn(k, stride, include_pad)
 

@@ -15,13 +15,14 @@ GEMV (decode, M <= MAX_M rows of x): a warp holds ``r`` rows of W; lane l takes 
 l, l + 32 wpr, ... of its rows (``wpr`` warps of a block share a row group, splitting its K:
 short-N products still fill the GPU), so the x values of a unit are loaded once for the r
 rows (held in registers when M = 1). Sums are f32 in a fixed order; a warp reduce-scatter
-(attention.reduce_scatter) and the row group's warps' sums, added in warp order, give each
+(warp.reduce_scatter) and the row group's warps' sums, added in warp order, give each
 y value: deterministic, no atomics. x is not rounded: the contract is f32 arithmetic.
 """
 from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 from numba import cuda, float32, int32, int64, uint32
 
@@ -29,8 +30,8 @@ from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF, UNIT
 from . import elementwise as ew
 from . import ptx
-from .attention import reduce_scatter
-from .launch import jit, pow2_at_least, inline as _inline
+from .launch import default_geometry, inline as _inline, jit, pow2_at_least, register_geometry
+from .warp import reduce_scatter
 
 ZERO = float32(0.0)
 
@@ -224,7 +225,18 @@ def group_shift(gsu: int) -> int:
     return gsu.bit_length() - 1 if gsu & (gsu - 1) == 0 else -1
 
 
-def plan(m: int, n: int, sm: int, scheme: str = "q4_0"):
+@dataclass(frozen=True)
+class Geometry:
+    """``plan``'s shapes: small, the simulator's (one or two warps a block, many rows a warp:
+    a Python thread a CUDA thread, a barrier costly), or the GPU's tuned ones."""
+    small: bool
+
+
+GPU, SIM = Geometry(small=False), Geometry(small=True)
+register_geometry("quant", gpu=GPU, sim=SIM)
+
+
+def plan(m: int, n: int, sm: int, scheme: str = "q4_0", geo=None):
     """(nw, r, wpr, tiles, qpl): warps a block, rows a warp, warps sharing a row group, row
     groups (blocks), quarters a lane. r * m <= 32 sums a lane (one reduce-scatter round); at
     least 2 warps split K, more while there would be fewer than 4 blocks a SM. (H200, M = 1,
@@ -237,12 +249,13 @@ def plan(m: int, n: int, sm: int, scheme: str = "q4_0"):
     1.95, 3072x576 3.45 -> 2.96, 2048x8192 7.54 -> 6.76 (16384x2048, 49152x576: 12.7 and 20.8
     as before, against 14.2 and 24.3 this way); M = 8 3072x576 7.98 -> 5.41, 3072x2048 11.0
     -> 8.5, 16384x2048 44.2 -> 33.8. q4_k and q8_0 ran slower so (4096x11008 at M = 1: 30.8
-    -> 35.1 and 28.7 -> 35.0 us) and keep qpl 2."""
+    -> 35.1 and 28.7 -> 35.0 us) and keep qpl 2. ``geo``: the device's default geometry unless
+    given."""
+    geo = geo or default_geometry("quant")
     cheap = scheme in SPLIT16
     if os.environ.get("RLX_NUMBA_QGEMV"):       # nw,r,wpr,qpl (tuning, tests)
         nw, r, wpr, qpl = (int(v) for v in os.environ["RLX_NUMBA_QGEMV"].split(","))
-    elif SIMULATOR:
-        # (a Python thread a CUDA thread, a barrier costly: one warp, many rows a warp)
+    elif geo.small:
         nw, r, wpr, qpl = (2, 2, 2, 2) if n <= 4 else (1, min(8, 32 // m) & ~1, 1, 2)
     elif cheap and m > 1:
         nw, r, wpr, qpl = 4, max(1, min(4, 32 // m)), 4, 1

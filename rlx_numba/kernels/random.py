@@ -22,7 +22,7 @@ from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
 from . import mathfn as m
-from .launch import jit
+from .launch import jit, py_in_sim
 
 if SIMULATOR:   # numba's types as converters cost ~2 us a call in the simulator
     float32, int64, uint64 = np.float32, np.int64, np.uint64
@@ -45,14 +45,10 @@ _TWO_PI = float32(2 * math.pi)
 _M2 = float32(-2.0)
 
 
-def _dev(f):
-    """A device function; the plain Python function in the simulator (a device-function call
-    there costs ~15 us)."""
-    return f if SIMULATOR else cuda.jit(device=True)(f)
 
 
 # ---- Philox4x32-10 ---------------------------------------------------------------------------
-@_dev
+@py_in_sim
 def philox4x32_10(c0, c1, c2, c3, k0, k1):
     """Random123's philox4x32_10: four 32-bit counter words, two key words (each held in a
     uint64) -> four 32-bit output words."""
@@ -86,7 +82,7 @@ def philox_kernel(out, ctr, key, n):
         i += uint64(cuda.gridsize(1))
 
 
-@_dev
+@py_in_sim
 def _block(j, stream, seed):
     """The four words of block j of ``stream``; ``seed`` an int64 array, seed[0] the seed."""
     s = seed[0]
@@ -95,12 +91,12 @@ def _block(j, stream, seed):
     return philox4x32_10(j & _U32, j >> _S32, stream, _DOMAIN, k0, k1)
 
 
-@_dev
+@py_in_sim
 def _unit(w):
     return float32(w >> _S8) * _INV24
 
 
-@_dev
+@py_in_sim
 def _drop_one(out, x, i, n, w, p, scale):
     if i < n:
         out[i] = x[i] * scale if _unit(w) >= p else _ZERO
@@ -122,7 +118,7 @@ def dropout_kernel(out, x, seed, stream, n, p, scale):
         j += uint64(cuda.gridsize(1))
 
 
-@_dev
+@py_in_sim
 def _normal_pair(out, i, n, wa, wb):
     r = m.sqrt(_M2 * m.log(float32((wa >> _S8) + uint64(1)) * _INV24))
     t = _TWO_PI * _unit(wb)

@@ -29,10 +29,10 @@ from numba import cuda, float32, int32, int64, uint64
 from numba.core.types import float16
 
 from ..device import SIMULATOR
-from . import blockreduce as br
+from . import warp as br
 from . import elementwise as ew
-from .blockreduce import ARGMAX, ARGMIN, MAX, MIN, PROD, SLOTS, SUM, group_reduce, group_reduce_pair
-from .launch import jit
+from .warp import ARGMAX, ARGMIN, MAX, MIN, PROD, SLOTS, SUM, group_reduce, group_reduce_pair
+from .launch import jit, py_in_sim
 
 
 def _inline(f):
@@ -42,8 +42,6 @@ def _inline(f):
     return f.fn if SIMULATOR else f
 
 
-def _dev(f):
-    return f if SIMULATOR else cuda.jit(device=True)(f)
 
 
 def _jit(max_threads: int):
@@ -68,22 +66,22 @@ _U1 = uint64(1)
 
 
 # ---- loads: element k of x as the accumulator type ------------------------------------------
-@_dev
+@py_in_sim
 def ld_f32(x, k):
     return x[k]
 
 
-@_dev
+@py_in_sim
 def ld_f16(x, k):
     return float32(x[k])
 
 
-@_dev
+@py_in_sim
 def ld_bf16(x, k):
     return _bf16_to_f32(x[k])
 
 
-@_dev
+@py_in_sim
 def ld_int(x, k):
     return int64(x[k])
 
@@ -92,42 +90,42 @@ LOADS = {"f32": ld_f32, "f16": ld_f16, "bf16": ld_bf16, "int": ld_int}
 
 
 # ---- stores: out[k] = v converted (d: the count, for mean) ------------------------------------
-@_dev
+@py_in_sim
 def st_same(out, k, v, d):
     out[k] = v
 
 
-@_dev
+@py_in_sim
 def st_f16(out, k, v, d):
     out[k] = float16(v)
 
 
-@_dev
+@py_in_sim
 def st_bf16(out, k, v, d):
     out[k] = _f32_to_bf16(v)
 
 
-@_dev
+@py_in_sim
 def st_i32(out, k, v, d):
     out[k] = int32(v)
 
 
-@_dev
+@py_in_sim
 def st_bool(out, k, v, d):
     out[k] = v != 0
 
 
-@_dev
+@py_in_sim
 def st_mean_f32(out, k, v, d):
     out[k] = float32(v) / d
 
 
-@_dev
+@py_in_sim
 def st_mean_f16(out, k, v, d):
     out[k] = float16(float32(v) / d)
 
 
-@_dev
+@py_in_sim
 def st_mean_bf16(out, k, v, d):
     out[k] = _f32_to_bf16(float32(v) / d)
 

@@ -25,7 +25,7 @@ from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
 from .launch import jit
-from .shape import _copy_span
+from .shape import copy_span
 
 HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
 
@@ -103,7 +103,7 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
         j = r - bh * s
         t = p + int64(j)
         if t >= int64(0) and t < int64(max_s):
-            _copy_span(cache, (bh * max_s + uint64(t)) * D, new, r * D, c0, D, xstep)
+            copy_span(cache, (bh * max_s + uint64(t)) * D, new, r * D, c0, D, xstep)
         r += ystep
 
 

@@ -21,14 +21,15 @@ compile-time constants of each factory, so unused branches cost nothing.
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, uint64
 
 from ..device import SIMULATOR
 from . import mathfn as m
-from .blockreduce import MAX, SLOTS, SUM, group_reduce
-from .launch import jit, inline as _inline
+from .warp import MAX, SLOTS, SUM, group_reduce
+from .launch import default_geometry, inline as _inline, jit, register_geometry
 
 SOFTMAX, LOG_SOFTMAX, LAYER_NORM, RMS_NORM = 0, 1, 2, 3
 KINDS = {"softmax": SOFTMAX, "log_softmax": LOG_SOFTMAX, "layer_norm": LAYER_NORM,
@@ -363,21 +364,37 @@ LOOP_BLOCK, LOOP_UNROLL = 256, 8
 LOOP_CACHED = 2 * 32 * LOOP_UNROLL if SIMULATOR else 5 * LOOP_BLOCK * LOOP_UNROLL
 
 
-def row_plan(cols_: int, softmaxish: bool):
+@dataclass(frozen=True)
+class Geometry:
+    """row_plan's shapes: at most max_g threads a row, target values a thread when the row
+    allows it, at least min_g threads a row and min_block a block."""
+    max_g: int
+    target: int
+    min_g: int
+    min_block: int
+
+
+GPU = Geometry(max_g=MAX_G, target=VPT_MAX, min_g=32, min_block=256)
+SIM = Geometry(max_g=32, target=4, min_g=1, min_block=32)     # small groups and blocks
+register_geometry("rows", gpu=GPU, sim=SIM)
+
+
+def row_plan(cols_: int, softmaxish: bool, geo: Geometry | None = None):
     """rows_reg's (g, vpt, block, prefetch, blocks_per_sm) for rows of cols_, or None when
-    the row must be streamed (rows_loop). The simulator gets small groups and blocks."""
-    max_g = 32 if SIMULATOR else MAX_G
+    the row must be streamed (rows_loop). ``geo``: the device's default geometry unless
+    given."""
+    geo = geo or default_geometry("rows")
+    max_g = geo.max_g
     if cols_ > max_g * VPT_MAX:
         return None
-    target = 4 if SIMULATOR else VPT_MAX    # values a thread, when the row allows it
     g = 1
-    while g < max_g and g * target < cols_:
+    while g < max_g and g * geo.target < cols_:
         g *= 2
-    g = max(g, 1 if SIMULATOR else 32)
+    g = max(g, geo.min_g)
     vpt = 1
     while g * vpt < cols_:
         vpt *= 2
-    block = max(g, 32 if SIMULATOR else 256)
+    block = max(g, geo.min_block)
     per_sm = 1024 // block
     return g, vpt, block, softmaxish, 2 * per_sm if softmaxish else 16 * per_sm
 

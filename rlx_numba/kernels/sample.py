@@ -67,14 +67,15 @@ pass), ~15-20 us a pass, ~100 us; a grid-wide mass descent would fix it.
 """
 import functools
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from numba import boolean, cuda, float32, int32, int64, uint32, uint64
 
 from ..device import SIMULATOR
 from . import mathfn as m
-from .blockreduce import MAX, MIN, SLOTS, SUM, group_reduce
-from .launch import jit
+from .warp import MAX, MIN, SLOTS, SUM, bitonic_sort, group_reduce
+from .launch import jit, py_in_sim, register_geometry
 from .random import philox4x32_10, philox_kernel  # noqa: F401 (Philox lives in kernels/random.py)
 
 if SIMULATOR:
@@ -86,21 +87,35 @@ if SIMULATOR:
 SMALL_N = 32            # rows up to this long: a thread per row (O(n^2) per row)
 RADIX_BITS = 8          # digit of one select pass
 NBINS = 1 << RADIX_BITS
-# Shared memory (48 KB of static shared memory a block on a GPU; small in the simulator, so
-# the tests reach the global-memory paths): keys a segment block stages, the largest k
-# (rounded up to a power of two) topk_rows sorts in shared memory, and the key slots
-# topk_rows may hold there in all (the staged source plus the sort buffer).
-SEG_MAX = 1024 if SIMULATOR else 4096       # 32 KB
-SMEM_SORT = 256 if SIMULATOR else 2048      # 16 KB
-SMEM_KEYS = 1024 if SIMULATOR else 5120     # 40 KB
 
 
-def _dev(f):
-    """A device function; in the simulator the plain Python function (a device-function call
-    there costs ~15 us). Only for helpers of this module's kernels that need no barrier: while
-    a kernel of this module runs, the simulator has swapped this module's ``cuda`` for its
-    own, so atomics work in them too."""
-    return f if SIMULATOR else cuda.jit(device=True)(f)
+@dataclass(frozen=True)
+class Geometry:
+    """The family's shapes (runtime/lower_sample.py plans with them). Shared memory (48 KB of
+    static shared memory a block on a GPU; small in the simulator, so the tests reach the
+    global-memory paths): seg_max keys a segment block stages, smem_sort the largest k
+    (rounded up to a power of two) topk_rows sorts there, smem_keys the key slots topk_rows
+    may hold there in all (the staged source plus the sort buffer). Threads: block, those of
+    a block-per-row kernel (0: from the row, ~8 elements a thread, 64..1024), seg_block those
+    of the segment kernels. Segments: seg_want blocks at least (0: 2 a SM), each of min_seg
+    elements at least."""
+    seg_max: int
+    smem_sort: int
+    smem_keys: int
+    block: int
+    seg_block: int
+    seg_want: int
+    min_seg: int
+
+
+GPU = Geometry(seg_max=4096, smem_sort=2048, smem_keys=5120, block=0, seg_block=256,
+               seg_want=0, min_seg=512)          # 32, 16 and 40 KB of shared memory
+# (a barrier costs the simulator ~1 ms at 16 threads a block)
+SIM = Geometry(seg_max=1024, smem_sort=256, smem_keys=1024, block=8, seg_block=8, seg_want=4,
+               min_seg=128)
+register_geometry("sample", gpu=GPU, sim=SIM)
+
+
 
 
 def _jit(block):
@@ -117,7 +132,7 @@ _ONE = float32(1.0)
 _NONE = int64(2**62)
 _I0 = int64(0)
 
-@_dev
+@py_in_sim
 def row_uniform(row, seed):
     """The row's 32-bit uniform: word 0 of Philox4x32-10 at counter (row, 0, 0, 0) with the
     seed's two 32-bit halves as the key. ``seed`` is an int64 array, seed[0] the seed."""
@@ -128,14 +143,14 @@ def row_uniform(row, seed):
     return r
 
 
-@_dev
+@py_in_sim
 def mulhi32(z, u):
     """floor(z * u / 2^32) for a uint64 z and u < 2^32, without overflow."""
     return (z >> _S32) * u + (((z & _U32) * u) >> _S32)
 
 
 # ---- keys --------------------------------------------------------------------------------------
-@_dev
+@py_in_sim
 def ord_hi(v):
     """float32 -> order-preserving uint32 (in a uint64); NaN above +inf, -0.0 == +0.0."""
     if v != v:
@@ -148,7 +163,7 @@ def ord_hi(v):
     return uint64(b + int64(0x80000000))
 
 
-@_dev
+@py_in_sim
 def ord_lo(v):
     """As ord_hi, but NaN below -inf (ord 0)."""
     if v != v:
@@ -156,7 +171,7 @@ def ord_lo(v):
     return ord_hi(v)
 
 
-@_dev
+@py_in_sim
 def value_of(o):
     """The float32 of an ord (NaN for 0 and 0xFFFFFFFF)."""
     if o == _U0 or o == _U32:
@@ -168,17 +183,17 @@ def value_of(o):
     return m.bits_f32(int32(b))
 
 
-@_dev
+@py_in_sim
 def ld_f32(x, i):
     return x[i]
 
 
-@_dev
+@py_in_sim
 def ld_f16(x, i):
     return float32(x[i])
 
 
-@_dev
+@py_in_sim
 def ld_bf16(x, i):
     return m.bits_f32(int32(int64(x[i]) << int64(16)))
 
@@ -192,27 +207,27 @@ def _x_loader(ld: str, nan_low: bool):
     LD = LOADS[ld]
     ORD = ord_lo if nan_low else ord_hi
 
-    @_dev
+    @py_in_sim
     def load(x, base, i, off):
         v = LD(x, base + i)
         return v, (ORD(v) << _S32) | (_U32 - (off + i))
     return load
 
 
-@_dev
+@py_in_sim
 def _key_only(src, base, i, off):
     """load for a list of keys when only the key matters: (0, key)."""
     return _ZERO, src[base + i]
 
 
-@_dev
+@py_in_sim
 def _key_loader(src, base, i, off):
     """load for a list of keys (candidates): (value, key)."""
     e = src[base + i]
     return value_of(e >> _S32), e
 
 
-@_dev
+@py_in_sim
 def weight(v, mx, inv_t, scale):
     """exp((v - max) / temperature) in fixed point: scale at the max, 0 for NaN."""
     if v != v:
@@ -239,42 +254,6 @@ def _prefix_scan(buf, tid, nt):
         off += off
 
 
-@functools.lru_cache(maxsize=None)
-def _bitonic(block: int, by_index: bool):
-    """sort(buf, base, kp): buf[base:base+kp] (kp a power of two) sorted descending by key, or
-    by_index: ascending by index (descending low 32 bits); 0 pads sort last either way."""
-    B = uint64(block)
-
-    @cuda.jit(device=True)
-    def sort(buf, base, kp):
-        tid = uint64(cuda.threadIdx.x)
-        half = kp >> _U1
-        size = uint64(2)
-        while size <= kp:
-            stride = size >> _U1
-            while stride > _U0:
-                i = tid
-                while i < half:
-                    lo = (i // stride) * (stride + stride) + i % stride
-                    hi = lo + stride
-                    a = buf[base + lo]
-                    b = buf[base + hi]
-                    ka = a & _U32 if by_index else a
-                    kb = b & _U32 if by_index else b
-                    if (lo & size) == _U0:
-                        swap = ka < kb
-                    else:
-                        swap = ka > kb
-                    if swap:
-                        buf[base + lo] = b
-                        buf[base + hi] = a
-                    i += B
-                cuda.syncthreads()
-                stride = stride >> _U1
-            size += size
-    return sort
-
-
 def _bins(block):
     """(bins per scanning thread, scanning threads): the NBINS bins are summed by the first
     min(32, block) threads; each then adds up the totals above its own (a short serial
@@ -283,7 +262,7 @@ def _bins(block):
     return NBINS // nt, nt
 
 
-@_dev
+@py_in_sim
 def _find_bin(hist, tot, tid, bpt, nt, need):
     """The radix step's bin search, by the first ``nt`` threads (thread t sums bins
     [t*bpt, (t+1)*bpt) into tot[t] before): walking the bins from the highest, the one where the
@@ -379,7 +358,7 @@ def _select_count(load, block: int):
     return select
 
 
-@_dev
+@py_in_sim
 def _mass_add(hist_m, hist_c, v, e, mask, prefix, shift, mx, inv_t, scale):
     """One key into the mass histogram of the digit at ``shift`` (if it matches prefix)."""
     if (e & mask) == prefix:
@@ -491,9 +470,9 @@ def topk_small(ld: str):
 
 
 @functools.lru_cache(maxsize=None)
-def topk_segments(ld: str, block: int, nan_low: bool):
+def topk_segments(ld: str, block: int, nan_low: bool, seg_max: int):
     """Stage 1: block per (row, segment) q: cand[q*k : q*k+k] = the top min(k, len) keys of
-    segment q % nseg of row q // nseg (elements [s*seg, min((s+1)*seg, n)), seg <= SEG_MAX),
+    segment q % nseg of row q // nseg (elements [s*seg, min((s+1)*seg, n)), seg <= seg_max),
     in no order, 0-padded. The segment's keys are computed once into shared memory."""
     load = _x_loader(ld, nan_low)
     select = _select_count(_key_only, block)
@@ -506,7 +485,7 @@ def topk_segments(ld: str, block: int, nan_low: bool):
         tot = cuda.shared.array(NT, uint64)
         ctl = cuda.shared.array(4, uint64)
         slot = cuda.shared.array(1, uint32)
-        kbuf = cuda.shared.array(SEG_MAX, uint64)
+        kbuf = cuda.shared.array(seg_max, uint64)
         tid = uint64(cuda.threadIdx.x)
         q = uint64(cuda.blockIdx.x)
         while q < nq:                         # uniform across the block
@@ -557,8 +536,8 @@ def topk_rows(src: str, block: int, kp: int, smem: bool, stage: int, out_kind: i
     load = _key_only if src == "keys" else _x_loader(src, nan_low)
     select_staged = _select_count(_key_only, block)
     select_src = _select_count(load, block)
-    assert not (stage and smem and stage + kp > SMEM_KEYS)
-    sort = _bitonic(block, out_kind == KEYS_BY_INDEX)
+    # descending by key, or by index: ascending, as descending low 32 bits (0 pads sort last)
+    sort = bitonic_sort(True, out_kind == KEYS_BY_INDEX)
     B = uint64(block)
     KP = uint64(kp)
     _, NT = _bins(block)
@@ -614,9 +593,9 @@ def topk_rows(src: str, block: int, kp: int, smem: bool, stage: int, out_kind: i
                 j += B
             cuda.syncthreads()
             if USE_SMEM:
-                sort(sbuf, sb, KP)
+                sort(sbuf, sb, KP, tid, B)
             else:
-                sort(scratch, sb, KP)
+                sort(scratch, sb, KP, tid, B)
             j = tid
             while j < k:
                 e = sbuf[j] if USE_SMEM else scratch[sb + j]
@@ -745,7 +724,7 @@ def _chunks(load, block: int):
         cuda.syncthreads()                    # tot is free again
         return s, incl, z, clo, chi
 
-    @_dev
+    @py_in_sim
     def walk(src, base, clo, chi, mask, prefix, mx, inv_t, scale, s, incl, target):
         if s == _U0 or target < incl - s or target >= incl:
             return _NONE
@@ -859,7 +838,7 @@ def sample_seg_max(ld: str, block: int):
     return kernel
 
 
-@_dev
+@py_in_sim
 def _row_max(segmax, row, nseg, tid, step):
     """This thread's share of the largest ord of a row, from its segments' (int64)."""
     om = int64(0)

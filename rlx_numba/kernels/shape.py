@@ -102,7 +102,7 @@ def transpose_tiled(dst, src, na, nb, src_sb, dst_sa, tiles_a, tiles_b, nbatch, 
 
 
 @cuda.jit(device=True)
-def _copy_span(dst, do, src, so, c, n, step):
+def copy_span(dst, do, src, so, c, n, step):
     """dst[do + i] = src[so + i] for i = c, c + step, ... < n; SPAN loads before SPAN stores
     (the last, partial trip too, guarded: a row shorter than SPAN x the threads on it still
     has all its loads in flight at once)."""
@@ -134,7 +134,7 @@ def copy_rows(dst, src, nrows, ncols, dst_off, dst_stride, src_off, d1, d2, s0, 
     r = uint64(cuda.threadIdx.y) + uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y)
     ystep = uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
     while r < nrows:
-        _copy_span(dst, dst_off + r * dst_stride, src, src_off + _batch_offset(r, d1, d2, s0, s1, s2),
+        copy_span(dst, dst_off + r * dst_stride, src, src_off + _batch_offset(r, d1, d2, s0, s1, s2),
                    c0, ncols, xstep)
         r += ystep
 
@@ -167,7 +167,7 @@ def gather(out, table, idx, nouter, nidx, inner, dim):
                 v = int64(0)
             if v >= d:
                 v = d - int64(1)
-            _copy_span(out, (o * nidx + k) * inner, table, (o * dim + uint64(v)) * inner,
+            copy_span(out, (o * nidx + k) * inner, table, (o * dim + uint64(v)) * inner,
                        c0, inner, xstep)
             k += ystep
         o += uint64(cuda.gridDim.z)

@@ -13,15 +13,27 @@ values with ties in index order (stable), for either direction:
   4. the indices are the keys' low 32 bits (index_kernel); values gather them.
 """
 import functools
+from dataclasses import dataclass
 
 from numba import cuda, int32, uint8, uint32, uint64
 
-from ..device import SIMULATOR
-from .launch import jit
+from .launch import jit, register_geometry
+from .warp import bitonic_sort
 
-TILE = 8 if SIMULATOR else 2048        # keys a block sorts in shared memory (16 KiB)
-THREADS = 4 if SIMULATOR else 512
-PROBES = THREADS // 2 if SIMULATOR else 32     # a merge split's search: points probed a round
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """tile keys a block sorts in shared memory (and merges a pass), threads a block, probes:
+    the points a merge split's search probes a round (threads // 2 at most)."""
+    tile: int
+    threads: int
+    probes: int
+
+
+GPU = Geometry(tile=2048, threads=512, probes=32)       # a tile: 16 KiB of shared memory
+SIM = Geometry(tile=8, threads=4, probes=2)
+register_geometry("sort", gpu=GPU, sim=SIM)
 F32, I32 = 0, 1
 _HI = uint64(32)
 _SIGN = uint32(0x80000000)
@@ -59,8 +71,8 @@ def key_kernel(kind: int, descending: bool):
 @functools.lru_cache(maxsize=None)
 def tile_sort_kernel(p: int):
     """kernel(keys, rows, n): each tile of p keys of each row sorted in place (bitonic)."""
-    half = p // 2
     up = uint64(p)
+    sort = bitonic_sort(False)
 
     @jit
     def kernel(keys, rows, n):
@@ -77,21 +89,7 @@ def tile_sort_kernel(p: int):
                 s[i] = keys[base + i] if i < count else _MAX
                 i += uint64(cuda.blockDim.x)
             cuda.syncthreads()
-            size = uint64(2)
-            while size <= up:
-                stride = size // uint64(2)
-                while stride > uint64(0):
-                    j = tid
-                    while j < uint64(half):
-                        lo = uint64(2) * j - (j & (stride - uint64(1)))
-                        hi = lo + stride
-                        a, b = s[lo], s[hi]
-                        if (a > b) == ((lo & size) == uint64(0)):
-                            s[lo], s[hi] = b, a
-                        j += uint64(cuda.blockDim.x)
-                    cuda.syncthreads()
-                    stride //= uint64(2)
-                size *= uint64(2)
+            sort(s, uint64(0), up, tid, uint64(cuda.blockDim.x))
             i = tid
             while i < count:
                 keys[base + i] = s[i]
@@ -103,12 +101,13 @@ def tile_sort_kernel(p: int):
 
 
 @functools.lru_cache(maxsize=None)
-def merge_tile_kernel(tile: int):
+def merge_tile_kernel(tile: int, probes: int):
     """kernel(out, keys, rows, n, width): runs of ``width`` sorted keys merged in pairs, keys
     -> out, each row of n; a block makes ``tile`` consecutive outputs of a row (2 width is a
     multiple of tile). Merge path (Odeh et al.): the block's first and last output split the
     pair's two runs at i and d - i (a 32-ary search each); the block loads those slices of
     the runs into shared memory (coalesced) and moves each key to its rank there."""
+    PROBES = probes
     ut, up = uint64(tile), uint64(PROBES)
     nflags = 2 * PROBES                      # (a compile-time constant for the shared array)
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
-from ..kernels.launch import sm_count
+from ..kernels.launch import default_geometry, sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
@@ -83,6 +83,7 @@ def _lower_attention(exe, n):
     geom, ks = _geom(exe, n, q, k, mask, bias)
     args = (exe.buf(q), exe.buf(k), exe.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
+    geo = default_geometry("attention")
     if _decodes(a):                       # few queries a kv head: split the keys instead
         rows_c = A.decode_rows(hq // hkv, sq, d)
         dpl = -(-d // 32)
@@ -95,10 +96,10 @@ def _lower_attention(exe, n):
         count = exe.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
         # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
         # 256-byte aligned and a view starting where its buffer does)
-        kern = A.decode_split(dpl, rows_c, A.decode_pair(d), *flags)
+        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags)
         return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
-                     kern, (splits, b * hkv, groups), (A.DEC_NW * 32,),
+                     kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
                      (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
                      {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
@@ -107,8 +108,8 @@ def _lower_attention(exe, n):
     vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
     lse = [r for r in g.nodes[n.id].results if r in exe._live]
-    kern = A.flash(A.head_split(d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
-    grid, block = A.flash_launch(b, hq, sq, d)
+    kern = A.flash(geo, A.head_split(geo, d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
+    grid, block = A.flash_launch(geo, b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
                  f"{b}x{hq}x{sq}x{sk}{' +lse' if lse else ''}", kern, grid, block,
                  (exe.buf(n), exe.buf(lse[0]) if lse else _dummy(exe, np.float32), *args),
@@ -129,9 +130,10 @@ def _lower_attention_lse(exe, n):
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[2:])
     geom, _ = _geom(exe, n, q, k, mask, bias)
     vec = a["d"] % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k))
-    grid, block = A.flash_launch(a["b"], a["hq"], a["sq"], a["d"])
+    geo = default_geometry("attention")
+    grid, block = A.flash_launch(geo, a["b"], a["hq"], a["sq"], a["d"])
     return [Step(step_name(n), f"attention_lse D={a['d']}",
-                 AB.lse(A.head_split(a["d"]), vec, *flags), grid, block,
+                 AB.lse(geo, A.head_split(geo, a["d"]), vec, *flags), grid, block,
                  (_dummy(exe, np.float32), exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(k), mbuf,
                   bbuf, geom, scale, softcap),
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
@@ -145,8 +147,9 @@ def _lower_attention_delta(exe, n):
         return []
     o, do = (g.nodes[i] for i in n.inputs)
     geom, _ = _geom(exe, n, o, o, None, None)
-    grid, block = AB.launch_delta(n.size)
-    return [Step(step_name(n), "attention_bwd_delta", AB.delta(), grid, block,
+    geo = default_geometry("attention")
+    grid, block = AB.launch_delta(geo, n.size)
+    return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo), grid, block,
                  (exe.buf(n), exe.buf(o), exe.buf(do), geom, np.int64(n.size)))]
 
 
@@ -171,6 +174,7 @@ def _lower_attention_bwd(exe, n):
     flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
     desc = f"{n.op} D={a['d']} {'causal ' if a['causal'] else ''}{a['b']}x{a['hq']}/{a['hkv']}" \
            f"x{a['sq']}x{a['sk']}"
-    grid, block = AB.launch(kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
-    return [Step(step_name(n), desc, AB.grads(kind, A.head_split(a["d"]), vec, *flags), grid,
-                 block, args, flops)]
+    geo = default_geometry("attention")
+    grid, block = AB.launch(geo, kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
+    return [Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags),
+                 grid, block, args, flops)]

@@ -4,7 +4,7 @@ Tier 0, cuFFT (cufft.py): the "dft", "rdft" and "irdft" nodes as one batched C2C
 call each, any length. Tier 1, numba: the compiler rewrites those nodes (ops_fft.expand_fft)
 into "fft" and "bluestein" nodes and graph ops. An "fft" node is rows of n = 2^p complex
 values in Stockham passes of fft_pass_kernel: one (a row a block, in shared memory) up to
-SHARED_N, else passes of radix up to MAX_RADIX over every row, ping-ponging between the
+shared_n, else passes of radix up to max_radix (the geometry's) over every row, ping-ponging between the
 output and a scratch array. A
 "bluestein" node is one kernel a row (its chirp and filter tables made on the host in
 float64). ``RLX_NUMBA_FFT_TIERS`` (a subset of 0,1)
@@ -23,7 +23,7 @@ from ..ir.ops import INPLACE, fmt
 from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops_fft import FFT_NODES, bluestein_tables, expand_fft
 from ..kernels import fft as K
-from ..kernels.launch import grid_3d
+from ..kernels.launch import default_geometry, grid_3d
 from .lower import CallStep, Step, env_tiers, log, lowering, step_name
 
 _U = np.uint64
@@ -47,10 +47,11 @@ def _lower_fft(exe, n):
     length, rows = _rows(n)
     sign = np.float32(1.0 if n.attrs["inverse"] else -1.0)
     what = f"{'inverse ' if n.attrs['inverse'] else ''}fft {rows}x{length} of {fmt(n.shape)}"
-    # one pass (the whole row a block in shared memory) up to SHARED_N, else passes of
-    # radix 2^b, the b's as even as they come (each <= log2 MAX_RADIX)
+    # one pass (the whole row a block in shared memory) up to shared_n, else passes of
+    # radix 2^b, the b's as even as they come (each <= log2 max_radix)
+    geo = default_geometry("fft")
     p = length.bit_length() - 1
-    npass = 1 if length <= K.SHARED_N else -(-p // (K.MAX_RADIX.bit_length() - 1))
+    npass = 1 if length <= geo.shared_n else -(-p // (geo.max_radix.bit_length() - 1))
     bits = [p // npass + (k < p % npass) for k in range(npass)]
     # the last pass writes out: an odd count starts in out, an even one in a scratch array
     out = exe.buf(n)
@@ -61,11 +62,11 @@ def _lower_fft(exe, n):
     for k, b in enumerate(bits):
         radix = 1 << b
         nr = length // radix
-        lines = min(K.PASS_LINES, nr, ns if k else K.PASS_LINES)
+        lines = min(geo.pass_lines, nr, ns if k else geo.pass_lines)
         dst = bufs[k % 2]
         steps.append(Step(step_name(n), f"{what} pass {k + 1}/{npass} radix {radix}",
                           K.fft_pass_kernel(radix, lines, k == 0),
-                          grid_3d(rows * nr // lines), (K.THREADS,),
+                          grid_3d(rows * nr // lines), (geo.threads,),
                           (dst, src, _U(rows), _U(length), _U(nr), _U(ns),
                            _U(ns.bit_length() - 1), sign),
                           {"flops": 5 * rows * length * b, "bytes": 2 * n.nbytes}))
@@ -84,7 +85,8 @@ def _lower_bluestein(exe, n):
     what = (f"{'inverse ' if n.attrs['inverse'] else ''}bluestein fft {rows}x{length} "
             f"({m} points) of {fmt(n.shape)}")
     return [Step(step_name(n), what, K.bluestein_row_kernel(length, m), grid_3d(rows),
-                 (K.THREADS,), args, {"flops": 10 * rows * m * math.log2(m)})]
+                 (default_geometry("fft").threads,), args,
+                 {"flops": 10 * rows * m * math.log2(m)})]
 
 
 def fft_tier(n) -> tuple[int, str]:

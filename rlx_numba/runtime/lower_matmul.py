@@ -48,7 +48,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
-from ..kernels.launch import sm_count
+from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, _compile, elementwise_step, env_tiers, gated_step, log,
                     log_tier, lowering, step_name)
 
@@ -397,10 +397,12 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     if k % vec or not SIMULATOR and (_ptr(wbuf) % 16 or _ptr(a.buf) % 16):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
-    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm)
+    geo = default_geometry("gemv")
+    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, geo=geo)
     gated = epi["gated"]
     if gated and nw // tw * cpw % 2:      # a block takes whole (gate, up) pairs
-        nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, cpw=2 * cpw)
+        nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm,
+                                                               cpw=2 * cpw, geo=geo)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
                           minb, gated)

@@ -12,7 +12,7 @@ from ..device import SIMULATOR
 from ..ir import dtypes as dt
 from ..ir.ops_quant import GGUF, INTS, MAX_M, UNIT, units_ok
 from ..kernels import quant as Q
-from ..kernels.launch import grid_1d, sm_count
+from ..kernels.launch import default_geometry, grid_1d, sm_count
 from .lower import Step, elementwise_step, lowering, step_name
 from .lower_matmul import PRODUCTS, _consumers, _dummy, _env_tiers, _ptr, read_as_weight
 
@@ -59,7 +59,8 @@ def _lower_dequant_matmul(exe, n):
     if m == 0 or rows == 0:
         return []
     xbuf, steps = _aligned_x(exe, n, x, m, k)
-    nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count(), scheme)
+    nw, r, wpr, tiles, qpl = Q.plan(m, rows, 1 if SIMULATOR else sm_count(), scheme,
+                                     geo=default_geometry("quant"))
     a = n.attrs       # the epilogue passes/fusion.py folded in (inputs after the weight's)
     act, gated = a.get("activation"), a.get("gated")
     epi = [exe.buf(i) for i in n.inputs[len(n.inputs) - a.get("has_bias", 0) - a.get("has_residual", 0):]]
@@ -95,7 +96,8 @@ def _lower_dequant_grouped_matmul(exe, n):
     exe.add_index_check(ids, 0, e - 1, f"dequant_grouped_matmul %{n.id} (expert ids of {e} "
                         f"experts)")
     xbuf, steps = _aligned_x(exe, n, x, m, k)
-    nw, r, wpr, _, qpl = Q.plan(1, rows * m, 1 if SIMULATOR else sm_count(), scheme)
+    nw, r, wpr, _, qpl = Q.plan(1, rows * m, 1 if SIMULATOR else sm_count(), scheme,
+                                 geo=default_geometry("quant"))
     tiles = -(-rows // (r * nw // wpr))
     kern = Q.gemv_kernel(scheme, 1, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl,
                          grouped=True)

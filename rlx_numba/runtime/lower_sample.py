@@ -5,7 +5,7 @@ topk over rows of n (x seen as [rows, n], the axis last):
   * rows too few to fill the GPU and k small next to n: two stages, ``topk_segments`` (a block
     per row segment: its exact top k candidates) then ``topk_rows`` over the S*k candidates;
   * else ``topk_rows`` over the row itself.
-``topk_rows`` sorts the k winners in shared memory when pow2(k) <= SMEM_SORT, else in a
+``topk_rows`` sorts the k winners in shared memory when pow2(k) <= the geometry's smem_sort, else in a
 global scratch row. topk_values is ``gather_rows``.
 
 sample over rows of n (greedy never gets here: the builder makes it argmax):
@@ -26,12 +26,11 @@ import math
 import numpy as np
 
 from ..kernels import sample as K
-from ..kernels.launch import grid_1d, pow2_at_least, sm_count
+from ..kernels.launch import default_geometry, grid_1d, pow2_at_least, sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 _U = np.uint64
-SIM_BLOCK = 8   # threads a block in the simulator (a barrier there costs ~1 ms at 16)
 
 
 def _blocks(n: int, block: int) -> int:
@@ -41,26 +40,25 @@ def _blocks(n: int, block: int) -> int:
 
 
 def _block_for(m: int) -> int:
-    """Threads of a block that works on m elements: ~8 a thread, 64..1024 (SIM_BLOCK in the
-    simulator)."""
-    if SIMULATOR:
-        return SIM_BLOCK
+    """Threads of a block that works on m elements: ~8 a thread, 64..1024 (or the
+    geometry's fixed block: the simulator's)."""
+    geo = default_geometry("sample")
+    if geo.block:
+        return geo.block
     return min(1024, max(64, pow2_at_least(-(-m // 8))))
 
 
 def _segments(rows: int, n: int, k: int):
     """(nseg, seg): rows cut into segments of seg elements so that rows * nseg blocks fill
-    the GPU, each segment at most SEG_MAX (staged in shared memory by topk) and at least
+    the GPU, each segment at most seg_max (staged in shared memory by topk) and at least
     min_seg and 8k (topk's candidates are then at most n/8); nseg 1 when that cannot be."""
-    if SIMULATOR:
-        want, min_seg = 4, 128
-    else:
-        want, min_seg = 2 * sm_count(), 512
-    nseg = max(-(-want // rows), -(-n // K.SEG_MAX))
+    geo = default_geometry("sample")
+    want, min_seg = geo.seg_want or 2 * sm_count(), geo.min_seg
+    nseg = max(-(-want // rows), -(-n // geo.seg_max))
     seg = -(-n // nseg) if nseg > 1 else n
     seg = -(-seg // 32) * 32                  # segments start on 128-byte boundaries (f32)
     nseg = -(-n // seg)
-    if nseg >= 2 and seg <= K.SEG_MAX and seg >= max(min_seg, 8 * k):
+    if nseg >= 2 and seg <= geo.seg_max and seg >= max(min_seg, 8 * k):
         return nseg, seg
     return 1, n
 
@@ -69,18 +67,19 @@ def topk_plan(rows: int, n: int, k: int) -> dict:
     """How topk of [rows, n] runs: mode "small", "one" or "two" (and its geometry)."""
     if n <= K.SMALL_N:
         return {"mode": "small"}
+    geo = default_geometry("sample")
     kp = pow2_at_least(k)
-    plan = {"kp": kp, "smem": kp <= K.SMEM_SORT}
+    plan = {"kp": kp, "smem": kp <= geo.smem_sort}
     nseg, seg = _segments(rows, n, k)
     if nseg >= 2:
         m = nseg * k
-        plan.update(mode="two", nseg=nseg, seg=seg, block1=SIM_BLOCK if SIMULATOR else 256)
+        plan.update(mode="two", nseg=nseg, seg=seg, block1=geo.seg_block, seg_max=geo.seg_max)
     else:
         m = n
         plan.update(mode="one")
     slots = pow2_at_least(m)
     plan["block"] = _block_for(m)
-    plan["stage"] = slots if slots + (kp if plan["smem"] else 0) <= K.SMEM_KEYS else 0
+    plan["stage"] = slots if slots + (kp if plan["smem"] else 0) <= geo.smem_keys else 0
     return plan
 
 
@@ -94,7 +93,7 @@ def _topk_steps(exe, name, out, x_buf, ld, rows, n, k, plan, out_kind, nan_low, 
     if plan["mode"] == "two":
         nseg, seg, b1 = plan["nseg"], plan["seg"], plan["block1"]
         cand = exe.device_array(np.zeros(rows * nseg * k, np.uint64))
-        k1 = K.topk_segments(ld, b1, nan_low)
+        k1 = K.topk_segments(ld, b1, nan_low, plan["seg_max"])
         steps.append(Step(name + " candidates", f"topk_segments {rows}x{nseg} segments of {seg}",
                           k1, (_blocks(rows * nseg, b1),), (b1,),
                           (cand, x_buf, _U(rows * nseg), _U(n), _U(nseg), _U(seg), _U(k)),
@@ -197,7 +196,7 @@ def _lower_sample(exe, n):
 def _sample_segments(exe, name, n, x, seed, rows, cols, nseg, seg, inv_t, what):
     """No top_k/top_p, rows long enough to split: segment maxima, segment masses (grid-wide),
     then a block per row finds the segment and the token."""
-    block = SIM_BLOCK if SIMULATOR else 256
+    block = default_geometry("sample").seg_block
     nq = rows * nseg
     segmax = exe.device_array(np.zeros(nq, np.int64))
     segmass = exe.device_array(np.zeros(nq, np.int64))

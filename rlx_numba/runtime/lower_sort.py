@@ -6,7 +6,7 @@ import numpy as np
 
 from ..ir import dtypes as dt
 from ..kernels import sort as K
-from ..kernels.launch import grid_1d, grid_3d, pow2_at_least
+from ..kernels.launch import default_geometry, grid_1d, grid_3d, pow2_at_least
 from .lower import Step, lowering, step_name
 
 _U = np.uint64
@@ -28,16 +28,18 @@ def _lower_argsort(exe, n):
     steps = [Step(name, f"sort keys {rows}x{length} {order}",
                   K.key_kernel(kind, n.attrs["descending"]), (blocks,), (threads,),
                   (keys[0], bits, _U(n.size), _U(length)), {})]
-    tile = min(K.TILE, pow2_at_least(length))
+    geo = default_geometry("sort")
+    tile = min(geo.tile, pow2_at_least(length))
     if tile > 1:
         tiles = rows * -(-length // tile)
         steps.append(Step(name, f"sort tiles of {tile}", K.tile_sort_kernel(tile),
-                          grid_3d(tiles), (min(K.THREADS, tile // 2),),
+                          grid_3d(tiles), (min(geo.threads, tile // 2),),
                           (keys[0], _U(rows), _U(length)), {}))
     cur, width = 0, tile
-    while width < length:       # (tile == K.TILE here: a row longer than one tile)
-        steps.append(Step(name, f"sort merge runs of {width}", K.merge_tile_kernel(tile),
-                          grid_3d(rows * -(-length // tile)), (K.THREADS,),
+    while width < length:       # (tile == geo.tile here: a row longer than one tile)
+        steps.append(Step(name, f"sort merge runs of {width}",
+                          K.merge_tile_kernel(tile, geo.probes),
+                          grid_3d(rows * -(-length // tile)), (geo.threads,),
                           (keys[1 - cur], keys[cur], _U(rows), _U(length), _U(width)),
                           {"bytes": 16 * n.size}))
         cur, width = 1 - cur, width * 2
