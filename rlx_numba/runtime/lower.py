@@ -26,13 +26,14 @@ from ..memory import ALIGN
 
 log = logging.getLogger("rlx_numba")
 
-LOWERINGS = {}   # op name -> fn(exe, node) -> list of Steps (None entries are dropped)
+LOWERINGS = {}   # op name -> fn(ctx, node) -> list of Steps (None entries are dropped)
 IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-number division
 
 
 def lowering(*ops):
     """Register ``fn(exe, node) -> [Step | None, ...]`` as the lowering of these ops. ``exe``
-    gives ``exe.graph``, ``exe.buf(node)`` (flat device view) and ``exe.device_array(host)``."""
+    is the program's LowerCtx (program.py): ``exe.graph``, ``exe.buf(node)`` (flat device
+    view), ``exe.device_array(host)`` and the rest it lists."""
     def deco(fn):
         for op in ops:
             LOWERINGS[op] = fn
@@ -171,6 +172,8 @@ class Step:
     info: dict = field(default_factory=dict)
     launch: object = None
     shared: int = 0           # bytes of dynamic shared memory (cuda.shared.array(0, ...))
+    reads: list = field(default_factory=list)    # (lo, hi) bytes it reads (Program fills them)
+    writes: list = field(default_factory=list)   # (lo, hi) bytes it writes
 
     def bind(self, stream, aot: bool) -> None:
         """Prepare the launch: under the simulator numba's launcher; on a GPU the launch is
@@ -216,7 +219,7 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
     over bench_runtime's block graph on an H100; the rest is the driver call)."""
 
     with _LOAD_LOCK:
-        kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
+        kern = compile_off_thread(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
         if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
             return functools.partial(dispatcher[grid, block, stream, shared], *args)
         kern.bind()   # load the module into the context and set it up, as numba's launch does
@@ -253,7 +256,7 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
 _LOAD_LOCK = threading.RLock()
 
 
-def _compile(dispatcher, sig):
+def compile_off_thread(dispatcher, sig):
     """``dispatcher.compile(sig)``, on a worker thread when it has to compile: numba-cuda keeps
     the frames of its latest compile alive (seen on an H100; nothing gc can see holds them),
     and on this thread they would reach the caller's locals -- a step's arena views, the
@@ -310,6 +313,8 @@ class CallStep:
     make: object
     info: dict = field(default_factory=dict)
     launch: object = None
+    reads: list = field(default_factory=list)    # as Step's
+    writes: list = field(default_factory=list)
 
     def bind(self, stream, aot: bool) -> None:
         self.launch = self.make(stream)

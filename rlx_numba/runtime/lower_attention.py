@@ -27,10 +27,7 @@ def _aligned16(buf) -> bool:
 
 
 def _dummy(exe, dtype):
-    key = f"_attn_dummy_{np.dtype(dtype).name}"
-    if not hasattr(exe, key):
-        setattr(exe, key, exe.device_array(np.zeros(1, dtype)))
-    return getattr(exe, key)
+    return exe.shared(f"attn_dummy_{np.dtype(dtype).name}", lambda: np.zeros(1, dtype))
 
 
 def _geom(exe, n, q, k, mask, bias):
@@ -107,7 +104,7 @@ def _lower_attention(exe, n):
     vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
     lse = [m for m in g.nodes if m.op == "attention_lse" and m.inputs[0] == n.id
-           and m.id in exe._live]
+           and m.id in exe.live]
     kern = A.flash(A.head_split(d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
     grid, block = A.flash_launch(b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
