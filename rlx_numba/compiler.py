@@ -14,11 +14,13 @@
     fuse       element-wise regions and folded epilogues (passes/fusion.py)
     plan       activations, inputs, constants and outputs get byte ranges of one arena by
                liveness (memory.py); params live in a ParamStore instead
-    bind       the executable allocates the arena, binds its params from the store and
-               uploads the constants (runtime/executable.py)
-    lower      each node that runs becomes bound Steps (runtime/lower*.py)
+    bind       the LowerCtx allocates the arena, binds the params from the store and
+               uploads the constants (runtime/program.py)
+    lower      each node that runs becomes bound Steps (runtime/lower*.py, given the
+               LowerCtx), each declaring the bytes it reads and writes: the Program
     AOT        compile_mode "aot": every kernel compiled (or loaded from disk) now
     runner     GRAPH / MULTISTREAM: the runner that captures or spreads the steps
+               (runtime/cudagraph.py, made when the CudaExecutable binds the Program)
 
 The stages up to ``plan`` are runtime/plan.py, ``bind`` .. ``AOT`` runtime/program.py (a
 Program), the runner runtime/executable.py (a CudaExecutable runs the Program); this module

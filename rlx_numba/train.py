@@ -35,8 +35,8 @@ from .ir.ops import INPLACE, fmt
 from .ir.ops_dist import world
 from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
-from .optim import HYPER_LEN, Optimizer, check_number
 from .modes import parse_compile_mode, parse_exec_mode
+from .optim import HYPER_LEN, Optimizer, check_number
 from .runtime import lower, lower_dist
 from .runtime.executable import CudaExecutable
 from .runtime.params import ParamStore

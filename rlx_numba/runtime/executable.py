@@ -19,9 +19,6 @@ from . import lower_shape
 from .params import ParamStore, check_store
 from .program import Program, build_program, storage
 
-__all__ = ["CompileMode", "ExecMode", "CudaExecutable", "compile_graph"]
-
-
 @functools.cache
 def _driver():
     from cuda.bindings import driver

@@ -27,8 +27,14 @@ class Plan:
     report: MemoryReport
 
     def is_view(self, n) -> bool:
-        return ((lower.is_view(n, self.graph) or n.id in self.strided)
-                and n.id not in self.copied or n.id in self.absorbed)
+        return views_input(n, self.graph, self.strided, self.copied, self.absorbed)
+
+
+def views_input(n, graph, strided, copied, absorbed) -> bool:
+    """The views stage's rule: ``n`` owns no memory and reads its input's (a plain view, a
+    strided narrow not kept as a copy, a transpose products read through an op-T flag)."""
+    return ((lower.is_view(n, graph) or n.id in strided) and n.id not in copied
+            or n.id in absorbed)
 
 
 def legalise(graph: Graph, moved: dict | None = None) -> Graph:
@@ -68,9 +74,8 @@ def plan_graph(graph: Graph) -> Plan:
     transposed = lower_matmul.transposed_weights(graph, outputs)
     copied = set()       # narrows kept as copies: see overwritten_narrows
 
-    def is_view(n):
-        return (lower.is_view(n, graph) or n.id in strided) and n.id not in copied \
-            or n.id in absorbed
+    def is_view(n):     # (copied and strided change below)
+        return views_input(n, graph, strided, copied, absorbed)
 
     root = aliases(graph, live, is_view)
     copied = overwritten_narrows(graph, live, root)
