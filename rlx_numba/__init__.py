@@ -3,7 +3,8 @@ RLX-style graph IR. Runs under the numba CUDA simulator when there is no GPU."""
 from .device import is_available, patch_simulator, simulator_enabled  # first: decides the simulator
 from .ir.dtypes import DType, dtype
 from .ir.graph import Graph, Node, Tensor
-from .runtime.executable import CompileMode, CudaExecutable, ExecMode
+from .modes import CompileMode, ExecMode
+from .runtime.executable import CudaExecutable
 from .compiler import compile, eager
 from .runtime.params import ParamStore
 from . import optim

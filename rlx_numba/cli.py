@@ -75,7 +75,7 @@ def info(weights: str | None = None, ops: bool = False) -> int:
     import numpy as np
 
     import rlx_numba as rlx
-    from rlx_numba.device import device_info, _probe_driver
+    from rlx_numba.device import device_info, simulator_reason
 
     try:
         from importlib.metadata import version
@@ -85,7 +85,7 @@ def info(weights: str | None = None, ops: bool = False) -> int:
     d = device_info()
     print(f"rlx_numba {rlx.__version__}")
     if d["simulator"]:
-        why = _probe_driver()["why"] or "forced by RLX_NUMBA_SIMULATOR=1"
+        why = simulator_reason()
         print(f"device:      simulator ({why})")
     else:
         print(f"device:      {d['name']}, compute capability {d['cc'][0]}.{d['cc'][1]}, "

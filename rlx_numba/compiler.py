@@ -14,46 +14,24 @@
     fuse       element-wise regions and folded epilogues (passes/fusion.py)
     plan       activations, inputs, constants and outputs get byte ranges of one arena by
                liveness (memory.py); params live in a ParamStore instead
-    bind       the executable allocates the arena, binds its params from the store and
-               uploads the constants (runtime/executable.py)
-    lower      each node that runs becomes bound Steps (runtime/lower*.py)
+    bind       the LowerCtx allocates the arena, binds the params from the store and
+               uploads the constants (runtime/program.py)
+    lower      each node that runs becomes bound Steps (runtime/lower*.py, given the
+               LowerCtx), each declaring the bytes it reads and writes: the Program
     AOT        compile_mode "aot": every kernel compiled (or loaded from disk) now
     runner     GRAPH / MULTISTREAM: the runner that captures or spreads the steps
+               (runtime/cudagraph.py, made when the CudaExecutable binds the Program)
 
-This module sits above ``passes/`` and ``runtime/``: the runtime only runs what was compiled.
+The stages up to ``plan`` are runtime/plan.py, ``bind`` .. ``AOT`` runtime/program.py (a
+Program), the runner runtime/executable.py (a CudaExecutable runs the Program); this module
+is the public entry above them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from .ir.graph import Graph
-from .ir.opdef import opdef
-from .ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
-from .memory import ALIGN, Buffer, MemoryReport, plan
-from .passes import fusion as fusion_pass
-from .runtime import lower, lower_matmul
-from .runtime.executable import CompileMode, CudaExecutable, ExecMode, _compile_mode, _exec_mode
-from .runtime.params import ParamStore, check_store
-
-
-@dataclass
-class Plan:
-    """What the stages before ``bind`` decided about a graph."""
-    graph: Graph
-    live: set            # node ids that run (or are leaves)
-    root: dict           # node id -> node id that owns its memory (views, in-place writes)
-    absorbed: set        # transposes read by products through an op-T flag
-    strided: set         # narrows read in place (strides) by the element-wise kernels alone
-    copied: set          # narrows kept as copies (memory they would view is overwritten later)
-    transposed: set      # weight params stored [N, K]
-    fusion: object       # passes.fusion.Fusion
-    buffers: dict        # root node id -> Buffer (params: a range past the arena, no bytes in it)
-    arena_bytes: int
-    report: MemoryReport
-
-    def is_view(self, n) -> bool:
-        return ((lower.is_view(n, self.graph) or n.id in self.strided)
-                and n.id not in self.copied or n.id in self.absorbed)
+from .modes import CompileMode, ExecMode
+from .runtime.executable import CudaExecutable, compile_graph
+from .runtime.params import ParamStore
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
@@ -63,167 +41,7 @@ def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
     any of them); by default the executable gets a store of its own. ``stream``: the numba
     stream its work is queued on (default: a new one), e.g. one stream for the graphs of a
     model, which run one after another."""
-    cm, em = _compile_mode(compile_mode), _exec_mode(exec_mode)
-    check_store(params)
-    exe = CudaExecutable(plan_graph(graph), cm, em, params, stream)     # bind
-    exe.lower_all()                                                     # lower, AOT
-    exe.start_runner()                                                  # runner
-    return exe
-
-
-def legalise(graph: Graph, moved: dict | None = None) -> Graph:
-    """``graph``, or a copy in which each node whose op picks its tier here (its OpDef's
-    ``choose``: the conv family, runtime/lower_vision.py; the FFTs, lower_fft.py) and got a
-    tier that rewrites it (im2col / col2im and products, the numba implicit-GEMM node, the
-    numba FFT nodes) is rebuilt as that tier's ops. RLX_NUMBA_LOG_FALLBACK=1 logs each choice.
-    ``moved`` receives node id -> its Tensor in the copy (nothing when no copy is made)."""
-    rewrite = {}
-    for n in graph.nodes:
-        d = opdef(n.op)
-        if d.choose is None:
-            continue
-        tier, why = d.choose(graph, n)
-        lower.log_tier(n, n.op, f"{tier} ({d.tiers[tier].name})", why)
-        if d.tiers[tier].rewrite is not None:
-            rewrite[n.id] = d.tiers[tier].rewrite
-    if not rewrite:
-        return graph
-    return graph.rewritten(lambda g, n, ins: rewrite[n.id](g, n, ins) if n.id in rewrite
-                           else None, moved)
-
-
-def plan_graph(graph: Graph) -> Plan:
-    """The stages legalise .. plan."""
-    if not graph.outputs:
-        raise ValueError(f"compile: graph {graph.name!r} has no outputs; call set_outputs()")
-    graph = legalise(graph)
-    outputs = set(graph.outputs)
-    live = reachable(graph)
-    absorbed = lower_matmul.absorbed_transposes(graph, outputs)
-    strided = lower.strided_narrows(graph, outputs)
-    transposed = lower_matmul.transposed_weights(graph, outputs)
-    copied = set()       # narrows kept as copies: see overwritten_narrows
-
-    def is_view(n):
-        return (lower.is_view(n, graph) or n.id in strided) and n.id not in copied \
-            or n.id in absorbed
-
-    root = aliases(graph, live, is_view)
-    copied = overwritten_narrows(graph, live, root)
-    if copied:
-        strided -= copied
-        root = aliases(graph, live, is_view)
-    for w in graph.nodes:       # an in-place write must reach the memory it names
-        r = graph.nodes[root.get(w.id, w.id)]
-        if w.id in live and w.op in INPLACE and r.op == "narrow":
-            raise ValueError(f"compile: {w.op} %{w.id} writes in place into narrow %{r.id} "
-                             f"{fmt(r.shape)}, which is a copy here (not a contiguous slice at a "
-                             f"{ALIGN}-byte multiple, or what it views is overwritten later), so "
-                             f"the write would not reach %{r.inputs[0]}; write into the whole "
-                             f"tensor or slice it contiguously at an aligned offset")
-    lower.check_inplace(graph, live, root)
-    # fused regions and folded epilogues: interior nodes get no buffer and no step, a root
-    # lowers as fusion.nodes[id] (the graph itself is not changed)
-    fused = fusion_pass.fuse(graph, live, root, is_view, strided)
-    buffers, arena_bytes, report = plan_memory(graph, live, root, fused)
-    return Plan(graph, live, root, absorbed, strided, copied, transposed, fused, buffers,
-                arena_bytes, report)
-
-
-def aliases(graph: Graph, live: set, is_view) -> dict:
-    """node id -> the node id owning its memory: views and in-place writes alias input 0."""
-    root = {}
-    for n in graph.nodes:
-        if n.id in live:
-            alias = is_view(n) or n.op in INPLACE
-            root[n.id] = root[n.inputs[0]] if alias else n.id
-    return root
-
-
-def overwritten_narrows(graph: Graph, live: set, root: dict) -> set:
-    """Narrows that would be views of memory an in-place write (not one through the narrow
-    itself) changes later in the graph: read as views they would see the new contents, so
-    they stay copies made at their position, as a narrow always was."""
-    nodes = graph.nodes
-
-    def through(w, n):          # does w write through n (n on w's alias chain)?
-        m = nodes[w.inputs[0]]
-        while True:
-            if m.id == n.id:
-                return True
-            if root[m.id] == m.id:
-                return False
-            m = nodes[m.inputs[0]]
-
-    writes = [w for w in nodes if w.id in live and w.op in INPLACE]
-    return {n.id for n in nodes
-            if n.op == "narrow" and n.id in live and root[n.id] != n.id
-            and any(w.id > n.id and root[w.id] == root[n.id] and not through(w, n)
-                    for w in writes)}
-
-
-def reachable(graph: Graph) -> set:
-    """The outputs' ancestors and every in-place write's, plus every input and param."""
-    live, stack = set(), list(graph.outputs) + [n.id for n in graph.nodes if n.op in INPLACE]
-    while stack:
-        i = stack.pop()
-        if i not in live:
-            live.add(i)
-            stack.extend(graph.nodes[i].inputs)
-    live.update(n.id for n in graph.nodes if n.op in ("input", "param"))
-    return live
-
-
-def plan_memory(graph: Graph, live: set, root: dict, fused):
-    """(buffers, arena bytes, MemoryReport): a buffer lives from the step that writes it to
-    its last reader; inputs, constants and outputs for the whole run. Params are not in the
-    arena (a ParamStore holds them): their Buffers only give them byte ranges of their own,
-    past the arena's, by which schedule.py orders steps."""
-    nodes = graph.nodes
-    order = [n.id for n in nodes if n.id in live]
-    t_of = {nid: t for t, nid in enumerate(order)}
-    last = len(order)
-    outputs = {root[o] for o in graph.outputs}
-    bufs = {}
-    views = 0
-    for nid in order:
-        if nid in fused.interior:
-            continue
-        n = fused.nodes.get(nid, nodes[nid])   # a fused root reads its region's leaves
-        if root[nid] != nid:
-            views += 1
-        else:
-            pinned = n.op in ("input", "param", "constant") or nid in outputs
-            # a node the kernel of its input writes (residual_sum) is live from that step
-            start = t_of[n.inputs[0]] if n.op in WRITTEN_BY_INPUT else t_of[nid]
-            bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
-        for i in n.inputs:   # a read extends the life of the buffer behind the operand
-            b = bufs[root[i]]
-            b.end = max(b.end, t_of[nid])
-    for b in bufs.values():
-        if b.pinned:
-            b.start, b.end = 0, last
-    in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"]
-    arena_bytes = top = plan(in_arena)
-    for b in bufs.values():
-        if nodes[b.key].op == "param":
-            b.offset, top = top, top + b.size
-    by = {"input": 0, "constant": 0}
-    out_b = inter = 0
-    for b in in_arena:
-        op = nodes[b.key].op
-        if op in by:
-            by[op] += b.size
-        elif b.pinned:
-            out_b += b.size
-        else:
-            inter += b.size
-    unshared = sum(b.size for b in in_arena)
-    report = MemoryReport(
-        arena_bytes=arena_bytes, unshared_bytes=unshared, buffers=len(in_arena), views=views,
-        input_bytes=by["input"], constant_bytes=by["constant"], output_bytes=out_b,
-        intermediate_bytes=inter, saved_fraction=1 - arena_bytes / unshared if unshared else 0.0)
-    return bufs, arena_bytes, report
+    return compile_graph(graph, compile_mode, exec_mode, params, stream)
 
 
 def eager(graph: Graph, inputs: dict | None = None, params: dict | None = None):

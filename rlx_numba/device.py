@@ -91,6 +91,12 @@ def driver_version() -> int | None:
         return None
 
 
+def simulator_reason() -> str:
+    """Why kernels run in the simulator: the driver probe's answer, or the variable that
+    forced it."""
+    return _probe_driver()["why"] or "forced by RLX_NUMBA_SIMULATOR=1"
+
+
 def is_available() -> bool:
     """True when a CUDA GPU and driver can run kernels. Never raises."""
     try:

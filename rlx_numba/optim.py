@@ -18,7 +18,7 @@ from .kernels import optim as k
 HYPER_LEN = 4      # the per-step values a kernel reads (kernels/optim.py)
 
 
-def _number(opt: str, arg: str, v, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
+def check_number(opt: str, arg: str, v, lo=None, hi=None, lo_open=False, hi_open=False) -> float:
     """``v`` as a float, or a ValueError naming the optimizer, the argument and the range."""
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
         raise ValueError(f"{opt}: {arg} must be a finite number, got {v!r}")
@@ -45,7 +45,7 @@ class Optimizer:
     states: tuple = ()
 
     def check_lr(self, lr) -> float:
-        return _number(type(self).__name__, "lr", lr, lo=0.0)
+        return check_number(type(self).__name__, "lr", lr, lo=0.0)
 
     def hyper(self, lr: float, step: int) -> np.ndarray:
         """The per-step values of step ``step`` (1 on the first) with learning rate ``lr``."""
@@ -74,10 +74,10 @@ class SGD(Optimizer):
 
     def __init__(self, lr, momentum=0.0, *, dampening=0.0, nesterov=False, weight_decay=0.0):
         self.lr = self.check_lr(lr)
-        self.momentum = _number("SGD", "momentum", momentum, lo=0.0)
-        self.dampening = _number("SGD", "dampening", dampening)
+        self.momentum = check_number("SGD", "momentum", momentum, lo=0.0)
+        self.dampening = check_number("SGD", "dampening", dampening)
         self.nesterov = _flag("SGD", "nesterov", nesterov)
-        self.weight_decay = _number("SGD", "weight_decay", weight_decay, lo=0.0)
+        self.weight_decay = check_number("SGD", "weight_decay", weight_decay, lo=0.0)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError(f"SGD: nesterov=True requires momentum > 0 and dampening == 0, got "
                              f"momentum={self.momentum}, dampening={self.dampening}")
@@ -108,10 +108,10 @@ class Adam(Optimizer):
         except (TypeError, ValueError):
             raise ValueError(f"{name}: betas must be a pair (beta1, beta2), got "
                              f"{betas!r}") from None
-        self.betas = (_number(name, "betas[0]", b1, lo=0.0, hi=1.0, hi_open=True),
-                      _number(name, "betas[1]", b2, lo=0.0, hi=1.0, hi_open=True))
-        self.eps = _number(name, "eps", eps, lo=0.0)
-        self.weight_decay = _number(name, "weight_decay", weight_decay, lo=0.0)
+        self.betas = (check_number(name, "betas[0]", b1, lo=0.0, hi=1.0, hi_open=True),
+                      check_number(name, "betas[1]", b2, lo=0.0, hi=1.0, hi_open=True))
+        self.eps = check_number(name, "eps", eps, lo=0.0)
+        self.weight_decay = check_number(name, "weight_decay", weight_decay, lo=0.0)
         self.amsgrad = _flag(name, "amsgrad", amsgrad)
         self.states = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.amsgrad else ())
 

@@ -24,22 +24,22 @@ How it is put together:
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 
 import numpy as np
 
-from .compiler import legalise, plan_graph
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
 from .ir.ops import INPLACE, fmt
 from .ir.ops_dist import world
 from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
-from .optim import HYPER_LEN, Optimizer, _number
+from .modes import parse_compile_mode, parse_exec_mode
+from .optim import HYPER_LEN, Optimizer, check_number
 from .runtime import lower, lower_dist
-from .runtime.executable import CudaExecutable, _compile_mode, _exec_mode
-from .runtime.params import ParamStore, _Entry
+from .runtime.executable import CudaExecutable
+from .runtime.params import ParamStore
+from .runtime.plan import legalise, plan_graph
+from .runtime.program import Program
 
 HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step values
 
@@ -65,22 +65,22 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
-    g._check("compile_train", "loss", loss)
+    g.check("compile_train", "loss", loss)
     if not loss.dtype.is_float or loss.node.size != 1:
         raise ValueError(f"compile_train: loss must be a float scalar (shape () or (1,)), got "
                          f"{loss!r}")
     if not isinstance(optimizer, Optimizer):
         raise ValueError(f"compile_train: optimizer must be a rlx_numba.optim optimizer (SGD, "
                          f"Adam, AdamW), got {type(optimizer).__name__}")
-    em, cm = _exec_mode(exec_mode), _compile_mode(compile_mode)
+    em, cm = parse_exec_mode(exec_mode), parse_compile_mode(compile_mode)
     if em.kind == "multistream" or em.streams > 1:
         raise ValueError(f"compile_train: exec_mode {em} is not supported (the update reads "
                          f"every gradient at once); use 'graph', 'stream' or 'eager'")
-    max_norm = None if clip_grad_norm is None else _number(
+    max_norm = None if clip_grad_norm is None else check_number(
         "compile_train", "clip_grad_norm", clip_grad_norm, lo=0.0)
     ids = _trained(g, loss, params)
 
-    tg = _copy(g)
+    tg = g.copy()
     wrt = [tg.tensor(i) for i in ids]
     grads = tg.grad(tg.tensor(loss.id), wrt, deterministic=deterministic)
     if data_parallel:
@@ -106,15 +106,13 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
 
     layout = _Layout([tg.nodes[i] for i in ids], len(optimizer.states))
     store = TrainStore(f"{g.name}.train", layout.slots)
-    exe = CudaExecutable(plan, cm, em, store, stream)
-    exe.lower_all()
-    steps = _update_steps(exe, plan, optimizer, layout, [d.id for d in grads], hyper, max_norm)
-    steps[:0] = lower_dist.join_steps(exe)     # the overlapped all_reduces done
-    exe._node_steps.pop(hyper.id, None)   # (re)inserted last: the update runs after every step
-    exe._node_steps[hyper.id] = steps
-    exe._flatten_steps()
-    exe._compile_steps(steps)
-    exe.start_runner()
+    program = Program(plan, cm, em, store, stream)
+    program.lower_all()
+    steps = program.lower_group(hyper.id, lambda ctx: _update_steps(
+        ctx, plan, optimizer, layout, [d.id for d in grads], hyper, max_norm), hyper.node)
+    steps[:0] = lower_dist.join_steps(program)     # the overlapped all_reduces done
+    program.append_group(hyper.id, steps)   # last: the update runs after every other step
+    exe = CudaExecutable(program)
     return Trainer(g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm)
 
 
@@ -181,12 +179,13 @@ def _trained(g: Graph, loss: Tensor, params) -> list:
     ids = []
     for k, p in enumerate(params):
         if isinstance(p, str):
-            nid = g._leaf_names.get(p)
+            leaf = g.leaf(p)
+            nid = None if leaf is None else leaf.id
             if nid is None or g.nodes[nid].op != "param":
                 raise ValueError(f"compile_train: graph {g.name!r} has no param {p!r} (params: "
                                  f"{', '.join(n.name for n in all_params) or 'none'})")
         elif isinstance(p, Tensor):
-            g._check("compile_train", f"params[{k}]", p)
+            g.check("compile_train", f"params[{k}]", p)
             nid = p.id
             if p.node.op != "param":
                 raise ValueError(f"compile_train: params[{k}] {p!r} is not a param (it is a "
@@ -207,13 +206,6 @@ def _trained(g: Graph, loss: Tensor, params) -> list:
     return ids
 
 
-def _copy(g: Graph) -> Graph:
-    """A copy of ``g`` with the same node ids, which can grow without changing ``g``."""
-    tg = copy.copy(g)
-    tg.nodes = [dataclasses.replace(n, attrs=dict(n.attrs)) for n in g.nodes]
-    tg.outputs = list(g.outputs)
-    tg._leaf_names = dict(g._leaf_names)
-    return tg
 
 
 # ---- device layout ----------------------------------------------------------------------------
@@ -269,7 +261,7 @@ class TrainStore(ParamStore):
         e = self._entries.get(key)
         created = e is None
         if created:
-            e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
+            e = self._new_entry(key, node)
             e.copies[False] = view
         self._use(exe, key, e)
         return e, view, e.nbytes if created else 0     # (the bytes it added: ParamStore.bind)
@@ -286,9 +278,9 @@ class TrainStore(ParamStore):
 
 
 def _update_steps(exe, plan, optimizer, layout, grad_ids, hyper, max_norm):
-    """The update's Steps: [sum of squares (clip_grad_norm)], the multi-tensor update."""
+    """The update's Steps: [sum of squares (clip_grad_norm)], the multi-tensor update.
+    ``exe``: the program's LowerCtx, as a lowering gets it."""
     graph, root = exe.graph, plan.root
-    mark = len(exe._extra)
     goffs = []
     for gid in grad_ids:
         off, _ = lower.view_window(graph, gid, root)
@@ -317,10 +309,6 @@ def _update_steps(exe, plan, optimizer, layout, grad_ids, hyper, max_norm):
         steps.append(lower.Step(f"%{hyper.id} optim.{name.lower()}", f"{kernel.py_func.__name__} "
                                 f"{len(layout.sizes)} params, {numel} over {nchunks} chunks",
                                 kernel, (blocks,), (threads,), args, {"bytes": nbytes}))
-    exe._owned[hyper.id] = exe._extra[mark:]     # (as _lower_bound does for a node's arrays)
-    del exe._extra[mark:]
-    for s in steps:
-        s.bind(exe.stream, False)
     return steps
 
 
@@ -405,7 +393,7 @@ class Trainer:
                              f"{', '.join(self.params)})")
         self.exe.stream.synchronize()
         o, n = self._layout.offsets[k], self._layout.sizes[k]
-        shape = self.graph.nodes[self.graph._leaf_names[name]].shape
+        shape = self.graph.leaf(name).shape
         return {s: buf[o:o + n].copy_to_host().reshape(shape)
                 for s, buf in zip(self.optimizer.states, self._layout.states)}
 

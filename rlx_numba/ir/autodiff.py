@@ -88,7 +88,7 @@ def sum_to(g, t, shape):
 def scatter_grad(g, target, indices, updates, axis):
     """g.scatter_add for a VJP: ordered (deterministic) inside grad(..., deterministic=True)."""
     return g.scatter_add(target, indices, updates, axis,
-                         deterministic=getattr(g, "_deterministic_grad", False))
+                         deterministic=g.deterministic_grad)
 
 
 def zeros(g, shape, dtype=dt.F32):
@@ -104,19 +104,19 @@ def grad(g, y, wrt, seed=None, deterministic=False):
     same bits on every run (the module docstring)."""
     if not isinstance(deterministic, bool):
         raise ValueError(f"grad: deterministic must be a bool, got {deterministic!r}")
-    g._deterministic_grad = deterministic
+    g.deterministic_grad = deterministic
     try:
         return _grad(g, y, wrt, seed)
     finally:
-        g._deterministic_grad = False
+        g.deterministic_grad = False
 
 
 def _grad(g, y, wrt, seed):
     single = not isinstance(wrt, (list, tuple))
     targets = [wrt] if single else list(wrt)
-    g._check("grad", "y", y)
+    g.check("grad", "y", y)
     for i, w in enumerate(targets):
-        g._check("grad", f"wrt[{i}]", w)
+        g.check("grad", f"wrt[{i}]", w)
         if not differentiable(w.dtype):
             raise ValueError(f"grad: wrt[{i}] {w!r} is {w.dtype} {fmt(w.shape)}; only float "
                              f"tensors have gradients")
@@ -131,7 +131,7 @@ def _grad(g, y, wrt, seed):
     else:
         if not hasattr(seed, "node"):
             seed = g.constant(np.asarray(seed, y.dtype.host).reshape(y.shape), y.dtype)
-        g._check("grad", "seed", seed)
+        g.check("grad", "seed", seed)
         if tuple(seed.shape) != tuple(y.shape):
             raise ValueError(f"grad: seed has shape {fmt(seed.shape)}, y {fmt(y.shape)}")
     nodes = g.nodes

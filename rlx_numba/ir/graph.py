@@ -1,6 +1,8 @@
 """Graph, Node and the Tensor handle, with the builder methods of the public API."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -121,6 +123,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         self.nodes: list[Node] = []
         self.outputs: list[int] = []
         self._leaf_names: dict[str, int] = {}
+        self.deterministic_grad = False   # inside grad(..., deterministic=True) (autodiff.py)
 
     def rewritten(self, expand, moved: dict | None = None) -> "Graph":
         """A copy of this graph in which each node that ``expand(g, node, inputs)`` returns a
@@ -150,7 +153,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         d = opdef(op)
         if d.memory == LEAF:
             raise ValueError(f"bind: {op} is a leaf; build it with g.{op}(...)")
-        inputs = [self._check(op, f"inputs[{i}]", t) for i, t in enumerate(inputs)]
+        inputs = [self.check(op, f"inputs[{i}]", t) for i, t in enumerate(inputs)]
         res = d.infer_results(inputs, attrs)
         if len(res) > 1 + len(d.results):
             raise ValueError(f"bind: {op}'s inference gave {len(res)} results, its OpDef "
@@ -173,7 +176,8 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             self.nodes[node.inputs[by]].results.append(node.id)
         return Tensor(self, node.id)
 
-    def _check(self, op: str, arg: str, t) -> Tensor:
+    def check(self, op: str, arg: str, t) -> Tensor:
+        """``t`` when it is a Tensor of this graph, else a ValueError naming the op and argument."""
         if not isinstance(t, Tensor):
             raise ValueError(f"{op}: {arg} must be a Tensor of this graph, got {type(t).__name__}")
         if t.graph is not self:
@@ -224,7 +228,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
 
     # ---- element-wise ----------------------------------------------------------------------
     def activation(self, kind: str, x: Tensor) -> Tensor:
-        self._check(f"activation {kind}", "x", x)
+        self.check(f"activation {kind}", "x", x)
         return self.bind("activation", [x], kind=kind)
 
     def gated(self, x: Tensor, activation: str = "silu", interleaved: bool = False) -> Tensor:
@@ -232,15 +236,15 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         gate and up are x's last axis's first and second halves, or with ``interleaved`` its
         even and odd entries (a packed gate/up weight with their rows interleaved, so a
         skinny product can apply it as its epilogue: passes/fusion.py)."""
-        self._check("gated", "x", x)
+        self.check("gated", "x", x)
         return self.bind("gated", [x], activation=activation, interleaved=interleaved)
 
     def _pair(self, op: str, kind: str, a, b) -> Tensor:
         """A two-operand node; either operand may be a Python scalar."""
         if not isinstance(a, Tensor) and isinstance(b, Tensor):
             a = self._operand(a, like=b, op=kind)
-        self._check(kind, "a", a)
-        b = self._check(kind, "b", self._operand(b, like=a, op=kind))
+        self.check(kind, "a", a)
+        b = self.check(kind, "b", self._operand(b, like=a, op=kind))
         return self.bind(op, [a, b], kind=kind)
 
     def binary(self, kind: str, a, b) -> Tensor:
@@ -250,33 +254,33 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         return self._pair("compare", kind, a, b)
 
     def where(self, cond: Tensor, a, b) -> Tensor:
-        self._check("where", "cond", cond)
+        self.check("where", "cond", cond)
         like = a if isinstance(a, Tensor) else b if isinstance(b, Tensor) else cond
-        a = self._check("where", "a", self._operand(a, like=like, op="where"))
-        b = self._check("where", "b", self._operand(b, like=a, op="where"))
+        a = self.check("where", "a", self._operand(a, like=like, op="where"))
+        b = self.check("where", "b", self._operand(b, like=a, op="where"))
         return self.bind("where", [cond, a, b])
 
     def cast(self, x: Tensor, dtype) -> Tensor:
-        self._check("cast", "x", x)
+        self.check("cast", "x", x)
         return self.bind("cast", [x], to=dt.dtype(dtype))
 
     # ---- linear algebra ---------------------------------------------------------------------
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
-        self._check("matmul", "a", a)
-        self._check("matmul", "b", b)
+        self.check("matmul", "a", a)
+        self.check("matmul", "b", b)
         return self.bind("matmul", [a, b])
 
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None,
                residual: Tensor | None = None) -> Tensor:
         """activation(x @ w + bias) + residual, w is [K, N]; the residual (x's leading shape
         and N, e.g. a transformer's skip connection) is added after the activation."""
-        self._check("linear", "x", x)
-        self._check("linear", "w", w)
+        self.check("linear", "x", x)
+        self.check("linear", "w", w)
         ins = [x, w]
         if bias is not None:
-            ins.append(self._check("linear", "bias", bias))
+            ins.append(self.check("linear", "bias", bias))
         if residual is not None:
-            ins.append(self._check("linear", "residual", residual))
+            ins.append(self.check("linear", "residual", residual))
         ops.infer_linear(x, w, bias, activation, residual)   # (its messages name bias / residual)
         return self.bind("linear", ins, activation=activation, has_bias=bias is not None,
                          has_residual=residual is not None)
@@ -293,7 +297,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         The transposes reach cuBLAS as op flags (no copies)."""
         op = "matmul_bias_activation_bwd"
         for arg, t in (("grad", grad), ("a", a), ("b", b)) + ((("bias", bias),) if bias is not None else ()):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
             if t.dtype != dt.F32:
                 raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {ops.fmt(t.shape)}")
         if activation not in ops.GRAD_ACTIVATIONS:
@@ -324,7 +328,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
 
     # ---- shape -----------------------------------------------------------------------------
     def reshape(self, x: Tensor, shape) -> Tensor:
-        self._check("reshape", "x", x)
+        self.check("reshape", "x", x)
         return self.bind("reshape", [x], shape=ops.infer_reshape(x, shape)[0])
 
     # ---- autodiff (ir/autodiff.py; each op's VJP sits next to its builder) ----------------------
@@ -338,8 +342,23 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
 
     def stop_gradient(self, x: Tensor) -> Tensor:
         """x to the forward pass (a view: no copy, no kernel), a constant to ``grad``."""
-        self._check("stop_gradient", "x", x)
+        self.check("stop_gradient", "x", x)
         return self.bind("reshape", [x], shape=x.shape, stop_gradient=True)
+
+    def leaf(self, name: str) -> Tensor | None:
+        """The input or param named ``name``, or None."""
+        nid = self._leaf_names.get(name)
+        return None if nid is None else Tensor(self, nid)
+
+    def copy(self) -> "Graph":
+        """A copy with the same node ids (nodes and their attrs copied), which can grow
+        without changing this graph."""
+        g = copy.copy(self)
+        g.nodes = [dataclasses.replace(n, attrs=dict(n.attrs), results=list(n.results))
+                   for n in self.nodes]
+        g.outputs = list(self.outputs)
+        g._leaf_names = dict(self._leaf_names)
+        return g
 
     def tensor(self, node_id: int) -> Tensor:
         """A handle on node ``node_id`` of this graph."""
@@ -353,7 +372,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         if not outs:
             raise ValueError("set_outputs: a graph needs at least one output")
         for i, t in enumerate(outs):
-            self._check("set_outputs", f"outputs[{i}]", t)
+            self.check("set_outputs", f"outputs[{i}]", t)
         self.outputs = [t.id for t in outs]
 
     def __str__(self) -> str:

@@ -180,12 +180,12 @@ class AttentionOps:
                   bias=None, scale: float | None = None, softcap: float | None = None,
                   num_heads: int | None = None):
         """softmax(scale * q k^T (+ bias), masked) @ v per head; see the module docstring."""
-        ins = [self._check("attention", "q", q), self._check("attention", "k", k),
-               self._check("attention", "v", v)]
+        ins = [self.check("attention", "q", q), self.check("attention", "k", k),
+               self.check("attention", "v", v)]
         if mask is not None:
-            ins.append(self._check("attention", "mask", mask))
+            ins.append(self.check("attention", "mask", mask))
         if bias is not None:
-            ins.append(self._check("attention", "bias", bias))
+            ins.append(self.check("attention", "bias", bias))
         if not isinstance(causal, bool):
             raise ValueError(f"attention: causal must be a bool, got {causal!r}")
         # the dims (attrs the kernels read) and the default scale need the checked shapes

@@ -121,7 +121,7 @@ class DistOps:
     def all_reduce(self, x, op: str = "sum", *, world_size=None, rank=None):
         """Every rank's ``x`` reduced element-wise (op "sum", "avg", "max", "min", "prod");
         each rank gets the result."""
-        self._check("all_reduce", "x", x)
+        self.check("all_reduce", "x", x)
         check_dtype("all_reduce", x)
         _reduce_op("all_reduce", op)
         w, r = world("all_reduce", world_size, rank)
@@ -129,7 +129,7 @@ class DistOps:
 
     def all_gather(self, x, axis: int = 0, *, world_size=None, rank=None):
         """The ranks' ``x`` concatenated along ``axis`` in rank order."""
-        self._check("all_gather", "x", x)
+        self.check("all_gather", "x", x)
         check_dtype("all_gather", x)
         w, r = world("all_gather", world_size, rank)
         if not x.shape:
@@ -146,7 +146,7 @@ class DistOps:
     def reduce_scatter(self, x, axis: int = 0, op: str = "sum", *, world_size=None, rank=None):
         """The ranks' ``x`` reduced element-wise and split along ``axis`` into world_size
         equal parts: rank r gets part r."""
-        self._check("reduce_scatter", "x", x)
+        self.check("reduce_scatter", "x", x)
         check_dtype("reduce_scatter", x)
         _reduce_op("reduce_scatter", op)
         w, r = world("reduce_scatter", world_size, rank)
@@ -166,7 +166,7 @@ class DistOps:
 
     def broadcast(self, x, root: int = 0, *, world_size=None, rank=None):
         """Rank ``root``'s ``x`` on every rank."""
-        self._check("broadcast", "x", x)
+        self.check("broadcast", "x", x)
         check_dtype("broadcast", x)
         w, r = world("broadcast", world_size, rank)
         if not isinstance(root, (int, np.integer)) or not 0 <= root < w:

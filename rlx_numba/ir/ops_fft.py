@@ -210,7 +210,7 @@ class FftOps:
     """Builder methods; ``self`` is the Graph."""
 
     def _fft_args(self, op, x, norm):
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32:
             raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
         if norm not in NORMS:
@@ -272,7 +272,7 @@ class FftOps:
         does. ``window``: "hann" / "hamming" (periodic, SciPy's get_window), "boxcar", or an
         array of nperseg. Frequencies: welch_frequencies(nperseg, fs)."""
         op = "welch"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32 or len(x.shape) < 1 or x.shape[-1] < 1:
             raise ValueError(f"{op}: x must be f32 [..., n] with n >= 1, got {_desc(x)}")
         t = x.shape[-1]
@@ -304,7 +304,7 @@ class FftOps:
     def welch_peaks(self, psd, k: int, nperseg: int, fs: float = 1.0):
         """The ``k`` largest bins of a welch PSD [..., bins]: (powers, frequencies), both
         [..., k], largest first (frequencies f32: bin * fs / nperseg)."""
-        self._check("welch_peaks", "psd", psd)
+        self.check("welch_peaks", "psd", psd)
         if psd.shape[-1] != nperseg // 2 + 1:
             raise ValueError(f"welch_peaks: psd {_desc(psd)} does not have the {nperseg // 2 + 1}"
                              f" bins of nperseg={nperseg}")

@@ -98,8 +98,8 @@ class LossOps:
         IndexError for host-array labels out of the range that contains [0, C) and
         ignore_index). Half logits are computed in f32 and the loss cast back."""
         op = "cross_entropy"
-        self._check(op, "logits", logits)
-        self._check(op, "labels", labels)
+        self.check(op, "logits", logits)
+        self.check(op, "labels", labels)
         ignore, eps = check_cross_entropy(logits, labels, reduction, ignore_index,
                                           label_smoothing)
         x = logits if logits.dtype == dt.F32 else self.cast(logits, dt.F32)

@@ -135,7 +135,7 @@ class MoEOps:
         w are computed in f32."""
         op = "grouped_matmul"
         for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
         if not isinstance(trans_w, bool):
             raise ValueError(f"{op}: trans_w must be a bool, got {trans_w!r}")
         check_grouped(x, w, expert_ids, trans_w)   # on the arguments as given (halves too)
@@ -147,7 +147,7 @@ class MoEOps:
         the low-rank product is added in the base product's epilogue (linear's residual)."""
         op = "lora_matmul"
         for arg, t in (("x", x), ("w", w), ("a", a), ("b", b)):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
         check_lora(x, w, a, b, scale)
         x, w, a, b = (self._f32(t) for t in (x, w, a, b))
         low = self.linear(self.linear(x, a) * float(scale), b)

@@ -163,7 +163,7 @@ class NormOps:
         return t if t.dtype == dt.F32 else self.cast(t, dt.F32)
 
     def _row_op(self, op, x, axis, **attrs):
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         _float(op, "x", x)
         if len(x.shape) == 0:
             raise ValueError(f"{op}: x must have rank >= 1, got a scalar")
@@ -191,13 +191,13 @@ class NormOps:
                 if arg == "gamma":
                     raise ValueError(f"{op}: gamma is required")
                 continue
-            self._check(op, arg, t)
+            self.check(op, arg, t)
             _float(op, arg, t)
             if tuple(t.shape) != (n,):
                 raise ValueError(f"{op}: {arg} must have shape [{n}] (x {fmt(x.shape)} along axis "
                                  f"{axis}), got {fmt(t.shape)}")
         if residual is not None:
-            self._check(op, "residual", residual)
+            self.check(op, "residual", residual)
             _float(op, "residual", residual)
             if tuple(residual.shape) != tuple(x.shape):
                 raise ValueError(f"{op}: residual must have x's shape {fmt(x.shape)}, got "
@@ -239,7 +239,7 @@ class NormOps:
         log_softmax(x, axis): dy - exp(y) * sum(dy). One row kernel (kernels/rows.py)."""
         op = "log_softmax_bwd" if log else "softmax_bwd"
         axis = self._row_op(op, y, axis)
-        self._check(op, "dy", dy)
+        self.check(op, "dy", dy)
         _float(op, "dy", dy)
         if tuple(dy.shape) != tuple(y.shape):
             raise ValueError(f"{op}: dy must have y's shape {fmt(y.shape)}, got {fmt(dy.shape)}")
@@ -260,7 +260,7 @@ class NormOps:
         op = f"{kind}_bwd"
         eps = (1e-5 if kind == "layer_norm" else 1e-6) if eps is None else eps
         axis = self._norm_args(op, x, gamma, beta, axis, eps, residual)
-        self._check(op, "dy", dy)
+        self.check(op, "dy", dy)
         _float(op, "dy", dy)
         if tuple(dy.shape) != tuple(x.shape):
             raise ValueError(f"{op}: dy must have x's shape {fmt(x.shape)}, got {fmt(dy.shape)}")

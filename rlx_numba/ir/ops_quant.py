@@ -198,10 +198,10 @@ class QuantOps:
     """Builder methods; ``self`` is the Graph."""
 
     def _quant_inputs(self, op, w, scales, zeros):
-        ins = [self._check(op, "w", w)]
+        ins = [self.check(op, "w", w)]
         for arg, t in (("scales", scales), ("zeros", zeros)):
             if t is not None:
-                t = self._check(op, arg, t)
+                t = self.check(op, arg, t)
                 ins.append(t if t.dtype == dt.F32 else self.cast(t, dt.F32))
         return ins
 
@@ -212,10 +212,10 @@ class QuantOps:
         embedding lookup in a packed table (no gradient flows to the scales then)."""
         op = "dequantize"
         # (the checks on the arguments as given: the node sees scales and zeros cast to f32)
-        check_quant(op, self._check(op, "w", w), scales, zeros, scheme, group_size)
+        check_quant(op, self.check(op, "w", w), scales, zeros, scheme, group_size)
         ins = self._quant_inputs(op, w, scales, zeros)
         if rows is not None:
-            ins.append(self._check(op, "rows", rows))
+            ins.append(self.check(op, "rows", rows))
         return self.bind(op, ins, scheme=scheme, group_size=group_size,
                          has_zeros=zeros is not None, gather=rows is not None)
 
@@ -223,11 +223,11 @@ class QuantOps:
         """x [..., K] @ W^T -> [..., N] f32 for a packed weight W [N, K] (module docstring;
         DESIGN.md): GGUF blocks, int8 or int4 with per-channel or per-group scales."""
         op = "dequant_matmul"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if not x.dtype.is_float or not x.shape:
             raise ValueError(f"{op}: x must be a float tensor [..., K], got {_desc(x)}")
         k = x.shape[-1]
-        n, _, gs, _ = check_quant(op, self._check(op, "w", w), scales, zeros, scheme,
+        n, _, gs, _ = check_quant(op, self.check(op, "w", w), scales, zeros, scheme,
                                   group_size, k)
         xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
         m = math.prod(x.shape[:-1])
@@ -253,7 +253,7 @@ class QuantOps:
         range gives a row of zeros. Gradients flow to x only."""
         op = "dequant_grouped_matmul"
         for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
         if not x.dtype.is_float or len(x.shape) != 2:
             raise ValueError(f"{op}: x must be a float tensor [M, K], got {_desc(x)}")
         (m, k) = x.shape

@@ -83,7 +83,7 @@ class RandomOps:
         seed = _seed(op, seed)
         if isinstance(seed, int):
             return seed, ()
-        self._check(op, "seed", seed)
+        self.check(op, "seed", seed)
         return None, (seed if seed.dtype == dt.I64 else self.cast(seed, dt.I64),)
 
     def dropout(self, x, p: float = 0.5, seed=0):
@@ -95,7 +95,7 @@ class RandomOps:
         Its gradient is dy times the same mask (redrawn, not stored). x f32 (halves are
         computed in f32 and cast back)."""
         op = "dropout"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if not x.dtype.is_float:
             raise ValueError(f"{op}: x must be a float tensor, got {x.dtype} {fmt(x.shape)}")
         if (isinstance(p, bool) or not isinstance(p, numbers.Real)

@@ -137,7 +137,7 @@ class ReduceOps:
 
     def reduce(self, kind: str, x, axes=None, keep_dim: bool = False):
         """Reduce x over ``axes`` (int, sequence, or None for all) with sum/mean/max/min/prod."""
-        self._check(f"reduce {kind}", "x", x)
+        self.check(f"reduce {kind}", "x", x)
         return self.bind("reduce", [x], kind=kind, axes=reduce_axes(x, kind, axes, keep_dim),
                          keep_dim=keep_dim)
 
@@ -160,7 +160,7 @@ class ReduceOps:
     mean = reduce_mean
 
     def _argreduce(self, op, x, axis, keep_dim):
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         return self.bind(op, [x], axes=argreduce_axes(x, op, axis, keep_dim), keep_dim=keep_dim)
 
     def argmax(self, x, axis=None, keep_dim: bool = False):
@@ -174,7 +174,7 @@ class ReduceOps:
 
     def cumsum(self, x, axis: int, exclusive: bool = False):
         """Running sum along ``axis``; ``exclusive`` starts at 0 and leaves the element out."""
-        self._check("cumsum", "x", x)
+        self.check("cumsum", "x", x)
         return self.bind("cumsum", [x], axis=cumsum_axis(x, axis, exclusive),
                          exclusive=exclusive)
 

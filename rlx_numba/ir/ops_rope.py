@@ -245,14 +245,14 @@ class RopeOps:
         range-checked there (IndexError); in-graph and device-array positions are clamped to
         [0, max_pos - 1]. Returns f32 of x's shape."""
         op = "rope"
-        self._check(op, "x", x)
-        self._check(op, "cos", cos)
-        self._check(op, "sin", sin)
+        self.check(op, "x", x)
+        self.check(op, "cos", cos)
+        self.check(op, "sin", sin)
         if n_rot is None:
             n_rot = x.shape[-1] if x.shape else 0
         ins = [x, cos, sin]
         if positions is not None:
-            ins.append(self._check(op, "positions", positions))
+            ins.append(self.check(op, "positions", positions))
         return self.bind(op, ins, n_rot=_as_int(n_rot), interleaved=interleaved,
                          position_offset=_as_int(position_offset))
 
@@ -293,8 +293,8 @@ class RopeOps:
         ``g.constant(np.arange(MAX_S)[None, :]) <= pos + g.constant(np.arange(s)[:, None])``
         ([s, MAX_S], broadcast by attention over batch and heads)."""
         op = "kv_write"
-        self._check(op, "cache", cache)
-        self._check(op, "new", new)
+        self.check(op, "cache", cache)
+        self.check(op, "new", new)
         _not_constant(op, "cache", cache)
         ins = [cache, new]
         p = self._write_position(op, "position", position, ins)
@@ -309,7 +309,7 @@ class RopeOps:
         if not (hasattr(position, "graph") and hasattr(position, "node")):
             raise ValueError(f"{op}: {arg} must be an int or an i32/i64 tensor of shape [] or "
                              f"[1], got {type(position).__name__}")
-        ins.append(self._check(op, arg, position))
+        ins.append(self.check(op, arg, position))
         return None
 
     def rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, cache_position, *, num_heads: int,
@@ -336,14 +336,14 @@ class RopeOps:
         op = "rope_kv_write"
         for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                        ("v_cache", v_cache)):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
         d = k_cache.shape[-1] if len(k_cache.shape) == 4 else None
         if n_rot is None:
             n_rot = d
         ins = [qkv, cos, sin, k_cache, v_cache]
         p = self._write_position(op, "cache_position", cache_position, ins)
         if positions is not None:
-            ins.append(self._check(op, "positions", positions))
+            ins.append(self.check(op, "positions", positions))
         attrs = dict(num_heads=_as_int(num_heads), num_kv_heads=_as_int(num_kv_heads),
                      head_dim=d, n_rot=_as_int(n_rot), interleaved=interleaved,
                      cache_position=p, has_positions=positions is not None)

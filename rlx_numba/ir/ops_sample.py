@@ -134,7 +134,7 @@ class SampleOps:
         go to the smaller index; NaN counts as larger than every number (several NaNs: by
         index), like torch.topk. values keep x's dtype, indices are i64. A non-last axis is
         moved last by a transpose (a copy of x) and the results moved back."""
-        self._check("topk", "x", x)
+        self.check("topk", "x", x)
         axis, _, k = topk_args(x, k, axis)
         last = len(x.shape) - 1
         xt = x
@@ -165,9 +165,9 @@ class SampleOps:
         seed >> 32): the same seed and logits give the same ids on a GPU and in the simulator.
         ``seed`` is a Python int, or an i32/i64 tensor of shape [] or [1] (e.g. a run() input,
         so a replayed decode graph can change it every step)."""
-        self._check("sample", "logits", logits)
+        self.check("sample", "logits", logits)
         if hasattr(seed, "graph"):
-            self._check("sample", "seed", seed)
+            self.check("sample", "seed", seed)
         temperature, top_k, top_p, seed = check_sample(logits, temperature, top_k, top_p, seed)
         n = logits.shape[-1]
         seed_t = None

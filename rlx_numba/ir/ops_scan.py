@@ -72,7 +72,7 @@ class ScanOps:
         """torch.nn.functional.softplus (beta 1): log(1 + exp(x)), as relu(x) + log1p(e) with
         e = exp(-|x|) (no exp overflows); log1p(e) as e (1 - e / 2) below e = 1e-3, where
         log(1 + e) would round 1 + e (its error there: e^3 / 3)."""
-        self._check("softplus", "x", x)
+        self.check("softplus", "x", x)
         if x.dtype != dt.F32:
             raise ValueError(f"softplus: x must be f32, got {_desc(x)}")
         e = self.exp(self.neg(self.abs(x)))
@@ -89,13 +89,13 @@ class ScanOps:
         ``return_last_state`` (y, the last x [Bt, Dm, N])."""
         op = "selective_scan"
         for arg, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
-            self._check(op, arg, t)
+            self.check(op, arg, t)
         bt, dm, length, n = scan_dims(op, u, delta, A, B, C)
         want = {"D": (dm,), "z": (bt, dm, length), "delta_bias": (dm,)}
         for arg, t in (("D", D), ("z", z), ("delta_bias", delta_bias)):
             if t is None:
                 continue
-            self._check(op, arg, t)
+            self.check(op, arg, t)
             if tuple(t.shape) != want[arg] or t.dtype != dt.F32:
                 raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (u {_desc(u)}, A "
                                  f"{_desc(A)}), got {_desc(t)}")
@@ -121,7 +121,7 @@ class ScanOps:
         [Bt, Dm]. Returns (y [Bt, Dm], the next state): state' = exp(dt A) state + dt x B,
         y = C . state' (+ D x) (* silu(z)). Element-wise graph ops (fused)."""
         op = "selective_state_update"
-        self._check(op, "state", state)
+        self.check(op, "state", state)
         if len(state.shape) != 3 or state.dtype != _F32:
             raise ValueError(f"{op}: state must be f32 [batch, dim, N], got {_desc(state)}")
         bt, dm, n = state.shape
@@ -131,7 +131,7 @@ class ScanOps:
                        ("dt_bias", dt_bias)):
             if t is None:
                 continue
-            self._check(op, arg, t)
+            self.check(op, arg, t)
             if tuple(t.shape) != want[arg] or t.dtype != _F32:
                 raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (state "
                                  f"{_desc(state)}), got {_desc(t)}")

@@ -246,12 +246,12 @@ class ShapeOps:
     def transpose(self, x, perm=None):
         """Permute the axes: output axis i is x's axis perm[i] (negative allowed); perm None
         reverses them."""
-        self._check("transpose", "x", x)
+        self.check("transpose", "x", x)
         return self.bind("transpose", [x], perm=transpose_perm(x, perm))
 
     def narrow(self, x, axis: int, start: int, length: int):
         """x[..., start:start+length, ...] along axis (0 <= start, start + length <= dim)."""
-        self._check("narrow", "x", x)
+        self.check("narrow", "x", x)
         axis, start, length = narrow_args(x, axis, start, length)
         return self.bind("narrow", [x], axis=axis, start=start, length=length)
 
@@ -260,20 +260,20 @@ class ShapeOps:
         if not isinstance(xs, (list, tuple)) or not xs:
             raise ValueError(f"concat: xs must be a non-empty list of Tensors, got {xs!r}")
         for i, t in enumerate(xs):
-            self._check("concat", f"xs[{i}]", t)
+            self.check("concat", f"xs[{i}]", t)
         return self.bind("concat", xs, axis=concat_axis(xs, axis))
 
     def expand(self, x, shape):
         """Broadcast x to shape (NumPy broadcast_to; -1 keeps a dim), materialised."""
-        self._check("expand", "x", x)
+        self.check("expand", "x", x)
         return self.bind("expand", [x], shape=infer_expand(x, shape)[0])
 
     def gather(self, table, indices, axis: int = 0):
         """table's slices along axis at indices (i32/i64): out shape table.shape[:axis] +
         indices.shape + table.shape[axis+1:]. Negative indices wrap; indices fed to run() are
         range-checked there (IndexError); in-graph and device-array indices are clamped."""
-        self._check("gather", "table", table)
-        self._check("gather", "indices", indices)
+        self.check("gather", "table", table)
+        self.check("gather", "indices", indices)
         return self.bind("gather", [table, indices], axis=gather_axis(table, indices, axis))
 
     def scatter_add(self, target, indices, updates, axis: int = 0, deterministic: bool = False):
@@ -286,9 +286,9 @@ class ShapeOps:
         out-of-range in-graph or device-array indices are dropped."""
         if not isinstance(deterministic, bool):
             raise ValueError(f"scatter_add: deterministic must be a bool, got {deterministic!r}")
-        self._check("scatter_add", "target", target)
-        self._check("scatter_add", "indices", indices)
-        self._check("scatter_add", "updates", updates)
+        self.check("scatter_add", "target", target)
+        self.check("scatter_add", "indices", indices)
+        self.check("scatter_add", "updates", updates)
         axis = scatter_axis(target, indices, updates, axis)
         extra = {"deterministic": True} if deterministic else {}    # (printed only when set)
         return self.bind("scatter_add", [target, indices, updates], axis=axis, **extra)

@@ -37,7 +37,7 @@ class SortOps:
     """Builder methods; ``self`` is the Graph."""
 
     def _argsort_last(self, op, x, axis, descending):
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         _sortable(op, x)
         rank = len(x.shape)
         if not isinstance(axis, (int, np.integer)) or not -rank <= axis < rank:

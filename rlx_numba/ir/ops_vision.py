@@ -63,8 +63,8 @@ def _geometry(op, x, w, n_spatial_w):
 
 def _conv_input(g, op, x, w):
     """(spatial rank, whether x is batched, x as [N, C, *S]) of a conv or conv_transpose."""
-    g._check(op, "x", x)
-    g._check(op, "w", w)
+    g.check(op, "x", x)
+    g.check(op, "w", w)
     d, batched = _geometry(op, x, w, len(w.shape) - 2)
     return d, batched, x if batched else g.reshape(x, (1,) + tuple(x.shape))
 
@@ -77,7 +77,7 @@ def _eps(op, eps):
 def _bias(g, op, bias, cout, y, d):
     if bias is None:
         return y
-    g._check(op, "bias", bias)
+    g.check(op, "bias", bias)
     if tuple(bias.shape) != (cout,) or bias.dtype != dt.F32:
         raise ValueError(f"{op}: bias must be f32 [{cout}] (one per output channel), got "
                          f"{_desc(bias)}")
@@ -332,7 +332,7 @@ class VisionOps:
         size up; count_include_pad: avg divides by the window clipped to the padded input
         (else to the input)."""
         op = "pool"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if kind not in ("max", "avg"):
             raise ValueError(f"{op}: kind must be 'max' or 'avg', got {kind!r}")
         d = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else len(x.shape) - 2
@@ -371,14 +371,14 @@ class VisionOps:
         """Inference batch norm over x [N, C, ...] with running statistics, per channel:
         (x - mean) / sqrt(var + eps) * gamma + beta (torch's F.batch_norm, training=False)."""
         op = "batch_norm"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32 or len(x.shape) < 2:
             raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
         c = x.shape[1]
         for arg, t in (("mean", mean), ("var", var), ("gamma", gamma), ("beta", beta)):
             if t is None and arg in ("gamma", "beta"):
                 continue
-            self._check(op, arg, t)
+            self.check(op, arg, t)
             if tuple(t.shape) != (c,) or t.dtype != dt.F32:
                 raise ValueError(f"{op}: {arg} must be f32 [{c}] (one per channel of x "
                                  f"{_desc(x)}), got {_desc(t)}")
@@ -389,7 +389,7 @@ class VisionOps:
         """torch's F.group_norm: x [N, C, *S] normalised over each group of C / num_groups
         channels (and every position), then gamma [C] and beta [C] per channel."""
         op = "group_norm"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32 or len(x.shape) < 2:
             raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
         n, c = x.shape[:2]
@@ -399,7 +399,7 @@ class VisionOps:
                              f"num_groups={groups}")
         for arg, t in (("gamma", gamma), ("beta", beta)):
             if t is not None:
-                self._check(op, arg, t)
+                self.check(op, arg, t)
                 if tuple(t.shape) != (c,) or t.dtype != dt.F32:
                     raise ValueError(f"{op}: {arg} must be f32 [{c}], got {_desc(t)}")
         _eps(op, eps)
@@ -414,7 +414,7 @@ class VisionOps:
         """SAM's LayerNorm2d: x [N, C, *S] normalised over C at each position, then gamma [C]
         (and beta [C]) per channel."""
         op = "layer_norm2d"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32 or len(x.shape) < 3:
             raise ValueError(f"{op}: x must be f32 [N, C, *spatial], got {_desc(x)}")
         return self.layer_norm(x, gamma, beta, axis=1, eps=eps)
@@ -640,7 +640,7 @@ class ResampleOps:
         "constant" (pads may be negative: a crop), "reflect" (pads < the axis' size) or
         "replicate"."""
         op = "pad"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32:
             raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
         if mode not in ("constant", "reflect", "replicate"):
@@ -681,7 +681,7 @@ class ResampleOps:
         ``size`` (int or one a dim) and ``scale_factor`` (output floor(S * f)); align_corners
         (linear modes only, default False)."""
         op = "resize"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32:
             raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
         d = len(x.shape) - 2
@@ -721,7 +721,7 @@ class ResampleOps:
         output_size's length (x's rank - 2 for an int); a None entry keeps that dim. Window o of
         a dim is [floor(o*S/O), ceil((o+1)*S/O))."""
         op = "adaptive_avg_pool"
-        self._check(op, "x", x)
+        self.check(op, "x", x)
         if x.dtype != dt.F32:
             raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
         sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else None

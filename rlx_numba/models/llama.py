@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import Graph, compile
 from ..ir.ops_quant import GGUF as GGUF_SCHEMES
-from ..runtime.executable import _exec_mode
+from ..modes import parse_exec_mode
 from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       quantize, read_json, reverse_permute)
@@ -673,7 +673,7 @@ class LlamaForCausalLM:
             raise ValueError("LlamaForCausalLM: weights='gguf' comes from from_gguf (the file's "
                              "packed blocks); other weights take no packed=")
         try:
-            mode = _exec_mode(exec_mode)
+            mode = parse_exec_mode(exec_mode)
         except ValueError as e:
             raise ValueError(f"LlamaForCausalLM: {str(e).removeprefix('compile: ')}") from None
         self.config = config

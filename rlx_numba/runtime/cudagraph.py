@@ -33,6 +33,11 @@ from .schedule import Schedule, assign_streams, node_units
 _said = set()   # modes whose simulator fallback was logged
 
 
+def _cuda():
+    from numba import cuda
+    return cuda
+
+
 def runner_for(exe):
     """The Runner for exe's GRAPH / MULTISTREAM mode (None: run as STREAM). For GRAPH the
     steps are audited here, at compile time."""
@@ -93,7 +98,7 @@ def audit(steps, mode: str = "GRAPH") -> None:
 
 
 # ---- the runner ----------------------------------------------------------------------------------
-def _drv():
+def cu_driver():
     from cuda.bindings import driver
     return driver
 
@@ -104,7 +109,7 @@ def _err_name(drv, err) -> str:
     return name or str(err)
 
 
-def _check(drv, res, what):
+def cu_check(drv, res, what):
     """The values of a cuda.bindings call after its CUresult; raises RuntimeError."""
     if res[0] != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {_err_name(drv, res[0])}")
@@ -119,8 +124,8 @@ def _launcher(step, stream):
     return c.launch if c.launch is not None else c
 
 
-def _destroy(exec_, graph):
-    drv = _drv()
+def destroy_graph(exec_, graph):
+    drv = cu_driver()
     if exec_ is not None:
         drv.cuGraphExecDestroy(exec_)
     if graph is not None:
@@ -141,7 +146,7 @@ class Runner:
         # device until the cycle collector happens to run
         self.exe, self.graph = weakref.proxy(exe), graph
         self.mode = str(exe.exec_mode)
-        self.streams = [exe.stream] + [exe._cuda.stream() for _ in range(streams - 1)]
+        self.streams = [exe.stream] + [_cuda().stream() for _ in range(streams - 1)]
         self._built_from = None   # the exe.steps list the launch list was built from
         self._calls = []          # the launch list: no-argument callables, in issue order
         self._labels = []         # per call: (what it is, stream index), for capture errors
@@ -170,7 +175,7 @@ class Runner:
                                    f"grouped by node as its node table says; cannot schedule")
             sched = assign_streams([u[2] for u in units], [u[3] for u in units], n)
         timing = {} if SIMULATOR else {"timing": False}
-        events = {d: exe._cuda.event(**timing) for d in sched.recorded}
+        events = {d: _cuda().event(**timing) for d in sched.recorded}
         calls, labels = [], []
 
         def add(call, label, si):
@@ -178,7 +183,7 @@ class Runner:
             labels.append((label, si))
 
         if sched.used:   # the other streams start after the inputs were copied in on stream 0
-            fork = exe._cuda.event(**timing)
+            fork = _cuda().event(**timing)
             add(functools.partial(fork.record, self.streams[0]), "fork event record", 0)
             for si in sched.used:
                 add(functools.partial(fork.wait, self.streams[si]), f"fork wait on stream {si}", si)
@@ -228,10 +233,10 @@ class Runner:
 
     def _capture(self):
         from numba import cuda
-        drv = _drv()
+        drv = cu_driver()
         hs = [drv.CUstream(int(s)) for s in self.streams]
         active = drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
-        _check(drv, drv.cuStreamBeginCapture(
+        cu_check(drv, drv.cuStreamBeginCapture(
             hs[0], drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
             "cuStreamBeginCapture")
         failure, graph = None, None
@@ -267,19 +272,19 @@ class Runner:
                                f"into a CUDA graph failed: {failure or 'no graph'}. The streams are "
                                f"out of capture mode; ExecMode.STREAM runs the graph uncaptured")
         try:
-            nodes, count = _check(drv, drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-            nodes, _ = _check(drv, drv.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+            nodes, count = cu_check(drv, drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+            nodes, _ = cu_check(drv, drv.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
             kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
             self.graph_nodes = int(count)
-            self.kernel_nodes = sum(_check(drv, drv.cuGraphNodeGetType(nd), "cuGraphNodeGetType")
+            self.kernel_nodes = sum(cu_check(drv, drv.cuGraphNodeGetType(nd), "cuGraphNodeGetType")
                                     == kernel for nd in nodes)
-            exec_ = _check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            exec_ = cu_check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
         except Exception:
             drv.cuGraphDestroy(graph)
             raise
-        self._fin = weakref.finalize(self, _destroy, exec_, graph)
+        self._fin = weakref.finalize(self, destroy_graph, exec_, graph)
         self._fin.atexit = False   # at exit the driver frees it with the context, maybe gone by then
-        _check(drv, drv.cuGraphUpload(exec_, hs[0]), "cuGraphUpload")
+        cu_check(drv, drv.cuGraphUpload(exec_, hs[0]), "cuGraphUpload")
         self._exec = exec_
         self.captures += 1
         launch = functools.partial(drv.cuGraphLaunch, exec_, hs[0])

@@ -1,88 +1,23 @@
-"""CudaExecutable: what compile() made of a graph (an arena, params from a ParamStore, bound
-Steps), and run(). The compile pipeline itself is rlx_numba/compiler.py."""
+"""CudaExecutable: a Program (program.py: what compile() made of a graph: its arena, params
+from a ParamStore, bound Steps) with its inputs bound, run and profiled. The compile pipeline
+is listed in rlx_numba/compiler.py; its stages live below this module (plan.py, program.py)."""
 from __future__ import annotations
 
-import enum
 import functools
-import logging
 import os
-import sys
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 
+from ..device import SIMULATOR
 from ..ir import dtypes as dt
+from ..ir.graph import Graph
 from ..ir.ops import fmt
 from ..memory import MemoryReport
-from . import (lower, lower_attention, lower_dist, lower_fft, lower_grouped,  # noqa: F401
-               lower_loss, lower_matmul, lower_norm, lower_quant, lower_random, lower_reduce,
-               lower_rope, lower_sample, lower_scan, lower_shape, lower_sort,
-               lower_vision)  # (each registers its lowerings)
-from ..device import SIMULATOR
-from . import trace
-from .params import ParamStore
-
-log = logging.getLogger("rlx_numba")
-
-
-class CompileMode(enum.Enum):
-    JIT = "jit"   # kernels compile on first use
-    AOT = "aot"   # every kernel compiled inside compile()
-
-
-@dataclass(frozen=True)
-class ExecMode:
-    kind: str
-    streams: int = 1
-
-    @staticmethod
-    def MULTISTREAM(n: int, graph: bool = False) -> "ExecMode":  # noqa: N802 - the contract's name
-        """n streams ordered by events; with ``graph=True`` that is captured into one CUDA
-        graph (GRAPH over n streams)."""
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"ExecMode.MULTISTREAM: n must be a positive int, got {n!r}")
-        return ExecMode("graph" if graph else "multistream", n)
-
-    def __str__(self) -> str:
-        if self.kind == "graph" and self.streams > 1:
-            return f"MULTISTREAM({self.streams}, graph=True)"
-        return self.kind.upper() if self.kind != "multistream" else f"MULTISTREAM({self.streams})"
-
-
-ExecMode.STREAM = ExecMode("stream")    # launches queued on one stream, one sync per run
-ExecMode.EAGER = ExecMode("eager")      # a sync after every step: errors point at their step
-ExecMode.GRAPH = ExecMode("graph")
-
-
-def _compile_mode(m) -> CompileMode:
-    if isinstance(m, CompileMode):
-        return m
-    try:
-        return CompileMode(str(m).lower())
-    except ValueError:
-        raise ValueError(f"compile: unknown compile_mode {m!r}; expected 'jit' or 'aot'") from None
-
-
-def _exec_mode(m) -> ExecMode:
-    if isinstance(m, ExecMode):
-        return m
-    s = str(m).lower()
-    if s in ("stream", "eager", "graph"):
-        return getattr(ExecMode, s.upper())
-    if s.startswith("multistream"):
-        digits = s[len("multistream"):].strip("():")
-        if digits and not digits.isdigit():
-            raise ValueError(f"compile: exec_mode {m!r}: the stream count must be an int")
-        return ExecMode.MULTISTREAM(int(digits) if digits else 2)
-    raise ValueError(f"compile: unknown exec_mode {m!r}; expected stream, eager, graph or "
-                     f"multistream(n)")
-
-
-def _cuda():
-    from numba import cuda
-    return cuda
-
+from ..modes import CompileMode, ExecMode, parse_compile_mode, parse_exec_mode
+from . import lower_shape
+from .params import ParamStore, check_store
+from .program import Program, build_program, storage
 
 @functools.cache
 def _driver():
@@ -96,241 +31,114 @@ def _as_device_array(x):
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return x if isinstance(x, FakeCUDAArray) else None
+    from numba import cuda
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-    cuda = _cuda()
     if isinstance(x, DeviceNDArray):
         return x
     return cuda.as_cuda_array(x) if cuda.is_cuda_array(x) else None
 
 
-class CudaExecutable:
-    """A compiled graph: an arena, params bound from a ParamStore, bound Steps, and run().
-    Made by ``rlx_numba.compile`` (compiler.py), which plans the graph and lowers it."""
+def compile_graph(graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
+                  params: ParamStore | None = None, stream=None) -> "CudaExecutable":
+    """What ``rlx_numba.compile`` (compiler.py) and ``CudaExecutable.compile_with`` do: parse
+    the modes, check the store, build the Program and bind it."""
+    cm, em = parse_compile_mode(compile_mode), parse_exec_mode(exec_mode)
+    check_store(params)
+    return CudaExecutable(build_program(graph, cm, em, params, stream))
 
-    def __init__(self, plan, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
+
+class CudaExecutable:
+    """A compiled graph: a Program (an arena, params bound from a ParamStore, bound Steps)
+    and run(). Made by ``rlx_numba.compile`` (compiler.py)."""
+
+    def __init__(self, program, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                  params: ParamStore | None = None, stream=None):
-        if not hasattr(plan, "graph"):   # CudaExecutable(graph, ...): the pre-compiler.py way
+        if isinstance(program, Graph):   # CudaExecutable(graph, ...): the pre-compiler.py way
             warnings.warn("CudaExecutable(graph, ...) is deprecated: use rlx_numba.compile(graph, "
                           "...) or CudaExecutable.compile_with", DeprecationWarning, stacklevel=2)
-            from ..compiler import plan_graph
-            from .params import check_store
-            compile_mode, exec_mode = _compile_mode(compile_mode), _exec_mode(exec_mode)
+            compile_mode, exec_mode = parse_compile_mode(compile_mode), parse_exec_mode(exec_mode)
             check_store(params)
-            self.__init__(plan_graph(plan), compile_mode, exec_mode, params, stream)
-            self.lower_all()
-            self.start_runner()
-            return
-        graph = self.graph = plan.graph
-        self.plan = plan
-        self.compile_mode, self.exec_mode = compile_mode, exec_mode
-        # params live in a store, shared with the other executables compiled against it
-        self.params = ParamStore(graph.name) if params is None else params
-        self._outputs = list(graph.outputs)  # the graph may grow later; this executable won't
-        cuda = _cuda()
-        self._cuda = cuda
-        # executables that run one after another (a model's graphs) may share a stream, and
-        # with it their cuBLAS handle and 32 MiB workspace (one per stream)
-        self.stream = cuda.stream() if stream is None else stream
+            program = build_program(program, compile_mode, exec_mode, params, stream)
+        if not isinstance(program, Program):
+            raise TypeError(f"CudaExecutable: expected a Program (use rlx_numba.compile), got "
+                            f"{type(program).__name__}")
+        self.program = program
+        ctx = self._ctx = program.ctx
+        graph = self.graph = program.graph
+        self.plan = program.plan
+        self.compile_mode, self.exec_mode = program.compile_mode, program.exec_mode
+        self.params, self.stream = program.params, program.stream
+        self._outputs = ctx.outputs
         self._stream_handle = 0 if SIMULATOR else int(self.stream)   # the CUstream, for _memcpy
-        self.absorbed, self.transposed, self.fusion = plan.absorbed, plan.transposed, plan.fusion
-        self.strided = plan.strided            # strided narrows: views element-wise kernels read
-        self._live, self._root = plan.live, plan.root
-        self.buffers, self.arena_bytes, self._report = plan.buffers, plan.arena_bytes, plan.report
-        self.arena = cuda.device_array(max(self.arena_bytes, 1), dtype=np.uint8)
-        nodes = graph.nodes
-        self._params = {n.name: n for n in nodes if n.op == "param"}
-        self._param_mem = {}                 # param node id -> its flat uint8 store array (or
-                                             # None: a half weight's dropped f32 copy, params.py)
-        self._bind_params()
-        self._bufs = {}                      # node id -> flat device view of its storage
-        for nid in self._root:
-            if nid not in self.fusion.interior:
-                self._bufs[nid] = self._flat(nid)
-        self._inputs = {n.name: n for n in nodes if n.op == "input"}
+        self.absorbed, self.transposed, self.fusion = ctx.absorbed, ctx.transposed, ctx.fusion
+        self.strided = ctx.strided             # strided narrows: views element-wise kernels read
+        self._root = ctx.roots
+        self.buffers, self.arena_bytes, self._report = ctx.buffers, ctx.arena_bytes, ctx.report
+        self.arena = ctx.arena
+        self._params = ctx.param_nodes
+        self._inputs = {n.name: n for n in graph.nodes if n.op == "input"}
         # device addresses of the inputs' slots (run() copies into them with one driver call)
         self._in_ptr = {} if SIMULATOR else {
-            n.id: self._bufs[n.id].device_ctypes_pointer.value for n in self._inputs.values()}
+            n.id: ctx.bufs[n.id].device_ctypes_pointer.value for n in self._inputs.values()}
         self._unset = {name for name, n in self._params.items() if not self._entry(n).is_set}
-        for n in nodes:
-            if n.op == "constant" and n.id in self._live and n.size:
-                self._bufs[n.id].copy_to_device(self._storage(n.attrs["value"], n.dtype))
-        self._extra = []                     # small device arrays steps own (batch offsets)
-        self._owned = {}                     # node id -> those its steps own (a re-plan drops them)
-        self._index_checks = {}              # input name -> [(lo, hi, what)], see add_index_check
         self._views = {}                     # output node id -> its arena view (run "view")
-        self._node_steps = {}                # node id -> its bound steps, in graph order
-        self.steps = None                    # lower_all() makes them
         self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
-        # node id -> (half dtype, view): a node only products read as their weight that its
-        # lowering wrote half into its own buffer (a dequantised weight for tier 0's tensor cores)
-        self.half_outputs = {}
-
-    def lower_all(self) -> None:
-        """Lower every node that runs to bound Steps (AOT: and compile their kernels)."""
-        for n in self.graph.nodes:
-            if n.id in self._live and n.id not in self.fusion.interior:
-                self._node_steps[n.id] = self._lower_bound(self.fusion.nodes.get(n.id, n))
-        self._flatten_steps()
-        self._compile_steps(self.steps)
-
-    def start_runner(self) -> None:
-        """GRAPH / MULTISTREAM: the runner that captures or spreads the steps."""
         if self.exec_mode.kind in ("graph", "multistream"):
             from .cudagraph import runner_for
             self._runner = runner_for(self)
 
-    def _lower_bound(self, n):
-        mark = len(self._extra)
-        steps = [s for s in self._lower(n) if s is not None]
-        self._owned[n.id] = self._extra[mark:]
-        del self._extra[mark:]
-        for s in steps:
-            s.bind(self.stream, False)
-        return steps
-
-    def _compile_steps(self, steps) -> None:
-        """AOT: compile every kernel of ``steps`` now (or load it from the disk cache), under
-        a progress bar when someone watches; JIT leaves that to each step's first call."""
-        if self.compile_mode is not CompileMode.AOT:
-            return
-        for s in _progress(steps, f"compile {self.graph.name}"):
-            log.info("compile %s: %s %s", self.graph.name, s.name, s.kernel_name)
-            s.compile()
-
-    def _flatten_steps(self):
-        self.steps: list = [s for steps in self._node_steps.values() for s in steps]
-        # what run() loops over: the steps, or with RLX_NUMBA_NVTX=1 each inside an NVTX range
-        self._loop_steps = trace.nvtx_wrapped(self.steps)
-
     @classmethod
     def compile_with(cls, graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                      params: ParamStore | None = None, stream=None):
-        """The contract's spelling of ``rlx_numba.compile`` (compiler.py, the floor above)."""
-        from ..compiler import compile as compile_graph
+        """The contract's spelling of ``rlx_numba.compile`` (compiler.py)."""
         return compile_graph(graph, compile_mode, exec_mode, params, stream)
 
-    # ---- compile-time pieces ------------------------------------------------------------------
-    def _is_view(self, n) -> bool:
-        return self.plan.is_view(n)
+    # the program's steps and memory, as this executable runs them
+    @property
+    def steps(self) -> list:
+        return self.program.steps
 
-    def _bind_params(self):
-        """Bind every param to its store entry (created there, or found: shared)."""
-        own = shared = 0
-        written = {self._root[n.id] for n in self.graph.nodes
-                   if n.op in lower.INPLACE and n.id in self._live}
-        weight_only = lower_matmul.weight_only_params(self.graph, self.absorbed, self.transposed)
-        for n in self._params.values():
-            e, mem, added = self.params.bind(self, n, n.id in self.transposed, n.id in written,
-                                             weight_only=n.id in weight_only)
-            self._param_mem[n.id] = mem
-            if added:
-                own += added
-            else:               # what the store holds for it (a half weight: its half copy)
-                shared += sum(ParamStore.entry_bytes(e).values())
-        self._report.update(param_bytes=own, shared_param_bytes=shared)
+    @property
+    def _loop_steps(self) -> list:
+        return self.program.loop_steps
+
+    @property
+    def _node_steps(self) -> dict:
+        return self.program.node_steps
+
+    @property
+    def _extra(self) -> list:
+        return self._ctx.extra
+
+    @property
+    def _owned(self) -> dict:
+        return self._ctx.owned
+
+    @property
+    def half_outputs(self) -> dict:
+        return self._ctx.half_outputs
 
     def _entry(self, node):
         return self.params.entry(node)
 
-    def _flat(self, nid):
-        n = self.graph.nodes[nid]
-        root = self._root[nid]
-        storage = n.dtype.storage
-        off, count = lower.view_window(self.graph, nid, self._root)   # narrow views: an offset
-        start = off * storage.itemsize
-        if root in self._param_mem:
-            mem = self._param_mem[root]
-            if mem is None:               # a half weight's dropped f32 copy (params.py)
-                return None
-            return mem[start:start + count * storage.itemsize].view(storage)
-        start += self.buffers[root].offset
-        return self.arena[start:start + count * storage.itemsize].view(storage)
-
-    def device_array(self, host):
-        """A small device array owned by this executable (e.g. a step's index table)."""
-        a = self._cuda.to_device(host)
-        self._extra.append(a)
-        return a
-
-    def keep(self, arrays) -> None:
-        """Keep device arrays a step points at (e.g. cuBLAS pointer tables) alive."""
-        self._extra.extend(arrays)
-
-    def _rebind_param(self, name) -> None:
-        """The store dropped or made again the f32 copy of param ``name``: take the new views
-        (the products that read them are planned again by the store's set)."""
-        node = self._params.get(name)
-        if node is None:
-            return
-        self._param_mem[node.id] = self._entry(node).copies[node.id in self.transposed]
-        if hasattr(self, "_bufs"):           # (else __init__ makes them next)
-            for nid in self._bufs:
-                if self._root[nid] == node.id:
-                    self._bufs[nid] = self._flat(nid)
-
-    def weight_buf(self, node):
-        """``buf(node)`` for a product's weight, or None where it has no f32 copy: a half weight
-        only products read (see ``half_param`` and ``param_f32``), or a weight dequantised to
-        bf16 (``half_outputs``)."""
-        return None if node.id in self.half_outputs else self._bufs[node.id]
-
-    def param_f32(self, node):
-        """The f32 copy of param ``node`` in this executable's layout, made again by the store
-        where set_param_half dropped it (for a product on a tier that reads f32)."""
-        self.params.f32_copy(node, node.id in self.transposed)     # (rebinds our views)
-        return self.buf(node)
+    def buf(self, node_or_id):
+        """The flat device view of a node's storage."""
+        return self._ctx.buf(node_or_id)
 
     def half_param(self, node):
-        """(half dtype, device array) when the param ``node`` was set by set_param_half, or
-        ``node`` is a weight its lowering wrote half (``half_outputs``)."""
-        if node.id in self.half_outputs:
-            return self.half_outputs[node.id]
-        if node.op != "param":
-            return None
-        half = self._entry(node).half
-        return None if half is None else (half[0], half[1][node.id in self.transposed])
-
-    def add_index_check(self, node, lo: int, hi: int, what: str) -> None:
-        """Have run() check that the index tensor ``node`` holds only values in [lo, hi] when
-        it is (a view of) a run() input given as a host array; raises IndexError naming
-        ``what`` (the op), the input and the bad value. Device arrays are not checked (that
-        would need a sync and a copy): the kernels then clamp or drop bad indices."""
-        root = self.graph.nodes[self._root[getattr(node, "id", node)]]
-        if root.op == "input":
-            self._index_checks.setdefault(root.name, []).append((lo, hi, what))
+        """(half dtype, device array) when the param ``node`` is stored half (LowerCtx's)."""
+        return self._ctx.half_param(node)
 
     def _check_index_input(self, name, arr):
         if not arr.size:
             return
         lo_v, hi_v = arr.min(), arr.max()
-        for lo, hi, what in self._index_checks[name]:
+        for lo, hi, what in self._ctx.index_checks[name]:
             if lo_v < lo or hi_v > hi:
                 pos = np.unravel_index(int(np.flatnonzero((arr < lo) | (arr > hi))[0]), arr.shape)
                 raise IndexError(f"run: {what}: input {name!r} holds index {arr[pos]} at "
                                  f"{list(map(int, pos))}, out of range [{lo}, {hi}]")
-
-    def buf(self, node_or_id):
-        """The flat device view of a node's storage."""
-        nid = getattr(node_or_id, "id", node_or_id)
-        b = self._bufs[nid]
-        if b is None:      # never a freed copy's bytes
-            p = self.graph.nodes[self._root[nid]]
-            raise RuntimeError(
-                f"graph {self.graph.name!r}: param {p.name!r} {fmt(p.shape)} is stored "
-                f"{self._entry(p).half[0]} and holds no f32 copy in this graph's layout (only "
-                f"products read it here, from the half copy); a step reading it as f32 must "
-                f"ask for it with param_f32()")
-        return b
-
-    @staticmethod
-    def _storage(arr, d: dt.DType):
-        return np.ascontiguousarray(arr).view(d.storage).reshape(-1)
-
-    def _lower(self, n):
-        if n.op in ("input", "param", "constant") or self._is_view(n):
-            return []
-        return lower.plan_node(self, n)
 
     # ---- public API ---------------------------------------------------------------------------
     def memory_report(self) -> MemoryReport:
@@ -431,26 +239,6 @@ class CudaExecutable:
         self.params.set_half(node, arr, dt.dtype(dtype))
         self._unset.discard(name)
 
-    def _relower_products_named(self, name):
-        """The store says param ``name`` changed its half copy: plan its products again."""
-        node = self._params.get(name)
-        if node is not None and getattr(self, "steps", None) is not None:   # compiled
-            self._relower_products(node)
-
-    def _relower_products(self, param):
-        """Plan again the products whose weight is ``param`` (its storage changed)."""
-        g = self.graph
-        for nid in self._node_steps:
-            n = self.fusion.nodes.get(nid, g.nodes[nid])   # a matmul with a folded epilogue
-            if n.op in lower_matmul.PRODUCTS and len(n.inputs) > 1:
-                w = g.nodes[n.inputs[1]]
-                if w.id in self.absorbed:
-                    w = g.nodes[w.inputs[0]]
-                if w.id == param.id:
-                    self._node_steps[nid] = self._lower_bound(n)
-                    self._compile_steps(self._node_steps[nid])
-        self._flatten_steps()
-
     def _copy_in(self, node, src, what):
         """Device-to-device copy of a device array into the node's arena slot."""
         if tuple(src.shape) != node.shape:
@@ -461,7 +249,7 @@ class CudaExecutable:
                              f"array of {src.dtype}")
         if not node.size:
             return
-        dst, stored_t = self._bufs[node.id], node.id in self.transposed
+        dst, stored_t = self._ctx.bufs[node.id], node.id in self.transposed
         if stored_t and src.is_f_contiguous() and not src.is_c_contiguous():
             # e.g. torch's linear.weight.t(): its memory already is the [N, K] stored here
             if SIMULATOR:   # (the simulator's arrays copy in logical order)
@@ -505,12 +293,12 @@ class CudaExecutable:
         if tuple(arr.shape) != node.shape:
             raise ValueError(f"run: input {name!r} must have shape {fmt(node.shape)}, got "
                              f"{fmt(arr.shape)}")
-        if name in self._index_checks:
+        if name in self._ctx.index_checks:
             self._check_index_input(name, arr)
         if not node.size:
             return
         if SIMULATOR:
-            self._bufs[node.id].copy_to_device(self._storage(arr, node.dtype), stream=self.stream)
+            self._ctx.bufs[node.id].copy_to_device(storage(arr, node.dtype), stream=self.stream)
         else:   # from pageable memory the call returns once the bytes are staged
             host = np.ascontiguousarray(arr)
             self._memcpy("cuMemcpyHtoDAsync", self._in_ptr[node.id], host.ctypes.data, node,
@@ -575,13 +363,14 @@ class CudaExecutable:
     def _timed(self):
         from ..device import device_info
         from .trace import timed_steps
-        return timed_steps(self.steps, self.stream, self._cuda, self.graph.name, device_info()["name"])
+        from numba import cuda
+        return timed_steps(self.steps, self.stream, cuda, self.graph.name, device_info()["name"])
 
     def _results(self, outputs):
         res = []
         for o in self._outputs:
             n = self.graph.nodes[o]
-            buf = self._bufs[o]
+            buf = self._ctx.bufs[o]
             if outputs == "numpy":
                 host = buf.copy_to_host(stream=self.stream) if n.size else np.empty(0, n.dtype.storage)
                 res.append(host)
@@ -597,7 +386,8 @@ class CudaExecutable:
         return res
 
     def _copy_device(self, view):
-        out = self._cuda.device_array(view.shape, view.dtype, stream=self.stream)
+        from numba import cuda
+        out = cuda.device_array(view.shape, view.dtype, stream=self.stream)
         if view.size:
             out.copy_to_device(view, stream=self.stream)
         return out
@@ -607,24 +397,15 @@ class CudaExecutable:
                 f"arena {self.arena_bytes} B, {self.compile_mode.name}, {self.exec_mode})")
 
 
-def _progress(items, desc: str):
-    """``items`` under a tqdm progress bar on stderr when it is a terminal or this is a
-    Jupyter kernel; as they are otherwise (logs and pipes stay clean)."""
-    isatty = getattr(sys.stderr, "isatty", None)
-    if not ((isatty is not None and isatty()) or "ipykernel" in sys.modules):
-        return items
-    from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="kernel", leave=False, file=sys.stderr)
-
-
 def compile(graph, compile_mode="jit", exec_mode="stream", params=None, stream=None):  # noqa: A001
     """Deprecated home of ``rlx_numba.compile`` (compiler.py), kept for code that imports it
     from here."""
-    from ..compiler import compile as compile_graph
     return compile_graph(graph, compile_mode, exec_mode, params, stream)
 
 
 def eager(graph, inputs=None, params=None):
     """Deprecated home of ``rlx_numba.eager`` (compiler.py)."""
-    from ..compiler import eager as eager_graph
-    return eager_graph(graph, inputs, params)
+    exe = compile_graph(graph, CompileMode.JIT, ExecMode.EAGER)
+    for k, v in (params or {}).items():
+        exe.set_param(k, v)
+    return exe.run(inputs or {})

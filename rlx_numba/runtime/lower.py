@@ -35,8 +35,9 @@ IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-num
 def lowering(*ops, tier: str | None = None, available=None):
     """Register ``fn(exe, node) -> [Step | None, ...]`` as tier ``tier`` (default: the
     function's module and name) of these ops (their OpDef's tiers, tried in the order
-    registered: ``plan_node``). ``exe`` is the lowering's context: ``exe.graph``,
-    ``exe.buf(node)`` (flat device view), ``exe.device_array(host)``. ``available(exe, node)``
+    registered: ``plan_node``). ``exe`` is the program's LowerCtx (program.py):
+    ``exe.graph``, ``exe.buf(node)`` (flat device view), ``exe.device_array(host)`` and the
+    rest it lists. ``available(exe, node)``
     returns None when the tier can run the node, else why not."""
     def deco(fn):
         name = tier or f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__.lstrip('_')}"
@@ -226,6 +227,8 @@ class Step:
     info: dict = field(default_factory=dict)
     launch: object = None
     shared: int = 0           # bytes of dynamic shared memory (cuda.shared.array(0, ...))
+    reads: list = field(default_factory=list)    # (lo, hi) bytes it reads (Program fills them)
+    writes: list = field(default_factory=list)   # (lo, hi) bytes it writes
 
     def bind(self, stream, aot: bool) -> None:
         """Prepare the launch: under the simulator numba's launcher; on a GPU the launch is
@@ -271,7 +274,7 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
     over bench_runtime's block graph on an H100; the rest is the driver call)."""
 
     with _LOAD_LOCK:
-        kern = _compile(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
+        kern = compile_off_thread(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
         if kern.debug or kern.cooperative:    # not expected here; keep numba's full path
             return functools.partial(dispatcher[grid, block, stream, shared], *args)
         kern.bind()   # load the module into the context and set it up, as numba's launch does
@@ -308,7 +311,7 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
 _LOAD_LOCK = threading.RLock()
 
 
-def _compile(dispatcher, sig):
+def compile_off_thread(dispatcher, sig):
     """``dispatcher.compile(sig)``, on a worker thread when it has to compile: numba-cuda keeps
     the frames of its latest compile alive (seen on an H100; nothing gc can see holds them),
     and on this thread they would reach the caller's locals -- a step's arena views, the
@@ -365,6 +368,8 @@ class CallStep:
     make: object
     info: dict = field(default_factory=dict)
     launch: object = None
+    reads: list = field(default_factory=list)    # as Step's
+    writes: list = field(default_factory=list)
 
     def bind(self, stream, aot: bool) -> None:
         self.launch = self.make(stream)

@@ -27,10 +27,7 @@ def _aligned16(buf) -> bool:
 
 
 def _dummy(exe, dtype):
-    key = f"_attn_dummy_{np.dtype(dtype).name}"
-    if not hasattr(exe, key):
-        setattr(exe, key, exe.device_array(np.zeros(1, dtype)))
-    return getattr(exe, key)
+    return exe.shared(f"attn_dummy_{np.dtype(dtype).name}", lambda: np.zeros(1, dtype))
 
 
 def _geom(exe, n, q, k, mask, bias):
@@ -107,7 +104,7 @@ def _lower_attention(exe, n):
     # are 256-byte aligned; a view may start anywhere)
     vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
-    lse = [r for r in g.nodes[n.id].results if r in exe._live]
+    lse = [r for r in g.nodes[n.id].results if r in exe.live]
     kern = A.flash(geo, A.head_split(geo, d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
     grid, block = A.flash_launch(geo, b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"

@@ -76,7 +76,7 @@ def _lower_collective(exe, n):
 def join_steps(exe) -> list:
     """A step that makes the executable's stream wait for every overlapped all_reduce (none
     when there is none)."""
-    infos = [s.info for steps in exe._node_steps.values() for s in steps
+    infos = [s.info for steps in exe.node_steps.values() for s in steps
              if "done" in s.info]
     if not infos:
         return []

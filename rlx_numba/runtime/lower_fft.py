@@ -106,7 +106,7 @@ def _owned_by(exe, src, n) -> bool:
     """Whether only ``n`` reads ``src``'s memory and nothing needs it after (cuFFT's C2R may
     overwrite its input)."""
     g = exe.graph
-    if src.op in ("input", "param", "constant") or src.op in INPLACE or exe._is_view(src) \
+    if src.op in ("input", "param", "constant") or src.op in INPLACE or exe.is_view(src) \
             or src.id in g.outputs:
         return False
     return all(m.id == n.id or src.id not in m.inputs for m in g.nodes)

@@ -49,14 +49,14 @@ from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
 from ..kernels.launch import default_geometry, sm_count
-from .lower import (CallStep, Step, _compile, elementwise_step, env_tiers, gated_step, log,
-                    log_tier, lowering, step_name)
+from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
+                    gated_step, log, log_tier, lowering, step_name)
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
 
 
-def _consumers(graph: Graph) -> dict:
+def consumers_of(graph: Graph) -> dict:
     """node id -> [(consumer node, input position)]."""
     out: dict[int, list] = {}
     for n in graph.nodes:
@@ -68,7 +68,7 @@ def _consumers(graph: Graph) -> dict:
 def absorbed_transposes(graph: Graph, live_outputs) -> set:
     """Transposes of the last two axes that only feed products (matmul's operands, linear's
     weight) and are not outputs: their consumers read the input with a transpose flag."""
-    consumers = _consumers(graph)
+    consumers = consumers_of(graph)
     out = set()
     for n in graph.nodes:
         if n.op != "transpose" or n.id in live_outputs:
@@ -87,7 +87,7 @@ def transposed_weights(graph: Graph, live_outputs) -> set:
     nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are about twice as fast as
     NN on the skinny products of decoding and small batches: 3.9 against 7.5 us for
     16x256x256 on an H200). set_param / set_param_half transpose on the way in."""
-    consumers = _consumers(graph)
+    consumers = consumers_of(graph)
     return {n.id for n in graph.nodes
             if n.op == "param" and n.dtype == dt.F32 and len(n.shape) == 2 and n.size
             and n.id not in live_outputs and consumers.get(n.id)
@@ -108,7 +108,7 @@ def weight_only_params(graph: Graph, absorbed: set, transposed: set) -> set:
     2-D params whose every reader is a product's B or an absorbed transpose feeding only
     products' B (nn.Linear's [N, K] weights through ``linear``). A half weight among them
     needs no f32 copy (runtime/params.py)."""
-    consumers = _consumers(graph)
+    consumers = consumers_of(graph)
     return set(transposed) | {n.id for n in graph.nodes if n.op == "param" and len(n.shape) == 2
                               and read_as_weight(consumers, absorbed, n.id)}
 
@@ -143,7 +143,7 @@ def _f32_weight(exe, b: Operand, tier, why) -> Operand:
     return dataclasses.replace(b, buf=exe.param_f32(b.node))
 
 
-def _env_tiers():
+def matmul_env_tiers():
     """The tiers RLX_NUMBA_MATMUL_TIERS allows; tier 4 always (a product must lower)."""
     return env_tiers("RLX_NUMBA_MATMUL_TIERS", TIER_NAMES) | {4}
 
@@ -210,7 +210,7 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
         return steps + _epilogue(exe, name, full, (batch * m, ncols), **epi) + post
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
-    tiers = _env_tiers()
+    tiers = matmul_env_tiers()
     ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
     flops = 2 * batch * m * ncols * k
     skinny = (_tier3(exe, name, a, b, out, m, ncols, k, batch,
@@ -280,7 +280,7 @@ def _epilogue(exe, name, out, shape, bias=None, activation=None, residual=None):
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, [dt.F32] * len(ins))]
 
 
-def _ptr(buf) -> int:
+def device_ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
@@ -305,8 +305,8 @@ def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
         lt = _lt_step(exe, name, cm, scratch, hbuf, out, epi, why, in_type=code, label=str(hdt))
         if lt is not None:
             return [cast, lt[0]], lt[1]
-    make = lambda stream: gemm.gemm_ex_plan(stream, cm, _ptr(scratch), code, _ptr(hbuf), code,  # noqa: E731
-                                            _ptr(out), batch=batch, stride_a=sa or 0,
+    make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(scratch), code, device_ptr(hbuf), code,  # noqa: E731
+                                            device_ptr(out), batch=batch, stride_a=sa or 0,
                                             stride_b=sb or 0)
     return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
 
@@ -322,16 +322,16 @@ def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     kw = dict(tf32=tf32, activation=lt_act, in_type=in_type,
               # the bias is added before any activation: fused even when the activation
               # is left to the epilogue kernel
-              bias_ptr=_ptr(exe.buf(bias)) if bias is not None else None,
-              residual_ptr=_ptr(exe.buf(res)) if fuse_res else None)
+              bias_ptr=device_ptr(exe.buf(bias)) if bias is not None else None,
+              residual_ptr=device_ptr(exe.buf(res)) if fuse_res else None)
     try:   # plan now, so a shape the library refuses falls through at compile time
-        first = gemm.lt_plan(exe.stream, cm, _ptr(a_buf), _ptr(b_buf), _ptr(out), **kw)
+        first = gemm.lt_plan(exe.stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
     except cublas.CublasError as e:
         why.append(f"cuBLASLt: {e}")
         return None
     own = exe.stream            # (not exe: a step must not keep its executable alive)
     make = lambda stream: first if stream is own else gemm.lt_plan(  # noqa: E731
-        stream, cm, _ptr(a_buf), _ptr(b_buf), _ptr(out), **kw)
+        stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
     fused_bias = kw["bias_ptr"] is not None
     tags = "+".join(t for t in (label, "bias" if fused_bias else "", lt_act or "",
                                 "residual" if fuse_res else "") if t)
@@ -363,11 +363,11 @@ def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
     if batch > 1 and (sa is None or sb is None):
-        ptrs = (gemm.pointer_array(_ptr(a.buf), offs_a, 4), gemm.pointer_array(_ptr(b.buf), offs_b, 4),
-                gemm.pointer_array(_ptr(out), np.arange(batch) * m * n, 4))
+        ptrs = (gemm.pointer_array(device_ptr(a.buf), offs_a, 4), gemm.pointer_array(device_ptr(b.buf), offs_b, 4),
+                gemm.pointer_array(device_ptr(out), np.arange(batch) * m * n, 4))
         exe.keep(ptrs)
         kind = "cublasSgemmBatched"
-    make = lambda stream: gemm.sgemm_plan(stream, cm, _ptr(a.buf), _ptr(b.buf), _ptr(out),  # noqa: E731
+    make = lambda stream: gemm.sgemm_plan(stream, cm, device_ptr(a.buf), device_ptr(b.buf), device_ptr(out),  # noqa: E731
                                           tf32=tf32, batch=batch, stride_a=sa or 0,
                                           stride_b=sb or 0, ptr_arrays=ptrs)
     return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
@@ -379,7 +379,7 @@ _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
 def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     """The skinny-product kernel step (kernels/gemv.py), epilogue included, or None with the
     reason in ``why``."""
-    if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 3 in _env_tiers()):
+    if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 3 in matmul_env_tiers()):
         why.append("tier 3: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it")
         return None
     if batch > 1 or m > gv.MAX_M:
@@ -394,7 +394,7 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
         why.append(f"tier 3: the weight is {b.buf.dtype}")
         return None
     vec = gv.vec_width(kind)
-    if k % vec or not SIMULATOR and (_ptr(wbuf) % 16 or _ptr(a.buf) % 16):
+    if k % vec or not SIMULATOR and (device_ptr(wbuf) % 16 or device_ptr(a.buf) % 16):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
     geo = default_geometry("gemv")
@@ -406,7 +406,7 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
                           minb, gated)
-    dummy = _dummy(exe)
+    dummy = f32_dummy(exe)
     part = exe.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = exe.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
     grid = (min(groups, 2) if SIMULATOR else groups, splits)
@@ -422,10 +422,8 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
                  {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
 
 
-def _dummy(exe):
-    if not hasattr(exe, "_gemv_dummy"):
-        exe._gemv_dummy = exe.device_array(np.zeros(1, np.float32))
-    return exe._gemv_dummy
+def f32_dummy(exe):
+    return exe.shared("gemv_dummy", lambda: np.zeros(1, np.float32))
 
 
 # ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
@@ -522,9 +520,9 @@ def _device_us(exe, steps) -> float:
             s()
     if _graph_mode(exe):
         return _graph_us(stream, steps)
-    # compiled on a worker thread (lower._compile): a compile on this one would keep this
+    # compiled on a worker thread (lower.compile_off_thread): a compile on this one would keep this
     # stack's frames, the executable being compiled among them, alive
-    _compile(gv.spin, (types.int64,))
+    compile_off_thread(gv.spin, (types.int64,))
     best = math.inf
     for _ in range(3):
         gv.spin[1, 1, stream](np.int64(gv.SPIN_NS))
@@ -543,10 +541,10 @@ def _graph_us(stream, steps) -> float:
     """``_device_us`` through a CUDA graph of TIMED_LAUNCHES runs of the steps."""
     from numba import cuda
 
-    from .cudagraph import _check, _destroy, _drv
-    drv = _drv()
+    from .cudagraph import cu_check, cu_driver, destroy_graph
+    drv = cu_driver()
     h = drv.CUstream(int(stream))
-    _check(drv, drv.cuStreamBeginCapture(
+    cu_check(drv, drv.cuStreamBeginCapture(
         h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL), "cuStreamBeginCapture")
     try:
         with cuda.defer_cleanup():
@@ -555,23 +553,23 @@ def _graph_us(stream, steps) -> float:
                     s()
     finally:
         res = drv.cuStreamEndCapture(h)        # always: never leave the stream capturing
-    graph = _check(drv, res, "cuStreamEndCapture")
+    graph = cu_check(drv, res, "cuStreamEndCapture")
     exec_ = None
     try:
-        exec_ = _check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+        exec_ = cu_check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        cu_check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
         best = math.inf
         for _ in range(3):
             e0, e1 = cuda.event(), cuda.event()
             e0.record(stream)
             for _ in range(3):
-                _check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
+                cu_check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
             e1.record(stream)
             e1.synchronize()
             best = min(best, cuda.event_elapsed_time(e0, e1) * 1e3 / (3 * TIMED_LAUNCHES))
         return best
     finally:
-        _destroy(exec_, graph)
+        destroy_graph(exec_, graph)
 
 
 @lowering("matmul", tier=LADDER)

@@ -13,9 +13,7 @@ from .lower import Step, lowering, step_name
 
 
 def _dummy(exe):
-    if not hasattr(exe, "_rows_dummy"):
-        exe._rows_dummy = exe.device_array(np.zeros(1, np.float32))
-    return exe._rows_dummy
+    return exe.shared("rows_dummy", lambda: np.zeros(1, np.float32))
 
 
 @lowering("softmax", "log_softmax", "layer_norm", "rms_norm")
@@ -38,7 +36,7 @@ def _lower_rows(exe, n):
         if n.attrs["has_residual"]:
             res, has_res = exe.buf(ins.pop(0)), True
         for r in g.nodes[n.id].results:   # a live residual_sum: the kernel stores x + residual
-            if r in exe._live:
+            if r in exe.live:
                 sum_out, write_sum = exe.buf(r), True
     axis = n.attrs["axis"]
     shape = x.shape
@@ -121,7 +119,7 @@ def _lower_norm_bwd(exe, n):
     res = exe.buf(n.inputs[3]) if has_res else _dummy(exe)
     stats, write = _dummy(exe), False
     for r in g.nodes[n.id].results:   # a live norm_bwd_stats: the kernel stores each row's stats
-        if r in exe._live:
+        if r in exe.live:
             stats, write = exe.buf(r), True
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(x.shape, n.attrs["axis"])
     k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write)

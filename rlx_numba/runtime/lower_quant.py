@@ -14,7 +14,8 @@ from ..ir.ops_quant import GGUF, INTS, MAX_M, UNIT, units_ok
 from ..kernels import quant as Q
 from ..kernels.launch import default_geometry, grid_1d, sm_count
 from .lower import Step, elementwise_step, lowering, step_name
-from .lower_matmul import PRODUCTS, _consumers, _dummy, _env_tiers, _ptr, read_as_weight
+from .lower_matmul import (PRODUCTS, consumers_of, device_ptr, f32_dummy, matmul_env_tiers,
+                           read_as_weight)
 
 
 def _layout(exe, n, w_at):
@@ -30,8 +31,8 @@ def _layout(exe, n, w_at):
     gs = k if a["group_size"] is None or scheme in GGUF else a["group_size"]
     nq = (scheme in INTS) + has_zeros           # scales, zeros (epilogue inputs may follow)
     extra = [exe.buf(i) for i in n.inputs[w_at + 1:w_at + 1 + nq]]
-    sc = extra[0] if extra else _dummy(exe)
-    zr = extra[1] if has_zeros else _dummy(exe)
+    sc = extra[0] if extra else f32_dummy(exe)
+    zr = extra[1] if has_zeros else f32_dummy(exe)
     wbuf = exe.buf(w)
     if units_ok(scheme, k, gs):
         wbuf = wbuf.view(np.uint16)
@@ -42,7 +43,7 @@ def _aligned_x(exe, n, x, m, k):
     """(x's buffer, steps): x as is, or an aligned copy where its pointer is not 16-byte
     aligned (the GEMV's 16-byte x loads)."""
     xbuf = exe.buf(x)
-    if SIMULATOR or _ptr(xbuf) % 16 == 0:
+    if SIMULATOR or device_ptr(xbuf) % 16 == 0:
         return xbuf, []
     copy = exe.device_array(np.zeros(m * k, np.float32))
     return copy, [elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), copy, (m * k,),
@@ -64,8 +65,8 @@ def _lower_dequant_matmul(exe, n):
     a = n.attrs       # the epilogue passes/fusion.py folded in (inputs after the weight's)
     act, gated = a.get("activation"), a.get("gated")
     epi = [exe.buf(i) for i in n.inputs[len(n.inputs) - a.get("has_bias", 0) - a.get("has_residual", 0):]]
-    bias = epi.pop(0) if a.get("has_bias") else _dummy(exe)
-    res = epi.pop(0) if a.get("has_residual") else _dummy(exe)
+    bias = epi.pop(0) if a.get("has_bias") else f32_dummy(exe)
+    res = epi.pop(0) if a.get("has_residual") else f32_dummy(exe)
     kern = Q.gemv_kernel(scheme, m, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl,
                          bool(a.get("has_bias")), gated or act, bool(a.get("has_residual")),
                          bool(gated))
@@ -73,7 +74,7 @@ def _lower_dequant_matmul(exe, n):
     wbytes = g.nodes[n.inputs[1]].nbytes
     args = (exe.buf(n), xbuf, w, sc, zr, bias, res, np.int64(rows), np.int64(k),
             np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
-            _dummy(exe), np.int64(1))
+            f32_dummy(exe), np.int64(1))
     tags = "".join(f"+{t}" for t in ("bias" if a.get("has_bias") else "",
                                      f"gated {gated}" if gated else act or "",
                                      "residual" if a.get("has_residual") else "") if t)
@@ -102,7 +103,7 @@ def _lower_dequant_grouped_matmul(exe, n):
     kern = Q.gemv_kernel(scheme, 1, nw, r, wpr, has_zeros, Q.group_shift(gs // UNIT), qpl,
                          grouped=True)
     grid = (min(tiles, 2) if SIMULATOR else tiles, m)
-    args = (exe.buf(n), xbuf, w, sc, zr, _dummy(exe), _dummy(exe), np.int64(rows), np.int64(k),
+    args = (exe.buf(n), xbuf, w, sc, zr, f32_dummy(exe), f32_dummy(exe), np.int64(rows), np.int64(k),
             np.int64(k // UNIT), np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
             exe.buf(ids), np.int64(e))
     wbytes = g.nodes[n.inputs[1]].nbytes // e * min(m, e)      # the experts a step can touch
@@ -116,9 +117,9 @@ def _bf16_weight(exe, n) -> bool:
     cuBLAS, tier 0 allowed, and every reader a product taking it as the weight (B) of an f32 A
     of more than MAX_M rows (fewer: the product is a GEMV reading the weight, where rounding x
     would buy nothing), directly or through absorbed transposes."""
-    if SIMULATOR or n.id in exe._outputs or 0 not in _env_tiers() or not cublas.available()[0]:
+    if SIMULATOR or n.id in exe.outputs or 0 not in matmul_env_tiers() or not cublas.available()[0]:
         return False
-    consumers = _consumers(exe.graph)
+    consumers = consumers_of(exe.graph)
     if not read_as_weight(consumers, exe.absorbed, n.id):
         return False
     products, todo = [], [n.id]
@@ -146,7 +147,7 @@ def _lower_dequantize(exe, n):
         grid, block = grid_1d(rows * k // UNIT * 4)
         kern = Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT), bf16=True)
         args = (out, w, sc, zr, np.int64(rows), np.int64(k), np.int64(k // UNIT),
-                np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT), _dummy(exe), np.int64(rows))
+                np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT), f32_dummy(exe), np.int64(rows))
         return [Step(step_name(n), f"dequantize {scheme} {rows}x{k} to bf16", kern, (grid,),
                      (block,), args, {"bytes": g.nodes[n.inputs[0]].nbytes + n.nbytes // 2})]
     wnode = g.nodes[n.inputs[0]]
@@ -160,7 +161,7 @@ def _lower_dequantize(exe, n):
         kern = Q.dequant_units_kernel(scheme, has_zeros, Q.group_shift(gs // UNIT), gather)
         args = (exe.buf(n), w, sc, zr, np.int64(rows), np.int64(k), np.int64(units),
                 np.int64(rowhw), np.int64(ng), np.int64(gs // UNIT),
-                exe.buf(ids) if gather else _dummy(exe), np.int64(wnode.shape[0]))
+                exe.buf(ids) if gather else f32_dummy(exe), np.int64(wnode.shape[0]))
         return [Step(step_name(n), f"dequantize {scheme} {rows}x{k}{' rows' if gather else ''}",
                      kern, (grid,), (block,), args,
                      {"bytes": (wnode.nbytes * rows // wnode.shape[0] if gather else wnode.nbytes)

@@ -22,9 +22,7 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def _dummy(exe):
     """A one-element i64 array for the kernels' unused position argument."""
-    if not hasattr(exe, "_rope_dummy"):
-        exe._rope_dummy = exe.device_array(np.zeros(1, np.int64))
-    return exe._rope_dummy
+    return exe.shared("rope_dummy", lambda: np.zeros(1, np.int64))
 
 
 def _geometry(ncols, nrows, per_thread=1):

@@ -147,7 +147,7 @@ class ParamStore:
         key = (node.name, tuple(node.shape), node.dtype)
         e = self._entries.get(key)
         if e is None:
-            e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
+            e = self._new_entry(key, node)
         if (written or e.written) and len(set(e.copies) | {transposed}) > 1:
             what = "this graph writes it" if written else "another graph of the store writes it"
             here = "[N, K] (read only by products)" if transposed else "row-major"
@@ -176,6 +176,10 @@ class ParamStore:
                 added += e.size * hdt.itemsize
         self._use(exe, key, e)
         return e, e.copies[transposed], added
+
+    def _new_entry(self, key, node) -> _Entry:
+        e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
+        return e
 
     def _use(self, exe, key, e) -> None:
         """``exe`` reads entry ``e``: counted until it is collected."""
@@ -273,7 +277,7 @@ class ParamStore:
         e.half, e.is_set = half, True
         if had_half or half is not None:     # products that read it plan their tier again
             for exe in list(e.users):
-                exe._relower_products_named(e.name)
+                exe.relower_products_named(e.name)
 
     def _write(self, e: _Entry, host: np.ndarray, layouts=(False, True)) -> None:
         """host (of the entry's dtype, logical shape) into the held copies of ``layouts``."""
@@ -300,7 +304,7 @@ class ParamStore:
     def _rebind(self, e: _Entry) -> None:
         """An f32 copy was dropped or made again: its executables take the new views."""
         for exe in list(e.users):
-            exe._rebind_param(e.name)
+            exe.rebind_param(e.name)
 
     def _derive(self, e: _Entry, t: bool, stream) -> None:
         """Fill the new f32 layout ``t`` from the other one, or from the half copy where that

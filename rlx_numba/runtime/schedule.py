@@ -10,7 +10,8 @@ behind the earlier one (or behind a unit its stream already waited for).
 
 Memory outside the arena (a step's small device arrays) belongs to one node, or is a
 read-only placeholder several nodes pass for unused arguments; cuBLAS workspaces are per
-stream. So the arena's byte ranges are the only shared state.
+stream. So the arena's byte ranges (params': ranges past it) are the only shared state, and
+every Step declares the ranges it reads and writes (``Step.reads`` / ``Step.writes``).
 """
 from __future__ import annotations
 
@@ -104,47 +105,16 @@ def assign_streams(reads, writes, n: int) -> Schedule:
 
 
 def node_units(exe):
-    """The units of an executable: ``[(node id, steps, reads, writes)]`` in step order, the
-    ranges being the arena bytes behind the node's operands and result."""
-    from ..ir.ops import WRITTEN_BY_INPUT, WRITTEN_BY_OTHER
-    g, root, bufs = exe.graph, exe._root, exe.buffers
-    fusion = getattr(exe, "fusion", None)
-    lowered = fusion.nodes if fusion is not None else {}   # a fused root: its region's leaves
-    leaves = ("input", "param", "constant")
-
-    def node(nid):
-        return lowered.get(nid, g.nodes[nid])
-
-    def rng(nid):
-        b = bufs.get(root[nid])        # None: a fused region's interior (no memory)
-        return (b.offset, b.offset + b.size) if b is not None else None
-
-    written_by = {}        # a node -> the nodes its kernel fills besides itself (residual_sum)
-    for nid in exe._node_steps:
-        n = g.nodes[nid]
-        if n.op in WRITTEN_BY_INPUT:
-            written_by.setdefault(n.inputs[0], []).append(nid)
-        elif n.op in WRITTEN_BY_OTHER:   # the caches a rope_kv_write fills
-            written_by.setdefault(n.inputs[WRITTEN_BY_OTHER[n.op]], []).append(nid)
-
-    def reads_of(n, out, seen):
-        for i in n.inputs:
-            if i in seen:
-                continue
-            seen.add(i)
-            r = rng(i)
-            if r is not None:
-                out.append(r)
-            m = node(i)
-            # a node without steps (a view; a node computed inside its reader's kernel) is
-            # read through the memory of its own operands
-            if m.op not in leaves and not exe._node_steps.get(i) and m.op not in WRITTEN_BY_INPUT:
-                reads_of(m, out, seen)
-        return out
-
+    """The units of an executable (or a Program): ``[(node id, steps, reads, writes)]`` in
+    step order, the ranges being the bytes its steps declared they read and write (Program
+    fills them from the node's operands and results)."""
+    program = getattr(exe, "program", exe)
     units = []
-    for nid, steps in exe._node_steps.items():
+    for nid, steps in program.node_steps.items():
         if steps:
-            writes = [rng(nid)] + [rng(m) for m in written_by.get(nid, ())]
-            units.append((nid, list(steps), reads_of(node(nid), [], set()), writes))
+            reads, writes = [], []
+            for s in steps:
+                reads += [r for r in s.reads if r not in reads]
+                writes += [w for w in s.writes if w not in writes]
+            units.append((nid, list(steps), reads, writes))
     return units
