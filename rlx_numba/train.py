@@ -29,7 +29,8 @@ import numpy as np
 
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
-from .ir.ops import INPLACE, fmt
+from .ir.opdef import INPLACE, ops_where
+from .ir.ops import fmt
 from .ir.ops_dist import world
 from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
@@ -252,7 +253,8 @@ class TrainStore(ParamStore):
             return super().bind(exe, node, transposed, written, weight_only)
         if written:
             raise ValueError(f"compile_train: param {node.name!r} is written in place by the "
-                             f"graph ({', '.join(INPLACE)}); it cannot be trained")
+                             f"graph ({', '.join(sorted(ops_where(memory=INPLACE)))}); it cannot be "
+                             f"trained")
         if transposed:
             raise ValueError(f"compile: param {node.name!r} is trained (stored row-major in the "
                              f"trainer's buffer), and this graph would store it [N, K]; compile "

@@ -24,7 +24,7 @@ import numpy as np
 from collections.abc import MutableMapping
 
 from . import dtypes as dt
-from .opdef import OPS, opdef, registering
+from .opdef import OPS, opdef
 from .ops import fmt
 
 
@@ -59,7 +59,7 @@ def vjp(*ops):
     OpDef's ``vjp``; once each)."""
     def register(fn):
         for op in ops:
-            d = registering(op)
+            d = opdef(op)
             if d.vjp is not None:
                 raise ValueError(f"vjp: op {op} already has a VJP ({d.vjp.__qualname__})")
             d.vjp = fn

@@ -171,7 +171,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
     def _add(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:
         node = Node(len(self.nodes), op, tuple(t.id for t in inputs), tuple(shape), dtype, attrs, name)
         self.nodes.append(node)
-        by = OPS[op].written_by if op in OPS else None
+        by = opdef(op).written_by
         if by is not None:           # a further result: its producer lists it
             self.nodes[node.inputs[by]].results.append(node.id)
         return Tensor(self, node.id)

@@ -105,16 +105,9 @@ def opdef(name: str) -> OpDef:
     return d
 
 
-def registering(op: str) -> OpDef:
-    """The OpDef a tier or a VJP is registered on."""
-    if op not in OPS:   # TRANSITIONAL (issue 37): families not yet on OpDefs; goes when all are
-        OPS[op] = OpDef(op, None, owner="undeclared")
-    return OPS[op]
-
-
 def add_tier(op: str, t: Tier, first: bool = False) -> None:
     """Register tier ``t`` of op ``op`` (runtime/lower*.py); tiers are tried in order."""
-    d = registering(op)
+    d = opdef(op)
     if any(x.name == t.name for x in d.tiers):
         raise ValueError(f"op {op}: tier {t.name!r} registered twice")
     d.tiers.insert(0, t) if first else d.tiers.append(t)
@@ -124,7 +117,7 @@ def set_chooser(op: str, choose: Callable, tier_env: str) -> None:
     """Op ``op`` picks its tier at the compiler's legalise stage with ``choose(graph, node)
     -> (tier index, why the ones before it were passed over)``, ``tier_env`` restricting it
     (runtime/lower_vision.py, lower_fft.py: tiers that rewrite the node into other ops)."""
-    d = registering(op)
+    d = opdef(op)
     d.choose, d.tier_env = choose, tier_env
 
 
@@ -135,7 +128,17 @@ def ops_where(**facts) -> frozenset:
 
 
 def is_leaf(op: str) -> bool:
-    return OPS[op].memory == LEAF if op in OPS else False
+    """input, param, constant: bound or uploaded, never computed."""
+    return opdef(op).memory == LEAF
+
+
+def is_inplace(op: str) -> bool:
+    """The op writes into its input 0's memory (its result aliases it)."""
+    return opdef(op).memory == INPLACE
+
+
+def is_elementwise(op: str) -> bool:
+    return opdef(op).elementwise
 
 
 def same_as(k: int = 0, dtype=None):

@@ -21,16 +21,6 @@ BINARY = ("add", "sub", "mul", "div", "max", "min", "pow")
 GRAD_ACTIVATIONS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 COMPARE = ("eq", "ne", "lt", "le", "gt", "ge")
 
-# How ops use memory, which the fusion pass and the memory plan read (kinds of op, not kernels):
-ELEMENTWISE = ("activation", "binary", "compare", "where", "cast", "activation_grad")
-WRITTEN_BY_INPUT = ("residual_sum", "norm_bwd_stats", "attention_lse")   # nodes filled by their input's kernel, not their own
-# in-place nodes: they write into their input 0's memory and their result aliases it (its
-# root is input 0's root, no allocation), but unlike views they lower to Steps; they always run
-INPLACE = ("kv_write", "kv_written", "all_reduce_inplace")
-# in-place aliases that another input's kernel fills (op -> that input's index): the cache a
-# rope_kv_write node (input 1) wrote its rotated keys / values into
-WRITTEN_BY_OTHER = {"kv_written": 1}
-
 
 def fmt(shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"

@@ -5,7 +5,7 @@ again, with or without fusion) and returns a ``Fusion``: the nodes that are neve
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
 in the graph node's place (``nodes``). Five rewrites:
 
-- **Element-wise regions.** A live element-wise node (ir/ops.py ELEMENTWISE, not a view)
+- **Element-wise regions.** A live element-wise node (its OpDef's ``elementwise``, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
   element-wise too, it is not a graph output, and its shape equals the reader's output shape
   (so broadcasting happens only at a region's leaves, whose shapes broadcast to the root's).
@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 from ..ir import dtypes as dt
 from ..ir.graph import Node
-from ..ir.ops import ELEMENTWISE, INPLACE
+from ..ir.opdef import is_elementwise, is_inplace
 from ..kernels.gemv import MAX_M
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
@@ -93,13 +93,13 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
     outputs = set(graph.outputs)
     uses = Counter(i for n in nodes if n.id in live for i in n.inputs)
     consumer = {i: n.id for n in nodes if n.id in live for i in n.inputs}
-    writes = [(n.id, root[n.id]) for n in nodes if n.id in live and n.op in INPLACE]
+    writes = [(n.id, root[n.id]) for n in nodes if n.id in live and is_inplace(n.op)]
 
     def single(i):        # one reader, and nothing outside the graph sees it
         return uses[i] == 1 and i not in outputs
 
     def elementwise(n):
-        return n.id in live and n.op in ELEMENTWISE and not is_view(n)
+        return n.id in live and is_elementwise(n.op) and not is_view(n)
 
     # adds that a norm can take as its residual= (folded below when the add is a region of
     # its own); when one of their operands was fused into them, that operand gets a region of

@@ -20,8 +20,8 @@ import numpy as np
 
 from ..ir import dtypes as dt
 from ..ir.graph import Graph, Node
-from ..ir.opdef import OPS, VIEW, Tier, add_tier, opdef
-from ..ir.ops import ELEMENTWISE, INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER  # noqa: F401
+from ..ir.opdef import (OPS, VIEW, Tier, add_tier, is_elementwise, is_inplace, ops_where,
+                        opdef)
 from ..ir.ops_shape import narrow_contiguous, narrow_layout
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
@@ -158,7 +158,7 @@ def strided_narrows(graph: Graph, live_outputs) -> set:
     return {n.id for n in graph.nodes
             if n.op == "narrow" and n.id not in live_outputs and not is_view(n, graph)
             and readers.get(n.id)
-            and all(m.op in ELEMENTWISE and not is_view(m, graph) for m in readers[n.id])}
+            and all(is_elementwise(m.op) and not is_view(m, graph) for m in readers[n.id])}
 
 
 def view_strides(exe, node: Node):
@@ -206,7 +206,7 @@ def check_inplace(graph: Graph, live, root) -> None:
             continue
         for i in n.inputs:
             read(f"%{n.id} {n.op}", i)
-        if n.op in INPLACE:
+        if is_inplace(n.op):
             r = root[n.id]
             cur[r] = gen[n.id] = cur.get(r, 0) + 1
             last[r] = n.id
@@ -478,7 +478,7 @@ def _lower_gated_bwd(exe, n):
                              [pair, pair, dys, sel])]
 
 
-@lowering(*ELEMENTWISE, "fused")
+@lowering(*sorted(ops_where(elementwise=True)))
 def _lower_elementwise(exe, n):
     """One op, or a fused region (passes/fusion.py: inputs are the region's leaves, the
     expression in attrs) as one generated kernel."""

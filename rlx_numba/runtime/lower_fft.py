@@ -19,7 +19,8 @@ import numpy as np
 
 from .. import cufft
 from ..device import SIMULATOR
-from ..ir.ops import INPLACE, fmt
+from ..ir.opdef import is_inplace, is_leaf
+from ..ir.ops import fmt
 from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops_fft import FFT_NODES, bluestein_tables, expand_fft
 from ..kernels import fft as K
@@ -106,7 +107,7 @@ def _owned_by(exe, src, n) -> bool:
     """Whether only ``n`` reads ``src``'s memory and nothing needs it after (cuFFT's C2R may
     overwrite its input)."""
     g = exe.graph
-    if src.op in ("input", "param", "constant") or src.op in INPLACE or exe.is_view(src) \
+    if is_leaf(src.op) or is_inplace(src.op) or exe.is_view(src) \
             or src.id in g.outputs:
         return False
     return all(m.id == n.id or src.id not in m.inputs for m in g.nodes)

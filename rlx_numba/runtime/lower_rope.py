@@ -1,9 +1,9 @@
 """Lowering of the ops in ir/ops_rope.py (kernels in kernels/rope.py).
 
 rope_kv_write's node is q; its caches come back as ``kv_written`` nodes (in-place aliases of the
-caches, ir/ops.py WRITTEN_BY_OTHER) that its kernel fills and that lower to nothing.
+caches, its further results: OpDef written_by) that its kernel fills and that lower to nothing.
 
-kv_write is an in-place op (ir/ops.py INPLACE): the executable gives its result the memory of its
+kv_write is an in-place op (its OpDef's memory kind INPLACE): the executable gives its result the memory of its
 input 0 (the cache), so the kernel here only writes the new rows into ``exe.buf(n)``.
 """
 from __future__ import annotations

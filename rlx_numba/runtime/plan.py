@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph
-from ..ir.opdef import opdef
-from ..ir.ops import INPLACE, WRITTEN_BY_INPUT, fmt
+from ..ir.opdef import is_inplace, is_leaf, opdef
+from ..ir.ops import fmt
 from ..memory import ALIGN, Buffer, MemoryReport, plan
 from ..passes import fusion as fusion_pass
 from . import lower, lower_fft, lower_matmul, lower_vision  # noqa: F401 (their tiers)
@@ -81,7 +81,7 @@ def plan_graph(graph: Graph) -> Plan:
         root = aliases(graph, live, is_view)
     for w in graph.nodes:       # an in-place write must reach the memory it names
         r = graph.nodes[root.get(w.id, w.id)]
-        if w.id in live and w.op in INPLACE and r.op == "narrow":
+        if w.id in live and is_inplace(w.op) and r.op == "narrow":
             raise ValueError(f"compile: {w.op} %{w.id} writes in place into narrow %{r.id} "
                              f"{fmt(r.shape)}, which is a copy here (not a contiguous slice at a "
                              f"{ALIGN}-byte multiple, or what it views is overwritten later), so "
@@ -101,7 +101,7 @@ def aliases(graph: Graph, live: set, is_view) -> dict:
     root = {}
     for n in graph.nodes:
         if n.id in live:
-            alias = is_view(n) or n.op in INPLACE
+            alias = is_view(n) or is_inplace(n.op)
             root[n.id] = root[n.inputs[0]] if alias else n.id
     return root
 
@@ -121,7 +121,7 @@ def overwritten_narrows(graph: Graph, live: set, root: dict) -> set:
                 return False
             m = nodes[m.inputs[0]]
 
-    writes = [w for w in nodes if w.id in live and w.op in INPLACE]
+    writes = [w for w in nodes if w.id in live and is_inplace(w.op)]
     return {n.id for n in nodes
             if n.op == "narrow" and n.id in live and root[n.id] != n.id
             and any(w.id > n.id and root[w.id] == root[n.id] and not through(w, n)
@@ -130,7 +130,7 @@ def overwritten_narrows(graph: Graph, live: set, root: dict) -> set:
 
 def reachable(graph: Graph) -> set:
     """The outputs' ancestors and every in-place write's, plus every input and param."""
-    live, stack = set(), list(graph.outputs) + [n.id for n in graph.nodes if n.op in INPLACE]
+    live, stack = set(), list(graph.outputs) + [n.id for n in graph.nodes if is_inplace(n.op)]
     while stack:
         i = stack.pop()
         if i not in live:
@@ -159,9 +159,10 @@ def plan_memory(graph: Graph, live: set, root: dict, fused):
         if root[nid] != nid:
             views += 1
         else:
-            pinned = n.op in ("input", "param", "constant") or nid in outputs
+            pinned = is_leaf(n.op) or nid in outputs
             # a node the kernel of its input writes (residual_sum) is live from that step
-            start = t_of[n.inputs[0]] if n.op in WRITTEN_BY_INPUT else t_of[nid]
+            by = opdef(n.op).written_by     # filled by its producer's kernel: live from there
+            start = t_of[n.inputs[by]] if by is not None else t_of[nid]
             bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
         for i in n.inputs:   # a read extends the life of the buffer behind the operand
             b = bufs[root[i]]

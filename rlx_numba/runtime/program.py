@@ -18,7 +18,8 @@ import numpy as np
 
 from ..device import SIMULATOR
 from ..ir import dtypes as dt
-from ..ir.ops import INPLACE, WRITTEN_BY_INPUT, WRITTEN_BY_OTHER, fmt
+from ..ir.opdef import is_inplace, is_leaf, opdef
+from ..ir.ops import fmt
 from ..modes import CompileMode, ExecMode
 from . import (lower, lower_attention, lower_dist, lower_fft, lower_grouped,  # noqa: F401
                lower_loss, lower_matmul, lower_norm, lower_quant, lower_random, lower_reduce,
@@ -29,7 +30,6 @@ from .params import ParamStore
 from .plan import Plan, plan_graph
 
 log = logging.getLogger("rlx_numba")
-LEAVES = ("input", "param", "constant")   # nodes no step computes
 
 
 def _cuda():
@@ -79,7 +79,7 @@ class LowerCtx:
         is what the store calls back when a param's copies change (the Program)."""
         own = shared = 0
         written = {self.roots[n.id] for n in self.graph.nodes
-                   if n.op in INPLACE and n.id in self.live}
+                   if is_inplace(n.op) and n.id in self.live}
         weight_only = lower_matmul.weight_only_params(self.graph, self.absorbed, self.transposed)
         for n in self.param_nodes.values():
             e, mem, added = self.params.bind(owner, n, n.id in self.transposed, n.id in written,
@@ -211,7 +211,6 @@ class Program:
         self.node_steps = self.ctx.node_steps    # node id -> its bound steps, in graph order
         self.steps = None                        # lower_all() makes them
         self.loop_steps = None                   # what run() loops over (see flatten)
-        self._written_by = None                  # see _declared
 
     def lower_all(self) -> None:
         """Lower every node that runs to bound Steps (AOT: and compile their kernels)."""
@@ -246,27 +245,20 @@ class Program:
         return steps
 
     def _lower(self, n):
-        if n.op in LEAVES or self.ctx.is_view(n):
+        if is_leaf(n.op) or self.ctx.is_view(n):
             return []
         return lower.plan_node(self.ctx, n)
 
     def _declared(self, n):
         """(reads, writes) byte ranges of node ``n``'s kernels: the memory behind its operands
         (through the operands of those computed inside it: views, a fused region's interior)
-        and its result, plus the nodes its kernel fills besides itself (ops.py's
-        WRITTEN_BY_INPUT / WRITTEN_BY_OTHER: a norm's residual_sum, rope_kv_write's caches)."""
+        and its result, plus its further results, which its kernel fills (a norm's
+        residual_sum, rope_kv_write's caches)."""
         g, ctx = self.graph, self.ctx
         lowered = ctx.fusion.nodes          # a fused root: its region's leaves
-        if self._written_by is None:        # node -> the nodes its kernel fills besides itself
-            self._written_by = {}
-            for m in g.nodes:
-                if m.id in ctx.live and m.id not in ctx.fusion.interior:
-                    if m.op in WRITTEN_BY_INPUT:
-                        self._written_by.setdefault(m.inputs[0], []).append(m.id)
-                    elif m.op in WRITTEN_BY_OTHER:
-                        into = m.inputs[WRITTEN_BY_OTHER[m.op]]
-                        self._written_by.setdefault(into, []).append(m.id)
-        writes = [ctx.byte_range(m) for m in [n.id] + self._written_by.get(n.id, [])]
+        results = [r for r in g.nodes[n.id].results   # its further results (Node.results)
+                   if r in ctx.live and r not in ctx.fusion.interior]
+        writes = [ctx.byte_range(m) for m in [n.id] + results]
         reads, seen = [], set()
 
         def read(node):
@@ -280,8 +272,8 @@ class Program:
                 m = lowered.get(i, g.nodes[i])
                 # a node without steps (a view; a node computed inside its reader's kernel)
                 # is read through the memory of its own operands
-                if m.op not in LEAVES and not self.node_steps.get(i) \
-                        and m.op not in WRITTEN_BY_INPUT:
+                if not is_leaf(m.op) and not self.node_steps.get(i) \
+                        and opdef(m.op).written_by is None:
                     read(m)
         read(n)
         return reads, [w for w in writes if w is not None]
