@@ -33,11 +33,11 @@ IDX32_LIMIT = 2**32  # below this many elements, broadcast offsets use magic-num
 
 
 def lowering(*ops, tier: str | None = None, available=None):
-    """Register ``fn(exe, node) -> [Step | None, ...]`` as tier ``tier`` (default: the
+    """Register ``fn(ctx, node) -> [Step | None, ...]`` as tier ``tier`` (default: the
     function's module and name) of these ops (their OpDef's tiers, tried in the order
-    registered: ``plan_node``). ``exe`` is the program's LowerCtx (program.py):
-    ``exe.graph``, ``exe.buf(node)`` (flat device view), ``exe.device_array(host)`` and the
-    rest it lists. ``available(exe, node)``
+    registered: ``plan_node``). ``ctx`` is the program's LowerCtx (program.py):
+    ``ctx.graph``, ``ctx.buf(node)`` (flat device view), ``ctx.device_array(host)`` and the
+    rest it lists. ``available(ctx, node)``
     returns None when the tier can run the node, else why not."""
     def deco(fn):
         name = tier or f"{fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__.lstrip('_')}"
@@ -76,7 +76,7 @@ class LoweringTable(MutableMapping):
 LOWERINGS = LoweringTable()
 
 
-def plan_node(exe, n) -> list:
+def plan_node(ctx, n) -> list:
     """The steps of node ``n``: its op's first tier that is allowed (the OpDef's
     RLX_NUMBA_*_TIERS variable), available and applies; RLX_NUMBA_LOG_FALLBACK=1 logs the
     tiers passed over and why."""
@@ -92,9 +92,9 @@ def plan_node(exe, n) -> list:
         if i not in allowed:
             why.append(f"tier {i} ({t.name}) not allowed by {d.tier_env}")
             continue
-        reason = t.available(exe, n) if t.available is not None else None
+        reason = t.available(ctx, n) if t.available is not None else None
         if reason is None:
-            steps = t.plan(exe, n)
+            steps = t.plan(ctx, n)
             if steps is not None:
                 if why:
                     log_tier(n, n.op, f"{i} ({t.name})", why)
@@ -161,12 +161,12 @@ def strided_narrows(graph: Graph, live_outputs) -> set:
             and all(is_elementwise(m.op) and not is_view(m, graph) for m in readers[n.id])}
 
 
-def view_strides(exe, node: Node):
+def view_strides(ctx, node: Node):
     """Per-dim element strides of a strided narrow view (its input's contiguous strides),
     or None for a node stored contiguously."""
-    if node.id not in getattr(exe, "strided", ()):
+    if node.id not in getattr(ctx, "strided", ()):
         return None
-    return contiguous_strides(exe.graph.nodes[node.inputs[0]].shape)
+    return contiguous_strides(ctx.graph.nodes[node.inputs[0]].shape)
 
 
 def view_window(graph: Graph, nid: int, root) -> tuple:
@@ -443,22 +443,22 @@ def contiguous_strides(shape) -> list:
 
 
 @lowering("gated")
-def _lower_gated(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
-    return [gated_step(step_name(n), exe.buf(n), exe.buf(x), x.shape, x.dtype,
-                       n.attrs["activation"], n.attrs["interleaved"], view_strides(exe, x))]
+def _lower_gated(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
+    return [gated_step(step_name(n), ctx.buf(n), ctx.buf(x), x.shape, x.dtype,
+                       n.attrs["activation"], n.attrs["interleaved"], view_strides(ctx, x))]
 
 
 @lowering("gated_bwd")
-def _lower_gated_bwd(exe, n):
+def _lower_gated_bwd(ctx, n):
     """dx of gated (its VJP) as one generated kernel over dx viewed [..., m, 2] (interleaved)
     or [..., 2, m] (halves): a two-entry selector along the pair axis picks d gate =
     activation_grad(dy * up, gate) or d up = dy * activation(gate); gate, up and dy are read
     in place, strided and broadcast along the pair axis (no narrow or concat copies)."""
-    dy, x = (exe.graph.nodes[i] for i in n.inputs)
+    dy, x = (ctx.graph.nodes[i] for i in n.inputs)
     act, m, lead = n.attrs["activation"], x.shape[-1] // 2, list(x.shape[:-1])
-    st = view_strides(exe, x) or contiguous_strides(x.shape)
-    ds = view_strides(exe, dy) or contiguous_strides(dy.shape)
+    st = view_strides(ctx, x) or contiguous_strides(x.shape)
+    ds = view_strides(ctx, dy) or contiguous_strides(dy.shape)
     zeros = [0] * len(lead)
     if n.attrs["interleaved"]:
         shape, up_at = tuple(lead + [m, 2]), st[-1]
@@ -471,23 +471,23 @@ def _lower_gated_bwd(exe, n):
     expr = ("where", None, f, first,
             ("activation_grad", act, f, ("binary", "mul", f, dyv, up), gate),
             ("binary", "mul", f, dyv, ("activation", act, f, gate)))
-    xb = exe.buf(x)
-    pick = exe.device_array(np.array([True, False]))
-    return [elementwise_step(step_name(n), expr, exe.buf(n), shape,
-                             [xb, xb[up_at:], exe.buf(dy), pick], [shape] * 4, [f, f, f, dt.BOOL],
+    xb = ctx.buf(x)
+    pick = ctx.device_array(np.array([True, False]))
+    return [elementwise_step(step_name(n), expr, ctx.buf(n), shape,
+                             [xb, xb[up_at:], ctx.buf(dy), pick], [shape] * 4, [f, f, f, dt.BOOL],
                              [pair, pair, dys, sel])]
 
 
 @lowering(*sorted(ops_where(elementwise=True)))
-def _lower_elementwise(exe, n):
+def _lower_elementwise(ctx, n):
     """One op, or a fused region (passes/fusion.py: inputs are the region's leaves, the
     expression in attrs) as one generated kernel."""
-    ins = [exe.graph.nodes[i] for i in n.inputs]
+    ins = [ctx.graph.nodes[i] for i in n.inputs]
     if n.op == "fused":
         expr = n.attrs["expr"]
         name = f"%{n.id} fused[{' '.join(f'%{m}' for m in n.attrs['members'])}]"
     else:
-        expr, name = node_expr(n, exe.graph), step_name(n)
-    return [elementwise_step(name, expr, exe.buf(n), n.shape, [exe.buf(i) for i in ins],
+        expr, name = node_expr(n, ctx.graph), step_name(n)
+    return [elementwise_step(name, expr, ctx.buf(n), n.shape, [ctx.buf(i) for i in ins],
                              [i.shape for i in ins], [i.dtype for i in ins],
-                             [view_strides(exe, i) for i in ins])]
+                             [view_strides(ctx, i) for i in ins])]

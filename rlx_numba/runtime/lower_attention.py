@@ -26,11 +26,11 @@ def _aligned16(buf) -> bool:
     return SIMULATOR or buf.device_ctypes_pointer.value % 16 == 0
 
 
-def _dummy(exe, dtype):
-    return exe.shared(f"attn_dummy_{np.dtype(dtype).name}", lambda: np.zeros(1, dtype))
+def _dummy(ctx, dtype):
+    return ctx.shared(f"attn_dummy_{np.dtype(dtype).name}", lambda: np.zeros(1, dtype))
 
 
-def _geom(exe, n, q, k, mask, bias):
+def _geom(ctx, n, q, k, mask, bias):
     """attention's GEOM array (kernels/attention.py) of node ``n``'s attributes."""
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
@@ -45,18 +45,18 @@ def _geom(exe, n, q, k, mask, bias):
                 k_b=ks[0], k_h=ks[1], k_s=ks[2], o_b=qs[0], o_h=qs[1], o_s=qs[2],
                 m_b=ms[0], m_h=ms[1], m_q=ms[2], m_k=ms[3], b_b=bs[0], b_h=bs[1], b_q=bs[2],
                 b_k=bs[3], window=a["window"] or 0, off=sk - sq)
-    return exe.device_array(np.array([vals[key] for key in A.GEOM], np.int64)), ks
+    return ctx.device_array(np.array([vals[key] for key in A.GEOM], np.int64)), ks
 
 
-def _masks(exe, n, rest):
+def _masks(ctx, n, rest):
     """(mask node, bias node, their buffers or dummies, the kernels' flags, scale, softcap)
     of an attention node whose trailing inputs are ``rest``."""
     a = n.attrs
     rest = list(rest)
     mask = rest.pop(0) if a["has_mask"] else None
     bias = rest.pop(0) if a["has_bias"] else None
-    mbuf = exe.buf(mask) if mask is not None else _dummy(exe, np.bool_)
-    bbuf = exe.buf(bias) if bias is not None else _dummy(exe, np.float32)
+    mbuf = ctx.buf(mask) if mask is not None else _dummy(ctx, np.bool_)
+    bbuf = ctx.buf(bias) if bias is not None else _dummy(ctx, np.float32)
     flags = (a["causal"], a["window"] is not None, mask is not None, bias is not None,
              a["softcap"] is not None)
     return mask, bias, mbuf, bbuf, flags, np.float32(a["scale"]), np.float32(a["softcap"] or 1.0)
@@ -68,17 +68,17 @@ def _decodes(a) -> bool:
 
 
 @lowering("attention")
-def _lower_attention(exe, n):
-    g = exe.graph
+def _lower_attention(ctx, n):
+    g = ctx.graph
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     if b * hq * sq * d == 0:
         return []
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v = ins[:3]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[3:])
-    geom, ks = _geom(exe, n, q, k, mask, bias)
-    args = (exe.buf(q), exe.buf(k), exe.buf(v), mbuf, bbuf, geom, scale, softcap)
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
+    geom, ks = _geom(ctx, n, q, k, mask, bias)
+    args = (ctx.buf(q), ctx.buf(k), ctx.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
     geo = default_geometry("attention")
     if _decodes(a):                       # few queries a kv head: split the keys instead
@@ -88,84 +88,84 @@ def _lower_attention(exe, n):
         splits, chunk = A.decode_plan(b, hkv, sk, sm)
         rows_c, groups = A.decode_groups(rows_c, hq // hkv * sq, splits * b * hkv, sm)
         part = b * hkv * groups * splits * rows_c
-        pm, pl = (exe.device_array(np.zeros(part, np.float32)) for _ in range(2))
-        pacc = exe.device_array(np.zeros(part * 32 * dpl, np.float32))
-        count = exe.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
+        pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
+        pacc = ctx.device_array(np.zeros(part * 32 * dpl, np.float32))
+        count = ctx.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
         # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
         # 256-byte aligned and a view starting where its buffer does)
         kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags)
         return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
-                     (exe.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
+                     (ctx.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
                      {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
     # 16-byte loads of q, k, v: rows of whole groups of 4 from an aligned start (arena slots
     # are 256-byte aligned; a view may start anywhere)
-    vec = d % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v))
+    vec = d % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k, v))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
-    lse = [r for r in g.nodes[n.id].results if r in exe.live]
+    lse = [r for r in g.nodes[n.id].results if r in ctx.live]
     kern = A.flash(geo, A.head_split(geo, d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
     grid, block = A.flash_launch(geo, b, hq, sq, d)
     return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
                  f"{b}x{hq}x{sq}x{sk}{' +lse' if lse else ''}", kern, grid, block,
-                 (exe.buf(n), exe.buf(lse[0]) if lse else _dummy(exe, np.float32), *args),
+                 (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *args),
                  flops)]
 
 
 # ---- backward (attention's VJP) --------------------------------------------------------------
 @lowering("attention_lse")
-def _lower_attention_lse(exe, n):
+def _lower_attention_lse(ctx, n):
     """inputs (the attention node, q, k, [mask], [bias]): the rows' log-sum-exp [B, Hq, Sq],
     saved by the forward's flash kernel; after a decode kernel, the flash kernel without its
     P V."""
-    g, a = exe.graph, n.attrs
+    g, a = ctx.graph, n.attrs
     if n.size == 0 or (a["d"] > 0 and not _decodes(a)):
         return []
     ins = [g.nodes[i] for i in n.inputs[1:]]
     q, k = ins[:2]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[2:])
-    geom, _ = _geom(exe, n, q, k, mask, bias)
-    vec = a["d"] % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k))
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[2:])
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    vec = a["d"] % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k))
     geo = default_geometry("attention")
     grid, block = A.flash_launch(geo, a["b"], a["hq"], a["sq"], a["d"])
     return [Step(step_name(n), f"attention_lse D={a['d']}",
                  AB.lse(geo, A.head_split(geo, a["d"]), vec, *flags), grid, block,
-                 (_dummy(exe, np.float32), exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(k), mbuf,
+                 (_dummy(ctx, np.float32), ctx.buf(n), ctx.buf(q), ctx.buf(k), ctx.buf(k), mbuf,
                   bbuf, geom, scale, softcap),
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
 
 
 @lowering("attention_bwd_delta")
-def _lower_attention_delta(exe, n):
+def _lower_attention_delta(ctx, n):
     """inputs (o, do): rowsum(dO * O) [B, Hq, Sq]."""
-    g = exe.graph
+    g = ctx.graph
     if n.size == 0:
         return []
     o, do = (g.nodes[i] for i in n.inputs)
-    geom, _ = _geom(exe, n, o, o, None, None)
+    geom, _ = _geom(ctx, n, o, o, None, None)
     geo = default_geometry("attention")
     grid, block = AB.launch_delta(geo, n.size)
     return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo), grid, block,
-                 (exe.buf(n), exe.buf(o), exe.buf(do), geom, np.int64(n.size)))]
+                 (ctx.buf(n), ctx.buf(o), ctx.buf(do), geom, np.int64(n.size)))]
 
 
 @lowering("attention_bwd_dq", "attention_bwd_ds", "attention_bwd_dkv")
-def _lower_attention_bwd(exe, n):
+def _lower_attention_bwd(ctx, n):
     """inputs (q, k, v, dO, LSE, Dl, [mask], [bias]): dQ (q's shape), dS [B, Hq, Sq, Sk] (for
     a bias gradient) or [dK, dV] ([2, *k.shape])."""
-    g, a = exe.graph, n.attrs
+    g, a = ctx.graph, n.attrs
     if n.size == 0:
         return []
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v, do, lse, dl = ins[:6]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(exe, n, ins[6:])
-    geom, _ = _geom(exe, n, q, k, mask, bias)
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
     kind = {"attention_bwd_dq": AB.DQ, "attention_bwd_ds": AB.DS,
             "attention_bwd_dkv": AB.DKV}[n.op]
-    vec = a["d"] % 4 == 0 and all(_aligned16(exe.buf(t)) for t in (q, k, v, do))
-    args = (exe.buf(n), exe.buf(q), exe.buf(k), exe.buf(v), exe.buf(do), exe.buf(lse),
-            exe.buf(dl), mbuf, bbuf, geom, scale, softcap,
+    vec = a["d"] % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k, v, do))
+    args = (ctx.buf(n), ctx.buf(q), ctx.buf(k), ctx.buf(v), ctx.buf(do), ctx.buf(lse),
+            ctx.buf(dl), mbuf, bbuf, geom, scale, softcap,
             np.int64(n.size // 2 if kind == AB.DKV else 0))
     per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
     flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product

@@ -31,10 +31,10 @@ def _comm(n):
 
 
 @lowering("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_reduce_inplace")
-def _lower_collective(exe, n):
+def _lower_collective(ctx, n):
     comm = _comm(n)
-    src = exe.graph.nodes[n.inputs[0]]
-    send, recv = exe.buf(src), exe.buf(n)
+    src = ctx.graph.nodes[n.inputs[0]]
+    send, recv = ctx.buf(src), ctx.buf(n)
     op, root = n.attrs.get("reduce", "sum"), n.attrs.get("root", 0)
     what = f"{n.op}{'.' + op if 'reduce' in n.op else ''} of " \
            f"{n.dtype} {fmt(src.shape)} over {comm.world_size} ranks ({comm.kind})"
@@ -73,10 +73,10 @@ def _lower_collective(exe, n):
                                            comm.kind == "nccl" else ""), make, info)]
 
 
-def join_steps(exe) -> list:
+def join_steps(program) -> list:
     """A step that makes the executable's stream wait for every overlapped all_reduce (none
     when there is none)."""
-    infos = [s.info for steps in exe.node_steps.values() for s in steps
+    infos = [s.info for steps in program.node_steps.values() for s in steps
              if "done" in s.info]
     if not infos:
         return []
@@ -84,5 +84,5 @@ def join_steps(exe) -> list:
     def make(stream):
         return lambda: [i["done"].wait(stream) for i in infos]
     step = CallStep("join", f"wait for {len(infos)} overlapped all_reduce(s)", make, {})
-    step.bind(exe.stream, False)
+    step.bind(ctx.stream, False)
     return [step]

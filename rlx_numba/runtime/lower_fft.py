@@ -30,9 +30,9 @@ from .lower import CallStep, Step, env_tiers, log, lowering, step_name
 _U = np.uint64
 
 
-def _table(exe, z) -> object:
+def _table(ctx, z) -> object:
     """A complex128 table as an interleaved f32 device array."""
-    return exe.device_array(np.stack([z.real, z.imag], -1).reshape(-1).astype(np.float32))
+    return ctx.device_array(np.stack([z.real, z.imag], -1).reshape(-1).astype(np.float32))
 
 
 def _rows(n) -> tuple[int, int]:
@@ -42,7 +42,7 @@ def _rows(n) -> tuple[int, int]:
 
 
 @lowering("fft")
-def _lower_fft(exe, n):
+def _lower_fft(ctx, n):
     if n.size == 0:
         return []
     length, rows = _rows(n)
@@ -55,11 +55,11 @@ def _lower_fft(exe, n):
     npass = 1 if length <= geo.shared_n else -(-p // (geo.max_radix.bit_length() - 1))
     bits = [p // npass + (k < p % npass) for k in range(npass)]
     # the last pass writes out: an odd count starts in out, an even one in a scratch array
-    out = exe.buf(n)
-    bufs = [out] if npass == 1 else [out, exe.device_array(np.zeros(n.size, np.float32))]
+    out = ctx.buf(n)
+    bufs = [out] if npass == 1 else [out, ctx.device_array(np.zeros(n.size, np.float32))]
     if npass % 2 == 0:
         bufs.reverse()
-    steps, src, ns = [], exe.buf(n.inputs[0]), 1
+    steps, src, ns = [], ctx.buf(n.inputs[0]), 1
     for k, b in enumerate(bits):
         radix = 1 << b
         nr = length // radix
@@ -76,13 +76,13 @@ def _lower_fft(exe, n):
 
 
 @lowering("bluestein")
-def _lower_bluestein(exe, n):
+def _lower_bluestein(ctx, n):
     """Bluestein's DFT of rows of any length, one kernel (kernels/fft.py)."""
     if n.size == 0:
         return []
     length, rows = _rows(n)
     m, c, filt = bluestein_tables(length, n.attrs["inverse"])
-    args = (exe.buf(n), exe.buf(n.inputs[0]), _table(exe, c), _table(exe, filt), _U(rows))
+    args = (ctx.buf(n), ctx.buf(n.inputs[0]), _table(ctx, c), _table(ctx, filt), _U(rows))
     what = (f"{'inverse ' if n.attrs['inverse'] else ''}bluestein fft {rows}x{length} "
             f"({m} points) of {fmt(n.shape)}")
     return [Step(step_name(n), what, K.bluestein_row_kernel(length, m), grid_3d(rows),
@@ -103,32 +103,32 @@ def fft_tier(n) -> tuple[int, str]:
     return 1, f"tier 0: {err}"
 
 
-def _owned_by(exe, src, n) -> bool:
+def _owned_by(ctx, src, n) -> bool:
     """Whether only ``n`` reads ``src``'s memory and nothing needs it after (cuFFT's C2R may
     overwrite its input)."""
-    g = exe.graph
-    if is_leaf(src.op) or is_inplace(src.op) or exe.is_view(src) \
+    g = ctx.graph
+    if is_leaf(src.op) or is_inplace(src.op) or ctx.is_view(src) \
             or src.id in g.outputs:
         return False
     return all(m.id == n.id or src.id not in m.inputs for m in g.nodes)
 
 
 @lowering(*FFT_NODES, tier="cuFFT")
-def _lower_cufft(exe, n):
+def _lower_cufft(ctx, n):
     """Tier 0: one cuFFT call (the compiler left this node to cuFFT)."""
     if n.size == 0:
         return []
-    src = exe.graph.nodes[n.inputs[0]]
+    src = ctx.graph.nodes[n.inputs[0]]
     length = n.attrs["n"] if n.op == "irdft" else src.shape[-1] if n.op == "rdft" \
         else n.shape[-2]
     rows = math.prod(n.shape[:-1 if n.op == "irdft" else -2]) if n.op != "rdft" \
         else math.prod(src.shape[:-1])
     kind = {"dft": cufft.C2C, "rdft": cufft.R2C, "irdft": cufft.C2R}[n.op]
     inverse = bool(n.attrs.get("inverse"))
-    x, out = exe.buf(src), exe.buf(n)
-    if n.op == "irdft" and not _owned_by(exe, src, n):
-        x = exe.device_array(np.zeros(src.size, np.float32))     # C2R overwrites its input
-        copy = (exe.buf(src), x)
+    x, out = ctx.buf(src), ctx.buf(n)
+    if n.op == "irdft" and not _owned_by(ctx, src, n):
+        x = ctx.device_array(np.zeros(src.size, np.float32))     # C2R overwrites its input
+        copy = (ctx.buf(src), x)
     else:
         copy = None
 

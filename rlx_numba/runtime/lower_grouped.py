@@ -12,62 +12,62 @@ from ..kernels import grouped as G
 from .lower import Step, lowering, step_name
 
 
-def _check_ids(exe, n, ids, num_e):
+def _check_ids(ctx, n, ids, num_e):
     """run() rejects host-array ids outside [0, E) (device-array ones: the kernels skip them)."""
-    exe.add_index_check(ids, 0, num_e - 1, f"{n.op} %{n.id} (expert_ids of {num_e} experts)")
+    ctx.add_index_check(ids, 0, num_e - 1, f"{n.op} %{n.id} (expert_ids of {num_e} experts)")
 
 
-def _route(exe, n, ids, num_e, out, n_out):
+def _route(ctx, n, ids, num_e, out, n_out):
     """The routing step of node n and its (start, count, tile_expert, rows) arrays, plus the
     bound on the row tiles; ``out`` / ``n_out``: the output whose rows with a bad id it zeroes
     (n_out 0: none)."""
     m = ids.size
     nchunks, ch, max_tiles = G.route_plan(m, num_e)
     counts, start, count, tile_expert, rows = (
-        exe.device_array(np.zeros(max(1, size), np.int32))
+        ctx.device_array(np.zeros(max(1, size), np.int32))
         for size in (nchunks * num_e, num_e + 1, num_e, max_tiles, max_tiles * G.BM))
     step = Step(step_name(n) + " route", f"moe route {m} rows to {num_e} experts",
                 G.route_kernel, (1,), (G.ROUTE_T,),
-                (exe.buf(ids), np.int64(m), np.int64(num_e), np.int64(ch), np.int64(nchunks),
+                (ctx.buf(ids), np.int64(m), np.int64(num_e), np.int64(ch), np.int64(nchunks),
                  counts, start, count, tile_expert, rows, out, np.int64(n_out)),
                 {"bytes": 2 * ids.nbytes + 4 * (m + nchunks * num_e)})
     return step, (start, count, tile_expert, rows), max_tiles
 
 
 @lowering("grouped_matmul")
-def _lower_grouped_matmul(exe, n):
-    g = exe.graph
+def _lower_grouped_matmul(ctx, n):
+    g = ctx.graph
     x, w, ids = (g.nodes[i] for i in n.inputs)
     num_e = w.shape[0]
     m, k = x.shape
     cols = n.shape[1]
-    _check_ids(exe, n, ids, num_e)
+    _check_ids(ctx, n, ids, num_e)
     if m * cols == 0:
         return []
-    route, (start, _, tile_expert, rows), max_tiles = _route(exe, n, ids, num_e, exe.buf(n),
+    route, (start, _, tile_expert, rows), max_tiles = _route(ctx, n, ids, num_e, ctx.buf(n),
                                                              cols)
     trans = n.attrs["trans_w"]
     grid, block = G.rows_launch(cols, max_tiles)
     return [route, Step(step_name(n), f"grouped gemm {m}x{cols}x{k} over {num_e} experts"
                         + (" (w^T)" if trans else ""), G.rows_kernel(trans), grid, block,
-                        (exe.buf(n), exe.buf(x), exe.buf(w), np.int64(cols), np.int64(k),
+                        (ctx.buf(n), ctx.buf(x), ctx.buf(w), np.int64(cols), np.int64(k),
                          np.int64(num_e), start, tile_expert, rows),
                         {"bytes": x.nbytes + w.nbytes + n.nbytes, "flops": 2 * m * k * cols})]
 
 
 @lowering("grouped_matmul_wgrad")
-def _lower_grouped_wgrad(exe, n):
-    g = exe.graph
+def _lower_grouped_wgrad(ctx, n):
+    g = ctx.graph
     a, b, ids = (g.nodes[i] for i in n.inputs)
     num_e, ka, nb = n.shape
-    _check_ids(exe, n, ids, num_e)
+    _check_ids(ctx, n, ids, num_e)
     if n.size == 0:
         return []
-    route, (start, count, _, rows), _ = _route(exe, n, ids, num_e, exe.buf(n), 0)
+    route, (start, count, _, rows), _ = _route(ctx, n, ids, num_e, ctx.buf(n), 0)
     grid, block = G.wgrad_launch(ka, nb, num_e)
     return [route, Step(step_name(n), f"grouped wgrad {num_e}x{ka}x{nb} over {ids.size} rows",
                         G.wgrad_kernel, grid, block,
-                        (exe.buf(n), exe.buf(a), exe.buf(b), np.int64(ka), np.int64(nb),
+                        (ctx.buf(n), ctx.buf(a), ctx.buf(b), np.int64(ka), np.int64(nb),
                          np.int64(num_e), start, count, rows),
                         {"bytes": a.nbytes + b.nbytes + n.nbytes,
                          "flops": 2 * ids.size * ka * nb})]

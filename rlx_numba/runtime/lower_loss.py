@@ -16,21 +16,21 @@ def _geometry(rows: int, c: int):
     return (blocks,), (block,)
 
 
-def _label_check(exe, n, labels, c):
+def _label_check(ctx, n, labels, c):
     """run() rejects labels fed as host arrays outside [0, C) other than ignore_index (as a
     range: values between ignore_index and 0 get past it, and the kernel's NaN shows them)."""
     ig = n.attrs["ignore_index"]
-    exe.add_index_check(labels, min(0, ig), max(c - 1, ig),
+    ctx.add_index_check(labels, min(0, ig), max(c - 1, ig),
                         f"{n.op} %{n.id} (labels of {c} classes, ignore_index {ig})")
 
 
 @lowering("cross_entropy", "cross_entropy_bwd")
-def _lower_cross_entropy(exe, n):
-    g = exe.graph
+def _lower_cross_entropy(ctx, n):
+    g = ctx.graph
     x, labels = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
     c = x.shape[-1]
     rows = labels.size
-    _label_check(exe, n, labels, c)
+    _label_check(ctx, n, labels, c)
     if rows == 0:
         return []
     grid, block = _geometry(rows, c)
@@ -38,9 +38,9 @@ def _lower_cross_entropy(exe, n):
                np.float32(n.attrs["label_smoothing"]))
     if n.op == "cross_entropy":
         return [Step(step_name(n), f"ce_forward block={block[0]}", K.ce_forward(block[0]), grid,
-                     block, (exe.buf(n), exe.buf(x), exe.buf(labels), *scalars),
+                     block, (ctx.buf(n), ctx.buf(x), ctx.buf(labels), *scalars),
                      {"bytes": x.nbytes + labels.nbytes + n.nbytes})]
     dy = g.nodes[n.inputs[2]]
     return [Step(step_name(n), f"ce_backward block={block[0]}", K.ce_backward(block[0]), grid,
-                 block, (exe.buf(n), exe.buf(x), exe.buf(labels), exe.buf(dy), *scalars),
+                 block, (ctx.buf(n), ctx.buf(x), ctx.buf(labels), ctx.buf(dy), *scalars),
                  {"bytes": 3 * x.nbytes + labels.nbytes + dy.nbytes})]

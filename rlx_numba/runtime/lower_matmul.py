@@ -116,22 +116,22 @@ def weight_only_params(graph: Graph, absorbed: set, transposed: set) -> set:
 @dataclass
 class Operand:
     buf: object        # flat device view of the stored matrix (or matrices); None for a half
-                       # weight holding no f32 copy (tiers 0 and 3 read exe.half_param)
+                       # weight holding no f32 copy (tiers 0 and 3 read ctx.half_param)
     node: object       # the node whose memory that is (a transpose's input when absorbed)
     trans: bool        # stored as the transpose of the logical operand (last two axes)
     shape: tuple       # logical shape [..., rows, cols]
 
 
-def operand(exe, nid) -> Operand:
-    g = exe.graph
+def operand(ctx, nid) -> Operand:
+    g = ctx.graph
     n = g.nodes[nid]
-    if nid in exe.absorbed:
+    if nid in ctx.absorbed:
         src = g.nodes[n.inputs[0]]
-        return Operand(exe.weight_buf(src), src, True, n.shape)
-    return Operand(exe.weight_buf(n), n, nid in exe.transposed, n.shape)
+        return Operand(ctx.weight_buf(src), src, True, n.shape)
+    return Operand(ctx.weight_buf(n), n, nid in ctx.transposed, n.shape)
 
 
-def _f32_weight(exe, b: Operand, tier, why) -> Operand:
+def _f32_weight(ctx, b: Operand, tier, why) -> Operand:
     """``b`` for a tier that reads the weight as f32. A half weight read only by products
     holds no f32 copy while they read the half one; where one cannot (no cuBLAS, a tier
     restriction), the store makes the f32 copy again and keeps it while the weight is half."""
@@ -140,7 +140,7 @@ def _f32_weight(exe, b: Operand, tier, why) -> Operand:
     if b.node.op != "param":    # a dequantised weight written bf16 takes tier 0 (lower_quant.py)
         raise RuntimeError(f"tier {tier}: %{b.node.id} was written bf16 for tier 0 only")
     why.append(f"tier {tier} reads the half weight's f32 copy (kept beside the half one)")
-    return dataclasses.replace(b, buf=exe.param_f32(b.node))
+    return dataclasses.replace(b, buf=ctx.param_f32(b.node))
 
 
 def matmul_env_tiers():
@@ -179,7 +179,7 @@ def _uniform_stride(offs):
     return s if np.array_equal(offs, s * np.arange(len(offs))) else None
 
 
-def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
+def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
                   residual=None, gated=None) -> list:
     """Steps computing activation(A @ B + bias) + residual into the node's buffer; with
     ``gated`` (an activation: passes/fusion.py's gated epilogue, 2-D weight with gate/up
@@ -187,7 +187,7 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     in its epilogue; the others write the product (+ bias) to a scratch of their own and a
     gated kernel reads it."""
     name = step_name(n)
-    out = exe.buf(n)
+    out = ctx.buf(n)
     m, k, ncols = a.shape[-2], a.shape[-1], b.shape[-1]
     batch_shape = tuple(out_shape[:-2])
     if len(b.shape) == 2 and not a.trans:       # fold A's leading dims into M: one GEMM
@@ -198,22 +198,22 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
     epi = {"bias": bias, "activation": activation, "residual": residual}
     post, full = [], out      # full: where the ladder's tiers write the [M, N] product
     if gated:
-        full = exe.device_array(np.zeros(batch * m * ncols, np.float32))
+        full = ctx.device_array(np.zeros(batch * m * ncols, np.float32))
         post = [gated_step(name + " gated", out, full, (batch * m, ncols), dt.F32, gated, True,
-                           residual=exe.buf(residual) if residual is not None else None)]
+                           residual=ctx.buf(residual) if residual is not None else None)]
         epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
     if k == 0:   # an empty sum: zeros, then the epilogue
         steps.append(elementwise_step(name + " zero", ("cast", None, dt.F32, ("in", 0, dt.BOOL)),
-                                      full, (batch * m * ncols,), [exe.device_array(np.zeros(1, np.bool_))],
+                                      full, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
                                       [(1,)], [dt.BOOL]))
-        return steps + _epilogue(exe, name, full, (batch * m, ncols), **epi) + post
+        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi) + post
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = matmul_env_tiers()
     ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
     flops = 2 * batch * m * ncols * k
-    skinny = (_tier3(exe, name, a, b, out, m, ncols, k, batch,
+    skinny = (_tier3(ctx, name, a, b, out, m, ncols, k, batch,
                      {"bias": bias, "activation": gated or activation, "residual": residual,
                       "gated": bool(gated)}, why)
               if 3 in tiers else None)
@@ -227,15 +227,15 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
             why.append(f"tier {tier}: {reason.splitlines()[0]}")
             continue
         if tier:
-            b = _f32_weight(exe, b, tier, why)
-        plan = _TIERS[tier](exe, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why)
+            b = _f32_weight(ctx, b, tier, why)
+        plan = _TIERS[tier](ctx, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why)
         if plan is not None:
             steps, fused = plan
-            steps = steps + _epilogue(exe, name, full, (batch * m, ncols), **{**epi, **fused}) + post
+            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **{**epi, **fused}) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
-                key = _choice_key(exe, b, m, ncols, k, epi, tier, gated)
-                us3, us = _timed_choice(exe, skinny, steps, key)
+                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated)
+                us3, us = _timed_choice(ctx, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
                     why.append(f"tier {tier}: slower ({timed})")
@@ -244,13 +244,13 @@ def product_steps(exe, n, a: Operand, b: Operand, out_shape, bias=None, activati
             return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
-    b = _f32_weight(exe, b, 4, why)
+    b = _f32_weight(ctx, b, 4, why)
     kern = mm.sgemm_kernel(a.trans, b.trans)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
                   (full, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
-                   exe.device_array(offs_a), exe.device_array(offs_b), np.int64(batch)))]
-    return (_done(n, 4, why, steps, flops) + _epilogue(exe, name, full, (batch * m, ncols), **epi)
+                   ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch)))]
+    return (_done(n, 4, why, steps, flops) + _epilogue(ctx, name, full, (batch * m, ncols), **epi)
             + post)
 
 
@@ -261,7 +261,7 @@ def _done(n, tier, why, steps, flops, last=-1):
     return steps
 
 
-def _epilogue(exe, name, out, shape, bias=None, activation=None, residual=None):
+def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None):
     """activation(out + bias) + residual, in place, as one generated kernel (or nothing)."""
     if bias is None and activation is None and residual is None:
         return []
@@ -269,13 +269,13 @@ def _epilogue(exe, name, out, shape, bias=None, activation=None, residual=None):
     ins, shapes = [out], [shape]
     if bias is not None:
         expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
-        ins.append(exe.buf(bias))
+        ins.append(ctx.buf(bias))
         shapes.append(bias.shape)
     if activation:
         expr = ("activation", activation, dt.F32, expr)
     if residual is not None:
         expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
-        ins.append(exe.buf(residual))
+        ins.append(ctx.buf(residual))
         shapes.append(shape)
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, [dt.F32] * len(ins))]
 
@@ -284,8 +284,8 @@ def device_ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
-def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
-    half = exe.half_param(b.node)
+def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+    half = ctx.half_param(b.node)
     if half is None:
         why.append("tier 0: the weight is not stored half (set_param_half)")
         return None
@@ -296,13 +296,13 @@ def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
         return None
     from ..cublas import api, gemm
     size = a.node.size
-    scratch = exe.device_array(np.empty(size, hdt.storage))
+    scratch = ctx.device_array(np.empty(size, hdt.storage))
     cast = elementwise_step(name + f" cast {hdt}", ("cast", None, hdt, ("in", 0, dt.F32)), scratch,
                             (size,), [a.buf], [(size,)], [dt.F32])
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
     code = api.R_16BF if hdt == dt.BF16 else api.R_16F
     if batch == 1:   # cuBLASLt: better kernels for skinny (decode) shapes, and the epilogue
-        lt = _lt_step(exe, name, cm, scratch, hbuf, out, epi, why, in_type=code, label=str(hdt))
+        lt = _lt_step(ctx, name, cm, scratch, hbuf, out, epi, why, in_type=code, label=str(hdt))
         if lt is not None:
             return [cast, lt[0]], lt[1]
     make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(scratch), code, device_ptr(hbuf), code,  # noqa: E731
@@ -311,7 +311,7 @@ def _tier0(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
 
 
-def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
+def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     """One planned cuBLASLt step fusing what it can of the epilogue, and the epilogue left
     over; None (with the reason in ``why``) when the library has no algorithm."""
     from ..cublas import api, gemm
@@ -322,14 +322,14 @@ def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     kw = dict(tf32=tf32, activation=lt_act, in_type=in_type,
               # the bias is added before any activation: fused even when the activation
               # is left to the epilogue kernel
-              bias_ptr=device_ptr(exe.buf(bias)) if bias is not None else None,
-              residual_ptr=device_ptr(exe.buf(res)) if fuse_res else None)
+              bias_ptr=device_ptr(ctx.buf(bias)) if bias is not None else None,
+              residual_ptr=device_ptr(ctx.buf(res)) if fuse_res else None)
     try:   # plan now, so a shape the library refuses falls through at compile time
-        first = gemm.lt_plan(exe.stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
+        first = gemm.lt_plan(ctx.stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
     except cublas.CublasError as e:
         why.append(f"cuBLASLt: {e}")
         return None
-    own = exe.stream            # (not exe: a step must not keep its executable alive)
+    own = ctx.stream            # (not ctx: a step must not keep its executable alive)
     make = lambda stream: first if stream is own else gemm.lt_plan(  # noqa: E731
         stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
     fused_bias = kw["bias_ptr"] is not None
@@ -341,7 +341,7 @@ def _lt_step(exe, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     return step, left
 
 
-def _tier1(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     """Every unbatched f32 product, whatever its epilogue: cuBLASLt fuses what it can (the
     bias always, relu / gelu_tanh, a residual with no activation) and the epilogue kernel
     does the rest. Even with nothing to fuse it beats cublasSgemm_v2 on the host (a call cost
@@ -352,11 +352,11 @@ def _tier1(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
         return None
     from ..cublas import api, gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
-    lt = _lt_step(exe, name, cm, a.buf, b.buf, out, epi, why, in_type=api.R_32F, label="")
+    lt = _lt_step(ctx, name, cm, a.buf, b.buf, out, epi, why, in_type=api.R_32F, label="")
     return None if lt is None else ([lt[0]], lt[1])
 
 
-def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     from ..cublas import gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
     tf32 = cublas.allow_tf32
@@ -365,7 +365,7 @@ def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     if batch > 1 and (sa is None or sb is None):
         ptrs = (gemm.pointer_array(device_ptr(a.buf), offs_a, 4), gemm.pointer_array(device_ptr(b.buf), offs_b, 4),
                 gemm.pointer_array(device_ptr(out), np.arange(batch) * m * n, 4))
-        exe.keep(ptrs)
+        ctx.keep(ptrs)
         kind = "cublasSgemmBatched"
     make = lambda stream: gemm.sgemm_plan(stream, cm, device_ptr(a.buf), device_ptr(b.buf), device_ptr(out),  # noqa: E731
                                           tf32=tf32, batch=batch, stride_a=sa or 0,
@@ -376,7 +376,7 @@ def _tier2(exe, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
 _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
 
 
-def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
+def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     """The skinny-product kernel step (kernels/gemv.py), epilogue included, or None with the
     reason in ``why``."""
     if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 3 in matmul_env_tiers()):
@@ -388,7 +388,7 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     if a.trans or len(b.shape) != 2 or not b.trans:
         why.append("tier 3: the weight is not a 2-D matrix stored [N, K] (or A is transposed)")
         return None
-    half = exe.half_param(b.node)
+    half = ctx.half_param(b.node)
     wbuf, kind = (half[1], str(half[0])) if half is not None else (b.buf, "f32")
     if half is None and np.dtype(b.buf.dtype) != np.float32:
         why.append(f"tier 3: the weight is {b.buf.dtype}")
@@ -406,12 +406,12 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
                           minb, gated)
-    dummy = f32_dummy(exe)
-    part = exe.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
-    count = exe.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
+    dummy = f32_dummy(ctx)
+    part = ctx.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
+    count = ctx.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
     grid = (min(groups, 2) if SIMULATOR else groups, splits)
-    args = (out, a.buf, wbuf, exe.buf(bias) if bias is not None else dummy,
-            exe.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
+    args = (out, a.buf, wbuf, ctx.buf(bias) if bias is not None else dummy,
+            ctx.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
             np.int64(kchunk), np.int64(splits))
     tags = "+".join(t for t in (kind, "bias" if bias is not None else "",
                                 f"gated {act}" if gated else act or "",
@@ -422,8 +422,8 @@ def _tier3(exe, name, a, b, out, m, n, k, batch, epi, why):
                  {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
 
 
-def f32_dummy(exe):
-    return exe.shared("gemv_dummy", lambda: np.zeros(1, np.float32))
+def f32_dummy(ctx):
+    return ctx.shared("gemv_dummy", lambda: np.zeros(1, np.float32))
 
 
 # ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
@@ -432,14 +432,14 @@ CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
 
-def _choice_key(exe, b, m, n, k, epi, tier, gated=None) -> str:
-    half = exe.half_param(b.node)
+def _choice_key(ctx, b, m, n, k, epi, tier, gated=None) -> str:
+    half = ctx.half_param(b.node)
     kind = str(half[0]) if half is not None else "f32"
     tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
                                 f"gated-{gated}" if gated else "",
                                 "residual" if epi["residual"] is not None else "") if t)
     return (f"v{CHOICE_VERSION}|{device_info()['name']}|{m}x{n}x{k}|{kind}|{tags or '-'}|"
-            f"tier{tier}|{'graph' if _graph_mode(exe) else 'stream'}"
+            f"tier{tier}|{'graph' if _graph_mode(ctx) else 'stream'}"
             f"{'|tf32' if cublas.allow_tf32 else ''}")
 
 
@@ -480,7 +480,7 @@ def _save_choice(key, value) -> None:
         log.warning("rlx_numba: could not save the tier-3 timing (%s)", e)
 
 
-def _timed_choice(exe, skinny, other, key):
+def _timed_choice(ctx, skinny, other, key):
     """(tier 3 us, other us) a product: from this process, the disk, or timed now."""
     got = _CHOICES.get(key)
     if got is None:
@@ -488,8 +488,8 @@ def _timed_choice(exe, skinny, other, key):
         if disk is not None:
             got = tuple(float(v) for v in disk)
     if got is None:
-        got = (_device_us(exe, skinny), _device_us(exe, other))
-        us3b = _device_us(exe, skinny)          # again, after the other: drift shows less
+        got = (_device_us(ctx, skinny), _device_us(ctx, other))
+        us3b = _device_us(ctx, skinny)          # again, after the other: drift shows less
         got = (min(got[0], us3b), got[1])
         _save_choice(key, list(got))
     _CHOICES[key] = got
@@ -499,12 +499,12 @@ def _timed_choice(exe, skinny, other, key):
 TIMED_LAUNCHES = 20
 
 
-def _graph_mode(exe) -> bool:
-    mode = getattr(exe, "exec_mode", None)
+def _graph_mode(ctx) -> bool:
+    mode = getattr(ctx, "exec_mode", None)
     return getattr(mode, "kind", None) == "graph"
 
 
-def _device_us(exe, steps) -> float:
+def _device_us(ctx, steps) -> float:
     """Device time of one run of ``steps`` (us), best of 3 windows of TIMED_LAUNCHES runs, as
     the executable will run them: replayed from a CUDA graph under ExecMode GRAPH (its
     launches sit closer together: a product of two kernels loses less there), else launched
@@ -512,13 +512,13 @@ def _device_us(exe, steps) -> float:
     what the events measure. The operands' contents do not matter (the output is
     overwritten by the first real run)."""
     from numba import cuda
-    stream = exe.stream
+    stream = ctx.stream
     for s in steps:
         s.bind(stream, True)
     for _ in range(2):                          # warm-up (and cuBLASLt's first-call setup)
         for s in steps:
             s()
-    if _graph_mode(exe):
+    if _graph_mode(ctx):
         return _graph_us(stream, steps)
     # compiled on a worker thread (lower.compile_off_thread): a compile on this one would keep this
     # stack's frames, the executable being compiled among them, alive
@@ -573,12 +573,12 @@ def _graph_us(stream, steps) -> float:
 
 
 @lowering("matmul", tier=LADDER)
-def _lower_matmul(exe, n):
+def _lower_matmul(ctx, n):
     # a matmul folded with its epilogue by passes/fusion.py carries linear's attributes and
     # its bias / residual as inputs 2 and 3
-    a, b = (operand(exe, i) for i in n.inputs[:2])
-    bias, res = _epilogue_inputs(exe.graph, n)
-    return product_steps(exe, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
+    a, b = (operand(ctx, i) for i in n.inputs[:2])
+    bias, res = _epilogue_inputs(ctx.graph, n)
+    return product_steps(ctx, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
                          residual=res, gated=n.attrs.get("gated"))
 
 
@@ -591,13 +591,13 @@ def _epilogue_inputs(g, n):
 
 
 @lowering("linear", tier=LADDER)
-def _lower_linear(exe, n):
-    g = exe.graph
+def _lower_linear(ctx, n):
+    g = ctx.graph
     x = g.nodes[n.inputs[0]]
-    w = operand(exe, n.inputs[1])
+    w = operand(ctx, n.inputs[1])
     k = x.shape[-1]
-    a = Operand(exe.buf(x), x, False, (math.prod(x.shape[:-1]), k))
+    a = Operand(ctx.buf(x), x, False, (math.prod(x.shape[:-1]), k))
     bias, res = _epilogue_inputs(g, n)
-    return product_steps(exe, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
+    return product_steps(ctx, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
                          activation=n.attrs["activation"], residual=res,
                          gated=n.attrs.get("gated"))

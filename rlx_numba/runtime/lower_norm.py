@@ -12,37 +12,37 @@ from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 
-def _dummy(exe):
-    return exe.shared("rows_dummy", lambda: np.zeros(1, np.float32))
+def _dummy(ctx):
+    return ctx.shared("rows_dummy", lambda: np.zeros(1, np.float32))
 
 
 @lowering("softmax", "log_softmax", "layer_norm", "rms_norm")
-def _lower_rows(exe, n):
-    g = exe.graph
+def _lower_rows(ctx, n):
+    g = ctx.graph
     x = g.nodes[n.inputs[0]]
     if x.size == 0:
         return []
     kind = rows.KINDS[n.op]
     norm = kind in (rows.LAYER_NORM, rows.RMS_NORM)
-    dummy = _dummy(exe)
+    dummy = _dummy(ctx)
     gamma = beta = res = sum_out = dummy
     has_beta = has_res = write_sum = False
     eps = np.float32(n.attrs.get("eps", 0.0))
     if norm:
         ins = list(n.inputs[1:])
-        gamma = exe.buf(ins.pop(0))
+        gamma = ctx.buf(ins.pop(0))
         if n.attrs["has_beta"]:
-            beta, has_beta = exe.buf(ins.pop(0)), True
+            beta, has_beta = ctx.buf(ins.pop(0)), True
         if n.attrs["has_residual"]:
-            res, has_res = exe.buf(ins.pop(0)), True
+            res, has_res = ctx.buf(ins.pop(0)), True
         for r in g.nodes[n.id].results:   # a live residual_sum: the kernel stores x + residual
-            if r in exe.live:
-                sum_out, write_sum = exe.buf(r), True
+            if r in ctx.live:
+                sum_out, write_sum = ctx.buf(r), True
     axis = n.attrs["axis"]
     shape = x.shape
     outer, length, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     flags = (has_beta, has_res, write_sum)
-    args = [exe.buf(n), exe.buf(x), gamma, beta, res, sum_out]
+    args = [ctx.buf(n), ctx.buf(x), gamma, beta, res, sum_out]
     name = step_name(n)
     if inner == 1:
         plan = rows.row_plan(length, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
@@ -78,7 +78,7 @@ def _bytes(size, flags):
 
 
 @lowering("residual_sum")
-def _lower_residual_sum(exe, n):
+def _lower_residual_sum(ctx, n):
     return []   # written by the norm's kernel (see _lower_rows)
 
 
@@ -97,54 +97,54 @@ def _bwd_geometry(shape, axis):
 
 
 @lowering("softmax_bwd")
-def _lower_softmax_bwd(exe, n):
-    dy, y = (exe.graph.nodes[i] for i in n.inputs)
+def _lower_softmax_bwd(ctx, n):
+    dy, y = (ctx.graph.nodes[i] for i in n.inputs)
     if y.size == 0:
         return []
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(y.shape, n.attrs["axis"])
     k = rows.softmax_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise)
     label = f"softmax_bwd rows g={group}" if rowwise else "softmax_bwd cols"
     return [Step(step_name(n), label, k, (grid,),
-                 (block,), (exe.buf(n), exe.buf(dy), exe.buf(y), np.int64(outer),
+                 (block,), (ctx.buf(n), ctx.buf(dy), ctx.buf(y), np.int64(outer),
                             np.int64(length), np.int64(inner)), {"bytes": 4 * y.size * 5})]
 
 
 @lowering("norm_bwd")
-def _lower_norm_bwd(exe, n):
-    g = exe.graph
+def _lower_norm_bwd(ctx, n):
+    g = ctx.graph
     dy, x, gamma = (g.nodes[i] for i in n.inputs[:3])
     if x.size == 0:
         return []
     has_res = n.attrs["has_residual"]
-    res = exe.buf(n.inputs[3]) if has_res else _dummy(exe)
-    stats, write = _dummy(exe), False
+    res = ctx.buf(n.inputs[3]) if has_res else _dummy(ctx)
+    stats, write = _dummy(ctx), False
     for r in g.nodes[n.id].results:   # a live norm_bwd_stats: the kernel stores each row's stats
-        if r in exe.live:
-            stats, write = exe.buf(r), True
+        if r in ctx.live:
+            stats, write = ctx.buf(r), True
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(x.shape, n.attrs["axis"])
     k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write)
     label = f"norm_bwd rows g={group}" if rowwise else "norm_bwd cols"
     return [Step(step_name(n), label, k, (grid,), (block,),
-                 (exe.buf(n), stats, exe.buf(dy), exe.buf(x), exe.buf(gamma), res,
+                 (ctx.buf(n), stats, ctx.buf(dy), ctx.buf(x), ctx.buf(gamma), res,
                   np.int64(outer), np.int64(length), np.int64(inner),
                   np.float32(n.attrs["eps"])),
                  {"bytes": 4 * x.size * (5 + 2 * has_res)})]
 
 
 @lowering("norm_bwd_stats")
-def _lower_norm_bwd_stats(exe, n):
+def _lower_norm_bwd_stats(ctx, n):
     return []   # written by the norm_bwd kernel (see _lower_norm_bwd)
 
 
 @lowering("norm_param_bwd")
-def _lower_norm_param_bwd(exe, n):
+def _lower_norm_param_bwd(ctx, n):
     """Partial column sums over P row chunks (a grid of 32-column tiles x P, enough blocks to
     fill the GPU), then one kernel adding the chunks; P = 1 writes the result directly."""
-    g = exe.graph
+    g = ctx.graph
     dy, x = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
     has_res = n.attrs["has_residual"]
-    res = exe.buf(n.inputs[2]) if has_res else _dummy(exe)
-    stats = exe.buf(n.inputs[-1])
+    res = ctx.buf(n.inputs[2]) if has_res else _dummy(ctx)
+    stats = ctx.buf(n.inputs[-1])
     axis = n.attrs["axis"]
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
     if length == 0:
@@ -157,18 +157,18 @@ def _lower_norm_param_bwd(exe, n):
     else:           # ~8 blocks an SM, each chunk at least 16 rows a lane
         chunks = max(1, min(-(-sm_count() * 8 // tiles), -(-rows_ // (lanes * 16))))
     name = step_name(n)
-    args = (exe.buf(dy), exe.buf(x), res, stats, np.int64(outer), np.int64(length),
+    args = (ctx.buf(dy), ctx.buf(x), res, stats, np.int64(outer), np.int64(length),
             np.int64(inner))
     k = rows.norm_param_bwd(n.shape[0] == 2, has_res, lanes)
     info = {"bytes": 4 * x.size * (2 + has_res)}
     if chunks == 1:
-        return [Step(name, "norm_param_bwd", k, (tiles, 1), (32 * lanes,), (exe.buf(n),) + args,
+        return [Step(name, "norm_param_bwd", k, (tiles, 1), (32 * lanes,), (ctx.buf(n),) + args,
                      info)]
-    part = exe.device_array(np.zeros(chunks * size, np.float32))
+    part = ctx.device_array(np.zeros(chunks * size, np.float32))
     threads = 32 if SIMULATOR else 256
     return [Step(name, f"norm_param_bwd chunks={chunks}", k, (tiles, chunks), (32 * lanes,),
                  (part,) + args, info),
             Step(name, "norm_param_sum", rows.norm_param_sum(), (max(1, min(-(-size // threads),
                  2 if SIMULATOR else sm_count() * 4)),), (threads,),
-                 (exe.buf(n), part, np.int64(chunks), np.int64(size)),
+                 (ctx.buf(n), part, np.int64(chunks), np.int64(size)),
                  {"bytes": 4 * size * (chunks + 1)})]

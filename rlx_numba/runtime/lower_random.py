@@ -12,31 +12,31 @@ from .lower import Step, lowering, step_name
 _U = np.uint64
 
 
-def _seed(exe, n, pos):
+def _seed(ctx, n, pos):
     if n.attrs["seed"] is None:
-        return exe.buf(exe.graph.nodes[n.inputs[pos]])
-    return exe.device_array(np.array([n.attrs["seed"]], np.uint64).view(np.int64))
+        return ctx.buf(ctx.graph.nodes[n.inputs[pos]])
+    return ctx.device_array(np.array([n.attrs["seed"]], np.uint64).view(np.int64))
 
 
 @lowering("dropout")
-def _lower_dropout(exe, n):
+def _lower_dropout(ctx, n):
     if n.size == 0:
         return []
-    x = exe.graph.nodes[n.inputs[0]]
+    x = ctx.graph.nodes[n.inputs[0]]
     p = n.attrs["p"]
     grid, block = grid_1d(-(-n.size // 4))
-    args = (exe.buf(n), exe.buf(x), _seed(exe, n, 1), _U(n.attrs["stream"]), _U(n.size),
+    args = (ctx.buf(n), ctx.buf(x), _seed(ctx, n, 1), _U(n.attrs["stream"]), _U(n.size),
             np.float32(p), np.float32(1.0 / (1.0 - p)) if p < 1 else np.float32(0.0))
     return [Step(step_name(n), f"dropout p={p}", K.dropout_kernel, (grid,), (block,), args,
                  {"bytes": 2 * n.nbytes})]
 
 
 @lowering("random")
-def _lower_random(exe, n):
+def _lower_random(ctx, n):
     if n.size == 0:
         return []
     dist = K.UNIFORM if n.attrs["dist"] == "uniform" else K.NORMAL
     grid, block = grid_1d(-(-n.size // 4))
-    args = (exe.buf(n), _seed(exe, n, 0), _U(n.attrs["stream"]), _U(n.size), _U(dist))
+    args = (ctx.buf(n), _seed(ctx, n, 0), _U(n.attrs["stream"]), _U(n.size), _U(dist))
     return [Step(step_name(n), f"random {n.attrs['dist']}", K.random_kernel, (grid,), (block,),
                  args, {"bytes": n.nbytes})]

@@ -9,7 +9,7 @@ accumulator type (f32 or i64), which only the last pass converts to the output d
 mean divides by the full count). A pass whose output cannot fill the GPU splits its reduced
 extent across blocks into partials, combined by a second, small pass of the same kind.
 
-Temporaries are small device arrays owned by the executable (``exe.device_array``).
+Temporaries are small device arrays owned by the executable (``ctx.device_array``).
 """
 from __future__ import annotations
 
@@ -59,25 +59,25 @@ def _collapse(shape, axes):
     return dims
 
 
-def _fill_step(exe, name, out, size, value, d: dt.DType):
-    src = exe.device_array(np.array([value], dtype=d.host).view(d.storage))
+def _fill_step(ctx, name, out, size, value, d: dt.DType):
+    src = ctx.device_array(np.array([value], dtype=d.host).view(d.storage))
     blocks, threads = grid_1d(size)
     return Step(name, f"fill {value}", K.fill, (blocks,), (threads,), (out, src, _U(size)),
                 {"bytes": size * d.itemsize})
 
 
-def _cast_step(exe, name, n, x):
+def _cast_step(ctx, name, n, x):
     """Nothing to reduce: out = x converted to the output dtype."""
-    return elementwise_step(name, ("cast", None, n.dtype, ("in", 0, x.dtype)), exe.buf(n),
-                            (n.size,), [exe.buf(x)], [(n.size,)], [x.dtype])
+    return elementwise_step(name, ("cast", None, n.dtype, ("in", 0, x.dtype)), ctx.buf(n),
+                            (n.size,), [ctx.buf(x)], [(n.size,)], [x.dtype])
 
 
-def _tmp(exe, size, acc):
-    return exe.device_array(np.empty(max(size, 1), _ACC_NP[acc]))
+def _tmp(ctx, size, acc):
+    return ctx.device_array(np.empty(max(size, 1), _ACC_NP[acc]))
 
 
 # ---- reduce ----------------------------------------------------------------------------------
-def _row_pass(exe, name, op, ld, st, acc, dst, src, rows, n, div, itemsize):
+def _row_pass(ctx, name, op, ld, st, acc, dst, src, rows, n, div, itemsize):
     """Reduce src [rows, n] over n into dst [rows] (two kernels when the rows are split)."""
     g, block, blocks, nseg, seg = row_geometry(rows, n)
     if nseg == 1:
@@ -85,7 +85,7 @@ def _row_pass(exe, name, op, ld, st, acc, dst, src, rows, n, div, itemsize):
         return [Step(name, f"reduce_rows g={g} [{rows}, {n}]", k, (blocks,), (block,),
                      (dst, src, _U(rows), _U(n), _U(n), _U(1), div),
                      {"bytes": rows * n * itemsize})]
-    part = _tmp(exe, rows * nseg, acc)
+    part = _tmp(ctx, rows * nseg, acc)
     k = K.row_reduce(op, ld, "same", acc, g, block)
     steps = [Step(name + " partials", f"reduce_rows g={g} [{rows}, {n}] in {nseg} segments", k,
                   (blocks,), (block,), (part, src, _U(rows * nseg), _U(n), _U(seg), _U(nseg), div),
@@ -98,7 +98,7 @@ def _row_pass(exe, name, op, ld, st, acc, dst, src, rows, n, div, itemsize):
     return steps
 
 
-def _col_pass(exe, name, op, ld, st, acc, dst, src, outer, r, inner, div, itemsize):
+def _col_pass(ctx, name, op, ld, st, acc, dst, src, outer, r, inner, div, itemsize):
     """Reduce src [outer, r, inner] over r into dst [outer, inner]."""
     bx, by, nbx, bxs, nsplit, rchunk = col_geometry(outer, r, inner)
     nbytes = outer * r * inner * itemsize
@@ -107,7 +107,7 @@ def _col_pass(exe, name, op, ld, st, acc, dst, src, outer, r, inner, div, itemsi
         return [Step(name, f"reduce_cols {bx}x{by} [{outer}, {r}, {inner}]", k, (bxs, 1),
                      (bx * by,), (dst, src, _U(nbx), _U(nbx * outer), _U(r), _U(inner), _U(r),
                                   _U(1), div), {"bytes": nbytes})]
-    part = _tmp(exe, outer * nsplit * inner, acc)
+    part = _tmp(ctx, outer * nsplit * inner, acc)
     k = K.col_reduce(op, ld, "same", acc, bx, by)
     steps = [Step(name + " partials", f"reduce_cols {bx}x{by} [{outer}, {r}, {inner}] in "
                   f"{nsplit} chunks", k, (bxs, nsplit), (bx * by,),
@@ -126,21 +126,21 @@ _EMPTY = {"sum": 0, "prod": 1, "mean": math.nan}
 
 
 @lowering("reduce")
-def _lower_reduce(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_reduce(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     kind, axes = n.attrs["kind"], n.attrs["axes"]
     name = step_name(n)
     if n.size == 0:
         return []
     count = math.prod(x.shape[a] for a in axes)
     if count == 0:                  # max/min were refused when the graph was built
-        return [_fill_step(exe, name, exe.buf(n), n.size, _EMPTY[kind], n.dtype)]
+        return [_fill_step(ctx, name, ctx.buf(n), n.size, _EMPTY[kind], n.dtype)]
     dims = _collapse(x.shape, axes)
     if not any(red for _, red in dims):
-        return [_cast_step(exe, name, n, x)]
+        return [_cast_step(ctx, name, n, x)]
     op, acc = K.OPS[kind], _acc(x.dtype)
     div = np.float32(count)
-    src, ld, itemsize = exe.buf(x), _ld(x.dtype), x.dtype.itemsize
+    src, ld, itemsize = ctx.buf(x), _ld(x.dtype), x.dtype.itemsize
     steps = []
     while True:
         k = max(i for i, (_, red) in enumerate(dims) if red)
@@ -149,14 +149,14 @@ def _lower_reduce(exe, n):
         r = dims[k][0]
         inner = math.prod(s for s, _ in dims[k + 1:])
         if final:
-            dst, st = exe.buf(n), _store(n.dtype, kind == "mean")
+            dst, st = ctx.buf(n), _store(n.dtype, kind == "mean")
         else:
-            dst, st = _tmp(exe, outer * inner, acc), "same"
+            dst, st = _tmp(ctx, outer * inner, acc), "same"
         pname = name if final else f"{name} pass {len(steps) + 1}"
         if inner == 1:
-            steps += _row_pass(exe, pname, op, ld, st, acc, dst, src, outer, r, div, itemsize)
+            steps += _row_pass(ctx, pname, op, ld, st, acc, dst, src, outer, r, div, itemsize)
         else:
-            steps += _col_pass(exe, pname, op, ld, st, acc, dst, src, outer, r, inner, div,
+            steps += _col_pass(ctx, pname, op, ld, st, acc, dst, src, outer, r, inner, div,
                                itemsize)
         if final:
             return steps
@@ -168,30 +168,30 @@ def _lower_reduce(exe, n):
 
 # ---- argmax / argmin -------------------------------------------------------------------------
 @lowering("argmax", "argmin")
-def _lower_argreduce(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_argreduce(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     axes = n.attrs["axes"]
     name = step_name(n)
     if n.size == 0:
         return []
     r = math.prod(x.shape[a] for a in axes)
     if r == 1:
-        return [_fill_step(exe, name, exe.buf(n), n.size, 0, n.dtype)]
+        return [_fill_step(ctx, name, ctx.buf(n), n.size, 0, n.dtype)]
     outer = math.prod(x.shape[:axes[0]])
     inner = math.prod(x.shape[axes[-1] + 1:])
     op, acc, ld = K.OPS[n.op], _acc(x.dtype), _ld(x.dtype)
     nbytes = x.size * x.dtype.itemsize + n.size * 8
     if inner == 1:
-        out, xb = exe.buf(n), exe.buf(x)
+        out, xb = ctx.buf(n), ctx.buf(x)
         g, block, blocks, nseg, seg = row_geometry(outer, r)
         if nseg == 1:
             k = K.arg_rows(op, ld, acc, g, block, K.WHOLE)
             return [Step(name, f"{n.op}_rows g={g} [{outer}, {r}]", k, (blocks,), (block,),
-                         (out, _tmp(exe, 1, acc), xb, out, _U(outer), _U(r), _U(r), _U(1)),
+                         (out, _tmp(ctx, 1, acc), xb, out, _U(outer), _U(r), _U(r), _U(1)),
                          {"bytes": nbytes})]
         # long rows, too few to fill the GPU: the best (value, index) of each segment, then
         # the best of those
-        pv, pi = _tmp(exe, outer * nseg, acc), _tmp(exe, outer * nseg, "i64")
+        pv, pi = _tmp(ctx, outer * nseg, acc), _tmp(ctx, outer * nseg, "i64")
         k = K.arg_rows(op, ld, acc, g, block, K.PARTIAL)
         g2, block2, blocks2, _, _ = row_geometry(outer, nseg, split=False)
         k2 = K.arg_rows(op, _ACC_LD[acc], acc, g2, block2, K.COMBINE)
@@ -205,7 +205,7 @@ def _lower_argreduce(exe, n):
     bx, by, nbx, bxs, _, _ = col_geometry(outer, r, inner, split=False)
     k = K.arg_cols(op, ld, acc, bx, by)
     return [Step(name, f"{n.op}_cols {bx}x{by} [{outer}, {r}, {inner}]", k, (bxs,), (bx * by,),
-                 (exe.buf(n), exe.buf(x), _U(nbx), _U(nbx * outer), _U(r), _U(inner)),
+                 (ctx.buf(n), ctx.buf(x), _U(nbx), _U(nbx * outer), _U(r), _U(inner)),
                  {"bytes": nbytes})]
 
 
@@ -227,16 +227,16 @@ def scan_geometry(rows: int, n: int):
 
 
 @lowering("cumsum")
-def _lower_cumsum(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_cumsum(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     axis, excl = n.attrs["axis"], n.attrs["exclusive"]
     name = step_name(n)
     if n.size == 0:
         return []
     r = x.shape[axis]
     if r == 1:
-        return [_fill_step(exe, name, exe.buf(n), n.size, 0, n.dtype) if excl
-                else _cast_step(exe, name, n, x)]
+        return [_fill_step(ctx, name, ctx.buf(n), n.size, 0, n.dtype) if excl
+                else _cast_step(ctx, name, n, x)]
     outer, inner = math.prod(x.shape[:axis]), math.prod(x.shape[axis + 1:])
     acc, ld, st = _acc(x.dtype), _ld(x.dtype), _store(n.dtype)
     nbytes = x.size * x.dtype.itemsize + n.size * n.dtype.itemsize
@@ -244,9 +244,9 @@ def _lower_cumsum(exe, n):
         g, block, blocks = scan_geometry(outer, r)
         k = K.scan_rows(ld, st, acc, g, block, SCAN_K, excl)
         return [Step(name, f"cumsum_rows g={g} [{outer}, {r}]", k, (blocks,), (block,),
-                     (exe.buf(n), exe.buf(x), _U(outer), _U(r)), {"bytes": nbytes})]
+                     (ctx.buf(n), ctx.buf(x), _U(outer), _U(r)), {"bytes": nbytes})]
     blocks, threads = grid_1d(outer * inner)
     k = K.scan_cols(ld, st, acc, excl)
     return [Step(name, f"cumsum_cols [{outer}, {r}, {inner}]", k, (blocks,), (threads,),
-                 (exe.buf(n), exe.buf(x), _U(outer * inner), _U(r), _U(inner)),
+                 (ctx.buf(n), ctx.buf(x), _U(outer * inner), _U(r), _U(inner)),
                  {"bytes": nbytes})]

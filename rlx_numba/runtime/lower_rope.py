@@ -4,7 +4,7 @@ rope_kv_write's node is q; its caches come back as ``kv_written`` nodes (in-plac
 caches, its further results: OpDef written_by) that its kernel fills and that lower to nothing.
 
 kv_write is an in-place op (its OpDef's memory kind INPLACE): the executable gives its result the memory of its
-input 0 (the cache), so the kernel here only writes the new rows into ``exe.buf(n)``.
+input 0 (the cache), so the kernel here only writes the new rows into ``ctx.buf(n)``.
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ U = np.uint64
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _dummy(exe):
+def _dummy(ctx):
     """A one-element i64 array for the kernels' unused position argument."""
-    return exe.shared("rope_dummy", lambda: np.zeros(1, np.int64))
+    return ctx.shared("rope_dummy", lambda: np.zeros(1, np.int64))
 
 
 def _geometry(ncols, nrows, per_thread=1):
@@ -35,8 +35,8 @@ def _geometry(ncols, nrows, per_thread=1):
 
 
 @lowering("rope")
-def _lower_rope(exe, n):
-    g = exe.graph
+def _lower_rope(ctx, n):
+    g = ctx.graph
     x, cos, sin = (g.nodes[i] for i in n.inputs[:3])
     if len(x.shape) == 4:
         b, h, s, d = x.shape
@@ -45,14 +45,14 @@ def _lower_rope(exe, n):
     n_rot = n.attrs["n_rot"]
     half = n_rot // 2
     max_pos = cos.shape[0]
-    pos = _dummy(exe)
+    pos = _dummy(ctx)
     use_pos, pos_bstride = False, 0
     if len(n.inputs) > 3:
         pnode = g.nodes[n.inputs[3]]
-        exe.add_index_check(pnode, 0, max_pos - 1,
+        ctx.add_index_check(pnode, 0, max_pos - 1,
                             f"rope %{n.id} (x {fmt(x.shape)}, positions of cos/sin "
                             f"{fmt(cos.shape)})")
-        pos, use_pos = exe.buf(pnode), True
+        pos, use_pos = ctx.buf(pnode), True
         pos_bstride = s if len(pnode.shape) == 2 else 0
     if n.size == 0:
         return []
@@ -61,7 +61,7 @@ def _lower_rope(exe, n):
     nrows = b * ngroups * s
     mul, gap = (2, 1) if n.attrs["interleaved"] else (1, half)
     grid, block = _geometry(ncols, nrows)
-    args = (exe.buf(n), exe.buf(x), exe.buf(cos), exe.buf(sin), pos, U(nrows), U(s), U(h),
+    args = (ctx.buf(n), ctx.buf(x), ctx.buf(cos), ctx.buf(sin), pos, U(nrows), U(s), U(h),
             U(ngroups), U(d), U(half), U(ncols), U(mul), U(gap), U(n.attrs["position_offset"]),
             U(pos_bstride), use_pos, np.int64(max_pos))
     layout = "gptj" if n.attrs["interleaved"] else "neox"
@@ -70,31 +70,31 @@ def _lower_rope(exe, n):
 
 
 @lowering("kv_write")
-def _lower_kv_write(exe, n):
-    g = exe.graph
+def _lower_kv_write(ctx, n):
+    g = ctx.graph
     cache, new = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
     b, h, max_s, d = cache.shape
     s = new.shape[2]
-    pos, use_pos, position = _dummy(exe), False, n.attrs["position"]
+    pos, use_pos, position = _dummy(ctx), False, n.attrs["position"]
     if len(n.inputs) > 2:
         pnode = g.nodes[n.inputs[2]]
-        exe.add_index_check(pnode, 0, max_s - s,
+        ctx.add_index_check(pnode, 0, max_s - s,
                             f"kv_write %{n.id} (cache {fmt(cache.shape)}, new {fmt(new.shape)})")
-        pos, use_pos, position = exe.buf(pnode), True, 0
+        pos, use_pos, position = ctx.buf(pnode), True, 0
     if new.size == 0:
         return []
     nrows = b * h * s
     width = _UINT[new.dtype.itemsize]
     grid, block = _geometry(d, nrows, SPAN)
-    args = (exe.buf(n).view(width), exe.buf(new).view(width), pos, np.int64(position), use_pos,
+    args = (ctx.buf(n).view(width), ctx.buf(new).view(width), pos, np.int64(position), use_pos,
             U(nrows), U(s), U(max_s), U(d))
     return [Step(step_name(n), f"kv_write {nrows}x{d} into {max_s} rows", k.kv_write, grid, block,
                  args, {"bytes": 2 * new.nbytes})]
 
 
 @lowering("rope_kv_write")
-def _lower_rope_kv_write(exe, n):
-    g = exe.graph
+def _lower_rope_kv_write(ctx, n):
+    g = ctx.graph
     a = n.attrs
     qkv, cos, sin, kc, vc = (g.nodes[i] for i in n.inputs[:5])
     rest = [g.nodes[i] for i in n.inputs[5:]]
@@ -102,20 +102,20 @@ def _lower_rope_kv_write(exe, n):
     s, hq, half = qkv.shape[1], a["num_heads"], a["n_rot"] // 2
     max_pos = cos.shape[0]
     what = f"rope_kv_write %{n.id} (qkv {fmt(qkv.shape)}, caches {fmt(kc.shape)}"
-    cpos, use_cpos, position = _dummy(exe), False, a["cache_position"]
+    cpos, use_cpos, position = _dummy(ctx), False, a["cache_position"]
     if position is None:
         pnode = rest.pop(0)
         # without positions it is also the rope position of the first token: within cos/sin
         hi = max_s - s if a["has_positions"] else min(max_s, max_pos) - s
-        exe.add_index_check(pnode, 0, hi, what + (")" if a["has_positions"] else
+        ctx.add_index_check(pnode, 0, hi, what + (")" if a["has_positions"] else
                                                   f", cos/sin {fmt(cos.shape)})"))
-        cpos, use_cpos, position = exe.buf(pnode), True, 0
-    pos, use_pos, pos_bstride = _dummy(exe), False, 0
+        cpos, use_cpos, position = ctx.buf(pnode), True, 0
+    pos, use_pos, pos_bstride = _dummy(ctx), False, 0
     if a["has_positions"]:
         pnode = rest.pop(0)
-        exe.add_index_check(pnode, 0, max_pos - 1, what + f", positions of cos/sin "
+        ctx.add_index_check(pnode, 0, max_pos - 1, what + f", positions of cos/sin "
                             f"{fmt(cos.shape)})")
-        pos, use_pos, pos_bstride = exe.buf(pnode), True, (s if len(pnode.shape) == 2 else 0)
+        pos, use_pos, pos_bstride = ctx.buf(pnode), True, (s if len(pnode.shape) == 2 else 0)
     if qkv.size == 0:
         return []
     nh = hq + 2 * hkv
@@ -124,7 +124,7 @@ def _lower_rope_kv_write(exe, n):
     mul, gap = (2, 1) if a["interleaved"] else (1, half)
     grid, block = _geometry(d, nrows)
     # the kv_written results alias the caches: their buffers are the caches' own
-    args = (exe.buf(n), exe.buf(kc), exe.buf(vc), exe.buf(qkv), exe.buf(cos), exe.buf(sin), cpos,
+    args = (ctx.buf(n), ctx.buf(kc), ctx.buf(vc), ctx.buf(qkv), ctx.buf(cos), ctx.buf(sin), cpos,
             np.int64(position), use_cpos, pos, U(pos_bstride), use_pos, U(nrows), U(s), U(hq),
             U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
     layout = "gptj" if a["interleaved"] else "neox"
@@ -134,5 +134,5 @@ def _lower_rope_kv_write(exe, n):
 
 
 @lowering("kv_written")
-def _lower_kv_written(exe, n):
+def _lower_kv_written(ctx, n):
     return []       # filled by its rope_kv_write's kernel (input 1)

@@ -83,16 +83,16 @@ def topk_plan(rows: int, n: int, k: int) -> dict:
     return plan
 
 
-def _topk_steps(exe, name, out, x_buf, ld, rows, n, k, plan, out_kind, nan_low, nbytes,
+def _topk_steps(ctx, name, out, x_buf, ld, rows, n, k, plan, out_kind, nan_low, nbytes,
                 itemsize):
     """Steps writing out [rows, k]: indices sorted by key (IDX_OUT) or keys by index."""
     kp, smem = plan["kp"], plan["smem"]
-    scratch = exe.device_array(np.zeros(1 if smem else rows * kp, np.uint64))
+    scratch = ctx.device_array(np.zeros(1 if smem else rows * kp, np.uint64))
     steps = []
     src, mm = x_buf, n
     if plan["mode"] == "two":
         nseg, seg, b1 = plan["nseg"], plan["seg"], plan["block1"]
-        cand = exe.device_array(np.zeros(rows * nseg * k, np.uint64))
+        cand = ctx.device_array(np.zeros(rows * nseg * k, np.uint64))
         k1 = K.topk_segments(ld, b1, nan_low, plan["seg_max"])
         steps.append(Step(name + " candidates", f"topk_segments {rows}x{nseg} segments of {seg}",
                           k1, (_blocks(rows * nseg, b1),), (b1,),
@@ -111,8 +111,8 @@ def _topk_steps(exe, name, out, x_buf, ld, rows, n, k, plan, out_kind, nan_low, 
 
 
 @lowering("topk")
-def _lower_topk(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_topk(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     if n.size == 0:
         return []
     k = n.attrs["k"]
@@ -124,28 +124,28 @@ def _lower_topk(exe, n):
     if plan["mode"] == "small":
         blocks, threads = grid_1d(rows)
         return [Step(name, f"topk_small [{rows}, {cols}] k={k}", K.topk_small(x.dtype.name),
-                     (blocks,), (threads,), (exe.buf(n), exe.buf(x), _U(rows), _U(cols), _U(k)),
+                     (blocks,), (threads,), (ctx.buf(n), ctx.buf(x), _U(rows), _U(cols), _U(k)),
                      {"bytes": nbytes + n.size * 8})]
-    return _topk_steps(exe, name, exe.buf(n), exe.buf(x), x.dtype.name, rows, cols, k, plan,
+    return _topk_steps(ctx, name, ctx.buf(n), ctx.buf(x), x.dtype.name, rows, cols, k, plan,
                        K.IDX_OUT, False, nbytes, x.dtype.itemsize)
 
 
 @lowering("topk_values")
-def _lower_topk_values(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
-    idx = exe.graph.nodes[n.inputs[1]]
+def _lower_topk_values(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
+    idx = ctx.graph.nodes[n.inputs[1]]
     if n.size == 0:
         return []
     k, cols = n.shape[-1], x.shape[-1]
     blocks, threads = grid_1d(n.size)
     return [Step(step_name(n), f"gather_rows k={k}", K.gather_rows, (blocks,), (threads,),
-                 (exe.buf(n), exe.buf(x), exe.buf(idx), _U(n.size), _U(cols), _U(k)),
+                 (ctx.buf(n), ctx.buf(x), ctx.buf(idx), _U(n.size), _U(cols), _U(k)),
                  {"bytes": n.size * (8 + 2 * x.dtype.itemsize)})]
 
 
 @lowering("sample")
-def _lower_sample(exe, n):
-    g = exe.graph
+def _lower_sample(ctx, n):
+    g = ctx.graph
     x = g.nodes[n.inputs[0]]
     if n.size == 0:
         return []
@@ -154,9 +154,9 @@ def _lower_sample(exe, n):
     name = step_name(n)
     a = n.attrs
     if len(n.inputs) > 1:
-        seed = exe.buf(g.nodes[n.inputs[1]])
+        seed = ctx.buf(g.nodes[n.inputs[1]])
     else:
-        seed = exe.device_array(np.array([a["seed"]], np.uint64).view(np.int64))
+        seed = ctx.device_array(np.array([a["seed"]], np.uint64).view(np.int64))
     inv_t = np.float32(1.0 / a["temperature"])
     has_p = a["top_p"] < 1.0
     p = _U(K.top_p_fixed(a["top_p"]) if has_p else 0)
@@ -169,18 +169,18 @@ def _lower_sample(exe, n):
         blocks, threads = grid_1d(rows)
         return [Step(name, f"sample_small [{rows}, {cols}] {what}", K.sample_small(ld),
                      (blocks,), (threads,),
-                     (exe.buf(n), exe.buf(x), seed, _U(rows), _U(cols), _U(top_k), has_p, p,
+                     (ctx.buf(n), ctx.buf(x), seed, _U(rows), _U(cols), _U(top_k), has_p, p,
                       inv_t, scale), {"bytes": nbytes})]
     steps = []
     if top_k == 0 and not has_p:
         nseg, seg = _segments(rows, cols, 1)
         if nseg >= 2:
-            return _sample_segments(exe, name, n, x, seed, rows, cols, nseg, seg, inv_t, what)
-    src, mm = exe.buf(x), cols
+            return _sample_segments(ctx, name, n, x, seed, rows, cols, nseg, seg, inv_t, what)
+    src, mm = ctx.buf(x), cols
     if top_k > 0:
-        keys = exe.device_array(np.zeros(rows * top_k, np.uint64))
+        keys = ctx.device_array(np.zeros(rows * top_k, np.uint64))
         plan = topk_plan(rows, cols, top_k)
-        steps += _topk_steps(exe, name + " top_k", keys, exe.buf(x), ld, rows, cols, top_k, plan,
+        steps += _topk_steps(ctx, name + " top_k", keys, ctx.buf(x), ld, rows, cols, top_k, plan,
                              K.KEYS_BY_INDEX, True, nbytes, x.dtype.itemsize)
         src, mm, ld = keys, top_k, "keys"
     block = _block_for(mm)
@@ -188,21 +188,21 @@ def _lower_sample(exe, n):
     kern = K.sample_rows(ld, block, has_p)
     steps.append(Step(name, f"sample_rows [{rows}, {mm}] {what}", kern,
                       (_blocks(rows, block),), (block,),
-                      (exe.buf(n), src, seed, _U(rows), _U(mm), p, inv_t, scale),
+                      (ctx.buf(n), src, seed, _U(rows), _U(mm), p, inv_t, scale),
                       {"bytes": rows * mm * (8 if ld == "keys" else x.dtype.itemsize)}))
     return steps
 
 
-def _sample_segments(exe, name, n, x, seed, rows, cols, nseg, seg, inv_t, what):
+def _sample_segments(ctx, name, n, x, seed, rows, cols, nseg, seg, inv_t, what):
     """No top_k/top_p, rows long enough to split: segment maxima, segment masses (grid-wide),
     then a block per row finds the segment and the token."""
     block = default_geometry("sample").seg_block
     nq = rows * nseg
-    segmax = exe.device_array(np.zeros(nq, np.int64))
-    segmass = exe.device_array(np.zeros(nq, np.int64))
+    segmax = ctx.device_array(np.zeros(nq, np.int64))
+    segmass = ctx.device_array(np.zeros(nq, np.int64))
     scale = np.float32(2.0 ** K.frac_bits(cols))
     ld = x.dtype.name
-    xb = exe.buf(x)
+    xb = ctx.buf(x)
     nbytes = x.size * x.dtype.itemsize
     grid = (_blocks(nq, block),)
     geo = f"{rows}x{nseg} segments of {seg}"
@@ -213,5 +213,5 @@ def _sample_segments(exe, name, n, x, seed, rows, cols, nseg, seg, inv_t, what):
                             scale), {"bytes": nbytes}),
             Step(name, f"sample_pick [{rows}, {cols}] {what}", K.sample_pick(ld, block),
                  (_blocks(rows, block),), (block,),
-                 (exe.buf(n), xb, segmax, segmass, seed, _U(rows), _U(cols), _U(nseg), _U(seg),
+                 (ctx.buf(n), xb, segmax, segmass, seed, _U(rows), _U(cols), _U(nseg), _U(seg),
                   inv_t, scale), {"bytes": rows * seg * x.dtype.itemsize + nq * 16})]

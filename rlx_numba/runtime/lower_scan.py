@@ -16,19 +16,19 @@ from .lower import Step, lowering, step_name
 _U = np.uint64
 
 
-def _dims(exe, n):
+def _dims(ctx, n):
     """(batch, dim, length, N, chunks, B * D * L) of a scan node or its gradient."""
-    u, _, a = (exe.graph.nodes[i] for i in n.inputs[:3])
+    u, _, a = (ctx.graph.nodes[i] for i in n.inputs[:3])
     bt, dm, length = u.shape
     return bt, dm, length, a.shape[1], max(1, -(-length // K.CHUNK)), bt * dm * length
 
 
-def _chunk_steps(exe, n, last):
+def _chunk_steps(ctx, n, last):
     """Steps 1-2 of the forward into a fresh scratch: (steps, states)."""
-    bt, dm, length, ns, nc, _ = _dims(exe, n)
-    u, delta, a, b, c = (exe.buf(i) for i in n.inputs[:5])
-    states = exe.device_array(np.zeros(bt * dm * nc * ns, np.float32))
-    dsum = exe.device_array(np.zeros(bt * dm * nc, np.float32))
+    bt, dm, length, ns, nc, _ = _dims(ctx, n)
+    u, delta, a, b, c = (ctx.buf(i) for i in n.inputs[:5])
+    states = ctx.device_array(np.zeros(bt * dm * nc * ns, np.float32))
+    dsum = ctx.device_array(np.zeros(bt * dm * nc, np.float32))
     sizes = (_U(bt), _U(dm), _U(length), _U(nc))
     name, what = step_name(n), f"{bt}x{dm}x{length} N={ns}, {nc} chunks of {K.CHUNK}"
     g1 = grid_1d(bt * dm * nc, 128)
@@ -40,13 +40,13 @@ def _chunk_steps(exe, n, last):
 
 
 @lowering("selective_scan")
-def _lower_scan(exe, n):
-    bt, dm, length, ns, nc, ny = _dims(exe, n)
+def _lower_scan(ctx, n):
+    bt, dm, length, ns, nc, ny = _dims(ctx, n)
     if ny == 0:
         return []
-    out = exe.buf(n)
-    steps, states, dsum = _chunk_steps(exe, n, out[ny:])
-    u, delta, a, b, c = (exe.buf(i) for i in n.inputs)
+    out = ctx.buf(n)
+    steps, states, dsum = _chunk_steps(ctx, n, out[ny:])
+    u, delta, a, b, c = (ctx.buf(i) for i in n.inputs)
     g1 = grid_1d(bt * dm * nc, 128)
     steps.append(Step(step_name(n), f"selective scan {bt}x{dm}x{length} N={ns}",
                       K.scan_kernel(ns, K.FINAL), (g1[0],), (g1[1],),
@@ -56,21 +56,21 @@ def _lower_scan(exe, n):
 
 
 @lowering("selective_scan_grad")
-def _lower_scan_grad(exe, n):
-    bt, dm, length, ns, nc, ny = _dims(exe, n)
+def _lower_scan_grad(ctx, n):
+    bt, dm, length, ns, nc, ny = _dims(ctx, n)
     if ny == 0:
         return []
-    out = exe.buf(n)
-    last = exe.device_array(np.zeros(bt * dm * ns, np.float32))
-    steps, states, _ = _chunk_steps(exe, n, last)
+    out = ctx.buf(n)
+    last = ctx.device_array(np.zeros(bt * dm * ns, np.float32))
+    steps, states, _ = _chunk_steps(ctx, n, last)
     sizes = [dm * ns, bt * ns * length, bt * ns * length, ny, ny]
     at = np.cumsum([0] + sizes)
     parts = [out[at[i]:at[i + 1]] for i in range(5)]
-    zero = exe.device_array(np.zeros(1, np.float32))
+    zero = ctx.device_array(np.zeros(1, np.float32))
     blocks, threads = grid_1d(int(at[3]))
     steps.append(Step(step_name(n), f"fill 0 dA dB dC {fmt(n.shape)}", RK.fill, (blocks,),
                       (threads,), (out, zero, _U(at[3])), {}))
-    u, delta, a, b, c, dflat = (exe.buf(i) for i in n.inputs)
+    u, delta, a, b, c, dflat = (ctx.buf(i) for i in n.inputs)
     g2 = grid_1d(bt * dm, 128)
     steps.append(Step(step_name(n), f"selective scan grad {bt}x{dm}x{length} N={ns}",
                       K.scan_grad_kernel(ns), (g2[0],), (g2[1],),

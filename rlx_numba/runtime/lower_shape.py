@@ -26,18 +26,18 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 U = np.uint64
 
 
-def _raw(exe, node):
+def _raw(ctx, node):
     """The node's flat storage as unsigned ints of its width (copies ignore values)."""
-    return exe.buf(node).view(_UINT[node.dtype.itemsize])
+    return ctx.buf(node).view(_UINT[node.dtype.itemsize])
 
 
-def _copy_step(name, exe, node, src_node):
+def _copy_step(name, ctx, node, src_node):
     """out = src broadcast to out's shape (NumPy rules), bit for bit: a generated element-wise
     kernel over the raw unsigned views. The i32 "cast" expression is only the template of a
     plain ``out[i] = in0[j]`` (no conversion code for a same-dtype cast); numba types it by the
     arrays' actual widths, so bf16 NaNs and bool bytes pass through untouched."""
-    return elementwise_step(name, ("cast", None, dt.I32, ("in", 0, dt.I32)), _raw(exe, node),
-                            node.shape, [_raw(exe, src_node)], [src_node.shape], [dt.I32])
+    return elementwise_step(name, ("cast", None, dt.I32, ("in", 0, dt.I32)), _raw(ctx, node),
+                            node.shape, [_raw(ctx, src_node)], [src_node.shape], [dt.I32])
 
 
 def _strides(shape) -> list:
@@ -109,22 +109,22 @@ def collapse_transpose(shape, perm):
 
 
 @lowering("transpose")
-def _lower_transpose(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_transpose(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     name = step_name(n)
     if n.size == 0:
         return []
     shape, perm = collapse_transpose(x.shape, n.attrs["perm"])
     r = len(shape)
     if perm == list(range(r)):              # nothing moves: a flat copy
-        return [_copy_step(name, exe, n, x)]
+        return [_copy_step(name, ctx, n, x)]
     src_st = _strides(shape)
     out_shape = [shape[p] for p in perm]
     dst_st = _strides(out_shape)
     info = {"collapsed": (tuple(shape), tuple(perm))}
     if perm[-1] == r - 1:                   # the last axis stays: rows of it move whole
         ncols = shape[-1]
-        return copy_rows_steps(name, _raw(exe, n), _raw(exe, x), ncols, ncols, 0, out_shape[:-1],
+        return copy_rows_steps(name, _raw(ctx, n), _raw(ctx, x), ncols, ncols, 0, out_shape[:-1],
                                [src_st[p] for p in perm[:-1]], info)
     na = shape[r - 1]                       # along src's contiguous axis
     pb = perm[r - 1]                        # src axis that becomes dst's contiguous axis
@@ -140,7 +140,7 @@ def _lower_transpose(exe, n):
     parts = split_dims(bdims, bsrc, bdst)
     steps = []
     for (sb, db), nbatch, (d1, d2), ss, ts in parts:
-        args = (_raw(exe, n), _raw(exe, x), U(na), U(nb), U(src_st[pb]), U(dst_sa), U(tiles_a),
+        args = (_raw(ctx, n), _raw(ctx, x), U(na), U(nb), U(src_st[pb]), U(dst_sa), U(tiles_a),
                 U(tiles_b), U(nbatch), U(d1), U(d2), *(U(v) for v in ss), *(U(v) for v in ts),
                 U(sb), U(db))
         steps.append(Step(name if len(parts) == 1 else f"{name} @{db}",
@@ -162,35 +162,35 @@ def transpose_matrix(dst, src, rows: int, cols: int, stream) -> None:
 
 # ---- narrow, concat, expand -----------------------------------------------------------------
 @lowering("narrow")
-def _lower_narrow(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_narrow(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     axis, start, length = n.attrs["axis"], n.attrs["start"], n.attrs["length"]
     outer = math.prod(x.shape[:axis])
     inner = math.prod(x.shape[axis + 1:])
     dim = x.shape[axis]
-    return copy_rows_steps(step_name(n), _raw(exe, n), _raw(exe, x), length * inner,
+    return copy_rows_steps(step_name(n), _raw(ctx, n), _raw(ctx, x), length * inner,
                            length * inner, start * inner, [outer], [dim * inner])
 
 
 @lowering("concat")
-def _lower_concat(exe, n):
+def _lower_concat(ctx, n):
     axis = n.attrs["axis"]
     outer = math.prod(n.shape[:axis])
     inner = math.prod(n.shape[axis + 1:])
     total = n.shape[axis] * inner
     steps, col = [], 0
     for j, i in enumerate(n.inputs):
-        x = exe.graph.nodes[i]
+        x = ctx.graph.nodes[i]
         w = x.shape[axis] * inner
-        steps += copy_rows_steps(f"{step_name(n)} [{j}]", _raw(exe, n)[col:], _raw(exe, x), w,
+        steps += copy_rows_steps(f"{step_name(n)} [{j}]", _raw(ctx, n)[col:], _raw(ctx, x), w,
                                  total, 0, [outer], [w])
         col += w
     return steps
 
 
 @lowering("expand")
-def _lower_expand(exe, n):
-    return [_copy_step(step_name(n), exe, n, exe.graph.nodes[n.inputs[0]])]
+def _lower_expand(ctx, n):
+    return [_copy_step(step_name(n), ctx, n, ctx.graph.nodes[n.inputs[0]])]
 
 
 # ---- gather, scatter_add --------------------------------------------------------------------
@@ -205,37 +205,37 @@ def _index_geometry(nouter, nidx, inner):
     return grid_3d(gx, gy, gz), (tx, ty)
 
 
-def _check_indices(exe, n, idx, dim, axis, what):
-    exe.add_index_check(idx, -dim, dim - 1,
-                        f"{n.op} %{n.id} ({what} {fmt(exe.graph.nodes[n.inputs[0]].shape)}, "
+def _check_indices(ctx, n, idx, dim, axis, what):
+    ctx.add_index_check(idx, -dim, dim - 1,
+                        f"{n.op} %{n.id} ({what} {fmt(ctx.graph.nodes[n.inputs[0]].shape)}, "
                         f"axis {axis})")
 
 
 @lowering("gather")
-def _lower_gather(exe, n):
-    table, idx = (exe.graph.nodes[i] for i in n.inputs)
+def _lower_gather(ctx, n):
+    table, idx = (ctx.graph.nodes[i] for i in n.inputs)
     axis = n.attrs["axis"]
     dim = table.shape[axis]
-    _check_indices(exe, n, idx, dim, axis, "table")
+    _check_indices(ctx, n, idx, dim, axis, "table")
     if n.size == 0:
         return []
     nouter = math.prod(table.shape[:axis])
     inner = math.prod(table.shape[axis + 1:])
     grid, block = _index_geometry(nouter, idx.size, inner)
-    args = (_raw(exe, n), _raw(exe, table), exe.buf(idx), U(nouter), U(idx.size), U(inner), U(dim))
+    args = (_raw(ctx, n), _raw(ctx, table), ctx.buf(idx), U(nouter), U(idx.size), U(inner), U(dim))
     return [Step(step_name(n), f"gather {nouter}x{idx.size}x{inner} of {dim}", k.gather, grid, block,
                  args, {"bytes": 2 * n.nbytes + idx.nbytes})]
 
 
 @lowering("scatter_add")
-def _lower_scatter_add(exe, n):
-    target, idx, upd = (exe.graph.nodes[i] for i in n.inputs)
+def _lower_scatter_add(ctx, n):
+    target, idx, upd = (ctx.graph.nodes[i] for i in n.inputs)
     axis = n.attrs["axis"]
     dim = target.shape[axis]
-    _check_indices(exe, n, idx, dim, axis, "target")
+    _check_indices(ctx, n, idx, dim, axis, "target")
     if n.size == 0:
         return []
-    steps = [_copy_step(step_name(n) + " copy", exe, n, target)]
+    steps = [_copy_step(step_name(n) + " copy", ctx, n, target)]
     nouter = math.prod(target.shape[:axis])
     inner = math.prod(target.shape[axis + 1:])
     if upd.size and n.attrs.get("deterministic"):
@@ -245,13 +245,13 @@ def _lower_scatter_add(exe, n):
         # simulator's is 2 x 2 x 1)
         grid = grid_3d(gx, max(1, min(dim, 1024 // (gx * gz))), gz)
         rows_per = -(-dim // grid[1])
-        args = (exe.buf(n), exe.buf(upd), exe.buf(idx), U(nouter), U(idx.size), U(inner), U(dim),
+        args = (ctx.buf(n), ctx.buf(upd), ctx.buf(idx), U(nouter), U(idx.size), U(inner), U(dim),
                 U(rows_per))
         steps.append(Step(step_name(n), f"scatter_add ordered {nouter}x{idx.size}x{inner} into "
                           f"{dim}", k.scatter_add_ordered, grid, (tx, 1), args, {"bytes": 3 * upd.nbytes + idx.nbytes}))
     elif upd.size:
         grid, block = _index_geometry(nouter, idx.size, inner)
-        args = (exe.buf(n), exe.buf(upd), exe.buf(idx), U(nouter), U(idx.size), U(inner), U(dim))
+        args = (ctx.buf(n), ctx.buf(upd), ctx.buf(idx), U(nouter), U(idx.size), U(inner), U(dim))
         steps.append(Step(step_name(n), f"scatter_add {nouter}x{idx.size}x{inner} into {dim}",
                           k.scatter_add, grid, block, args,
                           {"bytes": 3 * upd.nbytes + idx.nbytes}))

@@ -13,14 +13,14 @@ _U = np.uint64
 
 
 @lowering("argsort")
-def _lower_argsort(exe, n):
+def _lower_argsort(ctx, n):
     if n.size == 0:
         return []
-    x = exe.graph.nodes[n.inputs[0]]
+    x = ctx.graph.nodes[n.inputs[0]]
     length = n.shape[-1]
     rows = n.size // length
-    keys = [exe.device_array(np.zeros(n.size, np.uint64)) for _ in range(2)]
-    bits = exe.buf(x).view(np.uint32)
+    keys = [ctx.device_array(np.zeros(n.size, np.uint64)) for _ in range(2)]
+    bits = ctx.buf(x).view(np.uint32)
     name = step_name(n)
     order = "descending" if n.attrs["descending"] else "ascending"
     blocks, threads = grid_1d(n.size)
@@ -44,6 +44,6 @@ def _lower_argsort(exe, n):
                           {"bytes": 16 * n.size}))
         cur, width = 1 - cur, width * 2
     steps.append(Step(name, f"sort indices {rows}x{length}", K.index_kernel, (blocks,),
-                      (threads,), (exe.buf(n), keys[cur], _U(n.size)),
+                      (threads,), (ctx.buf(n), keys[cur], _U(n.size)),
                       {"bytes": n.size * 16}))
     return steps

@@ -35,63 +35,63 @@ def _consts(a):
     return _3d(a, "kernel", 1), _3d(a, "stride", 1), _3d(a, "dilation", 1)
 
 
-def _geo(exe, a):
+def _geo(ctx, a):
     """kernel, cols spatial, image spatial, stride, pad, dilation as 3-d (unit dims in front)."""
     vals = [v for key, unit in (("kernel", 1), ("cols", 1), ("image", 1), ("stride", 1),
                                 ("pad", 0), ("dilation", 1)) for v in _3d(a, key, unit)]
-    return exe.device_array(np.array(vals, np.uint64))
+    return ctx.device_array(np.array(vals, np.uint64))
 
 
-def _step(exe, n, kern, args, src_nodes, what, line_shape):
+def _step(ctx, n, kern, args, src_nodes, what, line_shape):
     """One Step over the lines of ``line_shape`` (its last dim along a line)."""
     if n.size == 0:
         return []
     a = n.attrs
     grid, block = K.lines_launch(math.prod(line_shape[:-1]), line_shape[-1])
     return [Step(step_name(n), f"{what} {'x'.join(map(str, a['kernel']))} of "
-                 f"{fmt(exe.graph.nodes[n.inputs[0]].shape)}", kern, grid, block,
-                 (exe.buf(n),) + tuple(exe.buf(s) for s in src_nodes) + args + (_geo(exe, a),),
+                 f"{fmt(ctx.graph.nodes[n.inputs[0]].shape)}", kern, grid, block,
+                 (ctx.buf(n),) + tuple(ctx.buf(s) for s in src_nodes) + args + (_geo(ctx, a),),
                  {"bytes": n.nbytes + sum(s.nbytes for s in src_nodes)})]
 
 
 @lowering("im2col")
-def _lower_im2col(exe, n):
-    x = exe.graph.nodes[n.inputs[0]]
+def _lower_im2col(ctx, n):
+    x = ctx.graph.nodes[n.inputs[0]]
     nc = x.shape[0] * x.shape[1]
-    return _step(exe, n, K.im2col_kernel(*_consts(n.attrs)), (np.uint64(nc),), [x], "im2col",
+    return _step(ctx, n, K.im2col_kernel(*_consts(n.attrs)), (np.uint64(nc),), [x], "im2col",
                  (nc,) + _3d(n.attrs, "cols", 1))
 
 
 @lowering("col2im")
-def _lower_col2im(exe, n):
-    cols = exe.graph.nodes[n.inputs[0]]
+def _lower_col2im(ctx, n):
+    cols = ctx.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    return _step(exe, n, K.col2im_kernel(*_consts(n.attrs)), (np.uint64(nc),), [cols], "col2im",
+    return _step(ctx, n, K.col2im_kernel(*_consts(n.attrs)), (np.uint64(nc),), [cols], "col2im",
                  (nc,) + _3d(n.attrs, "image", 1))
 
 
 @lowering("pool")
-def _lower_pool(exe, n):
-    a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
+def _lower_pool(ctx, n):
+    a, x = n.attrs, ctx.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
     cols = _3d(a, "cols", 1)
     lines = -(-nc * cols[0] * cols[1] // P.GROUP)
-    return _step(exe, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool", (lines, cols[2]))
+    return _step(ctx, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool", (lines, cols[2]))
 
 
 @lowering("pool_grad")
-def _lower_pool_grad(exe, n):
+def _lower_pool_grad(ctx, n):
     a = n.attrs
-    x, dy = (exe.graph.nodes[i] for i in n.inputs)
+    x, dy = (ctx.graph.nodes[i] for i in n.inputs)
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
-    return _step(exe, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
+    return _step(ctx, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
                  (nc,) + _3d(a, "image", 1))
 
 
 @lowering("channel_affine")
-def _lower_channel_affine(exe, n):
+def _lower_channel_affine(ctx, n):
     if n.size == 0:
         return []
     x, center, scale, shift = n.inputs[:4]
@@ -100,27 +100,27 @@ def _lower_channel_affine(exe, n):
     grid, block = K.lines_launch(rows, length)
     kern, extra = C.channel_affine_kernel, ()
     if len(n.inputs) == 5:                       # batch_norm's: scale / sqrt(var + eps)
-        kern, extra = C.channel_affine_var_kernel, (exe.buf(n.inputs[4]),
+        kern, extra = C.channel_affine_var_kernel, (ctx.buf(n.inputs[4]),
                                                     np.float32(n.attrs["eps"]))
     return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", kern, grid, block,
-                 (exe.buf(n), exe.buf(x), exe.buf(center), exe.buf(scale), exe.buf(shift))
+                 (ctx.buf(n), ctx.buf(x), ctx.buf(center), ctx.buf(scale), ctx.buf(shift))
                  + extra + (np.uint64(rows), np.uint64(n.shape[1]), np.uint64(length)),
                  {"bytes": 2 * n.nbytes})]
 
 
 @lowering("resample")
-def _lower_resample(exe, n):
+def _lower_resample(ctx, n):
     if n.size == 0:
         return []
-    a, x = n.attrs, exe.graph.nodes[n.inputs[0]]
+    a, x = n.attrs, ctx.graph.nodes[n.inputs[0]]
     ax = a["axis"]
     idx, w = a["idx"], a["w"]
     olen, taps = idx.shape
     inner = math.prod(n.shape[ax + 1:])
     rows = math.prod(n.shape[:ax])
     u = np.uint64
-    table = lambda i, w, c: (exe.device_array(i.reshape(-1)),  # noqa: E731
-                             exe.device_array(w.reshape(-1)), exe.device_array(c))
+    table = lambda i, w, c: (ctx.device_array(i.reshape(-1)),  # noqa: E731
+                             ctx.device_array(w.reshape(-1)), ctx.device_array(c))
     tables = table(idx, w, a["const"])
     what = f"{x.shape[ax]} -> {olen} ({taps} taps)"
     if "idx2" in a:
@@ -140,7 +140,7 @@ def _lower_resample(exe, n):
         kern, sizes = R.resample_kernel(taps), (u(rows), u(olen), u(x.shape[ax]), u(inner))
         what = f"axis {ax} {what}"
     return [Step(step_name(n), f"resample {what} of {fmt(x.shape)}", kern, grid, block,
-                 (exe.buf(n), exe.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
+                 (ctx.buf(n), ctx.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
 
 
 # ---- the convolutions: the tier ladder ------------------------------------------------------
@@ -204,11 +204,11 @@ def _conv_shapes(graph, n):
 
 
 @lowering("implicit_gemm")
-def _lower_implicit_gemm(exe, n):
+def _lower_implicit_gemm(ctx, n):
     """Tier 2: one kernels/conv.py conv_gemm_kernel launch."""
     if n.size == 0:
         return []
-    g, a = exe.graph, n.attrs
+    g, a = ctx.graph, n.attrs
     src, w = (g.nodes[i] for i in n.inputs)
     transposed = a["of"] == "conv_transpose"
     image, cols = (n.shape, src.shape) if transposed else (src.shape, n.shape)
@@ -231,19 +231,19 @@ def _lower_implicit_gemm(exe, n):
     geo = dict(a, image=image[2:], cols=cols[2:])
     return [Step(step_name(n), f"numba implicit-GEMM {a['of']} {'x'.join(map(str, a['kernel']))} "
                  f"of {fmt(src.shape)} -> {fmt(n.shape)}", kern, grid, block,
-                 (exe.buf(n), exe.buf(w), exe.buf(src), np.uint64(m), np.uint64(ncols),
-                  np.uint64(kdim), exe.device_array(np.array(a_off, np.int64)),
-                  exe.device_array(np.array(b_off, np.int64)), np.uint64(batch),
-                  _geo(exe, geo)),
+                 (ctx.buf(n), ctx.buf(w), ctx.buf(src), np.uint64(m), np.uint64(ncols),
+                  np.uint64(kdim), ctx.device_array(np.array(a_off, np.int64)),
+                  ctx.device_array(np.array(b_off, np.int64)), np.uint64(batch),
+                  _geo(ctx, geo)),
                  {"flops": 2 * batch * m * ncols * kdim, "tier": 2})]
 
 
 @lowering(*CONV_OPS, tier="cuDNN")
-def _lower_conv(exe, n):
+def _lower_conv(ctx, n):
     """One cuDNN call (the compiler left this node to tier 0)."""
     if n.size == 0:
         return []
-    g, a = exe.graph, n.attrs
+    g, a = ctx.graph, n.attrs
     image, cols = _conv_shapes(g, n)
     w_shape = n.shape if n.op == "conv_wgrad" else g.nodes[n.inputs[1]].shape
     kind, x, w, y = {
@@ -251,7 +251,7 @@ def _lower_conv(exe, n):
         "conv_transpose": ("bwd_data", n.id, n.inputs[1], n.inputs[0]),
         "conv_wgrad": ("bwd_filter", n.inputs[0], n.id, n.inputs[1]),
     }[n.op]
-    ptr = lambda i: exe.buf(i).device_ctypes_pointer.value     # noqa: E731
+    ptr = lambda i: ctx.buf(i).device_ctypes_pointer.value     # noqa: E731
     tf32 = cublas.allow_tf32
     epi = {}                  # passes/fusion.py's conv epilogue: relu(conv + bias (+ z))
     if a.get("has_bias"):
