@@ -22,7 +22,7 @@ import re
 import numpy as np
 
 from .llama import LlamaConfig, LlamaForCausalLM
-from .weights import _is_float
+from .weights import is_float
 
 # a per-expert tensor: (layer, block, expert, projection)
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.(\d+)\."
@@ -71,7 +71,7 @@ def fuse_experts(config: LlamaConfig, arrays: dict, source="checkpoint") -> dict
                     raise ValueError(f"{source}: missing tensor {want!r} (expert {e} of "
                                      f"{e_n} in layer {n})")
                 name, _, _, arr = parts.pop((e, role))
-                if tuple(arr.shape) != shape or not _is_float(arr):
+                if tuple(arr.shape) != shape or not is_float(arr):
                     raise ValueError(f"{source}: tensor {name!r} is {arr.dtype} "
                                      f"{list(arr.shape)}, expected a float {list(shape)}")
                 rows.append(np.asarray(arr, np.float32))

@@ -23,7 +23,8 @@ def _need(module: str, extra: str = "models"):
                           f"pip install 'rlx_numba[{extra}]'") from None
 
 
-def _is_float(arr) -> bool:
+def is_float(arr) -> bool:
+    """Whether an array holds floats (bf16 included: ml_dtypes)."""
     import ml_dtypes
     return arr.dtype.kind in FLOAT_KINDS or arr.dtype == ml_dtypes.bfloat16
 
@@ -350,7 +351,7 @@ def check_params(spec: dict, arrays: dict, source, *, ignore=()) -> dict[str, np
         if tuple(a.shape) != tuple(shape):
             raise ValueError(f"{source}: tensor {name!r} has shape {list(a.shape)}, expected "
                              f"{list(shape)}")
-        if not _is_float(a):
+        if not is_float(a):
             raise ValueError(f"{source}: tensor {name!r} has dtype {a.dtype}; expected a float "
                              f"type (f32, f16, bf16)")
         out[name] = np.ascontiguousarray(a, dtype=np.float32)
