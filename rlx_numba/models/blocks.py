@@ -1,7 +1,8 @@
 """The blocks model graphs are composed of: the token embedding, the norms, the attention
 blocks (a decoder's causal one with rope and the KV cache, an encoder's), the MLP blocks
 (gated, plain, mixture of experts) and the LM head. build_llama (Llama and the MoE decoders),
-build_bert and build_mamba put them together layer by layer.
+build_bert, build_vit and build_mamba (whose mixer is mamba.mamba_mixer, a block a hybrid
+decoder can take too) put them together layer by layer.
 
 A block takes the graph's ``Weights`` (its params by name, and how its products read them:
 packed GGUF weights, tensor parallelism), the Hugging Face name of the module it reads
@@ -199,10 +200,9 @@ def decoder_attention(w: Weights, cfg, prefix: str, x: Tensor, at: Positions, *,
                       cache: tuple | None = None):
     """A decoder layer's attention over x [b, s, hidden] -> (o_proj's output [b, s, hidden],
     the caches a prefill wrote). ``cfg``: a LlamaConfig (heads, KV heads, head_dim, qk_norm,
-    clip_qkv, rms_norm_eps). The q/k/v projections (``prefix`` q_proj, k_proj, v_proj, or
-    with ``fused`` one qkv_proj, each token's q, k and v heads side by side); OLMoE's RMSNorm
-    over all of q's / k's heads (q_norm, k_norm) and clamp; rope at ``at``'s positions;
-    grouped-query attention (causal, ``at``'s window and masks); o_proj, row-parallel.
+    clip_qkv, rms_norm_eps). The ``prefix`` q/k/v projections (qkv_projection), rope at
+    ``at``'s positions, grouped-query attention (causal, ``at``'s window and masks), o_proj
+    (row-parallel).
 
     Prefill and decode graphs (``cache``: the layer's K and V cache param names, declared
     here, [b, kv heads, cache_len, head_dim]) write the rotated keys and values into the
@@ -214,27 +214,14 @@ def decoder_attention(w: Weights, cfg, prefix: str, x: Tensor, at: Positions, *,
                          f"names, a {at.kind} graph's none; got cache={cache!r}")
     g, b, s, win = w.g, at.batch, at.seq, at.window
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    prep = cfg.qk_norm or cfg.clip_qkv is not None
-    if fused:          # [b, s, (hq + 2 hkv) d]: each token's q, k and v heads
-        qkv = w.linear(x, prefix + "qkv_proj")
-        if prep or not at.cached:      # rope takes the three slices (copies)
-            q, k, v = [g.narrow(qkv, 2, o * d, n * d)
-                       for o, n in ((0, hq), (hq, hkv), (hq + hkv, hkv))]
-    else:
-        q, k, v = (w.linear(x, prefix + f"{m}_proj") for m in ("q", "k", "v"))
-    if prep:
-        if cfg.qk_norm:
-            q = norm(w, prefix + "q_norm", q, eps=cfg.rms_norm_eps)
-            k = norm(w, prefix + "k_norm", k, eps=cfg.rms_norm_eps)
-        if cfg.clip_qkv is not None:
-            c = float(cfg.clip_qkv)
-            q, k, v = (g.min(g.max(t, -c), c) for t in (q, k, v))
-        if fused and at.cached:        # packed again for rope_kv_write
-            qkv = g.concat([q, k, v], 2)
+    packed = fused and at.cached       # rope_kv_write takes the packed q/k/v
+    qkv = qkv_projection(w, cfg, prefix, x, fused=fused, packed=packed)
+    if not packed:
+        q, k, v = qkv
     written = []
     if at.cached:
         kc, vc = (g.param(name, (b, hkv, at.cache_len, d)) for name in cache)
-    if at.cached and fused:            # rope of q and k and the cache write: one kernel
+    if packed:                         # rope of q and k and the cache write: one kernel
         row = at.pos if at.kind == "decode" else 0       # the cache row of the first token
         qh, k_all, v_all = g.rope_kv_write(
             qkv, at.cos, at.sin, kc, vc, row, num_heads=hq, num_kv_heads=hkv,
@@ -262,6 +249,35 @@ def decoder_attention(w: Weights, cfg, prefix: str, x: Tensor, at: Positions, *,
                 heads = g.transpose(g.reshape(t, (b, s, hkv, d)), (0, 2, 1, 3))
                 written.append(g.kv_write(c, heads, 0))
     return w.linear(a, prefix + "o_proj", row_parallel=True), written
+
+
+def qkv_projection(w: Weights, cfg, prefix: str, x: Tensor, *, fused: bool,
+                   packed: bool = False):
+    """The q, k and v of x [b, s, hidden] ([b, s, heads head_dim] each; ``cfg`` as
+    decoder_attention's): the ``prefix`` q_proj, k_proj and v_proj products, or with ``fused``
+    the slices of one qkv_proj product; OLMoE's RMSNorm over all of q's / k's heads (q_norm,
+    k_norm) and clamp to [-clip_qkv, clip_qkv]. ``packed``: instead one [b, s, (heads + 2 kv
+    heads) head_dim] tensor, each token's q, k and v heads side by side (what
+    Graph.rope_kv_write takes): a fused product as it is, unless the norm or clamp came
+    between."""
+    g, d = w.g, cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    prep = cfg.qk_norm or cfg.clip_qkv is not None
+    if fused:
+        qkv = w.linear(x, prefix + "qkv_proj")
+        if packed and not prep:
+            return qkv
+        q, k, v = [g.narrow(qkv, 2, o * d, n * d)        # the slices (copies)
+                   for o, n in ((0, hq), (hq, hkv), (hq + hkv, hkv))]
+    else:
+        q, k, v = (w.linear(x, prefix + f"{m}_proj") for m in ("q", "k", "v"))
+    if cfg.qk_norm:
+        q = norm(w, prefix + "q_norm", q, eps=cfg.rms_norm_eps)
+        k = norm(w, prefix + "k_norm", k, eps=cfg.rms_norm_eps)
+    if cfg.clip_qkv is not None:
+        c = float(cfg.clip_qkv)
+        q, k, v = (g.min(g.max(t, -c), c) for t in (q, k, v))
+    return g.concat([q, k, v], 2) if packed else (q, k, v)
 
 
 # ---- an encoder's attention ----------------------------------------------------------------------
