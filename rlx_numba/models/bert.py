@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from .. import Graph, compile
+from .blocks import Weights, embedding, encoder_attention, mlp, norm
 from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import as_path, check_params, load_safetensors, read_json
 
@@ -163,34 +164,19 @@ def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
     elif num_labels is not None or loss is not None:
         raise ValueError("build_bert: num_labels and loss belong to kind 'train' graphs")
     modes = _check_pooling(pooling)
-    b, s, h, nh, eps = batch, seq, cfg.hidden_size, cfg.num_attention_heads, cfg.layer_norm_eps
+    b, s, h, eps = batch, seq, cfg.hidden_size, cfg.layer_norm_eps
     g = Graph(f"bert_{b}x{s}")
-    P = {k: g.param(k, shape) for k, shape in bert_param_shapes(cfg).items()}
-
-    def lin(x, name, activation=None):
-        w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
-        return g.linear(x, w, P[name + ".bias"], activation=activation)
-
+    w = Weights.declare(g, bert_param_shapes(cfg))
     ids = g.input("input_ids", (b, s), "i32")
     types = g.input("token_type_ids", (b, s), "i32")
     mask = g.input("attention_mask", (b, s), "bool")
-    words = g.gather(P["embeddings.word_embeddings.weight"], ids)
-    where = g.narrow(P["embeddings.position_embeddings.weight"], 0, 0, s)   # positions 0..s-1
-    x = g.layer_norm(words + where, P["embeddings.LayerNorm.weight"],
-                     P["embeddings.LayerNorm.bias"], eps=eps,
-                     residual=g.gather(P["embeddings.token_type_embeddings.weight"], types))
+    words = embedding(w, "embeddings.word_embeddings", ids)
+    where = g.narrow(w["embeddings.position_embeddings.weight"], 0, 0, s)   # positions 0..s-1
+    x = norm(w, "embeddings.LayerNorm", words + where, eps=eps, kind="layer",
+             residual=embedding(w, "embeddings.token_type_embeddings", types))
     keep = g.reshape(mask, (b, 1, 1, s))                   # every query sees the real keys
-    act = _ACTS[cfg.hidden_act]
     for n in range(cfg.num_hidden_layers):
-        p = f"encoder.layer.{n}."
-        q, k, v = (lin(x, p + f"attention.self.{m}") for m in ("query", "key", "value"))
-        a = g.attention(q, k, v, mask=keep, num_heads=nh)
-        o = lin(a, p + "attention.output.dense")
-        x = g.layer_norm(o, P[p + "attention.output.LayerNorm.weight"],
-                         P[p + "attention.output.LayerNorm.bias"], eps=eps, residual=x)
-        f = lin(lin(x, p + "intermediate.dense", activation=act), p + "output.dense")
-        x = g.layer_norm(f, P[p + "output.LayerNorm.weight"], P[p + "output.LayerNorm.bias"],
-                         eps=eps, residual=x)
+        x = bert_layer(w, cfg, f"encoder.layer.{n}.", x, keep)
     if not modes:
         g.set_outputs([x])
         return g
@@ -226,6 +212,18 @@ def build_bert(cfg: BertConfig, batch: int, seq: int, *, pooling=None,
         value = g.mean(g.reshape(diff * diff, (b * num_labels,)), 0)
     g.set_outputs([value, logits])
     return g
+
+
+def bert_layer(w: Weights, cfg: BertConfig, p: str, x, keep):
+    """Encoder layer ``p`` (post-norm): x + attention -> LayerNorm, then x + MLP ->
+    LayerNorm (each add in its norm's kernel); ``keep`` masks the padded keys."""
+    eps = cfg.layer_norm_eps
+    qkv = [p + f"attention.self.{m}" for m in ("query", "key", "value")]
+    a = encoder_attention(w, x, (*qkv, p + "attention.output.dense"),
+                          num_heads=cfg.num_attention_heads, mask=keep)
+    x = norm(w, p + "attention.output.LayerNorm", a, eps=eps, kind="layer", residual=x)
+    f = mlp(w, x, p + "intermediate.dense", p + "output.dense", activation=_ACTS[cfg.hidden_act])
+    return norm(w, p + "output.LayerNorm", f, eps=eps, kind="layer", residual=x)
 
 
 class BertModel:

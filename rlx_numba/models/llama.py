@@ -24,6 +24,9 @@ import numpy as np
 from .. import Graph, compile
 from ..ir.ops_quant import GGUF as GGUF_SCHEMES
 from ..modes import parse_exec_mode
+from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_positions,
+                     embedding, gated_mlp, lm_head, moe_mlp, norm)
+from .blocks import pad_name, rope_tables  # noqa: F401  (this module's names before blocks.py)
 from .executables import ExecutableCache, bucket_length, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       quantize, read_json, reverse_permute)
@@ -352,22 +355,6 @@ def shard_params(params: dict, rank: int, world: int) -> dict:
     return out
 
 
-def rope_tables(head_dim: int, theta: float, n_pos: int):
-    """cos, sin [n_pos, head_dim/2] computed like transformers' Llama rotary embedding, in f32
-    (inverse frequencies, position * frequency and cos/sin all f32), so long positions match
-    the reference's rounding rather than a more exact f64 angle."""
-    exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv = (np.float32(1.0) / (np.float32(theta) ** exps)).astype(np.float32)
-    ang = np.arange(n_pos, dtype=np.float32)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def pad_name(cache_len: int) -> str:
-    """The decode graph's param of its rows' left pads (KV-cache state like the caches, so
-    named by the cache length: decode graphs of other cache lengths keep their own)."""
-    return f"pad.cache{cache_len}"
-
-
 def cache_names(cfg: LlamaConfig) -> list[str]:
     return [f"cache.{n}.{kv}" for n in range(cfg.num_hidden_layers) for kv in ("k", "v")]
 
@@ -416,6 +403,58 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     (shard_config / shard_params: its params are that rank's slices, under the same names);
     the collectives run on the current communicator (rlx_numba.distributed). Every rank
     outputs the full logits, ids and its own KV-cache heads."""
+    _check_build(cfg, batch, seq, kind, cache_len)
+    b, s, vocab = int(batch), int(seq), cfg.vocab_size
+    world = (tensor_parallel or (0, 1))[1]
+    if world > 1:
+        if quant:
+            raise ValueError("build_llama: packed (GGUF) weights are not tensor-parallel")
+        cfg = shard_config(cfg, world)
+    cached = kind in ("prefill", "decode")
+    g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
+    w = Weights.declare(g, graph_param_shapes(cfg, fused), quant, tensor_parallel)
+    ids = g.input("input_ids", (b, s), "i32")
+    at = decoder_positions(g, cfg, kind, b, s, cache_len)
+    stream, branch = embedding(w, "model.embed_tokens", ids), None   # [b, s, hidden]
+    caches = []
+    for n in range(cfg.num_hidden_layers):
+        branch, stream, written = llama_layer(w, cfg, n, branch, stream, at, fused=fused)
+        caches += written
+    if kind == "prefill" and s > 1:    # only the last position's logits are needed
+        branch, stream = g.narrow(branch, 1, s - 1, 1), g.narrow(stream, 1, s - 1, 1)
+    final = norm(w, "model.norm", branch, eps=cfg.rms_norm_eps, residual=stream)
+    logits = lm_head(w, "lm_head" if "lm_head.weight" in w else "model.embed_tokens", final)
+    if kind == "forward":
+        g.set_outputs([logits])
+    elif kind == "train":  # next-token cross-entropy: position t predicts labels[:, t + 1]
+        labels = g.input("labels", (b, s), "i64")
+        pred = g.reshape(g.narrow(logits, 1, 0, s - 1), (b * (s - 1), vocab))
+        target = g.reshape(g.narrow(labels, 1, 1, s - 1), (b * (s - 1),))
+        g.set_outputs([g.cross_entropy(pred, target, ignore_index=-100)])
+    else:
+        logits = g.reshape(logits, (b, vocab))
+        seed = g.input("seed", (1,), "i64")
+        nxt = g.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        g.set_outputs([nxt, logits] + caches)
+    return g
+
+
+def llama_layer(w: Weights, cfg: LlamaConfig, n: int, branch, stream, at: Positions, *,
+                fused: bool):
+    """Decoder layer ``n`` on the residual stream: (its MLP's output, the stream, the caches
+    a prefill wrote). ``branch`` is the previous layer's MLP output, not yet added to
+    ``stream`` (None before the first layer): the add and the norm after it are one kernel."""
+    p, eps = f"model.layers.{n}.", cfg.rms_norm_eps
+    hn, stream = add_norm(w, p + "input_layernorm", branch, stream, eps=eps)
+    a, written = decoder_attention(w, cfg, p + "self_attn.", hn, at, fused=fused,
+                                   cache=(f"cache.{n}.k", f"cache.{n}.v") if at.cached else None)
+    hn, stream = add_norm(w, p + "post_attention_layernorm", a, stream, eps=eps)
+    if cfg.sparse_layer(n):
+        return moe_mlp(w, cfg, p + "mlp.", hn, fused=fused), stream, written
+    return gated_mlp(w, p + "mlp.", hn, fused=fused), stream, written
+
+
+def _check_build(cfg: LlamaConfig, batch, seq, kind, cache_len):
     if kind not in ("forward", "prefill", "decode", "train"):
         raise ValueError(f"build_llama: kind must be 'forward', 'prefill', 'decode' or 'train', "
                          f"got {kind!r}")
@@ -424,195 +463,17 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
             raise ValueError(f"build_llama: {arg} must be a positive int, got {v!r}")
     if kind == "decode" and seq != 1:
         raise ValueError(f"build_llama: a decode graph takes one token a row (seq 1), got {seq}")
+    if kind == "train" and seq < 2:
+        raise ValueError(f"build_llama: a train graph needs seq >= 2 (position t predicts "
+                         f"token t + 1), got {seq}")
     cached = kind in ("prefill", "decode")
-    if cached:
-        if not isinstance(cache_len, (int, np.integer)) or not seq <= cache_len:
-            raise ValueError(f"build_llama: {kind} needs cache_len >= seq ({seq}), got "
-                             f"{cache_len!r}")
+    if cached and (not isinstance(cache_len, (int, np.integer)) or not seq <= cache_len):
+        raise ValueError(f"build_llama: {kind} needs cache_len >= seq ({seq}), got "
+                         f"{cache_len!r}")
     n_pos = cache_len if cached else seq
     if n_pos > cfg.max_position_embeddings:
         raise ValueError(f"build_llama: {n_pos} positions exceed max_position_embeddings "
                          f"{cfg.max_position_embeddings}")
-    b, s = int(batch), int(seq)
-    rank, world = tensor_parallel or (0, 1)
-    vocab = cfg.vocab_size
-    if world > 1:
-        if quant:
-            raise ValueError("build_llama: packed (GGUF) weights are not tensor-parallel")
-        cfg = shard_config(cfg, world)
-    tp = dict(world_size=world, rank=rank)
-    d, hq, hkv, eps = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
-    g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
-    quant = quant or {}
-    P = {k: g.param(k, quant[k][1], "u8") if k in quant else g.param(k, shape)
-         for k, shape in graph_param_shapes(cfg, fused).items()}
-
-    def lin(x, name):
-        if name + ".weight" in quant:
-            y = g.dequant_matmul(x, P[name + ".weight"], scheme=quant[name + ".weight"][0])
-            return y + P[name + ".bias"] if name + ".bias" in P else y
-        w = g.transpose(P[name + ".weight"], (1, 0))          # [out, in] read as [in, out]
-        if world > 1 and (name + ".weight").endswith(ROW_PARALLEL):   # partial sums
-            y = g.all_reduce(g.linear(x, w), **tp)
-            return y + P[name + ".bias"] if name + ".bias" in P else y
-        return g.linear(x, w, P.get(name + ".bias"))
-
-    def swiglu(x, m):      # m: "...mlp." or "...mlp.shared_expert."
-        if fused:   # silu(gate) * up over the interleaved [.., 2 I] product: at decode
-            # (<= 16 rows) the skinny product's epilogue (passes/fusion.py), else one kernel
-            act = g.gated(lin(x, m + "gate_up_proj"), "silu", interleaved=True)
-        else:
-            act = g.silu(lin(x, m + "gate_proj")) * lin(x, m + "up_proj")
-        return lin(act, m + "down_proj")
-
-    def moe(x, p):
-        """The sparse block over the b*s tokens (transformers' Mixtral / Qwen2-MoE / OLMoE):
-        softmax over the router's logits, the top k (renormalised with norm_topk_prob), each
-        token's row repeated k times beside its k expert ids, the experts' SwiGLU as two
-        grouped products over the fused [E, out, in] weights, the k outputs summed with
-        their routing weights; plus Qwen2-MoE's shared expert times sigmoid(its gate)."""
-        t, h, k = b * s, cfg.hidden_size, cfg.num_experts_per_tok
-        xt = g.reshape(x, (t, h))
-        top, ids = g.topk(g.softmax(lin(xt, p + "mlp.gate"), axis=-1), k)          # [t, k]
-        if cfg.norm_topk_prob:
-            top = top / g.sum(top, -1, keep_dim=True)
-        ids = g.reshape(ids, (t * k,))
-        rows = g.reshape(g.expand(g.reshape(xt, (t, 1, h)), (t, k, h)), (t * k, h))
-        gate_up = g.grouped_matmul(rows, P[p + "mlp.experts.gate_up_proj"], ids, trans_w=True)
-        y = g.grouped_matmul(g.gated(gate_up, "silu"), P[p + "mlp.experts.down_proj"], ids,
-                             trans_w=True)                                      # [t k, h]
-        y = g.sum(g.reshape(y, (t, k, h)) * g.reshape(top, (t, k, 1)), 1)      # [t, h]
-        if cfg.shared_expert_intermediate_size:
-            y = y + g.sigmoid(lin(xt, p + "mlp.shared_expert_gate")) * swiglu(
-                xt, p + "mlp.shared_expert.")
-        return g.reshape(y, (b, s, h))
-
-    def qk_prep(q, k, v, p):
-        """OLMoE's RMSNorm over all of q's / k's heads and clamp of q, k, v (before rope)."""
-        if cfg.qk_norm:
-            q = g.rms_norm(q, P[p + "self_attn.q_norm.weight"], eps=eps)
-            k = g.rms_norm(k, P[p + "self_attn.k_norm.weight"], eps=eps)
-        if cfg.clip_qkv is not None:
-            c = float(cfg.clip_qkv)
-            q, k, v = (g.min(g.max(t, -c), c) for t in (q, k, v))
-        return q, k, v
-
-    def split(qkv):        # the q, k and v slices (copies) of the packed product
-        return [g.narrow(qkv, 2, o * d, w * d) for o, w in ((0, hq), (hq, hkv), (hq + hkv, hkv))]
-
-    win = cfg.sliding_window
-    ids = g.input("input_ids", (b, s), "i32")
-    cos_np, sin_np = rope_tables(d, cfg.rope_theta, n_pos)
-    cos, sin = g.constant(cos_np), g.constant(sin_np)
-    if kind == "decode":
-        pos = g.input("pos", (1,), "i32")
-        pad = g.param(pad_name(cache_len), (b, 1), "i32")
-        col = g.constant(np.arange(cache_len, dtype=np.int32))
-        # rows pad..pos are live (bool min: and); the new token sits at position pos - pad
-        live = g.min(col >= pad, col <= pos)
-        if win is not None:            # and rows the sliding window still sees
-            live = g.min(live, col > pos - win)
-        keep = g.reshape(live, (b, 1, 1, cache_len))
-        at = pos - pad                                                   # [b, 1]
-    elif kind == "prefill":
-        # rope over [b*s, heads, 1, d]: column t of row r sits at position t - pad[r] (the
-        # pads at 0), and the pad columns are masked out as keys
-        pad = g.input("pad", (b, 1), "i32")
-        col = g.constant(np.arange(s, dtype=np.int32))
-        tok_pos = g.max(col - pad, 0)                                    # [b, s]
-        rows = g.reshape(tok_pos, (b * s, 1))
-        keys = g.reshape(col >= pad, (b, 1, 1, s))
-    else:
-        # rope over [b*s, heads, 1, d]: token t of row r sits at position t (no transposes)
-        rows = g.constant(np.tile(np.arange(s, dtype=np.int32), b).reshape(b * s, 1))
-        keys = None
-    caches = []
-    emb = "model.embed_tokens.weight"
-    if world > 1:      # this rank's rows of the table: ids outside its range give zeros
-        local = ids - rank * cfg.vocab_size
-        mine = g.min(local >= 0, local < cfg.vocab_size)
-        rows_ = g.gather(P[emb], g.min(g.max(local, 0), cfg.vocab_size - 1))
-        x = g.all_reduce(rows_ * g.reshape(g.cast(mine, "f32"), (b, s, 1)), **tp)
-    else:
-        x = (g.dequantize(P[emb], scheme=quant[emb][0], rows=ids) if emb in quant
-             else g.gather(P[emb], ids))                               # [b, s, hidden]
-    resid, pending = x, None          # the residual stream, and the branch not yet added to it
-    for n in range(cfg.num_hidden_layers):
-        p = f"model.layers.{n}."
-        if pending is None:
-            hn = g.rms_norm(x, P[p + "input_layernorm.weight"], eps=eps)
-        else:                          # norm(resid + mlp) and the new resid in one kernel
-            hn, resid = g.rms_norm(pending, P[p + "input_layernorm.weight"], eps=eps,
-                                   residual=resid, return_residual=True)
-        prep = cfg.qk_norm or cfg.clip_qkv is not None
-        if fused:      # [b, s, (hq + 2 hkv) d]: each token's q, k and v heads
-            qkv = lin(hn, p + "self_attn.qkv_proj")
-            if prep or not cached:     # forward: rope takes the three slices as below
-                q, k, v = split(qkv)
-        else:
-            q, k, v = (lin(hn, p + f"self_attn.{m}_proj") for m in ("q", "k", "v"))
-        if prep:
-            q, k, v = qk_prep(q, k, v, p)
-            if fused and cached:       # packed again for rope_kv_write
-                qkv = g.concat([q, k, v], 2)
-        if cached:
-            kc, vc = (g.param(f"cache.{n}.{kv}", (b, hkv, cache_len, d)) for kv in ("k", "v"))
-        if cached and fused:   # rope of q and k and the cache write: one kernel
-            row = pos if kind == "decode" else 0          # the cache row of the first token
-            qh, k_all, v_all = g.rope_kv_write(qkv, cos, sin, kc, vc, row, num_heads=hq,
-                                               num_kv_heads=hkv,
-                                               positions=at if kind == "decode" else tok_pos)
-            if kind == "decode":
-                a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
-            else:              # the prompt's keys/values: the caches' first s rows
-                kp, vp = (g.narrow(t, 2, 0, s) for t in (k_all, v_all))
-                a = g.attention(qh, kp, vp, causal=True, window=win, mask=keys)  # [b, hq, s, d]
-                a = g.reshape(g.transpose(a, (0, 2, 1, 3)), (b, s, hq * d))
-                caches += [k_all, v_all]
-        elif kind == "decode":
-            qh = g.rope(g.reshape(q, (b, hq, 1, d)), cos, sin, positions=at)
-            kh = g.rope(g.reshape(k, (b, hkv, 1, d)), cos, sin, positions=at)
-            k_all = g.kv_write(kc, kh, pos)
-            v_all = g.kv_write(vc, g.reshape(v, (b, hkv, 1, d)), pos)
-            a = g.reshape(g.attention(qh, k_all, v_all, mask=keep), (b, 1, hq * d))
-        else:
-            qh = g.rope(g.reshape(q, (b * s, hq, 1, d)), cos, sin, positions=rows)
-            kh = g.rope(g.reshape(k, (b * s, hkv, 1, d)), cos, sin, positions=rows)
-            a = g.attention(g.reshape(qh, (b, s, hq * d)), g.reshape(kh, (b, s, hkv * d)), v,
-                            causal=True, window=win, mask=keys, num_heads=hq)
-            if kind == "prefill":      # the cache as [b, kv heads, rows, d]
-                for cache, t in ((kc, kh), (vc, v)):
-                    heads = g.transpose(g.reshape(t, (b, s, hkv, d)), (0, 2, 1, 3))
-                    caches.append(g.kv_write(cache, heads, 0))
-        o = lin(a, p + "self_attn.o_proj")
-        hn, resid = g.rms_norm(o, P[p + "post_attention_layernorm.weight"], eps=eps,
-                               residual=resid, return_residual=True)
-        pending = moe(hn, p) if cfg.sparse_layer(n) else swiglu(hn, p + "mlp.")
-    if kind == "prefill" and s > 1:    # only the last position's logits are needed
-        pending, resid = g.narrow(pending, 1, s - 1, 1), g.narrow(resid, 1, s - 1, 1)
-    final = g.rms_norm(pending, P["model.norm.weight"], eps=eps, residual=resid)
-    head = "lm_head.weight" if "lm_head.weight" in P else emb
-    logits = (g.dequant_matmul(final, P[head], scheme=quant[head][0]) if head in quant
-              else g.linear(final, g.transpose(P[head], (1, 0))))
-    if world > 1:      # the vocabulary shards side by side
-        logits = g.all_gather(logits, -1, **tp)
-    if kind == "forward":
-        g.set_outputs([logits])
-        return g
-    if kind == "train":   # next-token cross-entropy: position t predicts labels[:, t + 1]
-        if s < 2:
-            raise ValueError(f"build_llama: a train graph needs seq >= 2 (position t predicts "
-                             f"token t + 1), got {s}")
-        labels = g.input("labels", (b, s), "i64")
-        pred = g.reshape(g.narrow(logits, 1, 0, s - 1), (b * (s - 1), vocab))
-        target = g.reshape(g.narrow(labels, 1, 1, s - 1), (b * (s - 1),))
-        g.set_outputs([g.cross_entropy(pred, target, ignore_index=-100)])
-        return g
-    logits = g.reshape(logits, (b, vocab))
-    seed = g.input("seed", (1,), "i64")
-    nxt = g.sample(logits, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    g.set_outputs([nxt, logits] + caches)
-    return g
 
 
 # ---- the model -----------------------------------------------------------------------------------

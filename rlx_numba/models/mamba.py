@@ -20,6 +20,7 @@ import numpy as np
 
 from ..compiler import compile
 from ..ir.graph import Graph
+from .blocks import Weights, embedding, norm
 from .executables import ExecutableCache
 from .weights import check_params, load_safetensors
 
@@ -99,61 +100,66 @@ def build_mamba(cfg: MambaConfig, batch: int, seq: int, kind: str = "forward") -
     if kind == "decode" and seq != 1:
         raise ValueError(f"build_mamba: a decode graph takes one token a row (seq 1), got {seq}")
     b, s = int(batch), int(seq)
-    d, di, n, r, k = (cfg.hidden_size, cfg.intermediate_size, cfg.state_size,
-                      cfg.time_step_rank, cfg.conv_kernel)
     g = Graph(f"mamba_{kind}_{b}x{s}")
-    P = {name: g.param(name, shape) for name, shape in mamba_param_shapes(cfg).items()}
-
-    def lin(x, name):
-        return g.linear(x, g.transpose(P[name + ".weight"], (1, 0)), P.get(name + ".bias"))
-
+    w = Weights.declare(g, mamba_param_shapes(cfg))
     ids = g.input("input_ids", (b, s), "i32")
-    h = g.gather(P["backbone.embeddings.weight"], ids)                # [b, s, d]
+    h = embedding(w, "backbone.embeddings", ids)                      # [b, s, d]
     states = []
     for i in range(cfg.num_hidden_layers):
-        p = f"backbone.layers.{i}.mixer."
-        xz = lin(g.rms_norm(h, P[f"backbone.layers.{i}.norm.weight"],
-                            eps=cfg.layer_norm_epsilon), p + "in_proj")   # [b, s, 2 di]
-        A = g.neg(g.exp(P[p + "A_log"]))
-        conv_w = g.reshape(P[p + "conv1d.weight"], (di, k))
-        if kind == "decode":
-            xz = g.reshape(xz, (b, 2 * di))
-            x, z = g.narrow(xz, 1, 0, di), g.narrow(xz, 1, di, di)
-            window = g.concat([g.input(f"conv.{i}", (b, di, k - 1)),
-                               g.reshape(x, (b, di, 1))], 2)          # [b, di, k]
-            xc = g.reduce_sum(g.mul(window, conv_w), 2)
-            if cfg.use_conv_bias:
-                xc = g.add(xc, P[p + "conv1d.bias"])
-            xc = g.silu(xc)                                             # [b, di]
-            dbl = g.reshape(lin(g.reshape(xc, (b, 1, di)), p + "x_proj"), (b, r + 2 * n))
-            dt = lin(g.narrow(dbl, 1, 0, r), p + "dt_proj")            # [b, di]
-            y, ssm = g.selective_state_update(
-                g.input(f"ssm.{i}", (b, di, n)), xc, dt, A, g.narrow(dbl, 1, r, n),
-                g.narrow(dbl, 1, r + n, n), D=P[p + "D"], z=z, dt_softplus=True)
-            out = lin(g.reshape(y, (b, 1, di)), p + "out_proj")
-            states += [g.narrow(window, 2, 1, k - 1), ssm]
-        else:
-            xzt = g.transpose(xz, (0, 2, 1))                            # [b, 2 di, s]
-            x, z = g.narrow(xzt, 1, 0, di), g.narrow(xzt, 1, di, di)
-            xp = g.pad(x, (k - 1, 0))                                   # causal
-            xc = g.silu(g.conv(xp, P[p + "conv1d.weight"], P.get(p + "conv1d.bias"),
-                               groups=di))                              # [b, di, s]
-            dbl = lin(g.transpose(xc, (0, 2, 1)), p + "x_proj")         # [b, s, r + 2n]
-            dt = lin(g.narrow(dbl, 2, 0, r), p + "dt_proj")             # [b, s, di]
-            Bm = g.transpose(g.narrow(dbl, 2, r, n), (0, 2, 1))         # [b, n, s]
-            Cm = g.transpose(g.narrow(dbl, 2, r + n, n), (0, 2, 1))
-            y, last = g.selective_scan(xc, g.transpose(dt, (0, 2, 1)), A, Bm, Cm, D=P[p + "D"],
-                                       z=z, delta_softplus=True, return_last_state=True)
-            out = lin(g.transpose(y, (0, 2, 1)), p + "out_proj")       # [b, s, d]
-            states += [g.narrow(xp, 2, s, k - 1), last]
+        x = norm(w, f"backbone.layers.{i}.norm", h, eps=cfg.layer_norm_epsilon)
+        out, state = mamba_mixer(w, cfg, f"backbone.layers.{i}.mixer.", x,
+                                 state=(f"conv.{i}", f"ssm.{i}") if kind == "decode" else None)
+        states += state
         h = g.add(h, out)
-    h = g.rms_norm(h, P["backbone.norm_f.weight"], eps=cfg.layer_norm_epsilon)
-    head = P["lm_head.weight" if "lm_head.weight" in P else "backbone.embeddings.weight"]
+    h = norm(w, "backbone.norm_f", h, eps=cfg.layer_norm_epsilon)
+    head = w["lm_head.weight" if "lm_head.weight" in w else "backbone.embeddings.weight"]
     if kind != "forward":
-        h = g.reshape(g.narrow(h, 1, s - 1, 1), (b, d))
+        h = g.reshape(g.narrow(h, 1, s - 1, 1), (b, cfg.hidden_size))
     logits = g.matmul(h, g.transpose(head, (1, 0)))
     g.set_outputs([logits] if kind == "forward" else [g.argmax(logits, 1), logits] + states)
     return g
+
+
+def mamba_mixer(w: Weights, cfg: MambaConfig, p: str, x, *, state: tuple | None = None):
+    """The Mamba mixer ``p`` over x [b, s, d] (module docstring) -> (its output [b, s, d],
+    [conv state, ssm state] after the last token). ``state``: a decode step's (seq 1) input
+    names of the conv state [b, di, conv_kernel - 1] and ssm state [b, di, state_size] it
+    goes on from; the conv is then a dot over the window and the scan one step."""
+    g = w.g
+    (b, s, _), di, n = x.shape, cfg.intermediate_size, cfg.state_size
+    r, k = cfg.time_step_rank, cfg.conv_kernel
+    xz = w.linear(x, p + "in_proj")                                     # [b, s, 2 di]
+    A = g.neg(g.exp(w[p + "A_log"]))
+    conv_w = g.reshape(w[p + "conv1d.weight"], (di, k))
+    if state is not None:
+        xz = g.reshape(xz, (b, 2 * di))
+        x, z = g.narrow(xz, 1, 0, di), g.narrow(xz, 1, di, di)
+        window = g.concat([g.input(state[0], (b, di, k - 1)),
+                           g.reshape(x, (b, di, 1))], 2)              # [b, di, k]
+        xc = g.reduce_sum(g.mul(window, conv_w), 2)
+        if cfg.use_conv_bias:
+            xc = g.add(xc, w[p + "conv1d.bias"])
+        xc = g.silu(xc)                                                 # [b, di]
+        dbl = g.reshape(w.linear(g.reshape(xc, (b, 1, di)), p + "x_proj"), (b, r + 2 * n))
+        dt = w.linear(g.narrow(dbl, 1, 0, r), p + "dt_proj")           # [b, di]
+        y, ssm = g.selective_state_update(
+            g.input(state[1], (b, di, n)), xc, dt, A, g.narrow(dbl, 1, r, n),
+            g.narrow(dbl, 1, r + n, n), D=w[p + "D"], z=z, dt_softplus=True)
+        out = w.linear(g.reshape(y, (b, 1, di)), p + "out_proj")
+        return out, [g.narrow(window, 2, 1, k - 1), ssm]
+    xzt = g.transpose(xz, (0, 2, 1))                                    # [b, 2 di, s]
+    x, z = g.narrow(xzt, 1, 0, di), g.narrow(xzt, 1, di, di)
+    xp = g.pad(x, (k - 1, 0))                                           # causal
+    xc = g.silu(g.conv(xp, w[p + "conv1d.weight"], w.get(p + "conv1d.bias"),
+                       groups=di))                                      # [b, di, s]
+    dbl = w.linear(g.transpose(xc, (0, 2, 1)), p + "x_proj")            # [b, s, r + 2n]
+    dt = w.linear(g.narrow(dbl, 2, 0, r), p + "dt_proj")                # [b, s, di]
+    Bm = g.transpose(g.narrow(dbl, 2, r, n), (0, 2, 1))                 # [b, n, s]
+    Cm = g.transpose(g.narrow(dbl, 2, r + n, n), (0, 2, 1))
+    y, last = g.selective_scan(xc, g.transpose(dt, (0, 2, 1)), A, Bm, Cm, D=w[p + "D"],
+                               z=z, delta_softplus=True, return_last_state=True)
+    out = w.linear(g.transpose(y, (0, 2, 1)), p + "out_proj")          # [b, s, d]
+    return out, [g.narrow(xp, 2, s, k - 1), last]
 
 
 class MambaForCausalLM:

@@ -2,15 +2,16 @@
 
 MoeForCausalLM is LlamaForCausalLM (the same graphs, KV cache, generate, sampling, tokenizer,
 ``weights=`` options) over a LlamaConfig with ``num_experts`` > 0, whose sparse layers
-build_llama routes: softmax over the router's logits, the top k (renormalised for Mixtral,
-and for Qwen2-MoE / OLMoE when ``norm_topk_prob``), the experts' SwiGLU as grouped products,
-the k outputs summed with their routing weights (plus Qwen2-MoE's sigmoid-gated shared
-expert). Its params use transformers 5's names: ``mlp.gate.weight`` [E, H] (the router),
-``mlp.experts.gate_up_proj`` [E, 2I, H] (gate's rows, then up's) and
+build_llama routes (blocks.moe_mlp, beside the dense blocks: this module builds on llama.py,
+so the block lives below both): softmax over the router's logits, the top k (renormalised for
+Mixtral, and for Qwen2-MoE / OLMoE when ``norm_topk_prob``), the experts' SwiGLU as grouped
+products, the k outputs summed with their routing weights (plus Qwen2-MoE's sigmoid-gated
+shared expert). Its params use transformers 5's names: ``mlp.gate.weight`` [E, H] (the
+router), ``mlp.experts.gate_up_proj`` [E, 2I, H] (gate's rows, then up's) and
 ``mlp.experts.down_proj`` [E, H, I]. ``from_safetensors`` reads those, or the per-expert
 tensors of hub checkpoints (what transformers 5's conversion mapping stacks on load):
-Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.N.w1 / w3 / w2`` (gate,
-up, down), Qwen2-MoE's and OLMoE's ``mlp.experts.N.gate_proj / up_proj / down_proj``.
+Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.N.w1 / w3 / w2`` (gate, up,
+down), Qwen2-MoE's and OLMoE's ``mlp.experts.N.gate_proj / up_proj / down_proj``.
 
 ``weights="f16"/"bf16"`` stores the 2-D product weights half (router and shared expert
 included); the 3-D expert weights stay f32 (grouped_matmul computes in f32).

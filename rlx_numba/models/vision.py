@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import compile
 from ..ir.graph import Graph
+from .blocks import Weights, encoder_attention, mlp, norm
 from .executables import ExecutableCache
 from .weights import check_params, load_safetensors
 
@@ -200,39 +201,42 @@ def split_in_proj(cfg: ViTConfig, params: dict) -> dict:
     return out
 
 
+def vit_graph_shapes(cfg: ViTConfig) -> dict[str, tuple]:
+    """The params of ``build_vit``: vit_param_shapes' with each layer's packed in_proj as
+    split_in_proj's q / k / v weights and biases."""
+    d, out = cfg.hidden_dim, {}
+    for name, shape in vit_param_shapes(cfg).items():
+        if name.endswith(("in_proj_weight", "in_proj_bias")):
+            what = "weight" if name.endswith("weight") else "bias"
+            for m in "qkv":
+                out[f"{name.rsplit('.', 1)[0]}.{m}.{what}"] = (d, d) if what == "weight" else (d,)
+        else:
+            out[name] = shape
+    return out
+
+
 def build_vit(cfg: ViTConfig, batch: int) -> Graph:
     """The inference graph: input "images" f32 [batch, 3, image_size, image_size] -> logits;
-    params are split_in_proj's names."""
+    params are split_in_proj's names (vit_graph_shapes)."""
     g = Graph("vit")
-    shapes = vit_param_shapes(cfg)
-    d, nh = cfg.hidden_dim, cfg.num_heads
+    w = Weights.declare(g, vit_graph_shapes(cfg))
+    d, eps = cfg.hidden_dim, cfg.ln_eps
     grid = cfg.image_size // cfg.patch_size
-
-    def param(name, shape=None):
-        return g.param(name, shape if shape is not None else shapes[name])
-
-    def lin(x, name, shape, activation=None):
-        return g.linear(x, g.transpose(param(name + ".weight", shape), (1, 0)),
-                        param(name + ".bias", (shape[0],)), activation=activation)
-
     x = g.input("images", (batch, 3, cfg.image_size, cfg.image_size))
-    x = g.conv(x, param("conv_proj.weight"), param("conv_proj.bias"), stride=cfg.patch_size)
+    x = g.conv(x, w["conv_proj.weight"], w["conv_proj.bias"], stride=cfg.patch_size)
     x = g.transpose(g.reshape(x, (batch, d, grid * grid)), (0, 2, 1))
-    cls = g.expand(param("class_token"), (batch, 1, d))
-    x = g.add(g.concat([cls, x], 1), param("encoder.pos_embedding"))
-    for i in range(cfg.num_layers):
+    cls = g.expand(w["class_token"], (batch, 1, d))
+    x = g.add(g.concat([cls, x], 1), w["encoder.pos_embedding"])
+    for i in range(cfg.num_layers):           # pre-norm: x + attention(ln_1 x), x + mlp(ln_2 x)
         p = f"encoder.layers.encoder_layer_{i}."
-        h = g.layer_norm(x, param(p + "ln_1.weight"), param(p + "ln_1.bias"), eps=cfg.ln_eps)
-        q, k, v = (lin(h, f"{p}self_attention.{m}", (d, d)) for m in "qkv")
-        a = g.attention(q, k, v, num_heads=nh)
-        x = g.add(x, lin(a, p + "self_attention.out_proj", (d, d)))
-        h = g.layer_norm(x, param(p + "ln_2.weight"), param(p + "ln_2.bias"), eps=cfg.ln_eps)
-        h = lin(lin(h, p + "mlp.0", (cfg.mlp_dim, d), activation="gelu"), p + "mlp.3",
-                (d, cfg.mlp_dim))
-        x = g.add(x, h)
-    x = g.layer_norm(x, param("encoder.ln.weight"), param("encoder.ln.bias"), eps=cfg.ln_eps)
+        h = norm(w, p + "ln_1", x, eps=eps, kind="layer")
+        names = tuple(f"{p}self_attention.{m}" for m in ("q", "k", "v", "out_proj"))
+        x = g.add(x, encoder_attention(w, h, names, num_heads=cfg.num_heads))
+        h = norm(w, p + "ln_2", x, eps=eps, kind="layer")
+        x = g.add(x, mlp(w, h, p + "mlp.0", p + "mlp.3", activation="gelu"))
+    x = norm(w, "encoder.ln", x, eps=eps, kind="layer")
     cls_out = g.reshape(g.narrow(x, 1, 0, 1), (batch, d))
-    g.set_outputs([lin(cls_out, "heads.head", (cfg.num_classes, d))])
+    g.set_outputs([w.linear(cls_out, "heads.head")])
     return g
 
 
@@ -371,4 +375,5 @@ class ViT(_Classifier):
 
 
 __all__ = ["ARCHS", "ResNet", "ResNetConfig", "ViT", "ViTConfig", "build_resnet", "build_vit",
-           "fold_batch_norms", "resnet_param_shapes", "vit_param_shapes", "split_in_proj"]
+           "fold_batch_norms", "resnet_param_shapes", "vit_param_shapes", "vit_graph_shapes",
+           "split_in_proj"]

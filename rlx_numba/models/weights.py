@@ -24,6 +24,7 @@ def _need(module: str, extra: str = "models"):
 
 
 def is_float(arr) -> bool:
+    """Whether an array holds floats (bf16 included: ml_dtypes)."""
     import ml_dtypes
     return arr.dtype.kind in FLOAT_KINDS or arr.dtype == ml_dtypes.bfloat16
 
