@@ -1,8 +1,9 @@
 """compile(): a Graph becomes a CudaExecutable, one stage after another.
 
-    legalise   conv-family nodes cuDNN will not run become im2col / col2im and products or
-               numba implicit-GEMM nodes (lower_vision.py conv_tier), FFT nodes cuFFT will not
-               run the numba tier's nodes (lower_fft.py fft_tier), on a copy of the graph
+    legalise   ops that choose their tier here (OpDef.choose: the conv family,
+               lower_vision.py conv_tier; the FFTs, lower_fft.py fft_tier) and got a tier that
+               rewrites them become that tier's ops (im2col / col2im and products, numba
+               implicit-GEMM nodes, the numba FFT nodes), on a copy of the graph
     validate   the graph has outputs; what runs: the outputs' ancestors and every in-place
                write (a kv_write into a param matters even when nothing reads it)
     views      nodes that own no memory alias their input (reshape, same-dtype cast, the
@@ -24,7 +25,8 @@
 
 The stages up to ``plan`` are runtime/plan.py, ``bind`` .. ``AOT`` runtime/program.py (a
 Program), the runner runtime/executable.py (a CudaExecutable runs the Program); this module
-is the public entry above them.
+is the public entry above them (``legalise`` and ``plan_graph`` are re-exported for a look
+at the stages, e.g. notebooks/08).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from .ir.graph import Graph
 from .modes import CompileMode, ExecMode
 from .runtime.executable import CudaExecutable, compile_graph
 from .runtime.params import ParamStore
+from .runtime.plan import legalise, plan_graph  # noqa: F401 (the stages, for a look)
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
