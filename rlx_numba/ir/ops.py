@@ -136,7 +136,8 @@ def product_dtype(op, named) -> dt.DType:
     the same for all (torch's rule: no promotion inside a product; cast one first)."""
     for arg, t in named:
         if t.dtype not in PRODUCT_DTYPES:
-            raise ValueError(f"{op}: {arg} must be f32, f16 or bf16, got {t.dtype} {fmt(t.shape)}")
+            raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)} (or f16 / "
+                             f"bf16: every float operand of one dtype)")
     (arg0, t0), *rest = named
     for arg, t in rest:
         if t.dtype != t0.dtype:
