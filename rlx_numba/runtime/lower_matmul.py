@@ -21,7 +21,15 @@ Each product is planned once, at compile time, taking the first tier whose preco
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
-generated element-wise kernel over the output, in place. Batch dims broadcast; a 2-D weight
+generated element-wise kernel over the output, in place.
+
+f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
+their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
+tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
+loading and storing through kernels/halfio.py. An epilogue the tier does not fuse is not
+applied to a rounded product: the tier writes f32 to a scratch of the node's and the
+element-wise kernel rounds once on its store. Tier 0 (an f32 graph's set_param_half weight)
+and tier 3 (f32 activations) pass them over, saying why. Batch dims broadcast; a 2-D weight
 folds the leading dims of A into M (one GEMM). An operand produced by a transpose of its last
 two axes whose every consumer is a product is not materialised: it reaches the GEMM as an
 op-T flag (``absorbed_transposes``).
