@@ -3,8 +3,6 @@ dtype (torch semantics), against float64 NumPy on the same half-rounded inputs
 (tests/halfref.py); shapes, batch broadcasting, absorbed transposes, every epilogue, a case
 that half accumulation fails, the mixed-dtype errors, gradients, and (on a GPU) the cuBLASLt
 and GemmEx tiers forced one at a time."""
-import logging
-
 import numpy as np
 import pytest
 
@@ -159,24 +157,39 @@ def test_mixed_dtypes_raise():
         g.matmul_bias_activation_bwd(g.input("dy", (2, 4)), x, w)
 
 
-def test_half_product_passes_over_the_skinny_tier_with_a_reason(rng, monkeypatch, caplog):
-    """Tier 3 (kernels/gemv.py) reads f32 activations: a half product names why it took the
-    next tier."""
+@pytest.mark.parametrize("d", HALVES)
+@pytest.mark.parametrize("act,res", [(None, False), ("silu", True)])
+def test_half_skinny_tier(rng, monkeypatch, d, act, res):
+    """Tier 3 (kernels/gemv.py) on a half product: x, the weight (a half param, stored [N, K]),
+    bias, residual and y in the one dtype, f32 sums, the epilogue rounded once."""
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3")
-    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    m, k, n = 3, 40, 12
     g = rlx.Graph("skinnyh")
-    x = g.input("x", (2, 16), "bf16")
-    w = g.param("w", (4, 16), "bf16")
-    g.set_outputs([g.linear(x, g.transpose(w, (1, 0)))])
-    with caplog.at_level(logging.WARNING, logger="rlx_numba"):
-        exe = rlx.compile(g)
+    x, r = g.input("x", (m, k), d), g.input("r", (m, n), d)
+    w, c = g.param("w", (k, n), d), g.param("c", (n,), d)
+    g.set_outputs([g.linear(x, w, c, activation=act, residual=r if res else None)])
+    exe = rlx.compile(g)
     step = next(s for s in exe.steps if "tier" in s.info)
-    assert step.info["tier"] == 4
-    assert any("tier 3: the activations are bf16" in w for w in step.info["why"]), step.info["why"]
-    xv, wv = data(rng, (2, 16), "bf16"), data(rng, (4, 16), "bf16")
+    assert step.info["tier"] == 3, step.info["why"]
+    assert f"{d}x{d}" in step.kernel_name, step.kernel_name
+    xv, wv, cv, rv = (data(rng, s, d) for s in ((m, k), (k, n), (n,), (m, n)))
     exe.set_param("w", wv)
-    (got,) = exe.run({"x": xv})
-    assert_half_close(got, f64(xv) @ f64(wv).T, "bf16")
+    exe.set_param("c", cv)
+    (got,) = exe.run({"x": xv, "r": rv})
+    want = act64(act, f64(xv) @ f64(wv) + f64(cv)) + (f64(rv) if res else 0)
+    assert_half_close(got, want, d, what=f"tier 3 {act}")
+
+
+def test_half_skinny_tier_passed_over_with_a_reason(monkeypatch):
+    """A half product tier 3 cannot take (its weight is an input stored [K, N]) says why."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3")
+    g = rlx.Graph("skinnyh2")
+    x, w = g.input("x", (2, 16), "bf16"), g.input("w", (16, 4), "bf16")
+    g.set_outputs([g.linear(x, w)])
+    step = next(s for s in rlx.compile(g).steps if "tier" in s.info)
+    assert step.info["tier"] == 4
+    assert any(w.startswith("tier 3: the weight is not a 2-D matrix stored [N, K]")
+               for w in step.info["why"]), step.info["why"]
 
 
 def test_half_arena_holds_half_bytes():

@@ -92,13 +92,15 @@ def absorbed_transposes(graph: Graph, live_outputs) -> set:
 
 
 def transposed_weights(graph: Graph, live_outputs) -> set:
-    """2-D f32 params read only as a product's weight (B): stored transposed, [N, K] as
-    nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are about twice as fast as
-    NN on the skinny products of decoding and small batches: 3.9 against 7.5 us for
-    16x256x256 on an H200). set_param / set_param_half transpose on the way in."""
+    """2-D float params (f32, f16, bf16) read only as a product's weight (B): stored
+    transposed, [N, K] as nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are
+    about twice as fast as NN on the skinny products of decoding and small batches: 3.9
+    against 7.5 us for 16x256x256 on an H200). set_param / set_param_half transpose on the
+    way in."""
     consumers = consumers_of(graph)
     return {n.id for n in graph.nodes
-            if n.op == "param" and n.dtype == dt.F32 and len(n.shape) == 2 and n.size
+            if n.op == "param" and n.dtype in (dt.F32, dt.F16, dt.BF16) and len(n.shape) == 2
+            and n.size
             and n.id not in live_outputs and consumers.get(n.id)
             and all(m.op in PRODUCTS and j == 1 for m, j in consumers[n.id])}
 
@@ -268,7 +270,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                                       src=dst, out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
-                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated)
+                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind)
                 us3, us = _timed_choice(ctx, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
@@ -472,17 +474,13 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     if batch > 1 or m > gv.MAX_M:
         why.append(f"tier 3: {'batched product' if batch > 1 else f'M = {m} > {gv.MAX_M}'}")
         return None
-    if np.dtype(a.buf.dtype) != np.float32:
-        why.append(f"tier 3: the activations are {io_kind(a.node.dtype)} (its kernel reads f32 "
-                   f"x, y, bias and residual)")
-        return None
     if a.trans or len(b.shape) != 2 or not b.trans:
         why.append("tier 3: the weight is not a 2-D matrix stored [N, K] (or A is transposed)")
         return None
-    half = ctx.half_param(b.node)
-    wbuf, kind = (half[1], str(half[0])) if half is not None else (b.buf, "f32")
-    if half is None and np.dtype(b.buf.dtype) != np.float32:
-        why.append(f"tier 3: the weight is {b.buf.dtype}")
+    wbuf, kind = _skinny_weight(ctx, b)
+    xkind = io_kind(a.node.dtype)    # a half product: x, y, bias, residual of its dtype
+    if xkind != "f32" and kind != xkind:
+        why.append(f"tier 3: {xkind} activations with a {kind} weight")
         return None
     vec = gv.vec_width(kind)
     if k % vec or not SIMULATOR and (device_ptr(wbuf) % 16 or device_ptr(a.buf) % 16):
@@ -496,7 +494,7 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
                                                                cpw=2 * cpw, geo=geo)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
-                          minb, gated)
+                          minb, gated, xkind)
     dummy = f32_dummy(ctx)
     part = ctx.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = ctx.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
@@ -504,13 +502,24 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     args = (out, a.buf, wbuf, ctx.buf(bias) if bias is not None else dummy,
             ctx.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
             np.int64(kchunk), np.int64(splits))
-    tags = "+".join(t for t in (kind, "bias" if bias is not None else "",
+    tags = "+".join(t for t in (kind if xkind == "f32" else f"{kind}x{xkind}",
+                                "bias" if bias is not None else "",
                                 f"gated {act}" if gated else act or "",
                                 "residual" if res is not None else "") if t)
     wbytes = n * k * np.dtype(wbuf.dtype).itemsize
     return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
                  f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
-                 {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
+                 {"bytes": wbytes + np.dtype(out.dtype).itemsize * (m * k + m * n),
+                  "splits": splits})]
+
+
+def _skinny_weight(ctx, b):
+    """(device array, kind) of the weight tier 3 reads: the half copy of an f32 param stored
+    by set_param_half, else the weight's own storage (f32, or a half product's f16 / bf16)."""
+    half = ctx.half_param(b.node)
+    if half is not None:
+        return half[1], str(half[0])
+    return b.buf, io_kind(b.node.dtype)
 
 
 def f32_dummy(ctx):
@@ -523,9 +532,8 @@ CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
 
-def _choice_key(ctx, b, m, n, k, epi, tier, gated=None) -> str:
-    half = ctx.half_param(b.node)
-    kind = str(half[0]) if half is not None else "f32"
+def _choice_key(ctx, b, m, n, k, epi, tier, gated=None, xkind="f32") -> str:
+    kind = _skinny_weight(ctx, b)[1] + ("" if xkind == "f32" else f"x{xkind}")
     tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
                                 f"gated-{gated}" if gated else "",
                                 "residual" if epi["residual"] is not None else "") if t)
