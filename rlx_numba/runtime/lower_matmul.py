@@ -28,11 +28,13 @@ their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute a
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
 loading and storing through kernels/halfio.py. An epilogue the tier does not fuse is not
 applied to a rounded product: the tier writes f32 to a scratch of the node's and the
-element-wise kernel rounds once on its store. Tier 0 (an f32 graph's set_param_half weight)
-and tier 3 (f32 activations) pass them over, saying why. Batch dims broadcast; a 2-D weight
-folds the leading dims of A into M (one GEMM). An operand produced by a transpose of its last
-two axes whose every consumer is a product is not materialised: it reaches the GEMM as an
-op-T flag (``absorbed_transposes``).
+element-wise kernel rounds once on its store. Tier 3 takes x, y, bias and residual in the
+half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
+(an f32 graph's set_param_half weight) passes them over, saying why.
+
+Batch dims broadcast; a 2-D weight folds the leading dims of A into M (one GEMM). An operand
+produced by a transpose of its last two axes whose every consumer is a product is not
+materialised: it reaches the GEMM as an op-T flag (``absorbed_transposes``).
 
 ``RLX_NUMBA_LOG_FALLBACK=1`` logs the tier of every product and why the tiers above it were
 passed over; the same goes in each step's ``info``. ``RLX_NUMBA_MATMUL_TIERS=2,4`` restricts
