@@ -192,6 +192,26 @@ def test_half_skinny_tier_passed_over_with_a_reason(monkeypatch):
                for w in step.info["why"]), step.info["why"]
 
 
+@pytest.mark.parametrize("d", HALVES)
+def test_half_product_chains_keep_their_roundings(rng, d):
+    """Element-wise ops written after a half product are not folded into it (the fold would
+    skip the product's rounding to half): bias + relu in half round twice, as written, and a
+    half product added to an f32 tensor (autocast's residual stream) is rounded first."""
+    g = rlx.Graph("chainh")
+    a, b = g.input("a", (5, 13), d), g.input("b", (13, 6), d)
+    c, x = g.input("c", (6,), d), g.input("x", (5, 6))
+    p = g.matmul(a, b)
+    g.set_outputs([g.relu(p + c), g.matmul(a, b) + x])
+    av, bv, cv = data(rng, (5, 13), d), data(rng, (13, 6), d), data(rng, (6,), d)
+    xv = rng.standard_normal((5, 6)).astype(np.float32)
+    y1, y2 = run_graph(g, {"a": av, "b": bv, "c": cv, "x": xv})
+    p64 = f64(rounded(f64(av) @ f64(bv), d))         # the product, rounded to half
+    assert_half_close(y1, np.maximum(f64(rounded(p64 + f64(cv), d)), 0), d, k=0.5,
+                      what="relu(p + c)")
+    assert y2.dtype == np.float32
+    np.testing.assert_allclose(y2, p64 + xv, rtol=1e-6, atol=1e-6)
+
+
 def test_half_arena_holds_half_bytes():
     """The product's buffers are sized by the node dtype: a bf16 graph's arena is half the f32
     one's."""

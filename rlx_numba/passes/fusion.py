@@ -244,7 +244,11 @@ def _expr(nodes, nid, root, members, leaves) -> tuple:
 def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     """The matmul node computing ``activation(mm + bias) + residual`` when the region
     ``members`` is exactly that chain over ``mm`` (all f32), else None. An add in
-    ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier)."""
+    ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier).
+    A half product is never folded: its chain rounds the product to half before the adds
+    (an f32 add of it, under autocast, included) and the fold would not."""
+    if mm.dtype != dt.F32:
+        return None
     shape, n_cols = mm.shape, mm.shape[-1]
     chain, cur = [], mm.id
     bias = act = res = None

@@ -203,6 +203,9 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     out = ctx.buf(n)
     kind = io_kind(n.dtype)     # f16 / bf16 products: half operands, f32 sums, half result
     half = kind != "f32"
+    if a.node.dtype != n.dtype:   # (an f32 graph's half-stored weight is an f32 node)
+        raise ValueError(f"{name}: a product of {a.node.dtype} operands cannot write "
+                         f"{n.dtype} (a fold must keep the product's dtype)")
     m, k, ncols = a.shape[-2], a.shape[-1], b.shape[-1]
     batch_shape = tuple(out_shape[:-2])
     if len(b.shape) == 2 and not a.trans:       # fold A's leading dims into M: one GEMM
