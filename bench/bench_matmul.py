@@ -17,7 +17,8 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
                 same dtype                                                 (bar 0.90 at 8192x1024x4096)
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
-  python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu] [--iters 10]
+  python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]
+      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu]
 """
 from __future__ import annotations
 

@@ -430,7 +430,7 @@ def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds
     """cublasSgemm (strided / pointer-array batched) for f32; for f16 / bf16 operands
     cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx with f32 compute, C of the operands'
     type, or f32 into a scratch when an epilogue kernel follows (``kinds[1]``)."""
-    from ..cublas import api, gemm
+    from ..cublas import gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
     kind, out_kind = kinds
     if kind != "f32":
