@@ -97,8 +97,8 @@ def _bias(g, op, bias, cout, y, d):
         return y
     g.check(op, "bias", bias)
     if tuple(bias.shape) != (cout,) or bias.dtype != y.dtype:     # torch's rule: x's dtype
-        raise ValueError(f"{op}: bias must be {y.dtype} [{cout}] (x's dtype, one per output "
-                         f"channel), got {_desc(bias)}")
+        raise ValueError(f"{op}: bias must be {y.dtype} [{cout}] (one per output channel), got "
+                         f"{_desc(bias)} (bias takes x's dtype, as torch's {op})")
     return g.add(y, g.reshape(bias, (cout,) + (1,) * d))
 
 
@@ -446,12 +446,14 @@ def _per_channel(g, op, x, named):
         if t is None and arg in ("gamma", "beta"):
             continue
         g.check(op, arg, t)
-        first = first or (arg, t)
+        want = (first[1].dtype if first else
+                "f32" if x.dtype == dt.F32 else f"f32 or {x.dtype}")
         if (tuple(t.shape) != (c,) or t.dtype not in (dt.F32, x.dtype)
-                or t.dtype != first[1].dtype):
-            raise ValueError(f"{op}: {arg} must be [{c}] (one per channel of x {_desc(x)}) in f32 "
-                             f"or x's dtype, the same as {first[0]} {_desc(first[1])}; got "
-                             f"{_desc(t)}")
+                or first and t.dtype != first[1].dtype):
+            raise ValueError(f"{op}: {arg} must be {want} [{c}] (one per channel of x "
+                             f"{_desc(x)}; the per-channel operands f32 or x's dtype, all "
+                             f"one), got {_desc(t)}")
+        first = first or (arg, t)
 
 
 def _channel_affine(g, x, center, scale, shift, var_eps=None):
@@ -531,12 +533,14 @@ def half_product(dtype) -> bool:
 
 
 def _product(g, a, b, dtype):
-    """a @ b in ``dtype``; where matmul takes no half yet, its operands go to f32 and the
-    product back (still one rounding of an f32 accumulation, at two passes' cost)."""
+    """a @ b of ``dtype`` operands: in that dtype where matmul takes it, else in f32 (the
+    operands cast up, the product left f32: the caller rounds once, at its end)."""
     if half_product(dtype):
-        y = g.matmul(a, b)
-    else:
-        y = g.matmul(g.cast(a, dt.F32), g.cast(b, dt.F32))
+        return g.matmul(a, b)
+    return g.matmul(g.cast(a, dt.F32), g.cast(b, dt.F32))
+
+
+def _rounded(g, y, dtype):
     return y if y.dtype == dtype else g.cast(y, dtype)
 
 
@@ -546,9 +550,10 @@ def expand_conv(g, node, ins):
       conv            cols = im2col(x); y = w [G, K/G, R] @ cols
       conv_transpose  cols = w^T @ z; img = col2im(cols)
       conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T
-    im2col and col2im take half natively; the products run in half where matmul takes it
-    (``_product``). A half weight gradient takes its products and their batch sum in f32 and
-    rounds once (a half product would round each sample's partial before the sum)."""
+    im2col and col2im take half natively; the products run in half where matmul takes it, else
+    in f32 (``_product``; conv_transpose's col2im then sums f32 columns), the result rounded
+    once. A half weight gradient takes its products and their batch sum in f32 and rounds once
+    (a half product would round each sample's partial before the sum)."""
     a = node.attrs
     groups, k = a["groups"], a["kernel"]
     if node.op == "conv_transpose":
@@ -558,7 +563,8 @@ def expand_conv(g, node, ins):
         wt = g.transpose(g.reshape(w, (groups, kc // groups, r)), (0, 2, 1))
         cols = _product(g, wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))),
                         node.dtype)
-        return g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
+        img = g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
+        return _rounded(g, img, node.dtype)
     x = ins[0]
     out_shape = node.shape if node.op == "conv" else ins[1].shape
     kc = out_shape[1]
@@ -570,7 +576,7 @@ def expand_conv(g, node, ins):
             g.bind("im2col", (x,), groups=groups, **conv_geometry(node, x.shape, out_shape)))
     if node.op == "conv":
         y = _product(g, g.reshape(ins[1], (groups, kc // groups, r)), cols, node.dtype)
-        return g.reshape(y, node.shape)
+        return g.reshape(_rounded(g, y, node.dtype), node.shape)
     dy = g.reshape(ins[1], (n, groups, kc // groups, length))
     half = node.dtype != dt.F32
     if half:

@@ -61,7 +61,8 @@ def _step(ctx, n, kern, args, src_nodes, what, line_shape):
 def _lower_im2col(ctx, n):
     x = ctx.graph.nodes[n.inputs[0]]
     nc = x.shape[0] * x.shape[1]
-    return _step(ctx, n, K.im2col_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)), (np.uint64(nc),), [x], "im2col",
+    return _step(ctx, n, K.im2col_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)),
+                 (np.uint64(nc),), [x], "im2col",
                  (nc,) + _3d(n.attrs, "cols", 1))
 
 
@@ -69,7 +70,8 @@ def _lower_im2col(ctx, n):
 def _lower_col2im(ctx, n):
     cols = ctx.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    return _step(ctx, n, K.col2im_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)), (np.uint64(nc),), [cols], "col2im",
+    return _step(ctx, n, K.col2im_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)),
+                 (np.uint64(nc),), [cols], "col2im",
                  (nc,) + _3d(n.attrs, "image", 1))
 
 
