@@ -204,6 +204,21 @@ def test_conv_tiers_in_half(rng, monkeypatch, dtype, tiers):
     assert ("col2im" in names) == (tiers == "1"), names
 
 
+@pytest.mark.parametrize("dtype", HALVES)
+def test_conv_tier_choice_in_half(monkeypatch, dtype):
+    """A half 1x1 conv takes tier 1 (one product, no im2col) only where matmul takes half;
+    until then the numba kernel reads the half data, and the reason says so."""
+    from rlx_numba.runtime.lower_vision import conv_tier
+    g = rlx.Graph("choice")
+    y1 = g.conv(g.input("x", (1, 2, 6, 6), dtype), g.input("w", (3, 2, 1, 1), dtype))
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "1,2")
+    if half_product(rlx.dtype(dtype)):
+        assert conv_tier(g, y1.node)[0] == 1
+    else:
+        assert conv_tier(g, y1.node) == (2, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS; "
+                                            f"tier 1: matmul takes no {dtype} operands yet")
+
+
 def _accumulation_case(rng, dtype):
     """x, w all in [0.5, 1.5): conv's 64 channels x 9 taps = 576 positive products, sum ~ 576.
     A half accumulator rounds each partial sum: f16 (11 bits) has an ulp of 0.25-0.5 above

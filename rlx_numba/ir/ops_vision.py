@@ -15,6 +15,11 @@ conv is im2col, then w [G, Cout/G, C/G * prod(k)] @ cols (a batched product: cuB
 the numba SGEMM in the simulator); conv_transpose is w^T @ x and col2im; conv_wgrad is the sum
 over the batch of dy @ cols^T. Bias is a broadcast add after the node.
 Kernels: kernels/conv.py; lowering: runtime/lower_vision.py.
+
+Every op here takes f32, f16 or bf16 (dtype rule "f32": loads widen, math and sums in f32, one
+rounding to the result, which is in x's dtype). conv's x and w (and conv_wgrad's x and dy) must
+share one dtype, and bias is in it too, as torch requires; batch norm's per-channel operands
+are f32 or x's dtype (torch's cuDNN batch norm takes f32 statistics with half x).
 """
 from __future__ import annotations
 
