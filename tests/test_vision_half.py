@@ -205,6 +205,35 @@ def test_conv_tiers_in_half(rng, monkeypatch, dtype, tiers):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+def test_conv_and_pool_vjps_in_half(rng, dtype):
+    """g.grad through conv and max pool in half: dx a half conv_transpose, dw a half
+    conv_wgrad, the pool's a half pool_grad (the seed s is dy exactly)."""
+    kw = dict(stride=2, padding=1, groups=2)
+    a = _inputs(rng, dtype, x=(2, 4, 7, 6), w=(6, 2, 3, 3), s=(2, 6, 4, 3), t=(2, 4, 3, 3))
+    g = rlx.Graph("vjp")
+    x, w, sd, td = (g.input(n, v.shape, dtype) for n, v in a.items())
+    y = g.conv(x, w, **kw)
+    p = g.pool(x, "max", 2)
+    dx, dw = g.grad(g.reduce_sum(g.mul(y, sd)), [x, w])
+    (dxp,) = g.grad(g.reduce_sum(g.mul(p, td)), [x])
+    g.set_outputs([dx, dw, dxp])
+    got_dx, got_dw, got_dxp = run_graph(g, a)
+    # dx is the transpose at x's size: its width 6 is conv_transpose's 5 + output_padding 1
+    want_dx = conv_t_ref(a["s"], a["w"], 2, 1, output_padding=(0, 1), groups=2)
+    assert_half_close(got_dx, want_dx, dtype, what="conv dx")
+    assert_half_close(got_dw, wgrad_ref(a["x"], a["s"], (3, 3), 2, [(1, 1), (1, 1)], 1, 2),
+                      dtype, what="conv dw")
+    xx = f64(a["x"])[:, :, :6, :6].reshape(2, 4, 3, 2, 3, 2).transpose(0, 1, 2, 4, 3, 5)
+    first = xx.reshape(2, 4, 3, 3, 4).argmax(-1)
+    want_p = np.zeros((2, 4, 3, 3, 4))
+    np.put_along_axis(want_p, first[..., None], f64(a["t"])[..., None], -1)
+    want_dxp = np.zeros(a["x"].shape)
+    want_dxp[:, :, :6, :6] = (want_p.reshape(2, 4, 3, 3, 2, 2).transpose(0, 1, 2, 4, 3, 5)
+                              .reshape(2, 4, 6, 6))
+    assert_half_close(got_dxp, want_dxp, dtype, k=1, what="max pool dx")
+
+
+@pytest.mark.parametrize("dtype", HALVES)
 def test_conv_tier_choice_in_half(monkeypatch, dtype):
     """A half 1x1 conv takes tier 1 (one product, no im2col) only where matmul takes half;
     until then the numba kernel reads the half data, and the reason says so."""
@@ -479,7 +508,7 @@ def test_cudnn_in_half(rng, monkeypatch, dtype):
     a = _inputs(rng, dtype, x=(2, 4, 9, 8), w=(6, 2, 3, 3), z=(2, 6, 5, 4))
     xa, wa, pads = _accumulation_case(rng, dtype)
     a["xa"], a["wa"] = xa, wa
-    dys = (2, 6, 5, 4)
+    dys = (2, 6, 5, 6)                  # conv's output for x, w and kw
     a["dy"] = rounded(rng.standard_normal(dys), dtype)
     g = rlx.Graph("cudnn")
     x, w, z, xat, wat, dy = (g.input(n, v.shape, dtype) for n, v in a.items())
