@@ -14,8 +14,12 @@ from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 
-def _dummy(ctx):
-    return ctx.shared("rows_dummy", lambda: np.zeros(1, np.float32))
+def _dummy(ctx, dtype=None):
+    """A one-element stand-in for an absent operand, in that operand's storage dtype (a kernel
+    compiled for bf16 x then sees uint16 wherever it would have seen x's dtype)."""
+    if dtype is None or dtype.storage == np.float32:
+        return ctx.shared("rows_dummy", lambda: np.zeros(1, np.float32))
+    return ctx.shared(f"rows_dummy_{dtype}", lambda: np.zeros(1, dtype.storage))
 
 
 @lowering("softmax", "log_softmax", "layer_norm", "rms_norm")
@@ -28,13 +32,14 @@ def _lower_rows(ctx, n):
     norm = kind in (rows.LAYER_NORM, rows.RMS_NORM)
     xk = io_kind(x.dtype)
     gk = io_kind(g.nodes[n.inputs[1]].dtype) if norm else "f32"
-    dummy = _dummy(ctx)
-    gamma = beta = res = sum_out = dummy
+    gamma = beta = _dummy(ctx)
+    res = sum_out = _dummy(ctx, x.dtype)
     has_beta = has_res = write_sum = False
     eps = np.float32(n.attrs.get("eps", 0.0))
     if norm:
         ins = list(n.inputs[1:])
         gamma = ctx.buf(ins.pop(0))
+        beta = _dummy(ctx, g.nodes[n.inputs[1]].dtype)
         if n.attrs["has_beta"]:
             beta, has_beta = ctx.buf(ins.pop(0)), True
         if n.attrs["has_residual"]:
@@ -119,7 +124,7 @@ def _lower_norm_bwd(ctx, n):
     if x.size == 0:
         return []
     has_res = n.attrs["has_residual"]
-    res = ctx.buf(n.inputs[3]) if has_res else _dummy(ctx)
+    res = ctx.buf(n.inputs[3]) if has_res else _dummy(ctx, x.dtype)
     stats, write = _dummy(ctx), False
     for r in g.nodes[n.id].results:   # a live norm_bwd_stats: the kernel stores each row's stats
         if r in ctx.live:
@@ -147,7 +152,7 @@ def _lower_norm_param_bwd(ctx, n):
     g = ctx.graph
     dy, x = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
     has_res = n.attrs["has_residual"]
-    res = ctx.buf(n.inputs[2]) if has_res else _dummy(ctx)
+    res = ctx.buf(n.inputs[2]) if has_res else _dummy(ctx, x.dtype)
     stats = ctx.buf(n.inputs[-1])
     axis = n.attrs["axis"]
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
