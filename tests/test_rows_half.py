@@ -12,12 +12,22 @@ import pytest
 import rlx_numba as rlx
 from rlx_numba.ir import dtypes as dt
 from rlx_numba.ir.opdef import F32, opdef
+from rlx_numba.kernels import rows
+from rlx_numba.kernels.launch import override_geometry
+from conftest import ON_GPU
 from halfref import HALVES, HOST, assert_half_close, f64, rounded
 
-# (shape, axis, the kernel the forward takes in the simulator: rows_reg holds at most 32 x 16
-# values a row there, longer rows stream through rows_loop, a leading axis goes to cols)
+# (shape, axis, the kernel the forward takes under the simulator's row geometry, which every
+# test here runs, on a GPU too: rows_reg holds at most 32 x 16 values a row, longer rows
+# stream through rows_loop, a leading axis goes to cols)
 LAYOUTS = [((3, 37), -1, "rows_reg"), ((2, 129), -1, "rows_reg"), ((1, 600), -1, "rows_loop"),
            ((37, 3), 0, "rows_cols")]
+
+
+@pytest.fixture(autouse=True)
+def small_row_geometry():
+    with override_geometry("rows", rows.SIM):
+        yield
 
 
 def run(g, feeds):
@@ -189,8 +199,8 @@ def np_norm_bwd(kind, dy, h, gam, ax, eps):
     gg = dy * gam.reshape(bshape(h.shape, ax))
     dh = rstd * (gg - (gg.mean(ax, keepdims=True) if kind == "layer_norm" else 0.0)
                  - xh * (gg * xh).mean(ax, keepdims=True))
-    rows = tuple(i for i in range(h.ndim) if i != ax % h.ndim)
-    return dh, (dy * xh).sum(rows), dy.sum(rows), mu, rstd
+    over = tuple(i for i in range(h.ndim) if i != ax % h.ndim)
+    return dh, (dy * xh).sum(over), dy.sum(over), mu, rstd
 
 
 @pytest.mark.parametrize("dtype", HALVES)
@@ -216,8 +226,9 @@ def test_norm_bwd(rng, dtype, gdtype, kind, shape, ax, res):
     (stats,) = dh.node.results
     g.set_outputs([dh, dgam, dbet, g.tensor(stats)])
     (gdh, gdg, gdb, gst), kernels = run(g, {"x": xv, "r": rv, "dy": dyv, "g": gv, "b": bv})
-    rows = int(np.prod(shape)) // n
-    assert any(k.startswith("norm_param_sum") for k in kernels) == (rows > 2), kernels
+    nrows = int(np.prod(shape)) // n
+    if not ON_GPU:   # the simulator's plan: two row chunks whenever there are 3+ rows
+        assert any(k.startswith("norm_param_sum") for k in kernels) == (nrows > 2), kernels
     h = rounded(np.float32(xv) + np.float32(rv), dtype) if res else xv
     want = np_norm_bwd(kind, f64(dyv), f64(h), f64(gv), ax, eps)
     assert_half_close(gdh, want[0], dtype, k=3, what="dh")
@@ -226,7 +237,7 @@ def test_norm_bwd(rng, dtype, gdtype, kind, shape, ax, res):
     kp = 64 if gdtype == "f32" else 3
     assert_half_close(gdg, want[1], gdtype, k=kp, what="dgamma")
     assert_half_close(gdb, want[2], gdtype, k=kp, what="dbeta")
-    assert gst.dtype == np.float32 and gst.shape == (rows, 2)
+    assert gst.dtype == np.float32 and gst.shape == (nrows, 2)
     mu, rstd = (np.moveaxis(v, ax, -1).reshape(-1) for v in want[3:])
     np.testing.assert_allclose(gst[:, 1], rstd, rtol=1e-5)
     np.testing.assert_allclose(gst[:, 0], mu, rtol=1e-5, atol=1e-5)
@@ -319,9 +330,9 @@ def test_cross_entropy(rng, dtype, reduction, eps, shape):
     assert dx.dtype == dt.dtype(dtype)
     g.set_outputs([loss, dx])
     (got, gdx), _ = run(g, {"x": xv, "y": lab})
-    rows, grad = np_cross_entropy(f64(xv), lab, ignore, eps)
+    per_row, grad = np_cross_entropy(f64(xv), lab, ignore, eps)
     count = (lab != ignore).sum()
-    want = {"none": rows, "sum": rows.sum(), "mean": rows.sum() / count}[reduction]
+    want = {"none": per_row, "sum": per_row.sum(), "mean": per_row.sum() / count}[reduction]
     assert_half_close(got, np.asarray(want), dtype, k=3, what="loss")
     scale = 1.0 / count if reduction == "mean" else 1.0   # (the f32 row gradient dy)
     assert_half_close(gdx, grad * scale, dtype, k=4, what="d logits")
