@@ -190,8 +190,8 @@ def _lower_attention_bwd(ctx, n):
             np.int64(n.size // 2 if kind == AB.DKV else 0))
     per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
     flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
-    desc = f"{n.op}{_tag(kinds[0])} D={a['d']} {'causal ' if a['causal'] else ''}{a['b']}x{a['hq']}/{a['hkv']}" \
-           f"x{a['sq']}x{a['sk']}"
+    desc = f"{n.op}{_tag(kinds[0])} D={a['d']} {'causal ' if a['causal'] else ''}" \
+           f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}"
     geo = default_geometry("attention")
     grid, block = AB.launch(geo, kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
     return [Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags,
