@@ -265,3 +265,28 @@ def test_dtype_errors():
     with pytest.raises(ValueError, match=r"attention: q must be f32, f16 or bf16, got i32"):
         qi = g.input("qi", (1, 2, 5, 16), "i32")
         g.attention(qi, qi, qi)
+
+
+# ---- the GPU's tile geometry (the simulator runs it too; on a GPU it is the default) ----------
+@pytest.mark.skipif(not rlx.simulator_enabled(), reason="on a GPU the GPU geometry is the default")
+def test_gpu_geometry(rng, monkeypatch):
+    """Half loads at the GPU's shapes: the flash kernel's 128 threads and 64 x 64 tiles (two key
+    tiles, head dims past a 16-dim chunk), the decode kernel's 4 warps over splits, and the
+    backward's dQ / dK / dV kernels."""
+    from rlx_numba.kernels.launch import override_geometry
+    with override_geometry("attention", A.GPU):
+        with monkeypatch.context() as mp:
+            mp.setattr(A, "decode_rows", lambda g, sq, d: None)
+            run_half(rng, "bf16", (1, 1, 3, 20), (1, 1, 70, 20), mask_shape=(3, 70),
+                     bias_shape=(3, 70), causal=True, window=68, scale=0.2, softcap=3.0)
+        with monkeypatch.context() as mp:
+            mp.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 40), 40))
+            run_half(rng, "f16", (1, 4, 1, 64), (1, 2, 100, 64), causal=True, softcap=2.0)
+        g, (q, k, v), _, y = _graph("f16", (1, 1, 3, 5), (1, 1, 4, 5), causal=True)
+        feed = _feed(rng, "f16", (1, 1, 3, 5), (1, 1, 4, 5))
+        seed = rounded(rng.standard_normal((1, 1, 3, 5)), "f16")
+        g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed)))
+        got = rlx.compile(g).run(feed)
+        want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+        for gv, wv in zip(got, want):
+            assert_half_close(gv, wv, "f16", k=4.0, scale=np.abs(wv).max())
