@@ -23,10 +23,14 @@ CASES = [((2, 3, 7, 16), None, 0, None), ((1, 2, 5, 12), 8, 3, None),
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("shape,n_rot,offset,posmode", CASES)
 def test_rope(rng, dt, interleaved, shape, n_rot, offset, posmode):
+    """f32 tables, or tables in x's dtype (a model converted to half: HF casts them so) for
+    every other case."""
     b, s, d = shape[0], shape[-2], shape[-1]
     nr = d if n_rot is None else n_rot
     max_pos = offset + s + 4
     cos, sin = tables(max_pos, nr)
+    if (CASES.index((shape, n_rot, offset, posmode)) + interleaved) % 2:
+        cos, sin = rounded(cos, dt), rounded(sin, dt)
     xv = rounded(rng.standard_normal(shape), dt)
     g = rlx.Graph("rope_half")
     x = g.input("x", shape, dt)
@@ -40,7 +44,7 @@ def test_rope(rng, dt, interleaved, shape, n_rot, offset, posmode):
     assert y.dtype == x.dtype
     g.set_outputs([y])
     (got,) = rlx.compile(g).run(feed)
-    assert_half_close(got, np_rope(f64(xv), cos, sin, pos, nr, interleaved), dt)
+    assert_half_close(got, np_rope(f64(xv), f64(cos), f64(sin), pos, nr, interleaved), dt)
 
 
 @pytest.mark.parametrize("dt", HALVES)
@@ -70,31 +74,38 @@ def test_rope_cancellation_half_arithmetic_would_fail(rng, dt):
 
 
 @pytest.mark.parametrize("dt", HALVES)
-def test_rope_grad(rng, dt):
-    """dx (x's dtype): dy rotated back; d cos / d sin of param tables (f32): per position,
-    sum over batch and heads of dy0 x0 + dy1 x1 and dy1 x0 - dy0 x1."""
+@pytest.mark.parametrize("half_tables", [False, True])
+def test_rope_grad(rng, dt, half_tables):
+    """dx (x's dtype): dy rotated back; d cos / d sin of param tables (the tables' dtype,
+    summed in f32): per position, sum over batch and heads of dy0 x0 + dy1 x1 and
+    dy1 x0 - dy0 x1."""
     shape, nr, off = (2, 3, 5, 8), 6, 2
-    cos, sin = tables(off + 5 + 2, nr)
+    tdt = dt if half_tables else "f32"
+    cos, sin = (rounded(t, tdt) for t in tables(off + 5 + 2, nr))
     xv, dyv = rounded(rng.standard_normal(shape), dt), rounded(rng.standard_normal(shape), dt)
     g = rlx.Graph("rope_grad")
     x = g.input("x", shape, dt)
-    c, sn = g.param("cos", cos.shape), g.param("sin", sin.shape)
+    c, sn = g.param("cos", cos.shape, tdt), g.param("sin", sin.shape, tdt)
     y = g.rope(x, c, sn, n_rot=nr, position_offset=off)
     dx, dc, ds = g.grad(y, [x, c, sn], seed=g.constant(dyv))
-    assert (dx.dtype.name, dc.dtype.name, ds.dtype.name) == (dt, "f32", "f32")
+    assert (dx.dtype.name, dc.dtype.name, ds.dtype.name) == (dt, tdt, tdt)
     g.set_outputs([dx, dc, ds])
     exe = rlx.compile(g)
     exe.set_param("cos", cos)
     exe.set_param("sin", sin)
     got = exe.run({"x": xv})
-    assert_half_close(got[0], np_rope(f64(dyv), cos, -sin, off + np.arange(5), nr, False), dt)
+    assert_half_close(got[0], np_rope(f64(dyv), f64(cos), -f64(sin), off + np.arange(5), nr,
+                                      False), dt)
     x64, d64 = f64(xv), f64(dyv)
     x0, x1, d0, d1 = x64[..., :3], x64[..., 3:6], d64[..., :3], d64[..., 3:6]
     want_c, want_s = np.zeros(cos.shape), np.zeros(sin.shape)
     want_c[off:off + 5] = (d0 * x0 + d1 * x1).sum((0, 1))
     want_s[off:off + 5] = (d1 * x0 - d0 * x1).sum((0, 1))
-    for gv, wv in zip(got[1:], (want_c, want_s)):     # f32 sums of exact half products
-        np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-5)
+    for gv, wv in zip(got[1:], (want_c, want_s)):
+        if half_tables:
+            assert_half_close(gv, wv, dt)
+        else:                         # f32 sums of exact products of half values
+            np.testing.assert_allclose(gv, wv, rtol=1e-5, atol=1e-5)
 
 
 # (B, S, Hq, Hkv, D, n_rot, max_S, cache position, interleaved, positions)
@@ -111,6 +122,8 @@ def test_rope_kv_write_half_caches(rng, dt, b, s, hq, hkv, d, n_rot, max_s, cpos
     nr = d if n_rot is None else n_rot
     max_pos = max_s + 3
     cos, sin = tables(max_pos, nr)
+    if inter:                         # tables in qkv's dtype
+        cos, sin = rounded(cos, dt), rounded(sin, dt)
     qkv = rounded(rng.standard_normal((b, s, (hq + 2 * hkv) * d)), dt)
     kc0 = rounded(rng.standard_normal((b, hkv, max_s, d)), dt)
     vc0 = rounded(rng.standard_normal((b, hkv, max_s, d)), dt)
@@ -132,8 +145,8 @@ def test_rope_kv_write_half_caches(rng, dt, b, s, hq, hkv, d, n_rot, max_s, cpos
     exe.set_param("kc", kc0)
     exe.set_param("vc", vc0)
     got = exe.run(feed)
-    wq, wk, wv = np_rope_kv_write(f64(qkv), cos, sin, f64(kc0), f64(vc0), cpos, pos, hq, hkv,
-                                  nr, inter)
+    wq, wk, wv = np_rope_kv_write(f64(qkv), f64(cos), f64(sin), f64(kc0), f64(vc0), cpos, pos,
+                                  hq, hkv, nr, inter)
     assert_half_close(got[0], wq, dt, what="q")
     assert_half_close(got[1], wk, dt, what="k cache")
     rows = np.zeros(max_s, bool)
@@ -184,11 +197,17 @@ def test_kv_write_half_and_dtype_errors():
                                          r"qkv is f16 \[1, 1, 16\]; the caches hold qkv's dtype"):
         g.rope_kv_write(qkv, cs, cs, kc, g.param("vc", (1, 2, 6, 4), "bf16"), 0, num_heads=2,
                         num_kv_heads=1)
-    with pytest.raises(ValueError, match=r"rope_kv_write: cos must be f32, got f16 \[6, 2\]"):
-        g.rope_kv_write(qkv, g.cast(cs, "f16"), cs, g.param("k2", (1, 1, 6, 4), "f16"),
+    with pytest.raises(ValueError, match=r"rope_kv_write: cos must be f32 or f16 \(qkv's dtype\), "
+                                         r"got bf16 \[6, 2\]"):
+        g.rope_kv_write(qkv, g.cast(cs, "bf16"), cs, g.param("k2", (1, 1, 6, 4), "f16"),
                         g.param("v2", (1, 1, 6, 4), "f16"), 0, num_heads=2, num_kv_heads=1)
-    with pytest.raises(ValueError, match=r"rope: sin must be f32, got bf16 \[6, 2\]"):
-        g.rope(g.input("x", (1, 2, 3, 4), "bf16"), cs, g.cast(cs, "bf16"))
+    x = g.input("x", (1, 2, 3, 4), "bf16")
+    with pytest.raises(ValueError, match=r"rope: sin must be f32 or bf16 \(x's dtype\), got f16 "
+                                         r"\[6, 2\]"):
+        g.rope(x, cs, g.cast(cs, "f16"))
+    with pytest.raises(ValueError, match=r"rope: cos f32 \[6, 2\] and sin bf16 \[6, 2\] must "
+                                         r"have the same dtype"):
+        g.rope(x, cs, g.cast(cs, "bf16"))
 
 
 @pytest.mark.parametrize("dt", HALVES)

@@ -2,8 +2,9 @@
 Kernels: kernels/rope.py; lowering: runtime/lower_rope.py.
 
 dtypes: x / qkv f32, f16 or bf16 (the result in that dtype; the rotation computed in f32),
-cos / sin f32 tables; a KV cache has the dtype of what is written into it (a half model keeps
-a half cache)."""
+the cos / sin tables f32 or x's dtype (HF's rotary embedding casts its f32 tables to x's
+dtype); a KV cache has the dtype of what is written into it (a half model keeps a half
+cache)."""
 from __future__ import annotations
 
 import operator
@@ -27,9 +28,11 @@ def _int(op, arg, v):
         return None
 
 
-def _f32(op, arg, t):
-    if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+def _table(op, arg, t, x, xname):
+    """cos / sin: f32, or the rotated operand's (half) dtype."""
+    if t.dtype not in (dt.F32, x.dtype):
+        want = "f32" if x.dtype == dt.F32 else f"f32 or {x.dtype} ({xname}'s dtype)"
+        raise ValueError(f"{op}: {arg} must be {want}, got {t.dtype} {fmt(t.shape)}")
 
 
 def _float(op, arg, t):
@@ -94,7 +97,10 @@ def infer_rope(x, cos, sin, *positions, n_rot, interleaved, position_offset):
         if len(t.shape) != 2 or t.shape[1] != half:
             raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {half}] "
                              f"(n_rot {n_rot}, x {fmt(x.shape)}), got {fmt(t.shape)}")
-        _f32(op, arg, t)
+        _table(op, arg, t, x, "x")
+    if cos.dtype != sin.dtype:
+        raise ValueError(f"{op}: cos {cos.dtype} {fmt(cos.shape)} and sin {sin.dtype} "
+                         f"{fmt(sin.shape)} must have the same dtype")
     if tuple(cos.shape) != tuple(sin.shape):
         raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
                          f"same shape")
@@ -167,7 +173,10 @@ def infer_rope_kv_write(qkv, cos, sin, k_cache, v_cache, *rest, num_heads, num_k
     op = "rope_kv_write"
     _float(op, "qkv", qkv)
     for arg, t in (("cos", cos), ("sin", sin)):
-        _f32(op, arg, t)
+        _table(op, arg, t, qkv, "qkv")
+    if cos.dtype != sin.dtype:
+        raise ValueError(f"{op}: cos {cos.dtype} {fmt(cos.shape)} and sin {sin.dtype} "
+                         f"{fmt(sin.shape)} must have the same dtype")
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != qkv.dtype:
             raise ValueError(f"{op}: {arg} is {t.dtype} {fmt(t.shape)} but qkv is {qkv.dtype} "
@@ -249,8 +258,8 @@ class RopeOps:
         D - n_rot pass through. Pairs are (i, i + n_rot/2) (NeoX / Llama half split) by
         default, (2i, 2i + 1) (GPT-J) with ``interleaved=True``; pair i of the token at
         position p becomes (x0 cos - x1 sin, x1 cos + x0 sin) with cos = cos[p, i],
-        sin = sin[p, i]. cos and sin are f32 [max_pos, n_rot/2] tensors (inputs, params or
-        constants), e.g. cos[p, i] = cos(p * base**(-2i/n_rot)).
+        sin = sin[p, i]. cos and sin are [max_pos, n_rot/2] tensors (inputs, params or
+        constants; f32, or x's dtype), e.g. cos[p, i] = cos(p * base**(-2i/n_rot)).
 
         The position of token s is ``position_offset + s`` (a Python int, checked here:
         position_offset + S <= max_pos), or ``positions[s]`` / ``positions[b, s]`` when
@@ -341,7 +350,7 @@ class RopeOps:
           cache_position + S - 1 (as kv_write: the results share the caches' memory; read the
           caches through them).
 
-        Rotation as in ``rope`` (``n_rot``, ``interleaved``, cos / sin f32 [max_pos, n_rot/2]);
+        Rotation as in ``rope`` (``n_rot``, ``interleaved``, cos / sin [max_pos, n_rot/2]);
         ``cache_position`` as kv_write's ``position`` (a Python int, or an i32/i64 tensor of
         shape [] or [1]; a host-array run() input is range-checked, an in-graph one is not: rows
         landing outside the cache are dropped). Token s's rope position is
@@ -402,7 +411,7 @@ def _vjp_rope(g, n, dy):
     rest = [None] if pos is not None else []
     if cos.node.op == "constant" and sin.node.op == "constant":    # the usual tables
         return [dx, None, None] + rest
-    if x.dtype != dt.F32:             # the tables' gradients are f32 (torch promotes too)
+    if x.dtype != dt.F32:             # the tables' gradients summed in f32
         x, dy = g.cast(x, dt.F32), g.cast(dy, dt.F32)
     x0, x1 = _pairs(g, x, nr, inter)
     d0, d1 = _pairs(g, dy, nr, inter)
@@ -428,6 +437,8 @@ def _vjp_rope(g, n, dy):
             p = g.reshape(pos, (pos.shape[0] * (pos.shape[1] if len(pos.shape) == 2 else 1),))
             p = g.min(g.max(p, 0), max_pos - 1)
             out.append(scatter_grad(g, zeros(g, (max_pos, half)), p, per_pos, 0))
+    if cos.dtype != dt.F32:           # half tables: their gradients in their dtype
+        out = [g.cast(t, cos.dtype) for t in out]
     return [dx, out[0], out[1]] + rest
 
 

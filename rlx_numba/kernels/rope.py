@@ -18,10 +18,10 @@ place; a row is one (token, head) (heads fastest, so neighbouring rows read neig
 query heads rotate into q [B, Hq, S, D], key heads rotate into the k cache, value heads are
 copied into the v cache, both at row cache_position + s of [B, Hkv, max_S, D].
 
-x, q, qkv and the caches are f32, f16 or bf16 (one storage ``kind`` a kernel, made by the
-factories below through kernels/halfio.py): loads widen to f32, the rotation is f32 math with
-the f32 cos / sin tables, and each store rounds once; the values copied into the v cache
-move bit for bit.
+x, q, qkv and the caches are f32, f16 or bf16 (one storage ``kind`` a kernel, the cos / sin
+tables ``tkind``: f32 or the same; kernels made by the factories below through
+kernels/halfio.py): loads widen to f32, the rotation is f32 math, and each store rounds once;
+the values copied into the v cache move bit for bit.
 
 All index math is uint64 (every scalar argument is np.uint64, literals are wrapped), see
 kernels/shape.py; only positions, which may be negative, are int64 until clamped.
@@ -39,9 +39,9 @@ HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
 
 
 @functools.cache
-def rope(kind: str = "f32"):
-    """The rope kernel for x and out of storage ``kind``."""
-    ld, st = halfio.load(kind), halfio.store(kind)
+def rope(kind: str = "f32", tkind: str = "f32"):
+    """The rope kernel for x and out of storage ``kind``, cos / sin of ``tkind``."""
+    ld, st, ldt = halfio.load(kind), halfio.store(kind), halfio.load(tkind)
 
     @jit
     def rope_kernel(out, x, cos, sin, pos, nrows, S, H, ngroups, D, half, ncols, pair_mul,
@@ -76,8 +76,8 @@ def rope(kind: str = "f32"):
             c = c0
             while c < ncols:
                 if c < half:
-                    cs = cos[p * half + c]
-                    sn = sin[p * half + c]
+                    cs = ldt(cos, p * half + c)
+                    sn = ldt(sin, p * half + c)
                     i0 = base + c * pair_mul
                     i1 = i0 + pair_gap
                     for u in range(HPT):
@@ -123,9 +123,9 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
 
 
 @functools.cache
-def _rotate_row_fn(kind: str):
-    """_rotate_row for src and dst of storage ``kind``."""
-    ld, st = halfio.load(kind), halfio.store(kind)
+def _rotate_row_fn(kind: str, tkind: str):
+    """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind``."""
+    ld, st, ldt = halfio.load(kind), halfio.store(kind), halfio.load(tkind)
 
     @cuda.jit(device=True)
     def _rotate_row(dst, do, src, so, cos, sin, cb, c, ncols, half, pair_mul, pair_gap, step):
@@ -137,8 +137,8 @@ def _rotate_row_fn(kind: str):
                 i1 = i0 + pair_gap
                 a = ld(src, so + i0)
                 b = ld(src, so + i1)
-                cs = cos[cb + c]
-                sn = sin[cb + c]
+                cs = ldt(cos, cb + c)
+                sn = ldt(sin, cb + c)
                 st(dst, do + i0, a * cs - b * sn)
                 st(dst, do + i1, b * cs + a * sn)
             else:
@@ -149,9 +149,10 @@ def _rotate_row_fn(kind: str):
 
 
 @functools.cache
-def rope_kv_write(kind: str = "f32"):
-    """The rope_kv_write kernel for qkv, q and the caches of storage ``kind``."""
-    _rotate_row = _rotate_row_fn(kind)
+def rope_kv_write(kind: str = "f32", tkind: str = "f32"):
+    """The rope_kv_write kernel for qkv, q and the caches of storage ``kind``, cos / sin of
+    ``tkind``."""
+    _rotate_row = _rotate_row_fn(kind, tkind)
 
     @jit
     def rope_kv_write_kernel(q, k_cache, v_cache, qkv, cos, sin, cpos, cache_position, use_cpos,

@@ -66,7 +66,7 @@ def _lower_rope(ctx, n):
             U(ngroups), U(d), U(half), U(ncols), U(mul), U(gap), U(n.attrs["position_offset"]),
             U(pos_bstride), use_pos, np.int64(max_pos))
     layout = "gptj" if n.attrs["interleaved"] else "neox"
-    return [Step(step_name(n), f"rope {layout} n_rot={n_rot}/{d}", k.rope(io_kind(x.dtype)),
+    return [Step(step_name(n), f"rope {layout} n_rot={n_rot}/{d}", k.rope(io_kind(x.dtype), io_kind(cos.dtype)),
                  grid, block, args, {"bytes": 2 * x.nbytes + 2 * 4 * b * s * half})]
 
 
@@ -130,7 +130,7 @@ def _lower_rope_kv_write(ctx, n):
             U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
     layout = "gptj" if a["interleaved"] else "neox"
     return [Step(step_name(n), f"rope_kv_write {layout} n_rot={a['n_rot']}/{d} {b}x{s} "
-                 f"heads {hq}/{hkv}", k.rope_kv_write(io_kind(qkv.dtype)), grid, block, args,
+                 f"heads {hq}/{hkv}", k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype)), grid, block, args,
                  {"bytes": 2 * qkv.nbytes + 2 * 4 * b * s * half})]
 
 
