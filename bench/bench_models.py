@@ -98,13 +98,14 @@ def load_torch(torch, model, params):
 def bench_bert(torch, transformers, args, rows):
     from rlx_numba.models import BertConfig, BertModel
     F = torch.nn.functional
-    ours = BertModel.from_config(BertConfig(**MINILM), seed=0, weights=args.weights)
+    ours = BertModel.from_config(BertConfig(**MINILM), seed=0, weights=args.weights,
+                                 dtype=args.dtype)
     hf = transformers.BertModel(transformers.BertConfig(**MINILM), add_pooling_layer=False)
-    hf = load_torch(torch, hf, ours.params).cuda().eval()
+    hf = load_torch(torch, hf, ours.params).cuda().eval().to(args.torch_dtype)
     comp = torch.compile(hf) if args.compile else None
 
     def pooled(model, ids, mask):
-        h = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        h = model(input_ids=ids, attention_mask=mask).last_hidden_state.float()
         m = mask[..., None].float()
         return F.normalize((h * m).sum(1) / m.sum(1).clamp(min=1e-9), dim=-1).cpu()
 
@@ -132,13 +133,14 @@ def bench_bert(torch, transformers, args, rows):
                     print(f"  torch.compile failed at batch {b}: {type(e).__name__}: {e}")
         cos = float((ours_y * ref).sum(1).min())          # both unit vectors
         ratio = t_eager / t_rlx
-        r = dict(model="minilm", batch=b, seq=128, rlx_per_s=b / t_rlx, eager_per_s=b / t_eager,
-                 compile_per_s=b / t_comp, ratio=ratio, min_cos=cos,
-                 bar=1.0 if b == 32 else None, **{"pass": (ratio >= 1.0 if b == 32 else True)
-                                                   and cos >= 0.9999})
+        bar_b = 32 if args.dtype == "f32" else 256     # f32: batch 32; half: batch 256
+        r = dict(model="minilm", dtype=args.dtype, batch=b, seq=128, rlx_per_s=b / t_rlx,
+                 eager_per_s=b / t_eager, compile_per_s=b / t_comp, ratio=ratio, min_cos=cos,
+                 bar=1.0 if b == bar_b else None,
+                 **{"pass": (ratio >= 1.0 if b == bar_b else True) and cos >= args.min_cos})
         rows.append(r)
         print(f"  batch {b:<20} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
-              f"{r['compile_per_s']:9.0f} {ratio:8.2f}  {'1.0x' if b == 32 else '  - '}  "
+              f"{r['compile_per_s']:9.0f} {ratio:8.2f}  {'1.0x' if b == bar_b else '  - '}  "
               f"{cos:.6f} {'PASS' if r['pass'] else 'FAIL'}", flush=True)
     ours._exes.clear()
     free_device_memory(args.cuda, torch)
@@ -192,11 +194,11 @@ def bench_corpus(torch, args, bert, rows):
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _write_st_folder(folder, bert.config, bert.params, words)
-        enc = SentenceEncoder.from_pretrained(folder, weights=args.weights)
+        enc = SentenceEncoder.from_pretrained(folder, weights=args.weights, dtype=args.dtype)
         st = None
         try:
             from sentence_transformers import SentenceTransformer
-            st = SentenceTransformer(str(folder), device="cuda")
+            st = SentenceTransformer(str(folder), device="cuda").to(args.torch_dtype)
         except Exception as e:  # noqa: BLE001 - the row still reports our side
             print(f"  sentence-transformers could not load the folder: {type(e).__name__}: {e}")
         print(f"\n{'corpus 4096 x 3-60 words':<28} {'rlx sent/s':>11} {'s-t':>9} {'x s-t':>8}"
@@ -214,8 +216,8 @@ def bench_corpus(torch, args, bert, rows):
                 cos = float((mine * ref).sum(1).min())
             got[b] = len(texts) / t_rlx
             ratio = t_st / t_rlx
-            ok = ratio >= 3.0 and (b == 32 or got[b] >= got[32]) and cos >= 0.9999
-            r = dict(model="minilm-corpus", batch=b, sentences=len(texts), rlx_per_s=got[b],
+            ok = ratio >= 3.0 and (b == 32 or got[b] >= got[32]) and cos >= args.min_cos
+            r = dict(model="minilm-corpus", dtype=args.dtype, batch=b, sentences=len(texts), rlx_per_s=got[b],
                      st_per_s=len(texts) / t_st, ratio=ratio, min_cos=cos, bar=3.0)
             r["pass"] = bool(ok)
             rows.append(r)
@@ -267,9 +269,10 @@ def bench_llama(torch, transformers, args, rows):
     from rlx_numba.models import LlamaConfig, LlamaForCausalLM
     from rlx_numba.models.executables import next_pow2
     ours = LlamaForCausalLM.from_config(LlamaConfig(**SMOLLM2), seed=0, weights=args.weights,
-                                        exec_mode=args.decode_exec_mode)
+                                        exec_mode=args.decode_exec_mode, dtype=args.dtype)
     hf_cfg = hf_llama_config(transformers, SMOLLM2)
     hf = load_torch(torch, transformers.LlamaForCausalLM(hf_cfg), ours.params).cuda().eval()
+    hf = hf.to(args.torch_dtype)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
     rng = np.random.default_rng(1)
 
@@ -333,8 +336,9 @@ def bench_llama(torch, transformers, args, rows):
         print(f"    (store {ours._exes.params.nbytes / 2**20:.1f} MiB, arenas {arenas / 2**20:.1f} "
               f"MiB, {len(ours._exes)} graphs: {', '.join(map(str, ours._exes))})")
         cap = min(max(16, next_pow2(32 + n - 1)), SMOLLM2["max_position_embeddings"])
-        kv = 2 * SMOLLM2["num_hidden_layers"] * b * SMOLLM2["num_key_value_heads"] * cap * 64 * 4
-        need = sum(v.nbytes for v in ours.params.values()) + kv
+        isz = 4 if args.dtype == "f32" else 2          # the model's dtype: weights and KV
+        kv = 2 * SMOLLM2["num_hidden_layers"] * b * SMOLLM2["num_key_value_heads"] * cap * 64 * isz
+        need = sum(v.size for v in ours.params.values()) * isz + kv
         with torch.inference_mode():
             tp = torch.from_numpy(prompt).long().cuda()
 
@@ -361,8 +365,10 @@ def bench_llama(torch, transformers, args, rows):
                  eager_per_s=b / t_eager, compile_per_s=math.nan, ratio=ratio, bar=bar,
                  equal_leading_steps=same, exec_mode=str(args.decode_exec_mode),
                  device_bytes=used, weights_and_kv_bytes=need)
-        r["pass"] = (b / t_rlx >= bar and (ratio >= 2.0 or b > 1) and same == n
-                     and used <= 1.2 * need)
+        # half: both sides round differently at every layer, so after the first differing
+        # pick the greedy sequences part ways (reported, not a bar)
+        r["pass"] = (b / t_rlx >= bar and (ratio >= 2.0 or b > 1) and used <= 1.2 * need
+                     and (same == n or args.dtype != "f32"))
         rows.append(r)
         print(f"  decode, batch {b:<13} {r['rlx_per_s']:11.0f} {r['eager_per_s']:9.0f} "
               f"{'n/a':>9} {ratio:8.2f}  {bar}/s  {same}/{n} "
@@ -432,13 +438,63 @@ def bench_formats(args, rows):
         settle(ctx)
 
 
+def bench_decode_1b(torch, transformers, args, rows):
+    """The Llama-3.2-1B shape in bf16: decode tok/s at batch 1 and 8 (greedy, 32-token
+    prompts) beside transformers' eager model in bf16. Bars: batch 1 >= 80% of the weight-read
+    floor (the bf16 weights read once a token at the GPU's copy bandwidth, taken as 3.0 TB/s
+    on an H100 80GB HBM3 and 4.0 TB/s on an H200), batch 8 >= 4x torch eager."""
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**LLAMA_1B)
+    ours = LlamaForCausalLM.from_config(cfg, seed=0, exec_mode=args.decode_exec_mode,
+                                        dtype="bf16")
+    hf = load_torch(torch, transformers.LlamaForCausalLM(hf_llama_config(transformers, LLAMA_1B)),
+                    ours.params).to(torch.bfloat16).cuda().eval()
+    ctx = args.cuda.current_context()
+    weight_bytes = 2 * sum(v.size for k, v in ours.params.items())
+    bw = 4.0e12 if "H200" in torch.cuda.get_device_name() else 3.0e12
+    floor = bw / weight_bytes
+    print(f"\n{'Llama-3.2-1B shape, bf16':<28} {'rlx tok/s':>11} {'eager':>9} {'x eager':>8}  bar")
+    for b in (1, 8):
+        t_ours = b / decode_tok_s(ours, b, args.new, cfg.vocab_size, ctx)
+        prompt = torch.from_numpy(np.random.default_rng(1).integers(0, cfg.vocab_size, (b, 32))).cuda()
+        with torch.inference_mode():
+            def torch_decode():
+                out = hf(input_ids=prompt, use_cache=True)
+                past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.new - 1):
+                    out = hf(input_ids=tok, past_key_values=past, use_cache=True)
+                    past, tok = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                torch.cuda.synchronize()
+                return (time.perf_counter() - t0) / (args.new - 1)
+            torch_decode()
+            t_eager = min(torch_decode() for _ in range(2))
+        ratio = t_eager / t_ours
+        if b == 1:
+            bar, ok = f">= {0.8 * floor:.0f}/s (80% of {floor:.0f})", 1 / t_ours >= 0.8 * floor
+        else:
+            bar, ok = ">= 4x eager", ratio >= 4.0
+        r = dict(model="llama-1b", dtype="bf16", phase="decode", batch=b, rlx_per_s=b / t_ours,
+                 eager_per_s=b / t_eager, ratio=ratio, floor_tok_s=floor, bar=bar)
+        r["pass"] = bool(ok)
+        rows.append(r)
+        print(f"  decode, batch {b:<13} {b / t_ours:11.0f} {b / t_eager:9.0f} {ratio:8.2f}  "
+              f"{bar} {'PASS' if ok else 'FAIL'}", flush=True)
+    del ours, hf
+    settle(ctx)
+    free_device_memory(args.cuda, torch)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--decode-exec-mode", default="graph")
     p.add_argument("--weights", default="f32", choices=["f32", "f16", "bf16"])
+    p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
+                   help="the models' dtype= (torch's models .to() the same dtype)")
     p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
-    p.add_argument("--only", choices=["bert", "llama", "formats"])
+    p.add_argument("--only", choices=["bert", "llama", "formats", "decode1b"])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "models.json")
     args = p.parse_args(argv)
@@ -451,10 +507,15 @@ def main(argv=None) -> int:
     import transformers
     from numba import cuda
     args.cuda = cuda
+    args.torch_dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
+        args.dtype]
+    # embeddings of a half model against a half torch model: both round at every layer
+    args.min_cos = 0.9999 if args.dtype == "f32" else 0.999
     torch.backends.cuda.matmul.allow_tf32 = False     # f32 on both sides
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}   torch {torch.__version__}   transformers {transformers.__version__}   "
-          f"numba-cuda {dist_version('numba-cuda')}   weights {args.weights}   decode exec "
+          f"numba-cuda {dist_version('numba-cuda')}   weights {args.weights}   dtype {args.dtype}   "
+          f"decode exec "
           f"{args.decode_exec_mode}")
     rows = []
     if args.only in (None, "bert"):
@@ -463,6 +524,8 @@ def main(argv=None) -> int:
         bench_llama(torch, transformers, args, rows)
     if args.only in (None, "formats"):
         bench_formats(args, rows)
+    if args.only in (None, "decode1b"):
+        bench_decode_1b(torch, transformers, args, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
              for r in rows]

@@ -7,10 +7,11 @@ by CUDA events (mean of 20, best of 3). ``ratio`` = torch us / ours (>= 1: ours 
 steps column says where our time goes. Model rows: ResNet-50 and ViT-B/16 (random weights,
 batch 32, 224 x 224) images/s, ours (the compiled executable on a device-resident batch, in its
 exec mode) beside torchvision's eager model, each timed with CUDA events on its own stream over
-10 runs (best of 3). The convolution rows are timed again on tiers 1 and 2
+10 runs (best of 3); in bf16 ours has dtype="bf16" and torch runs under autocast bf16
+(ResNet channels-last). The convolution rows are timed again on tiers 1 and 2
 (RLX_NUMBA_CONV_TIERS) and with TF32 on both sides.
 
-  python bench/bench_vision.py [--out F] [--no-models]
+  python bench/bench_vision.py [--out F] [--no-models | --models-only] [--dtypes f32,bf16]
 """
 from __future__ import annotations
 
@@ -78,8 +79,10 @@ def _layer_norm2d(x, g, b, eps=1e-6):     # SAM's LayerNorm2d, as written there
     return g[:, None, None] * x + b[:, None, None]
 
 
-def model_row(rlx, torch, arch, batch):
-    """images/s of our model and torchvision's eager one (same random weights)."""
+def model_row(rlx, torch, arch, batch, dtype="f32"):
+    """images/s of our model and torchvision's eager one (same random weights). dtype "bf16":
+    ours with dtype="bf16", torch under autocast bf16 (ResNet in channels-last, its fastest
+    layout), as a torch user runs them."""
     import tempfile
 
     import torchvision
@@ -92,15 +95,24 @@ def model_row(rlx, torch, arch, batch):
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/m.safetensors"
         save_file({k: v.contiguous().cpu() for k, v in tmodel.state_dict().items()}, path)
-        ours = (ResNet if arch.startswith("resnet") else ViT).from_safetensors(path, arch)
+        ours = (ResNet if arch.startswith("resnet") else ViT).from_safetensors(path, arch,
+                                                                               dtype=dtype)
     x = torch.randn(batch, 3, 224, 224, device="cuda")
     exe = ours.executable(batch, 224, 224)
     dx = cuda.as_cuda_array(x)
     torch.cuda.synchronize()
     t_ours = time_rlx(cuda, lambda: exe.run({"images": dx}, outputs="view"), exe.stream, 10, 2, 3)
-    with torch.no_grad():
-        t_torch = time_torch(torch, lambda: tmodel(x), 10, 2, 3)
-    return dict(layer=arch, batch=batch, rlx_per_s=batch / (t_ours * 1e-3),
+    tx = x
+    if dtype != "f32" and arch.startswith("resnet"):
+        tmodel = tmodel.to(memory_format=torch.channels_last)
+        tx = x.contiguous(memory_format=torch.channels_last)
+    half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(dtype)
+    with torch.no_grad(), torch.autocast("cuda", half or torch.float32, enabled=half is not None):
+        (got,) = exe.run({"images": dx})
+        want = tmodel(tx).float().cpu().numpy()
+        t_torch = time_torch(torch, lambda: tmodel(tx), 10, 2, 3)
+    rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    return dict(layer=f"{arch} {dtype}", batch=batch, rel=rel, rlx_per_s=batch / (t_ours * 1e-3),
                 torch_per_s=batch / (t_torch * 1e-3), ratio=t_torch / t_ours)
 
 
@@ -133,24 +145,9 @@ def bench_row(rlx, torch, F, rng, row, label=""):
                 steps=[(r.kernel, r.ms * 1e3) for r in prof])
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path,
-                   default=Path(__file__).resolve().parent / "results" / "vision.json")
-    p.add_argument("--no-models", action="store_true", help="skip the ResNet-50 / ViT rows")
-    args = p.parse_args()
+def op_rows(rlx, torch, F, cublas, rng):
+    """The op rows, then the convolutions again on each lower tier and with TF32."""
     import os
-
-    import torch
-    import torch.nn.functional as F
-
-    import rlx_numba as rlx
-    from rlx_numba import cublas
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    rng = np.random.default_rng(0)
-    print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32, TF32 off\n")
-    print(f"{'layer':<44} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
     table = rows(rlx, F, rng)
     results = [bench_row(rlx, torch, F, rng, row) for row in table]
     print("\nthe convolutions on each lower tier (RLX_NUMBA_CONV_TIERS)")
@@ -170,14 +167,37 @@ def main():
     finally:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         cublas.allow_tf32 = False
+    return results
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "vision.json")
+    p.add_argument("--no-models", action="store_true", help="skip the ResNet-50 / ViT rows")
+    p.add_argument("--models-only", action="store_true", help="only the ResNet-50 / ViT rows")
+    p.add_argument("--dtypes", default="f32,bf16", help="the model rows' dtypes")
+    args = p.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    import rlx_numba as rlx
+    from rlx_numba import cublas
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rng = np.random.default_rng(0)
+    print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32, TF32 off\n")
+    print(f"{'layer':<44} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
+    results = [] if args.models_only else op_rows(rlx, torch, F, cublas, rng)
     if not args.no_models:
-        print(f"\n{'model, batch 32, 224 x 224':<44} {'ours img/s':>11} {'torch img/s':>11} "
-              f"{'ratio':>6}")
-        for arch in ("resnet50", "vit_b_16"):
-            r = model_row(rlx, torch, arch, 32)
-            print(f"{arch:<44} {r['rlx_per_s']:11.0f} {r['torch_per_s']:11.0f} "
-                  f"{r['ratio']:6.2f}", flush=True)
-            results.append(r)
+        print(f"\n{'model, batch 32, 224 x 224':<44} {'rel':>8} {'ours img/s':>11} "
+              f"{'torch img/s':>11} {'ratio':>6}")
+        for dtype in args.dtypes.split(","):
+            for arch in ("resnet50", "vit_b_16"):
+                r = model_row(rlx, torch, arch, 32, dtype)
+                print(f"{r['layer']:<44} {r['rel']:8.1e} {r['rlx_per_s']:11.0f} "
+                      f"{r['torch_per_s']:11.0f} {r['ratio']:6.2f}", flush=True)
+                results.append(r)
     write_results(args.out, torch, results)
 
 

@@ -31,19 +31,25 @@ at the stages, e.g. notebooks/08).
 from __future__ import annotations
 
 from .ir.graph import Graph
-from .modes import CompileMode, ExecMode
+from .modes import CompileMode, ExecMode, parse_precision
 from .runtime.executable import CudaExecutable, compile_graph
 from .runtime.params import ParamStore
 from .runtime.plan import legalise, plan_graph  # noqa: F401 (the stages, for a look)
 
 
 def compile(graph: Graph, compile_mode="jit", exec_mode="stream",  # noqa: A001
-            params: ParamStore | None = None, stream=None) -> CudaExecutable:
+            params: ParamStore | None = None, stream=None, precision="f32") -> CudaExecutable:
     """Compile a graph: validate, plan memory, lower every node to a bound Step. ``params``:
     a ParamStore shared with other executables (one device copy of their params, set through
     any of them); by default the executable gets a store of its own. ``stream``: the numba
     stream its work is queued on (default: a new one), e.g. one stream for the graphs of a
-    model, which run one after another."""
+    model, which run one after another. ``precision``: "f32" (the graph as built), or "bf16"
+    / "f16": the graph's autocast copy is compiled (``graph.autocast``; the user's graph is
+    not changed), its params read only by products stored in that dtype (set_param rounds
+    them once; get_param returns the rounded values)."""
+    p = parse_precision(precision)
+    if p != "f32":
+        graph = graph.autocast(p, half_params=True)
     return compile_graph(graph, compile_mode, exec_mode, params, stream)
 
 

@@ -60,3 +60,14 @@ def parse_exec_mode(m) -> ExecMode:
         return ExecMode.MULTISTREAM(int(digits) if digits else 2)
     raise ValueError(f"compile: unknown exec_mode {m!r}; expected stream, eager, graph or "
                      f"multistream(n)")
+
+
+PRECISIONS = ("f32", "bf16", "f16")
+
+
+def parse_precision(precision) -> str:
+    """"f32" / "bf16" / "f16" (also "float32", "bfloat16", "float16"); ValueError otherwise."""
+    name = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(precision, precision)
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    return name

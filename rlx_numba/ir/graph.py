@@ -346,6 +346,20 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         self.check("stop_gradient", "x", x)
         return self.bind("reshape", [x], shape=x.shape, stop_gradient=True)
 
+    def autocast(self, dtype, *, half_params: bool = False) -> "Graph":
+        """A new graph: this one under torch.autocast's CUDA policy for ``dtype`` ("bf16" or
+        "f16"): products in half, norms / softmax / losses / sums in f32 (ir/autocast.py).
+        This graph is not changed."""
+        from .autocast import autocast
+        return autocast(self, dtype, half_params=half_params)
+
+    def to_dtype(self, dtype) -> "Graph":
+        """A new graph: this one as torch's ``model.to(dtype)`` makes it ("bf16" / "f16"):
+        f32 params and constants in ``dtype``, f32 inputs cast as they enter, every op in its
+        operands' dtype (ir/autocast.py). The models' ``dtype=`` uses it."""
+        from .autocast import to_dtype
+        return to_dtype(self, dtype)
+
     def leaf(self, name: str) -> Tensor | None:
         """The input or param named ``name``, or None."""
         nid = self._leaf_names.get(name)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import Graph, compile
 from .blocks import Weights, embedding, encoder_attention, mlp, norm
-from .executables import ExecutableCache, bucket_length, next_pow2
+from .executables import ExecutableCache, bucket_length, in_dtype, model_dtype, next_pow2
 from .weights import as_path, check_params, load_safetensors, read_json
 
 # Hugging Face's hidden_act names -> Graph activation kinds
@@ -236,12 +236,16 @@ class BertModel:
     IGNORED = ("pooler.", "cls.", "embeddings.position_ids", "embeddings.token_type_ids")
 
     def __init__(self, config: BertConfig, params: dict, *, weights: str = "f32",
-                 max_cached: int = 8, source="params"):
+                 max_cached: int = 8, source="params", dtype="f32"):
         if not isinstance(config, BertConfig):
             raise ValueError(f"BertModel: config must be a BertConfig, got "
                              f"{type(config).__name__}")
         if weights not in ("f32", "f16", "bf16"):
             raise ValueError(f"BertModel: weights must be 'f32', 'f16' or 'bf16', got {weights!r}")
+        self.dtype = model_dtype("BertModel", dtype)
+        if self.dtype != "f32" and weights != "f32":
+            raise ValueError(f"BertModel: dtype={self.dtype!r} stores every weight in "
+                             f"{self.dtype} already; weights={weights!r} is for f32 models")
         self.config = config
         params = {k[5:] if k.startswith("bert.") else k: v for k, v in params.items()}
         self.params = check_params(bert_param_shapes(config), params, source, ignore=self.IGNORED)
@@ -289,8 +293,8 @@ class BertModel:
                                 lambda: self._compile(batch, seq, pooling, normalize))
 
     def _compile(self, batch, seq, pooling, normalize):
-        exe = compile(build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize),
-                      params=self._exes.params, stream=self._exes.stream)
+        g = build_bert(self.config, batch, seq, pooling=pooling, normalize=normalize)
+        exe = compile(in_dtype(g, self.dtype), params=self._exes.params, stream=self._exes.stream)
         half = self.weights != "f32"
         for name in exe.unset_params:      # the first executable of the store uploads them
             arr = self.params[name]
@@ -487,7 +491,8 @@ class SentenceEncoder:
                                  f"supported (Transformer, Pooling and Normalize are)")
         if tdir is None:
             raise ValueError(f"{root / 'modules.json'}: no Transformer module")
-        model = BertModel.from_safetensors(tdir, weights=kw.pop("weights", "f32"))
+        model = BertModel.from_safetensors(tdir, weights=kw.pop("weights", "f32"),
+                                           dtype=kw.pop("dtype", "f32"))
         tok_file = tdir / "tokenizer.json"
         if not tok_file.exists():
             raise FileNotFoundError(f"{tok_file}: tokenizer.json not found")

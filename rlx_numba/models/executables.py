@@ -54,3 +54,24 @@ def bucket_length(n: int, *, lo: int, steps: int, align: int = 8) -> int:
         return lo
     step = max(align, (1 << ((n - 1).bit_length() - 1)) // steps)
     return -(-n // step) * step
+
+
+def model_dtype(model: str, dtype) -> str:
+    """A model's ``dtype=`` ("f32", "bf16", "f16"), or a ValueError naming the model."""
+    from ..modes import parse_precision
+    try:
+        return parse_precision(dtype)
+    except ValueError:
+        raise ValueError(f"{model}: dtype must be 'f32', 'bf16' or 'f16', got {dtype!r}") from None
+
+
+def in_dtype(g, dtype: str):
+    """The model graph ``g`` run in ``dtype`` (``Graph.to_dtype``: weights, constants and the
+    KV caches in that dtype, f32 inputs cast as they enter); its half float outputs cast back
+    to f32 on the device, so a model's methods return f32 whatever it computes in."""
+    if dtype == "f32":
+        return g
+    h = g.to_dtype(dtype)
+    outs = [h.tensor(o) for o in h.outputs]
+    h.set_outputs([h.cast(t, "f32") if t.dtype.name == dtype else t for t in outs])
+    return h

@@ -27,7 +27,7 @@ from ..modes import parse_exec_mode
 from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_positions,
                      embedding, gated_mlp, lm_head, moe_mlp, norm)
 from .blocks import pad_name, rope_tables  # noqa: F401  (this module's names before blocks.py)
-from .executables import ExecutableCache, bucket_length, next_pow2
+from .executables import ExecutableCache, bucket_length, in_dtype, model_dtype, next_pow2
 from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
                       quantize, read_json, reverse_permute)
 
@@ -523,13 +523,17 @@ class LlamaForCausalLM:
 
     def __init__(self, config: LlamaConfig, params: dict, *, tokenizer=None, weights: str = "f32",
                  exec_mode="graph", max_cached: int = 4, source="params", packed=None,
-                 tensor_parallel: int | None = None):
+                 tensor_parallel: int | None = None, dtype="f32"):
         if not isinstance(config, LlamaConfig):
             raise ValueError(f"LlamaForCausalLM: config must be a LlamaConfig, got "
                              f"{type(config).__name__}")
         if weights not in ("f32", "f16", "bf16", "gguf"):
             raise ValueError(f"LlamaForCausalLM: weights must be 'f32', 'f16', 'bf16' or 'gguf', "
                              f"got {weights!r}")
+        self.dtype = model_dtype(type(self).__name__, dtype)
+        if self.dtype != "f32" and weights != "f32":
+            raise ValueError(f"{type(self).__name__}: dtype={self.dtype!r} stores every weight "
+                             f"in {self.dtype} already; weights={weights!r} is for f32 models")
         if (weights == "gguf") != (packed is not None):
             raise ValueError("LlamaForCausalLM: weights='gguf' comes from from_gguf (the file's "
                              "packed blocks); other weights take no packed=")
@@ -693,6 +697,7 @@ class LlamaForCausalLM:
         g = build_llama(self.config, batch, seq, kind=kind, cache_len=cache_len, temperature=t,
                         top_k=k, top_p=p, fused=fused, quant=quant,
                         tensor_parallel=self.shard if self.shard[1] > 1 else None)
+        g = in_dtype(g, self.dtype)
         local = self.local_config
         exe = compile(g, exec_mode=self.exec_mode if kind == "decode" else "stream",
                       params=self._exes.params, stream=self._exes.stream)

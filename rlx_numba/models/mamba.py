@@ -21,7 +21,7 @@ import numpy as np
 from ..compiler import compile
 from ..ir.graph import Graph
 from .blocks import Weights, embedding, norm
-from .executables import ExecutableCache
+from .executables import ExecutableCache, in_dtype, model_dtype
 from .weights import check_params, load_safetensors
 
 
@@ -166,10 +166,11 @@ class MambaForCausalLM:
     """transformers' MambaForCausalLM, inference: ``logits(ids)`` and greedy ``generate``."""
 
     def __init__(self, config: MambaConfig, params: dict, *, max_cached: int = 4,
-                 source="params"):
+                 source="params", dtype="f32"):
         if not isinstance(config, MambaConfig):
             raise ValueError(f"MambaForCausalLM: config must be a MambaConfig, got "
                              f"{type(config).__name__}")
+        self.dtype = model_dtype("MambaForCausalLM", dtype)
         self.config = config
         self.params = check_params(mamba_param_shapes(config), params, source)
         self.max_cached = max_cached
@@ -215,7 +216,8 @@ class MambaForCausalLM:
 
     def executable(self, batch: int, seq: int, kind: str):
         def make():
-            exe = compile(build_mamba(self.config, batch, seq, kind), params=self._exes.params,
+            exe = compile(in_dtype(build_mamba(self.config, batch, seq, kind), self.dtype),
+                          params=self._exes.params,
                           stream=self._exes.stream)
             for name in exe.unset_params:
                 exe.set_param(name, self.params[name])

@@ -19,7 +19,7 @@ import numpy as np
 from .. import compile
 from ..ir.graph import Graph
 from .blocks import Weights, encoder_attention, mlp, norm
-from .executables import ExecutableCache
+from .executables import ExecutableCache, in_dtype, model_dtype
 from .weights import check_params, load_safetensors
 
 
@@ -244,10 +244,12 @@ def build_vit(cfg: ViTConfig, batch: int) -> Graph:
 class _Classifier:
     KIND = None
 
-    def __init__(self, config, params: dict, *, max_cached: int = 4, source="params"):
+    def __init__(self, config, params: dict, *, max_cached: int = 4, source="params",
+                 dtype="f32"):
         if not isinstance(config, self.KIND):
             raise ValueError(f"{type(self).__name__}: config must be a {self.KIND.__name__}, got "
                              f"{type(config).__name__}")
+        self.dtype = model_dtype(type(self).__name__, dtype)
         self.config = config
         self.params = check_params(self._shapes(config), params, source)
         self._device_params = self._prepare(config, self.params)
@@ -277,7 +279,8 @@ class _Classifier:
                                 lambda: self._compile(batch, height, width))
 
     def _compile(self, batch, height, width):
-        exe = compile(self._build(batch, height, width), params=self._exes.params,
+        exe = compile(in_dtype(self._build(batch, height, width), self.dtype),
+                      params=self._exes.params,
                       stream=self._exes.stream)
         for name in exe.unset_params:
             exe.set_param(name, self._device_params[name])
