@@ -43,7 +43,7 @@ from .ir.opdef import INPLACE, ops_where
 from .ir.ops import fmt
 from .ir.ops_dist import world
 from .memory import ALIGN, MemoryReport
-from .modes import parse_compile_mode, parse_exec_mode
+from .modes import parse_compile_mode, parse_exec_mode, parse_precision
 from .optim import HYPER_LEN, Optimizer, check_number
 from .runtime.executable import CudaExecutable
 from .runtime.params import ParamStore
@@ -53,7 +53,7 @@ from .runtime.program import Program
 HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step values
 
 
-PRECISIONS = {"f32": None, "bf16": dt.BF16, "f16": dt.F16}
+HALF = {"f32": None, "bf16": dt.BF16, "f16": dt.F16}
 OWN = "__train__."          # the names of the leaves the trainer adds and owns
 SCALER = OWN + "loss_scaler"
 GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5     # torch.amp.GradScaler's defaults
@@ -96,10 +96,11 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     if not isinstance(optimizer, Optimizer):
         raise ValueError(f"compile_train: optimizer must be a rlx_numba.optim optimizer (SGD, "
                          f"Adam, AdamW), got {type(optimizer).__name__}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"compile_train: precision must be one of {', '.join(PRECISIONS)}, "
-                         f"got {precision!r}")
-    half = PRECISIONS[precision]
+    try:
+        precision = parse_precision(precision)
+    except ValueError as e:
+        raise ValueError(f"compile_train: {e}") from None
+    half = HALF[precision]
     scaling = None
     if half == dt.F16:
         init_scale = check_number("compile_train", "init_scale", init_scale, lo=0.0,
@@ -136,7 +137,7 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     layout = _Layout([t.node for t in trained], optimizer.states, half,
                      [halves.get(n) for n in names], scaling is not None)
     rule, hp = optimizer.rule()
-    leaves = {name: tg.leaf(name) or tg.param(name, shape, dtype)
+    leaves = {name: tg.param(name, shape, dtype) if tg.leaf(name) is None else tg.leaf(name)
               for name, (shape, dtype, _) in layout.slots.items() if name.startswith(OWN)}
     hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
     ins = ([leaves[layout.flat_name], hyper] + [leaves[layout.state_name(s)]

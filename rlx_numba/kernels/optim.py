@@ -104,7 +104,7 @@ def grad_nonfinite(flags, grads, table, nchunks):
         i = cuda.threadIdx.x
         while i < n:
             v = grads[go + i]
-            if not (v - v == float32(0.0)):      # inf - inf and NaN - NaN are NaN
+            if math.isinf(v) or math.isnan(v):
                 bad = ONE
             i += BLOCK
         total = group_reduce(bad, smem, BLOCK, SUM)
@@ -127,7 +127,7 @@ def amp_update_scale(scaler, flags, nflags, growth, backoff, interval):
             clean = scaler[1] + ONE
             if clean >= interval:
                 grown = scaler[0] * growth
-                if grown - grown == float32(0.0):     # finite: torch keeps the old one else
+                if not math.isinf(grown):       # torch keeps the old scale else
                     scaler[0] = grown
                 clean = float32(0.0)
             scaler[1] = clean

@@ -1,0 +1,191 @@
+"""compile_train(..., precision="bf16" | "f16"): mixed-precision training.
+
+Oracle: the recipe of torch.autocast + GradScaler written here in NumPy (float64 between the
+roundings): f32 master weights, the forward's products on half-rounded operands rounded to
+half, the sum / tanh / loss in f32, the backward's half tensors rounded where the graph holds
+them in half, the grads unscaled and applied to the f32 masters. The model is a linear layer
+built from a broadcast multiply and a sum (ops that take half today), its weight cast to the
+half dtype as autocast casts a product's weight.
+"""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from halfref import HOST, UNIT, f64, rounded
+from rlx_numba.optim import SGD
+
+R, K, N = 3, 5, 4
+
+
+def half_linear_model(dtype):
+    """loss = mean((tanh(sum_k half(x)[r, k] * half(w)[k, n] + b) - t)^2)."""
+    g = rlx.Graph("half_linear")
+    x, t = g.input("x", (R, K)), g.input("t", (R, N))
+    w, b = g.param("w", (K, N)), g.param("b", (N,))
+    prod = g.reshape(g.cast(x, dtype), (R, K, 1)) * g.reshape(g.cast(w, dtype), (1, K, N))
+    h = g.reduce_sum(prod, axes=1)           # autocast: summed in f32 (torch's sum policy)
+    d = g.tanh(h + b) - t
+    loss = g.reduce_mean(d * d)
+    g.set_outputs([loss])
+    return g, loss
+
+
+def recipe(x, t, w, b, dtype, scale=1.0, half=True):
+    """(loss, dw, db, found_inf) of one step of the mixed-precision recipe (``half=False``:
+    the same in f32 throughout, to show the checks below tell the two apart)."""
+    def r(a):
+        if not half:
+            return f64(a)
+        with np.errstate(over="ignore", invalid="ignore"):
+            return f64(np.asarray(a, np.float32).astype(HOST[dtype]))
+    xh, wh = r(x), r(w)
+    prod = r(xh[:, :, None] * wh[None])
+    y = np.tanh(prod.sum(1) + b)
+    e = y - t
+    loss = float((e * e).mean())
+    dz = (2 * e / e.size * scale) * (1 - y * y)          # f32 in the graph, scaled seed
+    dprod = r(np.broadcast_to(dz[:, None, :], (R, K, N)))   # the f32 cast's VJP: to half
+    # the half mul's VJP: dprod * x widened to f32, summed over the rows in f32, rounded once
+    with np.errstate(invalid="ignore"):
+        dw = r((xh[:, :, None] * dprod).sum(0))
+    db = dz.sum(0)
+    found = not (np.isfinite(dw).all() and np.isfinite(db).all())
+    return loss, dw / scale, db / scale, found
+
+
+def sgd_momentum(lr, mom):
+    buf = {}
+
+    def step(k, p, gr):
+        buf[k] = gr if k not in buf else mom * buf[k] + gr
+        return p - lr * buf[k]
+    return step
+
+
+def _data(rng, steps):
+    return [(rng.standard_normal((R, K)).astype(np.float32),
+             rng.uniform(-0.8, 0.8, (R, N)).astype(np.float32)) for _ in range(steps)]
+
+
+def _init(rng):
+    return (rng.standard_normal((K, N)).astype(np.float32) * 0.6,
+            rng.standard_normal(N).astype(np.float32) * 0.2)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_mixed_precision_steps_match_the_numpy_recipe(rng, dtype):
+    g, loss = half_linear_model(dtype)
+    before = str(g)
+    lr, mom = 0.5, 0.9
+    tr = rlx.compile_train(g, loss, SGD(lr, momentum=mom), precision=dtype)
+    assert str(g) == before, "compile_train changed the user's graph"
+    assert tr.params == ["w", "b"] and tr.precision == dtype
+    # the weight's cast became a half leaf the update writes: no cast of w runs per step
+    casts = [n for n in tr.graph.nodes if n.op == "cast" and n.inputs
+             and tr.graph.nodes[n.inputs[0]].name == "w"]
+    assert not casts
+    assert [n.op for n in tr.graph.nodes].count("optim_update") == 1
+    scaled = dtype == "f16"
+    assert tr.loss_scale == (2.0 ** 16 if scaled else 1.0)
+    kernels = [s.kernel.py_func.__name__ for s in tr.exe.steps[-3:]]
+    if scaled:
+        assert kernels == ["grad_nonfinite", "sgd_update", "amp_update_scale"]
+    else:
+        assert kernels[-1] == "sgd_update" and "grad_nonfinite" not in kernels
+
+    w, b = _init(rng)
+    tr.set_param("w", w)
+    tr.set_param("b", b)
+    w, b = f64(w), f64(b)
+    opt, u = sgd_momentum(lr, mom), UNIT[dtype]
+    for x, t in _data(rng, 3):
+        want, dw, db, found = recipe(x, t, w, b, dtype, scale=tr.loss_scale)
+        assert not found
+        f32_loss = recipe(x, t, w, b, dtype, half=False)[0]
+        # the check below fails for a forward computed in f32: the two differ by ~u |loss|
+        assert abs(f32_loss - want) > 10 * 2e-6 * abs(want)
+        got = tr.step({"x": x, "t": t})
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
+        w, b = opt("w", w, dw), opt("b", b, db)
+        # dw is rounded to half in the graph: one half rounding of slack per element, at most
+        tol = 1e-6 + lr * 10 * u * np.abs(dw).max()
+        np.testing.assert_allclose(tr.get_param("w"), w, rtol=1e-5, atol=tol)
+        np.testing.assert_allclose(tr.get_param("b"), b, rtol=1e-5, atol=1e-6)
+        # the half copy the forward reads is the rounding of the new f32 master
+        half = tr.exe.get_param("__train__.half.w")
+        np.testing.assert_array_equal(half, rounded(tr.get_param("w"), dtype))
+    assert tr.steps_done == tr.optimizer_steps == 3
+    assert tr.loss_scale == (2.0 ** 16 if scaled else 1.0)
+    r = tr.memory_report()
+    assert r["half_copy_bytes"] == 2 * (512 // 4 + 512 // 4)    # w (20), b: 256-byte halves
+    assert "half copies" in str(r)
+
+
+def test_f16_inf_gradient_skips_the_update_and_backs_off_then_grows(rng):
+    """GradScaler's rules: a step whose grads hold an inf / NaN changes no param, no state and
+    no step count, and halves the scale; ``growth_interval`` clean steps double it."""
+    g, loss = half_linear_model("f16")
+    lr, mom = 0.5, 0.9
+    tr = rlx.compile_train(g, loss, SGD(lr, momentum=mom), precision="f16", growth_interval=2)
+    w, b = _init(rng)
+    tr.set_param("w", w)
+    tr.set_param("b", b)
+    (x, t), (x2, t2), (x3, t3) = _data(rng, 3)
+    bad = x.copy()
+    bad[1, 2] = np.inf     # tanh saturates: the loss stays finite, d w = inf * 0 = NaN
+    got = tr.step({"x": bad, "t": t})
+    assert np.isfinite(got)
+    np.testing.assert_array_equal(tr.get_param("w"), w)
+    np.testing.assert_array_equal(tr.get_param("b"), b)
+    np.testing.assert_array_equal(tr.exe.get_param("__train__.half.w"), rounded(w, "f16"))
+    np.testing.assert_array_equal(tr.optimizer_state("w")["momentum_buffer"], 0)
+    assert tr.loss_scale == 2.0 ** 15
+    assert (tr.steps_done, tr.optimizer_steps) == (1, 0)
+    # clean steps: the first is the optimizer's first (momentum buffer = the grad)
+    opt, wd, bd = sgd_momentum(lr, mom), f64(w), f64(b)
+    for k, (xs, ts) in enumerate([(x2, t2), (x3, t3), (x2, t2)]):
+        want, dw, db, found = recipe(xs, ts, wd, bd, "f16", scale=tr.loss_scale)
+        assert not found
+        np.testing.assert_allclose(tr.step({"x": xs, "t": ts}), want, rtol=2e-6, atol=1e-7)
+        wd, bd = opt("w", wd, dw), opt("b", bd, db)
+        tol = 1e-6 + lr * 10 * UNIT["f16"] * np.abs(dw).max()
+        np.testing.assert_allclose(tr.get_param("w"), wd, rtol=1e-5, atol=tol)
+        np.testing.assert_allclose(tr.get_param("b"), bd, rtol=1e-5, atol=1e-6)
+        # 2 clean steps in a row: x2; the count restarts after growing
+        assert tr.loss_scale == [2.0 ** 15, 2.0 ** 16, 2.0 ** 16][k]
+    assert (tr.steps_done, tr.optimizer_steps) == (4, 3)
+
+
+def test_f16_overflow_in_the_half_backward_backs_off_until_clean(rng):
+    """Too large a scale overflows the f16 gradients (65504 is f16's largest): each such step
+    is skipped and halves the scale, until the scaled grads fit; the steps that follow train."""
+    g, loss = half_linear_model("f16")
+    tr = rlx.compile_train(g, loss, SGD(0.5), precision="f16", init_scale=2.0 ** 30)
+    w, b = _init(rng)
+    tr.set_param("w", w)
+    tr.set_param("b", b)
+    x, t = _data(rng, 1)[0]
+    scale, skips = 2.0 ** 30, 0
+    while recipe(x, t, f64(w), f64(b), "f16", scale=scale)[3]:
+        scale, skips = scale / 2, skips + 1
+    assert 3 <= skips < 30
+    for _ in range(skips):
+        tr.step({"x": x, "t": t})
+        np.testing.assert_array_equal(tr.get_param("w"), w)
+    assert tr.loss_scale == scale and tr.optimizer_steps == 0
+    want, dw, db, _ = recipe(x, t, f64(w), f64(b), "f16", scale=scale)
+    np.testing.assert_allclose(tr.step({"x": x, "t": t}), want, rtol=2e-6, atol=1e-7)
+    tol = 1e-6 + 0.5 * 10 * UNIT["f16"] * np.abs(dw).max()
+    np.testing.assert_allclose(tr.get_param("w"), f64(w) - 0.5 * dw, rtol=1e-5, atol=tol)
+    assert tr.loss_scale == scale and tr.optimizer_steps == 1
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(precision="f8"), "compile_train: precision must be one of"),
+    (dict(precision="f16", growth_interval=0), "growth_interval must be an int >= 1"),
+    (dict(precision="f16", init_scale=-1.0), "init_scale must satisfy"),
+])
+def test_precision_errors(kw, msg):
+    g, loss = half_linear_model("bf16")
+    with pytest.raises(ValueError, match=msg):
+        rlx.compile_train(g, loss, SGD(0.1), **kw)
