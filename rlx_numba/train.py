@@ -156,7 +156,7 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     # the trainer's buffers are row-major, as the grads
     plan.transposed = plan.transposed - {t.id for t in trained} - {
         tg.leaf(h).id for h in halves.values()}
-    store = TrainStore(f"{g.name}.train", layout.slots)
+    store = TrainStore(f"{g.name}.train", layout.slots)     # (its external memory)
     program = Program(plan, cm, em, store, stream)
     program.lower_all()
     exe = CudaExecutable(program)
@@ -369,46 +369,24 @@ class _Layout:
 
 
 class TrainStore(ParamStore):
-    """A ParamStore whose trained params (and the update's own leaves) are views into a
-    trainer's buffers (row-major; only the update writes them in place); its other params
-    are stored as usual. Another graph may share it (``rlx.compile(g, params=tr.exe.params)``:
-    it sees the trained values) as long as it reads the trained params row-major."""
-
-    def __init__(self, name: str, slots: dict):
-        super().__init__(name)
-        self._slots = slots           # name -> (shape, dtype, flat uint8 view)
+    """The trainer's ParamStore: the trained params and the update's own leaves are bound to
+    the trainer's buffers (``external``: row-major, only the update writes them in place);
+    its other params are stored as usual. Another graph may share it (``rlx.compile(g,
+    params=tr.exe.params)``: it sees the trained values) as long as it reads the trained
+    params row-major."""
 
     def bind(self, exe, node, transposed: bool, written: bool = False, weight_only=None):
-        shape, dtype, view = self._slots.get(node.name, (None, None, None))
-        if view is None or (tuple(node.shape), node.dtype) != (shape, dtype):
-            return super().bind(exe, node, transposed, written, weight_only)
-        if written and not node.name.startswith(OWN):
-            raise ValueError(f"compile_train: param {node.name!r} is written in place by the "
-                             f"graph ({', '.join(sorted(ops_where(memory=INPLACE)))}); it cannot be "
-                             f"trained")
-        if transposed:
-            raise ValueError(f"compile: param {node.name!r} is trained (stored row-major in the "
-                             f"trainer's buffer), and this graph would store it [N, K]; compile "
-                             f"it with its own ParamStore and copy the values with get_param")
-        key = (node.name, tuple(node.shape), node.dtype)
-        e = self._entries.get(key)
-        created = e is None
-        if created:
-            e = self._new_entry(key, node)
-            e.copies[False] = view
-        self._use(exe, key, e)
-        return e, view, e.nbytes if created else 0     # (the bytes it added: ParamStore.bind)
-
-    def _release(self, key):
-        e = self._entries.get(key)
-        if e is not None and self._slots.get(e.name, (None, None, None))[2] is \
-                e.copies.get(False):
-            e.count -= 1
-            if not e.count:        # the trainer owns the bytes: nothing goes back to the pool
-                del self._entries[key]
-                self._free_halves(e)
-            return
-        super()._release(key)
+        if self.external(node) is not None:
+            if written and not node.name.startswith(OWN):
+                raise ValueError(f"compile_train: param {node.name!r} is written in place by "
+                                 f"the graph ({', '.join(sorted(ops_where(memory=INPLACE)))}); "
+                                 f"it cannot be trained")
+            if transposed:
+                raise ValueError(f"compile: param {node.name!r} is trained (stored row-major in "
+                                 f"the trainer's buffer), and this graph would store it [N, K]; "
+                                 f"compile it with its own ParamStore and copy the values with "
+                                 f"get_param")
+        return super().bind(exe, node, transposed, written, weight_only)
 
 
 # ---- the trainer ------------------------------------------------------------------------------
