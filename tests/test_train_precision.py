@@ -12,7 +12,7 @@ import pytest
 
 import rlx_numba as rlx
 from halfref import HOST, UNIT, f64, rounded
-from rlx_numba.optim import SGD
+from rlx_numba.optim import SGD, AdamW
 
 R, K, N = 3, 5, 4
 
@@ -62,6 +62,32 @@ def sgd_momentum(lr, mom):
     return step
 
 
+def adamw(lr, wd, b1=0.9, b2=0.999, eps=1e-8):
+    state = {}
+
+    def step(k, p, gr):
+        m, v, t = state.get(k, (0.0, 0.0, 0))
+        t += 1
+        m, v = b1 * m + (1 - b1) * gr, b2 * v + (1 - b2) * gr * gr
+        state[k] = (m, v, t)
+        p = p * (1 - lr * wd)
+        return p - lr / (1 - b1 ** t) * m / (np.sqrt(v) / np.sqrt(1 - b2 ** t) + eps)
+    return step
+
+
+def clipped(grads, max_norm):
+    """torch.nn.utils.clip_grad_norm_ over all the grads."""
+    if max_norm is None:
+        return grads
+    norm = np.sqrt(sum((gr * gr).sum() for gr in grads))
+    return [gr * min(max_norm / (norm + 1e-6), 1.0) for gr in grads]
+
+
+OPTS = {"sgd": (lambda: SGD(0.5, momentum=0.9), lambda: sgd_momentum(0.5, 0.9), 0.5, None),
+        "adamw-clip": (lambda: AdamW(lr=0.02, weight_decay=0.1), lambda: adamw(0.02, 0.1),
+                       0.02, 0.05)}
+
+
 def _data(rng, steps):
     return [(rng.standard_normal((R, K)).astype(np.float32),
              rng.uniform(-0.8, 0.8, (R, N)).astype(np.float32)) for _ in range(steps)]
@@ -72,12 +98,13 @@ def _init(rng):
             rng.standard_normal(N).astype(np.float32) * 0.2)
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "f16"])
-def test_mixed_precision_steps_match_the_numpy_recipe(rng, dtype):
+@pytest.mark.parametrize("dtype,opt", [("bf16", "sgd"), ("f16", "sgd"), ("bf16", "adamw-clip"),
+                                       ("f16", "adamw-clip")])
+def test_mixed_precision_steps_match_the_numpy_recipe(rng, dtype, opt):
     g, loss = half_linear_model(dtype)
     before = str(g)
-    lr, mom = 0.5, 0.9
-    tr = rlx.compile_train(g, loss, SGD(lr, momentum=mom), precision=dtype)
+    make, ref, lr, max_norm = OPTS[opt]
+    tr = rlx.compile_train(g, loss, make(), precision=dtype, clip_grad_norm=max_norm)
     assert str(g) == before, "compile_train changed the user's graph"
     assert tr.params == ["w", "b"] and tr.precision == dtype
     # the weight's cast became a half leaf the update writes: no cast of w runs per step
@@ -87,33 +114,36 @@ def test_mixed_precision_steps_match_the_numpy_recipe(rng, dtype):
     assert [n.op for n in tr.graph.nodes].count("optim_update") == 1
     scaled = dtype == "f16"
     assert tr.loss_scale == (2.0 ** 16 if scaled else 1.0)
-    kernels = [s.kernel.py_func.__name__ for s in tr.exe.steps[-3:]]
-    if scaled:
-        assert kernels == ["grad_nonfinite", "sgd_update", "amp_update_scale"]
-    else:
-        assert kernels[-1] == "sgd_update" and "grad_nonfinite" not in kernels
+    kernels = [s.kernel.py_func.__name__ for s in tr.exe.steps[-4:]]
+    update = "sgd_update" if opt == "sgd" else "adam_update"
+    want_kernels = (["grad_sumsq"] if max_norm else []) + (["grad_nonfinite"] if scaled else []) \
+        + [update] + (["amp_update_scale"] if scaled else [])
+    assert kernels[-len(want_kernels):] == want_kernels
 
     w, b = _init(rng)
     tr.set_param("w", w)
     tr.set_param("b", b)
     w, b = f64(w), f64(b)
-    opt, u = sgd_momentum(lr, mom), UNIT[dtype]
+    step, u, apart = ref(), UNIT[dtype], []
     for x, t in _data(rng, 3):
         want, dw, db, found = recipe(x, t, w, b, dtype, scale=tr.loss_scale)
         assert not found
-        f32_loss = recipe(x, t, w, b, dtype, half=False)[0]
-        # the check below fails for a forward computed in f32: the two differ by ~u |loss|
-        assert abs(f32_loss - want) > 10 * 2e-6 * abs(want)
+        apart.append(abs(recipe(x, t, w, b, dtype, half=False)[0] - want) / abs(want))
         got = tr.step({"x": x, "t": t})
         np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-7)
-        w, b = opt("w", w, dw), opt("b", b, db)
+        if max_norm is not None:      # (the clip acts on the unscaled grads)
+            assert np.sqrt((dw * dw).sum() + (db * db).sum()) > 2 * max_norm
+        dw, db = clipped([dw, db], max_norm)
+        w, b = step("w", w, dw), step("b", b, db)
         # dw is rounded to half in the graph: one half rounding of slack per element, at most
-        tol = 1e-6 + lr * 10 * u * np.abs(dw).max()
+        tol = 1e-6 + lr * 10 * u * max(np.abs(dw).max(), 1.0 if opt != "sgd" else 0.0)
         np.testing.assert_allclose(tr.get_param("w"), w, rtol=1e-5, atol=tol)
         np.testing.assert_allclose(tr.get_param("b"), b, rtol=1e-5, atol=1e-6)
         # the half copy the forward reads is the rounding of the new f32 master
         half = tr.exe.get_param("__train__.half.w")
         np.testing.assert_array_equal(half, rounded(tr.get_param("w"), dtype))
+    # the loss check fails for a forward computed in f32: it is that far from the recipe
+    assert max(apart) > 5 * 2e-6
     assert tr.steps_done == tr.optimizer_steps == 3
     assert tr.loss_scale == (2.0 ** 16 if scaled else 1.0)
     r = tr.memory_report()
