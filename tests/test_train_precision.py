@@ -219,3 +219,50 @@ def test_precision_errors(kw, msg):
     g, loss = half_linear_model("bf16")
     with pytest.raises(ValueError, match=msg):
         rlx.compile_train(g, loss, SGD(0.1), **kw)
+
+
+# ---- the update node --------------------------------------------------------------------------
+def _update_inputs(g, total=64, sizes=(6, 4), half="bf16", scaled=True):
+    params, hyper = g.param("flat", (total,)), g.input("hyper", (4,))
+    grads = [g.input(f"g{k}", (n,)) for k, n in enumerate(sizes)]
+    trained = [g.param(f"p{k}", (n,)) for k, n in enumerate(sizes)]
+    rest = ([g.param("halves", (total,), half)] if half else []) + \
+        ([g.param("scaler", (3,))] if scaled else [])
+    return [params, hyper] + grads + trained + rest
+
+
+SGD_HP = (("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False))
+GOOD = dict(rule="sgd", hp=SGD_HP, nstates=0, offsets=(0, 32), sizes=(6, 4),
+            half_offsets=(0, -1), max_norm=None, scaling=(2.0, 0.5, 2000))
+
+
+def test_optim_update_node_is_inplace_on_the_flat_params():
+    g = rlx.Graph("upd")
+    ins = _update_inputs(g)
+    out = g.bind("optim_update", ins, **GOOD)
+    assert out.shape == (64,) and out.dtype.name == "f32"
+    from rlx_numba.ir.ops_optim import operands
+    io = operands(out.node)
+    assert io["params"] == ins[0].id and io["grads"] == [ins[2].id, ins[3].id]
+    assert io["halves"] == ins[6].id and io["scaler"] == ins[7].id
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(rule="lion"), "optim_update: rule must be one of sgd, adam"),
+    (dict(hp=SGD_HP[:2]), "rule 'sgd' takes hp"),
+    (dict(nstates=2), "rule 'sgd' keeps 0 or 1 state buffers, got nstates=2"),
+    (dict(offsets=(0, 62)), "a param's \\[offset, offset \\+ size\\) leaves params"),
+    (dict(scaling=None), "expected 7 inputs .*halves\\), got 8"),
+    (dict(half_offsets=(0,)), "half_offsets must have 2 entries, got 1"),
+    (dict(sizes=(6, 5)), "grads\\[1\\] must be f32 with 5 elements, got f32 \\[4\\]"),
+])
+def test_optim_update_node_errors(change, msg):
+    g = rlx.Graph("upd")
+    with pytest.raises(ValueError, match=msg):
+        g.bind("optim_update", _update_inputs(g), **{**GOOD, **change})
+
+
+def test_optim_update_node_checks_the_half_copies_dtype():
+    g = rlx.Graph("upd")
+    with pytest.raises(ValueError, match="halves must be f16 or bf16 \\[64\\], got f32 \\[64\\]"):
+        g.bind("optim_update", _update_inputs(g, half="f32"), **GOOD)

@@ -81,7 +81,8 @@ def _optim_update(ctx, n):
     args += (partials, npart, max_norm, half_out, scaler, flags, nflags)
     kernel = K.update_kernel(rule, kind)
     itemsize = 4 + (dt.dtype(kind).itemsize if kind != "f32" else 0)
-    steps.append(Step(f"{step_name(n)} {rule}", f"{kernel.py_func.__name__} {what}", kernel,
+    label = "sgd" if rule == "sgd" else "adamw" if hp["decoupled"] else "adam"
+    steps.append(Step(f"{step_name(n)} optim.{label}", f"{kernel.py_func.__name__} {what}", kernel,
                       (blocks,), (threads,), args,
                       {"bytes": numel * (itemsize + 8 + 8 * len(states))}))
     if a["scaling"] is not None:
