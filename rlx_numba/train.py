@@ -134,7 +134,8 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
         grads[k] = grads[k] * 1.0           # the arena
 
     trained = [tg.leaf(n) for n in names]
-    layout = _Layout([t.node for t in trained], optimizer.states, half,
+    copies = half if halves else None       # (no product read a trained param: no copies)
+    layout = _Layout([t.node for t in trained], optimizer.states, copies,
                      [halves.get(n) for n in names], scaling is not None)
     rule, hp = optimizer.rule()
     leaves = {name: tg.param(name, shape, dtype) if tg.leaf(name) is None else tg.leaf(name)
@@ -143,13 +144,13 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     ins = ([leaves[layout.flat_name], hyper] + [leaves[layout.state_name(s)]
                                                 for s in optimizer.states]
            + grads + trained)
-    if half is not None:
+    if copies is not None:
         ins.append(leaves[layout.half_name])
     if scaling is not None:
         ins.append(leaves[SCALER])
     update = tg.bind("optim_update", ins, rule=rule, hp=hp, nstates=len(optimizer.states),
                      offsets=tuple(layout.offsets), sizes=tuple(layout.sizes),
-                     half_offsets=None if half is None else tuple(layout.half_offsets),
+                     half_offsets=None if copies is None else tuple(layout.half_offsets),
                      max_norm=max_norm, scaling=scaling)
     tg.set_outputs([loss_t])
     plan = plan_graph(tg)
@@ -350,8 +351,10 @@ class _Layout:
             self.slots[nd.name] = (tuple(nd.shape), dt.F32, self.flat[4 * o:4 * e])
         self.states = [buffer(self.state_name(s), dt.F32).view(np.float32) for s in states]
         self.half_offsets = [-1] * len(nodes)
+        self.half_nbytes = 0
         if half is not None:
             hflat = buffer(self.half_name, half)
+            self.half_nbytes = len(hflat)
             for k, (nd, o, e, hn) in enumerate(zip(nodes, self.offsets, ends, half_names)):
                 if hn is not None:
                     self.half_offsets[k] = o
@@ -523,7 +526,7 @@ class Trainer:
         return {"trained_params": len(self.params),
                 "trained_param_bytes": self._layout.nbytes,
                 "optimizer_state_bytes": self._layout.nbytes * len(self.optimizer.states),
-                "half_copy_bytes": (self._layout.total * 2 if self.precision != "f32" else 0),
+                "half_copy_bytes": self._layout.half_nbytes,
                 "grad_bytes": sum(plan.buffers[r].size for r in grads),
                 "saved_for_backward_bytes": saved}
 

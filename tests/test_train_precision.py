@@ -266,3 +266,26 @@ def test_optim_update_node_checks_the_half_copies_dtype():
     g = rlx.Graph("upd")
     with pytest.raises(ValueError, match="halves must be f16 or bf16 \\[64\\], got f32 \\[64\\]"):
         g.bind("optim_update", _update_inputs(g, half="f32"), **GOOD)
+
+
+def test_f16_without_products_scales_the_loss_and_keeps_no_half_copies(rng):
+    """autocast casts nothing in an element-wise model: f16 training is the f32 one with the
+    loss scaled (a power of two: the same grads) and no half copies."""
+    g = rlx.Graph("ew")
+    x, t, w = g.input("x", (3, 7)), g.input("t", (3, 7)), g.param("w", (7,))
+    d = g.tanh(x * w) - t
+    loss = g.reduce_mean(d * d)
+    g.set_outputs([loss])
+    trs = [rlx.compile_train(g, loss, AdamW(lr=0.05), precision=p) for p in ("f32", "f16")]
+    assert trs[1].memory_report()["half_copy_bytes"] == 0
+    assert "__train__.half" not in [n.name for n in trs[1].graph.nodes]
+    w0 = rng.standard_normal(7).astype(np.float32)
+    for tr in trs:
+        tr.set_param("w", w0)
+    for xb, tb in [(rng.standard_normal((3, 7)).astype(np.float32),
+                    rng.uniform(-0.5, 0.5, (3, 7)).astype(np.float32)) for _ in range(2)]:
+        a, b = (tr.step({"x": xb, "t": tb}) for tr in trs)
+        np.testing.assert_allclose(b, a, rtol=1e-6)
+        np.testing.assert_allclose(trs[1].get_param("w"), trs[0].get_param("w"), rtol=1e-5,
+                                   atol=1e-6)
+    assert trs[1].loss_scale == 2.0 ** 16
