@@ -1,16 +1,24 @@
 """Matmul TFLOP/s of each tier of the ladder beside torch, same process, CUDA events.
 
 Shapes (M x K x N, or batch x (M x K x N)): 4096^3, 8192^3, 1x4096x4096 (decode),
-32x4096x11008, 64x(512x64x512). Rows, each against its torch counterpart:
+32x4096x11008, 8192x1024x4096 (a BERT-large FFN up-projection, the linear-with-bias-gelu_tanh
+shape), 64x(512x64x512). Rows, each against its torch counterpart:
   tier2 fp32  - cublasSgemm(/strided batched)      vs torch.matmul, allow_tf32 off  (bar 0.95)
   tier2 tf32  - the same with TF32 allowed           vs torch.matmul, allow_tf32 on   (bar 0.95)
   tier1 bias+gelu_tanh - one cuBLASLt call            vs torch mm + bias + gelu(tanh) (bar 1.00)
   tier0 bf16  - bf16 weight, activations cast, GemmEx vs torch bf16 matmul          (bar 0.90 on
                 the weight-bound shapes 1x4096x4096 and 32x4096x11008; others reported)
   tier4 numba - the register-tiled numba SGEMM        vs torch fp32 (cuBLAS)        (bar 0.25 at 4096^3)
+  bf16 / f16  - a graph in that dtype (x, w and the result; f32 sums), the default ladder
+                (cuBLASLt; GemmStridedBatchedEx when batched) vs torch.matmul on CUDA tensors of
+                the same dtype                                                    (bar 0.90 at 4096^3)
+  bf16gelu / f16gelu - linear(x, w, bias, "gelu_tanh") in that dtype, one cuBLASLt call with
+                the bias and GELU in its epilogue vs torch gelu(addmm(bias, x, w), tanh) in the
+                same dtype                                                 (bar 0.90 at 8192x1024x4096)
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
-  python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--tiers 2,2tf32,1,0,4] [--iters 10]
+  python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]
+      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu]
 """
 from __future__ import annotations
 
@@ -24,9 +32,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_device_memory, time_rlx, time_torch  # noqa: E402
 
-SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,64:512x64x512"
-TIERS = "2,2tf32,1,0,4"
+SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,8192x1024x4096,64:512x64x512"
+TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu"
 WEIGHT_BOUND = {(1, 1, 4096, 4096), (1, 32, 4096, 11008)}
+# half rows: (graph dtype, torch dtype name, epilogue activation) and where their bar applies
+HALF_ROWS = {"bf16": ("bf16", "bfloat16", None), "f16": ("f16", "float16", None),
+             "bf16gelu": ("bf16", "bfloat16", "gelu_tanh"), "f16gelu": ("f16", "float16", "gelu_tanh")}
+HALF_BAR = {None: (1, 4096, 4096, 4096), "gelu_tanh": (1, 8192, 1024, 4096)}
 
 
 def parse(shape):
@@ -35,7 +47,77 @@ def parse(shape):
     return int(batch or 1), m, k, n
 
 
+def bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters):
+    """A row of HALF_ROWS: the product in f16 / bf16 end to end (no tier restriction: the
+    ladder's own choice) against torch in the same dtype; inputs go in as host arrays of the
+    half dtype (torch's bf16 tensors have no __cuda_array_interface__), only kernels timed."""
+    import ml_dtypes
+    import numpy as np
+    F = torch.nn.functional
+    d, tname, act = HALF_ROWS[tier]
+    tdt = getattr(torch, tname)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    g = rlx.Graph(f"mm_{tier}")
+    ashape = (batch, m, k) if batch > 1 else (m, k)
+    wshape = (batch, k, n) if batch > 1 else (k, n)
+    x = g.input("x", ashape, d)
+    if batch > 1:
+        g.set_outputs([g.matmul(x, g.input("w", wshape, d))])
+    else:
+        w, b = g.param("w", wshape, d), g.param("b", (n,), d)
+        g.set_outputs([g.linear(x, w, b if act else None, activation=act)])
+    exe = rlx.compile(g)
+    tx = torch.randn(*ashape, device="cuda").to(tdt)
+    tw = (torch.randn(*wshape, device="cuda") / k ** 0.5).to(tdt)
+    tb = torch.randn(n, device="cuda").to(tdt)
+    host = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[d]
+    as_host = lambda t: t.float().cpu().numpy().astype(host)  # noqa: E731
+    inputs = {"x": as_host(tx)}
+    if batch > 1:
+        inputs["w"] = as_host(tw)
+    else:
+        exe.set_param("w", as_host(tw))
+        exe.set_param("b", as_host(tb))
+    (got,) = exe.run(inputs)
+    if act:
+        tfn = lambda: F.gelu(torch.addmm(tb, tx, tw), approximate="tanh")  # noqa: E731
+    else:
+        tfn = lambda: torch.matmul(tx, tw)  # noqa: E731
+    ref = tfn().float().cpu().numpy().astype(np.float64)
+    err = float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-6))
+    steps = exe.steps
+
+    def launch():
+        for s in steps:
+            s()
+    n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
+    rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
+    exe.stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_iter):
+        launch()
+    host_ms = (time.perf_counter() - t0) * 1e3 / n_iter
+    exe.stream.synchronize()
+    torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
+    flops = 2.0 * batch * m * n * k
+    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_ms=rlx_ms, rlx_tflops=flops / rlx_ms / 1e9,
+               torch_tflops=flops / torch_ms / 1e9, ratio=torch_ms / rlx_ms, rel_err=err,
+               host_ms=host_ms, kernels=[s.kernel_name for s in steps],
+               tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
+    applies = (batch, m, k, n) == HALF_BAR[act]
+    res["bar"] = 0.9 if applies else None
+    # both sides sum in f32 and round once; they differ by about an output rounding (bf16 2^-8)
+    tol = 2e-2 if d == "bf16" else 4e-3
+    res["pass"] = (res["ratio"] >= 0.9 if applies else True) and err <= tol
+    del exe, tx, tw, tb
+    free_device_memory(cuda, torch)
+    return res
+
+
 def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
+    if tier in HALF_ROWS:
+        return bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters)
     F = torch.nn.functional
     tf32 = tier == "2tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -125,7 +207,7 @@ def main(argv=None) -> int:
     from numba import cuda
     gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}   torch {torch.__version__}   cuBLAS {rlx.cublas.info().get('cublas')}\n")
-    hdr = (f"{'tier':<6} {'shape':<18} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6} "
+    hdr = (f"{'tier':<8} {'shape':<18} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6} "
            f"{'bar':>5}  ok   rel.err  steps")
     print(hdr + "\n" + "-" * len(hdr))
     results = []
@@ -134,18 +216,20 @@ def main(argv=None) -> int:
         for tier in args.tiers.split(","):
             if tier == "4" and m * n * k * batch > 2**37:
                 continue                      # 8192^3 on the numba kernel: not interesting
-            if batch > 1 and tier in ("0", "1"):
+            if batch > 1 and tier in ("0", "1", "bf16gelu", "f16gelu"):
                 continue                      # those tiers are for weights (2-D params)
+            if tier.endswith("gelu") and (batch, m, k, n) != HALF_BAR["gelu_tanh"]:
+                continue                      # the epilogue rows: their one shape
             try:
                 r = bench(tier, batch, m, k, n, rlx, cuda, torch, args.iters)
             except Exception as e:  # noqa: BLE001 - report the row, keep going
-                print(f"{tier:<6} {shape:<18} ERROR {type(e).__name__}: {e}")
+                print(f"{tier:<8} {shape:<18} ERROR {type(e).__name__}: {e}")
                 results.append(dict(tier=tier, shape=shape, error=str(e), **{"pass": False}))
                 free_device_memory(cuda, torch)
                 continue
             results.append(r)
             bar = f"{r['bar']:.2f}" if r["bar"] else "  -  "
-            print(f"{tier:<6} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
+            print(f"{tier:<8} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
                   f"{r['ratio']:6.2f} {bar:>5}  {'PASS' if r['pass'] else 'FAIL'} {r['rel_err']:.1e}  "
                   f"{' | '.join(r['kernels'])}  [{1e3 * r['rlx_ms']:.0f} us a run, host enqueue "
                   f"{1e3 * r['host_ms']:.0f} us]", flush=True)

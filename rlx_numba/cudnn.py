@@ -1,5 +1,8 @@
 """cuDNN through ctypes: convolution forward, backward-data and backward-filter (the conv tier
-0 of ir/ops_vision.py), f32 NCHW, with the algorithm found once when a step is bound.
+0 of ir/ops_vision.py), NCHW in f32, f16 or bf16, with the algorithm found once when a step is
+bound. Half tensors (CUDNN_DATA_HALF / _BFLOAT16) run with compute type CUDNN_DATA_FLOAT (f32
+accumulation, as torch's), tensor cores allowed, and never an engine whose numerical notes
+say it reduces in reduced precision.
 
 The library is NVIDIA's pip wheel (``nvidia-cudnn-cu12`` / ``-cu13``: ``nvidia/cudnn/lib``, or
 ``nvidia/cu13/lib``), ``$CUDA_HOME``, or the system loader; cuDNN 9's sub-libraries are loaded
@@ -19,7 +22,10 @@ from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
 DATA_FLOAT, TENSOR_NCHW, CROSS_CORRELATION = 0, 0, 1
-DEFAULT_MATH, FMA_MATH = 0, 3
+# cudnnDataType_t of the storage kinds (cudnn_graph.h: HALF 2, BFLOAT16 9)
+DATA_TYPES = {"f32": DATA_FLOAT, "f16": 2, "bf16": 9}
+ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 WORKSPACE_BYTES = 64 << 20
 SUBLIBS = ("graph", "ops", "cnn", "adv", "engines_precompiled", "engines_runtime_compiled",
            "heuristic")
@@ -142,42 +148,48 @@ def _ints(vals):
     return (c_int * len(vals))(*vals)
 
 
-def _tensor(shape):
+def _tensor(shape, data_type=DATA_FLOAT):
     d = c_void_p()
     lib().cudnnCreateTensorDescriptor(byref(d))
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    lib().cudnnSetTensorNdDescriptor(d, DATA_FLOAT, len(shape), _ints(shape), _ints(strides))
+    lib().cudnnSetTensorNdDescriptor(d, data_type, len(shape), _ints(shape), _ints(strides))
     return d
 
 
 def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilation, groups,
               x_ptr: int, w_ptr: int, y_ptr: int, tf32: bool = False, bias_ptr=None,
-              z_ptr=None):
+              z_ptr=None, dtype: str = "f32"):
     """A no-argument callable enqueueing one convolution call on ``stream``, in the forward
     convolution's terms: x [N, C, *S] the input, w [K, C/groups, *k], y [N, K, *O] the output.
     ``kind`` "fwd" writes y from x and w; "bwd_data" writes x (dx) from y (dy) and w;
     "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
     workspace is found now (cudnnFind*AlgorithmEx, run on these buffers). A forward with
     ``bias_ptr`` (a [K] bias) is relu(conv + bias (+ z [N, K, *O] at ``z_ptr``)) in one
-    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu)."""
+    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu), f32 only.
+    ``dtype`` ("f32", "f16", "bf16") is x's, w's and y's; the math is f32 whatever it is."""
     L = lib()
+    code = DATA_TYPES[dtype]
+    half = dtype != "f32"
+    if half and bias_ptr is not None:
+        raise ValueError(f"cudnn.conv_plan: the fused bias epilogue is f32 only, got {dtype}")
     if len(x_shape) == 3:        # 1-D as 2-D of height 1
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
         pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
     h, ws = handle(stream)
-    xd, yd = _tensor(list(x_shape)), _tensor(list(y_shape))
+    xd, yd = _tensor(list(x_shape), code), _tensor(list(y_shape), code)
     wd = c_void_p()
     L.cudnnCreateFilterDescriptor(byref(wd))
-    L.cudnnSetFilterNdDescriptor(wd, DATA_FLOAT, TENSOR_NCHW, len(w_shape), _ints(list(w_shape)))
+    L.cudnnSetFilterNdDescriptor(wd, code, TENSOR_NCHW, len(w_shape), _ints(list(w_shape)))
     cd = c_void_p()
     L.cudnnCreateConvolutionDescriptor(byref(cd))
     nd = len(x_shape) - 2
     L.cudnnSetConvolutionNdDescriptor(cd, nd, _ints(list(pad)), _ints(list(stride)),
                                       _ints(list(dilation)), CROSS_CORRELATION, DATA_FLOAT)
     L.cudnnSetConvolutionGroupCount(cd, groups)
-    math_type = DEFAULT_MATH if tf32 else FMA_MATH
+    # half: tensor cores (f32 accumulation under the f32 compute type); f32: TF32 only if asked
+    math_type = TENSOR_OP_MATH if half else DEFAULT_MATH if tf32 else FMA_MATH
     L.cudnnSetConvolutionMathType(cd, math_type)
     perf, count = (AlgoPerf * 8)(), c_int()
     x, w, y, wsp = (c_void_p(p) for p in (x_ptr, w_ptr, y_ptr, ws))
@@ -191,7 +203,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     }[kind]
     getattr(L, find)(h, *args, 8, byref(count), perf, wsp, WORKSPACE_BYTES)
     ok = [p for p in perf[:count.value] if p.status == 0 and p.memory <= WORKSPACE_BYTES
-          and (tf32 or p.mathType == FMA_MATH)]      # never TF32 unless asked for
+          and (tf32 or half or p.mathType == FMA_MATH)]      # never TF32 unless asked for
     if not ok:
         raise CudnnError(find, 0, f"found no algorithm for {kind} x {list(x_shape)} w "
                          f"{list(w_shape)} y {list(y_shape)}")
@@ -227,7 +239,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     cands = [legacy(p) for p in ok[:3]]
     if bias_ptr is None:
         cands += _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation,
-                              (x_ptr, w_ptr, y_ptr), ws, tf32)
+                              (x_ptr, w_ptr, y_ptr), ws, tf32, dtype)
     if len(cands) == 1:
         return cands[0]
     return min(cands, key=lambda c: _time(c, stream))
@@ -259,7 +271,7 @@ OP_ATTRS = {   # (alpha, beta, conv descriptor, {tensor role: attribute}) per op
     "bwd_data": (706, 707, 708, {"w": 709, "x": 710, "y": 711}),       # dx, dy
     "bwd_filter": (712, 713, 714, {"w": 715, "x": 716, "y": 717}),     # dw, x, dy
 }
-NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT = 0, 1
+NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT, NOTE_REDUCED_PRECISION = 0, 1, 2
 # engine configs asked of the heuristics, and the most tried (in their order): for f32 with TF32
 # off most of them are tensor-core (TF32) engines, skipped; the 3x3 layer above has its FMA
 # engine at places 28-30 of 32
@@ -299,25 +311,31 @@ class _Desc:
                 pass
 
 
-def _align(*ptrs) -> int:
+def _align(*ptrs, itemsize: int = 4) -> int:
     a = 16
-    while a > 4 and any(p % a for p in ptrs):
+    while a > itemsize and any(p % a for p in ptrs):
         a //= 2
     return a
 
 
-def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs, ws, tf32):
+def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs, ws, tf32,
+                 dtype="f32"):
     """Launch callables for the first GRAPH_PLANS engine configs cuDNN's heuristics give for
-    this convolution that finalize, fit the workspace and (unless ``tf32``) do no TF32."""
+    this convolution that finalize, fit the workspace and (f32, unless ``tf32``) do no TF32;
+    in half, none that down-converts or reduces in reduced precision (the compute type is
+    f32: the sums stay f32)."""
+    half = dtype != "f32"
+    skip = ({NOTE_DOWN_CONVERT, NOTE_REDUCED_PRECISION} if half
+            else set() if tf32 else {NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT})
     try:
-        align = _align(*ptrs)
+        align = _align(*ptrs, itemsize=ITEMSIZE[dtype])
         tensors = {}
         for uid, (role, shape) in enumerate((("x", x_shape), ("w", w_shape),
                                              ("y", y_shape)), 1):
             strides = [1] * len(shape)
             for i in range(len(shape) - 2, -1, -1):
                 strides[i] = strides[i + 1] * shape[i + 1]
-            tensors[role] = (_Desc(D_TENSOR).set(901, T_DATA_TYPE, [DATA_FLOAT], c_int)
+            tensors[role] = (_Desc(D_TENSOR).set(901, T_DATA_TYPE, [DATA_TYPES[dtype]], c_int)
                              .set(902, T_INT64, list(shape)).set(903, T_INT64, strides)
                              .set(906, T_INT64, [uid]).set(900, T_INT64, [align]).finalize())
         conv = (_Desc(D_CONV).set(100, T_DATA_TYPE, [DATA_FLOAT], c_int)
@@ -342,11 +360,11 @@ def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs
         if len(plans) == GRAPH_PLANS:
             break
         try:
-            if not tf32:
+            if skip:
                 engine = cfg.get_descs(300, D_ENGINE, 1)[0]
                 notes, n = (c_int * 16)(), c_int64()
                 lib().cudnnBackendGetAttribute(engine.p, 1303, T_NOTE, 16, byref(n), notes)
-                if {NOTE_TENSOR_CORE, NOTE_DOWN_CONVERT} & set(notes[:n.value]):
+                if skip & set(notes[:n.value]):
                     continue
             plan = _Desc(D_PLAN).set(400, T_HANDLE, [h.value], c_void_p).desc(401, cfg).finalize()
             need = c_int64()

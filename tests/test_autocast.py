@@ -42,8 +42,8 @@ def _oracle(x, p, dt_):
     """The autocast recipe in float64: products of half-rounded operands, rounded to half."""
     def r(a):
         return f64(rounded(a, dt_))
-    h = r(r(x) @ r(p["w1"]) + r(p["b1"]))              # linear + bias in half
-    h = r(0.5 * h * (1 + _erf(h / np.sqrt(2))))         # gelu on half: result half
+    h = r(x) @ r(p["w1"]) + r(p["b1"])                  # linear + bias + gelu in the
+    h = r(0.5 * h * (1 + _erf(h / np.sqrt(2))))         # product's epilogue: one rounding
     y = r(r(h) @ r(p["w2"])) + f64(x)                   # matmul half, + f32 residual -> f32
     mu = y.mean(-1, keepdims=True)
     n = (y - mu) / np.sqrt(((y - mu) ** 2).mean(-1, keepdims=True) + 1e-5)

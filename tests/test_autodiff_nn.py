@@ -255,7 +255,8 @@ def test_rms_norm_dx_has_the_rms_cubed_term(rng):
 
 
 def test_norm_vjp_of_half_input(rng):
-    """f16 x / gamma are decomposed to f32 by the builder; the gradients come back as f16."""
+    """f16 x / gamma go through the norm kernels as f16 (f32 math); the gradients come back as
+    f16."""
     g = rlx.Graph("d_norm_f16")
     x, gm = g.input("x", (3, 8), "f16"), g.input("gamma", (8,), "f16")
     r = rng.standard_normal((3, 8)).astype(np.float32)

@@ -145,3 +145,31 @@ def test_selective_state_update_is_one_scan_step(rng):
     with pytest.raises(ValueError, match=r"selective_state_update: B must be f32 \[2, 4\]"):
         g.selective_state_update(state, last(t["u"]), last(t["delta"]), t["A"], t["B"],
                                  last(t["C"]))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_selective_scan_half(rng, dtype):
+    """Half operands (A kept f32, as Mamba's A_log): the recurrence in f32, y and the last
+    state rounded once to the dtype. The state is a running sum over 23 steps: kept in half
+    between steps it would drift by ~23 u, beyond the 4 u allowed here."""
+    from halfref import assert_half_close, f64, rounded
+    feed = _inputs(rng, 1, 3, 23, 4)
+    feed["delta"] = np.abs(feed["delta"])
+    half = {k: rounded(feed[k], dtype) for k in ("u", "delta", "B", "C", "D", "z")}
+    g = rlx.Graph("scan")
+    t = {k: g.input(k, v.shape, dtype) for k, v in half.items()}
+    a = g.input("A", feed["A"].shape)
+    y, last = g.selective_scan(t["u"], t["delta"], a, t["B"], t["C"], D=t["D"], z=t["z"],
+                               return_last_state=True)
+    assert str(y.dtype) == dtype and str(last.dtype) == dtype
+    g.set_outputs([y, last])
+    got = run_graph(g, dict(half, A=feed["A"].astype(np.float32)))
+    wy, wl = scan_ref(*(f64(half[k]) if k in half else f64(feed[k].astype(np.float32))
+                        for k in ("u", "delta", "A", "B", "C")), D=f64(half["D"]),
+                      z=f64(half["z"]), last=True)
+    # y: the D skip and the z gate are half element-wise ops after the scan, each rounding
+    # (the sum y + D u may cancel: the bound is on the scale of the whole output)
+    assert_half_close(got[0], wy, dtype, k=4, scale=np.abs(wy).max(), what="y")
+    assert_half_close(got[1], wl, dtype, k=2, what="last state")
+    with pytest.raises(ValueError, match=rf"selective_scan: B must be {dtype} like u"):
+        g.selective_scan(t["u"], t["delta"], a, g.input("B32", (1, 4, 23)), t["C"])

@@ -18,6 +18,7 @@ DEFAULT_MATH, TF32_TENSOR_OP_MATH = 0, 3
 GEMM_DEFAULT = -1
 # cudaDataType / cublasComputeType_t
 R_32F, R_16F, R_16BF = 0, 2, 14
+DATA_TYPE = {"f32": R_32F, "f16": R_16F, "bf16": R_16BF}     # kernels/halfio.py's kinds
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
 # cuBLASLt: matmul desc attributes, epilogues, preference attributes
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
@@ -62,6 +63,8 @@ CUBLAS = {
                            c_int, c_int],
     "cublasGemmEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int, c_int,
                      P, P, c_int, c_int, c_int, c_int],
+    "cublasGemmBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int,
+                            c_int, P, P, c_int, c_int, c_int, c_int, c_int],
     "cublasGemmStridedBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int,
                                    c_int64, P, c_int, c_int, c_int64, P, P, c_int, c_int,
                                    c_int64, c_int, c_int, c_int],

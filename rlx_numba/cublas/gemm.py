@@ -126,21 +126,29 @@ def sgemm_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, c_ptr: int, *, tf32
 
 
 def gemm_ex_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_type: int,
-                 c_ptr: int, *, batch: int = 1, stride_a: int = 0, stride_b: int = 0):
-    """cublasGemmEx / StridedBatchedEx with half (f16/bf16) operands, an f32 result and f32
-    accumulation (COMPUTE_32F)."""
+                 c_ptr: int, *, c_type: int = api.R_32F, batch: int = 1, stride_a: int = 0,
+                 stride_b: int = 0, ptr_arrays=None):
+    """cublasGemmEx / GemmStridedBatchedEx with half (f16/bf16) operands, f32 accumulation
+    (COMPUTE_32F, f32 alpha and beta: tensor cores) and C of ``c_type`` (f32, or the operands'
+    half type, rounded once); cublasGemmBatchedEx with device arrays of pointers
+    (``ptr_arrays`` = (A pointers, B pointers, C pointers)) for any other batch broadcast."""
     blas, _ = api.libs()
     h = blas_handle(stream, False)
     head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(_ONE))
-    if batch > 1:
+    tail = (api.COMPUTE_32F, api.GEMM_DEFAULT)
+    if ptr_arrays is not None:
+        pa, pb, pc = (p.device_ctypes_pointer.value for p in ptr_arrays)
+        args = head + (c_void_p(pb), b_type, cm.lda, c_void_p(pa), a_type, cm.ldb,
+                       byref(_ZERO), c_void_p(pc), c_type, cm.ldc, batch) + tail
+        fn = blas.cublasGemmBatchedEx
+    elif batch > 1:
         args = head + (c_void_p(b_ptr), b_type, cm.lda, stride_b, c_void_p(a_ptr), a_type,
-                       cm.ldb, stride_a, byref(_ZERO), c_void_p(c_ptr), api.R_32F, cm.ldc,
-                       cm.m * cm.n, batch, api.COMPUTE_32F, api.GEMM_DEFAULT)
+                       cm.ldb, stride_a, byref(_ZERO), c_void_p(c_ptr), c_type, cm.ldc,
+                       cm.m * cm.n, batch) + tail
         fn = blas.cublasGemmStridedBatchedEx
     else:
         args = head + (c_void_p(b_ptr), b_type, cm.lda, c_void_p(a_ptr), a_type, cm.ldb,
-                       byref(_ZERO), c_void_p(c_ptr), api.R_32F, cm.ldc, api.COMPUTE_32F,
-                       api.GEMM_DEFAULT)
+                       byref(_ZERO), c_void_p(c_ptr), c_type, cm.ldc) + tail
         fn = blas.cublasGemmEx
     return lambda: fn(*args)
 
@@ -152,9 +160,12 @@ LT_EPILOGUES = {(False, None): api.EPILOGUE_DEFAULT, (True, None): api.EPILOGUE_
 
 def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: bool,
             bias_ptr: int | None = None, activation: str | None = None,
-            residual_ptr: int | None = None, in_type: int = api.R_32F):
-    """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual], D, C and bias f32; A and B
-    of ``in_type`` (f32, or f16/bf16 with f32 accumulation). The residual goes in as C with
+            residual_ptr: int | None = None, in_type: int = api.R_32F,
+            out_type: int = api.R_32F):
+    """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual]; A and B of ``in_type`` (f32,
+    or f16/bf16 with f32 accumulation), D, C and the bias of ``out_type`` (f32, or the
+    operands' half type: the bias then has D's type, the library's default for
+    BIAS_DATA_TYPE; compute and scale f32 either way). The residual goes in as C with
     beta = 1, which the library adds before the epilogue: callers pass it only without an
     activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
     _, lt = api.libs()
@@ -191,7 +202,7 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
                 cm.lda)
     lb = layout(in_type, cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n,
                 cm.ldb)
-    lc = layout(api.R_32F, cm.m, cm.n, cm.ldc)
+    lc = layout(out_type, cm.m, cm.n, cm.ldc)
     ws_ptr, ws_size = workspace(stream, dev)
     beta = c_float(1.0 if residual_ptr is not None else 0.0)
     c_ptr = residual_ptr if residual_ptr is not None else d_ptr
@@ -203,7 +214,7 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
                 c_void_p(_stream_ptr(stream)))
     # the same problem (shape, types, epilogue, operand alignments) again -- a model's layers
     # repeat shapes -- takes the algorithm chosen the first time: no heuristic, no timing
-    key = (dev, cm, compute, in_type, epilogue,
+    key = (dev, cm, compute, in_type, out_type, epilogue,
            residual_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0,
                                                             residual_ptr or 0)))
     algo = _lt_choice.get(key)

@@ -297,10 +297,11 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         leading dims folded into the rows, so d_b and d_bias accumulate over the whole batch.
         The transposes reach cuBLAS as op flags (no copies)."""
         op = "matmul_bias_activation_bwd"
-        for arg, t in (("grad", grad), ("a", a), ("b", b)) + ((("bias", bias),) if bias is not None else ()):
+        named = (("grad", grad), ("a", a), ("b", b)) + ((("bias", bias),) if bias is not None else ())
+        for arg, t in named:
             self.check(op, arg, t)
-            if t.dtype != dt.F32:
-                raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {ops.fmt(t.shape)}")
+        # f32, or f16 / bf16 throughout: half products (f32 sums), half gradients
+        half = ops.product_dtype(op, list(named))
         if activation not in ops.GRAD_ACTIVATIONS:
             raise ValueError(f"{op}: activation must be one of "
                              f"{', '.join(map(str, ops.GRAD_ACTIVATIONS))}, got {activation!r}")
@@ -321,10 +322,17 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         gp = g2
         if activation is not None:
             z = self.linear(a2, b, bias)
-            gp = self.bind("activation_grad", [g2, z], kind=activation)
+            gp = self.bind("activation_grad", [g2, z], kind=activation)   # (f32: torch's
+            # gelu_backward also computes in f32; rounded to the half type for the products)
+        # d_bias summed in f32 (as torch's bias gradient), then rounded to bias's dtype
+        d_bias = (self.sum(gp if gp.dtype == dt.F32 else self.cast(gp, dt.F32), 0)
+                  if bias is not None else None)
+        if d_bias is not None and half != dt.F32:
+            d_bias = self.cast(d_bias, half)
+        if gp.dtype != half:
+            gp = self.cast(gp, half)
         d_a = self.reshape(self.matmul(gp, self.transpose(b, (1, 0))), a.shape)
         d_b = self.matmul(self.transpose(a2, (1, 0)), gp)
-        d_bias = self.sum(gp, 0) if bias is not None else None
         return d_a, d_b, d_bias
 
     # ---- shape -----------------------------------------------------------------------------
@@ -540,7 +548,9 @@ def _vjp_product(g, n, dy):
     bias = rest.pop(0) if n.attrs.get("has_bias") else None
     res = rest.pop(0) if n.attrs.get("has_residual") else None
     act, gated = n.attrs.get("activation"), n.attrs.get("gated")
-    (dy,) = _in_f32(g, dy)
+    # a half product's gradients are half products (f32 sums inside), as torch's
+    dy = dy if dy.dtype == n.dtype else g.cast(dy, n.dtype)
+    rnd = lambda t: t if t.dtype == n.dtype else g.cast(t, n.dtype)   # noqa: E731
     if math.prod(n.shape) == 0:
         return [zeros(g, t.shape) for t in (a, b, bias) if t is not None] + \
             ([dy] if res is not None else [])     # empty products: nothing to multiply
@@ -550,13 +560,13 @@ def _vjp_product(g, n, dy):
     kernel_act = None
     if gated is not None:    # the fold's gated epilogue is interleaved (passes/fusion.py)
         h = g.gated(_product_fwd(g, a2, b, bias), gated, interleaved=True)
-        dz = _vjp_gated(g, h.node, dz)[0]
+        dz = rnd(_vjp_gated(g, h.node, dz)[0])
     elif act is not None:
         if len(b.shape) == 2 and act in _ACT_GRAD:
             kernel_act = act     # matmul_bias_activation_bwd recomputes z and applies f'
         else:
             h = g.activation(act, _product_fwd(g, a2, b, bias))
-            dz = _vjp_activation(g, h.node, dz)[0]
+            dz = rnd(_vjp_activation(g, h.node, dz)[0])
     if len(b.shape) == 2:
         da, db, dbias = g.matmul_bias_activation_bwd(dz, a2, b, bias, kernel_act)
     else:

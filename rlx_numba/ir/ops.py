@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from . import dtypes as dt
-from .opdef import EXACT, F32, F32_ONLY, LEAF, STORAGE, VIEW, defop
+from .opdef import EXACT, F32, LEAF, STORAGE, VIEW, defop
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt",
                "rsqrt", "neg", "abs", "sin", "cos", "tan", "atan", "round")
@@ -128,9 +128,23 @@ def infer_reshape(x, shape, stop_gradient=False):
     return tuple(shape), x.dtype
 
 
-def _float_operand(op, arg, t):
-    if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+PRODUCT_DTYPES = (dt.F32, dt.F16, dt.BF16)
+
+
+def product_dtype(op, named) -> dt.DType:
+    """The dtype of a product's float operands ``named`` [(arg, Tensor)]: f32, f16 or bf16,
+    the same for all (torch's rule: no promotion inside a product; cast one first)."""
+    for arg, t in named:
+        if t.dtype not in PRODUCT_DTYPES:
+            raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)} (or f16 / "
+                             f"bf16: every float operand of one dtype)")
+    (arg0, t0), *rest = named
+    for arg, t in rest:
+        if t.dtype != t0.dtype:
+            raise ValueError(f"{op}: {arg0} and {arg} must have the same dtype, got {arg0} "
+                             f"{t0.dtype} {fmt(t0.shape)} and {arg} {t.dtype} {fmt(t.shape)}; "
+                             f"cast one of them first")
+    return t0.dtype
 
 
 def infer_matmul(a, b):
@@ -138,12 +152,12 @@ def infer_matmul(a, b):
         if len(t.shape) < 2:
             raise ValueError(f"matmul: {arg} must have rank >= 2 ([..., M, K] @ [..., K, N]), "
                              f"got {fmt(t.shape)}")
-        _float_operand("matmul", arg, t)
+    out = product_dtype("matmul", [("a", a), ("b", b)])
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(f"matmul: inner dimensions differ: a {fmt(a.shape)} has K={a.shape[-1]}, "
                          f"b {fmt(b.shape)} has K={b.shape[-2]}")
     batch = broadcast_shapes("matmul", ["a batch", "b batch"], [a.shape[:-2], b.shape[:-2]])
-    return batch + (a.shape[-2], b.shape[-1]), dt.F32
+    return batch + (a.shape[-2], b.shape[-1]), out
 
 
 def infer_linear(x, w, bias=None, activation=None, residual=None):
@@ -151,13 +165,13 @@ def infer_linear(x, w, bias=None, activation=None, residual=None):
         raise ValueError(f"linear: x must have rank >= 1, got {fmt(x.shape)}")
     if len(w.shape) != 2:
         raise ValueError(f"linear: w must be [K, N], got {fmt(w.shape)}")
-    _float_operand("linear", "x", x)
-    _float_operand("linear", "w", w)
+    out_dtype = product_dtype("linear", [("x", x), ("w", w)]
+                               + [(n, t) for n, t in (("bias", bias), ("residual", residual))
+                                  if t is not None])
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"linear: x {fmt(x.shape)} has K={x.shape[-1]} but w {fmt(w.shape)} "
                          f"has K={w.shape[0]}")
     if bias is not None:
-        _float_operand("linear", "bias", bias)
         if tuple(bias.shape) != (w.shape[1],):
             raise ValueError(f"linear: bias must be [{w.shape[1]}] to match w {fmt(w.shape)}, "
                              f"got {fmt(bias.shape)}")
@@ -166,11 +180,10 @@ def infer_linear(x, w, bias=None, activation=None, residual=None):
                          f"{', '.join(ACTIVATIONS)}")
     out = tuple(x.shape[:-1]) + (w.shape[1],)
     if residual is not None:
-        _float_operand("linear", "residual", residual)
         if tuple(residual.shape) != out:
             raise ValueError(f"linear: residual must have the output's shape {fmt(out)} (x "
                              f"{fmt(x.shape)} @ w {fmt(w.shape)}), got {fmt(residual.shape)}")
-    return out, dt.F32
+    return out, out_dtype
 
 
 def normalize_axis(op: str, arg: str, axis, rank: int) -> int:
@@ -247,8 +260,10 @@ defop("fused", _built_by_fusion, elementwise=True,
       doc="an element-wise region fused into one generated kernel (passes/fusion.py)")
 defop("gated", infer_gated, doc="activation(gate) * up over x's last axis's halves or pairs")
 defop("gated_bwd", infer_gated_bwd, doc="gated's gradient in one kernel")
-defop("matmul", infer_matmul, dtype_rule=F32_ONLY, doc="[..., M, K] @ [..., K, N], batch broadcast")
-defop("linear", infer_linear_node, dtype_rule=F32_ONLY,
-      doc="activation(x @ w + bias) + residual, w [K, N]")
+defop("matmul", infer_matmul, dtype_rule=F32,
+      doc="[..., M, K] @ [..., K, N], batch broadcast; f32 / f16 / bf16 operands of one dtype, "
+          "f32 accumulation, the result in their dtype")
+defop("linear", infer_linear_node, dtype_rule=F32,
+      doc="activation(x @ w + bias) + residual, w [K, N]; every operand of one float dtype")
 defop("reshape", infer_reshape, memory=VIEW, dtype_rule=STORAGE,
       doc="the same elements in a new shape (a view); stop_gradient=True is g.stop_gradient")

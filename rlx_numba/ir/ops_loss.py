@@ -3,12 +3,17 @@ into Graph) and its VJP.
 Kernels: kernels/loss.py; lowering: runtime/lower_loss.py.
 
 ``cross_entropy(logits, labels, ...)`` becomes, in the graph:
-  cross_entropy      (logits f32 [..., C], labels [...]) -> f32 [...]  each row's loss
-                     (0 where the label is ignore_index), one fused row kernel
+  cross_entropy      (logits [..., C] f32 / f16 / bf16, labels [...]) -> f32 [...]  each
+                     row's loss (0 where the label is ignore_index), one fused row kernel
   [reduction]        "sum": reduce_sum; "mean": reduce_sum / the number of rows whose label
                      is not ignore_index (torch: NaN when every row is ignored)
-and its VJP is one node, cross_entropy_bwd (logits, labels, dy rows) -> [..., C]: a row kernel
-that recomputes the softmax from the logits (nothing [rows, C] is saved for it).
+  [cast]             half logits: the result (rows or the reduced scalar) cast to the logits'
+                     dtype, as F.cross_entropy returns it
+and its VJP is one node, cross_entropy_bwd (logits, labels, dy rows f32) -> [..., C] in the
+logits' dtype: a row kernel that recomputes the softmax from the logits (nothing [rows, C] is
+saved for it). Half logits are read in their own dtype: the log-sum-exp, the row losses and
+their reduction are f32 (torch reduces nll_loss in f32 too), and only the [rows] result is
+rounded to the logits' dtype.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
-from .opdef import F32_ONLY, defop
+from .opdef import F32, defop
 from .ops import fmt
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -53,10 +58,10 @@ def check_cross_entropy(logits, labels, reduction, ignore_index, label_smoothing
 
 
 def _rows_operands(op, x, labels):
-    """The nodes' operands: f32 logits [..., C] (the builder casts halves) and their labels."""
-    if x.dtype != dt.F32 or len(x.shape) == 0 or x.shape[-1] == 0:
-        raise ValueError(f"{op}: logits must be f32 [..., C] with C >= 1, got {x.dtype} "
-                         f"{fmt(x.shape)}")
+    """The nodes' operands: f32 / f16 / bf16 logits [..., C] and their labels."""
+    if x.dtype not in (dt.F32, dt.F16, dt.BF16) or len(x.shape) == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{op}: logits must be f32, f16 or bf16 [..., C] with C >= 1, got "
+                         f"{x.dtype} {fmt(x.shape)}")
     if labels.dtype not in LABEL_DTYPES or tuple(labels.shape) != tuple(x.shape[:-1]):
         raise ValueError(f"{op}: labels must be i32 or i64 {fmt(x.shape[:-1])} (logits "
                          f"{fmt(x.shape)}), got {labels.dtype} {fmt(labels.shape)}")
@@ -72,12 +77,12 @@ def infer_cross_entropy_bwd(x, labels, dy, ignore_index, label_smoothing):
     if dy.dtype != dt.F32 or tuple(dy.shape) != tuple(labels.shape):
         raise ValueError(f"cross_entropy_bwd: dy must be f32 {fmt(labels.shape)} (one per row), "
                          f"got {dy.dtype} {fmt(dy.shape)}")
-    return x.shape, dt.F32
+    return x.shape, x.dtype
 
 
-defop("cross_entropy", infer_cross_entropy, dtype_rule=F32_ONLY,
+defop("cross_entropy", infer_cross_entropy, dtype_rule=F32,
       doc="each row's (label-smoothed) cross-entropy loss, 0 on ignore_index rows")
-defop("cross_entropy_bwd", infer_cross_entropy_bwd, dtype_rule=F32_ONLY,
+defop("cross_entropy_bwd", infer_cross_entropy_bwd, dtype_rule=F32,
       doc="cross_entropy's d logits, the softmax recomputed: one row kernel")
 
 
@@ -96,14 +101,15 @@ class LossOps:
         number: NaN when none is counted, as torch), "sum", or "none" (labels' shape).
         A label outside [0, C) that is not ignore_index gives a NaN row (run() raises
         IndexError for host-array labels out of the range that contains [0, C) and
-        ignore_index). Half logits are computed in f32 and the loss cast back."""
+        ignore_index). Half logits are read as they are (no cast of the logits); the
+        log-sum-exp and the reduction are f32 and the result is returned in the logits'
+        dtype, as torch does."""
         op = "cross_entropy"
         self.check(op, "logits", logits)
         self.check(op, "labels", labels)
         ignore, eps = check_cross_entropy(logits, labels, reduction, ignore_index,
                                           label_smoothing)
-        x = logits if logits.dtype == dt.F32 else self.cast(logits, dt.F32)
-        rows = self.bind(op, [x, labels], ignore_index=ignore, label_smoothing=eps)
+        rows = self.bind(op, [logits, labels], ignore_index=ignore, label_smoothing=eps)
         if reduction == "none":
             out = rows
         else:

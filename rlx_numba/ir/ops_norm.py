@@ -2,8 +2,18 @@
 fused with a residual add), their closed-form backward ops (softmax_bwd, norm_bwd) and VJPs.
 Kernels: kernels/rows.py; lowering: runtime/lower_norm.py.
 
-The kernels compute in f32. An f16/bf16 input is decomposed here, visibly in the graph, into
-cast -> op in f32 -> cast back (activations are f32 on the device; half types are storage).
+x may be f32, f16 or bf16; the kernels read it in its own dtype, compute and accumulate in
+f32 and round the result once to x's dtype (as torch's CUDA kernels do). The dtype rules
+(checked with a ValueError naming op, argument, dtypes and shapes):
+
+* the result, residual_sum and dx (norm_bwd's dh, softmax_bwd's dx): x's dtype;
+* residual, dy (and softmax_bwd's y and dy): x's dtype;
+* gamma: f32 or x's dtype (a bf16 model keeps bf16 norm weights, torch's autocast keeps them
+  f32), beta gamma's dtype; d gamma / d beta (norm_param_bwd) in gamma's dtype;
+* the row statistics (norm_bwd_stats' mean and rstd) f32.
+
+With a half x and a residual, h = x + residual is rounded to x's dtype (the residual_sum a
+stored sum would hold) before the norm reads it.
 """
 from __future__ import annotations
 
@@ -11,7 +21,7 @@ import math
 
 from . import dtypes as dt
 from .autodiff import vjp, zeros
-from .opdef import F32_ONLY, defop
+from .opdef import F32, defop
 from .ops import fmt, normalize_axis
 
 
@@ -20,15 +30,34 @@ def _float(op, arg, t):
         raise ValueError(f"{op}: {arg} must be a float tensor, got {t.dtype} {fmt(t.shape)}")
 
 
-# ---- inference (ir/opdef.py): the nodes take f32 operands; the builders cast halves first ----
-def _f32_operand(op, arg, t):
-    if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32 (the builder casts halves), got {t.dtype} "
-                         f"{fmt(t.shape)}")
+FLOATS = (dt.F32, dt.F16, dt.BF16)
+
+
+# ---- inference (ir/opdef.py) and the dtype rules of the module docstring -------------------
+def _x_operand(op, x):
+    if x.dtype not in FLOATS:
+        raise ValueError(f"{op}: x must be f32, f16 or bf16, got {x.dtype} {fmt(x.shape)}")
+
+
+def _like_x(op, arg, t, x, xname="x"):
+    """t (residual, dy) must have x's dtype."""
+    if t.dtype != x.dtype:
+        raise ValueError(f"{op}: {arg} must have {xname}'s dtype {x.dtype} ({xname} "
+                         f"{fmt(x.shape)}), got {t.dtype} {fmt(t.shape)}")
+
+
+def _param_dtype(op, x, gamma, beta):
+    """gamma f32 or x's dtype, beta gamma's."""
+    if gamma.dtype not in (dt.F32, x.dtype):
+        raise ValueError(f"{op}: gamma must be f32 or x's dtype {x.dtype} (x {fmt(x.shape)}), "
+                         f"got {gamma.dtype} {fmt(gamma.shape)}")
+    if beta is not None and beta.dtype != gamma.dtype:
+        raise ValueError(f"{op}: beta must have gamma's dtype {gamma.dtype}, got {beta.dtype} "
+                         f"{fmt(beta.shape)}")
 
 
 def _row_axis(op, x, axis):
-    _f32_operand(op, "x", x)
+    _x_operand(op, x)
     if len(x.shape) == 0:
         raise ValueError(f"{op}: x must have rank >= 1, got a scalar")
     if not isinstance(axis, int) or not 0 <= axis < len(x.shape):
@@ -40,7 +69,7 @@ def _row_axis(op, x, axis):
 def _infer_row(op):
     def infer(x, axis):
         _row_axis(op, x, axis)
-        return x.shape, dt.F32
+        return x.shape, x.dtype
     return infer
 
 
@@ -56,13 +85,12 @@ def _norm_operands(op, x, gamma, rest, axis, eps, has_beta, has_residual):
     residual = rest.pop(0) if has_residual else None
     n = x.shape[axis]
     for arg, t in (("gamma", gamma), ("beta", beta)):
-        if t is not None:
-            _f32_operand(op, arg, t)
-            if tuple(t.shape) != (n,):
-                raise ValueError(f"{op}: {arg} must have shape [{n}] (x {fmt(x.shape)} along axis "
-                                 f"{axis}), got {fmt(t.shape)}")
+        if t is not None and tuple(t.shape) != (n,):
+            raise ValueError(f"{op}: {arg} must have shape [{n}] (x {fmt(x.shape)} along axis "
+                             f"{axis}), got {fmt(t.shape)}")
+    _param_dtype(op, x, gamma, beta)
     if residual is not None:
-        _f32_operand(op, "residual", residual)
+        _like_x(op, "residual", residual, x)
         if tuple(residual.shape) != tuple(x.shape):
             raise ValueError(f"{op}: residual must have x's shape {fmt(x.shape)}, got "
                              f"{fmt(residual.shape)}")
@@ -78,7 +106,7 @@ def _infer_norm(op):
         _norm_operands(op, x, gamma, rest, axis, eps, has_beta, has_residual)
         if return_residual and not has_residual:
             raise ValueError(f"{op}: return_residual=True needs a residual")
-        return [(x.shape, dt.F32)] * (2 if return_residual else 1)
+        return [(x.shape, x.dtype)] * (2 if return_residual else 1)
     return infer
 
 
@@ -96,10 +124,10 @@ def infer_softmax_bwd(dy, y, kind, axis):
     if kind not in ("softmax", "log_softmax"):
         raise ValueError(f"{op}: kind must be 'softmax' or 'log_softmax', got {kind!r}")
     _row_axis(op, y, axis)
-    _f32_operand(op, "dy", dy)
+    _like_x(op, "dy", dy, y, "y")
     if tuple(dy.shape) != tuple(y.shape):
         raise ValueError(f"{op}: dy must have y's shape {fmt(y.shape)}, got {fmt(dy.shape)}")
-    return y.shape, dt.F32
+    return y.shape, y.dtype
 
 
 def _norm_rows(x, axis):
@@ -112,55 +140,56 @@ def infer_norm_bwd(dy, x, gamma, *rest, kind, axis, eps, has_residual):
         raise ValueError(f"norm_bwd: kind must be 'layer_norm' or 'rms_norm', got {kind!r}")
     op = f"{kind}_bwd"
     _norm_operands(op, x, gamma, rest, axis, eps, False, has_residual)
-    _f32_operand(op, "dy", dy)
+    _like_x(op, "dy", dy, x)
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"{op}: dy must have x's shape {fmt(x.shape)}, got {fmt(dy.shape)}")
-    return [(x.shape, dt.F32), ((_norm_rows(x, axis), 2), dt.F32)]
+    return [(x.shape, x.dtype), ((_norm_rows(x, axis), 2), dt.F32)]
 
 
-def infer_norm_param_bwd(dy, x, *rest, axis, has_residual, has_beta):
-    """d gamma (and d beta) [1 + has_beta, N] from dy, x (, residual) and norm_bwd's stats."""
+def infer_norm_param_bwd(dy, x, *rest, axis, has_residual, has_beta, param_dtype="f32"):
+    """d gamma (and d beta) [1 + has_beta, N] in ``param_dtype`` (gamma's: f32 or x's dtype)
+    from dy, x (, residual) and norm_bwd's stats."""
     op = "norm_param_bwd"
     _row_axis(op, x, axis)
     if len(rest) != 1 + has_residual:
         raise ValueError(f"{op}: {2 + len(rest)} inputs do not match has_residual={has_residual}")
+    if param_dtype not in ("f32", x.dtype.name):
+        raise ValueError(f"{op}: param_dtype must be f32 or x's dtype {x.dtype} (x "
+                         f"{fmt(x.shape)}), got {param_dtype!r}")
     for arg, t in (("dy", dy),) + ((("residual", rest[0]),) if has_residual else ()):
-        _f32_operand(op, arg, t)
+        _like_x(op, arg, t, x)
         if tuple(t.shape) != tuple(x.shape):
             raise ValueError(f"{op}: {arg} must have x's shape {fmt(x.shape)}, got "
                              f"{fmt(t.shape)}")
     stats = rest[-1]
-    if tuple(stats.shape) != (_norm_rows(x, axis), 2):
-        raise ValueError(f"{op}: stats must be [{_norm_rows(x, axis)}, 2] (norm_bwd's of x "
-                         f"{fmt(x.shape)}), got {fmt(stats.shape)}")
-    return (1 + bool(has_beta), x.shape[axis]), dt.F32
+    if tuple(stats.shape) != (_norm_rows(x, axis), 2) or stats.dtype != dt.F32:
+        raise ValueError(f"{op}: stats must be f32 [{_norm_rows(x, axis)}, 2] (norm_bwd's of x "
+                         f"{fmt(x.shape)}), got {stats.dtype} {fmt(stats.shape)}")
+    return (1 + bool(has_beta), x.shape[axis]), dt.dtype(param_dtype)
 
 
-defop("softmax", _infer_row("softmax"), dtype_rule=F32_ONLY,
+defop("softmax", _infer_row("softmax"), dtype_rule=F32,
       doc="exp(x - max) / sum(exp(x - max)) along axis")
-defop("log_softmax", _infer_row("log_softmax"), dtype_rule=F32_ONLY,
+defop("log_softmax", _infer_row("log_softmax"), dtype_rule=F32,
       doc="x - max - log(sum(exp(x - max))) along axis")
 for _op in ("layer_norm", "rms_norm"):
-    defop(_op, _infer_norm(_op), dtype_rule=F32_ONLY, results=(("residual_sum", None),),
+    defop(_op, _infer_norm(_op), dtype_rule=F32, results=(("residual_sum", None),),
           doc=f"{_op} of h = x (+ residual) along axis, * gamma (+ beta); return_residual=True "
               f"also gives h (residual_sum)")
 defop("residual_sum", further_result("residual_sum", "layer_norm / rms_norm"), written_by=0,
-      dtype_rule=F32_ONLY, doc="the x + residual a norm's kernel computed (return_residual=True)")
-defop("softmax_bwd", infer_softmax_bwd, dtype_rule=F32_ONLY,
+      dtype_rule=F32, doc="the x + residual a norm's kernel computed (return_residual=True)")
+defop("softmax_bwd", infer_softmax_bwd, dtype_rule=F32,
       doc="dx of softmax (y * (dy - sum(dy * y))) or log_softmax (dy - exp(y) * sum(dy))")
-defop("norm_bwd", infer_norm_bwd, dtype_rule=F32_ONLY, results=(("norm_bwd_stats", None),),
+defop("norm_bwd", infer_norm_bwd, dtype_rule=F32, results=(("norm_bwd_stats", None),),
       doc="dh of layer_norm / rms_norm in one row pass, and each row's (mean, rstd)")
 defop("norm_bwd_stats", further_result("norm_bwd_stats", "norm_bwd"), written_by=0,
-      dtype_rule=F32_ONLY, doc="each row's (mean, rstd), stored by norm_bwd's kernel")
-defop("norm_param_bwd", infer_norm_param_bwd, dtype_rule=F32_ONLY,
+      dtype_rule=F32, doc="each row's (mean, rstd), stored by norm_bwd's kernel")
+defop("norm_param_bwd", infer_norm_param_bwd, dtype_rule=F32,
       doc="d gamma (and d beta) of a norm: one column reduction over the rows")
 
 
 class NormOps:
     """Builder methods; ``self`` is the Graph."""
-
-    def _f32(self, t):
-        return t if t.dtype == dt.F32 else self.cast(t, dt.F32)
 
     def _row_op(self, op, x, axis, **attrs):
         self.check(op, "x", x)
@@ -173,14 +202,12 @@ class NormOps:
     def softmax(self, x, axis: int = -1):
         """exp(x - max) / sum(exp(x - max)) along ``axis``."""
         axis = self._row_op("softmax", x, axis)
-        y = self.bind("softmax", [self._f32(x)], axis=axis)
-        return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
+        return self.bind("softmax", [x], axis=axis)
 
     def log_softmax(self, x, axis: int = -1):
         """x - max - log(sum(exp(x - max))) along ``axis``."""
         axis = self._row_op("log_softmax", x, axis)
-        y = self.bind("log_softmax", [self._f32(x)], axis=axis)
-        return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
+        return self.bind("log_softmax", [x], axis=axis)
 
     def _norm_args(self, op, x, gamma, beta, axis, eps, residual):
         """The checks of a norm's arguments; the axis, normalised."""
@@ -210,16 +237,15 @@ class NormOps:
         axis = self._norm_args(op, x, gamma, beta, axis, eps, residual)
         if residual is None and return_residual:
             raise ValueError(f"{op}: return_residual=True needs a residual")
-        ins = [self._f32(x), self._f32(gamma)] + ([self._f32(beta)] if beta is not None else [])
+        ins = [x, gamma] + ([beta] if beta is not None else [])
         if residual is not None:
-            ins.append(self._f32(residual))
+            ins.append(residual)
         # return_residual is stored only when asked (printed graphs of plain norms unchanged)
         ys = self.bind(op, ins, axis=axis, eps=float(eps), has_beta=beta is not None,
                        has_residual=residual is not None,
                        **({"return_residual": True} if return_residual else {}))
         # (y, the x + residual the norm computed): a residual_sum node its kernel fills
-        out = tuple(y if x.dtype == dt.F32 else self.cast(y, x.dtype) for y in ys)
-        return out if return_residual else out[0]
+        return tuple(ys) if return_residual else ys[0]
 
     def layer_norm(self, x, gamma, beta=None, axis: int = -1, eps: float = 1e-5, residual=None,
                    return_residual: bool = False):
@@ -243,9 +269,8 @@ class NormOps:
         _float(op, "dy", dy)
         if tuple(dy.shape) != tuple(y.shape):
             raise ValueError(f"{op}: dy must have y's shape {fmt(y.shape)}, got {fmt(dy.shape)}")
-        dx = self.bind("softmax_bwd", [self._f32(dy), self._f32(y)],
-                       kind="log_softmax" if log else "softmax", axis=axis)
-        return dx if y.dtype == dt.F32 else self.cast(dx, y.dtype)
+        return self.bind("softmax_bwd", [dy, y], kind="log_softmax" if log else "softmax",
+                         axis=axis)
 
     def norm_bwd(self, kind: str, dy, x, gamma, beta=None, axis: int = -1, eps=None,
                  residual=None):
@@ -265,18 +290,19 @@ class NormOps:
         if tuple(dy.shape) != tuple(x.shape):
             raise ValueError(f"{op}: dy must have x's shape {fmt(x.shape)}, got {fmt(dy.shape)}")
         length = x.shape[axis]
-        extra = (self._f32(residual),) if residual is not None else ()
-        dy, xf = self._f32(dy), self._f32(x)
+        extra = (residual,) if residual is not None else ()
+        if beta is not None:
+            _param_dtype(op, x, gamma, beta)
         # stats: each row's (mean, rstd), a norm_bwd_stats node norm_bwd's kernel fills
-        dh, stats = self.bind("norm_bwd", (dy, xf, self._f32(gamma)) + extra, kind=kind,
+        dh, stats = self.bind("norm_bwd", (dy, x, gamma) + extra, kind=kind,
                               axis=axis, eps=float(eps), has_residual=bool(extra))
-        pg = self.bind("norm_param_bwd", (dy, xf) + extra + (stats,), axis=axis,
-                       has_residual=bool(extra), has_beta=beta is not None)
+        # d gamma / d beta in gamma's dtype (the attr stored only when it is not f32)
+        pdt = {} if gamma.dtype == dt.F32 else {"param_dtype": gamma.dtype.name}
+        pg = self.bind("norm_param_bwd", (dy, x) + extra + (stats,), axis=axis,
+                       has_residual=bool(extra), has_beta=beta is not None, **pdt)
         dgamma = self.reshape(self.narrow(pg, 0, 0, 1), (length,))
         dbeta = self.reshape(self.narrow(pg, 0, 1, 1), (length,)) if beta is not None else None
-        def back(t, like):   # half operands get half gradients
-            return t if t is None or like.dtype == dt.F32 else self.cast(t, like.dtype)
-        return back(dh, x), back(dgamma, gamma), back(dbeta, beta)
+        return dh, dgamma, dbeta
 
 
 # ---- VJPs (ir/autodiff.py): the backward row kernels above ---------------------------------
@@ -300,7 +326,7 @@ def _vjp_residual_sum(g, n, ds):
     norm's VJP drops that zero again."""
     y = g.tensor(n.inputs[0])
     z = zeros(g, y.shape, y.dtype)
-    _zero_marker(g)[y.id] = (z.id, g._f32(ds))
+    _zero_marker(g)[y.id] = (z.id, ds)
     return [z]
 
 

@@ -14,7 +14,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
-from .opdef import F32, F32_ONLY, defop
+from .opdef import F32, defop
 from .ops import fmt, normalize_shape
 
 DISTS = ("uniform", "normal")
@@ -49,13 +49,12 @@ def _stream_seed(op, seed_t, seed, stream):
 
 
 def infer_dropout(x, *seed_t, p, seed, stream):
-    if x.dtype != dt.F32:
-        raise ValueError(f"dropout: x must be f32 (the builder casts halves), got {x.dtype} "
-                         f"{fmt(x.shape)}")
+    if x.dtype not in (dt.F32, dt.F16, dt.BF16):
+        raise ValueError(f"dropout: x must be f32, f16 or bf16, got {x.dtype} {fmt(x.shape)}")
     if not 0.0 < p <= 1.0:
         raise ValueError(f"dropout: p must be in (0, 1], got {p!r}")
     _stream_seed("dropout", seed_t, seed, stream)
-    return x.shape, dt.F32
+    return x.shape, x.dtype
 
 
 def infer_random(*seed_t, shape, dist, seed, stream):
@@ -65,7 +64,7 @@ def infer_random(*seed_t, shape, dist, seed, stream):
     return normalize_shape("random", "shape", shape), dt.F32
 
 
-defop("dropout", infer_dropout, dtype_rule=F32_ONLY,
+defop("dropout", infer_dropout, dtype_rule=F32,
       doc="x zeroed with probability p (a Philox mask, redrawn by the VJP), kept ones / (1 - p)")
 defop("random", infer_random, dtype_rule=F32,
       doc="f32 of shape drawn from the Philox stream: uniform [0, 1) or normal")
@@ -92,8 +91,8 @@ class RandomOps:
         when its uniform (kernels/random.py's stream for ``seed`` and this op's stream
         number) is >= p. ``seed``: an int, or an i32/i64 tensor of shape [] or [1] (a run()
         input, so a train step can draw a new mask every step). Active in every executable.
-        Its gradient is dy times the same mask (redrawn, not stored). x f32 (halves are
-        computed in f32 and cast back)."""
+        Its gradient is dy times the same mask (redrawn, not stored). x f32, f16 or bf16 (a
+        half x is scaled in f32 and rounded once to its dtype)."""
         op = "dropout"
         self.check(op, "x", x)
         if not x.dtype.is_float:
@@ -104,9 +103,7 @@ class RandomOps:
         seed, extra = self._seed_inputs(op, seed)
         if float(p) == 0.0:
             return x
-        xf = x if x.dtype == dt.F32 else self.cast(x, dt.F32)
-        y = self.bind(op, [xf, *extra], p=float(p), seed=seed, stream=self._rng_stream())
-        return y if x.dtype == dt.F32 else self.cast(y, x.dtype)
+        return self.bind(op, [x, *extra], p=float(p), seed=seed, stream=self._rng_stream())
 
     def random(self, shape, dist: str = "uniform", seed=0):
         """An f32 tensor of ``shape`` drawn from the Philox stream: "uniform" in [0, 1) (24

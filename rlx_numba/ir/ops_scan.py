@@ -15,7 +15,8 @@ from .opdef import F32_ONLY, defop
 from .ops import fmt
 
 
-_F32 = dt.F32      # (selective_state_update's argument dt shadows the module)
+_F32, _HALVES = dt.F32, (dt.F16, dt.BF16)   # (selective_state_update's argument dt shadows
+                                             # the module)
 
 
 def _desc(t):
@@ -90,21 +91,33 @@ class ScanOps:
         op = "selective_scan"
         for arg, t in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
             self.check(op, arg, t)
-        bt, dm, length, n = scan_dims(op, u, delta, A, B, C)
+        # one float dtype for every operand (A may stay f32, as Mamba keeps A_log); a half
+        # scan runs the recurrence in f32 (the kernel's) and returns that dtype
+        fd = u.dtype
+        for arg, t in (("delta", delta), ("B", B), ("C", C), ("D", D), ("z", z),
+                       ("delta_bias", delta_bias), ("A", A)):
+            if t is not None and t.dtype != fd and not (arg == "A" and t.dtype == _F32):
+                raise ValueError(f"{op}: {arg} must be {fd} like u {_desc(u)}, got {_desc(t)}")
+        if fd not in (_F32, *_HALVES):
+            raise ValueError(f"{op}: u must be f32, f16 or bf16, got {_desc(u)}")
+        f32 = (lambda t: t) if fd == _F32 else (lambda t: t if t.dtype == _F32 else self.cast(t, _F32))
+        bt, dm, length, n = scan_dims(op, *(f32(t) for t in (u, delta, A, B, C)))
         want = {"D": (dm,), "z": (bt, dm, length), "delta_bias": (dm,)}
         for arg, t in (("D", D), ("z", z), ("delta_bias", delta_bias)):
             if t is None:
                 continue
             self.check(op, arg, t)
-            if tuple(t.shape) != want[arg] or t.dtype != dt.F32:
-                raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (u {_desc(u)}, A "
+            if tuple(t.shape) != want[arg]:
+                raise ValueError(f"{op}: {arg} must be {fd} {fmt(want[arg])} (u {_desc(u)}, A "
                                  f"{_desc(A)}), got {_desc(t)}")
         if delta_bias is not None:
             delta = self.add(delta, self.reshape(delta_bias, (dm, 1)))
         if delta_softplus:
             delta = self.softplus(delta)
         ny, nl = bt * dm * length, bt * dm * n
-        flat = self.bind(op, [u, delta, A, B, C])
+        flat = self.bind(op, [f32(t) for t in (u, delta, A, B, C)])
+        if fd != _F32:
+            flat = self.cast(flat, fd)
         y = self.reshape(self.narrow(flat, 0, 0, ny), (bt, dm, length))
         if D is not None:
             y = self.add(y, self.mul(u, self.reshape(D, (dm, 1))))
@@ -122,8 +135,9 @@ class ScanOps:
         y = C . state' (+ D x) (* silu(z)). Element-wise graph ops (fused)."""
         op = "selective_state_update"
         self.check(op, "state", state)
-        if len(state.shape) != 3 or state.dtype != _F32:
-            raise ValueError(f"{op}: state must be f32 [batch, dim, N], got {_desc(state)}")
+        if len(state.shape) != 3 or state.dtype not in (_F32, *_HALVES):
+            raise ValueError(f"{op}: state must be float [batch, dim, N], got {_desc(state)}")
+        fd = state.dtype
         bt, dm, n = state.shape
         want = {"x": (bt, dm), "dt": (bt, dm), "A": (dm, n), "B": (bt, n), "C": (bt, n),
                 "D": (dm,), "z": (bt, dm), "dt_bias": (dm,)}
@@ -132,8 +146,8 @@ class ScanOps:
             if t is None:
                 continue
             self.check(op, arg, t)
-            if tuple(t.shape) != want[arg] or t.dtype != _F32:
-                raise ValueError(f"{op}: {arg} must be f32 {fmt(want[arg])} (state "
+            if tuple(t.shape) != want[arg] or t.dtype not in (fd, _F32 if arg == "A" else fd):
+                raise ValueError(f"{op}: {arg} must be {fd} {fmt(want[arg])} (state "
                                  f"{_desc(state)}), got {_desc(t)}")
         if dt_bias is not None:
             dt = self.add(dt, dt_bias)

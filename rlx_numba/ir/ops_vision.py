@@ -15,6 +15,11 @@ conv is im2col, then w [G, Cout/G, C/G * prod(k)] @ cols (a batched product: cuB
 the numba SGEMM in the simulator); conv_transpose is w^T @ x and col2im; conv_wgrad is the sum
 over the batch of dy @ cols^T. Bias is a broadcast add after the node.
 Kernels: kernels/conv.py; lowering: runtime/lower_vision.py.
+
+Every op here takes f32, f16 or bf16 (dtype rule "f32": loads widen, math and sums in f32, one
+rounding to the result, which is in x's dtype). conv's x and w (and conv_wgrad's x and dy) must
+share one dtype, and bias is in it too, as torch requires; batch norm's per-channel operands
+are f32 or x's dtype (torch's cuDNN batch norm takes f32 statistics with half x).
 """
 from __future__ import annotations
 
@@ -25,12 +30,32 @@ import numpy as np
 
 from . import dtypes as dt
 from .autodiff import vjp
-from .opdef import F32_ONLY, defop
+from .opdef import F32, F32_ONLY, defop, opdef
 from .ops import fmt
 
 
 def _desc(t) -> str:
     return f"{t.dtype} {fmt(t.shape)}"
+
+
+# The vision ops take f32, f16 and bf16 (kernels load through kernels/halfio.py: math and
+# accumulation in f32, one rounding to the result, which is in x's dtype, as torch's).
+FLOATS = (dt.F32, dt.F16, dt.BF16)
+
+
+def _float(op, arg, t, want=""):
+    if t.dtype not in FLOATS:
+        raise ValueError(f"{op}: {arg} must be f32, f16 or bf16{want}, got {_desc(t)}")
+
+
+def _same_float(op, pairs):
+    """Every (arg, tensor) of ``pairs`` one float dtype (torch's rule for conv: no promotion)."""
+    (a0, t0), rest = pairs[0], pairs[1:]
+    _float(op, a0, t0)
+    for arg, t in rest:
+        if t.dtype != t0.dtype:
+            raise ValueError(f"{op}: {arg} must have {a0}'s dtype {t0.dtype} (no promotion, as "
+                             f"torch), got {arg} {_desc(t)} and {a0} {_desc(t0)}")
 
 
 def _ints(op, arg, v, d, lo):
@@ -55,9 +80,7 @@ def _geometry(op, x, w, n_spatial_w):
     if len(x.shape) not in (d + 1, d + 2):
         raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with {d} spatial "
                          f"dims for w {_desc(w)}, got {_desc(x)}")
-    for arg, t in (("x", x), ("w", w)):
-        if t.dtype != dt.F32:
-            raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
+    _same_float(op, (("x", x), ("w", w)))
     return d, len(x.shape) == d + 2
 
 
@@ -78,9 +101,9 @@ def _bias(g, op, bias, cout, y, d):
     if bias is None:
         return y
     g.check(op, "bias", bias)
-    if tuple(bias.shape) != (cout,) or bias.dtype != dt.F32:
-        raise ValueError(f"{op}: bias must be f32 [{cout}] (one per output channel), got "
-                         f"{_desc(bias)}")
+    if tuple(bias.shape) != (cout,) or bias.dtype != y.dtype:     # torch's rule: x's dtype
+        raise ValueError(f"{op}: bias must be {y.dtype} [{cout}] (one per output channel), got "
+                         f"{_desc(bias)} (bias takes x's dtype, as torch's {op})")
     return g.add(y, g.reshape(bias, (cout,) + (1,) * d))
 
 
@@ -102,9 +125,7 @@ def _conv_operands(op, x, w, kernel):
     if len(x.shape) != d + 2:
         raise ValueError(f"{op}: x must be [N, C, *spatial] with {d} spatial dims for w "
                          f"{_desc(w)}, got {_desc(x)}")
-    for arg, t in (("x", x), ("w", w)):
-        if t.dtype != dt.F32:
-            raise ValueError(f"{op}: {arg} must be f32, got {_desc(t)}")
+    _same_float(op, (("x", x), ("w", w)))
 
 
 def infer_conv(x, w, **a):
@@ -125,7 +146,7 @@ def infer_conv(x, w, **a):
                          f"padding {fmt(lo)}/{fmt(hi)}")
     out = tuple((s + p + q - sp) // st + 1
                 for s, p, q, sp, st in zip(size, lo, hi, span, a["stride"]))
-    return (n, cout) + out, dt.F32
+    return (n, cout) + out, x.dtype
 
 
 def infer_conv_transpose(z, w, **a):
@@ -141,7 +162,7 @@ def infer_conv_transpose(z, w, **a):
         raise ValueError(f"{op}: the output would be {fmt(out)} for x {_desc(z)}, kernel "
                          f"{fmt(a['kernel'])}, stride {fmt(a['stride'])}, padding "
                          f"{fmt(a['pad'])}")
-    return (n, w.shape[1] * groups) + out, dt.F32
+    return (n, w.shape[1] * groups) + out, z.dtype
 
 
 def infer_conv_wgrad(x, dy, **a):
@@ -149,26 +170,31 @@ def infer_conv_wgrad(x, dy, **a):
     gradient dy [N, K, *O]."""
     op, d = "conv_wgrad", len(a["kernel"])
     for arg, t in (("x", x), ("dy", dy)):
-        if len(t.shape) != d + 2 or t.dtype != dt.F32:
-            raise ValueError(f"{op}: {arg} must be f32 [N, C, *spatial] with {d} spatial dims, "
+        if len(t.shape) != d + 2:
+            raise ValueError(f"{op}: {arg} must be [N, C, *spatial] with {d} spatial dims, "
                              f"got {_desc(t)}")
+    _same_float(op, (("x", x), ("dy", dy)))
     if x.shape[0] != dy.shape[0] or x.shape[1] % a["groups"] or dy.shape[1] % a["groups"]:
         raise ValueError(f"{op}: x {_desc(x)} and dy {_desc(dy)} must share N and have "
                          f"channels divisible by groups={a['groups']}")
-    return (dy.shape[1], x.shape[1] // a["groups"]) + tuple(a["kernel"]), dt.F32
+    return (dy.shape[1], x.shape[1] // a["groups"]) + tuple(a["kernel"]), x.dtype
 
 
-def infer_implicit_gemm(src, w, *, of, **a):
-    """conv or conv_transpose (``of``) as one implicit-GEMM kernel: its inference."""
+def infer_implicit_gemm(src, w, *, of, f32_out=False, **a):
+    """conv or conv_transpose (``of``) as one implicit-GEMM kernel: its inference; ``f32_out``:
+    the result f32 whatever the operands' dtype (the kernel's tile store writes f32: a half
+    convolution rounds it once after, ``implicit_gemm`` below)."""
     if of not in ("conv", "conv_transpose"):
         raise ValueError(f"implicit_gemm: of must be 'conv' or 'conv_transpose', got {of!r}")
-    return (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
+    shape, dtype = (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
+    return shape, dt.F32 if f32_out else dtype
 
 
 def _unfold(op, t, rank, want):
-    """im2col's image / col2im's cols: f32 of this rank."""
-    if t.dtype != dt.F32 or len(t.shape) != rank:
-        raise ValueError(f"{op}: input must be f32 {want}, got {_desc(t)}")
+    """im2col's image / col2im's cols: a float tensor of this rank."""
+    _float(op, "input", t)
+    if len(t.shape) != rank:
+        raise ValueError(f"{op}: input must be {want}, got {_desc(t)}")
 
 
 def infer_im2col(x, *, kernel, stride, pad, dilation, image, cols, groups):
@@ -178,7 +204,7 @@ def infer_im2col(x, *, kernel, stride, pad, dilation, image, cols, groups):
         raise ValueError(f"{op}: x {_desc(x)} must be [N, C, *image] with image {fmt(image)} "
                          f"and C divisible by groups={groups}")
     return ((x.shape[0], groups, x.shape[1] // groups * math.prod(kernel), math.prod(cols)),
-            dt.F32)
+            x.dtype)
 
 
 def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
@@ -189,50 +215,57 @@ def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
     if c.shape[2] % taps or c.shape[3] != math.prod(cols):
         raise ValueError(f"{op}: cols {_desc(c)} must be [N, G, C/G * {taps}, {math.prod(cols)}]"
                          f" for kernel {fmt(kernel)} and cols {fmt(cols)}")
-    return (c.shape[0], c.shape[1] * c.shape[2] // taps) + tuple(image), dt.F32
+    return (c.shape[0], c.shape[1] * c.shape[2] // taps) + tuple(image), c.dtype
 
 
 def infer_pool(x, **a):
     op, d = "pool", len(a["kernel"])
     if a["kind"] not in ("max", "avg"):
         raise ValueError(f"{op}: kind must be 'max' or 'avg', got {a['kind']!r}")
-    if len(x.shape) != d + 2 or x.dtype != dt.F32 or tuple(x.shape[2:]) != tuple(a["image"]):
-        raise ValueError(f"{op}: x must be f32 [N, C, *image] with image {fmt(a['image'])}, got "
+    _float(op, "x", x)
+    if len(x.shape) != d + 2 or tuple(x.shape[2:]) != tuple(a["image"]):
+        raise ValueError(f"{op}: x must be [N, C, *image] with image {fmt(a['image'])}, got "
                          f"{_desc(x)}")
     if len(a["cols"]) != d or any(o < 1 for o in a["cols"]):
         raise ValueError(f"{op}: cols {fmt(a['cols'])} must be {d} sizes >= 1")
-    return tuple(x.shape[:2]) + tuple(a["cols"]), dt.F32
+    return tuple(x.shape[:2]) + tuple(a["cols"]), x.dtype
 
 
 def infer_pool_grad(x, dy, **a):
     """dx (x's shape) of a pool node (its attrs) from dy (the pool's output shape)."""
     want, _ = infer_pool(x, **a)
-    if tuple(dy.shape) != want or dy.dtype != dt.F32:
-        raise ValueError(f"pool_grad: dy must be f32 {fmt(want)}, got {_desc(dy)}")
-    return x.shape, dt.F32
+    if tuple(dy.shape) != want or dy.dtype != x.dtype:
+        raise ValueError(f"pool_grad: dy must be {x.dtype} {fmt(want)} (x's dtype), got "
+                         f"{_desc(dy)} for x {_desc(x)}")
+    return x.shape, x.dtype
 
 
 def infer_channel_affine(x, *params, eps=None):
-    """x [N, C, ...] with center, scale, shift (and, with eps, var) [C]."""
+    """x [N, C, ...] with center, scale, shift (and, with eps, var) [C]: the per-channel
+    operands one dtype, f32 or x's (torch's batch norm takes f32 statistics with half x)."""
     op = "channel_affine"
-    if x.dtype != dt.F32 or len(x.shape) < 2:
-        raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
+    _float(op, "x", x)
+    if len(x.shape) < 2:
+        raise ValueError(f"{op}: x must be [N, C, ...], got {_desc(x)}")
     if len(params) != 3 + (eps is not None):
         raise ValueError(f"{op}: {1 + len(params)} inputs: x, center, scale, shift"
                          f"{', var' if eps is not None else ''} expected")
+    pdt = params[0].dtype
     for t in params:
-        if tuple(t.shape) != (x.shape[1],) or t.dtype != dt.F32:
-            raise ValueError(f"{op}: a per-channel operand must be f32 [{x.shape[1]}], got "
-                             f"{_desc(t)}")
-    return x.shape, dt.F32
+        if tuple(t.shape) != (x.shape[1],) or t.dtype != pdt or pdt not in (dt.F32, x.dtype):
+            raise ValueError(f"{op}: the per-channel operands must be [{x.shape[1]}], all f32 or "
+                             f"all x's dtype (x {_desc(x)}), got "
+                             f"{', '.join(_desc(p) for p in params)}")
+    return x.shape, x.dtype
 
 
 def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None):
     """x with axis (and axis + 1, given the second tables) resampled: out[o] = const[o] +
     sum_t w[o, t] * x[idx[o, t]]."""
     op = "resample"
-    if x.dtype != dt.F32 or not 0 <= axis < len(x.shape) - (idx2 is not None):
-        raise ValueError(f"{op}: x must be f32 with axis {axis}"
+    _float(op, "x", x)
+    if not 0 <= axis < len(x.shape) - (idx2 is not None):
+        raise ValueError(f"{op}: x must have axis {axis}"
                          f"{' and the next' if idx2 is not None else ''}, got {_desc(x)}")
     shape = list(x.shape)
     for k, (i, ww, c) in enumerate(((idx, w, const), (idx2, w2, const2))):
@@ -245,26 +278,26 @@ def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None):
                              f"[out, taps] with indices in range and const [out], got idx "
                              f"{fmt(i.shape)}, w {fmt(ww.shape)}, const {fmt(c.shape)}")
         shape[axis + k] = i.shape[0]
-    return tuple(shape), dt.F32
+    return tuple(shape), x.dtype
 
 
-defop("conv", infer_conv, dtype_rule=F32_ONLY,
+defop("conv", infer_conv, dtype_rule=F32,
       doc="N-d convolution (torch's conv1d/2d/3d), NCHW, groups, dilation, asymmetric padding")
-defop("conv_transpose", infer_conv_transpose, dtype_rule=F32_ONLY,
+defop("conv_transpose", infer_conv_transpose, dtype_rule=F32,
       doc="N-d transposed convolution (torch's conv_transpose1d/2d/3d)")
-defop("conv_wgrad", infer_conv_wgrad, dtype_rule=F32_ONLY,
+defop("conv_wgrad", infer_conv_wgrad, dtype_rule=F32,
       doc="a convolution's weight gradient from its image and its output's gradient")
-defop("implicit_gemm", infer_implicit_gemm, dtype_rule=F32_ONLY,
+defop("implicit_gemm", infer_implicit_gemm, dtype_rule=F32,
       doc="conv / conv_transpose as one implicit-GEMM kernel (conv tier 2's rewrite)")
-defop("im2col", infer_im2col, dtype_rule=F32_ONLY,
+defop("im2col", infer_im2col, dtype_rule=F32,
       doc="the image's windows as columns [N, G, C/G * taps, positions] (conv tier 1)")
-defop("col2im", infer_col2im, dtype_rule=F32_ONLY,
+defop("col2im", infer_col2im, dtype_rule=F32,
       doc="im2col's adjoint: columns summed back into the image (conv tier 1)")
-defop("pool", infer_pool, dtype_rule=F32_ONLY, doc="max / avg pooling over 1-3 spatial dims")
-defop("pool_grad", infer_pool_grad, dtype_rule=F32_ONLY, doc="pool's gradient (a gather)")
-defop("channel_affine", infer_channel_affine, dtype_rule=F32_ONLY,
+defop("pool", infer_pool, dtype_rule=F32, doc="max / avg pooling over 1-3 spatial dims")
+defop("pool_grad", infer_pool_grad, dtype_rule=F32, doc="pool's gradient (a gather)")
+defop("channel_affine", infer_channel_affine, dtype_rule=F32,
       doc="(x - center[c]) * scale[c] (/ sqrt(var[c] + eps)) + shift[c] over x [N, C, ...]")
-defop("resample", infer_resample, dtype_rule=F32_ONLY,
+defop("resample", infer_resample, dtype_rule=F32,
       doc="one or two adjacent axes resampled by host tables (pad, resize, adaptive pools)")
 
 
@@ -339,8 +372,7 @@ class VisionOps:
         if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
             raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
                              f"spatial dims for kernel_size {kernel_size!r}, got {_desc(x)}")
-        if x.dtype != dt.F32:
-            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        _float(op, "x", x)
         k = _ints(op, "kernel_size", kernel_size, d, 1)
         st = k if stride is None else _ints(op, "stride", stride, d, 1)
         pad = _ints(op, "padding", padding, d, 0)
@@ -372,16 +404,11 @@ class VisionOps:
         (x - mean) / sqrt(var + eps) * gamma + beta (torch's F.batch_norm, training=False)."""
         op = "batch_norm"
         self.check(op, "x", x)
-        if x.dtype != dt.F32 or len(x.shape) < 2:
-            raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
-        c = x.shape[1]
-        for arg, t in (("mean", mean), ("var", var), ("gamma", gamma), ("beta", beta)):
-            if t is None and arg in ("gamma", "beta"):
-                continue
-            self.check(op, arg, t)
-            if tuple(t.shape) != (c,) or t.dtype != dt.F32:
-                raise ValueError(f"{op}: {arg} must be f32 [{c}] (one per channel of x "
-                                 f"{_desc(x)}), got {_desc(t)}")
+        _float(op, "x", x)
+        if len(x.shape) < 2:
+            raise ValueError(f"{op}: x must be [N, C, ...], got {_desc(x)}")
+        _per_channel(self, op, x, (("mean", mean), ("var", var), ("gamma", gamma),
+                                   ("beta", beta)))
         _eps(op, eps)
         return _channel_affine(self, x, mean, gamma, beta, (var, float(eps)))
 
@@ -390,22 +417,19 @@ class VisionOps:
         channels (and every position), then gamma [C] and beta [C] per channel."""
         op = "group_norm"
         self.check(op, "x", x)
-        if x.dtype != dt.F32 or len(x.shape) < 2:
-            raise ValueError(f"{op}: x must be f32 [N, C, ...], got {_desc(x)}")
+        _float(op, "x", x)
+        if len(x.shape) < 2:
+            raise ValueError(f"{op}: x must be [N, C, ...], got {_desc(x)}")
         n, c = x.shape[:2]
         groups = _ints(op, "num_groups", num_groups, 1, 1)[0]
         if c % groups:
             raise ValueError(f"{op}: the {c} channels of x {_desc(x)} do not divide into "
                              f"num_groups={groups}")
-        for arg, t in (("gamma", gamma), ("beta", beta)):
-            if t is not None:
-                self.check(op, arg, t)
-                if tuple(t.shape) != (c,) or t.dtype != dt.F32:
-                    raise ValueError(f"{op}: {arg} must be f32 [{c}], got {_desc(t)}")
+        _per_channel(self, op, x, (("gamma", gamma), ("beta", beta)))
         _eps(op, eps)
         inner = math.prod(x.shape) // (n * groups)
         h = self.layer_norm(self.reshape(x, (n, groups, inner)),
-                            self.constant(np.ones(inner, np.float32)), eps=float(eps))
+                            self.constant(np.ones(inner, x.dtype.host)), eps=float(eps))
         h = self.reshape(h, x.shape)
         return h if gamma is None and beta is None else _channel_affine(self, h, None, gamma,
                                                                         beta)
@@ -415,10 +439,26 @@ class VisionOps:
         (and beta [C]) per channel."""
         op = "layer_norm2d"
         self.check(op, "x", x)
-        if x.dtype != dt.F32 or len(x.shape) < 3:
-            raise ValueError(f"{op}: x must be f32 [N, C, *spatial], got {_desc(x)}")
+        _float(op, "x", x)
+        if len(x.shape) < 3:
+            raise ValueError(f"{op}: x must be [N, C, *spatial], got {_desc(x)}")
         return self.layer_norm(x, gamma, beta, axis=1, eps=eps)
 
+def _per_channel(g, op, x, named):
+    """The given (arg, tensor) of ``named`` (None: absent) are [C], one dtype: f32 or x's."""
+    c, first = x.shape[1], None
+    for arg, t in named:
+        if t is None and arg in ("gamma", "beta"):
+            continue
+        g.check(op, arg, t)
+        want = (first[1].dtype if first else
+                "f32" if x.dtype == dt.F32 else f"f32 or {x.dtype}")
+        if (tuple(t.shape) != (c,) or t.dtype not in (dt.F32, x.dtype)
+                or first and t.dtype != first[1].dtype):
+            raise ValueError(f"{op}: {arg} must be {want} [{c}] (one per channel of x "
+                             f"{_desc(x)}; the per-channel operands f32 or x's dtype, all "
+                             f"one), got {_desc(t)}")
+        first = first or (arg, t)
 
 
 def _channel_affine(g, x, center, scale, shift, var_eps=None):
@@ -426,7 +466,9 @@ def _channel_affine(g, x, center, scale, shift, var_eps=None):
     with ``var_eps`` = (var, eps) the scale is scale[c] / sqrt(var[c] + eps) (batch_norm: its
     per-channel step in the same kernel, not a launch of its own)."""
     c = x.shape[1]
-    fill = lambda t, v: t if t is not None else g.constant(np.full(c, v, np.float32))  # noqa: E731
+    given = [t for t in (center, scale, shift) if t is not None]
+    host = (given[0].dtype if given else x.dtype).host       # the fills in the given ones' dtype
+    fill = lambda t, v: t if t is not None else g.constant(np.full(c, v, host))  # noqa: E731
     ins = (x, fill(center, 0.0), fill(scale, 1.0), fill(shift, 0.0))
     if var_eps is None:
         return g.bind("channel_affine", ins)
@@ -490,12 +532,33 @@ def conv_geometry(node, image_shape, cols_shape):
                 image=tuple(image_shape[2:]), cols=tuple(cols_shape[2:]))
 
 
+def half_product(dtype) -> bool:
+    """Whether the matmul op takes ``dtype`` operands natively (f32 always)."""
+    return dtype == dt.F32 or opdef("matmul").dtype_rule != F32_ONLY
+
+
+def _product(g, a, b, dtype):
+    """a @ b of ``dtype`` operands: in that dtype where matmul takes it, else in f32 (the
+    operands cast up, the product left f32: the caller rounds once, at its end)."""
+    if half_product(dtype):
+        return g.matmul(a, b)
+    return g.matmul(g.cast(a, dt.F32), g.cast(b, dt.F32))
+
+
+def _rounded(g, y, dtype):
+    return y if y.dtype == dtype else g.cast(y, dtype)
+
+
 def expand_conv(g, node, ins):
     """A conv-family node as im2col / col2im and the matmul ladder, on graph ``g`` (the
     compiler's rewrite for conv tier 1: runtime/lower_vision.py conv_tier):
       conv            cols = im2col(x); y = w [G, K/G, R] @ cols
       conv_transpose  cols = w^T @ z; img = col2im(cols)
-      conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T"""
+      conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T
+    im2col and col2im take half natively; the products run in half where matmul takes it, else
+    in f32 (``_product``; conv_transpose's col2im then sums f32 columns), the result rounded
+    once. A half weight gradient takes its products and their batch sum in f32 and rounds once
+    (a half product would round each sample's partial before the sum)."""
     a = node.attrs
     groups, k = a["groups"], a["kernel"]
     if node.op == "conv_transpose":
@@ -503,8 +566,10 @@ def expand_conv(g, node, ins):
         n, kc = z.shape[:2]
         r = w.shape[1] * math.prod(k)
         wt = g.transpose(g.reshape(w, (groups, kc // groups, r)), (0, 2, 1))
-        cols = g.matmul(wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))))
-        return g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
+        cols = _product(g, wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))),
+                        node.dtype)
+        img = g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
+        return _rounded(g, img, node.dtype)
     x = ins[0]
     out_shape = node.shape if node.op == "conv" else ins[1].shape
     kc = out_shape[1]
@@ -515,18 +580,25 @@ def expand_conv(g, node, ins):
     cols = (g.reshape(x, (n, groups, r, length)) if trivial else      # 1x1: x is its own cols
             g.bind("im2col", (x,), groups=groups, **conv_geometry(node, x.shape, out_shape)))
     if node.op == "conv":
-        y = g.matmul(g.reshape(ins[1], (groups, kc // groups, r)), cols)
-        return g.reshape(y, node.shape)
+        y = _product(g, g.reshape(ins[1], (groups, kc // groups, r)), cols, node.dtype)
+        return g.reshape(_rounded(g, y, node.dtype), node.shape)
     dy = g.reshape(ins[1], (n, groups, kc // groups, length))
+    half = node.dtype != dt.F32
+    if half:
+        dy, cols = g.cast(dy, dt.F32), g.cast(cols, dt.F32)
     dw = g.reduce_sum(g.matmul(dy, g.transpose(cols, (0, 1, 3, 2))), 0)
-    return g.reshape(dw, node.shape)
+    return g.reshape(g.cast(dw, node.dtype) if half else dw, node.shape)
 
 
 def implicit_gemm(g, node, ins):
-    """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2)."""
+    """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2). Its
+    tiles (kernels/matmul.py's) store f32: a half convolution's f32 result is rounded once
+    after, by a cast."""
     a = node.attrs
-    return g.bind("implicit_gemm", tuple(ins[:2]), of=node.op,
-                  **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups", "pad_hi")})
+    half = node.dtype != dt.F32
+    y = g.bind("implicit_gemm", tuple(ins[:2]), of=node.op, f32_out=half,
+               **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups", "pad_hi")})
+    return g.cast(y, node.dtype) if half else y
 
 
 # ---- resampling: pad, resize, adaptive_avg_pool ---------------------------------------------
@@ -641,8 +713,7 @@ class ResampleOps:
         "replicate"."""
         op = "pad"
         self.check(op, "x", x)
-        if x.dtype != dt.F32:
-            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        _float(op, "x", x)
         if mode not in ("constant", "reflect", "replicate"):
             raise ValueError(f"{op}: mode must be 'constant', 'reflect' or 'replicate', got "
                              f"{mode!r}")
@@ -682,8 +753,7 @@ class ResampleOps:
         (linear modes only, default False)."""
         op = "resize"
         self.check(op, "x", x)
-        if x.dtype != dt.F32:
-            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        _float(op, "x", x)
         d = len(x.shape) - 2
         if d not in (1, 2, 3):
             raise ValueError(f"{op}: x must be [N, C, *spatial] with 1-3 spatial dims, got "
@@ -722,8 +792,7 @@ class ResampleOps:
         a dim is [floor(o*S/O), ceil((o+1)*S/O))."""
         op = "adaptive_avg_pool"
         self.check(op, "x", x)
-        if x.dtype != dt.F32:
-            raise ValueError(f"{op}: x must be f32, got {_desc(x)}")
+        _float(op, "x", x)
         sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else None
         d = len(sizes) if sizes is not None else len(x.shape) - 2
         if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):

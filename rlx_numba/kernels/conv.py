@@ -12,12 +12,17 @@ so a line's index is decoded once and the loads and stores along it are coalesce
 is uint64 (as kernels/codegen.py's): numba adds a negative-index fix-up to signed subscripts and
 sign fix-ups to signed // and %. Window positions are compared in the padded input, so no
 index goes negative.
+
+Each factory takes the data's storage kind (kernels/halfio.py: "f32", "f16", "bf16") as a
+compile-time string: loads widen to f32, sums run in f32, stores round once. The implicit-GEMM
+kernels read half and write f32 (kernels/matmul.py's tile store).
 """
 import functools
 
 import numpy as np
 from numba import cuda, float32, uint64
 
+from . import halfio
 from . import matmul as mm
 from .launch import block_rows, grid_3d, inline, jit
 
@@ -46,11 +51,12 @@ def window_at(p, tap, dil, stride, n):
 
 
 @functools.lru_cache(maxsize=None)
-def im2col_kernel(k, stride, dil):
+def im2col_kernel(k, stride, dil, kind="f32"):
     """cols[n, c, kidx, o] = x at the window position, 0 in the padding. A line is one output
     row (n, c, oz, oy); its threads write that row for every kernel tap in turn (the taps'
     reads of x overlap, in L1), so the line is decoded once for all of them. Arguments (cols,
     x, nc, geo)."""
+    ld, st = halfio.load(kind), halfio.store(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
@@ -79,8 +85,8 @@ def im2col_kernel(k, stride, dil):
                             xp = ox * sw + uint64(kx) * dw
                             v = float32(0.0)
                             if inside and pw <= xp < pw + w:
-                                v = x[src + xp - pw]
-                            cols[dst + ox] = v
+                                v = ld(x, src + xp - pw)
+                            st(cols, dst + ox, v)
                             ox += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
@@ -88,10 +94,11 @@ def im2col_kernel(k, stride, dil):
 
 
 @functools.lru_cache(maxsize=None)
-def col2im_kernel(k, stride, dil):
+def col2im_kernel(k, stride, dil, kind="f32"):
     """img[n, c, z, y, x] = the sum of the cols entries whose window position is (z, y, x):
     for each kernel offset, the output position (z + pad - k*dilation) / stride when that
     divides exactly and lies inside (a gather: no atomics). Arguments (img, cols, nc, geo)."""
+    ld, st = halfio.load(kind), halfio.store(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
@@ -122,8 +129,8 @@ def col2im_kernel(k, stride, dil):
                             if ox == ow:
                                 continue
                             r = (q * kk + (uint64(kz) * kh + uint64(ky)) * kw + uint64(kx))
-                            acc += cols[r * oo + (oz * oh + oy) * ow + ox]
-                img[line * w + xx] = acc
+                            acc += ld(cols, r * oo + (oz * oh + oy) * ow + ox)
+                st(img, line * w + xx, acc)
                 xx += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
@@ -141,9 +148,11 @@ def col2im_kernel(k, stride, dil):
 # a_off / b_off hold each z's first element of the weight and of the gathered source.
 
 @functools.lru_cache(maxsize=None)
-def conv_gemm_kernel(k, stride, dil, transposed):
-    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above);
-    launch with kernels/matmul.py's sgemm_launch(m, n, batch)."""
+def conv_gemm_kernel(k, stride, dil, transposed, kind="f32"):
+    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above), w and
+    src of storage ``kind``, out f32; launch with kernels/matmul.py's sgemm_launch(m, n,
+    batch)."""
+    ld = halfio.load(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
@@ -152,8 +161,8 @@ def conv_gemm_kernel(k, stride, dil, transposed):
     @inline
     def fetch_w(a, ao, r, q, m, kdim, geo):
         if transposed:    # w [Kc, Cg, taps]: row r = c, q = (k, tap)
-            return a[ao + (q // kk * m + r) * kk + q % kk]
-        return a[ao + r * kdim + q]
+            return ld(a, ao + (q // kk * m + r) * kk + q % kk)
+        return ld(a, ao + r * kdim + q)
 
     @inline
     def out_position(cl, n, geo):
@@ -178,7 +187,7 @@ def conv_gemm_kernel(k, stride, dil, transposed):
         xp = pos[2] + t % kw * dw
         if geo[12] <= zp < geo[12] + d and geo[13] <= yp < geo[13] + h \
                 and geo[14] <= xp < geo[14] + w:
-            return b[bo + ((c * d + zp - geo[12]) * h + yp - geo[13]) * w + xp - geo[14]]
+            return ld(b, bo + ((c * d + zp - geo[12]) * h + yp - geo[13]) * w + xp - geo[14])
         return float32(0.0)
 
     @inline
@@ -190,7 +199,7 @@ def conv_gemm_kernel(k, stride, dil, transposed):
         ox = window_at(pos[2], t % kw, dw, sw, ow)
         if oz == od or oy == oh or ox == ow:
             return float32(0.0)
-        return b[bo + (kc * od + oz) * oh * ow + oy * ow + ox]
+        return ld(b, bo + (kc * od + oz) * oh * ow + oy * ow + ox)
 
     tiles = mm.gemm_tiles(False, False, fetch_w, gather_cols if transposed else gather_image,
                           image_position if transposed else out_position)

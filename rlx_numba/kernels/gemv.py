@@ -2,7 +2,8 @@
 
 W is stored [N, K] row-major (the executable stores weights read only by products that way,
 as nn.Linear does), f32, or f16 / bf16 (``set_param_half``; bf16 as uint16 bit patterns,
-widened by a shift). x, y, bias and residual are f32; sums are f32. With half weights x is
+widened by a shift). x, y, bias and residual are f32 -- or, for a product in f16 / bf16,
+of the weight's half type (kernels/halfio.py loads and stores) --; sums are f32. With half weights x is
 not rounded (tier 0 casts it to the half type for cuBLAS): rounding it here cost ~4
 instructions an x value for every column group reading it, which made half weights slower
 than f32 at M = 8 (H200, SmolLM2 shapes); the product is the exactly widened weight times x.
@@ -37,6 +38,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..device import SIMULATOR
 from . import elementwise as ew
+from . import halfio
 from . import mathfn as mf
 from . import ptx
 from .launch import default_geometry, inline as _inline, jit, pow2_at_least, register_geometry
@@ -92,7 +94,7 @@ def _quad(wr, uu, c, h, wkind, vec):
 
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
-                act, has_res: bool, minb: int = 1, gated: bool = False):
+                act, has_res: bool, minb: int = 1, gated: bool = False, xkind: str = "f32"):
     """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
     columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
     at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
@@ -100,6 +102,9 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     ``gated``: columns 2j and 2j + 1 are gate and up (a packed weight with their rows
     interleaved, a block holding whole pairs: nw // tw * cpw even), and y [M, N / 2] takes
     act(gate + bias) * (up + bias) + residual -- SwiGLU with no [M, N] product stored.
+    ``xkind``: the dtype of x, y, bias and residual (f32, or f16 / bf16 read and written
+    through kernels/halfio.py: a half product's activations, its weight of the same kind;
+    x is read an element at a time, the sums stay f32 and y is rounded once).
 
     Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
     count, n, k, kchunk, splits) -- bias / res / part / count any 1-element arrays when unused;
@@ -124,6 +129,8 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     qw = 1 if vec == 1 else 4             # weights a group
     assert nw % tw == 0 and (not gated or cpb % 2 == 0)
     ocb = cpb // 2 if gated else cpb      # output columns a block
+    xhalf = xkind != "f32"
+    ldx, stx = halfio.load(xkind), halfio.store(xkind)
 
     @_inline
     def team_sum(red, r, cb):
@@ -138,9 +145,9 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     def store(y, bias, res, v, g, r, col, n):
         """The epilogue of column col (and col + 1, g, when gated), row r, into y."""
         if has_bias:
-            v += bias[col]
+            v += ldx(bias, col) if xhalf else bias[col]
             if gated:
-                g += bias[col + 1]
+                g += ldx(bias, col + 1) if xhalf else bias[col + 1]
         if has_act:
             v = actf(v)
         no, oc = n, col
@@ -148,8 +155,11 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
             v *= g
             no, oc = n // 2, col // 2
         if has_res:
-            v += res[r * no + oc]
-        y[r * no + oc] = v
+            v += ldx(res, r * no + oc) if xhalf else res[r * no + oc]
+        if xhalf:
+            stx(y, r * no + oc, v)
+        else:
+            y[r * no + oc] = v
 
     @jit(launch_bounds=(nt, minb))
     def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits):
@@ -212,7 +222,10 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                         for h in range(quads):   # 4 values of every row of x, read once
                             for r in range(m):   # for all the columns
                                 xo = uint64(r * k + kk + 4 * h)
-                                if vec == 1:
+                                if xhalf:        # widened an element at a time
+                                    for e in range(qw):
+                                        xf[r, e] = ldx(x, xo + uint64(e))
+                                elif vec == 1:
                                     xf[r, 0] = x[xo]
                                 else:
                                     x4 = ptx.ld4(x, xo)

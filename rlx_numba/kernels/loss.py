@@ -1,4 +1,4 @@
-"""Cross-entropy row kernels (f32 logits [rows, C], integer labels [rows]).
+"""Cross-entropy row kernels (logits [rows, C] f32, f16 or bf16, integer labels [rows]).
 
 Forward: one block per row (grid-stride over rows) reads the row ONCE: each thread keeps an
 online (max, sum of exp) over its strided columns, the sum of the logits and the picked
@@ -15,6 +15,10 @@ Backward: the same pass for (max, sum of exp), then each element is written once
 
 so nothing of size [rows, C] is stored between the passes beyond the logits themselves (the
 softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy).
+
+Half logits (``xk``, kernels/halfio.py) are widened as they are read; the log-sum-exp, the
+sums and the row loss are f32 (the loss is stored f32), and dx is rounded once to the logits'
+kind. The kind is a factory argument, so the f32 kernels compile as they always did.
 """
 import functools
 import math
@@ -22,6 +26,7 @@ import math
 from numba import cuda, float32, int64
 
 from ..device import SIMULATOR
+from . import halfio
 from . import mathfn as m
 from .warp import MAX, SLOTS, SUM, group_reduce
 from .launch import jit
@@ -42,34 +47,43 @@ def block_for(c: int) -> int:
     return b
 
 
-@cuda.jit(device=True)
-def _row_stats(x, base, c, tid, block, smem, lab):
-    """(max, sum exp(x - max), sum x, x[lab]) of the row at x[base:base + c], to every thread."""
-    mx = NEG_INF
-    s = ZERO
-    sx = ZERO
-    picked = ZERO
-    i = tid
-    while i < c:
-        v = x[base + i]
-        if v > mx:
-            s = s * m.exp(mx - v) + ONE
-            mx = v
-        elif v != NEG_INF:         # (-inf - -inf would be NaN)
-            s += m.exp(v - mx)
-        sx += v
-        if i == lab:
-            picked = v
-        i += block
-    top = group_reduce(mx, smem, block, MAX)
-    if mx != NEG_INF:              # a thread with no columns (or only -inf) adds nothing
-        s = s * m.exp(mx - top)
-    return top, group_reduce(s, smem, block, SUM), group_reduce(sx, smem, block, SUM), \
-        group_reduce(picked, smem, block, SUM)
+@functools.lru_cache(maxsize=None)
+def _row_stats(xk):
+    """row_stats(x, base, c, tid, block, smem, lab): (max, sum exp(x - max), sum x, x[lab]) of
+    the row at x[base:base + c] (an ``xk`` array), in f32, to every thread."""
+    ld = halfio.load(xk)
+
+    @cuda.jit(device=True)
+    def row_stats(x, base, c, tid, block, smem, lab):
+        mx = NEG_INF
+        s = ZERO
+        sx = ZERO
+        picked = ZERO
+        i = tid
+        while i < c:
+            v = ld(x, base + i)
+            if v > mx:
+                s = s * m.exp(mx - v) + ONE
+                mx = v
+            elif v != NEG_INF:         # (-inf - -inf would be NaN)
+                s += m.exp(v - mx)
+            sx += v
+            if i == lab:
+                picked = v
+            i += block
+        top = group_reduce(mx, smem, block, MAX)
+        if mx != NEG_INF:              # a thread with no columns (or only -inf) adds nothing
+            s = s * m.exp(mx - top)
+        return top, group_reduce(s, smem, block, SUM), group_reduce(sx, smem, block, SUM), \
+            group_reduce(picked, smem, block, SUM)
+    return row_stats
 
 
 @functools.lru_cache(maxsize=None)
-def ce_forward(block: int):
+def ce_forward(block: int, xk: str = "f32"):
+    """loss[r] (f32) of logits x (``xk``)."""
+    row_stats = _row_stats(xk)
+
     @jit(launch_bounds=block)
     def kernel(loss, x, labels, rows, c, ignore, eps):
         smem = cuda.shared.array(SLOTS, float32)
@@ -79,7 +93,7 @@ def ce_forward(block: int):
         per_class = eps / float32(c)
         while r < rows:
             lab = int64(labels[r])
-            top, s, sx, picked = _row_stats(x, int64(r) * int64(c), int64(c), tid, block, smem, lab)
+            top, s, sx, picked = row_stats(x, int64(r) * int64(c), int64(c), tid, block, smem, lab)
             if tid == 0:
                 if lab == ignore:
                     loss[r] = ZERO
@@ -95,7 +109,12 @@ def ce_forward(block: int):
 
 
 @functools.lru_cache(maxsize=None)
-def ce_backward(block: int):
+def ce_backward(block: int, xk: str = "f32"):
+    """dx (``xk``) from logits x (``xk``) and the f32 row gradients dy."""
+    row_stats = _row_stats(xk)
+    ld = halfio.load(xk)
+    st = halfio.store(xk)
+
     @jit(launch_bounds=block)
     def kernel(dx, x, labels, dy, rows, c, ignore, eps):
         smem = cuda.shared.array(SLOTS, float32)
@@ -106,21 +125,21 @@ def ce_backward(block: int):
         while r < rows:
             lab = int64(labels[r])
             base = int64(r) * int64(c)
-            top, s, _, _ = _row_stats(x, base, int64(c), tid, block, smem, lab)
+            top, s, _, _ = row_stats(x, base, int64(c), tid, block, smem, lab)
             g = dy[r]
             inv = ONE / s
             bad = lab != ignore and (lab < 0 or lab >= c)
             i = tid
             while i < c:
                 if lab == ignore:
-                    dx[base + i] = ZERO
+                    st(dx, base + i, ZERO)
                 elif bad:
-                    dx[base + i] = NAN
+                    st(dx, base + i, NAN)
                 else:
-                    p = m.exp(x[base + i] - top) * inv - per_class
+                    p = m.exp(ld(x, base + i) - top) * inv - per_class
                     if i == lab:
                         p -= keep
-                    dx[base + i] = g * p
+                    st(dx, base + i, g * p)
                 i += block
             r += cuda.gridDim.x
     return kernel

@@ -20,6 +20,7 @@ import numpy as np
 from numba import cuda, float32, uint64
 
 from ..device import SIMULATOR
+from . import halfio
 from .launch import grid_3d, jit, inline as _inline
 
 # Each simulated thread is an OS thread: keep the simulator's blocks tiny (16 threads).
@@ -81,9 +82,9 @@ def store_tile(c, acc, base, rows, cols, n):
                     c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
 
 
-def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
+def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None):
     """The tiled product as an inline device function tiles(c, a, b, m, n, k, a_off, b_off,
-    batch, geo): c[z] (flat f32 [batch, m, n]) = A[z] @ B[z], where element (r, q) of A[z] is
+    batch, geo): c[z] (flat [batch, m, n]) = A[z] @ B[z], where element (r, q) of A[z] is
     fetch_a(a, a_off[z], r, q, m, k, geo) and (q, col) of B[z] is fetch_b(b, b_off[z], q, col,
     column(c0, n, geo), n, k, geo) (called inside the bounds only; c0 the thread's first
     column of the tile: ``column`` works out, once a tile rather than once a load, what
@@ -91,7 +92,9 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
     each source is contiguous, so consecutive threads load along it. sgemm_kernel fetches
     plain row-major matrices; kernels/conv.py's implicit-GEMM convolutions gather B (and A)
     from the image and the weight as they go, described by ``geo`` (B not transposed: a
-    thread loads one column of each B tile)."""
+    thread loads one column of each B tile). ``put(c, i, v)`` stores an f32 sum (a
+    kernels/halfio.py store: rounds once to c's dtype); None: c is f32, plain stores.
+    Fetches return float32 (a half source widens in its fetch), sums are f32."""
 
     # Tile loads: consecutive threads walk each source's contiguous axis. Thread tid's p-th
     # element of the A tile is (row ar + p*ARS, k aq + p*AQS); of the B tile (k bq + p*BQS,
@@ -117,6 +120,17 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
             As[buf, aq + _u(p * AQS), ar + _u(p * ARS)] = ra[p]
         for p in range(LB):
             Bs[buf, bq + _u(p * BQS), bc + _u(p * BCS)] = rb[p]
+
+    if put is None:
+        store = store_tile
+    else:
+        @_inline
+        def store(c, acc, base, rows, cols, n):     # store_tile through put
+            for i in range(TM):
+                if _u(i * TY) < rows:
+                    for j in range(TN):
+                        if _u(j * TX) < cols:
+                            put(c, base + _u(i * TY) * n + _u(j * TX), acc[i, j])
 
     @_inline
     def tiles(c, a, b, m, n, k, a_off, b_off, batch, geo):
@@ -164,7 +178,7 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
                         buf ^= U1
                         k0 += uBK
                     r, cl = row0 + ty, col0 + tx
-                    store_tile(c, acc, co + r * n + cl, m - min(r, m), n - min(cl, n), n)
+                    store(c, acc, co + r * n + cl, m - min(r, m), n - min(cl, n), n)
                     bx += uint64(cuda.gridDim.x)
                 by += uint64(cuda.gridDim.y)
             z += uint64(cuda.gridDim.z)
@@ -173,26 +187,39 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column):
 
 
 @functools.lru_cache(maxsize=None)
-def sgemm_kernel(trans_a: bool, trans_b: bool):
-    """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat f32 [batch, m, n]) =
+def sgemm_kernel(trans_a: bool, trans_b: bool, kind: str = "f32", out_kind: str = "f32"):
+    """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat [batch, m, n]) =
     A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
     transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
-    Launch with sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any
-    grid works. k == 0 writes zeros."""
+    a and b hold ``kind`` data (f32, f16, or bf16 as uint16 bits: kernels/halfio.py widens
+    each load to f32), c ``out_kind``: the f32 sums rounded once on the store. Launch with
+    sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any grid works.
+    k == 0 writes zeros."""
+    ld = halfio.load(kind)
 
-    @_inline
-    def fetch_a(a, ao, r, q, m, k, geo):
-        return a[ao + (q * m + r if trans_a else r * k + q)]
+    if kind == "f32":       # (plain subscripts: the f32 kernel's code stays as it was)
+        @_inline
+        def fetch_a(a, ao, r, q, m, k, geo):
+            return a[ao + (q * m + r if trans_a else r * k + q)]
 
-    @_inline
-    def fetch_b(b, bo, q, cl, col, n, k, geo):
-        return b[bo + (cl * k + q if trans_b else q * n + cl)]
+        @_inline
+        def fetch_b(b, bo, q, cl, col, n, k, geo):
+            return b[bo + (cl * k + q if trans_b else q * n + cl)]
+    else:
+        @_inline
+        def fetch_a(a, ao, r, q, m, k, geo):
+            return ld(a, ao + (q * m + r if trans_a else r * k + q))
+
+        @_inline
+        def fetch_b(b, bo, q, cl, col, n, k, geo):
+            return ld(b, bo + (cl * k + q if trans_b else q * n + cl))
 
     @_inline
     def column(c0, n, geo):
         return c0
 
-    tiles = gemm_tiles(trans_a, trans_b, fetch_a, fetch_b, column)
+    tiles = gemm_tiles(trans_a, trans_b, fetch_a, fetch_b, column,
+                       None if out_kind == "f32" else halfio.store(out_kind))
 
     @_jit
     def kernel(c, a, b, m, n, k, a_off, b_off, batch):

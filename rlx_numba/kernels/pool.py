@@ -4,19 +4,23 @@ input spatial, stride, pad, dilation; a block's threads along lines), the kernel
 dilation compile-time constants. Max takes the first largest value of a window in row-major
 order (a NaN wins, as torch's); its gradient goes to that element. Avg divides by the window clipped to the padded
 input (count_include_pad) or to the input. The gradients gather (a thread an input element,
-over the windows that hold it): no atomics, the same bits every run."""
+over the windows that hold it): no atomics, the same bits every run. The factories take the
+data's storage kind (kernels/halfio.py): loads widen to f32, the mean and the gradient's sums
+run in f32, the store rounds once."""
 import functools
 import math
 
 from numba import cuda, float32, int64, uint64
 
+from . import halfio
 from .conv import u64s, window_at
 from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
-def _window_fn(k, stride, dil, is_max, include_pad):
-    """window(x, base, geo, oz, oy, ox) -> (max or mean, flat offset of the max or -1)."""
+def _window_fn(k, stride, dil, is_max, include_pad, kind):
+    """window(x, base, geo, oz, oy, ox) -> (max or mean in f32, flat offset of the max or -1)."""
+    ld = halfio.load(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
@@ -40,7 +44,7 @@ def _window_fn(k, stride, dil, is_max, include_pad):
                     if xp < pw or xp >= pw + w:
                         continue
                     off = ((zp - pd) * h + yp - ph) * w + xp - pw
-                    v = x[base + off]
+                    v = ld(x, base + off)
                     if is_max:
                         if v > acc or (v != v and acc == acc) or at < 0:
                             acc, at = v, int64(off)
@@ -82,10 +86,11 @@ GROUP = 2
 
 
 @functools.lru_cache(maxsize=None)
-def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
+def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool, kind="f32"):
     """out[nc, o] = the window's max / mean; arguments (out, x, nc, geo). A thread does
     GROUP consecutive output lines: launch over ceil(lines / GROUP) of them."""
-    window = _window_fn(k, stride, dil, is_max, include_pad)
+    window = _window_fn(k, stride, dil, is_max, include_pad, kind)
+    st = halfio.store(kind)
     group, ug = GROUP, uint64(GROUP)
 
     @jit
@@ -105,7 +110,7 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
                     vals[r] = window(x, q * dhw, geo, oz, oy, ox)[0]
                 for r in range(group):
                     if first + uint64(r) < lines:
-                        out[(first + uint64(r)) * ow + ox] = vals[r]
+                        st(out, (first + uint64(r)) * ow + ox, vals[r])
                 ox += uint64(cuda.blockDim.x)
             first += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y) * ug
 
@@ -113,14 +118,15 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool):
+def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool, kind="f32"):
     """dx[nc, z, y, x] = the sum over the windows holding it of dy (max: where it is the
     window's max; avg: dy / the window's divisor); arguments (dx, x, dy, nc, geo)."""
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
-    window = _window_fn(k, stride, dil, is_max, include_pad)
+    window = _window_fn(k, stride, dil, is_max, include_pad, kind)
     divisor = _divisor_fn(k, stride, include_pad)
+    ld, st = halfio.load(kind), halfio.store(kind)
 
     @jit
     def kernel(dx, x, dy, nc, geo):
@@ -149,10 +155,10 @@ def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool):
                             o = ((q * od + oz) * oh + oy) * ow + ox
                             if is_max:
                                 if window(x, q * d * h * w, geo, oz, oy, ox)[1] == me:
-                                    acc += dy[o]
+                                    acc += ld(dy, o)
                             else:
-                                acc += dy[o] / divisor(geo, oz, oy, ox)
-                dx[line * w + xx] = acc
+                                acc += ld(dy, o) / divisor(geo, oz, oy, ox)
+                st(dx, line * w + xx, acc)
                 xx += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 

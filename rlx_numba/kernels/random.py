@@ -15,12 +15,14 @@ in f32). Normals are Box-Muller over the words' pairs (0, 1) and (2, 3): u1 =
 ((w0 >> 8) + 1) * 2^-24 in (0, 1], u2 = (w1 >> 8) * 2^-24, element 0 gets
 sqrt(-2 ln u1) cos(2 pi u2) and element 1 sqrt(-2 ln u1) sin(2 pi u2).
 """
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
+from . import halfio
 from . import mathfn as m
 from .launch import jit, py_in_sim
 
@@ -96,26 +98,32 @@ def _unit(w):
     return float32(w >> _S8) * _INV24
 
 
-@py_in_sim
-def _drop_one(out, x, i, n, w, p, scale):
-    if i < n:
-        out[i] = x[i] * scale if _unit(w) >= p else _ZERO
+@functools.lru_cache(maxsize=None)
+def dropout_kernel(kind: str = "f32"):
+    """The kernel out[i] = x[i] * scale where the element's uniform is >= p, else 0 (a thread
+    per block of four elements: one Philox call); out and x are ``kind`` arrays
+    (kernels/halfio.py: a half x is widened, scaled in f32 and rounded once)."""
+    ld = halfio.load(kind)
+    st = halfio.store(kind)
 
+    @py_in_sim
+    def drop_one(out, x, i, n, w, p, scale):
+        if i < n:
+            st(out, i, ld(x, i) * scale if _unit(w) >= p else _ZERO)
 
-@jit
-def dropout_kernel(out, x, seed, stream, n, p, scale):
-    """out[i] = x[i] * scale where the element's uniform is >= p, else 0 (a thread per block
-    of four elements: one Philox call)."""
-    j = uint64(cuda.grid(1))
-    nb = (n + uint64(3)) >> uint64(2)
-    while j < nb:
-        w0, w1, w2, w3 = _block(j, stream, seed)
-        i = j << uint64(2)
-        _drop_one(out, x, i, n, w0, p, scale)
-        _drop_one(out, x, i + uint64(1), n, w1, p, scale)
-        _drop_one(out, x, i + uint64(2), n, w2, p, scale)
-        _drop_one(out, x, i + uint64(3), n, w3, p, scale)
-        j += uint64(cuda.gridsize(1))
+    @jit
+    def kernel(out, x, seed, stream, n, p, scale):
+        j = uint64(cuda.grid(1))
+        nb = (n + uint64(3)) >> uint64(2)
+        while j < nb:
+            w0, w1, w2, w3 = _block(j, stream, seed)
+            i = j << uint64(2)
+            drop_one(out, x, i, n, w0, p, scale)
+            drop_one(out, x, i + uint64(1), n, w1, p, scale)
+            drop_one(out, x, i + uint64(2), n, w2, p, scale)
+            drop_one(out, x, i + uint64(3), n, w3, p, scale)
+            j += uint64(cuda.gridsize(1))
+    return kernel
 
 
 @py_in_sim

@@ -8,16 +8,21 @@ last two axes (tables idx2 / w2 / const2 for the last one, applied first) is one
 resample2_kernel, a line one (a, o) along the last axis' outputs. The kernels are made per
 tap count (1 for nearest and pad, 2 for linear): the tap loops unroll, so a thread's table
 loads are in flight together rather than one loop trip after another (nearest 2x of
-8x64x56x56 took 69 us with runtime counts on an H200)."""
+8x64x56x56 took 69 us with runtime counts on an H200). They take x's storage kind too
+(kernels/halfio.py): loads widen to f32, the taps sum in f32 (the tables are f32), the store
+rounds once."""
 import functools
 
 from numba import cuda, float32, uint64
 
+from . import halfio
 from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
-def _tap_sum_fn(taps):
+def _tap_sum_fn(taps, kind):
+    ld = halfio.load(kind)
+
     @inline
     def tap_sum(x, base, stride, idx, w, const, o, live):
         """const[o] + sum_t w[o, t] x[base + idx[o, t] stride]; ``live``: x is not empty
@@ -25,7 +30,7 @@ def _tap_sum_fn(taps):
         acc = const[o]
         for j in range(taps):
             wt = w[o * uint64(taps) + uint64(j)]
-            v = x[base + uint64(idx[o * uint64(taps) + uint64(j)]) * stride] if live \
+            v = ld(x, base + uint64(idx[o * uint64(taps) + uint64(j)]) * stride) if live \
                 else float32(0.0)
             if wt != 0:
                 acc += wt * v
@@ -35,9 +40,10 @@ def _tap_sum_fn(taps):
 
 
 @functools.lru_cache(maxsize=None)
-def resample_last_kernel(taps):
+def resample_last_kernel(taps, kind="f32"):
     """B = 1: line a, threads along o. (out, x, idx, w, const, rows, olen, ilen)"""
-    tap_sum = _tap_sum_fn(taps)
+    tap_sum = _tap_sum_fn(taps, kind)
+    st = halfio.store(kind)
 
     @jit
     def kernel(out, x, idx, w, const, rows, olen, ilen):
@@ -45,7 +51,8 @@ def resample_last_kernel(taps):
         while a < rows:
             o = uint64(cuda.threadIdx.x)
             while o < olen:
-                out[a * olen + o] = tap_sum(x, a * ilen, uint64(1), idx, w, const, o, ilen != 0)
+                st(out, a * olen + o, tap_sum(x, a * ilen, uint64(1), idx, w, const, o,
+                                              ilen != 0))
                 o += uint64(cuda.blockDim.x)
             a += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
@@ -53,9 +60,10 @@ def resample_last_kernel(taps):
 
 
 @functools.lru_cache(maxsize=None)
-def resample_kernel(taps):
+def resample_kernel(taps, kind="f32"):
     """B > 1: line (a, o), threads along b. (out, x, idx, w, const, rows, olen, ilen, inner)"""
-    tap_sum = _tap_sum_fn(taps)
+    tap_sum = _tap_sum_fn(taps, kind)
+    st = halfio.store(kind)
 
     @jit
     def kernel(out, x, idx, w, const, rows, olen, ilen, inner):
@@ -64,8 +72,8 @@ def resample_kernel(taps):
             o, a = line % olen, line // olen
             b = uint64(cuda.threadIdx.x)
             while b < inner:
-                out[line * inner + b] = tap_sum(x, a * ilen * inner + b, inner, idx, w, const, o,
-                                                ilen != 0)
+                st(out, line * inner + b, tap_sum(x, a * ilen * inner + b, inner, idx, w, const,
+                                                  o, ilen != 0))
                 b += uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
@@ -80,11 +88,12 @@ GROUP = 4
 
 
 @functools.lru_cache(maxsize=None)
-def resample2_kernel(taps, taps2):
+def resample2_kernel(taps, taps2, kind="f32"):
     """The last two axes: x [A, I, I2] -> out [A, O, O2]; a line is (a, o), threads along o2,
     GROUP consecutive lines a thread. Launch over ceil(lines / GROUP) lines.
     (out, x, idx, w, const, idx2, w2, const2, rows, olen, ilen, olen2, ilen2)"""
-    tap_sum = _tap_sum_fn(taps2)
+    tap_sum = _tap_sum_fn(taps2, kind)
+    st = halfio.store(kind)
     t = uint64(taps)
     group, ug = GROUP, uint64(GROUP)
 
@@ -110,7 +119,7 @@ def resample2_kernel(taps, taps2):
                     vals[r] = acc
                 for r in range(group):
                     if first + uint64(r) < lines:
-                        out[(first + uint64(r)) * olen2 + o2] = vals[r]
+                        st(out, (first + uint64(r)) * olen2 + o2, vals[r])
                 o2 += uint64(cuda.blockDim.x)
             first += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y) * ug
 

@@ -18,6 +18,15 @@ KIND is SOFTMAX, LOG_SOFTMAX, LAYER_NORM or RMS_NORM. For the norms, ``gamma`` (
 when HAS_BETA) are indexed by the position along the axis; with HAS_RES the input is
 ``x + res``, and with WRITE_SUM that sum is also stored to ``sum_out``. The flags are
 compile-time constants of each factory, so unused branches cost nothing.
+
+Storage kinds (kernels/halfio.py): ``xk`` is the kind of x, res, sum_out, out (and of dy / dx
+in the backward kernels), ``gk`` the kind of gamma and beta (f32, or x's kind: a bf16 model
+keeps bf16 norm weights, torch's autocast keeps them f32). Loads widen to f32, all math and
+every accumulation is f32, stores round once. With a half ``xk`` and HAS_RES, h = x + res is
+rounded to ``xk`` before it is used: the fused norm then equals the norm of the stored sum
+(the unfused graph; passes/fusion.py folds half adds on that ground) and sum_out holds h
+exactly. Row statistics (norm_bwd's stats, the param kernels' partial sums) stay f32. The
+kinds are factory arguments, so the f32 kernels compile to the code they always did.
 """
 import functools
 import math
@@ -28,6 +37,7 @@ from numba import cuda, float32, uint64
 
 from ..device import SIMULATOR
 from . import mathfn as m
+from . import halfio
 from .warp import MAX, SLOTS, SUM, group_reduce
 from .launch import default_geometry, inline as _inline, jit, register_geometry
 
@@ -49,50 +59,86 @@ ZERO = float32(0.0)
 ONE = float32(1.0)
 
 
-@cuda.jit(device=True)
-def _finish(kind, v, c, a, b, gamma, beta, has_beta):
-    """The output value of element v at axis position c, given the row statistics:
-    softmax: a = max, b = 1/sum;  log_softmax: a = max + log(sum);
-    layer_norm: a = mean, b = rstd;  rms_norm: b = rstd."""
-    if kind == SOFTMAX:
-        return m.exp(v - a) * b
-    if kind == LOG_SOFTMAX:
-        return v - a
-    y = ((v - a) if kind == LAYER_NORM else v) * b * gamma[c]
-    if has_beta:
-        y += beta[c]
-    return y
+@functools.lru_cache(maxsize=None)
+def _finisher(kind, has_beta, gk):
+    """finish(v, c, a, b, gamma, beta): the output value of element v at axis position c, given
+    the row statistics: softmax: a = max, b = 1/sum;  log_softmax: a = max + log(sum);
+    layer_norm: a = mean, b = rstd;  rms_norm: b = rstd. gamma / beta are ``gk`` arrays."""
+    ldg = halfio.load(gk)
+
+    @_inline
+    def finish(v, c, a, b, gamma, beta):
+        if kind == SOFTMAX:
+            return m.exp(v - a) * b
+        if kind == LOG_SOFTMAX:
+            return v - a
+        y = ((v - a) if kind == LAYER_NORM else v) * b * ldg(gamma, c)
+        if has_beta:
+            y += ldg(beta, c)
+        return y
+    return finish
 
 
 @functools.lru_cache(maxsize=None)
-def _loader(n, has_res, write_sum, exact=False):
+def _reader(has_res, xk):
+    """get(x, res, i): h = x[i] (+ res[i], rounded to ``xk``: see the module docstring) as
+    float32."""
+    ld = halfio.load(xk)
+    rd = halfio.round_to(xk)
+    half = xk != "f32"
+
+    @_inline
+    def get(x, res, i):
+        v = ld(x, i)
+        if has_res:
+            v += ld(res, i)
+            if half:
+                v = rd(v)
+        return v
+    return get
+
+
+@functools.lru_cache(maxsize=None)
+def _loader(n, has_res, write_sum, exact=False, xk="f32"):
     """load(vals, x, res, sum_out, base, c0, stride, limit, ok, fill): vals[u] = x[base + c]
     (+ res, stored to sum_out when asked) for c = c0 + u*stride, u < n, where ok and c < limit,
-    else ``fill`` (``exact``: every c is < limit, no test). Every load of the chunk is issued before the first store: a store may alias
+    else ``fill`` (``exact``: every c is < limit, no test); x, res and sum_out are ``xk``
+    arrays. Every load of the chunk is issued before the first store: a store may alias
     a later load (numba arrays are not restrict), so interleaving them would serialise the
     loads one memory latency each."""
+    ld = halfio.load(xk)
+    st = halfio.store(xk)
+    rd = halfio.round_to(xk)
+    half = xk != "f32"
+
     @_inline
     def load(vals, x, res, sum_out, base, c0, stride, limit, ok, fill):
         for u in range(n):
             c = c0 + uint64(u) * stride
-            vals[u] = x[base + c] if ok and (exact or c < limit) else fill
+            vals[u] = ld(x, base + c) if ok and (exact or c < limit) else fill
         if has_res:
             for u in range(n):
                 c = c0 + uint64(u) * stride
                 if ok and (exact or c < limit):
-                    vals[u] += res[base + c]
+                    vals[u] += ld(res, base + c)
+                    if half:      # h as stored in x's dtype (module docstring)
+                        vals[u] = rd(vals[u])
             if write_sum:
                 for u in range(n):
                     c = c0 + uint64(u) * stride
                     if ok and (exact or c < limit):
-                        sum_out[base + c] = vals[u]
+                        st(sum_out, base + c, vals[u])
     return load
 
 
 @functools.lru_cache(maxsize=None)
-def _storer(n, kind, has_beta, exact=False):
+def _storer(n, kind, has_beta, exact=False, xk="f32", gk="f32"):
     """store(vals, out, gamma, beta, base, c0, stride, limit, ok, a, b): the outputs of a chunk,
-    all computed (gamma/beta loads together) before the first store, for the reason above."""
+    all computed (gamma/beta loads together) before the first store, for the reason above;
+    out is an ``xk`` array, gamma / beta ``gk`` arrays."""
+    finish = _finisher(kind, has_beta, gk)
+    st = halfio.store(xk)
+
     @_inline
     def store(vals, out, gamma, beta, base, c0, stride, limit, ok, a, b):
         for u in range(n):
@@ -101,17 +147,18 @@ def _storer(n, kind, has_beta, exact=False):
                 if kind == SOFTMAX:
                     vals[u] *= b
                 else:
-                    vals[u] = _finish(kind, vals[u], c, a, b, gamma, beta, has_beta)
+                    vals[u] = finish(vals[u], c, a, b, gamma, beta)
         if ok:
             for u in range(n):
                 c = c0 + uint64(u) * stride
                 if exact or c < limit:
-                    out[base + c] = vals[u]
+                    st(out, base + c, vals[u])
     return store
 
 
 @functools.lru_cache(maxsize=None)
-def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact):
+def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact, xk="f32",
+             gk="f32"):
     """Rows of <= g*vpt elements held in registers; g threads a row, blocks of ``block``.
 
     With ``prefetch`` a block loads its next rows while it reduces the current ones, so
@@ -122,8 +169,8 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact)
     fill = NEG_INF if softmaxish else ZERO
     gu = np.uint64(g)   # index math is uint64 throughout: signed subscripts cost a wraparound
                         # check each, and a signed operand would make the result signed again
-    load = _loader(vpt, has_res, write_sum, exact)
-    store = _storer(vpt, kind, has_beta, exact)
+    load = _loader(vpt, has_res, write_sum, exact, xk)
+    store = _storer(vpt, kind, has_beta, exact, xk, gk)
 
     @_jit(block)
     def kernel(out, x, gamma, beta, res, sum_out, rows, cols, eps):
@@ -191,7 +238,7 @@ def rows_reg(kind, g, vpt, block, has_beta, has_res, write_sum, prefetch, exact)
 
 
 @functools.lru_cache(maxsize=None)
-def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum):
+def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum, xk="f32", gk="f32"):
     """One block per row, the row streamed twice (rows too long for registers): chunks of
     block*unroll elements, each thread issuing its ``unroll`` loads of a chunk before it uses
     any (loads in flight are what keep the memory system busy). The first ``cached`` columns
@@ -199,9 +246,10 @@ def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum):
     each thread keeps its own columns there, so no barrier is needed."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
     fill = NEG_INF if softmaxish else ZERO
-    load = _loader(unroll, has_res, write_sum)
-    reload = _loader(unroll, has_res and not write_sum, False)
-    store = _storer(unroll, kind, has_beta)
+    load = _loader(unroll, has_res, write_sum, False, xk)
+    reload = _loader(unroll, has_res and not write_sum, False, False, xk)
+    store = _storer(unroll, kind, has_beta, False, xk, gk)
+    head = _reader(has_res, xk)
 
     ucached = np.uint64(cached)
     cache_len = max(cached, 1)
@@ -219,7 +267,7 @@ def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum):
             base = row * cols
             shift = ZERO
             if kind == LAYER_NORM:   # shifted sums: var = E[(x-k)^2] - E[x-k]^2 stays accurate
-                shift = x[base] + (res[base] if has_res else ZERO)
+                shift = head(x, res, base)
             p = fill                 # softmax: running max; layer_norm: sum of (x - shift)
             q = ZERO                 # softmax: sum of exp(x - p); norms: sum of squares
             c0 = tid
@@ -304,9 +352,13 @@ def _fold(kind, p, q, v, shift):
 
 
 @functools.lru_cache(maxsize=None)
-def cols(kind, has_beta, has_res, write_sum):
+def cols(kind, has_beta, has_res, write_sum, xk="f32", gk="f32"):
     """The reduced axis in the middle: [outer, n, inner], one thread per (outer, inner)."""
     softmaxish = kind == SOFTMAX or kind == LOG_SOFTMAX
+    get = _reader(has_res, xk)
+    reget = _reader(has_res and not write_sum, xk)
+    finish = _finisher(kind, has_beta, gk)
+    st = halfio.store(xk)
 
     @jit
     def kernel(out, x, gamma, beta, res, sum_out, outer, n, inner, eps):
@@ -316,16 +368,14 @@ def cols(kind, has_beta, has_res, write_sum):
             base = o * n * inner + (t - o * inner)
             shift = ZERO
             if kind == LAYER_NORM:
-                shift = x[base] + (res[base] if has_res else ZERO)
+                shift = get(x, res, base)
             p = NEG_INF if softmaxish else ZERO
             q = ZERO
             for c in range(n):
                 i = base + c * inner
-                v = x[i]
-                if has_res:
-                    v += res[i]
-                    if write_sum:
-                        sum_out[i] = v
+                v = get(x, res, i)
+                if write_sum:
+                    st(sum_out, i, v)
                 p, q = _fold(kind, p, q, v, shift)
             fn = float32(n)
             a = ZERO
@@ -343,10 +393,7 @@ def cols(kind, has_beta, has_res, write_sum):
             src = sum_out if write_sum else x
             for c in range(n):
                 i = base + c * inner
-                v = src[i]
-                if has_res and not write_sum:
-                    v += res[i]
-                out[i] = _finish(kind, v, c, a, b, gamma, beta, has_beta)
+                st(out, i, finish(reget(src, res, i), c, a, b, gamma, beta))
             t += cuda.gridsize(1)
 
     return kernel
@@ -417,11 +464,13 @@ def bwd_group(n: int, block: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def softmax_bwd(kind, block, g, rowwise):
+def softmax_bwd(kind, block, g, rowwise, xk="f32"):
     """dx of softmax (y = softmax: dx = y * (dy - sum(dy * y))) or log_softmax (y = log_softmax:
-    dx = dy - exp(y) * sum(dy)) along the axis; rowwise: G threads a row."""
+    dx = dy - exp(y) * sum(dy)) along the axis; rowwise: G threads a row. dx, dy, y: ``xk``."""
     soft = kind == SOFTMAX
     rpb = block // g
+    ld = halfio.load(xk)
+    st = halfio.store(xk)
 
     @jit
     def kernel(dx, dy, y, outer, n, inner):
@@ -436,13 +485,14 @@ def softmax_bwd(kind, block, g, rowwise):
                 acc = ZERO
                 c = lane if row < outer else n
                 while c < n:
-                    acc += dy[base + c] * y[base + c] if soft else dy[base + c]
+                    acc += ld(dy, base + c) * ld(y, base + c) if soft else ld(dy, base + c)
                     c += g
                 s = group_reduce(acc, smem, g, SUM)
                 c = lane if row < outer else n
                 while c < n:
                     i = base + c
-                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                    yv = ld(y, i)
+                    st(dx, i, yv * (ld(dy, i) - s) if soft else ld(dy, i) - m.exp(yv) * s)
                     c += g
                 r0 += cuda.gridDim.x * rpb
         else:
@@ -453,10 +503,11 @@ def softmax_bwd(kind, block, g, rowwise):
                 s = ZERO
                 for c in range(n):
                     i = base + c * inner
-                    s += dy[i] * y[i] if soft else dy[i]
+                    s += ld(dy, i) * ld(y, i) if soft else ld(dy, i)
                 for c in range(n):
                     i = base + c * inner
-                    dx[i] = y[i] * (dy[i] - s) if soft else dy[i] - m.exp(y[i]) * s
+                    yv = ld(y, i)
+                    st(dx, i, yv * (ld(dy, i) - s) if soft else ld(dy, i) - m.exp(yv) * s)
                 t += cuda.gridsize(1)
 
     return kernel
@@ -477,14 +528,18 @@ def _norm_bwd_stats(kind, p1, p2, p3, p4, k, n, eps):
 
 
 @functools.lru_cache(maxsize=None)
-def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
+def norm_bwd(kind, block, g, rowwise, has_res, write_stats, xk="f32", gk="f32"):
     """dh of layer_norm / rms_norm (h = x + res with HAS_RES), gamma applied, beta irrelevant:
     layer_norm dh = rstd * (g - mean(g) - xhat * mean(g * xhat)), rms_norm dh = rstd * (g -
     xhat * mean(g * xhat)) (its -h * mean(g * h) / rms^3 term), g = dy * gamma. With
-    WRITE_STATS each row's (mean, rstd) go to ``stats`` for the gamma / beta kernel. Rowwise:
-    G threads a row."""
+    WRITE_STATS each row's (mean, rstd) go to ``stats`` (f32) for the gamma / beta kernel.
+    Rowwise: G threads a row. dx, dy, x, res: ``xk``; gamma: ``gk``."""
     ln = kind == LAYER_NORM
     rpb = block // g
+    get = _reader(has_res, xk)
+    ld = halfio.load(xk)
+    ldg = halfio.load(gk)
+    st = halfio.store(xk)
 
     @jit
     def kernel(dx, stats, dy, x, gamma, res, outer, n, inner, eps):
@@ -500,13 +555,13 @@ def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
                 base = row * n
                 k = ZERO
                 if ln and ok:
-                    k = x[base] + (res[base] if has_res else ZERO)
+                    k = get(x, res, base)
                 p1 = p2 = p3 = p4 = ZERO
                 c = lane if ok else n
                 while c < n:
                     i = base + c
-                    h = x[i] + (res[i] if has_res else ZERO) - k
-                    gv = dy[i] * gamma[c]
+                    h = get(x, res, i) - k
+                    gv = ld(dy, i) * ldg(gamma, c)
                     p1 += h
                     p2 += h * h
                     p3 += gv
@@ -524,8 +579,8 @@ def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
                 c = lane if ok else n
                 while c < n:
                     i = base + c
-                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
-                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                    xh = (get(x, res, i) - mean) * rstd
+                    st(dx, i, rstd * (ld(dy, i) * ldg(gamma, c) - mg - xh * mgx))
                     c += g
                 r0 += cuda.gridDim.x * rpb
         else:
@@ -535,12 +590,12 @@ def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
                 base = o * n * inner + (t - o * inner)
                 k = ZERO
                 if ln:
-                    k = x[base] + (res[base] if has_res else ZERO)
+                    k = get(x, res, base)
                 p1 = p2 = p3 = p4 = ZERO
                 for c in range(n):
                     i = base + c * inner
-                    h = x[i] + (res[i] if has_res else ZERO) - k
-                    gv = dy[i] * gamma[c]
+                    h = get(x, res, i) - k
+                    gv = ld(dy, i) * ldg(gamma, c)
                     p1 += h
                     p2 += h * h
                     p3 += gv
@@ -551,23 +606,28 @@ def norm_bwd(kind, block, g, rowwise, has_res, write_stats):
                     stats[2 * t + 1] = rstd
                 for c in range(n):
                     i = base + c * inner
-                    xh = (x[i] + (res[i] if has_res else ZERO) - mean) * rstd
-                    dx[i] = rstd * (dy[i] * gamma[c] - mg - xh * mgx)
+                    xh = (get(x, res, i) - mean) * rstd
+                    st(dx, i, rstd * (ld(dy, i) * ldg(gamma, c) - mg - xh * mgx))
                 t += cuda.gridsize(1)
 
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
-def norm_param_bwd(has_beta, has_res, lanes):
+def norm_param_bwd(has_beta, has_res, lanes, xk="f32", pk="f32"):
     """The column reduction of a norm's backward, in partial sums: block (bx, by) sums the
     rows by, by + P, ... (P = gridDim.y row chunks) of 32 columns: part[by, 0, c] = sum of
     dy * xhat (d gamma), with HAS_BETA part[by, 1, c] = sum of dy (d beta), xhat recomputed
     from x (+ res) and the (mean, rstd) norm_bwd stored per row. A block is 32 columns x
     ``lanes`` rows: consecutive threads read consecutive columns, the lanes' sums are added
-    in shared memory in a fixed order (deterministic). ``norm_param_sum`` adds the P chunks."""
+    in shared memory in a fixed order (deterministic). ``norm_param_sum`` adds the P chunks.
+    dy, x, res: ``xk``; part: ``pk`` (gamma's kind when it is the result itself, P = 1; else
+    the f32 partials)."""
     nt = 32 * lanes
     w = 2 if has_beta else 1
+    get = _reader(has_res, xk)
+    ld = halfio.load(xk)
+    st = halfio.store(pk)
 
     @jit
     def kernel(part, dy, x, res, stats, outer, n, inner):
@@ -584,8 +644,8 @@ def norm_param_bwd(has_beta, has_res, lanes):
             while r < rows_:
                 o = r // inner
                 i = (o * n + c) * inner + (r - o * inner)
-                xh = (x[i] + (res[i] if has_res else ZERO) - stats[2 * r]) * stats[2 * r + 1]
-                d = dy[i]
+                xh = (get(x, res, i) - stats[2 * r]) * stats[2 * r + 1]
+                d = ld(dy, i)
                 sg += d * xh
                 sb += d
                 r += cuda.gridDim.y * lanes
@@ -597,16 +657,18 @@ def norm_param_bwd(has_beta, has_res, lanes):
                 sg += sg_s[k * 32 + tid]
                 sb += sb_s[k * 32 + tid]
             base = cuda.blockIdx.y * w * n
-            part[base + c] = sg
+            st(part, base + c, sg)
             if has_beta:
-                part[base + n + c] = sb
+                st(part, base + n + c, sb)
 
     return kernel
 
 
 @functools.lru_cache(maxsize=None)
-def norm_param_sum():
-    """out[k] = the sum over the P chunks of part[p, k] (in order), k < w * n."""
+def norm_param_sum(pk="f32"):
+    """out[k] = the sum over the P chunks of part[p, k] (in order), k < w * n; out: ``pk``."""
+    st = halfio.store(pk)
+
     @jit
     def kernel(out, part, chunks, size):
         k = cuda.grid(1)
@@ -614,7 +676,7 @@ def norm_param_sum():
             s = ZERO
             for p in range(chunks):
                 s += part[p * size + k]
-            out[k] = s
+            st(out, k, s)
             k += cuda.gridsize(1)
 
     return kernel

@@ -26,8 +26,10 @@ in the graph node's place (``nodes``). Five rewrites:
   becomes the product with a ``gated``
   epilogue: the skinny-product kernel pairs each block's interleaved gate and up columns, so
   a SwiGLU MLP's activation costs no kernel of its own.
-- **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use f32 add of
-  two same-shape tensors becomes the norm with ``residual=b`` (one row kernel). When exactly one
+- **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use add of
+  two same-shape tensors of its dtype (f32, f16 or bf16: a half norm rounds a + b to the dtype
+  before it uses it, as the add's kernel would) becomes the norm with ``residual=b`` (one row
+  kernel). When exactly one
   operand would have been fused into the add, that operand keeps a kernel of its own instead
   (as many kernels; it may then be a matmul epilogue), and a matmul epilogue leaves such an add
   to the norm.
@@ -244,7 +246,11 @@ def _expr(nodes, nid, root, members, leaves) -> tuple:
 def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     """The matmul node computing ``activation(mm + bias) + residual`` when the region
     ``members`` is exactly that chain over ``mm`` (all f32), else None. An add in
-    ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier)."""
+    ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier).
+    A half product is never folded: its chain rounds the product to half before the adds
+    (an f32 add of it, under autocast, included) and the fold would not."""
+    if mm.dtype != dt.F32:
+        return None
     shape, n_cols = mm.shape, mm.shape[-1]
     chain, cur = [], mm.id
     bias = act = res = None
@@ -342,14 +348,16 @@ def _gated_epilogue(nodes, gated, folded, single):
 
 
 def _residual_add(nodes, x, single) -> bool:
-    """x is a single-use f32 add of two f32 tensors of its own shape."""
-    return (x.op == "binary" and x.attrs["kind"] == "add" and single(x.id) and x.dtype == dt.F32
-            and all(nodes[i].dtype == dt.F32 and nodes[i].shape == x.shape for i in x.inputs))
+    """x is a single-use f32 / f16 / bf16 add of two tensors of its own shape and dtype (the
+    norm's kernel rounds a half sum to that dtype: the fold changes no value)."""
+    return (x.op == "binary" and x.attrs["kind"] == "add" and single(x.id)
+            and x.dtype in (dt.F32, dt.F16, dt.BF16)
+            and all(nodes[i].dtype == x.dtype and nodes[i].shape == x.shape for i in x.inputs))
 
 
 def _norm_residual(nodes, norm, single, region_of, groups):
-    """The norm with ``residual=`` when its x is a single-use f32 add of two same-shape
-    tensors computed by a kernel of its own (a region of one), else None."""
+    """The norm with ``residual=`` when its x is a single-use float add of two same-shape
+    tensors of its dtype computed by a kernel of its own (a region of one), else None."""
     x = nodes[norm.inputs[0]]
     if not _residual_add(nodes, x, single) or groups.get(region_of.get(x.id)) != [x.id]:
         return None

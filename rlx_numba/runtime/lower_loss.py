@@ -6,6 +6,7 @@ import numpy as np
 
 from ..device import SIMULATOR
 from ..kernels import loss as K
+from ..kernels.halfio import io_kind
 from ..kernels.launch import sm_count
 from .lower import Step, lowering, step_name
 
@@ -34,13 +35,14 @@ def _lower_cross_entropy(ctx, n):
     if rows == 0:
         return []
     grid, block = _geometry(rows, c)
+    xk = io_kind(x.dtype)      # the logits' storage kind (the loss rows are f32)
     scalars = (np.int64(rows), np.int64(c), np.int64(n.attrs["ignore_index"]),
                np.float32(n.attrs["label_smoothing"]))
     if n.op == "cross_entropy":
-        return [Step(step_name(n), f"ce_forward block={block[0]}", K.ce_forward(block[0]), grid,
+        return [Step(step_name(n), f"ce_forward block={block[0]}", K.ce_forward(block[0], xk), grid,
                      block, (ctx.buf(n), ctx.buf(x), ctx.buf(labels), *scalars),
                      {"bytes": x.nbytes + labels.nbytes + n.nbytes})]
     dy = g.nodes[n.inputs[2]]
-    return [Step(step_name(n), f"ce_backward block={block[0]}", K.ce_backward(block[0]), grid,
+    return [Step(step_name(n), f"ce_backward block={block[0]}", K.ce_backward(block[0], xk), grid,
                  block, (ctx.buf(n), ctx.buf(x), ctx.buf(labels), ctx.buf(dy), *scalars),
                  {"bytes": 3 * x.nbytes + labels.nbytes + dy.nbytes})]

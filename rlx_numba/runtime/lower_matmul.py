@@ -21,10 +21,20 @@ Each product is planned once, at compile time, taking the first tier whose preco
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
-generated element-wise kernel over the output, in place. Batch dims broadcast; a 2-D weight
-folds the leading dims of A into M (one GEMM). An operand produced by a transpose of its last
-two axes whose every consumer is a product is not materialised: it reaches the GEMM as an
-op-T flag (``absorbed_transposes``).
+generated element-wise kernel over the output, in place.
+
+f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
+their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
+tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
+loading and storing through kernels/halfio.py. An epilogue the tier does not fuse is not
+applied to a rounded product: the tier writes f32 to a scratch of the node's and the
+element-wise kernel rounds once on its store. Tier 3 takes x, y, bias and residual in the
+half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
+(an f32 graph's set_param_half weight) passes them over, saying why.
+
+Batch dims broadcast; a 2-D weight folds the leading dims of A into M (one GEMM). An operand
+produced by a transpose of its last two axes whose every consumer is a product is not
+materialised: it reaches the GEMM as an op-T flag (``absorbed_transposes``).
 
 ``RLX_NUMBA_LOG_FALLBACK=1`` logs the tier of every product and why the tiers above it were
 passed over; the same goes in each step's ``info``. ``RLX_NUMBA_MATMUL_TIERS=2,4`` restricts
@@ -48,6 +58,7 @@ from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
+from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
                     gated_step, log, log_tier, lowering, step_name)
@@ -83,13 +94,15 @@ def absorbed_transposes(graph: Graph, live_outputs) -> set:
 
 
 def transposed_weights(graph: Graph, live_outputs) -> set:
-    """2-D f32 params read only as a product's weight (B): stored transposed, [N, K] as
-    nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are about twice as fast as
-    NN on the skinny products of decoding and small batches: 3.9 against 7.5 us for
-    16x256x256 on an H200). set_param / set_param_half transpose on the way in."""
+    """2-D float params (f32, f16, bf16) read only as a product's weight (B): stored
+    transposed, [N, K] as nn.Linear holds them, so cuBLAS runs them op-T (its TN kernels are
+    about twice as fast as NN on the skinny products of decoding and small batches: 3.9
+    against 7.5 us for 16x256x256 on an H200). set_param / set_param_half transpose on the
+    way in."""
     consumers = consumers_of(graph)
     return {n.id for n in graph.nodes
-            if n.op == "param" and n.dtype == dt.F32 and len(n.shape) == 2 and n.size
+            if n.op == "param" and n.dtype in (dt.F32, dt.F16, dt.BF16) and len(n.shape) == 2
+            and n.size
             and n.id not in live_outputs and consumers.get(n.id)
             and all(m.op in PRODUCTS and j == 1 for m, j in consumers[n.id])}
 
@@ -188,6 +201,11 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     gated kernel reads it."""
     name = step_name(n)
     out = ctx.buf(n)
+    kind = io_kind(n.dtype)     # f16 / bf16 products: half operands, f32 sums, half result
+    half = kind != "f32"
+    if a.node.dtype != n.dtype:   # (an f32 graph's half-stored weight is an f32 node)
+        raise ValueError(f"{name}: a product of {a.node.dtype} operands cannot write "
+                         f"{n.dtype} (a fold must keep the product's dtype)")
     m, k, ncols = a.shape[-2], a.shape[-1], b.shape[-1]
     batch_shape = tuple(out_shape[:-2])
     if len(b.shape) == 2 and not a.trans:       # fold A's leading dims into M: one GEMM
@@ -197,17 +215,31 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         return []
     epi = {"bias": bias, "activation": activation, "residual": residual}
     post, full = [], out      # full: where the ladder's tiers write the [M, N] product
+    if gated and half:        # (passes/fusion.py folds gated epilogues of f32 products only)
+        raise ValueError(f"{name}: a gated epilogue takes an f32 product, got {n.dtype}")
     if gated:
         full = ctx.device_array(np.zeros(batch * m * ncols, np.float32))
         post = [gated_step(name + " gated", out, full, (batch * m, ncols), dt.F32, gated, True,
                            residual=ctx.buf(residual) if residual is not None else None)]
         epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
+    has_epi = any(v is not None for v in epi.values())
+    # a half product with an epilogue left to the element-wise kernel is written f32 to a
+    # scratch of its own: the kernel rounds once, on its store (``_epilogue``)
+    held = []
+
+    def scratch():     # (one, whichever tier takes it)
+        if not held:
+            held.append(ctx.device_array(np.empty(batch * m * ncols, np.float32)))
+        return held[0]
     if k == 0:   # an empty sum: zeros, then the epilogue
-        steps.append(elementwise_step(name + " zero", ("cast", None, dt.F32, ("in", 0, dt.BOOL)),
-                                      full, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
+        zdst = scratch() if half and has_epi else full
+        zdt = dt.F32 if zdst is not out else n.dtype
+        steps.append(elementwise_step(name + " zero", ("cast", None, zdt, ("in", 0, dt.BOOL)),
+                                      zdst, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
                                       [(1,)], [dt.BOOL]))
-        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi) + post
+        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=zdst,
+                                 out_dtype=n.dtype) + post
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = matmul_env_tiers()
@@ -226,15 +258,24 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         if not ok:
             why.append(f"tier {tier}: {reason.splitlines()[0]}")
             continue
+        if tier == 0 and half:
+            why.append(f"tier 0: the operands are {kind} (tier 0 casts an f32 graph's "
+                       f"activations for a weight stored half by set_param_half)")
+            continue
         if tier:
             b = _f32_weight(ctx, b, tier, why)
-        plan = _TIERS[tier](ctx, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why)
+        dst, tepi = full, epi
+        if half and has_epi and not (tier == 1 and lt_fuses_all(epi)):
+            dst, tepi = scratch(), dict.fromkeys(epi)   # f32 out, the kernel does the rest
+        plan = _TIERS[tier](ctx, name, a, b, dst, m, ncols, k, batch, offs_a, offs_b, tepi, why,
+                            kinds=(kind, kind if dst is out else "f32"))
         if plan is not None:
             steps, fused = plan
-            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **{**epi, **fused}) + post
+            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **{**epi, **fused},
+                                      src=dst, out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
-                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated)
+                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind)
                 us3, us = _timed_choice(ctx, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
@@ -245,12 +286,16 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
     b = _f32_weight(ctx, b, 4, why)
-    kern = mm.sgemm_kernel(a.trans, b.trans)
+    dst = scratch() if half and has_epi else full
+    out_kind = kind if dst is out else "f32"
+    kern = mm.sgemm_kernel(a.trans, b.trans, kind, out_kind)
     grid, block = mm.sgemm_launch(m, ncols, batch)
-    steps = [Step(name, f"numba sgemm {batch}x{m}x{ncols}x{k}", kern, grid, block,
-                  (full, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
+    tag = "" if kind == "f32" else f" {kind}->{out_kind}"
+    steps = [Step(name, f"numba sgemm{tag} {batch}x{m}x{ncols}x{k}", kern, grid, block,
+                  (dst, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
                    ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch)))]
-    return (_done(n, 4, why, steps, flops) + _epilogue(ctx, name, full, (batch * m, ncols), **epi)
+    return (_done(n, 4, why, steps, flops)
+            + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst, out_dtype=n.dtype)
             + post)
 
 
@@ -261,30 +306,48 @@ def _done(n, tier, why, steps, flops, last=-1):
     return steps
 
 
-def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None):
-    """activation(out + bias) + residual, in place, as one generated kernel (or nothing)."""
+def lt_fuses_all(epi) -> bool:
+    """cuBLASLt's epilogue takes all of ``epi``: the bias, relu / gelu_tanh, or a residual
+    with no activation (as C, beta = 1)."""
+    act = epi["activation"]
+    return act in LT_ACTIVATIONS and (epi["residual"] is None or act is None)
+
+
+def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, src=None,
+              out_dtype=dt.F32):
+    """out = activation(src + bias) + residual as one generated kernel (or nothing), in f32
+    and rounded once to ``out_dtype`` on the store; src (f32) is out itself (in place, an f32
+    product) or a half product's f32 scratch. Bias and residual are read in their dtype."""
+    src = out if src is None else src
     if bias is None and activation is None and residual is None:
+        if src is not out:
+            raise AssertionError(f"{name}: a product written to a scratch with no epilogue")
         return []
-    expr = ("in", 0, dt.F32)
-    ins, shapes = [out], [shape]
+    dts = [dt.F32 if src is not out else out_dtype]
+    expr = ("in", 0, dts[0])
+    ins, shapes = [src], [shape]
     if bias is not None:
-        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
+        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), bias.dtype))
         ins.append(ctx.buf(bias))
         shapes.append(bias.shape)
+        dts.append(bias.dtype)
     if activation:
         expr = ("activation", activation, dt.F32, expr)
     if residual is not None:
-        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), dt.F32))
+        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), residual.dtype))
         ins.append(ctx.buf(residual))
         shapes.append(shape)
-    return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, [dt.F32] * len(ins))]
+        dts.append(residual.dtype)
+    if out_dtype != dt.F32:
+        expr = ("cast", None, out_dtype, expr)
+    return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, dts)]
 
 
 def device_ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
-def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
     half = ctx.half_param(b.node)
     if half is None:
         why.append("tier 0: the weight is not stored half (set_param_half)")
@@ -311,15 +374,17 @@ def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
     return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
 
 
-def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
+def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label, out_type=None):
     """One planned cuBLASLt step fusing what it can of the epilogue, and the epilogue left
-    over; None (with the reason in ``why``) when the library has no algorithm."""
+    over; None (with the reason in ``why``) when the library has no algorithm. ``out_type``
+    (C, D and the bias; default f32): a half product's own type, or f32 into a scratch."""
     from ..cublas import api, gemm
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     lt_act = act if act in LT_ACTIVATIONS else None
     fuse_res = res is not None and act is None     # C = residual, beta = 1, added before act
     tf32 = cublas.allow_tf32 and in_type == api.R_32F
     kw = dict(tf32=tf32, activation=lt_act, in_type=in_type,
+              out_type=api.R_32F if out_type is None else out_type,
               # the bias is added before any activation: fused even when the activation
               # is left to the epilogue kernel
               bias_ptr=device_ptr(ctx.buf(bias)) if bias is not None else None,
@@ -341,24 +406,35 @@ def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label):
     return step, left
 
 
-def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
-    """Every unbatched f32 product, whatever its epilogue: cuBLASLt fuses what it can (the
+def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
+    """Every unbatched product, whatever its epilogue: cuBLASLt fuses what it can (the
     bias always, relu / gelu_tanh, a residual with no activation) and the epilogue kernel
     does the rest. Even with nothing to fuse it beats cublasSgemm_v2 on the host (a call cost
     ~11 against ~23 us of CPU on an H100 box: Sgemm runs cuBLAS's own heuristic each call),
-    and its algorithm was timed at compile time."""
+    and its algorithm was timed at compile time. f16 / bf16 operands: A, B, C and D (and the
+    bias) of that type, f32 compute and scale (tensor cores); with an epilogue it cannot
+    fuse, D is an f32 scratch (``kinds[1]``) and the kernel rounds once."""
     if batch > 1:
         why.append("tier 1: batched product")
         return None
     from ..cublas import api, gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
-    lt = _lt_step(ctx, name, cm, a.buf, b.buf, out, epi, why, in_type=api.R_32F, label="")
+    kind, out_kind = kinds
+    lt = _lt_step(ctx, name, cm, a.buf, b.buf, out, epi, why, in_type=api.DATA_TYPE[kind],
+                  label="" if kind == "f32" else f"{kind}->{out_kind}",
+                  out_type=api.DATA_TYPE[out_kind])
     return None if lt is None else ([lt[0]], lt[1])
 
 
-def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
+def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
+    """cublasSgemm (strided / pointer-array batched) for f32; for f16 / bf16 operands
+    cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx with f32 compute, C of the operands'
+    type, or f32 into a scratch when an epilogue kernel follows (``kinds[1]``)."""
     from ..cublas import gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
+    kind, out_kind = kinds
+    if kind != "f32":
+        return _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind)
     tf32 = cublas.allow_tf32
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
@@ -371,6 +447,24 @@ def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why):
                                           tf32=tf32, batch=batch, stride_a=sa or 0,
                                           stride_b=sb or 0, ptr_arrays=ptrs)
     return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
+
+
+def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind):
+    from ..cublas import api, gemm
+    code, out_code = api.DATA_TYPE[kind], api.DATA_TYPE[out_kind]
+    sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
+    ptrs, call = None, "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
+    if batch > 1 and (sa is None or sb is None):
+        isz, osz = np.dtype(a.buf.dtype).itemsize, np.dtype(out.dtype).itemsize
+        ptrs = (gemm.pointer_array(device_ptr(a.buf), offs_a, isz),
+                gemm.pointer_array(device_ptr(b.buf), offs_b, isz),
+                gemm.pointer_array(device_ptr(out), np.arange(batch) * m * n, osz))
+        ctx.keep(ptrs)
+        call = "cublasGemmBatchedEx"
+    make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(a.buf), code, device_ptr(b.buf),  # noqa: E731
+                                            code, device_ptr(out), c_type=out_code, batch=batch,
+                                            stride_a=sa or 0, stride_b=sb or 0, ptr_arrays=ptrs)
+    return [CallStep(name, f"{call} {kind}->{out_kind} {batch}x{m}x{n}x{k}", make)], {}
 
 
 _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
@@ -388,10 +482,10 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     if a.trans or len(b.shape) != 2 or not b.trans:
         why.append("tier 3: the weight is not a 2-D matrix stored [N, K] (or A is transposed)")
         return None
-    half = ctx.half_param(b.node)
-    wbuf, kind = (half[1], str(half[0])) if half is not None else (b.buf, "f32")
-    if half is None and np.dtype(b.buf.dtype) != np.float32:
-        why.append(f"tier 3: the weight is {b.buf.dtype}")
+    wbuf, kind = _skinny_weight(ctx, b)
+    xkind = io_kind(a.node.dtype)    # a half product: x, y, bias, residual of its dtype
+    if xkind != "f32" and kind != xkind:
+        why.append(f"tier 3: {xkind} activations with a {kind} weight")
         return None
     vec = gv.vec_width(kind)
     if k % vec or not SIMULATOR and (device_ptr(wbuf) % 16 or device_ptr(a.buf) % 16):
@@ -405,7 +499,7 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
                                                                cpw=2 * cpw, geo=geo)
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
-                          minb, gated)
+                          minb, gated, xkind)
     dummy = f32_dummy(ctx)
     part = ctx.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = ctx.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
@@ -413,13 +507,24 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     args = (out, a.buf, wbuf, ctx.buf(bias) if bias is not None else dummy,
             ctx.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
             np.int64(kchunk), np.int64(splits))
-    tags = "+".join(t for t in (kind, "bias" if bias is not None else "",
+    tags = "+".join(t for t in (kind if xkind == "f32" else f"{kind}x{xkind}",
+                                "bias" if bias is not None else "",
                                 f"gated {act}" if gated else act or "",
                                 "residual" if res is not None else "") if t)
     wbytes = n * k * np.dtype(wbuf.dtype).itemsize
     return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
                  f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
-                 {"bytes": wbytes + 4 * (m * k + m * n), "splits": splits})]
+                 {"bytes": wbytes + np.dtype(out.dtype).itemsize * (m * k + m * n),
+                  "splits": splits})]
+
+
+def _skinny_weight(ctx, b):
+    """(device array, kind) of the weight tier 3 reads: the half copy of an f32 param stored
+    by set_param_half, else the weight's own storage (f32, or a half product's f16 / bf16)."""
+    half = ctx.half_param(b.node)
+    if half is not None:
+        return half[1], str(half[0])
+    return b.buf, io_kind(b.node.dtype)
 
 
 def f32_dummy(ctx):
@@ -432,9 +537,8 @@ CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
 
-def _choice_key(ctx, b, m, n, k, epi, tier, gated=None) -> str:
-    half = ctx.half_param(b.node)
-    kind = str(half[0]) if half is not None else "f32"
+def _choice_key(ctx, b, m, n, k, epi, tier, gated=None, xkind="f32") -> str:
+    kind = _skinny_weight(ctx, b)[1] + ("" if xkind == "f32" else f"x{xkind}")
     tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
                                 f"gated-{gated}" if gated else "",
                                 "residual" if epi["residual"] is not None else "") if t)

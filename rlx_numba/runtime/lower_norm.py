@@ -1,5 +1,6 @@
 """Lowerings of softmax, log_softmax, layer_norm, rms_norm and their backward ops
-softmax_bwd, norm_bwd, norm_param_bwd (kernels/rows.py)."""
+softmax_bwd, norm_bwd, norm_param_bwd (kernels/rows.py). Each kernel is built for its
+operands' storage kinds (kernels/halfio.py): x's (and dy's) and gamma's."""
 from __future__ import annotations
 
 import math
@@ -7,13 +8,18 @@ import math
 import numpy as np
 
 from ..kernels import rows
+from ..kernels.halfio import io_kind
 from ..kernels.launch import sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
 
 
-def _dummy(ctx):
-    return ctx.shared("rows_dummy", lambda: np.zeros(1, np.float32))
+def _dummy(ctx, dtype=None):
+    """A one-element stand-in for an absent operand, in that operand's storage dtype (a kernel
+    compiled for bf16 x then sees uint16 wherever it would have seen x's dtype)."""
+    if dtype is None or dtype.storage == np.float32:
+        return ctx.shared("rows_dummy", lambda: np.zeros(1, np.float32))
+    return ctx.shared(f"rows_dummy_{dtype}", lambda: np.zeros(1, dtype.storage))
 
 
 @lowering("softmax", "log_softmax", "layer_norm", "rms_norm")
@@ -24,13 +30,16 @@ def _lower_rows(ctx, n):
         return []
     kind = rows.KINDS[n.op]
     norm = kind in (rows.LAYER_NORM, rows.RMS_NORM)
-    dummy = _dummy(ctx)
-    gamma = beta = res = sum_out = dummy
+    xk = io_kind(x.dtype)
+    gk = io_kind(g.nodes[n.inputs[1]].dtype) if norm else "f32"
+    gamma = beta = _dummy(ctx)
+    res = sum_out = _dummy(ctx, x.dtype)
     has_beta = has_res = write_sum = False
     eps = np.float32(n.attrs.get("eps", 0.0))
     if norm:
         ins = list(n.inputs[1:])
         gamma = ctx.buf(ins.pop(0))
+        beta = _dummy(ctx, g.nodes[n.inputs[1]].dtype)
         if n.attrs["has_beta"]:
             beta, has_beta = ctx.buf(ins.pop(0)), True
         if n.attrs["has_residual"]:
@@ -43,6 +52,7 @@ def _lower_rows(ctx, n):
     outer, length, inner = math.prod(shape[:axis]), shape[axis], math.prod(shape[axis + 1:])
     flags = (has_beta, has_res, write_sum)
     args = [ctx.buf(n), ctx.buf(x), gamma, beta, res, sum_out]
+    info = {"bytes": _bytes(x.size, x.dtype.itemsize, flags)}
     name = step_name(n)
     if inner == 1:
         plan = rows.row_plan(length, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
@@ -50,31 +60,29 @@ def _lower_rows(ctx, n):
             gsize, vpt, block, prefetch, per_sm = plan
             rpb = block // gsize
             blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * per_sm)
-            k = rows.rows_reg(kind, gsize, vpt, block, *flags, prefetch, gsize * vpt == length)
+            k = rows.rows_reg(kind, gsize, vpt, block, *flags, prefetch, gsize * vpt == length,
+                              xk, gk)
             return [Step(name, f"rows_reg g={gsize} vpt={vpt}{' prefetch' if prefetch else ''}",
                          k, (blocks,), (block,),
-                         (*args, np.uint64(outer), np.uint64(length), eps),
-                         {"bytes": _bytes(x.size, flags)})]
+                         (*args, np.uint64(outer), np.uint64(length), eps), info)]
         block = 32 if SIMULATOR else rows.LOOP_BLOCK
         blocks = min(outer, 2 if SIMULATOR else sm_count() * 2 * (1024 // block))
         # keep the row's head on chip when that saves a good share of pass 2 (on an H200 it
         # lifted 32k-column softmax from 0.89 to 0.92 of torch and hurt 128k-column rms_norm)
         cached = rows.LOOP_CACHED if length <= 4 * rows.LOOP_CACHED else 0
-        k = rows.rows_loop(kind, block, rows.LOOP_UNROLL, cached, *flags)
+        k = rows.rows_loop(kind, block, rows.LOOP_UNROLL, cached, *flags, xk, gk)
         return [Step(name, f"rows_loop unroll={rows.LOOP_UNROLL}", k, (blocks,), (block,),
-                     (*args, np.uint64(outer), np.uint64(length), eps),
-                     {"bytes": _bytes(x.size, flags)})]
+                     (*args, np.uint64(outer), np.uint64(length), eps), info)]
     threads = 32 if SIMULATOR else 256
     blocks = max(1, min(-(-(outer * inner) // threads), 2 if SIMULATOR else sm_count() * 8))
-    k = rows.cols(kind, *flags)
+    k = rows.cols(kind, *flags, xk, gk)
     return [Step(name, "rows_cols", k, (blocks,), (threads,),
-                 (*args, outer, length, inner, eps),
-                 {"bytes": _bytes(x.size, flags)})]
+                 (*args, outer, length, inner, eps), info)]
 
 
-def _bytes(size, flags):
+def _bytes(size, itemsize, flags):
     _, has_res, write_sum = flags
-    return 4 * size * (2 + has_res + write_sum)
+    return itemsize * size * (2 + has_res + write_sum)
 
 
 @lowering("residual_sum")
@@ -102,11 +110,11 @@ def _lower_softmax_bwd(ctx, n):
     if y.size == 0:
         return []
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(y.shape, n.attrs["axis"])
-    k = rows.softmax_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise)
+    k = rows.softmax_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, io_kind(y.dtype))
     label = f"softmax_bwd rows g={group}" if rowwise else "softmax_bwd cols"
     return [Step(step_name(n), label, k, (grid,),
                  (block,), (ctx.buf(n), ctx.buf(dy), ctx.buf(y), np.int64(outer),
-                            np.int64(length), np.int64(inner)), {"bytes": 4 * y.size * 5})]
+                            np.int64(length), np.int64(inner)), {"bytes": 5 * y.nbytes})]
 
 
 @lowering("norm_bwd")
@@ -116,19 +124,20 @@ def _lower_norm_bwd(ctx, n):
     if x.size == 0:
         return []
     has_res = n.attrs["has_residual"]
-    res = ctx.buf(n.inputs[3]) if has_res else _dummy(ctx)
+    res = ctx.buf(n.inputs[3]) if has_res else _dummy(ctx, x.dtype)
     stats, write = _dummy(ctx), False
     for r in g.nodes[n.id].results:   # a live norm_bwd_stats: the kernel stores each row's stats
         if r in ctx.live:
             stats, write = ctx.buf(r), True
     outer, length, inner, rowwise, grid, block, group = _bwd_geometry(x.shape, n.attrs["axis"])
-    k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write)
+    k = rows.norm_bwd(rows.KINDS[n.attrs["kind"]], block, group, rowwise, has_res, write,
+                      io_kind(x.dtype), io_kind(gamma.dtype))
     label = f"norm_bwd rows g={group}" if rowwise else "norm_bwd cols"
     return [Step(step_name(n), label, k, (grid,), (block,),
                  (ctx.buf(n), stats, ctx.buf(dy), ctx.buf(x), ctx.buf(gamma), res,
                   np.int64(outer), np.int64(length), np.int64(inner),
                   np.float32(n.attrs["eps"])),
-                 {"bytes": 4 * x.size * (5 + 2 * has_res)})]
+                 {"bytes": x.nbytes * (5 + 2 * has_res)})]
 
 
 @lowering("norm_bwd_stats")
@@ -143,7 +152,7 @@ def _lower_norm_param_bwd(ctx, n):
     g = ctx.graph
     dy, x = g.nodes[n.inputs[0]], g.nodes[n.inputs[1]]
     has_res = n.attrs["has_residual"]
-    res = ctx.buf(n.inputs[2]) if has_res else _dummy(ctx)
+    res = ctx.buf(n.inputs[2]) if has_res else _dummy(ctx, x.dtype)
     stats = ctx.buf(n.inputs[-1])
     axis = n.attrs["axis"]
     outer, length, inner = math.prod(x.shape[:axis]), x.shape[axis], math.prod(x.shape[axis + 1:])
@@ -159,16 +168,18 @@ def _lower_norm_param_bwd(ctx, n):
     name = step_name(n)
     args = (ctx.buf(dy), ctx.buf(x), res, stats, np.int64(outer), np.int64(length),
             np.int64(inner))
-    k = rows.norm_param_bwd(n.shape[0] == 2, has_res, lanes)
-    info = {"bytes": 4 * x.size * (2 + has_res)}
+    xk, pk = io_kind(x.dtype), io_kind(n.dtype)   # (pk: gamma's dtype, the result's)
+    info = {"bytes": x.nbytes * (2 + has_res)}
     if chunks == 1:
+        k = rows.norm_param_bwd(n.shape[0] == 2, has_res, lanes, xk, pk)
         return [Step(name, "norm_param_bwd", k, (tiles, 1), (32 * lanes,), (ctx.buf(n),) + args,
                      info)]
+    k = rows.norm_param_bwd(n.shape[0] == 2, has_res, lanes, xk)   # f32 partial sums
     part = ctx.device_array(np.zeros(chunks * size, np.float32))
     threads = 32 if SIMULATOR else 256
     return [Step(name, f"norm_param_bwd chunks={chunks}", k, (tiles, chunks), (32 * lanes,),
                  (part,) + args, info),
-            Step(name, "norm_param_sum", rows.norm_param_sum(), (max(1, min(-(-size // threads),
+            Step(name, "norm_param_sum", rows.norm_param_sum(pk), (max(1, min(-(-size // threads),
                  2 if SIMULATOR else sm_count() * 4)),), (threads,),
                  (ctx.buf(n), part, np.int64(chunks), np.int64(size)),
                  {"bytes": 4 * size * (chunks + 1)})]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import random as K
+from ..kernels.halfio import io_kind
 from ..kernels.launch import grid_1d
 from .lower import Step, lowering, step_name
 
@@ -27,7 +28,8 @@ def _lower_dropout(ctx, n):
     grid, block = grid_1d(-(-n.size // 4))
     args = (ctx.buf(n), ctx.buf(x), _seed(ctx, n, 1), _U(n.attrs["stream"]), _U(n.size),
             np.float32(p), np.float32(1.0 / (1.0 - p)) if p < 1 else np.float32(0.0))
-    return [Step(step_name(n), f"dropout p={p}", K.dropout_kernel, (grid,), (block,), args,
+    return [Step(step_name(n), f"dropout p={p}", K.dropout_kernel(io_kind(n.dtype)), (grid,),
+                 (block,), args,
                  {"bytes": 2 * n.nbytes})]
 
 

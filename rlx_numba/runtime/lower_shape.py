@@ -151,12 +151,14 @@ def _lower_transpose(ctx, n):
 
 
 def transpose_matrix(dst, src, rows: int, cols: int, stream) -> None:
-    """dst[c, r] = src[r, c] for flat 4-byte device arrays, now, on ``stream`` (set_param of a
-    weight stored transposed, see lower_matmul.transposed_weights)."""
+    """dst[c, r] = src[r, c] for flat device arrays of one element width (f32, or f16 / bf16
+    bits), now, on ``stream`` (set_param of a weight stored transposed, see
+    lower_matmul.transposed_weights)."""
     z = U(0)
     ta, tb = -(-cols // k.TILE), -(-rows // k.TILE)
+    raw = _UINT[dst.dtype.itemsize]
     k.transpose_tiled[grid_3d(ta, tb, 1), (k.TILE, k.ROWS), stream](
-        dst.view(np.uint32), src.view(np.uint32), U(cols), U(rows), U(cols), U(rows), U(ta), U(tb),
+        dst.view(raw), src.view(raw), U(cols), U(rows), U(cols), U(rows), U(ta), U(tb),
         U(1), U(1), U(1), z, z, z, z, z, z, z, z)
 
 

@@ -4,7 +4,9 @@ im2col / col2im and products (tier 1, the matmul ladder) or as an implicit_gemm 
 the numba kernel). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
 kernel each, made for the node's kernel size, stride and dilation, its threads along lines of
 the output (kernels/conv.py), the rest of the geometry a small uint64 device array; resample
-(kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too."""
+(kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too. Every kernel
+is made for its data's storage kind (kernels/halfio.py): f16 / bf16 load as f32, the math is
+f32, the result is stored in the node's dtype."""
 from __future__ import annotations
 
 import math
@@ -16,8 +18,9 @@ from .. import cublas, cudnn
 from ..device import SIMULATOR
 from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops import fmt
-from ..ir.ops_vision import CONV_OPS, expand_conv, implicit_gemm
+from ..ir.ops_vision import CONV_OPS, expand_conv, half_product, implicit_gemm
 from ..kernels import channel as C
+from ..kernels import halfio
 from ..kernels import conv as K
 from ..kernels import matmul as mm
 from ..kernels import pool as P
@@ -58,7 +61,8 @@ def _step(ctx, n, kern, args, src_nodes, what, line_shape):
 def _lower_im2col(ctx, n):
     x = ctx.graph.nodes[n.inputs[0]]
     nc = x.shape[0] * x.shape[1]
-    return _step(ctx, n, K.im2col_kernel(*_consts(n.attrs)), (np.uint64(nc),), [x], "im2col",
+    return _step(ctx, n, K.im2col_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)),
+                 (np.uint64(nc),), [x], "im2col",
                  (nc,) + _3d(n.attrs, "cols", 1))
 
 
@@ -66,7 +70,8 @@ def _lower_im2col(ctx, n):
 def _lower_col2im(ctx, n):
     cols = ctx.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    return _step(ctx, n, K.col2im_kernel(*_consts(n.attrs)), (np.uint64(nc),), [cols], "col2im",
+    return _step(ctx, n, K.col2im_kernel(*_consts(n.attrs), halfio.io_kind(n.dtype)),
+                 (np.uint64(nc),), [cols], "col2im",
                  (nc,) + _3d(n.attrs, "image", 1))
 
 
@@ -74,7 +79,8 @@ def _lower_col2im(ctx, n):
 def _lower_pool(ctx, n):
     a, x = n.attrs, ctx.graph.nodes[n.inputs[0]]
     nc = n.shape[0] * n.shape[1]
-    kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
+    kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
+                         halfio.io_kind(n.dtype))
     cols = _3d(a, "cols", 1)
     lines = -(-nc * cols[0] * cols[1] // P.GROUP)
     return _step(ctx, n, kern, (np.uint64(nc),), [x], f"{a['kind']} pool", (lines, cols[2]))
@@ -85,7 +91,8 @@ def _lower_pool_grad(ctx, n):
     a = n.attrs
     x, dy = (ctx.graph.nodes[i] for i in n.inputs)
     nc = n.shape[0] * n.shape[1]
-    kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"])
+    kern = P.pool_grad_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
+                              halfio.io_kind(n.dtype))
     return _step(ctx, n, kern, (np.uint64(nc),), [x, dy], f"{a['kind']} pool grad",
                  (nc,) + _3d(a, "image", 1))
 
@@ -98,10 +105,11 @@ def _lower_channel_affine(ctx, n):
     rows = n.shape[0] * n.shape[1]
     length = n.size // rows
     grid, block = K.lines_launch(rows, length)
-    kern, extra = C.channel_affine_kernel, ()
+    kinds = halfio.io_kind(n.dtype), halfio.io_kind(ctx.graph.nodes[center].dtype)
+    kern, extra = C.channel_affine_kernel(*kinds), ()
     if len(n.inputs) == 5:                       # batch_norm's: scale / sqrt(var + eps)
-        kern, extra = C.channel_affine_var_kernel, (ctx.buf(n.inputs[4]),
-                                                    np.float32(n.attrs["eps"]))
+        kern, extra = C.channel_affine_var_kernel(*kinds), (ctx.buf(n.inputs[4]),
+                                                            np.float32(n.attrs["eps"]))
     return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(x), ctx.buf(center), ctx.buf(scale), ctx.buf(shift))
                  + extra + (np.uint64(rows), np.uint64(n.shape[1]), np.uint64(length)),
@@ -118,6 +126,7 @@ def _lower_resample(ctx, n):
     olen, taps = idx.shape
     inner = math.prod(n.shape[ax + 1:])
     rows = math.prod(n.shape[:ax])
+    kind = halfio.io_kind(n.dtype)
     u = np.uint64
     table = lambda i, w, c: (ctx.device_array(i.reshape(-1)),  # noqa: E731
                              ctx.device_array(w.reshape(-1)), ctx.device_array(c))
@@ -126,18 +135,18 @@ def _lower_resample(ctx, n):
     if "idx2" in a:
         olen2, taps2 = a["idx2"].shape
         grid, block = K.lines_launch(-(-rows * olen // R.GROUP), olen2)
-        kern = R.resample2_kernel(taps, taps2)
+        kern = R.resample2_kernel(taps, taps2, kind)
         tables += table(a["idx2"], a["w2"], a["const2"])
         sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]))
         what = (f"axes {ax}, {ax + 1} {fmt(x.shape[ax:])} -> {fmt(n.shape[ax:])} "
                 f"({taps}x{taps2} taps)")
     elif inner == 1:
         grid, block = K.lines_launch(rows, olen)
-        kern, sizes = R.resample_last_kernel(taps), (u(rows), u(olen), u(x.shape[ax]))
+        kern, sizes = R.resample_last_kernel(taps, kind), (u(rows), u(olen), u(x.shape[ax]))
         what = f"axis {ax} {what}"
     else:
         grid, block = K.lines_launch(rows * olen, inner)
-        kern, sizes = R.resample_kernel(taps), (u(rows), u(olen), u(x.shape[ax]), u(inner))
+        kern, sizes = R.resample_kernel(taps, kind), (u(rows), u(olen), u(x.shape[ax]), u(inner))
         what = f"axis {ax} {what}"
     return [Step(step_name(n), f"resample {what} of {fmt(x.shape)}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
@@ -165,11 +174,14 @@ def conv_tier(graph, n) -> tuple[int, str]:
     a = n.attrs
     one_by_one = (all(v == 1 for v in a["kernel"] + a["stride"]) and not any(a["pad"])
                   and image[2:] == cols[2:])
+    # tier 1 in half needs matmul in half (else its product is f32 between two casts: the
+    # numba kernel, tier 2, reads half directly); the weight gradient has no tier 2
+    gemm = half_product(n.dtype)
     if 0 not in tiers:
         why.append("tier 0 not allowed by RLX_NUMBA_CONV_TIERS")
     elif SIMULATOR:
         why.append("the simulator has no cuDNN")
-    elif one_by_one and 1 in tiers:
+    elif one_by_one and 1 in tiers and gemm:
         why.append("a 1x1 convolution is one batched product, no im2col (cuBLAS: 25.7 us "
                    "against cuDNN's 45.4 for 8x256x56x56 -> 64 on an H200)")
     else:
@@ -189,9 +201,10 @@ def conv_tier(graph, n) -> tuple[int, str]:
             why.append("the weight gradient has no tier-2 kernel" if n.op == "conv_wgrad"
                        else "tier 2 not allowed by RLX_NUMBA_CONV_TIERS")
         return 1, "; ".join(why)
-    if 1 in tiers and (one_by_one or not SIMULATOR and cublas.available()[0]):
+    if 1 in tiers and gemm and (one_by_one or not SIMULATOR and cublas.available()[0]):
         return 1, "; ".join(why)
     why.append("tier 1 not allowed by RLX_NUMBA_CONV_TIERS" if 1 not in tiers
+               else f"tier 1: matmul takes no {n.dtype} operands yet" if not gemm
                else "no cuBLAS for tier 1's product" if not SIMULATOR
                else "the simulator runs the numba kernel")
     return 2, "; ".join(why)
@@ -226,7 +239,7 @@ def _lower_implicit_gemm(ctx, n):
         a_off = [(z % groups) * m * kdim for z in range(batch)]
         b_off = [(z // groups * image[1] + z % groups * cg) * math.prod(image[2:])
                  for z in range(batch)]
-    kern = K.conv_gemm_kernel(*_consts(a), transposed)
+    kern = K.conv_gemm_kernel(*_consts(a), transposed, halfio.io_kind(src.dtype))
     grid, block = mm.sgemm_launch(m, ncols, batch)
     geo = dict(a, image=image[2:], cols=cols[2:])
     return [Step(step_name(n), f"numba implicit-GEMM {a['of']} {'x'.join(map(str, a['kernel']))} "
@@ -260,7 +273,7 @@ def _lower_conv(ctx, n):
             epi["z_ptr"] = ptr(n.inputs[3])
     make = lambda stream: cudnn.conv_plan(  # noqa: E731
         stream, kind, image, w_shape, cols, a["pad"], a["stride"], a["dilation"], a["groups"],
-        ptr(x), ptr(w), ptr(y), tf32, **epi)
+        ptr(x), ptr(w), ptr(y), tf32, dtype=halfio.io_kind(n.dtype), **epi)
     flops = 2 * math.prod(cols) * math.prod(w_shape[1:])
     tags = " +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
     return [CallStep(step_name(n), f"cudnn {kind}{tags} {'x'.join(map(str, a['kernel']))} of "
