@@ -289,3 +289,75 @@ def test_f16_without_products_scales_the_loss_and_keeps_no_half_copies(rng):
         np.testing.assert_allclose(trs[1].get_param("w"), trs[0].get_param("w"), rtol=1e-5,
                                    atol=1e-6)
     assert trs[1].loss_scale == 2.0 ** 16
+
+
+# ---- through autocast's products ----------------------------------------------------------------
+def _mlp():
+    g = rlx.Graph("mlp")
+    x, t = g.input("x", (5, 6)), g.input("t", (5, 3))
+    w1, b1, w2 = g.param("w1", (6, 7)), g.param("b1", (7,)), g.param("w2", (7, 3))
+    d = g.matmul(g.linear(x, w1, b1, activation="gelu"), w2) - t
+    loss = g.reduce_mean(d * d)
+    g.set_outputs([loss])
+    return g, loss
+
+
+def _mlp_step(x, t, p):
+    """(loss, grads) of the MLP in float64."""
+    from math import erf
+    z = x @ p["w1"] + p["b1"]
+    cdf = 0.5 * (1 + np.vectorize(erf)(z / np.sqrt(2)))
+    h = z * cdf
+    d = h @ p["w2"] - t
+    dy = 2 * d / d.size
+    dz = (dy @ p["w2"].T) * (cdf + z * np.exp(-z * z / 2) / np.sqrt(2 * np.pi))
+    return float((d * d).mean()), {"w1": x.T @ dz, "b1": dz.sum(0), "w2": h.T @ dy}
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_autocast_mlp_trains_with_half_weight_copies(rng, dtype):
+    """linear + gelu + matmul under autocast: the three weights' casts become half copies the
+    update writes (no cast of a weight runs in the step), the products run in half, and the
+    training tracks the float64 one within half precision."""
+    g, loss = _mlp()
+    before = str(g)
+    lr = 0.1
+    tr = rlx.compile_train(g, loss, SGD(lr), precision=dtype)
+    assert str(g) == before
+    nodes = tr.graph.nodes
+    assert {n.name for n in nodes if n.op == "param" and n.dtype.name == dtype} == \
+        {"__train__.half.w1", "__train__.half.b1", "__train__.half.w2", "__train__.half"}
+    assert not [n for n in nodes if n.op == "cast" and nodes[n.inputs[0]].op == "param"]
+    assert {nodes[n.inputs[1]].name for n in nodes if n.op in ("linear", "matmul")
+            and n.id < nodes[tr.graph.outputs[0]].id} == {"__train__.half.w1",
+                                                           "__train__.half.w2"}
+    p = {"w1": rng.standard_normal((6, 7)) / 3, "b1": rng.standard_normal(7) / 3,
+         "w2": rng.standard_normal((7, 3)) / 3}
+    p = {k: v.astype(np.float32) for k, v in p.items()}
+    for k, v in p.items():
+        tr.set_param(k, v)
+    p = {k: f64(v) for k, v in p.items()}
+    u, gmax, skipped = UNIT[dtype], 0.0, 0
+    for _ in range(4):
+        x = rng.standard_normal((5, 6)).astype(np.float32)
+        t = rng.standard_normal((5, 3)).astype(np.float32)
+        want, grads = _mlp_step(f64(x), f64(t), p)
+        done, scale = tr.optimizer_steps, tr.loss_scale
+        # a few roundings of the products' operands and outputs: ~u relative
+        np.testing.assert_allclose(tr.step({"x": x, "t": t}), want, rtol=6 * u)
+        if tr.optimizer_steps == done:
+            # f16: the grads times 2^16 overflowed f16 in a product (GradScaler's first steps
+            # often do): skipped, params unchanged, the scale halved
+            assert dtype == "f16" and tr.loss_scale == scale / 2
+            skipped += 1
+        else:
+            gmax = max(gmax, *(np.abs(gr).max() for gr in grads.values()))
+            p = {k: p[k] - lr * grads[k] for k in p}
+        for k in p:
+            got = tr.get_param(k)
+            assert got.dtype == np.float32            # the master weights stay f32
+            np.testing.assert_allclose(got, p[k], atol=3 * lr * 16 * u * gmax)
+            np.testing.assert_array_equal(tr.exe.get_param("__train__.half." + k),
+                                          rounded(got, dtype))
+    assert tr.optimizer_steps == 4 - skipped >= 2
+    assert tr.loss_scale == (2.0 ** (16 - skipped) if dtype == "f16" else 1.0)
