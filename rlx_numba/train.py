@@ -39,7 +39,7 @@ import numpy as np
 
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
-from .ir.opdef import INPLACE, ops_where
+from .ir.opdef import INPLACE, VIEW, opdef, ops_where
 from .ir.ops import fmt
 from .ir.ops_dist import world
 from .memory import ALIGN, MemoryReport
@@ -218,9 +218,16 @@ def _grads(tg: Graph, loss: Tensor, names, halves: dict, scaled: bool, determini
 
 
 def _stuck(tg: Graph, grads: list) -> list:
-    """The indices of the grads whose memory is a param's (a VJP that hands an operand back)."""
-    plan = plan_graph(tg)
-    return [k for k, d in enumerate(grads) if tg.nodes[plan.root[d.id]].op == "param"]
+    """The indices of the grads whose memory may be a param's (a VJP that hands an operand
+    back, seen through views): the update reads grads from the arena."""
+    out = []
+    for k, d in enumerate(grads):
+        n = d.node
+        while opdef(n.op).memory in (VIEW, INPLACE) and n.inputs:   # (a narrow may be a copy:
+            n = tg.nodes[n.inputs[0]]                               # copied again, harmless)
+        if n.op == "param":
+            out.append(k)
+    return out
 
 
 BUCKET_BYTES = 25 << 20     # torch DDP's default bucket
