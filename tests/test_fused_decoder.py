@@ -281,7 +281,8 @@ def _rkv(**kw):
                                           (2, 1, 6, 8))),
      r"rope_kv_write: k_cache \[2, 1, 6, 8\] is \(a view of\) constant %\d+"),
     (_rkv(qkv=lambda g, *a: g.input("q2", (2, 3, 40), "f16")),
-     r"rope_kv_write: qkv must be f32, got f16 \[2, 3, 40\]"),
+     r"rope_kv_write: k_cache is f32 \[2, 1, 6, 8\] but qkv is f16 \[2, 3, 40\]; the caches "
+     r"hold qkv's dtype"),
     (_rkv(cache_position=4), r"rope_kv_write: cache_position 4 \+ S 3 \(qkv \[2, 3, 40\]\) must "
                              r"lie in \[0, max_S\] = \[0, 6\]"),
     (_rkv(cache_position=-1), r"rope_kv_write: cache_position -1 \+ S 3"),

@@ -73,7 +73,7 @@ def test_vision_half_logits(rng, model):
         cfg = ResNetConfig("basic", (1, 1, 1, 1), width=4, num_classes=5)
         ref = ResNet.from_config(cfg, seed=1)
         m = ResNet(cfg, ref.params, dtype="bf16")
-    x = rng.standard_normal((2, 3, 8, 8) if model == "vit" else (1, 3, 16, 16))
+    x = rng.standard_normal((2, 3, 8, 8) if model == "vit" else (1, 3, 32, 32))
     x = x.astype(np.float32)
     check(m.logits(x), ref.logits(x), "bf16", k=64)
 

@@ -34,7 +34,8 @@ def test_further_results_and_memory_kinds():
     assert opdef("norm_bwd").results == (("norm_bwd_stats", None),)
     # softmax, conv and attention take f16 / bf16 natively since issue 32
     # (tests/test_rows_half.py, test_vision_half.py, test_attention_half.py)
-    assert all(opdef(op).dtype_rule == F32 for op in ("softmax", "conv", "attention"))
+    assert all(opdef(op).dtype_rule == F32 for op in ("softmax", "conv", "attention", "rope",
+                                                          "rope_kv_write"))
 
 
 def test_norm_return_residual_is_one_bind():

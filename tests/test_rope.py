@@ -154,8 +154,8 @@ def _rope_err(build, match):
 @pytest.mark.parametrize("build,match", [
     (lambda g, x, cs: g.rope(g.input("y", (5, 8)), cs, cs),
      r"rope: x must be \[B, H, S, D\] \(or \[B, S, D\]\), got \[5, 8\]"),
-    (lambda g, x, cs: g.rope(g.cast(x, "f16"), cs, cs),
-     r"rope: x must be f32, got f16 \[2, 3, 5, 8\]"),
+    (lambda g, x, cs: g.rope(g.cast(x, "i32"), cs, cs),
+     r"rope: x must be f32, f16 or bf16, got i32 \[2, 3, 5, 8\]"),
     (lambda g, x, cs: g.rope(x, cs, cs, n_rot=5),
      r"rope: n_rot must be an even int in \[2, D\] with D = 8 \(x \[2, 3, 5, 8\]\), got 5"),
     (lambda g, x, cs: g.rope(x, cs, cs, n_rot=10), r"rope: n_rot must be an even int .* got 10"),

@@ -10,6 +10,11 @@ then ``bias`` (additive, broadcastable to [B, Hq, Sq, Sk]) and the masks: ``caus
 keeps keys j <= pos, window w keeps pos - w < j <= pos), ``mask`` is a bool keep-mask
 broadcastable to [B, Hq, Sq, Sk]. A query whose keys are all masked gets zeros, never NaN.
 
+dtypes (as torch's SDPA): q, k and v one float dtype (f32, f16 or bf16), the output in it;
+``bias`` f32 or q's dtype; ``mask`` bool. The kernels compute in f32 (scores, the online
+softmax, P V) and round the output once. The LSE and delta rows are f32; dQ, dK, dV are in the
+inputs' dtype, a bias's gradient in the bias's.
+
 Backward (``g.grad``): FlashAttention-2 style, see the VJP at the end and
 kernels/attention_bwd.py: attention_lse (the rows' log-sum-exp), attention_bwd_delta
 (rowsum(dO * O)), attention_bwd_dq, attention_bwd_dkv ([2, *k.shape]: dK then dV) and, for a
@@ -21,16 +26,19 @@ import math
 
 from . import dtypes as dt
 from .autodiff import sum_to, vjp
-from .opdef import F32_ONLY, defop
+from .opdef import F32, defop
 from .ops import broadcast_shapes, fmt
 
 
 def attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap):
     """The checks of attention's operands; dict(b, hq, hkv, sq, sk, d) (the node's attrs)."""
     op = "attention"
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if t.dtype != dt.F32:
-            raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+    if not q.dtype.is_float:
+        raise ValueError(f"{op}: q must be f32, f16 or bf16, got {q.dtype} {fmt(q.shape)}")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {arg} must have q's dtype {q.dtype}, got {t.dtype} "
+                             f"{fmt(t.shape)} (q {q.dtype} {fmt(q.shape)})")
     rank = len(q.shape)
     if rank not in (3, 4):
         raise ValueError(f"{op}: q must be [B, H, S, D] or [B, S, H*D], got {fmt(q.shape)}")
@@ -67,11 +75,13 @@ def attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap):
     if d > 256:
         raise ValueError(f"{op}: head dim {d} > 256 is not supported")
     full = (b, hq, sq, sk)
-    for arg, t, want in (("mask", mask, dt.BOOL), ("bias", bias, dt.F32)):
+    for arg, t, want in (("mask", mask, (dt.BOOL,)), ("bias", bias, (dt.F32, q.dtype))):
         if t is None:
             continue
-        if t.dtype != want:
-            raise ValueError(f"{op}: {arg} must be {want}, got {t.dtype} {fmt(t.shape)}")
+        if t.dtype not in want:
+            names = " or ".join(sorted({w.name for w in want}))
+            raise ValueError(f"{op}: {arg} must be {names}, got {t.dtype} {fmt(t.shape)} "
+                             f"(q {q.dtype} {fmt(q.shape)})")
         if len(t.shape) > 4 or broadcast_shapes(op, [arg, "scores"], [t.shape, full]) != full:
             raise ValueError(f"{op}: {arg} {fmt(t.shape)} does not broadcast to the scores "
                              f"[B, Hq, Sq, Sk] = {fmt(full)}")
@@ -109,20 +119,30 @@ def infer_attention(q, k, v, *rest, causal, window, has_mask, has_bias, scale, s
         raise ValueError(f"attention: scale must be a float, got {scale!r}")
     _check_dims("attention", dict(b=b, hq=hq, hkv=hkv, sq=sq, sk=sk, d=d),
                 attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap))
-    return q.shape, dt.F32
+    return q.shape, q.dtype
 
 
-def _bwd_infer(op, n_lead, shape_of, masks=True):
+def _bwd_infer(op, n_lead, shape_of, masks=True, stats=(), result=None):
     """Inference of a backward node: its inputs are ``n_lead`` tensors, then (``masks``) the
     forward's mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
-    shape."""
+    shape. The lead inputs share input 0's float dtype except those at ``stats`` (LSE and
+    delta: f32); the result is f32 unless ``result`` = "io" (input 0's dtype)."""
     def infer(*inputs, **a):
         lead = inputs[:n_lead]
-        _mask_bias(op, inputs[n_lead:], a["has_mask"] and masks, a["has_bias"] and masks)
-        for i, t in enumerate(inputs):
-            if t.dtype not in (dt.F32, dt.BOOL):
-                raise ValueError(f"{op}: input {i} must be f32, got {t.dtype} {fmt(t.shape)}")
-        return shape_of(lead, a), dt.F32
+        mask, bias = _mask_bias(op, inputs[n_lead:], a["has_mask"] and masks,
+                                a["has_bias"] and masks)
+        io = lead[0].dtype
+        for i, t in enumerate(lead):
+            want = dt.F32 if i in stats else io
+            if t.dtype != want or not want.is_float:
+                raise ValueError(f"{op}: input {i} must be {want if want.is_float else 'float'}"
+                                 f" (input 0 is {io}), got {t.dtype} {fmt(t.shape)}")
+        if mask is not None and mask.dtype != dt.BOOL:
+            raise ValueError(f"{op}: mask must be bool, got {mask.dtype} {fmt(mask.shape)}")
+        if bias is not None and bias.dtype not in (dt.F32, io):
+            raise ValueError(f"{op}: bias must be f32 or {io}, got {bias.dtype} "
+                             f"{fmt(bias.shape)}")
+        return shape_of(lead, a), io if result == "io" else dt.F32
     return infer
 
 
@@ -161,18 +181,20 @@ def _grads_shape(kind):
     return shape_of
 
 
-defop("attention", infer_attention, dtype_rule=F32_ONLY,
+defop("attention", infer_attention, dtype_rule=F32,
       doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA), flash or split-K")
 # filled by the forward's flash kernel when it is live (its VJP makes it); after a decode
 # kernel its own step (runtime/lower_attention.py)
 defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
-      dtype_rule=F32_ONLY, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's)")
+      dtype_rule=F32, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's), f32")
 defop("attention_bwd_delta", _bwd_infer("attention_bwd_delta", 2, _delta_shape, masks=False),
-      dtype_rule=F32_ONLY, doc="rowsum(dO * O) [B, Hq, Sq]")
-for _kind, _doc in (("dq", "dQ (q's shape)"), ("dkv", "[dK, dV] ([2, *k.shape])"),
-                    ("ds", "dS [B, Hq, Sq, Sk] (for a bias gradient)")):
-    defop(f"attention_bwd_{_kind}", _bwd_infer(f"attention_bwd_{_kind}", 6, _grads_shape(_kind)),
-          dtype_rule=F32_ONLY, doc=f"attention's {_doc}, FlashAttention-2 style")
+      dtype_rule=F32, doc="rowsum(dO * O) [B, Hq, Sq], f32")
+for _kind, _doc, _res in (("dq", "dQ (q's shape)", "io"),
+                          ("dkv", "[dK, dV] ([2, *k.shape])", "io"),
+                          ("ds", "dS [B, Hq, Sq, Sk] (for a bias gradient), f32", None)):
+    defop(f"attention_bwd_{_kind}", _bwd_infer(f"attention_bwd_{_kind}", 6, _grads_shape(_kind),
+                                               stats=(4, 5), result=_res),
+          dtype_rule=F32, doc=f"attention's {_doc}, FlashAttention-2 style")
 
 
 class AttentionOps:
@@ -217,6 +239,8 @@ def _vjp_attention(g, n, dy):
     bias gets dS summed over its broadcast dims (that one node is [B, Hq, Sq, Sk])."""
     a = n.attrs
     q, k, v, mask, bias = _attention_parts(g, n)
+    if dy.dtype != q.dtype:           # (as torch's autograd: a gradient takes its tensor's dtype)
+        dy = g.cast(dy, q.dtype)
     extra = [t for t in (mask, bias) if t is not None]
     # filled by the forward's flash kernel (written_by: it is in the attention's results),
     # else its own step
@@ -231,6 +255,6 @@ def _vjp_attention(g, n, dy):
     if mask is not None:
         grads.append(None)
     if bias is not None:
-        ds = g.bind("attention_bwd_ds", ins, **a)
-        grads.append(sum_to(g, ds, bias.shape))
+        ds = sum_to(g, g.bind("attention_bwd_ds", ins, **a), bias.shape)     # f32
+        grads.append(ds if bias.dtype == ds.dtype else g.cast(ds, bias.dtype))
     return grads

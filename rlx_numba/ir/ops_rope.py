@@ -1,12 +1,17 @@
 """rope, kv_write and rope_kv_write: shape rules and the Graph builder methods (mixed into Graph).
-Kernels: kernels/rope.py; lowering: runtime/lower_rope.py."""
+Kernels: kernels/rope.py; lowering: runtime/lower_rope.py.
+
+dtypes: x / qkv f32, f16 or bf16 (the result in that dtype; the rotation computed in f32),
+the cos / sin tables f32 or x's dtype (HF's rotary embedding casts its f32 tables to x's
+dtype); a KV cache has the dtype of what is written into it (a half model keeps a half
+cache)."""
 from __future__ import annotations
 
 import operator
 
 from . import dtypes as dt
 from .autodiff import scatter_grad, vjp, zeros
-from .opdef import F32_ONLY, INPLACE, STORAGE, defop
+from .opdef import F32, INPLACE, STORAGE, defop
 from .ops import fmt
 from .ops_norm import further_result
 
@@ -23,9 +28,16 @@ def _int(op, arg, v):
         return None
 
 
-def _f32(op, arg, t):
-    if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+def _table(op, arg, t, x, xname):
+    """cos / sin: f32, or the rotated operand's (half) dtype."""
+    if t.dtype not in (dt.F32, x.dtype):
+        want = "f32" if x.dtype == dt.F32 else f"f32 or {x.dtype} ({xname}'s dtype)"
+        raise ValueError(f"{op}: {arg} must be {want}, got {t.dtype} {fmt(t.shape)}")
+
+
+def _float(op, arg, t):
+    if not t.dtype.is_float:
+        raise ValueError(f"{op}: {arg} must be f32, f16 or bf16, got {t.dtype} {fmt(t.shape)}")
 
 
 def _index_tensor(op, arg, t):
@@ -78,14 +90,17 @@ def infer_rope(x, cos, sin, *positions, n_rot, interleaved, position_offset):
     op = "rope"
     if len(x.shape) not in (3, 4):
         raise ValueError(f"{op}: x must be [B, H, S, D] (or [B, S, D]), got {fmt(x.shape)}")
-    _f32(op, "x", x)
+    _float(op, "x", x)
     b, s, d = x.shape[0], x.shape[-2], x.shape[-1]
     half = _rot(op, n_rot, d, f" (x {fmt(x.shape)})") // 2
     for arg, t in (("cos", cos), ("sin", sin)):
         if len(t.shape) != 2 or t.shape[1] != half:
             raise ValueError(f"{op}: {arg} must be [max_pos, n_rot/2] = [max_pos, {half}] "
                              f"(n_rot {n_rot}, x {fmt(x.shape)}), got {fmt(t.shape)}")
-        _f32(op, arg, t)
+        _table(op, arg, t, x, "x")
+    if cos.dtype != sin.dtype:
+        raise ValueError(f"{op}: cos {cos.dtype} {fmt(cos.shape)} and sin {sin.dtype} "
+                         f"{fmt(sin.shape)} must have the same dtype")
     if tuple(cos.shape) != tuple(sin.shape):
         raise ValueError(f"{op}: cos {fmt(cos.shape)} and sin {fmt(sin.shape)} must have the "
                          f"same shape")
@@ -108,7 +123,7 @@ def infer_rope(x, cos, sin, *positions, n_rot, interleaved, position_offset):
             raise ValueError(f"{op}: pass either position_offset ({off}) or positions "
                              f"{fmt(positions[0].shape)}, not both")
         _positions_input(op, positions[0], b, s, f"x {fmt(x.shape)}")
-    return x.shape, dt.F32
+    return x.shape, x.dtype
 
 
 def _check_position(op, arg, p, rest, s, max_s, src, dst, rows="S"):
@@ -156,9 +171,16 @@ def infer_rope_kv_write(qkv, cos, sin, k_cache, v_cache, *rest, num_heads, num_k
                         head_dim, n_rot, interleaved, cache_position, has_positions):
     """q [B, Hq, S, D] and the two caches after the write (kv_written: in place)."""
     op = "rope_kv_write"
-    for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
-                   ("v_cache", v_cache)):
-        _f32(op, arg, t)
+    _float(op, "qkv", qkv)
+    for arg, t in (("cos", cos), ("sin", sin)):
+        _table(op, arg, t, qkv, "qkv")
+    if cos.dtype != sin.dtype:
+        raise ValueError(f"{op}: cos {cos.dtype} {fmt(cos.shape)} and sin {sin.dtype} "
+                         f"{fmt(sin.shape)} must have the same dtype")
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != qkv.dtype:
+            raise ValueError(f"{op}: {arg} is {t.dtype} {fmt(t.shape)} but qkv is {qkv.dtype} "
+                             f"{fmt(qkv.shape)}; the caches hold qkv's dtype")
     hq, hkv = _int(op, "num_heads", num_heads), _int(op, "num_kv_heads", num_kv_heads)
     if hq is None or hkv is None or hq < 1 or hkv < 1 or hq % hkv:
         raise ValueError(f"{op}: num_heads ({num_heads!r}) and num_kv_heads "
@@ -206,21 +228,21 @@ def infer_rope_kv_write(qkv, cos, sin, k_cache, v_cache, *rest, num_heads, num_k
                          f"has_positions={has_positions}")
     if has_positions:
         _positions_input(op, rest[0], b, s, f"qkv {fmt(qkv.shape)}")
-    return [((b, hq, s, d), dt.F32), (k_cache.shape, k_cache.dtype),
+    return [((b, hq, s, d), qkv.dtype), (k_cache.shape, k_cache.dtype),
             (v_cache.shape, v_cache.dtype)]
 
 
-defop("rope", infer_rope, dtype_rule=F32_ONLY,
+defop("rope", infer_rope, dtype_rule=F32,
       doc="rotary position embedding of x [B, (H,) S, D] from cos / sin tables")
 defop("kv_write", infer_kv_write, memory=INPLACE, dtype_rule=STORAGE,
       doc="new's rows written into the cache at position, in place; the cache after")
 # the caches after a rope_kv_write: aliases of their memory (input 0) that the rope_kv_write
 # node (input 1) fills
-defop("rope_kv_write", infer_rope_kv_write, dtype_rule=F32_ONLY,
+defop("rope_kv_write", infer_rope_kv_write, dtype_rule=F32,
       results=(("kv_written", 3), ("kv_written", 4)),
       doc="RoPE of q and k and the KV-cache write from a packed qkv, in one kernel")
 defop("kv_written", further_result("kv_written", "rope_kv_write"), memory=INPLACE,
-      written_by=1, dtype_rule=F32_ONLY,
+      written_by=1, dtype_rule=F32,
       doc="a KV cache after rope_kv_write wrote into it in place")
 
 
@@ -229,21 +251,22 @@ class RopeOps:
 
     def rope(self, x, cos, sin, *, n_rot=None, interleaved: bool = False, position_offset=0,
              positions=None):
-        """Rotary position embedding of x [B, H, S, D] (or [B, S, D], one head), f32.
+        """Rotary position embedding of x [B, H, S, D] (or [B, S, D], one head), f32, f16 or
+        bf16 (the result in x's dtype, rotated in f32).
 
         The first ``n_rot`` dims (default D; even, <= D) are rotated in pairs, the other
         D - n_rot pass through. Pairs are (i, i + n_rot/2) (NeoX / Llama half split) by
         default, (2i, 2i + 1) (GPT-J) with ``interleaved=True``; pair i of the token at
         position p becomes (x0 cos - x1 sin, x1 cos + x0 sin) with cos = cos[p, i],
-        sin = sin[p, i]. cos and sin are f32 [max_pos, n_rot/2] tensors (inputs, params or
-        constants), e.g. cos[p, i] = cos(p * base**(-2i/n_rot)).
+        sin = sin[p, i]. cos and sin are [max_pos, n_rot/2] tensors (inputs, params or
+        constants; f32, or x's dtype), e.g. cos[p, i] = cos(p * base**(-2i/n_rot)).
 
         The position of token s is ``position_offset + s`` (a Python int, checked here:
         position_offset + S <= max_pos), or ``positions[s]`` / ``positions[b, s]`` when
         ``positions`` (an i32/i64 tensor [S] or [B, S]) is given; that is how one compiled
         decode graph moves forward from run to run. Positions fed to run() as host arrays are
         range-checked there (IndexError); in-graph and device-array positions are clamped to
-        [0, max_pos - 1]. Returns f32 of x's shape."""
+        [0, max_pos - 1]. Returns x's shape and dtype."""
         op = "rope"
         self.check(op, "x", x)
         self.check(op, "cos", cos)
@@ -267,7 +290,8 @@ class RopeOps:
         an in-graph or device-array position is not checked: rows that would land outside
         [0, max_S) are dropped (never written out of bounds), the others are written.
 
-        cache and new have the same dtype (f32 activations; any dtype is copied bit for bit).
+        cache and new have the same dtype (f32, f16 or bf16 activations; any dtype is copied bit
+        for bit; a mismatch is a ValueError).
         A param cache keeps its arena slot across runs, so what one run writes is there in the
         next (set it once with set_param, e.g. to zeros). An input cache is copied in on
         every run. A constant cannot be a cache (a constant's values must not change).
@@ -315,17 +339,18 @@ class RopeOps:
     def rope_kv_write(self, qkv, cos, sin, k_cache, v_cache, cache_position, *, num_heads: int,
                       num_kv_heads: int, n_rot=None, interleaved: bool = False, positions=None):
         """RoPE of q and k and the KV-cache write, in one kernel, from the packed output of a
-        fused Q/K/V product: ``qkv`` f32 [B, S, (Hq + 2 Hkv) * D], each token's row the Hq query
+        fused Q/K/V product: ``qkv`` [B, S, (Hq + 2 Hkv) * D] (f32, f16 or bf16; the caches of
+        the same dtype), each token's row the Hq query
         heads, then the Hkv key heads, then the Hkv value heads (D each: the product of
         concatenated q/k/v weights). Returns ``(q, k_all, v_all)``:
 
-        - q: the rotated queries, f32 [B, Hq, S, D] (a new tensor);
+        - q: the rotated queries, [B, Hq, S, D] in qkv's dtype (a new tensor);
         - k_all, v_all: ``k_cache`` / ``v_cache`` [B, Hkv, max_S, D] after the rotated keys and
           the plain values of the S tokens were written IN PLACE at rows cache_position ..
           cache_position + S - 1 (as kv_write: the results share the caches' memory; read the
           caches through them).
 
-        Rotation as in ``rope`` (``n_rot``, ``interleaved``, cos / sin f32 [max_pos, n_rot/2]);
+        Rotation as in ``rope`` (``n_rot``, ``interleaved``, cos / sin [max_pos, n_rot/2]);
         ``cache_position`` as kv_write's ``position`` (a Python int, or an i32/i64 tensor of
         shape [] or [1]; a host-array run() input is range-checked, an in-graph one is not: rows
         landing outside the cache are dropped). Token s's rope position is
@@ -380,10 +405,14 @@ def _vjp_rope(g, n, dy):
     pos = ins[3] if len(ins) > 3 else None
     a = n.attrs
     nr, inter, off = a["n_rot"], a["interleaved"], a["position_offset"]
+    if dy.dtype != x.dtype:           # (as torch's autograd: a gradient takes its tensor's dtype)
+        dy = g.cast(dy, x.dtype)
     dx = g.rope(dy, cos, -sin, n_rot=nr, interleaved=inter, position_offset=off, positions=pos)
     rest = [None] if pos is not None else []
     if cos.node.op == "constant" and sin.node.op == "constant":    # the usual tables
         return [dx, None, None] + rest
+    if x.dtype != dt.F32:             # the tables' gradients summed in f32
+        x, dy = g.cast(x, dt.F32), g.cast(dy, dt.F32)
     x0, x1 = _pairs(g, x, nr, inter)
     d0, d1 = _pairs(g, dy, nr, inter)
     half, max_pos = nr // 2, cos.shape[0]
@@ -408,6 +437,8 @@ def _vjp_rope(g, n, dy):
             p = g.reshape(pos, (pos.shape[0] * (pos.shape[1] if len(pos.shape) == 2 else 1),))
             p = g.min(g.max(p, 0), max_pos - 1)
             out.append(scatter_grad(g, zeros(g, (max_pos, half)), p, per_pos, 0))
+    if cos.dtype != dt.F32:           # half tables: their gradients in their dtype
+        out = [g.cast(t, cos.dtype) for t in out]
     return [dx, out[0], out[1]] + rest
 
 

@@ -1,4 +1,9 @@
-"""Attention kernels, f32: a FlashAttention-style prefill kernel and a split-K decode kernel.
+"""Attention kernels: a FlashAttention-style prefill kernel and a split-K decode kernel.
+
+q, k, v and the output are f32, f16 or bf16 (one ``kind``, kernels/halfio.py; the bias
+``bkind``: f32 or q's): loads widen to f32, every product, the online softmax and the P V
+accumulation run in f32, and the output is rounded once. Half q / k / v are read one element
+a load for now (no 16-byte vectors: ``vec`` and the decode's pairs are f32's).
 
 ``flash``: one block of NT = 128 threads per (batch * query head, tile of BR queries), the
 threads in RG = 8 row groups of NC = 16 consecutive lanes. Thread (tr, tc) holds TR = 8
@@ -53,6 +58,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..device import SIMULATOR
+from . import halfio
 from . import mathfn as m
 from . import ptx
 from .warp import MAX, SLOTS, SUM, group_reduce, reduce_scatter, warp_sync, xor_shfl
@@ -140,23 +146,30 @@ def divmod_small(x, y):
     return qt, x - qt * y
 
 
-@cuda.jit(device=True)
-def score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window, has_mask,
-           has_bias, has_softcap, sq, sk):
-    """scale * q.k -> softcapped, biased, masked score (-inf when masked)."""
-    x = x * scale
-    if has_softcap:
-        x = softcap * m.tanh(x / softcap)
-    keep = qi < sq and kj < sk
-    if keep and has_bias:
-        x += bias[uint64(b * geom[18] + h * geom[19] + qi * geom[20] + kj * geom[21])]
-    if causal:
-        keep = keep and kj <= pos
-    if has_window:                    # pos - w < j <= pos (a window is causal too)
-        keep = keep and kj > pos - geom[22] and kj <= pos
-    if keep and has_mask:
-        keep = mask[uint64(b * geom[14] + h * geom[15] + qi * geom[16] + kj * geom[17])] != 0
-    return x if keep else NEG_INF
+@functools.cache
+def scorer(bkind: str = "f32"):
+    """``score`` for a bias of storage kind ``bkind`` (f32, or q's half kind)."""
+    ldb = halfio.load(bkind)
+
+    @cuda.jit(device=True)
+    def score(x, qi, kj, pos, b, h, mask, bias, geom, scale, softcap, causal, has_window,
+              has_mask, has_bias, has_softcap, sq, sk):
+        """scale * q.k -> softcapped, biased, masked score (-inf when masked)."""
+        x = x * scale
+        if has_softcap:
+            x = softcap * m.tanh(x / softcap)
+        keep = qi < sq and kj < sk
+        if keep and has_bias:
+            x += ldb(bias, uint64(b * geom[18] + h * geom[19] + qi * geom[20] + kj * geom[21]))
+        if causal:
+            keep = keep and kj <= pos
+        if has_window:                    # pos - w < j <= pos (a window is causal too)
+            keep = keep and kj > pos - geom[22] and kj <= pos
+        if keep and has_mask:
+            keep = mask[uint64(b * geom[14] + h * geom[15] + qi * geom[16] + kj * geom[17])] != 0
+        return x if keep else NEG_INF
+
+    return score
 
 
 @_inline
@@ -172,6 +185,22 @@ def _ld4(r, p, src, idx, n, vec):
             r[p + i] = src[uint64(idx + i)] if i < n else ZERO
 
 
+@functools.cache
+def _ld4_fn(kind: str):
+    """_ld4 for q / k / v of storage kind ``kind``: f32's own, or four widening scalar loads
+    (``vec`` ignored: half data is read an element at a time)."""
+    if kind == "f32":
+        return _ld4
+    ld = halfio.load(kind)
+
+    @_inline
+    def _ld4h(r, p, src, idx, n, vec):
+        for i in range(4):
+            r[p + i] = ld(src, uint64(idx + i)) if i < n else ZERO
+
+    return _ld4h
+
+
 @dataclass(frozen=True)
 class PrefillHelpers:
     fetch_rows: object
@@ -181,10 +210,12 @@ class PrefillHelpers:
 
 
 @functools.cache
-def prefill_helpers(geo: Geometry) -> PrefillHelpers:
-    """The prefill kernels' staging device functions for one geometry (inlined into the
-    kernel, so their loop counts are constants and their arrays stay registers)."""
+def prefill_helpers(geo: Geometry, kind: str = "f32") -> PrefillHelpers:
+    """The prefill kernels' staging device functions for one geometry and storage kind of the
+    staged operands (inlined into the kernel, so their loop counts are constants and their
+    arrays stay registers; shared memory holds f32 whatever the kind)."""
     NT, NC, DC = geo.nt, geo.nc, geo.dc
+    _ld4 = _ld4_fn(kind)
 
     @_inline
     def fetch_rows(r, n4, g, src, base, rs, row0, nrows, c0, d, tid, vec):
@@ -280,14 +311,18 @@ NO_LSE, WITH_LSE, LSE_ONLY = 0, 1, 2     # flash's lse modes
 
 
 @functools.lru_cache(maxsize=None)
-def flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_LSE):
-    """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v 16-byte
-    aligned, so their loads are 16 bytes). ``lse``: WITH_LSE also writes each row's
-    log-sum-exp (-inf where every key is masked) into lse_out [B, Hq, Sq] (saved for the
-    backward); LSE_ONLY writes only that (no P V; ``out`` is not touched)."""
+def flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, lse=NO_LSE,
+          kind="f32", bkind="f32"):
+    """The prefill kernel for DPT = head_split(d) (vec: d a multiple of 4 and q, k, v f32 and
+    16-byte aligned, so their loads are 16 bytes). ``lse``: WITH_LSE also writes each row's
+    log-sum-exp (-inf where every key is masked; f32) into lse_out [B, Hq, Sq] (saved for the
+    backward); LSE_ONLY writes only that (no P V; ``out`` is not touched). ``kind``: q, k, v
+    and out's storage, ``bkind`` the bias's (kernels/halfio.py)."""
     lse_only = lse == LSE_ONLY
     NT, NC, BC, DC, RG, SC = geo.nt, geo.nc, geo.bc, geo.dc, geo.rg, geo.sc
-    h_ = prefill_helpers(geo)
+    h_ = prefill_helpers(geo, kind)
+    score = scorer(bkind)
+    st = halfio.store(kind)
     fetch_rows, pv_key, stage_product = h_.fetch_rows, h_.pv_key, h_.stage_product
     TR = flash_rows(geo, dpt)
     BR = RG * TR
@@ -438,7 +473,7 @@ def flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, ls
                 for c in range(dpt):
                     col = int64(_u(4 * NC * (c // 4) + c % 4) + tc * _u(4))
                     if col < d:
-                        out[uint64(obase + qi * geom[13] + col)] = o[i, c] * inv
+                        st(out, uint64(obase + qi * geom[13] + col), o[i, c] * inv)
 
     return kernel
 
@@ -499,6 +534,30 @@ def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
                 r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
 
 
+@functools.cache
+def _dec_fetch_fn(kind: str):
+    """_dec_fetch for K / V of storage kind ``kind``: f32's (vector loads), or the same dims
+    a lane read one widening load each."""
+    if kind == "f32":
+        return _dec_fetch
+    ld = halfio.load(kind)
+
+    @_inline
+    def _dec_fetch_h(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
+        for j in range(kt):
+            kk = kbase + min(t0 + j, k_hi - 1) * ks
+            if pair == 1:
+                for u in range(dpl):
+                    r[j, u] = ld(src, uint64(kk + min(int64(lane) + u * 32, d - 1)))
+            else:
+                for u in range(dpl // pair):
+                    at = uint64(kk + min(_dec_dim(lane, pair * u, pair), d - pair))
+                    for i in range(pair):
+                        r[j, pair * u + i] = ld(src, at + uint64(i))
+
+    return _dec_fetch_h
+
+
 def decode_pair(d: int) -> int:
     """4: the decode kernel reads K and V in 16-byte groups of 4 dims (d a multiple of 4, so
     every row starts on a group, and a multiple of 4 values a lane); 2: in 8-byte dim pairs
@@ -524,53 +583,62 @@ def _dec_scores(kr, qr, vals, rows_c, kt, dpl):
             vals[r * kt + j] = s_
 
 
-@_inline
-def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_me,
-              qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap, causal, has_window,
-              has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g):
-    """One tile of kt keys through the online softmax, from the lane's partial scores
-    ``vals``: reduce-scattered (this lane then holds score ``idx``), the rows' running max
-    ``mr`` and the accumulators rescaled, P through shared memory into acc. st = (max, sum)
-    of this lane's row."""
-    nv = rows_c * kt
-    rep = 32 // nv
-    reduce_scatter(vals, nv, xs, xr, w, lane)
-    x = score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
-               scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
-    tm = x                            # the tile's max of my row: over the lanes of its keys
-    o_ = rep
-    while o_ < rep * kt:
-        y = xor_shfl(tm, o_, xs, w, lane)
-        tm = y if (y > tm or y != y) else tm
-        o_ *= 2
-    Ms[w, r_me] = tm
-    warp_sync()
-    for r in range(rows_c):
-        tmr = Ms[w, r]
-        mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
-        alpha = ONE if mnew == NEG_INF else m.fast_exp(mr[r] - mnew)
-        mr[r] = mnew
-        for u in range(dpl):
-            acc[r, u] *= alpha
-        if r == r_me:
-            st[1] *= alpha
-            st[0] = mnew
-    p_ = ZERO if st[0] == NEG_INF else m.fast_exp(x - st[0])
-    st[1] += p_
-    Ps[w, idx] = p_
-    warp_sync()
-    for r in range(rows_c):
-        for j in range(kt):
-            pj = Ps[w, r * kt + j]
+@functools.cache
+def _dec_tile_fn(bkind: str):
+    """_dec_tile with the score of a bias of storage kind ``bkind``."""
+    score = scorer(bkind)
+
+    @_inline
+    def _dec_tile(vr, t0, acc, mr, st, vals, Ps, Ms, xs, xr, w, lane, idx, r_me, j_me,
+                  qi_me, gi_me, rows_c, kt, dpl, mask, bias, geom, scale, softcap, causal,
+                  has_window, has_mask, has_bias, has_softcap, sq, k_hi, off, b, hk, g):
+        """One tile of kt keys through the online softmax, from the lane's partial scores
+        ``vals``: reduce-scattered (this lane then holds score ``idx``), the rows' running max
+        ``mr`` and the accumulators rescaled, P through shared memory into acc. st = (max, sum)
+        of this lane's row."""
+        nv = rows_c * kt
+        rep = 32 // nv
+        reduce_scatter(vals, nv, xs, xr, w, lane)
+        x = score(vals[0], qi_me, t0 + j_me, off + qi_me, b, hk * g + gi_me, mask, bias, geom,
+                   scale, softcap, causal, has_window, has_mask, has_bias, has_softcap, sq, k_hi)
+        tm = x                            # the tile's max of my row: over the lanes of its keys
+        o_ = rep
+        while o_ < rep * kt:
+            y = xor_shfl(tm, o_, xs, w, lane)
+            tm = y if (y > tm or y != y) else tm
+            o_ *= 2
+        Ms[w, r_me] = tm
+        warp_sync()
+        for r in range(rows_c):
+            tmr = Ms[w, r]
+            mnew = tmr if (tmr > mr[r] or tmr != tmr) else mr[r]
+            alpha = ONE if mnew == NEG_INF else m.fast_exp(mr[r] - mnew)
+            mr[r] = mnew
             for u in range(dpl):
-                acc[r, u] += pj * vr[j, u]
-    warp_sync()                       # Ps and Ms are rewritten next tile
+                acc[r, u] *= alpha
+            if r == r_me:
+                st[1] *= alpha
+                st[0] = mnew
+        p_ = ZERO if st[0] == NEG_INF else m.fast_exp(x - st[0])
+        st[1] += p_
+        Ps[w, idx] = p_
+        warp_sync()
+        for r in range(rows_c):
+            for j in range(kt):
+                pj = Ps[w, r * kt + j]
+                for u in range(dpl):
+                    acc[r, u] += pj * vr[j, u]
+        warp_sync()                       # Ps and Ms are rewritten next tile
+
+    return _dec_tile
 
 
 @functools.lru_cache(maxsize=None)
-def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap):
+def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap,
+                 kind="f32", bkind="f32"):
     """Attention for every row reading one kv head, the keys split across blocks (see the
-    module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head).
+    module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head). ``kind``:
+    q, k, v and out's storage, ``bkind`` the bias's; the partials are f32.
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
     tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
@@ -580,6 +648,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     sums are shuffles among the lanes of a row, and P reaches every lane through shared
     memory for the P V update. No shared memory traffic on the K and V bytes."""
     DEC_NW = geo.dec_nw               # warps a block
+    ld, st_ = halfio.load(kind), halfio.store(kind)
+    _dec_fetch, _dec_tile = _dec_fetch_fn(kind), _dec_tile_fn(bkind)
     dmax = 32 * dpl
     kt = decode_keys(dpl, rows_c)
     nv = rows_c * kt                  # scores a warp computes a tile
@@ -634,8 +704,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
-                qr[r, u] = q[uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7] + dg)] \
-                    if rb + r < rows and dg < d else ZERO
+                qr[r, u] = ld(q, uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7]
+                                        + dg)) if rb + r < rows and dg < d else ZERO
                 acc[r, u] = ZERO
         st[0] = NEG_INF
         st[1] = ZERO
@@ -707,8 +777,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                 for i in range(pair):
                     dd = j * 4 + i if pair == 4 else j + i * tpr
                     if rb + r < rows and dd < d:
-                        out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dd)] = \
-                            fv[i] / den if den > ZERO else ZERO
+                        st_(out, uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13]
+                                        + dd), fv[i] / den if den > ZERO else ZERO)
             else:
                 if pair == 4:
                     ptx.vst4(pacc, (part + r) * dmax + j * 4, fv[0], fv[1], fv[2], fv[3])
@@ -784,8 +854,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                 for u in range(dpl):
                     dg = _dec_dim(lane, u, pair) if pair == 4 else int64(lane) + u * 32
                     if dg < d:
-                        out[uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13] + dg)] = \
-                            fv[u] / den if den > ZERO else ZERO
+                        st_(out, uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13]
+                                        + dg), fv[u] / den if den > ZERO else ZERO)
             r0 += DEC_NW
 
     return kernel

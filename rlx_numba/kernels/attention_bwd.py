@@ -1,4 +1,4 @@
-"""Attention backward, f32, FlashAttention-2 style: nothing of size Sq x Sk is stored (except
+"""Attention backward, FlashAttention-2 style: nothing of size Sq x Sk is stored (except
 dS itself, and only for a bias gradient, where that is the gradient's size before the
 broadcast reduction).
 
@@ -35,34 +35,42 @@ k / v / dK / dV k's; LSE and Dl are contiguous [B, Hq, Sq]):
     - dS (bias gradient only): rows queries, every key tile, dS written from registers.
   Seven products of Sq x Sk x D where FlashAttention-2 does five (it adds dQ with atomics
   from the dK/dV kernel): deterministic, and each kernel is the forward's proven loop.
+
+Storage kinds (kernels/halfio.py): q, k, v, O, dO and the gradients dQ / dK / dV are one
+``kind`` (f32, f16 or bf16), the bias ``bkind``; LSE, Dl and dS are f32, and all math in f32.
 """
 import functools
 
 import numpy as np
 from numba import cuda, float32, int64, uint64
 
+from . import halfio
 from . import mathfn as m
 from . import ptx
 from .attention import (LSE_ONLY, NEG_INF, ONE, PAD, ZERO, divmod_small, flash, flash_jc,
-                        flash_launch, flash_occ, flash_rows, head_split, prefill_helpers, score)
+                        flash_launch, flash_occ, flash_rows, head_split, prefill_helpers, scorer)
 from .warp import SLOTS, SUM, group_reduce
 from .launch import inline as _inline, jit
 
 _u = np.uint64   # (compile-time index constants)
 
 
-def lse(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def lse(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, kind="f32",
+        bkind="f32"):
     """LSE[b, h, i] = log sum_j exp(s_ij) (-inf for a row with every key masked): the forward
     kernel without its P V (launched as the forward, ``flash_launch``), for a forward that
     did not save it (the decode kernel's)."""
-    return flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY)
+    return flash(geo, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap, LSE_ONLY,
+                 kind, bkind)
 
 
 @functools.lru_cache(maxsize=None)
-def delta(geo):
+def delta(geo, kind="f32"):
     """Dl[b, h, i] = sum_c dO[b, h, i, c] * O[b, h, i, c]: NC lanes a row (launch_delta), each
-    summing every NC-th element, then a shuffle reduction."""
+    summing every NC-th element, then a shuffle reduction (O and dO of storage ``kind``; Dl
+    f32)."""
     NT, NC = geo.nt, geo.nc
+    ld = halfio.load(kind)
 
     @jit
     def kernel(out, o, do, geom, rows):
@@ -77,7 +85,7 @@ def delta(geo):
             at = b * geom[11] + h * geom[12] + i * geom[13]
             c = tid % NC
             while c < d:
-                acc += o[at + c] * do[at + c]
+                acc += ld(o, at + c) * ld(do, at + c)
                 c += NC
         acc = group_reduce(acc, red, NC, SUM)      # (every thread: a barrier in the simulator)
         if r < rows and tid % NC == 0:
@@ -91,10 +99,11 @@ def launch_delta(geo, rows: int):
 
 
 @functools.cache
-def _acc_fn(geo):
-    """The backward's O += P . src device function for one geometry (see prefill_helpers)."""
+def _acc_fn(geo, kind="f32"):
+    """The backward's O += P . src device function for one geometry and storage kind of src
+    (see prefill_helpers)."""
     NT, BC = geo.nt, geo.bc
-    h_ = prefill_helpers(geo)
+    h_ = prefill_helpers(geo, kind)
     fetch_rows, pv_key = h_.fetch_rows, h_.pv_key
 
     @_inline
@@ -142,12 +151,16 @@ DQ, DKV, DS = 0, 1, 2               # what ``grads`` computes
 
 
 @functools.lru_cache(maxsize=None)
-def grads(geo, kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap):
+def grads(geo, kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softcap,
+          io="f32", bkind="f32"):
     """The backward kernel ``kind`` (DQ, DKV or DS) for DPT = head_split(d) (vec: d a multiple
-    of 4 and q, k, v, dO 16-byte aligned)."""
+    of 4 and q, k, v, dO f32 and 16-byte aligned); ``io`` the storage kind of q, k, v, dO and
+    dQ / dK / dV (dS is f32), ``bkind`` the bias's."""
     NT, NC, BC, DC, RG, SC = geo.nt, geo.nc, geo.bc, geo.dc, geo.rg, geo.sc
-    h_ = prefill_helpers(geo)
-    fetch_rows, stage_product, _acc = h_.fetch_rows, h_.stage_product, _acc_fn(geo)
+    h_ = prefill_helpers(geo, io)
+    fetch_rows, stage_product, _acc = h_.fetch_rows, h_.stage_product, _acc_fn(geo, io)
+    score = scorer(bkind)
+    st = halfio.store(io)
     TR = flash_rows(geo, dpt)
     BR = RG * TR
     dmax = NC * dpt
@@ -315,10 +328,10 @@ def grads(geo, kind, dpt, vec, causal, has_window, has_mask, has_bias, has_softc
                     if col < d:
                         at = uint64(obase + ri * ostride + col)
                         if kind == DKV:   # out = [dK, dV]
-                            out[at] = o2[i, c]
-                            out[at + uint64(nk)] = o1[i, c]
+                            st(out, at, o2[i, c])
+                            st(out, at + uint64(nk), o1[i, c])
                         else:
-                            out[at] = o1[i, c]
+                            st(out, at, o1[i, c])
 
     return kernel
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
+from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from ..device import SIMULATOR
 from .lower import Step, lowering, step_name
@@ -62,6 +63,23 @@ def _masks(ctx, n, rest):
     return mask, bias, mbuf, bbuf, flags, np.float32(a["scale"]), np.float32(a["softcap"] or 1.0)
 
 
+def _kinds(t, bias):
+    """(storage kind of q / k / v (``t``'s dtype), the bias's) for the kernel factories."""
+    return io_kind(t.dtype), io_kind(bias.dtype) if bias is not None else "f32"
+
+
+def _tag(kind) -> str:
+    """A step description's dtype tag: none for f32."""
+    return "" if kind == "f32" else f" {kind}"
+
+
+def _vec(kind, d, bufs) -> bool:
+    """16-byte loads of f32 q, k, v (...): rows of whole groups of 4 from an aligned start
+    (arena slots are 256-byte aligned; a view may start anywhere). Half data is read an
+    element at a time."""
+    return kind == "f32" and d % 4 == 0 and all(_aligned16(b) for b in bufs)
+
+
 def _decodes(a) -> bool:
     """attention node attrs ``a`` run the split-K decode kernel (else flash)."""
     return A.decode_rows(a["hq"] // a["hkv"], a["sq"], a["d"]) is not None and a["sk"] > 0
@@ -77,6 +95,7 @@ def _lower_attention(ctx, n):
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v = ins[:3]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
+    kinds = _kinds(q, bias)
     geom, ks = _geom(ctx, n, q, k, mask, bias)
     args = (ctx.buf(q), ctx.buf(k), ctx.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
@@ -93,21 +112,21 @@ def _lower_attention(ctx, n):
         count = ctx.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
         # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
         # 256-byte aligned and a view starting where its buffer does)
-        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags)
-        return [Step(name, f"attention decode D={d} {b}x{hq}/{hkv}x{sq}x{sk} {splits} splits"
+        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags, *kinds)
+        return [Step(name, f"attention decode{_tag(kinds[0])} D={d} {b}x{hq}/{hkv}x{sq}x{sk} "
+                     f"{splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
                      (ctx.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
                      {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
-    # 16-byte loads of q, k, v: rows of whole groups of 4 from an aligned start (arena slots
-    # are 256-byte aligned; a view may start anywhere)
-    vec = d % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k, v))
+    vec = _vec(kinds[0], d, (ctx.buf(q), ctx.buf(k), ctx.buf(v)))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
     lse = [r for r in g.nodes[n.id].results if r in ctx.live]
-    kern = A.flash(geo, A.head_split(geo, d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE)
+    kern = A.flash(geo, A.head_split(geo, d), vec, *flags, A.WITH_LSE if lse else A.NO_LSE,
+                   *kinds)
     grid, block = A.flash_launch(geo, b, hq, sq, d)
-    return [Step(name, f"attention flash D={d} {'causal ' if flags[0] else ''}"
+    return [Step(name, f"attention flash{_tag(kinds[0])} D={d} {'causal ' if flags[0] else ''}"
                  f"{b}x{hq}x{sq}x{sk}{' +lse' if lse else ''}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *args),
                  flops)]
@@ -125,12 +144,13 @@ def _lower_attention_lse(ctx, n):
     ins = [g.nodes[i] for i in n.inputs[1:]]
     q, k = ins[:2]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[2:])
+    kinds = _kinds(q, bias)
     geom, _ = _geom(ctx, n, q, k, mask, bias)
-    vec = a["d"] % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k))
+    vec = _vec(kinds[0], a["d"], (ctx.buf(q), ctx.buf(k)))
     geo = default_geometry("attention")
     grid, block = A.flash_launch(geo, a["b"], a["hq"], a["sq"], a["d"])
-    return [Step(step_name(n), f"attention_lse D={a['d']}",
-                 AB.lse(geo, A.head_split(geo, a["d"]), vec, *flags), grid, block,
+    return [Step(step_name(n), f"attention_lse{_tag(kinds[0])} D={a['d']}",
+                 AB.lse(geo, A.head_split(geo, a["d"]), vec, *flags, *kinds), grid, block,
                  (_dummy(ctx, np.float32), ctx.buf(n), ctx.buf(q), ctx.buf(k), ctx.buf(k), mbuf,
                   bbuf, geom, scale, softcap),
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
@@ -146,7 +166,7 @@ def _lower_attention_delta(ctx, n):
     geom, _ = _geom(ctx, n, o, o, None, None)
     geo = default_geometry("attention")
     grid, block = AB.launch_delta(geo, n.size)
-    return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo), grid, block,
+    return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo, io_kind(o.dtype)), grid, block,
                  (ctx.buf(n), ctx.buf(o), ctx.buf(do), geom, np.int64(n.size)))]
 
 
@@ -160,18 +180,19 @@ def _lower_attention_bwd(ctx, n):
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v, do, lse, dl = ins[:6]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
+    kinds = _kinds(q, bias)
     geom, _ = _geom(ctx, n, q, k, mask, bias)
     kind = {"attention_bwd_dq": AB.DQ, "attention_bwd_ds": AB.DS,
             "attention_bwd_dkv": AB.DKV}[n.op]
-    vec = a["d"] % 4 == 0 and all(_aligned16(ctx.buf(t)) for t in (q, k, v, do))
+    vec = _vec(kinds[0], a["d"], tuple(ctx.buf(t) for t in (q, k, v, do)))
     args = (ctx.buf(n), ctx.buf(q), ctx.buf(k), ctx.buf(v), ctx.buf(do), ctx.buf(lse),
             ctx.buf(dl), mbuf, bbuf, geom, scale, softcap,
             np.int64(n.size // 2 if kind == AB.DKV else 0))
     per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
     flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
-    desc = f"{n.op} D={a['d']} {'causal ' if a['causal'] else ''}{a['b']}x{a['hq']}/{a['hkv']}" \
-           f"x{a['sq']}x{a['sk']}"
+    desc = f"{n.op}{_tag(kinds[0])} D={a['d']} {'causal ' if a['causal'] else ''}" \
+           f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}"
     geo = default_geometry("attention")
     grid, block = AB.launch(geo, kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
-    return [Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags),
-                 grid, block, args, flops)]
+    return [Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags,
+                                              *kinds), grid, block, args, flops)]

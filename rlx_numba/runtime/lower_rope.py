@@ -12,6 +12,7 @@ import numpy as np
 
 from ..ir.ops import fmt
 from ..kernels import rope as k
+from ..kernels.halfio import io_kind
 from ..kernels.launch import block_rows, grid_3d, waves_cap
 from ..kernels.shape import SPAN
 from .lower import Step, lowering, step_name
@@ -65,8 +66,9 @@ def _lower_rope(ctx, n):
             U(ngroups), U(d), U(half), U(ncols), U(mul), U(gap), U(n.attrs["position_offset"]),
             U(pos_bstride), use_pos, np.int64(max_pos))
     layout = "gptj" if n.attrs["interleaved"] else "neox"
-    return [Step(step_name(n), f"rope {layout} n_rot={n_rot}/{d}", k.rope, grid, block, args,
-                 {"bytes": 2 * x.nbytes + 2 * 4 * b * s * half})]
+    kern = k.rope(io_kind(x.dtype), io_kind(cos.dtype))
+    return [Step(step_name(n), f"rope {layout} n_rot={n_rot}/{d}", kern, grid, block, args,
+                 {"bytes": 2 * x.nbytes + 2 * cos.dtype.itemsize * b * s * half})]
 
 
 @lowering("kv_write")
@@ -128,9 +130,10 @@ def _lower_rope_kv_write(ctx, n):
             np.int64(position), use_cpos, pos, U(pos_bstride), use_pos, U(nrows), U(s), U(hq),
             U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
     layout = "gptj" if a["interleaved"] else "neox"
+    kern = k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype))
     return [Step(step_name(n), f"rope_kv_write {layout} n_rot={a['n_rot']}/{d} {b}x{s} "
-                 f"heads {hq}/{hkv}", k.rope_kv_write, grid, block, args,
-                 {"bytes": 2 * qkv.nbytes + 2 * 4 * b * s * half})]
+                 f"heads {hq}/{hkv}", kern, grid, block, args,
+                 {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * b * s * half})]
 
 
 @lowering("kv_written")
