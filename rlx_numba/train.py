@@ -57,6 +57,7 @@ HALF = {"f32": None, "bf16": dt.BF16, "f16": dt.F16}
 OWN = "__train__."          # the names of the leaves the trainer adds and owns
 SCALER = OWN + "loss_scaler"
 GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5     # torch.amp.GradScaler's defaults
+LAYOUT_OPS = ("reshape", "transpose")      # cast(op(w)) == op(cast(w)): values only moved
 
 
 def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
@@ -168,22 +169,33 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
 def _forward(g: Graph, loss: Tensor, half, names: set):
     """(the graph the step runs, its loss, {trained param name: the name of its half copy}):
     a copy of ``g`` (same node ids); for a half precision ``g.autocast(half)`` in which each
-    cast of a trained param to ``half`` is a param leaf instead (the update writes it)."""
+    cast of a trained param to ``half`` is a param leaf instead (the update writes it). A
+    cast of a layout op of the param (a transpose or reshape: the Hugging Face [out, in]
+    weights) becomes that op of the half leaf."""
     if half is None:
         tg = g.copy()
         return tg, tg.tensor(loss.id), {}
     src = g.copy()
     src.set_outputs([src.tensor(loss.id)])       # (autocast keeps the outputs' order)
     ag = src.autocast(half.name)
-    halves = {}
+    halves, leaves = {}, {}
 
     def expand(h, n, ins):
-        if n.op == "cast" and n.dtype == half:
-            p = ag.nodes[n.inputs[0]]
-            if p.op == "param" and p.name in names:
-                halves[p.name] = OWN + "half." + p.name
-                return h.param(halves[p.name], p.shape, half)
-        return None
+        if n.op != "cast" or n.dtype != half:
+            return None
+        chain, p = [], ag.nodes[n.inputs[0]]
+        while p.op in LAYOUT_OPS:
+            chain.append(p)
+            p = ag.nodes[p.inputs[0]]
+        if p.op != "param" or p.name not in names:
+            return None
+        if p.name not in leaves:
+            halves[p.name] = OWN + "half." + p.name
+            leaves[p.name] = h.param(halves[p.name], p.shape, half)
+        t = leaves[p.name]
+        for m in reversed(chain):
+            t = h.bind(m.op, [t], **m.attrs)
+        return t
     moved: dict = {}
     tg = ag.rewritten(expand, moved)
     return tg, moved[ag.outputs[0]], halves

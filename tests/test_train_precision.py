@@ -361,3 +361,39 @@ def test_autocast_mlp_trains_with_half_weight_copies(rng, dtype):
                                           rounded(got, dtype))
     assert tr.optimizer_steps == 4 - skipped >= 2
     assert tr.loss_scale == (2.0 ** (16 - skipped) if dtype == "f16" else 1.0)
+
+
+def test_llama_trainer_in_bf16_tracks_the_f32_loss(rng):
+    """A one-layer Llama's trainer with precision="bf16": autocast products, attention and
+    rope in bf16, f32 master weights the model gets back (update_model)."""
+    import dataclasses
+    from rlx_numba.models import LlamaForCausalLM
+    from test_llama_train import np_loss
+    from test_models import GQA
+    cfg = dataclasses.replace(GQA, num_hidden_layers=1)
+    m = LlamaForCausalLM.from_config(cfg, seed=5, std=0.2)
+    before = m.params["model.layers.0.mlp.down_proj.weight"].copy()
+    tr = m.trainer(1, 5, rlx.optim.AdamW(lr=1e-2), exec_mode="stream", precision="bf16")
+    assert tr.trainer.precision == "bf16"
+    # every product's weight (the [out, in] weights read through a transpose, the tied
+    # embedding as the LM head) is a half copy the update writes: no weight cast per step
+    nodes = tr.trainer.graph.nodes
+    copies = {n.name for n in nodes if (n.name or "").startswith("__train__.half.")}
+    layer = "__train__.half.model.layers.0."
+    assert copies == {layer + "self_attn.qkv_proj.weight", layer + "self_attn.o_proj.weight",
+                      layer + "mlp.gate_up_proj.weight", layer + "mlp.down_proj.weight",
+                      "__train__.half.model.embed_tokens.weight"}
+    assert not [n for n in nodes if n.op == "cast" and n.dtype.name == "bf16"
+                and nodes[n.inputs[0]].op in ("param", "transpose")
+                and nodes[nodes[n.inputs[0]].inputs[0] if nodes[n.inputs[0]].inputs
+                          else n.inputs[0]].op == "param"]
+    ids = rng.integers(0, cfg.vocab_size, (1, 5))
+    first = np_loss(cfg, m.params, ids, ids)
+    losses = [tr.step(ids) for _ in range(2)]
+    # bf16 products (u = 2^-8) over a vocabulary-sized log-softmax: well inside 1e-2
+    np.testing.assert_allclose(losses[0], first, rtol=1e-2)
+    assert abs(losses[0] - first) > 1e-6 * first      # (and not the f32 computation)
+    assert losses[1] < losses[0]
+    tr.update_model()
+    after = m.params["model.layers.0.mlp.down_proj.weight"]
+    assert after.dtype == np.float32 and not np.array_equal(after, before)

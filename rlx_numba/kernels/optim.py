@@ -3,10 +3,10 @@
 The trainer packs the params it trains into one flat f32 device buffer (each at a 256-byte
 aligned offset) and each optimizer state (momentum_buffer, exp_avg, exp_avg_sq,
 max_exp_avg_sq) into a buffer of the same layout; the grads stay where the memory plan put
-them in the arena. A table of chunks, rows ``(param offset, grad offset, length)`` in f32
-elements with at most CHUNK elements each, covers every param: a block takes a chunk at a
-time (torch's multi_tensor_apply), so one launch updates all params, however many and however
-unequal in size.
+them in the arena. A table of chunks, rows ``(param offset, grad offset, length, half
+offset)`` in elements with at most CHUNK elements each, covers every param: a block takes a
+chunk at a time (torch's multi_tensor_apply), so one launch updates all params, however many
+and however unequal in size.
 
 Global-norm clipping (torch.nn.utils.clip_grad_norm_): ``grad_sumsq`` writes each chunk's sum
 of squares; every block of the update then sums those partials in the same order (so every
@@ -17,8 +17,8 @@ Per-step values (lr, Adam's bias corrections, SGD's first step) come from ``hype
 device, which the host writes before each step: a CUDA graph replays the same launch with new
 values, and a new lr needs no recompile.
 
-Mixed precision (compile_train's ``precision=``): a table row's 4th column is the element
-offset of the param's half copy in ``halves`` (-1: none); the update writes the new f32 master
+Mixed precision (compile_train's ``precision=``): a table row's 4th column is the offset of
+the param's half copy in ``halves`` (-1: none); the update writes the new f32 master
 value and its rounding to the half dtype in the same pass, so the forward's casts of the
 weights become leaves refreshed here. Loss scaling (f16, torch.amp.GradScaler's rules):
 ``scaler`` = [scale, growth tracker, found inf of the last step]; ``grad_nonfinite`` flags the
