@@ -397,3 +397,23 @@ def test_llama_trainer_in_bf16_tracks_the_f32_loss(rng):
     tr.update_model()
     after = m.params["model.layers.0.mlp.down_proj.weight"]
     assert after.dtype == np.float32 and not np.array_equal(after, before)
+
+
+def test_bert_trainer_in_f16_tracks_the_f32_one():
+    """BertTrainer(precision="f16"): autocast encoder, GradScaler loss scaling, half copies of
+    the dense weights and biases; the losses follow the f32 trainer's."""
+    from rlx_numba.models import BertModel
+    from test_bert_train import SMALL
+    ids = np.random.default_rng(0).integers(1, SMALL.vocab_size, (2, 5))
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
+    types, labels = np.array([[0, 0, 1, 1, 1], [0] * 5]), np.array([1, 0])
+    losses = {}
+    for p in ("f32", "f16"):
+        m = BertModel.from_config(SMALL, seed=9, std=0.3)
+        tr = m.trainer(2, 5, rlx.optim.AdamW(lr=2e-2), exec_mode="stream", seed=1, precision=p)
+        losses[p] = [tr.step(ids, labels, mask, types) for _ in range(2)]
+    assert "__train__.half.encoder.layer.0.intermediate.dense.weight" in \
+        [n.name for n in tr.trainer.graph.nodes]
+    assert tr.trainer.loss_scale == 2.0 ** 16 and tr.trainer.optimizer_steps == 2
+    np.testing.assert_allclose(losses["f16"], losses["f32"], rtol=1e-3)
+    assert losses["f16"][0] != losses["f32"][0] and losses["f16"][1] < losses["f16"][0]
