@@ -83,7 +83,7 @@ def test_half_linear_folds_leading_dims_and_params(rng, d):
     w, c = g.param("w", (9, 5), d), g.param("c", (5,), d)
     g.set_outputs([g.linear(x, w, c)])
     exe = rlx.compile(g)
-    assert sum("sgemm" in s.kernel_name or "cublas" in s.kernel_name for s in exe.steps) == 1
+    assert sum("tier" in s.info for s in exe.steps) == 1      # one product, whichever tier
     xv, wv, cv = data(rng, (2, 3, 9), d), data(rng, (9, 5), d), data(rng, (5,), d)
     exe.set_param("w", wv)
     exe.set_param("c", cv)

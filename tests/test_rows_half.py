@@ -234,9 +234,12 @@ def test_norm_bwd(rng, dtype, gdtype, kind, shape, ax, res):
     assert_half_close(gdh, want[0], dtype, k=3, what="dh")
     # an f32 dgamma is held to f32's roundoff: the row statistics and xhat carry a few
     # dozen f32 ulps of the n-term sums behind them
+    # dozen f32 ulps of the n-term sums behind them; the sums over rows cancel, so the f32
+    # bound is normwise (the order of the GPU's sums differs from the simulator's)
     kp = 64 if gdtype == "f32" else 3
-    assert_half_close(gdg, want[1], gdtype, k=kp, what="dgamma")
-    assert_half_close(gdb, want[2], gdtype, k=kp, what="dbeta")
+    for got_, want_, what in ((gdg, want[1], "dgamma"), (gdb, want[2], "dbeta")):
+        sc = np.abs(want_).max() if gdtype == "f32" else None
+        assert_half_close(got_, want_, gdtype, k=kp, scale=sc, what=what)
     assert gst.dtype == np.float32 and gst.shape == (nrows, 2)
     mu, rstd = (np.moveaxis(v, ax, -1).reshape(-1) for v in want[3:])
     np.testing.assert_allclose(gst[:, 1], rstd, rtol=1e-5)

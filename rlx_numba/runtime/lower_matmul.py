@@ -270,8 +270,10 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         plan = _TIERS[tier](ctx, name, a, b, dst, m, ncols, k, batch, offs_a, offs_b, tepi, why,
                             kinds=(kind, kind if dst is out else "f32"))
         if plan is not None:
-            steps, fused = plan
-            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **{**epi, **fused},
+            steps, left = plan
+            # what the tier left of the epilogue (all of it when it was given none)
+            left = {**epi, **left} if tepi is epi else epi
+            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
                                       src=dst, out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
