@@ -290,3 +290,39 @@ def test_gpu_geometry(rng, monkeypatch):
         want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
         for gv, wv in zip(got, want):
             assert_half_close(gv, wv, "f16", k=4.0, scale=np.abs(wv).max())
+
+
+# tier 0 (cuDNN's fused attention) on a GPU: every case it takes, against the same oracle,
+# with the tier checked; a bool mask (with a key-padding row that keeps no key: its output is
+# 0, as the numba kernels give) and a bias of q's dtype; bigger shapes than the simulator's
+CUDNN_CASES = {
+    "plain": ((2, 4, 65, 64), (2, 4, 65, 64), {}),
+    "causal_gqa": ((2, 8, 77, 64), (2, 2, 77, 64), {"causal": True}),
+    "causal_bottom_right": ((1, 4, 33, 128), (1, 4, 100, 128), {"causal": True}),
+    "key_mask": ((3, 4, 40, 32), (3, 4, 40, 32), {"mask_shape": (3, 1, 1, 40)}),
+    "bias_scale": ((2, 4, 24, 32), (2, 4, 50, 32), {"bias_shape": (1, 4, 24, 50),
+                                                    "scale": 0.2}),
+}
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("name", list(CUDNN_CASES))
+def test_cudnn_tier(rng, monkeypatch, dt, name):
+    qs, ks, kw = CUDNN_CASES[name]
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "0")
+    g, _, _, y = _graph(dt, qs, ks, kw.get("mask_shape"), kw.get("bias_shape"), None,
+                        **{k: v for k, v in kw.items() if k not in ("mask_shape", "bias_shape")})
+    g.set_outputs([y])
+    feed = _feed(rng, dt, qs, ks, kw.get("mask_shape"), kw.get("bias_shape"))
+    if "m" in feed:
+        feed["m"][1] = False                      # batch row 1 keeps no key: zeros out
+    exe = rlx.compile(g)
+    assert any("cudnn sdpa" in s.kernel_name for s in exe.steps), [s.kernel_name for s in exe.steps]
+    (got,) = exe.run(feed)
+    want = attention64(feed["q"], feed["k"], feed["v"], mask=feed.get("m"),
+                       bias=feed.get("bias"),
+                       **{k: v for k, v in kw.items() if k not in ("mask_shape", "bias_shape")})
+    if "m" in feed:
+        assert not np.isnan(f64(got)).any() and not f64(got[1]).any()
+    assert_half_close(got, want, dt, what=f"cudnn attention {name}")
