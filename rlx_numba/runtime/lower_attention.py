@@ -103,6 +103,7 @@ def _cudnn_unavailable(ctx, n):
            "softcap" if a["softcap"] is not None else
            f"head dim {a['d']} (a multiple of 8 up to 128)" if a["d"] % 8 or a["d"] > 128 else
            "few queries a kv head (the split decode kernel)" if _decodes(a) else
+           "causal with more queries than keys" if a["causal"] and a["sq"] > a["sk"] else
            "its LSE is saved for the backward" if any(r in ctx.live for r in n.results) else
            "a mask and a bias together" if mask is not None and bias is not None else
            f"a {bias.dtype} bias (cuDNN adds one of q's dtype)"
@@ -127,7 +128,10 @@ def _dims4(shape, full):
 
 @lowering("attention", tier="cuDNN fused SDPA", available=_cudnn_unavailable)
 def _lower_attention_cudnn(ctx, n):
-    """One cuDNN fused-attention call (f16 / bf16 q, k, v; inference: no LSE kept). A bool
+    """One cuDNN fused-attention call (f16 / bf16 q, k, v; inference: no LSE kept). Its
+    flash kernel rounds the probabilities to q's dtype for the P V product on tensor cores
+    (as FlashAttention-2 does): an output's error is within a few units of roundoff of
+    sum_j p_j |v_j|, not of |o| (the numba kernels keep P in f32). A bool
     mask becomes an additive bias of q's dtype (0 where kept, -inf where masked) made by one
     element-wise kernel; a query row that keeps no key comes out 0, as the numba kernels'
     (cuDNN's flash kernel guards an all -inf row; tests/test_attention_half.py checks it)."""
