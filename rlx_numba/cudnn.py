@@ -167,13 +167,13 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
     workspace is found now (cudnnFind*AlgorithmEx, run on these buffers). A forward with
     ``bias_ptr`` (a [K] bias) is relu(conv + bias (+ z [N, K, *O] at ``z_ptr``)) in one
-    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu), f32 only.
-    ``dtype`` ("f32", "f16", "bf16") is x's, w's and y's; the math is f32 whatever it is."""
+    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu). ``dtype`` ("f32",
+    "f16", "bf16") is x's, w's and y's, and the bias's and z's (cuDNN's PSEUDO_HALF /
+    PSEUDO_BFLOAT16 configurations); the math is f32 whatever it is (the f32 compute type:
+    conv + bias + z and the relu in f32, rounded once on y's store)."""
     L = lib()
     code = DATA_TYPES[dtype]
     half = dtype != "f32"
-    if half and bias_ptr is not None:
-        raise ValueError(f"cudnn.conv_plan: the fused bias epilogue is f32 only, got {dtype}")
     if len(x_shape) == 3:        # 1-D as 2-D of height 1
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
         pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
@@ -210,7 +210,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
-        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2)), c_void_p()
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
         L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
         keep += (bd, ad)
