@@ -150,14 +150,14 @@ def col2im_kernel(k, stride, dil, kind="f32"):
 @functools.lru_cache(maxsize=None)
 def conv_gemm_kernel(k, stride, dil, transposed, kind="f32", bias=False, residual=False,
                      relu=False):
-    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo, b, z, plane, channels) (geo:
-    im2col's, above), w, src and out of storage ``kind`` (the f32 sums rounded once on the
-    store). The epilogue (passes/fusion.py's conv epilogue) runs on each f32 sum before that
-    one rounding: + bias[channel] (``bias``: b [channels] of ``kind``), + z at the output's
-    element (``residual``: z of out's shape and ``kind``), then relu (NaN propagates, as
-    torch's); out is [N, channels, plane] flat, so element i's channel is i // plane %
-    channels (b, z, plane and channels are unused without an epilogue). Launch with
-    kernels/matmul.py's sgemm_launch(m, n, batch)."""
+    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above), w,
+    src and out of storage ``kind`` (the f32 sums rounded once on the store). With an
+    epilogue (passes/fusion.py's conv epilogue) the kernel takes (b, z, plane, channels)
+    after geo, and each f32 sum gets, before that one rounding, + b[channel] (``bias``: b
+    [channels] of ``kind``), + z at the output's element (``residual``: z of out's shape and
+    ``kind``), then relu (NaN propagates, as torch's); out is [N, channels, plane] flat, so
+    element i's channel is i // plane % channels (b and z are unused where their flag is
+    off). Launch with kernels/matmul.py's sgemm_launch(m, n, batch)."""
     ld, st = halfio.load(kind), halfio.store(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
@@ -223,8 +223,13 @@ def conv_gemm_kernel(k, stride, dil, transposed, kind="f32", bias=False, residua
     tiles = mm.gemm_tiles(False, False, fetch_w, gather_cols if transposed else gather_image,
                           image_position if transposed else out_position, put)
 
-    @jit(launch_bounds=mm.LAUNCH_BOUNDS)
-    def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo, b, z, plane, channels):
-        tiles((out, b, z, plane, channels), w, src, m, n, kdim, a_off, b_off, batch, geo)
+    if bias or residual or relu:
+        @jit(launch_bounds=mm.LAUNCH_BOUNDS)
+        def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo, b, z, plane, channels):
+            tiles((out, b, z, plane, channels), w, src, m, n, kdim, a_off, b_off, batch, geo)
+    else:
+        @jit(launch_bounds=mm.LAUNCH_BOUNDS)
+        def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo):
+            tiles((out, out, out, m, m), w, src, m, n, kdim, a_off, b_off, batch, geo)
 
     return kernel

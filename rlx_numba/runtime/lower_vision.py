@@ -245,9 +245,11 @@ def _lower_implicit_gemm(ctx, n):
     kern = K.conv_gemm_kernel(*_consts(a), transposed, halfio.io_kind(n.dtype), bias, res, relu)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     geo = dict(a, image=image[2:], cols=cols[2:])
-    out = ctx.buf(n)
-    epi = tuple(ctx.buf(i) for i in n.inputs[2:])       # bias, z (the output where absent)
-    epi += (out,) * (2 - len(epi))
+    out, epi = ctx.buf(n), ()
+    if bias or res or relu:      # bias, z (the output where absent), plane, channels
+        extra = [ctx.buf(i) for i in n.inputs[2:]]
+        epi = (extra.pop(0) if bias else out, extra.pop(0) if res else out,
+               np.uint64(math.prod(n.shape[2:])), np.uint64(n.shape[1]))
     tags = " +bias" * bias + " +z" * res + " relu" * relu
     return [Step(step_name(n), f"numba implicit-GEMM {a['of']}{tags} "
                  f"{'x'.join(map(str, a['kernel']))} of {fmt(src.shape)} -> {fmt(n.shape)}",
@@ -255,8 +257,7 @@ def _lower_implicit_gemm(ctx, n):
                  (out, ctx.buf(w), ctx.buf(src), np.uint64(m), np.uint64(ncols),
                   np.uint64(kdim), ctx.device_array(np.array(a_off, np.int64)),
                   ctx.device_array(np.array(b_off, np.int64)), np.uint64(batch),
-                  _geo(ctx, geo)) + epi
-                 + (np.uint64(math.prod(n.shape[2:])), np.uint64(n.shape[1])),
+                  _geo(ctx, geo)) + epi,
                  {"flops": 2 * batch * m * ncols * kdim, "tier": 2})]
 
 
