@@ -236,13 +236,29 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     # timed again here, beside the graph API's engines
     ok = [p for p in ok if p.mathType == ok[0].mathType]
     L.cudnnSetConvolutionMathType(cd, ok[0].mathType)
-    cands = [legacy(p) for p in ok[:3]]
     if bias_ptr is None:
-        cands += _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation,
-                              (x_ptr, w_ptr, y_ptr), ws, tf32, dtype)
+        cands = [legacy(p) for p in ok[:3]] + _graph_plans(
+            h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, (x_ptr, w_ptr, y_ptr), ws,
+            tf32, dtype)
+    else:   # the fused call may refuse an algorithm Find ranked for the plain forward (in half
+        # too): the first three that run
+        cands = [c for c in (legacy(p) for p in ok) if _runs(c)][:3]
+        if not cands:
+            raise CudnnError("cudnnConvolutionBiasActivationForward", 0,
+                             f"no algorithm runs the fused bias + relu for {dtype} x "
+                             f"{list(x_shape)} w {list(w_shape)} y {list(y_shape)}")
     if len(cands) == 1:
         return cands[0]
     return min(cands, key=lambda c: _time(c, stream))
+
+
+def _runs(fn) -> bool:
+    """Whether one call of ``fn`` succeeds (a cuDNN error status: False)."""
+    try:
+        fn()
+    except CudnnError:
+        return False
+    return True
 
 
 def _time(fn, stream, runs: int = 3) -> float:
