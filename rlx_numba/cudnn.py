@@ -168,13 +168,13 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
     workspace is found now (cudnnFind*AlgorithmEx, run on these buffers). A forward with
     ``bias_ptr`` (a [K] bias) is relu(conv + bias (+ z [N, K, *O] at ``z_ptr``)) in one
-    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu), f32 only.
-    ``dtype`` ("f32", "f16", "bf16") is x's, w's and y's; the math is f32 whatever it is."""
+    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu). ``dtype`` ("f32",
+    "f16", "bf16") is x's, w's and y's, and the bias's and z's (cuDNN's PSEUDO_HALF /
+    PSEUDO_BFLOAT16 configurations); the math is f32 whatever it is (the f32 compute type:
+    conv + bias + z and the relu in f32, rounded once on y's store)."""
     L = lib()
     code = DATA_TYPES[dtype]
     half = dtype != "f32"
-    if half and bias_ptr is not None:
-        raise ValueError(f"cudnn.conv_plan: the fused bias epilogue is f32 only, got {dtype}")
     if len(x_shape) == 3:        # 1-D as 2-D of height 1
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
         pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
@@ -211,7 +211,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
-        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2)), c_void_p()
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
         L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
         keep += (bd, ad)
@@ -237,13 +237,29 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     # timed again here, beside the graph API's engines
     ok = [p for p in ok if p.mathType == ok[0].mathType]
     L.cudnnSetConvolutionMathType(cd, ok[0].mathType)
-    cands = [legacy(p) for p in ok[:3]]
     if bias_ptr is None:
-        cands += _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation,
-                              (x_ptr, w_ptr, y_ptr), ws, tf32, dtype)
+        cands = [legacy(p) for p in ok[:3]] + _graph_plans(
+            h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, (x_ptr, w_ptr, y_ptr), ws,
+            tf32, dtype)
+    else:   # the fused call may refuse an algorithm Find ranked for the plain forward (in half
+        # too): the first three that run
+        cands = [c for c in (legacy(p) for p in ok) if _runs(c)][:3]
+        if not cands:
+            raise CudnnError("cudnnConvolutionBiasActivationForward", 0,
+                             f"no algorithm runs the fused bias + relu for {dtype} x "
+                             f"{list(x_shape)} w {list(w_shape)} y {list(y_shape)}")
     if len(cands) == 1:
         return cands[0]
     return min(cands, key=lambda c: _time(c, stream))
+
+
+def _runs(fn) -> bool:
+    """Whether one call of ``fn`` succeeds (a cuDNN error status: False)."""
+    try:
+        fn()
+    except CudnnError:
+        return False
+    return True
 
 
 def _time(fn, stream, runs: int = 3) -> float:
