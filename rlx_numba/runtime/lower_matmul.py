@@ -224,22 +224,11 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
     has_epi = any(v is not None for v in epi.values())
-    # a half product with an epilogue left to the element-wise kernel is written f32 to a
-    # scratch of its own: the kernel rounds once, on its store (``_epilogue``)
-    held = []
-
-    def scratch():     # (one, whichever tier takes it)
-        if not held:
-            held.append(ctx.device_array(np.empty(batch * m * ncols, np.float32)))
-        return held[0]
-    if k == 0:   # an empty sum: zeros, then the epilogue
-        zdst = scratch() if half and has_epi else full
-        zdt = dt.F32 if zdst is not out else n.dtype
-        steps.append(elementwise_step(name + " zero", ("cast", None, zdt, ("in", 0, dt.BOOL)),
-                                      zdst, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
+    if k == 0:   # an empty sum: zeros (exact in any dtype), then the epilogue in place
+        steps.append(elementwise_step(name + " zero", ("cast", None, n.dtype, ("in", 0, dt.BOOL)),
+                                      full, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
                                       [(1,)], [dt.BOOL]))
-        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=zdst,
-                                 out_dtype=n.dtype) + post
+        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, out_dtype=n.dtype) + post
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = matmul_env_tiers()
@@ -264,17 +253,15 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             continue
         if tier:
             b = _f32_weight(ctx, b, tier, why)
-        dst, tepi = full, epi
-        if half and has_epi and not (tier == 1 and lt_fuses_all(epi)):
-            dst, tepi = scratch(), dict.fromkeys(epi)   # f32 out, the kernel does the rest
-        plan = _TIERS[tier](ctx, name, a, b, dst, m, ncols, k, batch, offs_a, offs_b, tepi, why,
-                            kinds=(kind, kind if dst is out else "f32"))
+        # a half product is written in its dtype (D of cuBLASLt / GemmEx) with what the tier
+        # fuses; the rest of its epilogue runs in place on it (see the module docstring)
+        plan = _TIERS[tier](ctx, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why,
+                            kinds=(kind, kind))
         if plan is not None:
             steps, left = plan
-            # what the tier left of the epilogue (all of it when it was given none)
-            left = {**epi, **left} if tepi is epi else epi
+            left = {**epi, **left}      # what the tier left of the epilogue
             steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
-                                      src=dst, out_dtype=n.dtype) + post
+                                      out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
                 key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind)
@@ -288,7 +275,14 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
     b = _f32_weight(ctx, b, 4, why)
-    dst = scratch() if half and has_epi else full
+    dst = full
+    if half and has_epi:        # f32 into the arena scratch the plan gave the node (one
+        # rounding, on the epilogue kernel's store); an own array only where the tiers
+        # allowed changed since the plan (a product planned again by set_param_half)
+        dst = ctx.scratch_buf(n)
+        if dst is None or dst.size < batch * m * ncols:
+            dst = ctx.device_array(np.empty(batch * m * ncols, np.float32))
+        dst = dst[:batch * m * ncols]
     out_kind = kind if dst is out else "f32"
     kern = mm.sgemm_kernel(a.trans, b.trans, kind, out_kind)
     grid, block = mm.sgemm_launch(m, ncols, batch)
@@ -299,6 +293,22 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     return (_done(n, 4, why, steps, flops)
             + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst, out_dtype=n.dtype)
             + post)
+
+
+def f32_scratch_elems(graph: Graph, n) -> int:
+    """Elements of the f32 scratch that product node ``n`` (as the fusion pass lowers it)
+    writes, for the memory plan (plan.py puts it in the arena, live at the node's step
+    alone): a half product with an epilogue that may reach tier 4 (no cuBLAS tier for it:
+    the simulator, no library, RLX_NUMBA_MATMUL_TIERS), which writes its f32 sums there for
+    the epilogue kernel to round once; 0 for any other node."""
+    if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or n.attrs.get("gated")
+            or not (n.attrs.get("has_bias") or n.attrs.get("activation")
+                    or n.attrs.get("has_residual"))
+            or not n.size or not graph.nodes[n.inputs[0]].shape[-1]):
+        return 0
+    if not SIMULATOR and {1, 2} & matmul_env_tiers() and cublas.available()[0]:
+        return 0        # tier 1 or 2 takes every product (tier 2 whatever tier 1 refuses)
+    return n.size
 
 
 def _done(n, tier, why, steps, flops, last=-1):
