@@ -332,13 +332,6 @@ def _done(n, tier, why, steps, flops, last=-1):
     return steps
 
 
-def lt_fuses_all(epi) -> bool:
-    """cuBLASLt's epilogue takes all of ``epi``: the bias, relu / gelu_tanh, or a residual
-    with no activation (as C, beta = 1)."""
-    act = epi["activation"]
-    return act in LT_ACTIVATIONS and (epi["residual"] is None or act is None)
-
-
 def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, src=None,
               out_dtype=dt.F32):
     """out = activation(src + bias) + residual as one generated kernel (or nothing), in f32
