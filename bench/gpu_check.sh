@@ -38,7 +38,7 @@ if [ "$mode" = half ]; then
   run half.log 170 bench/bench_models.py --no-compile --only llama --dtype bf16 --out "$J/models_llama_bf16.json"
   run half.log 150 bench/bench_models.py --only decode1b --new 64 --out "$J/models_1b_bf16.json"
   run half.log 120 bench/bench_vision.py --models-only --dtypes bf16 --out "$J/vision_bf16.json"
-  run half.log 120 bench/bench_train.py --no-compile --precision bf16 --iters 3 --out "$J/train_bf16.json"
+  run half.log 240 bench/bench_train.py --only llama --precision bf16 --iters 3 --out "$J/train_bf16.json"
   tar -czf "$OUT/bench_json.tgz" -C "$J" .
 fi
 

@@ -18,6 +18,7 @@ workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent stre
 from __future__ import annotations
 
 import ctypes
+import math
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
@@ -167,13 +168,13 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     "bwd_filter" writes w (dw) from x and y (dy). The fastest algorithm that fits the
     workspace is found now (cudnnFind*AlgorithmEx, run on these buffers). A forward with
     ``bias_ptr`` (a [K] bias) is relu(conv + bias (+ z [N, K, *O] at ``z_ptr``)) in one
-    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu), f32 only.
-    ``dtype`` ("f32", "f16", "bf16") is x's, w's and y's; the math is f32 whatever it is."""
+    cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu). ``dtype`` ("f32",
+    "f16", "bf16") is x's, w's and y's, and the bias's and z's (cuDNN's PSEUDO_HALF /
+    PSEUDO_BFLOAT16 configurations); the math is f32 whatever it is (the f32 compute type:
+    conv + bias + z and the relu in f32, rounded once on y's store)."""
     L = lib()
     code = DATA_TYPES[dtype]
     half = dtype != "f32"
-    if half and bias_ptr is not None:
-        raise ValueError(f"cudnn.conv_plan: the fused bias epilogue is f32 only, got {dtype}")
     if len(x_shape) == 3:        # 1-D as 2-D of height 1
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
         pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
@@ -210,7 +211,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
-        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2)), c_void_p()
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
         L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
         keep += (bd, ad)
@@ -236,13 +237,29 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     # timed again here, beside the graph API's engines
     ok = [p for p in ok if p.mathType == ok[0].mathType]
     L.cudnnSetConvolutionMathType(cd, ok[0].mathType)
-    cands = [legacy(p) for p in ok[:3]]
     if bias_ptr is None:
-        cands += _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation,
-                              (x_ptr, w_ptr, y_ptr), ws, tf32, dtype)
+        cands = [legacy(p) for p in ok[:3]] + _graph_plans(
+            h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, (x_ptr, w_ptr, y_ptr), ws,
+            tf32, dtype)
+    else:   # the fused call may refuse an algorithm Find ranked for the plain forward (in half
+        # too): the first three that run
+        cands = [c for c in (legacy(p) for p in ok) if _runs(c)][:3]
+        if not cands:
+            raise CudnnError("cudnnConvolutionBiasActivationForward", 0,
+                             f"no algorithm runs the fused bias + relu for {dtype} x "
+                             f"{list(x_shape)} w {list(w_shape)} y {list(y_shape)}")
     if len(cands) == 1:
         return cands[0]
     return min(cands, key=lambda c: _time(c, stream))
+
+
+def _runs(fn) -> bool:
+    """Whether one call of ``fn`` succeeds (a cuDNN error status: False)."""
+    try:
+        fn()
+    except CudnnError:
+        return False
+    return True
 
 
 def _time(fn, stream, runs: int = 3) -> float:
@@ -383,3 +400,80 @@ def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs
         launch.api, launch.workspace = "graph", need.value
         plans.append(launch)
     return plans
+
+
+# ---- fused attention (scaled dot-product attention) through cuDNN's frontend ------------------
+# NVIDIA's ``nvidia-cudnn-frontend`` package (the GPU extras, 1.14: its pygraph takes raw
+# device pointers keyed by tensor uid and a raw cudnnHandle_t) builds the SDPA graph; cuDNN
+# picks its fused flash-attention engine (tensor cores, f32 softmax and accumulation).
+# Building that graph by hand with backend descriptors is several hundred lines of
+# attribute plumbing the frontend already keeps in step with each cuDNN release.
+_Q, _K, _V, _O, _BIAS = 1, 2, 3, 4, 5
+_sdpa_cache: dict = {}
+
+
+def frontend():
+    """(the ``cudnn`` frontend module bound to this module's libcudnn, None) or (None, why)."""
+    ok, why = available()
+    if not ok:
+        return None, why
+    lib()                   # its soname loaded first: the frontend's dlopen then finds it
+    try:
+        import cudnn as fe
+    except Exception as e:  # noqa: BLE001 - any import failure means "no frontend"
+        return None, (f"the cuDNN frontend (pip install nvidia-cudnn-frontend) is not "
+                      f"importable: {type(e).__name__}: {e}")
+    if not hasattr(fe, "pygraph") or fe.backend_version() < 90000:
+        return None, "the cuDNN frontend or backend is too old for fused attention (cuDNN 9)"
+    return fe, None
+
+
+def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, scale: float,
+              causal: str | None, bias_dims=None, ptrs: dict):
+    """A callable running softmax(scale q k^T (+ bias), causal) v on ``stream``: q / o of
+    ``dims_q`` [B, Hq, Sq, D], k / v of ``dims_kv`` [B, Hkv, Sk, D] (Hq a multiple of Hkv),
+    each with its element strides (o's are q's); ``causal`` None, "top_left" or
+    "bottom_right" (query i sees keys j <= i + Sk - Sq); ``bias_dims`` the additive bias's
+    [B or 1, Hq or 1, Sq or 1, Sk] (contiguous, ``dtype``). ``ptrs``: q, k, v, o (and bias)
+    device pointers. The built graph is cached per shape and attributes. Raises
+    CudnnError when cuDNN has no engine for it."""
+    fe, why = frontend()
+    if fe is None:
+        raise CudnnError("sdpa", -1, why)
+    h, ws = handle(stream)
+    key = (h.value, tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), dtype,
+           float(scale), causal, tuple(bias_dims) if bias_dims else None)
+    g = _sdpa_cache.get(key)
+    if g is None:
+        io = {"f16": fe.data_type.HALF, "bf16": fe.data_type.BFLOAT16}[dtype]
+        g = fe.pygraph(io_data_type=io, intermediate_data_type=fe.data_type.FLOAT,
+                       compute_data_type=fe.data_type.FLOAT, handle=h.value)
+        q = g.tensor(name="q", dim=list(dims_q), stride=list(strides_q), data_type=io, uid=_Q)
+        k = g.tensor(name="k", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_K)
+        v = g.tensor(name="v", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_V)
+        bias = None
+        if bias_dims:
+            bs = [int(math.prod(bias_dims[i + 1:])) for i in range(4)]
+            bias = g.tensor(name="bias", dim=list(bias_dims), stride=bs, data_type=io, uid=_BIAS)
+        o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=float(scale),
+                      bias=bias, use_causal_mask=causal == "top_left",
+                      use_causal_mask_bottom_right=causal == "bottom_right")
+        o.set_output(True).set_dim(list(dims_q)).set_stride(list(strides_q)).set_uid(_O) \
+            .set_data_type(io)
+        try:
+            g.validate()
+            g.build_operation_graph()
+            g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.FALLBACK])
+            g.check_support()
+            g.build_plans()
+        except Exception as e:  # noqa: BLE001 - the frontend raises several types
+            raise CudnnError("sdpa", -1, f"no fused-attention engine: {e}") from None
+        if g.get_workspace_size() > WORKSPACE_BYTES:
+            raise CudnnError("sdpa", -1, f"workspace {g.get_workspace_size()} B > "
+                             f"{WORKSPACE_BYTES} B")
+        _sdpa_cache[key] = g
+    pack = {_Q: ptrs["q"], _K: ptrs["k"], _V: ptrs["v"], _O: ptrs["o"]}
+    if bias_dims:
+        pack[_BIAS] = ptrs["bias"]
+    hv = h.value
+    return lambda: g.execute(pack, ws, hv)

@@ -1,8 +1,9 @@
 """Optimizers for ``rlx.compile_train``: torch.optim's SGD, Adam and AdamW update rules.
 
 An optimizer here holds hyperparameters only (checked as torch checks them, with clearer
-errors); ``compile_train`` (train.py) gives it its device state and lowers its update to one
-multi-tensor kernel launch over every trained param (kernels/optim.py). The per-step values
+errors); ``compile_train`` (train.py) gives it its device state and makes its update one graph
+node ("optim_update", ir/ops_optim.py: its ``rule()``), lowered to one multi-tensor kernel
+launch over every trained param (runtime/lower_optim.py, kernels/optim.py). The per-step values
 (lr, Adam's bias corrections) are computed on the host in float64 as torch does and read by
 the kernel from a small device array, so ``Trainer.set_lr`` needs no recompile.
 """
@@ -12,8 +13,6 @@ import math
 import numbers
 
 import numpy as np
-
-from .kernels import optim as k
 
 HYPER_LEN = 4      # the per-step values a kernel reads (kernels/optim.py)
 
@@ -51,20 +50,14 @@ class Optimizer:
         """The per-step values of step ``step`` (1 on the first) with learning rate ``lr``."""
         raise NotImplementedError
 
-    def launches(self, params, grads, states, table, nchunks, hyper, clip):
-        """[(kernel, args)] of the update: ``clip`` is (partials, nparts, max_norm) or None."""
+    def rule(self) -> tuple:
+        """(rule, hp) of its "optim_update" node (ir/ops_optim.py): "sgd" or "adam" and the
+        hyperparameters as (name, value) pairs."""
         raise NotImplementedError
 
     def __repr__(self):
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if k != "states")
         return f"{type(self).__name__}({args})"
-
-
-def _clip_args(clip):
-    if clip is None:
-        return None, np.int64(0), np.float32(0.0)
-    partials, nparts, max_norm = clip
-    return partials, np.int64(nparts), np.float32(max_norm)
 
 
 class SGD(Optimizer):
@@ -86,13 +79,9 @@ class SGD(Optimizer):
     def hyper(self, lr, step):
         return np.array([lr, 1.0 if step == 1 else 0.0, 0.0, 0.0], np.float32)
 
-    def launches(self, params, grads, states, table, nchunks, hyper, clip):
-        partials, nparts, max_norm = _clip_args(clip)
-        buf = states[0] if states else params       # (not read when momentum is 0)
-        return [(k.sgd_update, (params, grads, buf, table, np.int64(nchunks), hyper,
-                                np.float32(self.momentum), np.float32(self.dampening),
-                                np.float32(self.weight_decay), np.int32(self.nesterov),
-                                params if partials is None else partials, nparts, max_norm))]
+    def rule(self):
+        return "sgd", (("momentum", self.momentum), ("dampening", self.dampening),
+                       ("weight_decay", self.weight_decay), ("nesterov", self.nesterov))
 
 
 class Adam(Optimizer):
@@ -120,16 +109,11 @@ class Adam(Optimizer):
         bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step        # in float64, as torch's host math
         return np.array([lr, -lr / bc1, bc2 ** 0.5, 1 - lr * self.weight_decay], np.float32)
 
-    def launches(self, params, grads, states, table, nchunks, hyper, clip):
-        partials, nparts, max_norm = _clip_args(clip)
+    def rule(self):
         b1, b2 = self.betas
-        max_sq = states[2] if self.amsgrad else states[1]   # (not read without amsgrad)
-        return [(k.adam_update, (params, grads, states[0], states[1], max_sq, table,
-                                 np.int64(nchunks), hyper, np.float32(1 - b1), np.float32(b2),
-                                 np.float32(1 - b2), np.float32(self.eps),
-                                 np.float32(self.weight_decay), np.int32(self.decoupled),
-                                 np.int32(self.amsgrad),
-                                 params if partials is None else partials, nparts, max_norm))]
+        return "adam", (("beta1", b1), ("beta2", b2), ("eps", self.eps),
+                        ("weight_decay", self.weight_decay), ("decoupled", self.decoupled),
+                        ("amsgrad", self.amsgrad))
 
 
 class AdamW(Adam):

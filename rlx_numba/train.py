@@ -17,10 +17,20 @@ How it is put together:
   trained params are views into that buffer, so set_param / get_param and every kernel of the
   forward and backward read and write the very bytes the update writes. Trained params are
   stored row-major (never [N, K], see lower_matmul.transposed_weights), the grads' layout.
-- The update is the last step of the executable: one multi-tensor kernel launch over every
-  param (kernels/optim.py), after a sum-of-squares launch when ``clip_grad_norm`` is set.
-  GRAPH mode captures the whole train step (inputs aside) as one CUDA graph; ``step()``
-  writes the new per-step values into the HYPER input like any other input.
+- The update is the graph's last node, "optim_update" (ir/ops_optim.py), whose inputs are the
+  trainer's buffers (params of the graph, named ``__train__.*``, bound by the TrainStore),
+  HYPER, the grads and the trained params; runtime/lower_optim.py lowers it to one
+  multi-tensor kernel launch over every param (kernels/optim.py), after a sum-of-squares
+  launch when ``clip_grad_norm`` is set. GRAPH mode captures the whole train step (inputs
+  aside) as one CUDA graph; ``step()`` writes the new per-step values into the HYPER input
+  like any other input.
+- Mixed precision (``precision="bf16" | "f16"``): the forward is ``g.autocast(precision)``
+  with each cast of a trained param to the half dtype replaced by a param leaf, the param's
+  half copy, which the update writes beside the f32 master value (same launch); the half
+  copy's gradient reaches the update cast back to f32, as the cast's VJP would. f16 adds
+  GradScaler's dynamic loss scaling: the backward starts from loss * scale (a
+  ``__train__.loss_scaler`` leaf), the update checks the grads for inf / NaN on the device,
+  skips on any and unscales otherwise, and a one-block launch updates the scale.
 """
 from __future__ import annotations
 
@@ -29,14 +39,12 @@ import numpy as np
 
 from .ir import dtypes as dt
 from .ir.graph import Graph, Tensor
-from .ir.opdef import INPLACE, ops_where
+from .ir.opdef import INPLACE, VIEW, opdef, ops_where
 from .ir.ops import fmt
 from .ir.ops_dist import world
-from .kernels import optim as kopt
 from .memory import ALIGN, MemoryReport
-from .modes import parse_compile_mode, parse_exec_mode
+from .modes import parse_compile_mode, parse_exec_mode, parse_precision
 from .optim import HYPER_LEN, Optimizer, check_number
-from .runtime import lower, lower_dist
 from .runtime.executable import CudaExecutable
 from .runtime.params import ParamStore
 from .runtime.plan import legalise, plan_graph
@@ -45,9 +53,17 @@ from .runtime.program import Program
 HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step values
 
 
+HALF = {"f32": None, "bf16": dt.BF16, "f16": dt.F16}
+OWN = "__train__."          # the names of the leaves the trainer adds and owns
+SCALER = OWN + "loss_scaler"
+GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5     # torch.amp.GradScaler's defaults
+LAYOUT_OPS = ("reshape", "transpose")      # cast(op(w)) == op(cast(w)): values only moved
+
+
 def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
                   exec_mode="graph", clip_grad_norm=None, compile_mode="jit",
-                  stream=None, deterministic=False, data_parallel=False) -> "Trainer":
+                  stream=None, deterministic=False, data_parallel=False, precision="f32",
+                  init_scale=2.0 ** 16, growth_interval=2000) -> "Trainer":
     """Compile one training step of ``g``: the forward to the scalar ``loss``, its gradient
     with respect to ``params``, and ``optimizer``'s update of them in place.
 
@@ -63,6 +79,14 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     all_reduce("avg") a bucket, on a second stream while the backward goes on), so every
     replica makes the same update, the one of the mean of the ranks' losses; ``step``
     returns this rank's loss.
+    ``precision``: "f32", or "bf16" / "f16" for mixed precision (torch.autocast + GradScaler):
+    the step runs ``g.autocast(precision)``; the params (master weights) and the optimizer
+    state stay f32, and the half copies the forward reads (its casts of the params) are
+    written by the update, not cast again each step. "f16" adds dynamic loss scaling by
+    torch.amp.GradScaler's rules: the loss times the scale (``init_scale``) before the
+    backward, the grads divided by it in the update; a step whose grads hold an inf or NaN
+    leaves params and state untouched (and does not count as an optimizer step) and halves
+    the scale; ``growth_interval`` clean steps in a row double it (``Trainer.loss_scale``).
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
@@ -73,48 +97,149 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     if not isinstance(optimizer, Optimizer):
         raise ValueError(f"compile_train: optimizer must be a rlx_numba.optim optimizer (SGD, "
                          f"Adam, AdamW), got {type(optimizer).__name__}")
+    try:
+        precision = parse_precision(precision)
+    except ValueError as e:
+        raise ValueError(f"compile_train: {e}") from None
+    half = HALF[precision]
+    scaling = None
+    if half == dt.F16:
+        init_scale = check_number("compile_train", "init_scale", init_scale, lo=0.0,
+                                  lo_open=True)
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) \
+                or growth_interval < 1:
+            raise ValueError(f"compile_train: growth_interval must be an int >= 1, got "
+                             f"{growth_interval!r}")
+        scaling = (GROWTH_FACTOR, BACKOFF_FACTOR, growth_interval)
     em, cm = parse_exec_mode(exec_mode), parse_compile_mode(compile_mode)
     if em.kind == "multistream" or em.streams > 1:
         raise ValueError(f"compile_train: exec_mode {em} is not supported (the update reads "
                          f"every gradient at once); use 'graph', 'stream' or 'eager'")
     max_norm = None if clip_grad_norm is None else check_number(
         "compile_train", "clip_grad_norm", clip_grad_norm, lo=0.0)
-    ids = _trained(g, loss, params)
+    names = [g.nodes[i].name for i in _trained(g, loss, params)]
 
-    tg = g.copy()
-    wrt = [tg.tensor(i) for i in ids]
-    grads = tg.grad(tg.tensor(loss.id), wrt, deterministic=deterministic)
+    tg, loss_t, halves = _forward(g, loss, half, set(names))
+    n_forward = len(tg.nodes)
+    grads = _grads(tg, loss_t, names, halves, scaling is not None, deterministic)
     if data_parallel:
         grads = _averaged(tg, grads)
-    hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
-    loss_t = tg.tensor(loss.id)
     tg.set_outputs([loss_t] + grads)
-    n_forward = len(g.nodes)
     moved: dict = {}
     tg = legalise(tg, moved)   # (the convolutions cuDNN does not run: a copy, other node ids)
     if moved:
-        ids = [moved[i].id for i in ids]
-        grads, hyper, loss_t = [moved[d.id] for d in grads], moved[hyper.id], moved[loss_t.id]
+        grads, loss_t = [moved[d.id] for d in grads], moved[loss_t.id]
         n_forward = moved[n_forward - 1].id + 1
-    plan = plan_graph(tg)
-    stuck = [k for k, d in enumerate(grads) if tg.nodes[plan.root[d.id]].op == "param"]
-    if stuck:       # a gradient that is a param's own memory: the update needs it in the arena
-        for k in stuck:
-            grads[k] = grads[k] * 1.0
-        tg.set_outputs([loss_t] + grads)
-        plan = plan_graph(tg)
-    plan.transposed = plan.transposed - set(ids)     # row-major, like their grads
+    stuck = _stuck(tg, grads)
+    for k in stuck:         # a gradient that is a param's own memory: the update needs it in
+        grads[k] = grads[k] * 1.0           # the arena
 
-    layout = _Layout([tg.nodes[i] for i in ids], len(optimizer.states))
-    store = TrainStore(f"{g.name}.train", layout.slots)
+    trained = [tg.leaf(n) for n in names]
+    copies = half if halves else None       # (no product read a trained param: no copies)
+    layout = _Layout([t.node for t in trained], optimizer.states, copies,
+                     [halves.get(n) for n in names], scaling is not None)
+    rule, hp = optimizer.rule()
+    leaves = {name: tg.param(name, shape, dtype) if tg.leaf(name) is None else tg.leaf(name)
+              for name, (shape, dtype, _) in layout.slots.items() if name.startswith(OWN)}
+    hyper = tg.input(HYPER, (HYPER_LEN,), "f32")
+    ins = ([leaves[layout.flat_name], hyper] + [leaves[layout.state_name(s)]
+                                                for s in optimizer.states]
+           + grads + trained)
+    if copies is not None:
+        ins.append(leaves[layout.half_name])
+    if scaling is not None:
+        ins.append(leaves[SCALER])
+    update = tg.bind("optim_update", ins, rule=rule, hp=hp, nstates=len(optimizer.states),
+                     offsets=tuple(layout.offsets), sizes=tuple(layout.sizes),
+                     half_offsets=None if copies is None else tuple(layout.half_offsets),
+                     max_norm=max_norm, scaling=scaling)
+    tg.set_outputs([loss_t])
+    plan = plan_graph(tg)
+    # the trainer's buffers are row-major, as the grads
+    plan.transposed = plan.transposed - {t.id for t in trained} - {
+        tg.leaf(h).id for h in halves.values()}
+    store = TrainStore(f"{g.name}.train", layout.slots)     # (its external memory)
     program = Program(plan, cm, em, store, stream)
     program.lower_all()
-    steps = program.lower_group(hyper.id, lambda ctx: _update_steps(
-        ctx, plan, optimizer, layout, [d.id for d in grads], hyper, max_norm), hyper.node)
-    steps[:0] = lower_dist.join_steps(program)     # the overlapped all_reduces done
-    program.append_group(hyper.id, steps)   # last: the update runs after every other step
     exe = CudaExecutable(program)
-    return Trainer(g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm)
+    return Trainer(g, exe, tg, optimizer, names, layout, plan, n_forward, max_norm,
+                   [d.id for d in grads], update, precision, scaling, init_scale, halves)
+
+
+def _forward(g: Graph, loss: Tensor, half, names: set):
+    """(the graph the step runs, its loss, {trained param name: the name of its half copy}):
+    a copy of ``g`` (same node ids); for a half precision ``g.autocast(half)`` in which each
+    cast of a trained param to ``half`` is a param leaf instead (the update writes it). A
+    cast of a layout op of the param (a transpose or reshape: the Hugging Face [out, in]
+    weights) becomes that op of the half leaf."""
+    if half is None:
+        tg = g.copy()
+        return tg, tg.tensor(loss.id), {}
+    src = g.copy()
+    src.set_outputs([src.tensor(loss.id)])       # (autocast keeps the outputs' order)
+    ag = src.autocast(half.name)
+    halves, leaves = {}, {}
+
+    def expand(h, n, ins):
+        if n.op != "cast" or n.dtype != half:
+            return None
+        chain, p = [], ag.nodes[n.inputs[0]]
+        while p.op in LAYOUT_OPS:
+            chain.append(p)
+            p = ag.nodes[p.inputs[0]]
+        if p.op != "param" or p.name not in names:
+            return None
+        if p.name not in leaves:
+            halves[p.name] = OWN + "half." + p.name
+            leaves[p.name] = h.param(halves[p.name], p.shape, half)
+        t = leaves[p.name]
+        for m in reversed(chain):
+            t = h.bind(m.op, [t], **m.attrs)
+        return t
+    moved: dict = {}
+    tg = ag.rewritten(expand, moved)
+    return tg, moved[ag.outputs[0]], halves
+
+
+def _grads(tg: Graph, loss: Tensor, names, halves: dict, scaled: bool, deterministic) -> list:
+    """The f32 gradient of each trained param: through its f32 uses and (cast back to f32,
+    as the cast's VJP) through its half copy; with loss scaling, of loss * scale."""
+    y = loss
+    if scaled:
+        sc = tg.param(SCALER, (3,), "f32")
+        scale = tg.reshape(tg.narrow(sc, 0, 0, 1), loss.shape)
+        y = (loss if loss.dtype == dt.F32 else tg.cast(loss, "f32")) * scale
+    reach = _grad_reachable(tg, y.id)
+    wrt, parts = [], []
+    for n in names:
+        got = []
+        for leaf in (tg.leaf(n), tg.leaf(halves[n]) if n in halves else None):
+            if leaf is not None and leaf.id in reach:
+                got.append(len(wrt))
+                wrt.append(leaf)
+        parts.append(got)
+    gs = tg.grad(y, wrt, deterministic=deterministic)
+    out = []
+    for got in parts:
+        terms = [gs[k] if gs[k].dtype == dt.F32 else tg.cast(gs[k], "f32") for k in got]
+        total = terms[0]
+        for t in terms[1:]:
+            total = total + t
+        out.append(total)
+    return out
+
+
+def _stuck(tg: Graph, grads: list) -> list:
+    """The indices of the grads whose memory may be a param's (a VJP that hands an operand
+    back, seen through views): the update reads grads from the arena."""
+    out = []
+    for k, d in enumerate(grads):
+        n = d.node
+        while opdef(n.op).memory in (VIEW, INPLACE) and n.inputs:   # (a narrow may be a copy:
+            n = tg.nodes[n.inputs[0]]                               # copied again, harmless)
+        if n.op == "param":
+            out.append(k)
+    return out
 
 
 BUCKET_BYTES = 25 << 20     # torch DDP's default bucket
@@ -211,12 +336,16 @@ def _trained(g: Graph, loss: Tensor, params) -> list:
 
 # ---- device layout ----------------------------------------------------------------------------
 class _Layout:
-    """The flat param buffer and the optimizer state buffers: param k at ``offsets[k]`` (f32
-    elements, a multiple of 256 bytes) in each."""
+    """The trainer's device buffers: the flat f32 param buffer (param k at ``offsets[k]``, a
+    multiple of 256 bytes), each optimizer state in the same layout, for a half precision the
+    half copies in the same layout (``half_offsets[k]``, -1 for a param the forward reads
+    only in f32), and with loss scaling the scaler [scale, clean steps, found inf].
+    ``slots``: name -> (shape, dtype, flat uint8 device view) of every param the TrainStore
+    binds to them: the trained params, their half copies and the update's own leaves."""
 
-    def __init__(self, nodes, nstates: int):
+    def __init__(self, nodes, states, half, half_names, scaling=False):
         from numba import cuda
-        per = ALIGN // 4
+        per = ALIGN // (4 if half is None else 2)     # 256-byte aligned in f32 and in half
         self.names = [n.name for n in nodes]
         self.sizes = [n.size for n in nodes]
         self.offsets, top = [], 0
@@ -224,13 +353,37 @@ class _Layout:
             self.offsets.append(top)
             top += -(-max(n, 1) // per) * per
         self.total = top
-        self.flat = cuda.to_device(np.zeros(4 * top, np.uint8))
-        self.params = self.flat.view(np.float32)
         ends = self.offsets[1:] + [top]
-        self.slots = {nd.name: (tuple(nd.shape), self.flat[4 * o:4 * e])
-                      for nd, o, e in zip(nodes, self.offsets, ends)}
-        self.state = cuda.to_device(np.zeros(max(1, nstates * top), np.float32))
-        self.states = [self.state[s * top:(s + 1) * top] for s in range(nstates)]
+
+        def buffer(name, dtype, host=None):
+            size = dtype.itemsize
+            mem = cuda.to_device(np.zeros(size * top, np.uint8) if host is None else
+                                 np.ascontiguousarray(host).view(np.uint8))
+            self.slots[name] = ((len(mem) // size,), dtype, mem)
+            return mem
+
+        self.slots = {}
+        self.flat_name, self.half_name = OWN + "params", OWN + "half"
+        self.flat = buffer(self.flat_name, dt.F32)
+        self.params = self.flat.view(np.float32)
+        for nd, o, e in zip(nodes, self.offsets, ends):
+            self.slots[nd.name] = (tuple(nd.shape), dt.F32, self.flat[4 * o:4 * e])
+        self.states = [buffer(self.state_name(s), dt.F32).view(np.float32) for s in states]
+        self.half_offsets = [-1] * len(nodes)
+        self.half_nbytes = 0
+        if half is not None:
+            hflat = buffer(self.half_name, half)
+            self.half_nbytes = len(hflat)
+            for k, (nd, o, e, hn) in enumerate(zip(nodes, self.offsets, ends, half_names)):
+                if hn is not None:
+                    self.half_offsets[k] = o
+                    self.slots[hn] = (tuple(nd.shape), half, hflat[2 * o:2 * e])
+        self.scaler = buffer(SCALER, dt.F32, np.zeros(3, np.float32)).view(np.float32) \
+            if scaling else None
+
+    @staticmethod
+    def state_name(state: str) -> str:
+        return OWN + state
 
     @property
     def nbytes(self) -> int:
@@ -238,80 +391,24 @@ class _Layout:
 
 
 class TrainStore(ParamStore):
-    """A ParamStore whose trained params are views into a trainer's flat buffer (row-major,
-    never written in place by the graph); its other params are stored as usual. Another graph
-    may share it (``rlx.compile(g, params=tr.exe.params)``: it sees the trained values) as
-    long as it reads the trained params row-major."""
-
-    def __init__(self, name: str, slots: dict):
-        super().__init__(name)
-        self._slots = slots           # name -> (shape, flat uint8 view)
+    """The trainer's ParamStore: the trained params and the update's own leaves are bound to
+    the trainer's buffers (``external``: row-major, only the update writes them in place);
+    its other params are stored as usual. Another graph may share it (``rlx.compile(g,
+    params=tr.exe.params)``: it sees the trained values) as long as it reads the trained
+    params row-major."""
 
     def bind(self, exe, node, transposed: bool, written: bool = False, weight_only=None):
-        shape, view = self._slots.get(node.name, (None, None))
-        if view is None or (tuple(node.shape), node.dtype) != (shape, dt.F32):
-            return super().bind(exe, node, transposed, written, weight_only)
-        if written:
-            raise ValueError(f"compile_train: param {node.name!r} is written in place by the "
-                             f"graph ({', '.join(sorted(ops_where(memory=INPLACE)))}); it cannot be "
-                             f"trained")
-        if transposed:
-            raise ValueError(f"compile: param {node.name!r} is trained (stored row-major in the "
-                             f"trainer's buffer), and this graph would store it [N, K]; compile "
-                             f"it with its own ParamStore and copy the values with get_param")
-        key = (node.name, tuple(node.shape), node.dtype)
-        e = self._entries.get(key)
-        created = e is None
-        if created:
-            e = self._new_entry(key, node)
-            e.copies[False] = view
-        self._use(exe, key, e)
-        return e, view, e.nbytes if created else 0     # (the bytes it added: ParamStore.bind)
-
-    def _release(self, key):
-        e = self._entries.get(key)
-        if e is not None and self._slots.get(e.name, (None, None))[1] is e.copies.get(False):
-            e.count -= 1
-            if not e.count:        # the trainer owns the bytes: nothing goes back to the pool
-                del self._entries[key]
-                self._free_halves(e)
-            return
-        super()._release(key)
-
-
-def _update_steps(exe, plan, optimizer, layout, grad_ids, hyper, max_norm):
-    """The update's Steps: [sum of squares (clip_grad_norm)], the multi-tensor update.
-    ``exe``: the program's LowerCtx, as a lowering gets it."""
-    graph, root = exe.graph, plan.root
-    goffs = []
-    for gid in grad_ids:
-        off, _ = lower.view_window(graph, gid, root)
-        goffs.append(plan.buffers[root[gid]].offset // 4 + off)
-    rows = [(o + s, go + s, min(kopt.CHUNK, n - s))
-            for o, go, n in zip(layout.offsets, goffs, layout.sizes)
-            for s in range(0, n, kopt.CHUNK)]
-    nchunks = len(rows)
-    table = exe.device_array(np.array(rows or [(0, 0, 0)], np.int64).reshape(-1, 3))
-    grads = exe.arena[:plan.arena_bytes].view(np.float32)
-    hyper_dev = exe.buf(hyper.node)
-    numel = sum(layout.sizes)
-    blocks, threads = kopt.grid(nchunks)
-    steps, clip = [], None
-    if max_norm is not None:
-        partials = exe.device_array(np.zeros(max(1, nchunks), np.float32))
-        clip = (partials, nchunks, max_norm)
-        steps.append(lower.Step(f"%{hyper.id} clip_grad_norm", f"grad_sumsq {numel} over "
-                                f"{nchunks} chunks", kopt.grad_sumsq, (blocks,), (threads,),
-                                (partials, grads, table, np.int64(nchunks)),
-                                {"bytes": 4 * numel}))
-    name = type(optimizer).__name__
-    for kernel, args in optimizer.launches(layout.params, grads, layout.states, table,
-                                           nchunks, hyper_dev, clip):
-        nbytes = 4 * numel * (3 + 2 * len(optimizer.states))
-        steps.append(lower.Step(f"%{hyper.id} optim.{name.lower()}", f"{kernel.py_func.__name__} "
-                                f"{len(layout.sizes)} params, {numel} over {nchunks} chunks",
-                                kernel, (blocks,), (threads,), args, {"bytes": nbytes}))
-    return steps
+        if self.external(node) is not None:
+            if written and not node.name.startswith(OWN):
+                raise ValueError(f"compile_train: param {node.name!r} is written in place by "
+                                 f"the graph ({', '.join(sorted(ops_where(memory=INPLACE)))}); "
+                                 f"it cannot be trained")
+            if transposed:
+                raise ValueError(f"compile: param {node.name!r} is trained (stored row-major in "
+                                 f"the trainer's buffer), and this graph would store it [N, K]; "
+                                 f"compile it with its own ParamStore and copy the values with "
+                                 f"get_param")
+        return super().bind(exe, node, transposed, written, weight_only)
 
 
 # ---- the trainer ------------------------------------------------------------------------------
@@ -325,6 +422,7 @@ class TrainMemoryReport(MemoryReport):
             return f"{n / 2**20:10.3f} MiB" if n >= 2**16 else f"{n:10d} B  "
         rows = [("trained params", self["trained_param_bytes"]),
                 ("optimizer state", self["optimizer_state_bytes"]),
+                ("half copies", self["half_copy_bytes"]),
                 ("gradients", self["grad_bytes"]),
                 ("saved for bwd", self["saved_for_backward_bytes"])]
         return "\n".join([super().__str__()] + [f"  {k:<18}{mib(v)}" for k, v in rows])
@@ -334,41 +432,72 @@ class TrainMemoryReport(MemoryReport):
 
 class Trainer:
     """What ``compile_train`` returns: ``step(inputs) -> loss``, ``set_param``, ``get_param``,
-    ``set_lr``, ``optimizer_state(name)``, ``memory_report()``, ``profile(inputs)``; ``exe`` is
-    the compiled executable (its graph, ``.graph``, is the training copy with the backward; it
-    takes one more input, HYPER, which ``step`` fills), ``params`` the trained params' names."""
+    ``set_lr``, ``optimizer_state(name)``, ``memory_report()``, ``profile(inputs)``,
+    ``loss_scale``; ``exe`` is the compiled executable (its graph, ``.graph``, is the training
+    graph: the forward (autocast for a half ``precision``), the backward and the update node;
+    it takes one more input, HYPER, which ``step`` fills), ``params`` the trained params'
+    names, ``precision`` the compute precision."""
 
-    def __init__(self, g, exe, tg, optimizer, ids, layout, plan, n_forward, max_norm):
+    def __init__(self, g, exe, tg, optimizer, names, layout, plan, n_forward, max_norm,
+                 grad_ids, update, precision, scaling, init_scale, halves):
         self.exe, self.graph, self.optimizer = exe, tg, optimizer
         self.source_graph = g
-        self.params = [tg.nodes[i].name for i in ids]
+        self.params = list(names)
+        self.precision = precision
         self.clip_grad_norm = max_norm
-        self.steps_done = 0
+        self.steps_done = 0           # train steps run
+        self.optimizer_steps = 0      # of them, those that updated (f16: not the skipped ones)
+        self.update = update          # the optim_update node (Tensor)
         self._lr = optimizer.lr
         self._layout, self._index = layout, {n: k for k, n in enumerate(layout.names)}
-        self._stats = self._memory(plan, n_forward)
+        self._halves, self._scaling = halves, scaling
+        self._stats = self._memory(plan, n_forward, grad_ids)
+        # the trainer's own leaves start set: zero state, and the scaler at init_scale
+        for name, (shape, dtype, _) in layout.slots.items():
+            if name.startswith(OWN):
+                v = np.zeros(shape, dtype.host)
+                if name == SCALER:
+                    v[0] = init_scale
+                exe.set_param(name, v)
 
     # ---- training ------------------------------------------------------------------------------
     def step(self, inputs: dict | None = None) -> float:
-        """Forward, backward and update once; returns this step's loss (before the update)."""
+        """Forward, backward and update once; returns this step's loss (before the update,
+        unscaled)."""
         loss = self.exe.run(self._with_hyper(inputs, "step"), outputs="view")[0]
         self.steps_done += 1
-        return float(loss.copy_to_host().reshape(-1)[0])
+        d = self.graph.nodes[self.graph.outputs[0]].dtype
+        value = float(loss.copy_to_host().reshape(-1).view(d.host)[0])
+        if self._scaling is None or not self._scaler()[2]:
+            self.optimizer_steps += 1
+        return value
 
     def profile(self, inputs: dict | None = None, warmup: int = 1):
         """``exe.profile`` of the train step (a table per step, the update's included). Every
         run of it trains: warmup + 2 steps (warmup + 1 without warmup), all with the per-step
-        values of the next step, and counted in ``steps_done``."""
+        values of the next step, and counted in ``steps_done`` and ``optimizer_steps``."""
         prof = self.exe.profile(self._with_hyper(inputs, "profile"), warmup)
-        self.steps_done += warmup + (2 if warmup else 1)
+        ran = warmup + (2 if warmup else 1)
+        self.steps_done += ran
+        self.optimizer_steps += ran
         return prof
 
     def _with_hyper(self, inputs, what):
         inputs = dict(inputs or {})
         if HYPER in inputs:
             raise ValueError(f"{what}: input name {HYPER!r} is reserved for the optimizer")
-        inputs[HYPER] = self.optimizer.hyper(self._lr, self.steps_done + 1)
+        inputs[HYPER] = self.optimizer.hyper(self._lr, self.optimizer_steps + 1)
         return inputs
+
+    def _scaler(self) -> np.ndarray:
+        self.exe.stream.synchronize()
+        return self._layout.scaler.copy_to_host()
+
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale the next step uses (f16: GradScaler.get_scale(); else 1.0, as a
+        disabled GradScaler)."""
+        return 1.0 if self._scaling is None else float(self._scaler()[0])
 
     @property
     def lr(self) -> float:
@@ -381,8 +510,13 @@ class Trainer:
 
     # ---- params and state ----------------------------------------------------------------------
     def set_param(self, name: str, value) -> None:
-        """Set any param of the graph (trained or not); the optimizer state is kept."""
+        """Set any param of the graph (trained or not); the optimizer state is kept (a
+        trained param's half copy is set to its rounding)."""
         self.exe.set_param(name, value)
+        half = self._halves.get(name)
+        if half is not None:
+            h = self.graph.leaf(half).dtype.host
+            self.exe.set_param(half, self.exe.get_param(name).astype(h))
 
     def get_param(self, name: str) -> np.ndarray:
         return self.exe.get_param(name)
@@ -400,17 +534,18 @@ class Trainer:
                 for s, buf in zip(self.optimizer.states, self._layout.states)}
 
     # ---- reporting -----------------------------------------------------------------------------
-    def _memory(self, plan, n_forward) -> dict:
+    def _memory(self, plan, n_forward, grad_ids) -> dict:
         nodes = self.graph.nodes
         order = [n.id for n in nodes if n.id in plan.live]
         first_bwd = next((t for t, nid in enumerate(order) if nid >= n_forward), len(order))
         saved = sum(b.size for b in plan.buffers.values()
                     if b.key < n_forward and not b.pinned and b.end >= first_bwd
                     and nodes[b.key].op != "param")
-        grads = {plan.root[o] for o in self.graph.outputs[1:]}
+        grads = {plan.root[i] for i in grad_ids}
         return {"trained_params": len(self.params),
                 "trained_param_bytes": self._layout.nbytes,
                 "optimizer_state_bytes": self._layout.nbytes * len(self.optimizer.states),
+                "half_copy_bytes": self._layout.half_nbytes,
                 "grad_bytes": sum(plan.buffers[r].size for r in grads),
                 "saved_for_backward_bytes": saved}
 
@@ -419,8 +554,9 @@ class Trainer:
         grad_bytes (arena outputs) and saved_for_backward_bytes (forward activations still in
         the arena when the backward starts)."""
         rep = dict(self.exe.memory_report())
-        # the trained params are bound as views into the flat buffer: counted there, not twice
-        names = set(self.params)
+        # the trained params and the update's leaves are bound as views into the trainer's
+        # buffers: counted there, not twice
+        names = set(self._layout.slots)
         rep["param_bytes"] -= sum(n.nbytes for n in self.graph.nodes
                                   if n.op == "param" and n.name in names)
         return TrainMemoryReport({**rep, **self._stats})

@@ -102,6 +102,13 @@ def run_half(rng, dt, qs, ks, *, mask_shape=None, bias_shape=None, bias_dtype=No
     return got
 
 
+@pytest.fixture(autouse=True)
+def _numba_tier(monkeypatch):
+    """These tests check the numba kernels (tier 1); on a GPU cuDNN would take some
+    (test_cudnn_tier sets tier 0 itself)."""
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "1")
+
+
 # name: (q shape, k shape, attributes); the simulator's tiles are 16 x 16 (16 threads)
 CASES = {
     "plain": ((1, 2, 5, 16), (1, 2, 7, 16), {}),
@@ -290,3 +297,49 @@ def test_gpu_geometry(rng, monkeypatch):
         want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
         for gv, wv in zip(got, want):
             assert_half_close(gv, wv, "f16", k=4.0, scale=np.abs(wv).max())
+
+
+# tier 0 (cuDNN's fused attention) on a GPU: every case it takes, against the same oracle,
+# with the tier checked; a bool mask (with a key-padding row that keeps no key: its output is
+# 0, as the numba kernels give) and a bias of q's dtype; bigger shapes than the simulator's
+CUDNN_CASES = {
+    "plain": ((2, 4, 65, 64), (2, 4, 65, 64), {}),
+    "causal_gqa": ((2, 8, 77, 64), (2, 2, 77, 64), {"causal": True}),
+    "causal_bottom_right": ((1, 4, 33, 128), (1, 4, 100, 128), {"causal": True}),
+    "bshd_layout": ((2, 37, 4 * 32), (2, 45, 2 * 32), {"num_heads": 4}),
+    "key_mask": ((3, 4, 40, 32), (3, 4, 40, 32), {"mask_shape": (3, 1, 1, 40)}),
+    "bias_scale": ((2, 4, 24, 32), (2, 4, 50, 32), {"bias_shape": (1, 4, 24, 50),
+                                                    "scale": 0.2}),
+}
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("name", list(CUDNN_CASES))
+def test_cudnn_tier(rng, monkeypatch, dt, name):
+    qs, ks, kw = CUDNN_CASES[name]
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "0")
+    g, _, _, y = _graph(dt, qs, ks, kw.get("mask_shape"), kw.get("bias_shape"), None,
+                        **{k: v for k, v in kw.items() if k not in ("mask_shape", "bias_shape")})
+    g.set_outputs([y])
+    feed = _feed(rng, dt, qs, ks, kw.get("mask_shape"), kw.get("bias_shape"))
+    if "m" in feed:
+        feed["m"][1] = False                      # batch row 1 keeps no key: zeros out
+    exe = rlx.compile(g)
+    assert any("cudnn sdpa" in s.kernel_name for s in exe.steps), [s.kernel_name for s in exe.steps]
+    (got,) = exe.run(feed)
+    attrs = {k: v for k, v in kw.items() if k not in ("mask_shape", "bias_shape", "num_heads")}
+    if len(qs) == 3:           # [B, S, H * D]: the oracle's [B, H, S, D] and back
+        hq, hkv = kw["num_heads"], kw["num_heads"] * ks[2] // qs[2]
+        four = [np.moveaxis(feed[n].reshape(t[0], t[1], h, -1), 1, 2)
+                for n, t, h in (("q", qs, hq), ("k", ks, hkv), ("v", ks, hkv))]
+        want = np.moveaxis(attention64(*four, **attrs), 1, 2).reshape(qs)
+    else:
+        want = attention64(feed["q"], feed["k"], feed["v"], mask=feed.get("m"),
+                           bias=feed.get("bias"), **attrs)
+    if "m" in feed:
+        assert not np.isnan(f64(got)).any() and not f64(got[1]).any()
+    # cuDNN rounds P to the dtype for the P V product (tensor cores): the error is a few u
+    # of sum_j p_j |v_j| <= max |v|, so the bound is normwise in v
+    assert_half_close(got, want, dt, k=2, scale=np.abs(f64(feed["v"])).max(),
+                      what=f"cudnn attention {name}")

@@ -354,11 +354,17 @@ def test_conv_tier_choice(monkeypatch):
         conv_tier(g, nodes[y3])
 
 
-@pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused epilogue runs on a GPU")
-def test_conv_epilogue_fused_on_gpu(rng, monkeypatch):
+@pytest.mark.parametrize("tier", [
+    pytest.param(None, marks=pytest.mark.skipif(not ON_GPU, reason="cuDNN runs on a GPU")),
+    "2"])
+def test_conv_epilogue_fused(rng, monkeypatch, tier):
     """relu(conv + bias + z) and relu(conv + bias) fold into one cuDNN call each (fusion
-    pass), against NumPy; NaN in z propagates through the relu as torch's does."""
-    monkeypatch.delenv("RLX_NUMBA_CONV_TIERS", raising=False)      # (the fold is tier 0's)
+    pass; the default ladder: cuDNN on a GPU), or into one implicit-GEMM kernel each (tier 2:
+    its tile store), against NumPy; NaN in z propagates through the relu as torch's does."""
+    if tier is None:
+        monkeypatch.delenv("RLX_NUMBA_CONV_TIERS", raising=False)
+    else:
+        monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", tier)
     x = rng.standard_normal((2, 3, 7, 6)).astype(np.float32)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     b = rng.standard_normal(4).astype(np.float32)
@@ -380,7 +386,9 @@ def test_conv_epilogue_fused_on_gpu(rng, monkeypatch):
     np.testing.assert_allclose(got1, want1, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got2, want2, rtol=1e-4, atol=1e-4)
     names = [s.kernel_name for s in exe.steps]
-    assert sum("+bias +z relu" in k for k in names) == 1 and len(names) == 2, names
+    what = "cudnn fwd" if tier is None else "numba implicit-GEMM conv"
+    assert sum(f"{what} +bias +z relu" in k for k in names) == 1 and len(names) == 2, names
+    assert sum(f"{what} +bias relu" in k for k in names) == 1, names
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN steps inside CUDA graphs and on several streams")

@@ -128,6 +128,48 @@ def test_conv(rng, dtype, xs, ws, kw, pads):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("tier", [
+    "2", pytest.param("0", marks=pytest.mark.skipif(not ON_GPU, reason="cuDNN runs on a GPU"))])
+def test_conv_epilogue_fused_in_half(rng, monkeypatch, dtype, tier):
+    """relu(conv + bias + z) and relu(conv + bias) in half fold into the conv (passes/fusion.py's
+    conv epilogue): one implicit-GEMM kernel each on tier 2 (its tile store), one
+    cudnnConvolutionBiasActivationForward each on tier 0, rounding once after the relu; NaN in
+    z propagates through the relu (as torch's). z is -conv + a little: conv + bias + z cancels
+    to ~0.02 where |conv| ~ 3, so a chain that rounded the conv to half first (the unfused
+    one: conv, then each add, rounded) would be off by u |conv|, ~100x the bound of one
+    rounding of the result checked here. The third output is the many-term case with bias
+    and relu folded: a half accumulator fails it (``_accumulation_case``)."""
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", tier)
+    a = _inputs(rng, dtype, x=(2, 3, 7, 6), w=(4, 3, 3, 3))
+    a["b"] = rounded(0.01 * rng.standard_normal(4), dtype)
+    conv = conv_ref(a["x"], a["w"], 1, [(1, 1), (1, 1)])
+    a["z"] = rounded(-conv + 0.01 * rng.standard_normal(conv.shape), dtype)
+    a["z"][1, 2, 3, 4] = np.nan
+    xa, wa, pads = _accumulation_case(rng, dtype)
+    a["xa"], a["wa"], a["ba"] = xa, wa, rounded(rng.standard_normal(2), dtype)
+    g = rlx.Graph("epi")
+    x, w, b, z, xat, wat, bat = (g.input(k, v.shape, dtype) for k, v in a.items())
+    g.set_outputs([g.relu(g.add(g.conv(x, w, b, padding=1), z)),
+                   g.relu(g.conv(x, w, b, padding=1)),
+                   g.relu(g.conv(xat, wat, bat, padding=1))])
+    exe = rlx.compile(g)
+    y1, y2, y3 = exe.run(a)
+    cb = conv + f64(a["b"]).reshape(1, -1, 1, 1)
+    want1 = np.maximum(cb + f64(a["z"]), 0)           # (np.maximum keeps the NaN)
+    assert_half_close(y1, want1, dtype, what="relu(conv + b + z)",
+                      scale=np.nanmax(want1) * 2.0 ** -6)
+    assert np.isnan(y1[1, 2, 3, 4]) and np.isnan(f64(y1)).sum() == 1
+    assert_half_close(y2, np.maximum(cb, 0), dtype, what="relu(conv + b)")
+    want3 = np.maximum(conv_ref(xa, wa, 1, pads) + f64(a["ba"]).reshape(1, -1, 1, 1), 0)
+    assert_half_close(y3, want3, dtype, what="relu(conv + b) of 576 terms")
+    names = [s.kernel_name for s in exe.steps]
+    what = "cudnn fwd" if tier == "0" else "numba implicit-GEMM conv"
+    assert len(names) == 3, names
+    assert sum(f"{what} +bias +z relu" in k for k in names) == 1, names
+    assert sum(f"{what} +bias relu" in k for k in names) == 2, names
+
+
+@pytest.mark.parametrize("dtype", HALVES)
 def test_conv_unbatched_3d(rng, dtype):
     a = _inputs(rng, dtype, x=(2, 4, 3, 5), w=(3, 2, 2, 2, 3))
     g = rlx.Graph("c3")

@@ -20,6 +20,7 @@ from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
+from . import ops_optim  # noqa: F401  (declares optim_update: compile_train's update node)
 from .ops_quant import QuantOps
 from .ops_random import RandomOps
 from .ops_reduce import ReduceOps

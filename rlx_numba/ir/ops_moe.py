@@ -121,6 +121,11 @@ defop("grouped_matmul_wgrad", infer_grouped_matmul_wgrad, dtype_rule=F32_ONLY,
       doc="grouped_matmul's weight gradient: per expert the sum of its rows' a^T b, in row order")
 
 
+
+def _f32(g, t):
+    """t in f32 (a visible cast for a half operand: the grouped products compute in f32)."""
+    return t if t.dtype == dt.F32 else g.cast(t, dt.F32)
+
 class MoEOps:
     """Builder methods; ``self`` is the Graph (``_f32``: NormOps')."""
 
@@ -139,7 +144,7 @@ class MoEOps:
         if not isinstance(trans_w, bool):
             raise ValueError(f"{op}: trans_w must be a bool, got {trans_w!r}")
         check_grouped(x, w, expert_ids, trans_w)   # on the arguments as given (halves too)
-        return self.bind(op, (self._f32(x), self._f32(w), expert_ids), trans_w=trans_w)
+        return self.bind(op, (_f32(self, x), _f32(self, w), expert_ids), trans_w=trans_w)
 
     def lora_matmul(self, x, w, a, b, scale):
         """x @ w + scale * (x @ a) @ b: x [..., K], w [K, N], a [K, r], b [r, N], scale a
@@ -149,7 +154,7 @@ class MoEOps:
         for arg, t in (("x", x), ("w", w), ("a", a), ("b", b)):
             self.check(op, arg, t)
         check_lora(x, w, a, b, scale)
-        x, w, a, b = (self._f32(t) for t in (x, w, a, b))
+        x, w, a, b = (_f32(self, t) for t in (x, w, a, b))
         low = self.linear(self.linear(x, a) * float(scale), b)
         return self.linear(x, w, residual=low)
 

@@ -180,14 +180,11 @@ def infer_conv_wgrad(x, dy, **a):
     return (dy.shape[1], x.shape[1] // a["groups"]) + tuple(a["kernel"]), x.dtype
 
 
-def infer_implicit_gemm(src, w, *, of, f32_out=False, **a):
-    """conv or conv_transpose (``of``) as one implicit-GEMM kernel: its inference; ``f32_out``:
-    the result f32 whatever the operands' dtype (the kernel's tile store writes f32: a half
-    convolution rounds it once after, ``implicit_gemm`` below)."""
+def infer_implicit_gemm(src, w, *, of, **a):
+    """conv or conv_transpose (``of``) as one implicit-GEMM kernel: its inference."""
     if of not in ("conv", "conv_transpose"):
         raise ValueError(f"implicit_gemm: of must be 'conv' or 'conv_transpose', got {of!r}")
-    shape, dtype = (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
-    return shape, dt.F32 if f32_out else dtype
+    return (infer_conv if of == "conv" else infer_conv_transpose)(src, w, **a)
 
 
 def _unfold(op, t, rank, want):
@@ -591,14 +588,11 @@ def expand_conv(g, node, ins):
 
 
 def implicit_gemm(g, node, ins):
-    """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2). Its
-    tiles (kernels/matmul.py's) store f32: a half convolution's f32 result is rounded once
-    after, by a cast."""
+    """conv / conv_transpose as one kernels/conv.py implicit-GEMM kernel (conv tier 2): f32
+    sums rounded once to the node's dtype on the tile store."""
     a = node.attrs
-    half = node.dtype != dt.F32
-    y = g.bind("implicit_gemm", tuple(ins[:2]), of=node.op, f32_out=half,
-               **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups", "pad_hi")})
-    return g.cast(y, node.dtype) if half else y
+    return g.bind("implicit_gemm", tuple(ins[:2]), of=node.op,
+                  **{k: a[k] for k in ("kernel", "stride", "pad", "dilation", "groups", "pad_hi")})
 
 
 # ---- resampling: pad, resize, adaptive_avg_pool ---------------------------------------------

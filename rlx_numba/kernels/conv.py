@@ -14,8 +14,8 @@ sign fix-ups to signed // and %. Window positions are compared in the padded inp
 index goes negative.
 
 Each factory takes the data's storage kind (kernels/halfio.py: "f32", "f16", "bf16") as a
-compile-time string: loads widen to f32, sums run in f32, stores round once. The implicit-GEMM
-kernels read half and write f32 (kernels/matmul.py's tile store).
+compile-time string: loads widen to f32, sums run in f32, stores round once (the
+implicit-GEMM kernels through kernels/matmul.py's tile store hook, their epilogue included).
 """
 import functools
 
@@ -148,15 +148,22 @@ def col2im_kernel(k, stride, dil, kind="f32"):
 # a_off / b_off hold each z's first element of the weight and of the gathered source.
 
 @functools.lru_cache(maxsize=None)
-def conv_gemm_kernel(k, stride, dil, transposed, kind="f32"):
-    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above), w and
-    src of storage ``kind``, out f32; launch with kernels/matmul.py's sgemm_launch(m, n,
-    batch)."""
-    ld = halfio.load(kind)
+def conv_gemm_kernel(k, stride, dil, transposed, kind="f32", bias=False, residual=False,
+                     relu=False):
+    """kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo) (geo: im2col's, above), w,
+    src and out of storage ``kind`` (the f32 sums rounded once on the store). With an
+    epilogue (passes/fusion.py's conv epilogue) the kernel takes (b, z, plane, channels)
+    after geo, and each f32 sum gets, before that one rounding, + b[channel] (``bias``: b
+    [channels] of ``kind``), + z at the output's element (``residual``: z of out's shape and
+    ``kind``), then relu (NaN propagates, as torch's); out is [N, channels, plane] flat, so
+    element i's channel is i // plane % channels (b and z are unused where their flag is
+    off). Launch with kernels/matmul.py's sgemm_launch(m, n, batch)."""
+    ld, st = halfio.load(kind), halfio.store(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
     dd, dh, dw = u64s(*dil)
     kk, khw = kd * kh * kw, kh * kw
+    zero = float32(0.0)
 
     @inline
     def fetch_w(a, ao, r, q, m, kdim, geo):
@@ -201,11 +208,28 @@ def conv_gemm_kernel(k, stride, dil, transposed, kind="f32"):
             return float32(0.0)
         return ld(b, bo + (kc * od + oz) * oh * ow + oy * ow + ox)
 
-    tiles = mm.gemm_tiles(False, False, fetch_w, gather_cols if transposed else gather_image,
-                          image_position if transposed else out_position)
+    @inline
+    def put(c, i, v):
+        """The tile store hook: c = (out, b, z, plane, channels); the epilogue, one rounding."""
+        out, b, z, plane, channels = c
+        if bias:
+            v += ld(b, i // plane % channels)
+        if residual:
+            v += ld(z, i)
+        if relu and v < zero:      # (NaN < 0 is false: NaN stays)
+            v = zero
+        st(out, i, v)
 
-    @jit(launch_bounds=mm.LAUNCH_BOUNDS)
-    def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo):
-        tiles(out, w, src, m, n, kdim, a_off, b_off, batch, geo)
+    tiles = mm.gemm_tiles(False, False, fetch_w, gather_cols if transposed else gather_image,
+                          image_position if transposed else out_position, put)
+
+    if bias or residual or relu:
+        @jit(launch_bounds=mm.LAUNCH_BOUNDS)
+        def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo, b, z, plane, channels):
+            tiles((out, b, z, plane, channels), w, src, m, n, kdim, a_off, b_off, batch, geo)
+    else:
+        @jit(launch_bounds=mm.LAUNCH_BOUNDS)
+        def kernel(out, w, src, m, n, kdim, a_off, b_off, batch, geo):
+            tiles((out, out, out, m, m), w, src, m, n, kdim, a_off, b_off, batch, geo)
 
     return kernel

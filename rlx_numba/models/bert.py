@@ -277,15 +277,17 @@ class BertModel:
 
     def trainer(self, batch: int, seq: int, optimizer, *, num_labels: int = 2, loss=None,
                 pooling=("cls",), normalize: bool = False, head=None, seed: int = 0,
-                clip_grad_norm=None, exec_mode="graph", deterministic=False) -> "BertTrainer":
+                clip_grad_norm=None, exec_mode="graph", deterministic=False,
+                precision="f32") -> "BertTrainer":
         """Fine-tuning of this encoder with a linear head on [batch, seq] batches (the
         ``build_bert`` kind "train" graph through ``rlx.compile_train``): forward, backward
         and ``optimizer``'s update of the encoder's and the head's weights as one executable.
-        See BertTrainer."""
+        See BertTrainer. ``precision``: "f32", or "bf16" / "f16" mixed precision
+        (``rlx.compile_train``'s)."""
         return BertTrainer(self, batch, seq, optimizer, num_labels=num_labels, loss=loss,
                            pooling=pooling, normalize=normalize, head=head, seed=seed,
                            clip_grad_norm=clip_grad_norm, exec_mode=exec_mode,
-                           deterministic=deterministic)
+                           deterministic=deterministic, precision=precision)
 
     def executable(self, batch: int, seq: int, pooling=None, normalize: bool = False):
         key = (batch, seq, _check_pooling(pooling), bool(normalize))
@@ -348,7 +350,8 @@ class BertTrainer:
 
     def __init__(self, model: BertModel, batch: int, seq: int, optimizer, *, num_labels: int = 2,
                  loss=None, pooling=("cls",), normalize: bool = False, head=None, seed: int = 0,
-                 clip_grad_norm=None, exec_mode="graph", deterministic=False):
+                 clip_grad_norm=None, exec_mode="graph", deterministic=False,
+                 precision="f32"):
         from ..train import compile_train
         if not isinstance(model, BertModel):
             raise ValueError(f"BertTrainer: model must be a BertModel, got {type(model).__name__}")
@@ -365,7 +368,8 @@ class BertTrainer:
                     "classifier.bias": np.zeros(shapes["classifier.bias"])}
         head = check_params(shapes, dict(head), "BertTrainer head")
         self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer, exec_mode=exec_mode,
-                                     clip_grad_norm=clip_grad_norm, deterministic=deterministic)
+                                     clip_grad_norm=clip_grad_norm, deterministic=deterministic,
+                                     precision=precision)
         for name, arr in {**model.params, **head}.items():
             self.trainer.set_param(name, arr)
 

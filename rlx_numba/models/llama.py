@@ -563,15 +563,16 @@ class LlamaForCausalLM:
     # ---- training ---------------------------------------------------------------------------------
     def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
                 exec_mode="graph", deterministic=False,
-                data_parallel=False) -> "LlamaTrainer":
+                data_parallel=False, precision="f32") -> "LlamaTrainer":
         """Next-token training of this model's weights on [batch, seq] token windows (the
         ``build_llama`` kind "train" graph through ``rlx.compile_train``): forward, backward
         and ``optimizer``'s update as one executable. See LlamaTrainer. ``data_parallel``:
         this process is one replica of data-parallel training (``rlx.compile_train``'s), its
-        ``batch`` rows its share of the global batch."""
+        ``batch`` rows its share of the global batch. ``precision``: "f32", or "bf16" / "f16"
+        mixed precision (``rlx.compile_train``'s: f32 master weights, half compute)."""
         return LlamaTrainer(self, batch, seq, optimizer, clip_grad_norm=clip_grad_norm,
                             exec_mode=exec_mode, deterministic=deterministic,
-                            data_parallel=data_parallel)
+                            data_parallel=data_parallel, precision=precision)
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -1085,7 +1086,7 @@ class LlamaTrainer:
 
     def __init__(self, model: LlamaForCausalLM, batch: int, seq: int, optimizer, *,
                  clip_grad_norm=None, exec_mode="graph", deterministic=False,
-                 data_parallel=False):
+                 data_parallel=False, precision="f32"):
         from ..train import compile_train
         if model.shard[1] > 1:
             raise ValueError("LlamaForCausalLM.trainer: a tensor-parallel model does not train "
@@ -1094,7 +1095,8 @@ class LlamaTrainer:
         g = build_llama(model.config, batch, seq, kind="train")
         self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer,
                                      exec_mode=exec_mode, clip_grad_norm=clip_grad_norm,
-                                     deterministic=deterministic, data_parallel=data_parallel)
+                                     deterministic=deterministic, data_parallel=data_parallel,
+                                     precision=precision)
         for name, arr in graph_params(model.config, model.params).items():
             self.trainer.set_param(name, arr)
 

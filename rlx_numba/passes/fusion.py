@@ -24,9 +24,11 @@ in the graph node's place (``nodes``). Six rewrites:
   rounded once where the graph as written rounds twice (the product, then the sum): it may
   differ by that one rounding.
 - **Conv epilogues.** ``relu(conv + bias (+ z))`` over a single-use conv that cuDNN runs
-  (the compiler's legalise stage left it a conv node), bias [K] broadcast over the positions
-  and z of the output's shape, becomes the conv with that epilogue: one
-  cudnnConvolutionBiasActivationForward (a ResNet block's conv, bias, skip and relu).
+  (the compiler's legalise stage left it a conv node) or the numba implicit-GEMM kernel runs
+  (an ``implicit_gemm`` node of a conv), bias [K] broadcast over the positions and z of the
+  output's shape, all in the conv's dtype (f32, f16 or bf16), becomes that node with the
+  epilogue: one cudnnConvolutionBiasActivationForward, or the kernel's tile store (a ResNet
+  block's conv, bias, skip and relu). A half conv then rounds once, after the relu.
 - **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use f32
   product (matmul, linear or dequant_matmul) of a 2-D weight with at most 16 rows (decode)
   becomes the product with a ``gated``
@@ -165,8 +167,9 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[r] = fold
                 out.folds[r] = ("residual epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
-    for n in nodes:   # conv epilogues (cuDNN's): relu(conv + bias (+ z)), the conv on tier 0
-        if (n.op == "conv" and n.id in live and single(n.id) and consumer.get(n.id) in region_of
+    for n in nodes:   # conv epilogues: relu(conv + bias (+ z)), the conv on tier 0 or 2
+        if ((n.op == "conv" or n.op == "implicit_gemm" and n.attrs["of"] == "conv")
+                and n.id in live and single(n.id) and consumer.get(n.id) in region_of
                 and n.attrs.get("activation") is None):
             r = region_of[consumer[n.id]]
             fold = _conv_epilogue(nodes, n, groups[r], consumer)
@@ -343,13 +346,18 @@ def _residual_epilogue(nodes, prod, members, norm_adds):
 def _conv_epilogue(nodes, cv, members, consumer):
     """The conv node computing ``relu(cv + bias (+ z))`` (cuDNN's fused forward: bias [K]
     broadcast over the positions, z of the output's shape, in either order) when the region
-    ``members`` is exactly that chain, else None."""
-    shape, k = cv.shape, cv.shape[1]
+    ``members`` is exactly that chain, every node and operand in the conv's dtype, else None.
+    In f16 / bf16 the unfused chain rounds the conv, then conv + bias (and + z) to the dtype;
+    the fused form sums conv + bias + z in f32 and rounds once, after the relu (a rounding
+    commutes with relu): it drops the roundings of the conv and of each add but the last."""
+    shape, k, dtype = cv.shape, cv.shape[1], cv.dtype
     bias_shape = (k,) + (1,) * (len(shape) - 2)
+    if dtype not in (dt.F32, dt.F16, dt.BF16):
+        return None
     chain, cur, bias, z = [], cv.id, None, None
     while cur in consumer and len(chain) < 3:
         n = nodes[consumer[cur]]
-        if n.id not in members or n.dtype != dt.F32 or n.shape != shape:
+        if n.id not in members or n.dtype != dtype or n.shape != shape:
             return None
         if n.op == "activation":
             if n.attrs["kind"] != "relu" or bias is None:
@@ -359,7 +367,7 @@ def _conv_epilogue(nodes, cv, members, consumer):
         if n.op != "binary" or n.attrs["kind"] != "add" or list(n.inputs).count(cur) != 1:
             return None
         o = nodes[n.inputs[1] if n.inputs[0] == cur else n.inputs[0]]
-        if o.dtype != dt.F32:
+        if o.dtype != dtype:
             return None
         if (bias is None and o.op == "reshape" and o.shape == bias_shape
                 and nodes[o.inputs[0]].shape == (k,)):
@@ -373,7 +381,7 @@ def _conv_epilogue(nodes, cv, members, consumer):
     if not chain or nodes[chain[-1]].op != "activation" or sorted(chain) != list(members):
         return None
     ins = cv.inputs + (bias.id,) + ((z.id,) if z is not None else ())
-    return Node(chain[-1], "conv", ins, shape, dt.F32,
+    return Node(chain[-1], cv.op, ins, shape, dtype,
                 {**cv.attrs, "activation": "relu", "has_bias": True, "has_residual": z is not None})
 
 

@@ -1,6 +1,9 @@
-"""Lowering of attention (kernels in kernels/attention.py): the prefill (flash) kernel, or the
-split-K decode kernel when the queries that share a key/value head are few; and of its
-backward ops (kernels/attention_bwd.py, built by attention's VJP in ir/ops_attention.py)."""
+"""Lowering of attention, two tiers (``RLX_NUMBA_ATTENTION_TIERS``, RLX_NUMBA_LOG_FALLBACK=1
+logs why one was passed over): 0, cuDNN's fused attention for f16 / bf16 (tensor cores;
+inference, causal, GQA, a bias or a bool mask); 1, the numba kernels (kernels/attention.py):
+the prefill (flash) kernel, or the split-K decode kernel when the queries that share a
+key/value head are few. Then its backward ops (kernels/attention_bwd.py, built by
+attention's VJP in ir/ops_attention.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +12,10 @@ from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
+from .. import cudnn
 from ..device import SIMULATOR
-from .lower import Step, lowering, step_name
+from ..ir import dtypes as dt
+from .lower import CallStep, Step, elementwise_step, lowering, step_name
 
 
 def _bcast_strides(shape, full):
@@ -85,7 +90,94 @@ def _decodes(a) -> bool:
     return A.decode_rows(a["hq"] // a["hkv"], a["sq"], a["d"]) is not None and a["sk"] > 0
 
 
-@lowering("attention")
+def _cudnn_unavailable(ctx, n):
+    """None when cuDNN's fused attention (tier 0) runs node ``n``, else why not."""
+    if SIMULATOR:
+        return "the simulator has no cuDNN"
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    mask, bias = _mask_and_bias(n, ins[3:])
+    kind = ins[0].dtype.name
+    why = ("f32 operands (cuDNN's fused attention takes f16 / bf16)" if kind == "f32" else
+           "a sliding window" if a["window"] is not None else
+           "softcap" if a["softcap"] is not None else
+           f"head dim {a['d']} (a multiple of 8 up to 128)" if a["d"] % 8 or a["d"] > 128 else
+           "few queries a kv head (the split decode kernel)" if _decodes(a) else
+           "causal with more queries than keys" if a["causal"] and a["sq"] > a["sk"] else
+           "its LSE is saved for the backward" if any(r in ctx.live for r in n.results) else
+           "a mask and a bias together" if mask is not None and bias is not None else
+           f"a {bias.dtype} bias (cuDNN adds one of q's dtype)"
+           if bias is not None and bias.dtype.name != kind else None)
+    if why is None:
+        why = cudnn.frontend()[1]
+    return why
+
+
+def _mask_and_bias(n, rest):
+    rest = list(rest)
+    mask = rest.pop(0) if n.attrs["has_mask"] else None
+    bias = rest.pop(0) if n.attrs["has_bias"] else None
+    return mask, bias
+
+
+def _dims4(shape, full):
+    """A mask's / bias's shape as 4 dims broadcast against ``full`` (1 where it broadcasts)."""
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    return [f if s != 1 else 1 for s, f in zip(shape, full)]
+
+
+@lowering("attention", tier="cuDNN fused SDPA", available=_cudnn_unavailable)
+def _lower_attention_cudnn(ctx, n):
+    """One cuDNN fused-attention call (f16 / bf16 q, k, v; inference: no LSE kept). Its
+    flash kernel rounds the probabilities to q's dtype for the P V product on tensor cores
+    (as FlashAttention-2 does): an output's error is within a few units of roundoff of
+    sum_j p_j |v_j|, not of |o| (the numba kernels keep P in f32). A bool
+    mask becomes an additive bias of q's dtype (0 where kept, -inf where masked) made by one
+    element-wise kernel; a query row that keeps no key comes out 0, as the numba kernels'
+    (cuDNN's flash kernel guards an all -inf row; tests/test_attention_half.py checks it)."""
+    g, a = ctx.graph, n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    if b * hq * sq * d == 0:
+        return []
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    mask, bias = _mask_and_bias(n, ins[3:])
+    kind = q.dtype.name
+    if len(q.shape) == 4:
+        sq_, sk_ = (hq * sq * d, sq * d, d, 1), (hkv * sk * d, sk * d, d, 1)
+    else:                               # [B, S, H * D]
+        sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
+    full = (b, hq, sq, sk)
+    ptr = lambda buf: buf.device_ctypes_pointer.value      # noqa: E731
+    ptrs = {"q": ptr(ctx.buf(q)), "k": ptr(ctx.buf(k)), "v": ptr(ctx.buf(v)),
+            "o": ptr(ctx.buf(n))}
+    steps, bias_dims, name = [], None, step_name(n)
+    if bias is not None:
+        bias_dims = _dims4(bias.shape, full)
+        ptrs["bias"] = ptr(ctx.buf(bias))
+    elif mask is not None:
+        bias_dims = _dims4(mask.shape, full)
+        host = q.dtype.storage
+        buf = ctx.device_array(np.empty(int(np.prod(bias_dims)), host))
+        consts = [ctx.device_array(np.array([v], np.float32).astype(q.dtype.host).view(host))
+                  for v in (0.0, -np.inf)]
+        steps.append(elementwise_step(
+            name + " mask bias", ("where", None, q.dtype, ("in", 0, dt.BOOL),
+                                  ("in", 1, q.dtype), ("in", 2, q.dtype)),
+            buf, tuple(bias_dims), [ctx.buf(mask)] + consts,
+            [tuple(bias_dims), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
+        ptrs["bias"] = ptr(buf)
+    causal = None if not a["causal"] else "top_left" if sq == sk else "bottom_right"
+    make = lambda stream: cudnn.sdpa_plan(  # noqa: E731
+        stream, dims_q=(b, hq, sq, d), dims_kv=(b, hkv, sk, d), strides_q=sq_,
+        strides_kv=sk_, dtype=kind, scale=a["scale"], causal=causal, bias_dims=bias_dims,
+        ptrs=ptrs)
+    return steps + [CallStep(name, f"cudnn sdpa {kind} D={d} {'causal ' if causal else ''}"
+                             f"{b}x{hq}/{hkv}x{sq}x{sk}{' +bias' if bias_dims else ''}", make,
+                             {"flops": 4 * b * hq * sq * sk * d, "tier": 0})]
+
+
+@lowering("attention", tier="numba flash / split decode")
 def _lower_attention(ctx, n):
     g = ctx.graph
     a = n.attrs

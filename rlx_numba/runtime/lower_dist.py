@@ -73,16 +73,15 @@ def _lower_collective(ctx, n):
                                            comm.kind == "nccl" else ""), make, info)]
 
 
-def join_steps(program) -> list:
-    """A step that makes the executable's stream wait for every overlapped all_reduce (none
-    when there is none)."""
-    infos = [s.info for steps in program.node_steps.values() for s in steps
+def join_steps(ctx) -> list:
+    """A step that makes the executable's stream wait for every overlapped all_reduce lowered
+    so far (none when there is none): compile_train's update runs after it. ``ctx``: the
+    program's LowerCtx (its ``node_steps``); the caller binds the step."""
+    infos = [s.info for steps in ctx.node_steps.values() for s in steps
              if "done" in s.info]
     if not infos:
         return []
 
     def make(stream):
         return lambda: [i["done"].wait(stream) for i in infos]
-    step = CallStep("join", f"wait for {len(infos)} overlapped all_reduce(s)", make, {})
-    step.bind(ctx.stream, False)
-    return [step]
+    return [CallStep("join", f"wait for {len(infos)} overlapped all_reduce(s)", make, {})]

@@ -218,11 +218,12 @@ def _conv_shapes(graph, n):
 
 @lowering("implicit_gemm")
 def _lower_implicit_gemm(ctx, n):
-    """Tier 2: one kernels/conv.py conv_gemm_kernel launch."""
+    """Tier 2: one kernels/conv.py conv_gemm_kernel launch, with passes/fusion.py's conv
+    epilogue relu(conv + bias (+ z)) where the node carries one (its inputs 2 and 3)."""
     if n.size == 0:
         return []
     g, a = ctx.graph, n.attrs
-    src, w = (g.nodes[i] for i in n.inputs)
+    src, w = (g.nodes[i] for i in n.inputs[:2])
     transposed = a["of"] == "conv_transpose"
     image, cols = (n.shape, src.shape) if transposed else (src.shape, n.shape)
     groups, taps = a["groups"], math.prod(a["kernel"])
@@ -239,15 +240,24 @@ def _lower_implicit_gemm(ctx, n):
         a_off = [(z % groups) * m * kdim for z in range(batch)]
         b_off = [(z // groups * image[1] + z % groups * cg) * math.prod(image[2:])
                  for z in range(batch)]
-    kern = K.conv_gemm_kernel(*_consts(a), transposed, halfio.io_kind(src.dtype))
+    bias, res = a.get("has_bias", False), a.get("has_residual", False)
+    relu = a.get("activation") == "relu"
+    kern = K.conv_gemm_kernel(*_consts(a), transposed, halfio.io_kind(n.dtype), bias, res, relu)
     grid, block = mm.sgemm_launch(m, ncols, batch)
     geo = dict(a, image=image[2:], cols=cols[2:])
-    return [Step(step_name(n), f"numba implicit-GEMM {a['of']} {'x'.join(map(str, a['kernel']))} "
-                 f"of {fmt(src.shape)} -> {fmt(n.shape)}", kern, grid, block,
-                 (ctx.buf(n), ctx.buf(w), ctx.buf(src), np.uint64(m), np.uint64(ncols),
+    out, epi = ctx.buf(n), ()
+    if bias or res or relu:      # bias, z (the output where absent), plane, channels
+        extra = [ctx.buf(i) for i in n.inputs[2:]]
+        epi = (extra.pop(0) if bias else out, extra.pop(0) if res else out,
+               np.uint64(math.prod(n.shape[2:])), np.uint64(n.shape[1]))
+    tags = " +bias" * bias + " +z" * res + " relu" * relu
+    return [Step(step_name(n), f"numba implicit-GEMM {a['of']}{tags} "
+                 f"{'x'.join(map(str, a['kernel']))} of {fmt(src.shape)} -> {fmt(n.shape)}",
+                 kern, grid, block,
+                 (out, ctx.buf(w), ctx.buf(src), np.uint64(m), np.uint64(ncols),
                   np.uint64(kdim), ctx.device_array(np.array(a_off, np.int64)),
                   ctx.device_array(np.array(b_off, np.int64)), np.uint64(batch),
-                  _geo(ctx, geo)),
+                  _geo(ctx, geo)) + epi,
                  {"flops": 2 * batch * m * ncols * kdim, "tier": 2})]
 
 

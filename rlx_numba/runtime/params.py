@@ -100,7 +100,7 @@ class _Pool:
 
 class _Entry:
     __slots__ = ("name", "shape", "dtype", "copies", "half", "is_set", "users", "count",
-                 "written", "f32_readers")
+                 "written", "f32_readers", "external")
 
     def __init__(self, name, shape, dtype):
         self.name, self.shape, self.dtype = name, tuple(shape), dtype
@@ -115,6 +115,7 @@ class _Entry:
         # executables reading the row-major layout other than as a product's weight (a
         # gather, an element-wise op): that layout keeps its f32 copy when the weight is half
         self.f32_readers = weakref.WeakSet()
+        self.external = False            # its row-major copy is memory the store's owner owns
 
     @property
     def size(self) -> int:
@@ -130,10 +131,20 @@ class ParamStore:
 
     ``store.nbytes`` is what its copies take on the device; ``len(store)`` counts entries."""
 
-    def __init__(self, name: str = "params"):
+    def __init__(self, name: str = "params", external: dict | None = None):
+        """``external``: name -> (shape, dtype, flat uint8 device array) of params whose
+        row-major value lives in memory the caller owns (compile_train's flat buffers): a
+        param of that name, shape and dtype is bound to it, never to a pooled copy, and only
+        row-major (a graph that would store it [N, K] gets a ValueError)."""
         self.name = name
         self._entries: dict[tuple, _Entry] = {}
         self._pool = _Pool()
+        self._external = dict(external or {})
+
+    def external(self, node):
+        """The caller-owned flat array ``node`` is bound to (``external``), or None."""
+        shape, dtype, mem = self._external.get(node.name, (None, None, None))
+        return mem if (tuple(node.shape), node.dtype) == (shape, dtype) else None
 
     # ---- binding (compile time) -------------------------------------------------------------
     def bind(self, exe, node, transposed: bool, written: bool = False, weight_only=None):
@@ -145,6 +156,9 @@ class ParamStore:
         layout: the other would not see the writes."""
         weight_only = transposed if weight_only is None else weight_only
         key = (node.name, tuple(node.shape), node.dtype)
+        mem = self.external(node)
+        if mem is not None:
+            return self._bind_external(exe, node, key, mem, transposed, written)
         e = self._entries.get(key)
         if e is None:
             e = self._new_entry(key, node)
@@ -177,6 +191,21 @@ class ParamStore:
         self._use(exe, key, e)
         return e, e.copies[transposed], added
 
+    def _bind_external(self, exe, node, key, mem, transposed, written):
+        if transposed:
+            raise ValueError(f"compile: param {node.name!r} {fmt(node.shape)} lives row-major in "
+                             f"memory its store's owner holds (a trainer's buffer), and this "
+                             f"graph would store it [N, K]; compile it with its own ParamStore "
+                             f"and copy the values with get_param")
+        e = self._entries.get(key)
+        created = e is None
+        if created:
+            e = self._new_entry(key, node)
+            e.copies[False], e.external = mem, True
+        e.written = e.written or written
+        self._use(exe, key, e)
+        return e, mem, e.nbytes if created else 0
+
     def _new_entry(self, key, node) -> _Entry:
         e = self._entries[key] = _Entry(node.name, node.shape, node.dtype)
         return e
@@ -195,7 +224,7 @@ class ParamStore:
             if not e.count:
                 del self._entries[key]
                 for buf in e.copies.values():
-                    if buf is not None:
+                    if buf is not None and not e.external:   # (the owner's, not the pool's)
                         self._pool.free(buf)
                 self._free_halves(e)
 
