@@ -600,3 +600,84 @@ def test_norm_residual_not_folded_for_broadcast_or_shared_add(rng, monkeypatch):
     for o, w_ in zip(got, want):
         np.testing.assert_allclose(o, w_, rtol=1e-5, atol=1e-5)
     same(got, unfused.run({"x": xv, "bias": bv}), dict(rtol=1e-6, atol=1e-6))
+
+
+# ---- residual epilogues: linear(...) + r, a half matmul + r ---------------------------------
+@pytest.mark.parametrize("d", ["f32", "f16", "bf16"])
+def test_linear_residual_add_folds_into_the_product(rng, monkeypatch, d):
+    """linear(x, w, c) + r, gelu-linear + r and (half) matmul + r, r and the add of the
+    product's dtype: the product with residual=r (cuBLASLt's C, beta = 1, where there is no
+    activation), the add's kernel gone. A half result is rounded once where the graph as written
+    rounds twice, so the oracle is float64 over the half inputs with one rounding (k = 2
+    allows the simulator's f32 sums); the unfolded half graph is within one more rounding."""
+    from halfref import assert_half_close, rounded
+    g = rlx.Graph("linres")
+    x, r = g.input("x", (3, 37), d), g.input("r", (3, 6), d)
+    w, c = g.input("w", (37, 6), d), g.input("c", (6,), d)
+    y1 = g.linear(x, w, c) + r
+    y2 = r + g.linear(x, w, c, activation="gelu")        # either operand order
+    y3 = g.matmul(x, w) + r
+    g.set_outputs([y1, y2, y3])
+    fused, unfused = compile_both(g, monkeypatch)
+    prods = [t.node.inputs[0] if t is not y2 else t.node.inputs[1] for t in (y1, y2, y3)]
+    want_folds = {t.id: ("residual epilogue", (p, t.id)) for t, p in zip((y1, y2, y3), prods)}
+    if d == "f32":      # an f32 matmul + r is a matmul epilogue (passes/fusion.py, as before)
+        want_folds[y3.id] = ("matmul epilogue", (prods[2], y3.id))
+    assert fused.fusion.folds == want_folds
+    # each add's kernel is gone; the simulator's matmul + r takes an epilogue kernel instead
+    # (its numba SGEMM fuses nothing), a GPU's cuBLASLt none
+    assert len(fused.steps) == len(unfused.steps) - (3 if ON_GPU else 2)
+    assert not any(s.name.endswith("binary.add") for s in fused.steps)
+    feed = {k: rounded(rng.standard_normal(s_), d) for k, s_ in
+            (("x", (3, 37)), ("r", (3, 6)), ("w", (37, 6)), ("c", (6,)))}
+    X, R, W, C = (feed[k].astype(np.float64) for k in ("x", "r", "w", "c"))
+    want = [X @ W + C + R, np_gelu(X @ W + C) + R, X @ W + R]
+    got, ref = fused.run(feed), unfused.run(feed)
+    for o, u, w_, name in zip(got, ref, want, ("linear + r", "r + gelu-linear", "matmul + r")):
+        if d == "f32":
+            np.testing.assert_allclose(o, w_, rtol=1e-5, atol=1e-5)
+        else:
+            assert_half_close(o, w_, d, k=2, what=f"folded {name}")
+            assert_half_close(u, w_, d, k=3, what=f"unfolded {name}")
+
+
+def test_residual_add_not_folded_with_promotion_or_a_shared_product(rng, monkeypatch):
+    """No fold when the add promotes (bf16 product + f32 r: autocast's residual stream), when
+    r broadcasts, or when the product has another reader."""
+    g = rlx.Graph("noresfold")
+    x, w = g.input("x", (3, 8), "bf16"), g.input("w", (8, 4), "bf16")
+    r32, rb = g.input("r", (3, 4)), g.input("rb", (4,), "bf16")
+    y1 = g.linear(x, w) + r32
+    y2 = g.linear(x, w) + rb
+    p = g.linear(x, w)
+    y3 = p + g.input("r3", (3, 4), "bf16")
+    g.set_outputs([y1, y2, y3, p])
+    fused = rlx.compile(g)
+    assert fused.fusion.folds == {}
+    assert y1.dtype == rlx.dtype("f32")
+
+
+def test_half_vit_and_bert_layer_step_counts():
+    """The element-wise kernels of a tiny two-layer ViT (bf16) and BERT (f16) as the models
+    compile them (Graph.to_dtype of the f32 graph): a ViT's residual adds x + o_proj(...) and
+    x + mlp(...) ride in their products (three of them: the last one is the final norm's
+    residual), so 46 steps became 43 (f32: 44 -> 41). BERT's adds are its norms' residuals
+    already: 29 steps, one gelu epilogue a layer (on a GPU cuBLASLt writes the product + bias
+    in f16 and that kernel runs in place on it)."""
+    from rlx_numba.models import BertConfig, ViTConfig
+    from rlx_numba.models.bert import build_bert
+    from rlx_numba.models.executables import in_dtype
+    from rlx_numba.models.vision import build_vit
+    cfg = ViTConfig(image_size=8, patch_size=4, hidden_dim=8, num_layers=2, num_heads=2,
+                    mlp_dim=12, num_classes=5)
+    vit = {d: rlx.compile(in_dtype(build_vit(cfg, 2), d)) for d in ("bf16", "f32")}
+    assert len(vit["bf16"].steps) == 43 and len(vit["f32"].steps) == 41
+    folds = [k for k, _ in vit["bf16"].fusion.folds.values()]
+    assert folds.count("residual epilogue") == 3, vit["bf16"].fusion.folds
+    bcfg = BertConfig(vocab_size=41, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                      intermediate_size=44, max_position_embeddings=24, type_vocab_size=2,
+                      layer_norm_eps=1e-12)
+    bert = rlx.compile(in_dtype(build_bert(bcfg, 2, 7, pooling=("mean",), normalize=True), "f16"))
+    assert len(bert.steps) == 29
+    gelu = [s for s in bert.steps if "activation.gelu" in s.kernel_name]
+    assert len(gelu) == 1 and gelu[0].name.endswith("linear epilogue")

@@ -272,7 +272,9 @@ def _tiers_of(exe):
 def test_gpu_tier_linear(rng, monkeypatch, d, tier, act, res):
     """256 x 512 x 384 linear with bias on each tier: cuBLASLt fuses bias + relu / gelu_tanh
     (or a residual as C) with D in the half type; what it cannot fuse (silu + residual), and
-    every epilogue on tiers 2 and 4, goes through an f32 scratch and the element-wise kernel."""
+    every epilogue on tier 2, the element-wise kernel does in place on D (rounded to half
+    first: the tolerance covers the slope times that rounding); tier 4 writes f32 into an
+    arena scratch and the kernel rounds once."""
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", str(tier))
     m, k, n = 256, 512, 384
     g = rlx.Graph("gpuh")
@@ -331,3 +333,81 @@ def test_gpu_default_ladder_half_uses_cublas(rng, d):
     xv, wv = data(rng, (64, 256), d), data(rng, (256, 128), d)
     (got,) = exe.run({"x": xv, "w": wv})
     assert_half_close(got, f64(xv) @ f64(wv), d)
+
+
+@pytest.mark.parametrize("d", HALVES)
+def test_half_epilogue_scratch_is_in_the_arena(rng, d):
+    """A half product whose epilogue the numba tier leaves to the element-wise kernel writes
+    its f32 sums into arena bytes the memory plan gives the node (live at its step alone:
+    Plan.scratch), not into a device array of its own; the kernel rounds once. An f32 graph,
+    and a half product with no epilogue, get none."""
+    m, k, n = 5, 23, 7
+    g = rlx.Graph("scratchh")
+    x, r = g.input("x", (m, k), d), g.input("r", (m, n), d)
+    w, c = g.input("w", (k, n), d), g.input("c", (n,), d)
+    y1 = g.linear(x, w, c, activation="gelu", residual=r)
+    y2 = g.matmul(x, w)
+    g.set_outputs([y1, y2])
+    exe = rlx.compile(g)
+    assert {i: b.nbytes for i, b in exe.plan.scratch.items()} == {y1.id: 4 * m * n}
+    owned = [a for arrays in exe.program.ctx.owned.values() for a in arrays]
+    assert not any(a.dtype == np.float32 and a.size == m * n for a in owned), owned
+    b = exe.plan.scratch[y1.id]
+    assert b.offset + b.size <= exe.memory_report()["arena_bytes"]
+    feed = {"x": data(rng, (m, k), d), "r": data(rng, (m, n), d),
+            "w": data(rng, (k, n), d), "c": data(rng, (n,), d)}
+    got1, got2 = exe.run(feed)
+    X, R, W, C = (f64(feed[q]) for q in ("x", "r", "w", "c"))
+    assert_half_close(got1, act64("gelu", X @ W + C) + R, d, what="gelu + residual")
+    assert_half_close(got2, X @ W, d, what="plain")
+    g32 = rlx.Graph("scratch32")
+    x32, w32 = g32.input("x", (m, k)), g32.input("w", (k, n))
+    g32.set_outputs([g32.linear(x32, w32, g32.input("c", (n,)), activation="gelu")])
+    assert rlx.compile(g32).plan.scratch == {}
+
+
+@pytest.mark.parametrize("d", HALVES)
+def test_half_empty_sum_epilogue(rng, d):
+    """K = 0: the product is zeros (exact in the half type), written in place, then the
+    epilogue: gelu(bias) + residual, rounded once."""
+    g = rlx.Graph("emptyh")
+    x, w = g.input("x", (3, 0), d), g.input("w", (0, 5), d)
+    c, r = g.input("c", (5,), d), g.input("r", (3, 5), d)
+    g.set_outputs([g.linear(x, w, c, activation="gelu", residual=r)])
+    exe = rlx.compile(g)
+    assert exe.plan.scratch == {}
+    cv, rv = data(rng, (5,), d), data(rng, (3, 5), d)
+    (got,) = exe.run({"x": np.zeros((3, 0), cv.dtype), "w": np.zeros((0, 5), cv.dtype),
+                      "c": cv, "r": rv})
+    assert_half_close(got, act64("gelu", np.broadcast_to(f64(cv), (3, 5))) + f64(rv), d,
+                      what="empty sum")
+
+
+@gpu_only
+@pytest.mark.parametrize("d", HALVES)
+@pytest.mark.parametrize("res", [False, True])
+def test_gpu_lt_exact_gelu_rounds_d_then_runs_in_place(rng, d, res):
+    """Exact gelu (BERT's, ViT's MLP): cuBLASLt has only the tanh form, so it writes x @ w +
+    bias rounded to the half type into the output and the element-wise kernel applies gelu
+    (+ residual) in place on it, reading half: two roundings, as torch eager's addmm then
+    gelu, and no f32 scratch (6 bytes an element moved instead of 10). The oracle rounds z to
+    the half type first; k = 4 allows the f32 sum rounding to the other neighbour of z."""
+    m, k, n = 256, 384, 1536
+    g = rlx.Graph("gpugelu")
+    x, w, c = g.input("x", (m, k), d), g.param("w", (k, n), d), g.param("c", (n,), d)
+    r = g.input("r", (m, n), d) if res else None
+    y = g.linear(x, w, c, activation="gelu", residual=r)
+    g.set_outputs([y])
+    exe = rlx.compile(g)
+    assert exe.plan.scratch == {}
+    assert _tiers_of(exe) == [1], [(s.kernel_name, s.info.get("why")) for s in exe.steps]
+    lt, epi = exe.steps
+    assert lt.kernel_name.startswith(f"cublasLt {d}+bias "), lt.kernel_name
+    assert f"activation.gelu(in0:{d})" in epi.kernel_name, epi.kernel_name   # reads D (half)
+    xv, wv, cv, rv = (data(rng, s_, d) for s_ in ((m, k), (k, n), (n,), (m, n)))
+    exe.set_param("w", wv)
+    exe.set_param("c", cv)
+    (got,) = exe.run({"x": xv, "r": rv} if res else {"x": xv})
+    zh = f64(rounded(f64(xv) @ f64(wv) + f64(cv), d))
+    want = act64("gelu", zh) + (f64(rv) if res else 0)
+    assert_half_close(got, want, d, k=4, what=f"Lt {d} + gelu in place")

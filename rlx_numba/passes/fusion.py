@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Five rewrites:
+in the graph node's place (``nodes``). Six rewrites:
 
 - **Element-wise regions.** A live element-wise node (its OpDef's ``elementwise``, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -17,6 +17,12 @@ in the graph node's place (``nodes``). Five rewrites:
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it; a ``dequant_matmul`` (the quantised GEMV) likewise.
+- **Residual epilogues.** ``linear(...) + r`` (any float dtype), and ``matmul(a, b) + r`` of
+  f16 / bf16 operands, with r and the add of the product's shape and dtype (no promotion),
+  become the product with ``residual=r``: cuBLASLt adds it as C (beta = 1) when there is no
+  activation, so a transformer's skip connection costs no kernel. A half result is then
+  rounded once where the graph as written rounds twice (the product, then the sum): it may
+  differ by that one rounding.
 - **Conv epilogues.** ``relu(conv + bias (+ z))`` over a single-use conv that cuDNN runs
   (the compiler's legalise stage left it a conv node) or the numba implicit-GEMM kernel runs
   (an ``implicit_gemm`` node of a conv), bias [K] broadcast over the positions and z of the
@@ -146,6 +152,21 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[r] = fold
                 out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # residual adds: linear(...) + r, and a half matmul + r, of one dtype
+        if (n.op in ("linear", "matmul") and n.id in live and single(n.id)
+                and not n.attrs.get("has_residual") and consumer.get(n.id) in region_of
+                and (n.op == "linear" or n.dtype != dt.F32)):
+            r = region_of[consumer[n.id]]
+            if r in out.nodes:
+                continue
+            fold = _residual_epilogue(nodes, n, groups[r], norm_adds)
+            if fold is not None and strided.intersection(fold.inputs[-1:]):
+                fold = None
+            if fold is not None and not _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
+                out.regions.pop(r, None)
+                out.nodes[r] = fold
+                out.folds[r] = ("residual epilogue", tuple(sorted(groups[r] + [n.id])))
+                interior.update(m for m in groups[r] + [n.id] if m != r)
     for n in nodes:   # conv epilogues: relu(conv + bias (+ z)), the conv on tier 0 or 2
         if ((n.op == "conv" or n.op == "implicit_gemm" and n.attrs["of"] == "conv")
                 and n.id in live and single(n.id) and consumer.get(n.id) in region_of
@@ -250,8 +271,9 @@ def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     """The matmul node computing ``activation(mm + bias) + residual`` when the region
     ``members`` is exactly that chain over ``mm`` (all f32), else None. An add in
     ``norm_adds`` is left to its norm as the residual (that costs no kernel on any tier).
-    A half product is never folded: its chain rounds the product to half before the adds
-    (an f32 add of it, under autocast, included) and the fold would not."""
+    A half product's bias / activation chain is not folded: it rounds the product to half
+    before the adds (an f32 add of it, under autocast, included) and the fold would not (its
+    residual add of the same dtype is: ``_residual_epilogue``)."""
     if mm.dtype != dt.F32:
         return None
     shape, n_cols = mm.shape, mm.shape[-1]
@@ -293,6 +315,32 @@ def _matmul_epilogue(nodes, mm, members, consumer, norm_adds):
     return Node(members[-1], mm.op, ins, shape, dt.F32,
                 {**keep, "activation": act, "has_bias": bias is not None,
                  "has_residual": res is not None})
+
+
+def _residual_epilogue(nodes, prod, members, norm_adds):
+    """``prod`` (a linear, or a half matmul) with ``residual=r`` when the region ``members`` is
+    exactly ``prod + r`` with r of prod's shape and all three of prod's dtype (no
+    promotion), else None; an add in ``norm_adds`` is left to its norm.
+
+    cuBLASLt takes the residual as C with beta = 1 when there is no activation (one rounding
+    of acc + bias + r, where the unfolded graph rounds the product to its dtype and then the
+    sum: a half result may differ by that one rounding, never by more); with an activation
+    the epilogue kernel adds it (as many kernels as before)."""
+    if len(members) != 1 or members[0] in norm_adds:
+        return None
+    add = nodes[members[0]]
+    if (add.op != "binary" or add.attrs["kind"] != "add" or add.dtype != prod.dtype
+            or add.shape != prod.shape):
+        return None
+    a, b = add.inputs
+    if (a == prod.id) == (b == prod.id):
+        return None
+    r = nodes[b if a == prod.id else a]
+    if r.dtype != prod.dtype or r.shape != prod.shape:
+        return None
+    attrs = dict(prod.attrs) if prod.op == "linear" else {"activation": None, "has_bias": False}
+    return Node(add.id, prod.op, prod.inputs + (r.id,), prod.shape, prod.dtype,
+                {**attrs, "has_residual": True})
 
 
 def _conv_epilogue(nodes, cv, members, consumer):

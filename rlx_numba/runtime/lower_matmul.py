@@ -26,9 +26,22 @@ generated element-wise kernel over the output, in place.
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
-loading and storing through kernels/halfio.py. An epilogue the tier does not fuse is not
-applied to a rounded product: the tier writes f32 to a scratch of the node's and the
-element-wise kernel rounds once on its store. Tier 3 takes x, y, bias and residual in the
+loading and storing through kernels/halfio.py. Roundings of a half product's epilogue:
+
+- what cuBLASLt fuses (bias, relu / gelu_tanh, or a residual as C with no activation) is
+  computed in f32 and D rounded once;
+- what a cuBLAS tier leaves (exact gelu and the other activations; a residual after an
+  activation; everything on tier 2) runs as the element-wise kernel in place on D, which was
+  rounded to the half type first (the bias fused into it on tier 1): two roundings, as torch
+  eager's ``addmm`` then ``gelu``. Against one rounding through an f32 D this costs at most
+  |f'(z)| u |z| more (f' the activation's slope, z = x @ w + bias: about one more half ulp of
+  the result for gelu, silu and relu where z > 0, less where they flatten) and moves 6 bytes
+  an element of the product instead of 10 (D written and read in 2 bytes, not 4): the
+  intermediate of a BERT / ViT MLP, the largest tensor of the layer;
+- tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into an arena
+  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once.
+
+Tier 3 takes x, y, bias and residual in the
 half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
 (an f32 graph's set_param_half weight) passes them over, saying why.
 
@@ -224,22 +237,12 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
     has_epi = any(v is not None for v in epi.values())
-    # a half product with an epilogue left to the element-wise kernel is written f32 to a
-    # scratch of its own: the kernel rounds once, on its store (``_epilogue``)
-    held = []
-
-    def scratch():     # (one, whichever tier takes it)
-        if not held:
-            held.append(ctx.device_array(np.empty(batch * m * ncols, np.float32)))
-        return held[0]
-    if k == 0:   # an empty sum: zeros, then the epilogue
-        zdst = scratch() if half and has_epi else full
-        zdt = dt.F32 if zdst is not out else n.dtype
-        steps.append(elementwise_step(name + " zero", ("cast", None, zdt, ("in", 0, dt.BOOL)),
-                                      zdst, (batch * m * ncols,), [ctx.device_array(np.zeros(1, np.bool_))],
-                                      [(1,)], [dt.BOOL]))
-        return steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=zdst,
-                                 out_dtype=n.dtype) + post
+    if k == 0:   # an empty sum: zeros (exact in any dtype), then the epilogue in place
+        zero = ctx.device_array(np.zeros(1, np.bool_))
+        steps.append(elementwise_step(name + " zero", ("cast", None, n.dtype, ("in", 0, dt.BOOL)),
+                                      full, (batch * m * ncols,), [zero], [(1,)], [dt.BOOL]))
+        return (steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, out_dtype=n.dtype)
+                + post)
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = matmul_env_tiers()
@@ -264,17 +267,15 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             continue
         if tier:
             b = _f32_weight(ctx, b, tier, why)
-        dst, tepi = full, epi
-        if half and has_epi and not (tier == 1 and lt_fuses_all(epi)):
-            dst, tepi = scratch(), dict.fromkeys(epi)   # f32 out, the kernel does the rest
-        plan = _TIERS[tier](ctx, name, a, b, dst, m, ncols, k, batch, offs_a, offs_b, tepi, why,
-                            kinds=(kind, kind if dst is out else "f32"))
+        # a half product is written in its dtype (D of cuBLASLt / GemmEx) with what the tier
+        # fuses; the rest of its epilogue runs in place on it (see the module docstring)
+        plan = _TIERS[tier](ctx, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why,
+                            kind=kind)
         if plan is not None:
             steps, left = plan
-            # what the tier left of the epilogue (all of it when it was given none)
-            left = {**epi, **left} if tepi is epi else epi
+            left = {**epi, **left}      # what the tier left of the epilogue
             steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
-                                      src=dst, out_dtype=n.dtype) + post
+                                      out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
                 key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind)
@@ -288,7 +289,14 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
     b = _f32_weight(ctx, b, 4, why)
-    dst = scratch() if half and has_epi else full
+    dst = full
+    if half and has_epi:        # f32 into the arena scratch the plan gave the node (one
+        # rounding, on the epilogue kernel's store); an own array only where the tiers
+        # allowed changed since the plan (a product planned again by set_param_half)
+        dst = ctx.scratch_buf(n)
+        if dst is None or dst.size < batch * m * ncols:
+            dst = ctx.device_array(np.empty(batch * m * ncols, np.float32))
+        dst = dst[:batch * m * ncols]
     out_kind = kind if dst is out else "f32"
     kern = mm.sgemm_kernel(a.trans, b.trans, kind, out_kind)
     grid, block = mm.sgemm_launch(m, ncols, batch)
@@ -301,18 +309,27 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             + post)
 
 
+def f32_scratch_elems(graph: Graph, n) -> int:
+    """Elements of the f32 scratch that product node ``n`` (as the fusion pass lowers it)
+    writes, for the memory plan (plan.py puts it in the arena, live at the node's step
+    alone): a half product with an epilogue that may reach tier 4 (no cuBLAS tier for it:
+    the simulator, no library, RLX_NUMBA_MATMUL_TIERS), which writes its f32 sums there for
+    the epilogue kernel to round once; 0 for any other node."""
+    if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or n.attrs.get("gated")
+            or not (n.attrs.get("has_bias") or n.attrs.get("activation")
+                    or n.attrs.get("has_residual"))
+            or not n.size or not graph.nodes[n.inputs[0]].shape[-1]):
+        return 0
+    if not SIMULATOR and {1, 2} & matmul_env_tiers() and cublas.available()[0]:
+        return 0        # tier 1 or 2 takes every product (tier 2 whatever tier 1 refuses)
+    return n.size
+
+
 def _done(n, tier, why, steps, flops, last=-1):
     """Steps of the chosen tier, its product step (``last``) carrying the tier and why."""
     steps[last].info.update(tier=tier, why=list(why), flops=flops)
     log_tier(n, "matmul", f"{tier} ({steps[last].kernel_name})", why)
     return steps
-
-
-def lt_fuses_all(epi) -> bool:
-    """cuBLASLt's epilogue takes all of ``epi``: the bias, relu / gelu_tanh, or a residual
-    with no activation (as C, beta = 1)."""
-    act = epi["activation"]
-    return act in LT_ACTIVATIONS and (epi["residual"] is None or act is None)
 
 
 def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, src=None,
@@ -349,7 +366,7 @@ def device_ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
-def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
+def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
     half = ctx.half_param(b.node)
     if half is None:
         why.append("tier 0: the weight is not stored half (set_param_half)")
@@ -408,35 +425,32 @@ def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label, out_typ
     return step, left
 
 
-def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
+def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
     """Every unbatched product, whatever its epilogue: cuBLASLt fuses what it can (the
     bias always, relu / gelu_tanh, a residual with no activation) and the epilogue kernel
     does the rest. Even with nothing to fuse it beats cublasSgemm_v2 on the host (a call cost
     ~11 against ~23 us of CPU on an H100 box: Sgemm runs cuBLAS's own heuristic each call),
     and its algorithm was timed at compile time. f16 / bf16 operands: A, B, C and D (and the
-    bias) of that type, f32 compute and scale (tensor cores); with an epilogue it cannot
-    fuse, D is an f32 scratch (``kinds[1]``) and the kernel rounds once."""
+    bias) of that type, f32 compute and scale (tensor cores); the epilogue it cannot fuse
+    runs on D in place (the module docstring's roundings)."""
     if batch > 1:
         why.append("tier 1: batched product")
         return None
     from ..cublas import api, gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
-    kind, out_kind = kinds
     lt = _lt_step(ctx, name, cm, a.buf, b.buf, out, epi, why, in_type=api.DATA_TYPE[kind],
-                  label="" if kind == "f32" else f"{kind}->{out_kind}",
-                  out_type=api.DATA_TYPE[out_kind])
+                  label="" if kind == "f32" else kind, out_type=api.DATA_TYPE[kind])
     return None if lt is None else ([lt[0]], lt[1])
 
 
-def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds):
+def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
     """cublasSgemm (strided / pointer-array batched) for f32; for f16 / bf16 operands
     cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx with f32 compute, C of the operands'
-    type, or f32 into a scratch when an epilogue kernel follows (``kinds[1]``)."""
+    type (an epilogue kernel follows in place)."""
     from ..cublas import gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
-    kind, out_kind = kinds
     if kind != "f32":
-        return _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind)
+        return _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind)
     tf32 = cublas.allow_tf32
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
@@ -451,9 +465,9 @@ def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kinds
     return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
 
 
-def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind):
+def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind):
     from ..cublas import api, gemm
-    code, out_code = api.DATA_TYPE[kind], api.DATA_TYPE[out_kind]
+    code = api.DATA_TYPE[kind]
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, call = None, "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
     if batch > 1 and (sa is None or sb is None):
@@ -464,9 +478,9 @@ def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, ou
         ctx.keep(ptrs)
         call = "cublasGemmBatchedEx"
     make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(a.buf), code, device_ptr(b.buf),  # noqa: E731
-                                            code, device_ptr(out), c_type=out_code, batch=batch,
+                                            code, device_ptr(out), c_type=code, batch=batch,
                                             stride_a=sa or 0, stride_b=sb or 0, ptr_arrays=ptrs)
-    return [CallStep(name, f"{call} {kind}->{out_kind} {batch}x{m}x{n}x{k}", make)], {}
+    return [CallStep(name, f"{call} {kind} {batch}x{m}x{n}x{k}", make)], {}
 
 
 _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}

@@ -2,7 +2,7 @@
 layout, fuse and plan turn a Graph into a Plan; nothing here touches the device."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..ir.graph import Graph
 from ..ir.opdef import is_inplace, is_leaf, opdef
@@ -26,6 +26,9 @@ class Plan:
     buffers: dict        # root node id -> Buffer (params: a range past the arena, no bytes in it)
     arena_bytes: int
     report: MemoryReport
+    # node id -> Buffer of the arena bytes its steps use as scratch, live at its step alone
+    # (a half product's f32 result on the numba tier: lower_matmul.f32_scratch_elems)
+    scratch: dict = field(default_factory=dict)
 
     def is_view(self, n) -> bool:
         return views_input(n, self.graph, self.strided, self.copied, self.absorbed)
@@ -91,9 +94,9 @@ def plan_graph(graph: Graph) -> Plan:
     # fused regions and folded epilogues: interior nodes get no buffer and no step, a root
     # lowers as fusion.nodes[id] (the graph itself is not changed)
     fused = fusion_pass.fuse(graph, live, root, is_view, strided)
-    buffers, arena_bytes, report = plan_memory(graph, live, root, fused)
+    buffers, arena_bytes, report, scratch = plan_memory(graph, live, root, fused)
     return Plan(graph, live, root, absorbed, strided, copied, transposed, fused, buffers,
-                arena_bytes, report)
+                arena_bytes, report, scratch)
 
 
 def aliases(graph: Graph, live: set, is_view) -> dict:
@@ -141,16 +144,17 @@ def reachable(graph: Graph) -> set:
 
 
 def plan_memory(graph: Graph, live: set, root: dict, fused):
-    """(buffers, arena bytes, MemoryReport): a buffer lives from the step that writes it to
-    its last reader; inputs, constants and outputs for the whole run. Params are not in the
-    arena (a ParamStore holds them): their Buffers only give them byte ranges of their own,
-    past the arena's, by which schedule.py orders steps."""
+    """(buffers, arena bytes, MemoryReport, scratch): a buffer lives from the step that writes
+    it to its last reader; inputs, constants and outputs for the whole run; a node's scratch
+    (``Plan.scratch``) at its own step alone. Params are not in the arena (a ParamStore holds
+    them): their Buffers only give them byte ranges of their own, past the arena's, by which
+    schedule.py orders steps."""
     nodes = graph.nodes
     order = [n.id for n in nodes if n.id in live]
     t_of = {nid: t for t, nid in enumerate(order)}
     last = len(order)
     outputs = {root[o] for o in graph.outputs}
-    bufs = {}
+    bufs, scratch = {}, {}
     views = 0
     for nid in order:
         if nid in fused.interior:
@@ -164,13 +168,16 @@ def plan_memory(graph: Graph, live: set, root: dict, fused):
             by = opdef(n.op).written_by     # filled by its producer's kernel: live from there
             start = t_of[n.inputs[by]] if by is not None else t_of[nid]
             bufs[nid] = Buffer(nid, n.nbytes, start, t_of[nid], pinned)
+        extra = 4 * lower_matmul.f32_scratch_elems(graph, n)
+        if extra:
+            scratch[nid] = Buffer(nid, extra, t_of[nid], t_of[nid])
         for i in n.inputs:   # a read extends the life of the buffer behind the operand
             b = bufs[root[i]]
             b.end = max(b.end, t_of[nid])
     for b in bufs.values():
         if b.pinned:
             b.start, b.end = 0, last
-    in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"]
+    in_arena = [b for b in bufs.values() if nodes[b.key].op != "param"] + list(scratch.values())
     arena_bytes = top = plan(in_arena)
     for b in bufs.values():
         if nodes[b.key].op == "param":
@@ -190,4 +197,4 @@ def plan_memory(graph: Graph, live: set, root: dict, fused):
         arena_bytes=arena_bytes, unshared_bytes=unshared, buffers=len(in_arena), views=views,
         input_bytes=by["input"], constant_bytes=by["constant"], output_bytes=out_b,
         intermediate_bytes=inter, saved_fraction=1 - arena_bytes / unshared if unshared else 0.0)
-    return bufs, arena_bytes, report
+    return bufs, arena_bytes, report, scratch

@@ -116,6 +116,14 @@ class LowerCtx:
                 if self.roots[nid] == node.id:
                     self.bufs[nid] = self._flat(nid)
 
+    def scratch_buf(self, node_or_id):
+        """The f32 arena view of the scratch the plan gave node ``node_or_id`` (Plan.scratch),
+        or None when it has none."""
+        b = self.plan.scratch.get(getattr(node_or_id, "id", node_or_id))
+        if b is None:
+            return None
+        return self.arena[b.offset:b.offset + b.nbytes].view(np.float32)
+
     def byte_range(self, node_or_id):
         """(lo, hi) bytes of the memory behind a node (params: a range past the arena), or
         None for a fused region's interior (no memory)."""
@@ -260,6 +268,10 @@ class Program:
                    if r in ctx.live and r not in ctx.fusion.interior]
         writes = [ctx.byte_range(m) for m in [n.id] + results]
         reads, seen = [], set()
+        sc = ctx.plan.scratch.get(n.id)     # written by one of its steps, read by the next
+        if sc is not None:
+            writes.append((sc.offset, sc.offset + sc.size))
+            reads.append(writes[-1])
 
         def read(node):
             for i in node.inputs:
