@@ -657,13 +657,17 @@ def test_residual_add_not_folded_with_promotion_or_a_shared_product(rng, monkeyp
     assert y1.dtype == rlx.dtype("f32")
 
 
-def test_half_vit_and_bert_layer_step_counts():
+def test_half_vit_and_bert_layer_step_counts(monkeypatch):
     """The element-wise kernels of a tiny two-layer ViT (bf16) and BERT (f16) as the models
     compile them (Graph.to_dtype of the f32 graph): a ViT's residual adds x + o_proj(...) and
     x + mlp(...) ride in their products (three of them: the last one is the final norm's
     residual), so 46 steps became 43 (f32: 44 -> 41). BERT's adds are its norms' residuals
     already: 29 steps, one gelu epilogue a layer (on a GPU cuBLASLt writes the product + bias
     in f16 and that kernel runs in place on it)."""
+    # the simulator's tiers on a GPU too (cuBLASLt, cuDNN attention and convolutions plan
+    # other step counts)
+    for var, tiers in (("MATMUL", "4"), ("ATTENTION", "1"), ("CONV", "2")):
+        monkeypatch.setenv(f"RLX_NUMBA_{var}_TIERS", tiers)
     from rlx_numba.models import BertConfig, ViTConfig
     from rlx_numba.models.bert import build_bert
     from rlx_numba.models.executables import in_dtype

@@ -95,8 +95,12 @@ def test_half_linear_folds_leading_dims_and_params(rng, d):
 @pytest.mark.parametrize("act", [None, *ACTIVATIONS])
 def test_half_linear_every_activation_and_residual(rng, d, act):
     """activation(x @ w + bias) + residual: bias and residual in the operands' dtype, the
-    epilogue in f32 on the f32 product and rounded once (a product rounded to half before its
-    epilogue would be off by the activation's slope times u |x @ w + bias| more)."""
+    epilogue in f32 and the result rounded once. Where a tier fuses the epilogue whole (the
+    numba tier: every epilogue; cuBLASLt: bias with relu / gelu_tanh / none, or bias and a
+    residual with no activation) z = x @ w + bias stays f32; otherwise (a GPU's cuBLAS tiers,
+    lower_matmul's docstring) the product writes z rounded to the dtype and the rest runs on
+    it, as torch eager does: the oracle rounds z there too (an activation steep at z, like
+    tan, would miss a one-rounding bound by its slope times u |z|)."""
     pos = act in POSITIVE
     g = rlx.Graph("epih")
     x, r = g.input("x", (3, 11), d), g.input("r", (3, 6), d)
@@ -105,9 +109,14 @@ def test_half_linear_every_activation_and_residual(rng, d, act):
     xv, wv, cv = (data(rng, s, d, pos) for s in ((3, 11), (11, 6), (6,)))
     rv = data(rng, (3, 6), d)
     y, yr = run_graph(g, {"x": xv, "w": wv, "c": cv, "r": rv})
-    h = act64(act, f64(xv) @ f64(wv) + f64(cv))
+    z = f64(xv) @ f64(wv) + f64(cv)
+
+    def on_z(fused):        # z as the epilogue sees it: f32, or rounded by a cuBLAS product
+        return z if fused or not ON_GPU else f64(rounded(z, d))
+    h = act64(act, on_z(act in (None, "relu", "gelu_tanh")))
     assert_half_close(y, h, d, what=f"linear {act}")
-    assert_half_close(yr, h + f64(rv), d, what=f"linear {act} + residual")
+    hr = act64(act, on_z(act is None)) + f64(rv)
+    assert_half_close(yr, hr, d, what=f"linear {act} + residual")
 
 
 @pytest.mark.parametrize("d", HALVES)
@@ -336,11 +345,12 @@ def test_gpu_default_ladder_half_uses_cublas(rng, d):
 
 
 @pytest.mark.parametrize("d", HALVES)
-def test_half_epilogue_scratch_is_in_the_arena(rng, d):
+def test_half_epilogue_scratch_is_in_the_arena(rng, monkeypatch, d):
     """A half product whose epilogue the numba tier leaves to the element-wise kernel writes
     its f32 sums into arena bytes the memory plan gives the node (live at its step alone:
     Plan.scratch), not into a device array of its own; the kernel rounds once. An f32 graph,
     and a half product with no epilogue, get none."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "4")    # the numba tier (a GPU's too)
     m, k, n = 5, 23, 7
     g = rlx.Graph("scratchh")
     x, r = g.input("x", (m, k), d), g.input("r", (m, n), d)
