@@ -72,6 +72,21 @@ def _clip_coef(partials, npart, max_norm, smem, inv_scale):
     return ONE if c >= ONE else c
 
 
+@cuda.jit(device=True)
+def _grad_coef(partials, npart, max_norm, scaler, flags, nflags, smem):
+    """What the update multiplies the grads by: 1 / the loss scale (``nflags`` > 0), times
+    the clip coefficient (``npart`` > 0); -1 when a chunk flagged an inf / NaN gradient (the
+    step is skipped). Every thread of the block must call it."""
+    inv = ONE
+    if nflags > 0:
+        if _block_sum(flags, nflags, smem) > float32(0.0):
+            return float32(-1.0)
+        inv = ONE / scaler[0]
+    if npart > 0:
+        return _clip_coef(partials, npart, max_norm, smem, inv) * inv
+    return inv
+
+
 @jit
 def grad_sumsq(partials, grads, table, nchunks):
     """partials[c] = sum of squares of chunk c's grads."""
@@ -148,14 +163,9 @@ def _make_sgd(half):
         is unused when momentum is 0; ``npart`` > 0: clip first; ``nflags`` > 0: loss scaling
         (see the module docstring)."""
         smem = cuda.shared.array(SLOTS, float32)
-        inv = ONE
-        if nflags > 0:
-            if _block_sum(flags, nflags, smem) > float32(0.0):
-                return            # an inf / NaN gradient: the step is skipped
-            inv = ONE / scaler[0]
-        coef = inv
-        if npart > 0:
-            coef = _clip_coef(partials, npart, max_norm, smem, inv) * inv
+        coef = _grad_coef(partials, npart, max_norm, scaler, flags, nflags, smem)
+        if coef < float32(0.0):
+            return                # an inf / NaN gradient: the step is skipped
         lr = hyper[0]
         first = hyper[1] != float32(0.0)
         keep = ONE - dampening
@@ -202,14 +212,9 @@ def _make_adam(half):
         * g; with amsgrad v = max(max_sq, v) kept in max_sq; p += -lr / (1 - beta1^t) * m /
         (sqrt(v) / sqrt(1 - beta2^t) + eps). ``max_sq`` is unused without amsgrad."""
         smem = cuda.shared.array(SLOTS, float32)
-        inv = ONE
-        if nflags > 0:
-            if _block_sum(flags, nflags, smem) > float32(0.0):
-                return            # an inf / NaN gradient: the step is skipped
-            inv = ONE / scaler[0]
-        coef = inv
-        if npart > 0:
-            coef = _clip_coef(partials, npart, max_norm, smem, inv) * inv
+        coef = _grad_coef(partials, npart, max_norm, scaler, flags, nflags, smem)
+        if coef < float32(0.0):
+            return                # an inf / NaN gradient: the step is skipped
         step = hyper[1]
         bc2_sqrt = hyper[2]
         decay = hyper[3]

@@ -31,6 +31,7 @@ from numba.core.types import float16
 from ..device import SIMULATOR
 from . import warp as br
 from . import elementwise as ew
+from . import halfio
 from .warp import ARGMAX, ARGMIN, MAX, MIN, PROD, SLOTS, SUM, group_reduce, group_reduce_pair
 from .launch import jit, py_in_sim
 
@@ -53,7 +54,6 @@ def _jit(max_threads: int):
 
 combine = _inline(br.combine)
 pair_better = _inline(br.pair_better)
-_bf16_to_f32 = _inline(ew.bf16_to_f32)
 _f32_to_bf16 = _inline(ew.f32_to_bf16)
 
 OPS = {"sum": SUM, "mean": SUM, "max": MAX, "min": MIN, "prod": PROD,
@@ -65,28 +65,13 @@ _U0 = uint64(0)
 _U1 = uint64(1)
 
 
-# ---- loads: element k of x as the accumulator type ------------------------------------------
-@py_in_sim
-def ld_f32(x, k):
-    return x[k]
-
-
-@py_in_sim
-def ld_f16(x, k):
-    return float32(x[k])
-
-
-@py_in_sim
-def ld_bf16(x, k):
-    return _bf16_to_f32(x[k])
-
-
+# ---- loads: element k of x as the accumulator type (floats through kernels/halfio.py) --------
 @py_in_sim
 def ld_int(x, k):
     return int64(x[k])
 
 
-LOADS = {"f32": ld_f32, "f16": ld_f16, "bf16": ld_bf16, "int": ld_int}
+LOADS = {"f32": halfio.ld_f32, "f16": halfio.ld_f16, "bf16": halfio.ld_bf16, "int": ld_int}
 
 
 # ---- stores: out[k] = v converted (d: the count, for mean) ------------------------------------
