@@ -3,6 +3,8 @@
 #   bash bench/gpu_check.sh [tests|bench|half|all]      (from the repo root; default all)
 # half: only the half-precision model rows (MiniLM f16, SmolLM2 bf16, the 1B-shaped bf16
 # decode, ResNet-50 / ViT-B/16 bf16, the bf16 training step) beside torch in the same dtype.
+# Half attention's tier 0 needs nvidia-cudnn-frontend 1.14 importable (the GPU image has no
+# internet: carry its wheel and pip install --target it onto PYTHONPATH, as numpy's).
 # tests takes ~8 min on an H100 (7m45s measured) and bench ~6 min (5.5 measured), so under a
 # 10-minute limit per command run "tests" and "bench" as two calls.
 # No bench needs real model weights: every model is built from its config with random weights
