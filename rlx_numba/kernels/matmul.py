@@ -186,8 +186,14 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None)
     return tiles
 
 
-@functools.lru_cache(maxsize=None)
 def sgemm_kernel(trans_a: bool, trans_b: bool, kind: str = "f32", out_kind: str = "f32"):
+    """The kernel below, one per (trans_a, trans_b, kind, out_kind) however it is asked for
+    (positional or default arguments: the same object)."""
+    return _sgemm_kernel(bool(trans_a), bool(trans_b), kind, out_kind)
+
+
+@functools.lru_cache(maxsize=None)
+def _sgemm_kernel(trans_a: bool, trans_b: bool, kind: str, out_kind: str):
     """kernel(c, a, b, m, n, k, a_off, b_off, batch): c[z] (flat [batch, m, n]) =
     A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
     transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
