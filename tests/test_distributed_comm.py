@@ -354,10 +354,17 @@ def test_nccl_tables_and_error_message():
 SCRIPT = """
 import os, sys
 out = sys.argv[1]
-with open(os.path.join(out, "rank" + os.environ["RANK"]), "w") as f:
+path = os.path.join(out, "rank" + os.environ["RANK"])
+with open(path + ".tmp", "w") as f:
     f.write(" ".join(os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
                                              "MASTER_ADDR", "MASTER_PORT")))
+os.replace(path + ".tmp", path)     # whole or absent, even if the launcher kills this rank
 if len(sys.argv) > 2 and os.environ["RANK"] == sys.argv[2]:
+    import glob, time             # fail only once every rank has written its file (a loaded
+    t = time.monotonic()          # machine may start the others late)
+    while (len(glob.glob(os.path.join(out, "rank[0-9]"))) < int(os.environ["WORLD_SIZE"])
+           and time.monotonic() - t < 20):
+        time.sleep(0.05)
     sys.exit(int(sys.argv[3]))
 if len(sys.argv) > 2:
     import time; time.sleep(60)     # the launcher must stop this one
