@@ -25,6 +25,7 @@ if ON_GPU:   # (the kernels below compile the GPU bodies: numba intrinsics, GPU 
     H2F, LDH, LDW = P["h2f"].gpu, P["ldh"].gpu, P["ldw"].gpu
     FLD4, FBITS, SPREAD4 = P["fld4"].gpu, P["fbits"].gpu, P["spread4"].gpu
     VST2, VST4, TICKET = P["vst2"].gpu, P["vst4"].gpu, P["ticket"].gpu
+    VLD4W, F2H2, ST4W = P["vld4w"].gpu, P["f2h2"].gpu, P["st4w"].gpu
 
     @cuda.jit
     def k_loads(out2, out4, outv, a, b):
@@ -43,8 +44,10 @@ if ON_GPU:   # (the kernels below compile the GPU bodies: numba intrinsics, GPU 
         t = cuda.grid(1)
         if t < N:
             w = LD4W(h, uint64(8 * t))
+            v = VLD4W(h, uint64(8 * (N - 1 - t)))
             for i in range(4):
                 out4w[t, i] = w[i]
+                out4w[t, 4 + i] = v[i]
             outh[t] = LDH(h, uint64(t))
             outw[t] = LDW(h, uint64(3 * t + 1))    # any index, odd too
 
@@ -69,6 +72,14 @@ if ON_GPU:   # (the kernels below compile the GPU bodies: numba intrinsics, GPU 
             VST2(f2, uint64(2 * t), x[t], -x[t])
             VST4(f4, uint64(4 * t), x[t], x[t] * float32(2), x[t] + float32(1), float32(t))
             VST4(u4, uint64(4 * t), u[t], u[t] ^ uint32(1), uint32(t), u[t] >> uint32(3))
+
+    @cuda.jit
+    def k_halves(packed, h16, b16, lo, hi, u):
+        t = cuda.grid(1)
+        if t < N:
+            packed[t] = F2H2(lo[t], hi[t])
+            ST4W(h16, uint64(8 * t), u[4 * t], u[4 * t + 1], u[4 * t + 2], u[4 * t + 3])
+            ST4W(b16, uint64(8 * t), u[4 * t + 3], u[4 * t + 2], u[4 * t + 1], u[4 * t])
 
     @cuda.jit
     def k_ticket(got, counter):
@@ -99,10 +110,11 @@ def test_loads(rng):
 @gpu
 def test_word_loads(rng):
     h = rng.integers(0, 1 << 16, 8 * N + 8, dtype=np.uint16)
-    out4w, outh, outw, _ = _run(k_words, np.zeros((N, 4), np.uint32), np.zeros(N, np.uint32),
+    out4w, outh, outw, _ = _run(k_words, np.zeros((N, 8), np.uint32), np.zeros(N, np.uint32),
                                 np.zeros(N, np.uint32), h)
     for t in range(N):
-        np.testing.assert_array_equal(out4w[t], P["ld4w"].twin(h, 8 * t))
+        np.testing.assert_array_equal(out4w[t, :4], P["ld4w"].twin(h, 8 * t))
+        np.testing.assert_array_equal(out4w[t, 4:], P["vld4w"].twin(h, 8 * (N - 1 - t)))
         assert outh[t] == P["ldh"].twin(h, t)
         assert outw[t] == P["ldw"].twin(h, 3 * t + 1)
 
@@ -150,6 +162,35 @@ def test_stores(rng):
     np.testing.assert_array_equal(u4, wu)
 
 
+# f32 -> f16 edge cases: ties to even (1 + 2^-11 -> 1, 1 + 3 * 2^-11 -> 1 + 2^-9), the
+# largest finite, overflow to inf, the smallest subnormal and half of it (a tie -> 0), -0.0
+HALF_EDGES = np.array([1 + 2.0 ** -11, 1 + 3 * 2.0 ** -11, 65504.0, 65520.0, 1e6, -1e6,
+                       2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -25, -0.0, np.inf, -np.inf,
+                       np.nan, -np.nan, 1.0 / 3, -2.0 / 3], np.float32)
+
+
+@gpu
+def test_half_packing(rng):
+    """f2h2 (cvt.rn.f16x2.f32: its first source goes to the upper half) and st4w."""
+    lo = rng.standard_normal(N).astype(np.float32) * 100
+    hi = rng.standard_normal(N).astype(np.float32)
+    lo[:16], hi[16:32] = HALF_EDGES, HALF_EDGES[::-1]
+    u = rng.integers(0, 1 << 32, 4 * N, dtype=np.uint32)
+    packed, h16, b16, *_ = _run(k_halves, np.zeros(N, np.uint32), np.zeros(8 * N, np.float16),
+                                np.zeros(8 * N, np.uint16), lo, hi, u)
+    want = np.array([P["f2h2"].twin(lo[t], hi[t]) for t in range(N)], np.uint32)
+    got_h, want_h = packed.view(np.float16), want.view(np.float16)
+    nan = np.isnan(want_h)
+    np.testing.assert_array_equal(np.isnan(got_h), nan)      # (NaN payloads may differ)
+    np.testing.assert_array_equal(got_h.view(np.uint16)[~nan], want_h.view(np.uint16)[~nan])
+    wh, wb = np.zeros(8 * N, np.float16), np.zeros(8 * N, np.uint16)
+    for t in range(N):
+        P["st4w"].twin(wh, 8 * t, u[4 * t], u[4 * t + 1], u[4 * t + 2], u[4 * t + 3])
+        P["st4w"].twin(wb, 8 * t, u[4 * t + 3], u[4 * t + 2], u[4 * t + 1], u[4 * t])
+    np.testing.assert_array_equal(h16.view(np.uint16), wh.view(np.uint16))
+    np.testing.assert_array_equal(b16, wb)
+
+
 @gpu
 def test_ticket():
     """Tickets race on a GPU, so not their order: each counter's tickets are 0, 1, ... once
@@ -165,5 +206,5 @@ def test_ticket():
 
 def test_every_intrinsic_is_compared():
     """A new intrinsic needs its kernel above."""
-    assert set(P) == {"ld2", "ld4", "vld4", "ld4w", "h2f", "ldh", "ldw", "fld4", "fbits",
-                      "spread4", "vst2", "vst4", "ticket"}
+    assert set(P) == {"ld2", "ld4", "vld4", "ld4w", "vld4w", "h2f", "f2h2", "ldh", "ldw", "fld4",
+                      "fbits", "spread4", "vst2", "vst4", "st4w", "ticket"}

@@ -5,7 +5,9 @@ An element-wise expression (one op, or later a fused chain) over k inputs become
 keep the compiled code on disk: ``load_kernel`` attaches kernels/cache.py's cache) and loaded.
 Broadcasting is done in the kernel: every input is classed as ``full`` (same elements as the
 output, index ``i``), ``scalar`` (index 0) or ``bcast`` (offset from the output index through
-collapsed dims and strides), so no broadcast is ever materialised.
+collapsed dims and strides), so no broadcast is ever materialised. Where half data moves, the
+vector variant (``kernel_source``'s ``vec``) has a thread take 8 consecutive elements in
+16-byte loads and stores (kernels/ptx.py); runtime/lower.py decides where that is legal.
 
 Expressions are nested tuples:
   ("in", k, dtype) | ("activation", kind, dtype, x) | ("binary", kind, dtype, a, b)
@@ -104,6 +106,11 @@ def _store(value: str, d: dt.DType) -> str:
 
 
 UNROLL = 8  # elements per thread per loop trip: loads issued together keep more bytes in flight
+VEC = 8     # elements per thread per trip of the vector kernel: 16 bytes of f16/bf16
+# how the vector kernel reads an input: "ld" / "vld" VEC elements in 16-byte loads (read-only
+# .nc, or plain where the input may alias the output), "one" a single element for all VEC
+# (a scalar, or a broadcast along the last dim), "el" element by element
+VEC_KINDS = ("ld", "vld", "one", "el")
 
 
 def magic_divisor(d: int) -> tuple[int, int]:
@@ -114,7 +121,79 @@ def magic_divisor(d: int) -> tuple[int, int]:
     return ((1 << 32) * ((1 << s) - d)) // d + 1, s
 
 
-def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
+def _offsets(idx: str, u, js, ndim: int, idx32: bool) -> list[str]:
+    """Lines giving o{j}_{u}, the offset of output element ``idx`` in each bcast input j."""
+    if not js:
+        return []
+    pre = [f"r = {idx}"]
+    for a in range(ndim - 1, 0, -1):
+        if idx32:   # r < 2**32 and m < 2**32: the multiply is one mul.wide.u32
+            pre += [f"q = (((r * m{a}) >> U32) + r) >> sh{a}", f"c{a} = r - q * d{a}", "r = q"]
+        else:
+            pre += [f"c{a} = r % d{a}", f"r = r // d{a}"]
+    for j in js:
+        terms = [f"c{a} * s{j}_{a}" for a in range(ndim - 1, 0, -1)] + [f"r * s{j}_0"]
+        pre.append(f"o{j}_{u} = " + " + ".join(terms))
+    return pre
+
+
+def _vector_trip(expr, in_dtypes, modes, ndim, idx32, vec) -> list[str]:
+    """One trip of the vector kernel: elements b .. b + VEC - 1 (b a multiple of VEC), every
+    offset and load first, then the math, then the stores (``out`` may be an input)."""
+    k = len(in_dtypes)
+    bc = [j for j in range(k) if modes[j] == "bcast"]
+    el = [j for j in bc if vec[j] == "el"]
+    pre = _offsets("b", 0, bc, ndim, idx32)          # element b's offsets in every bcast input
+    for e in range(1, VEC):                           # the other elements' where read one by one
+        if el:
+            pre.append(f"b{e} = b + uint64({e})")
+        pre += _offsets(f"b{e}", e, el, ndim, idx32)
+    names = [[f"x{j}_{e}" for e in range(VEC)] for j in range(k)]
+    for j in range(k):
+        d, x = in_dtypes[j], names[j]
+        full = modes[j] == "full"
+        if modes[j] == "scalar" or vec[j] == "one":
+            names[j] = [f"x{j}"] * VEC
+            pre.append(f"x{j} = " + _load(f"in{j}[{'0' if modes[j] == 'scalar' else f'o{j}_0'}]", d))
+        elif vec[j] == "el":
+            for e in range(VEC):
+                at = ("b" if e == 0 else f"b + uint64({e})") if full else f"o{j}_{e}"
+                pre.append(f"{x[e]} = " + _load(f"in{j}[{at}]", d))
+        else:
+            at = "b" if full else f"o{j}_0"
+            if d == dt.F32:
+                ld = "ld4" if vec[j] == "ld" else "vld4"
+                pre.append(f"{', '.join(x[:4])} = ptx.{ld}(in{j}, {at})")
+                pre.append(f"{', '.join(x[4:])} = ptx.{ld}(in{j}, {at} + uint64(4))")
+                continue
+            ws = [f"w{j}_{q}" for q in range(VEC // 2)]
+            pre.append(f"{', '.join(ws)} = ptx.{'ld4w' if vec[j] == 'ld' else 'vld4w'}(in{j}, {at})")
+            for q, w in enumerate(ws):   # a word holds elements 2q (low half) and 2q + 1
+                if d == dt.F16:
+                    pre.append(f"{x[2 * q]}, {x[2 * q + 1]} = ptx.h2f({w})")
+                else:
+                    pre.append(f"{x[2 * q]} = ew.bf16_to_f32({w} & M16)")
+                    pre.append(f"{x[2 * q + 1]} = ew.bf16_to_f32({w} >> U16)")
+    ys = [f"y{e}" for e in range(VEC)]
+    math_ = [f"{ys[e]} = " + _emit(expr, [names[j][e] for j in range(k)]) for e in range(VEC)]
+    d = expr[2]
+    if d == dt.F16:
+        pairs = [f"ptx.f2h2(float32({ys[2 * q]}), float32({ys[2 * q + 1]}))" for q in range(VEC // 2)]
+        stores = [f"ptx.st4w(out, b, {', '.join(pairs)})"]
+    elif d == dt.BF16:
+        pairs = [f"(uint32(ew.f32_to_bf16(float32({ys[2 * q]})))"
+                 f" | (uint32(ew.f32_to_bf16(float32({ys[2 * q + 1]}))) << U16))" for q in range(VEC // 2)]
+        stores = [f"ptx.st4w(out, b, {', '.join(pairs)})"]
+    elif d == dt.F32:
+        stores = [f"ptx.vst4(out, b, {', '.join(ys[:4])})",
+                  f"ptx.vst4(out, b + uint64(4), {', '.join(ys[4:])})"]
+    else:
+        stores = [f"out[{'b' if e == 0 else f'b + uint64({e})'}] = {_store(ys[e], d)}"
+                  for e in range(VEC)]
+    return pre + math_ + stores
+
+
+def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True, vec=None) -> str:
     """Python source of the kernel for this expression, input dtypes/modes and collapsed rank.
 
     With ``idx32`` (every index < 2**32) the broadcast offsets divide by the collapsed dims
@@ -125,8 +204,14 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
     fix-ups; unsigned indices need neither.
 
     The grid-stride loop handles UNROLL elements (i, i+step, ...) per trip: first every offset
-    and load, then the math and the stores. Loads must come before stores explicitly because
+    and load, then the math, then the stores. Loads must come before stores explicitly because
     ``out`` may be an input too (in-place epilogues), so the compiler could not reorder them.
+
+    ``vec`` (a VEC_KINDS entry per input; None: the scalar kernel above) makes the vector
+    kernel: a thread takes VEC consecutive elements a trip, stores a f16/bf16/f32 output in
+    16-byte stores and reads each input as ``vec`` says; the last n % VEC elements follow
+    one a thread. The caller checks that it is legal: every array accessed 16 bytes at a
+    time is 16-byte aligned, and an "ld"/"vld" bcast input has rows of whole vectors.
     """
     k = len(in_dtypes)
     bc = [j for j in range(k) if modes[j] == "bcast"]
@@ -139,21 +224,7 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
         """(index and load lines, store line) for element i + u*step, names suffixed _u."""
         idx = "i" if u == 0 else f"i{u}"
         pre = [] if u == 0 else [f"{idx} = i + uint64({u}) * step"]
-        if bc and idx32:   # r < 2**32 and m < 2**32: the multiply is one mul.wide.u32
-            pre.append(f"r = {idx}")
-            for a in range(ndim - 1, 0, -1):
-                pre.append(f"q = (((r * m{a}) >> U32) + r) >> sh{a}")
-                pre.append(f"c{a} = r - q * d{a}")
-                pre.append("r = q")
-        elif bc:
-            pre.append(f"r = {idx}")
-            for a in range(ndim - 1, 0, -1):
-                pre.append(f"c{a} = r % d{a}")
-                pre.append(f"r = r // d{a}")
-        if bc:
-            for j in bc:
-                terms = [f"c{a} * s{j}_{a}" for a in range(ndim - 1, 0, -1)] + [f"r * s{j}_0"]
-                pre.append(f"o{j}_{u} = " + " + ".join(terms))
+        pre += _offsets(idx, u, bc, ndim, idx32)
         where = {"full": idx, "scalar": "0"}
         names = []
         for j in range(k):
@@ -162,26 +233,45 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True) -> str:
             pre.append(f"v{j}_{u} = " + _load(f"in{j}[{at}]", in_dtypes[j]))
         return pre, f"out[{idx}] = {_store(_emit(expr, names), expr[2])}"
 
-    parts = [element(u) for u in range(UNROLL)]
-    unrolled = [line for pre, _ in parts for line in pre] + [st for _, st in parts]
     pre0, store0 = element(0)
+    if vec is None:
+        parts = [element(u) for u in range(UNROLL)]
+        unrolled = [line for pre, _ in parts for line in pre] + [st for _, st in parts]
+        body = [
+            "    i = uint64(cuda.grid(1))",
+            "    step = uint64(cuda.gridsize(1))",
+            f"    while i + uint64({UNROLL - 1}) * step < n:",
+            *("        " + s for s in unrolled),
+            f"        i += uint64({UNROLL}) * step",
+        ]
+    else:
+        assert len(vec) == k and set(vec) <= set(VEC_KINDS), vec
+        body = [
+            "    v = uint64(cuda.grid(1))",
+            "    step = uint64(cuda.gridsize(1))",
+            f"    nv = n // uint64({VEC})",
+            "    while v < nv:",
+            f"        b = v * uint64({VEC})",
+            *("        " + s for s in _vector_trip(expr, in_dtypes, modes, ndim, idx32, vec)),
+            "        v += step",
+            f"    i = nv * uint64({VEC}) + uint64(cuda.grid(1))   # the tail",
+        ]
     lines = [
         "# generated by rlx_numba.kernels.codegen; do not edit",
         f"# expr: {expr_repr(expr)}",
         f"# inputs: {', '.join(f'{d}:{mo}' for d, mo in zip(in_dtypes, modes))}; collapsed rank {ndim}",
-        "from numba import cuda, float32, int8, int32, int64, uint8, uint64",
+        *([f"# vector: {VEC} elements a thread; inputs read {', '.join(vec)}"] if vec else []),
+        "from numba import cuda, float32, int8, int32, int64, uint8, uint32, uint64",
         "from numba.core.types import float16",
         "from rlx_numba.kernels import elementwise as ew",
+        *(["from rlx_numba.kernels import ptx"] if vec else []),
         "",
         "U32 = uint64(32)",
+        *(["U16 = uint32(16)", "M16 = uint32(0xFFFF)"] if vec else []),
         "",
         "@cuda.jit   # load_kernel attaches the disk cache (rlx_numba/kernels/cache.py)",
         f"def kernel({', '.join(params)}):",
-        "    i = uint64(cuda.grid(1))",
-        "    step = uint64(cuda.gridsize(1))",
-        f"    while i + uint64({UNROLL - 1}) * step < n:",
-        *("        " + s for s in unrolled),
-        f"        i += uint64({UNROLL}) * step",
+        *body,
         "    while i < n:",
         *("        " + s for s in pre0 + [store0]),
         "        i += step",

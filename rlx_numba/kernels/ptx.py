@@ -5,9 +5,10 @@ module-level names, bound once to the body this device runs.
 
 ``ld2`` / ``ld4``: two / four float32 in one 8- / 16-byte load of read-only data
 (ld.global.nc.v2.f32, .v4.f32); ``ld4w``: 16 bytes of any array as four uint32 words (8 half
-weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16); ``vld4``
-and ``vst4`` / ``vst2``: a 16-byte load and a 16- / 8-byte store of memory the kernel also
-writes (shared memory, partials, dequantised weights). numba's array accesses are one element each, and a warp waiting on its load
+weights), and ``h2f`` to widen an f16 pair word (cvt.f32.f16), ``f2h2`` to round two float32
+to one (cvt.rn.f16x2.f32); ``vld4`` / ``vld4w`` and ``vst4`` / ``vst2`` / ``st4w``: 16-byte
+loads and 16- / 8-byte stores of memory the kernel also writes (shared memory, partials,
+dequantised weights, an element-wise kernel's output that is also its input). numba's array accesses are one element each, and a warp waiting on its load
 queue, not DRAM, is what bounds the decode kernel. ``ldh`` / ``ldw`` / ``fld4`` / ``fbits`` / ``spread4``: 32-bit words of packed
 quantised data and their bit fields as exact floats (numba types every integer op 64-bit).
 ``ticket``: atomicAdd(+1) with
@@ -72,20 +73,27 @@ _gpu_ld4 = intrinsic(_load("ld4", 4, True))
 _gpu_vld4 = intrinsic(_load("vld4", 4, False))
 
 
-@intrinsic
-def _gpu_ld4w(typingctx, arr, idx):
-    """The 16 bytes at a[i] (any element type; i a flat element offset, 16-byte aligned)
-    as 4 uint32 words, one read-only load: 8 f16/bf16 weights at once."""
-    sig = types.UniTuple(types.uint32, 4)(arr, idx)
+def _load_words(name, invariant):
+    def typer(typingctx, arr, idx):
+        """The 16 bytes at a[i] (any element type; i a flat element offset, 16-byte aligned)
+        as 4 uint32 words in one load: 8 f16/bf16 values at once."""
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
 
-    def codegen(context, builder, sig, args):
-        vt = ir.VectorType(_I32, 4)
-        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
-        v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=16)
-        v.set_metadata("invariant.load", builder.module.add_metadata([]))
-        return context.make_tuple(builder, sig.return_type, [
-            builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            vt = ir.VectorType(_I32, 4)
+            ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+            v = builder.load(builder.bitcast(ptr, vt.as_pointer()), align=16)
+            if invariant:
+                v.set_metadata("invariant.load", builder.module.add_metadata([]))
+            return context.make_tuple(builder, sig.return_type, [
+                builder.extract_element(v, ir.Constant(_I32, i)) for i in range(4)])
+        return sig, codegen
+    typer.__name__ = name
+    return typer
+
+
+_gpu_ld4w = intrinsic(_load_words("ld4w", True))
+_gpu_vld4w = intrinsic(_load_words("vld4w", False))
 
 
 @intrinsic
@@ -101,6 +109,20 @@ def _gpu_h2f(typingctx, word):
         r = builder.call(asm, [args[0]])
         return context.make_tuple(builder, sig.return_type,
                                   [builder.extract_value(r, 0), builder.extract_value(r, 1)])
+    return sig, codegen
+
+
+@intrinsic
+def _gpu_f2h2(typingctx, lo, hi):
+    """Two float32 rounded to f16 (nearest even) packed in a uint32 word, ``lo`` in its low
+    half: one cvt.rn.f16x2.f32 (sm_80+), whose FIRST source goes to the upper half."""
+    sig = types.uint32(lo, hi)
+
+    def codegen(context, builder, sig, args):
+        a, b = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+        asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                           "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
+        return builder.call(asm, [a, b])
     return sig, codegen
 
 
@@ -212,6 +234,24 @@ def _gpu_vst4(typingctx, arr, idx, x0, x1, x2, x3):
 
 
 @intrinsic
+def _gpu_st4w(typingctx, arr, idx, w0, w1, w2, w3):
+    """Four uint32 words into the 16 bytes at a[i] (any element type; i a flat element
+    offset, 16-byte aligned): 8 f16/bf16 values in one store."""
+    sig = types.void(arr, idx, w0, w1, w2, w3)
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(_I32, 4)
+        v = ir.Constant(vt, ir.Undefined)
+        for i in range(4):
+            x = context.cast(builder, args[2 + i], sig.args[2 + i], types.uint32)
+            v = builder.insert_element(v, x, ir.Constant(_I32, i))
+        ptr = builder.gep(_data(context, builder, sig.args[0], args[0]), [args[1]])
+        builder.store(v, builder.bitcast(ptr, vt.as_pointer()), align=16)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
 def _gpu_ticket(typingctx, arr, idx):
     """atomicAdd(&arr[idx], 1) on an int32 array with acquire-release semantics at GPU
     scope (atom.acq_rel.gpu): the caller's writes (and, after a block barrier, its
@@ -255,6 +295,10 @@ def _twin_h2f(word):
     return h[0], h[1]
 
 
+def _twin_f2h2(lo, hi):
+    return np.array([lo, hi], np.float32).astype(np.float16).view(np.uint32)[0]
+
+
 def _twin_ldh(a, i):
     return np.uint32(_flat(a)[i])
 
@@ -292,6 +336,11 @@ def _twin_vst4(a, i, x0, x1, x2, x3):
     f[i], f[i + 1], f[i + 2], f[i + 3] = x0, x1, x2, x3
 
 
+def _twin_st4w(a, i, w0, w1, w2, w3):
+    f = _flat(a)
+    f[i: i + 16 // f.itemsize].view(np.uint32)[:] = [int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)]
+
+
 _TICKETS = threading.Lock()     # (the simulator runs a CUDA thread per OS thread)
 
 
@@ -310,7 +359,9 @@ ld2 = _pair("ld2", _gpu_ld2, _twin_ld2)
 ld4 = _pair("ld4", _gpu_ld4, _twin_ld4)
 vld4 = _pair("vld4", _gpu_vld4, _twin_ld4)
 ld4w = _pair("ld4w", _gpu_ld4w, _twin_ld4w)
+vld4w = _pair("vld4w", _gpu_vld4w, _twin_ld4w)
 h2f = _pair("h2f", _gpu_h2f, _twin_h2f)
+f2h2 = _pair("f2h2", _gpu_f2h2, _twin_f2h2)
 ldh = _pair("ldh", _gpu_ldh, _twin_ldh)
 ldw = _pair("ldw", _gpu_ldw, _twin_ldw)
 fld4 = _pair("fld4", _gpu_fld4, _twin_fld4)
@@ -319,4 +370,5 @@ spread4 = _pair("spread4", _gpu_spread4, _twin_spread4)
 # a[i: i + n] = x0, ..., in one 4n-byte store of 4-byte elements (i a multiple of n, aligned)
 vst2 = _pair("vst2", _gpu_vst2, _twin_vst2)
 vst4 = _pair("vst4", _gpu_vst4, _twin_vst4)
+st4w = _pair("st4w", _gpu_st4w, _twin_st4w)   # the 16 bytes at any array's a[i]: 4 uint32 words
 ticket = _pair("ticket", _gpu_ticket, _twin_ticket)

@@ -391,13 +391,15 @@ def node_expr(node: Node, graph: Graph):
 def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes,
                      in_strides=None) -> Step | None:
     """A generated element-wise kernel writing ``out`` (flat) from flat inputs ``ins``
-    (``in_strides[j]``: input j's per-dim element strides when it is a strided view)."""
+    (``in_strides[j]``: input j's per-dim element strides when it is a strided view): the
+    vector kernel where ``vector_access`` allows it, else the scalar one."""
     n = math.prod(out_shape)
     if n == 0:
         return None
     modes, dims, strides = codegen.broadcast_layout(out_shape, in_shapes, in_strides)
     idx32 = n < IDX32_LIMIT
-    src = codegen.kernel_source(expr, in_dtypes, modes, len(dims), idx32)
+    vec = vector_access(expr[2], out, ins, in_dtypes, modes, dims, strides)
+    src = codegen.kernel_source(expr, in_dtypes, modes, len(dims), idx32, vec)
     kernel = codegen.load_kernel(src)
     sizes = [n]   # passed as uint64: the kernel's index math is unsigned
     if "bcast" in modes:
@@ -407,10 +409,61 @@ def elementwise_step(name, expr, out, out_shape, ins, in_shapes, in_dtypes,
             if mode == "bcast":
                 sizes += strides[j]
     args = [out, *ins, *(np.uint64(v) for v in sizes)]
-    blocks, threads = grid_1d(n)
+    blocks, threads = grid_1d(n if vec is None else -(-n // codegen.VEC))
     nbytes = n * out.dtype.itemsize + sum(a.size * a.dtype.itemsize for a in ins)
-    return Step(name, "elementwise " + codegen.expr_repr(expr), kernel, (blocks,), (threads,),
-                tuple(args), {"source": src, "modes": modes, "dims": dims, "n": n, "bytes": nbytes})
+    return Step(name, "elementwise " + codegen.expr_repr(expr) + (f" vec{codegen.VEC}" if vec else ""),
+                kernel, (blocks,), (threads,), tuple(args),
+                {"source": src, "modes": modes, "dims": dims, "n": n, "bytes": nbytes, "vec": vec})
+
+
+_HALF = (dt.F16, dt.BF16)
+_WIDE = (dt.F16, dt.BF16, dt.F32)    # the dtypes the vector kernel moves 16 bytes at a time
+
+
+def data_ptr(buf) -> int:
+    """The address of a device array's first element (the host array's in the simulator)."""
+    return buf.ctypes.data if SIMULATOR else buf.device_ctypes_pointer.value
+
+
+def _span(buf) -> tuple[int, int]:
+    p = data_ptr(buf)
+    return p, p + buf.size * buf.dtype.itemsize
+
+
+def vector_access(out_dtype, out, ins, in_dtypes, modes, dims, strides):
+    """How the vector kernel reads each input (codegen.VEC_KINDS), or None for the scalar
+    kernel: used where half data moves (a f16/bf16 output or "full" input; f32 alone gains
+    little over the scalar kernel's 4-byte loads) and every 16-byte access is legal: the
+    output (if f16/bf16/f32) and each full float input 16-byte aligned, else the scalar
+    kernel. Bcast inputs never block it: one whose last collapsed dim is contiguous, with
+    rows of whole vectors at aligned offsets (the halves of gated's input), is read 16 bytes
+    at a time; one broadcast along the last dim (a per-channel bias over H*W) is read once
+    for the VEC elements; others element by element. An input that may alias the output
+    (in-place epilogues) gets plain loads, not the read-only path."""
+    vec = codegen.VEC
+    if not (out_dtype in _HALF or any(m == "full" and d in _HALF for m, d in zip(modes, in_dtypes))):
+        return None
+    if out_dtype in _WIDE and data_ptr(out) % 16:
+        return None
+    lo, hi = _span(out)
+    rows = dims[-1] % vec == 0            # no vector crosses the last dim's rows
+    kinds = []
+    for a, d, mode, st in zip(ins, in_dtypes, modes, strides):
+        if mode == "scalar" or mode == "bcast" and rows and st[-1] == 0:
+            kinds.append("one")
+            continue
+        wide = d in _WIDE and data_ptr(a) % 16 == 0
+        if mode == "full" and d in _WIDE and not wide:
+            return None
+        if mode == "bcast" and not (wide and rows and st[-1] == 1
+                                    and all(s % vec == 0 for s in st[:-1])):
+            wide = False
+        if not wide:
+            kinds.append("el")
+            continue
+        a_lo, a_hi = _span(a)
+        kinds.append("vld" if a_lo < hi and lo < a_hi else "ld")
+    return tuple(kinds)
 
 
 # ---- lowering of the element-wise ops --------------------------------------------
