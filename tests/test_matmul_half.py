@@ -116,11 +116,13 @@ def test_half_linear_every_activation_and_residual(rng, d, act):
         return z if fused or not ON_GPU else f64(rounded(z, d))
     h = act64(act, on_z(act in (None, "relu", "gelu_tanh")))
     assert_half_close(y, h, d, what=f"linear {act}")
-    if ON_GPU and act in ("relu", "gelu_tanh"):   # cuBLASLt rounds act(z) to D; + r after
-        hr = f64(rounded(act64(act, z), d)) + f64(rv)
-    else:
-        hr = act64(act, on_z(act is None)) + f64(rv)
-    assert_half_close(yr, hr, d, what=f"linear {act} + residual")
+    hr = act64(act, on_z(act is None or act in ("relu", "gelu_tanh"))) + f64(rv)
+    # on a GPU cuBLASLt writes D = act(z) rounded (its gelu_tanh up to ~1.2 ulp from the
+    # exact one, measured on an H200), then the residual is added: D's error is of |act(z)|,
+    # not of |y|, which r may cancel; so the bound is 2 ulps of act(z) plus one rounding of y
+    lt = ON_GPU and act in ("relu", "gelu_tanh")
+    scale = 2 * np.abs(act64(act, z)) + 2.0 ** -6 * np.abs(hr).max() if lt else None
+    assert_half_close(yr, hr, d, scale=scale, what=f"linear {act} + residual")
 
 
 @pytest.mark.parametrize("d", HALVES)
