@@ -56,14 +56,14 @@ HYPER = "__optim_hyper__"     # the input that carries the optimizer's per-step 
 HALF = {"f32": None, "bf16": dt.BF16, "f16": dt.F16}
 OWN = "__train__."          # the names of the leaves the trainer adds and owns
 SCALER = OWN + "loss_scaler"
-GROWTH_FACTOR, BACKOFF_FACTOR = 2.0, 0.5     # torch.amp.GradScaler's defaults
 LAYOUT_OPS = ("reshape", "transpose")      # cast(op(w)) == op(cast(w)): values only moved
 
 
 def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
                   exec_mode="graph", clip_grad_norm=None, compile_mode="jit",
                   stream=None, deterministic=False, data_parallel=False, precision="f32",
-                  init_scale=2.0 ** 16, growth_interval=2000) -> "Trainer":
+                  init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5,
+                  growth_interval=2000) -> "Trainer":
     """Compile one training step of ``g``: the forward to the scalar ``loss``, its gradient
     with respect to ``params``, and ``optimizer``'s update of them in place.
 
@@ -85,8 +85,9 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
     written by the update, not cast again each step. "f16" adds dynamic loss scaling by
     torch.amp.GradScaler's rules: the loss times the scale (``init_scale``) before the
     backward, the grads divided by it in the update; a step whose grads hold an inf or NaN
-    leaves params and state untouched (and does not count as an optimizer step) and halves
-    the scale; ``growth_interval`` clean steps in a row double it (``Trainer.loss_scale``).
+    leaves params and state untouched (and does not count as an optimizer step) and scales
+    the scale by ``backoff_factor``; ``growth_interval`` clean steps in a row scale it by
+    ``growth_factor`` (``Trainer.loss_scale``); GradScaler's defaults and checks.
     ``g`` itself is not changed (the backward is appended to a copy of it)."""
     if not isinstance(g, Graph):
         raise ValueError(f"compile_train: g must be a rlx_numba.Graph, got {type(g).__name__}")
@@ -110,7 +111,11 @@ def compile_train(g: Graph, loss: Tensor, optimizer: Optimizer, params=None,
                 or growth_interval < 1:
             raise ValueError(f"compile_train: growth_interval must be an int >= 1, got "
                              f"{growth_interval!r}")
-        scaling = (GROWTH_FACTOR, BACKOFF_FACTOR, growth_interval)
+        growth_factor = check_number("compile_train", "growth_factor", growth_factor, lo=1.0,
+                                     lo_open=True)
+        backoff_factor = check_number("compile_train", "backoff_factor", backoff_factor,
+                                      lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+        scaling = (growth_factor, backoff_factor, growth_interval)
     em, cm = parse_exec_mode(exec_mode), parse_compile_mode(compile_mode)
     if em.kind == "multistream" or em.streams > 1:
         raise ValueError(f"compile_train: exec_mode {em} is not supported (the update reads "

@@ -210,8 +210,28 @@ def test_f16_overflow_in_the_half_backward_backs_off_until_clean(rng):
     assert tr.loss_scale == scale and tr.optimizer_steps == 1
 
 
+def test_f16_scaler_factors_are_the_users(rng):
+    """growth_factor / backoff_factor as GradScaler's: an inf step scales the scale by the
+    backoff, growth_interval clean steps by the growth."""
+    g, loss = half_linear_model("f16")
+    tr = rlx.compile_train(g, loss, SGD(0.1), precision="f16", init_scale=2.0 ** 10,
+                           growth_factor=4.0, backoff_factor=0.125, growth_interval=1)
+    w, b = _init(rng)
+    tr.set_param("w", w)
+    tr.set_param("b", b)
+    (x, t), = _data(rng, 1)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    tr.step({"x": bad, "t": t})
+    assert tr.loss_scale == 2.0 ** 7
+    tr.step({"x": x, "t": t})
+    assert tr.loss_scale == 2.0 ** 9
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(precision="f8"), "compile_train: precision must be one of"),
+    (dict(precision="f16", growth_factor=1.0), "growth_factor must satisfy 1.0 < growth_factor"),
+    (dict(precision="f16", backoff_factor=1.0), "backoff_factor must satisfy 0.0 < backoff"),
     (dict(precision="f16", growth_interval=0), "growth_interval must be an int >= 1"),
     (dict(precision="f16", init_scale=-1.0), "init_scale must satisfy"),
 ])
