@@ -14,28 +14,9 @@ from .launch import jit
 
 
 @functools.lru_cache(maxsize=None)
-def channel_affine_kernel(kind="f32", pkind="f32"):
-    """(out, x, center, scale, shift, rows, channels, length)"""
-    ld, pld, st = halfio.load(kind), halfio.load(pkind), halfio.store(kind)
-
-    @jit
-    def kernel(out, x, center, scale, shift, rows, channels, length):
-        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
-        while line < rows:
-            c = line % channels
-            m, a, b = pld(center, c), pld(scale, c), pld(shift, c)
-            s = uint64(cuda.threadIdx.x)
-            while s < length:
-                st(out, line * length + s, (ld(x, line * length + s) - m) * a + b)
-                s += uint64(cuda.blockDim.x)
-            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
-
-    return kernel
-
-
-@functools.lru_cache(maxsize=None)
-def channel_affine_var_kernel(kind="f32", pkind="f32"):
-    """(out, x, center, scale, shift, var, eps, rows, channels, length)"""
+def channel_affine_kernel(kind="f32", pkind="f32", with_var=False):
+    """(out, x, center, scale, shift, var, eps, rows, channels, length); ``with_var``: the
+    scale is scale / sqrt(var + eps), else var and eps are not read (any 1-element array)."""
     ld, pld, st = halfio.load(kind), halfio.load(pkind), halfio.store(kind)
 
     @jit
@@ -43,8 +24,9 @@ def channel_affine_var_kernel(kind="f32", pkind="f32"):
         line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < rows:
             c = line % channels
-            m, b = pld(center, c), pld(shift, c)
-            a = pld(scale, c) / math.sqrt(pld(var, c) + float32(eps))
+            m, a, b = pld(center, c), pld(scale, c), pld(shift, c)
+            if with_var:
+                a = a / math.sqrt(pld(var, c) + float32(eps))
             s = uint64(cuda.threadIdx.x)
             while s < length:
                 st(out, line * length + s, (ld(x, line * length + s) - m) * a + b)

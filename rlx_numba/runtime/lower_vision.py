@@ -106,13 +106,13 @@ def _lower_channel_affine(ctx, n):
     length = n.size // rows
     grid, block = K.lines_launch(rows, length)
     kinds = halfio.io_kind(n.dtype), halfio.io_kind(ctx.graph.nodes[center].dtype)
-    kern, extra = C.channel_affine_kernel(*kinds), ()
-    if len(n.inputs) == 5:                       # batch_norm's: scale / sqrt(var + eps)
-        kern, extra = C.channel_affine_var_kernel(*kinds), (ctx.buf(n.inputs[4]),
-                                                            np.float32(n.attrs["eps"]))
+    with_var = len(n.inputs) == 5                # batch_norm's: scale / sqrt(var + eps)
+    var = ctx.buf(n.inputs[4] if with_var else center)
+    kern = C.channel_affine_kernel(*kinds, with_var)
     return [Step(step_name(n), f"channel affine of {fmt(n.shape)}", kern, grid, block,
-                 (ctx.buf(n), ctx.buf(x), ctx.buf(center), ctx.buf(scale), ctx.buf(shift))
-                 + extra + (np.uint64(rows), np.uint64(n.shape[1]), np.uint64(length)),
+                 (ctx.buf(n), ctx.buf(x), ctx.buf(center), ctx.buf(scale), ctx.buf(shift), var,
+                  np.float32(n.attrs.get("eps", 0.0)), np.uint64(rows), np.uint64(n.shape[1]),
+                  np.uint64(length)),
                  {"bytes": 2 * n.nbytes})]
 
 
