@@ -47,6 +47,31 @@ def parse(shape):
     return int(batch or 1), m, k, n
 
 
+def timed_row(tier, batch, m, k, n, exe, tfn, err, cuda, torch, iters) -> dict:
+    """One row's timings: our steps launched back to back (device ms and the host time to
+    enqueue them: launch-bound when ~ the device ms) against torch's ``tfn``."""
+    steps = exe.steps
+
+    def launch():
+        for s in steps:
+            s()
+    n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
+    rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
+    exe.stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_iter):
+        launch()
+    host_ms = (time.perf_counter() - t0) * 1e3 / n_iter
+    exe.stream.synchronize()
+    torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
+    flops = 2.0 * batch * m * n * k
+    return dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_ms=rlx_ms,
+                rlx_tflops=flops / rlx_ms / 1e9, torch_tflops=flops / torch_ms / 1e9,
+                ratio=torch_ms / rlx_ms, rel_err=err, host_ms=host_ms,
+                kernels=[s.kernel_name for s in steps],
+                tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
+
+
 def bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters):
     """A row of HALF_ROWS: the product in f16 / bf16 end to end (no tier restriction: the
     ladder's own choice) against torch in the same dtype; inputs go in as host arrays of the
@@ -86,25 +111,7 @@ def bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters):
         tfn = lambda: torch.matmul(tx, tw)  # noqa: E731
     ref = tfn().float().cpu().numpy().astype(np.float64)
     err = float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-6))
-    steps = exe.steps
-
-    def launch():
-        for s in steps:
-            s()
-    n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
-    rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
-    exe.stream.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n_iter):
-        launch()
-    host_ms = (time.perf_counter() - t0) * 1e3 / n_iter
-    exe.stream.synchronize()
-    torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
-    flops = 2.0 * batch * m * n * k
-    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_ms=rlx_ms, rlx_tflops=flops / rlx_ms / 1e9,
-               torch_tflops=flops / torch_ms / 1e9, ratio=torch_ms / rlx_ms, rel_err=err,
-               host_ms=host_ms, kernels=[s.kernel_name for s in steps],
-               tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
+    res = timed_row(tier, batch, m, k, n, exe, tfn, err, cuda, torch, iters)
     applies = (batch, m, k, n) == HALF_BAR[act]
     res["bar"] = 0.9 if applies else None
     # both sides sum in f32 and round once; they differ by about an output rounding (bf16 2^-8)
@@ -160,26 +167,7 @@ def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
         tfn = lambda: torch.matmul(tx, tw)  # noqa: E731
     ref = tfn().float()
     err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-    steps = exe.steps
-    kernels = [s.kernel_name for s in steps]
-
-    def launch():
-        for s in steps:
-            s()
-    n_iter = max(2, iters if m * n * k * batch < 2**36 else iters // 2)
-    rlx_ms = time_rlx(cuda, launch, exe.stream, n_iter, 2, 3)
-    exe.stream.synchronize()
-    t0 = time.perf_counter()        # host time to enqueue one run: launch-bound when ~ rlx_ms
-    for _ in range(n_iter):
-        launch()
-    host_ms = (time.perf_counter() - t0) * 1e3 / n_iter
-    exe.stream.synchronize()
-    torch_ms = time_torch(torch, tfn, n_iter, 2, 3)
-    flops = 2.0 * batch * m * n * k
-    res = dict(tier=tier, shape=f"{batch}:{m}x{k}x{n}", rlx_ms=rlx_ms, rlx_tflops=flops / rlx_ms / 1e9,
-               torch_tflops=flops / torch_ms / 1e9, ratio=torch_ms / rlx_ms, rel_err=err,
-               host_ms=host_ms,
-               kernels=kernels, tiers=[s.info.get("tier") for s in steps if "tier" in s.info])
+    res = timed_row(tier, batch, m, k, n, exe, tfn, err, cuda, torch, iters)
     bar = {"2": 0.95, "2tf32": 0.95, "1": 1.0, "0": 0.9, "4": 0.25}[tier]
     applies = (tier not in ("0", "4")) or (tier == "0" and (batch, m, k, n) in WEIGHT_BOUND) \
         or (tier == "4" and (batch, m, k, n) == (1, 4096, 4096, 4096))
