@@ -38,9 +38,12 @@ class Intrinsic:
 INTRINSICS: dict[str, Intrinsic] = {}
 
 
-def _pair(name: str, gpu, twin):
-    INTRINSICS[name] = Intrinsic(name, gpu, twin)
-    return INTRINSICS[name].fn
+def pair(name: str, gpu, twin, registry: dict | None = None):
+    """Record ``Intrinsic(name, gpu, twin)`` in ``registry`` (this module's INTRINSICS unless
+    another kernel module passes its own, e.g. kernels/mma.py) and return what kernels call."""
+    reg = INTRINSICS if registry is None else registry
+    reg[name] = Intrinsic(name, gpu, twin)
+    return reg[name].fn
 
 
 # ---- GPU bodies --------------------------------------------------------------------------------
@@ -270,22 +273,24 @@ def _gpu_ticket(typingctx, arr, idx):
 
 
 # ---- Python twins (plain functions: a device-function call costs ~15 us in the simulator) ------
-def _flat(a):    # (the index is flat, as the GPU versions' pointer arithmetic is)
+def flat(a):
+    """The array (a NumPy array, or the simulator's wrapper of one) as a flat view: the index
+    the twins take is flat, as the GPU bodies' pointer arithmetic is."""
     return getattr(a, "_ary", a).reshape(-1)
 
 
 def _twin_ld2(a, i):
-    f = _flat(a)
+    f = flat(a)
     return f[i], f[i + 1]
 
 
 def _twin_ld4(a, i):
-    f = _flat(a)
+    f = flat(a)
     return f[i], f[i + 1], f[i + 2], f[i + 3]
 
 
 def _twin_ld4w(a, i):
-    f = _flat(a)
+    f = flat(a)
     w = np.ascontiguousarray(f[i: i + 16 // f.itemsize]).view(np.uint32)
     return w[0], w[1], w[2], w[3]
 
@@ -300,11 +305,11 @@ def _twin_f2h2(lo, hi):
 
 
 def _twin_ldh(a, i):
-    return np.uint32(_flat(a)[i])
+    return np.uint32(flat(a)[i])
 
 
 def _twin_ldw(a, i):
-    f = _flat(a)
+    f = flat(a)
     return np.uint32(int(f[i]) | (int(f[i + 1]) << 16))
 
 
@@ -327,17 +332,17 @@ def _twin_spread4(word, j):
 
 
 def _twin_vst2(a, i, x0, x1):
-    f = _flat(a)
+    f = flat(a)
     f[i], f[i + 1] = x0, x1
 
 
 def _twin_vst4(a, i, x0, x1, x2, x3):
-    f = _flat(a)
+    f = flat(a)
     f[i], f[i + 1], f[i + 2], f[i + 3] = x0, x1, x2, x3
 
 
 def _twin_st4w(a, i, w0, w1, w2, w3):
-    f = _flat(a)
+    f = flat(a)
     f[i: i + 16 // f.itemsize].view(np.uint32)[:] = [int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)]
 
 
@@ -346,7 +351,7 @@ _TICKETS = threading.Lock()     # (the simulator runs a CUDA thread per OS threa
 
 def _twin_ticket(arr, idx):
     with _TICKETS:
-        f = _flat(arr)
+        f = flat(arr)
         old = f[idx]
         f[idx] = old + 1
     return old
@@ -355,20 +360,20 @@ def _twin_ticket(arr, idx):
 # ---- what kernels call -------------------------------------------------------------------------
 # (a[i], ..., a[i + n - 1]) in one 4n-byte load, i a multiple of n and the data 4n-byte
 # aligned: ld2 and ld4 for data the kernel only reads, vld4 for memory it also writes
-ld2 = _pair("ld2", _gpu_ld2, _twin_ld2)
-ld4 = _pair("ld4", _gpu_ld4, _twin_ld4)
-vld4 = _pair("vld4", _gpu_vld4, _twin_ld4)
-ld4w = _pair("ld4w", _gpu_ld4w, _twin_ld4w)
-vld4w = _pair("vld4w", _gpu_vld4w, _twin_ld4w)
-h2f = _pair("h2f", _gpu_h2f, _twin_h2f)
-f2h2 = _pair("f2h2", _gpu_f2h2, _twin_f2h2)
-ldh = _pair("ldh", _gpu_ldh, _twin_ldh)
-ldw = _pair("ldw", _gpu_ldw, _twin_ldw)
-fld4 = _pair("fld4", _gpu_fld4, _twin_fld4)
-fbits = _pair("fbits", _gpu_fbits, _twin_fbits)
-spread4 = _pair("spread4", _gpu_spread4, _twin_spread4)
+ld2 = pair("ld2", _gpu_ld2, _twin_ld2)
+ld4 = pair("ld4", _gpu_ld4, _twin_ld4)
+vld4 = pair("vld4", _gpu_vld4, _twin_ld4)
+ld4w = pair("ld4w", _gpu_ld4w, _twin_ld4w)
+vld4w = pair("vld4w", _gpu_vld4w, _twin_ld4w)
+h2f = pair("h2f", _gpu_h2f, _twin_h2f)
+f2h2 = pair("f2h2", _gpu_f2h2, _twin_f2h2)
+ldh = pair("ldh", _gpu_ldh, _twin_ldh)
+ldw = pair("ldw", _gpu_ldw, _twin_ldw)
+fld4 = pair("fld4", _gpu_fld4, _twin_fld4)
+fbits = pair("fbits", _gpu_fbits, _twin_fbits)
+spread4 = pair("spread4", _gpu_spread4, _twin_spread4)
 # a[i: i + n] = x0, ..., in one 4n-byte store of 4-byte elements (i a multiple of n, aligned)
-vst2 = _pair("vst2", _gpu_vst2, _twin_vst2)
-vst4 = _pair("vst4", _gpu_vst4, _twin_vst4)
-st4w = _pair("st4w", _gpu_st4w, _twin_st4w)   # the 16 bytes at any array's a[i]: 4 uint32 words
-ticket = _pair("ticket", _gpu_ticket, _twin_ticket)
+vst2 = pair("vst2", _gpu_vst2, _twin_vst2)
+vst4 = pair("vst4", _gpu_vst4, _twin_vst4)
+st4w = pair("st4w", _gpu_st4w, _twin_st4w)   # the 16 bytes at any array's a[i]: 4 uint32 words
+ticket = pair("ticket", _gpu_ticket, _twin_ticket)
