@@ -10,6 +10,11 @@ from rlx_numba.models import LlamaForCausalLM, build_llama
 from rlx_numba.models.llama import graph_params, unpack_graph_params
 from test_models import GQA, np_llama
 
+# test_models.py's GQA Llama made narrower for these train graphs (the simulator's time goes
+# into the products, ~ m n k): still two layers, GQA 2:1, a tied head, head dim 8 (rope pairs)
+TRAIN = dataclasses.replace(GQA, vocab_size=29, hidden_size=16, intermediate_size=24,
+                            num_attention_heads=2, num_key_value_heads=1)
+
 
 def np_loss(cfg, params, ids, labels):
     """Mean next-token cross-entropy (Hugging Face's shift; -100 labels ignored)."""
@@ -39,12 +44,12 @@ def train_graph_grads(cfg, params, ids, labels):
 
 @pytest.fixture(scope="module")
 def model():
-    return LlamaForCausalLM.from_config(GQA, seed=3, std=0.2)
+    return LlamaForCausalLM.from_config(TRAIN, seed=3, std=0.2)
 
 
 def test_pack_unpack_round_trip(model):
-    gp = graph_params(GQA, model.params)
-    back = unpack_graph_params(GQA, gp)
+    gp = graph_params(TRAIN, model.params)
+    back = unpack_graph_params(TRAIN, gp)
     assert set(back) == set(model.params)
     for k, v in model.params.items():
         np.testing.assert_array_equal(back[k], v, err_msg=k)
@@ -52,11 +57,11 @@ def test_pack_unpack_round_trip(model):
 
 def test_train_graph_loss_and_gradients_match_numpy(model, rng):
     b, s = 2, 5
-    ids = rng.integers(0, GQA.vocab_size, (b, s))
+    ids = rng.integers(0, TRAIN.vocab_size, (b, s))
     labels = ids.copy()
     labels[1, 2] = -100                         # a position with no loss
-    loss, dhf = train_graph_grads(GQA, model.params, ids, labels)
-    np.testing.assert_allclose(loss, np_loss(GQA, model.params, ids, labels), rtol=1e-4)
+    loss, dhf = train_graph_grads(TRAIN, model.params, ids, labels)
+    np.testing.assert_allclose(loss, np_loss(TRAIN, model.params, ids, labels), rtol=1e-4)
     # the packed params' gradients, unpacked like the weights, against central differences
     params = {k: v.astype(np.float64) for k, v in model.params.items()}
     eps = 1e-5
@@ -69,20 +74,20 @@ def test_train_graph_loss_and_gradients_match_numpy(model, rng):
                 idx = (int(ids[0, 1]),) + idx[1:]      # a row that is read
             old = p[idx]
             p[idx] = old + eps
-            hi = np_loss(GQA, params, ids, labels)
+            hi = np_loss(TRAIN, params, ids, labels)
             p[idx] = old - eps
-            lo = np_loss(GQA, params, ids, labels)
+            lo = np_loss(TRAIN, params, ids, labels)
             p[idx] = old
             fd = (hi - lo) / (2 * eps)
             assert abs(dhf[name][idx] - fd) <= 1e-4 + 2e-3 * abs(fd), (name, idx, dhf[name][idx], fd)
 
 
 def test_llama_trainer_steps_and_updates_the_model(rng):
-    cfg = dataclasses.replace(GQA, num_hidden_layers=1)      # (one layer: the simulator is slow)
+    cfg = dataclasses.replace(TRAIN, num_hidden_layers=1)      # (one layer: the simulator is slow)
     m = LlamaForCausalLM.from_config(cfg, seed=5, std=0.2)
     before = {k: v.copy() for k, v in m.params.items()}
-    tr = m.trainer(2, 6, rlx.optim.AdamW(lr=1e-2), exec_mode="stream")
-    ids = rng.integers(0, cfg.vocab_size, (2, 6))
+    tr = m.trainer(2, 4, rlx.optim.AdamW(lr=1e-2), exec_mode="stream")
+    ids = rng.integers(0, cfg.vocab_size, (2, 4))
     first = np_loss(cfg, m.params, ids, ids)
     losses = [tr.step(ids) for _ in range(2)]
     np.testing.assert_allclose(losses[0], first, rtol=1e-4)   # the loss before the first update
@@ -91,7 +96,7 @@ def test_llama_trainer_steps_and_updates_the_model(rng):
     assert not np.array_equal(m.params["model.layers.0.mlp.down_proj.weight"],
                               before["model.layers.0.mlp.down_proj.weight"])
     np.testing.assert_allclose(np_loss(cfg, m.params, ids, ids), tr.step(ids), rtol=1e-4)
-    with pytest.raises(ValueError, match=r"LlamaTrainer.step: input_ids must be an integer \[2, 6\]"):
-        tr.step(ids[:, :5])
+    with pytest.raises(ValueError, match=r"LlamaTrainer.step: input_ids must be an integer \[2, 4\]"):
+        tr.step(ids[:, :3])
     with pytest.raises(ValueError, match="build_llama: a train graph needs seq >= 2"):
         m.trainer(2, 1, rlx.optim.SGD(lr=0.1))

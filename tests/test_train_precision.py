@@ -388,9 +388,8 @@ def test_llama_trainer_in_bf16_tracks_the_f32_loss(rng):
     rope in bf16, f32 master weights the model gets back (update_model)."""
     import dataclasses
     from rlx_numba.models import LlamaForCausalLM
-    from test_llama_train import np_loss
-    from test_models import GQA
-    cfg = dataclasses.replace(GQA, num_hidden_layers=1)
+    from test_llama_train import TRAIN, np_loss
+    cfg = dataclasses.replace(TRAIN, num_hidden_layers=1)     # (narrow: the simulator is slow)
     m = LlamaForCausalLM.from_config(cfg, seed=5, std=0.2)
     before = m.params["model.layers.0.mlp.down_proj.weight"].copy()
     tr = m.trainer(1, 5, rlx.optim.AdamW(lr=1e-2), exec_mode="stream", precision="bf16")
