@@ -313,8 +313,10 @@ def test_rope_kv_write_errors(build, match):
 
 
 # ---- build_llama(fused=True) against fused=False -----------------------------------------
-CFG = LlamaConfig(vocab_size=53, hidden_size=48, intermediate_size=37, num_hidden_layers=2,
-                  num_attention_heads=3, num_key_value_heads=1, head_dim=16,
+# hidden 24 (3 query heads of 8 on one kv head), an odd intermediate size: the simulator's
+# cost is the product tiles (8 x 8, k steps of 4), so every dimension is kept small
+CFG = LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=13, num_hidden_layers=2,
+                  num_attention_heads=3, num_key_value_heads=1, head_dim=8,
                   max_position_embeddings=64, attention_bias=True)
 
 
@@ -333,14 +335,14 @@ def _exe(cfg, params, kind, b, s, cache_len, fused):
 def test_graph_params_pack_the_projections(hf_params):
     shapes = graph_param_shapes(CFG)
     p = "model.layers.1."
-    assert shapes[p + "self_attn.qkv_proj.weight"] == (80, 48)      # (3 + 2) * 16 rows
-    assert shapes[p + "self_attn.qkv_proj.bias"] == (80,)
-    assert shapes[p + "mlp.gate_up_proj.weight"] == (74, 48)
+    assert shapes[p + "self_attn.qkv_proj.weight"] == (40, 24)      # (3 + 2) * 8 rows
+    assert shapes[p + "self_attn.qkv_proj.bias"] == (40,)
+    assert shapes[p + "mlp.gate_up_proj.weight"] == (26, 24)
     assert p + "self_attn.k_proj.weight" not in shapes and p + "mlp.up_proj.weight" not in shapes
     assert graph_param_shapes(CFG, fused=False) == llama_param_shapes(CFG)
     gp = graph_params(CFG, hf_params)
     assert {k: v.shape for k, v in gp.items()} == shapes
-    np.testing.assert_array_equal(gp[p + "self_attn.qkv_proj.weight"][48:64],
+    np.testing.assert_array_equal(gp[p + "self_attn.qkv_proj.weight"][24:32],
                                   hf_params[p + "self_attn.k_proj.weight"])
     np.testing.assert_array_equal(gp[p + "mlp.gate_up_proj.weight"][0::2],   # interleaved
                                   hf_params[p + "mlp.gate_proj.weight"])
@@ -355,7 +357,9 @@ def test_fused_llama_equals_unfused(hf_params, monkeypatch, tiers):
     """Prefill (batch 2, row 1 left-padded by 2) then two decode steps from the prefill's
     caches: next ids, logits and caches of the fused graphs equal the unfused ones'; the
     forward logits too. The decode's gate/up product takes silu(gate) * up as its epilogue:
-    with tier 3 in its kernel, else through a scratch and the gated kernel."""
+    with tier 3 in its kernel, else through a scratch and the gated kernel. The forward
+    graph only with the default tiers: under "3,4" its products are the prefill's (the same
+    8 rows a layer), which that run compares already."""
     if tiers:
         monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", tiers)
     b, s, cache_len = 2, 4, 8
@@ -364,13 +368,13 @@ def test_fused_llama_equals_unfused(hf_params, monkeypatch, tiers):
     seed = np.array([0], np.int64)
     res = {}
     for fused in (True, False):
-        fwd = _exe(CFG, hf_params, "forward", b, s, None, fused)
         pre = _exe(CFG, hf_params, "prefill", b, s, cache_len, fused)
         dec = _exe(CFG, hf_params, "decode", b, 1, cache_len, fused)
         zeros = np.zeros((b, CFG.num_key_value_heads, cache_len, CFG.head_dim), np.float32)
         for name in cache_names(CFG):
             pre.set_param(name, zeros)
-        out = [fwd.run({"input_ids": ids})[0]]
+        out = [] if tiers else [_exe(CFG, hf_params, "forward", b, s, None, fused).run(
+            {"input_ids": ids})[0]]
         got = pre.run({"input_ids": ids, "pad": pad, "seed": seed})
         out += got
         for name, cache in zip(cache_names(CFG), got[2:]):

@@ -368,18 +368,24 @@ def test_gguf_bad_files(tmp_path):
 
 def test_gguf_weights_kept_packed(tmp_path):
     """weights="gguf": the Q8_0 projections go to the device as their blocks (u8 params, the
-    products dequant_matmul), and the logits equal the dequantised-f32 model's."""
-    params = hf_params(CFG, 5)
+    products dequant_matmul), and the logits and greedy tokens equal the NumPy Llama's
+    (test_models) over the dequantised f32 weights. One layer (the loader's layer loop is
+    test_gguf_llama_loads_unpermuted_and_dequantised's): its q and k packed but not v, so the
+    graph is the unfused one; then every packable projection packed: the fused one."""
+    from dataclasses import replace
+    from test_models import np_greedy, np_llama
+    cfg = replace(CFG, num_hidden_layers=1)
+    params = hf_params(cfg, 5)
     q8 = ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-          "model.layers.1.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+          "model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.weight",
           "model.embed_tokens.weight")
     path = tmp_path / "packed.gguf"
-    write_gguf(path, CFG, params, q8=q8)
-    ref = LlamaForCausalLM.from_gguf(path, exec_mode="stream")
+    write_gguf(path, cfg, params, q8=q8)
+    deq = LlamaForCausalLM.from_gguf(path).params       # the dequantised f32 weights
     m = LlamaForCausalLM.from_gguf(path, weights="gguf", exec_mode="stream")
     assert sorted(m.packed) == sorted(q8) and all(s == "q8_0" for s, _ in m.packed.values())
     ids = np.array([[5, 17, 200, 3]], np.int32)
-    (want,) = ref.executable("forward", 1, 4).run({"input_ids": ids})
+    want = np_llama(cfg, deq, ids)
     exe = m.executable("forward", 1, 4)
     (got,) = exe.run({"input_ids": ids})
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
@@ -392,16 +398,16 @@ def test_gguf_weights_kept_packed(tmp_path):
     assert sum(n.op == "dequantize" and n.attrs["gather"] for n in g.nodes) == 1
     # every projection of a pack packed with one scheme: the fused graph
     all_q8 = tuple(k for k in params if k.endswith("_proj.weight") and not k.endswith("down_proj.weight"))
-    write_gguf(tmp_path / "all.gguf", CFG, params, q8=all_q8)
-    ref2 = LlamaForCausalLM.from_gguf(tmp_path / "all.gguf", exec_mode="stream")
+    write_gguf(tmp_path / "all.gguf", cfg, params, q8=all_q8)
+    deq2 = LlamaForCausalLM.from_gguf(tmp_path / "all.gguf").params
     m2 = LlamaForCausalLM.from_gguf(tmp_path / "all.gguf", weights="gguf", exec_mode="stream")
     exe2 = m2.executable("forward", 1, 4)
     names = {n.name for n in exe2.graph.nodes if n.op == "param" and str(n.dtype) == "u8"}
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
-    assert "model.layers.1.mlp.gate_up_proj.weight" in names
-    (want2,) = ref2.executable("forward", 1, 4).run({"input_ids": ids})
+    assert "model.layers.0.mlp.gate_up_proj.weight" in names
+    want2 = np_llama(cfg, deq2, ids)
     (got2,) = exe2.run({"input_ids": ids})
     np.testing.assert_allclose(got2, want2, rtol=0, atol=1e-4 * np.abs(want2).max())
-    assert m.generate(ids[0], max_new_tokens=2).tolist() == ref.generate(ids[0], max_new_tokens=2).tolist()
+    assert m.generate(ids[0], max_new_tokens=2).tolist() == np_greedy(cfg, deq, ids, 2)[0].tolist()
     with pytest.raises(ValueError, match="weights='gguf' comes from from_gguf"):
         LlamaForCausalLM(CFG, params, weights="gguf")

@@ -57,12 +57,13 @@ def test_mamba_logits_against_numpy(rng):
 
 def test_mamba_generate_uses_the_states(rng):
     """Greedy decoding through prefill + decode steps equals re-running the whole forward
-    each step (a prompt shorter than the conv window included)."""
+    each step (a prompt shorter than the conv window included). Three new tokens: the
+    prefill's, then two decode steps, the second reading the states the first wrote."""
     model = MambaForCausalLM.from_config(TINY, seed=5)
     for prompt in (rng.integers(0, TINY.vocab_size, (2, 5)), np.array([[4], [9]])):
-        out = model.generate(prompt, max_new_tokens=4)
+        out = model.generate(prompt, max_new_tokens=3)
         seq = prompt
-        for _ in range(4):
+        for _ in range(3):
             nxt = np.argmax(np_mamba(TINY, model.params, seq)[:, -1], -1)[:, None]
             seq = np.concatenate([seq, nxt], 1)
         np.testing.assert_array_equal(out, seq)

@@ -92,8 +92,11 @@ def np_greedy(cfg, params, ids, n):
     return seq
 
 
-GQA = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=44, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+# hidden 16 (two heads of 8 on one kv head: GQA), the smallest that keeps every path; the
+# simulator's cost is the product tiles (8 x 8, k steps of 4) and the attention blocks (one
+# a batch row and kv head)
+GQA = LlamaConfig(vocab_size=53, hidden_size=16, intermediate_size=22, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
                   rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
@@ -136,39 +139,40 @@ def test_llama_half_weights_round_the_product_weights(llama, monkeypatch):
 
 
 def test_llama_untied_with_biases_matches_numpy():
-    cfg = LlamaConfig(vocab_size=37, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+    # one layer: the layer loop is the GQA model's (two layers) above
+    cfg = LlamaConfig(vocab_size=37, hidden_size=16, intermediate_size=20, num_hidden_layers=1,
                       num_attention_heads=2, max_position_embeddings=16, rope_theta=10000.0,
                       rms_norm_eps=1e-6, attention_bias=True, mlp_bias=True)
     m = LlamaForCausalLM.from_config(cfg, seed=3, std=0.3)
-    assert "lm_head.weight" in m.params and "model.layers.1.mlp.up_proj.bias" in m.params
+    assert "lm_head.weight" in m.params and "model.layers.0.mlp.up_proj.bias" in m.params
     ids = np.array([[5, 36, 0, 12, 7, 7, 30, 1, 2]])
     close(m(ids), np_llama(cfg, m.params, ids))
 
 
 def test_llama_generate_greedy_matches_numpy_loop(llama):
     """Prefill once, then the decode graph per token, against a loop that recomputes the whole
-    sequence for every token (no cache)."""
+    sequence for every token (no cache). Two new tokens: the prefill's and one decode step
+    that reads the cache the prefill wrote (more decode steps run the same graph again; the
+    ragged test below runs two)."""
     prompt = np.array([[3, 17, 52, 9, 0], [41, 4, 28, 1, 1]])
+    want = np_greedy(GQA, llama.params, prompt, 2)
+    # two generations of one shape share the decode graph's cache: a stream that another
+    # overtook refuses to go on
+    s1 = llama.generate_stream(prompt, 2)
+    np.testing.assert_array_equal(next(s1), want[:, 5])
+    # a list of equal-length prompts is the [batch, seq] array it spells (an array comes back);
+    # the rows swapped: want's rows swapped
     streamed = []
-    out = llama.generate(prompt, 3, streamer=streamed.append)
-    want = np_greedy(GQA, llama.params, prompt, 3)
-    np.testing.assert_array_equal(out, want)
-    # a list of equal-length prompts is the [batch, seq] array it spells (an array comes back)
-    np.testing.assert_array_equal(llama.generate(prompt.tolist(), 3), want)
-    np.testing.assert_array_equal(np.stack(streamed, 1), want[:, 5:])
+    out = llama.generate(prompt[::-1].tolist(), 2, streamer=streamed.append)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, want[::-1])
+    np.testing.assert_array_equal(np.stack(streamed, 1), want[::-1, 5:])
+    with pytest.raises(RuntimeError, match=r"another generation of the same shape \(batch 2"):
+        next(s1)
     # a 1-D prompt gives a 1-D result; EOS stops the stream (the first token is the EOS here)
     first = int(want[0, 5])
     out1 = llama.generate(prompt[0], 3, eos_token_id=[first, 99])
     np.testing.assert_array_equal(out1, want[0, :6])
-    # two streams of one shape share the decode graph's cache: the overtaken one refuses to go on
-    s1 = llama.generate_stream(prompt, 3)
-    next(s1)
-    s2 = llama.generate_stream(prompt[::-1], 3)     # the rows swapped: want's rows swapped
-    got2 = [next(s2)]
-    with pytest.raises(RuntimeError, match=r"another generation of the same shape \(batch 2"):
-        next(s1)
-    got2 += list(s2)
-    np.testing.assert_array_equal(np.stack(got2, 1), want[::-1, 5:])
 
 
 def test_llama_sampling_is_seeded_and_within_top_k(llama):
@@ -188,12 +192,12 @@ def test_llama_ragged_batch_equals_each_prompt_alone(llama, monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 53, n) for n in (2, 5, 7)]
     streamed = []
-    out = llama.generate([list(p) for p in prompts], 4, streamer=streamed.append)
+    out = llama.generate([list(p) for p in prompts], 3, streamer=streamed.append)
     assert isinstance(out, list) and len(out) == 3
     for p, o in zip(prompts, out):
         assert o.dtype == np.int64
-        np.testing.assert_array_equal(o, np_greedy(GQA, llama.params, p[None], 4)[0])
-    np.testing.assert_array_equal(np.stack(streamed, 1), np.stack([o[-4:] for o in out]))
+        np.testing.assert_array_equal(o, np_greedy(GQA, llama.params, p[None], 3)[0])
+    np.testing.assert_array_equal(np.stack(streamed, 1), np.stack([o[-3:] for o in out]))
 
     keys, made = set(llama._exes), []
     compile_ = llama._compile
@@ -249,9 +253,9 @@ def test_llama_errors(llama):
                                "num_hidden_layers": 1, "num_attention_heads": 2,
                                "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
     bad = dict(llama.params)
-    bad["model.norm.weight"] = np.ones(31, np.float32)
-    with pytest.raises(ValueError, match=r"params: tensor 'model.norm.weight' has shape \[31\], "
-                                         r"expected \[32\]"):
+    bad["model.norm.weight"] = np.ones(15, np.float32)
+    with pytest.raises(ValueError, match=r"params: tensor 'model.norm.weight' has shape \[15\], "
+                                         r"expected \[16\]"):
         LlamaForCausalLM(GQA, bad)
 
 
@@ -292,8 +296,9 @@ def np_bert(cfg, params, ids, mask, types):
     return x
 
 
-BERT = BertConfig(vocab_size=41, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=44, max_position_embeddings=24, type_vocab_size=2,
+# one layer (a BERT of two against NumPy: test_bert_train's forward, notebook 06); two heads
+BERT = BertConfig(vocab_size=41, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=20, max_position_embeddings=24, type_vocab_size=2,
                   layer_norm_eps=1e-12)
 
 
@@ -303,12 +308,13 @@ def bert():
 
 
 def test_bert_with_padding_mask_matches_numpy(bert):
-    ids = np.array([[2, 9, 40, 17, 3, 0, 0, 0, 0], [2, 5, 3, 0, 0, 0, 0, 0, 0],
-                    [2, 11, 12, 13, 14, 15, 16, 17, 3]])
+    # two rows (the simulator runs an attention block a row and head): row 0 padded, with a
+    # real token whose id happens to be 0 and a second segment (token type 1); row 1 shorter
+    ids = np.array([[2, 9, 40, 3, 17, 0, 3, 0, 0], [2, 5, 3, 0, 0, 0, 0, 0, 0]])
     mask = ids != 0
     mask[0, 5] = True                     # a real token whose id happens to be 0
     types = np.zeros_like(ids)
-    types[2, 4:] = 1
+    types[0, 4:7] = 1
     close(bert(ids, mask, types), np_bert(BERT, bert.params, ids, mask, types))
 
 
@@ -370,16 +376,16 @@ def test_sentence_encoder_folder_matches_numpy(tmp_path, bert):
     enc = SentenceEncoder.from_pretrained(tmp_path)
     assert enc.pooling == ("mean",) and enc.normalize and enc.max_seq_length == 12
     texts = ["the cat sat", "a dog ran far away quickly on the mat and on the cat again",
-             "mat", "the dog sat on a mat", "a cat ran"]
-    got = enc.encode(texts, batch_size=4)       # a batch of 4 rows, then one of 1 row
-    assert got.shape == (5, 32)
+             "mat"]
+    got = enc.encode(texts, batch_size=2)       # a batch of 2 rows (one padded), then 1 row
+    assert got.shape == (3, 16)
     for i, t in enumerate(texts):     # each sentence alone, unpadded, truncated to 12 tokens
         e = tok.encode(t)
         ids = np.array([e.ids[:11] + [3]] if len(e.ids) > 12 else [e.ids])
         h = np_bert(BERT, bert.params, ids, np.ones(ids.shape, bool), np.zeros_like(ids))
         v = h.mean(1)[0]
         close(got[i], v / np.linalg.norm(v))
-    assert enc.encode([]).shape == (0, 32)
+    assert enc.encode([]).shape == (0, 16)
 
 
 def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch):
@@ -436,7 +442,7 @@ def test_sentence_encoder_batches_by_length_and_compiles_once(bert, monkeypatch)
         assert runs == shapes, (bs, mt)
         for g_, w in zip(got, want):
             close(g_, w)
-    assert enc.encode(first[3]).shape == (32,)
+    assert enc.encode(first[3]).shape == (16,)
     compiled = list(made)
     assert len(set(compiled)) == len(compiled) == 7 and set(bert._exes) >= {
         (b, s, ("mean",), True) for b, s in compiled}

@@ -85,19 +85,25 @@ def _save(tmp_path, params, extra=None):
 
 @pytest.mark.parametrize("cfg", [ResNetConfig("basic", (1, 1, 1, 1), width=4, num_classes=5),
                                  ResNetConfig("bottleneck", (2, 1, 1, 1), width=2, num_classes=3)])
-def test_resnet_against_numpy(rng, tmp_path, cfg):
+def test_resnet_against_numpy(rng, tmp_path, monkeypatch, cfg):
     ref = ResNet.from_config(cfg, seed=1)
     # torchvision's state dict also holds the batch norms' step counters
     counters = {k.replace("running_mean", "num_batches_tracked"): np.array(3, np.int64)
                 for k in ref.params if k.endswith("running_mean")}
     model = ResNet.from_safetensors(_save(tmp_path, ref.params, counters), config=cfg)
-    x = rng.standard_normal((1, 3, 33, 32)).astype(np.float32)   # (classify(x[0]): the same
-    got = model.logits(x)                                        # executable, batch 1)
+    x = rng.standard_normal((1, 3, 33, 32)).astype(np.float32)
+    got = model.logits(x[0])              # one image [3, H, W]: [num_classes] (batch [B, 3, H,
+    assert got.shape == (cfg.num_classes,)          # W] images: test_vit_against_numpy)
     want = np_resnet(cfg, {k: v.astype(np.float64) for k, v in model.params.items()},
-                     x.astype(np.float64))
+                     x.astype(np.float64))[0]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # classify: the softmax and top-k of those logits (its forward is logits(), just checked:
+    # patched to return them, so the simulator runs the model once a config)
+    monkeypatch.setattr(model, "logits", lambda images: got)
     idx, prob = model.classify(x[0], k=2)
-    assert idx.shape == (1, 2) and list(idx[0]) == list(np.argsort(-want[0])[:2])
+    assert idx.shape == (1, 2) and list(idx[0]) == list(np.argsort(-want)[:2])
+    soft = np.exp(want - want.max()) / np.exp(want - want.max()).sum()
+    np.testing.assert_allclose(prob[0], soft[idx[0]], rtol=1e-4)
     assert np.all(prob[0, :-1] >= prob[0, 1:]) and 0 < prob.sum() <= 1 + 1e-6
 
 
