@@ -29,11 +29,14 @@ in the graph node's place (``nodes``). Six rewrites:
   output's shape, all in the conv's dtype (f32, f16 or bf16), becomes that node with the
   epilogue: one cudnnConvolutionBiasActivationForward, or the kernel's tile store (a ResNet
   block's conv, bias, skip and relu). A half conv then rounds once, after the relu.
-- **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use f32
-  product (matmul, linear or dequant_matmul) of a 2-D weight with at most 16 rows (decode)
+- **Gated epilogues.** ``gated(x @ w (+ bias), interleaved=True)`` over a single-use
+  product (matmul, linear or dequant_matmul) of a 2-D weight with at most 16 rows (decode),
+  the gated of the product's dtype (f32, or f16 / bf16),
   becomes the product with a ``gated``
   epilogue: the skinny-product kernel pairs each block's interleaved gate and up columns, so
-  a SwiGLU MLP's activation costs no kernel of its own.
+  a SwiGLU MLP's activation costs no kernel of its own. A half product is then rounded once
+  (act(gate) * up from its f32 sums) where the graph as written rounds the product first:
+  it may differ by that one rounding (runtime/lower_matmul.py: the other tiers keep it).
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use add of
   two same-shape tensors of its dtype (f32, f16 or bf16: a half norm rounds a + b to the dtype
   before it uses it, as the add's kernel would) becomes the norm with ``residual=b`` (one row
@@ -388,17 +391,18 @@ def _conv_epilogue(nodes, cv, members, consumer):
 def _gated_epilogue(nodes, gated, folded, single):
     """The product computing ``gated`` as its epilogue (tier 3 pairs the interleaved gate and
     up columns of a block; lower_matmul runs the other tiers into a scratch of their own)
-    when its x is a single-use f32 product, bias at most, of a 2-D weight with at most
-    MAX_M rows, else None."""
+    when its x is a single-use product (f32, f16 or bf16: the gated keeps its dtype), bias
+    at most, of a 2-D weight with at most MAX_M rows, else None."""
     x = nodes[gated.inputs[0]]
     prod = folded.get(x.id, x)
-    if (not gated.attrs["interleaved"] or gated.dtype != dt.F32 or not single(x.id)
+    if (not gated.attrs["interleaved"] or gated.dtype not in (dt.F32, dt.F16, dt.BF16)
+            or prod.dtype != gated.dtype or not single(x.id)
             or prod.op not in ("matmul", "linear", "dequant_matmul") or prod.attrs.get("activation")
             or prod.attrs.get("has_residual") or len(nodes[prod.inputs[1]].shape) != 2
             or math.prod(x.shape[:-1]) > MAX_M):
         return None
     keep = prod.attrs if prod.op == "dequant_matmul" else {}
-    return Node(gated.id, prod.op, prod.inputs, gated.shape, dt.F32,
+    return Node(gated.id, prod.op, prod.inputs, gated.shape, gated.dtype,
                 {**keep, "activation": None, "has_bias": bool(prod.attrs.get("has_bias")),
                  "has_residual": False, "gated": gated.attrs["activation"]})
 

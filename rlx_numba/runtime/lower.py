@@ -468,10 +468,12 @@ def vector_access(out_dtype, out, ins, in_dtypes, modes, dims, strides):
 
 # ---- lowering of the element-wise ops --------------------------------------------
 def gated_step(name, out, x_buf, x_shape, d, activation, interleaved, x_strides=None,
-               residual=None) -> Step | None:
+               residual=None, out_dtype=None) -> Step | None:
     """activation(gate) * up (+ residual) into ``out`` [..., n] as one generated kernel reading
     x [..., 2n] in place: gate and up are two strided inputs over x's buffer (the halves of
-    its last axis, or its even and odd entries)."""
+    its last axis, or its even and odd entries). x of dtype ``d``; ``out`` and the residual
+    of ``out_dtype`` (default d): an f32 x is rounded once to it on the store."""
+    od = d if out_dtype is None else out_dtype
     st = list(x_strides) if x_strides is not None else contiguous_strides(x_shape)
     h = x_shape[-1] // 2
     out_shape = tuple(x_shape[:-1]) + (h,)
@@ -480,11 +482,13 @@ def gated_step(name, out, x_buf, x_shape, d, activation, interleaved, x_strides=
     expr = ("binary", "mul", d, ("activation", activation, d, ("in", 0, d)), ("in", 1, d))
     ins, strides = [x_buf, up], [pair, pair]
     if residual is not None:
-        expr = ("binary", "add", d, expr, ("in", 2, d))
+        expr = ("binary", "add", d, expr, ("in", 2, od))
         ins.append(residual)
         strides.append(None)
+    if od != d:
+        expr = ("cast", None, od, expr)
     return elementwise_step(name, expr, out, out_shape, ins, [out_shape] * len(ins),
-                            [d] * len(ins), strides)
+                            [d, d, od][:len(ins)], strides)
 
 
 def contiguous_strides(shape) -> list:

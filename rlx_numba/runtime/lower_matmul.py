@@ -39,7 +39,14 @@ loading and storing through kernels/halfio.py. Roundings of a half product's epi
   an element of the product instead of 10 (D written and read in 2 bytes, not 4): the
   intermediate of a BERT / ViT MLP, the largest tensor of the layer;
 - tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into an arena
-  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once.
+  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once;
+- a gated epilogue (passes/fusion.py: SwiGLU's act(gate + bias) * (up + bias) over the
+  interleaved columns): tier 3 computes it from its f32 sums and rounds y once; tiers 0-2
+  write the product (+ bias) to a scratch of the half type (D, as cuBLAS writes it; tier 2's
+  bias added in place by the epilogue kernel, a rounding more) and the gated kernel reads it
+  and rounds act(gate) * up again: two roundings, as torch eager's ``mm`` then ``silu * mul``
+  (and as the unfolded graph); tier 4 writes its f32 sums (+ bias) to an f32 scratch of its
+  own and the gated kernel rounds once.
 
 Tier 3 takes x, y, bias and residual in the
 half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
@@ -228,12 +235,17 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         return []
     epi = {"bias": bias, "activation": activation, "residual": residual}
     post, full = [], out      # full: where the ladder's tiers write the [M, N] product
-    if gated and half:        # (passes/fusion.py folds gated epilogues of f32 products only)
-        raise ValueError(f"{name}: a gated epilogue takes an f32 product, got {n.dtype}")
-    if gated:
-        full = ctx.device_array(np.zeros(batch * m * ncols, np.float32))
-        post = [gated_step(name + " gated", out, full, (batch * m, ncols), dt.F32, gated, True,
-                           residual=ctx.buf(residual) if residual is not None else None)]
+
+    def gated_scratch(sdt):
+        """(scratch, [gated step]): the [M, N] product (+ bias) in ``sdt``, which the gated
+        kernel reads and rounds once to the node's dtype."""
+        scratch = ctx.device_array(np.zeros(batch * m * ncols, sdt.storage))
+        return scratch, [gated_step(name + " gated", out, scratch, (batch * m, ncols), sdt,
+                                    gated, True, residual=ctx.buf(residual) if residual is not None
+                                    else None, out_dtype=n.dtype)]
+    if gated:     # cuBLAS writes D in the product's dtype (a half one rounded twice: the
+        # module docstring); tier 4 below takes an f32 scratch of its own instead
+        full, post = gated_scratch(n.dtype)
         epi = {"bias": bias, "activation": None, "residual": None}
     steps, why = [], []
     has_epi = any(v is not None for v in epi.values())
@@ -289,8 +301,10 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
     b = _f32_weight(ctx, b, 4, why)
+    if gated and half:          # the f32 sums (+ bias) for the gated kernel: one rounding
+        full, post = gated_scratch(dt.F32)
     dst = full
-    if half and has_epi:        # f32 into the arena scratch the plan gave the node (one
+    if half and has_epi and not gated:   # f32 into the arena scratch the plan gave the node (one
         # rounding, on the epilogue kernel's store); an own array only where the tiers
         # allowed changed since the plan (a product planned again by set_param_half)
         dst = ctx.scratch_buf(n)
@@ -305,7 +319,8 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                   (dst, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
                    ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch)))]
     return (_done(n, 4, why, steps, flops)
-            + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst, out_dtype=n.dtype)
+            + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst,
+                        out_dtype=dt.F32 if gated else n.dtype)
             + post)
 
 
