@@ -71,7 +71,7 @@ def test_vision_half_logits(rng, model):
         ref = ViT.from_config(cfg, seed=2)
         m = ViT(cfg, ref.params, dtype="bf16")
     else:
-        cfg = ResNetConfig("basic", (1, 1, 1, 1), width=4, num_classes=5)
+        cfg = ResNetConfig("basic", (1, 1, 1, 1), width=2, num_classes=5)
         ref = ResNet.from_config(cfg, seed=1)
         m = ResNet(cfg, ref.params, dtype="bf16")
     x = rng.standard_normal((2, 3, 8, 8) if model == "vit" else (1, 3, 32, 32))
