@@ -349,6 +349,13 @@ def test_conv_tier_choice(monkeypatch):
     if not ON_GPU:
         assert conv_tier(g, nodes[y3]) == (2, "tier 0 not allowed by RLX_NUMBA_CONV_TIERS; "
                                               "the simulator runs the numba kernel")
+    if ON_GPU:       # a strided 1x1 in half: im2col + product; in f32 cuDNN
+        monkeypatch.delenv("RLX_NUMBA_CONV_TIERS")
+        h = rlx.Graph("strided")
+        for d, want in (("bf16", 1), ("f32", 0)):
+            ys = h.conv(h.input(f"x{d}", (2, 8, 9, 9), d), h.input(f"w{d}", (4, 8, 1, 1), d),
+                        stride=2)
+            assert conv_tier(h, ys.node)[0] == want, conv_tier(h, ys.node)
     monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "0,3")
     with pytest.raises(ValueError, match="RLX_NUMBA_CONV_TIERS='0,3': expected"):
         conv_tier(g, nodes[y3])

@@ -229,9 +229,13 @@ def test_conv_tiers_in_half(rng, monkeypatch, dtype, tiers):
     a = _inputs(rng, dtype, x=(1, 4, 7, 6), w=(6, 2, 3, 3), z=(1, 6, 4, 4))
     g = rlx.Graph("tiers")
     x, w, z = (g.input(n, v.shape, dtype) for n, v in a.items())
-    g.set_outputs([g.conv(x, w, **kw), g.conv_transpose(z, w, stride=2, padding=1, groups=2)])
+    w1 = rounded(rng.standard_normal((5, 4, 1, 1)), dtype)     # a strided 1x1 (downsample)
+    g.set_outputs([g.conv(x, w, **kw), g.conv_transpose(z, w, stride=2, padding=1, groups=2),
+                   g.conv(x, g.constant(w1, dtype), stride=2)])
     exe = rlx.compile(g)
-    y, yt = exe.run(a)
+    y, yt, y1 = exe.run(a)
+    assert_half_close(y1, conv_ref(a["x"], w1, (2, 2), [(0, 0), (0, 0)], (1, 1), 1), dtype,
+                      what=f"strided 1x1 conv tier {tiers}")
     assert_half_close(y, conv_ref(a["x"], a["w"], (2, 1), [(1, 1), (1, 1)], (1, 2), 2), dtype,
                       what=f"conv tier {tiers}")
     # tier 1's columns are half once matmul takes half (rounded before col2im sums them): a
