@@ -44,6 +44,7 @@ from . import mma as tc
 from .launch import default_geometry, grid_3d, inline as _inline, jit, register_geometry
 
 ALIGN = tc.SMEM_ALIGN   # (a module constant: shared.array needs a literal alignment)
+VERSION = 1   # bump when the kernel or its geometry changes (old tier_choices.json verdicts drop)
 PAD = 8     # halves of padding a shared row (see the module docstring)
 
 

@@ -69,8 +69,10 @@ from .. import cublas
 from ..device import SIMULATOR, device_info
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
+from ..kernels import elementwise as ew
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
+from ..kernels import matmul_tc as mtc
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
@@ -175,9 +177,10 @@ def matmul_env_tiers():
 
 
 TIER_NAMES = {0: "cuBLAS GemmEx on a half weight", 1: "cuBLASLt, fused epilogue",
-              2: "cuBLAS Sgemm", 3: "numba skinny product", 4: "numba SGEMM"}
-# the products' one lowering runs the ladder itself (tier 3 is timed against 0 / 1 per shape,
-# which a first-that-applies runner cannot express)
+              2: "cuBLAS Sgemm", 3: "numba skinny product", 4: "numba SGEMM",
+              5: "numba tensor-core GEMM (half products; tried before 4)"}
+# the products' one lowering runs the ladder itself (tiers 3 and 5 are timed against the cuBLAS
+# tier per shape, which a first-that-applies runner cannot express)
 LADDER = "ladder: " + " | ".join(f"{t} {w}" for t, w in TIER_NAMES.items()) + \
     " [RLX_NUMBA_MATMUL_TIERS]"
 
@@ -254,6 +257,13 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
               if 3 in tiers else None)
     if 3 not in tiers:
         why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    tensor = None       # tier 5's steps: a half product tier 3 does not take
+    if 5 not in tiers:
+        why.append("tier 5 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    elif skinny is not None:
+        why.append("tier 5: tier 3 takes this skinny product")
+    else:
+        tensor = _tier5(ctx, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, kind, why)
     for tier in (0, 1, 2):
         if tier not in tiers:
             why.append(f"tier {tier} not allowed by RLX_NUMBA_MATMUL_TIERS")
@@ -285,9 +295,25 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                     why.append(f"tier {tier}: slower ({timed})")
                     return _done(n, 3, why, skinny, flops)
                 why.append(f"tier 3: slower ({timed})")
+            elif tensor is not None:    # the same for tier 5, against the whole cuBLAS plan
+                key = _tc_choice_key(a, b, m, ncols, k, batch, epi, tier, kind, ctx)
+                try:
+                    us5, us = _timed_choice(ctx, tensor, steps, key)
+                except Exception as e:    # noqa: BLE001  (a kernel that fails to build here
+                    # must not take the cuBLAS tier's products down with it: said, not silent)
+                    log.warning("rlx_numba: %s: tier 5 failed to build or run: %s", name, e)
+                    why.append(f"tier 5: failed to build or run ({type(e).__name__}: {e})")
+                else:
+                    timed = f"timed: tier 5 {us5:.2f} us a product, tier {tier} {us:.2f} us"
+                    if us5 <= us:
+                        why.append(f"tier {tier}: slower ({timed})")
+                        return _done(n, 5, why, tensor, flops)
+                    why.append(f"tier 5: slower ({timed})")
             return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
+    if tensor is not None:
+        return _done(n, 5, why, tensor, flops)
     b = _f32_weight(ctx, b, 4, why)
     dst = full
     if half and has_epi:        # f32 into the arena scratch the plan gave the node (one
@@ -532,6 +558,56 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
                  f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
                  {"bytes": wbytes + np.dtype(out.dtype).itemsize * (m * k + m * n),
                   "splits": splits})]
+
+
+def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why):
+    """The tensor-core GEMM step (kernels/matmul_tc.py) of a half product, its epilogue fused
+    (bias and residual in the product's dtype, one rounding), or None with the reason in
+    ``why``. Under the simulator only when RLX_NUMBA_MATMUL_TIERS names it (its mma twins are
+    slow)."""
+    if kind == "f32":
+        why.append("tier 5: f32 operands (it takes f16 / bf16 products)")
+        return None
+    if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 5 in matmul_env_tiers()):
+        why.append("tier 5: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it")
+        return None
+    if b.buf is None or b.node.dtype != a.node.dtype:
+        why.append(f"tier 5: the weight is {b.node.dtype}, the activations {a.node.dtype}")
+        return None
+    act = epi["activation"]
+    if act and not hasattr(ew, act):
+        why.append(f"tier 5: no element-wise activation {act!r}")
+        return None
+    bits = (lambda buf: buf) if kind == "bf16" else (lambda buf: buf.view(np.uint16))
+    abuf, bbuf = bits(a.buf), bits(b.buf)
+    ptrs = () if SIMULATOR else (device_ptr(abuf), device_ptr(bbuf))
+    vec, unaligned = mtc.vec_ok(a.trans, b.trans, m, n, k, offs_a, offs_b, ptrs)
+    if not vec:
+        why.append(f"tier 5: element loads, not cp.async: {unaligned}")
+    bias, res = epi["bias"], epi["residual"]
+    kern = mtc.tc_gemm_kernel(a.trans, b.trans, kind, vec, bias is not None, act,
+                              res is not None)
+    grid, block = mtc.tc_launch(m, n, batch)
+    dummy = ctx.shared(f"tc_dummy_{kind}", lambda: np.zeros(1, np.dtype(out.dtype)))
+    args = (out, abuf, bbuf, ctx.buf(bias) if bias is not None else dummy,
+            ctx.buf(res) if res is not None else dummy, np.int64(m), np.int64(n), np.int64(k),
+            ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch))
+    geo = default_geometry("matmul_tc")
+    tags = "+".join(t for t in (kind, "NT"[a.trans] + "NT"[b.trans],
+                                "bias" if bias is not None else "", act or "",
+                                "residual" if res is not None else "",
+                                "cp.async" if vec else "element loads") if t)
+    return [Step(name, f"numba tc-gemm {tags} {batch}x{m}x{n}x{k} "
+                 f"{geo.bm}x{geo.bn}x{geo.bk}/{geo.warps}w", kern, grid, block, args)]
+
+
+def _tc_choice_key(a, b, m, n, k, batch, epi, tier, kind, ctx) -> str:
+    """tier_choices.json's key of a tier-5-against-cuBLAS verdict."""
+    tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
+                                "residual" if epi["residual"] is not None else "") if t)
+    return (f"tc{mtc.VERSION}|{device_info()['name']}|{batch}x{m}x{n}x{k}|{kind}|"
+            f"{'NT'[a.trans]}{'NT'[b.trans]}|{tags or '-'}|tier{tier}|"
+            f"{'graph' if _graph_mode(ctx) else 'stream'}")
 
 
 def _skinny_weight(ctx, b):
