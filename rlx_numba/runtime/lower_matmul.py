@@ -18,6 +18,14 @@ Each product is planned once, at compile time, taking the first tier whose preco
      gated kernels -- and the faster one runs; the verdict is kept on
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
+  5  the numba tensor-core GEMM (kernels/matmul_tc.py: mma.m16n8k16, ldmatrix, a cp.async
+     double buffer), f16 / bf16 products only, its epilogue (bias, activation, residual)
+     fused and rounded once; tried after the cuBLAS tiers and before tier 4. With cuBLAS it
+     is timed at compile time against the cuBLAS tier's steps (epilogue kernel included) for
+     that shape, layout, epilogue and exec mode, as tier 3 is (verdicts in the same file,
+     keyed ``tc...``), and the faster runs; without cuBLAS it takes every half product tier
+     3 does not; a product tier 3 takes is not offered to it. Under the simulator only when
+     RLX_NUMBA_MATMUL_TIERS names it (its mma twins are slow);
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
@@ -26,7 +34,7 @@ generated element-wise kernel over the output, in place.
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
-loading and storing through kernels/halfio.py. Roundings of a half product's epilogue:
+loading and storing through kernels/halfio.py, tier 5 in mma fragments. Roundings of a half product's epilogue:
 
 - what cuBLASLt fuses (bias, relu / gelu_tanh, or a residual as C with no activation) is
   computed in f32 and D rounded once;
@@ -39,7 +47,8 @@ loading and storing through kernels/halfio.py. Roundings of a half product's epi
   an element of the product instead of 10 (D written and read in 2 bytes, not 4): the
   intermediate of a BERT / ViT MLP, the largest tensor of the layer;
 - tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into an arena
-  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once.
+  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once;
+- tier 5 applies the whole epilogue to its f32 fragments in its store: one rounding.
 
 Tier 3 takes x, y, bias and residual in the
 half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
@@ -177,8 +186,8 @@ def matmul_env_tiers():
 
 
 TIER_NAMES = {0: "cuBLAS GemmEx on a half weight", 1: "cuBLASLt, fused epilogue",
-              2: "cuBLAS Sgemm", 3: "numba skinny product", 4: "numba SGEMM",
-              5: "numba tensor-core GEMM (half products; tried before 4)"}
+              2: "cuBLAS Sgemm", 3: "numba skinny product",
+              5: "numba tensor-core GEMM (f16 / bf16)", 4: "numba SGEMM"}   # (in the order tried)
 # the products' one lowering runs the ladder itself (tiers 3 and 5 are timed against the cuBLAS
 # tier per shape, which a first-that-applies runner cannot express)
 LADDER = "ladder: " + " | ".join(f"{t} {w}" for t, w in TIER_NAMES.items()) + \
