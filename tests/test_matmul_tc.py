@@ -3,7 +3,10 @@ sums in mma fragments, one rounding, the epilogue fused -- against float64 NumPy
 half-rounded inputs (tests/halfref.py). Under the simulator it runs only when
 RLX_NUMBA_MATMUL_TIERS names it (its mma twins are slow) with the simulator geometry, a
 32 x 16 x 16 block tile of two 16 x 16 warps: the shapes here are a few tiles, odd ones
-among them, and K of two or more tiles so the cp.async double buffer turns over."""
+among them, and K of two or more tiles so the cp.async stages turn over
+(2 in the simulator's geometry; the GPU's has 4)."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,7 +14,7 @@ import rlx_numba as rlx
 from conftest import ON_GPU, run_graph
 from halfref import HALVES, assert_half_close, f64, rounded
 from rlx_numba.kernels import matmul_tc as mtc
-from rlx_numba.kernels.launch import default_geometry
+from rlx_numba.kernels.launch import default_geometry, override_geometry
 from test_matmul_half import act64, data
 
 
@@ -48,6 +51,22 @@ def test_tc_matmul_shapes(rng, tier5, d, m, k, n, loads):
     av, bv = data(rng, (m, k), d), data(rng, (k, n), d)
     (got,) = exe.run({"a": av, "b": bv})
     assert_half_close(got, f64(av) @ f64(bv), d, what=f"tier 5 {m}x{k}x{n}")
+
+
+def test_tc_four_stages(rng, tier5):
+    """The GPU geometry's pipeline depth (4 stages: three K tiles in flight, wait_group 2) on
+    the simulator's tile, K = 5 tiles so the stages wrap around."""
+    d, m, k, n = "bf16", 20, 80, 24
+    geo = dataclasses.replace(mtc.SIM_GEOMETRY, stages=4)
+    with override_geometry("matmul_tc", geo):
+        g = rlx.Graph("tc4")
+        a, b = g.input("a", (m, k), d), g.input("b", (k, n), d)
+        g.set_outputs([g.matmul(a, b)])
+        exe = rlx.compile(g)
+    _only_tier5(exe)
+    av, bv = data(rng, (m, k), d), data(rng, (k, n), d)
+    (got,) = exe.run({"a": av, "b": bv})
+    assert_half_close(got, f64(av) @ f64(bv), d, what="4 stages")
 
 
 def test_tc_transposed_operands(rng, tier5):
@@ -173,7 +192,7 @@ def test_tc_not_by_default_in_the_simulator(monkeypatch):
 def test_tc_geometry_family():
     gpu, sim = mtc.GPU_GEOMETRY, mtc.SIM_GEOMETRY
     assert default_geometry("matmul_tc") == (gpu if ON_GPU else sim)
-    assert (gpu.bm, gpu.bn, gpu.bk, gpu.warps, gpu.stages) == (128, 128, 32, 8, 2)
+    assert (gpu.bm, gpu.bn, gpu.bk, gpu.warps, gpu.stages) == (128, 128, 16, 8, 4)
     assert gpu.shared_bytes() <= 48 * 1024 and sim.threads == 64
 
 

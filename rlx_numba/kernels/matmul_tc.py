@@ -15,9 +15,9 @@ a K tile): the CUTLASS "multistage" loop, one barrier a K tile --
 
 Shared layout: each operand's tile is stored with its global contiguous axis contiguous (A
 [BM][BK] or, trans_a, [BK][BM]; B [BK][BN] or, trans_b, [BN][BK]), rows padded by 8 halves
-(16 bytes): a row stride of 80 or 272 bytes puts the 8 rows an ldmatrix phase reads (and a
-cp.async phase writes) in 8 distinct 4-bank groups -- conflict-free, and rows stay 16-byte
-aligned. Fragments: A by ldmatrix_x4 (trans_a: .trans from the [k][m] tile), B by
+(16 bytes): a row stride of 48, 80 or 272 bytes (rows of 16, 32 or 128 halves) puts the 8
+rows an ldmatrix phase reads (and a cp.async phase writes) in 8 distinct 4-bank groups --
+conflict-free, and rows stay 16-byte aligned. Fragments: A by ldmatrix_x4 (trans_a: .trans from the [k][m] tile), B by
 ldmatrix_x4_trans from the [k][n] tile (trans_b: plain ldmatrix_x4 from [n][k]), each x4
 giving two n8 B fragments.
 
@@ -73,10 +73,13 @@ class TcGeometry:
         return 2 * self.stages * (a + b)
 
 
-# GPU: 128 x 128 x 32, 8 warps of 64 x 32 (4 x 4 mmas a k16 step, 64 f32 accumulators a
-# lane), 2 stages: 37 KB of static shared memory (under the 48 KB a static declaration may
-# take). Simulator: one 32 x 16 x 16 tile of 2 warps (every simulated lane is an OS thread).
-GPU_GEOMETRY = TcGeometry(128, 128, 32, 64, 32, stages=2, min_blocks=1)
+# GPU: 128 x 128 tiles, 8 warps of 64 x 32 (4 x 4 mmas a k16 step, 64 f32 accumulators a
+# lane), K 16 a stage through 4 stages: 41 KB of static shared memory (a static declaration may
+# take 48 KB), and launch bounds for 2 blocks an SM: ptxas (sm_90, numba-cuda 0.30 here) gives
+# 126 registers, no spills, 16 warps an SM. Untimed so far: bench/sweep_matmul_tc.py compares
+# it with 128 x 128 x 32 in 2 stages (162 registers, 1 block an SM) and others.
+# Simulator: one 32 x 16 x 16 tile of 2 warps (every simulated lane is an OS thread).
+GPU_GEOMETRY = TcGeometry(128, 128, 16, 64, 32, stages=4, min_blocks=2)
 SIM_GEOMETRY = TcGeometry(32, 16, 16, 16, 16, stages=2)
 register_geometry("matmul_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
 

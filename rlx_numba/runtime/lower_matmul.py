@@ -19,7 +19,7 @@ Each product is planned once, at compile time, taking the first tier whose preco
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
   5  the numba tensor-core GEMM (kernels/matmul_tc.py: mma.m16n8k16, ldmatrix, a cp.async
-     double buffer), f16 / bf16 products only, its epilogue (bias, activation, residual)
+     pipeline), f16 / bf16 products only, its epilogue (bias, activation, residual)
      fused and rounded once; tried after the cuBLAS tiers and before tier 4. With cuBLAS it
      is timed at compile time against the cuBLAS tier's steps (epilogue kernel included) for
      that shape, layout, epilogue and exec mode, as tier 3 is (verdicts in the same file,
