@@ -349,7 +349,8 @@ def f32_scratch_elems(graph: Graph, n) -> int:
     writes, for the memory plan (plan.py puts it in the arena, live at the node's step
     alone): a half product with an epilogue that may reach tier 4 (no cuBLAS tier for it:
     the simulator, no library, RLX_NUMBA_MATMUL_TIERS), which writes its f32 sums there for
-    the epilogue kernel to round once; 0 for any other node."""
+    the epilogue kernel to round once; 0 for any other node, and where tier 5 is offered
+    (it fuses the epilogue; should it pass a product over, tier 4 makes its own scratch)."""
     if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or n.attrs.get("gated")
             or not (n.attrs.get("has_bias") or n.attrs.get("activation")
                     or n.attrs.get("has_residual"))
@@ -357,6 +358,8 @@ def f32_scratch_elems(graph: Graph, n) -> int:
         return 0
     if not SIMULATOR and {1, 2} & matmul_env_tiers() and cublas.available()[0]:
         return 0        # tier 1 or 2 takes every product (tier 2 whatever tier 1 refuses)
+    if tier5_offered():
+        return 0        # tier 5 takes every half product tier 3 does not (both fuse the epilogue)
     return n.size
 
 
@@ -577,7 +580,7 @@ def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why)
     if kind == "f32":
         why.append("tier 5: f32 operands (it takes f16 / bf16 products)")
         return None
-    if SIMULATOR and not (os.environ.get("RLX_NUMBA_MATMUL_TIERS") and 5 in matmul_env_tiers()):
+    if not tier5_offered():
         why.append("tier 5: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it")
         return None
     if b.buf is None or b.node.dtype != a.node.dtype:
@@ -608,6 +611,13 @@ def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why)
                                 "cp.async" if vec else "element loads") if t)
     return [Step(name, f"numba tc-gemm {tags} {batch}x{m}x{n}x{k} "
                  f"{geo.bm}x{geo.bn}x{geo.bk}/{geo.warps}w", kern, grid, block, args)]
+
+
+def tier5_offered() -> bool:
+    """Whether half products are offered to tier 5: RLX_NUMBA_MATMUL_TIERS allows it, and
+    under the simulator names it."""
+    return 5 in matmul_env_tiers() and (not SIMULATOR
+                                        or bool(os.environ.get("RLX_NUMBA_MATMUL_TIERS")))
 
 
 def _tc_choice_key(a, b, m, n, k, batch, epi, tier, kind, ctx) -> str:
