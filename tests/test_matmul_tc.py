@@ -6,6 +6,10 @@ RLX_NUMBA_MATMUL_TIERS names it (its mma twins are slow) with the simulator geom
 among them, and K of two or more tiles so the cp.async stages turn over
 (2 in the simulator's geometry; the GPU's has 4)."""
 import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from halfref import HALVES, assert_half_close, f64, rounded
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import default_geometry, override_geometry
 from test_matmul_half import act64, data
+from test_mma import _toolkit
 
 
 @pytest.fixture
@@ -194,6 +199,52 @@ def test_tc_geometry_family():
     assert default_geometry("matmul_tc") == (gpu if ON_GPU else sim)
     assert (gpu.bm, gpu.bn, gpu.bk, gpu.warps, gpu.stages) == (128, 128, 16, 8, 4)
     assert gpu.shared_bytes() <= 48 * 1024 and sim.threads == 64
+
+
+# ---- the GPU kernels through NVVM and ptxas (where a CUDA toolkit is installed) --------------
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_kernels_assemble_without_spills(tmp_path):
+    """Without a GPU: the GPU geometry's kernels (cp.async NN bf16 with no epilogue; element
+    loads TT f16 with bias + gelu + residual) compiled to PTX with the GPU bodies
+    (NUMBA_ENABLE_CUDASIM=0; device functions need a compute capability, which the missing
+    driver cannot give: sm_80 is supplied) and assembled by ptxas for sm_80 under the launch
+    bounds: the mma / ldmatrix / cp.async instructions are there and nothing spills (the
+    accumulators stay in registers; the 256-byte frame is the epilogue's copy of them)."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+        from numba import cuda, types
+        import numba.cuda.dispatcher as D
+
+        class Dev:
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
+        from rlx_numba.kernels import matmul_tc as T
+        u16, f16, i64 = types.uint16, types.float16, types.int64
+        geo = T.GPU_GEOMETRY
+        for n, (ta, tb, kind, vec, epi) in enumerate([(False, False, "bf16", True, False),
+                                                      (True, True, "f16", False, True)]):
+            k = T.tc_gemm_kernel(ta, tb, kind, vec, epi, "gelu" if epi else None, epi, geo=geo)
+            c = u16 if kind == "bf16" else f16
+            sig = (c[:], u16[:], u16[:], c[:], c[:], i64, i64, i64, i64[:], i64[:], i64)
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
+                                      launch_bounds=(geo.threads, geo.min_blocks))
+            open(os.path.join({str(tmp_path)!r}, f"k{{n}}.ptx"), "w").write(ptx)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for p in sorted(tmp_path.glob("k*.ptx")):
+        text = p.read_text()
+        for insn in ("mma.sync.aligned.m16n8k16.row.col.f32", "ldmatrix.sync.aligned.m8n8.x4",
+                     "cp.async.wait_group 2", "bar.sync"):
+            assert insn in text, (p.name, insn)
+        r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(p), "-o",
+                            str(p.with_suffix(".cubin"))], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, f"{p.name}: {r.stderr}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
+    assert "cp.async.cg.shared.global" in (tmp_path / "k0.ptx").read_text()
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------
