@@ -27,7 +27,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="4096x4096x4096,8192x1024x4096")
     p.add_argument("--kinds", default="bf16,f16")
-    p.add_argument("--layouts", default="NN,NT", help="A, B stored N (as is) or T ([k, m] / [n, k])")
+    p.add_argument("--layouts", default="NN,NT",
+                   help="A, B stored N (as is) or T ([k, m] / [n, k])")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     import rlx_numba as rlx
@@ -52,11 +53,13 @@ def main(argv=None) -> int:
             print(f"\n{kind} {m}x{k}x{n}: torch {flops / torch_ms / 1e9:.0f} TFLOP/s")
             for lay in args.layouts.split(","):
                 tra, trb = lay[0] == "T", lay[1] == "T"
-                bits = lambda t: cuda.as_cuda_array(t.contiguous().view(torch.int16)).view(np.uint16)  # noqa: E731
+                def bits(t):
+                    return cuda.as_cuda_array(t.contiguous().view(torch.int16)).view(np.uint16)
                 a = bits(ta_.t() if tra else ta_)
                 b = bits(tb_.t() if trb else tb_)
                 out = torch.empty(m, n, device="cuda", dtype=tdt)
-                c = cuda.as_cuda_array(out.view(torch.int16)).view(np.uint16 if kind == "bf16" else np.float16)
+                c = cuda.as_cuda_array(out.view(torch.int16)).view(
+                    np.uint16 if kind == "bf16" else np.float16)
                 dummy = cuda.device_array(1, c.dtype)
                 z = cuda.to_device(np.zeros(1, np.int64))
                 vec = mtc.vec_ok(tra, trb, m, n, k, [0], [0],
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
                         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
                         ok = err <= (2e-2 if kind == "bf16" else 4e-3)
                         print(f"  {lay} {cand}: {flops / ms / 1e9:6.0f} TFLOP/s  "
-                              f"{torch_ms / ms:5.2f}x torch  err {err:.1e} {'ok' if ok else 'WRONG'}"
+                              f"{torch_ms / ms:5.2f}x torch  err {err:.1e} "
+                              f"{'ok' if ok else 'WRONG'}"
                               f"  smem {geo.shared_bytes()} B", flush=True)
                     except Exception as e:  # noqa: BLE001 - report the candidate, keep going
                         print(f"  {lay} {cand}: ERROR {type(e).__name__}: {e}", flush=True)

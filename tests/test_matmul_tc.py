@@ -184,7 +184,8 @@ def test_tc_not_by_default_in_the_simulator(monkeypatch):
     g.set_outputs([g.matmul(a, b)])
     (step,) = _product_steps(rlx.compile(g))
     assert step.info["tier"] == 4
-    assert "tier 5: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it" in step.info["why"]
+    why = step.info["why"]
+    assert "tier 5: under the simulator only when RLX_NUMBA_MATMUL_TIERS names it" in why
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "5")
     g = rlx.Graph("tcf32")
     a, b = g.input("a", (4, 8)), g.input("b", (8, 8))

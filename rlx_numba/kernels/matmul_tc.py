@@ -14,12 +14,12 @@ a K tile): the CUTLASS "multistage" loop, one barrier a K tile --
               barrier); commit; the mmas of tile kt (overlapping the copies in flight).
 
 Shared layout: each operand's tile is stored with its global contiguous axis contiguous (A
-[BM][BK] or, trans_a, [BK][BM]; B [BK][BN] or, trans_b, [BN][BK]), rows padded by 8 halves
-(16 bytes): a row stride of 48, 80 or 272 bytes (rows of 16, 32 or 128 halves) puts the 8
-rows an ldmatrix phase reads (and a cp.async phase writes) in 8 distinct 4-bank groups --
-conflict-free, and rows stay 16-byte aligned. Fragments: A by ldmatrix_x4 (trans_a: .trans from the [k][m] tile), B by
-ldmatrix_x4_trans from the [k][n] tile (trans_b: plain ldmatrix_x4 from [n][k]), each x4
-giving two n8 B fragments.
+[BM][BK] or, trans_a, [BK][BM]; B [BK][BN] or, trans_b, [BN][BK]), rows padded by 8 halves (16
+bytes): a row stride of 48, 80 or 272 bytes (rows of 16, 32 or 128 halves) puts the 8 rows an
+ldmatrix phase reads (and a cp.async phase writes) in 8 distinct 4-bank groups -- conflict-
+free, and rows stay 16-byte aligned. Fragments: A by ldmatrix_x4 (trans_a: .trans from the
+[k][m] tile), B by ldmatrix_x4_trans from the [k][n] tile (trans_b: plain ldmatrix_x4 from
+[n][k]), each x4 giving two n8 B fragments.
 
 Edges: tile loads are guarded (zero-filled outside the matrices), stores too. ``vec``: every
 operand row is 8-element (16-byte) aligned (the contiguous extents and batch offsets multiples
@@ -90,10 +90,12 @@ ZERO = float32(0.0)
 
 
 def _check(geo: TcGeometry):
-    assert geo.bm % geo.wm == 0 and geo.bn % geo.wn == 0, geo
-    assert geo.wm % 16 == 0 and geo.wn % 16 == 0 and geo.bk % 16 == 0, geo
-    assert geo.stages >= 2, geo
-    assert geo.shared_bytes() <= 48 * 1024, geo
+    """ValueError unless ``geo`` tiles as the kernel needs and fits static shared memory."""
+    if (geo.bm % geo.wm or geo.bn % geo.wn or geo.wm % 16 or geo.wn % 16 or geo.bk % 16
+            or geo.stages < 2 or geo.shared_bytes() > 48 * 1024):
+        raise ValueError(f"tensor-core GEMM geometry {geo}: warp tiles must divide the block "
+                         "tile, be multiples of 16 (as bk), stages >= 2, and the stages fit "
+                         f"48 KB of static shared memory ({geo.shared_bytes()} bytes)")
 
 
 def _loader(R: int, C: int, LD: int, NT: int, vec: bool):

@@ -34,7 +34,8 @@ generated element-wise kernel over the output, in place.
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
-loading and storing through kernels/halfio.py, tier 5 in mma fragments. Roundings of a half product's epilogue:
+loading and storing through kernels/halfio.py, tier 5 in mma fragments. Roundings of a half
+product's epilogue:
 
 - what cuBLASLt fuses (bias, relu / gelu_tanh, or a residual as C with no activation) is
   computed in f32 and D rounded once;
