@@ -19,13 +19,14 @@ Each product is planned once, at compile time, taking the first tier whose preco
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
   5  the numba tensor-core GEMM (kernels/matmul_tc.py: mma.m16n8k16, ldmatrix, a cp.async
-     pipeline), f16 / bf16 products only, its epilogue (bias, activation, residual)
-     fused and rounded once; tried after the cuBLAS tiers and before tier 4. With cuBLAS it
-     is timed at compile time against the cuBLAS tier's steps (epilogue kernel included) for
-     that shape, layout, epilogue and exec mode, as tier 3 is (verdicts in the same file,
-     keyed ``tc...``), and the faster runs; without cuBLAS it takes every half product tier
-     3 does not; a product tier 3 takes is not offered to it. Under the simulator only when
-     RLX_NUMBA_MATMUL_TIERS names it (its mma twins are slow);
+     pipeline), f16 / bf16 products only, its epilogue (bias, activation, residual) fused and
+     rounded once; tried after the cuBLAS tiers and before tier 4. With cuBLAS it is timed at
+     compile time against the cuBLAS tier's steps (epilogue kernel included) for that shape,
+     layout, epilogue and exec mode, as tier 3 is (verdicts in the same file, keyed
+     ``tc...``), and the faster runs -- products of 2^28 flops (512^3) or more only
+     (``TC_TIMED_MIN_FLOPS``), smaller ones take the cuBLAS tier untimed; without cuBLAS it
+     takes every half product tier 3 does not; a product tier 3 takes is not offered to it.
+     Under the simulator only when RLX_NUMBA_MATMUL_TIERS names it (its mma twins are slow);
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
@@ -305,6 +306,10 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                     why.append(f"tier {tier}: slower ({timed})")
                     return _done(n, 3, why, skinny, flops)
                 why.append(f"tier 3: slower ({timed})")
+            elif tensor is not None and flops < TC_TIMED_MIN_FLOPS:
+                why.append(f"tier 5: not timed against tier {tier} below "
+                           f"{TC_TIMED_MIN_FLOPS:.1e} flops (launch-bound sizes: not worth "
+                           "compiling the kernel)")
             elif tensor is not None:    # the same for tier 5, against the whole cuBLAS plan
                 key = _tc_choice_key(a, b, m, ncols, k, batch, epi, tier, kind, ctx)
                 try:
@@ -644,6 +649,10 @@ def f32_dummy(ctx):
 
 
 # ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
+# tier 5 is timed against a cuBLAS tier only for products of at least this many flops (512^3:
+# 2.7e8): each timing compiles a kernel variant (seconds on a fresh machine), and smaller
+# products are launch-bound (the GPU tests' many small half products would each compile one)
+TC_TIMED_MIN_FLOPS = 2 ** 28
 CHOICE_VERSION = 2          # bump when the kernel or its plan changes: old verdicts are ignored
 CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
