@@ -18,6 +18,17 @@ Each product is planned once, at compile time, taking the first tier whose preco
      gated kernels -- and the faster one runs; the verdict is kept on
      disk beside the kernel cache (``tier_choices.json``), so another process does not time
      again. Under the simulator it runs only when RLX_NUMBA_MATMUL_TIERS names it;
+  5  the numba tensor-core GEMM (kernels/matmul_tc.py: mma.m16n8k16, ldmatrix, a cp.async
+     pipeline), f16 / bf16 products only, its epilogue (bias, activation, residual) fused and
+     rounded once; tried after the cuBLAS tiers and before tier 4. With cuBLAS it is timed at
+     compile time against the cuBLAS tier's steps (epilogue kernel included) for that shape,
+     layout, epilogue and exec mode, as tier 3 is (verdicts in the same file, keyed
+     ``tc...``), and the faster runs -- products of 2^28 flops (512^3) or more only
+     (``TC_TIMED_MIN_FLOPS``), smaller ones take the cuBLAS tier untimed; without cuBLAS it
+     takes every half product tier 3 does not; a product tier 3 takes, or one with a gated
+     epilogue, is not offered to it. Offered only where RLX_NUMBA_MATMUL_TIERS names it, or
+     on a GPU without cuBLAS (``tier5_offered``: opt-in beside cuBLAS until GPU timings say
+     where it wins; the simulator's mma twins are slow);
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
@@ -26,7 +37,8 @@ generated element-wise kernel over the output, in place.
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
-loading and storing through kernels/halfio.py. Roundings of a half product's epilogue:
+loading and storing through kernels/halfio.py, tier 5 in mma fragments. Roundings of a half
+product's epilogue:
 
 - what cuBLASLt fuses (bias, relu / gelu_tanh, or a residual as C with no activation) is
   computed in f32 and D rounded once;
@@ -40,6 +52,7 @@ loading and storing through kernels/halfio.py. Roundings of a half product's epi
   intermediate of a BERT / ViT MLP, the largest tensor of the layer;
 - tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into an arena
   scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once;
+- tier 5 applies the whole epilogue to its f32 fragments in its store: one rounding;
 - a gated epilogue (passes/fusion.py: SwiGLU's act(gate + bias) * (up + bias) over the
   interleaved columns): tier 3 computes it from its f32 sums and rounds y once; tiers 0-2
   write the product (+ bias) to a scratch of the half type (D, as cuBLAS writes it; tier 2's
@@ -76,8 +89,10 @@ from .. import cublas
 from ..device import SIMULATOR, device_info
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
+from ..kernels import elementwise as ew
 from ..kernels import gemv as gv
 from ..kernels import matmul as mm
+from ..kernels import matmul_tc as mtc
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
@@ -182,9 +197,10 @@ def matmul_env_tiers():
 
 
 TIER_NAMES = {0: "cuBLAS GemmEx on a half weight", 1: "cuBLASLt, fused epilogue",
-              2: "cuBLAS Sgemm", 3: "numba skinny product", 4: "numba SGEMM"}
-# the products' one lowering runs the ladder itself (tier 3 is timed against 0 / 1 per shape,
-# which a first-that-applies runner cannot express)
+              2: "cuBLAS Sgemm", 3: "numba skinny product",
+              5: "numba tensor-core GEMM (f16 / bf16)", 4: "numba SGEMM"}   # (in the order tried)
+# the products' one lowering runs the ladder itself (tiers 3 and 5 are timed against the cuBLAS
+# tier per shape, which a first-that-applies runner cannot express)
 LADDER = "ladder: " + " | ".join(f"{t} {w}" for t, w in TIER_NAMES.items()) + \
     " [RLX_NUMBA_MATMUL_TIERS]"
 
@@ -266,6 +282,15 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
               if 3 in tiers else None)
     if 3 not in tiers:
         why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    tensor = None       # tier 5's steps: a half product tier 3 does not take
+    if 5 not in tiers:
+        why.append("tier 5 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    elif skinny is not None:
+        why.append("tier 5: tier 3 takes this skinny product")
+    elif gated:
+        why.append("tier 5: a gated epilogue (tier 3, or a product into the gated kernel)")
+    else:
+        tensor = _tier5(ctx, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, kind, why)
     for tier in (0, 1, 2):
         if tier not in tiers:
             why.append(f"tier {tier} not allowed by RLX_NUMBA_MATMUL_TIERS")
@@ -297,9 +322,29 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                     why.append(f"tier {tier}: slower ({timed})")
                     return _done(n, 3, why, skinny, flops)
                 why.append(f"tier 3: slower ({timed})")
+            elif tensor is not None and flops < TC_TIMED_MIN_FLOPS:
+                why.append(f"tier 5: not timed against tier {tier} below "
+                           f"{TC_TIMED_MIN_FLOPS:.1e} flops (launch-bound sizes: not worth "
+                           "compiling the kernel)")
+            elif tensor is not None:    # the same for tier 5, against the whole cuBLAS plan
+                key = _tc_choice_key(a, b, m, ncols, k, batch, epi, tier, kind, ctx)
+                try:
+                    us5, us = _timed_choice(ctx, tensor, steps, key)
+                except Exception as e:    # noqa: BLE001  (a kernel that fails to build here
+                    # must not take the cuBLAS tier's products down with it: said, not silent)
+                    log.warning("rlx_numba: %s: tier 5 failed to build or run: %s", name, e)
+                    why.append(f"tier 5: failed to build or run ({type(e).__name__}: {e})")
+                else:
+                    timed = f"timed: tier 5 {us5:.2f} us a product, tier {tier} {us:.2f} us"
+                    if us5 <= us:
+                        why.append(f"tier {tier}: slower ({timed})")
+                        return _done(n, 5, why, tensor, flops)
+                    why.append(f"tier 5: slower ({timed})")
             return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
+    if tensor is not None:
+        return _done(n, 5, why, tensor, flops)
     b = _f32_weight(ctx, b, 4, why)
     if gated and half:          # the f32 sums (+ bias) for the gated kernel: one rounding
         full, post = gated_scratch(dt.F32)
@@ -329,7 +374,8 @@ def f32_scratch_elems(graph: Graph, n) -> int:
     writes, for the memory plan (plan.py puts it in the arena, live at the node's step
     alone): a half product with an epilogue that may reach tier 4 (no cuBLAS tier for it:
     the simulator, no library, RLX_NUMBA_MATMUL_TIERS), which writes its f32 sums there for
-    the epilogue kernel to round once; 0 for any other node."""
+    the epilogue kernel to round once; 0 for any other node, and where tier 5 is offered
+    (it fuses the epilogue; should it pass a product over, tier 4 makes its own scratch)."""
     if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or n.attrs.get("gated")
             or not (n.attrs.get("has_bias") or n.attrs.get("activation")
                     or n.attrs.get("has_residual"))
@@ -337,6 +383,8 @@ def f32_scratch_elems(graph: Graph, n) -> int:
         return 0
     if not SIMULATOR and {1, 2} & matmul_env_tiers() and cublas.available()[0]:
         return 0        # tier 1 or 2 takes every product (tier 2 whatever tier 1 refuses)
+    if tier5_offered():
+        return 0        # tier 5 takes every half product tier 3 does not (both fuse the epilogue)
     return n.size
 
 
@@ -549,6 +597,65 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
                   "splits": splits})]
 
 
+def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why):
+    """The tensor-core GEMM step (kernels/matmul_tc.py) of a half product, its epilogue fused
+    (bias and residual in the product's dtype, one rounding), or None with the reason in
+    ``why``. Under the simulator only when RLX_NUMBA_MATMUL_TIERS names it (its mma twins are
+    slow)."""
+    if kind == "f32":
+        why.append("tier 5: f32 operands (it takes f16 / bf16 products)")
+        return None
+    if not tier5_offered():
+        why.append("tier 5: only where RLX_NUMBA_MATMUL_TIERS names it, or without cuBLAS")
+        return None
+    if b.buf is None or b.node.dtype != a.node.dtype:
+        why.append(f"tier 5: the weight is {b.node.dtype}, the activations {a.node.dtype}")
+        return None
+    act = epi["activation"]
+    if act and not hasattr(ew, act):
+        why.append(f"tier 5: no element-wise activation {act!r}")
+        return None
+    bits = (lambda buf: buf) if kind == "bf16" else (lambda buf: buf.view(np.uint16))
+    abuf, bbuf = bits(a.buf), bits(b.buf)
+    ptrs = () if SIMULATOR else (device_ptr(abuf), device_ptr(bbuf))
+    vec, unaligned = mtc.vec_ok(a.trans, b.trans, m, n, k, offs_a, offs_b, ptrs)
+    if not vec:
+        why.append(f"tier 5: element loads, not cp.async: {unaligned}")
+    bias, res = epi["bias"], epi["residual"]
+    kern = mtc.tc_gemm_kernel(a.trans, b.trans, kind, vec, bias is not None, act,
+                              res is not None)
+    grid, block = mtc.tc_launch(m, n, batch)
+    dummy = ctx.shared(f"tc_dummy_{kind}", lambda: np.zeros(1, np.dtype(out.dtype)))
+    args = (out, abuf, bbuf, ctx.buf(bias) if bias is not None else dummy,
+            ctx.buf(res) if res is not None else dummy, np.int64(m), np.int64(n), np.int64(k),
+            ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch))
+    geo = default_geometry("matmul_tc")
+    tags = "+".join(t for t in (kind, "NT"[a.trans] + "NT"[b.trans],
+                                "bias" if bias is not None else "", act or "",
+                                "residual" if res is not None else "",
+                                "cp.async" if vec else "element loads") if t)
+    return [Step(name, f"numba tc-gemm {tags} {batch}x{m}x{n}x{k} "
+                 f"{geo.bm}x{geo.bn}x{geo.bk}/{geo.warps}w", kern, grid, block, args)]
+
+
+def tier5_offered() -> bool:
+    """Whether half products are offered to tier 5: where RLX_NUMBA_MATMUL_TIERS names it
+    (beside cuBLAS then timed against it), or by default on a GPU without cuBLAS. Beside
+    cuBLAS it is opt-in until its timings on a GPU say where it wins."""
+    if os.environ.get("RLX_NUMBA_MATMUL_TIERS"):
+        return 5 in matmul_env_tiers()
+    return not SIMULATOR and not cublas.available()[0]
+
+
+def _tc_choice_key(a, b, m, n, k, batch, epi, tier, kind, ctx) -> str:
+    """tier_choices.json's key of a tier-5-against-cuBLAS verdict."""
+    tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
+                                "residual" if epi["residual"] is not None else "") if t)
+    return (f"tc{mtc.VERSION}|{device_info()['name']}|{batch}x{m}x{n}x{k}|{kind}|"
+            f"{'NT'[a.trans]}{'NT'[b.trans]}|{tags or '-'}|tier{tier}|"
+            f"{'graph' if _graph_mode(ctx) else 'stream'}")
+
+
 def _skinny_weight(ctx, b):
     """(device array, kind) of the weight tier 3 reads: the half copy of an f32 param stored
     by set_param_half, else the weight's own storage (f32, or a half product's f16 / bf16)."""
@@ -563,6 +670,10 @@ def f32_dummy(ctx):
 
 
 # ---- tier 3 against the ladder's tier: timed once per shape, kept on disk -----------------------
+# tier 5 is timed against a cuBLAS tier only for products of at least this many flops (512^3:
+# 2.7e8): each timing compiles a kernel variant (seconds on a fresh machine), and smaller
+# products are launch-bound (the GPU tests' many small half products would each compile one)
+TC_TIMED_MIN_FLOPS = 2 ** 28
 CHOICE_VERSION = 2          # bump when the kernel or its plan changes: old verdicts are ignored
 CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))

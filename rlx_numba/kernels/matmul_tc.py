@@ -1,0 +1,320 @@
+"""The tensor-core GEMM (matmul tier 5): C[z] = act(op(A[z]) @ op(B[z]) + bias) + residual for
+f16 / bf16 operands, f32 sums in mma fragments, the result rounded once to the operands' dtype.
+Built on kernels/mma.py's m16n8k16 mma, ldmatrix and cp.async (sm_80+).
+
+Structure (geometry ``TcGeometry``, the family "matmul_tc" of kernels/launch.py). A block
+computes a BM x BN tile of C with (BM / WM) x (BN / WN) warps, each warp a WM x WN sub-tile:
+MI = WM / 16 by NI = WN / 8 m16n8 accumulators (4 floats a lane each). K is walked BK at a
+time through STAGES shared-memory stages filled by cp.async (16-byte chunks, one commit group
+a K tile): the CUTLASS "multistage" loop, one barrier a K tile --
+
+    prologue: tiles 0 .. STAGES-2 issued, a group each
+    for kt:   wait until tile kt's group landed (cp.async.wait_group STAGES-2); barrier;
+              issue tile kt + STAGES-1 into the stage tile kt-1 used (its readers passed the
+              barrier); commit; the mmas of tile kt (overlapping the copies in flight).
+
+Shared layout: each operand's tile is stored with its global contiguous axis contiguous (A
+[BM][BK] or, trans_a, [BK][BM]; B [BK][BN] or, trans_b, [BN][BK]), rows padded by 8 halves (16
+bytes): a row stride of 48, 80 or 272 bytes (rows of 16, 32 or 128 halves) puts the 8 rows an
+ldmatrix phase reads (and a cp.async phase writes) in 8 distinct 4-bank groups -- conflict-
+free, and rows stay 16-byte aligned. Fragments: A by ldmatrix_x4 (trans_a: .trans from the
+[k][m] tile), B by ldmatrix_x4_trans from the [k][n] tile (trans_b: plain ldmatrix_x4 from
+[n][k]), each x4 giving two n8 B fragments.
+
+Edges: tile loads are guarded (zero-filled outside the matrices), stores too. ``vec``: every
+operand row is 8-element (16-byte) aligned (the contiguous extents and batch offsets multiples
+of 8, the pointers 16-byte aligned), so a chunk is wholly inside or outside: cp.async or
+zeros; otherwise element loads (plain shared stores, same pipeline). The epilogue is fused:
+bias [N] and residual (C's shape) read in the half dtype, the activation in f32, one rounding.
+Every lane of every warp reaches each ldmatrix and mma (the guards are on loads and stores
+only), as the warp-collective instructions (and their simulator twins) require.
+
+Operands are read as uint16 bit patterns (an f16 array is passed as its uint16 view); C,
+bias and residual in their own storage (kernels/halfio.py).
+"""
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, uint16, uint32, uint64
+
+from . import elementwise as ew
+from . import halfio
+from . import mma as tc
+from .launch import default_geometry, grid_3d, inline as _inline, jit, register_geometry
+
+ALIGN = tc.SMEM_ALIGN   # (a module constant: shared.array needs a literal alignment)
+VERSION = 1   # bump when the kernel or its geometry changes (old tier_choices.json verdicts drop)
+PAD = 8     # halves of padding a shared row (see the module docstring)
+
+
+@dataclass(frozen=True)
+class TcGeometry:
+    bm: int          # block tile rows (of C)
+    bn: int          # block tile columns
+    bk: int          # K a stage
+    wm: int          # warp tile rows (a multiple of 16)
+    wn: int          # warp tile columns (a multiple of 16: ldmatrix x4 gives two n8 fragments)
+    stages: int = 2  # shared-memory stages (cp.async pipeline depth)
+    min_blocks: int = 1   # launch bounds' blocks an SM
+
+    @property
+    def warps(self) -> int:
+        return (self.bm // self.wm) * (self.bn // self.wn)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def shared_bytes(self) -> int:
+        """Static shared memory of a kernel (bytes; the larger layout of each operand)."""
+        a = max(self.bm * (self.bk + PAD), self.bk * (self.bm + PAD))
+        b = max(self.bk * (self.bn + PAD), self.bn * (self.bk + PAD))
+        return 2 * self.stages * (a + b)
+
+
+# GPU: 128 x 128 tiles, 8 warps of 64 x 32 (4 x 4 mmas a k16 step, 64 f32 accumulators a
+# lane), K 16 a stage through 4 stages: 41 KB of static shared memory (a static declaration may
+# take 48 KB), and launch bounds for 2 blocks an SM: ptxas (sm_90, numba-cuda 0.30 here) gives
+# 126 registers, no spills, 16 warps an SM. Untimed so far: bench/sweep_matmul_tc.py compares
+# it with 128 x 128 x 32 in 2 stages (162 registers, 1 block an SM) and others.
+# Simulator: one 32 x 16 x 16 tile of 2 warps (every simulated lane is an OS thread).
+GPU_GEOMETRY = TcGeometry(128, 128, 16, 64, 32, stages=4, min_blocks=2)
+SIM_GEOMETRY = TcGeometry(32, 16, 16, 16, 16, stages=2)
+register_geometry("matmul_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
+
+_u = np.uint64
+U0, U1 = _u(0), _u(1)
+ZERO16 = uint16(0)
+ZERO = float32(0.0)
+
+
+def _check(geo: TcGeometry):
+    """ValueError unless ``geo`` tiles as the kernel needs and fits static shared memory."""
+    if (geo.bm % geo.wm or geo.bn % geo.wn or geo.wm % 16 or geo.wn % 16 or geo.bk % 16
+            or geo.stages < 2 or geo.shared_bytes() > 48 * 1024):
+        raise ValueError(f"tensor-core GEMM geometry {geo}: warp tiles must divide the block "
+                         "tile, be multiples of 16 (as bk), stages >= 2, and the stages fit "
+                         f"48 KB of static shared memory ({geo.shared_bytes()} bytes)")
+
+
+def _loader(R: int, C: int, LD: int, NT: int, vec: bool):
+    """load(sm, so, src, base, r0, c0, rows, cols, tid): the R x C tile at (r0, c0) of the
+    row-major rows x cols matrix at src[base:] into shared ``sm`` from element offset ``so``
+    (rows of LD elements), zeros outside the matrix; a 16-byte chunk (8 halves) a thread a
+    step, consecutive threads along the contiguous axis."""
+    CPR = C // 8                 # chunks a row
+    CH = R * CPR                 # chunks a tile
+    PT = -(-CH // NT)            # chunks a thread
+    FULL = CH % NT == 0
+    uCPR, uLD, uCH = _u(CPR), _u(LD), _u(CH)
+
+    @_inline
+    def load(sm, so, src, base, r0, c0, rows, cols, tid):
+        for p in range(PT):
+            ch = tid + _u(p * NT)
+            if FULL or ch < uCH:
+                r = ch // uCPR
+                c = (ch % uCPR) * _u(8)
+                d = so + r * uLD + c
+                gr, gc = r0 + r, c0 + c
+                if vec:
+                    if gr < rows and gc < cols:
+                        tc.cp_async16(sm, d, src, base + gr * cols + gc)
+                    else:
+                        for e in range(8):
+                            sm[d + _u(e)] = ZERO16
+                else:
+                    for e in range(8):
+                        ge = gc + _u(e)
+                        sm[d + _u(e)] = (src[base + gr * cols + ge] if gr < rows and ge < cols
+                                         else ZERO16)
+    return load
+
+
+def tc_gemm_kernel(trans_a: bool, trans_b: bool, kind: str, vec: bool, has_bias: bool = False,
+                   act=None, has_res: bool = False, geo: TcGeometry | None = None):
+    """The kernel for these compile-time choices (one object however it is asked for); geo:
+    the device's default "matmul_tc" geometry unless given."""
+    return _tc_gemm_kernel(bool(trans_a), bool(trans_b), kind, bool(vec), bool(has_bias),
+                           act or None, bool(has_res), geo or default_geometry("matmul_tc"))
+
+
+@functools.lru_cache(maxsize=None)
+def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
+    """kernel(c, a, b, bias, res, m, n, k, a_off, b_off, batch): c[z] (flat [batch, m, n], of
+    ``kind``) = act(A[z] @ B[z] + bias) + res[z]; A[z] starts at a[a_off[z]], row-major [m, k]
+    ([k, m] when trans_a), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a, b uint16 bit
+    patterns of ``kind`` (bf16 / f16); bias [n] and res [batch * m * n] of ``kind`` (any
+    1-element array when unused); a_off / b_off int64. ``vec``: 16-byte cp.async loads (the
+    caller checked alignment: the module docstring). k >= 1. Launch with tc_launch."""
+    if kind not in tc.KINDS:
+        raise ValueError(f"tensor-core GEMM: operands of kind {kind!r}, expected one of {tc.KINDS}")
+    _check(geo)
+    BM, BN, BK, WM, WN, S = geo.bm, geo.bn, geo.bk, geo.wm, geo.wn, geo.stages
+    NT = geo.threads
+    WARPS_N = BN // WN
+    MI, NI, NJ, KS = WM // 16, WN // 8, WN // 16, BK // 16
+    # shared tiles (rows, cols), cols the global contiguous axis
+    AR, AC = (BK, BM) if trans_a else (BM, BK)
+    BR, BC = (BN, BK) if trans_b else (BK, BN)
+    LDA, LDB = AC + PAD, BC + PAD
+    SA, SB = AR * LDA, BR * LDB                    # elements a stage
+    SHA, SHB = (S * SA,), (S * SB,)
+    NE = MI * NI * 4                               # accumulators a lane
+    # ldmatrix address steps (elements) between m16 tiles (A), n16 pairs (B) and k16 steps
+    A_MI, A_KS = (16, 16 * LDA) if trans_a else (16 * LDA, 16)
+    B_NJ, B_KS = (16 * LDB, 16) if trans_b else (16, 16 * LDB)
+    LDM_A = tc.ldmatrix_x4_trans if trans_a else tc.ldmatrix_x4
+    LDM_B = tc.ldmatrix_x4 if trans_b else tc.ldmatrix_x4_trans
+    MMA = tc.mma(kind)
+    ld, st = halfio.load(kind), halfio.store(kind)
+    actf = getattr(ew, act) if act else ew.neg
+    has_act = act is not None
+    load_a = _loader(AR, AC, LDA, NT, vec)
+    load_b = _loader(BR, BC, LDB, NT, vec)
+    WAIT = S - 2                                   # groups left in flight at a K tile's start
+    uBM, uBN, uBK, uS = _u(BM), _u(BN), _u(BK), _u(S)
+    uSA, uSB = _u(SA), _u(SB)
+
+    @_inline
+    def issue(As, Bs, a, b, ao, bo, row0, col0, k0, stage, m, n, k, tid):
+        """The A and B tiles at K offset k0 into ``stage``."""
+        if trans_a:
+            load_a(As, stage * uSA, a, ao, k0, row0, k, m, tid)
+        else:
+            load_a(As, stage * uSA, a, ao, row0, k0, m, k, tid)
+        if trans_b:
+            load_b(Bs, stage * uSB, b, bo, col0, k0, n, k, tid)
+        else:
+            load_b(Bs, stage * uSB, b, bo, k0, col0, k, n, tid)
+
+    @jit(launch_bounds=(NT, geo.min_blocks))
+    def kernel(c, a, b, bias, res, m, n, k, a_off, b_off, batch):
+        As = cuda.shared.array(SHA, uint16, alignment=ALIGN)
+        Bs = cuda.shared.array(SHB, uint16, alignment=ALIGN)
+        acc = cuda.local.array((MI, NI, 4), float32)   # constant indices only: registers
+        fa = cuda.local.array((MI, 4), uint32)
+        fb = cuda.local.array((NI, 2), uint32)
+        ep = cuda.local.array(NE, float32)             # the accumulators, for the epilogue
+        m, n, k, batch = uint64(m), uint64(n), uint64(k), uint64(batch)
+        tid = uint64(cuda.threadIdx.x)
+        lane, warp = tid % _u(32), tid // _u(32)
+        wm, wn = warp // _u(WARPS_N), warp % _u(WARPS_N)
+        g, t = lane >> _u(2), lane & _u(3)
+        # this lane's ldmatrix row within a stage (module mma's docstring: lanes 8j..8j+7
+        # give matrix j's rows), before the m16 / n16 / k16 steps
+        if trans_a:     # [k][m]: matrix j at k + 8 (j >> 1), m + 8 (j & 1)
+            a_lane = ((lane & _u(7)) + _u(8) * (lane >> _u(4))) * _u(LDA) + wm * _u(WM) \
+                + _u(8) * ((lane >> _u(3)) & U1)
+        else:           # [m][k]: matrix j at m + 8 (j & 1), k + 8 (j >> 1)
+            a_lane = (wm * _u(WM) + (lane & _u(15))) * _u(LDA) + _u(8) * (lane >> _u(4))
+        if trans_b:     # [n][k]: matrix j at n + 8 (j >> 1), k + 8 (j & 1)
+            b_lane = (wn * _u(WN) + (lane & _u(7)) + _u(8) * (lane >> _u(4))) * _u(LDB) \
+                + _u(8) * ((lane >> _u(3)) & U1)
+        else:           # [k][n]: matrix j at k + 8 (j & 1), n + 8 (j >> 1)
+            b_lane = ((lane & _u(7)) + _u(8) * ((lane >> _u(3)) & U1)) * _u(LDB) \
+                + wn * _u(WN) + _u(8) * (lane >> _u(4))
+        tiles_m = (m + uBM - U1) // uBM
+        tiles_n = (n + uBN - U1) // uBN
+        ktiles = (k + uBK - U1) // uBK
+        z = uint64(cuda.blockIdx.z)
+        while z < batch:      # every loop bound is uniform across the block (barriers inside)
+            ao, bo = uint64(a_off[z]), uint64(b_off[z])
+            co = z * m * n
+            by = uint64(cuda.blockIdx.y)
+            while by < tiles_m:
+                row0 = by * uBM
+                bx = uint64(cuda.blockIdx.x)
+                while bx < tiles_n:
+                    col0 = bx * uBN
+                    for mi in range(MI):
+                        for ni in range(NI):
+                            for i in range(4):
+                                acc[mi, ni, i] = ZERO
+                    for s in range(S - 1):          # prologue: a group a stage
+                        if _u(s) < ktiles:
+                            issue(As, Bs, a, b, ao, bo, row0, col0, _u(s) * uBK, _u(s), m, n,
+                                  k, tid)
+                        tc.cp_async_commit()
+                    kt = U0
+                    while kt < ktiles:
+                        tc.cp_async_wait(WAIT)      # tile kt's group has landed (this thread's)
+                        cuda.syncthreads()          # ... everyone's; stage (kt-1) % S is free
+                        nxt = kt + uS - U1
+                        if nxt < ktiles:
+                            issue(As, Bs, a, b, ao, bo, row0, col0, nxt * uBK, nxt % uS, m, n,
+                                  k, tid)
+                        tc.cp_async_commit()        # (an empty group at the end: uniform count)
+                        sa = (kt % uS) * uSA + a_lane
+                        sb = (kt % uS) * uSB + b_lane
+                        for ks in range(KS):
+                            for mi in range(MI):
+                                w = LDM_A(As, sa + _u(mi * A_MI + ks * A_KS))
+                                for r in range(4):
+                                    fa[mi, r] = w[r]
+                            for nj in range(NJ):
+                                w = LDM_B(Bs, sb + _u(nj * B_NJ + ks * B_KS))
+                                fb[2 * nj, 0] = w[0]
+                                fb[2 * nj, 1] = w[1]
+                                fb[2 * nj + 1, 0] = w[2]
+                                fb[2 * nj + 1, 1] = w[3]
+                            for mi in range(MI):
+                                for ni in range(NI):
+                                    d = MMA(fa[mi, 0], fa[mi, 1], fa[mi, 2], fa[mi, 3],
+                                            fb[ni, 0], fb[ni, 1], acc[mi, ni, 0], acc[mi, ni, 1],
+                                            acc[mi, ni, 2], acc[mi, ni, 3])
+                                    for i in range(4):
+                                        acc[mi, ni, i] = d[i]
+                        kt += U1
+                    tc.cp_async_wait_all()
+                    cuda.syncthreads()    # the next tile's prologue overwrites stage 0
+                    # the fused epilogue, through ``ep``: a loop this long stays rolled, and
+                    # indexing acc in it would put acc in local memory for the whole kernel
+                    for mi in range(MI):
+                        for ni in range(NI):
+                            for i in range(4):
+                                ep[(mi * NI + ni) * 4 + i] = acc[mi, ni, i]
+                    r_base = row0 + wm * _u(WM) + g
+                    c_base = col0 + wn * _u(WN) + _u(2) * t
+                    for e in range(NE):     # C/D float i of tile (mi, ni): row g + 8 (i >> 1),
+                        mi, ni, i = e // (NI * 4), (e >> 2) % NI, e & 3   # col 2 t + (i & 1)
+                        r = r_base + _u(mi * 16 + 8 * (i >> 1))
+                        cl = c_base + _u(ni * 8 + (i & 1))
+                        if r < m and cl < n:
+                            v = ep[e]
+                            if has_bias:
+                                v += ld(bias, cl)
+                            if has_act:
+                                v = actf(v)
+                            o = co + r * n + cl
+                            if has_res:
+                                v += ld(res, o)
+                            st(c, o, v)
+                    bx += uint64(cuda.gridDim.x)
+                by += uint64(cuda.gridDim.y)
+            z += uint64(cuda.gridDim.z)
+
+    return kernel
+
+
+def tc_launch(m: int, n: int, batch: int, geo: TcGeometry | None = None):
+    """(grid, block) for a tc_gemm_kernel launch: a block per C tile and batch, clamped (and
+    to a few blocks in the simulator); the kernel strides over the rest."""
+    geo = geo or default_geometry("matmul_tc")
+    return grid_3d(-(-n // geo.bn), -(-m // geo.bm), batch), (geo.threads,)
+
+
+def vec_ok(trans_a: bool, trans_b: bool, m: int, n: int, k: int, offs_a, offs_b,
+           ptrs=()) -> tuple[bool, str]:
+    """(whether every operand row is 16-byte aligned for cp.async, why not): the contiguous
+    extent of each stored operand (k or m for A, n or k for B), every batch offset a
+    multiple of 8 elements, and the device pointers ``ptrs`` multiples of 16 bytes."""
+    a_row, b_row = (m if trans_a else k), (k if trans_b else n)
+    if a_row % 8 or b_row % 8:
+        return False, f"rows of {a_row} / {b_row} elements (not multiples of 8)"
+    if np.any(np.asarray(offs_a) % 8) or np.any(np.asarray(offs_b) % 8):
+        return False, "batch offsets not multiples of 8 elements"
+    if any(p % 16 for p in ptrs):
+        return False, "an operand pointer not 16-byte aligned"
+    return True, ""
