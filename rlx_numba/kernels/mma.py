@@ -53,7 +53,7 @@ from numba.core.errors import TypingError
 from numba.cuda.extending import intrinsic
 
 from ..device import SIMULATOR
-from .ptx import flat, pair
+from .ptx import flat, pack2, pair
 
 INTRINSICS: dict = {}          # this module's ptx.Intrinsic records, by name
 SMEM_ALIGN = None if SIMULATOR else 16
@@ -366,20 +366,6 @@ def _gpu_cp_async_wait(typingctx, n):
     return types.void(n), _asm_void(f"cp.async.wait_group {int(n.literal_value)};")
 
 
-@intrinsic
-def _gpu_f2bf2(typingctx, lo, hi):
-    """Two float32 rounded to bf16 (nearest even) packed in a uint32 word, ``lo`` in its low
-    half: one cvt.rn.bf16x2.f32 (sm_80+), whose FIRST source goes to the upper half."""
-    sig = types.uint32(lo, hi)
-
-    def codegen(context, builder, sig, args):
-        a, b = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
-        asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
-                           "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f")
-        return builder.call(asm, [a, b])
-    return sig, codegen
-
-
 # ---- what kernels call --------------------------------------------------------------------------
 mma_bf16 = pair("mma_bf16", _mma_intrinsic("bf16"), _twin_mma("bf16"), INTRINSICS)
 mma_f16 = pair("mma_f16", _mma_intrinsic("f16"), _twin_mma("f16"), INTRINSICS)
@@ -391,7 +377,7 @@ cp_async_commit = pair("cp_async_commit", _gpu_cp_async_commit, _twin_cp_async_c
 cp_async_wait = pair("cp_async_wait", _gpu_cp_async_wait, _twin_cp_async_wait, INTRINSICS)
 cp_async_wait_all = pair("cp_async_wait_all", _gpu_cp_async_wait_all, _twin_cp_async_wait_all,
                          INTRINSICS)
-f2bf2 = pair("f2bf2", _gpu_f2bf2, _twin_f2bf2, INTRINSICS)
+f2bf2 = pair("f2bf2", pack2("bf16"), _twin_f2bf2, INTRINSICS)
 
 
 def mma(kind: str):

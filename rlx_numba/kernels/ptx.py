@@ -115,18 +115,24 @@ def _gpu_h2f(typingctx, word):
     return sig, codegen
 
 
-@intrinsic
-def _gpu_f2h2(typingctx, lo, hi):
-    """Two float32 rounded to f16 (nearest even) packed in a uint32 word, ``lo`` in its low
-    half: one cvt.rn.f16x2.f32 (sm_80+), whose FIRST source goes to the upper half."""
-    sig = types.uint32(lo, hi)
+def pack2(kind: str):
+    """The GPU body rounding two float32 to ``kind`` ("f16" / "bf16", nearest even) packed in
+    a uint32 word, ``lo`` in its low half: one cvt.rn.{kind}x2.f32 (sm_80+), whose FIRST
+    source goes to the upper half."""
+    @intrinsic
+    def _gpu_pack2(typingctx, lo, hi):
+        sig = types.uint32(lo, hi)
 
-    def codegen(context, builder, sig, args):
-        a, b = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
-        asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
-                           "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f")
-        return builder.call(asm, [a, b])
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            a, b = (context.cast(builder, v, t, types.float32) for v, t in zip(args, sig.args))
+            asm = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]),
+                               f"cvt.rn.{kind}x2.f32 $0, $2, $1;", "=r,f,f")
+            return builder.call(asm, [a, b])
+        return sig, codegen
+    return _gpu_pack2
+
+
+_gpu_f2h2 = pack2("f16")
 
 
 @intrinsic
