@@ -44,3 +44,15 @@ def assert_half_close(got, want, dtype, *, k=2.0, scale=None, what=""):
         raise AssertionError(
             f"{what} {dtype}: {int(bad.sum())} of {got.size} beyond {k} u; worst at {i}: got "
             f"{f64(got)[i]!r}, want {want[i]!r}, bound {bound[i]:.3g}")
+
+
+def half_accumulated(a, b, dtype) -> np.ndarray:
+    """a @ b as a kernel keeping its running sum in ``dtype`` would give it: each product
+    added in f32 and the sum rounded back to the half type every step (what the tests'
+    half-accumulation cases show failing their f32-accumulation tolerance)."""
+    host = HOST[dtype]
+    acc = np.zeros((a.shape[0], b.shape[1]), host)
+    for q in range(a.shape[1]):
+        acc = (acc.astype(np.float32) + f64(a[:, q:q + 1]).astype(np.float32)
+               * f64(b[q:q + 1, :]).astype(np.float32)).astype(host)
+    return acc

@@ -9,7 +9,7 @@ import pytest
 
 import rlx_numba as rlx
 from conftest import ON_GPU
-from halfref import HALVES, assert_half_close, f64, rounded
+from halfref import HALVES, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.models import LlamaConfig, LlamaForCausalLM
 
 
@@ -87,10 +87,7 @@ def test_gated_half_accumulation(monkeypatch, rng, d, tiers):
     wv = rounded(rng.uniform(0.5, 1.5, (k, n2)) / 64, d)
     want = _want(xv, wv, None)
     host = xv.dtype.type
-    acc = np.zeros((2, n2), host)                  # a running sum kept in the half type
-    for q in range(k):
-        acc = (acc.astype(np.float32) + f64(xv[:, q:q + 1]).astype(np.float32)
-               * f64(wv[q:q + 1, :]).astype(np.float32)).astype(host)
+    acc = half_accumulated(xv, wv, d)              # a running sum kept in the half type
     half_y = (silu(f64(acc[:, 0::2])) * f64(acc[:, 1::2])).astype(host)
     with pytest.raises(AssertionError):
         assert_half_close(half_y, want, d, what="half accumulation")

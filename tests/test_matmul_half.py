@@ -8,7 +8,7 @@ import pytest
 
 import rlx_numba as rlx
 from conftest import ON_GPU, run_graph
-from halfref import HALVES, assert_half_close, f64, rounded
+from halfref import HALVES, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.ir.ops import ACTIVATIONS
 from test_matmul import act_np
 
@@ -137,11 +137,7 @@ def test_half_accumulation(rng, d):
     av = rounded(rng.uniform(0.5, 1.5, (2, k)), d)
     bv = rounded(rng.uniform(0.5, 1.5, (k, 3)), d)
     want = f64(av) @ f64(bv)
-    host = {"f16": np.float16, "bf16": av.dtype.type}[d]
-    acc = np.zeros((2, 3), host)                   # a running sum kept in the half type
-    for q in range(k):
-        acc = (acc.astype(np.float32) + f64(av[:, q:q + 1]).astype(np.float32)
-               * f64(bv[q:q + 1, :]).astype(np.float32)).astype(host)
+    acc = half_accumulated(av, bv, d)              # a running sum kept in the half type
     with pytest.raises(AssertionError):
         assert_half_close(acc, want, d, what="half accumulation")
     g = rlx.Graph("acch")

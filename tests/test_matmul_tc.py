@@ -16,7 +16,7 @@ import pytest
 
 import rlx_numba as rlx
 from conftest import ON_GPU, run_graph
-from halfref import HALVES, assert_half_close, f64, rounded
+from halfref import HALVES, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import default_geometry, override_geometry
 from test_matmul_half import act64, data
@@ -143,10 +143,7 @@ def test_tc_half_accumulation(rng, tier5):
     av = rounded(rng.uniform(0.5, 1.5, (2, k)), d)
     bv = rounded(rng.uniform(0.5, 1.5, (k, 16)), d)
     want = f64(av) @ f64(bv)
-    acc = np.zeros((2, 16), av.dtype)              # a running sum kept in bf16
-    for q in range(k):
-        acc = (acc.astype(np.float32) + f64(av[:, q:q + 1]).astype(np.float32)
-               * f64(bv[q:q + 1, :]).astype(np.float32)).astype(av.dtype)
+    acc = half_accumulated(av, bv, d)              # a running sum kept in bf16
     with pytest.raises(AssertionError):
         assert_half_close(acc, want, d, what="half accumulation")
     g = rlx.Graph("tcacc")
