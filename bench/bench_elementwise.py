@@ -5,6 +5,7 @@ Ops at 2^28 f32 elements (``--size-log2``):
   mul   [R, C] * [C] row vector (broadcast)      bytes = 4n + 4C + 4n
   gelu  exact (erf) GELU                         bytes = 4n + 4n
   cast  f32 -> f16                               bytes = 4n + 2n
+  and in f16 (the 16-byte vector kernels of half data): mul_bcast and gelu, half the bytes
 
 Only the kernel is timed: the compiled executable's single Step is launched repeatedly on
 ``exe.stream`` between two CUDA events (inputs already in the arena). PyTorch's equivalent is
@@ -84,6 +85,18 @@ def make_cases(rlx, torch, log2: int):
         g.set_outputs([g.gelu(x)])
         return g
 
+    def g_mul_f16():
+        g = rlx.Graph("bench_mul_bcast_f16")
+        a, b = g.input("a", (rows, cols), "f16"), g.input("b", (cols,), "f16")
+        g.set_outputs([g.mul(a, b)])
+        return g
+
+    def g_gelu_f16():
+        g = rlx.Graph("bench_gelu_f16")
+        x = g.input("x", (n,), "f16")
+        g.set_outputs([g.gelu(x)])
+        return g
+
     def g_cast():
         g = rlx.Graph("bench_cast")
         x = g.input("x", (n,), "f32")
@@ -107,6 +120,16 @@ def make_cases(rlx, torch, log2: int):
              out=lambda: None,
              torch_fn=lambda i, o: (lambda: F.gelu(i["x"], approximate="none")),
              nbytes=4 * n + 4 * n, tol=1e-4),
+        dict(op="mul_bcast_f16", desc=f"f16 [{rows},{cols}] * [{cols}]", graph=g_mul_f16,
+             inputs=lambda: {"a": randn(rows, cols).half(), "b": randn(cols).half()},
+             out=lambda: torch.empty(rows, cols, device="cuda", dtype=torch.float16),
+             torch_fn=lambda i, o: (lambda: torch.mul(i["a"], i["b"], out=o)),
+             nbytes=2 * n + 2 * cols + 2 * n, tol=0.0),
+        dict(op="gelu_f16", desc=f"f16 gelu(erf) [{n}]", graph=g_gelu_f16,
+             inputs=lambda: {"x": (randn(n) * 3).half()},
+             out=lambda: None,
+             torch_fn=lambda i, o: (lambda: F.gelu(i["x"], approximate="none")),
+             nbytes=2 * n + 2 * n, tol=2e-2),
         dict(op="cast_f32_f16", desc=f"f32->f16 [{n}]", graph=g_cast,
              inputs=lambda: {"x": randn(n) * 100},
              out=lambda: None,
