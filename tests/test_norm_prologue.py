@@ -1,10 +1,10 @@
-"""rms_norm's prologue fold (passes/fusion.py): ``rms_norm(x (+ r))`` read only as the A of a
+"""rms_norm's prologue fold (passes/fusion.py): ``rms_norm(x)`` read only as the A of a
 skinny product (M <= 16, a 2-D weight) becomes the product itself. Tier 3 (kernels/gemv.py)
-normalises x as it reads it (f32 sums of squares, x * gamma in f32, the normed x never rounded)
-and stores the norm's residual_sum h = x + r from one block; the other tiers run the norm as a
-row step into a scratch first. Against float64 NumPy on the half-rounded inputs
-(tests/halfref.py), f32 / f16 / bf16, with bias, the gated (SwiGLU) epilogue and h read
-later."""
+normalises x as it reads it (f32 sums of squares, x * gamma in f32, the normed x never
+rounded); the other tiers run the norm as a row step into a scratch first. Against float64
+NumPy on the half-rounded inputs (tests/halfref.py), f32 / f16 / bf16, with bias, the gated
+(SwiGLU) epilogue, and a residual stream h = x + r normed and read again later (a decode
+layer's: the add's own kernel here)."""
 import numpy as np
 import pytest
 
@@ -18,11 +18,8 @@ def _graph(d, lead, k, n, residual, bias, gated):
     g = rlx.Graph("norm_prologue")
     x = g.input("x", (*lead, k), d)
     gamma = g.param("gamma", (k,), d)
-    if residual:
-        y, h = g.rms_norm(x, gamma, eps=EPS, residual=g.input("r", (*lead, k), d),
-                          return_residual=True)
-    else:
-        y, h = g.rms_norm(x, gamma, eps=EPS), None
+    h = x + g.input("r", (*lead, k), d) if residual else None
+    y = g.rms_norm(h if residual else x, gamma, eps=EPS)
     p = g.linear(y, g.param("w", (k, n), d), g.param("b", (n,), d) if bias else None)
     if gated:
         p = g.gated(p, "silu", interleaved=True)
@@ -46,8 +43,8 @@ def _compile(d, lead, k, n, residual=False, bias=False, gated=False):
 
 
 def _want(d, xv, rv, gv, wv, bv, gated):
-    """(product, h, the normed x, |normed| @ |w|) in float64; h rounded to d as the kernel
-    rounds it before the norm reads it (f32 too: the sum is exact in float64)."""
+    """(product, h, the normed x, |normed| @ |w|) in float64; h rounded to d as the add
+    stores it (f32 too: the sum is exact in float64)."""
     h = f64(rounded(f64(xv) + (f64(rv) if rv is not None else 0), d))
     yn = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + EPS) * f64(gv)
     p = yn @ f64(wv) + (f64(bv) if bv is not None else 0)

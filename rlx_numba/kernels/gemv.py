@@ -61,6 +61,7 @@ MAX_M = 16                          # rows of x the tier takes
 REGS = 96                           # register budget of the plan (see plan)
 KINDS = ("f32", "f16", "bf16")
 ZERO = float32(0.0)
+ONE = float32(1.0)
 _HI = uint32(0xFFFF0000)
 _S16 = uint32(16)
 
@@ -82,8 +83,13 @@ def _quad(wr, uu, c, h, wkind, vec):
     if wkind == 0:
         return (float32(wr[uu, c, 4 * h]), float32(wr[uu, c, 4 * h + 1]),
                 float32(wr[uu, c, 4 * h + 2]), float32(wr[uu, c, 4 * h + 3]))
-    a, b = uint32(wr[uu, c, 2 * h]), uint32(wr[uu, c, 2 * h + 1])
-    if wkind == 1:
+    return _widen(uint32(wr[uu, c, 2 * h]), uint32(wr[uu, c, 2 * h + 1]), wkind)
+
+
+@_inline
+def _widen(a, b, hkind):
+    """The 4 half values of words a, b (f16: hkind 1, bf16: 2) as float32."""
+    if hkind == 1:
         w0, w1 = ptx.h2f(a)
         w2, w3 = ptx.h2f(b)
         return w0, w1, w2, w3
@@ -94,7 +100,8 @@ def _quad(wr, uu, c, h, wkind, vec):
 
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
-                act, has_res: bool, minb: int = 1, gated: bool = False, xkind: str = "f32"):
+                act, has_res: bool, minb: int = 1, gated: bool = False, xkind: str = "f32",
+                norm: bool = False):
     """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
     columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
     at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
@@ -104,14 +111,20 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     act(gate + bias) * (up + bias) + residual -- SwiGLU with no [M, N] product stored.
     ``xkind``: the dtype of x, y, bias and residual (f32, or f16 / bf16 read and written
     through kernels/halfio.py: a half product's activations, its weight of the same kind;
-    x is read an element at a time, the sums stay f32 and y is rounded once).
+    x is read 16 bytes at a time where the weight is (vec 8: the lowering checked x's
+    alignment), the sums stay f32 and y is rounded once).
+    ``norm``: the product of rms_norm(x) (gamma of x's kind, over K): each thread also sums
+    the squares of the x values it reads, a team sees all of K (one split only), and the
+    epilogue scales the row's sums by 1 / sqrt(mean + eps) -- x * gamma in f32, the normed x
+    never rounded to the half type (passes/fusion.py's norm prologue).
 
     Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
-    count, n, k, kchunk, splits) -- bias / res / part / count any 1-element arrays when unused;
-    part holds splits * m * n floats and count a zeroed int32 a column group when splits > 1."""
+    count, n, k, kchunk, splits, gamma, eps) -- bias / res / part / count / gamma any
+    1-element arrays when unused; part holds splits * m * n floats and count a
+    zeroed int32 a column group when splits > 1 (never with ``norm``)."""
     wkind = KINDS.index(kind)
-    nv = m * cpw                          # sums a thread holds
-    nvp = pow2_at_least(nv)
+    nv = m * cpw                          # sums a thread holds (then m sums of squares: norm)
+    nvp = pow2_at_least(nv + (m if norm else 0))
     nq = min(32, nvp)                     # values a reduce-scatter round takes
     rounds = nvp // nq
     rep = 32 // nq                        # lanes holding each reduced value
@@ -130,6 +143,8 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     assert nw % tw == 0 and (not gated or cpb % 2 == 0)
     ocb = cpb // 2 if gated else cpb      # output columns a block
     xhalf = xkind != "f32"
+    xvec = xhalf and vec > 1              # x (and gamma) 8 half values a 16-byte load
+    xhk = KINDS.index(xkind)
     ldx, stx = halfio.load(xkind), halfio.store(xkind)
 
     @_inline
@@ -142,8 +157,12 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
         return v
 
     @_inline
-    def store(y, bias, res, v, g, r, col, n):
-        """The epilogue of column col (and col + 1, g, when gated), row r, into y."""
+    def store(y, bias, res, v, g, r, col, n, rsc):
+        """The epilogue of column col (and col + 1, g, when gated), row r, into y; rsc the
+        row's norm scale (norm)."""
+        if norm:
+            v *= rsc
+            g *= rsc
         if has_bias:
             v += ldx(bias, col) if xhalf else bias[col]
             if gated:
@@ -162,7 +181,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
             y[r * no + oc] = v
 
     @jit(launch_bounds=(nt, minb))
-    def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits):
+    def kernel(y, x, w, bias, res, part, count, n, k, kchunk, splits, gamma, eps):
         xs = cuda.shared.array((nw, 32), float32)     # shuffle stand-in (simulator)
         xr = cuda.shared.array(xr_shape, float32)
         red = cuda.shared.array((nw, nvp), float32)   # the warps' sums
@@ -171,6 +190,9 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
         tmp = cuda.local.array(nq, float32)
         wr = cuda.local.array((u, cpw, words), wtype)
         xf = cuda.local.array((m, 4), float32)
+        xw = cuda.local.array((m, 4), uint32)     # x's 16-byte vectors (xvec)
+        gw = cuda.local.array(4, uint32)          # gamma's (xvec and norm)
+        gf = cuda.local.array(4, float32)
         tid = cuda.threadIdx.x
         lane, wp = tid % 32, tid // 32
         team = int64(wp // tw)
@@ -219,10 +241,33 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                 for uu in range(u):
                     kk = kb + (uu * tnt + tt) * vec
                     if kk < k_hi:
+                        if xvec:                 # every row's 8 x values, one load each
+                            for r in range(m):
+                                x4 = ptx.ld4w(x, uint64(r * k + kk))
+                                for e in range(4):
+                                    xw[r, e] = x4[e]
+                            if norm:
+                                g4 = ptx.ld4w(gamma, uint64(kk))
+                                for e in range(4):
+                                    gw[e] = g4[e]
                         for h in range(quads):   # 4 values of every row of x, read once
+                            if norm:             # gamma's 4 values
+                                go = uint64(kk + 4 * h)
+                                if xvec:
+                                    gf[0], gf[1], gf[2], gf[3] = _widen(gw[2 * h], gw[2 * h + 1], xhk)
+                                elif xhalf or vec == 1:
+                                    for e in range(qw):
+                                        gf[e] = ldx(gamma, go + uint64(e))
+                                else:
+                                    g4 = ptx.ld4(gamma, go)
+                                    for e in range(4):
+                                        gf[e] = g4[e]
                             for r in range(m):   # for all the columns
                                 xo = uint64(r * k + kk + 4 * h)
-                                if xhalf:        # widened an element at a time
+                                if xvec:
+                                    xf[r, 0], xf[r, 1], xf[r, 2], xf[r, 3] = _widen(
+                                        xw[r, 2 * h], xw[r, 2 * h + 1], xhk)
+                                elif xhalf:      # widened an element at a time
                                     for e in range(qw):
                                         xf[r, e] = ldx(x, xo + uint64(e))
                                 elif vec == 1:
@@ -231,6 +276,10 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                                     x4 = ptx.ld4(x, xo)
                                     for e in range(4):
                                         xf[r, e] = x4[e]
+                                if norm:         # x's squares, then x * gamma
+                                    for e in range(qw):
+                                        acc[nv + r] += xf[r, e] * xf[r, e]
+                                        xf[r, e] *= gf[e]
                             for c in range(cpw):
                                 w4 = _quad(wr, uu, c, h, wkind, vec)
                                 for r in range(m):
@@ -250,8 +299,15 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                     r, cb = e // ocb, e % ocb * (2 if gated else 1)
                     col = grp * cpb + cb
                     if col < n:
+                        rsc = ONE
+                        if norm:         # the row's sum of squares over the team's warps
+                            tm = cb // cpw
+                            ss = red[tm * tw, nv + r]
+                            for ww in range(1, tw):
+                                ss += red[tm * tw + ww, nv + r]
+                            rsc = ONE / mf.sqrt(ss / float32(k) + eps)
                         store(y, bias, res, team_sum(red, r, cb),
-                              team_sum(red, r, cb + 1) if gated else ZERO, r, col, n)
+                              team_sum(red, r, cb + 1) if gated else ZERO, r, col, n, rsc)
                     e += nt
             else:                         # the block's sums to the partials
                 e = int64(tid)
@@ -281,7 +337,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                                 s += part[(p * m + r) * n + col]
                                 if gated:
                                     t += part[(p * m + r) * n + col + 1]
-                            store(y, bias, res, s, t, r, col, n)
+                            store(y, bias, res, s, t, r, col, n, ONE)
                         e += nt
             cuda.syncthreads()            # red is rewritten by the next group
             grp += cuda.gridDim.x
@@ -290,7 +346,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
 
 
 def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None, cpw=None,
-         u=None, target=None, geo=None):
+         u=None, target=None, geo=None, whole_k=False):
     """(nw, tw, cpw, u, groups, splits, kchunk, minb) for a product: warps a block, warps a
     team, columns a team, vectors of a column in flight a thread, column groups (blocks), K
     splits, the K range a split, and the blocks a SM the kernel's registers are capped for.
@@ -302,14 +358,15 @@ def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None,
     ran 49152x576 f32 at 69% of copy, 35% at ~140) or there would be fewer than 2 blocks a
     SM; then teams grow to the whole block while blocks are still short. K is split across
     blocks only when the groups cannot reach ``target`` blocks (default: one a SM). ``geo``:
-    the device's default geometry unless given."""
+    the device's default geometry unless given; ``whole_k``: the simulator's plan keeps K in
+    one split (a norm prologue needs it; on a GPU the caller declines a split plan)."""
     geo = geo or default_geometry("gemv")
     nw = nw or geo.nw
     if geo.small:   # few threads and few barriers: wide groups, K split past 64 values;
         tw = tw or (1 if m <= 4 else nw)     # both team shapes
         cpw = cpw or (4 if m <= 4 else 2)
         u = u or 2
-        kchunk = 64 if k > 64 else k
+        kchunk = 64 if k > 64 and not whole_k else k
         kchunk = -(-kchunk // (tw * 32 * vec)) * tw * 32 * vec
         return nw, tw, cpw, u, -(-n // (cpw * nw // tw)), -(-k // kchunk), kchunk, 1
     nvec = -(-k // vec)

@@ -109,10 +109,15 @@ def norm(w: Weights, name: str, x: Tensor, *, eps: float, kind: str = "rms",
 
 
 def add_norm(w: Weights, name: str, branch: Tensor | None, stream: Tensor, *, eps: float,
-             kind: str = "rms"):
+             kind: str = "rms", separate: bool = False):
     """A pre-norm residual step: (norm(stream + branch), stream + branch) in one kernel;
-    with no branch (the first layer's), (norm(stream), stream)."""
+    with no branch (the first layer's), (norm(stream), stream). ``separate``: the add as a
+    node of its own (a decode step: it folds into the product computing ``branch`` as its
+    residual, and the norm into the product reading it, passes/fusion.py)."""
     if branch is None:
+        return norm(w, name, stream, eps=eps, kind=kind), stream
+    if separate:
+        stream = w.g.add(branch, stream)
         return norm(w, name, stream, eps=eps, kind=kind), stream
     return norm(w, name, branch, eps=eps, kind=kind, residual=stream, return_residual=True)
 

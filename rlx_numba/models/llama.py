@@ -418,11 +418,15 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     stream, branch = embedding(w, "model.embed_tokens", ids), None   # [b, s, hidden]
     caches = []
     for n in range(cfg.num_hidden_layers):
-        branch, stream, written = llama_layer(w, cfg, n, branch, stream, at, fused=fused)
+        branch, stream, written = llama_layer(w, cfg, n, branch, stream, at, fused=fused,
+                                              separate=kind == "decode")
         caches += written
     if kind == "prefill" and s > 1:    # only the last position's logits are needed
         branch, stream = g.narrow(branch, 1, s - 1, 1), g.narrow(stream, 1, s - 1, 1)
-    final = norm(w, "model.norm", branch, eps=cfg.rms_norm_eps, residual=stream)
+    if kind == "decode":     # the add into the last down product, the norm into the head
+        final = add_norm(w, "model.norm", branch, stream, eps=cfg.rms_norm_eps, separate=True)[0]
+    else:
+        final = norm(w, "model.norm", branch, eps=cfg.rms_norm_eps, residual=stream)
     logits = lm_head(w, "lm_head" if "lm_head.weight" in w else "model.embed_tokens", final)
     if kind == "forward":
         g.set_outputs([logits])
@@ -440,15 +444,18 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
 
 
 def llama_layer(w: Weights, cfg: LlamaConfig, n: int, branch, stream, at: Positions, *,
-                fused: bool):
+                fused: bool, separate: bool = False):
     """Decoder layer ``n`` on the residual stream: (its MLP's output, the stream, the caches
     a prefill wrote). ``branch`` is the previous layer's MLP output, not yet added to
-    ``stream`` (None before the first layer): the add and the norm after it are one kernel."""
+    ``stream`` (None before the first layer): the add and the norm after it are one kernel,
+    or with ``separate`` (decode) the add folds into the product before it and the norm
+    into the one after (blocks.add_norm)."""
     p, eps = f"model.layers.{n}.", cfg.rms_norm_eps
-    hn, stream = add_norm(w, p + "input_layernorm", branch, stream, eps=eps)
+    hn, stream = add_norm(w, p + "input_layernorm", branch, stream, eps=eps, separate=separate)
     a, written = decoder_attention(w, cfg, p + "self_attn.", hn, at, fused=fused,
                                    cache=(f"cache.{n}.k", f"cache.{n}.v") if at.cached else None)
-    hn, stream = add_norm(w, p + "post_attention_layernorm", a, stream, eps=eps)
+    hn, stream = add_norm(w, p + "post_attention_layernorm", a, stream, eps=eps,
+                          separate=separate)
     if cfg.sparse_layer(n):
         return moe_mlp(w, cfg, p + "mlp.", hn, fused=fused), stream, written
     return gated_mlp(w, p + "mlp.", hn, fused=fused), stream, written

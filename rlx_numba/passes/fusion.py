@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Six rewrites:
+in the graph node's place (``nodes``). Seven rewrites:
 
 - **Element-wise regions.** A live element-wise node (its OpDef's ``elementwise``, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -37,6 +37,12 @@ in the graph node's place (``nodes``). Six rewrites:
   a SwiGLU MLP's activation costs no kernel of its own. A half product is then rounded once
   (act(gate) * up from its f32 sums) where the graph as written rounds the product first:
   it may differ by that one rounding (runtime/lower_matmul.py: the other tiers keep it).
+- **Norm prologues.** ``rms_norm(x)`` over the last axis (no beta, no residual) read only as
+  the A of a product of a 2-D weight with at most 16 rows (decode; the product possibly
+  folded above), gamma and the product of x's dtype, becomes that product with
+  ``rms_norm_eps`` and gamma as its last input: the skinny-product kernel normalises x as it
+  reads it, so a decoder layer's norms cost no kernel of their own; other tiers run the
+  norm as a step before the product (runtime/lower_matmul.py).
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use add of
   two same-shape tensors of its dtype (f32, f16 or bf16: a half norm rounds a + b to the dtype
   before it uses it, as the add's kernel would) becomes the norm with ``residual=b`` (one row
@@ -118,9 +124,13 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
     # its own); when one of their operands was fused into them, that operand gets a region of
     # its own instead ("sealed" adds take no members): as many kernels, and the operand's
     # region may then fold into a matmul epilogue
+    # (not a norm that a skinny product can take as its prologue: its add folds into the
+    # product before it instead, and the norm costs no kernel)
     norm_adds = {n.inputs[0] for n in nodes
                  if n.op in NORMS and n.id in live and not n.attrs["has_residual"]
-                 and _residual_add(nodes, nodes[n.inputs[0]], single)}
+                 and _residual_add(nodes, nodes[n.inputs[0]], single)
+                 and not (single(n.id)
+                         and _norm_prologue(nodes, n, consumer[n.id], {}, set()) is not None)}
     forced: set = set()   # members that must stay materialised (in-place hazards)
     sealed: set = set()
     while True:
@@ -203,6 +213,19 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[n.id] = fold
                 out.folds[n.id] = ("norm residual", (n.inputs[0], n.id))
                 interior.add(n.inputs[0])
+    for n in nodes:   # norm prologues: a skinny product of rms_norm(x) reads x itself
+        if n.op == "rms_norm" and n.id in live and single(n.id) and n.id not in out.nodes:
+            pid = _norm_prologue(nodes, n, consumer[n.id], out.nodes, interior)
+            if (pid is None or strided.intersection(n.inputs)
+                    or _hazards(nodes, {pid: [n.id, pid]}, writes, root)):
+                continue
+            prod = out.nodes.get(pid, nodes[pid])
+            out.nodes[pid] = Node(pid, prod.op, (n.inputs[0],) + prod.inputs[1:] + (n.inputs[1],),
+                                  prod.shape, prod.dtype,
+                                  {**prod.attrs, "rms_norm_eps": float(n.attrs["eps"])})
+            members = out.folds.get(pid, ("", (pid,)))[1] + (n.id,)
+            out.folds[pid] = ("norm prologue", tuple(sorted(members)))
+            interior.add(n.id)
     for r, reg in out.regions.items():
         root_node = nodes[r]
         out.nodes[r] = Node(r, "fused", reg.leaves, root_node.shape, root_node.dtype,
@@ -405,6 +428,33 @@ def _gated_epilogue(nodes, gated, folded, single):
     return Node(gated.id, prod.op, prod.inputs, gated.shape, gated.dtype,
                 {**keep, "activation": None, "has_bias": bool(prod.attrs.get("has_bias")),
                  "has_residual": False, "gated": gated.attrs["activation"]})
+
+
+def _norm_prologue(nodes, norm, reader, folded, interior):
+    """The id of the product lowered in the place of ``reader`` (a fold's root where reader
+    became one) that can take ``norm`` as its prologue, else None: an rms_norm over the last
+    axis, no beta or residual, gamma of x's dtype (f32, f16 or bf16), whose output is that
+    product's A (matmul / linear of a 2-D weight, at most MAX_M rows, K > 0, of x's dtype):
+    tier 3 normalises in its kernel (x * gamma in f32, the normed x never rounded to a half
+    dtype: it may differ from the graph as written by that one rounding), the other tiers
+    take a row step first (runtime/lower_matmul.py)."""
+    x, gamma = nodes[norm.inputs[0]], nodes[norm.inputs[1]]
+    if (norm.attrs["has_beta"] or norm.attrs["has_residual"] or not x.shape
+            or norm.attrs["axis"] % len(x.shape) != len(x.shape) - 1 or x.shape[-1] == 0
+            or x.dtype not in (dt.F32, dt.F16, dt.BF16) or gamma.dtype != x.dtype
+            or math.prod(x.shape[:-1]) > MAX_M):
+        return None
+    pid = reader
+    if reader in interior:     # folded into another root: the fold whose A it is
+        pid = next((r for r, f in folded.items() if f.inputs[:1] == (norm.id,)), None)
+        if pid is None:
+            return None
+    prod = folded.get(pid, nodes[pid])
+    if (prod.op not in ("matmul", "linear") or prod.inputs[0] != norm.id
+            or norm.id in prod.inputs[1:] or len(nodes[prod.inputs[1]].shape) != 2
+            or prod.dtype != x.dtype or "rms_norm_eps" in prod.attrs):
+        return None
+    return pid
 
 
 def _residual_add(nodes, x, single) -> bool:

@@ -97,6 +97,7 @@ from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
                     gated_step, log, log_tier, lowering, step_name)
+from .lower_norm import rms_norm_steps
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
@@ -229,12 +230,14 @@ def _uniform_stride(offs):
 
 
 def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
-                  residual=None, gated=None) -> list:
+                  residual=None, gated=None, norm=None) -> list:
     """Steps computing activation(A @ B + bias) + residual into the node's buffer; with
     ``gated`` (an activation: passes/fusion.py's gated epilogue, 2-D weight with gate/up
     columns interleaved) gated(A @ B + bias) + residual, half the columns. Tier 3 does that
     in its epilogue; the others write the product (+ bias) to a scratch of their own and a
-    gated kernel reads it."""
+    gated kernel reads it. ``norm`` (gamma node, eps): the product of rms_norm(A) over K
+    (passes/fusion.py's norm prologue): tier 3 normalises in its kernel; the others take a
+    row-norm step into a scratch of A's dtype first."""
     name = step_name(n)
     out = ctx.buf(n)
     kind = io_kind(n.dtype)     # f16 / bf16 products: half operands, f32 sums, half result
@@ -278,10 +281,16 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     flops = 2 * batch * m * ncols * k
     skinny = (_tier3(ctx, name, a, b, out, m, ncols, k, batch,
                      {"bias": bias, "activation": gated or activation, "residual": residual,
-                      "gated": bool(gated)}, why)
+                      "gated": bool(gated), "norm": norm}, why)
               if 3 in tiers else None)
     if 3 not in tiers:
         why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    pre = []          # the other tiers' norm step: rms_norm(A) into a scratch they read as A
+    if norm is not None:
+        normed = ctx.device_array(np.zeros(m * k, a.node.dtype.storage))
+        pre = rms_norm_steps(ctx, name + " rms_norm", normed, a.buf, ctx.buf(norm[0]), m, k,
+                             norm[1], a.node.dtype, norm[0].dtype)
+        a = Operand(normed, a.node, False, a.shape)
     tensor = None       # tier 5's steps: a half product tier 3 does not take
     if 5 not in tiers:
         why.append("tier 5 not allowed by RLX_NUMBA_MATMUL_TIERS")
@@ -291,6 +300,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         why.append("tier 5: a gated epilogue (tier 3, or a product into the gated kernel)")
     else:
         tensor = _tier5(ctx, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, kind, why)
+        tensor = tensor and pre + tensor
     for tier in (0, 1, 2):
         if tier not in tiers:
             why.append(f"tier {tier} not allowed by RLX_NUMBA_MATMUL_TIERS")
@@ -311,11 +321,11 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         if plan is not None:
             steps, left = plan
             left = {**epi, **left}      # what the tier left of the epilogue
-            steps = steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
-                                      out_dtype=n.dtype) + post
+            steps = pre + steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
+                                            out_dtype=n.dtype) + post
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
-                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind)
+                key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind, norm is not None)
                 us3, us = _timed_choice(ctx, skinny, steps, key)
                 timed = f"timed: tier 3 {us3:.2f} us a product, tier {tier} {us:.2f} us"
                 if us3 <= us:
@@ -340,7 +350,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                         why.append(f"tier {tier}: slower ({timed})")
                         return _done(n, 5, why, tensor, flops)
                     why.append(f"tier 5: slower ({timed})")
-            return _done(n, tier, why, steps, flops, last=len(plan[0]) - 1)
+            return _done(n, tier, why, steps, flops, last=len(pre) + len(plan[0]) - 1)
     if skinny is not None:
         return _done(n, 3, why, skinny, flops)
     if tensor is not None:
@@ -363,7 +373,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     steps = [Step(name, f"numba sgemm{tag} {batch}x{m}x{ncols}x{k}", kern, grid, block,
                   (dst, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
                    ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch)))]
-    return (_done(n, 4, why, steps, flops)
+    return (pre + _done(n, 4, why, steps, flops)
             + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst,
                         out_dtype=dt.F32 if gated else n.dtype)
             + post)
@@ -566,27 +576,41 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
     if xkind != "f32" and kind != xkind:
         why.append(f"tier 3: {xkind} activations with a {kind} weight")
         return None
+    norm = epi["norm"]
+    if norm is not None and norm[0].dtype != a.node.dtype:
+        why.append(f"tier 3: a {norm[0].dtype} norm weight of {a.node.dtype} activations")
+        return None
+    gamma = ctx.buf(norm[0]) if norm is not None else None
     vec = gv.vec_width(kind)
-    if k % vec or not SIMULATOR and (device_ptr(wbuf) % 16 or device_ptr(a.buf) % 16):
+    if k % vec or not SIMULATOR and any(device_ptr(p) % 16 for p in (wbuf, a.buf, gamma)
+                                        if p is not None):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
     geo = default_geometry("gemv")
-    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, geo=geo)
+    nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm, geo=geo,
+                                                           whole_k=norm is not None)
     gated = epi["gated"]
     if gated and nw // tw * cpw % 2:      # a block takes whole (gate, up) pairs
         nw, tw, cpw, u, groups, splits, kchunk, minb = gv.plan(m, n, k, kind, vec, sm,
-                                                               cpw=2 * cpw, geo=geo)
+                                                               cpw=2 * cpw, geo=geo,
+                                                               whole_k=norm is not None)
+    if norm is not None and splits > 1:   # the kernel's norm needs a team to see all of K
+        why.append(f"tier 3: the rms_norm prologue needs K in one split ({splits} planned)")
+        return None
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
-                          minb, gated, xkind)
+                          minb, gated, xkind, norm is not None)
     dummy = f32_dummy(ctx)
     part = ctx.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = ctx.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
     grid = (min(groups, 2) if SIMULATOR else groups, splits)
     args = (out, a.buf, wbuf, ctx.buf(bias) if bias is not None else dummy,
             ctx.buf(res) if res is not None else dummy, part, count, np.int64(n), np.int64(k),
-            np.int64(kchunk), np.int64(splits))
-    tags = "+".join(t for t in (kind if xkind == "f32" else f"{kind}x{xkind}",
+            np.int64(kchunk), np.int64(splits),
+            gamma if gamma is not None else dummy,
+            np.float32(norm[1] if norm is not None else 0.0))
+    tags = "+".join(t for t in ("rms_norm" if norm is not None else "",
+                                kind if xkind == "f32" else f"{kind}x{xkind}",
                                 "bias" if bias is not None else "",
                                 f"gated {act}" if gated else act or "",
                                 "residual" if res is not None else "") if t)
@@ -679,9 +703,10 @@ CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
 
-def _choice_key(ctx, b, m, n, k, epi, tier, gated=None, xkind="f32") -> str:
+def _choice_key(ctx, b, m, n, k, epi, tier, gated=None, xkind="f32", norm=False) -> str:
     kind = _skinny_weight(ctx, b)[1] + ("" if xkind == "f32" else f"x{xkind}")
-    tags = ",".join(t for t in ("bias" if epi["bias"] is not None else "", epi["activation"] or "",
+    tags = ",".join(t for t in ("rms_norm" if norm else "",
+                                "bias" if epi["bias"] is not None else "", epi["activation"] or "",
                                 f"gated-{gated}" if gated else "",
                                 "residual" if epi["residual"] is not None else "") if t)
     return (f"v{CHOICE_VERSION}|{device_info()['name']}|{m}x{n}x{k}|{kind}|{tags or '-'}|"
@@ -823,17 +848,20 @@ def _lower_matmul(ctx, n):
     # a matmul folded with its epilogue by passes/fusion.py carries linear's attributes and
     # its bias / residual as inputs 2 and 3
     a, b = (operand(ctx, i) for i in n.inputs[:2])
-    bias, res = _epilogue_inputs(ctx.graph, n)
+    bias, res, norm = _epilogue_inputs(ctx.graph, n)
     return product_steps(ctx, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
-                         residual=res, gated=n.attrs.get("gated"))
+                         residual=res, gated=n.attrs.get("gated"), norm=norm)
 
 
 def _epilogue_inputs(g, n):
-    """(bias node or None, residual node or None) from n.inputs[2:] and n's has_ flags."""
+    """(bias node or None, residual node or None, (gamma node, eps) or None) from
+    n.inputs[2:] and n's has_ flags and ``rms_norm_eps`` (passes/fusion.py's norm prologue:
+    its gamma is the last input)."""
     rest = [g.nodes[i] for i in n.inputs[2:]]
     bias = rest.pop(0) if n.attrs.get("has_bias") else None
     res = rest.pop(0) if n.attrs.get("has_residual") else None
-    return bias, res
+    eps = n.attrs.get("rms_norm_eps")
+    return bias, res, None if eps is None else (rest.pop(0), eps)
 
 
 @lowering("linear", tier=LADDER)
@@ -843,7 +871,7 @@ def _lower_linear(ctx, n):
     w = operand(ctx, n.inputs[1])
     k = x.shape[-1]
     a = Operand(ctx.buf(x), x, False, (math.prod(x.shape[:-1]), k))
-    bias, res = _epilogue_inputs(g, n)
+    bias, res, norm = _epilogue_inputs(g, n)
     return product_steps(ctx, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
                          activation=n.attrs["activation"], residual=res,
-                         gated=n.attrs.get("gated"))
+                         gated=n.attrs.get("gated"), norm=norm)

@@ -55,24 +55,7 @@ def _lower_rows(ctx, n):
     info = {"bytes": _bytes(x.size, x.dtype.itemsize, flags)}
     name = step_name(n)
     if inner == 1:
-        plan = rows.row_plan(length, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
-        if plan is not None:
-            gsize, vpt, block, prefetch, per_sm = plan
-            rpb = block // gsize
-            blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * per_sm)
-            k = rows.rows_reg(kind, gsize, vpt, block, *flags, prefetch, gsize * vpt == length,
-                              xk, gk)
-            return [Step(name, f"rows_reg g={gsize} vpt={vpt}{' prefetch' if prefetch else ''}",
-                         k, (blocks,), (block,),
-                         (*args, np.uint64(outer), np.uint64(length), eps), info)]
-        block = 32 if SIMULATOR else rows.LOOP_BLOCK
-        blocks = min(outer, 2 if SIMULATOR else sm_count() * 2 * (1024 // block))
-        # keep the row's head on chip when that saves a good share of pass 2 (on an H200 it
-        # lifted 32k-column softmax from 0.89 to 0.92 of torch and hurt 128k-column rms_norm)
-        cached = rows.LOOP_CACHED if length <= 4 * rows.LOOP_CACHED else 0
-        k = rows.rows_loop(kind, block, rows.LOOP_UNROLL, cached, *flags, xk, gk)
-        return [Step(name, f"rows_loop unroll={rows.LOOP_UNROLL}", k, (blocks,), (block,),
-                     (*args, np.uint64(outer), np.uint64(length), eps), info)]
+        return _row_steps(name, kind, flags, args, outer, length, eps, xk, gk, info)
     threads = 32 if SIMULATOR else 256
     blocks = max(1, min(-(-(outer * inner) // threads), 2 if SIMULATOR else sm_count() * 8))
     k = rows.cols(kind, *flags, xk, gk)
@@ -83,6 +66,40 @@ def _lower_rows(ctx, n):
 def _bytes(size, itemsize, flags):
     _, has_res, write_sum = flags
     return itemsize * size * (2 + has_res + write_sum)
+
+
+def _row_steps(name, kind, flags, args, outer, length, eps, xk, gk, info):
+    """The one step of a row op along contiguous rows (the register kernel where the row fits,
+    else the looping one)."""
+    plan = rows.row_plan(length, kind in (rows.SOFTMAX, rows.LOG_SOFTMAX))
+    if plan is not None:
+        gsize, vpt, block, prefetch, per_sm = plan
+        rpb = block // gsize
+        blocks = min(-(-outer // rpb), 2 if SIMULATOR else sm_count() * per_sm)
+        k = rows.rows_reg(kind, gsize, vpt, block, *flags, prefetch, gsize * vpt == length,
+                          xk, gk)
+        return [Step(name, f"rows_reg g={gsize} vpt={vpt}{' prefetch' if prefetch else ''}",
+                     k, (blocks,), (block,),
+                     (*args, np.uint64(outer), np.uint64(length), eps), info)]
+    block = 32 if SIMULATOR else rows.LOOP_BLOCK
+    blocks = min(outer, 2 if SIMULATOR else sm_count() * 2 * (1024 // block))
+    # keep the row's head on chip when that saves a good share of pass 2 (on an H200 it
+    # lifted 32k-column softmax from 0.89 to 0.92 of torch and hurt 128k-column rms_norm)
+    cached = rows.LOOP_CACHED if length <= 4 * rows.LOOP_CACHED else 0
+    k = rows.rows_loop(kind, block, rows.LOOP_UNROLL, cached, *flags, xk, gk)
+    return [Step(name, f"rows_loop unroll={rows.LOOP_UNROLL}", k, (blocks,), (block,),
+                 (*args, np.uint64(outer), np.uint64(length), eps), info)]
+
+
+def rms_norm_steps(ctx, name, out, x, gamma, outer, length, eps, x_dtype, g_dtype) -> list:
+    """rms_norm of the ``outer`` contiguous rows of ``length`` in device array ``x`` (of
+    x_dtype) with ``gamma`` (of g_dtype) into ``out``: for a product with a norm prologue
+    (passes/fusion.py) on a tier that does not take it."""
+    dx = _dummy(ctx, x_dtype)
+    flags = (False, False, False)
+    return _row_steps(name, rows.RMS_NORM, flags, [out, x, gamma, _dummy(ctx, g_dtype), dx, dx],
+                      outer, length, np.float32(eps), io_kind(x_dtype), io_kind(g_dtype),
+                      {"bytes": _bytes(outer * length, x_dtype.itemsize, flags)})
 
 
 @lowering("residual_sum")
