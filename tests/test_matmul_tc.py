@@ -402,9 +402,12 @@ def test_gpu_tc_timed_against_cublas(rng, monkeypatch):
     assert_half_close(got, f64(av) @ f64(bv), d, k=4, what=f"tier {step.info['tier']}")
 
 
+def _geo_id(g):
+    return f"{g.bm}x{g.bn}x{g.bk}w{g.wm}x{g.wn}s{g.stages}b{g.min_blocks}"
+
+
 @gpu_only
-@pytest.mark.parametrize("geo", mtc.SWEEP_GEOMETRIES,
-                         ids=lambda g: f"{g.bm}x{g.bn}x{g.bk}w{g.wm}x{g.wn}s{g.stages}b{g.min_blocks}")
+@pytest.mark.parametrize("geo", mtc.SWEEP_GEOMETRIES, ids=_geo_id)
 def test_gpu_tc_sweep_geometries(rng, geo):
     """Every geometry bench/sweep_matmul_tc.py times (the shipped one first), launched as the
     sweep launches it (direct_launch on 2-D device arrays): whole tiles (256 x 256, K 64),

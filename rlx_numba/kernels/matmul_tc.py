@@ -364,9 +364,9 @@ def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = Fa
         raise ValueError(f"tensor-core GEMM: operands of kind {kind!r}, expected one of {tc.KINDS}")
     out_dt = np.dtype(np.uint16 if kind == "bf16" else np.float16)
     flat = {}
-    for name, x, size, dts in (("a", a, m * k, (np.uint16, out_dt)), ("b", b, k * n,
-                                                                       (np.uint16, out_dt)),
-                               ("c", c, m * n, (out_dt,))):
+    operands = (("a", a, m * k, (np.uint16, out_dt)), ("b", b, k * n, (np.uint16, out_dt)),
+                ("c", c, m * n, (out_dt,)))
+    for name, x, size, dts in operands:
         if x.size != size or not x.flags["C_CONTIGUOUS"] or np.dtype(x.dtype) not in dts:
             raise ValueError(f"tensor-core GEMM {m}x{k}x{n} {kind}: {name} is {x.dtype} "
                              f"{tuple(x.shape)} (C-contiguous: {x.flags['C_CONTIGUOUS']}); "
@@ -375,8 +375,7 @@ def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = Fa
         flat[name] = x.reshape(size) if x.ndim != 1 else x
     fa, fb, fc = flat["a"].view(np.uint16), flat["b"].view(np.uint16), flat["c"]
     geo = geo or default_geometry("matmul_tc")
-    ptrs = () if SIMULATOR else (fa.device_ctypes_pointer.value,
-                                    fb.device_ctypes_pointer.value)
+    ptrs = () if SIMULATOR else (fa.device_ctypes_pointer.value, fb.device_ctypes_pointer.value)
     zero = cuda.to_device(np.zeros(1, np.int64))
     vec = vec_ok(trans_a, trans_b, m, n, k, [0], [0], ptrs)[0]
     kern = tc_gemm_kernel(trans_a, trans_b, kind, vec, geo=geo)
