@@ -201,7 +201,8 @@ def test_tc_geometry_family():
 
 def _direct(rng, d, ta, tb, m, k, n, geo=None, device=False):
     """C = op(A) @ op(B) by direct_launch on 2-D arrays (as bench/sweep_matmul_tc.py passes
-    torch's), against float64 NumPy; returns the launch (its loads in .vec)."""
+    torch's; device arrays when ``device``, NumPy ones in the simulator), against float64
+    NumPy; returns the launch (its loads in .vec)."""
     av, bv = data(rng, (m, k), d), data(rng, (k, n), d)
     sa = np.ascontiguousarray(av.T if ta else av).view(np.uint16)
     sb = np.ascontiguousarray(bv.T if tb else bv).view(np.uint16)
@@ -225,7 +226,7 @@ def test_tc_direct_launch_of_2d_arrays(rng, d, ta, tb, m, k, n, vec):
     """direct_launch (the geometry sweep's launch) takes 2-D arrays and hands the kernel flat
     views of them: the sweep's first GPU run passed 2-D arrays to the kernel itself, whose
     store ``c[o] = v`` then assigned row o (far outside C: CUDA_ERROR_INVALID_ADDRESS_SPACE)."""
-    assert _direct(rng, d, ta, tb, m, k, n).vec == vec
+    assert _direct(rng, d, ta, tb, m, k, n, device=ON_GPU).vec == vec
 
 
 def test_tc_kernel_rejects_2d_arrays():
