@@ -16,7 +16,7 @@ import pytest
 
 import rlx_numba as rlx
 from conftest import ON_GPU, run_graph
-from halfref import HALVES, assert_half_close, f64, half_accumulated, rounded
+from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import default_geometry, override_geometry
 from test_matmul_half import act64, data
@@ -199,6 +199,58 @@ def test_tc_geometry_family():
     assert gpu.shared_bytes() <= 48 * 1024 and sim.threads == 64
 
 
+def _direct(rng, d, ta, tb, m, k, n, geo=None, device=False):
+    """C = op(A) @ op(B) by direct_launch on 2-D arrays (as bench/sweep_matmul_tc.py passes
+    torch's; device arrays when ``device``, NumPy ones in the simulator), against float64
+    NumPy; returns the launch (its loads in .vec)."""
+    av, bv = data(rng, (m, k), d), data(rng, (k, n), d)
+    sa = np.ascontiguousarray(av.T if ta else av).view(np.uint16)
+    sb = np.ascontiguousarray(bv.T if tb else bv).view(np.uint16)
+    c = np.zeros((m, n), np.uint16 if d == "bf16" else np.float16)
+    if device:
+        from numba import cuda
+        sa, sb, dc = cuda.to_device(sa), cuda.to_device(sb), cuda.to_device(c)
+    else:
+        dc = c
+    launch = mtc.direct_launch(dc, sa, sb, m, n, k, d, ta, tb, geo)
+    launch()
+    got = (dc.copy_to_host() if device else c).view(HOST[d])
+    assert_half_close(got, f64(av) @ f64(bv), d, k=4,
+                      what=f"direct {geo} {'NT'[ta]}{'NT'[tb]} {m}x{k}x{n}")
+    return launch
+
+
+@pytest.mark.parametrize("d,ta,tb,m,k,n,vec", [("bf16", False, False, 20, 32, 24, True),
+                                              ("f16", True, False, 17, 24, 16, False)])
+def test_tc_direct_launch_of_2d_arrays(rng, d, ta, tb, m, k, n, vec):
+    """direct_launch (the geometry sweep's launch) takes 2-D arrays and hands the kernel flat
+    views of them: the sweep's first GPU run passed 2-D arrays to the kernel itself, whose
+    store ``c[o] = v`` then assigned row o (far outside C: CUDA_ERROR_INVALID_ADDRESS_SPACE)."""
+    assert _direct(rng, d, ta, tb, m, k, n, device=ON_GPU).vec == vec
+
+
+def test_tc_kernel_rejects_2d_arrays():
+    """The kernel itself refuses a 2-D array (at compile time on a GPU, on entry in the
+    simulator) instead of writing rows past C."""
+    m, k, n = 16, 16, 16
+    kern = mtc.tc_gemm_kernel(False, False, "bf16", True)
+    grid, block = mtc.tc_launch(m, n, 1)
+    z, one = np.zeros(1, np.int64), np.zeros(1, np.uint16)
+    flat = np.zeros(m * k, np.uint16)
+    with pytest.raises(Exception, match="array arguments are flat"):
+        kern[grid, block](np.zeros((m, n), np.uint16), flat, flat, one, one, m, n, k, z, z, 1)
+
+
+def test_direct_launch_checks_its_arrays():
+    z = np.zeros(16 * 16, np.uint16)
+    with pytest.raises(ValueError, match="c is float16"):
+        mtc.direct_launch(np.zeros((16, 16), np.float16), z, z, 16, 16, 16, "bf16")
+    with pytest.raises(ValueError, match="a is uint16 .16, 8.*expected 256"):
+        mtc.direct_launch(z, np.zeros((16, 8), np.uint16), z, 16, 16, 16, "bf16")
+    with pytest.raises(ValueError, match="C-contiguous: False"):
+        mtc.direct_launch(z, np.zeros((16, 16), np.uint16).T, z, 16, 16, 16, "bf16")
+
+
 # ---- the GPU kernels through NVVM and ptxas (where a CUDA toolkit is installed) --------------
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_kernels_assemble_without_spills(tmp_path):
@@ -243,6 +295,37 @@ def test_gpu_kernels_assemble_without_spills(tmp_path):
         assert r.returncode == 0, f"{p.name}: {r.stderr}"
         assert "0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
     assert "cp.async.cg.shared.global" in (tmp_path / "k0.ptx").read_text()
+
+
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_kernel_refuses_2d_arrays_at_compile_time():
+    """Without a GPU: the GPU kernel typed with a 2-D C (as the sweep's first run passed it)
+    fails to compile, naming the rule."""
+    script = textwrap.dedent("""
+        import os
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+        from numba import cuda, types
+        import numba.cuda.dispatcher as D
+
+        class Dev:
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
+        from rlx_numba.kernels import matmul_tc as T
+        u16, i64 = types.uint16, types.int64
+        k = T.tc_gemm_kernel(False, False, "bf16", True, geo=T.GPU_GEOMETRY)
+        sig = (u16[:, ::1], u16[::1], u16[::1], u16[::1], u16[::1], i64, i64, i64, i64[::1],
+               i64[::1], i64)
+        try:
+            cuda.compile_ptx(k.py_func, sig, cc=(8, 0))
+        except Exception as e:
+            print(type(e).__name__, e)
+        else:
+            print("compiled")
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TypingError" in r.stdout and "array arguments are flat" in r.stdout, r.stdout
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------
@@ -318,3 +401,20 @@ def test_gpu_tc_timed_against_cublas(rng, monkeypatch):
     av, bv = data(rng, (m, k), d), data(rng, (k, n), d)
     (got,) = exe.run({"a": av, "b": bv})
     assert_half_close(got, f64(av) @ f64(bv), d, k=4, what=f"tier {step.info['tier']}")
+
+
+def _geo_id(g):
+    return f"{g.bm}x{g.bn}x{g.bk}w{g.wm}x{g.wn}s{g.stages}b{g.min_blocks}"
+
+
+@gpu_only
+@pytest.mark.parametrize("geo", mtc.SWEEP_GEOMETRIES, ids=_geo_id)
+def test_gpu_tc_sweep_geometries(rng, geo):
+    """Every geometry bench/sweep_matmul_tc.py times (the shipped one first), launched as the
+    sweep launches it (direct_launch on 2-D device arrays): whole tiles (256 x 256, K 64),
+    odd edges (200 x 136, K 72) in the transposed layouts, and element loads (K 70: rows of
+    A not 16-byte aligned, a K remainder) -- so no tile geometry reaches the GPU untested."""
+    assert _direct(rng, "bf16", False, False, 256, 64, 256, geo, device=True).vec
+    assert _direct(rng, "f16", False, True, 200, 72, 136, geo, device=True).vec
+    assert _direct(rng, "bf16", True, False, 200, 72, 136, geo, device=True).vec
+    assert not _direct(rng, "f16", False, False, 200, 70, 130, geo, device=True).vec

@@ -30,18 +30,25 @@ Every lane of every warp reaches each ldmatrix and mma (the guards are on loads 
 only), as the warp-collective instructions (and their simulator twins) require.
 
 Operands are read as uint16 bit patterns (an f16 array is passed as its uint16 view); C,
-bias and residual in their own storage (kernels/halfio.py).
+bias and residual in their own storage (kernels/halfio.py). Every array argument is flat
+(1-D; the compile fails otherwise): the kernel indexes them by flat element offset, and
+numba's ``x[i] = v`` on a 2-D ``x`` would assign row i. ``direct_launch`` launches one
+product on device arrays of any shape (the geometry sweep and the GPU tests).
 """
 import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, uint16, uint32, uint64
+from numba import cuda, float32, types, uint16, uint32, uint64
+from numba.core.errors import TypingError
+from numba.cuda.extending import intrinsic
 
+from ..device import SIMULATOR
 from . import elementwise as ew
 from . import halfio
 from . import mma as tc
 from .launch import default_geometry, grid_3d, inline as _inline, jit, register_geometry
+from .ptx import Intrinsic
 
 ALIGN = tc.SMEM_ALIGN   # (a module constant: shared.array needs a literal alignment)
 VERSION = 1   # bump when the kernel or its geometry changes (old tier_choices.json verdicts drop)
@@ -82,6 +89,12 @@ class TcGeometry:
 GPU_GEOMETRY = TcGeometry(128, 128, 16, 64, 32, stages=4, min_blocks=2)
 SIM_GEOMETRY = TcGeometry(32, 16, 16, 16, 16, stages=2)
 register_geometry("matmul_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
+# the geometries bench/sweep_matmul_tc.py times (the shipped one first); the GPU tests launch
+# each of them, so the sweep meets no kernel the tests have not run
+SWEEP_GEOMETRIES = (GPU_GEOMETRY,) + tuple(TcGeometry(*g) for g in (
+    (128, 128, 32, 64, 32, 2, 1), (128, 128, 32, 64, 32, 2, 2), (128, 128, 16, 64, 32, 4, 1),
+    (128, 128, 16, 64, 32, 3, 2), (128, 64, 32, 64, 32, 2, 2), (128, 64, 32, 32, 32, 3, 2),
+    (64, 128, 32, 32, 64, 2, 2)))
 
 _u = np.uint64
 U0, U1 = _u(0), _u(1)
@@ -96,6 +109,32 @@ def _check(geo: TcGeometry):
         raise ValueError(f"tensor-core GEMM geometry {geo}: warp tiles must divide the block "
                          "tile, be multiples of 16 (as bk), stages >= 2, and the stages fit "
                          f"48 KB of static shared memory ({geo.shared_bytes()} bytes)")
+
+
+def _flat_msg(arr) -> str:
+    return (f"tensor-core GEMM kernel: array arguments are flat (1-D, indexed by element "
+            f"offset), got {arr}: pass flat views (direct_launch does)")
+
+
+@intrinsic
+def _gpu_flat_only(typingctx, arr):
+    """No code; the compile fails unless ``arr`` is a 1-D array (a 2-D C made the store
+    ``c[o] = v`` assign row o, far past the matrix: bench/sweep_matmul_tc.py's first GPU run,
+    CUDA_ERROR_INVALID_ADDRESS_SPACE)."""
+    if not isinstance(arr, types.Array) or arr.ndim != 1:
+        raise TypingError(_flat_msg(arr))
+
+    def codegen(context, builder, sig, args):
+        return context.get_dummy_value()
+    return types.void(arr), codegen
+
+
+def _twin_flat_only(arr):
+    if getattr(arr, "ndim", None) != 1:
+        raise ValueError(_flat_msg(f"{getattr(arr, 'ndim', '?')}-D {type(arr).__name__}"))
+
+
+flat_only = Intrinsic("flat_only", _gpu_flat_only, _twin_flat_only).fn
 
 
 def _loader(R: int, C: int, LD: int, NT: int, vec: bool):
@@ -191,6 +230,13 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
 
     @jit(launch_bounds=(NT, geo.min_blocks))
     def kernel(c, a, b, bias, res, m, n, k, a_off, b_off, batch):
+        flat_only(c)
+        flat_only(a)
+        flat_only(b)
+        flat_only(bias)
+        flat_only(res)
+        flat_only(a_off)
+        flat_only(b_off)
         As = cuda.shared.array(SHA, uint16, alignment=ALIGN)
         Bs = cuda.shared.array(SHB, uint16, alignment=ALIGN)
         acc = cuda.local.array((MI, NI, 4), float32)   # constant indices only: registers
@@ -303,6 +349,45 @@ def tc_launch(m: int, n: int, batch: int, geo: TcGeometry | None = None):
     to a few blocks in the simulator); the kernel strides over the rest."""
     geo = geo or default_geometry("matmul_tc")
     return grid_3d(-(-n // geo.bn), -(-m // geo.bm), batch), (geo.threads,)
+
+
+def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = False,
+                  trans_b: bool = False, geo: TcGeometry | None = None):
+    """launch(stream=0), which enqueues C = op(A) @ op(B) (one product, no epilogue) by the
+    kernel of ``geo`` (the device's default unless given), launched directly: no graph
+    (bench/sweep_matmul_tc.py, the GPU tests). a, b, c: C-contiguous device arrays (NumPy
+    ones in the simulator) of any shape holding A ([m, k], [k, m] when trans_a), B ([k, n],
+    [n, k] when trans_b) and C [m, n] in ``kind``'s storage (bf16: uint16 bit patterns; f16:
+    float16, or its uint16 bits for A and B); the kernel gets flat views of them. cp.async
+    loads where vec_ok allows, element loads otherwise."""
+    if kind not in tc.KINDS:
+        raise ValueError(f"tensor-core GEMM: operands of kind {kind!r}, expected one of {tc.KINDS}")
+    out_dt = np.dtype(np.uint16 if kind == "bf16" else np.float16)
+    flat = {}
+    operands = (("a", a, m * k, (np.uint16, out_dt)), ("b", b, k * n, (np.uint16, out_dt)),
+                ("c", c, m * n, (out_dt,)))
+    for name, x, size, dts in operands:
+        if x.size != size or not x.flags["C_CONTIGUOUS"] or np.dtype(x.dtype) not in dts:
+            raise ValueError(f"tensor-core GEMM {m}x{k}x{n} {kind}: {name} is {x.dtype} "
+                             f"{tuple(x.shape)} (C-contiguous: {x.flags['C_CONTIGUOUS']}); "
+                             f"expected {size} C-contiguous elements of "
+                             f"{' or '.join(np.dtype(d).name for d in dts)}")
+        flat[name] = x.reshape(size) if x.ndim != 1 else x
+    fa, fb, fc = flat["a"].view(np.uint16), flat["b"].view(np.uint16), flat["c"]
+    geo = geo or default_geometry("matmul_tc")
+    ptrs = () if SIMULATOR else (fa.device_ctypes_pointer.value, fb.device_ctypes_pointer.value)
+    zero = cuda.to_device(np.zeros(1, np.int64))
+    vec = vec_ok(trans_a, trans_b, m, n, k, [0], [0], ptrs)[0]
+    kern = tc_gemm_kernel(trans_a, trans_b, kind, vec, geo=geo)
+    grid, block = tc_launch(m, n, 1, geo)
+    dummy = cuda.to_device(np.zeros(1, out_dt))
+    args = (fc, fa, fb, dummy, dummy, np.int64(m), np.int64(n), np.int64(k), zero, zero,
+            np.int64(1))
+
+    def launch(stream=0):
+        kern[grid, block, stream](*args)
+    launch.vec = vec     # (which loads the launch takes)
+    return launch
 
 
 def vec_ok(trans_a: bool, trans_b: bool, m: int, n: int, k: int, offs_a, offs_b,
