@@ -487,6 +487,9 @@ DEC_ROWS = 8                        # at most this many query rows share a key/v
 CB = 8                              # splits whose partials the combine loads at once
 DEC_OCC = 2                         # blocks an SM the decode kernel's registers aim at
 DEC_WARP_KEYS = 32                  # a split gives each warp a multiple of this many keys
+# ... fewer on short caches: more splits, shorter serial chains (H100, b1 hq32 hkv8 d64 bf16:
+# 128 keys 7.3 us at 32, 5.9 at 8; 1024 keys 9.2 at 32, 8.9 at 16, 10.7 at 8)
+DEC_SHORT_WARP_KEYS = ((256, 8), (2048, 16))
 DEC_SPLIT_KEYS = 2048               # longer splits get more waves of blocks
 
 
@@ -878,8 +881,10 @@ def decode_groups(rows_c: int, rows: int, blocks: int, sm: int) -> tuple[int, in
 def decode_plan(b: int, hkv: int, sk: int, sm: int):
     """(splits, keys a split): whole waves of blocks (DEC_OCC resident a SM), one wave unless
     a split would pass DEC_SPLIT_KEYS keys; each warp of the device's default geometry at
-    least 32 keys (a kernel of another geometry takes any chunk, just less evenly)."""
-    step = default_geometry("attention").dec_nw * DEC_WARP_KEYS
+    least DEC_WARP_KEYS keys, fewer on short caches (DEC_SHORT_WARP_KEYS; a kernel of another
+    geometry takes any chunk, just less evenly)."""
+    wk = next((keys for most, keys in DEC_SHORT_WARP_KEYS if sk <= most), DEC_WARP_KEYS)
+    step = default_geometry("attention").dec_nw * wk
     per_wave = max(1, sm * DEC_OCC // (b * hkv))
     splits = per_wave * max(1, -(-sk // (per_wave * DEC_SPLIT_KEYS)))
     splits = max(1, min(splits, -(-sk // step)))
