@@ -353,7 +353,8 @@ def _conv_epilogue(nodes, cv, members, consumer):
     In f16 / bf16 the unfused chain rounds the conv, then conv + bias (and + z) to the dtype;
     the fused form sums conv + bias + z in f32 and rounds once, after the relu (a rounding
     commutes with relu): it drops the roundings of the conv and of each add but the last."""
-    shape, k, dtype = cv.shape, cv.shape[1], cv.dtype
+    cl = cv.attrs.get("channels_last", False)    # channels last: the bias [K] unreshaped
+    shape, k, dtype = cv.shape, cv.shape[-1 if cl else 1], cv.dtype
     bias_shape = (k,) + (1,) * (len(shape) - 2)
     if dtype not in (dt.F32, dt.F16, dt.BF16):
         return None
@@ -372,8 +373,8 @@ def _conv_epilogue(nodes, cv, members, consumer):
         o = nodes[n.inputs[1] if n.inputs[0] == cur else n.inputs[0]]
         if o.dtype != dtype:
             return None
-        if (bias is None and o.op == "reshape" and o.shape == bias_shape
-                and nodes[o.inputs[0]].shape == (k,)):
+        if bias is None and (o.shape == (k,) if cl else (
+                o.op == "reshape" and o.shape == bias_shape and nodes[o.inputs[0]].shape == (k,))):
             bias = o
         elif z is None and o.shape == shape:
             z = o

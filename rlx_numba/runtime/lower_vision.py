@@ -19,7 +19,8 @@ from ..device import SIMULATOR
 from ..ir import dtypes as dt
 from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops import fmt
-from ..ir.ops_vision import CONV_OPS, expand_conv, half_product, implicit_gemm
+from ..ir.ops_vision import (CONV_OPS, channels_first_rewrite, expand_conv, half_product,
+                             implicit_gemm, to_first)
 from ..kernels import channel as C
 from ..kernels import halfio
 from ..kernels import conv as K
@@ -173,11 +174,14 @@ def conv_tier(graph, n) -> tuple[int, str]:
     tiers, why = _tiers(), []
     image, cols = _conv_shapes(graph, n)
     a = n.attrs
+    # channels last: cuDNN takes it as it is (NHWC descriptors); the products of tier 1 and the
+    # numba kernel read channels first, so those tiers add two transposes around it
+    cl = a.get("channels_last", False)
     one_by_one = (all(v == 1 for v in a["kernel"] + a["stride"]) and not any(a["pad"])
-                  and image[2:] == cols[2:])
+                  and image[2:] == cols[2:] and not cl)
     # a strided 1x1 (a ResNet's downsample) in half: im2col is the subsampled image
     strided_1x1 = (n.op == "conv" and n.dtype != dt.F32 and all(v == 1 for v in a["kernel"])
-                   and not any(a["pad"]) and not one_by_one)
+                   and not any(a["pad"]) and not one_by_one and not cl)
     # tier 1 in half needs matmul in half (else its product is f32 between two casts: the
     # numba kernel, tier 2, reads half directly); the weight gradient has no tier 2
     gemm = half_product(n.dtype)
@@ -219,9 +223,13 @@ def conv_tier(graph, n) -> tuple[int, str]:
 
 
 def _conv_shapes(graph, n):
-    """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms."""
+    """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms
+    (channels-first order for a channels-last node too)."""
     a, b = (graph.nodes[i].shape for i in n.inputs[:2])
-    return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
+    image, cols = {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
+    if n.attrs.get("channels_last"):
+        image, cols = (tuple(s[i] for i in to_first(len(s))) for s in (image, cols))
+    return image, cols
 
 
 @lowering("implicit_gemm")
@@ -277,6 +285,9 @@ def _lower_conv(ctx, n):
     g, a = ctx.graph, n.attrs
     image, cols = _conv_shapes(g, n)
     w_shape = n.shape if n.op == "conv_wgrad" else g.nodes[n.inputs[1]].shape
+    cl = a.get("channels_last", False)
+    if cl:            # KRSC in memory; cuDNN's filter dims are [K, C, *k] whatever the format
+        w_shape = tuple(w_shape[i] for i in to_first(len(w_shape)))
     kind, x, w, y = {
         "conv": ("fwd", n.inputs[0], n.inputs[1], n.id),
         "conv_transpose": ("bwd_data", n.id, n.inputs[1], n.inputs[0]),
@@ -291,14 +302,17 @@ def _lower_conv(ctx, n):
             epi["z_ptr"] = ptr(n.inputs[3])
     make = lambda stream: cudnn.conv_plan(  # noqa: E731
         stream, kind, image, w_shape, cols, a["pad"], a["stride"], a["dilation"], a["groups"],
-        ptr(x), ptr(w), ptr(y), tf32, dtype=halfio.io_kind(n.dtype), **epi)
+        ptr(x), ptr(w), ptr(y), tf32, dtype=halfio.io_kind(n.dtype), channels_last=cl, **epi)
     flops = 2 * math.prod(cols) * math.prod(w_shape[1:])
-    tags = " +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
+    tags = (" +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
+            + " NHWC" * cl)
     return [CallStep(step_name(n), f"cudnn {kind}{tags} {'x'.join(map(str, a['kernel']))} of "
                      f"{fmt(image)} -> {fmt(cols)}", make, {"flops": flops, "tier": 0})]
 
 
 for _op in CONV_OPS:    # tiers 1 and 2 rewrite the node at legalise (compiler.py)
-    add_tier(_op, Tier("im2col / col2im and the matmul ladder", None, rewrite=expand_conv))
-    add_tier(_op, Tier("the numba implicit-GEMM kernel", None, rewrite=implicit_gemm))
+    add_tier(_op, Tier("im2col / col2im and the matmul ladder", None,
+                       rewrite=channels_first_rewrite(expand_conv)))
+    add_tier(_op, Tier("the numba implicit-GEMM kernel", None,
+                       rewrite=channels_first_rewrite(implicit_gemm)))
     set_chooser(_op, conv_tier, "RLX_NUMBA_CONV_TIERS")
