@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Six rewrites:
+in the graph node's place (``nodes``). Seven rewrites:
 
 - **Element-wise regions.** A live element-wise node (its OpDef's ``elementwise``, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -17,6 +17,10 @@ in the graph node's place (``nodes``). Six rewrites:
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it; a ``dequant_matmul`` (the quantised GEMV) likewise.
+- **Relu epilogues.** ``relu(linear(...))`` over a single-use linear with no activation or
+  residual, the relu a region of its own of the linear's shape and dtype, becomes the linear
+  with ``activation="relu"`` (a channels-last 1x1 conv's relu: ir/ops_vision.py). Exact in any
+  dtype: rounding to f16 / bf16 commutes with relu.
 - **Residual epilogues.** ``linear(...) + r`` (any float dtype), and ``matmul(a, b) + r`` of
   f16 / bf16 operands, with r and the add of the product's shape and dtype (no promotion),
   become the product with ``residual=r``: cuBLASLt adds it as C (beta = 1) when there is no
@@ -155,6 +159,20 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[r] = fold
                 out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # relu epilogues: relu(linear(...)) of one dtype
+        if (n.op == "linear" and n.id in live and single(n.id) and n.attrs["activation"] is None
+                and not n.attrs["has_residual"] and consumer.get(n.id) in region_of):
+            r = region_of[consumer[n.id]]
+            a = nodes[r]
+            if (r in out.nodes or groups[r] != [r] or a.op != "activation"
+                    or a.attrs["kind"] != "relu" or a.dtype != n.dtype or a.shape != n.shape
+                    or _hazards(nodes, {r: [n.id, r]}, writes, root)):
+                continue
+            out.regions.pop(r, None)
+            out.nodes[r] = Node(r, "linear", n.inputs, n.shape, n.dtype,
+                                {**n.attrs, "activation": "relu"})
+            out.folds[r] = ("relu epilogue", (n.id, r))
+            interior.add(n.id)
     for n in nodes:   # residual adds: linear(...) + r, and a half matmul + r, of one dtype
         if (n.op in ("linear", "matmul") and n.id in live and single(n.id)
                 and not n.attrs.get("has_residual") and consumer.get(n.id) in region_of
