@@ -377,10 +377,9 @@ def _pointwise_conv(g, x, w, bias, a):
         ax, shape = 1 + i, tuple(x.shape)
         split = shape[:ax] + (shape[ax] // st, st) + shape[ax + 1:]
         x = g.reshape(g.narrow(g.reshape(x, split), ax + 1, 0, 1), split[:ax + 1] + split[ax + 2:])
-    rows = math.prod(x.shape[:-1])
-    wt = g.transpose(g.reshape(w, (cout, c)), (1, 0))
-    y = g.linear(g.reshape(x, (rows, c)), wt, bias)
-    return g.reshape(y, tuple(x.shape[:-1]) + (cout,))
+    # x [N, *O, C] as it is: linear folds the leading dims into the product's rows, and its
+    # result is the conv's (a relu of it can then fold into the product: passes/fusion.py)
+    return g.linear(x, g.transpose(g.reshape(w, (cout, c)), (1, 0)), bias)
 
 
 class VisionOps:
