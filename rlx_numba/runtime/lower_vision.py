@@ -1,7 +1,9 @@
 """Lowering of the ops of ir/ops_vision.py. conv, conv_transpose and conv_wgrad: one cuDNN call
 (tier 0, cudnn.py) where ``conv_tier`` says 0; elsewhere the compiler has rewritten them as
 im2col / col2im and products (tier 1, the matmul ladder) or as an implicit_gemm node (tier 2,
-the numba kernel). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
+the numba kernel); a channels-last conv is one cuDNN NHWC call on tier 0 and two transposes
+around the channels-first rewrite on the others (ir/ops_vision.py channels_first_rewrite).
+im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
 kernel each, made for the node's kernel size, stride and dilation, its threads along lines of
 the output (kernels/conv.py), the rest of the geometry a small uint64 device array; resample
 (kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too. Every kernel
