@@ -201,13 +201,36 @@ def test_pool_nhwc(rng, dtype, kind):
         assert_half_close(ada, ada_want, dtype, k=2.0, scale=np.abs(xf).max(), what="adaptive")
 
 
-def test_pool_nhwc_grad(rng):
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_pool_nhwc_ranks(rng, dtype):
+    """1-d max (dilation, ceil_mode), 3-d avg (count_include_pad off) and an unbatched 2-d max
+    channels last: the channels-first pool's values, transposed (bit for bit: the same f32
+    window math, one rounding)."""
+    cases = [((2, 11, 5), dict(kind="max", kernel_size=(3,), stride=2, padding=1, dilation=2,
+                                ceil_mode=True)),
+             ((1, 4, 5, 3, 6), dict(kind="avg", kernel_size=(2, 3, 2), stride=(1, 2, 1),
+                                    padding=1, count_include_pad=False)),
+             ((6, 5, 7), dict(kind="max", kernel_size=(2, 2)))]
+    for shape, kw in cases:
+        x = rounded(rng.standard_normal(shape), dtype)
+        perm = (0, len(shape) - 1) + tuple(range(1, len(shape) - 1))
+        if len(shape) == 3 and len(kw["kernel_size"]) == 2:        # unbatched [H, W, C]
+            perm = (2, 0, 1)
+        back = tuple(int(i) for i in np.argsort(perm))
+        _, (got, want) = _run(lambda g: [
+            g.pool(g.input("x", shape, dtype), channels_last=True, **kw),
+            g.transpose(g.pool(g.transpose(g.tensor(0), perm), **kw), back)], {"x": x}, {})
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["avg", "max"])
+def test_pool_nhwc_grad(rng, kind):
     x = rng.standard_normal((1, 5, 4, 2))
     seed = rng.standard_normal((1, 3, 3, 2)).astype(np.float32)
     g = rlx.Graph("pgrad")
     xs = g.input("x", x.shape)
-    y = g.pool(xs, "avg", 2, 2, 1, channels_last=True)
-    check(g, y, {"x": xs}, {"x": x}, lambda x: pool_nhwc_ref(x, "avg", 2, 2, 1), seed=seed)
+    y = g.pool(xs, kind, 2, 2, 1, channels_last=True)
+    check(g, y, {"x": xs}, {"x": x}, lambda x: pool_nhwc_ref(x, kind, 2, 2, 1), seed=seed)
 
 
 # ---- errors -----------------------------------------------------------------------------------

@@ -22,8 +22,8 @@ size, no padding, one group) is built as a product ([N*O, C] @ w^T + bias: ``lin
 bias / relu / residual epilogues cuBLASLt fuses); any other is a conv node with
 ``channels_last`` set, which cuDNN runs as NHWC and the other tiers as transposes around the
 channels-first rewrite (``channels_first_rewrite``); its VJP is the channels-first one between
-transposes. pool is the channels-first pool between transposes; adaptive_avg_pool resamples the
-spatial axes where they are.
+transposes. pool has a channels-last kernel (kernels/pool.py; its gradient transposes around
+the channels-first one); adaptive_avg_pool resamples the spatial axes where they are.
 
 Every op here takes f32, f16 or bf16 (dtype rule "f32": loads widen, math and sums in f32, one
 rounding to the result, which is in x's dtype). conv's x and w (and conv_wgrad's x and dy) must
@@ -271,15 +271,18 @@ def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
 
 
 def infer_pool(x, **a):
-    op, d = "pool", len(a["kernel"])
+    """[N, C, *cols] from x [N, C, *image]; ``channels_last``: [N, *cols, C] from [N, *image, C]."""
+    op, d, cl = "pool", len(a["kernel"]), a.get("channels_last", False)
     if a["kind"] not in ("max", "avg"):
         raise ValueError(f"{op}: kind must be 'max' or 'avg', got {a['kind']!r}")
     _float(op, "x", x)
-    if len(x.shape) != d + 2 or tuple(x.shape[2:]) != tuple(a["image"]):
-        raise ValueError(f"{op}: x must be [N, C, *image] with image {fmt(a['image'])}, got "
-                         f"{_desc(x)}")
+    if len(x.shape) != d + 2 or tuple(x.shape[1:-1] if cl else x.shape[2:]) != tuple(a["image"]):
+        raise ValueError(f"{op}: x must be {'[N, *image, C]' if cl else '[N, C, *image]'} with "
+                         f"image {fmt(a['image'])}, got {_desc(x)}")
     if len(a["cols"]) != d or any(o < 1 for o in a["cols"]):
         raise ValueError(f"{op}: cols {fmt(a['cols'])} must be {d} sizes >= 1")
+    if cl:
+        return (x.shape[0],) + tuple(a["cols"]) + (x.shape[-1],), x.dtype
     return tuple(x.shape[:2]) + tuple(a["cols"]), x.dtype
 
 
@@ -455,26 +458,17 @@ class VisionOps:
         ceil_mode: windows that start inside the input or its low padding round the output
         size up; count_include_pad: avg divides by the window clipped to the padded input
         (else to the input). ``channels_last=True``: x [N, *S, C] (or [*S, C]) -> [N, *O, C]
-        (the channels-first pool between two transposes)."""
+        (one kernel along the channels; its gradient: the channels-first one between transposes)."""
         op = "pool"
         self.check(op, "x", x)
-        if _channels_last(op, channels_last):
-            d = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else len(x.shape) - 2
-            if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
-                raise ValueError(f"{op}: x must be [N, *spatial, C] or [*spatial, C] (channels "
-                                 f"last) with 1-3 spatial dims for kernel_size {kernel_size!r}, "
-                                 f"got {_desc(x)}")
-            xb = x if len(x.shape) == d + 2 else self.reshape(x, (1,) + tuple(x.shape))
-            y = self.pool(self.transpose(xb, to_first(d + 2)), kind, kernel_size, stride,
-                          padding, dilation=dilation, ceil_mode=ceil_mode,
-                          count_include_pad=count_include_pad)
-            y = self.transpose(y, to_last(d + 2))
-            return y if xb is x else self.reshape(y, tuple(y.shape[1:]))
+        cl = _channels_last(op, channels_last)
         if kind not in ("max", "avg"):
             raise ValueError(f"{op}: kind must be 'max' or 'avg', got {kind!r}")
         d = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else len(x.shape) - 2
         if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
-            raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
+            want = ("[N, *spatial, C] or [*spatial, C] (channels last)" if cl
+                    else "[N, C, *spatial] or [C, *spatial]")
+            raise ValueError(f"{op}: x must be {want} with 1-3 "
                              f"spatial dims for kernel_size {kernel_size!r}, got {_desc(x)}")
         _float(op, "x", x)
         k = _ints(op, "kernel_size", kernel_size, d, 1)
@@ -489,7 +483,7 @@ class VisionOps:
                              f"{fmt(span)}")
         batched = len(x.shape) == d + 2
         xb = x if batched else self.reshape(x, (1,) + tuple(x.shape))
-        size = tuple(xb.shape[2:])
+        size = tuple(xb.shape[1:-1] if cl else xb.shape[2:])
         out = []
         for s, p, sp, sd in zip(size, pad, span, st):
             o = (s + 2 * p - sp + (sd - 1 if ceil_mode else 0)) // sd + 1
@@ -500,8 +494,9 @@ class VisionOps:
             raise ValueError(f"{op}: the window {fmt(span)} is larger than the padded input "
                              f"{fmt(size)} + 2 x {fmt(pad)}")
         y = self.bind("pool", [xb], kind=kind, kernel=k, stride=st, pad=pad, dilation=dil,
-                      image=size, cols=tuple(out), count_include_pad=bool(count_include_pad))
-        return y if batched else self.reshape(y, tuple(x.shape[:1]) + tuple(out))
+                      image=size, cols=tuple(out), count_include_pad=bool(count_include_pad),
+                      **({"channels_last": True} if cl else {}))
+        return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def batch_norm(self, x, mean, var, gamma=None, beta=None, eps=1e-5):
         """Inference batch norm over x [N, C, ...] with running statistics, per channel:
@@ -601,8 +596,14 @@ def _channel_affine_vjp(g, node, dy):
 
 @vjp("pool")
 def _pool_vjp(g, node, dy):
-    x = g.tensor(node.inputs[0])
-    return [g.bind("pool_grad", (x, dy), **node.attrs)]
+    """pool_grad (a gather); channels last: on x and dy transposed to channels first, the
+    gradient transposed back."""
+    x, a = g.tensor(node.inputs[0]), dict(node.attrs)
+    if not a.pop("channels_last", False):
+        return [g.bind("pool_grad", (x, dy), **a)]
+    r = len(x.shape)
+    dx = g.bind("pool_grad", (g.transpose(x, to_first(r)), g.transpose(dy, to_first(r))), **a)
+    return [g.transpose(dx, to_last(r))]
 
 
 @vjp("conv")

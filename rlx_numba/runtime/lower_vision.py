@@ -82,6 +82,12 @@ def _lower_col2im(ctx, n):
 @lowering("pool")
 def _lower_pool(ctx, n):
     a, x = n.attrs, ctx.graph.nodes[n.inputs[0]]
+    if a.get("channels_last"):      # a line: one output position's channels
+        kern = P.pool_nhwc_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
+                                  halfio.io_kind(n.dtype))
+        lines, c = n.size // n.shape[-1], n.shape[-1]
+        return _step(ctx, n, kern, (np.uint64(lines), np.uint64(c)), [x],
+                     f"{a['kind']} pool NHWC", (lines, c))
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
                          halfio.io_kind(n.dtype))
