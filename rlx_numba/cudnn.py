@@ -224,7 +224,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
-        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code), c_void_p()
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code, cl), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
         L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
         keep += (bd, ad)

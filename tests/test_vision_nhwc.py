@@ -273,6 +273,16 @@ def test_resnet_channels_last(rng):
     np.testing.assert_allclose(got, first, rtol=0.05, atol=0.05 * np.abs(first).max())
 
 
+def test_cudnn_nhwc_strides():
+    """The strides cuDNN's descriptors get: dims in its [N, C, *S] order, memory [N, *S, C]
+    (a KRSC filter alike); channels first packed as before."""
+    from rlx_numba.cudnn import packed_strides
+    assert packed_strides([2, 3, 5, 7]) == [105, 35, 7, 1]
+    assert packed_strides([2, 3, 5, 7], True) == [105, 1, 21, 3]
+    assert packed_strides([4, 3, 1, 9], True) == [27, 1, 27, 3]          # 1-d as height 1
+    assert packed_strides([2, 3, 4, 5, 6], True) == [360, 1, 90, 18, 3]  # 3-d
+
+
 # ---- GPU: cuDNN's NHWC descriptors ---------------------------------------------------------------
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN runs on the GPU only")
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
@@ -327,3 +337,20 @@ def test_cudnn_nhwc_plain_and_1d(rng, dtype, monkeypatch):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         else:
             assert_half_close(got, want, dtype, k=2.0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN runs on the GPU only")
+def test_resnet50_channels_last_on_gpu(rng):
+    """ResNet-50 in bf16 runs channels last: every 3x3 / 7x7 conv one cuDNN NHWC call (17),
+    no im2col or numba conv kernel, the 1x1s products; its logits within bf16 roundings of the
+    f32 channels-first model's."""
+    ref = ResNet.from_config("resnet50", seed=0)
+    m = ResNet(ref.config, ref.params, dtype="bf16")
+    assert m.channels_last
+    x = rng.standard_normal((2, 3, 64, 64)).astype(np.float32)
+    got, want = m.logits(x), ref.logits(x)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < 0.1, rel
+    names = [s.kernel_name for s in m.executable(2, 64, 64).steps]
+    assert sum("cudnn fwd" in k and "NHWC" in k for k in names) == 17, names
+    assert not [k for k in names if "im2col" in k or "implicit-GEMM" in k], names
