@@ -10,7 +10,7 @@ import pytest
 import rlx_numba as rlx
 from conftest import ON_GPU
 from gradcheck import check
-from halfref import assert_half_close, f64, half_accumulated, rounded
+from halfref import HOST, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.models import ResNet, ResNetConfig
 
 
@@ -175,6 +175,29 @@ def test_conv_nhwc_grad(rng):
     y = g.conv(x5, ws, stride=2, channels_last=True)
     check(g, y, {"x": xs, "w": ws}, {"x": x, "w": w1},
           lambda x, w: conv_nhwc_ref(x[:, :4], w, stride=2), seed=seed1)
+
+
+def test_conv_nhwc_autocast(rng):
+    """g.autocast("bf16") keeps a conv channels last (the node's attrs go with it) and runs
+    the conv and the 1x1 product in bf16."""
+    x = rng.standard_normal((1, 5, 4, 3)).astype(np.float32)
+    w3 = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) / 5
+    w1 = rng.standard_normal((2, 1, 1, 4)).astype(np.float32) / 2
+    g = rlx.Graph("ac")
+    xs = g.input("x", x.shape)
+    h = g.relu(g.conv(xs, g.param("w3", w3.shape), padding=1, channels_last=True))
+    g.set_outputs([g.conv(h, g.param("w1", w1.shape), channels_last=True)])
+    g16 = g.autocast("bf16")
+    assert [n.attrs.get("channels_last") for n in g16.nodes if n.op == "conv"] == [True]
+    assert {n.dtype.name for n in g16.nodes if n.op in ("conv", "linear")} == {"bf16"}
+    exe = rlx.compile(g16)
+    exe.set_param("w3", w3)
+    exe.set_param("w1", w1)
+    (got,) = exe.run({"x": x})
+    xb, w3b, w1b = (f64(rounded(v, "bf16")) for v in (x, w3, w1))
+    hb = f64(rounded(np.maximum(conv_nhwc_ref(xb, w3b, padding=1), 0), "bf16"))
+    want = conv_nhwc_ref(hb, w1b)
+    assert_half_close(np.asarray(got).astype(HOST["bf16"]), want, "bf16", k=2.0)
 
 
 # ---- pools ------------------------------------------------------------------------------------
