@@ -137,6 +137,36 @@ def test_pointwise_conv_is_a_product(rng):
         assert [n.op for n in h.nodes].count("conv") == 1, kw
 
 
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_pointwise_conv_residual_relu_folds(rng, dtype):
+    """A bottleneck's last 1x1 conv, its skip and relu: relu(conv + bias + skip) is one product
+    with a residual_first epilogue (cuBLASLt's C on a GPU; here the numba product and one
+    epilogue kernel), the relu after the skip; the values as the float64 oracle's."""
+    xs, ws = (2, 3, 5, 8), (6, 1, 1, 8)
+    x, skip = rounded(rng.standard_normal(xs), dtype), rounded(rng.standard_normal((2, 3, 5, 6)),
+                                                              dtype)
+    w, b = rounded(rng.standard_normal(ws) / 3, dtype), rounded(rng.standard_normal(6), dtype)
+
+    def build(g):
+        y = g.conv(g.input("x", xs, dtype), g.param("w", ws, dtype), g.param("b", (6,), dtype),
+                   channels_last=True)
+        return g.relu(g.add(y, g.input("skip", skip.shape, dtype)))
+
+    exe, (got,) = _run(build, {"x": x, "skip": skip}, {"w": w, "b": b})
+    folds = [f for f, _ in exe.fusion.folds.values()]
+    assert folds == ["relu epilogue"], exe.fusion.folds
+    (node,) = exe.fusion.nodes.values()
+    assert node.op == "linear" and node.attrs["residual_first"] and node.attrs["activation"] == "relu"
+    conv = conv_nhwc_ref(x, w)
+    want = np.maximum(conv + f64(b) + f64(skip), 0)
+    if dtype == "f32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:       # one rounding (the graph unfused: three)
+        assert_half_close(got, want, dtype, k=1.0)
+    names = [s.kernel_name for s in exe.steps]
+    assert len([k for k in names if k.startswith("elementwise")]) <= 1, names
+
+
 def test_conv_nhwc_half_accumulation(rng):
     """256 channels x 3 taps of positive terms: the sums reach ~100 where a bf16 ulp is 0.5,
     so a running sum kept in bf16 drops most of each late term (its error is many ulps of the
