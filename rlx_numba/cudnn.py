@@ -1,6 +1,6 @@
 """cuDNN through ctypes: convolution forward, backward-data and backward-filter (the conv tier
-0 of ir/ops_vision.py), NCHW or NHWC (channels last) in f32, f16 or bf16, with the algorithm found once when a step is
-bound. Half tensors (CUDNN_DATA_HALF / _BFLOAT16) run with compute type CUDNN_DATA_FLOAT (f32
+0 of ir/ops_vision.py), NCHW or NHWC (channels last) in f32, f16 or bf16, with the algorithm
+found once when a step is bound. Half tensors (CUDNN_DATA_HALF / _BFLOAT16) run with compute type CUDNN_DATA_FLOAT (f32
 accumulation, as torch's), tensor cores allowed, and never an engine whose numerical notes
 say it reduces in reduced precision.
 

@@ -156,7 +156,8 @@ def test_pointwise_conv_residual_relu_folds(rng, dtype):
     folds = [f for f, _ in exe.fusion.folds.values()]
     assert folds == ["relu epilogue"], exe.fusion.folds
     (node,) = exe.fusion.nodes.values()
-    assert node.op == "linear" and node.attrs["residual_first"] and node.attrs["activation"] == "relu"
+    assert node.op == "linear" and node.attrs["residual_first"]
+    assert node.attrs["activation"] == "relu"
     conv = conv_nhwc_ref(x, w)
     want = np.maximum(conv + f64(b) + f64(skip), 0)
     if dtype == "f32":

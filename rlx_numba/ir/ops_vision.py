@@ -110,8 +110,9 @@ def _geometry(op, x, w, n_spatial_w, cl=False):
     unbatched [C, *S] ([N, *S, C] or [*S, C] channels last: ``cl``)."""
     d = n_spatial_w
     if d not in (1, 2, 3):
-        raise ValueError(f"{op}: w must be 3-, 4- or 5-D ([out, {'*kernel, in' if cl else 'in, *kernel'}] "
-                         f"for 1/2/3 spatial dims), got {_desc(w)}")
+        dims = "*kernel, in" if cl else "in, *kernel"
+        raise ValueError(f"{op}: w must be 3-, 4- or 5-D ([out, {dims}] for 1/2/3 spatial "
+                         f"dims), got {_desc(w)}")
     if len(x.shape) not in (d + 1, d + 2):
         want = "[N, *spatial, C] or [*spatial, C]" if cl else "[N, C, *spatial] or [C, *spatial]"
         raise ValueError(f"{op}: x must be {want} with {d} spatial "

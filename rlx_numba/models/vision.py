@@ -405,5 +405,5 @@ class ViT(_Classifier):
 
 
 __all__ = ["ARCHS", "ResNet", "ResNetConfig", "ViT", "ViTConfig", "build_resnet", "build_vit",
-           "fold_batch_norms", "to_channels_last", "resnet_param_shapes", "vit_param_shapes", "vit_graph_shapes",
-           "split_in_proj"]
+           "fold_batch_norms", "to_channels_last", "resnet_param_shapes", "vit_param_shapes",
+           "vit_graph_shapes", "split_in_proj"]
