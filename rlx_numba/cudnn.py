@@ -1,6 +1,6 @@
 """cuDNN through ctypes: convolution forward, backward-data and backward-filter (the conv tier
-0 of ir/ops_vision.py), NCHW in f32, f16 or bf16, with the algorithm found once when a step is
-bound. Half tensors (CUDNN_DATA_HALF / _BFLOAT16) run with compute type CUDNN_DATA_FLOAT (f32
+0 of ir/ops_vision.py), NCHW or NHWC (channels last) in f32, f16 or bf16, with the algorithm
+found once when a step is bound. Half tensors (CUDNN_DATA_HALF / _BFLOAT16) run with compute type CUDNN_DATA_FLOAT (f32
 accumulation, as torch's), tensor cores allowed, and never an engine whose numerical notes
 say it reduces in reduced precision.
 
@@ -22,7 +22,7 @@ import math
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
-DATA_FLOAT, TENSOR_NCHW, CROSS_CORRELATION = 0, 0, 1
+DATA_FLOAT, TENSOR_NCHW, TENSOR_NHWC, CROSS_CORRELATION = 0, 0, 1, 1
 # cudnnDataType_t of the storage kinds (cudnn_graph.h: HALF 2, BFLOAT16 9)
 DATA_TYPES = {"f32": DATA_FLOAT, "f16": 2, "bf16": 9}
 ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
@@ -149,19 +149,28 @@ def _ints(vals):
     return (c_int * len(vals))(*vals)
 
 
-def _tensor(shape, data_type=DATA_FLOAT):
+def packed_strides(shape, channels_last=False) -> list:
+    """The strides of a dense tensor of dims ``shape`` given in cuDNN's order [N, C, *S]
+    ([K, C, *k] for a filter), stored in that order or, ``channels_last``, as [N, *S, C]."""
+    order = ([0] + list(range(2, len(shape))) + [1]) if channels_last else list(range(len(shape)))
+    strides, step = [0] * len(shape), 1
+    for i in reversed(order):
+        strides[i] = step
+        step *= shape[i]
+    return strides
+
+
+def _tensor(shape, data_type=DATA_FLOAT, channels_last=False):
     d = c_void_p()
     lib().cudnnCreateTensorDescriptor(byref(d))
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * shape[i + 1]
+    strides = packed_strides(shape, channels_last)
     lib().cudnnSetTensorNdDescriptor(d, data_type, len(shape), _ints(shape), _ints(strides))
     return d
 
 
 def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilation, groups,
               x_ptr: int, w_ptr: int, y_ptr: int, tf32: bool = False, bias_ptr=None,
-              z_ptr=None, dtype: str = "f32"):
+              z_ptr=None, dtype: str = "f32", channels_last: bool = False):
     """A no-argument callable enqueueing one convolution call on ``stream``, in the forward
     convolution's terms: x [N, C, *S] the input, w [K, C/groups, *k], y [N, K, *O] the output.
     ``kind`` "fwd" writes y from x and w; "bwd_data" writes x (dx) from y (dy) and w;
@@ -171,7 +180,9 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     cudnnConvolutionBiasActivationForward (NaN propagated, as torch's relu). ``dtype`` ("f32",
     "f16", "bf16") is x's, w's and y's, and the bias's and z's (cuDNN's PSEUDO_HALF /
     PSEUDO_BFLOAT16 configurations); the math is f32 whatever it is (the f32 compute type:
-    conv + bias + z and the relu in f32, rounded once on y's store)."""
+    conv + bias + z and the relu in f32, rounded once on y's store). ``channels_last``: x, y
+    (and z) are stored [N, *S, C] and w [K, *k, C/groups] (CUDNN_TENSOR_NHWC); the shapes are
+    still given in the [N, C, *S] / [K, C/groups, *k] order."""
     L = lib()
     code = DATA_TYPES[dtype]
     half = dtype != "f32"
@@ -179,10 +190,12 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
         x_shape, w_shape, y_shape = ([*s[:2], 1, s[2]] for s in (x_shape, w_shape, y_shape))
         pad, stride, dilation = (0, *pad), (1, *stride), (1, *dilation)
     h, ws = handle(stream)
-    xd, yd = _tensor(list(x_shape), code), _tensor(list(y_shape), code)
+    cl = channels_last
+    xd, yd = _tensor(list(x_shape), code, cl), _tensor(list(y_shape), code, cl)
     wd = c_void_p()
     L.cudnnCreateFilterDescriptor(byref(wd))
-    L.cudnnSetFilterNdDescriptor(wd, code, TENSOR_NCHW, len(w_shape), _ints(list(w_shape)))
+    L.cudnnSetFilterNdDescriptor(wd, code, TENSOR_NHWC if cl else TENSOR_NCHW, len(w_shape),
+                                 _ints(list(w_shape)))
     cd = c_void_p()
     L.cudnnCreateConvolutionDescriptor(byref(cd))
     nd = len(x_shape) - 2
@@ -211,7 +224,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     fn = getattr(L, call)
     keep = (xd, yd, wd, cd)                           # the descriptors live with the callables
     if bias_ptr is not None:
-        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code), c_void_p()
+        bd, ad = _tensor([1, y_shape[1]] + [1] * (len(y_shape) - 2), code, cl), c_void_p()
         L.cudnnCreateActivationDescriptor(byref(ad))
         L.cudnnSetActivationDescriptor(ad, RELU, PROPAGATE_NAN, 0.0)
         keep += (bd, ad)
@@ -240,7 +253,7 @@ def conv_plan(stream, kind: str, x_shape, w_shape, y_shape, pad, stride, dilatio
     if bias_ptr is None:
         cands = [legacy(p) for p in ok[:3]] + _graph_plans(
             h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, (x_ptr, w_ptr, y_ptr), ws,
-            tf32, dtype)
+            tf32, dtype, cl)
     else:   # the fused call may refuse an algorithm Find ranked for the plain forward (in half
         # too): the first three that run
         cands = [c for c in (legacy(p) for p in ok) if _runs(c)][:3]
@@ -336,7 +349,7 @@ def _align(*ptrs, itemsize: int = 4) -> int:
 
 
 def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs, ws, tf32,
-                 dtype="f32"):
+                 dtype="f32", channels_last=False):
     """Launch callables for the first GRAPH_PLANS engine configs cuDNN's heuristics give for
     this convolution that finalize, fit the workspace and (f32, unless ``tf32``) do no TF32;
     in half, none that down-converts or reduces in reduced precision (the compute type is
@@ -349,9 +362,7 @@ def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs
         tensors = {}
         for uid, (role, shape) in enumerate((("x", x_shape), ("w", w_shape),
                                              ("y", y_shape)), 1):
-            strides = [1] * len(shape)
-            for i in range(len(shape) - 2, -1, -1):
-                strides[i] = strides[i + 1] * shape[i + 1]
+            strides = packed_strides(shape, channels_last)
             tensors[role] = (_Desc(D_TENSOR).set(901, T_DATA_TYPE, [DATA_TYPES[dtype]], c_int)
                              .set(902, T_INT64, list(shape)).set(903, T_INT64, strides)
                              .set(906, T_INT64, [uid]).set(900, T_INT64, [align]).finalize())

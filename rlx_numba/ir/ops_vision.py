@@ -16,6 +16,15 @@ the numba SGEMM in the simulator); conv_transpose is w^T @ x and col2im; conv_wg
 over the batch of dy @ cols^T. Bias is a broadcast add after the node.
 Kernels: kernels/conv.py; lowering: runtime/lower_vision.py.
 
+Channels last (``channels_last=True`` on conv, pool and adaptive_avg_pool): x [N, *S, C], y
+[N, *O, K], conv's weight [K, *k, C/groups] (cuDNN's KRSC). A 1x1 conv (stride dividing the
+size, no padding, one group) is built as a product ([N*O, C] @ w^T + bias: ``linear``, whose
+bias / relu / residual epilogues cuBLASLt fuses); any other is a conv node with
+``channels_last`` set, which cuDNN runs as NHWC and the other tiers as transposes around the
+channels-first rewrite (``channels_first_rewrite``); its VJP is the channels-first one between
+transposes. pool has a channels-last kernel (kernels/pool.py; its gradient transposes around
+the channels-first one); adaptive_avg_pool resamples the spatial axes where they are.
+
 Every op here takes f32, f16 or bf16 (dtype rule "f32": loads widen, math and sums in f32, one
 rounding to the result, which is in x's dtype). conv's x and w (and conv_wgrad's x and dy) must
 share one dtype, and bias is in it too, as torch requires; batch norm's per-channel operands
@@ -23,6 +32,7 @@ are f32 or x's dtype (torch's cuDNN batch norm takes f32 statistics with half x)
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -36,6 +46,31 @@ from .ops import fmt
 
 def _desc(t) -> str:
     return f"{t.dtype} {fmt(t.shape)}"
+
+
+def to_first(rank):
+    """The permutation taking a channels-last tensor of ``rank`` dims to channels first."""
+    return (0, rank - 1) + tuple(range(1, rank - 1))
+
+
+def to_last(rank):
+    """The permutation taking a channels-first tensor of ``rank`` dims to channels last."""
+    return (0,) + tuple(range(2, rank)) + (1,)
+
+
+def _first(shape):
+    """A channels-last shape [N, *S, C] in channels-first order [N, C, *S]."""
+    return tuple(shape[i] for i in to_first(len(shape)))
+
+
+def _last(shape):
+    return tuple(shape[i] for i in to_last(len(shape)))
+
+
+def _channels_last(op, v):
+    if not isinstance(v, bool):
+        raise ValueError(f"{op}: channels_last must be True or False, got {v!r}")
+    return v
 
 
 # The vision ops take f32, f16 and bf16 (kernels load through kernels/halfio.py: math and
@@ -70,25 +105,27 @@ def _ints(op, arg, v, d, lo):
     return out
 
 
-def _geometry(op, x, w, n_spatial_w):
+def _geometry(op, x, w, n_spatial_w, cl=False):
     """(d, batched, x as [N, C, *S]) for weight ``w`` of rank d + 2; x is [N, C, *S] or
-    unbatched [C, *S]."""
+    unbatched [C, *S] ([N, *S, C] or [*S, C] channels last: ``cl``)."""
     d = n_spatial_w
     if d not in (1, 2, 3):
-        raise ValueError(f"{op}: w must be 3-, 4- or 5-D ([out, in, *kernel] for 1/2/3 spatial "
+        dims = "*kernel, in" if cl else "in, *kernel"
+        raise ValueError(f"{op}: w must be 3-, 4- or 5-D ([out, {dims}] for 1/2/3 spatial "
                          f"dims), got {_desc(w)}")
     if len(x.shape) not in (d + 1, d + 2):
-        raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with {d} spatial "
+        want = "[N, *spatial, C] or [*spatial, C]" if cl else "[N, C, *spatial] or [C, *spatial]"
+        raise ValueError(f"{op}: x must be {want} with {d} spatial "
                          f"dims for w {_desc(w)}, got {_desc(x)}")
     _same_float(op, (("x", x), ("w", w)))
     return d, len(x.shape) == d + 2
 
 
-def _conv_input(g, op, x, w):
-    """(spatial rank, whether x is batched, x as [N, C, *S]) of a conv or conv_transpose."""
+def _conv_input(g, op, x, w, cl=False):
+    """(spatial rank, whether x is batched, x batched) of a conv or conv_transpose."""
     g.check(op, "x", x)
     g.check(op, "w", w)
-    d, batched = _geometry(op, x, w, len(w.shape) - 2)
+    d, batched = _geometry(op, x, w, len(w.shape) - 2, cl)
     return d, batched, x if batched else g.reshape(x, (1,) + tuple(x.shape))
 
 
@@ -97,14 +134,19 @@ def _eps(op, eps):
         raise ValueError(f"{op}: eps must be a number >= 0, got {eps!r}")
 
 
-def _bias(g, op, bias, cout, y, d):
+def _check_bias(g, op, bias, cout, dtype):
+    g.check(op, "bias", bias)
+    if tuple(bias.shape) != (cout,) or bias.dtype != dtype:     # torch's rule: x's dtype
+        raise ValueError(f"{op}: bias must be {dtype} [{cout}] (one per output channel), got "
+                         f"{_desc(bias)} (bias takes x's dtype, as torch's {op})")
+
+
+def _bias(g, op, bias, cout, y, d, cl=False):
     if bias is None:
         return y
-    g.check(op, "bias", bias)
-    if tuple(bias.shape) != (cout,) or bias.dtype != y.dtype:     # torch's rule: x's dtype
-        raise ValueError(f"{op}: bias must be {y.dtype} [{cout}] (one per output channel), got "
-                         f"{_desc(bias)} (bias takes x's dtype, as torch's {op})")
-    return g.add(y, g.reshape(bias, (cout,) + (1,) * d))
+    _check_bias(g, op, bias, cout, y.dtype)
+    # channels last: the bias broadcasts along the last (channel) axis as it is
+    return g.add(y, bias if cl else g.reshape(bias, (cout,) + (1,) * d))
 
 
 # ---- inference (ir/opdef.py) -----------------------------------------------------------------
@@ -129,10 +171,24 @@ def _conv_operands(op, x, w, kernel):
 
 
 def infer_conv(x, w, **a):
-    op = "conv"
-    _conv_operands(op, x, w, a["kernel"])
-    n, c, size = x.shape[0], x.shape[1], tuple(x.shape[2:])
-    cout, cg, groups = w.shape[0], w.shape[1], a["groups"]
+    """[N, K, *O] from x [N, C, *S] and w [K, C/groups, *k]; with ``channels_last`` [N, *O, K]
+    from x [N, *S, C] and w [K, *k, C/groups]."""
+    op, cl = "conv", a.get("channels_last", False)
+    if cl:
+        d = len(a["kernel"])
+        if len(w.shape) != d + 2 or tuple(w.shape[1:-1]) != tuple(a["kernel"]):
+            raise ValueError(f"{op}: w {_desc(w)} must be [*, *kernel, *] (channels last) with "
+                             f"kernel {fmt(a['kernel'])}")
+        if len(x.shape) != d + 2:
+            raise ValueError(f"{op}: x must be [N, *spatial, C] (channels last) with {d} "
+                             f"spatial dims for w {_desc(w)}, got {_desc(x)}")
+        _same_float(op, (("x", x), ("w", w)))
+        xs, ws = _first(x.shape), _first(w.shape)
+    else:
+        _conv_operands(op, x, w, a["kernel"])
+        xs, ws = x.shape, w.shape
+    n, c, size = xs[0], xs[1], tuple(xs[2:])
+    cout, cg, groups = ws[0], ws[1], a["groups"]
     if c % groups or cout % groups:
         raise ValueError(f"{op}: channels must divide into groups={groups}: x {_desc(x)} has "
                          f"{c} in, w {_desc(w)} has {cout} out")
@@ -146,7 +202,7 @@ def infer_conv(x, w, **a):
                          f"padding {fmt(lo)}/{fmt(hi)}")
     out = tuple((s + p + q - sp) // st + 1
                 for s, p, q, sp, st in zip(size, lo, hi, span, a["stride"]))
-    return (n, cout) + out, x.dtype
+    return ((n,) + out + (cout,) if cl else (n, cout) + out), x.dtype
 
 
 def infer_conv_transpose(z, w, **a):
@@ -216,15 +272,18 @@ def infer_col2im(c, *, kernel, stride, pad, dilation, image, cols):
 
 
 def infer_pool(x, **a):
-    op, d = "pool", len(a["kernel"])
+    """[N, C, *cols] from x [N, C, *image]; ``channels_last``: [N, *cols, C] from [N, *image, C]."""
+    op, d, cl = "pool", len(a["kernel"]), a.get("channels_last", False)
     if a["kind"] not in ("max", "avg"):
         raise ValueError(f"{op}: kind must be 'max' or 'avg', got {a['kind']!r}")
     _float(op, "x", x)
-    if len(x.shape) != d + 2 or tuple(x.shape[2:]) != tuple(a["image"]):
-        raise ValueError(f"{op}: x must be [N, C, *image] with image {fmt(a['image'])}, got "
-                         f"{_desc(x)}")
+    if len(x.shape) != d + 2 or tuple(x.shape[1:-1] if cl else x.shape[2:]) != tuple(a["image"]):
+        raise ValueError(f"{op}: x must be {'[N, *image, C]' if cl else '[N, C, *image]'} with "
+                         f"image {fmt(a['image'])}, got {_desc(x)}")
     if len(a["cols"]) != d or any(o < 1 for o in a["cols"]):
         raise ValueError(f"{op}: cols {fmt(a['cols'])} must be {d} sizes >= 1")
+    if cl:
+        return (x.shape[0],) + tuple(a["cols"]) + (x.shape[-1],), x.dtype
     return tuple(x.shape[:2]) + tuple(a["cols"]), x.dtype
 
 
@@ -298,17 +357,50 @@ defop("resample", infer_resample, dtype_rule=F32,
       doc="one or two adjacent axes resampled by host tables (pad, resize, adaptive pools)")
 
 
+def _pointwise(x_shape, a) -> bool:
+    """A channels-last 1x1 conv that is a product: one group, no padding, each stride dividing
+    its spatial size (the subsampling is then a reshape and a narrow)."""
+    return (a["groups"] == 1 and all(k == 1 for k in a["kernel"]) and not any(a["pad"])
+            and not any(a["pad_hi"])
+            and all(s % st == 0 for s, st in zip(x_shape[1:-1], a["stride"])))
+
+
+def _pointwise_conv(g, x, w, bias, a):
+    """A channels-last 1x1 conv as the product [N*O, C] @ w[K, C]^T + bias (``linear``: the
+    matmul tiers fuse its bias and the relu / residual that follow; its VJP is two products).
+    A stride subsamples first: each strided axis reshaped to (O, stride) and the first of
+    each window kept (a narrow)."""
+    op = "conv"
+    infer_conv(x, w, **a)                        # the checks and messages of the conv node
+    cout, c = w.shape[0], x.shape[-1]
+    if bias is not None:
+        _check_bias(g, op, bias, cout, x.dtype)
+    for i, st in enumerate(a["stride"]):
+        if st == 1:
+            continue
+        ax, shape = 1 + i, tuple(x.shape)
+        split = shape[:ax] + (shape[ax] // st, st) + shape[ax + 1:]
+        x = g.reshape(g.narrow(g.reshape(x, split), ax + 1, 0, 1), split[:ax + 1] + split[ax + 2:])
+    # x [N, *O, C] as it is: linear folds the leading dims into the product's rows, and its
+    # result is the conv's (a relu of it can then fold into the product: passes/fusion.py)
+    return g.linear(x, g.transpose(g.reshape(w, (cout, c)), (1, 0)), bias)
+
+
 class VisionOps:
     """Builder methods; ``self`` is the Graph."""
 
-    def conv(self, x, w, bias=None, *, stride=1, padding=0, dilation=1, groups=1):
+    def conv(self, x, w, bias=None, *, stride=1, padding=0, dilation=1, groups=1,
+             channels_last=False):
         """torch.nn.functional.conv1d/2d/3d: x [N, C, *S] (or [C, *S]), w [Cout, C/groups,
         *k], bias [Cout] -> [N, Cout, *O], O = (S + pad_lo + pad_hi - dilation*(k - 1) - 1)
         // stride + 1. padding: an int, one int a spatial dim, "valid" (0) or "same" (stride
-        1 only; an odd total puts the extra on the high side, as torch does)."""
+        1 only; an odd total puts the extra on the high side, as torch does).
+        ``channels_last=True``: x [N, *S, C] (or [*S, C]), w [Cout, *k, C/groups] (cuDNN's
+        KRSC), y [N, *O, Cout] (torch's channels_last memory format as the logical layout)."""
         op = "conv"
-        d, batched, xb = _conv_input(self, op, x, w)
-        cout, k = w.shape[0], tuple(w.shape[2:])
+        cl = _channels_last(op, channels_last)
+        d, batched, xb = _conv_input(self, op, x, w, cl)
+        cout, k = w.shape[0], tuple(w.shape[1:-1] if cl else w.shape[2:])
         groups = _ints(op, "groups", groups, 1, 1)[0]
         stride = _ints(op, "stride", stride, d, 1)
         dilation = _ints(op, "dilation", dilation, d, 1)
@@ -326,9 +418,15 @@ class VisionOps:
                                  f"{padding!r}")
         else:
             lo = hi = _ints(op, "padding", padding, d, 0)
-        y = self.bind("conv", [xb, w], kernel=k, stride=stride, pad=lo, dilation=dilation,
-                      groups=groups, pad_hi=hi)
-        y = _bias(self, op, bias, cout, y, d)
+        attrs = dict(kernel=k, stride=stride, pad=lo, dilation=dilation, groups=groups,
+                     pad_hi=hi)
+        if cl:
+            attrs["channels_last"] = True
+        if cl and _pointwise(xb.shape, attrs):
+            y = _pointwise_conv(self, xb, w, bias, attrs)
+        else:
+            y = self.bind("conv", [xb, w], **attrs)
+            y = _bias(self, op, bias, cout, y, d, cl)
         return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def conv_transpose(self, x, w, bias=None, *, stride=1, padding=0, output_padding=0,
@@ -354,20 +452,24 @@ class VisionOps:
         return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def pool(self, x, kind, kernel_size, stride=None, padding=0, *, dilation=1,
-             ceil_mode=False, count_include_pad=True):
+             ceil_mode=False, count_include_pad=True, channels_last=False):
         """torch's max_pool1d/2d/3d ("max") and avg_pool1d/2d/3d ("avg") over x [N, C, *S]
         (or [C, *S]); the spatial rank is kernel_size's length, or x's rank - 2 for an int.
         stride None = kernel_size; padding <= half the (dilated) window; dilation: max only;
         ceil_mode: windows that start inside the input or its low padding round the output
         size up; count_include_pad: avg divides by the window clipped to the padded input
-        (else to the input)."""
+        (else to the input). ``channels_last=True``: x [N, *S, C] (or [*S, C]) -> [N, *O, C]
+        (one kernel along the channels; its gradient: the channels-first one between transposes)."""
         op = "pool"
         self.check(op, "x", x)
+        cl = _channels_last(op, channels_last)
         if kind not in ("max", "avg"):
             raise ValueError(f"{op}: kind must be 'max' or 'avg', got {kind!r}")
         d = len(kernel_size) if isinstance(kernel_size, (tuple, list)) else len(x.shape) - 2
         if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
-            raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
+            want = ("[N, *spatial, C] or [*spatial, C] (channels last)" if cl
+                    else "[N, C, *spatial] or [C, *spatial]")
+            raise ValueError(f"{op}: x must be {want} with 1-3 "
                              f"spatial dims for kernel_size {kernel_size!r}, got {_desc(x)}")
         _float(op, "x", x)
         k = _ints(op, "kernel_size", kernel_size, d, 1)
@@ -382,7 +484,7 @@ class VisionOps:
                              f"{fmt(span)}")
         batched = len(x.shape) == d + 2
         xb = x if batched else self.reshape(x, (1,) + tuple(x.shape))
-        size = tuple(xb.shape[2:])
+        size = tuple(xb.shape[1:-1] if cl else xb.shape[2:])
         out = []
         for s, p, sp, sd in zip(size, pad, span, st):
             o = (s + 2 * p - sp + (sd - 1 if ceil_mode else 0)) // sd + 1
@@ -393,8 +495,9 @@ class VisionOps:
             raise ValueError(f"{op}: the window {fmt(span)} is larger than the padded input "
                              f"{fmt(size)} + 2 x {fmt(pad)}")
         y = self.bind("pool", [xb], kind=kind, kernel=k, stride=st, pad=pad, dilation=dil,
-                      image=size, cols=tuple(out), count_include_pad=bool(count_include_pad))
-        return y if batched else self.reshape(y, tuple(x.shape[:1]) + tuple(out))
+                      image=size, cols=tuple(out), count_include_pad=bool(count_include_pad),
+                      **({"channels_last": True} if cl else {}))
+        return y if batched else self.reshape(y, tuple(y.shape[1:]))
 
     def batch_norm(self, x, mean, var, gamma=None, beta=None, eps=1e-5):
         """Inference batch norm over x [N, C, ...] with running statistics, per channel:
@@ -494,16 +597,31 @@ def _channel_affine_vjp(g, node, dy):
 
 @vjp("pool")
 def _pool_vjp(g, node, dy):
-    x = g.tensor(node.inputs[0])
-    return [g.bind("pool_grad", (x, dy), **node.attrs)]
+    """pool_grad (a gather); channels last: on x and dy transposed to channels first, the
+    gradient transposed back."""
+    x, a = g.tensor(node.inputs[0]), dict(node.attrs)
+    if not a.pop("channels_last", False):
+        return [g.bind("pool_grad", (x, dy), **a)]
+    r = len(x.shape)
+    dx = g.bind("pool_grad", (g.transpose(x, to_first(r)), g.transpose(dy, to_first(r))), **a)
+    return [g.transpose(dx, to_last(r))]
 
 
 @vjp("conv")
 def _conv_vjp(g, node, dy):
     """dx: conv_transpose of dy giving x's size exactly: its pad_hi drops the rows of x no
-    window reached (conv's floor); dw: conv_wgrad."""
+    window reached (conv's floor); dw: conv_wgrad. Channels last: the same on x, w and dy
+    transposed to channels first, the gradients transposed back."""
     x, w = (g.tensor(i) for i in node.inputs)
-    a = node.attrs
+    a = dict(node.attrs)
+    if not a.pop("channels_last", False):
+        return _conv_grads(g, x, w, dy, a)
+    r = len(x.shape)
+    first = [g.transpose(t, to_first(r)) for t in (x, w, dy)]
+    return [g.transpose(t, to_last(r)) for t in _conv_grads(g, *first, a)]
+
+
+def _conv_grads(g, x, w, dy, a):
     rem = tuple((s + p + q - sp) % st for s, p, q, sp, st in
                 zip(x.shape[2:], a["pad"], a["pad_hi"], _span(a), a["stride"]))
     return [g.bind("conv_transpose", (dy, w),
@@ -585,6 +703,22 @@ def expand_conv(g, node, ins):
         dy, cols = g.cast(dy, dt.F32), g.cast(cols, dt.F32)
     dw = g.reduce_sum(g.matmul(dy, g.transpose(cols, (0, 1, 3, 2))), 0)
     return g.reshape(g.cast(dw, node.dtype) if half else dw, node.shape)
+
+
+def channels_first_rewrite(rewrite):
+    """``rewrite`` (a conv tier's: expand_conv, implicit_gemm) for a channels-last conv too: x
+    and w transposed to channels first, that conv rewritten, its result transposed back (the
+    tiers other than cuDNN's; correct, not fast)."""
+    def run(g, node, ins):
+        if not node.attrs.get("channels_last"):
+            return rewrite(g, node, ins)
+        r = len(node.shape)
+        attrs = {k: v for k, v in node.attrs.items() if k != "channels_last"}
+        first = dataclasses.replace(node, shape=_first(node.shape), attrs=attrs)
+        y = rewrite(g, first, [g.transpose(t, to_first(r)) for t in ins[:2]] + list(ins[2:]))
+        return g.transpose(y, to_last(r))
+    run.__doc__ = rewrite.__doc__
+    return run
 
 
 def implicit_gemm(g, node, ins):
@@ -780,21 +914,24 @@ class ResampleOps:
                                  out[j], bool(align_corners), factors[j])
             for j in range(d) if out[j] != spatial[j] or factors[j] not in (None, 1.0)})
 
-    def adaptive_avg_pool(self, x, output_size):
+    def adaptive_avg_pool(self, x, output_size, *, channels_last=False):
         """torch's adaptive_avg_pool1d/2d/3d over x [N, C, *S] (or [C, *S]); the spatial rank is
         output_size's length (x's rank - 2 for an int); a None entry keeps that dim. Window o of
-        a dim is [floor(o*S/O), ceil((o+1)*S/O))."""
+        a dim is [floor(o*S/O), ceil((o+1)*S/O)). ``channels_last=True``: x [N, *S, C] (or
+        [*S, C]) -> [N, *O, C]."""
         op = "adaptive_avg_pool"
         self.check(op, "x", x)
         _float(op, "x", x)
+        cl = int(_channels_last(op, channels_last))
         sizes = tuple(output_size) if isinstance(output_size, (tuple, list)) else None
         d = len(sizes) if sizes is not None else len(x.shape) - 2
         if d not in (1, 2, 3) or len(x.shape) not in (d + 1, d + 2):
             raise ValueError(f"{op}: x must be [N, C, *spatial] or [C, *spatial] with 1-3 "
                              f"spatial dims for output_size {output_size!r}, got {_desc(x)}")
-        spatial = tuple(x.shape[len(x.shape) - d:])
+        first = len(x.shape) - d - cl                     # the first spatial axis
+        spatial = tuple(x.shape[first:first + d])
         sizes = sizes if sizes is not None else (output_size,) * d
         out = tuple(s if o is None else _ints(op, "output_size", o, 1, 1)[0]
                     for s, o in zip(spatial, sizes))
-        return _resample(self, x, {len(x.shape) - d + j: _adaptive_table(spatial[j], out[j])
+        return _resample(self, x, {first + j: _adaptive_table(spatial[j], out[j])
                                    for j in range(d) if out[j] != spatial[j]})

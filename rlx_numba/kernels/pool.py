@@ -1,4 +1,5 @@
-"""pool (max / avg) and its gradient (ir/ops_vision.py), 1/2/3-d as 3-d with unit leading dims.
+"""pool (max / avg) and its gradient (ir/ops_vision.py), 1/2/3-d as 3-d with unit leading dims;
+a channels-last pool (pool_nhwc_kernel) runs its threads along the channels.
 ``geo``, the launch and the uint64 index math are kernels/conv.py's (kernel, output spatial,
 input spatial, stride, pad, dilation; a block's threads along lines), the kernel, stride and
 dilation compile-time constants. Max takes the first largest value of a window in row-major
@@ -18,8 +19,10 @@ from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
-def _window_fn(k, stride, dil, is_max, include_pad, kind):
-    """window(x, base, geo, oz, oy, ox) -> (max or mean in f32, flat offset of the max or -1)."""
+def _window_fn(k, stride, dil, is_max, include_pad, kind, channels_last=False):
+    """window(x, base, geo, oz, oy, ox, cs) -> (max or mean in f32, flat offset of the max or
+    -1); ``channels_last``: neighbouring positions are ``cs`` elements apart (the channels),
+    else 1 (``cs`` unused)."""
     ld = halfio.load(kind)
     kd, kh, kw = u64s(*k)
     sd, sh, sw = u64s(*stride)
@@ -27,7 +30,7 @@ def _window_fn(k, stride, dil, is_max, include_pad, kind):
     divisor = _divisor_fn(k, stride, include_pad)
 
     @inline
-    def window(x, base, geo, oz, oy, ox):
+    def window(x, base, geo, oz, oy, ox, cs):
         d, h, w, pd, ph, pw = geo[6], geo[7], geo[8], geo[12], geo[13], geo[14]
         acc = float32(-math.inf) if is_max else float32(0.0)
         at = int64(-1)
@@ -44,7 +47,7 @@ def _window_fn(k, stride, dil, is_max, include_pad, kind):
                     if xp < pw or xp >= pw + w:
                         continue
                     off = ((zp - pd) * h + yp - ph) * w + xp - pw
-                    v = ld(x, base + off)
+                    v = ld(x, base + off * cs) if channels_last else ld(x, base + off)
                     if is_max:
                         if v > acc or (v != v and acc == acc) or at < 0:
                             acc, at = v, int64(off)
@@ -107,12 +110,38 @@ def pool_kernel(k, stride, dil, is_max: bool, include_pad: bool, kind="f32"):
                     line = min(first + uint64(r), lines - uint64(1))
                     oy, t = line % oh, line // oh
                     oz, q = t % od, t // od
-                    vals[r] = window(x, q * dhw, geo, oz, oy, ox)[0]
+                    vals[r] = window(x, q * dhw, geo, oz, oy, ox, uint64(1))[0]
                 for r in range(group):
                     if first + uint64(r) < lines:
                         st(out, (first + uint64(r)) * ow + ox, vals[r])
                 ox += uint64(cuda.blockDim.x)
             first += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y) * ug
+
+    return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def pool_nhwc_kernel(k, stride, dil, is_max: bool, include_pad: bool, kind="f32"):
+    """Channels last: out[n, o, c] = the window's max / mean over x [N, *S, C]; arguments (out,
+    x, lines, c, geo), lines = N * prod(O): a line is one output position's channels, a block's
+    threads along them (each warp's loads one contiguous run of x)."""
+    window = _window_fn(k, stride, dil, is_max, include_pad, kind, True)
+    st = halfio.store(kind)
+
+    @jit
+    def kernel(out, x, lines, c, geo):
+        od, oh, ow = geo[3], geo[4], geo[5]
+        dhw = geo[6] * geo[7] * geo[8]
+        line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
+        while line < lines:
+            ox, t = line % ow, line // ow
+            oy, t = t % oh, t // oh
+            oz, q = t % od, t // od
+            ch = uint64(cuda.threadIdx.x)
+            while ch < c:
+                st(out, line * c + ch, window(x, q * dhw * c + ch, geo, oz, oy, ox, c)[0])
+                ch += uint64(cuda.blockDim.x)
+            line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel
 
@@ -154,7 +183,8 @@ def pool_grad_kernel(k, stride, dil, is_max: bool, include_pad: bool, kind="f32"
                                 continue
                             o = ((q * od + oz) * oh + oy) * ow + ox
                             if is_max:
-                                if window(x, q * d * h * w, geo, oz, oy, ox)[1] == me:
+                                if window(x, q * d * h * w, geo, oz, oy, ox,
+                                          uint64(1))[1] == me:
                                     acc += ld(dy, o)
                             else:
                                 acc += ld(dy, o) / divisor(geo, oz, oy, ox)

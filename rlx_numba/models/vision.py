@@ -137,23 +137,38 @@ def fold_batch_norms(cfg: ResNetConfig, params: dict) -> dict:
     return out
 
 
-def build_resnet(cfg: ResNetConfig, batch: int, height: int, width: int) -> Graph:
+def to_channels_last(cfg: ResNetConfig, params: dict) -> dict:
+    """fold_batch_norms' params with each conv weight [out, in, k, k] permuted to channels last
+    [out, k, k, in] (what ``build_resnet(..., channels_last=True)`` reads)."""
+    convs = {c[0] + ".weight" for c in _convs(cfg)}
+    return {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) if k in convs else v
+            for k, v in params.items()}
+
+
+def build_resnet(cfg: ResNetConfig, batch: int, height: int, width: int,
+                 channels_last: bool = False) -> Graph:
     """The inference graph: input "images" f32 [batch, 3, height, width] -> logits; params
-    are fold_batch_norms' names."""
+    are fold_batch_norms' names. ``channels_last``: the images transposed to [batch, height,
+    width, 3] once, every conv and the max pool channels last (conv weights [out, k, k, in]:
+    ``to_channels_last``), the global average pool a mean over the spatial axes."""
     g = Graph("resnet")
     P = {}
     for conv, _, shape, _, _ in _convs(cfg):
-        P[conv + ".weight"] = g.param(conv + ".weight", shape)
+        wshape = (shape[0],) + shape[2:] + (shape[1],) if channels_last else shape
+        P[conv + ".weight"] = g.param(conv + ".weight", wshape)
         P[conv + ".bias"] = g.param(conv + ".bias", (shape[0],))
     spec = {c[0]: c for c in _convs(cfg)}
 
     def conv(x, name, relu=True):
         _, _, _, stride, pad = spec[name]
-        y = g.conv(x, P[name + ".weight"], P[name + ".bias"], stride=stride, padding=pad)
+        y = g.conv(x, P[name + ".weight"], P[name + ".bias"], stride=stride, padding=pad,
+                   channels_last=channels_last)
         return g.relu(y) if relu else y
 
     x = g.input("images", (batch, 3, height, width))
-    x = g.pool(conv(x, "conv1"), "max", 3, 2, 1)
+    if channels_last:      # (in a half model: after the cast the input gets as it enters)
+        x = g.transpose(x, (0, 2, 3, 1))
+    x = g.pool(conv(x, "conv1"), "max", 3, 2, 1, channels_last=channels_last)
     n = 3 if cfg.block == "bottleneck" else 2
     for p, _, _, _, _, down in _blocks(cfg):
         h = x
@@ -161,8 +176,11 @@ def build_resnet(cfg: ResNetConfig, batch: int, height: int, width: int) -> Grap
             h = conv(h, f"{p}conv{i}", relu=i < n)
         skip = conv(x, p + "downsample.0", relu=False) if down else x
         x = g.relu(g.add(h, skip))
-    feat = g.reshape(g.adaptive_avg_pool(x, (1, 1)), (batch, x.shape[1]))
-    fc_w = g.param("fc.weight", (cfg.num_classes, x.shape[1]))
+    if channels_last:
+        feat = g.reduce_mean(x, (1, 2))
+    else:
+        feat = g.reshape(g.adaptive_avg_pool(x, (1, 1)), (batch, x.shape[1]))
+    fc_w = g.param("fc.weight", (cfg.num_classes, feat.shape[1]))
     g.set_outputs([g.linear(feat, g.transpose(fc_w, (1, 0)), g.param("fc.bias",
                                                                         (cfg.num_classes,)))])
     return g
@@ -313,21 +331,30 @@ class _Classifier:
 
 
 class ResNet(_Classifier):
-    """torchvision's ResNet, inference, batch norms folded (module docstring)."""
+    """torchvision's ResNet, inference, batch norms folded (module docstring).
+    ``channels_last`` (default: on for dtype f16 / bf16, off for f32) runs it NHWC after one
+    transpose of the images (cuDNN's fast half layout; 1x1 convs as plain products), the conv
+    weights permuted once when they load; the logits are the same."""
     KIND = ResNetConfig
 
     @staticmethod
     def _shapes(cfg):
         return resnet_param_shapes(cfg)
 
-    def __init__(self, config, params: dict, **kw):
+    def __init__(self, config, params: dict, *, channels_last=None, **kw):
+        if channels_last is None:
+            channels_last = model_dtype(type(self).__name__, kw.get("dtype", "f32")) != "f32"
+        if not isinstance(channels_last, bool):
+            raise ValueError(f"ResNet: channels_last must be True, False or None (on for f16 / "
+                             f"bf16), got {channels_last!r}")
+        self.channels_last = channels_last
         # the batch norms' step counters (training state) are not weights
         params = {k: v for k, v in params.items() if not k.endswith(".num_batches_tracked")}
         super().__init__(config, params, **kw)
 
-    @staticmethod
-    def _prepare(cfg, params):
-        return fold_batch_norms(cfg, params)
+    def _prepare(self, cfg, params):
+        folded = fold_batch_norms(cfg, params)
+        return to_channels_last(cfg, folded) if self.channels_last else folded
 
     @staticmethod
     def _random(name, shape, rng):
@@ -339,7 +366,7 @@ class ResNet(_Classifier):
         return base + 0.1 * rng.standard_normal(shape)
 
     def _build(self, batch, height, width):
-        return build_resnet(self.config, batch, height, width)
+        return build_resnet(self.config, batch, height, width, self.channels_last)
 
     def _check_size(self, h, w):
         if h < 32 or w < 32:
@@ -378,5 +405,5 @@ class ViT(_Classifier):
 
 
 __all__ = ["ARCHS", "ResNet", "ResNetConfig", "ViT", "ViTConfig", "build_resnet", "build_vit",
-           "fold_batch_norms", "resnet_param_shapes", "vit_param_shapes", "vit_graph_shapes",
-           "split_in_proj"]
+           "fold_batch_norms", "to_channels_last", "resnet_param_shapes", "vit_param_shapes",
+           "vit_graph_shapes", "split_in_proj"]

@@ -17,6 +17,13 @@ in the graph node's place (``nodes``). Seven rewrites:
   (each part optional, bias [N], residual of the output's shape, all f32) with a single-use
   matmul becomes the matmul itself with that epilogue (what ``g.linear`` lowers to), so the
   cuBLASLt tier can fuse it; a ``dequant_matmul`` (the quantised GEMV) likewise.
+- **Relu epilogues.** ``relu(linear(...))`` and ``relu(linear(...) + r)`` over a single-use
+  linear with no activation or residual, the region exactly that, r and every node of the
+  linear's shape and dtype, becomes the linear with ``activation="relu"`` (and r as its
+  residual with ``residual_first``: added before the relu, as cuBLASLt adds C): a
+  channels-last ResNet's 1x1 convs (ir/ops_vision.py), the block's skip and relu included.
+  relu(linear) is exact in any dtype (rounding commutes with relu); a half relu(linear + r)
+  rounds once where the graph rounds twice.
 - **Residual epilogues.** ``linear(...) + r`` (any float dtype), and ``matmul(a, b) + r`` of
   f16 / bf16 operands, with r and the add of the product's shape and dtype (no promotion),
   become the product with ``residual=r``: cuBLASLt adds it as C (beta = 1) when there is no
@@ -165,6 +172,19 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
                 out.nodes[r] = fold
                 out.folds[r] = ("matmul epilogue", tuple(sorted(groups[r] + [n.id])))
                 interior.update(m for m in groups[r] + [n.id] if m != r)
+    for n in nodes:   # relu epilogues: relu(linear(...)) and relu(linear(...) + r), one dtype
+        if (n.op == "linear" and n.id in live and single(n.id) and n.attrs["activation"] is None
+                and not n.attrs["has_residual"] and consumer.get(n.id) in region_of):
+            r = region_of[consumer[n.id]]
+            fold = None if r in out.nodes else _relu_epilogue(nodes, n, groups[r])
+            if fold is not None and strided.intersection(fold.inputs[-1:]):
+                fold = None    # the product's epilogue reads dense operands
+            if fold is None or _hazards(nodes, {r: groups[r] + [n.id]}, writes, root):
+                continue
+            out.regions.pop(r, None)
+            out.nodes[r] = fold
+            out.folds[r] = ("relu epilogue", tuple(sorted(groups[r] + [n.id])))
+            interior.update(m for m in groups[r] + [n.id] if m != r)
     for n in nodes:   # residual adds: linear(...) + r, and a half matmul + r, of one dtype
         if (n.op in ("linear", "matmul") and n.id in live and single(n.id)
                 and not n.attrs.get("has_residual") and consumer.get(n.id) in region_of
@@ -369,6 +389,32 @@ def _residual_epilogue(nodes, prod, members, norm_adds):
                 {**attrs, "has_residual": True})
 
 
+def _relu_epilogue(nodes, lin, members):
+    """``lin`` (a linear with no activation or residual) with ``activation="relu"`` when the
+    region ``members`` is exactly relu(lin), or with the residual r too (``residual_first``:
+    relu(x @ w + bias + r), the order cuBLASLt's C takes) when it is exactly relu(lin + r), r
+    and every node of lin's shape and dtype; else None. relu(lin) is exact in any dtype
+    (rounding commutes with relu); a half relu(lin + r) rounds once where the graph rounds lin
+    and lin + r (as the residual epilogue)."""
+    relu = nodes[members[-1]]
+    if (relu.op != "activation" or relu.attrs["kind"] != "relu" or relu.dtype != lin.dtype
+            or relu.shape != lin.shape):
+        return None
+    attrs = {**lin.attrs, "activation": "relu"}
+    if members == [relu.id] and relu.inputs == (lin.id,):
+        return Node(relu.id, "linear", lin.inputs, lin.shape, lin.dtype, attrs)
+    add = nodes[relu.inputs[0]]
+    if (sorted(members) != sorted([add.id, relu.id]) or add.op != "binary"
+            or add.attrs["kind"] != "add" or add.dtype != lin.dtype or add.shape != lin.shape
+            or list(add.inputs).count(lin.id) != 1):
+        return None
+    r = nodes[add.inputs[1] if add.inputs[0] == lin.id else add.inputs[0]]
+    if r.dtype != lin.dtype or r.shape != lin.shape:
+        return None
+    return Node(relu.id, "linear", lin.inputs + (r.id,), lin.shape, lin.dtype,
+                {**attrs, "has_residual": True, "residual_first": True})
+
+
 def _conv_epilogue(nodes, cv, members, consumer):
     """The conv node computing ``relu(cv + bias (+ z))`` (cuDNN's fused forward: bias [K]
     broadcast over the positions, z of the output's shape, in either order) when the region
@@ -376,7 +422,8 @@ def _conv_epilogue(nodes, cv, members, consumer):
     In f16 / bf16 the unfused chain rounds the conv, then conv + bias (and + z) to the dtype;
     the fused form sums conv + bias + z in f32 and rounds once, after the relu (a rounding
     commutes with relu): it drops the roundings of the conv and of each add but the last."""
-    shape, k, dtype = cv.shape, cv.shape[1], cv.dtype
+    cl = cv.attrs.get("channels_last", False)    # channels last: the bias [K] unreshaped
+    shape, k, dtype = cv.shape, cv.shape[-1 if cl else 1], cv.dtype
     bias_shape = (k,) + (1,) * (len(shape) - 2)
     if dtype not in (dt.F32, dt.F16, dt.BF16):
         return None
@@ -395,8 +442,8 @@ def _conv_epilogue(nodes, cv, members, consumer):
         o = nodes[n.inputs[1] if n.inputs[0] == cur else n.inputs[0]]
         if o.dtype != dtype:
             return None
-        if (bias is None and o.op == "reshape" and o.shape == bias_shape
-                and nodes[o.inputs[0]].shape == (k,)):
+        if bias is None and (o.shape == (k,) if cl else (
+                o.op == "reshape" and o.shape == bias_shape and nodes[o.inputs[0]].shape == (k,))):
             bias = o
         elif z is None and o.shape == shape:
             z = o

@@ -230,8 +230,11 @@ def _uniform_stride(offs):
 
 
 def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activation=None,
-                  residual=None, gated=None, norm=None) -> list:
-    """Steps computing activation(A @ B + bias) + residual into the node's buffer; with
+                  residual=None, gated=None, residual_first=False, norm=None) -> list:
+    """Steps computing activation(A @ B + bias) + residual into the node's buffer
+    (``residual_first``: activation(A @ B + bias + residual), passes/fusion.py's fold of a
+    ResNet block's relu(conv + bias + skip): cuBLASLt adds C before its epilogue; tiers 3 and
+    5, whose kernels add the residual last, pass it over); with
     ``gated`` (an activation: passes/fusion.py's gated epilogue, 2-D weight with gate/up
     columns interleaved) gated(A @ B + bias) + residual, half the columns. Tier 3 does that
     in its epilogue; the others write the product (+ bias) to a scratch of their own and a
@@ -252,7 +255,8 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     batch = math.prod(batch_shape)
     if batch * m * ncols == 0:
         return []
-    epi = {"bias": bias, "activation": activation, "residual": residual}
+    epi = {"bias": bias, "activation": activation, "residual": residual,
+           "residual_first": residual_first}
     post, full = [], out      # full: where the ladder's tiers write the [M, N] product
 
     def gated_scratch(sdt):
@@ -265,9 +269,9 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if gated:     # cuBLAS writes D in the product's dtype (a half one rounded twice: the
         # module docstring); tier 4 below takes an f32 scratch of its own instead
         full, post = gated_scratch(n.dtype)
-        epi = {"bias": bias, "activation": None, "residual": None}
+        epi = {"bias": bias, "activation": None, "residual": None, "residual_first": False}
     steps, why = [], []
-    has_epi = any(v is not None for v in epi.values())
+    has_epi = any(epi[k] is not None for k in ("bias", "activation", "residual"))
     if k == 0:   # an empty sum: zeros (exact in any dtype), then the epilogue in place
         zero = ctx.device_array(np.zeros(1, np.bool_))
         steps.append(elementwise_step(name + " zero", ("cast", None, n.dtype, ("in", 0, dt.BOOL)),
@@ -282,9 +286,11 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     skinny = (_tier3(ctx, name, a, b, out, m, ncols, k, batch,
                      {"bias": bias, "activation": gated or activation, "residual": residual,
                       "gated": bool(gated), "norm": norm}, why)
-              if 3 in tiers else None)
+              if 3 in tiers and not residual_first else None)
     if 3 not in tiers:
         why.append("tier 3 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    elif residual_first:
+        why.append("tier 3: its kernel adds the residual after the activation")
     pre = []          # the other tiers' norm step: rms_norm(A) into a scratch they read as A
     if norm is not None:
         normed = ctx.device_array(np.zeros(m * k, a.node.dtype.storage))
@@ -298,6 +304,8 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         why.append("tier 5: tier 3 takes this skinny product")
     elif gated:
         why.append("tier 5: a gated epilogue (tier 3, or a product into the gated kernel)")
+    elif residual_first:
+        why.append("tier 5: its kernel adds the residual after the activation")
     else:
         tensor = _tier5(ctx, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, kind, why)
         tensor = tensor and pre + tensor
@@ -406,8 +414,9 @@ def _done(n, tier, why, steps, flops, last=-1):
 
 
 def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, src=None,
-              out_dtype=dt.F32):
-    """out = activation(src + bias) + residual as one generated kernel (or nothing), in f32
+              out_dtype=dt.F32, residual_first=False):
+    """out = activation(src + bias) + residual (``residual_first``: activation(src + bias +
+    residual)) as one generated kernel (or nothing), in f32
     and rounded once to ``out_dtype`` on the store; src (f32) is out itself (in place, an f32
     product) or a half product's f32 scratch. Bias and residual are read in their dtype."""
     src = out if src is None else src
@@ -423,13 +432,15 @@ def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, 
         ins.append(ctx.buf(bias))
         shapes.append(bias.shape)
         dts.append(bias.dtype)
-    if activation:
+    if activation and not residual_first:
         expr = ("activation", activation, dt.F32, expr)
     if residual is not None:
         expr = ("binary", "add", dt.F32, expr, ("in", len(ins), residual.dtype))
         ins.append(ctx.buf(residual))
         shapes.append(shape)
         dts.append(residual.dtype)
+    if activation and residual_first:
+        expr = ("activation", activation, dt.F32, expr)
     if out_dtype != dt.F32:
         expr = ("cast", None, out_dtype, expr)
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, dts)]
@@ -473,7 +484,9 @@ def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label, out_typ
     from ..cublas import api, gemm
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
     lt_act = act if act in LT_ACTIVATIONS else None
-    fuse_res = res is not None and act is None     # C = residual, beta = 1, added before act
+    # C = residual, beta = 1, added before the activation: where there is none, or where the
+    # node wants it there (residual_first; an activation cuBLASLt lacks then runs on D)
+    fuse_res = res is not None and (act is None or epi.get("residual_first", False))
     tf32 = cublas.allow_tf32 and in_type == api.R_32F
     kw = dict(tf32=tf32, activation=lt_act, in_type=in_type,
               out_type=api.R_32F if out_type is None else out_type,
@@ -698,7 +711,7 @@ def f32_dummy(ctx):
 # 2.7e8): each timing compiles a kernel variant (seconds on a fresh machine), and smaller
 # products are launch-bound (the GPU tests' many small half products would each compile one)
 TC_TIMED_MIN_FLOPS = 2 ** 28
-CHOICE_VERSION = 2          # bump when the kernel or its plan changes: old verdicts are ignored
+CHOICE_VERSION = 3          # bump when the kernel or its plan changes: old verdicts are ignored
 CHOICE_FILE = "tier_choices.json"
 _CHOICES: dict = {}         # this process's verdicts (key -> (tier 3 us, other us))
 
@@ -850,7 +863,8 @@ def _lower_matmul(ctx, n):
     a, b = (operand(ctx, i) for i in n.inputs[:2])
     bias, res, norm = _epilogue_inputs(ctx.graph, n)
     return product_steps(ctx, n, a, b, n.shape, bias=bias, activation=n.attrs.get("activation"),
-                         residual=res, gated=n.attrs.get("gated"), norm=norm)
+                         residual=res, gated=n.attrs.get("gated"),
+                         residual_first=n.attrs.get("residual_first", False), norm=norm)
 
 
 def _epilogue_inputs(g, n):
@@ -874,4 +888,5 @@ def _lower_linear(ctx, n):
     bias, res, norm = _epilogue_inputs(g, n)
     return product_steps(ctx, n, a, w, (a.shape[0], w.shape[-1]), bias=bias,
                          activation=n.attrs["activation"], residual=res,
-                         gated=n.attrs.get("gated"), norm=norm)
+                         gated=n.attrs.get("gated"),
+                         residual_first=n.attrs.get("residual_first", False), norm=norm)

@@ -1,7 +1,9 @@
 """Lowering of the ops of ir/ops_vision.py. conv, conv_transpose and conv_wgrad: one cuDNN call
 (tier 0, cudnn.py) where ``conv_tier`` says 0; elsewhere the compiler has rewritten them as
 im2col / col2im and products (tier 1, the matmul ladder) or as an implicit_gemm node (tier 2,
-the numba kernel). im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
+the numba kernel); a channels-last conv is one cuDNN NHWC call on tier 0 and two transposes
+around the channels-first rewrite on the others (ir/ops_vision.py channels_first_rewrite).
+im2col, col2im (kernels/conv.py), pool and pool_grad (kernels/pool.py): one
 kernel each, made for the node's kernel size, stride and dilation, its threads along lines of
 the output (kernels/conv.py), the rest of the geometry a small uint64 device array; resample
 (kernels/resample.py) and channel_affine (kernels/channel.py) run along lines too. Every kernel
@@ -19,7 +21,8 @@ from ..device import SIMULATOR
 from ..ir import dtypes as dt
 from ..ir.opdef import Tier, add_tier, set_chooser
 from ..ir.ops import fmt
-from ..ir.ops_vision import CONV_OPS, expand_conv, half_product, implicit_gemm
+from ..ir.ops_vision import (CONV_OPS, channels_first_rewrite, expand_conv, half_product,
+                             implicit_gemm, to_first)
 from ..kernels import channel as C
 from ..kernels import halfio
 from ..kernels import conv as K
@@ -79,6 +82,12 @@ def _lower_col2im(ctx, n):
 @lowering("pool")
 def _lower_pool(ctx, n):
     a, x = n.attrs, ctx.graph.nodes[n.inputs[0]]
+    if a.get("channels_last"):      # a line: one output position's channels
+        kern = P.pool_nhwc_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
+                                  halfio.io_kind(n.dtype))
+        lines, c = n.size // n.shape[-1], n.shape[-1]
+        return _step(ctx, n, kern, (np.uint64(lines), np.uint64(c)), [x],
+                     f"{a['kind']} pool NHWC", (lines, c))
     nc = n.shape[0] * n.shape[1]
     kern = P.pool_kernel(*_consts(a), a["kind"] == "max", a["count_include_pad"],
                          halfio.io_kind(n.dtype))
@@ -173,11 +182,14 @@ def conv_tier(graph, n) -> tuple[int, str]:
     tiers, why = _tiers(), []
     image, cols = _conv_shapes(graph, n)
     a = n.attrs
+    # channels last: cuDNN takes it as it is (NHWC descriptors); the products of tier 1 and the
+    # numba kernel read channels first, so those tiers add two transposes around it
+    cl = a.get("channels_last", False)
     one_by_one = (all(v == 1 for v in a["kernel"] + a["stride"]) and not any(a["pad"])
-                  and image[2:] == cols[2:])
+                  and image[2:] == cols[2:] and not cl)
     # a strided 1x1 (a ResNet's downsample) in half: im2col is the subsampled image
     strided_1x1 = (n.op == "conv" and n.dtype != dt.F32 and all(v == 1 for v in a["kernel"])
-                   and not any(a["pad"]) and not one_by_one)
+                   and not any(a["pad"]) and not one_by_one and not cl)
     # tier 1 in half needs matmul in half (else its product is f32 between two casts: the
     # numba kernel, tier 2, reads half directly); the weight gradient has no tier 2
     gemm = half_product(n.dtype)
@@ -219,9 +231,13 @@ def conv_tier(graph, n) -> tuple[int, str]:
 
 
 def _conv_shapes(graph, n):
-    """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms."""
+    """(image [N, C, *S], cols [N, K, *O]) of a conv-family node in the forward conv's terms
+    (channels-first order for a channels-last node too)."""
     a, b = (graph.nodes[i].shape for i in n.inputs[:2])
-    return {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
+    image, cols = {"conv": (a, n.shape), "conv_transpose": (n.shape, a), "conv_wgrad": (a, b)}[n.op]
+    if n.attrs.get("channels_last"):
+        image, cols = (tuple(s[i] for i in to_first(len(s))) for s in (image, cols))
+    return image, cols
 
 
 @lowering("implicit_gemm")
@@ -277,6 +293,9 @@ def _lower_conv(ctx, n):
     g, a = ctx.graph, n.attrs
     image, cols = _conv_shapes(g, n)
     w_shape = n.shape if n.op == "conv_wgrad" else g.nodes[n.inputs[1]].shape
+    cl = a.get("channels_last", False)
+    if cl:            # KRSC in memory; cuDNN's filter dims are [K, C, *k] whatever the format
+        w_shape = tuple(w_shape[i] for i in to_first(len(w_shape)))
     kind, x, w, y = {
         "conv": ("fwd", n.inputs[0], n.inputs[1], n.id),
         "conv_transpose": ("bwd_data", n.id, n.inputs[1], n.inputs[0]),
@@ -291,14 +310,17 @@ def _lower_conv(ctx, n):
             epi["z_ptr"] = ptr(n.inputs[3])
     make = lambda stream: cudnn.conv_plan(  # noqa: E731
         stream, kind, image, w_shape, cols, a["pad"], a["stride"], a["dilation"], a["groups"],
-        ptr(x), ptr(w), ptr(y), tf32, dtype=halfio.io_kind(n.dtype), **epi)
+        ptr(x), ptr(w), ptr(y), tf32, dtype=halfio.io_kind(n.dtype), channels_last=cl, **epi)
     flops = 2 * math.prod(cols) * math.prod(w_shape[1:])
-    tags = " +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
+    tags = (" +bias" * bool(epi) + " +z" * ("z_ptr" in epi) + " relu" * bool(epi)
+            + " NHWC" * cl)
     return [CallStep(step_name(n), f"cudnn {kind}{tags} {'x'.join(map(str, a['kernel']))} of "
                      f"{fmt(image)} -> {fmt(cols)}", make, {"flops": flops, "tier": 0})]
 
 
 for _op in CONV_OPS:    # tiers 1 and 2 rewrite the node at legalise (compiler.py)
-    add_tier(_op, Tier("im2col / col2im and the matmul ladder", None, rewrite=expand_conv))
-    add_tier(_op, Tier("the numba implicit-GEMM kernel", None, rewrite=implicit_gemm))
+    add_tier(_op, Tier("im2col / col2im and the matmul ladder", None,
+                       rewrite=channels_first_rewrite(expand_conv)))
+    add_tier(_op, Tier("the numba implicit-GEMM kernel", None,
+                       rewrite=channels_first_rewrite(implicit_gemm)))
     set_chooser(_op, conv_tier, "RLX_NUMBA_CONV_TIERS")
