@@ -162,8 +162,11 @@ def test_pointwise_conv_residual_relu_folds(rng, dtype):
     want = np.maximum(conv + f64(b) + f64(skip), 0)
     if dtype == "f32":
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    else:       # one rounding (the graph unfused: three)
-        assert_half_close(got, want, dtype, k=1.0)
+    else:       # one rounding here (the graph unfused: three); cuBLASLt in half precision
+        # rounds once more before it adds C (H100: 1.25 ulp off at 6.06): two roundings of
+        # the product's magnitude
+        assert_half_close(got, want, dtype, k=2.0,
+                          scale=float(np.abs(conv + f64(b)).max()) if ON_GPU else None)
     names = [s.kernel_name for s in exe.steps]
     assert len([k for k in names if k.startswith("elementwise")]) <= 1, names
     if ON_GPU:   # one cuBLASLt call, C = skip: the values above check that C precedes the relu

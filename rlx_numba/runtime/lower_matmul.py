@@ -331,6 +331,14 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             left = {**epi, **left}      # what the tier left of the epilogue
             steps = pre + steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
                                             out_dtype=n.dtype) + post
+            if skinny is not None and m == 1 and half:
+                # one row of half activations: tier 3 streams the weight at 85-105% of copy
+                # bandwidth where cuBLASLt reaches 37-98% (bench_gemv, H100, the 1B shapes);
+                # a timing over a weight that fits in L2 misleads (the 1B shape's 33 MB down
+                # projection + residual: cuBLASLt timed faster, 16.7 us in the decode against
+                # tier 3's 10.4)
+                why.append(f"tier {tier}: one row of {kind} activations takes tier 3 untimed")
+                return _done(n, 3, why, skinny, flops)
             if skinny is not None:   # the faster of the two, timed (or known) for this shape:
                 # all of ``steps`` (tier 0's cast kernel included), as the run launches them
                 key = _choice_key(ctx, b, m, ncols, k, epi, tier, gated, kind, norm is not None)
