@@ -243,8 +243,9 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
             out.nodes[pid] = Node(pid, prod.op, (n.inputs[0],) + prod.inputs[1:] + (n.inputs[1],),
                                   prod.shape, prod.dtype,
                                   {**prod.attrs, "rms_norm_eps": float(n.attrs["eps"])})
-            members = out.folds.get(pid, ("", (pid,)))[1] + (n.id,)
-            out.folds[pid] = ("norm prologue", tuple(sorted(members)))
+            kind, members = out.folds.get(pid, ("", (pid,)))
+            out.folds[pid] = (f"{kind} + norm prologue" if kind else "norm prologue",
+                              tuple(sorted(members + (n.id,))))
             interior.add(n.id)
     for r, reg in out.regions.items():
         root_node = nodes[r]

@@ -294,7 +294,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     pre = []          # the other tiers' norm step: rms_norm(A) into a scratch they read as A
     if norm is not None:
         normed = ctx.device_array(np.zeros(m * k, a.node.dtype.storage))
-        pre = rms_norm_steps(ctx, name + " rms_norm", normed, a.buf, ctx.buf(norm[0]), m, k,
+        pre = rms_norm_steps(ctx, name + " norm prologue", normed, a.buf, ctx.buf(norm[0]), m, k,
                              norm[1], a.node.dtype, norm[0].dtype)
         a = Operand(normed, a.node, False, a.shape)
     tensor = None       # tier 5's steps: a half product tier 3 does not take
