@@ -95,7 +95,7 @@ from ..kernels import matmul as mm
 from ..kernels import matmul_tc as mtc
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
-from .lower import (CallStep, Step, compile_off_thread, elementwise_step, env_tiers,
+from .lower import (CallStep, Step, compile_off_thread, data_ptr, elementwise_step, env_tiers,
                     gated_step, log, log_tier, lowering, step_name)
 from .lower_norm import rms_norm_steps
 
@@ -454,10 +454,6 @@ def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, 
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, dts)]
 
 
-def device_ptr(buf) -> int:
-    return buf.device_ctypes_pointer.value
-
-
 def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
     half = ctx.half_param(b.node)
     if half is None:
@@ -479,8 +475,8 @@ def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind)
         lt = _lt_step(ctx, name, cm, scratch, hbuf, out, epi, why, in_type=code, label=str(hdt))
         if lt is not None:
             return [cast, lt[0]], lt[1]
-    make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(scratch), code, device_ptr(hbuf), code,  # noqa: E731
-                                            device_ptr(out), batch=batch, stride_a=sa or 0,
+    make = lambda stream: gemm.gemm_ex_plan(stream, cm, data_ptr(scratch), code, data_ptr(hbuf), code,  # noqa: E731
+                                            data_ptr(out), batch=batch, stride_a=sa or 0,
                                             stride_b=sb or 0)
     return [cast, CallStep(name, f"cublasGemmEx {hdt} {batch}x{m}x{n}x{k}", make)], {}
 
@@ -500,16 +496,16 @@ def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label, out_typ
               out_type=api.R_32F if out_type is None else out_type,
               # the bias is added before any activation: fused even when the activation
               # is left to the epilogue kernel
-              bias_ptr=device_ptr(ctx.buf(bias)) if bias is not None else None,
-              residual_ptr=device_ptr(ctx.buf(res)) if fuse_res else None)
+              bias_ptr=data_ptr(ctx.buf(bias)) if bias is not None else None,
+              residual_ptr=data_ptr(ctx.buf(res)) if fuse_res else None)
     try:   # plan now, so a shape the library refuses falls through at compile time
-        first = gemm.lt_plan(ctx.stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
+        first = gemm.lt_plan(ctx.stream, cm, data_ptr(a_buf), data_ptr(b_buf), data_ptr(out), **kw)
     except cublas.CublasError as e:
         why.append(f"cuBLASLt: {e}")
         return None
     own = ctx.stream            # (not ctx: a step must not keep its executable alive)
     make = lambda stream: first if stream is own else gemm.lt_plan(  # noqa: E731
-        stream, cm, device_ptr(a_buf), device_ptr(b_buf), device_ptr(out), **kw)
+        stream, cm, data_ptr(a_buf), data_ptr(b_buf), data_ptr(out), **kw)
     fused_bias = kw["bias_ptr"] is not None
     tags = "+".join(t for t in (label, "bias" if fused_bias else "", lt_act or "",
                                 "residual" if fuse_res else "") if t)
@@ -549,11 +545,11 @@ def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind)
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
     if batch > 1 and (sa is None or sb is None):
-        ptrs = (gemm.pointer_array(device_ptr(a.buf), offs_a, 4), gemm.pointer_array(device_ptr(b.buf), offs_b, 4),
-                gemm.pointer_array(device_ptr(out), np.arange(batch) * m * n, 4))
+        ptrs = (gemm.pointer_array(data_ptr(a.buf), offs_a, 4), gemm.pointer_array(data_ptr(b.buf), offs_b, 4),
+                gemm.pointer_array(data_ptr(out), np.arange(batch) * m * n, 4))
         ctx.keep(ptrs)
         kind = "cublasSgemmBatched"
-    make = lambda stream: gemm.sgemm_plan(stream, cm, device_ptr(a.buf), device_ptr(b.buf), device_ptr(out),  # noqa: E731
+    make = lambda stream: gemm.sgemm_plan(stream, cm, data_ptr(a.buf), data_ptr(b.buf), data_ptr(out),  # noqa: E731
                                           tf32=tf32, batch=batch, stride_a=sa or 0,
                                           stride_b=sb or 0, ptr_arrays=ptrs)
     return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
@@ -566,13 +562,13 @@ def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind):
     ptrs, call = None, "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
     if batch > 1 and (sa is None or sb is None):
         isz, osz = np.dtype(a.buf.dtype).itemsize, np.dtype(out.dtype).itemsize
-        ptrs = (gemm.pointer_array(device_ptr(a.buf), offs_a, isz),
-                gemm.pointer_array(device_ptr(b.buf), offs_b, isz),
-                gemm.pointer_array(device_ptr(out), np.arange(batch) * m * n, osz))
+        ptrs = (gemm.pointer_array(data_ptr(a.buf), offs_a, isz),
+                gemm.pointer_array(data_ptr(b.buf), offs_b, isz),
+                gemm.pointer_array(data_ptr(out), np.arange(batch) * m * n, osz))
         ctx.keep(ptrs)
         call = "cublasGemmBatchedEx"
-    make = lambda stream: gemm.gemm_ex_plan(stream, cm, device_ptr(a.buf), code, device_ptr(b.buf),  # noqa: E731
-                                            code, device_ptr(out), c_type=code, batch=batch,
+    make = lambda stream: gemm.gemm_ex_plan(stream, cm, data_ptr(a.buf), code, data_ptr(b.buf),  # noqa: E731
+                                            code, data_ptr(out), c_type=code, batch=batch,
                                             stride_a=sa or 0, stride_b=sb or 0, ptr_arrays=ptrs)
     return [CallStep(name, f"{call} {kind} {batch}x{m}x{n}x{k}", make)], {}
 
@@ -603,7 +599,7 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
         return None
     gamma = ctx.buf(norm[0]) if norm is not None else None
     vec = gv.vec_width(kind)
-    if k % vec or not SIMULATOR and any(device_ptr(p) % 16 for p in (wbuf, a.buf, gamma)
+    if k % vec or not SIMULATOR and any(data_ptr(p) % 16 for p in (wbuf, a.buf, gamma)
                                         if p is not None):
         vec = 1                           # rows not 16-byte aligned: element loads
     sm = 1 if SIMULATOR else sm_count()
@@ -662,7 +658,7 @@ def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why)
         return None
     bits = (lambda buf: buf) if kind == "bf16" else (lambda buf: buf.view(np.uint16))
     abuf, bbuf = bits(a.buf), bits(b.buf)
-    ptrs = () if SIMULATOR else (device_ptr(abuf), device_ptr(bbuf))
+    ptrs = () if SIMULATOR else (data_ptr(abuf), data_ptr(bbuf))
     vec, unaligned = mtc.vec_ok(a.trans, b.trans, m, n, k, offs_a, offs_b, ptrs)
     if not vec:
         why.append(f"tier 5: element loads, not cp.async: {unaligned}")

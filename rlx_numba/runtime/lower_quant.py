@@ -13,8 +13,8 @@ from ..ir import dtypes as dt
 from ..ir.ops_quant import GGUF, INTS, MAX_M, UNIT, units_ok
 from ..kernels import quant as Q
 from ..kernels.launch import default_geometry, grid_1d, sm_count
-from .lower import Step, elementwise_step, lowering, step_name
-from .lower_matmul import (PRODUCTS, consumers_of, device_ptr, f32_dummy, matmul_env_tiers,
+from .lower import Step, data_ptr, elementwise_step, lowering, step_name
+from .lower_matmul import (PRODUCTS, consumers_of, f32_dummy, matmul_env_tiers,
                            read_as_weight)
 
 
@@ -43,7 +43,7 @@ def _aligned_x(ctx, n, x, m, k):
     """(x's buffer, steps): x as is, or an aligned copy where its pointer is not 16-byte
     aligned (the GEMV's 16-byte x loads)."""
     xbuf = ctx.buf(x)
-    if SIMULATOR or device_ptr(xbuf) % 16 == 0:
+    if SIMULATOR or data_ptr(xbuf) % 16 == 0:
         return xbuf, []
     copy = ctx.device_array(np.zeros(m * k, np.float32))
     return copy, [elementwise_step(step_name(n) + " align x", ("in", 0, dt.F32), copy, (m * k,),
