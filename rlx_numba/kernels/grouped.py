@@ -45,84 +45,93 @@ U0, U1 = _u(0), _u(1)
 ZERO = float32(0.0)
 
 
-def route_plan(m: int, num_experts: int) -> tuple[int, int, int]:
-    """(nchunks, ch, max row tiles) for routing m rows: about sqrt(m) chunks of about sqrt(m)
-    rows (the chunk pass and the per-expert pass over chunks cost about the same), at most
-    ROUTE_T chunks (a thread each); every non-empty expert wastes less than a tile."""
+def route_plan(m: int, num_experts: int, bm: int = BM) -> tuple[int, int, int]:
+    """(nchunks, ch, max row tiles of bm rows) for routing m rows: about sqrt(m) chunks of
+    about sqrt(m) rows (the chunk pass and the per-expert pass over chunks cost about the
+    same), at most ROUTE_T chunks (a thread each); every non-empty expert wastes less than a
+    tile."""
     nchunks = max(1, min(ROUTE_T, int(np.ceil(np.sqrt(m)))))
-    return nchunks, -(-m // nchunks), (m + min(num_experts, m) * (BM - 1)) // BM
+    return nchunks, -(-m // nchunks), (m + min(num_experts, m) * (bm - 1)) // bm
 
 
-@jit
-def route_kernel(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, rows, out,
-                 n_out):
-    """Launch with one block of ROUTE_T threads. counts: int32 [nchunks * E] scratch; out:
-    f32 [m, n_out] (its rows with a bad id are zeroed; n_out 0: none)."""
-    sh = cuda.shared.array(ROUTE_T, int64)
-    tid = cuda.threadIdx.x
-    c = tid
-    while c < nchunks:          # each chunk's rows a expert, counted by one thread in order
-        base = c * num_e
-        for q in range(num_e):
-            counts[base + q] = 0
-        for j in range(c * ch, min(m, c * ch + ch)):
-            ex = ids[j]
-            if 0 <= ex < num_e:
-                counts[base + ex] += 1
-        c += ROUTE_T
-    cuda.syncthreads()
-    e = tid
-    while e < num_e:            # chunk counts -> exclusive prefix over the chunks
-        run = 0
-        for q in range(nchunks):
-            v = counts[q * num_e + e]
-            counts[q * num_e + e] = run
-            run += v
-        count[e] = run
-        e += ROUTE_T
-    cuda.syncthreads()
-    carry = 0                   # segment starts: a block scan of the tile-padded counts
-    for e0 in range(0, num_e, ROUTE_T):
-        e = e0 + tid
-        v = 0
-        if e < num_e:
-            v = (count[e] + BM - 1) // BM * BM
-        sh[tid] = v
+@functools.lru_cache(maxsize=None)
+def route_kernel_for(BM: int):
+    """The routing kernel padding each expert's segment to tiles of BM rows (the product's
+    block tile: kernels/matmul_tc.py's grouped mode routes with its own)."""
+    @jit
+    def route(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, rows, out, n_out):
+        """Launch with one block of ROUTE_T threads. counts: int32 [nchunks * E] scratch; out:
+        [m, n_out] of any float storage (its rows with a bad id are zeroed; n_out 0: none)."""
+        sh = cuda.shared.array(ROUTE_T, int64)
+        tid = cuda.threadIdx.x
+        c = tid
+        while c < nchunks:          # each chunk's rows a expert, counted by one thread in order
+            base = c * num_e
+            for q in range(num_e):
+                counts[base + q] = 0
+            for j in range(c * ch, min(m, c * ch + ch)):
+                ex = ids[j]
+                if 0 <= ex < num_e:
+                    counts[base + ex] += 1
+            c += ROUTE_T
         cuda.syncthreads()
-        off = 1
-        while off < ROUTE_T:
-            t = sh[tid - off] if tid >= off else 0
+        e = tid
+        while e < num_e:            # chunk counts -> exclusive prefix over the chunks
+            run = 0
+            for q in range(nchunks):
+                v = counts[q * num_e + e]
+                counts[q * num_e + e] = run
+                run += v
+            count[e] = run
+            e += ROUTE_T
+        cuda.syncthreads()
+        carry = 0                   # segment starts: a block scan of the tile-padded counts
+        for e0 in range(0, num_e, ROUTE_T):
+            e = e0 + tid
+            v = 0
+            if e < num_e:
+                v = (count[e] + BM - 1) // BM * BM
+            sh[tid] = v
             cuda.syncthreads()
-            sh[tid] += t
-            cuda.syncthreads()
-            off *= 2
-        if e < num_e:
-            start[e] = carry + sh[tid] - v
-        carry += sh[ROUTE_T - 1]
-        cuda.syncthreads()      # (every start[e] written before the scatter reads it)
-    if tid == 0:
-        start[num_e] = carry
-    e = tid
-    while e < num_e:            # the padding (-1) and the tiles' expert
-        s = start[e]
-        end = s + (count[e] + BM - 1) // BM * BM
-        for p in range(s + count[e], end):
-            rows[p] = -1
-        for t in range(s // BM, end // BM):
-            tile_expert[t] = e
-        e += ROUTE_T
-    c = tid
-    while c < nchunks:          # the stable scatter: each chunk's rows in order
-        base = c * num_e
-        for j in range(c * ch, min(m, c * ch + ch)):
-            ex = ids[j]
-            if 0 <= ex < num_e:
-                rows[start[ex] + counts[base + ex]] = j
-                counts[base + ex] += 1
-            else:
-                for col in range(n_out):
-                    out[j * n_out + col] = ZERO
-        c += ROUTE_T
+            off = 1
+            while off < ROUTE_T:
+                t = sh[tid - off] if tid >= off else 0
+                cuda.syncthreads()
+                sh[tid] += t
+                cuda.syncthreads()
+                off *= 2
+            if e < num_e:
+                start[e] = carry + sh[tid] - v
+            carry += sh[ROUTE_T - 1]
+            cuda.syncthreads()      # (every start[e] written before the scatter reads it)
+        if tid == 0:
+            start[num_e] = carry
+        e = tid
+        while e < num_e:            # the padding (-1) and the tiles' expert
+            s = start[e]
+            end = s + (count[e] + BM - 1) // BM * BM
+            for p in range(s + count[e], end):
+                rows[p] = -1
+            for t in range(s // BM, end // BM):
+                tile_expert[t] = e
+            e += ROUTE_T
+        c = tid
+        while c < nchunks:          # the stable scatter: each chunk's rows in order
+            base = c * num_e
+            for j in range(c * ch, min(m, c * ch + ch)):
+                ex = ids[j]
+                if 0 <= ex < num_e:
+                    rows[start[ex] + counts[base + ex]] = j
+                    counts[base + ex] += 1
+                else:
+                    for col in range(n_out):
+                        out[j * n_out + col] = ZERO
+            c += ROUTE_T
+
+    return route
+
+
+route_kernel = route_kernel_for(BM)    # the f32 product's tiles
 
 
 @functools.lru_cache(maxsize=None)

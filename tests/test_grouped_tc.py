@@ -1,0 +1,111 @@
+"""grouped_matmul on tensor cores (kernels/matmul_tc.py's grouped mode): f16 / bf16 rows
+routed to experts by kernels/grouped.py's routing (its tables padded to the tensor-core
+geometry's row tile), f32 sums in mma fragments, one rounding -- against float64 NumPy on the
+same half-rounded inputs (tests/halfref.py). The simulator's mma twins are slow: the
+simulator geometry's tile is 32 x 16 x 16 (two warps), so the shapes here are one or two tiles
+each way, K and N not multiples of the tile, odd row counts an expert and an empty expert."""
+import numpy as np
+import pytest
+from numba import cuda
+
+from conftest import ON_GPU
+from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, rounded
+from rlx_numba.kernels import grouped as G
+from rlx_numba.kernels import matmul_tc as mtc
+from rlx_numba.kernels.launch import default_geometry
+
+
+def oracle(x, w, ids, trans_w):
+    """out[i] = x[i] @ W_{ids[i]} in float64 (W_e = w[e], or w[e]^T with trans_w)."""
+    x, w = f64(x), f64(w)
+    if trans_w:
+        w = w.transpose(0, 2, 1)
+    return np.stack([x[i] @ w[e] for i, e in enumerate(ids)]) if len(ids) else \
+        np.zeros((0, w.shape[2]))
+
+
+def grouped_tc(x, w, ids, d, trans_w=False, geo=None):
+    """x [m, k], w [E, k, n] ([E, n, k] with trans_w) in ``d``'s host storage -> out [m, n]
+    in it: the routing kernel at the geometry's row tile, then the grouped tensor-core kernel,
+    launched directly on device arrays."""
+    geo = geo or default_geometry("matmul_tc")
+    (m, k), e = x.shape, w.shape[0]
+    n = w.shape[1] if trans_w else w.shape[2]
+    nchunks, ch, max_tiles = G.route_plan(m, e, geo.bm)
+    counts, start, count, tile_expert, rows = (
+        cuda.to_device(np.zeros(max(1, size), np.int32))
+        for size in (nchunks * e, e + 1, e, max_tiles, max_tiles * geo.bm))
+    store = np.uint16 if d == "bf16" else np.float16
+    out = cuda.to_device(np.full(m * n, 7, store))      # (every row is written)
+    G.route_kernel_for(geo.bm)[(1,), (G.ROUTE_T,)](
+        cuda.to_device(ids.astype(np.int32)), m, e, ch, nchunks, counts, start, count,
+        tile_expert, rows, out, 0)
+    xb = cuda.to_device(np.ascontiguousarray(x).view(np.uint16).reshape(-1))
+    wb = cuda.to_device(np.ascontiguousarray(w).view(np.uint16).reshape(-1))
+    vec = mtc.vec_ok(False, trans_w, m, n, k, [0], [0])[0]
+    kern = mtc.grouped_kernel(trans_w, d, vec, geo)
+    grid, block = mtc.grouped_launch(n, max_tiles, geo)
+    dummy = cuda.to_device(np.zeros(1, store))
+    kern[grid, block](out, xb, wb, dummy, dummy, np.int64(m), np.int64(n), np.int64(k), rows,
+                      tile_expert, start)
+    return out.copy_to_host().view(HOST[d]).reshape(m, n), vec
+
+
+def _data(rng, d, m, k, n, e, trans_w):
+    x = rounded(rng.standard_normal((m, k)), d)
+    w = rounded(rng.standard_normal((e, n, k) if trans_w else (e, k, n)), d)
+    return x, w
+
+
+# 3 experts: 5 rows, none, 4 rows (unsorted); K 24 and N 24 (two K tiles of 16 and two column
+# tiles, the second ones partial; cp.async: rows of 24 halves are 16-byte aligned) or K 20, N 20
+# (element loads)
+@pytest.mark.parametrize("d,k,trans_w", [("bf16", 24, False), ("f16", 20, True)])
+def test_grouped_tc_experts(rng, d, k, trans_w):
+    ids = np.array([2, 0, 0, 2, 0, 2, 0, 2, 0])
+    x, w = _data(rng, d, ids.size, k, k, 3, trans_w)
+    got, vec = grouped_tc(x, w, ids, d, trans_w)
+    assert vec == (k % 8 == 0)
+    assert_half_close(got, oracle(x, w, ids, trans_w), d, what=f"grouped tc k={k}")
+
+
+def test_grouped_tc_expert_over_two_row_tiles(rng):
+    """One expert's 35 rows span two routed row tiles (32 rows a tile in the simulator), the
+    other's 1 row its own padded tile."""
+    d = "f16"
+    ids = np.array([1] * 20 + [0] + [1] * 15)
+    x, w = _data(rng, d, ids.size, 16, 8, 2, False)
+    got, _ = grouped_tc(x, w, ids, d)
+    assert_half_close(got, oracle(x, w, ids, False), d, what="two row tiles")
+
+
+@pytest.mark.parametrize("d", HALVES)
+def test_grouped_tc_accumulates_in_f32(rng, d):
+    """K = 32 positive terms of similar size: the sum grows to ~8 while each term is ~0.25,
+    so a half accumulator rounds every partial sum to u * 8 -- an error of about sqrt(K) to K
+    half-ulps of the partial sums, far outside 2 u |y| (checked: the half-accumulated
+    result fails the bound); f32 sums rounded once pass it."""
+    k, n = 32, 8
+    ids = np.array([0, 1, 1, 0, 1])
+    x = rounded(rng.uniform(0.3, 0.7, (ids.size, k)), d)
+    w = rounded(rng.uniform(0.3, 0.7, (2, k, n)), d)
+    want = oracle(x, w, ids, False)
+    half = np.stack([half_accumulated(x[i:i + 1], w[e], d)[0] for i, e in enumerate(ids)])
+    with pytest.raises(AssertionError):
+        assert_half_close(half, want, d, what="half accumulation")
+    got, _ = grouped_tc(x, w, ids, d)
+    assert_half_close(got, want, d, what="f32 accumulation")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU size (the simulator runs the tiny ones above)")
+@pytest.mark.parametrize("d", HALVES)
+@pytest.mark.parametrize("trans_w", [False, True])
+def test_grouped_tc_gpu_size(rng, d, trans_w):
+    """2048 rows over 8 experts (uneven, one empty), 512 x 256 each, on the GPU geometry."""
+    e, k, n = 8, 512, 256
+    p = np.array([0.3, 0.2, 0.15, 0.0, 0.1, 0.1, 0.1, 0.05])
+    ids = rng.choice(e, 2048, p=p)
+    x, w = _data(rng, d, ids.size, k, n, e, trans_w)
+    got, vec = grouped_tc(x, w, ids, d, trans_w)
+    assert vec
+    assert_half_close(got, oracle(x, w, ids, trans_w), d, what="grouped tc GPU size")
