@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.kernels import grouped as G
@@ -109,3 +110,97 @@ def test_grouped_tc_gpu_size(rng, d, trans_w):
     got, vec = grouped_tc(x, w, ids, d, trans_w)
     assert vec
     assert_half_close(got, oracle(x, w, ids, trans_w), d, what="grouped tc GPU size")
+
+
+# ---- the graph: grouped_matmul of f16 / bf16 x and w lowers to the grouped tensor-core step
+# where matmul tier 5 is offered (RLX_NUMBA_MATMUL_TIERS names it), to the CUDA-core kernel
+# reading the halves otherwise; half in, half out, no casts either way
+
+@pytest.fixture
+def tier5(monkeypatch):
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "5")
+
+
+def _graph(d, m, k, n, e, trans_w):
+    g = rlx.Graph("moe_tc")
+    wshape = (e, n, k) if trans_w else (e, k, n)
+    y = g.grouped_matmul(g.input("x", (m, k), d), g.input("w", wshape, d),
+                         g.input("ids", (m,), "i32"), trans_w=trans_w)
+    assert y.dtype.name == d and not any(nd.op == "cast" for nd in g.nodes)
+    g.set_outputs([y])
+    return g
+
+
+def _gemm_steps(exe):
+    return [s.kernel_name for s in exe.steps if "gemm" in s.kernel_name]
+
+
+@pytest.mark.parametrize("d,k,n,trans_w", [("bf16", 24, 20, True), ("f16", 20, 24, False)])
+def test_grouped_matmul_half_on_tensor_cores(rng, tier5, d, k, n, trans_w):
+    ids = np.array([2, 0, 0, 2, 0, 2, 0, 2, 0], np.int32)      # expert 1 empty
+    x, w = _data(rng, d, ids.size, k, n, 3, trans_w)
+    exe = rlx.compile(_graph(d, ids.size, k, n, 3, trans_w))
+    names = _gemm_steps(exe)
+    assert len(names) == 1 and names[0].startswith(f"numba tc grouped gemm {d}"), names
+    aligned = k % 8 == 0 and (trans_w or n % 8 == 0)   # x's and w's rows of 16-byte multiples
+    assert names[0].endswith("cp.async" if aligned else "element loads"), names
+    (got,) = exe.run({"x": x, "w": w, "ids": ids})
+    assert_half_close(got, oracle(x, w, ids, trans_w), d, what="graph, tier 5")
+    bad = ids.copy()
+    bad[3] = 7              # a device-array id out of range: its row routed nowhere, zeroed
+    (got,) = exe.run({"x": x, "w": w, "ids": cuda.to_device(bad)})
+    want = oracle(x, w, ids, trans_w)
+    want[3] = 0
+    assert_half_close(got, want, d, what="graph, tier 5, a bad id")
+
+
+def test_grouped_matmul_half_gradients(rng, tier5):
+    """dx is the same half node with trans_w flipped (on tensor cores too); dw the f32 weight
+    gradient of the f32-cast operands, rounded to w's dtype."""
+    d, m, k, n, e = "f16", 7, 16, 8, 2
+    ids = np.array([1, 0, 1, 1, 0, 1, 1], np.int32)
+    x, w = _data(rng, d, m, k, n, e, False)
+    dy = rounded(rng.standard_normal((m, n)), d)
+    g = rlx.Graph("moe_tc_grad")
+    xt, wt = g.input("x", (m, k), d), g.input("w", (e, k, n), d)
+    y = g.grouped_matmul(xt, wt, g.input("ids", (m,), "i32"))
+    dx, dw = g.grad(y, [xt, wt], seed=g.constant(dy))
+    assert dx.dtype.name == d and dw.dtype.name == d
+    g.set_outputs([dx, dw])
+    exe = rlx.compile(g)
+    assert sum(name.startswith("numba tc grouped gemm") for name in _gemm_steps(exe)) == 1
+    got_dx, got_dw = exe.run({"x": x, "w": w, "ids": ids})
+    assert_half_close(got_dx, np.stack([f64(dy[i]) @ f64(w[ids[i]]).T for i in range(m)]), d,
+                      what="dx")
+    want_dw = np.zeros((e, k, n))
+    for i in range(m):
+        want_dw[ids[i]] += np.outer(f64(x[i]), f64(dy[i]))
+    assert_half_close(got_dw, want_dw, d, what="dw")
+
+
+def test_grouped_matmul_half_on_cuda_cores(rng):
+    """Tier 5 not offered (the simulator's default): the CUDA-core grouped kernel loads the
+    halves (f32 sums, one rounding), an out-of-range device id's row comes out zero."""
+    d, k, n = "bf16", 7, 5
+    ids = np.array([1, 0, 1, 1, 3, 0], np.int32)
+    x, w = _data(rng, d, ids.size, k, n, 2, False)
+    exe = rlx.compile(_graph(d, ids.size, k, n, 2, False))
+    names = _gemm_steps(exe)
+    assert len(names) == 1 and names[0].startswith("grouped gemm") and d in names[0], names
+    (got,) = exe.run({"x": x, "w": w, "ids": cuda.to_device(ids)})
+    want = oracle(x, w, np.where(ids < 2, ids, 0), False)
+    want[4] = 0
+    assert_half_close(got, want, d, what="graph, CUDA cores")
+
+
+def test_grouped_matmul_operand_dtypes(rng):
+    """One half dtype: the node takes it (a half result); a mix: both cast to f32, an f32
+    result; the node itself rejects a mix, naming the op, the operands and their dtypes."""
+    g = rlx.Graph("moe_dt")
+    ids = g.input("ids", (4,), "i32")
+    xh, wh = g.input("x", (4, 6), "f16"), g.input("w", (3, 6, 5), "f16")
+    assert g.grouped_matmul(xh, wh, ids).dtype.name == "f16"
+    assert g.grouped_matmul(xh, g.input("wb", (3, 6, 5), "bf16"), ids).dtype.name == "f32"
+    with pytest.raises(ValueError, match=r"grouped_matmul: x and w must have one dtype .*got "
+                                         r"x f16 \[4, 6\] and w bf16 \[3, 6, 5\]"):
+        g.bind("grouped_matmul", (xh, g.input("wb2", (3, 6, 5), "bf16"), ids), trans_w=False)

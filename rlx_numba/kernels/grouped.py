@@ -31,6 +31,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
+from . import halfio
 from .launch import grid_3d, jit, inline as _inline
 from .matmul import (BK, BM, BN, LA, LAUNCH_BOUNDS, LB, NT, SA, SB, TM, TN, TX, TY,
                      mma, store_tile, zero_acc)
@@ -135,21 +136,23 @@ route_kernel = route_kernel_for(BM)    # the f32 product's tiles
 
 
 @functools.lru_cache(maxsize=None)
-def rows_kernel(trans_w: bool):
-    """kernel(out, x, w, n, k, num_e, start, tile_expert, rows): out[r] (f32 [M, n]) =
-    x[r] @ W_e for every routed row r of expert e, x f32 [M, k]; W_e = w[e], w f32 [E, k, n],
-    or with trans_w W_e = w[e]^T, w [E, n, k]. Launch with rows_launch."""
+def rows_kernel(trans_w: bool, kind: str = "f32"):
+    """kernel(out, x, w, n, k, num_e, start, tile_expert, rows): out[r] ([M, n]) = x[r] @ W_e
+    for every routed row r of expert e, x [M, k]; W_e = w[e], w [E, k, n], or with trans_w
+    W_e = w[e]^T, w [E, n, k]; all three in ``kind``'s storage (kernels/halfio.py: halves
+    widened on load, f32 sums, the store rounds once). Launch with rows_launch."""
     ARS = NT // BK              # A (gathered x rows): thread rows ar + p*ARS, at k aq
     BQS, BCS = (0, NT // BK) if trans_w else (NT // BN, 0)
+    ld, st = halfio.load(kind), halfio.store(kind)
 
     @_inline
     def load(ra, rb, x, w, xrow, bo, c0, k0, aq, bq, n, k):
         q = k0 + aq
         for p in range(LA):
-            ra[p] = x[uint64(xrow[p]) * k + q] if xrow[p] >= 0 and q < k else ZERO
+            ra[p] = ld(x, uint64(xrow[p]) * k + q) if xrow[p] >= 0 and q < k else ZERO
         for p in range(LB):
             qb, cl = k0 + bq + _u(p * BQS), c0 + _u(p * BCS)
-            rb[p] = w[bo + (cl * k + qb if trans_w else qb * n + cl)] if cl < n and qb < k \
+            rb[p] = ld(w, bo + (cl * k + qb if trans_w else qb * n + cl)) if cl < n and qb < k \
                 else ZERO
 
     @_inline
@@ -210,7 +213,7 @@ def rows_kernel(trans_w: bool):
                         base = uint64(r) * n + cl
                         for j in range(TN):
                             if _u(j * TX) < cols:
-                                out[base + _u(j * TX)] = acc[i, j]
+                                st(out, base + _u(j * TX), acc[i, j])
                 bx += uint64(cuda.gridDim.x)
             by += uint64(cuda.gridDim.y)
 
