@@ -4,6 +4,11 @@ geometry's row tile), f32 sums in mma fragments, one rounding -- against float64
 same half-rounded inputs (tests/halfref.py). The simulator's mma twins are slow: the
 simulator geometry's tile is 32 x 16 x 16 (two warps), so the shapes here are one or two tiles
 each way, K and N not multiples of the tile, odd row counts an expert and an empty expert."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 from numba import cuda
@@ -14,6 +19,7 @@ from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, roun
 from rlx_numba.kernels import grouped as G
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import default_geometry
+from test_mma import _toolkit
 
 
 def oracle(x, w, ids, trans_w):
@@ -204,3 +210,55 @@ def test_grouped_matmul_operand_dtypes(rng):
     with pytest.raises(ValueError, match=r"grouped_matmul: x and w must have one dtype .*got "
                                          r"x f16 \[4, 6\] and w bf16 \[3, 6, 5\]"):
         g.bind("grouped_matmul", (xh, g.input("wb2", (3, 6, 5), "bf16"), ids), trans_w=False)
+
+
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_grouped_kernels_assemble_without_spills(tmp_path):
+    """Without a GPU (as test_matmul_tc's twin): the GPU bodies of the grouped tensor-core
+    kernel (cp.async bf16; element loads f16 with w^T), the CUDA-core grouped kernel reading
+    halves and the routing at the tensor-core row tile, compiled to PTX for sm_80 and
+    assembled by ptxas: the mma / cp.async instructions are there and nothing spills."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+        from numba import cuda, types
+        import numba.cuda.dispatcher as D
+
+        class Dev:
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
+        from rlx_numba.kernels import grouped as G, matmul_tc as T
+        u16, f16, i64, i32 = types.uint16, types.float16, types.int64, types.int32
+        geo = T.GPU_GEOMETRY
+        out = {str(tmp_path)!r}
+        for n, (tw, kind, vec) in enumerate([(False, "bf16", True), (True, "f16", False)]):
+            c = u16 if kind == "bf16" else f16
+            k = T.grouped_kernel(tw, kind, vec, geo)
+            sig = (c[:], u16[:], u16[:], c[:], c[:], i64, i64, i64, i32[:], i32[:], i32[:])
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
+                                      launch_bounds=(geo.threads, geo.min_blocks))
+            open(os.path.join(out, f"tc{{n}}.ptx"), "w").write(ptx)
+            k = G.rows_kernel(tw, kind)
+            sig = (c[:], c[:], c[:], i64, i64, i64, i32[:], i32[:], i32[:])
+            open(os.path.join(out, f"rows{{n}}.ptx"), "w").write(
+                cuda.compile_ptx(k.py_func, sig, cc=(8, 0))[0])
+            k = G.route_kernel_for(geo.bm)
+            sig = (i64[:], i64, i64, i64, i64, i32[:], i32[:], i32[:], i32[:], i32[:], c[:], i64)
+            open(os.path.join(out, f"route{{n}}.ptx"), "w").write(
+                cuda.compile_ptx(k.py_func, sig, cc=(8, 0))[0])
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for p in sorted(tmp_path.glob("*.ptx")):
+        text = p.read_text()
+        if p.name.startswith("tc"):
+            for insn in ("mma.sync.aligned.m16n8k16.row.col.f32",
+                         "ldmatrix.sync.aligned.m8n8.x4", "cp.async.wait_group 2"):
+                assert insn in text, (p.name, insn)
+        r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(p), "-o",
+                            str(p.with_suffix(".cubin"))], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, f"{p.name}: {r.stderr}"
+        assert "0 bytes spill stores, 0 bytes spill loads" in r.stderr, (p.name, r.stderr)
+    assert "cp.async.cg.shared.global" in (tmp_path / "tc0.ptx").read_text()

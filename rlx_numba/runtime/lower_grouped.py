@@ -4,8 +4,9 @@ every expert. An f16 / bf16 grouped_matmul (x and w of that dtype, the result to
 tensor-core grouped kernel (kernels/matmul_tc.py's grouped mode, its routing padded to that
 kernel's row tile) where matmul tier 5 is offered (lower_matmul.tier5_offered: opt-in beside
 cuBLAS until GPU timings say where it wins), else the CUDA-core kernel loading the halves
-through kernels/halfio.py; the step name says which ran; the routing tables are the node's own small device arrays, sized at compile time
-from the static shapes (so no run-time allocation and no host sync). Each node routes its
+through kernels/halfio.py; the step name says which ran. The routing tables are the node's
+own small device arrays, sized at compile time from the static shapes (so no run-time
+allocation and no host sync). Each node routes its
 ids itself, so a forward and backward route the same ids three times (one block each, small
 beside the GEMMs; sharing them would need the routing as a graph node of its own)."""
 from __future__ import annotations
