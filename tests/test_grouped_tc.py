@@ -16,9 +16,8 @@ from numba import cuda
 import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, rounded
-from rlx_numba.kernels import grouped as G
 from rlx_numba.kernels import matmul_tc as mtc
-from rlx_numba.kernels.launch import default_geometry
+from rlx_numba.runtime.lower_matmul import tier5_offered
 from test_mma import _toolkit
 
 
@@ -32,30 +31,18 @@ def oracle(x, w, ids, trans_w):
 
 
 def grouped_tc(x, w, ids, d, trans_w=False, geo=None):
-    """x [m, k], w [E, k, n] ([E, n, k] with trans_w) in ``d``'s host storage -> out [m, n]
-    in it: the routing kernel at the geometry's row tile, then the grouped tensor-core kernel,
-    launched directly on device arrays."""
-    geo = geo or default_geometry("matmul_tc")
-    (m, k), e = x.shape, w.shape[0]
-    n = w.shape[1] if trans_w else w.shape[2]
-    nchunks, ch, max_tiles = G.route_plan(m, e, geo.bm)
-    counts, start, count, tile_expert, rows = (
-        cuda.to_device(np.zeros(max(1, size), np.int32))
-        for size in (nchunks * e, e + 1, e, max_tiles, max_tiles * geo.bm))
+    """x [m, k], w [E, k, n] ([E, n, k] with trans_w) in ``d``'s host storage -> (out [m, n]
+    in it, whether cp.async loads ran): matmul_tc.grouped_direct_launch (the routing at the
+    geometry's row tile, then the grouped tensor-core kernel) on device arrays."""
+    m, n = x.shape[0], w.shape[1] if trans_w else w.shape[2]
     store = np.uint16 if d == "bf16" else np.float16
-    out = cuda.to_device(np.full(m * n, 7, store))      # (every row is written)
-    G.route_kernel_for(geo.bm)[(1,), (G.ROUTE_T,)](
-        cuda.to_device(ids.astype(np.int32)), m, e, ch, nchunks, counts, start, count,
-        tile_expert, rows, out, 0)
-    xb = cuda.to_device(np.ascontiguousarray(x).view(np.uint16).reshape(-1))
-    wb = cuda.to_device(np.ascontiguousarray(w).view(np.uint16).reshape(-1))
-    vec = mtc.vec_ok(False, trans_w, m, n, k, [0], [0])[0]
-    kern = mtc.grouped_kernel(trans_w, d, vec, geo)
-    grid, block = mtc.grouped_launch(n, max_tiles, geo)
-    dummy = cuda.to_device(np.zeros(1, store))
-    kern[grid, block](out, xb, wb, dummy, dummy, np.int64(m), np.int64(n), np.int64(k), rows,
-                      tile_expert, start)
-    return out.copy_to_host().view(HOST[d]).reshape(m, n), vec
+    out = cuda.to_device(np.full((m, n), 7, store))      # (every row is written)
+    launch = mtc.grouped_direct_launch(
+        out, cuda.to_device(np.ascontiguousarray(x).view(np.uint16)),
+        cuda.to_device(np.ascontiguousarray(w).view(np.uint16)),
+        cuda.to_device(ids.astype(np.int32)), w.shape[0], d, trans_w, geo)
+    launch()
+    return out.copy_to_host().view(HOST[d]), launch.vec
 
 
 def _data(rng, d, m, k, n, e, trans_w):
@@ -210,6 +197,28 @@ def test_grouped_matmul_operand_dtypes(rng):
     with pytest.raises(ValueError, match=r"grouped_matmul: x and w must have one dtype .*got "
                                          r"x f16 \[4, 6\] and w bf16 \[3, 6, 5\]"):
         g.bind("grouped_matmul", (xh, g.input("wb2", (3, 6, 5), "bf16"), ids), trans_w=False)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU size (the simulator runs the tiny ones above)")
+@pytest.mark.parametrize("d", HALVES)
+@pytest.mark.parametrize("tc", [False, True])
+def test_grouped_matmul_half_gpu_graph(rng, monkeypatch, d, tc):
+    """The graph at 2048 rows over 8 experts (one empty), K 512, N 264 (N not a multiple of
+    the 128-column tile) with w^T: on tensor cores where tier 5 is offered, else the default
+    lowering (beside cuBLAS: the CUDA-core grouped kernel reading halves)."""
+    monkeypatch.delenv("RLX_NUMBA_MATMUL_TIERS", raising=False)
+    if tc:
+        monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "5")
+    e, k, n, m = 8, 512, 264, 2048
+    ids = rng.choice(e, m, p=[0.3, 0.2, 0.15, 0.0, 0.1, 0.1, 0.1, 0.05]).astype(np.int32)
+    x, w = _data(rng, d, m, k, n, e, True)
+    exe = rlx.compile(_graph(d, m, k, n, e, True))
+    names = _gemm_steps(exe)
+    on_tc = tier5_offered()          # (True without the env only where cuBLAS is missing)
+    assert on_tc or not tc
+    assert len(names) == 1 and names[0].startswith("numba tc grouped" if on_tc else "grouped gemm")
+    (got,) = exe.run({"x": x, "w": w, "ids": ids})
+    assert_half_close(got, oracle(x, w, ids, True), d, what=f"graph {names[0]}")
 
 
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")

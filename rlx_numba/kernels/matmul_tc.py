@@ -45,6 +45,7 @@ from numba.cuda.extending import intrinsic
 
 from ..device import SIMULATOR
 from . import elementwise as ew
+from . import grouped as G
 from . import halfio
 from . import mma as tc
 from .launch import default_geometry, grid_3d, inline as _inline, jit, register_geometry
@@ -483,6 +484,43 @@ def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = Fa
     def launch(stream=0):
         kern[grid, block, stream](*args)
     launch.vec = vec     # (which loads the launch takes)
+    return launch
+
+
+def grouped_direct_launch(out, x, w, ids, num_e: int, kind: str, trans_w: bool = False,
+                          geo: TcGeometry | None = None):
+    """launch(stream=0), which enqueues the routing (kernels/grouped.py, at ``geo``'s row
+    tile) and the grouped tensor-core product out[r] = x[r] @ W_{ids[r]}, launched directly:
+    no graph (bench/sweep_grouped_tc.py, tests/test_grouped_tc.py). x [m, k], w [E, k, n]
+    ([E, n, k] with trans_w) and out [m, n]: C-contiguous device arrays (NumPy ones in the
+    simulator) in ``kind``'s storage (bf16: uint16 bits; f16: float16 or its uint16 bits for
+    x and w); ids int32 [m] on the device. The routing tables are allocated here."""
+    geo = geo or default_geometry("matmul_tc")
+    m, k = x.shape
+    n = w.shape[1] if trans_w else w.shape[2]
+    if tuple(out.shape) != (m, n) or w.shape[0] != num_e or tuple(ids.shape) != (m,):
+        raise ValueError(f"grouped tensor-core GEMM: out {tuple(out.shape)}, x {tuple(x.shape)}"
+                         f", w {tuple(w.shape)}, ids {tuple(ids.shape)} for {num_e} experts")
+    nchunks, ch, max_tiles = G.route_plan(m, num_e, geo.bm)
+    counts, start, count, tile_expert, rows = (
+        cuda.to_device(np.zeros(max(1, size), np.int32))
+        for size in (nchunks * num_e, num_e + 1, num_e, max_tiles, max_tiles * geo.bm))
+    fx, fw = x.reshape(x.size).view(np.uint16), w.reshape(w.size).view(np.uint16)
+    fo = out.reshape(out.size)
+    ptrs = () if SIMULATOR else (fx.device_ctypes_pointer.value, fw.device_ctypes_pointer.value)
+    vec = vec_ok(False, trans_w, m, n, k, [0], [0], ptrs)[0]
+    route = G.route_kernel_for(geo.bm)
+    kern = grouped_kernel(trans_w, kind, vec, geo)
+    grid, block = grouped_launch(n, max_tiles, geo)
+    dummy = cuda.to_device(np.zeros(1, fo.dtype))
+    args = (fo, fx, fw, dummy, dummy, np.int64(m), np.int64(n), np.int64(k), rows, tile_expert,
+            start)
+
+    def launch(stream=0):
+        route[(1,), (G.ROUTE_T,), stream](ids, m, num_e, ch, nchunks, counts, start, count,
+                                          tile_expert, rows, fo, 0)
+        kern[grid, block, stream](*args)
+    launch.vec = vec
     return launch
 
 
