@@ -16,9 +16,11 @@ scatter their row indices in order. Out:
   rows [T * BM]     x's row indices by expert, in row order within one; -1 in the padding
 
 A row with an id outside [0, E) is routed nowhere and its output row (when there is one) is
-written as zeros here.
+written as zeros here. ``route_kernel`` pads to this module's BM; ``route_kernel_for(bm)`` to
+another product's row tile (kernels/matmul_tc.py's grouped mode, f16 / bf16 on tensor cores).
 
-``rows_kernel`` computes out[r] = x[r] @ W_e for every routed row: a block takes a BM-row tile
+``rows_kernel`` computes out[r] = x[r] @ W_e for every routed row (f32, or f16 / bf16 loaded
+and stored through kernels/halfio.py, f32 sums): a block takes a BM-row tile
 of ``rows`` (one expert) and a BN-column tile, and runs kernels/matmul.py's register-tiled,
 double-buffered main loop with the A tile's rows gathered through ``rows``; empty experts have
 no tiles. ``wgrad_kernel`` computes dw[e] = sum over e's rows of a[r]^T b[r], a block a

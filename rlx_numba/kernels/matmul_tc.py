@@ -34,6 +34,15 @@ bias and residual in their own storage (kernels/halfio.py). Every array argument
 (1-D; the compile fails otherwise): the kernel indexes them by flat element offset, and
 numba's ``x[i] = v`` on a 2-D ``x`` would assign row i. ``direct_launch`` launches one
 product on device arrays of any shape (the geometry sweep and the GPU tests).
+
+Grouped mode (``grouped_kernel``: grouped_matmul in f16 / bf16, mixture of experts): the same
+tile loop over the row tiles of kernels/grouped.py's routing (each expert's rows padded to
+whole tiles of this geometry's ``bm``): a tile's A rows are gathered through the routing's
+``rows`` (-1, the padding, loads zeros), its B is the tile's expert's matrix (``tile_expert``),
+and its output rows are scattered back through ``rows``; the few places that differ are
+functions chosen when the kernel is built (``_batches_*``, ``_row_tiles_*``, ``_*base*``,
+``_out_row_*``, the loader's ``gather``), so each compiled kernel is straight-line code for one
+mode. ``grouped_direct_launch`` runs routing + product on device arrays.
 """
 import functools
 from dataclasses import dataclass
