@@ -6,7 +6,9 @@ Each candidate TcGeometry's routing + product launched directly (matmul_tc.
 grouped_direct_launch, no graph), CUDA events, best of 3, every result checked against torch
 (per expert, f32 sums on both sides). The candidates: matmul_tc.SWEEP_GEOMETRIES (the shipped
 GPU_GEOMETRY first) and two 64-row tiles (an expert's ~128 +- 11 rows pad to fewer wasted
-rows in tiles of 64). A CUDA error leaves the context unusable: the sweep stops there.
+rows in tiles of 64). The fastest correct one becomes the "grouped_tc" family's GPU geometry
+(kernels/matmul_tc.py: register_geometry("grouped_tc", ...)). A CUDA error leaves the context
+unusable: the sweep stops there.
 
   python bench/sweep_grouped_tc.py [--kinds bf16,f16] [--trans-w 0,1] [--iters 20]
       [--shape 8192x1024x1024x64]

@@ -17,6 +17,7 @@ import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, rounded
 from rlx_numba.kernels import matmul_tc as mtc
+from rlx_numba.kernels.launch import override_geometry
 from rlx_numba.runtime.lower_matmul import tier5_offered
 from test_mma import _toolkit
 
@@ -169,6 +170,24 @@ def test_grouped_matmul_half_gradients(rng, tier5):
     for i in range(m):
         want_dw[ids[i]] += np.outer(f64(x[i]), f64(dy[i]))
     assert_half_close(got_dw, want_dw, d, what="dw")
+
+
+def test_grouped_matmul_geometry_family(rng, tier5):
+    """The lowering builds routing and kernel with the "grouped_tc" family's geometry (its
+    own knob beside matmul_tc's): a 16-row tile of one warp, 3 K stages, so expert 0's 21
+    rows take two routed tiles."""
+    d, k, n = "f16", 40, 16
+    geo = mtc.TcGeometry(16, 16, 16, 16, 16, stages=3)
+    ids = np.array([0] * 12 + [1] + [0] * 9, np.int32)
+    x, w = _data(rng, d, ids.size, k, n, 2, False)
+    with override_geometry("grouped_tc", geo):
+        exe = rlx.compile(_graph(d, ids.size, k, n, 2, False))
+    names = _gemm_steps(exe)
+    assert len(names) == 1 and "16x16x16/1w" in names[0], names
+    assert any(s.kernel_name.endswith("in tiles of 16") for s in exe.steps), \
+        [s.kernel_name for s in exe.steps]
+    (got,) = exe.run({"x": x, "w": w, "ids": ids})
+    assert_half_close(got, oracle(x, w, ids, False), d, what="grouped_tc geometry")
 
 
 def test_grouped_matmul_half_on_cuda_cores(rng):

@@ -99,6 +99,9 @@ class TcGeometry:
 GPU_GEOMETRY = TcGeometry(128, 128, 16, 64, 32, stages=4, min_blocks=2)
 SIM_GEOMETRY = TcGeometry(32, 16, 16, 16, 16, stages=2)
 register_geometry("matmul_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
+# the grouped mode's own family (the routing pads every expert to its bm, so a smaller tile
+# may win there: bench/sweep_grouped_tc.py times the candidates); the same tiles until then
+register_geometry("grouped_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
 # the geometries bench/sweep_matmul_tc.py times (the shipped one first); the GPU tests launch
 # each of them, so the sweep meets no kernel the tests have not run
 SWEEP_GEOMETRIES = (GPU_GEOMETRY,) + tuple(TcGeometry(*g) for g in (
@@ -216,8 +219,10 @@ def grouped_kernel(trans_w: bool, kind: str, vec: bool, geo: TcGeometry | None =
     epilogue), rows / tile_expert / start the routing's int32 tables. A block takes a routed
     row tile (one expert: B's offset is tile_expert's expert times k n) and a column tile;
     its A rows are gathered through ``rows`` and its output rows scattered back the same way
-    (-1, the padding: neither loaded nor stored). Launch with grouped_launch."""
-    return tc_gemm_kernel(False, trans_w, kind, vec, geo=geo, grouped=True)
+    (-1, the padding: neither loaded nor stored). geo: the "grouped_tc" family's default
+    unless given. Launch with grouped_launch."""
+    return tc_gemm_kernel(False, trans_w, kind, vec, geo=geo or default_geometry("grouped_tc"),
+                          grouped=True)
 
 
 @_inline
@@ -453,7 +458,7 @@ def grouped_launch(n: int, max_tiles: int, geo: TcGeometry | None = None):
     """(grid, block) for a grouped_kernel launch: a block per column tile and routed row tile
     up to the routing's bound ``max_tiles`` (blocks past the routed ones return at once),
     clamped; the kernel strides over the rest."""
-    geo = geo or default_geometry("matmul_tc")
+    geo = geo or default_geometry("grouped_tc")
     return grid_3d(-(-n // geo.bn), max(1, max_tiles), 1), (geo.threads,)
 
 
@@ -504,7 +509,7 @@ def grouped_direct_launch(out, x, w, ids, num_e: int, kind: str, trans_w: bool =
     ([E, n, k] with trans_w) and out [m, n]: C-contiguous device arrays (NumPy ones in the
     simulator) in ``kind``'s storage (bf16: uint16 bits; f16: float16 or its uint16 bits for
     x and w); ids int32 [m] on the device. The routing tables are allocated here."""
-    geo = geo or default_geometry("matmul_tc")
+    geo = geo or default_geometry("grouped_tc")
     m, k = x.shape
     n = w.shape[1] if trans_w else w.shape[2]
     if tuple(out.shape) != (m, n) or w.shape[0] != num_e or tuple(ids.shape) != (m,):

@@ -73,7 +73,7 @@ def _lower_grouped_matmul(ctx, n):
 def _tensor_core(ctx, n, x, w, ids, num_e, m, k, cols, trans, kind):
     """The routing (in the tensor-core geometry's row tiles) and the grouped tensor-core step:
     x and w read as their uint16 bits, the output written in the node's dtype."""
-    geo = default_geometry("matmul_tc")
+    geo = default_geometry("grouped_tc")
     route, (start, _, tile_expert, rows), max_tiles = _route(ctx, n, ids, num_e, ctx.buf(n),
                                                              cols, geo.bm)
     bits = (lambda buf: buf) if kind == "bf16" else (lambda buf: buf.view(np.uint16))
