@@ -11,7 +11,10 @@ tensor cores, f32 accumulation, x cast to bf16), TFLOP/s beside torch bf16 mm an
 Grouped rows (mixture of experts): ``g.grouped_matmul`` of 8192 rows (4096 tokens x top-2)
 routed over 64 experts, K = N = 1024, f32, beside a torch loop over the experts (index, mm,
 index_copy: what a plain MoE layer does) and torch bf16 mm of the same FLOPs (one [8192, 1024]
-@ [1024, 1024] product): TFLOP/s.
+@ [1024, 1024] product): TFLOP/s. The same in bf16 / f16 (x, w and the result; f32 sums): the
+default lowering (beside cuBLAS: the CUDA-core grouped kernel reading halves) and ``tc`` (matmul
+tier 5 offered, RLX_NUMBA_MATMUL_TIERS=5: the numba tensor-core grouped kernel), beside torch's
+mm in that dtype of the same FLOPs (issue 31's bar: bf16 tc >= 0.6x).
 Dequantised grouped row: ``g.dequant_grouped_matmul`` at decode (8 rows, each through its
 own expert of 64, K 2048, N 1408, q4_0), GB/s on the packed bytes of the 8 experts touched,
 beside a torch loop of 8 bf16 GEMVs.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -162,6 +166,47 @@ def grouped_row(rlx, cuda, torch):
                 torch_bf16_tflops=fl / bf16_us / 1e6, kernels=[s.kernel_name for s in exe.steps])
 
 
+def grouped_half_row(rlx, cuda, torch, d, tc):
+    """grouped_matmul of GROUPED in ``d`` (bf16 / f16) end to end; ``tc``: tier 5 offered (the
+    tensor-core grouped kernel), else the default lowering. Inputs go in as host arrays
+    (torch's bf16 tensors have no __cuda_array_interface__); only the steps are timed."""
+    import ml_dtypes
+    m, k, n, e = GROUPED
+    host = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[d]
+    tdt = {"bf16": torch.bfloat16, "f16": torch.float16}[d]
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((m, k)).astype(host)
+    w = (rng.standard_normal((e, k, n)) / k ** 0.5).astype(host)
+    ids = rng.integers(0, e, m).astype(np.int32)
+    old = os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    if tc:
+        os.environ["RLX_NUMBA_MATMUL_TIERS"] = "5"
+    try:
+        g = rlx.Graph(f"grouped_{d}")
+        gx, gi = g.input("x", (m, k), d), g.input("ids", (m,), "i32")
+        g.set_outputs([g.grouped_matmul(gx, g.param("w", (e, k, n), d), gi)])
+        exe = rlx.compile(g)
+    finally:
+        os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+        if old is not None:
+            os.environ["RLX_NUMBA_MATMUL_TIERS"] = old
+    exe.set_param("w", w)
+    (got,) = exe.run({"x": x, "ids": ids})
+    x64, ref = x.astype(np.float64), np.zeros((m, n))
+    for j in range(e):      # float64 on the host, an expert at a time
+        ref[ids == j] = x64[ids == j] @ w[j].astype(np.float64)
+    err = float(np.abs(got.astype(np.float64) - ref).max() / np.abs(ref).max())
+    stream = torch.cuda.Stream()
+    us = timed_steps(cuda, torch, exe, stream)
+    tx = torch.randn(m, k, device="cuda").to(tdt)
+    tw = (torch.randn(k, n, device="cuda") / k ** 0.5).to(tdt)
+    mm_us = graph_us(torch, lambda: tx @ tw, stream)
+    fl = 2 * m * k * n
+    return dict(m=m, k=k, n=n, experts=e, dtype=d, tc=tc, us=us, err=err,
+                torch_mm_us=mm_us, tflops=fl / us / 1e6, torch_tflops=fl / mm_us / 1e6,
+                ratio=mm_us / us, kernels=[s.kernel_name for s in exe.steps])
+
+
 DGROUPED = (8, 64, 2048, 1408)       # decode rows (4 tokens x top-2), experts, K, N
 
 
@@ -236,13 +281,23 @@ def main(argv=None) -> int:
                 f"{r['torch_bf16_tflops']:.1f} | ours / bf16 mm "
                 f"{r['torch_bf16_mm_us'] / r['us']:.3f}x | err {r['err']:.0e}")
 
+    def grouped_half_line(r):
+        return (f"grouped_matmul {r['dtype']}{' tc' if r['tc'] else ''} {r['m']} rows x {r['k']} "
+                f"x {r['n']}, {r['experts']} experts: {r['us']:.1f} us {r['tflops']:.2f} TFLOP/s | "
+                f"torch {r['dtype']} mm {r['torch_mm_us']:.1f} us {r['torch_tflops']:.1f} | ours / "
+                f"mm {r['ratio']:.3f}x | err {r['err']:.0e} | {' + '.join(r['kernels'])}")
+
     def dgrouped_line(r):
         return (f"dequant_grouped_matmul {r['scheme']} {r['m']} rows x {r['k']} x {r['n']}, "
                 f"{r['experts']} experts: {r['us']:.1f} us, {r['gbs']:.0f} GB/s of the touched "
                 f"experts ({r['copy_pct']:.0f}% of copy) | torch bf16 GEMV loop "
                 f"{r['torch_bf16_loop_us']:.1f} us")
 
+    half_rows = tuple((f"grouped_matmul {d}{' tc' if tc else ''}",
+                       lambda d=d, tc=tc: grouped_half_row(rlx, cuda, torch, d, tc), grouped_half_line)
+                      for d, tc in (("bf16", False), ("bf16", True), ("f16", True)))
     for name, measure, line in (("grouped_matmul", lambda: grouped_row(rlx, cuda, torch), grouped_line),
+                                *half_rows,
                                 ("dequant_grouped_matmul",
                                  lambda: dequant_grouped_row(rlx, cuda, torch, copy_gbs), dgrouped_line)):
         try:

@@ -21,7 +21,7 @@ import numbers
 
 from . import dtypes as dt
 from .autodiff import vjp
-from .opdef import F32_ONLY, defop
+from .opdef import F32, F32_ONLY, defop
 from .ops import fmt
 
 ID_DTYPES = (dt.I32, dt.I64)
@@ -94,11 +94,14 @@ def _f32_operands(op, **ts):
 
 
 def infer_grouped_matmul(x, w, ids, trans_w):
+    """x and w of one float dtype (the builder casts a mix to f32), the result in it."""
     if not isinstance(trans_w, bool):
         raise ValueError(f"grouped_matmul: trans_w must be a bool, got {trans_w!r}")
     m, _, _, n = check_grouped(x, w, ids, trans_w)
-    _f32_operands("grouped_matmul", x=x, w=w)
-    return (m, n), dt.F32
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_matmul: x and w must have one dtype (the builder casts a mix "
+                         f"to f32), got x {_desc(x)} and w {_desc(w)}")
+    return (m, n), x.dtype
 
 
 def infer_grouped_matmul_wgrad(a, b, ids, experts):
@@ -115,7 +118,7 @@ def infer_grouped_matmul_wgrad(a, b, ids, experts):
     return (experts, a.shape[1], b.shape[1]), dt.F32
 
 
-defop("grouped_matmul", infer_grouped_matmul, dtype_rule=F32_ONLY,
+defop("grouped_matmul", infer_grouped_matmul, dtype_rule=F32,
       doc="out[i] = x[i] @ w[expert_ids[i]] (or its transpose), one routed tiled GEMM")
 defop("grouped_matmul_wgrad", infer_grouped_matmul_wgrad, dtype_rule=F32_ONLY,
       doc="grouped_matmul's weight gradient: per expert the sum of its rows' a^T b, in row order")
@@ -123,28 +126,36 @@ defop("grouped_matmul_wgrad", infer_grouped_matmul_wgrad, dtype_rule=F32_ONLY,
 
 
 def _f32(g, t):
-    """t in f32 (a visible cast for a half operand: the grouped products compute in f32)."""
+    """t in f32 (a visible cast for a half operand of an op that computes in f32)."""
     return t if t.dtype == dt.F32 else g.cast(t, dt.F32)
+
+
+def _grouped_operands(g, x, w):
+    """grouped_matmul's x and w as its node takes them: one dtype as they are (f16 / bf16
+    natively: loads widen to f32, f32 sums, the result rounded once to it, as torch); a mix
+    of dtypes both cast to f32 (the promotion: an f32 result)."""
+    return (x, w) if x.dtype == w.dtype else (_f32(g, x), _f32(g, w))
 
 class MoEOps:
     """Builder methods; ``self`` is the Graph (``_f32``: NormOps')."""
 
     def grouped_matmul(self, x, w, expert_ids, trans_w: bool = False):
         """out[i] = x[i] @ w[expert_ids[i]]: x [M, K], w [E, K, N], expert_ids i32/i64 [M] ->
-        f32 [M, N] (mixture-of-experts expert products, module docstring). ``trans_w``: w is
+        [M, N] (mixture-of-experts expert products, module docstring). ``trans_w``: w is
         [E, N, K] (each expert's matrix [out, in], like nn.Linear and transformers' fused
         expert weights) and out[i] = x[i] @ w[expert_ids[i]]^T, read in place (no copy). Ids
         need not be sorted; experts may repeat or go unused (an unused one costs nothing).
         expert_ids fed to run() as host arrays are checked there (IndexError outside [0, E));
-        a row whose in-graph or device-array id is out of range comes out as zeros. Half x /
-        w are computed in f32."""
+        a row whose in-graph or device-array id is out of range comes out as zeros. x and w
+        of one dtype give a result in it (f16 / bf16: f32 sums rounded once, on tensor cores
+        where matmul tier 5 is offered); a mix of dtypes is computed in f32, an f32 result."""
         op = "grouped_matmul"
         for arg, t in (("x", x), ("w", w), ("expert_ids", expert_ids)):
             self.check(op, arg, t)
         if not isinstance(trans_w, bool):
             raise ValueError(f"{op}: trans_w must be a bool, got {trans_w!r}")
         check_grouped(x, w, expert_ids, trans_w)   # on the arguments as given (halves too)
-        return self.bind(op, (_f32(self, x), _f32(self, w), expert_ids), trans_w=trans_w)
+        return self.bind(op, _grouped_operands(self, x, w) + (expert_ids,), trans_w=trans_w)
 
     def lora_matmul(self, x, w, a, b, scale):
         """x @ w + scale * (x @ a) @ b: x [..., K], w [K, N], a [K, r], b [r, N], scale a
@@ -167,9 +178,11 @@ def _vjp_grouped_matmul(g, n, dy):
     x, w, ids = (g.tensor(i) for i in n.inputs)
     trans = n.attrs["trans_w"]
     dx = g.bind("grouped_matmul", (dy, w, ids), trans_w=not trans)
-    dw = g.bind("grouped_matmul_wgrad", ((dy, x) if trans else (x, dy)) + (ids,),
+    # the weight gradient computes in f32 (half operands cast, dw rounded back to w's dtype)
+    xf, dyf = _f32(g, x), _f32(g, dy)
+    dw = g.bind("grouped_matmul_wgrad", ((dyf, xf) if trans else (xf, dyf)) + (ids,),
                 experts=w.shape[0])
-    return [dx, dw, None]
+    return [dx, dw if w.dtype == dt.F32 else g.cast(dw, w.dtype), None]
 
 
 @vjp("grouped_matmul_wgrad")

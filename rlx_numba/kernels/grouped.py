@@ -16,9 +16,11 @@ scatter their row indices in order. Out:
   rows [T * BM]     x's row indices by expert, in row order within one; -1 in the padding
 
 A row with an id outside [0, E) is routed nowhere and its output row (when there is one) is
-written as zeros here.
+written as zeros here. ``route_kernel`` pads to this module's BM; ``route_kernel_for(bm)`` to
+another product's row tile (kernels/matmul_tc.py's grouped mode, f16 / bf16 on tensor cores).
 
-``rows_kernel`` computes out[r] = x[r] @ W_e for every routed row: a block takes a BM-row tile
+``rows_kernel`` computes out[r] = x[r] @ W_e for every routed row (f32, or f16 / bf16 loaded
+and stored through kernels/halfio.py, f32 sums): a block takes a BM-row tile
 of ``rows`` (one expert) and a BN-column tile, and runs kernels/matmul.py's register-tiled,
 double-buffered main loop with the A tile's rows gathered through ``rows``; empty experts have
 no tiles. ``wgrad_kernel`` computes dw[e] = sum over e's rows of a[r]^T b[r], a block a
@@ -31,6 +33,7 @@ import numpy as np
 from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
+from . import halfio
 from .launch import grid_3d, jit, inline as _inline
 from .matmul import (BK, BM, BN, LA, LAUNCH_BOUNDS, LB, NT, SA, SB, TM, TN, TX, TY,
                      mma, store_tile, zero_acc)
@@ -45,102 +48,113 @@ U0, U1 = _u(0), _u(1)
 ZERO = float32(0.0)
 
 
-def route_plan(m: int, num_experts: int) -> tuple[int, int, int]:
-    """(nchunks, ch, max row tiles) for routing m rows: about sqrt(m) chunks of about sqrt(m)
-    rows (the chunk pass and the per-expert pass over chunks cost about the same), at most
-    ROUTE_T chunks (a thread each); every non-empty expert wastes less than a tile."""
+def route_plan(m: int, num_experts: int, bm: int = BM) -> tuple[int, int, int]:
+    """(nchunks, ch, max row tiles of bm rows) for routing m rows: about sqrt(m) chunks of
+    about sqrt(m) rows (the chunk pass and the per-expert pass over chunks cost about the
+    same), at most ROUTE_T chunks (a thread each); every non-empty expert wastes less than a
+    tile."""
     nchunks = max(1, min(ROUTE_T, int(np.ceil(np.sqrt(m)))))
-    return nchunks, -(-m // nchunks), (m + min(num_experts, m) * (BM - 1)) // BM
-
-
-@jit
-def route_kernel(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, rows, out,
-                 n_out):
-    """Launch with one block of ROUTE_T threads. counts: int32 [nchunks * E] scratch; out:
-    f32 [m, n_out] (its rows with a bad id are zeroed; n_out 0: none)."""
-    sh = cuda.shared.array(ROUTE_T, int64)
-    tid = cuda.threadIdx.x
-    c = tid
-    while c < nchunks:          # each chunk's rows a expert, counted by one thread in order
-        base = c * num_e
-        for q in range(num_e):
-            counts[base + q] = 0
-        for j in range(c * ch, min(m, c * ch + ch)):
-            ex = ids[j]
-            if 0 <= ex < num_e:
-                counts[base + ex] += 1
-        c += ROUTE_T
-    cuda.syncthreads()
-    e = tid
-    while e < num_e:            # chunk counts -> exclusive prefix over the chunks
-        run = 0
-        for q in range(nchunks):
-            v = counts[q * num_e + e]
-            counts[q * num_e + e] = run
-            run += v
-        count[e] = run
-        e += ROUTE_T
-    cuda.syncthreads()
-    carry = 0                   # segment starts: a block scan of the tile-padded counts
-    for e0 in range(0, num_e, ROUTE_T):
-        e = e0 + tid
-        v = 0
-        if e < num_e:
-            v = (count[e] + BM - 1) // BM * BM
-        sh[tid] = v
-        cuda.syncthreads()
-        off = 1
-        while off < ROUTE_T:
-            t = sh[tid - off] if tid >= off else 0
-            cuda.syncthreads()
-            sh[tid] += t
-            cuda.syncthreads()
-            off *= 2
-        if e < num_e:
-            start[e] = carry + sh[tid] - v
-        carry += sh[ROUTE_T - 1]
-        cuda.syncthreads()      # (every start[e] written before the scatter reads it)
-    if tid == 0:
-        start[num_e] = carry
-    e = tid
-    while e < num_e:            # the padding (-1) and the tiles' expert
-        s = start[e]
-        end = s + (count[e] + BM - 1) // BM * BM
-        for p in range(s + count[e], end):
-            rows[p] = -1
-        for t in range(s // BM, end // BM):
-            tile_expert[t] = e
-        e += ROUTE_T
-    c = tid
-    while c < nchunks:          # the stable scatter: each chunk's rows in order
-        base = c * num_e
-        for j in range(c * ch, min(m, c * ch + ch)):
-            ex = ids[j]
-            if 0 <= ex < num_e:
-                rows[start[ex] + counts[base + ex]] = j
-                counts[base + ex] += 1
-            else:
-                for col in range(n_out):
-                    out[j * n_out + col] = ZERO
-        c += ROUTE_T
+    return nchunks, -(-m // nchunks), (m + min(num_experts, m) * (bm - 1)) // bm
 
 
 @functools.lru_cache(maxsize=None)
-def rows_kernel(trans_w: bool):
-    """kernel(out, x, w, n, k, num_e, start, tile_expert, rows): out[r] (f32 [M, n]) =
-    x[r] @ W_e for every routed row r of expert e, x f32 [M, k]; W_e = w[e], w f32 [E, k, n],
-    or with trans_w W_e = w[e]^T, w [E, n, k]. Launch with rows_launch."""
+def route_kernel_for(BM: int):
+    """The routing kernel padding each expert's segment to tiles of BM rows (the product's
+    block tile: kernels/matmul_tc.py's grouped mode routes with its own)."""
+    @jit
+    def route(ids, m, num_e, ch, nchunks, counts, start, count, tile_expert, rows, out, n_out):
+        """Launch with one block of ROUTE_T threads. counts: int32 [nchunks * E] scratch; out:
+        [m, n_out] of any float storage (its rows with a bad id are zeroed; n_out 0: none)."""
+        sh = cuda.shared.array(ROUTE_T, int64)
+        tid = cuda.threadIdx.x
+        c = tid
+        while c < nchunks:          # each chunk's rows a expert, counted by one thread in order
+            base = c * num_e
+            for q in range(num_e):
+                counts[base + q] = 0
+            for j in range(c * ch, min(m, c * ch + ch)):
+                ex = ids[j]
+                if 0 <= ex < num_e:
+                    counts[base + ex] += 1
+            c += ROUTE_T
+        cuda.syncthreads()
+        e = tid
+        while e < num_e:            # chunk counts -> exclusive prefix over the chunks
+            run = 0
+            for q in range(nchunks):
+                v = counts[q * num_e + e]
+                counts[q * num_e + e] = run
+                run += v
+            count[e] = run
+            e += ROUTE_T
+        cuda.syncthreads()
+        carry = 0                   # segment starts: a block scan of the tile-padded counts
+        for e0 in range(0, num_e, ROUTE_T):
+            e = e0 + tid
+            v = 0
+            if e < num_e:
+                v = (count[e] + BM - 1) // BM * BM
+            sh[tid] = v
+            cuda.syncthreads()
+            off = 1
+            while off < ROUTE_T:
+                t = sh[tid - off] if tid >= off else 0
+                cuda.syncthreads()
+                sh[tid] += t
+                cuda.syncthreads()
+                off *= 2
+            if e < num_e:
+                start[e] = carry + sh[tid] - v
+            carry += sh[ROUTE_T - 1]
+            cuda.syncthreads()      # (every start[e] written before the scatter reads it)
+        if tid == 0:
+            start[num_e] = carry
+        e = tid
+        while e < num_e:            # the padding (-1) and the tiles' expert
+            s = start[e]
+            end = s + (count[e] + BM - 1) // BM * BM
+            for p in range(s + count[e], end):
+                rows[p] = -1
+            for t in range(s // BM, end // BM):
+                tile_expert[t] = e
+            e += ROUTE_T
+        c = tid
+        while c < nchunks:          # the stable scatter: each chunk's rows in order
+            base = c * num_e
+            for j in range(c * ch, min(m, c * ch + ch)):
+                ex = ids[j]
+                if 0 <= ex < num_e:
+                    rows[start[ex] + counts[base + ex]] = j
+                    counts[base + ex] += 1
+                else:
+                    for col in range(n_out):
+                        out[j * n_out + col] = ZERO
+            c += ROUTE_T
+
+    return route
+
+
+route_kernel = route_kernel_for(BM)    # the f32 product's tiles
+
+
+@functools.lru_cache(maxsize=None)
+def rows_kernel(trans_w: bool, kind: str = "f32"):
+    """kernel(out, x, w, n, k, num_e, start, tile_expert, rows): out[r] ([M, n]) = x[r] @ W_e
+    for every routed row r of expert e, x [M, k]; W_e = w[e], w [E, k, n], or with trans_w
+    W_e = w[e]^T, w [E, n, k]; all three in ``kind``'s storage (kernels/halfio.py: halves
+    widened on load, f32 sums, the store rounds once). Launch with rows_launch."""
     ARS = NT // BK              # A (gathered x rows): thread rows ar + p*ARS, at k aq
     BQS, BCS = (0, NT // BK) if trans_w else (NT // BN, 0)
+    ld, st = halfio.load(kind), halfio.store(kind)
 
     @_inline
     def load(ra, rb, x, w, xrow, bo, c0, k0, aq, bq, n, k):
         q = k0 + aq
         for p in range(LA):
-            ra[p] = x[uint64(xrow[p]) * k + q] if xrow[p] >= 0 and q < k else ZERO
+            ra[p] = ld(x, uint64(xrow[p]) * k + q) if xrow[p] >= 0 and q < k else ZERO
         for p in range(LB):
             qb, cl = k0 + bq + _u(p * BQS), c0 + _u(p * BCS)
-            rb[p] = w[bo + (cl * k + qb if trans_w else qb * n + cl)] if cl < n and qb < k \
+            rb[p] = ld(w, bo + (cl * k + qb if trans_w else qb * n + cl)) if cl < n and qb < k \
                 else ZERO
 
     @_inline
@@ -201,7 +215,7 @@ def rows_kernel(trans_w: bool):
                         base = uint64(r) * n + cl
                         for j in range(TN):
                             if _u(j * TX) < cols:
-                                out[base + _u(j * TX)] = acc[i, j]
+                                st(out, base + _u(j * TX), acc[i, j])
                 bx += uint64(cuda.gridDim.x)
             by += uint64(cuda.gridDim.y)
 

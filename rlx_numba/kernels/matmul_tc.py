@@ -34,17 +34,27 @@ bias and residual in their own storage (kernels/halfio.py). Every array argument
 (1-D; the compile fails otherwise): the kernel indexes them by flat element offset, and
 numba's ``x[i] = v`` on a 2-D ``x`` would assign row i. ``direct_launch`` launches one
 product on device arrays of any shape (the geometry sweep and the GPU tests).
+
+Grouped mode (``grouped_kernel``: grouped_matmul in f16 / bf16, mixture of experts): the same
+tile loop over the row tiles of kernels/grouped.py's routing (each expert's rows padded to
+whole tiles of this geometry's ``bm``): a tile's A rows are gathered through the routing's
+``rows`` (-1, the padding, loads zeros), its B is the tile's expert's matrix (``tile_expert``),
+and its output rows are scattered back through ``rows``; the few places that differ are
+functions chosen when the kernel is built (``_batches_*``, ``_row_tiles_*``, ``_*base*``,
+``_out_row_*``, the loader's ``gather``), so each compiled kernel is straight-line code for one
+mode. ``grouped_direct_launch`` runs routing + product on device arrays.
 """
 import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, types, uint16, uint32, uint64
+from numba import cuda, float32, int64, types, uint16, uint32, uint64
 from numba.core.errors import TypingError
 from numba.cuda.extending import intrinsic
 
 from ..device import SIMULATOR
 from . import elementwise as ew
+from . import grouped as G
 from . import halfio
 from . import mma as tc
 from .launch import default_geometry, grid_3d, inline as _inline, jit, register_geometry
@@ -89,6 +99,9 @@ class TcGeometry:
 GPU_GEOMETRY = TcGeometry(128, 128, 16, 64, 32, stages=4, min_blocks=2)
 SIM_GEOMETRY = TcGeometry(32, 16, 16, 16, 16, stages=2)
 register_geometry("matmul_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
+# the grouped mode's own family (the routing pads every expert to its bm, so a smaller tile
+# may win there: bench/sweep_grouped_tc.py times the candidates); the same tiles until then
+register_geometry("grouped_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
 # the geometries bench/sweep_matmul_tc.py times (the shipped one first); the GPU tests launch
 # each of them, so the sweep meets no kernel the tests have not run
 SWEEP_GEOMETRIES = (GPU_GEOMETRY,) + tuple(TcGeometry(*g) for g in (
@@ -137,28 +150,43 @@ def _twin_flat_only(arr):
 flat_only = Intrinsic("flat_only", _gpu_flat_only, _twin_flat_only).fn
 
 
-def _loader(R: int, C: int, LD: int, NT: int, vec: bool):
-    """load(sm, so, src, base, r0, c0, rows, cols, tid): the R x C tile at (r0, c0) of the
-    row-major rows x cols matrix at src[base:] into shared ``sm`` from element offset ``so``
-    (rows of LD elements), zeros outside the matrix; a 16-byte chunk (8 halves) a thread a
-    step, consecutive threads along the contiguous axis."""
+@_inline
+def _row_plain(tab, gr, rows):
+    return gr, gr < rows
+
+
+@_inline
+def _row_gathered(tab, gr, rows):
+    sr = int64(tab[gr])
+    return uint64(max(sr, 0)), sr >= 0
+
+
+def _loader(R: int, C: int, LD: int, NT: int, vec: bool, gather: bool = False):
+    """load(sm, so, src, base, r0, c0, rows, cols, tid, tab): the R x C tile at (r0, c0) of
+    the row-major rows x cols matrix at src[base:] into shared ``sm`` from element offset
+    ``so`` (rows of LD elements), zeros outside the matrix; a 16-byte chunk (8 halves) a
+    thread a step, consecutive threads along the contiguous axis. ``gather``: tile row r is
+    the matrix's row tab[r0 + r] (-1: none, zeros; the grouped mode's routed rows); tab is
+    unused otherwise."""
     CPR = C // 8                 # chunks a row
     CH = R * CPR                 # chunks a tile
     PT = -(-CH // NT)            # chunks a thread
     FULL = CH % NT == 0
     uCPR, uLD, uCH = _u(CPR), _u(LD), _u(CH)
+    src_row = _row_gathered if gather else _row_plain
 
     @_inline
-    def load(sm, so, src, base, r0, c0, rows, cols, tid):
+    def load(sm, so, src, base, r0, c0, rows, cols, tid, tab):
         for p in range(PT):
             ch = tid + _u(p * NT)
             if FULL or ch < uCH:
                 r = ch // uCPR
                 c = (ch % uCPR) * _u(8)
                 d = so + r * uLD + c
-                gr, gc = r0 + r, c0 + c
+                gr, ok = src_row(tab, r0 + r, rows)
+                gc = c0 + c
                 if vec:
-                    if gr < rows and gc < cols:
+                    if ok and gc < cols:
                         tc.cp_async16(sm, d, src, base + gr * cols + gc)
                     else:
                         for e in range(8):
@@ -166,21 +194,84 @@ def _loader(R: int, C: int, LD: int, NT: int, vec: bool):
                 else:
                     for e in range(8):
                         ge = gc + _u(e)
-                        sm[d + _u(e)] = (src[base + gr * cols + ge] if gr < rows and ge < cols
+                        sm[d + _u(e)] = (src[base + gr * cols + ge] if ok and ge < cols
                                          else ZERO16)
     return load
 
 
 def tc_gemm_kernel(trans_a: bool, trans_b: bool, kind: str, vec: bool, has_bias: bool = False,
-                   act=None, has_res: bool = False, geo: TcGeometry | None = None):
+                   act=None, has_res: bool = False, geo: TcGeometry | None = None,
+                   grouped: bool = False):
     """The kernel for these compile-time choices (one object however it is asked for); geo:
-    the device's default "matmul_tc" geometry unless given."""
+    the device's default "matmul_tc" geometry unless given; ``grouped``: the grouped mode
+    (grouped_kernel's docstring)."""
     return _tc_gemm_kernel(bool(trans_a), bool(trans_b), kind, bool(vec), bool(has_bias),
-                           act or None, bool(has_res), geo or default_geometry("matmul_tc"))
+                           act or None, bool(has_res), geo or default_geometry("matmul_tc"),
+                           bool(grouped))
+
+
+def grouped_kernel(trans_w: bool, kind: str, vec: bool, geo: TcGeometry | None = None):
+    """The grouped (mixture-of-experts) mode of the same kernel: out[r] = x[r] @ W_e for every
+    row r routed to expert e by kernels/grouped.py's routing (its tables padded to this
+    geometry's ``bm``: ``route_kernel_for(geo.bm)``), W_e = w[e] ([E, k, n]) or with trans_w
+    w[e]^T ([E, n, k]). Called as kernel(out, x, w, d, d, m, n, k, rows, tile_expert, start):
+    out [m, n] of ``kind``, x [m, k] and w as uint16 bits, d any 1-element array (no
+    epilogue), rows / tile_expert / start the routing's int32 tables. A block takes a routed
+    row tile (one expert: B's offset is tile_expert's expert times k n) and a column tile;
+    its A rows are gathered through ``rows`` and its output rows scattered back the same way
+    (-1, the padding: neither loaded nor stored). geo: the "grouped_tc" family's default
+    unless given. Launch with grouped_launch."""
+    return tc_gemm_kernel(False, trans_w, kind, vec, geo=geo or default_geometry("grouped_tc"),
+                          grouped=True)
+
+
+@_inline
+def _batches_plain(batch):
+    return uint64(batch)
+
+
+@_inline
+def _batches_grouped(start):
+    return U1
+
+
+@_inline
+def _row_tiles_plain(batch, m, bm):
+    return (m + bm - U1) // bm
+
+
+@_inline
+def _row_tiles_grouped(start, m, bm):
+    return uint64(start[start.shape[0] - 1]) // bm   # the routed ones (the grid is a bound)
+
+
+@_inline
+def _base_plain(off, z, by, k, n):
+    return uint64(off[z])
+
+
+@_inline
+def _a_base_grouped(rows, z, by, k, n):
+    return U0
+
+
+@_inline
+def _b_base_grouped(tile_expert, z, by, k, n):
+    return uint64(tile_expert[by]) * k * n
+
+
+@_inline
+def _out_row_plain(tab, r, m):
+    return int64(r) if r < m else int64(-1)
+
+
+@_inline
+def _out_row_grouped(rows, r, m):
+    return int64(rows[r])
 
 
 @functools.lru_cache(maxsize=None)
-def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
+def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo, grouped):
     """kernel(c, a, b, bias, res, m, n, k, a_off, b_off, batch): c[z] (flat [batch, m, n], of
     ``kind``) = act(A[z] @ B[z] + bias) + res[z]; A[z] starts at a[a_off[z]], row-major [m, k]
     ([k, m] when trans_a), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a, b uint16 bit
@@ -190,6 +281,9 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
     if kind not in tc.KINDS:
         raise ValueError(f"tensor-core GEMM: operands of kind {kind!r}, expected one of {tc.KINDS}")
     _check(geo)
+    if grouped and (trans_a or has_bias or act or has_res):
+        raise ValueError("tensor-core GEMM: the grouped mode reads x row-major [m, k] and has "
+                         "no epilogue")
     BM, BN, BK, WM, WN, S = geo.bm, geo.bn, geo.bk, geo.wm, geo.wn, geo.stages
     NT = geo.threads
     WARPS_N = BN // WN
@@ -210,23 +304,30 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
     ld, st = halfio.load(kind), halfio.store(kind)
     actf = getattr(ew, act) if act else ew.neg
     has_act = act is not None
-    load_a = _loader(AR, AC, LDA, NT, vec)
+    load_a = _loader(AR, AC, LDA, NT, vec, gather=grouped)
     load_b = _loader(BR, BC, LDB, NT, vec)
+    # the grouped mode's differences, as functions (one tile loop): a_off / b_off / batch are
+    # then rows / tile_expert / start (grouped_kernel's docstring)
+    batches = _batches_grouped if grouped else _batches_plain
+    row_tiles = _row_tiles_grouped if grouped else _row_tiles_plain
+    a_base = _a_base_grouped if grouped else _base_plain
+    b_base = _b_base_grouped if grouped else _base_plain
+    out_row = _out_row_grouped if grouped else _out_row_plain
     WAIT = S - 2                                   # groups left in flight at a K tile's start
     uBM, uBN, uBK, uS = _u(BM), _u(BN), _u(BK), _u(S)
     uSA, uSB = _u(SA), _u(SB)
 
     @_inline
-    def issue(As, Bs, a, b, ao, bo, row0, col0, k0, stage, m, n, k, tid):
-        """The A and B tiles at K offset k0 into ``stage``."""
+    def issue(As, Bs, a, b, ao, bo, row0, col0, k0, stage, m, n, k, tid, tab):
+        """The A and B tiles at K offset k0 into ``stage`` (tab: the grouped mode's rows)."""
         if trans_a:
-            load_a(As, stage * uSA, a, ao, k0, row0, k, m, tid)
+            load_a(As, stage * uSA, a, ao, k0, row0, k, m, tid, tab)
         else:
-            load_a(As, stage * uSA, a, ao, row0, k0, m, k, tid)
+            load_a(As, stage * uSA, a, ao, row0, k0, m, k, tid, tab)
         if trans_b:
-            load_b(Bs, stage * uSB, b, bo, col0, k0, n, k, tid)
+            load_b(Bs, stage * uSB, b, bo, col0, k0, n, k, tid, tab)
         else:
-            load_b(Bs, stage * uSB, b, bo, k0, col0, k, n, tid)
+            load_b(Bs, stage * uSB, b, bo, k0, col0, k, n, tid, tab)
 
     @jit(launch_bounds=(NT, geo.min_blocks))
     def kernel(c, a, b, bias, res, m, n, k, a_off, b_off, batch):
@@ -243,7 +344,8 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
         fa = cuda.local.array((MI, 4), uint32)
         fb = cuda.local.array((NI, 2), uint32)
         ep = cuda.local.array(NE, float32)             # the accumulators, for the epilogue
-        m, n, k, batch = uint64(m), uint64(n), uint64(k), uint64(batch)
+        m, n, k = uint64(m), uint64(n), uint64(k)
+        nz = batches(batch)
         tid = uint64(cuda.threadIdx.x)
         lane, warp = tid % _u(32), tid // _u(32)
         wm, wn = warp // _u(WARPS_N), warp % _u(WARPS_N)
@@ -261,16 +363,17 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
         else:           # [k][n]: matrix j at k + 8 (j & 1), n + 8 (j >> 1)
             b_lane = ((lane & _u(7)) + _u(8) * ((lane >> _u(3)) & U1)) * _u(LDB) \
                 + wn * _u(WN) + _u(8) * (lane >> _u(4))
-        tiles_m = (m + uBM - U1) // uBM
+        tiles_m = row_tiles(batch, m, uBM)
         tiles_n = (n + uBN - U1) // uBN
         ktiles = (k + uBK - U1) // uBK
         z = uint64(cuda.blockIdx.z)
-        while z < batch:      # every loop bound is uniform across the block (barriers inside)
-            ao, bo = uint64(a_off[z]), uint64(b_off[z])
+        while z < nz:      # every loop bound is uniform across the block (barriers inside)
+            ao = a_base(a_off, z, U0, k, n)
             co = z * m * n
             by = uint64(cuda.blockIdx.y)
             while by < tiles_m:
                 row0 = by * uBM
+                bo = b_base(b_off, z, by, k, n)
                 bx = uint64(cuda.blockIdx.x)
                 while bx < tiles_n:
                     col0 = bx * uBN
@@ -281,7 +384,7 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
                     for s in range(S - 1):          # prologue: a group a stage
                         if _u(s) < ktiles:
                             issue(As, Bs, a, b, ao, bo, row0, col0, _u(s) * uBK, _u(s), m, n,
-                                  k, tid)
+                                  k, tid, a_off)
                         tc.cp_async_commit()
                     kt = U0
                     while kt < ktiles:
@@ -290,7 +393,7 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
                         nxt = kt + uS - U1
                         if nxt < ktiles:
                             issue(As, Bs, a, b, ao, bo, row0, col0, nxt * uBK, nxt % uS, m, n,
-                                  k, tid)
+                                  k, tid, a_off)
                         tc.cp_async_commit()        # (an empty group at the end: uniform count)
                         sa = (kt % uS) * uSA + a_lane
                         sb = (kt % uS) * uSB + b_lane
@@ -325,15 +428,15 @@ def _tc_gemm_kernel(trans_a, trans_b, kind, vec, has_bias, act, has_res, geo):
                     c_base = col0 + wn * _u(WN) + _u(2) * t
                     for e in range(NE):     # C/D float i of tile (mi, ni): row g + 8 (i >> 1),
                         mi, ni, i = e // (NI * 4), (e >> 2) % NI, e & 3   # col 2 t + (i & 1)
-                        r = r_base + _u(mi * 16 + 8 * (i >> 1))
+                        orow = out_row(a_off, r_base + _u(mi * 16 + 8 * (i >> 1)), m)
                         cl = c_base + _u(ni * 8 + (i & 1))
-                        if r < m and cl < n:
+                        if orow >= 0 and cl < n:
                             v = ep[e]
                             if has_bias:
                                 v += ld(bias, cl)
                             if has_act:
                                 v = actf(v)
-                            o = co + r * n + cl
+                            o = co + uint64(orow) * n + cl
                             if has_res:
                                 v += ld(res, o)
                             st(c, o, v)
@@ -349,6 +452,14 @@ def tc_launch(m: int, n: int, batch: int, geo: TcGeometry | None = None):
     to a few blocks in the simulator); the kernel strides over the rest."""
     geo = geo or default_geometry("matmul_tc")
     return grid_3d(-(-n // geo.bn), -(-m // geo.bm), batch), (geo.threads,)
+
+
+def grouped_launch(n: int, max_tiles: int, geo: TcGeometry | None = None):
+    """(grid, block) for a grouped_kernel launch: a block per column tile and routed row tile
+    up to the routing's bound ``max_tiles`` (blocks past the routed ones return at once),
+    clamped; the kernel strides over the rest."""
+    geo = geo or default_geometry("grouped_tc")
+    return grid_3d(-(-n // geo.bn), max(1, max_tiles), 1), (geo.threads,)
 
 
 def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = False,
@@ -387,6 +498,43 @@ def direct_launch(c, a, b, m: int, n: int, k: int, kind: str, trans_a: bool = Fa
     def launch(stream=0):
         kern[grid, block, stream](*args)
     launch.vec = vec     # (which loads the launch takes)
+    return launch
+
+
+def grouped_direct_launch(out, x, w, ids, num_e: int, kind: str, trans_w: bool = False,
+                          geo: TcGeometry | None = None):
+    """launch(stream=0), which enqueues the routing (kernels/grouped.py, at ``geo``'s row
+    tile) and the grouped tensor-core product out[r] = x[r] @ W_{ids[r]}, launched directly:
+    no graph (bench/sweep_grouped_tc.py, tests/test_grouped_tc.py). x [m, k], w [E, k, n]
+    ([E, n, k] with trans_w) and out [m, n]: C-contiguous device arrays (NumPy ones in the
+    simulator) in ``kind``'s storage (bf16: uint16 bits; f16: float16 or its uint16 bits for
+    x and w); ids int32 [m] on the device. The routing tables are allocated here."""
+    geo = geo or default_geometry("grouped_tc")
+    m, k = x.shape
+    n = w.shape[1] if trans_w else w.shape[2]
+    if tuple(out.shape) != (m, n) or w.shape[0] != num_e or tuple(ids.shape) != (m,):
+        raise ValueError(f"grouped tensor-core GEMM: out {tuple(out.shape)}, x {tuple(x.shape)}"
+                         f", w {tuple(w.shape)}, ids {tuple(ids.shape)} for {num_e} experts")
+    nchunks, ch, max_tiles = G.route_plan(m, num_e, geo.bm)
+    counts, start, count, tile_expert, rows = (
+        cuda.to_device(np.zeros(max(1, size), np.int32))
+        for size in (nchunks * num_e, num_e + 1, num_e, max_tiles, max_tiles * geo.bm))
+    fx, fw = x.reshape(x.size).view(np.uint16), w.reshape(w.size).view(np.uint16)
+    fo = out.reshape(out.size)
+    ptrs = () if SIMULATOR else (fx.device_ctypes_pointer.value, fw.device_ctypes_pointer.value)
+    vec = vec_ok(False, trans_w, m, n, k, [0], [0], ptrs)[0]
+    route = G.route_kernel_for(geo.bm)
+    kern = grouped_kernel(trans_w, kind, vec, geo)
+    grid, block = grouped_launch(n, max_tiles, geo)
+    dummy = cuda.to_device(np.zeros(1, fo.dtype))
+    args = (fo, fx, fw, dummy, dummy, np.int64(m), np.int64(n), np.int64(k), rows, tile_expert,
+            start)
+
+    def launch(stream=0):
+        route[(1,), (G.ROUTE_T,), stream](ids, m, num_e, ch, nchunks, counts, start, count,
+                                          tile_expert, rows, fo, 0)
+        kern[grid, block, stream](*args)
+    launch.vec = vec
     return launch
 
 

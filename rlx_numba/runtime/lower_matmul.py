@@ -28,7 +28,8 @@ Each product is planned once, at compile time, taking the first tier whose preco
      takes every half product tier 3 does not; a product tier 3 takes, or one with a gated
      epilogue, is not offered to it. Offered only where RLX_NUMBA_MATMUL_TIERS names it, or
      on a GPU without cuBLAS (``tier5_offered``: opt-in beside cuBLAS until GPU timings say
-     where it wins; the simulator's mma twins are slow);
+     where it wins; the simulator's mma twins are slow). f16 / bf16 grouped_matmul takes the
+     same kernel's grouped mode wherever tier 5 is offered (runtime/lower_grouped.py);
   4  the numba register-tiled SGEMM (kernels/matmul.py): everywhere, the simulator included.
 
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
