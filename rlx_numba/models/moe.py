@@ -14,7 +14,8 @@ Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.N.w1 / w3 / w
 down), Qwen2-MoE's and OLMoE's ``mlp.experts.N.gate_proj / up_proj / down_proj``.
 
 ``weights="f16"/"bf16"`` stores the 2-D product weights half (router and shared expert
-included); the 3-D expert weights stay f32 (grouped_matmul computes in f32).
+included); the 3-D expert weights stay f32 there. With ``dtype="f16"/"bf16"`` the whole graph,
+the experts' grouped products included, runs in that dtype (f32 sums, one rounding).
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from ..kernels import matmul_tc as mtc
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry
 from ..device import SIMULATOR
-from .lower import Step, lowering, step_name
-from .lower_matmul import device_ptr, tier5_offered
+from .lower import Step, data_ptr, lowering, step_name
+from .lower_matmul import tier5_offered
 
 
 def _check_ids(ctx, n, ids, num_e):
@@ -78,7 +78,7 @@ def _tensor_core(ctx, n, x, w, ids, num_e, m, k, cols, trans, kind):
                                                              cols, geo.bm)
     bits = (lambda buf: buf) if kind == "bf16" else (lambda buf: buf.view(np.uint16))
     xbuf, wbuf = bits(ctx.buf(x)), bits(ctx.buf(w))
-    ptrs = () if SIMULATOR else (device_ptr(xbuf), device_ptr(wbuf))
+    ptrs = () if SIMULATOR else (data_ptr(xbuf), data_ptr(wbuf))
     vec, _ = mtc.vec_ok(False, trans, m, cols, k, [0], [0], ptrs)
     grid, block = mtc.grouped_launch(cols, max_tiles, geo)
     dummy = ctx.shared(f"tc_dummy_{kind}", lambda: np.zeros(1, np.dtype(ctx.buf(n).dtype)))
