@@ -23,6 +23,33 @@ def time_rlx(cuda, launch, stream, iters: int, warmup: int, repeats: int) -> flo
     return best
 
 
+def sweep_candidate(torch, cuda, label, geo, make_launch, stream, iters: int, out, ref, kind: str,
+                    flops: float, torch_ms: float, extra: str = "") -> bool:
+    """Time and check one tensor-core geometry of a sweep and print its row: ``make_launch()``
+    gives a ``launch(stream)`` (with ``.vec``) writing the torch tensor ``out``, zeroed first
+    (a candidate that writes nothing reads WRONG); ok within a few half roundings of the f32
+    ``ref`` (2e-2 bf16, 4e-3 f16). False after a CUDA fault: the context is unusable, every
+    later call would fail the same way."""
+    from numba.cuda.cudadrv.driver import CudaAPIError
+    cand = (geo.bm, geo.bn, geo.bk, geo.wm, geo.wn, geo.stages, geo.min_blocks)
+    out.zero_()
+    torch.cuda.synchronize()
+    try:
+        launch = make_launch()
+        ms = time_rlx(cuda, lambda: launch(stream), stream, iters, 2, 3)
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        ok = err <= (2e-2 if kind == "bf16" else 4e-3)
+        print(f"  {label} {cand}: {flops / ms / 1e9:6.0f} TFLOP/s {ms * 1e3:8.1f} us  "
+              f"{torch_ms / ms:5.3f}x torch  err {err:.1e} {'ok' if ok else 'WRONG'}  "
+              f"{'cp.async' if launch.vec else 'element loads'}{extra}", flush=True)
+    except CudaAPIError as e:
+        print(f"  {label} {cand}: CUDA ERROR {e}; the context is unusable, stopping", flush=True)
+        return False
+    except Exception as e:  # noqa: BLE001 - report the candidate, keep going
+        print(f"  {label} {cand}: ERROR {type(e).__name__}: {e}", flush=True)
+    return True
+
+
 def time_torch(torch, fn, iters: int, warmup: int, repeats: int) -> float:
     """Mean ms per call of ``fn()`` on torch's current stream, best of ``repeats``."""
     for _ in range(warmup):

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_rlx, time_torch  # noqa: E402
+from common import sweep_candidate, time_torch  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,7 +37,6 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
     from numba import cuda
-    from numba.cuda.cudadrv.driver import CudaAPIError
     from rlx_numba.kernels import matmul_tc as mtc
     m, k, n, e = (int(v) for v in args.shape.split("x"))
     geos = mtc.SWEEP_GEOMETRIES + tuple(mtc.TcGeometry(*g) for g in (
@@ -71,24 +70,11 @@ def main(argv=None) -> int:
             oa = cuda.as_cuda_array(out.view(torch.int16)).view(
                 np.uint16 if kind == "bf16" else np.float16)
             for geo in geos:
-                cand = (geo.bm, geo.bn, geo.bk, geo.wm, geo.wn, geo.stages, geo.min_blocks)
-                out.zero_()
-                torch.cuda.synchronize()
-                try:
-                    launch = mtc.grouped_direct_launch(oa, xa, wa, ids, e, kind, tw, geo)
-                    ms = time_rlx(cuda, lambda: launch(stream), stream, args.iters, 2, 3)
-                    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                    ok = err <= (2e-2 if kind == "bf16" else 4e-3)
-                    print(f"  {'w^T' if tw else 'w  '} {cand}: {flops / ms / 1e9:6.0f} TFLOP/s "
-                          f"{ms * 1e3:8.1f} us  {torch_ms / ms:5.3f}x torch mm  err {err:.1e} "
-                          f"{'ok' if ok else 'WRONG'}  "
-                          f"{'cp.async' if launch.vec else 'element loads'}", flush=True)
-                except CudaAPIError as ex:
-                    print(f"  {cand}: CUDA ERROR {ex}; the context is unusable, stopping",
-                          flush=True)
+                if not sweep_candidate(
+                        torch, cuda, "w^T" if tw else "w  ", geo,
+                        lambda: mtc.grouped_direct_launch(oa, xa, wa, ids, e, kind, tw, geo),
+                        stream, args.iters, out, ref, kind, flops, torch_ms):
                     return 1
-                except Exception as ex:  # noqa: BLE001 - report the candidate, keep going
-                    print(f"  {cand}: ERROR {type(ex).__name__}: {ex}", flush=True)
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_rlx, time_torch  # noqa: E402
+from common import sweep_candidate, time_torch  # noqa: E402
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -34,7 +34,6 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
     from numba import cuda
-    from numba.cuda.cudadrv.driver import CudaAPIError
     from rlx_numba.kernels import matmul_tc as mtc
     print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}")
     stream = cuda.default_stream()
@@ -59,25 +58,12 @@ def main(argv=None) -> int:
                 c = cuda.as_cuda_array(out.view(torch.int16)).view(
                     np.uint16 if kind == "bf16" else np.float16)
                 for geo in mtc.SWEEP_GEOMETRIES:
-                    cand = (geo.bm, geo.bn, geo.bk, geo.wm, geo.wn, geo.stages, geo.min_blocks)
-                    out.zero_()     # (a candidate that writes nothing reads WRONG)
-                    torch.cuda.synchronize()
-                    try:
-                        launch = mtc.direct_launch(c, a, b, m, n, k, kind, tra, trb, geo)
-                        ms = time_rlx(cuda, lambda: launch(stream), stream, args.iters, 2, 3)
-                        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                        ok = err <= (2e-2 if kind == "bf16" else 4e-3)
-                        print(f"  {lay} {cand}: {flops / ms / 1e9:6.0f} TFLOP/s  "
-                              f"{torch_ms / ms:5.2f}x torch  err {err:.1e} "
-                              f"{'ok' if ok else 'WRONG'}  "
-                              f"{'cp.async' if launch.vec else 'element loads'}"
-                              f"  smem {geo.shared_bytes()} B", flush=True)
-                    except CudaAPIError as e:   # a fault: every later call fails the same way
-                        print(f"  {lay} {cand}: CUDA ERROR {e}; the context is unusable, "
-                              "stopping", flush=True)
+                    if not sweep_candidate(
+                            torch, cuda, lay, geo,
+                            lambda: mtc.direct_launch(c, a, b, m, n, k, kind, tra, trb, geo),
+                            stream, args.iters, out, ref, kind, flops, torch_ms,
+                            f"  smem {geo.shared_bytes()} B"):
                         return 1
-                    except Exception as e:  # noqa: BLE001 - report the candidate, keep going
-                        print(f"  {lay} {cand}: ERROR {type(e).__name__}: {e}", flush=True)
     return 0
 
 
