@@ -73,27 +73,15 @@ def make_cases(rlx, torch, log2: int):
         g.set_outputs([g.add(a, b)])
         return g
 
-    def g_mul():
-        g = rlx.Graph("bench_mul_bcast")
-        a, b = g.input("a", (rows, cols), "f32"), g.input("b", (cols,), "f32")
+    def g_mul(dt="f32"):
+        g = rlx.Graph(f"bench_mul_bcast_{dt}")
+        a, b = g.input("a", (rows, cols), dt), g.input("b", (cols,), dt)
         g.set_outputs([g.mul(a, b)])
         return g
 
-    def g_gelu():
-        g = rlx.Graph("bench_gelu")
-        x = g.input("x", (n,), "f32")
-        g.set_outputs([g.gelu(x)])
-        return g
-
-    def g_mul_f16():
-        g = rlx.Graph("bench_mul_bcast_f16")
-        a, b = g.input("a", (rows, cols), "f16"), g.input("b", (cols,), "f16")
-        g.set_outputs([g.mul(a, b)])
-        return g
-
-    def g_gelu_f16():
-        g = rlx.Graph("bench_gelu_f16")
-        x = g.input("x", (n,), "f16")
+    def g_gelu(dt="f32"):
+        g = rlx.Graph(f"bench_gelu_{dt}")
+        x = g.input("x", (n,), dt)
         g.set_outputs([g.gelu(x)])
         return g
 
@@ -120,12 +108,13 @@ def make_cases(rlx, torch, log2: int):
              out=lambda: None,
              torch_fn=lambda i, o: (lambda: F.gelu(i["x"], approximate="none")),
              nbytes=4 * n + 4 * n, tol=1e-4),
-        dict(op="mul_bcast_f16", desc=f"f16 [{rows},{cols}] * [{cols}]", graph=g_mul_f16,
+        dict(op="mul_bcast_f16", desc=f"f16 [{rows},{cols}] * [{cols}]",
+             graph=lambda: g_mul("f16"),
              inputs=lambda: {"a": randn(rows, cols).half(), "b": randn(cols).half()},
              out=lambda: torch.empty(rows, cols, device="cuda", dtype=torch.float16),
              torch_fn=lambda i, o: (lambda: torch.mul(i["a"], i["b"], out=o)),
              nbytes=2 * n + 2 * cols + 2 * n, tol=0.0),
-        dict(op="gelu_f16", desc=f"f16 gelu(erf) [{n}]", graph=g_gelu_f16,
+        dict(op="gelu_f16", desc=f"f16 gelu(erf) [{n}]", graph=lambda: g_gelu("f16"),
              inputs=lambda: {"x": (randn(n) * 3).half()},
              out=lambda: None,
              torch_fn=lambda i, o: (lambda: F.gelu(i["x"], approximate="none")),
