@@ -19,7 +19,11 @@ device time a product including the gap between kernels inside a graph, as in a 
 reported: which tier our compile-time timing picks when both are allowed, for an executable
 compiled with exec_mode="graph" (``pick``, with the times it measured: a CUDA graph of 20).
 
-  python bench/bench_gemv.py [--m 1,8] [--shapes 960x576,...] [--dtypes f32,bf16] [--out F]
+With --norm each row is the product of rms_norm(x) instead (tier 3 takes the norm as its
+prologue, the cuBLASLt row runs a norm step first, torch F.rms_norm then the product).
+
+  python bench/bench_gemv.py [--m 1,8] [--shapes 960x576,...] [--dtypes f32,bf16] [--norm]
+      [--out F]
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from common import copy_bandwidth, free_device_memory  # noqa: E402
 
 SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
 REPS = 50               # products a graph
+EPS = 1e-6              # --norm's rms_norm eps
 WINDOW_MS = 5.0
 
 
@@ -71,16 +76,22 @@ def graph_us(torch, enqueue, stream) -> float:
     return best * 1e3 / REPS
 
 
-def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, mode="stream"):
-    """A compiled y = x @ w with the weight set (f32, or bf16 by set_param_half)."""
+def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, mode="stream", gamma=None):
+    """A compiled y = x @ w with the weight set (f32, or bf16 by set_param_half); with
+    ``gamma`` y = rms_norm(x, gamma, eps=EPS) @ w (the norm prologue: tier 3 normalises in its
+    kernel, the other tiers run a row step first)."""
     if tiers is None:
         os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
     else:
         os.environ["RLX_NUMBA_MATMUL_TIERS"] = tiers
     g = rlx.Graph("skinny")
     x = g.input("x", (m, k))
+    if gamma is not None:
+        x = g.rms_norm(x, g.param("gamma", (k,)), eps=EPS)
     g.set_outputs([g.linear(x, g.param("w", (k, n)))])
     exe = rlx.compile(g, exec_mode=mode)
+    if gamma is not None:
+        exe.set_param("gamma", gamma)
     if wdt == "f32":
         exe.set_param("w", w_kn)
     else:
@@ -89,23 +100,26 @@ def rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, mode="stream"):
     return exe
 
 
-def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs):
+def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs, norm=False):
     F = torch.nn.functional
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5     # [N, K] like nn.Linear
     x = torch.randn(m, k, device="cuda", generator=gen)
     w_kn = w.t().contiguous().cpu().numpy()
+    gam = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)) if norm else None
+    xin = F.rms_norm(x, (k,), gam, eps=EPS) if norm else x      # what the product reads
     wbytes = n * k * (4 if wdt == "f32" else 2)
-    out = dict(m=m, n=n, k=k, dtype=wdt, weight_bytes=wbytes)
+    out = dict(m=m, n=n, k=k, dtype=wdt, weight_bytes=wbytes, rms_norm=norm)
     stream = torch.cuda.Stream()
     ext = cuda.external_stream(stream.cuda_stream)
     if wdt == "f32":
-        ref = (x.double() @ w.double().t()).float()
+        ref = (xin.double() @ w.double().t()).float()
     else:
         wb = w.to(torch.bfloat16)
-        ref = (x.double() @ wb.double().t()).float()
+        ref = (xin.double() @ wb.double().t()).float()
     for label, tiers in (("tier3", "3"), ("lt", "1" if wdt == "f32" else "0"), ("pick", None)):
-        exe = rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, "graph" if label == "pick" else "stream")
+        exe = rlx_exe(rlx, tiers, m, n, k, wdt, w_kn, "graph" if label == "pick" else "stream",
+                      gam.cpu().numpy() if norm else None)
         (view,) = exe.run({"x": x}, outputs="view")
         got = torch.as_tensor(view, device="cuda")
         err = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -128,10 +142,11 @@ def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs):
             out[f"{label}_us"] = graph_us(torch, enqueue, stream)
             exe.stream.synchronize()
         del exe, view, got
+    nrm = (lambda: F.rms_norm(x, (k,), gam, eps=EPS)) if norm else (lambda: x)  # noqa: E731
     if wdt == "f32":
-        tfn = lambda: F.linear(x, w)  # noqa: E731
+        tfn = lambda: F.linear(nrm(), w)  # noqa: E731
     else:
-        tfn = lambda: x.bfloat16() @ wb.t()  # noqa: E731
+        tfn = lambda: nrm().bfloat16() @ wb.t()  # noqa: E731
     out["torch_us"] = graph_us(torch, tfn, stream)
     for label in ("tier3", "lt", "torch"):
         out[f"{label}_copy_pct"] = 100 * wbytes / (out[f"{label}_us"] * 1e-6) / (copy_gbs * 1e9)
@@ -145,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--m", default="1,8")
     p.add_argument("--shapes", default=SHAPES)
     p.add_argument("--dtypes", default="f32,bf16")
+    p.add_argument("--norm", action="store_true",
+                   help="the product of rms_norm(x) (tier 3's norm prologue; torch: F.rms_norm "
+                        "then the product)")
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gemv.json")
     args = p.parse_args(argv)
     import rlx_numba as rlx
@@ -169,7 +187,7 @@ def main(argv=None) -> int:
             n, k = (int(v) for v in shape.split("x"))
             for wdt in args.dtypes.split(","):
                 try:
-                    r = row(rlx, cuda, torch, m, n, k, wdt, copy_gbs)
+                    r = row(rlx, cuda, torch, m, n, k, wdt, copy_gbs, args.norm)
                 except Exception as e:  # noqa: BLE001 - report the row, keep going
                     print(f"{m:>2} {n:>6} {k:>5} {wdt:<4} ERROR {type(e).__name__}: {e}", flush=True)
                     results.append(dict(m=m, n=n, k=k, dtype=wdt, error=str(e)))

@@ -4,7 +4,8 @@ Each row builds one op as a graph, checks it against torch (F.conv2d / conv_tran
 conv3d / max_pool2d / avg_pool2d, f32, TF32 off: ``rel`` is max |ours - torch| / max |torch|),
 then times ours as the sum of its steps' CUDA-event times (``exe.profile``) and torch's call
 by CUDA events (mean of 20, best of 3). ``ratio`` = torch us / ours (>= 1: ours faster); the
-steps column says where our time goes. Model rows: ResNet-50 and ViT-B/16 (random weights,
+steps column says where our time goes. The NHWC rows run ``channels_last=True`` beside torch on
+channels_last tensors of the same memory. Model rows: ResNet-50 and ViT-B/16 (random weights,
 batch 32, 224 x 224) images/s, ours (the compiled executable on a device-resident batch, in its
 exec mode) beside torchvision's eager model, each timed with CUDA events on its own stream over
 10 runs (best of 3); in bf16 ours has dtype="bf16" and torch runs under autocast bf16
@@ -69,7 +70,25 @@ def rows(rlx, F, rng):
         ("pad reflect 1 64ch 56x56 b8", (8, 64, 56, 56),
          lambda g, x, p: g.pad(x, (1, 1, 1, 1), "reflect"),
          lambda x, p: F.pad(x, (1, 1, 1, 1), "reflect"), {}),
+        # channels last: x [N, H, W, C], weights [Cout, kh, kw, Cin]; torch gets the same
+        # memory as channels_last NCHW views (no copies), its output viewed back as NHWC
+        ("NHWC conv 3x3 s1 64->64 56x56 b8", (8, 56, 56, 64),
+         lambda g, x, p: g.conv(x, p["w"], p["b"], padding=1, channels_last=True),
+         lambda x, p: F.conv2d(_cf(x), _cf(p["w"]), p["b"], padding=1).permute(0, 2, 3, 1),
+         {"w": w(64, 3, 3, 64), "b": w(64)}),
+        ("NHWC conv 1x1 256->64 56x56 b8", (8, 56, 56, 256),
+         lambda g, x, p: g.conv(x, p["w"], channels_last=True),
+         lambda x, p: F.conv2d(_cf(x), _cf(p["w"])).permute(0, 2, 3, 1),
+         {"w": w(64, 1, 1, 256)}),
+        ("NHWC max pool 3x3 s2 p1 64ch 112 b8", (8, 112, 112, 64),
+         lambda g, x, p: g.pool(x, "max", 3, 2, 1, channels_last=True),
+         lambda x, p: F.max_pool2d(_cf(x), 3, 2, 1).permute(0, 2, 3, 1), {}),
     ]
+
+
+def _cf(t):
+    """An NHWC (or KRSC) torch tensor as the channels_last NCHW view of the same memory."""
+    return t.permute(0, 3, 1, 2)
 
 
 def _layer_norm2d(x, g, b, eps=1e-6):     # SAM's LayerNorm2d, as written there

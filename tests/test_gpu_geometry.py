@@ -85,6 +85,18 @@ def test_gemv_gpu_geometry(rng, monkeypatch, wdt):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("d", ["f16", "bf16"])
+def test_gemv_norm_prologue_gpu_geometry(rng, monkeypatch, d):
+    """The skinny product with an rms_norm prologue at the GPU's plan: half x and gamma read
+    16 bytes at a time, the sums of squares meeting over a team's warps, a residual."""
+    from rlx_numba.kernels import gemv as gv
+    from test_norm_prologue import check_case
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3,4")
+    assert gv.plan(2, 9, 264, d, 8, 1, geo=gv.GPU)[5] == 1      # one split: K whole
+    with override_geometry("gemv", gv.GPU):
+        check_case(rng, d, (2,), 264, 9, True, True, False, 3)
+
+
 @pytest.mark.parametrize("scheme,m", [("q4_0", 1), ("q4_k", 3)])
 def test_quant_gemv_gpu_geometry(rng, scheme, m):
     """The quantised GEMV with the GPU's plan (4 warps a block; at M = 1 the cheap formats'

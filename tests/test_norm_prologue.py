@@ -65,8 +65,14 @@ def _want(d, xv, rv, gv, wv, bv, gated):
 ])
 def test_norm_prologue(monkeypatch, rng, d, tiers, lead, k, n, residual, bias, gated):
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", tiers)
+    check_case(rng, d, lead, k, n, residual, bias, gated, int(tiers[0]))
+
+
+def check_case(rng, d, lead, k, n, residual, bias, gated, want_tier):
+    """Compile the case (the fold checked), run it on random data, compare with the oracle
+    (also tests/test_gpu_geometry.py's, at the GPU's plan)."""
     exe, tier = _compile(d, lead, k, n, residual, bias, gated)
-    assert tier == int(tiers[0])
+    assert tier == want_tier
     host = HOST[d]
     xv = rng.standard_normal((*lead, k)).astype(host)
     rv = rng.standard_normal((*lead, k)).astype(host) if residual else None
