@@ -1,10 +1,10 @@
 """The GPU's tile geometry, run by the simulator on small problems (against NumPy oracles):
 the kernel factories and plans take a geometry, so the shapes a GPU launches (128-thread
-attention blocks, 4-warp decode and GEMV blocks, 512-thread reduction rows, 256-thread row,
-sort and FFT blocks, ...) run in CI too, not only the simulator's small ones. Warp shuffles
-stay the simulator's shared-memory stand-ins (kernels/warp.py); tests/test_ptx_gpu.py checks
-the inline-PTX twins. On a GPU these geometries are the defaults (the rest of the suite covers
-them), so the file is skipped there.
+attention blocks, 4-warp decode and GEMV blocks, the tensor-core GEMMs' 8-warp tiles,
+512-thread reduction rows, 256-thread row, sort and FFT blocks, ...) run in CI too, not only
+the simulator's small ones. Warp shuffles stay the simulator's shared-memory stand-ins
+(kernels/warp.py); tests/test_ptx_gpu.py checks the inline-PTX twins. On a GPU these
+geometries are the defaults (the rest of the suite covers them), so the file is skipped there.
 """
 import numpy as np
 import pytest
@@ -95,6 +95,28 @@ def test_gemv_norm_prologue_gpu_geometry(rng, monkeypatch, d):
     assert gv.plan(2, 9, 264, d, 8, 1, geo=gv.GPU)[5] == 1      # one split: K whole
     with override_geometry("gemv", gv.GPU):
         check_case(rng, d, (2,), 264, 9, True, True, False, 3)
+
+
+def test_tc_gemm_gpu_geometry(rng):
+    """The tensor-core GEMM at the GPU's tile (128 x 128, 8 warps, 4 cp.async stages) on one
+    partial tile, K over three K tiles; f16 with A transposed, loaded by cp.async."""
+    from rlx_numba.kernels import matmul_tc as mtc
+    from test_matmul_tc import _direct
+    assert _direct(rng, "f16", True, False, 24, 40, 24, mtc.GPU_GEOMETRY).vec   # (A^T rows: 24)
+
+
+def test_grouped_tc_gpu_geometry(rng):
+    """The grouped tensor-core product at the GPU's tile: expert 0 empty, expert 1's rows one
+    routed 128-row tile (its weight past expert 0's), gathered and scattered through the
+    routing table."""
+    from rlx_numba.kernels import matmul_tc as mtc
+    from halfref import assert_half_close
+    from test_grouped_tc import _data, grouped_tc, oracle
+    ids = np.array([1, 1, 1, 1, 1, 1, 1])
+    x, w = _data(rng, "bf16", ids.size, 40, 24, 2, False)
+    got, vec = grouped_tc(x, w, ids, "bf16", geo=mtc.GPU_GEOMETRY)
+    assert vec
+    assert_half_close(got, oracle(x, w, ids, False), "bf16", what="grouped tc, GPU tile")
 
 
 @pytest.mark.parametrize("scheme,m", [("q4_0", 1), ("q4_k", 3)])
