@@ -52,6 +52,7 @@ def test_attention_flash_gpu_geometry_wide_heads(rng, monkeypatch):
 def test_attention_decode_gpu_geometry(rng, monkeypatch):
     """The split-K decode kernel with 4 warps a block, the keys over several splits."""
     monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 40), 40))
+    gpu_launch(monkeypatch)
     with override_geometry("attention", A.GPU):
         run_attention(rng, 1, 4, 2, 2, 100, 64, causal=True, window=90, softcap=2.0)
 
@@ -62,6 +63,15 @@ def test_attention_backward_gpu_geometry(rng):
         _grad_case(rng, (1, 1, 3, 5), (1, 1, 4, 5), causal=True, softcap=1.5)
 
 
+def gpu_launch(monkeypatch):
+    """Kernels as a GPU of compute capability 9.0 builds them: programmatic dependents (the
+    skinny product, decode attention, rope_kv_write; grid_wait a no-op in the simulator,
+    whose launches run one by one)."""
+    from rlx_numba.runtime import lower_attention, lower_matmul, lower_rope
+    for mod in (lower_matmul, lower_attention, lower_rope):
+        monkeypatch.setattr(mod, "pdl_supported", lambda: True)
+
+
 @pytest.mark.parametrize("wdt", ["f32", "bf16"])
 def test_gemv_gpu_geometry(rng, monkeypatch, wdt):
     """The skinny product (matmul tier 3) with the GPU's plan: 4 warps a block, its team and
@@ -69,6 +79,7 @@ def test_gemv_gpu_geometry(rng, monkeypatch, wdt):
     from rlx_numba.kernels import gemv as gv
     from test_gemv import act_np, build, product_step, set_weight
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3,4")
+    gpu_launch(monkeypatch)
     lead, k, n = (3,), 264, 9
     assert gv.plan(3, n, k, wdt, gv.vec_width(wdt), 1, geo=gv.GPU)[0] == 4
     with override_geometry("gemv", gv.GPU):
@@ -77,7 +88,7 @@ def test_gemv_gpu_geometry(rng, monkeypatch, wdt):
         bv = rng.standard_normal(n).astype(np.float32)
         w64 = set_weight(exe, wv, wdt)
         exe.set_param("b", bv)
-        assert product_step(exe).info["tier"] == 3
+        assert product_step(exe).info["tier"] == 3 and product_step(exe).pdl
         xv = rng.standard_normal((*lead, k)).astype(np.float32)
         rv = rng.standard_normal((*lead, n)).astype(np.float32)
         (got,) = exe.run({"x": xv, "r": rv})
@@ -92,6 +103,7 @@ def test_gemv_norm_prologue_gpu_geometry(rng, monkeypatch, d):
     from rlx_numba.kernels import gemv as gv
     from test_norm_prologue import check_case
     monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", "3,4")
+    gpu_launch(monkeypatch)
     assert gv.plan(2, 9, 264, d, 8, 1, geo=gv.GPU)[5] == 1      # one split: K whole
     with override_geometry("gemv", gv.GPU):
         check_case(rng, d, (2,), 264, 9, True, True, False, 3)
@@ -228,3 +240,10 @@ def test_rows_gpu_geometry(rng):
     np.testing.assert_allclose(sm, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(ln, np_layer_norm(z.astype(np.float64), gam, None, -1, 1e-5),
                                rtol=1e-4, atol=1e-4)
+
+
+def test_rope_kv_write_as_programmatic_dependent(rng, monkeypatch):
+    """rope_kv_write built as a GPU of compute capability 9.0 builds it (grid_wait first)."""
+    from test_fused_decoder import RKV_CASES, test_rope_kv_write_matches_numpy
+    gpu_launch(monkeypatch)
+    test_rope_kv_write_matches_numpy(rng, *RKV_CASES[2], cpos_tensor=True)

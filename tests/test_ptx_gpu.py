@@ -204,7 +204,54 @@ def test_ticket():
                                       np.sort(want[np.arange(N) % 3 == slot]))
 
 
+if ON_GPU:
+    GRID_WAIT, GRID_DEPS = P["grid_wait"].gpu, P["grid_launch_dependents"].gpu
+
+    @cuda.jit
+    def k_slow_writer(out, ns):
+        """Lets its dependent start at once, then sleeps ~ns before writing t + 1."""
+        GRID_DEPS()
+        t = cuda.grid(1)
+        s = int64(0)
+        while s < ns:
+            cuda.nanosleep(uint32(1000))
+            s += 1000
+        if t < out.shape[0]:
+            out[t] = float32(t + 1)
+
+    @cuda.jit
+    def k_dependent(y, w, src):
+        """Reads its weight before the wait (no kernel writes it), src after."""
+        t = cuda.grid(1)
+        v = w[t] if t < y.shape[0] else float32(0)
+        GRID_WAIT()
+        if t < y.shape[0]:
+            y[t] = 2 * src[t] + v
+
+
+@gpu
+def test_programmatic_dependent_launch():
+    """A dependent launched with pdl (runtime/lower.fast_launch) sees every write of the slow
+    kernel before it, though it starts while that kernel sleeps; the same without pdl."""
+    from rlx_numba.runtime.lower import fast_launch, pdl_supported
+    if not pdl_supported():
+        pytest.skip("programmatic dependent launch needs compute capability 9.0")
+    n = 4099
+    w = cuda.to_device(np.arange(n, dtype=np.float32) / 7)
+    for pdl in (True, False):
+        src, y = cuda.device_array(n, np.float32), cuda.device_array(n, np.float32)
+        stream = cuda.stream()
+        for _ in range(3):
+            src.copy_to_device(np.zeros(n, np.float32), stream=stream)
+            fast_launch(k_slow_writer, (-(-n // 128),), (128,), stream, (src, np.int64(200_000)))()
+            fast_launch(k_dependent, (-(-n // 128),), (128,), stream, (y, w, src), pdl=pdl)()
+            stream.synchronize()
+            np.testing.assert_array_equal(y.copy_to_host(),
+                                          2 * np.arange(1, n + 1, dtype=np.float32) + w.copy_to_host())
+
+
 def test_every_intrinsic_is_compared():
     """A new intrinsic needs its kernel above."""
     assert set(P) == {"ld2", "ld4", "vld4", "ld4w", "vld4w", "h2f", "f2h2", "ldh", "ldw", "fld4",
-                      "fbits", "spread4", "vst2", "vst4", "st4w", "ticket"}
+                      "fbits", "spread4", "vst2", "vst4", "st4w", "ticket", "grid_wait",
+                      "grid_launch_dependents"}

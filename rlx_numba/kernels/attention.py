@@ -638,10 +638,12 @@ def _dec_tile_fn(bkind: str):
 
 @functools.lru_cache(maxsize=None)
 def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap,
-                 kind="f32", bkind="f32"):
+                 kind="f32", bkind="f32", pdl=False):
     """Attention for every row reading one kv head, the keys split across blocks (see the
     module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head). ``kind``:
-    q, k, v and out's storage, ``bkind`` the bias's; the partials are f32.
+    q, k, v and out's storage, ``bkind`` the bias's; the partials are f32. ``pdl``: launched
+    as a programmatic dependent (kernels/ptx.py): it lets the next kernel start early and
+    waits for the one before before anything else.
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
     tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
@@ -688,6 +690,9 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         acc = cuda.local.array((rows_c, dpl), float32)
         mr = cuda.local.array(rows_c, float32)
         vals = cuda.local.array(nv, float32)
+        if pdl:
+            ptx.grid_launch_dependents()
+            ptx.grid_wait()
         g, sq, d = geom[1], geom[2], geom[4]
         rows = g * sq
         tid = uint64(cuda.threadIdx.x)

@@ -101,7 +101,7 @@ def _widen(a, b, hkind):
 @functools.lru_cache(maxsize=None)
 def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int, has_bias: bool,
                 act, has_res: bool, minb: int = 1, gated: bool = False, xkind: str = "f32",
-                norm: bool = False):
+                norm: bool = False, pdl: bool = False):
     """The kernel for M = m rows; a block of nw warps in teams of tw warps, a team on cpw
     columns; u vectors of each column in flight a thread; weights of ``kind`` read ``vec``
     at a time (1: element by element); the epilogue act(. + bias) + residual (act: an
@@ -117,6 +117,11 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     the squares of the x values it reads, a team sees all of K (one split only), and the
     epilogue scales the row's sums by 1 / sqrt(mean + eps) -- x * gamma in f32, the normed x
     never rounded to the half type (passes/fusion.py's norm prologue).
+    ``pdl``: launched as a programmatic dependent (kernels/ptx.py ``grid_wait``): the block
+    issues its first batch of weight loads -- params, which no kernel writes -- while the
+    kernel before it may still run, then waits for it before reading x or the residual or
+    writing anything; x is then read with coherent loads (not ld.global.nc, whose cache a
+    kernel that started early may hold stale lines in). It lets the next kernel start too.
 
     Launch: grid (groups, splits), block nw * 32; arguments (y, x, w, bias, res, part,
     count, n, k, kchunk, splits, gamma, eps) -- bias / res / part / count / gamma any
@@ -146,6 +151,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
     xvec = xhalf and vec > 1              # x (and gamma) 8 half values a 16-byte load
     xhk = KINDS.index(xkind)
     ldx, stx = halfio.load(xkind), halfio.store(xkind)
+    xw4, x4f = (ptx.vld4w, ptx.vld4) if pdl else (ptx.ld4w, ptx.ld4)   # x's 16-byte loads
 
     @_inline
     def team_sum(red, r, cb):
@@ -202,6 +208,8 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
         k_lo = sp * kchunk
         k_hi = min(k, k_lo + kchunk)
         grp = int64(cuda.blockIdx.x)
+        if pdl:
+            ptx.grid_launch_dependents()
         while grp < groups:               # uniform across the block (barriers inside)
             col0 = grp * cpb + team * cpw
             for i in range(nvp):
@@ -238,12 +246,14 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                             else:
                                 for e in range(4):
                                     wr[uu, c, e] = uint32(0)
+                if pdl:                   # (returns at once after the first batch)
+                    ptx.grid_wait()
                 for uu in range(u):
                     kk = kb + (uu * tnt + tt) * vec
                     if kk < k_hi:
                         if xvec:                 # every row's 8 x values, one load each
                             for r in range(m):
-                                x4 = ptx.ld4w(x, uint64(r * k + kk))
+                                x4 = xw4(x, uint64(r * k + kk))
                                 for e in range(4):
                                     xw[r, e] = x4[e]
                             if norm:
@@ -273,7 +283,7 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                                 elif vec == 1:
                                     xf[r, 0] = x[xo]
                                 else:
-                                    x4 = ptx.ld4(x, xo)
+                                    x4 = x4f(x, xo)
                                     for e in range(4):
                                         xf[r, e] = x4[e]
                                 if norm:         # x's squares, then x * gamma
@@ -341,6 +351,8 @@ def gemv_kernel(m: int, nw: int, tw: int, cpw: int, u: int, kind: str, vec: int,
                         e += nt
             cuda.syncthreads()            # red is rewritten by the next group
             grp += cuda.gridDim.x
+        if pdl:                           # a block with no group still waits: this kernel
+            ptx.grid_wait()               # ends only after the one before it
 
     return kernel
 
@@ -400,6 +412,10 @@ def plan(m: int, n: int, k: int, kind: str, vec: int, sm: int, nw=None, tw=None,
         u = min(4, -(-kchunk // (tnt * vec)))
         while u > 1 and u * cpw > 16:
             u -= 1
+        if kind != "f32" and m < 8 and kchunk > 4 * tnt * vec:
+            u = min(u, 2)     # a long K in batches of 2: fewer registers, 4 blocks a SM (H100,
+                              # 1x2048x8192 bf16, cold weights: 512 groups in one wave, 12.9 us
+                              # against 15.5 at u = 4)
     return nw, tw, cpw, u, groups, splits, kchunk, minb
 
 

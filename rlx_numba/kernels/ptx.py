@@ -14,6 +14,13 @@ quantised data and their bit fields as exact floats (numba types every integer o
 ``ticket``: atomicAdd(+1) with
 acquire-release semantics (atom.acq_rel.gpu), the last-block-combines handshake without
 the two sequentially consistent fences (membar.gl) that numba's threadfence would add.
+``grid_wait`` / ``grid_launch_dependents``: programmatic dependent launch (sm_90,
+griddepcontrol): a kernel launched with the programmatic-serialization attribute
+(runtime/lower.py ``fast_launch(pdl=True)``) may start while the kernel before it in the
+stream still runs; ``grid_wait`` returns once that kernel has completed and its writes are
+visible, so nothing it writes may be read (nor anything it reads be written) before the wait.
+``grid_launch_dependents`` lets the next such kernel start before this one ends. Both are
+no-ops in a kernel launched without the attribute.
 Indices are flat element offsets from the array's start, whatever its rank.
 """
 import threading
@@ -278,6 +285,22 @@ def _gpu_ticket(typingctx, arr, idx):
     return sig, codegen
 
 
+def _void_asm(name, text):
+    def typer(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}",
+                                      side_effect=True), [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+    typer.__name__ = name
+    return typer
+
+
+_gpu_grid_wait = intrinsic(_void_asm("grid_wait", "griddepcontrol.wait;"))
+_gpu_grid_launch_dependents = intrinsic(_void_asm("grid_launch_dependents",
+                                                  "griddepcontrol.launch_dependents;"))
+
+
 # ---- Python twins (plain functions: a device-function call costs ~15 us in the simulator) ------
 def flat(a):
     """The array (a NumPy array, or the simulator's wrapper of one) as a flat view: the index
@@ -355,6 +378,10 @@ def _twin_st4w(a, i, w0, w1, w2, w3):
 _TICKETS = threading.Lock()     # (the simulator runs a CUDA thread per OS thread)
 
 
+def _twin_none():     # the simulator runs a kernel after the one before it has ended
+    return None
+
+
 def _twin_ticket(arr, idx):
     with _TICKETS:
         f = flat(arr)
@@ -383,3 +410,5 @@ vst2 = pair("vst2", _gpu_vst2, _twin_vst2)
 vst4 = pair("vst4", _gpu_vst4, _twin_vst4)
 st4w = pair("st4w", _gpu_st4w, _twin_st4w)   # the 16 bytes at any array's a[i]: 4 uint32 words
 ticket = pair("ticket", _gpu_ticket, _twin_ticket)
+grid_wait = pair("grid_wait", _gpu_grid_wait, _twin_none)
+grid_launch_dependents = pair("grid_launch_dependents", _gpu_grid_launch_dependents, _twin_none)

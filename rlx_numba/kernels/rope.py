@@ -31,7 +31,7 @@ import functools
 from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
-from . import halfio
+from . import halfio, ptx
 from .launch import jit
 from .shape import copy_span
 
@@ -149,9 +149,10 @@ def _rotate_row_fn(kind: str, tkind: str):
 
 
 @functools.cache
-def rope_kv_write(kind: str = "f32", tkind: str = "f32"):
+def rope_kv_write(kind: str = "f32", tkind: str = "f32", pdl: bool = False):
     """The rope_kv_write kernel for qkv, q and the caches of storage ``kind``, cos / sin of
-    ``tkind``."""
+    ``tkind``; ``pdl``: launched as a programmatic dependent (kernels/ptx.py), it lets the next
+    kernel start and waits for the one before first."""
     _rotate_row = _rotate_row_fn(kind, tkind)
 
     @jit
@@ -163,6 +164,9 @@ def rope_kv_write(kind: str = "f32", tkind: str = "f32"):
         ``cache_position`` (rows outside [0, max_s) are dropped); its rope position is
         pos[b * pos_bstride + s] when ``use_pos`` else t, clamped to [0, max_pos - 1].
         Grid: x along the head's items, y over rows."""
+        if pdl:
+            ptx.grid_launch_dependents()
+            ptx.grid_wait()
         c0 = uint64(cuda.threadIdx.x) + uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x)
         xstep = uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
         r = uint64(cuda.threadIdx.y) + uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y)

@@ -229,6 +229,7 @@ class Step:
     shared: int = 0           # bytes of dynamic shared memory (cuda.shared.array(0, ...))
     reads: list = field(default_factory=list)    # (lo, hi) bytes it reads (Program fills them)
     writes: list = field(default_factory=list)   # (lo, hi) bytes it writes
+    pdl: bool = False         # a programmatic dependent launch (the kernel calls ptx.grid_wait)
 
     def bind(self, stream, aot: bool) -> None:
         """Prepare the launch: under the simulator numba's launcher; on a GPU the launch is
@@ -247,7 +248,7 @@ class Step:
         that is done (always, in the simulator: it compiles nothing)."""
         if self.launch is None:
             self.launch = fast_launch(self.kernel, self.grid, self.block, self._stream, self.args,
-                                      self.shared)
+                                      self.shared, self.pdl)
 
     def __call__(self) -> None:
         if self.launch is None:   # JIT: compile on first use
@@ -259,7 +260,7 @@ def _sim_launch(kernel, grid, block, stream, args, shared=0):
     kernel[grid, block, stream, shared](*args)
 
 
-def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
+def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0, pdl: bool = False):
     """A no-argument callable that enqueues the kernel with these (fixed) arguments.
 
     numba's ``kernel[grid, block, stream](*args)`` types every argument, finds the overload
@@ -271,7 +272,12 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
     and packed once more into the ``void *kernelParams[]`` the driver takes, so each call is
     one ctypes ``cuLaunchKernel`` (cuda.core's ``launch`` converted the ~7 values of every
     array argument at each call: 11.0-11.3 us of host time a launch against 8.6-8.9 us now,
-    over bench_runtime's block graph on an H100; the rest is the driver call)."""
+    over bench_runtime's block graph on an H100; the rest is the driver call).
+
+    ``pdl``: cuLaunchKernelEx with programmatic stream serialization allowed (the kernel may
+    start before the one ahead of it in the stream ends; it must call ptx.grid_wait before
+    touching that kernel's data -- kernels/ptx.py). Stream capture keeps it as a programmatic
+    edge of the CUDA graph."""
 
     with _LOAD_LOCK:
         kern = compile_off_thread(dispatcher, tuple(dispatcher.typeof_pyval(a) for a in args))
@@ -294,9 +300,16 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0):
              ctypes.c_bool(bool(p)) if isinstance(p, (bool, np.bool_)) else ctypes.c_int64(int(p))
              for p in params]
     table = (ctypes.c_void_p * max(1, len(slots)))(*[ctypes.addressof(v) for v in slots])
-    call = (ctypes.c_void_p(func), *grid, *block, int(shared),
-            ctypes.c_void_p(int(stream)), table, None)
-    name, fn = dispatcher.py_func.__qualname__, _cu_launch_kernel()
+    name = dispatcher.py_func.__qualname__
+    if pdl:
+        cfg = _LaunchConfig(*grid, *block, int(shared), ctypes.c_void_p(int(stream)),
+                            ctypes.pointer(_PDL_ATTR), 1)
+        call, fn = (ctypes.byref(cfg), ctypes.c_void_p(func), table, None), _cu_launch_kernel_ex()
+        slots.append(cfg)                 # (kept alive with the closure)
+    else:
+        call = (ctypes.c_void_p(func), *grid, *block, int(shared),
+                ctypes.c_void_p(int(stream)), table, None)
+        fn = _cu_launch_kernel()
 
     def go(fn=fn, call=call, keep=(slots, args)):   # (defaults: fast lookups a launch)
         err = fn(*call)
@@ -343,6 +356,45 @@ def _set_max_dynamic_shared(func: int, nbytes: int) -> None:
     if err:
         raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: "
                            f"CUresult {err} (more than the GPU's shared memory a block?)")
+
+
+class _LaunchAttr(ctypes.Structure):
+    """CUlaunchAttribute: an id (padded to 8 bytes) and a 64-byte value union."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (cuda.h, CUDA 12+)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("shared", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+    def __init__(self, gx, gy, gz, bx, by, bz, shared, stream, attrs, n):
+        super().__init__((ctypes.c_uint * 3)(gx, gy, gz), (ctypes.c_uint * 3)(bx, by, bz),
+                         shared, stream, attrs, n)
+
+
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (6) = 1
+_PDL_ATTR = _LaunchAttr(6, b"", 1, b"")
+
+
+@functools.cache
+def _cu_launch_kernel_ex():
+    """libcuda's cuLaunchKernelEx (CUDA 12+) through ctypes, as cuLaunchKernel below."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def pdl_supported() -> bool:
+    """Whether products launch as programmatic dependents (kernels/ptx.py grid_wait): on a GPU
+    of compute capability 9.0 or newer, unless RLX_NUMBA_PDL=0."""
+    if SIMULATOR or os.environ.get("RLX_NUMBA_PDL", "1") == "0":
+        return False
+    from ..device import device_info
+    return tuple(device_info()["cc"]) >= (9, 0)
 
 
 @functools.cache

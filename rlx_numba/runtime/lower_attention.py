@@ -15,7 +15,7 @@ from ..kernels.launch import default_geometry, sm_count
 from .. import cudnn
 from ..device import SIMULATOR
 from ..ir import dtypes as dt
-from .lower import CallStep, Step, elementwise_step, lowering, step_name
+from .lower import CallStep, Step, elementwise_step, lowering, pdl_supported, step_name
 
 
 def _bcast_strides(shape, full):
@@ -204,14 +204,15 @@ def _lower_attention(ctx, n):
         count = ctx.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
         # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
         # 256-byte aligned and a view starting where its buffer does)
-        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags, *kinds)
+        pdl = pdl_supported()
+        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags, *kinds, pdl)
         return [Step(name, f"attention decode{_tag(kinds[0])} D={d} {b}x{hq}/{hkv}x{sq}x{sk} "
                      f"{splits} splits"
                      f"{f' {groups} row groups' if groups > 1 else ''}",
                      kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
                      (ctx.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
                       np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
-                     {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c})]
+                     {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c}, pdl=pdl)]
     vec = _vec(kinds[0], d, (ctx.buf(q), ctx.buf(k), ctx.buf(v)))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
     lse = [r for r in g.nodes[n.id].results if r in ctx.live]

@@ -97,7 +97,7 @@ from ..kernels import matmul_tc as mtc
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .lower import (CallStep, Step, compile_off_thread, data_ptr, elementwise_step, env_tiers,
-                    gated_step, log, log_tier, lowering, step_name)
+                    gated_step, log, log_tier, lowering, pdl_supported, step_name)
 from .lower_norm import rms_norm_steps
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
@@ -616,8 +616,9 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
         why.append(f"tier 3: the rms_norm prologue needs K in one split ({splits} planned)")
         return None
     bias, act, res = epi["bias"], epi["activation"], epi["residual"]
+    pdl = pdl_supported()     # the weight loads start while the kernel before still runs
     kern = gv.gemv_kernel(m, nw, tw, cpw, u, kind, vec, bias is not None, act, res is not None,
-                          minb, gated, xkind, norm is not None)
+                          minb, gated, xkind, norm is not None, pdl)
     dummy = f32_dummy(ctx)
     part = ctx.device_array(np.zeros(splits * m * n, np.float32)) if splits > 1 else dummy
     count = ctx.device_array(np.zeros(groups, np.int32)) if splits > 1 else dummy
@@ -634,9 +635,10 @@ def _tier3(ctx, name, a, b, out, m, n, k, batch, epi, why):
                                 "residual" if res is not None else "") if t)
     wbytes = n * k * np.dtype(wbuf.dtype).itemsize
     return [Step(name, f"numba gemv {tags} {m}x{n}x{k} nw{nw} tw{tw} cpw{cpw} u{u} vec{vec}"
-                 f"{f' {splits} splits' if splits > 1 else ''}", kern, grid, (nw * 32,), args,
+                 f"{f' {splits} splits' if splits > 1 else ''}{' pdl' if pdl else ''}", kern, grid,
+                 (nw * 32,), args,
                  {"bytes": wbytes + np.dtype(out.dtype).itemsize * (m * k + m * n),
-                  "splits": splits})]
+                  "splits": splits}, pdl=pdl)]
 
 
 def _tier5(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, kind, why):

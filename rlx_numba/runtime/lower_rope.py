@@ -15,7 +15,7 @@ from ..kernels import rope as k
 from ..kernels.halfio import io_kind
 from ..kernels.launch import block_rows, grid_3d, waves_cap
 from ..kernels.shape import SPAN
-from .lower import Step, lowering, step_name
+from .lower import Step, lowering, pdl_supported, step_name
 
 U = np.uint64
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -130,10 +130,11 @@ def _lower_rope_kv_write(ctx, n):
             np.int64(position), use_cpos, pos, U(pos_bstride), use_pos, U(nrows), U(s), U(hq),
             U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
     layout = "gptj" if a["interleaved"] else "neox"
-    kern = k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype))
+    pdl = pdl_supported()
+    kern = k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype), pdl)
     return [Step(step_name(n), f"rope_kv_write {layout} n_rot={a['n_rot']}/{d} {b}x{s} "
                  f"heads {hq}/{hkv}", kern, grid, block, args,
-                 {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * b * s * half})]
+                 {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * b * s * half}, pdl=pdl)]
 
 
 @lowering("kv_written")
