@@ -175,6 +175,44 @@ def test_llama_generate_greedy_matches_numpy_loop(llama):
     np.testing.assert_array_equal(out1, want[0, :6])
 
 
+def test_llama_stream_stops_at_eos(llama):
+    """Rows that produced an EOS keep yielding it and the stream stops once every row has,
+    short of max_new_tokens: the decode step queued ahead of the last yield is dropped, and
+    the next generation of the shape (its KV cache, its token buffers) is unaffected.
+    max_new_tokens 1 runs the prefill alone."""
+    prompt = np.array([[3, 17, 52, 9, 0], [41, 4, 28, 1, 1]])
+    n = 4
+    want = np_greedy(GQA, llama.params, prompt, n)
+    eos = [int(want[0, 6]), int(want[1, 7])]       # row 0 ends by step 1, row 1 by step 2
+    steps, done = [], np.zeros(2, bool)
+    for t in range(n):
+        tok = np.where(done, steps[-1], want[:, 5 + t]) if steps else want[:, 5]
+        done |= np.isin(tok, eos)
+        steps.append(tok)
+        if done.all():
+            break
+    assert len(steps) < n
+    got = list(llama.generate_stream(prompt, n, eos_token_id=eos))
+    np.testing.assert_array_equal(np.stack(got), np.stack(steps))
+    again = prompt[::-1]
+    np.testing.assert_array_equal(llama.generate(again, 2),
+                                  np_greedy(GQA, llama.params, again, 2))
+    np.testing.assert_array_equal(llama.generate(again, 1), want[::-1, :6])
+
+
+def test_llama_abandoned_stream_leaves_the_next_one_right(llama):
+    """A stream dropped mid-way, its next decode step already queued, does not change what a
+    later generation of the same shape (its KV cache and token buffers) gives: the NumPy
+    loop's tokens, what a fresh model gives. (One left open and overtaken:
+    test_llama_generate_greedy_matches_numpy_loop.)"""
+    prompt = np.array([[3, 17, 52, 9, 0], [41, 4, 28, 1, 1]])
+    other = np.array([[8, 8, 2, 40, 11], [5, 0, 19, 33, 7]])
+    s1 = llama.generate_stream(prompt, 4)
+    next(s1), next(s1)
+    del s1                                          # closed: step 2 was queued, never read
+    np.testing.assert_array_equal(llama.generate(other, 3), np_greedy(GQA, llama.params, other, 3))
+
+
 def test_llama_sampling_is_seeded_and_within_top_k(llama):
     prompt = np.array([[7, 30, 2, 2, 19]])
     a = llama.generate(prompt, 2, temperature=0.8, top_k=4, seed=11)

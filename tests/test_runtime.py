@@ -68,6 +68,59 @@ def test_device_inputs_and_outputs(rng):
         exe.run({"x": cuda.to_device(x1.astype(np.float64))})
 
 
+@pytest.mark.parametrize("mode", ["stream", "eager", "graph"])
+def test_run_without_waiting(rng, mode):
+    """run(wait=False) queues the run and returns the arena views unsynchronized: once the
+    stream is synchronized they hold what run() gives."""
+    exe = rlx.compile(_graph(), exec_mode=mode)
+    s = rng.standard_normal(5).astype(np.float32)
+    exe.set_param("s", s)
+    x1 = rng.standard_normal((3, 5)).astype(np.float32)
+    (want,) = exe.run({"x": x1})
+    for x in (x1, cuda.to_device(x1)):            # host, then device input
+        (view,) = exe.run({"x": x}, outputs="view", wait=False)
+        exe.stream.synchronize()
+        np.testing.assert_array_equal(view.copy_to_host(), want)
+    for outputs in ("numpy", "device"):           # copies of the results: they must wait
+        with pytest.raises(ValueError, match=f"run: wait=False needs outputs='view', got "
+                                             f"outputs='{outputs}'"):
+            exe.run({"x": x1}, outputs=outputs, wait=False)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_view_fed_back_as_the_next_input(rng, b):
+    """A decode-style loop that never waits: each run's i64 output (t_next = argmax w[t]) is
+    the next run's i32 [b, 1] input, read on the device as the i64's low words (a view with
+    rows 8 bytes apart when b > 1: a 2-D copy), against the host loop."""
+    g = rlx.Graph("chain")
+    t = g.input("t", (b, 1), "i32")
+    w = g.param("w", (7, 7), "f32")
+    g.set_outputs([g.argmax(g.reshape(g.gather(w, t), (b, 7)), -1)])
+    exe = rlx.compile(g)
+    wv = rng.standard_normal((7, 7)).astype(np.float32)
+    exe.set_param("w", wv)
+    start = rng.integers(0, 7, (b, 1)).astype(np.int32)
+    want, cur = [], start[:, 0]
+    for _ in range(4):
+        cur = wv[cur].argmax(-1)
+        want.append(cur)
+    feed, got = start, []
+    for _ in range(4):
+        (ids,) = exe.run({"t": feed}, outputs="view", wait=False)
+        assert ids.dtype == np.int64
+        got.append(ids.copy_to_host(stream=exe.stream))   # (waits for this run only)
+        feed = ids.view(np.int32).reshape(b, 2)[:, :1]
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    if b > 1:      # elements that are not evenly spaced rows: no single 2-D copy reads them
+        g2 = rlx.Graph("cols")
+        g2.set_outputs([g2.neg(g2.input("x", (3, 2), "f32"))])
+        exe2 = rlx.compile(g2)
+        m = rng.standard_normal((3, 4)).astype(np.float32)
+        (y,) = exe2.run({"x": cuda.to_device(m)[:, 1:3]})    # rows 16 bytes apart: one copy
+        np.testing.assert_array_equal(y, -m[:, 1:3])
+        with pytest.raises(ValueError, match="input 'x': device array must be C-contiguous"):
+            exe2.run({"x": cuda.to_device(m.T.copy()).T[:, 1:3]})   # F-order: no rows
+
 def test_leaves_as_outputs_and_lists(rng):
     g = rlx.Graph("leaves")
     x = g.input("x", (2, 3), "i32")

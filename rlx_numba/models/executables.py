@@ -32,6 +32,8 @@ class ExecutableCache(OrderedDict):
         if exe is not None:
             self.move_to_end(key)
             return exe
+        if self and len(self) >= limit and self._stream is not None:
+            self._stream.synchronize()   # a generation's step queued ahead may use what goes
         while self and len(self) >= limit:
             self.popitem(last=False)
             gc.collect()

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import numpy as np
 
 from .. import Graph, compile
+from ..device import SIMULATOR
 from ..ir.ops_quant import GGUF as GGUF_SCHEMES
 from ..modes import parse_exec_mode
 from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_positions,
@@ -566,6 +567,7 @@ class LlamaForCausalLM:
         self.max_cached = max_cached
         self._exes = ExecutableCache("llama")   # with one device copy of the weights
         self._kv_owner: dict = {}      # (batch, cache rows) -> the generation using that cache
+        self._token_rings: dict = {}   # (batch, cache rows) -> pinned buffers (_token_ring)
 
     # ---- training ---------------------------------------------------------------------------------
     def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
@@ -822,7 +824,10 @@ class LlamaForCausalLM:
                         eos_token_id=None, max_seq_len: int | None = None):
         """Yield the next token ids ([batch] int64) one step at a time: the prefill graph runs
         the prompts once and fills the KV cache, then the decode graph (compiled once for this
-        batch and cache length) runs per token with the position and the token as inputs.
+        batch and cache length) runs per token with the position and the token as inputs. The
+        token goes from one step to the next on the device, and each step is queued before
+        the previous one's tokens are read back: the device runs one step ahead of what was
+        yielded (wasted when the stream stops at EOS).
 
         ``prompt_ids``: token ids [seq] or [batch, seq], or a list of prompts (1-D sequences of
         token ids) of different lengths. The prompts are left-padded to a bucketed length
@@ -873,29 +878,61 @@ class LlamaForCausalLM:
         # graph of its shape reads (store entries of that shape): from here on, a stream of
         # the same shape that started before would read another's
         owner = self._kv_owner[(b, cap)] = object()
-        outs = pre.run({"input_ids": ids, "pad": pad, "seed": seed_of(0)}, outputs="view")
-        tok = outs[0].copy_to_host().astype(np.int64)
-        if dec is not None:
+        if dec is not None:   # (a blocking copy: before the prefill is queued, not behind it)
             dec.set_param(pad_name(cap), pad)
-        done = np.isin(tok, list(eos)) if eos else np.zeros(b, bool)
-        yield tok
-        for step in range(1, max_new_tokens):
-            if done.all():
-                return
-            if self._kv_owner.get((b, cap)) is not owner:
+        # The GPU never waits for the host: decode step s + 1 is queued (its input the ids
+        # step s leaves on the device) before step s's ids are read back, each step's ids
+        # copied to a pinned slot (two, used in turn) with an event to wait on alone. The
+        # prefill and decode graphs share the model's stream, which orders it all.
+        from numba import cuda
+        ring, feeds = self._token_ring(b, cap), {}
+        events = [cuda.event(**({} if SIMULATOR else {"timing": False})) for _ in ring]
+
+        def queue(exe, inputs, step):
+            """Queue a run and its ids' copy home; its ids as the decode graph's input_ids."""
+            out = exe.run(inputs, outputs="view", wait=False)[0]
+            out.copy_to_host(ring[step % 2], stream=exe.stream)
+            events[step % 2].record(exe.stream)
+            if exe not in feeds:   # i64 ids' low words (little-endian, ids < 2^31) as i32 [b, 1]
+                feeds[exe] = out.view(np.int32).reshape(b, 2)[:, :1]   # (one view every run)
+            return feeds[exe]
+
+        def fetch(step):
+            events[step % 2].synchronize()
+            return ring[step % 2].astype(np.int64)   # a copy: the slot is refilled 2 steps on
+
+        feed = queue(pre, {"input_ids": ids, "pad": pad, "seed": seed_of(0)}, 0)
+        done = np.zeros(b, bool)
+        tok = None
+        for step in range(max_new_tokens):
+            if step and self._kv_owner.get((b, cap)) is not owner:
                 raise RuntimeError("LlamaForCausalLM.generate_stream: another generation of the "
                                    f"same shape (batch {b}, cache {cap}) started on this model "
                                    "and replaced this one's KV cache; run them one after the "
                                    "other, or on separate models")
-            feed = tok.reshape(b, 1).astype(np.int32)
-            outs = dec.run({"input_ids": feed, "pos": np.array([padded + step - 1], np.int32),
-                            "seed": seed_of(step)}, outputs="view")
-            new = outs[0].copy_to_host().astype(np.int64)
-            if eos:
-                new = np.where(done, tok, new)
+            if step + 1 < max_new_tokens:   # step + 1 reads step's ids: both stream-ordered
+                feed = queue(dec, {"input_ids": feed, "pos": np.array([padded + step], np.int32),
+                                   "seed": seed_of(step + 1)}, step + 1)
+            new = fetch(step)
+            if eos:   # (a finished row goes on with its own draws on the device: rows are apart)
+                new = new if tok is None else np.where(done, tok, new)
                 done |= np.isin(new, list(eos))
             tok = new
             yield tok
+            if done.all():
+                return
+
+    def _token_ring(self, b: int, cap: int) -> list:
+        """Two pinned [b] i64 buffers the generations of shape (b, cap) copy their ids into.
+        Kept by the model: a step queued ahead may still copy into one after its generation
+        ended (eos, or abandoned), which freeing it then would race; the next generation of
+        the shape queues its copies behind that one."""
+        ring = self._token_rings.get((b, cap))
+        if ring is None:
+            from numba import cuda
+            ring = self._token_rings[(b, cap)] = [cuda.pinned_array(b, np.int64)
+                                                  for _ in range(2)]
+        return ring
 
     def generate(self, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int = 0, eos_token_id=None,

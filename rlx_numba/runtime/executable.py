@@ -39,6 +39,20 @@ def _as_device_array(x):
     return cuda.as_cuda_array(x) if cuda.is_cuda_array(x) else None
 
 
+def _pitched(a):
+    """(rows, row bytes, pitch) when device array ``a`` is rows of contiguous bytes lying a
+    fixed pitch apart (what one 2-D copy reads), else None."""
+    dims = [(n, st) for n, st in zip(a.shape, a.strides) if n != 1]
+    if not dims:
+        return None
+    (rows, pitch), width = dims[0], a.dtype.itemsize
+    for n, st in reversed(dims[1:]):
+        if st != width:
+            return None
+        width *= n
+    return (rows, width, pitch) if pitch >= width else None
+
+
 def compile_graph(graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                   params: ParamStore | None = None, stream=None) -> "CudaExecutable":
     """What ``rlx_numba.compile`` (compiler.py) and ``CudaExecutable.compile_with`` do: parse
@@ -239,8 +253,9 @@ class CudaExecutable:
         self.params.set_half(node, arr, dt.dtype(dtype))
         self._unset.discard(name)
 
-    def _copy_in(self, node, src, what):
-        """Device-to-device copy of a device array into the node's arena slot."""
+    def _copy_in(self, node, src, what, sync=True):
+        """Device-to-device copy of a device array into the node's arena slot. ``sync=False``
+        (run(wait=False)): the caller keeps src unchanged until the stream has read it."""
         if tuple(src.shape) != node.shape:
             raise ValueError(f"{what} {node.name!r}: expected shape {fmt(node.shape)}, got "
                              f"{fmt(src.shape)}")
@@ -257,11 +272,20 @@ class CudaExecutable:
             else:
                 self._d2d(dst, src, node, what)
         elif not src.is_c_contiguous():
-            raise ValueError(f"{what} {node.name!r}: device array must be C-contiguous"
-                             f"{' (or F-contiguous: the weight is stored transposed)' if stored_t else ''}")
+            rows = None if stored_t else _pitched(src)
+            if rows is None:
+                how = (" (or F-contiguous: the weight is stored transposed)" if stored_t else
+                       " (or rows of contiguous elements a fixed pitch apart)")
+                raise ValueError(f"{what} {node.name!r}: device array must be C-contiguous{how}")
+            if SIMULATOR:
+                dst.copy_to_device(np.ascontiguousarray(src.copy_to_host()).reshape(-1),
+                                   stream=self.stream)
+            else:
+                self._d2d_rows(dst, src, *rows, node, what)
         elif stored_t:
             lower_shape.transpose_matrix(dst, src.reshape(-1), *node.shape, self.stream)
-            self.stream.synchronize()    # the caller may free or change src on return
+            if sync:
+                self.stream.synchronize()    # the caller may free or change src on return
         elif SIMULATOR:
             dst.copy_to_device(src.reshape(-1), stream=self.stream)
         else:
@@ -272,6 +296,19 @@ class CudaExecutable:
         self._memcpy("cuMemcpyDtoDAsync", dst.device_ctypes_pointer.value,
                      src.device_ctypes_pointer.value, node, f"{what} {node.name!r}")
 
+    def _d2d_rows(self, dst, src, rows, width, pitch, node, what):
+        """dst <- ``rows`` rows of ``width`` bytes lying ``pitch`` bytes apart in src (a column
+        of a matrix, or i64 ids' low words read as i32): one cuMemcpy2DAsync, no kernel."""
+        drv = _driver()
+        cp = drv.CUDA_MEMCPY2D()
+        cp.srcMemoryType = cp.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        cp.srcDevice, cp.srcPitch = src.device_ctypes_pointer.value, pitch
+        cp.dstDevice, cp.dstPitch = dst.device_ctypes_pointer.value, width
+        cp.WidthInBytes, cp.Height = width, rows
+        err, = drv.cuMemcpy2DAsync(cp, self._stream_handle)
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"{what} {node.name!r}: cuMemcpy2DAsync failed: {err}")
+
     def _memcpy(self, copy, dst, src, node, what):
         """One driver copy of node.nbytes queued on the executable's stream (numba's
         copy_to_device costs tens to ~160 us of checks and views a call; a decode step copies
@@ -281,11 +318,11 @@ class CudaExecutable:
         if err != drv.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"{what}: {copy} failed: {err}")
 
-    def _bind_input(self, name, value):
+    def _bind_input(self, name, value, wait=True):
         node = self._inputs[name]
         dev = _as_device_array(value)
         if dev is not None:
-            return self._copy_in(node, dev, "run: input")
+            return self._copy_in(node, dev, "run: input", sync=wait)
         arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=node.dtype.host)
         if arr.dtype != node.dtype.host:
             raise ValueError(f"run: input {name!r} must be {node.dtype} ({node.dtype.host}), got "
@@ -304,21 +341,31 @@ class CudaExecutable:
             self._memcpy("cuMemcpyHtoDAsync", self._in_ptr[node.id], host.ctypes.data, node,
                          f"run: input {name!r}")
 
-    def run(self, inputs: dict | None = None, outputs: str = "numpy"):
+    def run(self, inputs: dict | None = None, outputs: str = "numpy", wait: bool = True):
         """Run the graph. Returns a list of numpy arrays, or of device arrays with
         ``outputs="device"`` (fresh copies) or ``outputs="view"`` (views into the arena, valid
         until the next run). Device results hold the storage dtype: bf16 comes back as its
-        uint16 bit pattern (numba has no bf16 arrays)."""
+        uint16 bit pattern (numba has no bf16 arrays).
+
+        ``wait=False`` (with ``outputs="view"`` only) returns once the input copies and the
+        steps are queued on ``self.stream``, without synchronizing it: the views hold the
+        results once the stream reaches that point (synchronize it, or wait on an event
+        recorded on it after the run) and until the next run. Device inputs are read when the
+        stream gets there, so keep them unchanged until then; host inputs are copied before
+        run returns. The next run's input copies queue behind this run's steps, so a view may
+        be fed straight back as the next run's input (a decode loop that never waits)."""
         if outputs not in ("numpy", "device", "view"):
             raise ValueError(f"run: outputs must be 'numpy', 'device' or 'view', got {outputs!r}")
-        self._bind_inputs(inputs or {})
+        if not wait and outputs != "view":   # "numpy" and "device" copy the results: they wait
+            raise ValueError(f"run: wait=False needs outputs='view', got outputs={outputs!r}")
+        self._bind_inputs(inputs or {}, wait)
         trace = os.environ.get("RLX_NUMBA_TRACE")
         if trace:                        # a Chrome/Perfetto trace of this run, step by step
             self._timed().write_trace(trace)
-            return self._results(outputs)
+            return self._results(outputs, wait)
         if self._runner is not None:     # the steps on several streams, or a graph replay
             self._runner.run()
-            return self._results(outputs)
+            return self._results(outputs, wait)
         eager = self.exec_mode.kind == "eager"
         for step in self._loop_steps:
             step()
@@ -327,7 +374,7 @@ class CudaExecutable:
                     self.stream.synchronize()
                 except Exception as e:
                     raise RuntimeError(f"run: step {step.name} ({step.kernel_name}) failed: {e}") from e
-        return self._results(outputs)
+        return self._results(outputs, wait)
 
     def profile(self, inputs: dict | None = None, warmup: int = 1):
         """Run once (after ``warmup`` untimed runs, which also compile) and return a Profile:
@@ -343,7 +390,7 @@ class CudaExecutable:
         self._bind_inputs(inputs or {})
         return self._timed()
 
-    def _bind_inputs(self, inputs: dict) -> None:
+    def _bind_inputs(self, inputs: dict, wait: bool = True) -> None:
         """Check run()'s inputs and params, and copy the inputs into the arena."""
         unknown = [k for k in inputs if k not in self._inputs]
         if unknown:
@@ -358,7 +405,7 @@ class CudaExecutable:
             raise ValueError(f"run: param(s) never set: {', '.join(sorted(self._unset))}; call "
                              f"set_param() first")
         for name, value in inputs.items():
-            self._bind_input(name, value)
+            self._bind_input(name, value, wait)
 
     def _timed(self):
         from ..device import device_info
@@ -366,7 +413,7 @@ class CudaExecutable:
         from numba import cuda
         return timed_steps(self.steps, self.stream, cuda, self.graph.name, device_info()["name"])
 
-    def _results(self, outputs):
+    def _results(self, outputs, wait=True):
         res = []
         for o in self._outputs:
             n = self.graph.nodes[o]
@@ -379,7 +426,8 @@ class CudaExecutable:
                 if view is None:          # the same arena view every run: made once
                     view = self._views[o] = buf[:n.size].reshape(n.shape) if n.size else buf[:0]
                 res.append(view if outputs == "view" else self._copy_device(view))
-        self.stream.synchronize()
+        if wait:
+            self.stream.synchronize()
         if outputs == "numpy":
             res = [h[:self.graph.nodes[o].size].view(self.graph.nodes[o].dtype.host)
                    .reshape(self.graph.nodes[o].shape) for h, o in zip(res, self._outputs)]
