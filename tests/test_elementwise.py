@@ -587,9 +587,12 @@ def test_scalar_constant_dtypes():
     assert str((t["i32"] + True).dtype) == "i32"
     assert str((2 / t["i64"]).dtype) == "f32"
     assert str((t["bool"] == True).dtype) == "bool"        # noqa: E712 - the operator under test
-    # the scalar becomes a shape-() constant of that dtype
-    s = (t["f16"] + 1.5).node.inputs[1]
-    assert g.nodes[s].op == "constant" and g.nodes[s].shape == () and str(g.nodes[s].dtype) == "f16"
+    # the scalar becomes a shape-() constant of that dtype; beside a half tensor an f32 one
+    # marked weak (the f32 arithmetic sees it unrounded, as torch's CUDA kernels do)
+    s = (t["i32"] + 7).node.inputs[1]
+    assert g.nodes[s].op == "constant" and g.nodes[s].shape == () and str(g.nodes[s].dtype) == "i32"
+    s = g.nodes[(t["f16"] + 1.5).node.inputs[1]]
+    assert s.op == "constant" and s.shape == () and str(s.dtype) == "f32" and s.attrs["weak"]
 
 
 def test_matmul_operator(rng):

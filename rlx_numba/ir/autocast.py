@@ -111,7 +111,10 @@ def _rebuild(graph, d, pol, *, half_params=False, convert=False):
             new[n.id] = g.param(n.name, n.shape, d if half else n.dtype)
             continue
         if n.op == "constant":
-            new[n.id] = g.constant(n.attrs["value"], d if convert and f32 else n.dtype)
+            weak = n.attrs.get("weak", False)     # a Python float beside a half tensor stays so
+            new[n.id] = g.constant(n.attrs["value"], d if convert and f32 and not weak else n.dtype)
+            if weak:
+                new[n.id].node.attrs["weak"] = True
             continue
         ins = [new[i] for i in n.inputs]
         p = pol.get(n.id)

@@ -186,7 +186,10 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         return t
 
     def _operand(self, value, like: Tensor, op: str = "") -> Tensor:
-        """A Tensor as is; a Python/NumPy scalar as a constant of PyTorch's weak-scalar dtype."""
+        """A Tensor as is; a Python/NumPy scalar as a constant of PyTorch's weak-scalar dtype.
+        A float beside an f16 / bf16 tensor stays an f32 constant marked weak: the op's result
+        keeps the tensor's dtype (ops.result_dtype) and its f32 arithmetic sees the scalar
+        unrounded, as torch's CUDA kernels do (``x - 1.42``: 1.42, not bf16's 1.421875)."""
         if isinstance(value, Tensor):
             return value
         if isinstance(value, np.ndarray):
@@ -195,6 +198,10 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             d = dt.scalar_dtype(value, like.dtype)
         except ValueError as e:
             raise ValueError(f"{op}: {e}" if op else str(e)) from None
+        if d.is_float and d.itemsize == 2:
+            t = self.constant(np.asarray(value, dtype=np.float32))
+            t.node.attrs["weak"] = True
+            return t
         return self.constant(np.asarray(value, dtype=d.host))
 
     def _leaf(self, kind, name, shape, dtype) -> Tensor:

@@ -65,11 +65,23 @@ def infer_activation(x, kind: str):
     return x.shape, x.dtype
 
 
+def result_dtype(a, b):
+    """The dtype two operands give (dt.promote), where a weak scalar (Graph._operand: an f32
+    constant of a Python float beside a half tensor) takes the other operand's float dtype."""
+    weak = lambda t, o: (getattr(t, "node", None) is not None and t.node.attrs.get("weak")  # noqa: E731
+                         and o.dtype.is_float)
+    if weak(a, b):
+        return b.dtype
+    if weak(b, a):
+        return a.dtype
+    return dt.promote(a.dtype, b.dtype)
+
+
 def infer_binary(a, b, kind: str):
     if kind not in BINARY:
         raise ValueError(f"binary: unknown kind {kind!r}; expected one of {', '.join(BINARY)}")
     shape = broadcast_shapes(kind, ["a", "b"], [a.shape, b.shape])
-    out = dt.promote(a.dtype, b.dtype)
+    out = result_dtype(a, b)
     if out == dt.BOOL and kind not in ("max", "min"):
         raise ValueError(f"{kind}: both operands are bool ({fmt(a.shape)}, {fmt(b.shape)}); "
                          f"cast one to a numeric dtype first")
@@ -103,7 +115,7 @@ def infer_where(cond, a, b):
     if cond.dtype != dt.BOOL:
         raise ValueError(f"where: cond must be bool, got {cond.dtype} {fmt(cond.shape)}")
     shape = broadcast_shapes("where", ["cond", "a", "b"], [cond.shape, a.shape, b.shape])
-    return shape, dt.promote(a.dtype, b.dtype)
+    return shape, result_dtype(a, b)
 
 
 def infer_cast(x, to):

@@ -53,6 +53,32 @@ def _pitched(a):
     return (rows, width, pitch) if pitch >= width else None
 
 
+def _empty_device(shape, dtype):
+    """A zero-size device array of the output's shape (no memory behind it)."""
+    from numba import cuda
+    return cuda.device_array(shape, dtype)
+
+
+def _from_python(name, node, value) -> np.ndarray:
+    """A run() input given as a Python scalar or (nested) list, as an array of the input's
+    dtype: only where no value changes kind (floats are never truncated to an integer input)
+    and integers fit; anything else raises naming the input."""
+    want = f"run: input {name!r} ({node.dtype} {fmt(node.shape)})"
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError) as e:      # ragged lists and the like
+        raise ValueError(f"{want}: cannot read {type(value).__name__} as an array: {e}") from None
+    kinds = "biuf" if node.dtype.is_float else "bui" if node.dtype.kind != "bool" else "b"
+    if arr.dtype.kind not in kinds:
+        raise ValueError(f"{want}: got {type(value).__name__} {value!r:.60} ({arr.dtype}); "
+                         f"pass {node.dtype} values (a NumPy array of {node.dtype.host})")
+    host = np.dtype(node.dtype.host)
+    if arr.dtype.kind in "ui" and host.kind in "ui" and arr.size and (
+            arr.min() < np.iinfo(host).min or arr.max() > np.iinfo(host).max):
+        raise ValueError(f"{want}: values {arr.min()} .. {arr.max()} do not fit {node.dtype}")
+    return arr.astype(host)
+
+
 def compile_graph(graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                   params: ParamStore | None = None, stream=None) -> "CudaExecutable":
     """What ``rlx_numba.compile`` (compiler.py) and ``CudaExecutable.compile_with`` do: parse
@@ -323,7 +349,7 @@ class CudaExecutable:
         dev = _as_device_array(value)
         if dev is not None:
             return self._copy_in(node, dev, "run: input", sync=wait)
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value, dtype=node.dtype.host)
+        arr = value if isinstance(value, np.ndarray) else _from_python(name, node, value)
         if arr.dtype != node.dtype.host:
             raise ValueError(f"run: input {name!r} must be {node.dtype} ({node.dtype.host}), got "
                              f"{arr.dtype}; convert it with .astype()")
@@ -424,7 +450,8 @@ class CudaExecutable:
             else:
                 view = self._views.get(o)
                 if view is None:          # the same arena view every run: made once
-                    view = self._views[o] = buf[:n.size].reshape(n.shape) if n.size else buf[:0]
+                    view = self._views[o] = (buf[:n.size].reshape(n.shape) if n.size else
+                                             _empty_device(n.shape, buf.dtype))
                 res.append(view if outputs == "view" else self._copy_device(view))
         if wait:
             self.stream.synchronize()
