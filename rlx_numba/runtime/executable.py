@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 
 import numpy as np
@@ -104,6 +105,7 @@ class CudaExecutable:
             raise TypeError(f"CudaExecutable: expected a Program (use rlx_numba.compile), got "
                             f"{type(program).__name__}")
         self.program = program
+        self._run_lock = threading.RLock()   # one run at a time: runs share the arena
         ctx = self._ctx = program.ctx
         graph = self.graph = program.graph
         self.plan = program.plan
@@ -379,7 +381,15 @@ class CudaExecutable:
         recorded on it after the run) and until the next run. Device inputs are read when the
         stream gets there, so keep them unchanged until then; host inputs are copied before
         run returns. The next run's input copies queue behind this run's steps, so a view may
-        be fed straight back as the next run's input (a decode loop that never waits)."""
+        be fed straight back as the next run's input (a decode loop that never waits).
+
+        Threads calling run() on one executable at once are served one after the other (the
+        runs share the arena); "view" results are then only valid until the other thread's
+        run -- give each thread its own executable (``compile_with``) to overlap them."""
+        with self._run_lock:
+            return self._run(inputs, outputs, wait)
+
+    def _run(self, inputs, outputs, wait):
         if outputs not in ("numpy", "device", "view"):
             raise ValueError(f"run: outputs must be 'numpy', 'device' or 'view', got {outputs!r}")
         if not wait and outputs != "view":   # "numpy" and "device" copy the results: they wait
