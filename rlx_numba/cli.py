@@ -1,4 +1,5 @@
 """`rlx-numba info [--weights F | --ops] | demo [--model minilm|smollm2 | --train] |
+warmup MODEL [--batch B] [--prompt-len S] [--new N] [--dtype D] |
 launch --gpus N [--master-port P] script.py [args...]`."""
 from __future__ import annotations
 
@@ -198,6 +199,41 @@ def demo_model(name: str, path: str | None = None, prompt: str | None = None) ->
     return 0
 
 
+def warmup(path: str, batch: int, prompt_len: int, new: int, dtype: str) -> int:
+    """Load a Llama-family model (a .gguf file or a Hugging Face folder) and generate ``new``
+    tokens from a dummy prompt, so its prefill and decode graphs' kernels and tuning verdicts
+    land in the disk cache (kernels/cache.py): the next process loading the model compiles
+    nothing for these shapes."""
+    from pathlib import Path
+
+    import numpy as np
+
+    from rlx_numba.kernels.cache import STATS, cache_dir
+    from rlx_numba.models import LlamaForCausalLM
+    p = Path(path)
+    t0 = time.perf_counter()
+    try:
+        if p.suffix == ".gguf":
+            model = LlamaForCausalLM.from_gguf(p, dtype=dtype)
+        elif p.is_dir():
+            model = LlamaForCausalLM.from_safetensors(p, dtype=dtype)
+        else:
+            print(f"warmup: {path} is neither a .gguf file nor a model folder", file=sys.stderr)
+            return 2
+    except (OSError, ValueError) as e:
+        print(f"warmup: {e}", file=sys.stderr)
+        return 2
+    t1 = time.perf_counter()
+    prompt = np.ones((batch, prompt_len), np.int64)
+    model.generate(prompt, new)
+    t2 = time.perf_counter()
+    print(f"warmup {path}: loaded in {t1 - t0:.1f} s; prefill of {batch} x {prompt_len} and "
+          f"{new - 1} decode steps compiled and run in {t2 - t1:.1f} s")
+    print(f"kernel cache {cache_dir()}: {STATS['hits']} kernels read, {STATS['misses']} compiled "
+          f"and written")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rlx-numba", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -224,6 +260,17 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, help="with --train: training steps")
     d.add_argument("--sample", type=int, help="with --train: bytes to generate after (0: none)")
     d.add_argument("--out", help="with --train: the loss plot (default loss.png)")
+    w = sub.add_parser("warmup", help="compile a Llama-family model's prefill and decode "
+                                      "graphs for one batch shape into the disk cache, so the "
+                                      "next process starts warm")
+    w.add_argument("model", help="a .gguf file or a Hugging Face folder (config.json + "
+                                 "safetensors)")
+    w.add_argument("--batch", type=int, default=1, help="rows of the batch (default 1)")
+    w.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32; "
+                   "prompts share graphs by bucket)")
+    w.add_argument("--new", type=int, default=8, help="tokens generated (default 8)")
+    w.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
+                   help="the model's dtype (default f32)")
     la = sub.add_parser("launch", help="run a script as N processes, one per GPU, with RANK, "
                                        "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as "
                                        "torchrun sets them (rlx_numba.distributed.init reads them)")
@@ -252,6 +299,11 @@ def main(argv=None) -> int:
         return demo_model(args.model, args.path, args.prompt)
     if args.cmd == "info":
         return info(args.weights, args.ops)
+    if args.cmd == "warmup":
+        for k in ("batch", "prompt_len", "new"):
+            if getattr(args, k) < 1:
+                p.error(f"warmup: --{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
+        return warmup(args.model, args.batch, args.prompt_len, args.new, args.dtype)
     return demo()
 
 

@@ -100,3 +100,23 @@ def test_info_weights_bytes_by_format(tmp_path, capsys):
                                         "F32": {"tensors": 1, "bytes": 12, "f32_bytes": 12}}
     assert main(["info", "--weights", str(tmp_path / "missing.gguf")]) == 2
     assert "info --weights" in capsys.readouterr().err
+
+
+def test_warmup_compiles_a_gguf_model(tmp_path, capsys):
+    """`rlx-numba warmup MODEL`: loads a GGUF model and generates from a dummy prompt (its
+    prefill and decode graphs compiled); bad arguments and paths are errors."""
+    pytest.importorskip("gguf")
+    from test_loaders import CFG, write_gguf
+    from rlx_numba.models import LlamaForCausalLM
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, CFG, LlamaForCausalLM.from_config(CFG, seed=0).params)
+    assert main(["warmup", str(path), "--prompt-len", "3", "--new", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"warmup .*tiny\.gguf: loaded in [\d.]+ s; prefill of 1 x 3 and 1 decode "
+                     r"steps compiled and run", out)
+    assert "kernel cache" in out
+    assert main(["warmup", str(tmp_path / "none.bin")]) == 2
+    assert "neither a .gguf file nor a model folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["warmup", str(path), "--new", "0"])
+    assert "--new must be >= 1, got 0" in capsys.readouterr().err
