@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from . import dtypes as dt
 from .autodiff import scatter_grad, vjp, zeros
 from .opdef import F32, INPLACE, STORAGE, defop
@@ -278,6 +280,30 @@ class RopeOps:
             ins.append(self.check(op, "positions", positions))
         return self.bind(op, ins, n_rot=_as_int(n_rot), interleaved=interleaved,
                          position_offset=_as_int(position_offset))
+
+    def axial_rope2d(self, x, end_x: int, end_y: int, theta: float = 10000.0):
+        """SAM 2's axial RoPE (compute_axial_cis + apply_rotary_enc) of x [B, H, T, D] (or
+        [B, T, D]) with T = end_x * end_y: token t sits at column t % end_x, row t // end_x;
+        pairs (2j, 2j + 1) rotate as complex numbers, the first D/4 pairs by the column at
+        frequencies theta ** (-4j / D), the last D/4 by the row. The rope op with interleaved
+        pairs and these angles as its cos / sin tables (f32 constants), so it keeps rope's
+        kernel, dtypes and VJP."""
+        op = "axial_rope2d"
+        self.check(op, "x", x)
+        for arg, v in (("end_x", end_x), ("end_y", end_y)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{op}: {arg} must be a positive int, got {v!r}")
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or not theta > 0:
+            raise ValueError(f"{op}: theta must be a positive number, got {theta!r}")
+        if x.ndim not in (3, 4) or x.shape[-2] != end_x * end_y or x.shape[-1] % 4:
+            raise ValueError(f"{op}: x must be [B, H, T, D] or [B, T, D] with T = end_x * end_y "
+                             f"= {end_x * end_y} and D a multiple of 4, got {fmt(x.shape)}")
+        d = x.shape[-1]
+        freqs = 1.0 / theta ** (np.arange(0, d, 4)[: d // 4] / d)
+        t = np.arange(end_x * end_y)
+        ang = np.concatenate([np.outer(t % end_x, freqs), np.outer(t // end_x, freqs)], axis=1)
+        return self.rope(x, self.constant(np.cos(ang).astype(np.float32)),
+                         self.constant(np.sin(ang).astype(np.float32)), interleaved=True)
 
     def kv_write(self, cache, new, position):
         """Write ``new`` [B, H, s, D] into ``cache`` [B, H, max_S, D] at rows
