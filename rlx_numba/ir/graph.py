@@ -16,6 +16,7 @@ from .ops import fmt
 from .ops_attention import AttentionOps
 from .ops_dist import DistOps
 from .ops_control import ControlOps
+from .ops_delta import DeltaOps
 from .ops_einsum import EinsumOps
 from .ops_fft import FftOps
 from .ops_vision import ResampleOps, VisionOps
@@ -118,7 +119,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
