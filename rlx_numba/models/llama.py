@@ -736,6 +736,12 @@ class LlamaForCausalLM:
         (f32, a half copy, u8 packed GGUF blocks): ParamStore.bytes_by_format."""
         return self._exes.params.bytes_by_format()
 
+    @property
+    def cached_executables(self) -> int:
+        """Compiled graphs the model holds (prefill / decode / train shapes, at most
+        ``max_cached`` of the generation ones): a long-running service checks it stays flat."""
+        return len(self._exes)
+
     def _graph_packed(self):
         """(fused, graph param name -> (scheme, packed bytes)): the packed weights under the
         graph's names. A fused pack (qkv, gate/up) of packed parts of one scheme is their

@@ -1,0 +1,52 @@
+"""tools/soak.py (issue 36's long-run check): its loop, rows and verdicts, on a stand-in model
+(the real run is a GPU's: a model's generation in the simulator takes minutes)."""
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import soak  # noqa: E402
+
+
+class Model:
+    """generate / trainer / cached_executables, counting calls; ``leak`` graphs a call."""
+
+    def __init__(self, leak=0):
+        self.cached_executables, self.leak, self.calls = 1, leak, []
+
+    def generate(self, ids, n):
+        assert ids.shape[0] == 1 and 25 <= ids.shape[1] <= 32 and n == 2
+        self.calls.append(("generate", ids.shape))
+        self.cached_executables += self.leak
+        return np.zeros((1, ids.shape[1] + n), np.int64)
+
+    def trainer(self, batch, seq, opt):
+        return SimpleNamespace(step=lambda ids: self.calls.append(("step", ids.shape)) or 1.0)
+
+
+ARGS = ["--config", "tiny", "--tokens", "8", "--new", "2", "--steps", "3", "--train-batch", "2",
+        "--seq", "8", "--every", "2"]
+
+
+def test_soak_runs_and_reports_flat(monkeypatch, capsys):
+    m = Model()
+    monkeypatch.setattr(soak, "load_model", lambda name: (SimpleNamespace(vocab_size=97), m))
+    assert soak.main(ARGS + ["--slack", "1e9"]) == 0
+    assert [c[0] for c in m.calls] == ["generate"] * 4 + ["step"] * 3
+    assert m.calls[-1] == ("step", (2, 8))
+    out = capsys.readouterr().out
+    assert "tokens: after warm-up host +" in out and out.count("flat") == 2
+
+
+def test_soak_fails_on_growth(monkeypatch, capsys):
+    monkeypatch.setattr(soak, "load_model", lambda name: (SimpleNamespace(vocab_size=97),
+                                                          Model(leak=1)))
+    assert soak.main(ARGS + ["--steps", "0", "--slack", "1e9"]) == 1
+    assert "graphs +3: GREW" in capsys.readouterr().out
+    grow = iter(range(0, 10**12, 10**8))
+    monkeypatch.setattr(soak, "load_model", lambda name: (SimpleNamespace(vocab_size=97), Model()))
+    monkeypatch.setattr(soak, "rss", lambda: next(grow))
+    assert soak.main(ARGS + ["--steps", "0", "--slack", "1e6"]) == 1
+    assert "GREW" in capsys.readouterr().out

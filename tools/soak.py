@@ -1,0 +1,126 @@
+"""Long-run soak (issue 36): many generated tokens and many train steps in one process, with the
+host's resident memory, the device memory in use and the model's compiled graphs printed as
+they go; exits 1 if any of them grew after the warm-up by more than ``--slack`` (bytes) or
+at all (graphs).
+
+    python tools/soak.py [--tokens 100000] [--steps 5000] [--config smollm2|tiny]
+        [--new 128] [--batch 1] [--train-batch 8 --seq 256] [--slack 64e6]
+
+Generation runs ``generate`` of ``--new`` tokens (random prompts of varying lengths within one
+bucket, so the same graphs serve every call) until ``--tokens`` are made; training runs
+``--steps`` AdamW steps of the model's trainer on random ids. The first tenth of each is the
+warm-up (compiles, allocator pools). In the simulator use --config tiny and small counts."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+               rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            tie_word_embeddings=True)
+
+
+def rss() -> int:
+    """This process's resident bytes now (Linux /proc; 0 elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def device_used() -> int:
+    """Device bytes in use (free/total of the context; 0 in the simulator)."""
+    import rlx_numba as rlx
+    if rlx.simulator_enabled():
+        return 0
+    from numba import cuda
+    free, total = cuda.current_context().get_memory_info()
+    return total - free
+
+
+class Watch:
+    """Rows of (done, rss, device, graphs); the baseline is the first row after warm-up."""
+
+    def __init__(self, what: str, total: int, model):
+        self.what, self.total, self.model = what, total, model
+        self.base = None
+        self.worst = (0, 0, 0)
+        print(f"{'':8}{what:>10} {'host MiB':>10} {'device MiB':>11} {'graphs':>7} {'s':>8}")
+        self.t0 = time.perf_counter()
+
+    def row(self, done: int) -> None:
+        now = (rss(), device_used(), self.model.cached_executables)
+        if self.base is None and done >= self.total // 10:
+            self.base = now
+        if self.base is not None:
+            self.worst = tuple(max(w, n - b) for w, n, b in zip(self.worst, now, self.base))
+        print(f"{'':8}{done:>10} {now[0] / 2**20:>10.1f} {now[1] / 2**20:>11.1f} {now[2]:>7} "
+              f"{time.perf_counter() - self.t0:>8.1f}", flush=True)
+
+    def ok(self, slack: float) -> bool:
+        host, dev, graphs = self.worst
+        good = host <= slack and dev <= slack and graphs == 0
+        print(f"{self.what}: after warm-up host +{host / 2**20:.1f} MiB, device "
+              f"+{dev / 2**20:.1f} MiB, graphs +{graphs}: {'flat' if good else 'GREW'}")
+        return good
+
+
+def load_model(name: str):
+    """(config, a LlamaForCausalLM of that config with random weights)."""
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**(SMOLLM2 if name == "smollm2" else TINY))
+    return cfg, LlamaForCausalLM.from_config(cfg, seed=0)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=100_000)
+    p.add_argument("--steps", type=int, default=5_000)
+    p.add_argument("--config", choices=["smollm2", "tiny"], default="smollm2")
+    p.add_argument("--new", type=int, default=128, help="tokens a generate call makes")
+    p.add_argument("--batch", type=int, default=1, help="generation batch")
+    p.add_argument("--train-batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--slack", type=float, default=64e6, help="bytes of growth allowed")
+    p.add_argument("--every", type=int, default=0, help="rows every N tokens / steps "
+                                                        "(default: ten rows)")
+    args = p.parse_args(argv)
+    import rlx_numba as rlx
+    cfg, model = load_model(args.config)
+    rng = np.random.default_rng(0)
+    good = True
+    if args.tokens:
+        w = Watch("tokens", args.tokens, model)
+        every, done, mark = args.every or max(1, args.tokens // 10), 0, 0
+        while done < args.tokens:
+            plen = int(rng.integers(25, 33))          # one prompt bucket: the same graphs
+            model.generate(rng.integers(0, cfg.vocab_size, (args.batch, plen)), args.new)
+            done += args.batch * args.new
+            if done - mark >= every or done >= args.tokens:
+                w.row(done)
+                mark = done
+        good &= w.ok(args.slack)
+    if args.steps:
+        tr = model.trainer(args.train_batch, args.seq, rlx.optim.AdamW(1e-4))
+        w = Watch("steps", args.steps, model)
+        every = args.every or max(1, args.steps // 10)
+        for s in range(1, args.steps + 1):
+            tr.step(rng.integers(0, cfg.vocab_size, (args.train_batch, args.seq)))
+            if s % every == 0 or s == args.steps:
+                w.row(s)
+        good &= w.ok(args.slack)
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
