@@ -148,6 +148,8 @@ class Config:
     modes: tuple = ("stream", "graph", "eager")
     max_nodes: int = 8
     max_size: int = 120          # elements per tensor (the simulator runs a thread each)
+    max_dim: int = 7             # dims are 1..max_dim
+    zero_dims: float = 0.0       # the chance of a 0 in a leaf's shape (empty tensors)
     ops: tuple | None = None     # only these generators (None: all)
 
 
@@ -168,10 +170,13 @@ class Builder:
     def shape(self, rank=None):
         r = self.rng
         rank = int(r.choice([0, 1, 2, 2, 3, 3, 4])) if rank is None else rank
-        while True:
-            s = tuple(int(d) for d in r.integers(1, 8, size=rank))
-            if math.prod(s) <= self.cfg.max_size:
-                return s
+        s, size = [], 1
+        for _ in range(rank):      # each dim within what max_size leaves
+            hi = max(1, min(self.cfg.max_dim, self.cfg.max_size // size))
+            s.append(int(r.integers(1, hi + 1)) if r.random() >= self.cfg.zero_dims else 0)
+            size *= max(s[-1], 1)
+        r.shuffle(s)
+        return tuple(s)
 
     def values(self, shape, d):
         r = self.rng
@@ -401,29 +406,38 @@ def binary(b, kind, a, c, swap=False):
 
 def gen_binary(b):
     kind = str(b.rng.choice(list(BINARY)))
-    a = b.pick(lambda v: v.d != "bool")
+    a = b.pick(lambda v: v.d != "bool" or b.rng.random() < 0.3)   # bool promotes to a number
     if a is None:
         return
     c = b.partner(a)
-    if isinstance(c, Val) and c.d == "bool":
+    if kind in ("div", "pow") and "bool" in (a.d, getattr(c, "d", None)):
         return
-    if kind == "div":   # denominator away from 0
-        if isinstance(c, Scalar):
-            c = Scalar(1.5 if c.py == 0 else c.py, c.d, c.weak)
-        elif min(float(np.min(np.abs(v), initial=1)) for v in c.vs) < 0.25:
-            c = positive(b, c)
+    swap = isinstance(c, Scalar) and b.rng.random() < 0.5
+    if kind == "div":   # denominator away from 0 (a, for scalar / a)
+        if isinstance(c, Scalar) and not swap:
+            c = b.scalar(1.5, a.d) if c.py == 0 else c
+        else:
+            den = a if swap else c
+            if min(float(np.min(np.abs(v), initial=1)) for v in den.vs) < 0.25:
+                den = positive(b, den)
+            a, c = (den, c) if swap else (a, den)
     if kind == "pow":   # positive float base in [0.25, ..], a small exponent
         if a.d not in FLOATS:
             return
-        if min(float(np.min(v, initial=1)) for v in a.vs) < 0.25 or amax(a.vs) > 4:
-            a = positive(b, a)
-        if isinstance(c, Scalar):
-            c = b.scalar(float(b.rng.choice([2.0, 3.0, 0.5, -1.0, 1.5, -0.5])), a.d)
-        elif amax(c.vs) > 2:
-            return
+        if swap:        # scalar ** a: a positive scalar base, a bounded exponent
+            c = b.scalar(float(b.rng.choice([0.5, 1.5, 2.0, 3.0])), a.d)
+            if amax(a.vs) > 4:
+                return
+        else:
+            if min(float(np.min(v, initial=1)) for v in a.vs) < 0.25 or amax(a.vs) > 4:
+                a = positive(b, a)
+            if isinstance(c, Scalar):
+                c = b.scalar(float(b.rng.choice([2.0, 3.0, 0.5, -1.0, 1.5, -0.5])), a.d)
+            elif amax(c.vs) > 2:
+                return
     if a is None or c is None:
         return
-    return binary(b, kind, a, c, swap=isinstance(c, Scalar) and b.rng.random() < 0.5)
+    return binary(b, kind, a, c, swap=swap)
 
 
 def gen_compare(b):
@@ -524,8 +538,8 @@ def gen_reduce(b):
     ax = norm_axes(axes, rank)
     keep = bool(b.rng.random() < 0.4)
     n = math.prod(x.shape[a] for a in ax)
-    if kind == "prod" and (not x.exact or n > 6):
-        return
+    if kind == "prod" and (not x.exact or n > 6) or kind in ("max", "min") and n == 0:
+        return                      # (max / min of nothing: the builder refuses it)
     if kind in ("sum", "prod"):
         d = x.d if x.d in FLOATS else "i64"
     elif kind == "mean":
@@ -560,6 +574,8 @@ def gen_argreduce(b):
         return
     rank = len(x.shape)
     axis = None if b.rng.random() < 0.25 else int(b.rng.integers(-rank, rank))
+    if (x.vs[0].size if axis is None else x.shape[axis]) == 0:
+        return                      # (argmax of nothing: the builder refuses it)
     keep = bool(b.rng.random() < 0.4)
     fn = np.argmax if kind == "argmax" else np.argmin
     vs = [np.asarray(fn(v, axis=axis, keepdims=keep)) for v in x.vs]
@@ -595,6 +611,8 @@ def gen_softmax(b):
         return
     rank = len(x.shape)
     axis = int(b.rng.integers(-rank, rank))
+    if x.shape[axis] == 0:
+        return
     vs = []
     spread = 0.0
     for v in x.vs:
@@ -620,6 +638,8 @@ def gen_norm(b):
     rank = len(x.shape)
     axis = int(b.rng.integers(-rank, rank))
     n = x.shape[axis]
+    if n == 0:
+        return
     pd = x.d if b.rng.random() < 0.5 else "f32"
     gamma = b.leaf((n,), pd, kind=str(b.rng.choice(["input", "param"])))
     beta = b.leaf((n,), pd) if b.rng.random() < 0.4 else None
@@ -627,7 +647,7 @@ def gen_norm(b):
     if b.rng.random() < 0.3:
         res = b.pick(lambda v: v.d == x.d and v.shape == x.shape and v is not x, shape=x.shape, d=x.d)
     eps = float(b.rng.choice([1e-5, 1e-6, 1e-3]))
-    vs, worst = [], 0.0
+    vs, worst = [], math.inf
     for k in range(2):
         h = rnd(x.vs[k] + (res.vs[k] if res is not None else 0.0), x.d)
         mean = np.mean(h, axis=axis, keepdims=True)
@@ -641,16 +661,26 @@ def gen_norm(b):
         shape[axis] = n
         y = y * gamma.vs[k].reshape(shape) + (beta.vs[k].reshape(shape) if beta else 0.0)
         vs.append(y)
-        worst = max(worst, float(np.min(var + eps)))
+        worst = min(worst, float(np.min(var + eps, initial=np.inf)))
     eh = x.e + (res.e + r_err(x.d, [x.vs[0] + res.vs[0]]) if res is not None else 0.0)
-    sens = amax(gamma.vs) / math.sqrt(worst)
+    sens = amax(gamma.vs) / math.sqrt(worst) if math.isfinite(worst) else 0.0
     e = 3 * sens * (eh + 4 * n * U32 * (amax(x.vs) + (amax(res.vs) if res else 0))) + r_err(x.d, vs)
     e += 8 * U32 * amax(vs) * n
     fn = getattr(b.g, kind)
-    build = lambda: fn(x.t, gamma.t, beta.t if beta else None, axis=axis, eps=eps,  # noqa: E731
-                       residual=res.t if res else None)
-    return b.emit(kind, build, vs, x.d, e,
-                  f"{x.d} gamma {pd} beta={beta is not None} residual={res is not None} axis={axis}")
+    both = res is not None and b.rng.random() < 0.5     # also the x + residual it computed
+    pair = []
+
+    def build():
+        ys = fn(x.t, gamma.t, beta.t if beta else None, axis=axis, eps=eps,
+                residual=res.t if res else None, return_residual=both)
+        pair.extend(ys if both else [ys])
+        return pair[0]
+    y = b.emit(kind, build, vs, x.d, e, f"{x.d} gamma {pd} beta={beta is not None} "
+               f"residual={res is not None} return_residual={both} axis={axis}")
+    if y is not None and both:
+        hs = [x.vs[k] + res.vs[k] for k in range(2)]
+        b.emit(f"{kind}.residual_sum", lambda: pair[1], hs, x.d, eh, x.d)
+    return y
 
 
 def gen_matmul(b):
@@ -695,6 +725,9 @@ def gen_linear(b):
     k, nn = x.shape[-1], int(r.integers(1, 8))
     w = b.leaf((k, nn), x.d, kind=str(r.choice(["param", "input"])))
     bias = b.leaf((nn,), x.d) if r.random() < 0.6 else None
+    oshape = x.shape[:-1] + (nn,)
+    res = (b.pick(lambda v: v.shape == oshape and v.d == x.d, shape=oshape, d=x.d)
+           if r.random() < 0.3 else None)
     act = LINEAR_ACTS[int(r.integers(len(LINEAR_ACTS)))]
     vs, zs = [], []
     for i in range(2):
@@ -702,15 +735,18 @@ def gen_linear(b):
         if bias is not None:
             z = z + bias.vs[i]
         zs.append(z)
-        vs.append(UNARY[act](z) if act else z)
+        y = UNARY[act](z) if act else z
+        vs.append(y + res.vs[i] if res is not None else y)
     mz = amax(zs)
     ez = k * x.e * amax(w.vs) + 2 * k * U32 * amax(x.vs) * amax(w.vs) + 4 * U32 * mz
-    e = 1.13 * ez + r_err(x.d, vs) + 8 * U32 * (amax(vs) + mz)
+    e = 1.13 * ez + r_err(x.d, vs) + 8 * U32 * (amax(vs) + mz) + (res.e if res else 0.0)
     oshape = vs[0].shape
     if math.prod(oshape) > b.cfg.max_size:
         return
-    return b.emit("linear", lambda: b.g.linear(x.t, w.t, bias.t if bias else None, activation=act),
-                  vs, x.d, e, f"{x.d} act={act} bias={bias is not None}")
+    build = lambda: b.g.linear(x.t, w.t, bias.t if bias else None, activation=act,  # noqa: E731
+                               residual=res.t if res else None)
+    return b.emit("linear", build, vs, x.d, e,
+                  f"{x.d} act={act} bias={bias is not None} residual={res is not None}")
 
 
 # ---- shape ops: values pass through unchanged (views: reshape, narrow) ------------------------------
@@ -720,7 +756,7 @@ def gen_reshape(b):
         return
     size = math.prod(x.shape)
     r = b.rng
-    dims = []
+    dims = [0] if size == 0 else []
     rest = size
     while rest > 1 and len(dims) < 4:    # a random factorization, ones sprinkled in
         divs = [d for d in range(2, rest + 1) if rest % d == 0]
@@ -734,7 +770,7 @@ def gen_reshape(b):
     r.shuffle(dims)
     shape = tuple(dims)
     arg = list(shape)
-    if arg and r.random() < 0.3:
+    if arg and size and r.random() < 0.3:
         arg[int(r.integers(len(arg)))] = -1
     vs = [v.reshape(shape) for v in x.vs]
     return b.emit("reshape", lambda: b.g.reshape(x.t, arg), vs, x.d, x.e, f"{x.d} -> {arg}")
@@ -762,6 +798,8 @@ def gen_narrow(b):
     rank = len(x.shape)
     axis = int(b.rng.integers(-rank, rank))
     dim = x.shape[axis]
+    if dim == 0:
+        return
     start = int(b.rng.integers(0, dim))
     length = int(b.rng.integers(1, dim - start + 1))
     sl = [slice(None)] * rank
@@ -809,12 +847,37 @@ def gen_expand(b):
     return b.emit("expand", lambda: b.g.expand(x.t, arg), vs, x.d, x.e, f"{x.d} -> {arg}")
 
 
+def gen_gather(b):
+    x = b.pick(lambda v: len(v.shape) >= 1)
+    if x is None:
+        return
+    r = b.rng
+    rank = len(x.shape)
+    axis = int(r.integers(-rank, rank))
+    dim = x.shape[axis]
+    if dim == 0:
+        return
+    ishape = b.shape(int(r.integers(0, 3)))
+    oshape = x.shape[:axis % rank] + ishape + x.shape[axis % rank + 1:]
+    if math.prod(oshape) > b.cfg.max_size:
+        return
+    b.k += 1
+    name = f"i{b.k}"          # indices fed to run(), negative ones wrap
+    idx = [r.integers(-dim, dim, size=ishape) for _ in range(2)]
+    it = b.g.input(name, ishape, str(r.choice(["i32", "i64"])))
+    for k in (0, 1):
+        b.feeds[k][name] = idx[k].astype(HOST[str(it.dtype)])
+    vs = [np.take(v, i % dim, axis=axis) for v, i in zip(x.vs, idx)]
+    return b.emit("gather", lambda: b.g.gather(x.t, it, axis), vs, x.d, x.e,
+                  f"{x.d} axis={axis} indices {it.dtype}{list(ishape)}")
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
     "softmax": gen_softmax, "norm": gen_norm, "matmul": gen_matmul, "linear": gen_linear,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
-    "concat": gen_concat, "expand": gen_expand,
+    "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
 WEIGHT = {"unary": 3, "binary": 4, "reshape": 2, "narrow": 2, "reduce": 2}
 
@@ -897,7 +960,9 @@ class Report:
 
 def repro(seed, gi, cfg):
     return (f"python -m tools.fuzz --seed {seed} --only {gi} --dtypes {','.join(cfg.dtypes)} "
-            f"--max-nodes {cfg.max_nodes} --modes {','.join(cfg.modes)}"
+            f"--max-nodes {cfg.max_nodes} --max-size {cfg.max_size} --max-dim {cfg.max_dim} "
+            f"--modes {','.join(cfg.modes)}"
+            + (f" --zero-dims {cfg.zero_dims}" if cfg.zero_dims else "")
             + (f" --ops {','.join(cfg.ops)}" if cfg.ops else ""))
 
 
@@ -947,7 +1012,11 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
                             f"{v.d}{list(v.shape)}, error bound {v.e:.3g}): {what}", b.g)
 
 
-def fuzz(n, seed, cfg: Config, only=None, out=print) -> Report:
+def _print(msg):
+    print(msg, flush=True)
+
+
+def fuzz(n, seed, cfg: Config, only=None, out=_print) -> Report:
     rep = Report()
     for gi in ([only] if only is not None else range(n)):
         fuzz_one(seed, gi, cfg, rep, out)
@@ -962,12 +1031,15 @@ def main(argv=None):
     p.add_argument("--dtypes", default="f32,f16,bf16,i32")
     p.add_argument("--max-nodes", type=int, default=8)
     p.add_argument("--max-size", type=int, default=120, help="elements per tensor at most")
+    p.add_argument("--max-dim", type=int, default=7, help="dims are 1..MAX_DIM")
+    p.add_argument("--zero-dims", type=float, default=0.0, help="chance of a 0 dim in a leaf")
     p.add_argument("--ops", default=None, help=f"generators to use, of {','.join(GENERATORS)}")
     p.add_argument("--only", type=int, default=None, help="run graph ONLY of the seed")
     p.add_argument("--print-graphs", action="store_true")
     a = p.parse_args(argv)
     cfg = Config(dtypes=tuple(a.dtypes.split(",")), modes=tuple(a.modes.split(",")),
-                 max_nodes=a.max_nodes, max_size=a.max_size,
+                 max_nodes=a.max_nodes, max_size=a.max_size, max_dim=a.max_dim,
+                 zero_dims=a.zero_dims,
                  ops=tuple(a.ops.split(",")) if a.ops else None)
     for d in cfg.dtypes:
         if d not in ("f32", "f16", "bf16", "i32"):
