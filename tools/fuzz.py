@@ -8,13 +8,17 @@ against an independent NumPy evaluator written here.
 
 The evaluator computes every node in float64 from its inputs' already-rounded values and
 rounds the result to the node's dtype (each kernel rounds its op's output once). Beside the
-value it carries an absolute error bound ``e`` (a scalar per node): 0 for exact results
-(leaves, shape ops, max/min, integer math, comparisons), else the inputs' bounds times the
-op's sensitivity plus a few output roundings and the f32 arithmetic of the kernel. A result
-is a finding when it is further than 2 e from the reference (exact ones must match bit for
-bit). Ops that are discontinuous (compare, round, float->int casts, argmax) only take exact
-operands, and the generator keeps values in well-conditioned ranges (denominators away from
-0, log/sqrt of values >= 0.25, exp of values <= 4) so the bounds stay tight.
+values it keeps, elementwise, the range [lo, hi] a correct kernel's result lies in:
+rnd(pre - E) .. rnd(pre + E), where pre is the float64 value before the output rounding and
+E bounds the kernel's distance from it before its rounding (the inputs' errors times the op's
+sensitivity, plus f32 arithmetic). Rounding is monotonic, so exact inputs to a correctly
+rounded op leave a single value (two near a rounding boundary): a result one ulp off is a
+finding. Integer and bool results, comparisons, max/min and shape ops of exact inputs must
+match bit for bit. Ops that are discontinuous (compare, round, float->int casts, argmax)
+only take exact operands, and the generator keeps values in well-conditioned ranges
+(denominators away from 0, log/sqrt of values >= 0.25, exp of values <= 4) so the bounds
+stay tight. A finding prints the seed, the graph, the mode, the output and the error, and a
+command that reruns just that graph; the exit status is 1 when there is one.
 """
 from __future__ import annotations
 
@@ -407,7 +411,8 @@ def binary(b, kind, a, c, swap=False):
         e = 0.0
         for x, y, z in zip(fa, fc, vs):
             if z.size:
-                e = max(e, float(np.max(np.abs(y * z / x))) * ea + float(np.max(np.abs(z * np.log(x)))) * ec)
+                e = max(e, float(np.max(np.abs(y * z / x))) * ea
+                        + float(np.max(np.abs(z * np.log(x)))) * ec)
     ulps = 0 if kind in ("max", "min") else 4
     if kind == "pow":   # powf: exp(b log a) in f32
         e += 4 * U32 * amax(vs) * (1 + amax([np.abs(y * np.log(x)) for x, y in zip(fa, fc)]))
@@ -486,8 +491,8 @@ def gen_where(b):
         cond = gen_compare(b)
         if cond is None:
             return
-    a = b.partner(cond, dtypes=[d for d in b.cfg.dtypes])
-    c = b.partner(cond if isinstance(a, Scalar) else a, dtypes=[d for d in b.cfg.dtypes])
+    a = b.partner(cond, dtypes=b.cfg.dtypes)
+    c = b.partner(cond if isinstance(a, Scalar) else a, dtypes=b.cfg.dtypes)
     if isinstance(a, Scalar) and isinstance(c, Scalar):
         return
     like = a if isinstance(a, Val) else c
@@ -502,8 +507,8 @@ def gen_where(b):
     except ValueError:
         return
     d = result_dtype(da, wa, dc, wc)
-    vs = [np.where(k, x.astype(np.float64) if d in FLOATS else x, y.astype(np.float64) if d in FLOATS else y)
-          for k, x, y in zip(cond.vs, va, vc)]
+    f = (lambda v: v.astype(np.float64)) if d in FLOATS else (lambda v: v)  # noqa: E731
+    vs = [np.where(k, f(x), f(y)) for k, x, y in zip(cond.vs, va, vc)]
     return b.emit("where", lambda: b.g.where(cond.t, ta, tc), vs, d, max(ea, ec), f"{da},{dc}", 0)
 
 
@@ -662,7 +667,8 @@ def gen_norm(b):
     beta = b.leaf((n,), pd) if b.rng.random() < 0.4 else None
     res = None
     if b.rng.random() < 0.3:
-        res = b.pick(lambda v: v.d == x.d and v.shape == x.shape and v is not x, shape=x.shape, d=x.d)
+        res = b.pick(lambda v: v.d == x.d and v.shape == x.shape and v is not x,
+                     shape=x.shape, d=x.d)
     eps = float(b.rng.choice([1e-5, 1e-6, 1e-3]))
     vs, worst = [], math.inf
     for k in range(2):
@@ -702,7 +708,8 @@ def gen_norm(b):
 
 
 def gen_matmul(b):
-    a = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 2, shape=b.shape(int(b.rng.integers(2, 5))),
+    a = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 2,
+               shape=b.shape(int(b.rng.integers(2, 5))),
                d=str(b.rng.choice(floats(b))))
     if a is None:
         return
@@ -767,7 +774,28 @@ def gen_linear(b):
                   f"{x.d} act={act} bias={bias is not None} residual={res is not None}")
 
 
-# ---- shape ops: values pass through unchanged (views: reshape, narrow) ------------------------------
+def gen_gated(b):
+    """activation(gate) * up over the last axis's halves (or its even / odd entries)."""
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 1 and v.shape[-1] % 2 == 0,
+               shape=b.shape(int(b.rng.integers(0, 3))) + (2 * int(b.rng.integers(1, 4)),),
+               d=str(b.rng.choice(floats(b))))
+    if x is None:
+        return
+    act = str(b.rng.choice(["silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"]))
+    inter = bool(b.rng.random() < 0.4)
+    m = x.shape[-1] // 2
+    halves = [((v[..., 0::2], v[..., 1::2]) if inter else (v[..., :m], v[..., m:])) for v in x.vs]
+    vs = [UNARY[act](gate) * up for gate, up in halves]
+    slope = SLOPE[act](None)
+    mg = amax([h[0] for h in halves])
+    mu = amax([h[1] for h in halves])
+    ma = amax([UNARY[act](h[0]) for h in halves])
+    e = x.e * (slope * mu + ma) + 8 * U32 * (slope * mg * mu + ma * mu)
+    return b.emit("gated", lambda: b.g.gated(x.t, act, inter), vs, x.d, e,
+                  f"{x.d} {act} interleaved={inter}", 8)
+
+
+# ---- shape ops: values pass through unchanged (views: reshape, narrow) -----------------------
 def via(f, *xs):
     """f of the inputs' values, and (lo, hi) the same f of their bounds (an op that only
     moves values)."""
@@ -905,7 +933,8 @@ def gen_gather(b):
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
-    "softmax": gen_softmax, "norm": gen_norm, "matmul": gen_matmul, "linear": gen_linear,
+    "softmax": gen_softmax, "norm": gen_norm, "gated": gen_gated, "matmul": gen_matmul,
+    "linear": gen_linear,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -939,7 +968,7 @@ def build(seed, gi, cfg: Config):
     return b, outs
 
 
-# ---- running and comparing ------------------------------------------------------------------------
+# ---- running and comparing -------------------------------------------------------------------
 def to_host(x, d):
     """A run() result as a host array of dtype d (view outputs: device arrays, bf16 as bits)."""
     if hasattr(x, "copy_to_host"):
@@ -962,7 +991,8 @@ def compare(got, v: Val, k):
         bad = got.astype(want.dtype) != want
         if bad.any():
             i = np.unravel_index(int(np.argmax(bad)), bad.shape) if bad.ndim else ()
-            return f"{int(bad.sum())} of {bad.size} differ; at {i}: got {got[i]!r}, want {want[i]!r}"
+            return (f"{int(bad.sum())} of {bad.size} differ; at {i}: got {got[i]!r}, "
+                    f"want {want[i]!r}")
         return None
     g64 = got.astype(np.float64)
     lo, hi = v.lo[k], v.hi[k]
