@@ -1,9 +1,13 @@
 """A seeded slice of the differential fuzzer (tools/fuzz.py): random graphs through the public
 Graph API, every node checked against the fuzzer's own NumPy evaluator. Small enough for CI
 under the simulator; `python -m tools.fuzz --n 200` runs more."""
+import sys
+from pathlib import Path
+
 import numpy as np
 
-from tools import fuzz
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: tools/ is no
+from tools import fuzz  # noqa: E402                            # installed package
 
 # tiny graphs and tensors, the two exec modes that differ under the simulator
 CI = fuzz.Config(dtypes=("f32", "f16", "bf16", "i32"), modes=("stream", "eager"), max_nodes=6,
