@@ -149,6 +149,7 @@ class Scalar:
 class Config:
     dtypes: tuple = ("f32", "f16", "bf16", "i32")
     modes: tuple = ("stream", "graph", "eager")
+    compile_mode: str = "jit"
     max_nodes: int = 8
     max_size: int = 120          # elements per tensor (the simulator runs a thread each)
     max_dim: int = 7             # dims are 1..max_dim
@@ -210,14 +211,14 @@ class Builder:
             t = self.g.input(name, shape, d)
             for k in (0, 1):
                 self.feeds[k][name] = vs[k].astype(HOST[d])
+        elif kind == "param":      # set again before each run, with that run's values
+            vs = [self.values(shape, d), self.values(shape, d)]
+            t = self.g.param(name, shape, d)
+            self.params[name] = [v.astype(HOST[d]) for v in vs]
         else:
             v = self.values(shape, d)
             vs = [v, v]
-            if kind == "param":
-                t = self.g.param(name, shape, d)
-                self.params[name] = v.astype(HOST[d])
-            else:
-                t = self.g.constant(v.astype(HOST[d]))
+            t = self.g.constant(v.astype(HOST[d]))
         val = Val(t, vs, d, 0.0, leaf=True)
         self.vals.append(val)
         return val
@@ -1023,6 +1024,7 @@ def repro(seed, gi, cfg):
             f"--max-nodes {cfg.max_nodes} --max-size {cfg.max_size} --max-dim {cfg.max_dim} "
             f"--modes {','.join(cfg.modes)}"
             + (f" --zero-dims {cfg.zero_dims}" if cfg.zero_dims else "")
+            + (f" --compile-mode {cfg.compile_mode}" if cfg.compile_mode != "jit" else "")
             + (f" --ops {','.join(cfg.ops)}" if cfg.ops else ""))
 
 
@@ -1049,17 +1051,18 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
         rep.ops[n.op] += 1
     for mode in cfg.modes:
         try:
-            exe = rlx.compile(b.g, exec_mode=mode)
-            for name, arr in b.params.items():
-                exe.set_param(name, arr)
+            exe = rlx.compile(b.g, compile_mode=cfg.compile_mode, exec_mode=mode)
         except Exception:
             finding(f"mode={mode}: compile failed:\n{traceback.format_exc()}", b.g)
             continue
-        # two runs with different inputs: numpy outputs, then the arena views; in the first
-        # mode a third, back on the first inputs, with fresh device copies (stale state)
+        # two runs with different inputs and params (set_param before each): numpy outputs,
+        # then the arena views; in the first mode a third, back on the first inputs, with
+        # fresh device copies (stale state)
         runs = ((0, "numpy"), (1, "view")) + (((0, "device"),) if mode == cfg.modes[0] else ())
         for k, kind in runs:
             try:
+                for name, arrs in b.params.items():
+                    exe.set_param(name, arrs[k])
                 res = exe.run(b.feeds[k], outputs=kind)
                 res = [to_host(x, v.d) for x, v in zip(res, outs)]
             except Exception:
@@ -1089,9 +1092,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=50, help="graphs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="stream,graph,eager")
+    p.add_argument("--modes", default="stream,graph,eager", help="exec modes, comma-separated")
     p.add_argument("--dtypes", default="f32,f16,bf16,i32")
     p.add_argument("--max-nodes", type=int, default=8)
+    p.add_argument("--compile-mode", default="jit", choices=("jit", "aot"))
     p.add_argument("--max-size", type=int, default=120, help="elements per tensor at most")
     p.add_argument("--max-dim", type=int, default=7, help="dims are 1..MAX_DIM")
     p.add_argument("--zero-dims", type=float, default=0.0, help="chance of a 0 dim in a leaf")
@@ -1101,7 +1105,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     cfg = Config(dtypes=tuple(a.dtypes.split(",")), modes=tuple(a.modes.split(",")),
                  max_nodes=a.max_nodes, max_size=a.max_size, max_dim=a.max_dim,
-                 zero_dims=a.zero_dims,
+                 zero_dims=a.zero_dims, compile_mode=a.compile_mode,
                  ops=tuple(a.ops.split(",")) if a.ops else None)
     for d in cfg.dtypes:
         if d not in ("f32", "f16", "bf16", "i32"):
