@@ -1092,7 +1092,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=50, help="graphs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--modes", default="stream,graph,eager", help="exec modes, comma-separated: stream, graph, eager, multistream(n)")
+    p.add_argument("--modes", default="stream,graph,eager",
+                   help="exec modes, comma-separated: stream, graph, eager, multistream(n)")
     p.add_argument("--dtypes", default="f32,f16,bf16,i32")
     p.add_argument("--max-nodes", type=int, default=8)
     p.add_argument("--compile-mode", default="jit", choices=("jit", "aot"))
