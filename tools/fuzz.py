@@ -1,0 +1,1134 @@
+"""Differential fuzzer: seeded random graphs built through the public Graph API, run by
+rlx_numba (every requested exec mode, two input sets, numpy and view outputs) and checked
+against an independent NumPy evaluator written here.
+
+    python -m tools.fuzz --n 200 --seed 0 [--modes stream,graph,eager]
+                         [--dtypes f32,f16,bf16,i32] [--max-nodes 8] [--ops exp,add,...]
+                         [--only 17]          # rerun one graph of a seed (a finding's repro)
+
+The evaluator computes every node in float64 from its inputs' already-rounded values and
+rounds the result to the node's dtype (each kernel rounds its op's output once). Beside the
+values it keeps, elementwise, the range [lo, hi] a correct kernel's result lies in:
+rnd(pre - E) .. rnd(pre + E), where pre is the float64 value before the output rounding and
+E bounds the kernel's distance from it before its rounding (the inputs' errors times the op's
+sensitivity, plus f32 arithmetic). Rounding is monotonic, so exact inputs to a correctly
+rounded op leave a single value (two near a rounding boundary): a result one ulp off is a
+finding. Integer and bool results, comparisons, max/min and shape ops of exact inputs must
+match bit for bit. Ops that are discontinuous (compare, round, float->int casts, argmax)
+only take exact operands, and the generator keeps values in well-conditioned ranges
+(denominators away from 0, log/sqrt of values >= 0.25, exp of values <= 4) so the bounds
+stay tight. A finding prints the seed, the graph, the mode, the output and the error, and a
+command that reruns just that graph; the exit status is 1 when there is one.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+
+import ml_dtypes
+import numpy as np
+
+import rlx_numba as rlx
+
+HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32,
+        "i64": np.int64, "bool": np.bool_}
+FLOATS = ("f32", "f16", "bf16")
+UNIT = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}     # unit roundoff
+TINY = {"f32": 2.0 ** -149, "f16": 2.0 ** -24, "bf16": 2.0 ** -133}  # smallest subnormal
+U32 = UNIT["f32"]
+RANK = {"bool": 0, "i32": 2, "i64": 3, "f16": 4, "bf16": 4, "f32": 5}
+LIMIT = 1e4          # values beyond this are not generated (f16 overflows at 65504)
+
+
+class Finding(Exception):
+    pass
+
+
+# ---- dtype rules (written from DESIGN.md / torch, not read from rlx_numba) -----------------------
+def promote(a, b):
+    if a == b:
+        return a
+    if {a, b} == {"f16", "bf16"}:
+        return "f32"
+    return a if RANK[a] > RANK[b] else b
+
+
+def rnd(x, d):
+    """x (float64 / int / bool array) as the values of dtype d (float64, int64 or bool)."""
+    x = np.asarray(x)
+    if d in FLOATS:
+        return x.astype(np.float64).astype(HOST[d]).astype(np.float64)
+    if d == "bool":
+        return x.astype(bool)
+    x = x.astype(np.int64)
+    return x.astype(np.int32).astype(np.int64) if d == "i32" else x
+
+
+def amax(vs):
+    """max |v| over both input sets (0 for empty or bool)."""
+    return max((float(np.max(np.abs(v.astype(np.float64)), initial=0.0)) for v in vs), default=0.0)
+
+
+# ---- the reference functions of the element-wise ops (float64) --------------------------------
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+SQ2PI = math.sqrt(2.0 / math.pi)
+
+UNARY = {
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(SQ2PI * (x + 0.044715 * x ** 3))),
+    "silu": lambda x: x / (1.0 + np.exp(-x)),
+    "relu": lambda x: np.maximum(x, 0),
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)),
+    "tanh": np.tanh, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "rsqrt": lambda x: 1.0 / np.sqrt(x), "neg": lambda x: -x, "abs": np.abs,
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "atan": np.arctan,
+    "round": np.round,            # half to even, as the op
+}
+# a bound on |f'(x)| over the operand's values (for the error bound)
+SLOPE = {
+    "gelu": lambda x: 1.13, "gelu_tanh": lambda x: 1.13, "silu": lambda x: 1.1,
+    "relu": lambda x: 1.0, "sigmoid": lambda x: 0.25, "tanh": lambda x: 1.0,
+    "exp": lambda x: float(np.exp(np.max(x))), "log": lambda x: 1.0 / float(np.min(x)),
+    "sqrt": lambda x: 0.5 / math.sqrt(float(np.min(x))),
+    "rsqrt": lambda x: 0.5 * float(np.min(x)) ** -1.5, "neg": lambda x: 1.0,
+    "abs": lambda x: 1.0, "sin": lambda x: 1.0, "cos": lambda x: 1.0,
+    "tan": lambda x: 1.0 + float(np.max(np.tan(x) ** 2)), "atan": lambda x: 1.0,
+    "round": lambda x: 0.0,
+}
+INT_PRESERVING = ("relu", "neg", "abs", "round")
+EXACT_UNARY = ("relu", "neg", "abs")          # no rounding: exact in, exact out
+BINARY = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b, "max": np.maximum, "min": np.minimum, "pow": np.power,
+}
+COMPARE = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+           "gt": np.greater, "ge": np.greater_equal}
+OPERATOR = {"add": "__add__", "sub": "__sub__", "mul": "__mul__", "div": "__truediv__",
+            "pow": "__pow__", "eq": "__eq__", "ne": "__ne__", "lt": "__lt__", "le": "__le__",
+            "gt": "__gt__", "ge": "__ge__"}
+
+
+@dataclass
+class Val:
+    """A tensor of the graph with its reference values (one per input set) and error bound."""
+    t: object            # the rlx Tensor
+    vs: list             # reference values, float64 / int64 / bool arrays, one per input set
+    d: str               # expected dtype
+    e: float = 0.0       # absolute error bound (0: exact)
+    leaf: bool = False
+    lo: list = None      # per input set, the range a correct result lies in (elementwise)
+    hi: list = None
+
+    def __post_init__(self):
+        if self.lo is None:
+            self.lo, self.hi = self.vs, self.vs
+
+    @property
+    def shape(self):
+        return self.vs[0].shape
+
+    @property
+    def exact(self):
+        return self.e == 0.0
+
+
+@dataclass
+class Scalar:
+    """A Python scalar operand and the value the op sees (weak scalars: f32, unrounded)."""
+    py: object
+    d: str               # dtype of the constant it becomes
+    weak: bool = False
+
+
+@dataclass
+class Config:
+    dtypes: tuple = ("f32", "f16", "bf16", "i32")
+    modes: tuple = ("stream", "graph", "eager")
+    compile_mode: str = "jit"
+    max_nodes: int = 8
+    max_size: int = 120          # elements per tensor (the simulator runs a thread each)
+    max_dim: int = 7             # dims are 1..max_dim
+    zero_dims: float = 0.0       # the chance of a 0 in a leaf's shape (empty tensors)
+    ops: tuple | None = None     # only these generators (None: all)
+
+
+class Builder:
+    """Grows one random graph and its reference values side by side."""
+
+    def __init__(self, rng, cfg: Config, name):
+        self.rng, self.cfg = rng, cfg
+        self.g = rlx.Graph(name)
+        self.vals: list[Val] = []
+        self.feeds = [{}, {}]         # run() inputs of the two input sets
+        self.params = {}
+        self.refused = Counter()      # op/dtype -> ValueErrors at build time
+        self.n_ops = 0
+        self.k = 0
+
+    # ---- leaves ------------------------------------------------------------------------------
+    def shape(self, rank=None):
+        r = self.rng
+        rank = int(r.choice([0, 1, 2, 2, 3, 3, 4])) if rank is None else rank
+        s, size = [], 1
+        for _ in range(rank):      # each dim within what max_size leaves
+            hi = max(1, min(self.cfg.max_dim, self.cfg.max_size // size))
+            s.append(int(r.integers(1, hi + 1)) if r.random() >= self.cfg.zero_dims else 0)
+            size *= max(s[-1], 1)
+        r.shuffle(s)
+        return tuple(s)
+
+    def values(self, shape, d):
+        r = self.rng
+        if d in FLOATS:     # mostly uniform; some integers and halves (ties, round's
+            u = r.random()  # half-to-even), some small or large magnitudes
+            if u < 0.6:
+                x = r.uniform(-2.0, 2.0, size=shape)
+            elif u < 0.75:
+                x = r.integers(-3, 4, size=shape).astype(np.float64)
+            elif u < 0.85:
+                x = r.integers(-6, 7, size=shape) * 0.5
+            else:
+                x = r.uniform(-2.0, 2.0, size=shape) * float(r.choice([1e-3, 30.0]))
+            return rnd(x, d)
+        if d == "bool":
+            return r.random(size=shape) < 0.5
+        return r.integers(-5, 6, size=shape).astype(np.int64)
+
+    def leaf(self, shape=None, d=None, kind=None):
+        """A new input (or a param / constant, set once for both input sets)."""
+        shape = self.shape() if shape is None else tuple(shape)
+        d = d or str(self.rng.choice(self.cfg.dtypes))
+        kind = kind or str(self.rng.choice(["input"] * 6 + ["param", "constant"]))
+        self.k += 1
+        name = f"{'x' if kind == 'input' else 'p'}{self.k}"
+        if kind == "input":
+            vs = [self.values(shape, d), self.values(shape, d)]
+            t = self.g.input(name, shape, d)
+            for k in (0, 1):
+                self.feeds[k][name] = vs[k].astype(HOST[d])
+        elif kind == "param":      # set again before each run, with that run's values
+            vs = [self.values(shape, d), self.values(shape, d)]
+            t = self.g.param(name, shape, d)
+            self.params[name] = [v.astype(HOST[d]) for v in vs]
+        else:
+            v = self.values(shape, d)
+            vs = [v, v]
+            t = self.g.constant(v.astype(HOST[d]))
+        val = Val(t, vs, d, 0.0, leaf=True)
+        self.vals.append(val)
+        return val
+
+    def pick(self, ok=lambda v: True, **new):
+        """An existing value satisfying ``ok`` (mostly), else a new leaf made with ``new``."""
+        cands = [v for v in self.vals if ok(v)]
+        if cands and self.rng.random() < 0.8:
+            # prefer recent values: deeper graphs
+            w = np.arange(1, len(cands) + 1, dtype=np.float64) ** 2
+            return cands[int(self.rng.choice(len(cands), p=w / w.sum()))]
+        v = self.leaf(**new)
+        return v if ok(v) else None
+
+    def partner_shape(self, shape):
+        """A shape that broadcasts with ``shape`` (dims set to 1, its 1s grown, leading dims
+        dropped or added)."""
+        r = self.rng
+        s = [(int(r.integers(2, 4)) if r.random() < 0.3 else 1) if d == 1 else   # 1 grows
+             d if r.random() < 0.6 else 1 for d in shape]
+        drop = int(r.integers(0, len(s) + 1)) if r.random() < 0.4 else 0
+        s = s[drop:]
+        if len(shape) <= len(s) < 4 and r.random() < 0.2:   # a new leading dim
+            s = [int(r.integers(1, 4))] + s
+        s = tuple(s)
+        if math.prod(np.broadcast_shapes(s, shape)) > self.cfg.max_size:
+            return tuple(shape)
+        return s
+
+    def partner(self, a, dtypes=None):
+        """A second operand for a: an existing broadcastable value, a new leaf, or a scalar."""
+        r = self.rng
+        u = r.random()
+        dtypes = dtypes or self.cfg.dtypes
+        if u < 0.3:      # a Python scalar: float or int
+            if r.random() < 0.6:
+                return self.scalar(float(np.round(r.uniform(-2, 2), 3)), a.d)
+            return self.scalar(int(r.integers(-3, 4)), a.d)
+        def fits(v):
+            try:
+                return (v is not a or r.random() < 0.3) and v.d in dtypes and \
+                    math.prod(np.broadcast_shapes(v.shape, a.shape)) <= self.cfg.max_size
+            except ValueError:
+                return False
+        if u < 0.6:
+            cands = [v for v in self.vals if fits(v)]
+            if cands:
+                return cands[int(r.integers(len(cands)))]
+        d = a.d if r.random() < 0.6 and a.d in dtypes else str(r.choice(dtypes))
+        return self.leaf(self.partner_shape(a.shape), d)
+
+    def scalar(self, py, like):
+        """What Graph._operand makes of a Python scalar beside a ``like`` tensor."""
+        if isinstance(py, float):
+            if like in ("f16", "bf16"):
+                return Scalar(py, "f32", weak=True)
+            return Scalar(py, like if like in FLOATS else "f32")
+        return Scalar(py, "i64" if like == "bool" else like)
+
+    # ---- emitting a node -----------------------------------------------------------------------
+    def emit(self, op, build, pre, d, e, tag, ulps=4, bounds=None):
+        """Build one node (``build()`` through the public API) whose float64 values before
+        the output rounding are ``pre`` (one array per input set). ``e`` bounds how far the
+        kernel's value before its rounding may be from ``pre`` (the inputs' errors through the
+        op, and f32 arithmetic), plus ``ulps`` f32 ulps of each element; a correct result lies
+        in [rnd(pre - E), rnd(pre + E)] elementwise (rounding is monotonic), so exact inputs
+        to a correctly rounded op leave one value (two only near a rounding boundary).
+        ``bounds`` (lo, hi): given instead, for ops that only move values (shape ops).
+        A ValueError from the builder (an op refusing a dtype) skips the candidate and is
+        counted; a shape or dtype other than the reference's is a finding."""
+        vs = [rnd(v, d) for v in pre]
+        lo = hi = vs
+        if d in FLOATS:
+            if not all(np.all(np.isfinite(v)) for v in vs) or amax(vs) > LIMIT:
+                return None           # out of the range the generator keeps to
+            if bounds is not None:
+                lo, hi = bounds
+            elif e or ulps:
+                E = [e + ulps * U32 * np.abs(v) for v in pre]
+                lo = [rnd(v - w, d) for v, w in zip(pre, E)]
+                hi = [rnd(v + w, d) for v, w in zip(pre, E)]
+            e = max((float(np.max(np.maximum(h - v, v - l), initial=0.0))
+                     for v, l, h in zip(vs, lo, hi)), default=0.0)
+            if e > 0.25 * (amax(vs) + 1.0):
+                return None           # too ill-conditioned to test tightly
+        elif d != "bool" and amax(vs) > 2 ** 30:
+            return None
+        try:
+            t = build()
+        except ValueError as ex:
+            self.refused[f"{op}/{tag}: {str(ex)[:90]}"] += 1
+            return None
+        if tuple(t.shape) != vs[0].shape or str(t.dtype) != d:
+            raise Finding(f"build {op} ({tag}): got {t.dtype}{list(t.shape)}, reference "
+                          f"{d}{list(vs[0].shape)}")
+        self.n_ops += 1
+        v = Val(t, vs, d, float(e), lo=lo, hi=hi)
+        self.vals.append(v)
+        return v
+
+
+def operand(b, x):
+    """(graph operand, reference values, dtype, error, is-weak) of a Val or Scalar."""
+    if isinstance(x, Val):
+        return x.t, x.vs, x.d, x.e, False
+    v = np.asarray(x.py, dtype=HOST[x.d] if not x.weak else np.float32)
+    v = rnd(v, x.d)
+    return x.py, [v, v], x.d, 0.0, x.weak
+
+
+def result_dtype(da, wa, db, wb):
+    if wa and db in FLOATS:
+        return db
+    if wb and da in FLOATS:
+        return da
+    return promote(da, db)
+
+
+# ---- generators: each adds one op (or skips); the name is what --ops filters --------------------
+def gen_unary(b):
+    kind = str(b.rng.choice(list(UNARY)))
+    x = b.pick(lambda v: v.d != "bool" or b.rng.random() < 0.05)
+    if x is None:
+        return
+    if kind == "round" and not x.exact:
+        return                        # discontinuous
+    if kind in ("log", "sqrt", "rsqrt") and min(float(np.min(v, initial=1)) for v in x.vs) < 0.25:
+        x = positive(b, x)
+        if x is None:
+            return
+    if kind == "exp" and max(float(np.max(v, initial=0)) for v in x.vs) > 4:
+        return
+    if kind == "tan" and amax(x.vs) > 1.2:
+        return
+    d = x.d if (x.d in FLOATS or kind in INT_PRESERVING) else "f32"
+    xs = [v.astype(np.float64) for v in x.vs]
+    vs = [UNARY[kind](v) for v in xs]
+    if kind in EXACT_UNARY or kind == "round":
+        e, ulps = x.e, 0
+    else:     # the input's error through the slope; f32 math (the argument's rounding too)
+        slope = max(SLOPE[kind](v) if v.size else 0.0 for v in xs)
+        e, ulps = slope * x.e + 2 * U32 * slope * amax(xs), 8
+    how = b.rng.random()
+    build = ((lambda: b.g.activation(kind, x.t)) if how < 0.5 else
+             (lambda: -x.t) if kind == "neg" and how < 0.75 else
+             (lambda: getattr(b.g, kind)(x.t)))
+    return b.emit("activation", build, vs, d, e, f"{kind} {x.d}", ulps)
+
+
+def positive(b, x):
+    """abs(x) + 0.5: an operand for log / sqrt / pow bases / denominators."""
+    a = gen_unary_fixed(b, "abs", x)
+    if a is None:
+        return None
+    return binary(b, "add", a, b.scalar(0.5, a.d) if a.d in FLOATS else b.scalar(1, a.d))
+
+
+def gen_unary_fixed(b, kind, x):
+    d = x.d
+    vs = [UNARY[kind](v) for v in x.vs]
+    return b.emit("activation", lambda: b.g.activation(kind, x.t), vs, d, x.e, f"{kind} {d}", 0)
+
+
+def binary(b, kind, a, c, swap=False):
+    """a kind c (c a Val or Scalar); ``swap``: c kind a, written with the operator when c is a
+    scalar (radd, rsub, ...)."""
+    ta, va, da, ea, wa = operand(b, a)
+    tc, vc, dc, ec, wc = operand(b, c)
+    if swap:
+        ta, va, da, ea, wa, tc, vc, dc, ec, wc = tc, vc, dc, ec, wc, ta, va, da, ea, wa
+    d = result_dtype(da, wa, dc, wc)
+    if kind == "div" and d not in FLOATS:
+        d = "f32"
+    fa = [v.astype(np.float64) for v in va]
+    fc = [v.astype(np.float64) for v in vc]
+    if d in FLOATS:
+        vs = [BINARY[kind](x, y) for x, y in zip(fa, fc)]
+    else:        # integer math, wrapping like the kernels' (values are small)
+        vs = [BINARY[kind](x.astype(np.int64), y.astype(np.int64)) for x, y in zip(va, vc)]
+    ma, mc = amax(va), amax(vc)
+    if kind in ("add", "sub"):
+        e = ea + ec
+    elif kind == "mul":
+        e = ea * mc + ec * ma + ea * ec
+    elif kind == "div":
+        lo = min(float(np.min(np.abs(v), initial=1)) for v in fc)
+        e = ea / lo + ec * ma / lo ** 2
+    elif kind in ("max", "min"):
+        e = max(ea, ec)
+    else:   # pow, base >= 0.25
+        e = 0.0
+        for x, y, z in zip(fa, fc, vs):
+            if z.size:
+                e = max(e, float(np.max(np.abs(y * z / x))) * ea
+                        + float(np.max(np.abs(z * np.log(x)))) * ec)
+    ulps = 0 if kind in ("max", "min") else 4
+    if kind == "pow":   # powf: exp(b log a) in f32
+        e += 4 * U32 * amax(vs) * (1 + amax([np.abs(y * np.log(x)) for x, y in zip(fa, fc)]))
+        ulps = 8
+    tag = f"{kind} {da}{'(weak)' if wa else ''},{dc}{'(weak)' if wc else ''}"
+    u = b.rng.random()
+    if kind in OPERATOR and u < 0.5:
+        if not hasattr(ta, "graph"):     # scalar on the left: the reflected operator
+            build = lambda: getattr(tc, OPERATOR[kind].replace("__", "__r", 1))(ta)  # noqa: E731
+        else:
+            build = lambda: getattr(ta, OPERATOR[kind])(tc)  # noqa: E731
+    elif u < 0.75:
+        build = lambda: b.g.binary(kind, ta, tc)  # noqa: E731
+    else:
+        build = lambda: getattr(b.g, kind)(ta, tc)  # noqa: E731
+    return b.emit("binary", build, vs, d, e, tag, ulps)
+
+
+def gen_binary(b):
+    kind = str(b.rng.choice(list(BINARY)))
+    a = b.pick(lambda v: v.d != "bool" or b.rng.random() < 0.3)   # bool promotes to a number
+    if a is None:
+        return
+    c = b.partner(a)
+    if kind in ("div", "pow") and "bool" in (a.d, getattr(c, "d", None)):
+        return
+    swap = isinstance(c, Scalar) and b.rng.random() < 0.5
+    if kind == "div":   # denominator away from 0 (a, for scalar / a)
+        if isinstance(c, Scalar) and not swap:
+            c = b.scalar(1.5, a.d) if c.py == 0 else c
+        else:
+            den = a if swap else c
+            if min(float(np.min(np.abs(v), initial=1)) for v in den.vs) < 0.25:
+                den = positive(b, den)
+            a, c = (den, c) if swap else (a, den)
+    if kind == "pow":   # positive float base in [0.25, ..], a small exponent
+        if a.d not in FLOATS:
+            return
+        if swap:        # scalar ** a: a positive scalar base, a bounded exponent
+            c = b.scalar(float(b.rng.choice([0.5, 1.5, 2.0, 3.0])), a.d)
+            if amax(a.vs) > 4:
+                return
+        else:
+            if min(float(np.min(v, initial=1)) for v in a.vs) < 0.25 or amax(a.vs) > 4:
+                a = positive(b, a)
+            if isinstance(c, Scalar):
+                c = b.scalar(float(b.rng.choice([2.0, 3.0, 0.5, -1.0, 1.5, -0.5])), a.d)
+            elif amax(c.vs) > 2:
+                return
+    if a is None or c is None:
+        return
+    return binary(b, kind, a, c, swap=swap)
+
+
+def gen_compare(b):
+    kind = str(b.rng.choice(list(COMPARE)))
+    a = b.pick(lambda v: v.exact)
+    if a is None:
+        return
+    c = b.partner(a)
+    if isinstance(c, Val) and not c.exact:
+        return
+    ta, va, da, _, wa = operand(b, a)
+    tc, vc, dc, _, wc = operand(b, c)
+    vs = [COMPARE[kind](x.astype(np.float64), y.astype(np.float64)) for x, y in zip(va, vc)]
+    if b.rng.random() < 0.5:
+        build = lambda: getattr(ta, OPERATOR[kind])(tc)  # noqa: E731
+    else:
+        build = lambda: b.g.compare(kind, ta, tc)  # noqa: E731
+    return b.emit("compare", build, vs, "bool", 0.0, f"{kind} {da},{dc}", 0)
+
+
+def gen_where(b):
+    cond = b.pick(lambda v: v.d == "bool", d="bool")
+    if cond is None:
+        cond = gen_compare(b)
+        if cond is None:
+            return
+    a = b.partner(cond, dtypes=b.cfg.dtypes)
+    c = b.partner(cond if isinstance(a, Scalar) else a, dtypes=b.cfg.dtypes)
+    if isinstance(a, Scalar) and isinstance(c, Scalar):
+        return
+    like = a if isinstance(a, Val) else c
+    if isinstance(a, Scalar):
+        a = b.scalar(a.py, like.d)
+    if isinstance(c, Scalar):
+        c = b.scalar(c.py, like.d)
+    ta, va, da, ea, wa = operand(b, a)
+    tc, vc, dc, ec, wc = operand(b, c)
+    try:
+        np.broadcast_shapes(cond.shape, va[0].shape, vc[0].shape)
+    except ValueError:
+        return
+    d = result_dtype(da, wa, dc, wc)
+    f = (lambda v: v.astype(np.float64)) if d in FLOATS else (lambda v: v)  # noqa: E731
+    vs = [np.where(k, f(x), f(y)) for k, x, y in zip(cond.vs, va, vc)]
+    return b.emit("where", lambda: b.g.where(cond.t, ta, tc), vs, d, max(ea, ec), f"{da},{dc}", 0)
+
+
+def gen_cast(b):
+    to = str(b.rng.choice(list(b.cfg.dtypes) + ["i64", "bool"]))
+    x = b.pick()
+    if x is None:
+        return
+    if x.d in FLOATS and to not in FLOATS and not x.exact:
+        return                       # truncation is discontinuous
+    xs = [v.astype(np.float64) for v in x.vs]
+    if to == "bool":
+        vs = [v != 0 for v in xs]
+    elif to in FLOATS:
+        vs = xs
+    else:
+        vs = [np.trunc(v) for v in xs]    # toward zero, like numpy / torch
+    return b.emit("cast", lambda: b.g.cast(x.t, to), vs, to, x.e, f"{x.d}->{to}", 0)
+
+
+def axes_arg(b, rank):
+    """Random axes for a reduction: None, an int, or a tuple (negative axes mixed in)."""
+    r = b.rng
+    u = r.random()
+    if u < 0.15 or rank == 0:
+        return None if rank == 0 or r.random() < 0.7 else ()
+    if u < 0.55:
+        a = int(r.integers(rank))
+        return a - rank if r.random() < 0.4 else a
+    k = int(r.integers(1, rank + 1))
+    ax = [int(a) for a in r.choice(rank, size=k, replace=False)]
+    return tuple(a - rank if r.random() < 0.3 else a for a in ax)
+
+
+def norm_axes(axes, rank):
+    if axes is None:
+        return tuple(range(rank))
+    return tuple(sorted(a % rank for a in ((axes,) if isinstance(axes, int) else axes)))
+
+
+def gen_reduce(b):
+    kind = str(b.rng.choice(["sum", "mean", "max", "min", "prod"]))
+    x = b.pick(lambda v: v.d != "bool")
+    if x is None:
+        return
+    rank = len(x.shape)
+    axes = axes_arg(b, rank)
+    ax = norm_axes(axes, rank)
+    keep = bool(b.rng.random() < 0.4)
+    n = math.prod(x.shape[a] for a in ax)
+    if kind == "prod" and (not x.exact or n > 6) or kind in ("max", "min") and n == 0:
+        return                      # (max / min of nothing: the builder refuses it)
+    if kind in ("sum", "prod"):
+        d = x.d if x.d in FLOATS else "i64"
+    elif kind == "mean":
+        d = x.d if x.d in FLOATS else "f32"
+    else:
+        d = x.d
+    fn = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[kind]
+    src = [v.astype(np.float64) if d in FLOATS else v for v in x.vs]
+    vs = [np.asarray(fn(v, axis=ax, keepdims=keep)) for v in src]
+    ulps = 4
+    if d not in FLOATS:
+        e = 0.0
+    elif kind in ("max", "min"):
+        e, ulps = x.e, 0
+    elif kind == "prod":
+        e = 2 * n * U32 * amax(vs)
+    else:       # any summation order in f32
+        e = n * x.e + 2 * n * n * U32 * amax(src)
+        if kind == "mean":
+            e /= max(n, 1)
+    how = b.rng.random()
+    if how < 0.5:
+        build = lambda: b.g.reduce(kind, x.t, axes, keep)  # noqa: E731
+    else:
+        build = lambda: getattr(b.g, f"reduce_{kind}")(x.t, axes, keep_dim=keep)  # noqa: E731
+    return b.emit("reduce", build, vs, d, e, f"{kind} {x.d} axes={axes} keep={keep}", ulps)
+
+
+def gen_argreduce(b):
+    kind = str(b.rng.choice(["argmax", "argmin"]))
+    x = b.pick(lambda v: v.exact and v.d != "bool")
+    if x is None or not x.shape:
+        return
+    rank = len(x.shape)
+    axis = None if b.rng.random() < 0.25 else int(b.rng.integers(-rank, rank))
+    if (x.vs[0].size if axis is None else x.shape[axis]) == 0:
+        return                      # (argmax of nothing: the builder refuses it)
+    keep = bool(b.rng.random() < 0.4)
+    fn = np.argmax if kind == "argmax" else np.argmin
+    vs = [np.asarray(fn(v, axis=axis, keepdims=keep)) for v in x.vs]
+    if axis is None and keep:
+        vs = [v.reshape((1,) * rank) for v in vs]
+    return b.emit(kind, lambda: getattr(b.g, kind)(x.t, axis, keep), vs, "i64", 0.0,
+                  f"{x.d} axis={axis} keep={keep}", 0)
+
+
+def gen_cumsum(b):
+    x = b.pick(lambda v: v.d != "bool" and len(v.shape) >= 1)
+    if x is None:
+        return
+    rank = len(x.shape)
+    axis = int(b.rng.integers(-rank, rank))
+    excl = bool(b.rng.random() < 0.3)
+    d = x.d if x.d in FLOATS else "i64"
+    src = [v.astype(np.float64) if d in FLOATS else v for v in x.vs]
+    vs = []
+    for v in src:
+        c = np.cumsum(v, axis=axis)
+        vs.append(c - v if excl else c)
+    n = x.shape[axis]
+    e = 0.0 if d not in FLOATS else n * x.e + 2 * n * n * U32 * amax(src)
+    return b.emit("cumsum", lambda: b.g.cumsum(x.t, axis, exclusive=excl), vs, d, e,
+                  f"{x.d} axis={axis} exclusive={excl}")
+
+
+def gen_softmax(b):
+    log = bool(b.rng.random() < 0.5)
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 1, d=str(b.rng.choice(floats(b))))
+    if x is None:
+        return
+    rank = len(x.shape)
+    axis = int(b.rng.integers(-rank, rank))
+    if x.shape[axis] == 0:
+        return
+    vs = []
+    spread = 0.0
+    for v in x.vs:
+        z = v - np.max(v, axis=axis, keepdims=True)
+        spread = max(spread, float(np.max(np.abs(z), initial=0)))
+        lse = np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
+        vs.append(z - lse if log else np.exp(z - lse))
+    n = x.shape[axis]
+    e = 2 * x.e + 8 * U32 * (n + spread) * (amax(vs) if not log else 1.0)
+    op = "log_softmax" if log else "softmax"
+    return b.emit(op, lambda: getattr(b.g, op)(x.t, axis), vs, x.d, e, f"{x.d} axis={axis}", 8)
+
+
+def floats(b):
+    return [d for d in b.cfg.dtypes if d in FLOATS] or ["f32"]
+
+
+def gen_norm(b):
+    kind = str(b.rng.choice(["layer_norm", "rms_norm"]))
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 1, d=str(b.rng.choice(floats(b))))
+    if x is None:
+        return
+    rank = len(x.shape)
+    axis = int(b.rng.integers(-rank, rank))
+    n = x.shape[axis]
+    if n == 0:
+        return
+    pd = x.d if b.rng.random() < 0.5 else "f32"
+    gamma = b.leaf((n,), pd, kind=str(b.rng.choice(["input", "param"])))
+    beta = b.leaf((n,), pd) if b.rng.random() < 0.4 else None
+    res = None
+    if b.rng.random() < 0.3:
+        res = b.pick(lambda v: v.d == x.d and v.shape == x.shape and v is not x,
+                     shape=x.shape, d=x.d)
+    eps = float(b.rng.choice([1e-5, 1e-6, 1e-3]))
+    vs, worst = [], math.inf
+    for k in range(2):
+        h = rnd(x.vs[k] + (res.vs[k] if res is not None else 0.0), x.d)
+        mean = np.mean(h, axis=axis, keepdims=True)
+        if kind == "layer_norm":
+            var = np.mean((h - mean) ** 2, axis=axis, keepdims=True)
+            y = (h - mean) / np.sqrt(var + eps)
+        else:
+            var = np.mean(h * h, axis=axis, keepdims=True)
+            y = h / np.sqrt(var + eps)
+        shape = [1] * rank
+        shape[axis] = n
+        y = y * gamma.vs[k].reshape(shape) + (beta.vs[k].reshape(shape) if beta else 0.0)
+        vs.append(y)
+        worst = min(worst, float(np.min(var + eps, initial=np.inf)))
+    eh = x.e + (res.e + 2 * UNIT[x.d] * amax([x.vs[0] + res.vs[0], x.vs[1] + res.vs[1]])
+                if res is not None else 0.0)    # (h rounded to x's dtype)
+    sens = amax(gamma.vs) / math.sqrt(worst) if math.isfinite(worst) else 0.0
+    e = 3 * sens * (eh + 4 * n * U32 * (amax(x.vs) + (amax(res.vs) if res else 0)))
+    e += 8 * U32 * amax(vs) * n
+    fn = getattr(b.g, kind)
+    both = res is not None and b.rng.random() < 0.5     # also the x + residual it computed
+    pair = []
+
+    def build():
+        ys = fn(x.t, gamma.t, beta.t if beta else None, axis=axis, eps=eps,
+                residual=res.t if res else None, return_residual=both)
+        pair.extend(ys if both else [ys])
+        return pair[0]
+    y = b.emit(kind, build, vs, x.d, e, f"{x.d} gamma {pd} beta={beta is not None} "
+               f"residual={res is not None} return_residual={both} axis={axis}")
+    if y is not None and both:
+        hs = [x.vs[k] + res.vs[k] for k in range(2)]
+        b.emit(f"{kind}.residual_sum", lambda: pair[1], hs, x.d, x.e + res.e, x.d)
+    return y
+
+
+def gen_matmul(b):
+    a = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 2,
+               shape=b.shape(int(b.rng.integers(2, 5))),
+               d=str(b.rng.choice(floats(b))))
+    if a is None:
+        return
+    r = b.rng
+    k = a.shape[-1]
+    nn = int(r.integers(1, 8))
+    batch = b.partner_shape(a.shape[:-2]) if len(a.shape) > 2 else ()
+    if len(a.shape) == 2 and r.random() < 0.3:
+        batch = (int(r.integers(1, 4)),)
+    bshape = tuple(batch) + (k, nn)
+    if math.prod(bshape) > b.cfg.max_size:
+        return
+    bd = a.d if r.random() < 0.9 else str(r.choice(b.cfg.dtypes))
+    c = b.pick(lambda v: v.shape == bshape and v.d == bd, shape=bshape, d=bd)
+    if c is None:
+        return
+    try:
+        oshape = np.broadcast_shapes(a.shape[:-2], c.shape[:-2]) + (a.shape[-2], nn)
+    except ValueError:
+        return
+    if math.prod(oshape) > b.cfg.max_size:
+        return
+    vs = [np.matmul(x.astype(np.float64), y.astype(np.float64)) for x, y in zip(a.vs, c.vs)]
+    ma, mc = amax(a.vs), amax(c.vs)
+    e = k * (a.e * mc + c.e * ma) + 2 * k * U32 * ma * mc
+    build = (lambda: a.t @ c.t) if r.random() < 0.5 else (lambda: b.g.matmul(a.t, c.t))
+    return b.emit("matmul", build, vs, a.d, e, f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}")
+
+
+LINEAR_ACTS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
+
+
+def gen_linear(b):
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 1, d=str(b.rng.choice(floats(b))))
+    if x is None:
+        return
+    r = b.rng
+    k, nn = x.shape[-1], int(r.integers(1, 8))
+    w = b.leaf((k, nn), x.d, kind=str(r.choice(["param", "input"])))
+    bias = b.leaf((nn,), x.d) if r.random() < 0.6 else None
+    oshape = x.shape[:-1] + (nn,)
+    res = (b.pick(lambda v: v.shape == oshape and v.d == x.d, shape=oshape, d=x.d)
+           if r.random() < 0.3 else None)
+    act = LINEAR_ACTS[int(r.integers(len(LINEAR_ACTS)))]
+    vs, zs = [], []
+    for i in range(2):
+        z = np.matmul(x.vs[i][..., None, :], w.vs[i])[..., 0, :]
+        if bias is not None:
+            z = z + bias.vs[i]
+        zs.append(z)
+        y = UNARY[act](z) if act else z
+        vs.append(y + res.vs[i] if res is not None else y)
+    mz = amax(zs)
+    ez = k * x.e * amax(w.vs) + 2 * k * U32 * amax(x.vs) * amax(w.vs) + 4 * U32 * mz
+    e = 1.13 * ez + 8 * U32 * (amax(vs) + mz) + (res.e if res else 0.0)
+    oshape = vs[0].shape
+    if math.prod(oshape) > b.cfg.max_size:
+        return
+    build = lambda: b.g.linear(x.t, w.t, bias.t if bias else None, activation=act,  # noqa: E731
+                               residual=res.t if res else None)
+    return b.emit("linear", build, vs, x.d, e,
+                  f"{x.d} act={act} bias={bias is not None} residual={res is not None}")
+
+
+def gen_gated(b):
+    """activation(gate) * up over the last axis's halves (or its even / odd entries)."""
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 1 and v.shape[-1] % 2 == 0,
+               shape=b.shape(int(b.rng.integers(0, 3))) + (2 * int(b.rng.integers(1, 4)),),
+               d=str(b.rng.choice(floats(b))))
+    if x is None:
+        return
+    act = str(b.rng.choice(["silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh"]))
+    inter = bool(b.rng.random() < 0.4)
+    m = x.shape[-1] // 2
+    halves = [((v[..., 0::2], v[..., 1::2]) if inter else (v[..., :m], v[..., m:])) for v in x.vs]
+    vs = [UNARY[act](gate) * up for gate, up in halves]
+    slope = SLOPE[act](None)
+    mg = amax([h[0] for h in halves])
+    mu = amax([h[1] for h in halves])
+    ma = amax([UNARY[act](h[0]) for h in halves])
+    e = x.e * (slope * mu + ma) + 8 * U32 * (slope * mg * mu + ma * mu)
+    return b.emit("gated", lambda: b.g.gated(x.t, act, inter), vs, x.d, e,
+                  f"{x.d} {act} interleaved={inter}", 8)
+
+
+# ---- shape ops: values pass through unchanged (views: reshape, narrow) -----------------------
+def via(f, *xs):
+    """f of the inputs' values, and (lo, hi) the same f of their bounds (an op that only
+    moves values)."""
+    vs = [f(*(x.vs[k] for x in xs)) for k in (0, 1)]
+    return vs, ([f(*(x.lo[k] for x in xs)) for k in (0, 1)],
+                [f(*(x.hi[k] for x in xs)) for k in (0, 1)])
+
+
+def gen_reshape(b):
+    x = b.pick()
+    if x is None:
+        return
+    size = math.prod(x.shape)
+    r = b.rng
+    dims = [0] if size == 0 else []
+    rest = size
+    while rest > 1 and len(dims) < 4:    # a random factorization, ones sprinkled in
+        divs = [d for d in range(2, rest + 1) if rest % d == 0]
+        d = int(r.choice(divs))
+        dims.append(d)
+        rest //= d
+    if rest > 1:
+        dims[-1] *= rest
+    while len(dims) < 4 and r.random() < 0.3:
+        dims.insert(int(r.integers(len(dims) + 1)), 1)   # unsqueeze
+    r.shuffle(dims)
+    shape = tuple(dims)
+    arg = list(shape)
+    if arg and size and r.random() < 0.3:
+        arg[int(r.integers(len(arg)))] = -1
+    vs, bounds = via(lambda v: v.reshape(shape), x)
+    return b.emit("reshape", lambda: b.g.reshape(x.t, arg), vs, x.d, x.e, f"{x.d} -> {arg}", 0,
+                  bounds)
+
+
+def gen_transpose(b):
+    x = b.pick(lambda v: len(v.shape) >= 2)
+    if x is None:
+        return
+    rank = len(x.shape)
+    if b.rng.random() < 0.2:
+        perm = None
+        vs, bounds = via(np.transpose, x)
+    else:
+        p = [int(a) for a in b.rng.permutation(rank)]
+        vs, bounds = via(lambda v: np.transpose(v, p), x)
+        perm = [a - rank if b.rng.random() < 0.3 else a for a in p]
+    return b.emit("transpose", lambda: b.g.transpose(x.t, perm), vs, x.d, x.e, f"{x.d} perm={perm}",
+                  0, bounds)
+
+
+def gen_narrow(b):
+    x = b.pick(lambda v: len(v.shape) >= 1)
+    if x is None:
+        return
+    rank = len(x.shape)
+    axis = int(b.rng.integers(-rank, rank))
+    dim = x.shape[axis]
+    if dim == 0:
+        return
+    start = int(b.rng.integers(0, dim))
+    length = int(b.rng.integers(1, dim - start + 1))
+    sl = [slice(None)] * rank
+    sl[axis] = slice(start, start + length)
+    vs, bounds = via(lambda v: v[tuple(sl)], x)
+    return b.emit("narrow", lambda: b.g.narrow(x.t, axis, start, length), vs, x.d, x.e,
+                  f"{x.d} axis={axis} {start}:{start + length} of {dim}", 0, bounds)
+
+
+def gen_concat(b):
+    x = b.pick(lambda v: len(v.shape) >= 1)
+    if x is None:
+        return
+    rank = len(x.shape)
+    axis = int(b.rng.integers(-rank, rank))
+    parts = [x]
+    for _ in range(int(b.rng.integers(1, 3))):
+        s = list(x.shape)
+        s[axis] = int(b.rng.integers(1, 4))
+        if math.prod(s) + sum(math.prod(p.shape) for p in parts) > b.cfg.max_size:
+            break
+        parts.append(b.pick(lambda v, s=tuple(s): v.shape == s and v.d == x.d, shape=s, d=x.d))
+    if len(parts) < 2 and b.rng.random() < 0.7:
+        return
+    vs, bounds = via(lambda *ps: np.concatenate(ps, axis=axis), *parts)
+    return b.emit("concat", lambda: b.g.concat([p.t for p in parts], axis), vs, x.d, 0.0,
+                  f"{x.d} x{len(parts)} axis={axis}", 0, bounds)
+
+
+def gen_expand(b):
+    x = b.pick()
+    if x is None:
+        return
+    r = b.rng
+    shape = [int(r.integers(2, 5)) if d == 1 and r.random() < 0.7 else d for d in x.shape]
+    while len(shape) < 4 and r.random() < 0.3:
+        shape.insert(0, int(r.integers(1, 4)))
+    if math.prod(shape) > b.cfg.max_size:
+        return
+    lead = len(shape) - len(x.shape)       # -1 keeps one of x's dims
+    arg = [(-1 if (i >= lead and d == x.shape[i - lead] and r.random() < 0.3) else d)
+           for i, d in enumerate(shape)]
+    vs, bounds = via(lambda v: np.broadcast_to(v, shape).copy(), x)
+    return b.emit("expand", lambda: b.g.expand(x.t, arg), vs, x.d, x.e, f"{x.d} -> {arg}", 0,
+                  bounds)
+
+
+def gen_gather(b):
+    x = b.pick(lambda v: len(v.shape) >= 1)
+    if x is None:
+        return
+    r = b.rng
+    rank = len(x.shape)
+    axis = int(r.integers(-rank, rank))
+    dim = x.shape[axis]
+    if dim == 0:
+        return
+    ishape = b.shape(int(r.integers(0, 3)))
+    oshape = x.shape[:axis % rank] + ishape + x.shape[axis % rank + 1:]
+    if math.prod(oshape) > b.cfg.max_size:
+        return
+    b.k += 1
+    name = f"i{b.k}"          # indices fed to run(), negative ones wrap
+    idx = [r.integers(-dim, dim, size=ishape) for _ in range(2)]
+    it = b.g.input(name, ishape, str(r.choice(["i32", "i64"])))
+    for k in (0, 1):
+        b.feeds[k][name] = idx[k].astype(HOST[str(it.dtype)])
+    vs = [np.take(v, i % dim, axis=axis) for v, i in zip(x.vs, idx)]
+    bounds = ([np.take(v, i % dim, axis=axis) for v, i in zip(x.lo, idx)],
+              [np.take(v, i % dim, axis=axis) for v, i in zip(x.hi, idx)])
+    return b.emit("gather", lambda: b.g.gather(x.t, it, axis), vs, x.d, x.e,
+                  f"{x.d} axis={axis} indices {it.dtype}{list(ishape)}", 0, bounds)
+
+
+GENERATORS = {
+    "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
+    "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
+    "softmax": gen_softmax, "norm": gen_norm, "gated": gen_gated, "matmul": gen_matmul,
+    "linear": gen_linear,
+    "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
+    "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
+}
+WEIGHT = {"unary": 3, "binary": 4, "reshape": 2, "narrow": 2, "reduce": 2}
+
+
+def build(seed, gi, cfg: Config):
+    """Graph ``gi`` of ``seed``: the Builder with its graph, feeds and outputs chosen."""
+    rng = np.random.default_rng([seed, gi])
+    b = Builder(rng, cfg, f"fuzz_{seed}_{gi}")
+    names = [n for n in GENERATORS if cfg.ops is None or n in cfg.ops]
+    w = np.array([WEIGHT.get(n, 1) for n in names], np.float64)
+    target = int(rng.integers(1, cfg.max_nodes + 1))
+    b.leaf(kind="input")
+    tries = 0
+    while b.n_ops < target and tries < 30 * target:
+        tries += 1
+        GENERATORS[names[int(rng.choice(len(names), p=w / w.sum()))]](b)
+    nodes = [v for v in b.vals if not v.leaf]
+    if not nodes:
+        return b, []
+    # outputs: the last node and a random subset of the others (intermediates, views, and
+    # now and then a leaf or one node twice)
+    outs = [nodes[-1]] + [v for v in nodes[:-1] if rng.random() < 0.35]
+    if rng.random() < 0.1:
+        outs.append(b.vals[int(rng.integers(len(b.vals)))])
+    if rng.random() < 0.05:
+        outs.append(outs[0])
+    rng.shuffle(outs)
+    b.g.set_outputs([v.t for v in outs])
+    return b, outs
+
+
+# ---- running and comparing -------------------------------------------------------------------
+def to_host(x, d):
+    """A run() result as a host array of dtype d (view outputs: device arrays, bf16 as bits)."""
+    if hasattr(x, "copy_to_host"):
+        x = x.copy_to_host()
+        if d == "bf16":
+            if x.dtype != np.uint16:
+                raise Finding(f"view output: bf16 came back as {x.dtype}, want uint16 bits")
+            x = x.view(ml_dtypes.bfloat16)
+    return x
+
+
+def compare(got, v: Val, k):
+    """None, or what is wrong with ``got`` for the reference of input set ``k``."""
+    want = v.vs[k]
+    if got.dtype != np.dtype(HOST[v.d]):
+        return f"dtype {got.dtype}, want {np.dtype(HOST[v.d])}"
+    if got.shape != want.shape:
+        return f"shape {got.shape}, want {want.shape}"
+    if v.d not in FLOATS:
+        bad = got.astype(want.dtype) != want
+        if bad.any():
+            i = np.unravel_index(int(np.argmax(bad)), bad.shape) if bad.ndim else ()
+            return (f"{int(bad.sum())} of {bad.size} differ; at {i}: got {got[i]!r}, "
+                    f"want {want[i]!r}")
+        return None
+    g64 = got.astype(np.float64)
+    lo, hi = v.lo[k], v.hi[k]
+    same_special = (np.isnan(g64) & np.isnan(want)) | (g64 == want)
+    bad = ~((g64 >= lo) & (g64 <= hi)) & ~same_special
+    if bad.any():
+        err = np.abs(g64 - want)
+        i = np.unravel_index(int(np.argmax(np.where(bad, np.nan_to_num(err, nan=np.inf), -1))),
+                             bad.shape) if bad.ndim else ()
+        return (f"{int(bad.sum())} of {bad.size} outside their bounds; max error "
+                f"{float(np.max(np.where(bad, err, 0))):.3g}; at {i}: got {g64[i]!r}, want "
+                f"{want[i]!r}, allowed [{lo[i]!r}, {hi[i]!r}]")
+    return None
+
+
+@dataclass
+class Report:
+    graphs: int = 0
+    nodes: int = 0
+    runs: int = 0
+    findings: list = field(default_factory=list)
+    refused: Counter = field(default_factory=Counter)
+    ops: Counter = field(default_factory=Counter)
+
+
+def repro(seed, gi, cfg):
+    return (f"python -m tools.fuzz --seed {seed} --only {gi} --dtypes {','.join(cfg.dtypes)} "
+            f"--max-nodes {cfg.max_nodes} --max-size {cfg.max_size} --max-dim {cfg.max_dim} "
+            f"--modes {','.join(cfg.modes)}"
+            + (f" --zero-dims {cfg.zero_dims}" if cfg.zero_dims else "")
+            + (f" --compile-mode {cfg.compile_mode}" if cfg.compile_mode != "jit" else "")
+            + (f" --ops {','.join(cfg.ops)}" if cfg.ops else ""))
+
+
+def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
+    def finding(what, g=None):
+        msg = (f"FINDING seed={seed} graph={gi}: {what}\n  reproduce: {repro(seed, gi, cfg)}\n"
+               + (str(g) if g is not None else ""))
+        rep.findings.append(msg)
+        out(msg)
+    try:
+        b, outs = build(seed, gi, cfg)
+    except Finding as ex:
+        finding(str(ex))
+        return
+    except Exception:
+        finding("unexpected exception while building:\n" + traceback.format_exc())
+        return
+    rep.refused.update(b.refused)
+    if not outs:
+        return
+    rep.graphs += 1
+    rep.nodes += b.n_ops
+    for n in b.g.nodes:
+        rep.ops[n.op] += 1
+    for mode in cfg.modes:
+        try:
+            exe = rlx.compile(b.g, compile_mode=cfg.compile_mode, exec_mode=mode)
+        except Exception:
+            finding(f"mode={mode}: compile failed:\n{traceback.format_exc()}", b.g)
+            continue
+        # two runs with different inputs and params (set_param before each): numpy outputs,
+        # then the arena views; in the first mode a third, back on the first inputs, with
+        # fresh device copies (stale state)
+        runs = ((0, "numpy"), (1, "view")) + (((0, "device"),) if mode == cfg.modes[0] else ())
+        for k, kind in runs:
+            try:
+                for name, arrs in b.params.items():
+                    exe.set_param(name, arrs[k])
+                res = exe.run(b.feeds[k], outputs=kind)
+                res = [to_host(x, v.d) for x, v in zip(res, outs)]
+            except Exception:
+                finding(f"mode={mode} run={k} outputs={kind}: run failed:\n"
+                        f"{traceback.format_exc()}", b.g)
+                break
+            rep.runs += 1
+            for j, (got, v) in enumerate(zip(res, outs)):
+                what = compare(np.asarray(got), v, k)
+                if what:
+                    finding(f"mode={mode} run={k} outputs={kind} output #{j} (%{v.t.id} "
+                            f"{v.d}{list(v.shape)}, error bound {v.e:.3g}): {what}", b.g)
+
+
+def _print(msg):
+    print(msg, flush=True)
+
+
+def fuzz(n, seed, cfg: Config, only=None, out=_print) -> Report:
+    rep = Report()
+    for gi in ([only] if only is not None else range(n)):
+        fuzz_one(seed, gi, cfg, rep, out)
+    return rep
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m tools.fuzz", description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=50, help="graphs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", default="stream,graph,eager",
+                   help="exec modes, comma-separated: stream, graph, eager, multistream(n)")
+    p.add_argument("--dtypes", default="f32,f16,bf16,i32")
+    p.add_argument("--max-nodes", type=int, default=8)
+    p.add_argument("--compile-mode", default="jit", choices=("jit", "aot"))
+    p.add_argument("--max-size", type=int, default=120, help="elements per tensor at most")
+    p.add_argument("--max-dim", type=int, default=7, help="dims are 1..MAX_DIM")
+    p.add_argument("--zero-dims", type=float, default=0.0, help="chance of a 0 dim in a leaf")
+    p.add_argument("--ops", default=None, help=f"generators to use, of {','.join(GENERATORS)}")
+    p.add_argument("--only", type=int, default=None, help="run graph ONLY of the seed")
+    p.add_argument("--print-graphs", action="store_true")
+    a = p.parse_args(argv)
+    cfg = Config(dtypes=tuple(a.dtypes.split(",")), modes=tuple(a.modes.split(",")),
+                 max_nodes=a.max_nodes, max_size=a.max_size, max_dim=a.max_dim,
+                 zero_dims=a.zero_dims, compile_mode=a.compile_mode,
+                 ops=tuple(a.ops.split(",")) if a.ops else None)
+    for d in cfg.dtypes:
+        if d not in ("f32", "f16", "bf16", "i32"):
+            p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, i32")
+    for o in cfg.ops or ():
+        if o not in GENERATORS:
+            p.error(f"--ops: unknown generator {o!r}")
+    if a.print_graphs and a.only is not None:
+        b, _ = build(a.seed, a.only, cfg)
+        print(b.g)
+    t0 = time.time()
+    rep = fuzz(a.n, a.seed, cfg, only=a.only)
+    dt = time.time() - t0
+    print(f"fuzz: {rep.graphs} graphs, {rep.nodes} ops, {rep.runs} runs, modes "
+          f"{','.join(cfg.modes)}, {dt:.1f} s; {len(rep.findings)} finding(s)")
+    print("ops built: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.ops.items())))
+    if rep.refused:
+        print("refused at build time (ValueError, skipped):")
+        for k, v in rep.refused.most_common():
+            print(f"  {v:4d}  {k}")
+    return 1 if rep.findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
