@@ -14,6 +14,7 @@ from .opdef import LEAF, OPS, opdef
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_custom import CustomOps
 from .ops_dist import DistOps
 from .ops_control import ControlOps
 from .ops_delta import DeltaOps
@@ -119,7 +120,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
