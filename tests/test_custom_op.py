@@ -581,3 +581,39 @@ def test_custom_vjp_errors():
         y = rlx.custom_vjp(_round_fwd, bwd)(g, x)
         with pytest.raises(ValueError, match=re.escape(msg)):
             g.grad(g.reduce("sum", y, (0,)), x)
+
+
+# ---- printing, AOT, training ------------------------------------------------------------------------
+def test_graph_prints_the_custom_nodes():
+    op = rlx.custom_op("copy_print", copy_kernel, _shape, _launch)
+    f = rlx.custom_vjp(_round_fwd, _ste_bwd)
+    g = rlx.Graph("pr")
+    x = g.input("x", (4,))
+    f(g, g.custom(op, x))
+    text = str(g)
+    assert "%1   f32[4] = custom(%0, custom_op=CustomOp('copy_print', kernel copy_kernel))" in text
+    assert "%3   f32[4] = custom_vjp(%2, %1, rule=custom_vjp(_round_fwd))" in text
+
+
+def test_aot_compile_and_a_train_step_through_the_custom_op(rng):
+    op = _qgelu_op("quick_gelu_train", vjp=_qgelu_vjp_graph)
+    g = rlx.Graph("tr")
+    x, t, w = g.input("x", (6, 3)), g.input("t", (6, 4)), g.param("w", (3, 4))
+    err = g.custom(op, g.matmul(x, w)) - t
+    loss = g.reduce("mean", err * err, (0, 1))
+    g.set_outputs([loss])
+    xv = rng.standard_normal((6, 3)).astype(np.float32)
+    tv = rng.standard_normal((6, 4)).astype(np.float32)
+    wv = rng.standard_normal((3, 4)).astype(np.float32)
+    exe = rlx.compile(g, compile_mode="aot")
+    exe.set_param("w", wv)
+    x64, t64, w64 = (a.astype(np.float64) for a in (xv, tv, wv))
+    z = x64 @ w64
+    want_loss = ((_qgelu_np(z) - t64) ** 2).mean()
+    np.testing.assert_allclose(exe.run({"x": xv, "t": tv})[0], want_loss, rtol=1e-5)
+    tr = rlx.compile_train(g, loss, rlx.optim.SGD(lr=0.1))
+    tr.set_param("w", wv)
+    np.testing.assert_allclose(tr.step({"x": xv, "t": tv}), want_loss, rtol=1e-5)
+    s = 1.0 / (1.0 + np.exp(-1.702 * z))
+    dz = 2.0 * (_qgelu_np(z) - t64) / z.size * (s + 1.702 * z * s * (1.0 - s))
+    np.testing.assert_allclose(tr.get_param("w"), w64 - 0.1 * x64.T @ dz, rtol=1e-4, atol=1e-6)

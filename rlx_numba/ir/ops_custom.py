@@ -179,8 +179,25 @@ def infer_custom(*inputs, custom_op):
     return custom_op.infer(inputs)
 
 
-def infer_custom_vjp(out, *rest, n_args, bwd, tree):
-    """A view of ``out`` (input 0); the other inputs are the args and the residuals."""
+class VjpRule:
+    """What a "custom_vjp" node keeps: bwd_fn, the number of args, which of them are Tensors
+    (its inputs 1..), and the residuals' structure (their Tensors are its last inputs)."""
+
+    __slots__ = ("bwd", "n_args", "tensor_args", "tree", "label")
+
+    def __init__(self, bwd, n_args, tensor_args, tree, label):
+        self.bwd, self.n_args, self.tensor_args = bwd, n_args, tuple(tensor_args)
+        self.tree, self.label = tree, label
+
+    def __repr__(self) -> str:
+        return f"custom_vjp({self.label})"
+
+
+def infer_custom_vjp(out, *rest, rule):
+    """A view of ``out`` (input 0); the other inputs are the Tensor args and the residuals."""
+    if not isinstance(rule, VjpRule):
+        raise ValueError(f"custom_vjp: rule must be a VjpRule (rlx.custom_vjp), got "
+                         f"{_what(rule)}")
     return out.shape, out.dtype
 
 
@@ -295,8 +312,7 @@ def custom_vjp(fwd_fn, bwd_fn):
             g.check(f"custom_vjp {label}", f"residual {k}", t)
         tensor_args = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
         return g.bind("custom_vjp", [out] + [args[k] for k in tensor_args] + leaves,
-                      n_args=len(args), bwd=bwd_fn,
-                      tree=(tree, tuple(tensor_args), label))
+                      rule=VjpRule(bwd_fn, len(args), tensor_args, tree, label))
 
     f.__name__ = getattr(fwd_fn, "__name__", "custom_vjp")
     f.__qualname__ = f"custom_vjp({label})"
@@ -319,19 +335,18 @@ def _vjp_custom(g, n, dy):
 
 @vjp("custom_vjp")
 def _vjp_custom_vjp(g, n, dy):
-    tree, tensor_args, label = n.attrs["tree"]
-    n_t = len(tensor_args)
-    arg_ids = n.inputs[1:1 + n_t]
-    leaves = iter([g.tensor(i) for i in n.inputs[1 + n_t:]])
-    residuals = _unflatten(tree, leaves)
-    grads = n.attrs["bwd"](g, residuals, dy)
     from .graph import Tensor
-    if isinstance(grads, Tensor) and n.attrs["n_args"] == 1:
+    rule = n.attrs["rule"]
+    n_t = len(rule.tensor_args)
+    arg_ids = n.inputs[1:1 + n_t]
+    residuals = _unflatten(rule.tree, iter([g.tensor(i) for i in n.inputs[1 + n_t:]]))
+    grads = rule.bwd(g, residuals, dy)
+    if isinstance(grads, Tensor) and rule.n_args == 1:
         grads = [grads]
-    if not isinstance(grads, (list, tuple)) or len(grads) != n.attrs["n_args"]:
+    if not isinstance(grads, (list, tuple)) or len(grads) != rule.n_args:
         got = len(grads) if isinstance(grads, (list, tuple)) else _what(grads)
-        raise ValueError(f"custom_vjp {label}: bwd_fn must return one gradient or None per arg "
-                         f"({n.attrs['n_args']}), got {got}")
-    picked = _check_grads(g, f"custom_vjp {label}: bwd_fn", [grads[k] for k in tensor_args],
-                          [g.tensor(i) for i in arg_ids])
+        raise ValueError(f"custom_vjp {rule.label}: bwd_fn must return one gradient or None per "
+                         f"arg ({rule.n_args}), got {got}")
+    picked = _check_grads(g, f"custom_vjp {rule.label}: bwd_fn",
+                          [grads[k] for k in rule.tensor_args], [g.tensor(i) for i in arg_ids])
     return [None] + picked + [None] * (len(n.inputs) - 1 - n_t)
