@@ -617,3 +617,38 @@ def test_aot_compile_and_a_train_step_through_the_custom_op(rng):
     s = 1.0 / (1.0 + np.exp(-1.702 * z))
     dz = 2.0 * (_qgelu_np(z) - t64) / z.size * (s + 1.702 * z * s * (1.0 - s))
     np.testing.assert_allclose(tr.get_param("w"), w64 - 0.1 * x64.T @ dz, rtol=1e-4, atol=1e-6)
+
+
+def test_inside_a_scan_body_with_its_vjp(rng):
+    """The body's custom node is inlined into the outer graph once a step (ops_control)."""
+    flip = rlx.custom_op("flip_scan", reverse_bits_kernel, _shape, lambda s: _grid(s[0]),
+                         vjp=lambda g, ins, out, dy: [g.custom(flip, dy)])
+
+    def body(sub, h, x_t):
+        h2 = sub.custom(flip, h) * 0.5 + x_t
+        return [h2], [h2]
+
+    g = rlx.Graph("sc")
+    h0, xs = g.input("h0", (5,)), g.input("xs", (3, 5))
+    (h_last,), (ys,) = g.scan(body, [h0], [xs])
+    w = rng.standard_normal((3, 5)).astype(np.float32)
+    loss = g.reduce("sum", ys * g.constant(w), (0, 1))
+    dh0 = g.grad(loss, h0)
+    g.set_outputs([h_last, ys, dh0])
+    hv = rng.standard_normal(5).astype(np.float32)
+    xv = rng.standard_normal((3, 5)).astype(np.float32)
+    got = rlx.compile(g, exec_mode="graph").run({"h0": hv, "xs": xv})
+
+    def f(h0, xs):
+        h, out = h0, []
+        for t in range(3):
+            h = h[::-1] * 0.5 + xs[t]
+            out.append(h)
+        return h, np.stack(out)
+
+    h_want, ys_want = f(hv.astype(np.float64), xv.astype(np.float64))
+    np.testing.assert_allclose(got[0], h_want, rtol=1e-6)
+    np.testing.assert_allclose(got[1], ys_want, rtol=1e-6)
+    want = numeric_grad(lambda h0, xs: float((f(h0, xs)[1] * w).sum()),
+                        {"h0": hv.astype(np.float64), "xs": xv.astype(np.float64)}, "h0")
+    np.testing.assert_allclose(got[2], want, rtol=1e-4, atol=1e-5)
