@@ -172,6 +172,11 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             outs.append(self._add(rop, ins, shape, dtype))
         return tuple(outs)
 
+    def add_node(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:
+        """A node of op ``op`` whose result (shape, dtype) is given, not inferred: for code
+        that copies nodes already checked (control-flow bodies inlined into the outer graph)."""
+        return self._add(op, inputs, shape, dtype, name, **attrs)
+
     # ---- internals -----------------------------------------------------------------------
     def _add(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:
         node = Node(len(self.nodes), op, tuple(t.id for t in inputs), tuple(shape), dtype, attrs, name)
