@@ -416,8 +416,12 @@ def test_shape_fn_may_raise_its_own_value_error_and_take_an_int_shape():
                                    "1 to 3 of them, got (1, 1, 1, 1)"),
     (lambda s: (1, 32.0), "custom ln: launch's threads must be an int >= 1 or a tuple of 1 to 3 "
                           "of them, got 32.0"),
-    (lambda s: (1, (64, 32)), "custom ln: launch's threads (64, 32) make 2048 threads a block; "
-                              "CUDA allows at most 1024"),
+    (lambda s: (1, (64, 32)), "custom ln: launch's threads (64, 32) exceed CUDA's block limits "
+                              "(at most 1024 threads, x and y <= 1024, z <= 64)"),
+    (lambda s: (1, (1, 1, 128)), "custom ln: launch's threads (1, 1, 128) exceed CUDA's block "
+                                 "limits"),
+    (lambda s: ((1, 70000), 32), "custom ln: launch's blocks (1, 70000) exceed CUDA's grid limits "
+                                 "(x <= 2^31 - 1, y and z <= 65535)"),
     (lambda a, b: (1, 32), "custom ln: launch raised TypeError:"),
 ])
 def test_launch_errors_at_build_time(launch, msg):

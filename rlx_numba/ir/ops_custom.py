@@ -33,6 +33,8 @@ object). Nodes already built keep the CustomOp they were built with.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from . import dtypes as dt
@@ -111,7 +113,7 @@ class CustomOp:
         except ValueError as e:
             raise ValueError(f"{where}: shape_fn's dtype: {e}") from None
         shape = tuple(int(s) for s in shape)
-        if int(np.prod(shape)) > 0:
+        if math.prod(shape) > 0:
             self.geometry([t.shape for t in inputs])
         return shape, d
 
@@ -135,9 +137,13 @@ class CustomOp:
                 raise ValueError(f"{where}: launch's {arg} must be an int >= 1 or a tuple of "
                                  f"1 to 3 of them, got {v!r}")
             out.append(tuple(int(x) for x in dims))
-        if int(np.prod(out[1])) > 1024:
-            raise ValueError(f"{where}: launch's threads {out[1]} make {int(np.prod(out[1]))} "
-                             f"threads a block; CUDA allows at most 1024")
+        blocks, threads = out
+        if math.prod(threads) > 1024 or any(t > m for t, m in zip(threads, (1024, 1024, 64))):
+            raise ValueError(f"{where}: launch's threads {threads} exceed CUDA's block limits "
+                             f"(at most 1024 threads, x and y <= 1024, z <= 64)")
+        if any(b > m for b, m in zip(blocks, (2**31 - 1, 65535, 65535))):
+            raise ValueError(f"{where}: launch's blocks {blocks} exceed CUDA's grid limits "
+                             f"(x <= 2^31 - 1, y and z <= 65535)")
         return tuple(out)
 
 
