@@ -276,6 +276,27 @@ def test_vjp_given_as_another_custom_op(rng):
     assert len(got) == 2
 
 
+def test_vjp_is_a_custom_op_itself(rng):
+    grad_op = rlx.custom_op("quick_gelu_grad_direct", quick_gelu_grad_kernel,
+                            lambda dy, x: (x.shape, x.dtype), lambda ds, xs: _grid(math.prod(xs)))
+    op = _qgelu_op("quick_gelu_direct", vjp=grad_op)
+    g = rlx.Graph("gd2")
+    x = g.input("x", (3, 7))
+    loss = g.reduce("sum", g.custom(op, x) * g.constant(np.linspace(-2, 1, 7)), (0, 1))
+    check(g, loss, {"x": x}, {"x": rng.standard_normal((3, 7))},
+          lambda x: (_qgelu_np(x) * np.linspace(-2, 1, 7)).sum(), rtol=1e-3, atol=1e-4)
+    two = rlx.custom_op("add_row_direct", add_row_kernel, lambda x, b: (x.shape, "f32"),
+                        lambda xs, bs: ((-(-xs[0] // 4), -(-xs[1] // 8)), (4, 8)), vjp=grad_op)
+    h = rlx.Graph("two")
+    a, b = h.input("a", (2, 8)), h.input("b", (8,))
+    y = h.custom(two, a, b)
+    with pytest.raises(ValueError, match=re.escape(
+            f"grad: custom op 'add_row_direct' (%{y.id}) has 2 inputs; its vjp "
+            "CustomOp('quick_gelu_grad_direct', kernel quick_gelu_grad_kernel) gives the "
+            "gradient of a one-input op only; pass vjp=fn(g, inputs, out, dy) instead")):
+        h.grad(h.reduce("sum", y, (0, 1)), a)
+
+
 def test_no_vjp_raises_only_when_a_gradient_flows_through(rng):
     op = _qgelu_op("quick_gelu_novjp")
     g = rlx.Graph("nv")
@@ -350,8 +371,8 @@ def _launch(s):
                                                 "function (cuda.jit(device=True)), not a kernel"),
     (("k", copy_kernel, (3,), _launch), "custom_op 'k': shape_fn must be callable, got tuple"),
     (("k", copy_kernel, _shape, 128), "custom_op 'k': launch must be callable, got int"),
-    (("k", copy_kernel, _shape, _launch, "grad"), "custom_op 'k': vjp must be callable or None, "
-                                                  "got str"),
+    (("k", copy_kernel, _shape, _launch, "grad"), "custom_op 'k': vjp must be callable, a "
+                                                  "CustomOp or None, got str"),
 ])
 def test_custom_op_argument_errors(args, msg):
     with pytest.raises(ValueError, match=re.escape(msg)):

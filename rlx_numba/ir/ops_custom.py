@@ -16,7 +16,8 @@ i32 / i64 / u8 / i8 as themselves. A kernel must refer to ``numba.cuda`` as a mo
 that module, and a kernel that captured the real one would not run there.
 
 ``vjp(g, inputs, out, dy)`` builds the gradient with the Graph's builder methods (it may use
-other custom ops): one Tensor (of that input's shape) or None per input. Without a vjp,
+other custom ops): one Tensor (of that input's shape) or None per input. For a one-input op,
+``vjp`` may also be another CustomOp: the gradient is then ``g.custom(vjp, dy, x)``. Without a vjp,
 ``g.grad`` raises ValueError naming the op when a gradient has to flow through it (and only
 then).
 
@@ -151,7 +152,8 @@ def custom_op(name, kernel, shape_fn, launch, vjp=None, *, replace: bool = False
     """Register ``kernel`` (a ``@cuda.jit`` kernel, launched ``kernel[blocks, threads](out,
     *inputs)``) as op ``name``: ``shape_fn(*input_tensors) -> (out_shape, dtype)``,
     ``launch(*input_shapes) -> (blocks, threads)``, ``vjp(g, inputs, out, dy)`` -> one
-    Tensor or None per input (or None: not differentiable). The module docstring has the
+    Tensor or None per input (or None: not differentiable; or, for a one-input op, a
+    CustomOp whose kernel maps (dy, x) to dx). The module docstring has the
     rest (storage dtypes, the simulator, names registered twice)."""
     if not isinstance(name, str) or not name or name != name.strip() or any(
             c.isspace() for c in name):
@@ -165,8 +167,8 @@ def custom_op(name, kernel, shape_fn, launch, vjp=None, *, replace: bool = False
     for arg, f in (("shape_fn", shape_fn), ("launch", launch)):
         if not callable(f):
             raise ValueError(f"{where}: {arg} must be callable, got {_what(f)}")
-    if vjp is not None and not callable(vjp):
-        raise ValueError(f"{where}: vjp must be callable or None, got {_what(vjp)}")
+    if vjp is not None and not callable(vjp) and not isinstance(vjp, CustomOp):
+        raise ValueError(f"{where}: vjp must be callable, a CustomOp or None, got {_what(vjp)}")
     if not isinstance(replace, bool):
         raise ValueError(f"{where}: replace must be a bool, got {replace!r}")
     old = CUSTOM_OPS.get(name)
@@ -335,7 +337,14 @@ def _vjp_custom(g, n, dy):
         raise ValueError(f"grad: custom op {op.name!r} (%{n.id} {fmt(n.shape)}) has no vjp; pass "
                          f"vjp=fn(g, inputs, out, dy) to rlx.custom_op to differentiate through it")
     inputs = [g.tensor(i) for i in n.inputs]
-    grads = op.vjp(g, inputs, g.tensor(n.id), dy)
+    if isinstance(op.vjp, CustomOp):    # its kernel maps (dy, x) to dx of a one-input op
+        if len(inputs) != 1:
+            raise ValueError(f"grad: custom op {op.name!r} (%{n.id}) has {len(inputs)} inputs; "
+                             f"its vjp {op.vjp!r} gives the gradient of a one-input op only; "
+                             f"pass vjp=fn(g, inputs, out, dy) instead")
+        grads = [g.custom(op.vjp, dy, inputs[0])]
+    else:
+        grads = op.vjp(g, inputs, g.tensor(n.id), dy)
     return _check_grads(g, f"custom {op.name}: vjp", grads, inputs)
 
 
