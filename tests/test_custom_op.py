@@ -107,7 +107,7 @@ def _qgelu_op(name, vjp=None):
 
 
 # ---- in a compiled graph, every exec mode ---------------------------------------------------------
-@pytest.mark.parametrize("mode", ["stream", "graph", "eager"])
+@pytest.mark.parametrize("mode", ["stream", "graph", "eager", "multistream(2)"])
 def test_fused_activation_between_other_ops_matches_numpy(mode, rng):
     op = _qgelu_op("quick_gelu_modes")
     g = rlx.Graph("cg")
@@ -152,6 +152,21 @@ def test_step_is_a_capturable_kernel_launch_in_the_arena_and_profiled(rng):
     assert "custom.quick_gelu_step" in str(prof)
     np.testing.assert_allclose(exe.run({"x": xv})[0], _qgelu_np(3.0 * xv) - 1.0, rtol=1e-5,
                                atol=1e-6)
+
+
+def test_trace_names_the_step(rng, tmp_path, monkeypatch):
+    op = _qgelu_op("quick_gelu_trace")
+    g = rlx.Graph("tc")
+    x = g.input("x", (2, 5))
+    y = g.custom(op, x)
+    g.set_outputs([y])
+    exe = rlx.compile(g)
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("RLX_NUMBA_TRACE", str(path))
+    xv = rng.standard_normal((2, 5)).astype(np.float32)
+    np.testing.assert_allclose(exe.run({"x": xv})[0], _qgelu_np(xv), rtol=1e-5, atol=1e-6)
+    text = path.read_text()
+    assert f"%{y.id} custom.quick_gelu_trace" in text and "custom quick_gelu_trace" in text
 
 
 def test_two_inputs_broadcast_by_the_kernel_2d_grid(rng):
