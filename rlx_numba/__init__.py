@@ -3,6 +3,7 @@ RLX-style graph IR. Runs under the numba CUDA simulator when there is no GPU."""
 from .device import is_available, patch_simulator, simulator_enabled  # first: decides the simulator
 from .ir.dtypes import DType, dtype
 from .ir.graph import Graph, Node, Tensor
+from .ir.ops_custom import CustomOp, custom_op, custom_vjp
 from .modes import CompileMode, ExecMode
 from .runtime.executable import CudaExecutable
 from .compiler import compile, eager
@@ -17,4 +18,4 @@ __version__ = "0.1.0"
 
 __all__ = ["is_available", "simulator_enabled", "DType", "dtype", "Graph", "Node", "Tensor",
            "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "ParamStore", "optim",
-           "compile_train", "Trainer", "__version__"]
+           "compile_train", "Trainer", "CustomOp", "custom_op", "custom_vjp", "__version__"]

@@ -14,6 +14,7 @@ from .opdef import LEAF, OPS, opdef
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_custom import CustomOps
 from .ops_dist import DistOps
 from .ops_control import ControlOps
 from .ops_delta import DeltaOps
@@ -119,7 +120,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
@@ -170,6 +171,11 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             ins = (main,) if alias is None else (inputs[alias], main)
             outs.append(self._add(rop, ins, shape, dtype))
         return tuple(outs)
+
+    def add_node(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:
+        """A node of op ``op`` whose result (shape, dtype) is given, not inferred: for code
+        that copies nodes already checked (control-flow bodies inlined into the outer graph)."""
+        return self._add(op, inputs, shape, dtype, name, **attrs)
 
     # ---- internals -----------------------------------------------------------------------
     def _add(self, op, inputs, shape, dtype, name=None, /, **attrs) -> Tensor:

@@ -86,8 +86,8 @@ class Body:
                     self._consts[n.id] = c
                 done[n.id] = self._consts[n.id]
                 continue
-            done[n.id] = outer._add(n.op, [done[i] for i in n.inputs], n.shape, n.dtype, None,
-                                    **n.attrs)
+            done[n.id] = outer.add_node(n.op, [done[i] for i in n.inputs], n.shape, n.dtype,
+                                        None, **n.attrs)
         return [done[t.id] for t in self.outs]
 
 
