@@ -37,23 +37,32 @@ def test_one_executable_from_two_threads_serialises():
 
 
 @pytest.mark.parametrize("mode", ["stream", "eager", "graph"])
-def test_keyboard_interrupt_leaves_the_executable_usable(mode):
-    """A KeyboardInterrupt raised by a step (Ctrl-C while steps are enqueued) propagates, and
-    the next run gives the right results."""
+def test_keyboard_interrupt_leaves_the_executable_usable(mode, monkeypatch):
+    """A KeyboardInterrupt raised by a step's launch (Ctrl-C while steps are enqueued)
+    propagates, and the next runs give the right results. On a GPU, GRAPH mode launches
+    copies of the steps (runtime/cudagraph.py ``_launcher``) in its first, uncaptured run and
+    then captures: the interrupt hits that first run, and the next run captures anew."""
+    from rlx_numba.runtime import cudagraph
+    fired = []
+
+    def interrupting(launch):
+        def go():
+            if not fired:
+                fired.append(1)
+                raise KeyboardInterrupt
+            return launch()
+        return go
+    real_launcher = cudagraph._launcher
+    monkeypatch.setattr(cudagraph, "_launcher", lambda s, st: interrupting(real_launcher(s, st)))
     exe = _exe(mode)
     xv = np.arange(15, dtype=np.float32).reshape(5, 3)
     want = (xv.astype(np.float64) * 2 + 1).sum(1)
     step = exe.steps[-1]
-    real = step.launch if step.launch is not None else None
-    fired = []
-
-    def interrupt():
-        fired.append(1)
-        raise KeyboardInterrupt
-    step.launch = interrupt
+    if exe._runner is None:            # STREAM, EAGER (and every mode in the simulator)
+        step.compile()
+        step.launch = interrupting(step.launch)
     with pytest.raises(KeyboardInterrupt):
         exe.run({"x": xv})
     assert fired
-    step.launch = real                 # (None: compiled again at the next call)
     np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-6)
     np.testing.assert_allclose(exe.run({"x": xv + 1})[0], want + 6, rtol=1e-6)
