@@ -1,0 +1,408 @@
+"""One command for every GPU benchmark: run them, gather their JSON, write a report.
+
+  python -m bench.report                  run the single-GPU benches, then build the report
+  python -m bench.report --distributed    ... bench_distributed.py too (rlx-numba launch, 2 GPUs)
+  python -m bench.report --no-run         build from bench/results/*.json as they are
+  python -m bench.report --only models,attention    run (and report) these families
+  python -m bench.report --compare OLD.json         what moved since OLD (a report.json),
+                                                    regressions first
+
+Each bench_<family>.py writes bench/results/<family>.json in a shape of its own; ``gather``
+turns every row of them into one record: the family, a label (the row's identifying fields),
+ours and the peer in the row's unit (torch, eager, cuBLAS, sentence-transformers: whichever
+the bench measured beside us), the ratio (> 1: we are faster), the bar and pass/fail.
+``build`` writes bench/report/README.md (one table per family, with the GPU, driver, versions,
+date and commit), report.json (those records, for --compare) and PNG charts (matplotlib):
+the ratio of every row grouped by family, decode and training tok/s by precision, attention
+TFLOP/s by sequence length -- each only when the results hold its rows.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS, REPORT = HERE / "results", HERE / "report"
+# (family, script): the order the report shows them; the distributed bench runs only when asked
+BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
+           ("vision", "bench_vision.py"), ("attention", "bench_attention.py"),
+           ("matmul", "bench_matmul.py"), ("quant", "bench_quant.py"),
+           ("gemv", "bench_gemv.py"), ("elementwise", "bench_elementwise.py"),
+           ("rows", "bench_rows.py"), ("reduce", "bench_reduce.py"),
+           ("signal", "bench_signal.py"), ("runtime", "bench_runtime.py"),
+           ("control", "bench_control.py"), ("custom_op", "bench_custom_op.py"),
+           ("distributed", "bench_distributed.py")]
+# a row's identifying fields, in the order its label joins them
+ID_KEYS = ("row", "case", "name", "model", "op", "kind", "phase", "tier", "scheme", "shape",
+           "dtype", "precision", "batch", "seq", "m", "n", "k", "rule", "blocks", "threads",
+           "steps")
+COUNTS = ("batch", "seq", "m", "n", "k", "blocks", "threads", "steps")   # labelled name=value
+PEERS = ("torch", "eager", "cublas", "st", "hf", "compile")    # preferred peer, in this order
+LOWER_IS_BETTER = ("ms", "us", "s", "bytes")                    # the other units are rates
+
+
+# ---- gathering --------------------------------------------------------------------------------
+def _rows_of(doc: dict) -> list[dict]:
+    """The row dicts of one bench's JSON, whatever it calls them."""
+    rows = [r for key in ("results", "rows") for r in doc.get(key) or [] if isinstance(r, dict)]
+    for b in doc.get("bars") or []:          # bench_runtime: named values against bars
+        rows.append({"name": b.get("name"), "value": b.get("value"), "bar": b.get("bar"),
+                     "pass": b.get("passed")})
+    if "ratio" in doc and not any("ratio" in r for r in rows):   # one verdict for the file
+        rows.append({"name": doc.get("name", "summary"), "ratio": doc["ratio"],
+                     "bar": doc.get("bar"), "pass": doc.get("pass")})
+    return rows
+
+
+def _label(row: dict) -> str:
+    parts = [f"{k}={row[k]}" if k in COUNTS else str(row[k])
+             for k in ID_KEYS if row.get(k) not in (None, "")]
+    return " ".join(parts) or "?"
+
+
+def _pair(row: dict):
+    """(unit, ours, peer name, peer) from an ``rlx_<unit>`` field and the same unit's peer
+    field (``torch_<unit>``, ``eager_<unit>``, ...); Nones where the row has no such pair."""
+    for key in row:
+        if not key.startswith("rlx_") or not _num(row[key]):
+            continue
+        unit = key[4:]
+        peers = [k[: -len(unit) - 1] for k in row
+                 if k.endswith("_" + unit) and k != key and _num(row[k])]
+        if peers:
+            name = min(peers, key=lambda p: PEERS.index(p) if p in PEERS else len(PEERS))
+            return unit, float(row[key]), name, float(row[f"{name}_{unit}"])
+        return unit, float(row[key]), None, None
+    if _num(row.get("value")):
+        return "value", float(row["value"]), None, None
+    return None, None, None, None
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
+    """(records, {family: the GPU its JSON names}) from results/<family>.json."""
+    records, gpus = [], {}
+    known = [f for f, _ in BENCHES]
+    paths = sorted(results.glob("*.json"),
+                   key=lambda p: known.index(p.stem) if p.stem in known else len(known))
+    for path in paths:
+        fam = path.stem
+        if fam == "meta" or (families and fam not in families):
+            continue
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"report: skipping {path.name}: {e}", file=sys.stderr)
+            continue
+        if not isinstance(doc, dict):
+            continue
+        gpus[fam] = doc.get("gpu")
+        for row in _rows_of(doc):
+            unit, ours, peer_name, peer = _pair(row)
+            # x peer: how much better than the peer, from the pair (> 1: better, whatever the
+            # unit); the bench's own ratio is kept as it is (some are ours / peer in time)
+            better = None
+            if ours and peer:
+                better = peer / ours if unit in LOWER_IS_BETTER else ours / peer
+            ratio, ok = row.get("ratio"), row.get("pass")
+            records.append(dict(
+                family=fam, label=_label(row), unit=unit, ours=ours, peer_name=peer_name,
+                peer=peer, better=better, ratio=float(ratio) if _num(ratio) else None,
+                bar=None if row.get("bar") is None else str(row["bar"]),
+                passed=None if ok is None else bool(ok), error=row.get("error"),
+                seq=_seq(row), precision=_precision(row), rate=_rate(row),
+                tflops=[float(row["rlx_tflops"]), float(row["torch_tflops"])
+                        if _num(row.get("torch_tflops")) else None]
+                if _num(row.get("rlx_tflops")) else None))
+    return records, gpus
+
+
+def _seq(row: dict):
+    """The sequence length of an attention row (its sk / s field, or S<n> in its shape)."""
+    for k in ("sk", "seq", "s"):
+        if _num(row.get(k)):
+            return int(row[k])
+    m = re.search(r"\bS(?:k=?)?(\d+)", str(row.get("shape", "")))
+    return int(m.group(1)) if m else None
+
+
+def _precision(row: dict):
+    for k in ("dtype", "precision", "weights"):
+        if row.get(k):
+            return str(row[k])
+    return None
+
+
+def _rate(row: dict):
+    """(what, ours, peer) tokens a second of a decode or training row, else None."""
+    for ours, peer in (("rlx_per_s", "eager_per_s"), ("rlx_tok_s", "torch_tok_s"),
+                       ("rlx_tok_s", "eager_tok_s")):
+        if _num(row.get(ours)):
+            return [row.get("phase") or "train", float(row[ours]),
+                    float(row[peer]) if _num(row.get(peer)) else None]
+    return None
+
+
+# ---- the report -------------------------------------------------------------------------------
+def meta_now(results: Path = RESULTS) -> dict:
+    """What the report is of: results/meta.json as the run wrote it (GPU, driver, versions,
+    date, commit), else what this machine and checkout say now."""
+    path = results / "meta.json"
+    if path.exists():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass
+    return collect_meta()
+
+
+def collect_meta() -> dict:
+    def out(*cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, timeout=30,
+                                  cwd=HERE).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    smi = out("nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader")
+    name, driver = ([s.strip() for s in smi.splitlines()[0].split(",", 1)] if smi and "," in smi
+                    else (None, None))
+    versions = {}
+    for dist in ("rlx-numba", "numba-cuda", "numpy", "torch", "transformers"):
+        try:
+            from importlib.metadata import version
+            versions[dist] = version(dist)
+        except Exception:  # noqa: BLE001 - not installed: not reported
+            pass
+    return dict(gpu=name, driver=driver, versions=versions,
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                commit=out("git", "rev-parse", "--short", "HEAD"),
+                dirty=bool(out("git", "status", "--porcelain", "--untracked-files=no")))
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str]) -> str:
+    n_bar = [r for r in records if r["passed"] is not None]
+    ok = sum(r["passed"] for r in n_bar)
+    gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
+    vers = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
+    lines = ["# rlx_numba benchmarks", "",
+             f"{gpu}, driver {meta.get('driver') or '?'}; {vers or 'versions unknown'}.  ",
+             f"Made {meta.get('date', '?')} from commit {meta.get('commit') or '?'}"
+             f"{' (with local changes)' if meta.get('dirty') else ''} by "
+             f"`python -m bench.report`; every figure is the bench's own output "
+             f"(`bench/results/*.json`), each bench timing us and the peer in one process.", "",
+             f"**{ok} of {len(n_bar)} rows with a bar pass.** \"x peer\": how many times "
+             f"better than the peer (faster, or less memory); \"ratio\": the bench's own, which "
+             f"its bar is about.", ""]
+    for c in charts:
+        lines += [f"![{c}]({c})", ""]
+    for fam in dict.fromkeys(r["family"] for r in records):
+        rows = [r for r in records if r["family"] == fam]
+        if gpus.get(fam) and gpus[fam] != gpu:
+            lines.append(f"## {fam} (run on {gpus[fam]})")
+        else:
+            lines.append(f"## {fam}")
+        lines += ["", "| row | unit | ours | peer | x peer | ratio | bar | pass |",
+                  "|---|---|---:|---:|---:|---:|---|---|"]
+        for r in rows:
+            peer = f"{_fmt(r['peer'])} ({r['peer_name']})" if r["peer_name"] else "-"
+            verdict = ("ERROR: " + str(r["error"])[:60] if r["error"] else
+                       "-" if r["passed"] is None else "PASS" if r["passed"] else "**FAIL**")
+            better = "-" if r["better"] is None else f"{r['better']:.2f}x"
+            lines.append(f"| {r['label']} | {r['unit'] or '-'} | {_fmt(r['ours'])} | {peer} | "
+                         f"{better} | {_fmt(r['ratio'])} | {r['bar'] or '-'} | {verdict} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def charts(records: list[dict], out: Path, gpu: str) -> list[str]:
+    """The PNGs the records have rows for; their file names."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    made = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append(name)
+
+    rated = [r for r in records if r["better"] is not None]
+    if rated:
+        fams = list(dict.fromkeys(r["family"] for r in rated))
+        fig, ax = plt.subplots(figsize=(10, 1.5 + 0.22 * len(rated)))
+        ys, labels, y = [], [], 0
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for fi, fam in enumerate(fams):
+            rows = [r for r in rated if r["family"] == fam]
+            for r in rows:
+                ax.barh(y, r["better"], color=colors[fi % len(colors)],
+                        hatch="//" if r["passed"] is False else None, edgecolor="black",
+                        linewidth=0.3)
+                ax.text(r["better"] * 1.03, y, f"{r['better']:.2f}x", va="center", fontsize=7)
+                ys.append(y)
+                labels.append(f"{fam}: {r['label']}"[:70])
+                y -= 1
+            y -= 0.6
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks(ys, labels, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel("times better than the peer (log scale; > 1: rlx_numba faster or "
+                      "smaller; hatched: the row misses its bar)")
+        ax.set_title(f"rlx_numba against the peer each bench names, {gpu}")
+        save(fig, "ratios.png")
+    for phase, name, title in (("decode", "decode.png", "Decode"),
+                               ("train", "train.png", "Training")):
+        rows = [r for r in records if r["rate"] and r["rate"][0] == phase]
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 1.5 + 0.35 * len(rows)))
+        ys = range(len(rows))
+        ax.barh([y + 0.2 for y in ys], [r["rate"][1] for r in rows], height=0.4,
+                label="rlx_numba")
+        ax.barh([y - 0.2 for y in ys], [r["rate"][2] or 0 for r in rows], height=0.4,
+                label="torch (as the bench names it)")
+        ax.set_yticks(list(ys), [f"{r['label']} [{r['precision'] or '?'}]"[:60] for r in rows],
+                      fontsize=7)
+        ax.set_xlabel("tokens / s (higher is better)")
+        ax.set_title(f"{title} tokens a second by precision, {gpu}")
+        ax.legend(fontsize=8)
+        save(fig, name)
+    att = [r for r in records if r["family"] == "attention" and r["seq"] and r["tflops"]]
+    if att:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        groups = {}
+        for r in att:
+            key = re.sub(r"\bS(?:k=?)?\d+\s*", "", r["label"]).strip()
+            groups.setdefault(key, []).append(r)
+        for key, rows in groups.items():
+            rows.sort(key=lambda r: r["seq"])
+            ax.plot([r["seq"] for r in rows], [r["tflops"][0] for r in rows], marker="o",
+                    label=f"rlx {key}"[:50])
+            if any(r["tflops"][1] for r in rows):
+                ax.plot([r["seq"] for r in rows], [r["tflops"][1] or math.nan for r in rows],
+                        marker="x", linestyle="--", label=f"torch {key}"[:50])
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("TFLOP/s (higher is better)")
+        ax.set_title(f"Attention throughput by sequence length, {gpu}")
+        ax.legend(fontsize=7)
+        save(fig, "attention.png")
+    return made
+
+
+def build(results: Path = RESULTS, out: Path = REPORT, families=None) -> Path:
+    """Write out/README.md, out/report.json and the charts; the README's path."""
+    records, gpus = gather(results, families)
+    if not records:
+        raise SystemExit(f"report: no bench results in {results} (run the benches first)")
+    meta = meta_now(results)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
+    made = charts(records, out, gpu)
+    (out / "report.json").write_text(json.dumps(dict(meta=meta, gpus=gpus, rows=records),
+                                                indent=1) + "\n")
+    readme = out / "README.md"
+    readme.write_text(markdown(records, gpus, meta, made) + "\n")
+    return readme
+
+
+# ---- comparing two reports ----------------------------------------------------------------------
+def compare(old: dict, new: dict, threshold: float = 0.05) -> list[str]:
+    """Lines saying what moved from report ``old`` to ``new`` (their report.json documents):
+    rows that stopped passing, then "x peer" figures that fell by more than ``threshold``,
+    then those that rose, then rows only one of them has."""
+    key = lambda r: (r["family"], r["label"], r["unit"])  # noqa: E731
+    a, b = {key(r): r for r in old["rows"]}, {key(r): r for r in new["rows"]}
+    flips, worse, better = [], [], []
+    for k in a.keys() & b.keys():
+        ra, rb = a[k]["better"], b[k]["better"]
+        what = f"{k[0]}: {k[1]}"
+        if a[k]["passed"] and b[k]["passed"] is False:
+            flips.append(f"FAIL now  {what}: {_fmt(ra)}x -> {_fmt(rb)}x (bar {b[k]['bar']})")
+        elif ra and rb and rb < ra * (1 - threshold):
+            worse.append((rb / ra, f"slower    {what}: {ra:.2f}x -> {rb:.2f}x ({rb / ra - 1:+.0%})"))
+        elif ra and rb and rb > ra * (1 + threshold):
+            better.append((rb / ra, f"faster    {what}: {ra:.2f}x -> {rb:.2f}x ({rb / ra - 1:+.0%})"))
+        elif a[k]["passed"] is False and b[k]["passed"]:
+            better.append((math.inf, f"passes now {what}: {_fmt(ra)}x -> {_fmt(rb)}x"))
+    lines = sorted(flips) + [s for _, s in sorted(worse)] + \
+        [s for _, s in sorted(better, key=lambda t: -t[0])]
+    lines += [f"new       {k[0]}: {k[1]}" for k in sorted(b.keys() - a.keys())]
+    lines += [f"gone      {k[0]}: {k[1]}" for k in sorted(a.keys() - b.keys())]
+    return lines
+
+
+# ---- running the benches ----------------------------------------------------------------------
+def run_benches(families, distributed: bool, results: Path = RESULTS) -> dict:
+    """Run each bench in its own process (a crash or a CUDA fault stays in it); {family: exit
+    status}. results/meta.json records what ran where."""
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "meta.json").write_text(json.dumps(collect_meta(), indent=1) + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    status = {}
+    for fam, script in BENCHES:
+        if families and fam not in families:
+            continue
+        if fam == "distributed" and not distributed:
+            continue
+        cmd = ([sys.executable, "-m", "rlx_numba.cli", "launch", "--gpus", "2"]
+               if fam == "distributed" else [sys.executable]) + [str(HERE / script)]
+        print(f"\n==== {fam}: {' '.join(cmd[1:])}", flush=True)
+        status[fam] = subprocess.run(cmd, env=env, cwd=HERE.parent).returncode
+        if status[fam]:
+            print(f"==== {fam} exited with status {status[fam]}", flush=True)
+    return status
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-run", dest="run", action="store_false",
+                   help="build from the JSON already in bench/results")
+    p.add_argument("--only", default=None, help="comma-separated families (default: all)")
+    p.add_argument("--distributed", action="store_true", help="also the 2-GPU bench")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=REPORT)
+    p.add_argument("--compare", type=Path, default=None, metavar="OLD.json",
+                   help="print what moved since OLD (a report.json) and exit")
+    args = p.parse_args(argv)
+    families = set(args.only.split(",")) if args.only else None
+    if families and families - {f for f, _ in BENCHES}:
+        p.error(f"--only: unknown families {sorted(families - {f for f, _ in BENCHES})}; "
+                f"known: {', '.join(f for f, _ in BENCHES)}")
+    if args.compare is not None:
+        new_path = args.out / "report.json"
+        lines = compare(json.loads(args.compare.read_text()), json.loads(new_path.read_text()))
+        print("\n".join(lines) if lines else "nothing moved by more than 5%")
+        return 0
+    failed = {}
+    if args.run:
+        failed = {f: s for f, s in run_benches(families, args.distributed, args.results).items() if s}
+    readme = build(args.results, args.out, families)
+    print(f"\nwrote {readme} and its charts"
+          + (f"; benches that failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

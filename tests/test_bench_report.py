@@ -1,0 +1,103 @@
+"""bench/report.py builds its report from the JSON the benches write (no GPU): rows in the
+shapes bench_models / bench_attention / bench_train / bench_control / bench_runtime /
+bench_custom_op / bench_matmul give them, the Markdown tables, the charts and --compare."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: bench/ is no
+from bench import report  # noqa: E402                           # installed package
+
+pytest.importorskip("matplotlib")
+GPU = "NVIDIA H100 80GB HBM3"
+
+
+def write_results(d: Path, decode_b1=890.0):
+    docs = {
+        "models": {"gpu": GPU, "rows": [
+            dict(model="llama-1b", dtype="bf16", phase="decode", batch=1, rlx_per_s=decode_b1,
+                 eager_per_s=85.0, ratio=decode_b1 / 85, bar=">= 971/s", **{"pass": decode_b1 >= 971}),
+            dict(model="llama-1b", dtype="bf16", phase="decode", batch=8, rlx_per_s=5181.0,
+                 eager_per_s=666.0, ratio=7.78, bar=">= 4x eager", **{"pass": True})]},
+        "attention": {"gpu": GPU, "copy_gbps": 3000.0, "results": [
+            dict(shape=f"B8 H32 S{s} D128 causal", rlx_ms=1.0, torch_ms=0.5 * s / 1024,
+                 rlx_tflops=100.0 * s / 1024, torch_tflops=200.0, ratio=0.5, bar=0.8,
+                 **{"pass": False}) for s in (1024, 4096)]},
+        "train": {"gpu": GPU, "rows": [
+            dict(case="llama train step", precision="bf16", batch=8, seq=256, rlx_tok_s=52000.0,
+                 eager_tok_s=39000.0, compile_tok_s=40000.0, ratio=1.33, bar=1.3, **{"pass": True}),
+            dict(case="llama train step memory", batch=8, seq=256, rlx_bytes=100, torch_bytes=200,
+                 ratio=0.5, bar="<= 1.0x torch", **{"pass": True})]},
+        "control": {"gpu": GPU, "rows": [
+            dict(op="scan_rnn", steps=1024, batch=64, hidden=512, rlx_ms=24.34, torch_ms=57.52,
+                 ratio=2.36, bar=">= 2x", **{"pass": True})]},
+        "runtime": {"gpu": GPU, "rows": [], "bars": [
+            dict(name="warm process start vs cold (AOT)", value=3.1, bar=">= 2x", passed=True)]},
+        "custom_op": {"gpu": GPU, "rows": [{"name": "custom op step", "ms": 0.11, "gbps": 1219.4}],
+                      "ratio": 0.994, "bar": 1.1, "pass": True},
+        "matmul": {"gpu": GPU, "results": [dict(tier=5, shape="4096x4096x4096",
+                                                error="CUDA_ERROR_ILLEGAL_ADDRESS",
+                                                **{"pass": False})]},
+    }
+    d.mkdir(parents=True, exist_ok=True)
+    for fam, doc in docs.items():
+        (d / f"{fam}.json").write_text(json.dumps(doc))
+    (d / "meta.json").write_text(json.dumps(dict(gpu=GPU, driver="580.159.04",
+                                                 versions={"torch": "2.11.0"},
+                                                 date="2026-11-28 00:00 UTC", commit="abc1234",
+                                                 dirty=False)))
+
+
+def test_report_tables_charts_and_records(tmp_path):
+    res, out = tmp_path / "results", tmp_path / "report"
+    write_results(res)
+    assert report.main(["--no-run", "--results", str(res), "--out", str(out)]) == 0
+    md = (out / "README.md").read_text()
+    assert "NVIDIA H100 80GB HBM3, driver 580.159.04; torch 2.11.0" in md
+    assert "commit abc1234" in md
+    for fam in ("models", "attention", "train", "control", "runtime", "custom_op", "matmul"):
+        assert f"## {fam}" in md
+    assert md.index("## models") < md.index("## train") < md.index("## attention")
+    # a row: its label, ours, the peer named, x peer computed from the pair, the bench's bar
+    assert ("| llama-1b decode bf16 batch=1 | per_s | 890 | 85 (eager) | 10.47x | 10.5 | "
+            ">= 971/s | **FAIL** |") in md
+    assert "| scan_rnn batch=64 steps=1024 | ms | 24.3 | 57.5 (torch) | 2.36x |" in md
+    # memory: less is better, so x peer is torch's bytes over ours
+    assert "| llama train step memory batch=8 seq=256 | bytes | 100 | 200 (torch) | 2.00x |" in md
+    assert "| warm process start vs cold (AOT) | value | 3.1 | - | - | - | >= 2x | PASS |" in md
+    assert "ERROR: CUDA_ERROR_ILLEGAL_ADDRESS" in md
+    assert "**6 of 10 rows with a bar pass.**" in md
+    for png in ("ratios.png", "decode.png", "train.png", "attention.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+        assert f"![{png}]({png})" in md
+    rows = json.loads((out / "report.json").read_text())["rows"]
+    att = [r for r in rows if r["family"] == "attention"]
+    assert [r["seq"] for r in att] == [1024, 4096] and att[1]["better"] == pytest.approx(2.0)
+
+
+def test_compare_lists_regressions_first(tmp_path, capsys):
+    old_res, new_res = tmp_path / "old", tmp_path / "new"
+    write_results(old_res, decode_b1=1000.0)
+    report.build(old_res, tmp_path / "old_report")
+    write_results(new_res, decode_b1=890.0)
+    doc = json.loads((new_res / "control.json").read_text())
+    doc["rows"][0]["torch_ms"] = 80.0                 # the peer slower: we moved ahead
+    (new_res / "control.json").write_text(json.dumps(doc))
+    (new_res / "vision.json").write_text(json.dumps({"gpu": GPU, "results": [
+        dict(model="resnet50", dtype="bf16", rlx_per_s=7000.0, torch_per_s=7100.0)]}))
+    report.build(new_res, tmp_path / "report")
+    assert report.main(["--out", str(tmp_path / "report"), "--compare",
+                        str(tmp_path / "old_report" / "report.json")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("FAIL now  models: llama-1b decode bf16 batch=1")
+    assert lines[1].startswith("faster    control: scan_rnn")
+    assert lines[-1] == "new       vision: resnet50 bf16"
+
+
+def test_errors(tmp_path):
+    with pytest.raises(SystemExit):
+        report.main(["--no-run", "--only", "nonsense"])
+    with pytest.raises(SystemExit, match="no bench results"):
+        report.build(tmp_path / "empty", tmp_path / "out")
