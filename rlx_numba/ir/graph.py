@@ -25,6 +25,7 @@ from .ops_loss import LossOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
 from . import ops_optim  # noqa: F401  (declares optim_update: compile_train's update node)
+from .ops_qat import QatOps
 from .ops_quant import QuantOps
 from .ops_random import RandomOps
 from .ops_reduce import ReduceOps
@@ -120,7 +121,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
