@@ -171,3 +171,63 @@ def test_errors_name_the_op_and_argument(call, match):
     x, s, z = g.input("x", (4, 5)), g.input("s", ()), g.input("z", (), "i32")
     with pytest.raises(ValueError, match=match):
         call(g, x, s, z)
+
+
+# ---- QAT of a model's weights toward GGUF blocks (models/blocks.py fake_quant_weight) ---------
+@pytest.mark.parametrize("scheme", ["q8_0", "q4_0"])
+def test_fake_quant_weight_gives_the_gguf_blocks_values(rng, scheme):
+    """Against llama.cpp's quantizer (the gguf package) then dequantised: the same integers
+    (a flip would be a whole step, ~1e-2 here), values within the file's f16 scale rounding;
+    an all-zero block stays 0; the gradient is straight-through."""
+    pytest.importorskip("gguf")
+    from rlx_numba.models.blocks import fake_quant_weight
+    from rlx_numba.models.llama import _dequantized
+    from rlx_numba.models.weights import quantize
+    w = (rng.standard_normal((5, 96)) * 0.3).astype(np.float32)
+    w[2, 32:64] = 0.0
+    w[3, :32] *= -1.0 if scheme == "q4_0" else 1.0
+    dy = rng.standard_normal(w.shape).astype(np.float32)
+
+    def build(g):
+        wt = g.input("w", w.shape)
+        q = fake_quant_weight(g, wt, scheme)
+        return [q] + list(g.grad(g.reduce_sum(q * g.constant(dy)), [wt]))
+    got, dw = _run(build, {"w": w})
+    want = _dequantized(quantize(w, scheme), scheme, w.shape)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(w).max())
+    np.testing.assert_array_equal(got[2, 32:64], 0.0)
+    if scheme == "q8_0":                       # max|x| maps to 127: every value inside
+        np.testing.assert_array_equal(dw, dy)
+    else:    # q4_0's range is [-8, 7]: a value of the other sign than the block's largest may
+        assert np.all((dw == dy) | (dw == 0)) and (dw == dy).mean() > 0.95   # pass 7 and clamp
+
+
+def test_llama_qat_trains_and_tracks_the_packed_model():
+    """A tiny Llama trained a step with qat="q8_0", then: the QAT forward graph's logits are
+    the packed q8_0 model's (model.quantized) to within the file's scale rounding; and the
+    errors for a bad scheme or packed weights."""
+    pytest.importorskip("gguf")
+    from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+    from rlx_numba.models.llama import build_llama, graph_params
+    cfg = LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                      rope_theta=500.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    m = LlamaForCausalLM.from_config(cfg, seed=3, std=0.3)
+    before = m.params["model.layers.0.mlp.down_proj.weight"].copy()
+    tr = m.trainer(2, 6, rlx.optim.AdamW(lr=1e-2), qat="q8_0")
+    ids = np.random.default_rng(0).integers(0, 53, (2, 6))
+    assert np.isfinite(tr.step(ids))       # (a step costs the simulator ~13 s)
+    tr.update_model()
+    assert not np.array_equal(m.params["model.layers.0.mlp.down_proj.weight"], before)
+    g = build_llama(cfg, 2, 6, kind="forward", qat="q8_0")
+    exe = rlx.compile(g)
+    for k, v in graph_params(cfg, m.params).items():
+        exe.set_param(k, v)
+    fq = exe.run({"input_ids": ids.astype(np.int32)})[0]
+    packed = m.quantized("q8_0")(ids)
+    # (the f32 model is 3e-2 away at this std; the f16 scales of the file account for ~5e-4)
+    assert np.abs(fq - packed).max() < 3e-3 * np.abs(packed).max()
+    with pytest.raises(ValueError, match="qat must be one of q8_0, q4_0 or None, got 'q3'"):
+        build_llama(cfg, 1, 4, qat="q3")
+    with pytest.raises(ValueError, match="not with packed"):
+        build_llama(cfg, 1, 4, qat="q8_0", quant={"lm_head.weight": ("q8_0", (53, 34))})

@@ -130,7 +130,8 @@ class QatOps:
                       axis=None):
         """torch.fake_quantize_per_tensor_affine (axis None) / _per_channel_affine (module
         docstring): x quantised to [quant_min, quant_max] with scale (f32) and zero point
-        (i32) and dequantised again, in x's dtype; straight-through gradient."""
+        (i32; None: 0, symmetric) and dequantised again, in x's dtype; straight-through
+        gradient."""
         x, scale, zero_point, axis, shape = _check(self, "fake_quantize", x, scale, zero_point,
                                                    quant_min, quant_max, axis)
         return _fake_quantize(self, x, scale, zero_point, quant_min, quant_max, shape)

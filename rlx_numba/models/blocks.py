@@ -19,27 +19,68 @@ import numpy as np
 from ..ir.graph import Graph, Tensor
 
 
+# GGUF block formats a QAT graph fake-quantises its weights to (weights.quantize's): block
+# size along K, the block's scale from its values, and the integer range
+QAT_SCHEMES = {
+    "q8_0": (32, "absmax", -127, 127),      # d = max|x| / 127
+    "q4_0": (32, "signed", -8, 7),          # d = x at max|x| / -8 (that value maps to -8)
+}
+
+
+def fake_quant_weight(g: Graph, w: Tensor, scheme: str) -> Tensor:
+    """``w`` [N, K] fake-quantised as GGUF ``scheme`` stores it (QAT_SCHEMES): blocks of 32
+    along K, each with the scale llama.cpp's quantizer divides by (f32: the same integers
+    but at ties, which it rounds away from zero and this half to even; the file keeps the
+    scale in f16, so its values differ by that rounding, 2^-11 relative); straight-through
+    gradient to w, none through the scale (Graph.fake_quantize)."""
+    block, rule, qmin, qmax = QAT_SCHEMES[scheme]
+    n, k = w.shape
+    blocks = g.reshape(w, (n * k // block, block))
+    amax = g.reduce("max", g.activation("abs", blocks), (1,))
+    if rule == "absmax":
+        d = amax * (1.0 / qmax)
+    else:    # the value of largest magnitude, sign kept: max if max >= -min, else min
+        hi, lo = g.reduce("max", blocks, (1,)), g.reduce("min", blocks, (1,))
+        d = g.where(g.compare("ge", hi, g.activation("neg", lo)), hi, lo) * (1.0 / qmin)
+    d = g.where(g.compare("eq", amax, 0.0), 1.0, d)   # an all-zero block: any scale gives 0
+    q = g.fake_quantize(blocks, d, None, quant_min=qmin, quant_max=qmax, axis=0)
+    return g.reshape(q, (n, k))
+
+
 class Weights:
     """A graph's params by name and how its products read them. ``quant``: param name ->
     (scheme, packed shape) of the weights kept packed (GGUF blocks: u8 params their products
     dequantise as they go). ``tensor_parallel=(rank, world)``: the graph is one rank's of a
     world-way tensor-parallel model (Megatron's layout): a row-parallel projection's
-    products are partial sums an all_reduce adds up before its bias."""
+    products are partial sums an all_reduce adds up before its bias. ``qat``: a GGUF scheme
+    of QAT_SCHEMES: the products' weights and the token table (f32 params) are read
+    fake-quantised to it (fake_quant_weight), those whose K is a multiple of its block."""
 
     def __init__(self, g: Graph, params: dict, quant: dict | None = None,
-                 tensor_parallel: tuple | None = None):
-        self.g, self.params, self.quant = g, params, quant or {}
+                 tensor_parallel: tuple | None = None, qat: str | None = None):
+        if qat is not None and qat not in QAT_SCHEMES:
+            raise ValueError(f"Weights: qat must be one of {', '.join(QAT_SCHEMES)} or None, "
+                             f"got {qat!r}")
+        self.g, self.params, self.quant, self.qat = g, params, quant or {}, qat
         self.rank, self.world = tensor_parallel or (0, 1)
 
     @classmethod
     def declare(cls, g: Graph, shapes: dict, quant: dict | None = None,
-                tensor_parallel: tuple | None = None) -> "Weights":
+                tensor_parallel: tuple | None = None, qat: str | None = None) -> "Weights":
         """The params ``shapes`` (name -> shape) declared on ``g`` in that order: f32, or u8
         of the packed shape for those in ``quant``."""
         quant = quant or {}
         params = {k: g.param(k, quant[k][1], "u8") if k in quant else g.param(k, shape)
                   for k, shape in shapes.items()}
-        return cls(g, params, quant, tensor_parallel)
+        return cls(g, params, quant, tensor_parallel, qat)
+
+    def matrix(self, name: str) -> Tensor:
+        """Param ``name`` as a product or a lookup reads it: fake-quantised under ``qat``."""
+        t = self.params[name]
+        if self.qat and name not in self.quant and len(t.shape) == 2 \
+                and t.shape[1] % QAT_SCHEMES[self.qat][0] == 0:
+            return fake_quant_weight(self.g, t, self.qat)
+        return t
 
     def __getitem__(self, name: str) -> Tensor:
         return self.params[name]
@@ -71,9 +112,9 @@ class Weights:
         if packed:
             y = g.dequant_matmul(x, self.params[wname], scheme=self.quant[wname][0])
         elif reduce:
-            y = self.all_reduce(g.linear(x, g.transpose(self.params[wname], (1, 0))))
+            y = self.all_reduce(g.linear(x, g.transpose(self.matrix(wname), (1, 0))))
         else:
-            return g.linear(x, g.transpose(self.params[wname], (1, 0)), bias,
+            return g.linear(x, g.transpose(self.matrix(wname), (1, 0)), bias,
                             activation=activation)
         return y if bias is None else y + bias
 
@@ -93,7 +134,7 @@ def embedding(w: Weights, name: str, ids: Tensor) -> Tensor:
         return w.all_reduce(rows * g.reshape(g.cast(mine, "f32"), tuple(ids.shape) + (1,)))
     if name + ".weight" in w.quant:
         return g.dequantize(table, scheme=w.quant[name + ".weight"][0], rows=ids)
-    return g.gather(table, ids)
+    return g.gather(w.matrix(name + ".weight"), ids)
 
 
 def norm(w: Weights, name: str, x: Tensor, *, eps: float, kind: str = "rms",

@@ -364,7 +364,7 @@ def cache_names(cfg: LlamaConfig) -> list[str]:
 def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward",
                 cache_len: int | None = None, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, fused: bool = True, quant: dict | None = None,
-                tensor_parallel: tuple | None = None) -> Graph:
+                tensor_parallel: tuple | None = None, qat: str | None = None) -> Graph:
     """A Llama graph over ``input_ids`` [batch, seq] (i32 input), params named as in
     ``graph_param_shapes(cfg, fused)`` (set them from Hugging Face-named weights with
     ``graph_params``). ``quant``: graph param name -> (scheme, packed shape) of the weights
@@ -403,17 +403,25 @@ def build_llama(cfg: LlamaConfig, batch: int, seq: int, *, kind: str = "forward"
     ``tensor_parallel=(rank, world)``: the graph of one rank of a world-way tensor-parallel model
     (shard_config / shard_params: its params are that rank's slices, under the same names);
     the collectives run on the current communicator (rlx_numba.distributed). Every rank
-    outputs the full logits, ids and its own KV-cache heads."""
+    outputs the full logits, ids and its own KV-cache heads.
+
+    ``qat``: quantisation-aware training toward GGUF "q8_0" or "q4_0" (blocks.QAT_SCHEMES):
+    the projections, head and token table are read fake-quantised to that format
+    (straight-through gradients), so a model trained so loses little when
+    ``LlamaForCausalLM.quantized(qat)`` packs it. Not with ``quant`` or tensor parallelism."""
     _check_build(cfg, batch, seq, kind, cache_len)
     b, s, vocab = int(batch), int(seq), cfg.vocab_size
     world = (tensor_parallel or (0, 1))[1]
+    if qat is not None and (quant or world > 1):
+        raise ValueError("build_llama: qat= trains f32 weights of a whole model; not with "
+                         "packed (quant=) weights or tensor parallelism")
     if world > 1:
         if quant:
             raise ValueError("build_llama: packed (GGUF) weights are not tensor-parallel")
         cfg = shard_config(cfg, world)
     cached = kind in ("prefill", "decode")
     g = Graph(f"llama_{kind}_{b}x{s}" + (f"_cache{cache_len}" if cached else ""))
-    w = Weights.declare(g, graph_param_shapes(cfg, fused), quant, tensor_parallel)
+    w = Weights.declare(g, graph_param_shapes(cfg, fused), quant, tensor_parallel, qat)
     ids = g.input("input_ids", (b, s), "i32")
     at = decoder_positions(g, cfg, kind, b, s, cache_len)
     stream, branch = embedding(w, "model.embed_tokens", ids), None   # [b, s, hidden]
@@ -572,16 +580,18 @@ class LlamaForCausalLM:
     # ---- training ---------------------------------------------------------------------------------
     def trainer(self, batch: int, seq: int, optimizer, *, clip_grad_norm=None,
                 exec_mode="graph", deterministic=False,
-                data_parallel=False, precision="f32") -> "LlamaTrainer":
+                data_parallel=False, precision="f32", qat=None) -> "LlamaTrainer":
         """Next-token training of this model's weights on [batch, seq] token windows (the
         ``build_llama`` kind "train" graph through ``rlx.compile_train``): forward, backward
         and ``optimizer``'s update as one executable. See LlamaTrainer. ``data_parallel``:
         this process is one replica of data-parallel training (``rlx.compile_train``'s), its
         ``batch`` rows its share of the global batch. ``precision``: "f32", or "bf16" / "f16"
-        mixed precision (``rlx.compile_train``'s: f32 master weights, half compute)."""
+        mixed precision (``rlx.compile_train``'s: f32 master weights, half compute). ``qat``:
+        quantisation-aware training toward GGUF "q8_0" / "q4_0" (build_llama's); then
+        ``update_model()`` and ``quantized(qat)`` give the packed model."""
         return LlamaTrainer(self, batch, seq, optimizer, clip_grad_norm=clip_grad_norm,
                             exec_mode=exec_mode, deterministic=deterministic,
-                            data_parallel=data_parallel, precision=precision)
+                            data_parallel=data_parallel, precision=precision, qat=qat)
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -1136,13 +1146,13 @@ class LlamaTrainer:
 
     def __init__(self, model: LlamaForCausalLM, batch: int, seq: int, optimizer, *,
                  clip_grad_norm=None, exec_mode="graph", deterministic=False,
-                 data_parallel=False, precision="f32"):
+                 data_parallel=False, precision="f32", qat=None):
         from ..train import compile_train
         if model.shard[1] > 1:
             raise ValueError("LlamaForCausalLM.trainer: a tensor-parallel model does not train "
                              "here; train data-parallel (data_parallel=True) on full replicas")
         self.model, self.batch, self.seq = model, int(batch), int(seq)
-        g = build_llama(model.config, batch, seq, kind="train")
+        g = build_llama(model.config, batch, seq, kind="train", qat=qat)
         self.trainer = compile_train(g, g.tensor(g.outputs[0]), optimizer,
                                      exec_mode=exec_mode, clip_grad_norm=clip_grad_norm,
                                      deterministic=deterministic, data_parallel=data_parallel,
