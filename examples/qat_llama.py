@@ -54,6 +54,7 @@ def train(model, steps, rng, qat=None, lr=1e-2):
 
 
 def main(argv=None):
+    global B, S
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60, help="f32 training steps first")
     p.add_argument("--more", type=int, default=30, help="steps each copy trains on")
@@ -61,7 +62,6 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=B)
     p.add_argument("--seq", type=int, default=S)
     a = p.parse_args(argv)
-    global B, S
     B, S = a.batch, a.seq
     cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=S,
