@@ -28,7 +28,8 @@ B, S = 8, 16        # (--batch, --seq)
 
 def batch(rng, n=None):
     """Rows following x[t] = (3 x[t-1] + 5 x[t-2]) mod V from two random tokens."""
-    x = np.zeros((n or B, S), np.int64)
+    n = n or B
+    x = np.zeros((n, S), np.int64)
     x[:, :2] = rng.integers(0, V, (n, 2))
     for t in range(2, S):
         x[:, t] = (3 * x[:, t - 1] + 5 * x[:, t - 2]) % V

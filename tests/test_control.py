@@ -154,3 +154,29 @@ def test_errors(build, match):
     x, w = g.input("x", (2, 2)), g.input("w", (3, 2))
     with pytest.raises(ValueError, match=match):
         build(g, x, w)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+def test_scan_in_half_precision(rng, dtype):
+    """The RNN scan with half inputs: each step's carry is a half tensor, so the oracle rounds
+    h to the half type after every step and computes the step in float64 from it; the kernels'
+    f32 math and the roundings of the step's half nodes stay within a few u of that."""
+    from halfref import assert_half_close, rounded
+    g = rlx.Graph()
+    ts = {k: g.input(k, s, dtype) for k, s in (("xs", (T, B, I)), ("h0", (B, H)),
+                                              ("W", (H, H)), ("U", (I, H)), ("b", (H,)))}
+    (h, *_), (ys,) = g.scan(cell, [ts["h0"], ts["W"], ts["U"], ts["b"]], [ts["xs"]])
+    g.set_outputs([h, ys])
+    f = {k: rounded(v, dtype) for k, v in feed(rng).items()}
+    got_h, got_ys = rlx.compile(g).run(f)
+    x64 = {k: v.astype(np.float64) for k, v in f.items()}
+    hh, want, pre = x64["h0"], [], 0.0
+    for t in range(T):
+        z = hh @ x64["W"] + x64["xs"][t] @ x64["U"] + x64["b"]
+        pre = max(pre, np.abs(hh @ x64["W"]).max(), np.abs(z).max())
+        hh = rounded(np.tanh(z), dtype).astype(np.float64)
+        want.append(hh)
+    # the products and their sum are half nodes too: their roundings are u of the
+    # pre-activation's size, which tanh passes on with a slope <= 1
+    assert_half_close(got_ys, np.stack(want), dtype, k=4.0, scale=pre)
+    assert_half_close(got_h, want[-1], dtype, k=4.0, scale=pre)

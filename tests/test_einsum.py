@@ -64,16 +64,17 @@ def test_einsum_gradients(rng, spec, shapes):
     check(g, y, ts, xs, lambda **kw: np.einsum(spec, *kw.values()), seed=seed)
 
 
-def test_einsum_bf16_accumulates_in_f32(rng):
-    """A 512-term dot product of bf16 values near 1: summed in bf16 (8 bits), the partial sums
-    past 256 would lose every added 1.0; in f32 the result is one rounding off."""
-    k = 512
-    a = rounded(1 + 0.01 * rng.standard_normal((3, k)), "bf16")
-    b = rounded(1 + 0.01 * rng.standard_normal((k, 2)), "bf16")
-    _, got = _run("ik,kj->ij", [a, b], "bf16")
-    want = a.astype(np.float64) @ b.astype(np.float64)
-    assert_half_close(got, want, "bf16", k=2.0)
-    assert np.all(np.abs(got.astype(np.float64) - want) < 4 * UNIT["bf16"] * np.abs(want))
+@pytest.mark.parametrize("dtype, k", [("bf16", 512), ("f16", 4096)])
+def test_einsum_half_accumulates_in_f32(rng, dtype, k):
+    """A k-term dot product of half values near 1 (a transposed operand, "ki"): summed in the
+    half type, the partial sums past 256 (bf16, 8 bits) or 2048 (f16, 11 bits) would lose
+    every added 1.0; in f32 the result is one rounding off."""
+    a = rounded(1 + 0.01 * rng.standard_normal((k, 3)), dtype)
+    b = rounded(1 + 0.01 * rng.standard_normal((k, 2)), dtype)
+    _, got = _run("ki,kj->ij", [a, b], dtype)
+    want = a.astype(np.float64).T @ b.astype(np.float64)
+    assert_half_close(got, want, dtype, k=2.0)
+    assert np.all(np.abs(got.astype(np.float64) - want) < 4 * UNIT[dtype] * np.abs(want))
 
 
 def test_dot_general_matches_numpy(rng):
