@@ -70,3 +70,19 @@ def test_fuzz_finds_the_old_weak_scalar_defect(monkeypatch):
                       ops=("binary",))
     rep = fuzz.fuzz(6, 0, cfg, out=lambda s: None)
     assert rep.findings and "outside their bounds" in rep.findings[0]
+
+
+def test_fuzz_gradients_against_central_differences(monkeypatch):
+    """--grads: differentiable f32 graphs get g.grad checked against central differences of
+    their forward; a VJP made wrong (the binary ops' gradients times 1.5) is found."""
+    from rlx_numba.ir.opdef import opdef
+    cfg = fuzz.Config(dtypes=("f32",), modes=("stream",), max_nodes=5, max_size=32, grads=True,
+                      ops=("unary", "binary", "reduce", "matmul", "reshape", "softmax"))
+    rep = fuzz.fuzz(12, 5, cfg, out=lambda s: None)
+    assert rep.grad_graphs >= 4 and not rep.findings, rep.findings
+    d = opdef("binary")
+    real = d.vjp
+    monkeypatch.setattr(d, "vjp", lambda g, n, dy: [None if x is None else x * 1.5
+                                                    for x in real(g, n, dy)])
+    rep = fuzz.fuzz(12, 5, cfg, out=lambda s: None)
+    assert any("central differences" in f for f in rep.findings)

@@ -19,6 +19,12 @@ only take exact operands, and the generator keeps values in well-conditioned ran
 (denominators away from 0, log/sqrt of values >= 0.25, exp of values <= 4) so the bounds
 stay tight. A finding prints the seed, the graph, the mode, the output and the error, and a
 command that reruns just that graph; the exit status is 1 when there is one.
+
+``--grads``: each graph whose nodes are all differentiable ops away from kinks (smooth
+activations, + - * /, sum / mean, softmax, norms, products, shape ops, gathers) and whose
+outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k random) with respect to
+its f32 inputs, checked against central differences of that loss through the same graph's
+forward run (which the evaluator above has checked), at a few coordinates of each input.
 """
 from __future__ import annotations
 
@@ -155,6 +161,7 @@ class Config:
     max_dim: int = 7             # dims are 1..max_dim
     zero_dims: float = 0.0       # the chance of a 0 in a leaf's shape (empty tensors)
     ops: tuple | None = None     # only these generators (None: all)
+    grads: bool = False          # also check gradients of differentiable graphs (module doc)
 
 
 class Builder:
@@ -1020,6 +1027,7 @@ class Report:
     findings: list = field(default_factory=list)
     refused: Counter = field(default_factory=Counter)
     ops: Counter = field(default_factory=Counter)
+    grad_graphs: int = 0         # graphs whose gradients were checked (--grads)
 
 
 def repro(seed, gi, cfg):
@@ -1028,7 +1036,8 @@ def repro(seed, gi, cfg):
             f"--modes {','.join(cfg.modes)}"
             + (f" --zero-dims {cfg.zero_dims}" if cfg.zero_dims else "")
             + (f" --compile-mode {cfg.compile_mode}" if cfg.compile_mode != "jit" else "")
-            + (f" --ops {','.join(cfg.ops)}" if cfg.ops else ""))
+            + (f" --ops {','.join(cfg.ops)}" if cfg.ops else "")
+            + (" --grads" if cfg.grads else ""))
 
 
 def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
@@ -1078,6 +1087,83 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
                 if what:
                     finding(f"mode={mode} run={k} outputs={kind} output #{j} (%{v.t.id} "
                             f"{v.d}{list(v.shape)}, error bound {v.e:.3g}): {what}", b.g)
+    if cfg.grads and differentiable(b.g) and all(v.d == "f32" for v in outs):
+        try:
+            what = grad_check(b, outs, cfg)
+        except Exception:
+            what = f"gradient check failed:\n{traceback.format_exc()}"
+        if what is not None:
+            rep.grad_graphs += 1
+        if what:
+            finding(what, b.g)
+
+
+# ---- gradients -------------------------------------------------------------------------------
+SMOOTH = {   # op -> the attribute and values with a derivative everywhere the generators go
+    "activation": ("kind", {"gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "exp", "log",
+                            "sqrt", "rsqrt", "neg", "sin", "cos", "tan", "atan"}),
+    "binary": ("kind", {"add", "sub", "mul", "div"}),
+    "reduce": ("kind", {"sum", "mean"}),
+    "linear": ("activation", {None, "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"}),
+    "gated": ("activation", {"gelu", "gelu_tanh", "silu", "sigmoid", "tanh"}),
+}
+SHAPE_OPS = {"input", "param", "constant", "reshape", "transpose", "narrow", "concat", "expand",
+             "gather", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul",
+             "residual_sum", "cumsum"}
+
+
+def differentiable(g) -> bool:
+    """Every node of ``g`` differentiable wherever the generators put values (no kinks,
+    steps or integer results besides gather indices)."""
+    for n in g.nodes:
+        if n.op in SMOOTH:
+            attr, ok = SMOOTH[n.op]
+            if n.attrs.get(attr) not in ok:
+                return False
+        elif n.op not in SHAPE_OPS:
+            return False
+    return True
+
+
+def grad_check(b, outs, cfg, coords: int = 3):
+    """None (nothing to check: no f32 input), "" (the gradients agree), or a finding: dL/dx
+    from g.grad against (L(x + h) - L(x - h)) / 2h at ``coords`` entries of each f32 input,
+    L = sum_k sum(out_k * W_k), in f32 through the compiled forward."""
+    g = b.g
+    rng = np.random.default_rng(len(g.nodes))
+    names = [n for n, a in b.feeds[0].items() if a.dtype == np.float32 and a.size]
+    if not names:
+        return None
+    loss = None
+    for v in outs:
+        w = g.constant(rng.standard_normal(v.shape).astype(np.float32))
+        term = g.reduce_sum(v.t * w) if v.shape else v.t * w
+        loss = term if loss is None else loss + term
+    ins = {n.name: g.tensor(n.id) for n in g.nodes if n.op == "input"}
+    grads = g.grad(loss, [ins[n] for n in names])
+    g.set_outputs([loss] + list(grads))
+    exe = rlx.compile(g)
+    for name, arrs in b.params.items():
+        exe.set_param(name, arrs[0])
+    feed = {k: v.copy() for k, v in b.feeds[0].items()}
+    got = exe.run(feed)
+    for name, dx in zip(names, got[1:]):
+        x = feed[name]
+        scale = float(np.max(np.abs(dx), initial=0.0)) + 1e-3
+        for idx in rng.choice(x.size, min(coords, x.size), replace=False):
+            i = np.unravel_index(int(idx), x.shape)
+            x0 = x[i]
+            h = np.float32(1e-2 * max(1.0, abs(float(x0))))
+            x[i] = x0 + h
+            lp = float(exe.run(feed)[0])
+            x[i] = x0 - h
+            lm = float(exe.run(feed)[0])
+            x[i] = x0
+            fd, an = (lp - lm) / (2 * float(h)), float(dx[i])
+            if not abs(fd - an) <= 3e-2 * (abs(an) + scale):
+                return (f"gradient of input {name!r} at {i}: g.grad gives {an:.6g}, central "
+                        f"differences {fd:.6g} (h {float(h):.3g}; largest |grad| {scale:.3g})")
+    return ""
 
 
 def _print(msg):
@@ -1106,11 +1192,13 @@ def main(argv=None):
     p.add_argument("--ops", default=None, help=f"generators to use, of {','.join(GENERATORS)}")
     p.add_argument("--only", type=int, default=None, help="run graph ONLY of the seed")
     p.add_argument("--print-graphs", action="store_true")
+    p.add_argument("--grads", action="store_true",
+                   help="also check gradients of differentiable f32 graphs (module doc)")
     a = p.parse_args(argv)
     cfg = Config(dtypes=tuple(a.dtypes.split(",")), modes=tuple(a.modes.split(",")),
                  max_nodes=a.max_nodes, max_size=a.max_size, max_dim=a.max_dim,
                  zero_dims=a.zero_dims, compile_mode=a.compile_mode,
-                 ops=tuple(a.ops.split(",")) if a.ops else None)
+                 ops=tuple(a.ops.split(",")) if a.ops else None, grads=a.grads)
     for d in cfg.dtypes:
         if d not in ("f32", "f16", "bf16", "i32"):
             p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, i32")
@@ -1124,7 +1212,8 @@ def main(argv=None):
     rep = fuzz(a.n, a.seed, cfg, only=a.only)
     dt = time.time() - t0
     print(f"fuzz: {rep.graphs} graphs, {rep.nodes} ops, {rep.runs} runs, modes "
-          f"{','.join(cfg.modes)}, {dt:.1f} s; {len(rep.findings)} finding(s)")
+          f"{','.join(cfg.modes)}, {dt:.1f} s; {len(rep.findings)} finding(s)"
+          + (f"; gradients checked on {rep.grad_graphs} graphs" if cfg.grads else ""))
     print("ops built: " + ", ".join(f"{k} {v}" for k, v in sorted(rep.ops.items())))
     if rep.refused:
         print("refused at build time (ValueError, skipped):")
