@@ -16,8 +16,11 @@ forward and x gradient, and the scale learns with
     d scale = sum(dy * (q * scale - x) / scale)  inside the range,
               sum(dy * quant_min) below it, sum(dy * quant_max) above it (q = nearbyint(x / scale)).
 
-Both are graph functions with a hand-written backward (ir/ops_custom.py ``custom_vjp``): the
-forward fuses into one element-wise kernel with its neighbours. A zero point outside
+Both are graph functions with a hand-written backward (ir/ops_custom.py ``custom_vjp``) made of
+element-wise ops. The forward runs as four element-wise kernels: the scale's reciprocal and
+the zero point's cast on their own small shapes, then q and y -- q is kept in the arena
+because the custom_vjp node holds it as the backward's residual, even where no gradient is
+taken (a fused single kernel would need an op of its own). A zero point outside
 [quant_min, quant_max] is not checked (its value lives on the device); NaN stays NaN.
 """
 from __future__ import annotations
@@ -77,10 +80,11 @@ def _quantize(g, x, scale, zp, qmin, qmax, shape):
     xf = x if x.dtype == dt.F32 else g.cast(x, dt.F32)
     s = _along(g, scale, shape)
     q = g.activation("round", xf * g.binary("div", 1.0, s))
-    if zp is not None:
-        q = q + _along(g, g.cast(zp, dt.F32), shape)
+    z = _along(g, g.cast(zp, dt.F32), shape) if zp is not None else None
+    if z is not None:
+        q = q + z
     qc = g.binary("min", g.binary("max", q, float(qmin)), float(qmax))
-    y = ((qc - _along(g, g.cast(zp, dt.F32), shape)) if zp is not None else qc) * s
+    y = ((qc - z) if z is not None else qc) * s
     return (y if x.dtype == dt.F32 else g.cast(y, x.dtype)), q, qc
 
 
