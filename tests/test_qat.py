@@ -132,6 +132,29 @@ def test_lsq_forward_and_gradients_match_torchs_rule(rng):
     np.testing.assert_allclose(ds[0], want_ds, rtol=1e-5, atol=1e-5 * np.abs(dy).sum())
 
 
+def test_lsq_half_input_sums_the_scale_gradient_in_f32(rng):
+    """bf16 x and dy over 4,096 elements: the scale's gradient is one sum of 4,096 terms,
+    which summed in bf16 (8 bits) would be off by far more than f32's roundings; x's gradient
+    is dy masked, exact."""
+    shape, qmin, qmax = (64, 64), -8, 7
+    x = rng.uniform(-3, 3, shape).astype(ml_dtypes.bfloat16)
+    w = rng.standard_normal(shape).astype(ml_dtypes.bfloat16)
+    scale = np.array([0.3], np.float32)
+
+    def build(g):
+        xt = g.input("x", shape, "bf16")
+        s = g.param("s", (1,))
+        y = g.fake_quantize_lsq(xt, s, quant_min=qmin, quant_max=qmax)
+        return list(g.grad(g.reduce_sum(y * g.constant(w, "bf16")), [xt, s]))
+    dx, ds = _run(build, {"x": x}, [("s", scale)])
+    want_dx, want_ds = lsq_ref(x.astype(np.float32), scale, w.astype(np.float32), qmin, qmax)
+    assert dx.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(dx.astype(np.float32), want_dx)
+    terms = np.abs(w.astype(np.float64)).sum() * qmax
+    assert abs(ds[0] - want_ds) <= 64 * 2.0 ** -24 * terms      # f32 sums: a few u each
+    assert 64 * 2.0 ** -24 * terms < 2.0 ** -8 * abs(want_ds)   # a bf16 sum's one rounding
+
+
 def test_lsq_scale_learns(rng):
     """A few SGD steps on the scale alone lower the quantisation error of a fixed x."""
     x = rng.standard_normal((64,)).astype(np.float32)

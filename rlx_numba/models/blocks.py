@@ -38,7 +38,7 @@ def fake_quant_weight(g: Graph, w: Tensor, scheme: str) -> Tensor:
     blocks = g.reshape(w, (n * k // block, block))
     amax = g.reduce("max", g.activation("abs", blocks), (1,))
     if rule == "absmax":
-        d = amax * (1.0 / qmax)
+        d = g.binary("div", amax, float(qmax))     # amax / 127 in f32, as the quantizer
     else:    # the value of largest magnitude, sign kept: max if max >= -min, else min
         hi, lo = g.reduce("max", blocks, (1,)), g.reduce("min", blocks, (1,))
         d = g.where(g.compare("ge", hi, g.activation("neg", lo)), hi, lo) * (1.0 / qmin)
