@@ -6,6 +6,9 @@ Ops at 2^28 f32 elements (``--size-log2``):
   gelu  exact (erf) GELU                         bytes = 4n + 4n
   cast  f32 -> f16                               bytes = 4n + 2n
   and in f16 (the 16-byte vector kernels of half data): mul_bcast and gelu, half the bytes
+  fake_quantize  [R, C] per channel (axis 1, int8 range) against
+        torch.fake_quantize_per_channel_affine   bytes = 4n + 4n (x in, y out; ours also
+        writes q, the backward's residual: its steps are timed together)
 
 Only the kernel is timed: the compiled executable's single Step is launched repeatedly on
 ``exe.stream`` between two CUDA events (inputs already in the arena). PyTorch's equivalent is
@@ -91,6 +94,13 @@ def make_cases(rlx, torch, log2: int):
         g.set_outputs([g.cast(x, "f16")])
         return g
 
+    def g_fake_quantize():
+        g = rlx.Graph("bench_fake_quantize")
+        x = g.input("x", (rows, cols), "f32")
+        s, z = g.input("s", (cols,), "f32"), g.input("z", (cols,), "i32")
+        g.set_outputs([g.fake_quantize(x, s, z, quant_min=-128, quant_max=127, axis=1)])
+        return g
+
     F = torch.nn.functional
     return [
         dict(op="add", desc=f"[{n}] + [{n}]", graph=g_add,
@@ -124,14 +134,25 @@ def make_cases(rlx, torch, log2: int):
              out=lambda: None,
              torch_fn=lambda i, o: (lambda: i["x"].to(torch.float16)),
              nbytes=4 * n + 2 * n, tol=0.0),
+        dict(op="fake_quantize", desc=f"per channel [{rows},{cols}] axis 1", multi=True,
+             graph=g_fake_quantize,
+             inputs=lambda: {"x": randn(rows, cols), "s": randn(cols).abs() * 0.05 + 0.01,
+                             "z": torch.randint(-10, 10, (cols,), device="cuda",
+                                                dtype=torch.int32, generator=gen)},
+             out=lambda: None,
+             torch_fn=lambda i, o: (lambda: torch.fake_quantize_per_channel_affine(
+                 i["x"], i["s"], i["z"], 1, -128, 127)),
+             nbytes=4 * n + 4 * n, tol=0.0),
     ]
 
 
 def bench_op(rlx, cuda, torch, case, args, sweep: bool):
     exe = rlx.compile(case["graph"]())
-    if len(exe.steps) != 1:
+    if len(exe.steps) != 1 and not case.get("multi"):
         raise RuntimeError(f"{case['op']}: expected one step, got {[s.name for s in exe.steps]}")
     step = exe.steps[0]
+    steps = list(exe.steps)
+    launch = step if len(steps) == 1 else (lambda: [s() for s in steps])
     inputs = case["inputs"]()
     torch.cuda.synchronize()          # inputs written on torch's stream before numba reads them
     (view,) = exe.run(inputs, outputs="view")   # binds inputs into the arena, compiles, runs once
@@ -148,17 +169,19 @@ def bench_op(rlx, cuda, torch, case, args, sweep: bool):
     diff = (got.float() - ref.float()).abs().max().item()
     del got, ref
 
-    rlx_ms = time_rlx(cuda, step, exe.stream, args.iters, args.warmup, args.repeats)
+    rlx_ms = time_rlx(cuda, launch, exe.stream, args.iters, args.warmup, args.repeats)
     torch_ms = time_torch(torch, fn, args.iters, args.warmup, args.repeats)
     r = dict(op=case["op"], shape=case["desc"], bytes=case["nbytes"],
              rlx_ms=rlx_ms, rlx_gbps=gbps(case["nbytes"], rlx_ms),
              torch_ms=torch_ms, torch_gbps=gbps(case["nbytes"], torch_ms),
-             grid=list(step.grid), block=list(step.block), modes=list(step.info["modes"]),
-             dims=list(step.info["dims"]), max_abs_diff=diff, diff_ok=diff <= case["tol"])
+             grid=list(step.grid), block=list(step.block),
+             modes=list(step.info.get("modes", ())), dims=list(step.info.get("dims", ())),
+             steps=len(steps), max_abs_diff=diff, diff_ok=diff <= case["tol"])
     r["ratio"] = r["rlx_gbps"] / r["torch_gbps"]
     r["pass"] = r["ratio"] >= BAR
-    sweep_rows = launch_sweep(rlx, cuda, exe, step, case["nbytes"], args) if sweep else None
-    del exe, step, inputs, out, fn, view
+    sweep_rows = (launch_sweep(rlx, cuda, exe, step, case["nbytes"], args)
+                  if sweep and len(steps) == 1 else None)
+    del exe, step, steps, launch, inputs, out, fn, view
     free_device_memory(cuda, torch)
     return r, sweep_rows
 
