@@ -121,7 +121,7 @@ def test_decode_kernel_and_flash_kernel(rng, monkeypatch, kernel, hq, hkv, sq, s
     else:
         assert A.decode_rows(hq // hkv, sq, d) is not None
     if kernel == "decode-split":
-        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 8), 8))
+        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 8), 8))
         monkeypatch.setattr(A, "decode_groups", lambda rows_c, rows, blocks, sm: (2, -(-rows // 2)))
     run_attention(rng, 2, hq, hkv, sq, sk, d, bias_shape=(sq, sk), mask_shape=(sq, sk),
                   causal=True, window=7, scale=0.2, softcap=3.0)
@@ -134,9 +134,21 @@ def test_decode_more_splits_than_one_combine_round(rng, monkeypatch):
     every split first, then the partials in rounds of CB (fewer: one round, its own max)."""
     from rlx_numba.kernels import attention as A
     sk = 4 * A.CB + 9
-    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 4), 4))
+    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 4), 4))
     assert -(-sk // 4) > A.CB
     run_attention(rng, 1, 2, 1, 1, sk, 16, causal=True, window=sk - 6, softcap=2.0)
+
+def test_decode_one_block_a_head_for_short_caches():
+    """The GPU plan of the 1B shape's b1 decode (8 kv heads, 128 cache rows, 132 SMs): one
+    16-warp block a head, no splits; long caches and many heads keep the split plan. (The
+    simulator runs this plan in the decode cases above at b1: 21 keys, one 4-warp block.)"""
+    from rlx_numba.kernels import attention as A
+    assert A.decode_warps(1, 8, 128, 132, 4) == 16 and A.decode_plan(1, 8, 128, 132, 16) == (1, 128)
+    assert A.decode_warps(1, 8, 40, 132, 4) == 8
+    assert A.decode_warps(1, 8, 256, 132, 4) == 4       # past 16 warps of 8 keys
+    assert A.decode_warps(32, 8, 128, 132, 4) == 4      # 256 heads fill the GPU already
+    assert A.decode_warps(1, 1, 21, 1, 2) == 4
+
 
 def test_long_odd_sequence(rng):
     run_attention(rng, 1, 1, 1, 37 if not GPU else 129, 37 if not GPU else 129, 16, causal=True)

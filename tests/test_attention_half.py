@@ -144,7 +144,7 @@ def test_decode_forward(rng, monkeypatch, dt, split, hq, hkv, sq, sk, d):
     assert A.decode_rows(hq // hkv, sq, d) is not None
     if split:
         chunk = 16 if sk > 32 else 8
-        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // chunk), chunk))
+        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // chunk), chunk))
         monkeypatch.setattr(A, "decode_groups",
                             lambda rows_c, rows, blocks, sm: (2, -(-rows // 2)))
     run_half(rng, dt, (1, hq, sq, d), (1, hkv, sk, d), mask_shape=(sq, sk),
@@ -290,7 +290,7 @@ def test_gpu_geometry(rng, monkeypatch):
             run_half(rng, "bf16", (1, 1, 3, 20), (1, 1, 70, 20), mask_shape=(3, 70),
                      bias_shape=(3, 70), causal=True, window=68, scale=0.2, softcap=3.0)
         with monkeypatch.context() as mp:
-            mp.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 40), 40))
+            mp.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 40), 40))
             run_half(rng, "f16", (1, 4, 1, 64), (1, 2, 100, 64), causal=True, softcap=2.0)
         g, (q, k, v), _, y = _graph("f16", (1, 1, 3, 5), (1, 1, 4, 5), causal=True)
         feed = _feed(rng, "f16", (1, 1, 3, 5), (1, 1, 4, 5))

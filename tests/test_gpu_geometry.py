@@ -51,7 +51,7 @@ def test_attention_flash_gpu_geometry_wide_heads(rng, monkeypatch):
 
 def test_attention_decode_gpu_geometry(rng, monkeypatch):
     """The split-K decode kernel with 4 warps a block, the keys over several splits."""
-    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm: (-(-sk // 40), 40))
+    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 40), 40))
     gpu_launch(monkeypatch)
     with override_geometry("attention", A.GPU):
         run_attention(rng, 1, 4, 2, 2, 100, 64, causal=True, window=90, softcap=2.0)

@@ -6,6 +6,8 @@ key/value head are few. Then its backward ops (kernels/attention_bwd.py, built b
 attention's VJP in ir/ops_attention.py)."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..kernels import attention as A
@@ -196,7 +198,8 @@ def _lower_attention(ctx, n):
         rows_c = A.decode_rows(hq // hkv, sq, d)
         dpl = -(-d // 32)
         sm = 1 if SIMULATOR else sm_count()
-        splits, chunk = A.decode_plan(b, hkv, sk, sm)
+        geo = dataclasses.replace(geo, dec_nw=A.decode_warps(b, hkv, sk, sm, geo.dec_nw))
+        splits, chunk = A.decode_plan(b, hkv, sk, sm, geo.dec_nw)
         rows_c, groups = A.decode_groups(rows_c, hq // hkv * sq, splits * b * hkv, sm)
         part = b * hkv * groups * splits * rows_c
         pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
