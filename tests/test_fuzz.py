@@ -54,6 +54,15 @@ def test_fuzz_cli_exit_status(monkeypatch, capsys):
     assert "FINDING seed=3 graph=" in out and "finding(s)" in out
 
 
+def test_fuzz_seconds_stops_starting_graphs(capsys):
+    """--seconds 0: the first graph still starts at once (the check comes before each
+    next one), none after it; the summary counts the one graph run."""
+    args = ["--n", "50", "--seed", "3", "--modes", "stream", "--max-nodes", "2", "--max-size",
+            "24", "--ops", "binary", "--dtypes", "f32", "--seconds", "0"]
+    assert fuzz.main(args) == 0
+    assert "fuzz: 1 graphs" in capsys.readouterr().out
+
+
 def test_fuzz_finds_the_old_weak_scalar_defect(monkeypatch):
     """Issue 36's defect 2 put back: a Python float beside an f16 / bf16 tensor rounded to the
     tensor's dtype (x * 0.1 in f16 used f16's 0.0999756). The fuzzer's bounds are tight

@@ -1181,10 +1181,16 @@ def _print(msg):
     print(msg, flush=True)
 
 
-def fuzz(n, seed, cfg: Config, only=None, out=_print) -> Report:
+def fuzz(n, seed, cfg: Config, only=None, out=_print, seconds=None) -> Report:
+    """Graphs 0 .. n - 1 of ``seed`` (or graph ``only``); with ``seconds``, no graph starts
+    after that long (the first always runs; a time-boxed slice still reports what it
+    checked)."""
     rep = Report()
+    t0 = time.time()
     for gi in ([only] if only is not None else range(n)):
         fuzz_one(seed, gi, cfg, rep, out)
+        if seconds is not None and time.time() - t0 > seconds:
+            break
     return rep
 
 
@@ -1205,6 +1211,8 @@ def main(argv=None):
     p.add_argument("--print-graphs", action="store_true")
     p.add_argument("--grads", action="store_true",
                    help="also check gradients of differentiable f32 graphs (module doc)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="start no graph after this many seconds (the summary counts those run)")
     a = p.parse_args(argv)
     cfg = Config(dtypes=tuple(a.dtypes.split(",")), modes=tuple(a.modes.split(",")),
                  max_nodes=a.max_nodes, max_size=a.max_size, max_dim=a.max_dim,
@@ -1220,7 +1228,7 @@ def main(argv=None):
         b, _ = build(a.seed, a.only, cfg)
         print(b.g)
     t0 = time.time()
-    rep = fuzz(a.n, a.seed, cfg, only=a.only)
+    rep = fuzz(a.n, a.seed, cfg, only=a.only, seconds=a.seconds)
     dt = time.time() - t0
     print(f"fuzz: {rep.graphs} graphs, {rep.nodes} ops, {rep.runs} runs, modes "
           f"{','.join(cfg.modes)}, {dt:.1f} s; {len(rep.findings)} finding(s)"
