@@ -192,8 +192,9 @@ def _vjp_cholesky(g, n, dl):
     k = L.shape[-1]
     p = g.mul(g.matmul(mT(g, L), dl), _tri_mask(g, k, True))
     p = g.mul(g.add(p, mT(g, g.mul(p, _tri_mask(g, k, True, -1)))), 0.5)
-    s = g.bind("trsm", [mT(g, L), p], upper=True)                  # L^-T P
-    return [mT(g, g.bind("trsm", [L, mT(g, s)], upper=False))]       # (L^-1 (L^-T P)^T)^T
+    lt = mT(g, L)
+    s = g.bind("trsm", [lt, p], upper=True)                          # S = L^-T P
+    return [mT(g, g.bind("trsm", [lt, mT(g, s)], upper=True))]       # S L^-1 = (L^-T S^T)^T
 
 
 @vjp("slogdet")

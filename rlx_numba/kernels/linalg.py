@@ -202,12 +202,13 @@ def qr_kernel(a, w, out, batch, m, n):
         cuda.syncthreads()
         for c in range(k):
             if tid == 0:
-                mx = float32(0.0)
-                for i in range(c, m):
-                    mx = max(mx, abs(w[base + i * n + c]))
+                tail = float32(0.0)
+                for i in range(c + 1, m):
+                    tail = max(tail, abs(w[base + i * n + c]))
                 x0 = w[base + c * n + c]
-                if mx == 0.0:
-                    w[tau + 2 * c] = 0.0            # H = I
+                mx = max(tail, abs(x0))
+                if tail == 0.0:                     # H = I, as LAPACK's larfg (R keeps x0's sign)
+                    w[tau + 2 * c] = 0.0
                     w[tau + 2 * c + 1] = x0
                 else:
                     s = float32(0.0)
