@@ -455,3 +455,134 @@ def svd_kernel(a, v, out, batch, m, n):
             out[sb + n + idx] = v[vb + (idx % n) * n + idx // n]
         cuda.syncthreads()
         mat += cuda.gridDim.x
+
+
+# ---- tier 0's layout and info kernels (cuSOLVER / cuBLAS are column-major; a row-major
+# [r, c] buffer is to them the column-major [c, r] transpose). Grid-stride, a thread an item.
+@jit
+def transpose_kernel(src, dst, batch, r, c):
+    """dst[b] = src[b]^T: src [batch, r, c] -> dst [batch, c, r]."""
+    idx = cuda.grid(1)
+    total = batch * r * c
+    while idx < total:
+        b, rem = idx // (r * c), idx % (r * c)
+        i, j = rem // c, rem % c
+        dst[b * r * c + j * r + i] = src[idx]
+        idx += cuda.gridsize(1)
+
+
+@jit
+def nan_where_kernel(x, info, batch, per):
+    """x[b] (``per`` values) NaN where info[b] != 0 (singular, not converged)."""
+    idx = cuda.grid(1)
+    while idx < batch * per:
+        if info[idx // per] != 0:
+            x[idx] = NAN
+        idx += cuda.gridsize(1)
+
+
+@jit
+def tril_kernel(el, info, batch, n):
+    """potrf left the factor in el's lower triangle (row-major): zero the rest; NaN-fill a
+    matrix whose info is not 0 (not positive definite)."""
+    idx = cuda.grid(1)
+    while idx < batch * n * n:
+        rem = idx % (n * n)
+        if info[idx // (n * n)] != 0:
+            el[idx] = NAN
+        elif rem % n > rem // n:
+            el[idx] = 0.0
+        idx += cuda.gridsize(1)
+
+
+@jit
+def slogdet_lu_kernel(lu, ipiv, info, det, batch, n):
+    """(sign, log|det|) from getrf's factors (U's diagonal, 1-based pivots); (0, -inf) where
+    info > 0 (an exact zero pivot). A thread a matrix."""
+    b = cuda.grid(1)
+    while b < batch:
+        if info[b] != 0:
+            det[2 * b] = 0.0
+            det[2 * b + 1] = -math.inf
+        else:
+            sign, logabs = float32(1.0), float32(0.0)
+            for i in range(n):
+                u = lu[b * n * n + i * n + i]
+                if (u < 0.0) != (ipiv[b * n + i] != i + 1):
+                    sign = -sign
+                logabs += math.log(abs(u))
+            det[2 * b] = sign
+            det[2 * b + 1] = logabs
+        b += cuda.gridsize(1)
+
+
+@jit
+def qr_r_kernel(work, out, batch, m, n):
+    """R [k, n] from geqrf's column-major [m, n] result into the packing's rows m.."""
+    k = min(m, n)
+    idx = cuda.grid(1)
+    while idx < batch * k * n:
+        b, rem = idx // (k * n), idx % (k * n)
+        i, j = rem // n, rem % n
+        out[b * (m + k) * n + (m + i) * n + j] = work[b * m * n + j * m + i] if j >= i else 0.0
+        idx += cuda.gridsize(1)
+
+
+@jit
+def qr_q_kernel(work, out, batch, m, n):
+    """Q [m, k] from orgqr's column-major first k columns into the packing's rows 0..m-1
+    (columns k.. zero)."""
+    k = min(m, n)
+    idx = cuda.grid(1)
+    while idx < batch * m * n:
+        b, rem = idx // (m * n), idx % (m * n)
+        i, j = rem // n, rem % n
+        out[b * (m + k) * n + i * n + j] = work[b * m * n + j * m + i] if j < k else 0.0
+        idx += cuda.gridsize(1)
+
+
+@jit
+def eigh_post_kernel(vec, w, info, out, batch, n):
+    """The packing [n + 1, n] from syevd / syevj's ascending w and column-major vectors, each
+    vector's largest component positive (the numba tier's gauge); NaN where info != 0. A
+    thread a (matrix, vector)."""
+    idx = cuda.grid(1)
+    while idx < batch * n:
+        b, j = idx // n, idx % n
+        col = b * n * n + j * n
+        ob = b * (n + 1) * n
+        big = 0
+        for r in range(1, n):
+            if abs(vec[col + r]) > abs(vec[col + big]):
+                big = r
+        s = float32(-1.0) if vec[col + big] < 0.0 else float32(1.0)
+        bad = info[b] != 0
+        out[ob + j] = NAN if bad else w[b * n + j]
+        for r in range(n):
+            out[ob + (1 + r) * n + j] = NAN if bad else s * vec[col + r]
+        idx += cuda.gridsize(1)
+
+
+@jit
+def svd_post_kernel(u1, s, v1, info, out, batch, m, n, ustride, vstride):
+    """The packing [m + 1 + n, n] from gesvdj of A^T (column-major [n, m]): A^T = U' S V'^T,
+    so U = V' (ld m) and Vh = U'^T (ld n); each U column's largest component positive, the
+    Vh row along; NaN where info != 0. A thread a (matrix, singular triple)."""
+    idx = cuda.grid(1)
+    while idx < batch * n:
+        b, j = idx // n, idx % n
+        ucol = b * vstride + j * m
+        vcol = b * ustride + j * n
+        ob = b * (m + 1 + n) * n
+        big = 0
+        for r in range(1, m):
+            if abs(v1[ucol + r]) > abs(v1[ucol + big]):
+                big = r
+        sg = float32(-1.0) if v1[ucol + big] < 0.0 else float32(1.0)
+        bad = info[b] != 0
+        for r in range(m):
+            out[ob + r * n + j] = NAN if bad else sg * v1[ucol + r]
+        out[ob + m * n + j] = NAN if bad else s[b * n + j]
+        for r in range(n):
+            out[ob + (m + 1 + j) * n + r] = NAN if bad else sg * u1[vcol + r]
+        idx += cuda.gridsize(1)
