@@ -308,6 +308,103 @@ def test_tier_choice(monkeypatch, caplog):
     assert any("cholesky" in r.message and "tier 1 (numba)" in r.message for r in caplog.records)
 
 
+# ---- tier 0's layout kernels, fed what cuSOLVER returns (made here in NumPy, column-major) -------
+sim_only = pytest.mark.skipif(ON_GPU, reason="host arrays into the kernels: the simulator")
+
+
+def _cm(x):
+    """A matrix's column-major memory (what cuSOLVER reads and writes), flat."""
+    return np.ascontiguousarray(np.swapaxes(x, -1, -2)).reshape(-1).astype(np.float32)
+
+
+def _launch(kernel, *args):
+    kernel[2, 16](*[np.int64(a) if isinstance(a, int) else a for a in args])
+
+
+@sim_only
+def test_tier0_layout_kernels(rng):
+    """The conventions runtime/lower_linalg.py's tier 0 relies on: our row-major A is cuSOLVER's
+    column-major A^T; each kernel turns the routine's column-major results into the packings
+    and gauges the numba tier gives."""
+    from rlx_numba.kernels import linalg as K
+    b, m, n = 2, 5, 3
+    a = rng.standard_normal((b, m, n)).astype(np.float32)
+    # svd: gesvdj of A^T ([n, m]) = U' S V'^T; V' [m, n] (ld m), U' [n, n]
+    up, sp, vph = np.linalg.svd(np.swapaxes(a, -1, -2).astype(np.float64), full_matrices=False)
+    out = np.zeros((b, m + 1 + n, n), np.float32)
+    _launch(K.svd_post_kernel, _cm(up), sp.astype(np.float32).reshape(-1), _cm(np.swapaxes(vph, -1, -2)),
+            np.array([0, 1], np.int32), out.reshape(-1), b, m, n, n * n, m * n)
+    u, s, vh = out[0, :m], out[0, m], out[0, m + 1:]
+    np.testing.assert_allclose((u * s) @ vh, a[0], atol=1e-5)
+    np.testing.assert_allclose(u, _sign_fix(u)[0])
+    assert np.isnan(out[1]).all()                               # info != 0: not converged
+    # eigh: syevd's ascending w and column-major vectors
+    sym = _lower_sym(rng.standard_normal((b, n, n)))
+    w, v = np.linalg.eigh(sym)
+    out = np.zeros((b, n + 1, n), np.float32)
+    _launch(K.eigh_post_kernel, _cm(v), w.astype(np.float32).reshape(-1), np.zeros(b, np.int32),
+            out.reshape(-1), b, n)
+    np.testing.assert_allclose(out[:, 0], w, atol=1e-6)
+    np.testing.assert_allclose(out[:, 1:], _sign_fix(v)[0], atol=1e-6)
+    # qr: geqrf's R in the upper triangle of the column-major [m, n] work, orgqr's Q in its
+    # first k columns
+    q, r = np.linalg.qr(a.astype(np.float64))
+    out = np.zeros((b, m + n, n), np.float32)
+    work = np.zeros((b, m, n))
+    work[:, :n, :] = r
+    work[:, n:, :] = 7.0                                        # Householder vectors: not read
+    _launch(K.qr_r_kernel, _cm(work), out.reshape(-1), b, m, n)
+    _launch(K.qr_q_kernel, _cm(q), out.reshape(-1), b, m, n)
+    np.testing.assert_allclose(out[:, :m], q, atol=1e-6)
+    np.testing.assert_allclose(out[:, m:], r, atol=1e-6)
+    # slogdet: getrf of the column-major view (A^T), 1-based pivots
+    sq = rng.standard_normal((b, n, n))
+    lus, pivs = [], []
+    for x in sq:
+        mat, piv = x.T.copy(), []
+        for c in range(n):
+            p = c + int(np.abs(mat[c:, c]).argmax())
+            mat[[c, p]] = mat[[p, c]]
+            piv.append(p + 1)
+            mat[c + 1:, c] /= mat[c, c]
+            mat[c + 1:, c + 1:] -= np.outer(mat[c + 1:, c], mat[c, c + 1:])
+        lus.append(mat)
+        pivs.append(piv)
+    det = np.zeros(2 * b, np.float32)
+    _launch(K.slogdet_lu_kernel, _cm(np.array(lus)), np.array(pivs, np.int32).reshape(-1),
+            np.array([0, 2], np.int32), det, b, n)
+    sign, logabs = np.linalg.slogdet(sq[0])
+    np.testing.assert_allclose(det[:2], [sign, logabs], rtol=1e-5)
+    assert det[2] == 0 and det[3] == -np.inf                    # info > 0: singular
+    # cholesky: potrf "upper" of A^T leaves L (row-major) in the lower triangle; the other
+    # triangle is garbage (potrfBatched's scratch)
+    el = np.linalg.cholesky(_spd(rng, (b, n, n)).astype(np.float64))
+    junk = el + np.triu(np.full((n, n), 9.0), 1)
+    flat = junk.astype(np.float32).reshape(-1)
+    _launch(K.tril_kernel, flat, np.array([0, 3], np.int32), b, n)
+    np.testing.assert_allclose(flat.reshape(b, n, n)[0], el[0], atol=1e-6)
+    assert np.isnan(flat.reshape(b, n, n)[1]).all()
+    # solve's B^T in and X^T out
+    x = rng.standard_normal((b, n, 4)).astype(np.float32)
+    xt, back = np.zeros(x.size, np.float32), np.zeros(x.size, np.float32)
+    _launch(K.transpose_kernel, x.reshape(-1), xt, b, n, 4)
+    np.testing.assert_array_equal(xt, _cm(x))
+    _launch(K.transpose_kernel, xt, back, b, 4, n)
+    np.testing.assert_array_equal(back, x.reshape(-1))
+
+
+def test_cusolver_loader():
+    """cuSOLVER loads without a GPU where its wheel is installed (the cu12 / cu13 extras):
+    every prototyped name resolves; elsewhere available() says why, never raises."""
+    from rlx_numba import cusolver
+    ok, why = cusolver.available()
+    if ok:
+        assert cusolver.version() >= 11000
+        assert all(hasattr(cusolver.lib(), name) for name in cusolver.PROTOS)
+    else:
+        assert "cuSOLVER" in why or "lib" in why, why
+
+
 # ---- GPU: the cuSOLVER / cuBLAS tier (0) -------------------------------------------------------
 gpu = pytest.mark.skipif(not ON_GPU, reason="cuSOLVER (tier 0) runs on a GPU")
 
