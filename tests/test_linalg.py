@@ -41,7 +41,19 @@ def _run(g, outs, feed):
     return rlx.compile(g).run(feed)
 
 
-@pytest.mark.parametrize("n", [3, 5])
+def test_solve_broadcasts_batch_axes(rng):
+    """torch.linalg.solve broadcasts A [2, 1, n, n] against B [3, n, k] to [2, 3, n, k]."""
+    a, b = _wellcond(rng, (2, 1, 3, 3)), rng.standard_normal((3, 3, 2)).astype(np.float32)
+    g = rlx.Graph("broadcast")
+    A, B = g.input("a", a.shape, "f32"), g.input("b", b.shape, "f32")
+    x, t = _run(g, [g.linalg_solve(A, B), g.triangular_solve(A, B, upper=True)], {"a": a, "b": b})
+    assert x.shape == t.shape == (2, 3, 3, 2)
+    np.testing.assert_allclose(x, np.linalg.solve(a.astype(np.float64), b), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(t, np.linalg.solve(np.triu(a.astype(np.float64)), b), rtol=2e-5,
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [3, 7])
 def test_ops_against_numpy(rng, n):
     a, b = _wellcond(rng, (2, n, n)), rng.standard_normal((2, n, 2)).astype(np.float32)
     spd, v = _spd(rng, (2, n, n)), rng.standard_normal(n).astype(np.float32)
@@ -411,8 +423,11 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="cuSOLVER (tier 0) runs on a GPU")
 
 @gpu
 @pytest.mark.parametrize("tier", ["0", "1"])
-@pytest.mark.parametrize("batch,n", [((16,), 33), ((), 300)])
+@pytest.mark.parametrize("batch,n", [((16,), 33), ((8,), 7), ((), 300)])
 def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
+    """Every op on the GPU at n = 33 batched (cuBLAS batched LU / QR, syevd and gesvdj a
+    matrix at a time), n = 7 batched (syevjBatched, gesvdjBatched) and one n = 300 matrix
+    (cuSOLVER getrf / geqrf / syevd / gesvdj); tier 1 (numba) at the small sizes."""
     if tier == "1" and n > 64:
         pytest.skip("the numba tier is for small matrices")
     monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
@@ -457,3 +472,22 @@ def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
 def test_singular_on_gpu(monkeypatch):
     monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
     test_singular_and_not_positive_definite()
+
+
+@gpu
+@pytest.mark.parametrize("tier", ["0", "1"])
+def test_graph_mode_on_gpu(rng, monkeypatch, tier):
+    """The tiers' steps (library calls, their loops a matrix at a time, the layout kernels)
+    replay in a captured CUDA graph as they run on the stream."""
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
+    a, spd = _wellcond(rng, (3, 40, 40)), _spd(rng, (3, 40, 40))
+    g = rlx.Graph("graph_linalg")
+    A, S = g.input("a", a.shape, "f32"), g.input("s", spd.shape, "f32")
+    g.set_outputs([g.inv(A), g.cholesky(S), *g.qr(A), *g.eigh(S), *g.svd(A)])
+    feed = {"a": a, "s": spd}
+    want = rlx.compile(g, exec_mode="stream").run(feed)
+    exe = rlx.compile(g, exec_mode="graph")
+    for _ in range(2):          # capture, then replay
+        got = exe.run(feed)
+        for k, (x, y) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"output {k}")
