@@ -124,6 +124,25 @@ def test_eigh_against_numpy(rng, n):
     np.testing.assert_allclose(v, _sign_fix(vn)[0], atol=1e-5)
 
 
+def test_jacobi_accuracy_on_spread_values(rng):
+    """Eigenvalues over 5 decades and singular values over 3: eigenvalues to f32's rounding of
+    max |A|, vectors orthonormal, and the small singular values to relative accuracy (the
+    one-sided Jacobi test is relative)."""
+    n = 12
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    sym = ((q * (np.logspace(-4, 1, n) * rng.choice([-1, 1], n))) @ q.T).astype(np.float32)
+    m = (rng.standard_normal((10, 6)) @ np.diag(np.logspace(-3, 0, 6))).astype(np.float32)
+    g = rlx.Graph("spread")
+    A, M = g.input("a", sym.shape, "f32"), g.input("m", m.shape, "f32")
+    w, v, u, s, vh = _run(g, [*g.eigh(A), *g.svd(M)], {"a": sym, "m": m})
+    np.testing.assert_allclose(w, np.linalg.eigvalsh(sym.astype(np.float64)), atol=1e-5)
+    np.testing.assert_allclose(v.T @ v, np.eye(n), atol=2e-6)
+    np.testing.assert_allclose(s, np.linalg.svd(m.astype(np.float64), compute_uv=False),
+                               rtol=2e-5)
+    np.testing.assert_allclose(u.T @ u, np.eye(6), atol=2e-6)
+    np.testing.assert_allclose(vh @ vh.T, np.eye(6), atol=2e-6)
+
+
 def test_singular_and_not_positive_definite():
     """torch raises; here (no sync to raise from) solve / inv / cholesky give NaN, det 0 and
     slogdet (0, -inf); the other matrix of the batch is unaffected."""

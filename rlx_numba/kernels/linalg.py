@@ -33,7 +33,8 @@ register_geometry("linalg", gpu=Geometry(threads=64), sim=Geometry(threads=2))
 
 NAN = float32(math.nan)
 EPS = float32(1.2e-7)           # f32's unit roundoff: a rotation below it is skipped
-TINY = float32(1e-9)            # ... and one below this times the matrix's norm
+TINY = float32(2.4e-7)          # eigh: ... and one below this times max |A| (the rounding a
+                                # rotation leaves: chasing it would only spend sweeps)
 SWEEPS = 30                     # Jacobi's cap (f32 converges in well under 10)
 
 
@@ -251,10 +252,10 @@ def qr_kernel(a, w, out, batch, m, n):
 
 
 @py_in_sim
-def _rotation(app, aqq, apq, scale):
+def _rotation(app, aqq, apq, tol, floor):
     """(c, s) of the Jacobi rotation that zeroes apq (the smaller angle), or (1, 0) when apq
-    is negligible beside app, aqq and the matrix's scale."""
-    if abs(apq) <= max(EPS * math.sqrt(abs(app * aqq)), TINY * scale):
+    is negligible: below tol * sqrt(|app aqq|) or below ``floor``."""
+    if abs(apq) <= max(tol * math.sqrt(abs(app * aqq)), floor):
         return float32(1.0), float32(0.0)
     theta = (aqq - app) / (2.0 * apq)
     if abs(theta) > 1e18:
@@ -287,7 +288,7 @@ def eigh_kernel(a, w, out, batch, n):
             s = float32(0.0)
             for idx in range(n * n):
                 s = max(s, abs(w[base + idx]))
-            shf[2] = s * n
+            shf[2] = s
         for sweep in range(SWEEPS):
             if tid == 0:
                 sh[1] = 0
@@ -296,7 +297,7 @@ def eigh_kernel(a, w, out, batch, n):
                 for q in range(p + 1, n):
                     if tid == 0:
                         c, s = _rotation(w[base + p * n + p], w[base + q * n + q],
-                                         w[base + p * n + q], shf[2])
+                                         w[base + p * n + q], EPS, TINY * shf[2])
                         shf[0], shf[1] = c, s
                         sh[0] = 1 if s != 0.0 else 0
                         if s != 0.0:
@@ -367,10 +368,7 @@ def svd_kernel(a, v, out, batch, m, n):
             v[vb + idx] = 1.0 if idx // n == idx % n else 0.0
         cuda.syncthreads()
         if tid == 0:
-            s = float32(0.0)
-            for idx in range(m * n):
-                s = max(s, abs(out[ob + idx]))
-            shf[2] = s * s * m
+            shf[2] = EPS * math.sqrt(float32(m))
         for sweep in range(SWEEPS):
             if tid == 0:
                 sh[1] = 0
@@ -384,8 +382,10 @@ def svd_kernel(a, v, out, batch, m, n):
                             al += x * x
                             be += y * y
                             ga += x * y
-                        # the rotation that diagonalises [[al, ga], [ga, be]] (U^T U's block)
-                        c, s = _rotation(al, be, ga, shf[2])
+                        # the rotation that diagonalises [[al, ga], [ga, be]] (U^T U's block);
+                        # relative only (one-sided Jacobi's accuracy for small singular
+                        # values), at the rounding of an m-term dot product, as LAPACK's gesvj
+                        c, s = _rotation(al, be, ga, shf[2], float32(0.0))
                         shf[0], shf[1] = c, s
                         sh[0] = 1 if s != 0.0 else 0
                         if s != 0.0:
