@@ -298,18 +298,22 @@ def test_errors():
     other = g.input("other", (4, 3, 3), "f32")
     half = g.input("half", (3, 3), "f16")
     cases = [
-        (lambda: g.linalg_solve(rect, sq), r"linalg_solve: A must be square \[\.\.\., n, n\].*\[2, 3, 4\]"),
+        (lambda: g.linalg_solve(rect, sq),
+         r"linalg_solve: A must be square \[\.\.\., n, n\].*\[2, 3, 4\]"),
         (lambda: g.linalg_solve(sq, g.input("b4", (2, 4, 1), "f32")),
          r"linalg_solve: B must be.*n=3.*\[2, 4, 1\]"),
-        (lambda: g.linalg_solve(sq, other), r"linalg_solve: the batch axes of A.*\[2, 3, 3\].*\[4, 3, 3\]"),
+        (lambda: g.linalg_solve(sq, other),
+         r"linalg_solve: the batch axes of A.*\[2, 3, 3\].*\[4, 3, 3\]"),
         (lambda: g.cholesky(half), r"cholesky: A must be f32.*no f64 yet.*f16"),
         (lambda: g.cholesky(sq, upper=1), r"cholesky: upper must be a bool"),
         (lambda: g.inv(rect), r"inv: A must be square"),
         (lambda: g.det(g.input("v", (3,), "f32")), r"det: A must be square.*\[3\]"),
         (lambda: g.slogdet(rect), r"slogdet: A must be square"),
         (lambda: g.eigh(rect), r"eigh: A must be square"),
-        (lambda: g.triangular_solve(sq, rect, left=False), r"triangular_solve: B must be \[\.\.\., k, n\].*left=False"),
-        (lambda: g.triangular_solve(sq, g.input("i", (2, 3, 1), "i32")), r"triangular_solve: B must be f32"),
+        (lambda: g.triangular_solve(sq, rect, left=False),
+         r"triangular_solve: B must be \[\.\.\., k, n\].*left=False"),
+        (lambda: g.triangular_solve(sq, g.input("i", (2, 3, 1), "i32")),
+         r"triangular_solve: B must be f32"),
         (lambda: g.qr(g.input("q1", (3,), "f32")), r"qr: A must be \[\.\.\., m, n\]"),
         (lambda: g.svd(half), r"svd: A must be f32"),
     ]
@@ -363,7 +367,8 @@ def test_tier0_layout_kernels(rng):
     # svd: gesvdj of A^T ([n, m]) = U' S V'^T; V' [m, n] (ld m), U' [n, n]
     up, sp, vph = np.linalg.svd(np.swapaxes(a, -1, -2).astype(np.float64), full_matrices=False)
     out = np.zeros((b, m + 1 + n, n), np.float32)
-    _launch(K.svd_post_kernel, _cm(up), sp.astype(np.float32).reshape(-1), _cm(np.swapaxes(vph, -1, -2)),
+    _launch(K.svd_post_kernel, _cm(up), sp.astype(np.float32).reshape(-1),
+            _cm(np.swapaxes(vph, -1, -2)),
             np.array([0, 1], np.int32), out.reshape(-1), b, m, n, n * n, m * n)
     u, s, vh = out[0, :m], out[0, m], out[0, m + 1:]
     np.testing.assert_allclose((u * s) @ vh, a[0], atol=1e-5)

@@ -142,7 +142,8 @@ def _eye(g, n):
 
 
 def _tri_mask(g, n, lower: bool, k: int = 0):
-    m = np.tril(np.ones((n, n), np.float32), k) if lower else np.triu(np.ones((n, n), np.float32), k)
+    ones = np.ones((n, n), np.float32)
+    m = np.tril(ones, k) if lower else np.triu(ones, k)
     return g.constant(m)
 
 

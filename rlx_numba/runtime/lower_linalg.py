@@ -1,11 +1,15 @@
 """The linear-algebra family's tiers (ir/ops_linalg.py), chosen at compile time in this order
 (``RLX_NUMBA_LINALG_TIERS``, a subset of 0,1; RLX_NUMBA_LOG_FALLBACK=1 logs the choice):
 
-  0 cuSOLVER / cuBLAS (cusolver.py): getrf + getrs (solve), getrf alone (slogdet: the
-    diagonal and pivots reduced by a small kernel), potrf (cholesky), cuBLAS trsm
-    (triangular solve), geqrf + orgqr (qr), syevd (eigh), gesvd (svd). Not in the
-    simulator. The info codes stay on the device: a kernel after the call NaN-fills the
-    results of a matrix whose info is not 0 (torch raises; see ops_linalg.py).
+  0 cuSOLVER / cuBLAS (cusolver.py, cublas/api.py): getrf + getrs (solve; cuBLAS's batched
+    pair for a batch of n <= 128), getrf alone (slogdet: U's diagonal and the pivots reduced
+    by a small kernel), potrf / potrfBatched (cholesky), cuBLAS trsmBatched (triangular
+    solve), geqrf (cuBLAS batched for a batch of tall m <= 128) + orgqr (qr), syevd /
+    syevjBatched for n <= 32 (eigh), gesvdj / gesvdjBatched for m <= 32 (svd); the
+    routines without a batched form loop over the matrices inside one step. Not in the
+    simulator. Workspaces are arrays the step owns. The info codes stay on the device: a
+    kernel after the call NaN-fills the results of a matrix whose info is not 0 (torch
+    raises; see ops_linalg.py), no host sync.
   1 numba (kernels/linalg.py): one block a matrix.
 
 Every buffer is row-major [batch, ...]; cuSOLVER is column-major, so it sees A^T: potrf
@@ -35,10 +39,6 @@ def _batch(shape, tail: int = 2) -> int:
 
 def _block():
     return (default_geometry("linalg").threads,)
-
-
-def _scratch(ctx, count: int):
-    return ctx.device_array(np.zeros(max(count, 1), np.float32))
 
 
 # ---- tier 0: cuSOLVER / cuBLAS ------------------------------------------------------------------
@@ -403,7 +403,7 @@ def _numba_lu_solve(ctx, n):
     a, b = (ctx.graph.nodes[i] for i in n.inputs)
     k, m = a.shape[-1], n.shape[-1]
     batch = _batch(a.shape)
-    args = (ctx.buf(a), _scratch(ctx, batch * k * k), ctx.buf(b), ctx.buf(n),
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(b), ctx.buf(n),
             ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32)), _I(batch), _I(k), _I(m))
     return [Step(step_name(n), f"lu solve {batch}x{k}x{k} ({m} rhs)", K.lu_kernel(True),
                  grid_3d(batch), _block(), args, {"flops": batch * (2 * k**3 / 3 + 2 * k * k * m)})]
@@ -416,7 +416,7 @@ def _numba_slogdet(ctx, n):
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
     dummy = ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32))
-    args = (ctx.buf(a), _scratch(ctx, batch * k * k), dummy, dummy, ctx.buf(n), _I(batch),
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), dummy, dummy, ctx.buf(n), _I(batch),
             _I(k), _I(0))
     return [Step(step_name(n), f"lu slogdet {batch}x{k}x{k}", K.lu_kernel(False),
                  grid_3d(batch), _block(), args, {"flops": batch * 2 * k**3 / 3})]
@@ -452,7 +452,7 @@ def _numba_qr(ctx, n):
     a = ctx.graph.nodes[n.inputs[0]]
     m, nn = a.shape[-2:]
     k, batch = min(m, nn), _batch(a.shape)
-    args = (ctx.buf(a), _scratch(ctx, batch * (m * nn + 2 * k)), ctx.buf(n), _I(batch), _I(m),
+    args = (ctx.buf(a), _f32(ctx, batch * (m * nn + 2 * k)), ctx.buf(n), _I(batch), _I(m),
             _I(nn))
     return [Step(step_name(n), f"householder qr {batch}x{m}x{nn}", K.qr_kernel, grid_3d(batch),
                  _block(), args, {"flops": batch * 4 * m * nn * k})]
@@ -464,7 +464,7 @@ def _numba_eigh(ctx, n):
         return []
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
-    args = (ctx.buf(a), _scratch(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(k))
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(k))
     return [Step(step_name(n), f"jacobi eigh {batch}x{k}x{k}", K.eigh_kernel, grid_3d(batch),
                  _block(), args, {})]
 
@@ -476,6 +476,6 @@ def _numba_svd(ctx, n):
     a = ctx.graph.nodes[n.inputs[0]]
     m, k = a.shape[-2:]
     batch = _batch(a.shape)
-    args = (ctx.buf(a), _scratch(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(m), _I(k))
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(m), _I(k))
     return [Step(step_name(n), f"one-sided jacobi svd {batch}x{m}x{k}", K.svd_kernel,
                  grid_3d(batch), _block(), args, {})]
