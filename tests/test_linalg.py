@@ -494,8 +494,18 @@ def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
 
 @gpu
 def test_singular_on_gpu(monkeypatch):
+    """Tier 0's info codes: the batched calls (cuBLAS getrf, potrfBatched) and the single
+    ones (cuSOLVER getrf + getrs, potrf) NaN-fill as the numba tier does."""
     monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
     test_singular_and_not_positive_definite()
+    a = np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32)
+    g = rlx.Graph("singular_single")
+    A = g.input("a", a.shape, "f32")
+    sign, logabs = g.slogdet(A)
+    x, s, la, ch = _run(g, [g.linalg_solve(A, g.constant(np.ones((3, 2), np.float32))), sign,
+                            logabs, g.cholesky(A)], {"a": a})
+    assert np.isnan(x).all() and np.isnan(ch).all()
+    assert s == 0 and la == -np.inf
 
 
 @gpu

@@ -131,6 +131,8 @@ def _solver_lu_solve(ctx, n):
         steps.append(_call(n, f"cublas getrf/getrs batched {what}", make,
                            batch * (2 * k**3 / 3 + 2 * k * k * m)))
     else:
+        rs_info = _i32(ctx, 1)      # getrs writes 0 to its info: not getrf's singular flag
+
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
             ws = _workspace(cusolver.buffer_size("Sgetrf", h, k, k, _p(lu), k))
@@ -141,7 +143,7 @@ def _solver_lu_solve(ctx, n):
                 _copy_in(stream, lu, a_buf)
                 for pa, pp, px, pi in calls:
                     lib.cusolverDnSgetrf(h, k, k, pa, k, _p(ws), pp, pi)
-                    lib.cusolverDnSgetrs(h, cusolver.OP_T, k, m, pa, k, pp, px, k, pi)
+                    lib.cusolverDnSgetrs(h, cusolver.OP_T, k, m, pa, k, pp, px, k, _p(rs_info))
             return go
         steps.append(_call(n, f"cusolver getrf/getrs {what}", make,
                            batch * (2 * k**3 / 3 + 2 * k * k * m)))
