@@ -36,7 +36,8 @@ BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
            ("matmul", "bench_matmul.py"), ("quant", "bench_quant.py"),
            ("gemv", "bench_gemv.py"), ("elementwise", "bench_elementwise.py"),
            ("rows", "bench_rows.py"), ("reduce", "bench_reduce.py"),
-           ("signal", "bench_signal.py"), ("runtime", "bench_runtime.py"),
+           ("signal", "bench_signal.py"), ("linalg", "bench_linalg.py"),
+           ("runtime", "bench_runtime.py"),
            ("control", "bench_control.py"), ("custom_op", "bench_custom_op.py"),
            ("distributed", "bench_distributed.py")]
 # a row's identifying fields, in the order its label joins them

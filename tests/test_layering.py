@@ -2,8 +2,9 @@
 
     0 device.py, modes.py  discovery, the simulator switch; CompileMode / ExecMode and parsers
     1 ir/, memory.py     the graph, dtypes, op rules; the arena planner
-    2 kernels/, cublas/, cudnn.py, cufft.py, distributed/   numba kernels; the cuBLAS /
-                         cuBLASLt, cuDNN, cuFFT and NCCL shims, the communicators
+    2 kernels/, cublas/, cudnn.py, cufft.py, cusolver.py, distributed/   numba kernels; the
+                         cuBLAS / cuBLASLt, cuDNN, cuFFT, cuSOLVER and NCCL shims, the
+                         communicators
     3 passes/            graph passes (fusion)
     4 runtime/           planning (plan.py), lowering to Steps (LowerCtx, Program), the
                          executable that runs a Program, params, CUDA graphs
@@ -18,7 +19,7 @@ import rlx_numba
 
 PKG = Path(rlx_numba.__file__).parent
 FLOORS = {"device": 0, "modes": 0, "ir": 1, "memory": 1, "kernels": 2, "cublas": 2, "cudnn": 2,
-          "cufft": 2, "distributed": 2, "passes": 3,
+          "cufft": 2, "cusolver": 2, "distributed": 2, "passes": 3,
           "runtime": 4, "compiler": 5, "train": 5, "optim": 5,
           "models": 6, "cli": 6, "__init__": 6}
 

@@ -68,6 +68,12 @@ CUBLAS = {
     "cublasGemmStridedBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int,
                                    c_int64, P, c_int, c_int, c_int64, P, P, c_int, c_int,
                                    c_int64, c_int, c_int, c_int],
+    # the linear-algebra tier 0 (runtime/lower_linalg.py): batched trsm, LU, QR
+    "cublasStrsmBatched": [P, c_int, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int,
+                           c_int],
+    "cublasSgetrfBatched": [P, c_int, P, c_int, P, P, c_int],
+    "cublasSgetrsBatched": [P, c_int, c_int, c_int, P, c_int, P, P, c_int, P, c_int],
+    "cublasSgeqrfBatched": [P, c_int, c_int, P, c_int, P, P, c_int],
 }
 CUBLASLT = {
     "cublasLtCreate": [POINTER(c_void_p)],

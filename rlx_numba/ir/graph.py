@@ -20,6 +20,7 @@ from .ops_control import ControlOps
 from .ops_delta import DeltaOps
 from .ops_einsum import EinsumOps
 from .ops_fft import FftOps
+from .ops_linalg import LinalgOps
 from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
 from .ops_moe import MoEOps
@@ -121,7 +122,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps, LinalgOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

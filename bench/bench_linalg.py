@@ -1,0 +1,145 @@
+"""Linear algebra on the GPU beside torch.linalg in the same process (issue 34's bench).
+
+  solve (16 right-hand sides), cholesky, qr (reduced), svd (full_matrices=False), eigh
+  on a batch of 4096 64x64 matrices and on one 4096x4096 matrix, f32:
+  ours on tier 0 (cuSOLVER / cuBLAS; bar 0.8x torch) and, for the batch, tier 1 (the numba
+  kernels, a block a matrix; no bar, for information).
+Each row checks a gauge-invariant residual (||A X - B||, ||L L^T - A||, ||Q R - A||,
+||U S Vh - A||, ||V diag(w) V^T - A||, relative, in float64 on the GPU) for ours and torch's.
+Our time is the CUDA-event sum of the executable's steps (exe.profile; a loop of cuSOLVER
+calls a matrix counts its host gaps too); torch's by events around the call.
+
+  python bench/bench_linalg.py [--out F] [--skip single,numba] [--ops solve,qr]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_device_memory, time_torch, write_results  # noqa: E402
+
+BAR = 0.8
+OPS = ("solve", "cholesky", "qr", "svd", "eigh")
+
+
+def _inputs(rng, op, batch, n):
+    a = rng.standard_normal(batch + (n, n)).astype(np.float32) / np.sqrt(n)
+    if op in ("cholesky", "eigh"):
+        a = (a @ np.swapaxes(a, -1, -2) + np.eye(n, dtype=np.float32)).astype(np.float32)
+    elif op == "solve":
+        a = a + 2 * np.eye(n, dtype=np.float32)
+    feed = {"a": a}
+    if op == "solve":
+        feed["b"] = rng.standard_normal(batch + (n, 16)).astype(np.float32)
+    return feed
+
+
+def _build(g, op, t):
+    a = t["a"]
+    return {"solve": lambda: [g.linalg_solve(a, t["b"])], "cholesky": lambda: [g.cholesky(a)],
+            "qr": lambda: list(g.qr(a)), "svd": lambda: list(g.svd(a)),
+            "eigh": lambda: list(g.eigh(a))}[op]()
+
+
+def _torch_call(torch, op, t):
+    la = torch.linalg
+    return {"solve": lambda: la.solve(t["a"], t["b"]), "cholesky": lambda: la.cholesky(t["a"]),
+            "qr": lambda: la.qr(t["a"]), "svd": lambda: la.svd(t["a"], full_matrices=False),
+            "eigh": lambda: la.eigh(t["a"])}[op]
+
+
+def _residual(torch, op, t, outs):
+    """||reconstruction - A|| / ||A|| (solve: ||A X - B|| / ||B||), float64."""
+    d = [torch.as_tensor(np.asarray(o), device="cuda").double() if not torch.is_tensor(o)
+         else o.double() for o in outs]
+    a = t["a"].double()
+    if op == "solve":
+        r, ref = a @ d[0] - t["b"].double(), t["b"].double()
+    elif op == "cholesky":
+        r, ref = d[0] @ d[0].mT - a, a
+    elif op == "qr":
+        r, ref = d[0] @ d[1] - a, a
+    elif op == "svd":
+        r, ref = (d[0] * d[1][..., None, :]) @ d[2] - a, a
+    else:
+        r, ref = (d[1] * d[0][..., None, :]) @ d[1].mT - a, a
+    return float(torch.linalg.norm(r.flatten()) / torch.linalg.norm(ref.flatten()))
+
+
+def op_row(rlx, torch, op, batch, n, tier):
+    rng = np.random.default_rng(0)
+    feed = _inputs(rng, op, batch, n)
+    g = rlx.Graph(f"{op}")
+    t = {k: g.input(k, v.shape, "f32") for k, v in feed.items()}
+    g.set_outputs(_build(g, op, t))
+    os.environ["RLX_NUMBA_LINALG_TIERS"] = tier
+    try:
+        exe = rlx.compile(g)
+    finally:
+        os.environ.pop("RLX_NUMBA_LINALG_TIERS", None)
+    heavy = n >= 1024
+    got = exe.run(feed)
+    prof = exe.profile(feed, warmup=1)
+    tt = {k: torch.tensor(v, device="cuda") for k, v in feed.items()}
+    call = _torch_call(torch, op, tt)
+    want = call()
+    want = [want] if torch.is_tensor(want) else list(want)
+    theirs = time_torch(torch, call, 1 if heavy else 5, 1, 2 if heavy else 3)
+    shape = f"{batch[0]}x{n}x{n}" if batch else f"{n}x{n}"
+    row = dict(row=f"{op} {shape}", tier=tier, rlx_ms=prof.total_ms, torch_ms=theirs,
+               ratio=theirs / prof.total_ms, rlx_residual=_residual(torch, op, tt, got),
+               torch_residual=_residual(torch, op, tt, want),
+               steps=[(r.kernel, r.ms) for r in prof])
+    if tier == "0":
+        row.update(bar=BAR, **{"pass": row["ratio"] >= BAR and row["rlx_residual"] < 1e-3})
+    del exe, tt, want, got
+    free_device_memory(rlx_cuda(), torch)
+    return row
+
+
+def rlx_cuda():
+    from numba import cuda
+    return cuda
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "linalg.json")
+    p.add_argument("--skip", default="", help="comma-separated: single (4096x4096), numba")
+    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
+    args = p.parse_args()
+    skip, ops = set(args.skip.split(",")), [o for o in args.ops.split(",") if o]
+    import torch
+
+    import rlx_numba as rlx
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32\n")
+    cases = [((4096,), 64, "0")] + ([((4096,), 64, "1")] if "numba" not in skip else []) \
+        + ([((), 4096, "0")] if "single" not in skip else [])
+    results = []
+    for batch, n, tier in cases:
+        for op in ops:
+            try:
+                r = op_row(rlx, torch, op, batch, n, tier)
+            except Exception as e:  # noqa: BLE001 - a failed row is reported, the rest run
+                r = dict(row=f"{op} {batch}x{n}", tier=tier, error=f"{type(e).__name__}: {e}")
+                print(f"{r['row']:<24} tier {tier}  ERROR {r['error']}", flush=True)
+                results.append(r)
+                continue
+            verdict = "" if "pass" not in r else ("  PASS" if r["pass"] else "  FAIL")
+            print(f"{r['row']:<24} tier {tier}  ours {r['rlx_ms']:9.3f} ms  torch "
+                  f"{r['torch_ms']:9.3f} ms  {r['ratio']:5.2f}x torch  residual "
+                  f"{r['rlx_residual']:.1e} (torch {r['torch_residual']:.1e}){verdict}   "
+                  + " | ".join(f"{k[:30]} {ms:.3f}" for k, ms in r["steps"][:5]), flush=True)
+            results.append(r)
+    write_results(args.out, torch, results)
+
+
+if __name__ == "__main__":
+    main()

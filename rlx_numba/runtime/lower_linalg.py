@@ -1,0 +1,483 @@
+"""The linear-algebra family's tiers (ir/ops_linalg.py), chosen at compile time in this order
+(``RLX_NUMBA_LINALG_TIERS``, a subset of 0,1; RLX_NUMBA_LOG_FALLBACK=1 logs the choice):
+
+  0 cuSOLVER / cuBLAS (cusolver.py, cublas/api.py): getrf + getrs (solve; cuBLAS's batched
+    pair for a batch of n <= 128), getrf alone (slogdet: U's diagonal and the pivots reduced
+    by a small kernel), potrf / potrfBatched (cholesky), cuBLAS trsmBatched (triangular
+    solve), geqrf (cuBLAS batched for a batch of tall m <= 128) + orgqr (qr), syevd /
+    syevjBatched for n <= 32 (eigh), gesvdj / gesvdjBatched for m <= 32 (svd); the
+    routines without a batched form loop over the matrices inside one step. Not in the
+    simulator. Workspaces are arrays the step owns. The info codes stay on the device: a
+    kernel after the call NaN-fills the results of a matrix whose info is not 0 (torch
+    raises; see ops_linalg.py), no host sync.
+  1 numba (kernels/linalg.py): one block a matrix.
+
+Every buffer is row-major [batch, ...]; cuSOLVER is column-major, so it sees A^T: potrf
+"upper" of A^T is our lower factor, getrs "transposed" solves A X = B with B handed over
+transposed (a transpose kernel either side), and so on (each lowering says how).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ctypes import byref, c_float, c_int, c_void_p
+
+from .. import cusolver
+from ..device import SIMULATOR
+from ..kernels import linalg as K
+from ..kernels.launch import default_geometry, grid_1d, grid_3d
+from .lower import CallStep, Step, data_ptr, lowering, step_name
+
+_I = np.int64
+
+
+def _batch(shape, tail: int = 2) -> int:
+    return math.prod(shape[:-tail])
+
+
+def _block():
+    return (default_geometry("linalg").threads,)
+
+
+# ---- tier 0: cuSOLVER / cuBLAS ------------------------------------------------------------------
+# sizes where one batched call beats a loop of single calls (the batched routines are for
+# small matrices: cuBLAS's LU / QR read a matrix per block; syevj / gesvdj batched take n <= 32)
+LU_BATCHED_N, QR_BATCHED_N, JACOBI_BATCHED_N = 128, 128, 32
+
+
+def _solver_available(ctx, n):
+    if SIMULATOR:
+        return "the simulator has no cuSOLVER"
+    ok, err = cusolver.available()
+    if not ok:
+        return err
+    from ..cublas import available as blas_available
+    ok, err = blas_available()
+    return None if ok else err
+
+
+def _f32(ctx, count: int):
+    return ctx.device_array(np.zeros(max(count, 1), np.float32))
+
+
+def _i32(ctx, count: int):
+    return ctx.device_array(np.zeros(max(count, 1), np.int32))
+
+
+def _ptrs(ctx, buf, count: int, stride: int, itemsize: int = 4):
+    """A device array of ``count`` pointers into ``buf``, ``stride`` elements apart."""
+    from ..cublas import gemm
+    a = gemm.pointer_array(data_ptr(buf), np.arange(count) * stride, itemsize)
+    ctx.keep([a])
+    return a
+
+
+def _p(buf, offset: int = 0, itemsize: int = 4) -> c_void_p:
+    return c_void_p(data_ptr(buf) + offset * itemsize)
+
+
+def _kstep(n, what, kernel, total, args):
+    """A grid-stride layout / info kernel of tier 0."""
+    blocks, threads = grid_1d(max(total, 1))
+    return Step(step_name(n), what, kernel, (blocks,), (threads,), args, {"tier": 0})
+
+
+def _call(n, what, make, flops=0.0):
+    return CallStep(step_name(n), what, make, {"flops": flops, "tier": 0})
+
+
+def _copy_in(stream, dst, src):
+    dst.copy_to_device(src, stream=stream)
+
+
+def _workspace(lwork: int):
+    from numba import cuda
+    return cuda.device_array(lwork, np.float32)
+
+
+@lowering("lu_solve", tier="cuSOLVER", available=_solver_available)
+def _solver_lu_solve(ctx, n):
+    """LU of A^T (the column-major view of A) and a transposed solve: (A^T)^T X = A X = B.
+    B goes over transposed (column-major [n, k]) and X comes back the same way. Batched
+    cuBLAS getrf / getrs up to LU_BATCHED_N, else cuSOLVER a matrix at a time."""
+    if n.size == 0:
+        return []
+    a, b = (ctx.graph.nodes[i] for i in n.inputs)
+    k, m = a.shape[-1], n.shape[-1]
+    batch = _batch(a.shape)
+    lu, xt = _f32(ctx, batch * k * k), _f32(ctx, batch * k * m)
+    ipiv, info = _i32(ctx, batch * k), _i32(ctx, batch)
+    a_buf, out = ctx.buf(a), ctx.buf(n)
+    what = f"{batch}x{k}x{k} ({m} rhs)"
+    steps = [_kstep(n, f"B^T {what}", K.transpose_kernel, b.size,
+                    (ctx.buf(b), xt, _I(batch), _I(k), _I(m)))]
+    if k <= LU_BATCHED_N and batch > 1:
+        a_ptrs, x_ptrs = _ptrs(ctx, lu, batch, k * k), _ptrs(ctx, xt, batch, k * m)
+
+        def make(stream):
+            from ..cublas import api, gemm
+            blas = api.libs()[0]
+            h = gemm.blas_handle(stream, False)
+            host_info = c_int()
+
+            def go():
+                _copy_in(stream, lu, a_buf)
+                blas.cublasSgetrfBatched(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
+                blas.cublasSgetrsBatched(h, cusolver.OP_T, k, m, _p(a_ptrs), k, _p(ipiv),
+                                         _p(x_ptrs), k, byref(host_info), batch)
+            return go
+        steps.append(_call(n, f"cublas getrf/getrs batched {what}", make,
+                           batch * (2 * k**3 / 3 + 2 * k * k * m)))
+    else:
+        rs_info = _i32(ctx, 1)      # getrs writes 0 to its info: not getrf's singular flag
+
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            ws = _workspace(cusolver.buffer_size("Sgetrf", h, k, k, _p(lu), k))
+            calls = [(_p(lu, i * k * k), _p(ipiv, i * k), _p(xt, i * k * m), _p(info, i))
+                     for i in range(batch)]
+
+            def go():
+                _copy_in(stream, lu, a_buf)
+                for pa, pp, px, pi in calls:
+                    lib.cusolverDnSgetrf(h, k, k, pa, k, _p(ws), pp, pi)
+                    lib.cusolverDnSgetrs(h, cusolver.OP_T, k, m, pa, k, pp, px, k, _p(rs_info))
+            return go
+        steps.append(_call(n, f"cusolver getrf/getrs {what}", make,
+                           batch * (2 * k**3 / 3 + 2 * k * k * m)))
+    steps.append(_kstep(n, f"X^T {what}", K.transpose_kernel, n.size,
+                        (xt, out, _I(batch), _I(m), _I(k))))
+    steps.append(_kstep(n, "NaN where singular", K.nan_where_kernel, n.size,
+                        (out, info, _I(batch), _I(k * m))))
+    return steps
+
+
+@lowering("slogdet", tier="cuSOLVER", available=_solver_available)
+def _solver_slogdet(ctx, n):
+    """getrf of A^T (det A^T = det A); a kernel reduces U's diagonal and the pivots."""
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, batch = a.shape[-1], _batch(a.shape)
+    lu, ipiv, info = _f32(ctx, batch * k * k), _i32(ctx, batch * k), _i32(ctx, batch)
+    a_buf = ctx.buf(a)
+    if k <= LU_BATCHED_N and batch > 1:
+        a_ptrs = _ptrs(ctx, lu, batch, k * k)
+
+        def make(stream):
+            from ..cublas import api, gemm
+            blas, h = api.libs()[0], gemm.blas_handle(stream, False)
+
+            def go():
+                _copy_in(stream, lu, a_buf)
+                blas.cublasSgetrfBatched(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
+            return go
+    else:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            ws = _workspace(cusolver.buffer_size("Sgetrf", h, k, k, _p(lu), k))
+            calls = [(_p(lu, i * k * k), _p(ipiv, i * k), _p(info, i)) for i in range(batch)]
+
+            def go():
+                _copy_in(stream, lu, a_buf)
+                for pa, pp, pi in calls:
+                    lib.cusolverDnSgetrf(h, k, k, pa, k, _p(ws), pp, pi)
+            return go
+    return [_call(n, f"getrf {batch}x{k}x{k}", make, batch * 2 * k**3 / 3),
+            _kstep(n, "slogdet from LU", K.slogdet_lu_kernel, batch,
+                   (lu, ipiv, info, ctx.buf(n), _I(batch), _I(k)))]
+
+
+@lowering("cholesky", tier="cuSOLVER", available=_solver_available)
+def _solver_cholesky(ctx, n):
+    """potrf "upper" of A^T reads A's lower triangle and leaves U with A = U^T U, which is
+    L = U^T in our row-major memory; a kernel zeros the other triangle (potrfBatched uses it
+    as scratch) and NaN-fills where info != 0."""
+    if n.size == 0:
+        return []
+    k, batch = n.shape[-1], _batch(n.shape)
+    out, a_buf = ctx.buf(n), ctx.buf(n.inputs[0])
+    info = _i32(ctx, batch)
+    if batch > 1:
+        ptrs = _ptrs(ctx, out, batch, k * k)
+
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+
+            def go():
+                _copy_in(stream, out, a_buf)
+                lib.cusolverDnSpotrfBatched(h, cusolver.UPPER, k, _p(ptrs), k, _p(info), batch)
+            return go
+    else:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            ws = _workspace(cusolver.buffer_size("Spotrf", h, cusolver.UPPER, k, _p(out), k))
+            lwork = ws.size
+
+            def go():
+                _copy_in(stream, out, a_buf)
+                lib.cusolverDnSpotrf(h, cusolver.UPPER, k, _p(out), k, _p(ws), lwork, _p(info))
+            return go
+    return [_call(n, f"cusolver potrf {batch}x{k}x{k}", make, batch * k**3 / 3),
+            _kstep(n, "tril / NaN where not positive definite", K.tril_kernel, n.size,
+                   (out, info, _I(batch), _I(k)))]
+
+
+@lowering("trsm", tier="cuSOLVER", available=_solver_available)
+def _solver_trsm(ctx, n):
+    """cuBLAS trsm on the column-major views: A X = B is X^T A^T = B^T, a right-side solve of
+    B^T ([k, n] column-major, our B as it lies) by A^T, whose upper triangle is A's lower."""
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, m, batch = a.shape[-1], n.shape[-1], _batch(a.shape)
+    out, b_buf = ctx.buf(n), ctx.buf(n.inputs[1])
+    a_ptrs, x_ptrs = _ptrs(ctx, ctx.buf(a), batch, k * k), _ptrs(ctx, out, batch, k * m)
+    uplo = cusolver.LOWER if n.attrs["upper"] else cusolver.UPPER
+    alpha = c_float(1.0)
+
+    def make(stream):
+        from ..cublas import api, gemm
+        blas, h = api.libs()[0], gemm.blas_handle(stream, False)
+
+        def go():
+            _copy_in(stream, out, b_buf)
+            blas.cublasStrsmBatched(h, cusolver.RIGHT, uplo, cusolver.OP_N, cusolver.NON_UNIT,
+                                    m, k, byref(alpha), _p(a_ptrs), k, _p(x_ptrs), m, batch)
+        return go
+    return [_call(n, f"cublas trsm batched {batch}x{k}x{k} ({m} rhs)", make, batch * k * k * m)]
+
+
+@lowering("qr", tier="cuSOLVER", available=_solver_available)
+def _solver_qr(ctx, n):
+    """A transposed into column-major [m, n]; geqrf (cuBLAS batched for tall m <= QR_BATCHED_N, else
+    cuSOLVER a matrix at a time); R copied out; orgqr (cuSOLVER, a matrix at a time) makes Q
+    in place, copied out."""
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    m, nn = a.shape[-2:]
+    k, batch = min(m, nn), _batch(a.shape)
+    work, tau, info = _f32(ctx, batch * m * nn), _f32(ctx, batch * k), _i32(ctx, batch)
+    out = ctx.buf(n)
+    what = f"{batch}x{m}x{nn}"
+    steps = [_kstep(n, f"A^T {what}", K.transpose_kernel, a.size,
+                    (ctx.buf(a), work, _I(batch), _I(m), _I(nn)))]
+    if batch > 1 and nn <= m <= QR_BATCHED_N:        # (cuBLAS's batched geqrf: m >= n)
+        a_ptrs, t_ptrs = _ptrs(ctx, work, batch, m * nn), _ptrs(ctx, tau, batch, k)
+
+        def make_qr(stream):
+            from ..cublas import api, gemm
+            blas, h = api.libs()[0], gemm.blas_handle(stream, False)
+            host_info = c_int()
+            return lambda: blas.cublasSgeqrfBatched(h, m, nn, _p(a_ptrs), m, _p(t_ptrs),
+                                                    byref(host_info), batch)
+    else:
+        def make_qr(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            ws = _workspace(cusolver.buffer_size("Sgeqrf", h, m, nn, _p(work), m))
+            calls = [(_p(work, i * m * nn), _p(tau, i * k), _p(info, i)) for i in range(batch)]
+
+            def go():
+                for pa, pt, pi in calls:
+                    lib.cusolverDnSgeqrf(h, m, nn, pa, m, pt, _p(ws), ws.size, pi)
+            return go
+
+    def make_q(stream):
+        lib, h = cusolver.lib(), cusolver.handle(stream)
+        ws = _workspace(cusolver.buffer_size("Sorgqr", h, m, k, k, _p(work), m, _p(tau)))
+        calls = [(_p(work, i * m * nn), _p(tau, i * k), _p(info, i)) for i in range(batch)]
+
+        def go():
+            for pa, pt, pi in calls:
+                lib.cusolverDnSorgqr(h, m, k, k, pa, m, pt, _p(ws), ws.size, pi)
+        return go
+    flops = batch * 2 * m * nn * k
+    steps += [_call(n, f"geqrf {what}", make_qr, flops),
+              _kstep(n, "R", K.qr_r_kernel, batch * k * nn, (work, out, _I(batch), _I(m), _I(nn))),
+              _call(n, f"cusolver orgqr {what}", make_q, flops),
+              _kstep(n, "Q", K.qr_q_kernel, batch * m * nn, (work, out, _I(batch), _I(m), _I(nn)))]
+    return steps
+
+
+@lowering("eigh", tier="cuSOLVER", available=_solver_available)
+def _solver_eigh(ctx, n):
+    """syevd "upper" of A^T (A's lower triangle), or syevjBatched for a batch of n <= 32;
+    a kernel lays out w and V (its columns the column-major vectors) with the gauge."""
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, batch = a.shape[-1], _batch(a.shape)
+    vec, w, info = _f32(ctx, batch * k * k), _f32(ctx, batch * k), _i32(ctx, batch)
+    a_buf = ctx.buf(a)
+    if batch > 1 and k <= JACOBI_BATCHED_N:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            params = cusolver.sorted_params("syevj")
+            ws = _workspace(cusolver.buffer_size(
+                "SsyevjBatched", h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k, _p(w), None,
+                params, batch))
+
+            def go():
+                _copy_in(stream, vec, a_buf)
+                lib.cusolverDnSsyevjBatched(h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k,
+                                            _p(w), _p(ws), ws.size, _p(info), params, batch)
+            return go
+        what = f"cusolver syevjBatched {batch}x{k}x{k}"
+    else:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            ws = _workspace(cusolver.buffer_size("Ssyevd", h, cusolver.VECTOR, cusolver.UPPER,
+                                                 k, _p(vec), k, _p(w)))
+            calls = [(_p(vec, i * k * k), _p(w, i * k), _p(info, i)) for i in range(batch)]
+
+            def go():
+                _copy_in(stream, vec, a_buf)
+                for pa, pw, pi in calls:
+                    lib.cusolverDnSsyevd(h, cusolver.VECTOR, cusolver.UPPER, k, pa, k, pw,
+                                         _p(ws), ws.size, pi)
+            return go
+        what = f"cusolver syevd {batch}x{k}x{k}"
+    return [_call(n, what, make, batch * 9 * k**3),
+            _kstep(n, "eigh layout", K.eigh_post_kernel, batch * k,
+                   (vec, w, info, ctx.buf(n), _I(batch), _I(k)))]
+
+
+@lowering("svd", tier="cuSOLVER", available=_solver_available)
+def _solver_svd(ctx, n):
+    """gesvdj of A^T (the column-major view, [n, m]): A^T = U' S V'^T, so U = V' and
+    Vh = U'^T (gesvdjBatched for a batch with m <= 32, else gesvdj econ a matrix at a time);
+    a kernel lays them out with the gauge and NaN-fills where gesvdj did not converge."""
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    m, k = a.shape[-2:]
+    batch = _batch(a.shape)
+    batched = batch > 1 and m <= JACOBI_BATCHED_N
+    vstride = m * m if batched else m * k          # V' is [m, m] batched, [m, k] econ
+    work, s = _f32(ctx, batch * m * k), _f32(ctx, batch * k)
+    u1, v1, info = _f32(ctx, batch * k * k), _f32(ctx, batch * vstride), _i32(ctx, batch)
+    a_buf = ctx.buf(a)
+    V = cusolver.VECTOR
+    if batched:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            params = cusolver.sorted_params("gesvdj")
+            ws = _workspace(cusolver.buffer_size(
+                "SgesvdjBatched", h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, None,
+                params, batch))
+
+            def go():
+                _copy_in(stream, work, a_buf)
+                lib.cusolverDnSgesvdjBatched(h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1),
+                                             m, _p(ws), ws.size, _p(info), params, batch)
+            return go
+        what = f"cusolver gesvdjBatched {batch}x{m}x{k}"
+    else:
+        def make(stream):
+            lib, h = cusolver.lib(), cusolver.handle(stream)
+            params = cusolver.sorted_params("gesvdj")
+            ws = _workspace(cusolver.buffer_size(
+                "Sgesvdj", h, V, 1, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, None, params))
+            calls = [(_p(work, i * m * k), _p(s, i * k), _p(u1, i * k * k), _p(v1, i * vstride),
+                      _p(info, i)) for i in range(batch)]
+
+            def go():
+                _copy_in(stream, work, a_buf)
+                for pa, ps, pu, pv, pi in calls:
+                    lib.cusolverDnSgesvdj(h, V, 1, k, m, pa, k, ps, pu, k, pv, m, _p(ws), ws.size,
+                                          pi, params)
+            return go
+        what = f"cusolver gesvdj {batch}x{m}x{k}"
+    return [_call(n, what, make, batch * 12 * m * k * k),
+            _kstep(n, "svd layout", K.svd_post_kernel, batch * k,
+                   (u1, s, v1, info, ctx.buf(n), _I(batch), _I(m), _I(k), _I(k * k),
+                    _I(vstride)))]
+
+
+# ---- tier 1: numba ---------------------------------------------------------------------------
+@lowering("lu_solve", tier="numba")
+def _numba_lu_solve(ctx, n):
+    if n.size == 0:
+        return []
+    a, b = (ctx.graph.nodes[i] for i in n.inputs)
+    k, m = a.shape[-1], n.shape[-1]
+    batch = _batch(a.shape)
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(b), ctx.buf(n),
+            ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32)), _I(batch), _I(k), _I(m))
+    return [Step(step_name(n), f"lu solve {batch}x{k}x{k} ({m} rhs)", K.lu_kernel(True),
+                 grid_3d(batch), _block(), args, {"flops": batch * (2 * k**3 / 3 + 2 * k * k * m)})]
+
+
+@lowering("slogdet", tier="numba")
+def _numba_slogdet(ctx, n):
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, batch = a.shape[-1], _batch(a.shape)
+    dummy = ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32))
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), dummy, dummy, ctx.buf(n), _I(batch),
+            _I(k), _I(0))
+    return [Step(step_name(n), f"lu slogdet {batch}x{k}x{k}", K.lu_kernel(False),
+                 grid_3d(batch), _block(), args, {"flops": batch * 2 * k**3 / 3})]
+
+
+@lowering("cholesky", tier="numba")
+def _numba_cholesky(ctx, n):
+    if n.size == 0:
+        return []
+    k, batch = n.shape[-1], _batch(n.shape)
+    return [Step(step_name(n), f"cholesky {batch}x{k}x{k}", K.cholesky_kernel, grid_3d(batch),
+                 _block(), (ctx.buf(n.inputs[0]), ctx.buf(n), _I(batch), _I(k)),
+                 {"flops": batch * k**3 / 3})]
+
+
+@lowering("trsm", tier="numba")
+def _numba_trsm(ctx, n):
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, m, batch = a.shape[-1], n.shape[-1], _batch(a.shape)
+    upper = n.attrs["upper"]
+    args = (ctx.buf(a), ctx.buf(n.inputs[1]), ctx.buf(n), _I(batch), _I(k), _I(m))
+    return [Step(step_name(n), f"trsm {'upper' if upper else 'lower'} {batch}x{k}x{k} "
+                 f"({m} rhs)", K.trsm_kernel(upper), grid_3d(batch), _block(), args,
+                 {"flops": batch * k * k * m})]
+
+
+@lowering("qr", tier="numba")
+def _numba_qr(ctx, n):
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    m, nn = a.shape[-2:]
+    k, batch = min(m, nn), _batch(a.shape)
+    args = (ctx.buf(a), _f32(ctx, batch * (m * nn + 2 * k)), ctx.buf(n), _I(batch), _I(m),
+            _I(nn))
+    return [Step(step_name(n), f"householder qr {batch}x{m}x{nn}", K.qr_kernel, grid_3d(batch),
+                 _block(), args, {"flops": batch * 4 * m * nn * k})]
+
+
+@lowering("eigh", tier="numba")
+def _numba_eigh(ctx, n):
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    k, batch = a.shape[-1], _batch(a.shape)
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(k))
+    return [Step(step_name(n), f"jacobi eigh {batch}x{k}x{k}", K.eigh_kernel, grid_3d(batch),
+                 _block(), args, {})]
+
+
+@lowering("svd", tier="numba")
+def _numba_svd(ctx, n):
+    if n.size == 0:
+        return []
+    a = ctx.graph.nodes[n.inputs[0]]
+    m, k = a.shape[-2:]
+    batch = _batch(a.shape)
+    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(m), _I(k))
+    return [Step(step_name(n), f"one-sided jacobi svd {batch}x{m}x{k}", K.svd_kernel,
+                 grid_3d(batch), _block(), args, {})]

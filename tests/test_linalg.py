@@ -1,0 +1,527 @@
+"""Linear algebra (ir/ops_linalg.py): every op against numpy.linalg in float64, reconstructions,
+gradients against float64 finite differences, the singular / not-positive-definite results,
+the argument errors; on a GPU the cuSOLVER tier (0) at larger sizes."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from rlx_numba.ir.ops_linalg import mT
+
+from conftest import ON_GPU
+from gradcheck import check
+
+T = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+
+
+def _wellcond(rng, shape):
+    n = shape[-1]
+    return (rng.standard_normal(shape) / np.sqrt(n) + 2 * np.eye(n)).astype(np.float32)
+
+
+def _spd(rng, shape):
+    a = rng.standard_normal(shape) / np.sqrt(shape[-1])
+    return (a @ T(a) + np.eye(shape[-1])).astype(np.float32)
+
+
+def _lower_sym(a):
+    """The symmetric matrix that a's lower triangle describes (UPLO='L')."""
+    return np.tril(a) + T(np.tril(a, -1))
+
+
+def _sign_fix(u, *others):
+    """Flip columns of u (and the same columns / rows of the others) so that each column's
+    largest-magnitude component is positive: the ops' documented gauge."""
+    big = np.take_along_axis(u, np.abs(u).argmax(-2)[..., None, :], -2)
+    s = np.where(big < 0, -1.0, 1.0)
+    return (u * s,) + tuple(o * s for o in others)
+
+
+def _run(g, outs, feed):
+    g.set_outputs(list(outs))
+    return rlx.compile(g).run(feed)
+
+
+def test_solve_broadcasts_batch_axes(rng):
+    """torch.linalg.solve broadcasts A [2, 1, n, n] against B [3, n, k] to [2, 3, n, k]."""
+    a, b = _wellcond(rng, (2, 1, 3, 3)), rng.standard_normal((3, 3, 2)).astype(np.float32)
+    g = rlx.Graph("broadcast")
+    A, B = g.input("a", a.shape, "f32"), g.input("b", b.shape, "f32")
+    x, t = _run(g, [g.linalg_solve(A, B), g.triangular_solve(A, B, upper=True)], {"a": a, "b": b})
+    assert x.shape == t.shape == (2, 3, 3, 2)
+    np.testing.assert_allclose(x, np.linalg.solve(a.astype(np.float64), b), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(t, np.linalg.solve(np.triu(a.astype(np.float64)), b), rtol=2e-5,
+                               atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_ops_against_numpy(rng, n):
+    a, b = _wellcond(rng, (2, n, n)), rng.standard_normal((2, n, 2)).astype(np.float32)
+    spd, v = _spd(rng, (2, n, n)), rng.standard_normal(n).astype(np.float32)
+    g = rlx.Graph("linalg")
+    A, B = g.input("a", a.shape, "f32"), g.input("b", b.shape, "f32")
+    S, V = g.input("s", spd.shape, "f32"), g.input("v", v.shape, "f32")
+    sign, logabs = g.slogdet(A)
+    outs = _run(g, [g.linalg_solve(A, B), g.linalg_solve(A, V), g.inv(A), g.det(A), sign, logabs,
+                    g.cholesky(S), g.cholesky(S, upper=True),
+                    g.triangular_solve(A, B, upper=True),
+                    g.triangular_solve(A, g.narrow(mT(g, B), -1, 0, n), upper=False, left=False)],
+                {"a": a, "b": b, "s": spd, "v": v})
+    a64, b64, s64 = a.astype(np.float64), b.astype(np.float64), spd.astype(np.float64)
+    ref_sign, ref_log = np.linalg.slogdet(a64)
+    chol = np.linalg.cholesky(s64)
+    want = [np.linalg.solve(a64, b64), np.linalg.solve(a64, v[None, :, None])[..., 0],
+            np.linalg.inv(a64), np.linalg.det(a64), ref_sign, ref_log, chol, T(chol),
+            np.linalg.solve(np.triu(a64), b64),
+            T(np.linalg.solve(T(np.tril(a64)), b64))]
+    for k, (got, ref) in enumerate(zip(outs, want)):
+        assert got.shape == ref.shape, (k, got.shape, ref.shape)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5, err_msg=f"output {k}")
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 5), (7, 3), (3, 5)])
+def test_qr_svd_against_numpy(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    g = rlx.Graph("qr_svd")
+    A = g.input("a", shape, "f32")
+    q, r, u, s, vh = _run(g, [*g.qr(A), *g.svd(A)], {"a": a})
+    a64 = a.astype(np.float64)
+    k = min(shape[-2:])
+    qn, rn = np.linalg.qr(a64)
+    assert q.shape == qn.shape and r.shape == rn.shape
+    np.testing.assert_allclose(q @ r, a64, atol=1e-5)
+    np.testing.assert_allclose(T(q) @ q, np.broadcast_to(np.eye(k), T(q).shape[:-1] + (k,)),
+                               atol=2e-6)
+    assert np.all(np.tril(r, -1) == 0)
+    # LAPACK's Householder signs: R's diagonal as numpy's
+    np.testing.assert_allclose(r, rn, atol=2e-5)
+    un, sn, vhn = np.linalg.svd(a64, full_matrices=False)
+    assert u.shape == un.shape and s.shape == sn.shape and vh.shape == vhn.shape
+    np.testing.assert_allclose(s, sn, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose((u * s[..., None, :]) @ vh, a64, atol=1e-5)
+    if shape[-2] >= shape[-1]:
+        un, vh_ref = _sign_fix(un, T(vhn))
+        np.testing.assert_allclose(u, un, atol=2e-5)
+        np.testing.assert_allclose(vh, T(vh_ref), atol=2e-5)
+    else:       # the gauge is on the right singular vectors
+        v_ref, u_ref = _sign_fix(T(vhn), un)
+        np.testing.assert_allclose(T(vh), v_ref, atol=2e-5)
+        np.testing.assert_allclose(u, u_ref, atol=2e-5)
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_eigh_against_numpy(rng, n):
+    a = rng.standard_normal((2, n, n)).astype(np.float32)
+    a[0, 0, n - 1] = 1e3          # the strict upper triangle is not read (UPLO='L')
+    g = rlx.Graph("eigh")
+    A = g.input("a", a.shape, "f32")
+    w, v = _run(g, g.eigh(A), {"a": a})
+    sym = _lower_sym(a.astype(np.float64))
+    wn, vn = np.linalg.eigh(sym)
+    np.testing.assert_allclose(w, wn, atol=3e-6 * np.abs(wn).max())
+    assert np.all(np.diff(w, axis=-1) >= 0)
+    np.testing.assert_allclose((v * w[..., None, :]) @ T(v), sym, atol=1e-5)
+    np.testing.assert_allclose(T(v) @ v, np.broadcast_to(np.eye(n), v.shape), atol=2e-6)
+    np.testing.assert_allclose(v, _sign_fix(vn)[0], atol=1e-5)
+
+
+def test_jacobi_accuracy_on_spread_values(rng):
+    """Eigenvalues over 5 decades and singular values over 3: eigenvalues to f32's rounding of
+    max |A|, vectors orthonormal, and the small singular values to relative accuracy (the
+    one-sided Jacobi test is relative)."""
+    n = 12
+    q, _ = np.linalg.qr(rng.standard_normal((n, n)))
+    sym = ((q * (np.logspace(-4, 1, n) * rng.choice([-1, 1], n))) @ q.T).astype(np.float32)
+    m = (rng.standard_normal((10, 6)) @ np.diag(np.logspace(-3, 0, 6))).astype(np.float32)
+    g = rlx.Graph("spread")
+    A, M = g.input("a", sym.shape, "f32"), g.input("m", m.shape, "f32")
+    w, v, u, s, vh = _run(g, [*g.eigh(A), *g.svd(M)], {"a": sym, "m": m})
+    np.testing.assert_allclose(w, np.linalg.eigvalsh(sym.astype(np.float64)), atol=1e-5)
+    np.testing.assert_allclose(v.T @ v, np.eye(n), atol=2e-6)
+    np.testing.assert_allclose(s, np.linalg.svd(m.astype(np.float64), compute_uv=False),
+                               rtol=2e-5)
+    np.testing.assert_allclose(u.T @ u, np.eye(6), atol=2e-6)
+    np.testing.assert_allclose(vh @ vh.T, np.eye(6), atol=2e-6)
+
+
+def test_singular_and_not_positive_definite():
+    """torch raises; here (no sync to raise from) solve / inv / cholesky give NaN, det 0 and
+    slogdet (0, -inf); the other matrix of the batch is unaffected."""
+    a = np.stack([np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32),
+                  np.eye(3, dtype=np.float32) * 2])
+    npd = np.stack([np.diag([1.0, -1.0, 2.0]).astype(np.float32), np.eye(3, dtype=np.float32)])
+    g = rlx.Graph("singular")
+    A, P = g.input("a", a.shape, "f32"), g.input("p", npd.shape, "f32")
+    sign, logabs = g.slogdet(A)
+    x, inv, det, s, la, ch = _run(g, [g.linalg_solve(A, g.constant(np.ones((3, 1), np.float32))),
+                                      g.inv(A), g.det(A), sign, logabs, g.cholesky(P)],
+                                  {"a": a, "p": npd})
+    assert np.isnan(x[0]).all() and np.isnan(inv[0]).all() and np.isnan(ch[0]).all()
+    np.testing.assert_allclose(x[1], 0.5 * np.ones((3, 1)))
+    np.testing.assert_allclose(inv[1], 0.5 * np.eye(3))
+    np.testing.assert_allclose(ch[1], np.eye(3))
+    assert det[0] == 0 and s[0] == 0 and la[0] == -np.inf
+    np.testing.assert_allclose([det[1], s[1], la[1]], [8.0, 1.0, np.log(8.0)], rtol=1e-6)
+
+
+def _feed64(**kw):
+    return {k: v.astype(np.float64) for k, v in kw.items()}
+
+
+def test_grad_solve_inv_det_slogdet(rng):
+    n = 3
+    a, b = _wellcond(rng, (2, n, n)), rng.standard_normal((2, n, 2)).astype(np.float32)
+    ca, cb = rng.standard_normal((2, n, n)), rng.standard_normal((2, n, 2))
+    cd = rng.standard_normal(2)
+
+    def oracle(a, b):
+        s, la = np.linalg.slogdet(a)
+        return (np.linalg.solve(a, b) * cb).sum() + (np.linalg.inv(a) * ca).sum() \
+            + (np.linalg.det(a) * cd).sum() + (la * cd[::-1]).sum()
+    g = rlx.Graph("grad_solve")
+    A, B = g.input("a", a.shape, "f32"), g.input("b", b.shape, "f32")
+    _, logabs = g.slogdet(A)
+    c = lambda x: g.constant(x.astype(np.float32))  # noqa: E731
+    loss = g.add(g.add(g.reduce_sum(g.mul(g.linalg_solve(A, B), c(cb))),
+                       g.reduce_sum(g.mul(g.inv(A), c(ca)))),
+                 g.add(g.reduce_sum(g.mul(g.det(A), c(cd))),
+                       g.reduce_sum(g.mul(logabs, c(cd[::-1].copy())))))
+    check(g, loss, {"a": A, "b": B}, {"a": a, "b": b}, oracle, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("upper,left", [(True, True), (False, False)])
+def test_grad_triangular_solve(rng, upper, left):
+    n = 3
+    a = _wellcond(rng, (2, n, n))
+    b = rng.standard_normal((2, n, 2) if left else (2, 2, n)).astype(np.float32)
+    cx = rng.standard_normal(b.shape)
+
+    def oracle(a, b):
+        t = np.triu(a) if upper else np.tril(a)
+        x = np.linalg.solve(t, b) if left else T(np.linalg.solve(T(t), T(b)))
+        return (x * cx).sum()
+    g = rlx.Graph("grad_trsm")
+    A, B = g.input("a", a.shape, "f32"), g.input("b", b.shape, "f32")
+    x = g.triangular_solve(A, B, upper=upper, left=left)
+    loss = g.reduce_sum(g.mul(x, g.constant(cx.astype(np.float32))))
+    check(g, loss, {"a": A, "b": B}, {"a": a, "b": b}, oracle, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 3), (3, 5)])
+def test_grad_qr(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    k = min(shape[-2:])
+    cq = rng.standard_normal(shape[:-1] + (k,))
+    cr = rng.standard_normal(shape[:-2] + (k, shape[-1]))
+
+    def oracle(a):
+        q, r = np.linalg.qr(a)
+        return (q * cq).sum() + (r * cr).sum()
+    g = rlx.Graph("grad_qr")
+    A = g.input("a", shape, "f32")
+    q, r = g.qr(A)
+    loss = g.add(g.reduce_sum(g.mul(q, g.constant(cq.astype(np.float32)))),
+                 g.reduce_sum(g.mul(r, g.constant(cr.astype(np.float32)))))
+    check(g, loss, {"a": A}, {"a": a}, oracle, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (3, 5)])
+def test_grad_svd(rng, shape):
+    a = rng.standard_normal(shape).astype(np.float32)
+    k = min(shape)
+    cu, cs = rng.standard_normal((shape[0], k)), rng.standard_normal(k)
+    cv = rng.standard_normal((k, shape[1]))
+
+    def oracle(a):
+        u, s, vh = np.linalg.svd(a, full_matrices=False)
+        if shape[0] >= shape[1]:
+            u, v = _sign_fix(u, T(vh))
+        else:
+            v, u = _sign_fix(T(vh), u)
+        return (u * cu).sum() + (s * cs).sum() + (T(v) * cv).sum()
+    g = rlx.Graph("grad_svd")
+    A = g.input("a", shape, "f32")
+    u, s, vh = g.svd(A)
+    c = lambda x: g.constant(x.astype(np.float32))  # noqa: E731
+    loss = g.add(g.add(g.reduce_sum(g.mul(u, c(cu))), g.reduce_sum(g.mul(s, c(cs)))),
+                 g.reduce_sum(g.mul(vh, c(cv))))
+    check(g, loss, {"a": A}, {"a": a}, oracle, rtol=2e-3, atol=2e-4)
+
+
+def _sym_directional(g, loss, A, a, f, rng, rtol):
+    """The gradient of a symmetric-input op (eigh, cholesky): symmetric, as torch's, and its
+    derivative along random symmetric directions matches float64 central differences of f
+    (directions off the diagonal and on it)."""
+    (da,) = g.grad(loss, [A])
+    g.set_outputs([loss, da])
+    _, got = rlx.compile(g).run({"a": a})
+    np.testing.assert_allclose(got, T(got), atol=1e-6 * np.abs(got).max())
+    a64 = a.astype(np.float64)
+    for _ in range(3):
+        e = rng.standard_normal(a.shape)
+        e = e + T(e)
+        h = 1e-6
+        fd = (f(a64 + h * e) - f(a64 - h * e)) / (2 * h)
+        dot = float((got.astype(np.float64) * e).sum())
+        assert abs(dot - fd) <= rtol * (abs(fd) + np.linalg.norm(got) * np.linalg.norm(e)
+                                        / np.sqrt(a.size)), (dot, fd)
+
+
+def test_grad_cholesky(rng):
+    a = _spd(rng, (2, 4, 4))
+    c = rng.standard_normal(a.shape)
+    f = lambda x: (np.linalg.cholesky(_lower_sym(x)) * c).sum()  # noqa: E731
+    g = rlx.Graph("grad_chol")
+    A = g.input("a", a.shape, "f32")
+    loss = g.reduce_sum(g.mul(g.cholesky(A), g.constant(c.astype(np.float32))))
+    _sym_directional(g, loss, A, a, f, rng, 1e-3)
+
+
+def test_grad_eigh(rng):
+    a = rng.standard_normal((2, 4, 4)).astype(np.float32)
+    a = (a + T(a)) / 2
+    cw, cv = rng.standard_normal((2, 4)), rng.standard_normal(a.shape)
+
+    def f(x):
+        w, v = np.linalg.eigh(_lower_sym(x))
+        return (w * cw).sum() + (_sign_fix(v)[0] * cv).sum()
+    g = rlx.Graph("grad_eigh")
+    A = g.input("a", a.shape, "f32")
+    w, v = g.eigh(A)
+    loss = g.add(g.reduce_sum(g.mul(w, g.constant(cw.astype(np.float32)))),
+                 g.reduce_sum(g.mul(v, g.constant(cv.astype(np.float32)))))
+    _sym_directional(g, loss, A, a, f, rng, 2e-3)
+
+
+def test_errors():
+    g = rlx.Graph("errors")
+    sq, rect = g.input("sq", (2, 3, 3), "f32"), g.input("rect", (2, 3, 4), "f32")
+    other = g.input("other", (4, 3, 3), "f32")
+    half = g.input("half", (3, 3), "f16")
+    cases = [
+        (lambda: g.linalg_solve(rect, sq),
+         r"linalg_solve: A must be square \[\.\.\., n, n\].*\[2, 3, 4\]"),
+        (lambda: g.linalg_solve(sq, g.input("b4", (2, 4, 1), "f32")),
+         r"linalg_solve: B must be.*n=3.*\[2, 4, 1\]"),
+        (lambda: g.linalg_solve(sq, other),
+         r"linalg_solve: the batch axes of A.*\[2, 3, 3\].*\[4, 3, 3\]"),
+        (lambda: g.cholesky(half), r"cholesky: A must be f32.*no f64 yet.*f16"),
+        (lambda: g.cholesky(sq, upper=1), r"cholesky: upper must be a bool"),
+        (lambda: g.inv(rect), r"inv: A must be square"),
+        (lambda: g.det(g.input("v", (3,), "f32")), r"det: A must be square.*\[3\]"),
+        (lambda: g.slogdet(rect), r"slogdet: A must be square"),
+        (lambda: g.eigh(rect), r"eigh: A must be square"),
+        (lambda: g.triangular_solve(sq, rect, left=False),
+         r"triangular_solve: B must be \[\.\.\., k, n\].*left=False"),
+        (lambda: g.triangular_solve(sq, g.input("i", (2, 3, 1), "i32")),
+         r"triangular_solve: B must be f32"),
+        (lambda: g.qr(g.input("q1", (3,), "f32")), r"qr: A must be \[\.\.\., m, n\]"),
+        (lambda: g.svd(half), r"svd: A must be f32"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def test_tier_choice(monkeypatch, caplog):
+    """RLX_NUMBA_LINALG_TIERS limits the tiers; without a GPU tier 0 cannot run and says why."""
+    g = rlx.Graph("tiers")
+    A = g.input("a", (3, 3), "f32")
+    g.set_outputs([g.cholesky(A)])
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "2")
+    with pytest.raises(ValueError, match="RLX_NUMBA_LINALG_TIERS"):
+        rlx.compile(g)
+    if ON_GPU:
+        return
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
+    with pytest.raises(NotImplementedError, match="tier 0 .*cuSOLVER.*simulator"):
+        rlx.compile(g)
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0,1")
+    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    with caplog.at_level("WARNING", logger="rlx_numba"):
+        (ch,) = rlx.compile(g).run({"a": 4 * np.eye(3, dtype=np.float32)})
+    np.testing.assert_allclose(ch, 2 * np.eye(3))
+    assert any("cholesky" in r.message and "tier 1 (numba)" in r.message for r in caplog.records)
+
+
+# ---- tier 0's layout kernels, fed what cuSOLVER returns (made here in NumPy, column-major) -------
+sim_only = pytest.mark.skipif(ON_GPU, reason="host arrays into the kernels: the simulator")
+
+
+def _cm(x):
+    """A matrix's column-major memory (what cuSOLVER reads and writes), flat."""
+    return np.ascontiguousarray(np.swapaxes(x, -1, -2)).reshape(-1).astype(np.float32)
+
+
+def _launch(kernel, *args):
+    kernel[2, 16](*[np.int64(a) if isinstance(a, int) else a for a in args])
+
+
+@sim_only
+def test_tier0_layout_kernels(rng):
+    """The conventions runtime/lower_linalg.py's tier 0 relies on: our row-major A is cuSOLVER's
+    column-major A^T; each kernel turns the routine's column-major results into the packings
+    and gauges the numba tier gives."""
+    from rlx_numba.kernels import linalg as K
+    b, m, n = 2, 5, 3
+    a = rng.standard_normal((b, m, n)).astype(np.float32)
+    # svd: gesvdj of A^T ([n, m]) = U' S V'^T; V' [m, n] (ld m), U' [n, n]
+    up, sp, vph = np.linalg.svd(np.swapaxes(a, -1, -2).astype(np.float64), full_matrices=False)
+    out = np.zeros((b, m + 1 + n, n), np.float32)
+    _launch(K.svd_post_kernel, _cm(up), sp.astype(np.float32).reshape(-1),
+            _cm(np.swapaxes(vph, -1, -2)),
+            np.array([0, 1], np.int32), out.reshape(-1), b, m, n, n * n, m * n)
+    u, s, vh = out[0, :m], out[0, m], out[0, m + 1:]
+    np.testing.assert_allclose((u * s) @ vh, a[0], atol=1e-5)
+    np.testing.assert_allclose(u, _sign_fix(u)[0])
+    assert np.isnan(out[1]).all()                               # info != 0: not converged
+    # eigh: syevd's ascending w and column-major vectors
+    sym = _lower_sym(rng.standard_normal((b, n, n)))
+    w, v = np.linalg.eigh(sym)
+    out = np.zeros((b, n + 1, n), np.float32)
+    _launch(K.eigh_post_kernel, _cm(v), w.astype(np.float32).reshape(-1), np.zeros(b, np.int32),
+            out.reshape(-1), b, n)
+    np.testing.assert_allclose(out[:, 0], w, atol=1e-6)
+    np.testing.assert_allclose(out[:, 1:], _sign_fix(v)[0], atol=1e-6)
+    # qr: geqrf's R in the upper triangle of the column-major [m, n] work, orgqr's Q in its
+    # first k columns
+    q, r = np.linalg.qr(a.astype(np.float64))
+    out = np.zeros((b, m + n, n), np.float32)
+    work = np.zeros((b, m, n))
+    work[:, :n, :] = r
+    work[:, n:, :] = 7.0                                        # Householder vectors: not read
+    _launch(K.qr_r_kernel, _cm(work), out.reshape(-1), b, m, n)
+    _launch(K.qr_q_kernel, _cm(q), out.reshape(-1), b, m, n)
+    np.testing.assert_allclose(out[:, :m], q, atol=1e-6)
+    np.testing.assert_allclose(out[:, m:], r, atol=1e-6)
+    # slogdet: getrf of the column-major view (A^T), 1-based pivots
+    sq = rng.standard_normal((b, n, n))
+    lus, pivs = [], []
+    for x in sq:
+        mat, piv = x.T.copy(), []
+        for c in range(n):
+            p = c + int(np.abs(mat[c:, c]).argmax())
+            mat[[c, p]] = mat[[p, c]]
+            piv.append(p + 1)
+            mat[c + 1:, c] /= mat[c, c]
+            mat[c + 1:, c + 1:] -= np.outer(mat[c + 1:, c], mat[c, c + 1:])
+        lus.append(mat)
+        pivs.append(piv)
+    det = np.zeros(2 * b, np.float32)
+    _launch(K.slogdet_lu_kernel, _cm(np.array(lus)), np.array(pivs, np.int32).reshape(-1),
+            np.array([0, 2], np.int32), det, b, n)
+    sign, logabs = np.linalg.slogdet(sq[0])
+    np.testing.assert_allclose(det[:2], [sign, logabs], rtol=1e-5)
+    assert det[2] == 0 and det[3] == -np.inf                    # info > 0: singular
+    # cholesky: potrf "upper" of A^T leaves L (row-major) in the lower triangle; the other
+    # triangle is garbage (potrfBatched's scratch)
+    el = np.linalg.cholesky(_spd(rng, (b, n, n)).astype(np.float64))
+    junk = el + np.triu(np.full((n, n), 9.0), 1)
+    flat = junk.astype(np.float32).reshape(-1)
+    _launch(K.tril_kernel, flat, np.array([0, 3], np.int32), b, n)
+    np.testing.assert_allclose(flat.reshape(b, n, n)[0], el[0], atol=1e-6)
+    assert np.isnan(flat.reshape(b, n, n)[1]).all()
+    # solve's B^T in and X^T out
+    x = rng.standard_normal((b, n, 4)).astype(np.float32)
+    xt, back = np.zeros(x.size, np.float32), np.zeros(x.size, np.float32)
+    _launch(K.transpose_kernel, x.reshape(-1), xt, b, n, 4)
+    np.testing.assert_array_equal(xt, _cm(x))
+    _launch(K.transpose_kernel, xt, back, b, 4, n)
+    np.testing.assert_array_equal(back, x.reshape(-1))
+
+
+def test_cusolver_loader():
+    """cuSOLVER loads without a GPU where its wheel is installed (the cu12 / cu13 extras):
+    every prototyped name resolves; elsewhere available() says why, never raises."""
+    from rlx_numba import cusolver
+    ok, why = cusolver.available()
+    if ok:
+        assert cusolver.version() >= 11000
+        assert all(hasattr(cusolver.lib(), name) for name in cusolver.PROTOS)
+    else:
+        assert "cuSOLVER" in why or "lib" in why, why
+
+
+# ---- GPU: the cuSOLVER / cuBLAS tier (0) -------------------------------------------------------
+gpu = pytest.mark.skipif(not ON_GPU, reason="cuSOLVER (tier 0) runs on a GPU")
+
+
+@gpu
+@pytest.mark.parametrize("tier", ["0", "1"])
+@pytest.mark.parametrize("batch,n", [((16,), 33), ((8,), 7), ((), 300)])
+def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
+    """Every op on the GPU at n = 33 batched (cuBLAS batched LU / QR, syevd and gesvdj a
+    matrix at a time), n = 7 batched (syevjBatched, gesvdjBatched) and one n = 300 matrix
+    (cuSOLVER getrf / geqrf / syevd / gesvdj); tier 1 (numba) at the small sizes."""
+    if tier == "1" and n > 64:
+        pytest.skip("the numba tier is for small matrices")
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
+    a, spd = _wellcond(rng, batch + (n, n)), _spd(rng, batch + (n, n))
+    b = rng.standard_normal(batch + (n, 4)).astype(np.float32)
+    g = rlx.Graph("gpu_linalg")
+    A, S, B = (g.input(k, v.shape, "f32") for k, v in (("a", a), ("s", spd), ("b", b)))
+    sign, logabs = g.slogdet(A)
+    outs = _run(g, [g.linalg_solve(A, B), g.inv(A), sign, logabs, g.cholesky(S),
+                    g.cholesky(S, upper=True), g.triangular_solve(A, B, upper=True),
+                    g.triangular_solve(A, g.narrow(mT(g, B), -1, 0, n), left=False),
+                    *g.qr(A), *g.eigh(S), *g.svd(A)], {"a": a, "s": spd, "b": b})
+    x, inv, s, la, ch, chu, tu, tl, q, r, w, v, u, sv, vh = outs
+    a64, b64, s64 = (t.astype(np.float64) for t in (a, b, spd))
+    tol = dict(rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(x, np.linalg.solve(a64, b64), **tol)
+    np.testing.assert_allclose(inv, np.linalg.inv(a64), **tol)
+    rs, rl = np.linalg.slogdet(a64)
+    np.testing.assert_allclose(s, rs)
+    np.testing.assert_allclose(la, rl, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(ch, np.linalg.cholesky(s64), **tol)
+    np.testing.assert_allclose(chu, T(np.linalg.cholesky(s64)), **tol)
+    np.testing.assert_allclose(tu, np.linalg.solve(np.triu(a64), b64), **tol)
+    np.testing.assert_allclose(tl, T(np.linalg.solve(T(np.tril(a64)), b64)), **tol)
+    np.testing.assert_allclose(q @ r, a64, atol=1e-4)
+    np.testing.assert_allclose(T(q) @ q, np.broadcast_to(np.eye(n), q.shape), atol=1e-4)
+    assert np.all(np.tril(r, -1) == 0)
+    wn = np.linalg.eigvalsh(s64)
+    np.testing.assert_allclose(w, wn, atol=1e-4 * np.abs(wn).max())
+    np.testing.assert_allclose((v * w[..., None, :]) @ T(v), s64, atol=1e-4 * np.abs(wn).max())
+    np.testing.assert_allclose(T(v) @ v, np.broadcast_to(np.eye(n), v.shape), atol=1e-4)
+    np.testing.assert_allclose(sv, np.linalg.svd(a64, compute_uv=False), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose((u * sv[..., None, :]) @ vh, a64, atol=1e-4)
+    # the documented gauges
+    big = np.take_along_axis(v, np.abs(v).argmax(-2)[..., None, :], -2)
+    assert np.all(big > 0)
+    big = np.take_along_axis(u, np.abs(u).argmax(-2)[..., None, :], -2)
+    assert np.all(big > 0)
+
+
+@gpu
+def test_singular_on_gpu(monkeypatch):
+    """Tier 0's info codes: the batched calls (cuBLAS getrf, potrfBatched) and the single
+    ones (cuSOLVER getrf + getrs, potrf) NaN-fill as the numba tier does."""
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
+    test_singular_and_not_positive_definite()
+    a = np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32)
+    g = rlx.Graph("singular_single")
+    A = g.input("a", a.shape, "f32")
+    sign, logabs = g.slogdet(A)
+    x, s, la, ch = _run(g, [g.linalg_solve(A, g.constant(np.ones((3, 2), np.float32))), sign,
+                            logabs, g.cholesky(A)], {"a": a})
+    assert np.isnan(x).all() and np.isnan(ch).all()
+    assert s == 0 and la == -np.inf
+
+
+@gpu
+@pytest.mark.parametrize("tier", ["0", "1"])
+def test_graph_mode_on_gpu(rng, monkeypatch, tier):
+    """The tiers' steps (library calls, their loops a matrix at a time, the layout kernels)
+    replay in a captured CUDA graph as they run on the stream."""
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
+    a, spd = _wellcond(rng, (3, 40, 40)), _spd(rng, (3, 40, 40))
+    g = rlx.Graph("graph_linalg")
+    A, S = g.input("a", a.shape, "f32"), g.input("s", spd.shape, "f32")
+    g.set_outputs([g.inv(A), g.cholesky(S), *g.qr(A), *g.eigh(S), *g.svd(A)])
+    feed = {"a": a, "s": spd}
+    want = rlx.compile(g, exec_mode="stream").run(feed)
+    exe = rlx.compile(g, exec_mode="graph")
+    for _ in range(2):          # capture, then replay
+        got = exe.run(feed)
+        for k, (x, y) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"output {k}")
