@@ -17,10 +17,10 @@ forward and x gradient, and the scale learns with
               sum(dy * quant_min) below it, sum(dy * quant_max) above it (q = nearbyint(x / scale)).
 
 Both are graph functions with a hand-written backward (ir/ops_custom.py ``custom_vjp``) made of
-element-wise ops. The forward runs as four element-wise kernels: the scale's reciprocal and
-the zero point's cast on their own small shapes, then q and y -- q is kept in the arena
-because the custom_vjp node holds it as the backward's residual, even where no gradient is
-taken (a fused single kernel would need an op of its own). A zero point outside
+element-wise ops. The residuals are x and the scale (and zero point), as torch's backward
+takes them: the backward recomputes q (one more fused element-wise pass) rather than the
+forward storing it, so the forward is one fused kernel over x (q and the clamp in registers)
+beside the small ones for the scale's reciprocal and the zero point's cast. A zero point outside
 [quant_min, quant_max] is not checked (its value lives on the device); NaN stays NaN.
 """
 from __future__ import annotations
@@ -95,24 +95,27 @@ def _inside(g, q, qmin, qmax, v):
 
 
 def _fq_fwd(g, x, scale, zero_point, qmin, qmax, shape):
-    y, q, _ = _quantize(g, x, scale, zero_point, qmin, qmax, shape)
-    return y, (q, qmin, qmax, x.dtype)
+    y, _, _ = _quantize(g, x, scale, zero_point, qmin, qmax, shape)
+    return y, (x, scale, zero_point, qmin, qmax, shape)
 
 
 def _fq_bwd(g, res, dy):
-    q, qmin, qmax, xd = res
+    x, scale, zero_point, qmin, qmax, shape = res
+    _, q, _ = _quantize(g, x, scale, zero_point, qmin, qmax, shape)   # (y unused: dropped)
+    xd = x.dtype
     dyf = dy if dy.dtype == dt.F32 else g.cast(dy, dt.F32)
     dx = _inside(g, q, qmin, qmax, dyf)
     return [dx if xd == dt.F32 else g.cast(dx, xd), None, None, None, None, None]
 
 
 def _lsq_fwd(g, x, scale, qmin, qmax):
-    y, q, qc = _quantize(g, x, scale, None, qmin, qmax, None)
-    return y, (x, scale, q, qc, qmin, qmax)
+    y, _, _ = _quantize(g, x, scale, None, qmin, qmax, None)
+    return y, (x, scale, qmin, qmax)
 
 
 def _lsq_bwd(g, res, dy):
-    x, scale, q, qc, qmin, qmax = res
+    x, scale, qmin, qmax = res
+    _, q, qc = _quantize(g, x, scale, None, qmin, qmax, None)
     dyf = dy if dy.dtype == dt.F32 else g.cast(dy, dt.F32)
     xf = x if x.dtype == dt.F32 else g.cast(x, dt.F32)
     dx = _inside(g, q, qmin, qmax, dyf)
