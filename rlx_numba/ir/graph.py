@@ -22,6 +22,7 @@ from .ops_einsum import EinsumOps
 from .ops_fft import FftOps
 from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
+from .ops_lowp import LowPrecisionOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
 from . import ops_optim  # noqa: F401  (declares optim_update: compile_train's update node)
@@ -121,7 +122,7 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps, LowPrecisionOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
