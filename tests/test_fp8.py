@@ -100,6 +100,26 @@ def test_i16_casts_and_arithmetic():
     _bits_equal(a8, a.astype(np.float32).astype(E4), "i16->e4m3")
 
 
+def test_small_int_reductions_and_fp8_reduction_error():
+    """max / min keep u8 / i16 (their values exactly), sum gives i64; a reduction of fp8 raises
+    at build time naming the op (fp8 is a storage format here, as in torch)."""
+    a = np.array([[-300, 7, 32767], [-32768, 0, 5]], np.int16)
+    u = np.array([[200, 3, 255], [0, 9, 1]], np.uint8)
+    g = rlx.Graph("red")
+    xa, xu = g.input("a", a.shape, "i16"), g.input("u", u.shape, "u8")
+    g.set_outputs([g.reduce_max(xa, 1), g.reduce_min(xa, 0), g.sum(xa), g.reduce_max(xu, 0)])
+    mx, mn, sm, mu = run_graph(g, {"a": a, "u": u})
+    assert mx.dtype == np.int16 and list(mx) == [32767, 5]
+    assert mn.dtype == np.int16 and list(mn) == [-32768, 0, 5]
+    assert sm.dtype == np.int64 and int(sm) == int(a.astype(np.int64).sum())
+    assert mu.dtype == np.uint8 and list(mu) == [200, 9, 255]
+    f = g.input("f", (2, 3), "f8e4m3")
+    for make, op in ((lambda: g.sum(f), "reduce sum"), (lambda: g.argmax(f, 1), "argmax"),
+                     (lambda: g.cumsum(f, 0), "cumsum")):
+        with pytest.raises(ValueError, match=f"{op}: x is f8e4m3 \\[2, 3\\]; fp8 tensors"):
+            make()
+
+
 # ---- quantize / dequantize_linear ---------------------------------------------------------------
 _QINFO = {"i8": (-128, 127, np.int8), "u8": (0, 255, np.uint8), "i16": (-32768, 32767, np.int16)}
 
