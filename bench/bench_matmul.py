@@ -292,6 +292,8 @@ def main(argv=None) -> int:
                 continue                      # 8192^3 on the numba kernel: not interesting
             if batch > 1 and tier in ("0", "1", "bf16gelu", "f16gelu", *LOWP_ROWS):
                 continue                      # those tiers are for weights (2-D params)
+            if tier == "int8" and m <= 16:
+                continue                      # torch._int_mm takes only M > 16
             if tier.endswith("gelu") and (batch, m, k, n) != HALF_BAR["gelu_tanh"]:
                 continue                      # the epilogue rows: their one shape
             try:

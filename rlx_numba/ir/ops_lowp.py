@@ -7,9 +7,9 @@ MatMulInteger. Kernels: kernels/lowp.py; lowering: runtime/lower_lowp.py.
     q = saturate(round_half_even(x / scale) + zero_point)          (f32 arithmetic)
 
 and for f8e4m3 / f8e5m2 ``q = fp8(saturate(x / scale + zero_point))``: the float8 cast rounds to
-nearest even itself (no integer rounding), and saturation clamps finite values to +-448 /
-+-57344 first; e4m3fn also maps +-inf to +-448, e5m2 keeps +-inf (ONNX's saturate table);
-NaN stays NaN. The zero point has the quantised dtype and decides it when given (``dtype``
+nearest even itself (no integer rounding), and saturation clamps to +-448 / +-57344 first,
++-inf included (onnx.helper.float32_to_float8e5m2 / _e4m3 with saturate=True); NaN stays NaN
+(e5m2's NaN byte is ml_dtypes' 0x7e, where ONNX's reference writes 0x7f: both NaN). The zero point has the quantised dtype and decides it when given (``dtype``
 must then agree); scale is f32 (or any float, cast). ``dequantize_linear(q, scale,
 zero_point=None, *, axis=None)`` is ``(f32(q) - f32(zero_point)) * scale`` -> f32. Both take
 scale / zero point of shape () or [1] (per tensor) or [C] with ``axis`` (per channel, C =
@@ -188,10 +188,8 @@ class LowPrecisionOps:
         if want in FP8_MAX:
             if zero_point is not None:
                 v = v + _along(self, _f32(self, zero_point), shape)
-            top = FP8_MAX[want]
+            top = FP8_MAX[want]      # ONNX saturate: +-inf too become +-top (both formats)
             c = self.binary("min", self.binary("max", v, -top), top)
-            if want == dt.F8E5M2:    # ONNX saturate: e5m2 keeps +-inf (e4m3fn has none)
-                c = self.where(self.compare("eq", self.activation("abs", v), float("inf")), v, c)
         else:
             v = self.activation("round", v)
             if zero_point is not None:
