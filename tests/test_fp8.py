@@ -479,3 +479,114 @@ def test_gpu_qmatmul_lt_matches_numba(rng, monkeypatch, adt, az, bz, b_t):
     np.testing.assert_array_equal(outs[0], want)
     np.testing.assert_array_equal(outs[1], want)
 
+
+
+# ---- the cuBLASLt tiers' wiring, in the simulator, over a model of cuBLASLt -----------------------
+def _fake_lt(calls):
+    """A stand-in for cublas.gemm.lt_lowp_plan computing what cuBLASLt's documentation defines
+    -- column-major D = scaleA * scaleB * op(A) @ op(B) (+ bias over D's rows), op from the
+    transpose flags, A / B / D read and written through their pointers and leading dimensions
+    -- so the tiers' operand swapping, TN layout, scale pointers, transposed-b copy, u8 shift,
+    zero-point fix and epilogue run here as they would on a GPU."""
+    import ctypes
+    from rlx_numba.cublas import api
+    types = {api.R_8F_E4M3: E4, api.R_8F_E5M2: E5, api.R_8I: np.int8, api.R_32I: np.int32,
+             api.R_16BF: md.bfloat16, api.R_16F: np.float16, api.R_32F: np.float32}
+
+    def mem(ptr, count, dtype):
+        nbytes = count * np.dtype(dtype).itemsize
+        return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), dtype)
+
+    def colmajor(ptr, dtype, rows, cols, ld):
+        return mem(ptr, ld * (cols - 1) + rows, dtype), ld
+
+    def plan(stream, cm, a_ptr, a_type, b_ptr, b_type, d_ptr, d_type, a_scale_ptr=None,
+             b_scale_ptr=None, bias_ptr=None):
+        calls.append((cm, a_type, b_type, d_type, a_scale_ptr is not None, bias_ptr is not None))
+        assert (cm.opa, cm.opb) == (api.OP_T, api.OP_N), "fp8 / int8 cuBLASLt takes TN only"
+
+        def read(ptr, t, rows, cols, ld):     # a column-major rows x cols matrix
+            flat, ld = colmajor(ptr, types[t], rows, cols, ld)
+            return np.stack([flat[c * ld:c * ld + rows] for c in range(cols)], 1)
+
+        def run():
+            lt_a = read(b_ptr, b_type, cm.k, cm.m, cm.lda).T      # op(A) = A^T, m x k
+            lt_b = read(a_ptr, a_type, cm.k, cm.n, cm.ldb)        # op(B) = B, k x n
+            if d_type == api.R_32I:
+                d = lt_a.astype(np.int64) @ lt_b.astype(np.int64)
+            else:
+                s = 1.0
+                for p in (a_scale_ptr, b_scale_ptr):
+                    s *= float(mem(p, 1, np.float32)[0]) if p is not None else 1.0
+                d = lt_a.astype(np.float64) @ lt_b.astype(np.float64) * s
+                if bias_ptr is not None:
+                    d = d + mem(bias_ptr, cm.m, types[d_type]).astype(np.float64)[:, None]
+            flat, ld = colmajor(d_ptr, types[d_type], cm.m, cm.n, cm.ldc)
+            for c in range(cm.n):
+                flat[c * ld:c * ld + cm.m] = d[:, c].astype(np.float32).astype(types[d_type]) \
+                    if d_type != api.R_32I else d[:, c].astype(np.int32)
+        return run
+    return plan
+
+
+@pytest.fixture
+def fake_lt(monkeypatch):
+    if ON_GPU:
+        pytest.skip("the real cuBLASLt runs these on a GPU (test_gpu_*)")
+    from rlx_numba.cublas import gemm
+    from rlx_numba.ir.opdef import opdef
+    calls = []
+    monkeypatch.setattr(gemm, "lt_lowp_plan", _fake_lt(calls), raising=False)
+    for op in ("scaled_matmul", "qmatmul"):
+        monkeypatch.setattr(opdef(op).tiers[0], "available", lambda ctx, n: None)
+    return calls
+
+
+@pytest.mark.parametrize("scales,out,b_t,has_bias", [("tensor", "bf16", True, True),
+                                                     ("tensor", "f32", False, True),
+                                                     ("rowwise", "f16", True, True),
+                                                     ("rowwise", "f32", False, False)])
+def test_scaled_matmul_lt_tier_wiring(rng, fake_lt, scales, out, b_t, has_bias):
+    m, k, n = 3, 32, 16
+    a, b = _fp8(rng, (m, k), "f8e4m3"), _fp8(rng, (k, n), "f8e5m2")
+    sh = ((), ()) if scales == "tensor" else ((m, 1), (1, n))
+    sa = rng.uniform(0.5, 2, sh[0]).astype(np.float32)
+    sb = rng.uniform(0.001, 0.01, sh[1]).astype(np.float32)
+    bias = (rng.standard_normal(n) * 20).astype(np.float32).astype(HOST[out])
+    g = rlx.Graph("smm")
+    bi = g.transpose(g.input("bt", (n, k), "f8e5m2")) if b_t else g.input("b", (k, n), "f8e5m2")
+    y = g.scaled_matmul(g.input("a", (m, k), "f8e4m3"), bi, g.input("sa", sh[0], "f32"),
+                        g.input("sb", sh[1], "f32"),
+                        bias=g.input("c", (n,), out) if has_bias else None, out_dtype=out)
+    g.set_outputs([y])
+    exe = rlx.compile(g)
+    names = [s.kernel_name for s in exe.steps]
+    assert any(nm.startswith("cublasLt fp8") for nm in names), names
+    assert any("transpose" in nm for nm in names) == (not b_t), names
+    assert any("scale epilogue" in nm for nm in names) == (scales == "rowwise" or (
+        out == "f32" and has_bias)), names
+    (got,) = exe.run({"a": a, "sa": sa, "sb": sb, **({"c": bias} if has_bias else {}),
+                      **({"bt": np.ascontiguousarray(b.T)} if b_t else {"b": b})})
+    s_ab = sa.reshape(-1, 1).astype(np.float64) * sb.reshape(1, -1) if scales == "rowwise" \
+        else float(sa) * float(sb)
+    want, bound = _scaled_bound(a, b, s_ab, bias if has_bias else None, out, 2.0 ** -24)
+    assert (np.abs(got.astype(np.float64) - want) <= bound).all()
+    assert fake_lt, "the cuBLASLt plan was not made"
+
+
+@pytest.mark.parametrize("adt,az,bz,b_t", [("u8", 200, -3, True), ("i8", 0, 0, False),
+                                           ("i8", -5, 7, False)])
+def test_qmatmul_lt_tier_wiring(rng, fake_lt, adt, az, bz, b_t):
+    m, k, n = 3, 12, 8
+    a = rng.integers(0 if adt == "u8" else -128, 256 if adt == "u8" else 128, (m, k)).astype(
+        np.uint8 if adt == "u8" else np.int8)
+    b = rng.integers(-128, 128, (k, n)).astype(np.int8)
+    g = rlx.Graph("qmm")
+    bi = g.transpose(g.input("bt", (n, k), "i8")) if b_t else g.input("b", (k, n), "i8")
+    g.set_outputs([g.qmatmul(g.input("a", (m, k), adt), bi, a_zero=az, b_zero=bz)])
+    exe = rlx.compile(g)
+    names = [s.kernel_name for s in exe.steps]
+    assert any(nm.startswith("cublasLt int8") for nm in names), names
+    assert any("shift u8" in nm for nm in names) == (adt == "u8"), names
+    (got,) = exe.run({"a": a, **({"bt": np.ascontiguousarray(b.T)} if b_t else {"b": b})})
+    np.testing.assert_array_equal(got, (a.astype(np.int64) - az) @ (b.astype(np.int64) - bz))

@@ -38,6 +38,14 @@ for _op in ("scaled_matmul", "qmatmul"):
     opdef(_op).tier_env = TIER_ENV
 
 
+def _scratch(ctx, size, dtype):
+    """A device scratch of ``size`` elements the node's steps own (uninitialised: no host copy
+    of the 64-256 MB a large product's operands take)."""
+    a = ctx.cuda.device_array(max(1, size), dtype)
+    ctx.keep([a])
+    return a
+
+
 def _grid_2d(rows, cols):
     """(grid, block) for the thread-an-output kernels: x along the columns."""
     if SIMULATOR:
@@ -71,7 +79,7 @@ def _tn_b(ctx, n, b_id, name):
     if b.trans:
         return b.buf, []
     k, nn = b.shape
-    bt = ctx.device_array(np.zeros(k * nn, b.buf.dtype))
+    bt = _scratch(ctx, k * nn, b.buf.dtype)
     grid, block = _grid_2d(nn, k)
     step = Step(name + " b to [N, K]", f"transpose bytes {k}x{nn}", L.transpose_bytes, grid, block,
                 (bt, b.buf, np.int64(k), np.int64(nn)), {"bytes": 2 * k * nn})
@@ -108,7 +116,7 @@ def _scaled_lt(ctx, n):
     out = ctx.buf(n)
     one_call = not rowwise and (bias is None or od != dt.F32)
     d_type = getattr(api, _LT_TYPE[od if one_call else dt.F32])
-    acc = out if one_call or od == dt.F32 else ctx.device_array(np.zeros(m * nn, np.float32))
+    acc = out if one_call or od == dt.F32 else _scratch(ctx, m * nn, np.float32)
     kw = dict(a_scale_ptr=data_ptr(ctx.buf(sa)), b_scale_ptr=data_ptr(ctx.buf(sb)),
               bias_ptr=data_ptr(ctx.buf(bias)) if bias is not None else None) if one_call else {}
     label = f"fp8 {a.dtype}x{b.dtype}->{od if one_call else 'f32'}"
@@ -163,7 +171,7 @@ def _qmatmul_lt(ctx, n):
     bt, steps = _tn_b(ctx, n, n.inputs[1], name)
     abuf = ctx.buf(a)
     if a.dtype == dt.U8:      # a - az == (a - 128) - (az - 128): the i8 kernels take it
-        shifted = ctx.device_array(np.zeros(m * k, np.int8))
+        shifted = _scratch(ctx, m * k, np.int8)
         grid, block = grid_1d(m * k)
         steps.append(Step(name + " u8 to i8", f"shift u8 {m}x{k}", L.shift_u8, (grid,), (block,),
                           (shifted, abuf, np.int64(m * k)), {"bytes": 2 * m * k}))
@@ -176,8 +184,7 @@ def _qmatmul_lt(ctx, n):
         log_tier(n, n.op, "1 (numba)", [f"tier 0 (cublaslt): {e}"])
         return None
     if az or bz:
-        ra = ctx.device_array(np.zeros(m, np.int32))
-        cb = ctx.device_array(np.zeros(nn, np.int32))
+        ra, cb = _scratch(ctx, m, np.int32), _scratch(ctx, nn, np.int32)
         grid, block = grid_1d(m + nn)
         steps.append(Step(name + " sums", f"qmm row / column sums {m}x{nn}x{k}", L.qmm_sums,
                           (grid,), (block,), (ra, cb, abuf, bt, np.int64(m), np.int64(nn),
