@@ -426,9 +426,16 @@ def test_fallback_log_names_the_tier(caplog, monkeypatch):
 
 # ---- GPU: the cuBLASLt tiers against the numba tier ----------------------------------------------
 @pytest.mark.skipif(not ON_GPU, reason="cuBLASLt tiers: a GPU test")
-@pytest.mark.parametrize("scales,b_t,out", [("tensor", True, "bf16"), ("tensor", False, "f32"),
-                                            ("rowwise", True, "bf16"), ("rowwise", False, "f16")])
-def test_gpu_scaled_matmul_lt_matches_numba(rng, monkeypatch, scales, b_t, out):
+@pytest.mark.parametrize("scales,b_t,out,outer", [("tensor", True, "bf16", "1"),
+                                                  ("tensor", False, "f32", "1"),
+                                                  ("rowwise", True, "bf16", "1"),
+                                                  ("rowwise", True, "bf16", "0"),
+                                                  ("rowwise", False, "f16", "1")])
+def test_gpu_scaled_matmul_lt_matches_numba(rng, monkeypatch, scales, b_t, out, outer):
+    """cuBLASLt's fp8 tier (one call; rowwise through the outer-vector scale mode, or with
+    RLX_NUMBA_LT_OUTER_VEC=0 f32 sums and the scale epilogue) and the numba tier, both within
+    the bound of the exact result."""
+    monkeypatch.setenv("RLX_NUMBA_LT_OUTER_VEC", outer)
     m, k, n = 96, 256, 128
     a, b = _fp8(rng, (m, k), "f8e4m3"), _fp8(rng, (k, n), "f8e4m3")
     sh = ((), ()) if scales == "tensor" else ((m, 1), (1, n))
@@ -445,7 +452,7 @@ def test_gpu_scaled_matmul_lt_matches_numba(rng, monkeypatch, scales, b_t, out):
                             out_dtype=out)
         g.set_outputs([y])
         exe = rlx.compile(g)
-        kinds = " ".join(s.kernel_name for s in exe.steps) if hasattr(exe, "steps") else ""
+        kinds = " ".join(s.kernel_name for s in exe.steps)
         feeds = {"a": a, "sa": sa, "sb": sb, "c": bias,
                  **({"bt": np.ascontiguousarray(b.T)} if b_t else {"b": b})}
         return exe.run(feeds)[0], kinds
@@ -456,7 +463,9 @@ def test_gpu_scaled_matmul_lt_matches_numba(rng, monkeypatch, scales, b_t, out):
     want, bound = _scaled_bound(a, b, s_ab, bias, out, 2.0 ** -13)
     assert (np.abs(lt.astype(np.float64) - want) <= bound).all()
     assert (np.abs(ref.astype(np.float64) - want) <= bound).all()
-    assert not kinds or "cublasLt" in kinds, kinds
+    assert "cublasLt" in kinds, kinds
+    if outer == "0" and scales == "rowwise":
+        assert "scale epilogue" in kinds, kinds
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuBLASLt tiers: a GPU test")
@@ -482,12 +491,14 @@ def test_gpu_qmatmul_lt_matches_numba(rng, monkeypatch, adt, az, bz, b_t):
 
 
 # ---- the cuBLASLt tiers' wiring, in the simulator, over a model of cuBLASLt -----------------------
-def _fake_lt(calls):
+def _fake_lt(calls, outer_vec_ok=True):
     """A stand-in for cublas.gemm.lt_lowp_plan computing what cuBLASLt's documentation defines
     -- column-major D = scaleA * scaleB * op(A) @ op(B) (+ bias over D's rows), op from the
     transpose flags, A / B / D read and written through their pointers and leading dimensions
     -- so the tiers' operand swapping, TN layout, scale pointers, transposed-b copy, u8 shift,
-    zero-point fix and epilogue run here as they would on a GPU."""
+    zero-point fix and epilogue run here as they would on a GPU. ``outer_vec`` scales are f32
+    vectors along D's rows (A's) and columns (B's); ``outer_vec_ok=False`` refuses them as a
+    cuBLAS without that mode does."""
     import ctypes
     from rlx_numba.cublas import api
     types = {api.R_8F_E4M3: E4, api.R_8F_E5M2: E5, api.R_8I: np.int8, api.R_32I: np.int32,
@@ -501,8 +512,11 @@ def _fake_lt(calls):
         return mem(ptr, ld * (cols - 1) + rows, dtype), ld
 
     def plan(stream, cm, a_ptr, a_type, b_ptr, b_type, d_ptr, d_type, a_scale_ptr=None,
-             b_scale_ptr=None, bias_ptr=None):
-        calls.append((cm, a_type, b_type, d_type, a_scale_ptr is not None, bias_ptr is not None))
+             b_scale_ptr=None, bias_ptr=None, outer_vec=False):
+        if outer_vec and not outer_vec_ok:
+            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
+        calls.append((cm, a_type, b_type, d_type, a_scale_ptr is not None, bias_ptr is not None,
+                      outer_vec))
         assert (cm.opa, cm.opb) == (api.OP_T, api.OP_N), "fp8 / int8 cuBLASLt takes TN only"
 
         def read(ptr, t, rows, cols, ld):     # a column-major rows x cols matrix
@@ -515,10 +529,13 @@ def _fake_lt(calls):
             if d_type == api.R_32I:
                 d = lt_a.astype(np.int64) @ lt_b.astype(np.int64)
             else:
-                s = 1.0
-                for p in (a_scale_ptr, b_scale_ptr):
-                    s *= float(mem(p, 1, np.float32)[0]) if p is not None else 1.0
-                d = lt_a.astype(np.float64) @ lt_b.astype(np.float64) * s
+                d = lt_a.astype(np.float64) @ lt_b.astype(np.float64)
+                if outer_vec:      # Lt's A scale (our b's) along D's rows, B's along columns
+                    d = d * mem(b_scale_ptr, cm.m, np.float32).astype(np.float64)[:, None] \
+                        * mem(a_scale_ptr, cm.n, np.float32).astype(np.float64)[None, :]
+                else:
+                    for p in (a_scale_ptr, b_scale_ptr):
+                        d = d * (float(mem(p, 1, np.float32)[0]) if p is not None else 1.0)
                 if bias_ptr is not None:
                     d = d + mem(bias_ptr, cm.m, types[d_type]).astype(np.float64)[:, None]
             flat, ld = colmajor(d_ptr, types[d_type], cm.m, cm.n, cm.ldc)
@@ -529,14 +546,14 @@ def _fake_lt(calls):
     return plan
 
 
-@pytest.fixture
-def fake_lt(monkeypatch):
+@pytest.fixture(params=[True, False], ids=["outer_vec", "no_outer_vec"])
+def fake_lt(request, monkeypatch):
     if ON_GPU:
         pytest.skip("the real cuBLASLt runs these on a GPU (test_gpu_*)")
     from rlx_numba.cublas import gemm
     from rlx_numba.ir.opdef import opdef
     calls = []
-    monkeypatch.setattr(gemm, "lt_lowp_plan", _fake_lt(calls), raising=False)
+    monkeypatch.setattr(gemm, "lt_lowp_plan", _fake_lt(calls, request.param), raising=False)
     for op in ("scaled_matmul", "qmatmul"):
         monkeypatch.setattr(opdef(op).tiers[0], "available", lambda ctx, n: None)
     return calls
@@ -545,8 +562,9 @@ def fake_lt(monkeypatch):
 @pytest.mark.parametrize("scales,out,b_t,has_bias", [("tensor", "bf16", True, True),
                                                      ("tensor", "f32", False, True),
                                                      ("rowwise", "f16", True, True),
-                                                     ("rowwise", "f32", False, False)])
-def test_scaled_matmul_lt_tier_wiring(rng, fake_lt, scales, out, b_t, has_bias):
+                                                     ("rowwise", "f32", False, False),
+                                                     ("rowwise", "f32", True, True)])
+def test_scaled_matmul_lt_tier_wiring(rng, request, fake_lt, scales, out, b_t, has_bias):
     m, k, n = 3, 32, 16
     a, b = _fp8(rng, (m, k), "f8e4m3"), _fp8(rng, (k, n), "f8e5m2")
     sh = ((), ()) if scales == "tensor" else ((m, 1), (1, n))
@@ -563,8 +581,11 @@ def test_scaled_matmul_lt_tier_wiring(rng, fake_lt, scales, out, b_t, has_bias):
     names = [s.kernel_name for s in exe.steps]
     assert any(nm.startswith("cublasLt fp8") for nm in names), names
     assert any("transpose" in nm for nm in names) == (not b_t), names
-    assert any("scale epilogue" in nm for nm in names) == (scales == "rowwise" or (
-        out == "f32" and has_bias)), names
+    outer = any(c[-1] for c in fake_lt)    # a rowwise product on one call (outer vectors)
+    assert outer == (scales == "rowwise" and not (out == "f32" and has_bias)
+                     and request.node.callspec.params["fake_lt"]), (names, fake_lt)
+    assert any("scale epilogue" in nm for nm in names) == (
+        (scales == "rowwise" and not outer) or (out == "f32" and has_bias)), names
     (got,) = exe.run({"a": a, "sa": sa, "sb": sb, **({"c": bias} if has_bias else {}),
                       **({"bt": np.ascontiguousarray(b.T)} if b_t else {"b": b})})
     s_ab = sa.reshape(-1, 1).astype(np.float64) * sb.reshape(1, -1) if scales == "rowwise" \

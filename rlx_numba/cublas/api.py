@@ -25,6 +25,8 @@ COMPUTE_32I = 72
 # cuBLASLt: matmul desc attributes, epilogues, preference attributes
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18      # f32 device scalars (fp8 operands)
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32            # cuBLAS 12.9+: how the scales apply
+MATRIX_SCALE_OUTER_VEC_32F = 3                           # an f32 vector along the outer dim
 EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_RELU_BIAS = 1, 2, 4, 6
 EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 32, 36
 PREF_MAX_WORKSPACE_BYTES = 1

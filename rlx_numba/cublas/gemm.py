@@ -242,13 +242,17 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
 
 def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_type: int,
                  d_ptr: int, d_type: int, *, a_scale_ptr: int | None = None,
-                 b_scale_ptr: int | None = None, bias_ptr: int | None = None):
+                 b_scale_ptr: int | None = None, bias_ptr: int | None = None,
+                 outer_vec: bool = False):
     """cuBLASLt D = scale_a * scale_b * (A @ B) (+ bias) for fp8 operands (COMPUTE_32F, f32
     scale; D bf16 / f16 / f32, the bias of D's type) or D = A @ B for i8 ones (``d_type``
     R_32I: COMPUTE_32I, int32 scale). Our A and B as in lt_plan (swapped into Lt's B and A),
     so Lt's A scale is our b's. The caller passes the "TN" problem fp8 and int8 kernels need
     (``cm.opa`` T, ``cm.opb`` N: b stored [N, K], a [M, K]). Raises CublasError when no
-    algorithm fits. The scale pointers are device f32 scalars, read when the call runs."""
+    algorithm fits (or an older cuBLAS refuses an attribute). The scale pointers are device
+    f32 scalars read when the call runs; with ``outer_vec`` (A / B_SCALE_MODE OUTER_VEC_32F,
+    cuBLAS 12.9+) f32 vectors along each operand's outer dimension: Lt's A (our b) one a
+    column of our output, Lt's B (our a) one a row."""
     _, lt = api.libs()
     dev = _device_id()
     h = lt_handle(dev)
@@ -269,6 +273,9 @@ def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
         attr(set_desc, desc, api.DESC_A_SCALE_POINTER, c_void_p(b_scale_ptr))
     if a_scale_ptr is not None:
         attr(set_desc, desc, api.DESC_B_SCALE_POINTER, c_void_p(a_scale_ptr))
+    if outer_vec:
+        attr(set_desc, desc, api.DESC_A_SCALE_MODE, c_int32(api.MATRIX_SCALE_OUTER_VEC_32F))
+        attr(set_desc, desc, api.DESC_B_SCALE_MODE, c_int32(api.MATRIX_SCALE_OUTER_VEC_32F))
     epilogue = api.EPILOGUE_DEFAULT if bias_ptr is None else api.EPILOGUE_BIAS
     attr(set_desc, desc, api.DESC_EPILOGUE, c_uint32(epilogue))
     if bias_ptr is not None:
@@ -293,7 +300,8 @@ def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
                 c_void_p(d_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
                 c_void_p(_stream_ptr(stream)))
     key = ("lowp", dev, cm, a_type, b_type, d_type, bias_ptr is not None,
-           a_scale_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
+           a_scale_ptr is not None, outer_vec,
+           tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
     algo = _lt_choice.get(key)
     if algo is None:
         pref = c_void_p()

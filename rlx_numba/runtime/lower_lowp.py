@@ -5,10 +5,11 @@ logs a node whose first tier was passed over, and why):
 
   0  cuBLASLt. scaled_matmul: fp8 tensor cores (compute capability 8.9+), f32 accumulation.
      Per-tensor scales go to Lt as A / B_SCALE_POINTER and a bf16 / f16 bias to its BIAS
-     epilogue: one call. Rowwise scales, or an f32 output with a bias (Lt's fp8 kernels take
-     only a bf16 bias beside an f32 D), run Lt with unit scales into f32 sums, then one
-     epilogue kernel applies the scales and bias and rounds (cuBLAS 12.9's outer-vector scale
-     mode would fuse rowwise scales; it is not used: untested here). qmatmul: int8 tensor
+     epilogue: one call. Rowwise scales try the same call with A / B_SCALE_MODE =
+     OUTER_VEC_32F (cuBLAS 12.9+; RLX_NUMBA_LT_OUTER_VEC=0 skips it); where that cuBLAS or GPU
+     has no such algorithm, or for an f32 output with a bias (Lt's fp8 kernels take only a
+     bf16 bias beside an f32 D), Lt runs with unit scales into f32 sums and one epilogue
+     kernel applies the scales and bias and rounds (the step names say which ran). qmatmul: int8 tensor
      cores (COMPUTE_32I, i32 D; K and N multiples of 4, Lt's int8 alignment); a u8 a is
      shifted to i8 (a - 128) by a small kernel and its zero point moved by 128, and nonzero
      zero points are exact integer corrections from a's row sums and b's column sums:
@@ -20,6 +21,8 @@ logs a node whose first tier was passed over, and why):
      summed in f32 / exact integer sums; the simulator's tier, and the fallback.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -105,6 +108,8 @@ def _lt_call(ctx, name, label, m, nn, k, a_buf, a_dt, b_buf, b_dt, d_buf, d_type
 
 @lowering("scaled_matmul", tier="cublaslt", available=_lt_available)
 def _scaled_lt(ctx, n):
+    """One Lt call with the scales (per tensor; rowwise through the outer-vector scale mode
+    where this cuBLAS has it) and the bias fused, else Lt's f32 sums and the scale epilogue."""
     from ..cublas import api
     g = ctx.graph
     a, b, sa, sb = (g.nodes[i] for i in n.inputs[:4])
@@ -114,27 +119,39 @@ def _scaled_lt(ctx, n):
     name = step_name(n)
     bt, steps = _tn_b(ctx, n, n.inputs[1], name)
     out = ctx.buf(n)
-    one_call = not rowwise and (bias is None or od != dt.F32)
-    d_type = getattr(api, _LT_TYPE[od if one_call else dt.F32])
-    acc = out if one_call or od == dt.F32 else _scratch(ctx, m * nn, np.float32)
-    kw = dict(a_scale_ptr=data_ptr(ctx.buf(sa)), b_scale_ptr=data_ptr(ctx.buf(sb)),
-              bias_ptr=data_ptr(ctx.buf(bias)) if bias is not None else None) if one_call else {}
-    label = f"fp8 {a.dtype}x{b.dtype}->{od if one_call else 'f32'}"
+    operands = (ctx, name)
+    fused = dict(a_scale_ptr=data_ptr(ctx.buf(sa)), b_scale_ptr=data_ptr(ctx.buf(sb)),
+                 bias_ptr=data_ptr(ctx.buf(bias)) if bias is not None else None)
+    why = []
+    if bias is None or od != dt.F32:      # (Lt's fp8 kernels take no f32 bias)
+        if rowwise and os.environ.get("RLX_NUMBA_LT_OUTER_VEC", "1") == "0":
+            why.append("outer-vector scales off (RLX_NUMBA_LT_OUTER_VEC=0)")
+        else:
+            label = f"fp8 {a.dtype}x{b.dtype}->{od}{' outer-vector scales' if rowwise else ''}"
+            try:
+                return steps + [_lt_call(*operands, label, m, nn, k, ctx.buf(a), a.dtype, bt,
+                                         b.dtype, out, getattr(api, _LT_TYPE[od]),
+                                         outer_vec=rowwise, **fused)]
+            except cublas.CublasError as e:
+                why.append(f"{label}: {e}")
+    acc = out if od == dt.F32 else _scratch(ctx, m * nn, np.float32)
+    label = f"fp8 {a.dtype}x{b.dtype}->f32"
     try:
-        steps.append(_lt_call(ctx, name, label, m, nn, k, ctx.buf(a), a.dtype, bt, b.dtype,
-                              acc, d_type, **kw))
+        steps.append(_lt_call(*operands, label, m, nn, k, ctx.buf(a), a.dtype, bt, b.dtype, acc,
+                              api.R_32F))
     except cublas.CublasError as e:
-        log_tier(n, n.op, "1 (numba)", [f"tier 0 (cublaslt): {e}"])
+        log_tier(n, n.op, "1 (numba)", why + [f"tier 0 (cublaslt) {label}: {e}"])
         return None
-    if not one_call:
-        kern = L.scale_epilogue(io_kind(od), rowwise, bias is not None)
-        grid, block = grid_1d(m * nn)
-        steps.append(Step(name + " scale", f"scale epilogue {'rowwise' if rowwise else 'tensor'}"
-                          f"{'+bias' if bias is not None else ''} -> {od}", kern, (grid,),
-                          (block,), (out, acc, ctx.buf(sa), ctx.buf(sb),
-                                     ctx.buf(bias) if bias is not None else f32_dummy(ctx),
-                                     np.int64(m), np.int64(nn)),
-                          {"bytes": m * nn * (4 + od.itemsize)}))
+    if why:
+        log_tier(n, n.op, "0 (cublaslt, f32 sums + scale epilogue)", why)
+    kern = L.scale_epilogue(io_kind(od), rowwise, bias is not None)
+    grid, block = grid_1d(m * nn)
+    steps.append(Step(name + " scale", f"scale epilogue {'rowwise' if rowwise else 'tensor'}"
+                      f"{'+bias' if bias is not None else ''} -> {od}", kern, (grid,),
+                      (block,), (out, acc, ctx.buf(sa), ctx.buf(sb),
+                                 ctx.buf(bias) if bias is not None else f32_dummy(ctx),
+                                 np.int64(m), np.int64(nn)),
+                      {"bytes": m * nn * (4 + od.itemsize)}))
     return steps
 
 
