@@ -20,14 +20,17 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
   fp8         - scaled_matmul, e4m3 x e4m3, per-tensor scales, bf16 out, b given as the transpose
                 of an [N, K] input (cuBLASLt fp8, one call) vs torch._scaled_mm on the same
                 operands (b.t() column-major, as torch requires)               (bar 0.90 at 8192^3)
-  fp8row      - the same with rowwise scales ([M, 1], [1, N]) vs torch._scaled_mm rowwise (reported)
+  fp8row      - the same with rowwise scales ([M, 1], [1, N]) vs torch._scaled_mm rowwise: one Lt
+                call with outer-vector scales where cuBLAS has them (the kernels column says)
+  fp8row0     - fp8row with RLX_NUMBA_LT_OUTER_VEC=0: Lt's f32 sums + the scale epilogue kernel
+                (the two rowwise paths side by side; reported, no bar)
   int8        - qmatmul, i8 x i8 -> i32 (cuBLASLt int8, b given as a transpose) vs torch._int_mm;
                 its bar is against our own bf16 product of the same shape (the default ladder,
                 timed in the same run: column vs_bf16)                           (bar 1.50 at 8192^3)
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
   python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]
-      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,int8]
+      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8]
 """
 from __future__ import annotations
 
@@ -42,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_device_memory, time_rlx, time_torch  # noqa: E402
 
 SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,8192x1024x4096,64:512x64x512"
-TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,int8"
-LOWP_ROWS = ("fp8", "fp8row", "int8")
+TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8"
+LOWP_ROWS = ("fp8", "fp8row", "fp8row0", "int8")
 LOWP_BAR = {"fp8": (0.9, (1, 8192, 8192, 8192)), "int8": (1.5, (1, 8192, 8192, 8192))}
 WEIGHT_BOUND = {(1, 1, 4096, 4096), (1, 32, 4096, 11008)}
 # half rows: (graph dtype, torch dtype name, epilogue activation) and where their bar applies
@@ -147,6 +150,7 @@ def bench_lowp(tier, batch, m, k, n, rlx, cuda, torch, iters):
     import numpy as np
     os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
     os.environ.pop("RLX_NUMBA_LOWP_TIERS", None)
+    os.environ["RLX_NUMBA_LT_OUTER_VEC"] = "0" if tier == "fp8row0" else "1"
     g = rlx.Graph(f"mm_{tier}")
     if tier == "int8":
         ta = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
@@ -161,7 +165,7 @@ def bench_lowp(tier, batch, m, k, n, rlx, cuda, torch, iters):
         ta = (torch.randn(m, k, device="cuda") * 4).to(e4)
         tbt = (torch.randn(n, k, device="cuda") * 4).to(e4)
         tb = tbt.t()                               # column-major [K, N], as torch requires
-        row = tier == "fp8row"
+        row = tier.startswith("fp8row")
         tsa = (torch.rand(m, 1, device="cuda") + 0.5) if row else torch.tensor(0.8, device="cuda")
         tsb = (torch.rand(1, n, device="cuda") / k) if row else torch.tensor(1.0 / k, device="cuda")
         g.set_outputs([g.scaled_matmul(
@@ -313,6 +317,7 @@ def main(argv=None) -> int:
                   + (f"  {r['vs_bf16']:.2f}x our bf16 ({' | '.join(r['bf16_kernels'])})"
                      if "vs_bf16" in r else ""), flush=True)
     os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    os.environ.pop("RLX_NUMBA_LT_OUTER_VEC", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
     fails = sum(not r["pass"] for r in results)
