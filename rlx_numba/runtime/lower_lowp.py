@@ -9,8 +9,9 @@ logs a node whose first tier was passed over, and why):
      OUTER_VEC_32F (cuBLAS 12.9+; RLX_NUMBA_LT_OUTER_VEC=0 skips it); where that cuBLAS or GPU
      has no such algorithm, or for an f32 output with a bias (Lt's fp8 kernels take only a
      bf16 bias beside an f32 D), Lt runs with unit scales into f32 sums and one epilogue
-     kernel applies the scales and bias and rounds (the step names say which ran). qmatmul: int8 tensor
-     cores (COMPUTE_32I, i32 D; K and N multiples of 4, Lt's int8 alignment); a u8 a is
+     kernel applies the scales and bias and rounds (the step names say which ran).
+     qmatmul: int8 tensor cores (COMPUTE_32I, i32 D; K and N multiples of 4, Lt's int8
+     alignment); a u8 a is
      shifted to i8 (a - 128) by a small kernel and its zero point moved by 128, and nonzero
      zero points are exact integer corrections from a's row sums and b's column sums:
      sum (a - az)(b - bz) = a.b - bz rowsum(a) - az colsum(b) + K az bz.
@@ -119,17 +120,18 @@ def _scaled_lt(ctx, n):
     name = step_name(n)
     bt, steps = _tn_b(ctx, n, n.inputs[1], name)
     out = ctx.buf(n)
-    operands = (ctx, name)
     fused = dict(a_scale_ptr=data_ptr(ctx.buf(sa)), b_scale_ptr=data_ptr(ctx.buf(sb)),
                  bias_ptr=data_ptr(ctx.buf(bias)) if bias is not None else None)
     why = []
-    if bias is None or od != dt.F32:      # (Lt's fp8 kernels take no f32 bias)
+    if bias is not None and od == dt.F32:
+        why.append("an f32 bias: Lt's fp8 kernels take a bf16 one beside an f32 D")
+    else:
         if rowwise and os.environ.get("RLX_NUMBA_LT_OUTER_VEC", "1") == "0":
             why.append("outer-vector scales off (RLX_NUMBA_LT_OUTER_VEC=0)")
         else:
             label = f"fp8 {a.dtype}x{b.dtype}->{od}{' outer-vector scales' if rowwise else ''}"
             try:
-                return steps + [_lt_call(*operands, label, m, nn, k, ctx.buf(a), a.dtype, bt,
+                return steps + [_lt_call(ctx, name, label, m, nn, k, ctx.buf(a), a.dtype, bt,
                                          b.dtype, out, getattr(api, _LT_TYPE[od]),
                                          outer_vec=rowwise, **fused)]
             except cublas.CublasError as e:
@@ -137,7 +139,7 @@ def _scaled_lt(ctx, n):
     acc = out if od == dt.F32 else _scratch(ctx, m * nn, np.float32)
     label = f"fp8 {a.dtype}x{b.dtype}->f32"
     try:
-        steps.append(_lt_call(*operands, label, m, nn, k, ctx.buf(a), a.dtype, bt, b.dtype, acc,
+        steps.append(_lt_call(ctx, name, label, m, nn, k, ctx.buf(a), a.dtype, bt, b.dtype, acc,
                               api.R_32F))
     except cublas.CublasError as e:
         log_tier(n, n.op, "1 (numba)", why + [f"tier 0 (cublaslt) {label}: {e}"])
