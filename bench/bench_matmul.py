@@ -26,7 +26,7 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
                 (the two rowwise paths side by side; reported, no bar)
   int8        - qmatmul, i8 x i8 -> i32 (cuBLASLt int8, b given as a transpose) vs torch._int_mm;
                 its bar is against our own bf16 product of the same shape (the default ladder,
-                timed in the same run: column vs_bf16)                           (bar 1.50 at 8192^3)
+                timed in the same run: column vs_bf16)                        (bar 1.50 at 8192^3)
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
   python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]

@@ -490,7 +490,7 @@ def test_gpu_qmatmul_lt_matches_numba(rng, monkeypatch, adt, az, bz, b_t):
 
 
 
-# ---- the cuBLASLt tiers' wiring, in the simulator, over a model of cuBLASLt -----------------------
+# ---- the cuBLASLt tiers' wiring, in the simulator, over a model of cuBLASLt ----------------
 def _fake_lt(calls, outer_vec_ok=True):
     """A stand-in for cublas.gemm.lt_lowp_plan computing what cuBLASLt's documentation defines
     -- column-major D = scaleA * scaleB * op(A) @ op(B) (+ bias over D's rows), op from the

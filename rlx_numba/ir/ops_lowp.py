@@ -9,8 +9,9 @@ MatMulInteger. Kernels: kernels/lowp.py; lowering: runtime/lower_lowp.py.
 and for f8e4m3 / f8e5m2 ``q = fp8(saturate(x / scale + zero_point))``: the float8 cast rounds to
 nearest even itself (no integer rounding), and saturation clamps to +-448 / +-57344 first,
 +-inf included (onnx.helper.float32_to_float8e5m2 / _e4m3 with saturate=True); NaN stays NaN
-(e5m2's NaN byte is ml_dtypes' 0x7e, where ONNX's reference writes 0x7f: both NaN). The zero point has the quantised dtype and decides it when given (``dtype``
-must then agree); scale is f32 (or any float, cast). ``dequantize_linear(q, scale,
+(e5m2's NaN byte is ml_dtypes' 0x7e, where ONNX's reference writes 0x7f: both NaN). The zero
+point has the quantised dtype and decides it when given (``dtype`` must then agree); scale is
+f32 (or any float, cast). ``dequantize_linear(q, scale,
 zero_point=None, *, axis=None)`` is ``(f32(q) - f32(zero_point)) * scale`` -> f32. Both take
 scale / zero point of shape () or [1] (per tensor) or [C] with ``axis`` (per channel, C =
 x.shape[axis]). They are graph functions of element-wise ops (division, round, add, clamp,

@@ -118,7 +118,8 @@ def consumers_of(graph: Graph) -> dict:
 
 def absorbed_transposes(graph: Graph, live_outputs) -> set:
     """Transposes of the last two axes that only feed products (matmul's operands, the weight
-    or b of linear, scaled_matmul and qmatmul) and are not outputs: their consumers read the input with a transpose flag."""
+    or b of linear, scaled_matmul and qmatmul) and are not outputs: their consumers read the
+    input with a transpose flag."""
     consumers = consumers_of(graph)
     out = set()
     for n in graph.nodes:
