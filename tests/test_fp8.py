@@ -394,8 +394,9 @@ def test_lt_tier_kernels_zero_points_and_scales(rng):
     grid, block = (2,), (16,)
     a8 = np.zeros(m * k, np.int8)
     L.shift_u8[grid, block](a8, a.reshape(-1), m * k)
-    bt = np.zeros(k * n, np.int8)
-    L.transpose_bytes[(2, 2), (8, 4)](bt, b.reshape(-1), k, n)
+    bt = np.zeros(k * n, np.int8)     # (k, n not multiples of the tile: the edges)
+    L.transpose_bytes[(2, 2), (L.TILE, L.TROWS)](bt.view(np.uint8), b.reshape(-1).view(np.uint8),
+                                                 k, n)
     np.testing.assert_array_equal(bt.reshape(n, k), b.T)
     out = (a8.reshape(m, k).astype(np.int64) @ b.astype(np.int64)).astype(np.int32).reshape(-1)
     ra, cb = np.zeros(m, np.int32), np.zeros(n, np.int32)

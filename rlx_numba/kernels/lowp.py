@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32, int8, int32, int64
+from numba import cuda, float32, int8, int32, int64, uint8
 
 from ..device import SIMULATOR
 from . import elementwise as ew
@@ -101,14 +101,26 @@ def scale_epilogue(okind: str, rowwise: bool, has_bias: bool):
     return scale_epilogue_kernel
 
 
+# transpose tiles: TILE x TILE bytes through shared memory, a block of TILE x TROWS threads
+TILE, TROWS = (8, 2) if SIMULATOR else (32, 8)
+
+
 @jit
 def transpose_bytes(dst, src, R, C):
-    """dst [C, R] = src [R, C]^T for 1-byte elements (threads along R: coalesced stores)."""
-    r0, c0 = cuda.grid(2)
-    sr, sc = cuda.gridsize(2)
-    for c in range(c0, C, sc):
-        for r in range(r0, R, sr):
-            dst[c * R + r] = src[r * C + c]
+    """dst [C, R] = src [R, C]^T for 1-byte elements (uint8 views): a tile is read along src's
+    rows and written along dst's, both coalesced; grid-stride over the tiles (x: C, y: R)."""
+    tile = cuda.shared.array((TILE, TILE + 1), uint8)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    for bc in range(cuda.blockIdx.x * TILE, C, cuda.gridDim.x * TILE):
+        for br in range(cuda.blockIdx.y * TILE, R, cuda.gridDim.y * TILE):
+            for j in range(ty, TILE, TROWS):
+                if br + j < R and bc + tx < C:
+                    tile[j, tx] = src[(br + j) * C + bc + tx]
+            cuda.syncthreads()
+            for j in range(ty, TILE, TROWS):
+                if bc + j < C and br + tx < R:
+                    dst[(bc + j) * R + br + tx] = tile[tx, j]
+            cuda.syncthreads()
 
 
 @jit

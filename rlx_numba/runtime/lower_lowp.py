@@ -84,9 +84,12 @@ def _tn_b(ctx, n, b_id, name):
         return b.buf, []
     k, nn = b.shape
     bt = _scratch(ctx, k * nn, b.buf.dtype)
-    grid, block = _grid_2d(nn, k)
-    step = Step(name + " b to [N, K]", f"transpose bytes {k}x{nn}", L.transpose_bytes, grid, block,
-                (bt, b.buf, np.int64(k), np.int64(nn)), {"bytes": 2 * k * nn})
+    tiles = (-(-nn // L.TILE), -(-k // L.TILE))
+    grid = (min(tiles[0], 2), min(tiles[1], 2)) if SIMULATOR else (min(tiles[0], 65535),
+                                                                   min(tiles[1], 65535))
+    step = Step(name + " b to [N, K]", f"transpose bytes {k}x{nn}", L.transpose_bytes, grid,
+                (L.TILE, L.TROWS), (bt.view(np.uint8), b.buf.view(np.uint8), np.int64(k),
+                                    np.int64(nn)), {"bytes": 2 * k * nn})
     return bt, [step]
 
 
