@@ -598,7 +598,7 @@ def test_scaled_matmul_lt_tier_wiring(rng, request, fake_lt, scales, out, b_t, h
 
 @pytest.mark.parametrize("adt,az,bz,b_t", [("u8", 200, -3, True), ("i8", 0, 0, False),
                                            ("i8", -5, 7, False)])
-def test_qmatmul_lt_tier_wiring(rng, fake_lt, adt, az, bz, b_t):
+def test_qmatmul_lt_tier_wiring(rng, fake_lt, monkeypatch, caplog, adt, az, bz, b_t):
     m, k, n = 3, 12, 8
     a = rng.integers(0 if adt == "u8" else -128, 256 if adt == "u8" else 128, (m, k)).astype(
         np.uint8 if adt == "u8" else np.int8)
@@ -606,7 +606,11 @@ def test_qmatmul_lt_tier_wiring(rng, fake_lt, adt, az, bz, b_t):
     g = rlx.Graph("qmm")
     bi = g.transpose(g.input("bt", (n, k), "i8")) if b_t else g.input("b", (k, n), "i8")
     g.set_outputs([g.qmatmul(g.input("a", (m, k), adt), bi, a_zero=az, b_zero=bz)])
-    exe = rlx.compile(g)
+    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    with caplog.at_level("WARNING", logger="rlx_numba"):
+        exe = rlx.compile(g)
+    assert "qmatmul tier 0 (cublaslt int8)" in caplog.text
+    assert ("a u8 a shifted to i8" in caplog.text) == (adt == "u8"), caplog.text
     names = [s.kernel_name for s in exe.steps]
     assert any(nm.startswith("cublasLt int8") for nm in names), names
     assert any("shift u8" in nm for nm in names) == (adt == "u8"), names

@@ -1,7 +1,7 @@
 """Lowering of scaled_matmul and qmatmul (ir/ops_lowp.py; kernels: kernels/lowp.py).
 
-Tiers, tried in order (``RLX_NUMBA_LOWP_TIERS=1`` keeps only the numba one; RLX_NUMBA_LOG_FALLBACK=1
-logs a node whose first tier was passed over, and why):
+Tiers, tried in order (``RLX_NUMBA_LOWP_TIERS=1`` keeps only the numba one;
+RLX_NUMBA_LOG_FALLBACK=1 logs each node's tier and path, and why tiers were passed over):
 
   0  cuBLASLt. scaled_matmul: fp8 tensor cores (compute capability 8.9+), f32 accumulation.
      Per-tensor scales go to Lt as A / B_SCALE_POINTER and a bf16 / f16 bias to its BIAS
@@ -134,9 +134,11 @@ def _scaled_lt(ctx, n):
         else:
             label = f"fp8 {a.dtype}x{b.dtype}->{od}{' outer-vector scales' if rowwise else ''}"
             try:
-                return steps + [_lt_call(ctx, name, label, m, nn, k, ctx.buf(a), a.dtype, bt,
-                                         b.dtype, out, getattr(api, _LT_TYPE[od]),
-                                         outer_vec=rowwise, **fused)]
+                steps.append(_lt_call(ctx, name, label, m, nn, k, ctx.buf(a), a.dtype, bt,
+                                      b.dtype, out, getattr(api, _LT_TYPE[od]),
+                                      outer_vec=rowwise, **fused))
+                log_tier(n, n.op, "0 (cublaslt, one call)", [])
+                return steps
             except cublas.CublasError as e:
                 why.append(f"{label}: {e}")
     acc = out if od == dt.F32 else _scratch(ctx, m * nn, np.float32)
@@ -147,8 +149,7 @@ def _scaled_lt(ctx, n):
     except cublas.CublasError as e:
         log_tier(n, n.op, "1 (numba)", why + [f"tier 0 (cublaslt) {label}: {e}"])
         return None
-    if why:
-        log_tier(n, n.op, "0 (cublaslt, f32 sums + scale epilogue)", why)
+    log_tier(n, n.op, "0 (cublaslt, f32 sums + scale epilogue)", why)
     kern = L.scale_epilogue(io_kind(od), rowwise, bias is not None)
     grid, block = grid_1d(m * nn)
     steps.append(Step(name + " scale", f"scale epilogue {'rowwise' if rowwise else 'tensor'}"
@@ -205,6 +206,8 @@ def _qmatmul_lt(ctx, n):
     except cublas.CublasError as e:
         log_tier(n, n.op, "1 (numba)", [f"tier 0 (cublaslt): {e}"])
         return None
+    log_tier(n, n.op, "0 (cublaslt int8)", ["a u8 a shifted to i8" if a.dtype == dt.U8 else "",
+                                          "zero points by row / column sums" if az or bz else ""])
     if az or bz:
         ra, cb = _scratch(ctx, m, np.int32), _scratch(ctx, nn, np.int32)
         grid, block = grid_1d(m + nn)
