@@ -202,6 +202,22 @@ def test_quantize_rounds_half_to_even_and_saturates():
     assert list(f5.astype(np.float32)) == [448, 57344, -57344, 0.3125]
 
 
+def test_quantize_half_input(rng):
+    """A bf16 x (widened exactly, then as f32) to u8 and f8e4m3 through the vector kernel
+    (16-byte bf16 loads, byte stores)."""
+    x = (rng.standard_normal((4, 24)) * 100).astype(np.float32).astype(md.bfloat16)
+    s = np.array([0.75], np.float32)
+    g = rlx.Graph("qh")
+    xi = g.input("x", x.shape, "bf16")
+    si = g.input("s", (1,), "f32")
+    z = g.constant(np.uint8(100))
+    g.set_outputs([g.quantize(xi, si, z), g.quantize(xi, si, dtype="f8e4m3")])
+    qu, q8 = run_graph(g, {"x": x, "s": s})
+    xf = x.astype(np.float32)
+    _bits_equal(qu, _quantize_ref(xf, s, np.uint8(100), "u8"), "bf16 -> u8")
+    _bits_equal(q8, _quantize_ref(xf, s, None, "f8e4m3"), "bf16 -> f8e4m3")
+
+
 def test_quantize_gradients():
     """quantize passes no gradient (ONNX defines none); dequantize_linear's scale gets
     sum(dy * (q - zero_point)), checked against NumPy."""
