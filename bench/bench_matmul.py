@@ -17,10 +17,20 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
   bf16gelu / f16gelu - linear(x, w, bias, "gelu_tanh") in that dtype, one cuBLASLt call with
                 the bias and GELU in its epilogue vs torch gelu(addmm(bias, x, w), tanh) in the
                 same dtype                                                 (bar 0.90 at 8192x1024x4096)
+  fp8         - scaled_matmul, e4m3 x e4m3, per-tensor scales, bf16 out, b given as the transpose
+                of an [N, K] input (cuBLASLt fp8, one call) vs torch._scaled_mm on the same
+                operands (b.t() column-major, as torch requires)               (bar 0.90 at 8192^3)
+  fp8row      - the same with rowwise scales ([M, 1], [1, N]) vs torch._scaled_mm rowwise: one Lt
+                call with outer-vector scales where cuBLAS has them (the kernels column says)
+  fp8row0     - fp8row with RLX_NUMBA_LT_OUTER_VEC=0: Lt's f32 sums + the scale epilogue kernel
+                (the two rowwise paths side by side; reported, no bar)
+  int8        - qmatmul, i8 x i8 -> i32 (cuBLASLt int8, b given as a transpose) vs torch._int_mm;
+                its bar is against our own bf16 product of the same shape (the default ladder,
+                timed in the same run: column vs_bf16)                        (bar 1.50 at 8192^3)
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
   python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]
-      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16]
+      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8]
 """
 from __future__ import annotations
 
@@ -35,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_device_memory, time_rlx, time_torch  # noqa: E402
 
 SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,8192x1024x4096,64:512x64x512"
-TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16"
+TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8"
+LOWP_ROWS = ("fp8", "fp8row", "fp8row0", "int8")
+LOWP_BAR = {"fp8": (0.9, (1, 8192, 8192, 8192)), "int8": (1.5, (1, 8192, 8192, 8192))}
 WEIGHT_BOUND = {(1, 1, 4096, 4096), (1, 32, 4096, 11008)}
 # half rows: (graph dtype, torch dtype name, epilogue activation) and where their bar applies
 HALF_ROWS = {"bf16": ("bf16", "bfloat16", None), "f16": ("f16", "float16", None),
@@ -130,7 +142,77 @@ def bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters):
     return res
 
 
+def bench_lowp(tier, batch, m, k, n, rlx, cuda, torch, iters):
+    """A row of LOWP_ROWS (module docstring): scaled_matmul against torch._scaled_mm, or
+    qmatmul against torch._int_mm and our bf16 product. Inputs made by torch on the device and
+    handed over as host arrays (torch's fp8 tensors have no __cuda_array_interface__)."""
+    import ml_dtypes
+    import numpy as np
+    os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    os.environ.pop("RLX_NUMBA_LOWP_TIERS", None)
+    os.environ["RLX_NUMBA_LT_OUTER_VEC"] = "0" if tier == "fp8row0" else "1"
+    g = rlx.Graph(f"mm_{tier}")
+    if tier == "int8":
+        ta = torch.randint(-128, 128, (m, k), device="cuda", dtype=torch.int8)
+        tbt = torch.randint(-128, 128, (n, k), device="cuda", dtype=torch.int8)
+        tb = tbt.t()
+        g.set_outputs([g.qmatmul(g.input("a", (m, k), "i8"),
+                                 g.transpose(g.input("bt", (n, k), "i8")))])
+        inputs = {"a": ta.cpu().numpy(), "bt": tbt.cpu().numpy()}
+        tfn = lambda: torch._int_mm(ta, tb)  # noqa: E731
+    else:
+        e4 = torch.float8_e4m3fn
+        ta = (torch.randn(m, k, device="cuda") * 4).to(e4)
+        tbt = (torch.randn(n, k, device="cuda") * 4).to(e4)
+        tb = tbt.t()                               # column-major [K, N], as torch requires
+        row = tier.startswith("fp8row")
+        tsa = (torch.rand(m, 1, device="cuda") + 0.5) if row else torch.tensor(0.8, device="cuda")
+        tsb = (torch.rand(1, n, device="cuda") / k) if row else torch.tensor(1.0 / k, device="cuda")
+        g.set_outputs([g.scaled_matmul(
+            g.input("a", (m, k), "f8e4m3"), g.transpose(g.input("bt", (n, k), "f8e4m3")),
+            g.input("sa", tuple(tsa.shape), "f32"), g.input("sb", tuple(tsb.shape), "f32"),
+            out_dtype="bf16")])
+        f8 = lambda t: t.view(torch.uint8).cpu().numpy().view(ml_dtypes.float8_e4m3fn)  # noqa: E731
+        inputs = {"a": f8(ta), "bt": f8(tbt), "sa": tsa.cpu().numpy(), "sb": tsb.cpu().numpy()}
+        tfn = lambda: torch._scaled_mm(ta, tb, tsa, tsb, out_dtype=torch.bfloat16)  # noqa: E731
+    exe = rlx.compile(g)
+    (got,) = exe.run(inputs)
+    ref = tfn().float().cpu().numpy().astype(np.float64)
+    err = float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-6))
+    res = timed_row(tier, batch, m, k, n, exe, tfn, err, cuda, torch, iters)
+    bar, at = LOWP_BAR.get(tier, (None, None))
+    applies = (batch, m, k, n) == at
+    if tier == "int8":       # against our bf16 product of the same shape (default ladder)
+        gb = rlx.Graph("mm_bf16_base")
+        gb.set_outputs([gb.matmul(gb.input("x", (m, k), "bf16"), gb.input("w", (k, n), "bf16"))])
+        eb = rlx.compile(gb)
+        eb.run({"x": np.ones((m, k), ml_dtypes.bfloat16), "w": np.ones((k, n), ml_dtypes.bfloat16)})
+        base = eb.steps
+
+        def launch_bf16():
+            for s in base:
+                s()
+        n_iter = max(2, iters if m * n * k < 2**36 else iters // 2)
+        bf16_ms = time_rlx(cuda, launch_bf16, eb.stream, n_iter, 2, 3)
+        res["vs_bf16"] = bf16_ms / res["rlx_ms"]
+        res["bf16_kernels"] = [s.kernel_name for s in base]
+        ok_speed = res["vs_bf16"] >= bar if applies else True
+        tol = 0.0                                   # integer products: exact
+        del eb
+    else:
+        ok_speed = res["ratio"] >= bar if applies else True
+        tol = 2e-2                                  # one bf16 rounding apart at most, about
+    # (int8: the bar is on vs_bf16, not on ratio, which is against torch._int_mm; said so)
+    res["bar"] = (f"{bar} vs bf16" if tier == "int8" else bar) if applies else None
+    res["pass"] = ok_speed and err <= tol
+    del exe, ta, tb, tbt
+    free_device_memory(cuda, torch)
+    return res
+
+
 def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
+    if tier in LOWP_ROWS:
+        return bench_lowp(tier, batch, m, k, n, rlx, cuda, torch, iters)
     if tier in HALF_ROWS:
         return bench_half(tier, batch, m, k, n, rlx, cuda, torch, iters)
     F = torch.nn.functional
@@ -212,8 +294,10 @@ def main(argv=None) -> int:
         for tier in args.tiers.split(","):
             if tier == "4" and m * n * k * batch > 2**37:
                 continue                      # 8192^3 on the numba kernel: not interesting
-            if batch > 1 and tier in ("0", "1", "bf16gelu", "f16gelu"):
+            if batch > 1 and tier in ("0", "1", "bf16gelu", "f16gelu", *LOWP_ROWS):
                 continue                      # those tiers are for weights (2-D params)
+            if tier == "int8" and m <= 16:
+                continue                      # torch._int_mm takes only M > 16
             if tier.endswith("gelu") and (batch, m, k, n) != HALF_BAR["gelu_tanh"]:
                 continue                      # the epilogue rows: their one shape
             try:
@@ -224,12 +308,16 @@ def main(argv=None) -> int:
                 free_device_memory(cuda, torch)
                 continue
             results.append(r)
-            bar = f"{r['bar']:.2f}" if r["bar"] else "  -  "
+            bar = (f"{r['bar']:.2f}" if isinstance(r["bar"], float) else str(r["bar"])) \
+                if r["bar"] else "  -  "
             print(f"{tier:<8} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
                   f"{r['ratio']:6.2f} {bar:>5}  {'PASS' if r['pass'] else 'FAIL'} {r['rel_err']:.1e}  "
                   f"{' | '.join(r['kernels'])}  [{1e3 * r['rlx_ms']:.0f} us a run, host enqueue "
-                  f"{1e3 * r['host_ms']:.0f} us]", flush=True)
+                  f"{1e3 * r['host_ms']:.0f} us]"
+                  + (f"  {r['vs_bf16']:.2f}x our bf16 ({' | '.join(r['bf16_kernels'])})"
+                     if "vs_bf16" in r else ""), flush=True)
     os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
+    os.environ.pop("RLX_NUMBA_LT_OUTER_VEC", None)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
     fails = sum(not r["pass"] for r in results)

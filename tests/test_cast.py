@@ -224,7 +224,7 @@ def test_cast_dtype_spellings_and_chain(rng):
 
 def test_u8_i8_wrap_and_promote():
     """u8 / i8 results spelled out: float casts truncate then wrap, arithmetic wraps in the
-    dtype (PyTorch), u8 with i8 promotes to i32, and fused chains wrap each stored value."""
+    dtype (PyTorch), u8 with i8 promotes to i16, and fused chains wrap each stored value."""
     f = np.array([300.7, -1.5, 255.9, -129.2, 127.0], np.float32)
     a = np.array([200, 100, 255, 0, 7], np.uint8)
     b = np.array([-128, 127, -1, 5, -7], np.int8)
@@ -237,6 +237,6 @@ def test_u8_i8_wrap_and_promote():
     assert cu.dtype == np.uint8 and list(cu) == [44, 255, 255, 127, 127]
     assert ci.dtype == np.int8 and list(ci) == [44, -1, -1, 127, 127]
     assert ss.dtype == np.uint8 and list(ss) == [144, 200, 254, 0, 14]
-    assert ab.dtype == np.int32 and list(ab) == [72, 227, 254, 5, 0]
+    assert ab.dtype == np.int16 and list(ab) == [72, 227, 254, 5, 0]
     assert chain.dtype == np.uint8 and list(chain) == [88, 44, 253, 0, 21]
     np.testing.assert_array_equal(fl, a.astype(np.float32))

@@ -191,7 +191,7 @@ def test_reshape_errors():
         g.reshape(x, (2, -3))
 
 
-@pytest.mark.parametrize("bad", ["f64", "float64", "int16", "half", ""])
+@pytest.mark.parametrize("bad", ["f64", "float64", "uint16", "half", ""])
 def test_unknown_dtype_string(bad):
     g = _g()
     with pytest.raises(ValueError, match=rf"unknown dtype {re.escape(repr(bad))}; expected one "

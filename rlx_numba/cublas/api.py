@@ -20,8 +20,13 @@ GEMM_DEFAULT = -1
 R_32F, R_16F, R_16BF = 0, 2, 14
 DATA_TYPE = {"f32": R_32F, "f16": R_16F, "bf16": R_16BF}     # kernels/halfio.py's kinds
 COMPUTE_32F, COMPUTE_32F_FAST_TF32 = 68, 77
+R_8I, R_32I, R_8F_E4M3, R_8F_E5M2 = 3, 10, 28, 29        # the low-precision products' types
+COMPUTE_32I = 72
 # cuBLASLt: matmul desc attributes, epilogues, preference attributes
 DESC_TRANSA, DESC_TRANSB, DESC_EPILOGUE, DESC_BIAS_POINTER = 3, 4, 7, 8
+DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18      # f32 device scalars (fp8 operands)
+DESC_A_SCALE_MODE, DESC_B_SCALE_MODE = 31, 32            # cuBLAS 12.9+: how the scales apply
+MATRIX_SCALE_OUTER_VEC_32F = 3                           # an f32 vector along the outer dim
 EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_RELU_BIAS = 1, 2, 4, 6
 EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 32, 36
 PREF_MAX_WORKSPACE_BYTES = 1

@@ -240,6 +240,91 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     return run
 
 
+def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_type: int,
+                 d_ptr: int, d_type: int, *, a_scale_ptr: int | None = None,
+                 b_scale_ptr: int | None = None, bias_ptr: int | None = None,
+                 outer_vec: bool = False):
+    """cuBLASLt D = scale_a * scale_b * (A @ B) (+ bias) for fp8 operands (COMPUTE_32F, f32
+    scale; D bf16 / f16 / f32, the bias of D's type) or D = A @ B for i8 ones (``d_type``
+    R_32I: COMPUTE_32I, int32 scale). Our A and B as in lt_plan (swapped into Lt's B and A),
+    so Lt's A scale is our b's. The caller passes the "TN" problem fp8 and int8 kernels need
+    (``cm.opa`` T, ``cm.opb`` N: b stored [N, K], a [M, K]). Raises CublasError when no
+    algorithm fits (or an older cuBLAS refuses an attribute). The scale pointers are device
+    f32 scalars read when the call runs; with ``outer_vec`` (A / B_SCALE_MODE OUTER_VEC_32F,
+    cuBLAS 12.9+) f32 vectors along each operand's outer dimension: Lt's A (our b) one a
+    column of our output, Lt's B (our a) one a row."""
+    _, lt = api.libs()
+    dev = _device_id()
+    h = lt_handle(dev)
+    keep = []
+
+    def attr(setter, obj, key, value):
+        keep.append(value)
+        setter(obj, key, byref(value), sizeof(value))
+
+    ints = d_type == api.R_32I
+    compute, scale = (api.COMPUTE_32I, api.R_32I) if ints else (api.COMPUTE_32F, api.R_32F)
+    desc = c_void_p()
+    lt.cublasLtMatmulDescCreate(byref(desc), compute, scale)
+    set_desc = lt.cublasLtMatmulDescSetAttribute
+    attr(set_desc, desc, api.DESC_TRANSA, c_int32(cm.opa))
+    attr(set_desc, desc, api.DESC_TRANSB, c_int32(cm.opb))
+    if b_scale_ptr is not None:        # Lt's A is our b
+        attr(set_desc, desc, api.DESC_A_SCALE_POINTER, c_void_p(b_scale_ptr))
+    if a_scale_ptr is not None:
+        attr(set_desc, desc, api.DESC_B_SCALE_POINTER, c_void_p(a_scale_ptr))
+    if outer_vec:
+        attr(set_desc, desc, api.DESC_A_SCALE_MODE, c_int32(api.MATRIX_SCALE_OUTER_VEC_32F))
+        attr(set_desc, desc, api.DESC_B_SCALE_MODE, c_int32(api.MATRIX_SCALE_OUTER_VEC_32F))
+    epilogue = api.EPILOGUE_DEFAULT if bias_ptr is None else api.EPILOGUE_BIAS
+    attr(set_desc, desc, api.DESC_EPILOGUE, c_uint32(epilogue))
+    if bias_ptr is not None:
+        attr(set_desc, desc, api.DESC_BIAS_POINTER, c_void_p(bias_ptr))
+    lays = []
+    for dtype, rows, cols, ld in (
+            (b_type, cm.k if cm.opa == api.OP_T else cm.m, cm.m if cm.opa == api.OP_T else cm.k,
+             cm.lda),
+            (a_type, cm.n if cm.opb == api.OP_T else cm.k, cm.k if cm.opb == api.OP_T else cm.n,
+             cm.ldb),
+            (d_type, cm.m, cm.n, cm.ldc)):
+        lay = c_void_p()
+        lt.cublasLtMatrixLayoutCreate(byref(lay), dtype, rows, cols, ld)
+        lays.append(lay)
+    la, lb, lc = lays
+    ws_ptr, ws_size = workspace(stream, dev)
+    one, zero = (c_int32(1), c_int32(0)) if ints else (c_float(1.0), c_float(0.0))
+    call = lt.cublasLtMatmul
+
+    def args_for(algo):
+        return (h, desc, byref(one), c_void_p(b_ptr), la, c_void_p(a_ptr), lb, byref(zero),
+                c_void_p(d_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
+                c_void_p(_stream_ptr(stream)))
+    key = ("lowp", dev, cm, a_type, b_type, d_type, bias_ptr is not None,
+           a_scale_ptr is not None, outer_vec,
+           tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
+    algo = _lt_choice.get(key)
+    if algo is None:
+        pref = c_void_p()
+        lt.cublasLtMatmulPreferenceCreate(byref(pref))
+        attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
+             c_uint64(ws_size))
+        results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
+        lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
+                                          byref(count))
+        lt.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value == 0:
+            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
+        algo = _lt_choice[key] = _fastest(stream, call, args_for,
+                                          [results[i].algo for i in range(count.value)])
+    args = args_for(algo)
+    keep += [desc, la, lb, lc, algo, one, zero]
+
+    def run():
+        call(*args)
+    run.keep = keep
+    return run
+
+
 _lt_choice: dict = {}   # lt_plan's problem key -> the fastest of the heuristic's algorithms
 # cuBLASLt descriptors by value, shared by every plan that describes the same thing (a model's
 # layers repeat them); host-side objects, read-only once made, never destroyed

@@ -1,7 +1,9 @@
-"""The eight dtypes, their NumPy mapping and the promotion rule.
+"""The eleven dtypes, their NumPy mapping and the promotion rule.
 
 bf16 has no NumPy dtype of its own: on the host it is ``ml_dtypes.bfloat16``, on the device its
-16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays).
+16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays). The fp8 types
+likewise: ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` on the host, their bytes as uint8 on
+the device (kernels/elementwise.py converts, with ml_dtypes' rounding).
 """
 from __future__ import annotations
 
@@ -40,16 +42,21 @@ class DType:
 BOOL = DType("bool", np.dtype(np.bool_), np.dtype(np.bool_), "bool", 0)
 U8 = DType("u8", np.dtype(np.uint8), np.dtype(np.uint8), "int", 1)
 I8 = DType("i8", np.dtype(np.int8), np.dtype(np.int8), "int", 1)
-I32 = DType("i32", np.dtype(np.int32), np.dtype(np.int32), "int", 2)
-I64 = DType("i64", np.dtype(np.int64), np.dtype(np.int64), "int", 3)
-BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 4)
-F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 4)
-F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 5)
+I16 = DType("i16", np.dtype(np.int16), np.dtype(np.int16), "int", 2)
+I32 = DType("i32", np.dtype(np.int32), np.dtype(np.int32), "int", 3)
+I64 = DType("i64", np.dtype(np.int64), np.dtype(np.int64), "int", 4)
+F8E4M3 = DType("f8e4m3", np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(np.uint8), "float", 5)
+F8E5M2 = DType("f8e5m2", np.dtype(ml_dtypes.float8_e5m2), np.dtype(np.uint8), "float", 5)
+BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 6)
+F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 6)
+F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 7)
 
-ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL)
+ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL, I16, F8E4M3, F8E5M2)
+FP8 = (F8E4M3, F8E5M2)
 _BY_NAME = {d.name: d for d in ALL}
 _ALIASES = {"float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
-            "uint8": U8, "int8": I8, "bool_": BOOL}
+            "uint8": U8, "int8": I8, "bool_": BOOL, "int16": I16, "float8_e4m3fn": F8E4M3,
+            "float8_e5m2": F8E5M2}
 _BY_HOST = {d.host: d for d in ALL}
 
 
@@ -74,14 +81,15 @@ def dtype(x) -> DType:
 
 
 def promote(a: DType, b: DType) -> DType:
-    """Result dtype of a binary op: bool < u8, i8 < i32 < i64 < f16, bf16 < f32; f16 with bf16
-    is f32, u8 with i8 is i32 (PyTorch's i16, which rlx_numba has not)."""
+    """Result dtype of a binary op: bool < u8, i8 < i16 < i32 < i64 < fp8 < f16, bf16 < f32;
+    f16 with bf16 is f32, e4m3 with e5m2 is f32 (torch refuses to promote fp8; arithmetic on
+    fp8 here computes in f32 like any float), u8 with i8 is i16 (as PyTorch)."""
     if a == b:
         return a
-    if {a, b} == {F16, BF16}:
+    if {a, b} in ({F16, BF16}, {F8E4M3, F8E5M2}):
         return F32
     if {a, b} == {U8, I8}:
-        return I32
+        return I16
     return a if a.rank > b.rank else b
 
 

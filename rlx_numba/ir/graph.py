@@ -23,6 +23,7 @@ from .ops_fft import FftOps
 from .ops_linalg import LinalgOps
 from .ops_vision import ResampleOps, VisionOps
 from .ops_loss import LossOps
+from .ops_lowp import LowPrecisionOps
 from .ops_moe import MoEOps
 from .ops_norm import NormOps
 from . import ops_optim  # noqa: F401  (declares optim_update: compile_train's update node)
@@ -122,7 +123,8 @@ class Tensor:
 
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
-            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps, LinalgOps):
+            DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps, LinalgOps,
+            LowPrecisionOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):

@@ -58,11 +58,21 @@ def reduce_dtype(kind: str, d: dt.DType) -> dt.DType:
     return d
 
 
+def no_fp8(op: str, x) -> None:
+    """fp8 is a storage format for casts, element-wise ops, shape ops and scaled_matmul (as in
+    torch): a reduction of it raises at build time, naming the op."""
+    if x.dtype in dt.FP8:
+        raise ValueError(f"{op}: x is {x.dtype} {fmt(x.shape)}; fp8 tensors take casts, "
+                         f"element-wise and shape ops and scaled_matmul -- cast to f32 / bf16 "
+                         f"first")
+
+
 def reduce_axes(x, kind: str, axes, keep_dim: bool) -> tuple:
     """The normalised axes of reduce(kind, x, axes, keep_dim), checked."""
     if kind not in REDUCE:
         raise ValueError(f"reduce: unknown kind {kind!r}; expected one of {', '.join(REDUCE)}")
     op = f"reduce {kind}"
+    no_fp8(op, x)
     _keep_dim(op, keep_dim)
     axes = normalize_axes(op, "axes", _axes_arg(op, axes), len(x.shape))
     count = math.prod(x.shape[a] for a in axes)
@@ -80,6 +90,7 @@ def infer_reduce(x, kind: str, axes, keep_dim: bool):
 def argreduce_axes(x, op: str, axis, keep_dim: bool) -> tuple:
     """The axes of argmax/argmin over ``axis`` (None: the flattened tensor), checked."""
     _keep_dim(op, keep_dim)
+    no_fp8(op, x)
     if axis is None:
         axes = tuple(range(len(x.shape)))
     else:
@@ -111,6 +122,7 @@ def cumsum_axis(x, axis, exclusive: bool) -> int:
         raise ValueError(f"cumsum: exclusive must be a bool, got {exclusive!r}")
     if len(x.shape) == 0:
         raise ValueError("cumsum: x must have rank >= 1, got a scalar")
+    no_fp8("cumsum", x)
     axis = int(axis) if isinstance(axis, np.integer) else axis
     return normalize_axis("cumsum", "axis", axis, len(x.shape))
 

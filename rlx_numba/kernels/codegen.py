@@ -29,7 +29,8 @@ from ..ir.ops import INT_PRESERVING
 from . import elementwise
 from .cache import STATS, attach, cache_dir  # noqa: F401 - cache_dir: codegen's name for it too
 
-_NUMBA_INT = {dt.I32: "int32", dt.I64: "int64", dt.U8: "uint8", dt.I8: "int8"}
+_NUMBA_INT = {dt.I32: "int32", dt.I64: "int64", dt.U8: "uint8", dt.I8: "int8", dt.I16: "int16"}
+_FP8 = {dt.F8E4M3: "f8e4m3", dt.F8E5M2: "f8e5m2"}    # ew.<name>_to_f32 / f32_to_<name>
 _loaded: dict[str, object] = {}
 
 
@@ -42,7 +43,7 @@ def _to(value: str, src: dt.DType, dst: dt.DType) -> str:
         return f"float32({value})"
     if dst == dt.BOOL:
         return f"({value} != 0)"
-    if src.is_float and dst.itemsize == 1:   # through int32, wrapping as PyTorch's casts do
+    if src.is_float and dst.itemsize <= 2:   # through int32, wrapping as PyTorch's casts do
         return f"{_NUMBA_INT[dst]}(ew.f2i32({value}))"
     if src.is_float:
         return f"ew.f2i{dst.itemsize * 8}({value})"
@@ -85,6 +86,8 @@ def _emit(e, loads: list[str]) -> str:
             return f"float32(float16({v}))"
         if d == dt.BF16 and xd != dt.BF16:
             return f"ew.round_bf16({v})"
+        if d in _FP8 and xd != d:
+            return f"ew.round_{_FP8[d]}({v})"
         return v
     raise ValueError(f"codegen: unknown expression op {op!r}")
 
@@ -94,6 +97,8 @@ def _load(name: str, d: dt.DType) -> str:
         return f"float32({name})"
     if d == dt.BF16:
         return f"ew.bf16_to_f32({name})"
+    if d in _FP8:
+        return f"ew.{_FP8[d]}_to_f32({name})"
     return name
 
 
@@ -102,6 +107,8 @@ def _store(value: str, d: dt.DType) -> str:
         return f"float16({value})"
     if d == dt.BF16:
         return f"ew.f32_to_bf16({value})"
+    if d in _FP8:
+        return f"ew.f32_to_{_FP8[d]}({value})"
     return value
 
 
@@ -261,7 +268,7 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True, vec=Non
         f"# expr: {expr_repr(expr)}",
         f"# inputs: {', '.join(f'{d}:{mo}' for d, mo in zip(in_dtypes, modes))}; collapsed rank {ndim}",
         *([f"# vector: {VEC} elements a thread; inputs read {', '.join(vec)}"] if vec else []),
-        "from numba import cuda, float32, int8, int32, int64, uint8, uint32, uint64",
+        "from numba import cuda, float32, int8, int16, int32, int64, uint8, uint32, uint64",
         "from numba.core.types import float16",
         "from rlx_numba.kernels import elementwise as ew",
         *(["from rlx_numba.kernels import ptx"] if vec else []),

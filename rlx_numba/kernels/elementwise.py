@@ -5,7 +5,7 @@ integer ops stay integer. The kernels that call these are generated per expressi
 ``kernels/codegen.py`` (one grid-stride loop with the broadcast index math inlined), so each
 function here is the single definition of its op.
 """
-from numba import cuda, float32, int32, int64, uint16, uint32
+from numba import cuda, float32, int32, int64, uint8, uint16, uint32
 
 from . import mathfn as m
 from .launch import device
@@ -254,6 +254,81 @@ def f32_to_bf16(x):
 def round_bf16(x):
     """float32 rounded to the nearest bf16 value, kept as float32."""
     return bf16_to_f32(f32_to_bf16(x))
+
+
+# fp8 <-> f32 by bit manipulation, exactly as ml_dtypes (and torch's .to(float8_*)) convert:
+# round to nearest even, no saturation -- e4m3fn (no infinities) gives NaN (0x7f) for NaN, inf
+# and anything that rounds past 448; e5m2 overflows to inf (0x7c), NaN is 0x7e. The sign is kept.
+@device
+def f8e4m3_to_f32(u):
+    """float8_e4m3fn byte -> float32 (exact): bias 7, 3 mantissa bits, 0x7f / 0xff NaN."""
+    b = uint32(u)
+    e = (b >> uint32(3)) & uint32(15)
+    mant = b & uint32(7)
+    sign = (b & uint32(0x80)) << uint32(24)
+    if e == uint32(15) and mant == uint32(7):
+        return m.bits_f32(int32(sign | uint32(0x7FC00000)))
+    if e == uint32(0):       # subnormal: mant * 2^-9
+        v = float32(mant) * float32(0.001953125)
+        return -v if sign else v
+    return m.bits_f32(int32(sign | ((e + uint32(120)) << uint32(23)) | (mant << uint32(20))))
+
+
+@device
+def f32_to_f8e4m3(x):
+    """float32 -> float8_e4m3fn byte (see above)."""
+    b = uint32(m.f32_bits(x))
+    sign = (b >> uint32(24)) & uint32(0x80)
+    a = b & uint32(0x7FFFFFFF)
+    if a >= uint32(0x43F00000):              # >= 480 (the first value past 448), inf, NaN
+        return uint8(sign | uint32(0x7F))
+    if a < uint32(0x3C800000):               # below 2^-6: a subnormal, mant * 2^-9
+        return uint8(sign | uint32(m.rint(m.bits_f32(int32(a)) * float32(512.0))))
+    r = (a + uint32(0x7FFFF) + ((a >> uint32(20)) & uint32(1))) >> uint32(20)
+    return uint8(sign | (r - uint32(960)))   # (127 - 7) << 3; 464 rounds to 448, above to 0x7f
+
+
+@device
+def round_f8e4m3(x):
+    """float32 rounded to the nearest e4m3fn value, kept as float32."""
+    return f8e4m3_to_f32(f32_to_f8e4m3(x))
+
+
+@device
+def f8e5m2_to_f32(u):
+    """float8_e5m2 byte -> float32 (exact): bias 15, 2 mantissa bits, IEEE inf and NaN."""
+    b = uint32(u)
+    e = (b >> uint32(2)) & uint32(31)
+    mant = b & uint32(3)
+    sign = (b & uint32(0x80)) << uint32(24)
+    if e == uint32(31):
+        return m.bits_f32(int32(sign | uint32(0x7F800000) | (mant << uint32(21))))
+    if e == uint32(0):       # subnormal: mant * 2^-16
+        v = float32(mant) * float32(1.52587890625e-05)
+        return -v if sign else v
+    return m.bits_f32(int32(sign | ((e + uint32(112)) << uint32(23)) | (mant << uint32(21))))
+
+
+@device
+def f32_to_f8e5m2(x):
+    """float32 -> float8_e5m2 byte (see above)."""
+    b = uint32(m.f32_bits(x))
+    sign = (b >> uint32(24)) & uint32(0x80)
+    a = b & uint32(0x7FFFFFFF)
+    if a > uint32(0x7F800000):
+        return uint8(sign | uint32(0x7E))
+    if a >= uint32(0x47700000):              # >= 61440, half way to 65536: rounds to inf
+        return uint8(sign | uint32(0x7C))
+    if a < uint32(0x38800000):               # below 2^-14: a subnormal, mant * 2^-16
+        return uint8(sign | uint32(m.rint(m.bits_f32(int32(a)) * float32(65536.0))))
+    r = (a + uint32(0xFFFFF) + ((a >> uint32(21)) & uint32(1))) >> uint32(21)
+    return uint8(sign | (r - uint32(448)))   # (127 - 15) << 2
+
+
+@device
+def round_f8e5m2(x):
+    """float32 rounded to the nearest e5m2 value, kept as float32."""
+    return f8e5m2_to_f32(f32_to_f8e5m2(x))
 
 
 @device

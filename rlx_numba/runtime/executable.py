@@ -70,6 +70,8 @@ def _from_python(name, node, value) -> np.ndarray:
     except (ValueError, TypeError) as e:      # ragged lists and the like
         raise ValueError(f"{want}: cannot read {type(value).__name__} as an array: {e}") from None
     kinds = "biuf" if node.dtype.is_float else "bui" if node.dtype.kind != "bool" else "b"
+    if arr.dtype == np.dtype(node.dtype.host):   # e.g. a NumPy scalar of bf16 / fp8 (kind "V")
+        return arr
     if arr.dtype.kind not in kinds:
         raise ValueError(f"{want}: got {type(value).__name__} {value!r:.60} ({arr.dtype}); "
                          f"pass {node.dtype} values (a NumPy array of {node.dtype.host})")

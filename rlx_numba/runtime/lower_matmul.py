@@ -102,6 +102,9 @@ from .lower_norm import rms_norm_steps
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
 PRODUCTS = ("matmul", "linear")
+# ops reading their input 1 (b / w) through a transpose flag (lower_lowp.py: the low-precision
+# products' tiers read b stored [N, K] as well as [K, N])
+B_TRANS_OPS = ("linear", "scaled_matmul", "qmatmul")
 
 
 def consumers_of(graph: Graph) -> dict:
@@ -114,8 +117,9 @@ def consumers_of(graph: Graph) -> dict:
 
 
 def absorbed_transposes(graph: Graph, live_outputs) -> set:
-    """Transposes of the last two axes that only feed products (matmul's operands, linear's
-    weight) and are not outputs: their consumers read the input with a transpose flag."""
+    """Transposes of the last two axes that only feed products (matmul's operands, the weight
+    or b of linear, scaled_matmul and qmatmul) and are not outputs: their consumers read the
+    input with a transpose flag."""
     consumers = consumers_of(graph)
     out = set()
     for n in graph.nodes:
@@ -125,7 +129,7 @@ def absorbed_transposes(graph: Graph, live_outputs) -> set:
         if tuple(n.attrs["perm"]) != tuple(range(r - 2)) + (r - 1, r - 2):
             continue
         uses = consumers.get(n.id, [])
-        if uses and all(m.op == "matmul" or (m.op == "linear" and j == 1) for m, j in uses):
+        if uses and all(m.op == "matmul" or (m.op in B_TRANS_OPS and j == 1) for m, j in uses):
             out.add(n.id)
     return out
 

@@ -42,7 +42,8 @@ def _store(d: dt.DType, mean: bool = False) -> str:
     if mean:
         return "mean_" + d.name
     return {"f32": "same", "i64": "same", "f16": "f16", "bf16": "bf16", "i32": "i32",
-            "bool": "bool"}[d.name]
+            "bool": "bool", "u8": "same", "i8": "same", "i16": "same"}[d.name]   # (max / min
+    # of a small int: the i64 accumulator holds one of x's values, stored as it is)
 
 
 def _collapse(shape, axes):
