@@ -28,11 +28,11 @@ OPS = ("solve", "cholesky", "qr", "svd", "eigh")
 
 
 def _inputs(rng, op, batch, n):
-    a = rng.standard_normal(batch + (n, n)).astype(np.float32) / np.sqrt(n)
+    a = (rng.standard_normal(batch + (n, n)) / np.sqrt(n)).astype(np.float32)
     if op in ("cholesky", "eigh"):
         a = (a @ np.swapaxes(a, -1, -2) + np.eye(n, dtype=np.float32)).astype(np.float32)
     elif op == "solve":
-        a = a + 2 * np.eye(n, dtype=np.float32)
+        a = (a + 2 * np.eye(n)).astype(np.float32)
     feed = {"a": a}
     if op == "solve":
         feed["b"] = rng.standard_normal(batch + (n, 16)).astype(np.float32)
