@@ -146,7 +146,10 @@ def test_jacobi_accuracy_on_spread_values(rng):
 def test_singular_and_not_positive_definite():
     """torch raises; here (no sync to raise from) solve / inv / cholesky give NaN, det 0 and
     slogdet (0, -inf); the other matrix of the batch is unaffected."""
-    a = np.stack([np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32),
+    # a zero column: every LU (any pivot order, reciprocal or division) meets an exact zero
+    # pivot there; rows merely proportional can leave a rounding residue (cuBLAS's batched
+    # getrf gave a pivot of ~1.8e-7 and X ~ 5.6e6 for [[1,2,3],[2,4,6],[1,0,1]] on an H100)
+    a = np.stack([np.array([[1, 0, 3], [2, 0, 6], [1, 0, 1]], np.float32),
                   np.eye(3, dtype=np.float32) * 2])
     npd = np.stack([np.diag([1.0, -1.0, 2.0]).astype(np.float32), np.eye(3, dtype=np.float32)])
     g = rlx.Graph("singular")
@@ -484,7 +487,9 @@ def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
     np.testing.assert_allclose((v * w[..., None, :]) @ T(v), s64, atol=1e-4 * np.abs(wn).max())
     np.testing.assert_allclose(T(v) @ v, np.broadcast_to(np.eye(n), v.shape), atol=1e-4)
     np.testing.assert_allclose(sv, np.linalg.svd(a64, compute_uv=False), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose((u * sv[..., None, :]) @ vh, a64, atol=1e-4)
+    # a backward-stable SVD: ||U S Vh - A|| ~ n u ||A|| (n = 300 on tier 0: 1.8e-4 seen)
+    rec = max(1e-4, 4 * n * np.finfo(np.float32).eps * np.abs(a64).sum(-1).max())
+    np.testing.assert_allclose((u * sv[..., None, :]) @ vh, a64, atol=rec)
     # the documented gauges
     big = np.take_along_axis(v, np.abs(v).argmax(-2)[..., None, :], -2)
     assert np.all(big > 0)
@@ -498,7 +503,7 @@ def test_singular_on_gpu(monkeypatch):
     ones (cuSOLVER getrf + getrs, potrf) NaN-fill as the numba tier does."""
     monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
     test_singular_and_not_positive_definite()
-    a = np.array([[1, 2, 3], [2, 4, 6], [1, 0, 1]], np.float32)
+    a = np.array([[1, 0, 3], [2, 0, 6], [1, 0, 1]], np.float32)
     g = rlx.Graph("singular_single")
     A = g.input("a", a.shape, "f32")
     sign, logabs = g.slogdet(A)
@@ -512,7 +517,9 @@ def test_singular_on_gpu(monkeypatch):
 @pytest.mark.parametrize("tier", ["0", "1"])
 def test_graph_mode_on_gpu(rng, monkeypatch, tier):
     """The tiers' steps (library calls, their loops a matrix at a time, the layout kernels)
-    replay in a captured CUDA graph as they run on the stream."""
+    replay in a captured CUDA graph as they run on the stream. cuSOLVER's eigh / svd cannot
+    be captured: a graph executable runs them on the numba tier (outputs 4.. : another
+    algorithm, so a looser comparison on tier 0)."""
     monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
     a, spd = _wellcond(rng, (3, 40, 40)), _spd(rng, (3, 40, 40))
     g = rlx.Graph("graph_linalg")
@@ -524,4 +531,5 @@ def test_graph_mode_on_gpu(rng, monkeypatch, tier):
     for _ in range(2):          # capture, then replay
         got = exe.run(feed)
         for k, (x, y) in enumerate(zip(got, want)):
-            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5, err_msg=f"output {k}")
+            tol = 2e-4 if tier == "0" and k >= 4 else 1e-5
+            np.testing.assert_allclose(x, y, rtol=tol, atol=tol, err_msg=f"output {k}")

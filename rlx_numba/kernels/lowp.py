@@ -103,13 +103,15 @@ def scale_epilogue(okind: str, rowwise: bool, has_bias: bool):
 
 # transpose tiles: TILE x TILE bytes through shared memory, a block of TILE x TROWS threads
 TILE, TROWS = (8, 2) if SIMULATOR else (32, 8)
+TILE_PAD = TILE + 1     # a padded row: no bank conflicts (a global, as numba's shared arrays
+                        # need a constant shape: ``TILE + 1`` inline fails to type on a GPU)
 
 
 @jit
 def transpose_bytes(dst, src, R, C):
     """dst [C, R] = src [R, C]^T for 1-byte elements (uint8 views): a tile is read along src's
     rows and written along dst's, both coalesced; grid-stride over the tiles (x: C, y: R)."""
-    tile = cuda.shared.array((TILE, TILE + 1), uint8)
+    tile = cuda.shared.array((TILE, TILE_PAD), uint8)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
     for bc in range(cuda.blockIdx.x * TILE, C, cuda.gridDim.x * TILE):
         for br in range(cuda.blockIdx.y * TILE, R, cuda.gridDim.y * TILE):

@@ -58,6 +58,16 @@ def _solver_available(ctx, n):
     return None if ok else err
 
 
+def _solver_available_uncaptured(ctx, n):
+    """eigh and svd: cuSOLVER's eigen / singular value routines synchronize with the host
+    (syevd failed stream capture with CUSOLVER_STATUS_INTERNAL_ERROR on an H100), so an
+    executable that captures CUDA graphs takes the numba tier for them."""
+    why = _solver_available(ctx, n)
+    if why is None and ctx.exec_mode.kind == "graph":
+        why = f"cuSOLVER's {n.op} cannot be captured into a CUDA graph (ExecMode.{ctx.exec_mode})"
+    return why
+
+
 def _f32(ctx, count: int):
     return ctx.device_array(np.zeros(max(count, 1), np.float32))
 
@@ -302,7 +312,7 @@ def _solver_qr(ctx, n):
     return steps
 
 
-@lowering("eigh", tier="cuSOLVER", available=_solver_available)
+@lowering("eigh", tier="cuSOLVER", available=_solver_available_uncaptured)
 def _solver_eigh(ctx, n):
     """syevd "upper" of A^T (A's lower triangle), or syevjBatched for a batch of n <= 32;
     a kernel lays out w and V (its columns the column-major vectors) with the gauge."""
@@ -345,7 +355,7 @@ def _solver_eigh(ctx, n):
                    (vec, w, info, ctx.buf(n), _I(batch), _I(k)))]
 
 
-@lowering("svd", tier="cuSOLVER", available=_solver_available)
+@lowering("svd", tier="cuSOLVER", available=_solver_available_uncaptured)
 def _solver_svd(ctx, n):
     """gesvdj of A^T (the column-major view, [n, m]): A^T = U' S V'^T, so U = V' and
     Vh = U'^T (gesvdjBatched for a batch with m <= 32, else gesvdj econ a matrix at a time);
