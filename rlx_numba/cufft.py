@@ -53,20 +53,10 @@ def lib():
     """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
     global _lib
     if _lib is None:
-        from .cublas.loader import load_first
-        loaded = load_first("cuFFT (libcufft.so.12 / .11)", _candidates())
-        for name, argtypes in PROTOS.items():
-            fn = getattr(loaded, name)
-            fn.argtypes, fn.restype = argtypes, c_int
-            fn.errcheck = _check
-        _lib = loaded
+        from .cublas.loader import load_first, prototyped
+        _lib = prototyped(load_first("cuFFT (libcufft.so.12 / .11)", _candidates()), PROTOS,
+                          CufftError)
     return _lib
-
-
-def _check(status, func, args):
-    if status != 0:
-        raise CufftError(func.__name__, status)
-    return status
 
 
 def available() -> tuple[bool, str]:

@@ -111,21 +111,11 @@ def lib():
     """The prototyped library, loaded once; raises RuntimeError naming every place tried."""
     global _lib
     if _lib is None:
-        from .cublas.loader import load_first
+        from .cublas.loader import load_first, prototyped
         loaded = load_first("cuSOLVER (libcusolver.so.12 / .11)", _candidates(),
                             before=_dependencies)
-        for name, argtypes in PROTOS.items():
-            fn = getattr(loaded, name)
-            fn.argtypes, fn.restype = argtypes, c_int
-            fn.errcheck = _check
-        _lib = loaded
+        _lib = prototyped(loaded, PROTOS, CusolverError)
     return _lib
-
-
-def _check(status, func, args):
-    if status != 0:
-        raise CusolverError(func.__name__, status)
-    return status
 
 
 def available() -> tuple[bool, str]:

@@ -217,20 +217,7 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     key = (dev, cm, compute, in_type, out_type, epilogue,
            residual_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0,
                                                             residual_ptr or 0)))
-    algo = _lt_choice.get(key)
-    if algo is None:
-        pref = c_void_p()
-        lt.cublasLtMatmulPreferenceCreate(byref(pref))
-        attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
-             c_uint64(ws_size))
-        results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
-        lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
-                                          byref(count))
-        lt.cublasLtMatmulPreferenceDestroy(pref)
-        if count.value == 0:
-            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
-        algo = _lt_choice[key] = _fastest(stream, call, args_for,
-                                          [results[i].algo for i in range(count.value)])
+    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for)
     args = args_for(algo)
     keep += [desc, la, lb, lc, algo, beta]
 
@@ -302,20 +289,7 @@ def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
     key = ("lowp", dev, cm, a_type, b_type, d_type, bias_ptr is not None,
            a_scale_ptr is not None, outer_vec,
            tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
-    algo = _lt_choice.get(key)
-    if algo is None:
-        pref = c_void_p()
-        lt.cublasLtMatmulPreferenceCreate(byref(pref))
-        attr(lt.cublasLtMatmulPreferenceSetAttribute, pref, api.PREF_MAX_WORKSPACE_BYTES,
-             c_uint64(ws_size))
-        results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
-        lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
-                                          byref(count))
-        lt.cublasLtMatmulPreferenceDestroy(pref)
-        if count.value == 0:
-            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
-        algo = _lt_choice[key] = _fastest(stream, call, args_for,
-                                          [results[i].algo for i in range(count.value)])
+    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for)
     args = args_for(algo)
     keep += [desc, la, lb, lc, algo, one, zero]
 
@@ -330,6 +304,26 @@ _lt_choice: dict = {}   # lt_plan's problem key -> the fastest of the heuristic'
 # layers repeat them); host-side objects, read-only once made, never destroyed
 _descs: dict = {}       # (compute, opa, opb, epilogue, bias pointer) -> cublasLtMatmulDesc_t
 _layouts: dict = {}     # (dtype, rows, cols, ld) -> cublasLtMatrixLayout_t
+
+
+def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for):
+    """The algorithm for problem ``key``: chosen once (cuBLASLt's heuristic's candidates,
+    the fastest of them timed by ``_fastest``), then taken from ``_lt_choice``."""
+    algo = _lt_choice.get(key)
+    if algo is None:
+        pref, ws = c_void_p(), c_uint64(ws_size)
+        lt.cublasLtMatmulPreferenceCreate(byref(pref))
+        lt.cublasLtMatmulPreferenceSetAttribute(pref, api.PREF_MAX_WORKSPACE_BYTES, byref(ws),
+                                                sizeof(ws))
+        results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
+        lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
+                                          byref(count))
+        lt.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value == 0:
+            raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
+        algo = _lt_choice[key] = _fastest(stream, call, args_for,
+                                          [results[i].algo for i in range(count.value)])
+    return algo
 
 
 def _fastest(stream, call, args_for, algos):

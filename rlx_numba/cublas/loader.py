@@ -166,6 +166,19 @@ def load_first(what: str, paths, mode: int = ctypes.DEFAULT_MODE, before=None) -
                           f"'rlx_numba[cu12]' or [cu13]). Tried:\n  " + "\n  ".join(tried))
 
 
+def prototyped(loaded: ctypes.CDLL, protos: dict, error) -> ctypes.CDLL:
+    """``loaded`` with each function of ``protos`` (name -> argtypes) returning an int status
+    that raises ``error(name, status)`` when not 0 (the cuFFT and cuSOLVER shims)."""
+    def check(status, func, args):
+        if status != 0:
+            raise error(func.__name__, status)
+        return status
+    for name, argtypes in protos.items():
+        fn = getattr(loaded, name)
+        fn.argtypes, fn.restype, fn.errcheck = argtypes, ctypes.c_int, check
+    return loaded
+
+
 def probe(load, whole: bool = False) -> tuple[bool, str]:
     """(True, "") when ``load()`` succeeds (no GPU work), else (False, why): the error's first
     line, or ``whole`` of it on one line. Never raises."""
