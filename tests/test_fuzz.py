@@ -63,6 +63,22 @@ def test_fuzz_seconds_stops_starting_graphs(capsys):
     assert "fuzz: 1 graphs" in capsys.readouterr().out
 
 
+def test_fuzz_run_failure_names_the_exception_first(monkeypatch):
+    """A run that raises is a finding whose first line carries the exception's type and
+    message (a grep of a long GPU run shows it), the traceback after it."""
+    def boom(x, d):
+        raise RuntimeError("boom at the copy back")
+    monkeypatch.setattr(fuzz, "to_host", boom)
+    cfg = fuzz.Config(dtypes=("f32",), modes=("stream",), max_nodes=2, max_size=24,
+                      ops=("binary",))
+    lines = []
+    rep = fuzz.fuzz(1, 3, cfg, out=lines.append)
+    assert rep.findings
+    first = rep.findings[0].splitlines()[0]
+    assert "run failed: RuntimeError: boom at the copy back" in first
+    assert "Traceback" in rep.findings[0]
+
+
 def test_fuzz_finds_the_old_weak_scalar_defect(monkeypatch):
     """Issue 36's defect 2 put back: a Python float beside an f16 / bf16 tensor rounded to the
     tensor's dtype (x * 0.1 in f16 used f16's 0.0999756). The fuzzer's bounds are tight

@@ -1040,6 +1040,13 @@ def repro(seed, gi, cfg):
             + (" --grads" if cfg.grads else ""))
 
 
+def _failure() -> str:
+    """The exception being handled: its type and message on the finding's first line (what a
+    grep of a long run shows), then the traceback."""
+    e = sys.exc_info()[1]
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}\n{traceback.format_exc()}"
+
+
 def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
     def finding(what, g=None):
         msg = (f"FINDING seed={seed} graph={gi}: {what}\n  reproduce: {repro(seed, gi, cfg)}\n"
@@ -1052,7 +1059,7 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
         finding(str(ex))
         return
     except Exception:
-        finding("unexpected exception while building:\n" + traceback.format_exc())
+        finding("unexpected exception while building: " + _failure())
         return
     rep.refused.update(b.refused)
     if not outs:
@@ -1065,7 +1072,7 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
         try:
             exe = rlx.compile(b.g, compile_mode=cfg.compile_mode, exec_mode=mode)
         except Exception:
-            finding(f"mode={mode}: compile failed:\n{traceback.format_exc()}", b.g)
+            finding(f"mode={mode}: compile failed: {_failure()}", b.g)
             continue
         # two runs with different inputs and params (set_param before each): numpy outputs,
         # then the arena views; in the first mode a third, back on the first inputs, with
@@ -1078,8 +1085,7 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
                 res = exe.run(b.feeds[k], outputs=kind)
                 res = [to_host(x, v.d) for x, v in zip(res, outs)]
             except Exception:
-                finding(f"mode={mode} run={k} outputs={kind}: run failed:\n"
-                        f"{traceback.format_exc()}", b.g)
+                finding(f"mode={mode} run={k} outputs={kind}: run failed: {_failure()}", b.g)
                 break
             rep.runs += 1
             for j, (got, v) in enumerate(zip(res, outs)):
@@ -1091,7 +1097,7 @@ def fuzz_one(seed, gi, cfg: Config, rep: Report, out=print):
         try:
             what = grad_check(b, outs, cfg)
         except Exception:
-            what = f"gradient check failed:\n{traceback.format_exc()}"
+            what = f"gradient check failed: {_failure()}"
         if what is not None:
             rep.grad_graphs += 1
         if what:
