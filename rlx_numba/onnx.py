@@ -1,0 +1,1530 @@
+"""ONNX models on rlx_numba: ``rlx.onnx.load(path_or_model)`` -> an OnnxModel.
+
+Each ONNX node is converted by one function of the ``CONVERTERS`` table onto the graph
+builder (ir/). Shapes are static per compile, so a model is converted once per set of input
+shapes (symbolic dims bind on the first run with those shapes), and every node whose inputs are
+all known at convert time (initializers, Constant, Shape of a tensor, ...) is folded with NumPy
+(onnx's reference implementation of that one node): shape arithmetic never reaches the device.
+
+The ``onnx`` package is an extra (``pip install 'rlx_numba[onnx]'``): it is imported on use.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .ir import dtypes as dt
+
+MIN_OPSET = 13
+
+# ONNX TensorProto data type -> rlx dtype name (the others have no rlx dtype)
+_ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 6: "i32", 7: "i64", 9: "bool", 10: "f16",
+                16: "bf16"}
+_ONNX_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16",
+                    6: "INT32", 7: "INT64", 8: "STRING", 9: "BOOL", 10: "FLOAT16",
+                    11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
+                    15: "COMPLEX128", 16: "BFLOAT16", 17: "FLOAT8E4M3FN", 18: "FLOAT8E4M3FNUZ",
+                    19: "FLOAT8E5M2", 20: "FLOAT8E5M2FNUZ", 21: "UINT4", 22: "INT4",
+                    23: "FLOAT4E2M1"}
+
+
+def _onnx():
+    try:
+        import onnx
+    except ImportError as e:    # an extra, never a hard dependency
+        raise ImportError("rlx_numba.onnx needs the onnx package: pip install "
+                          "'rlx_numba[onnx]' (or pip install onnx)") from e
+    return onnx
+
+
+def _dtype_of(elem_type: int, what: str):
+    name = _ONNX_DTYPES.get(elem_type)
+    if name is None:
+        raise NotImplementedError(f"{what} has ONNX type {_ONNX_TYPE_NAMES.get(elem_type, elem_type)}"
+                                  f", which rlx_numba has no dtype for (it has "
+                                  f"{', '.join(d.name for d in dt.ALL)})")
+    return dt.dtype(name)
+
+
+class ConvertError(ValueError):
+    """A node that cannot be converted as given (an attribute value, a shape, a runtime input
+    where a constant is needed): the message names the node, op, attribute and shapes."""
+
+
+class _Ctx:
+    """What a converter sees: the graph, the node, and helpers to read its attributes and turn
+    values into Tensors. A value is a NumPy array (known now) or a Tensor (computed on the
+    device)."""
+
+    def __init__(self, conv, node, ins):
+        self.conv, self.g, self.node, self.ins = conv, conv.g, node, ins
+        self.attrs = {a.name: a for a in node.attribute}
+        self.used = set()
+
+    # ---- messages ----
+    def where(self) -> str:
+        shapes = ", ".join("-" if v is None else _fmt(v) for v in self.ins)
+        return f"node {self.node.name or '?'!r} ({self.node.op_type}; inputs {shapes})"
+
+    def fail(self, msg: str):
+        raise ConvertError(f"{self.where()}: {msg}")
+
+    def refuse(self, attr, value, why=""):
+        self.fail(f"attribute {attr}={value!r} is not supported{': ' + why if why else ''}")
+
+    # ---- attributes ----
+    def attr(self, name, default=None):
+        a = self.attrs.get(name)
+        self.used.add(name)
+        if a is None:
+            return default
+        onnx = _onnx()
+        v = onnx.helper.get_attribute_value(a)
+        if isinstance(v, bytes):
+            v = v.decode()
+        elif isinstance(v, list) and v and isinstance(v[0], bytes):
+            v = [s.decode() for s in v]
+        elif isinstance(v, onnx.TensorProto):
+            v = onnx.numpy_helper.to_array(v)
+        return v
+
+    # ---- inputs ----
+    def n(self):
+        return len(self.ins)
+
+    def opt(self, i):
+        return self.ins[i] if i < len(self.ins) else None
+
+    def const(self, i, what, default=None):
+        """Input i as a NumPy array, which it must be (a shape, axes, pads, ...)."""
+        v = self.opt(i)
+        if v is None:
+            return default
+        if not isinstance(v, np.ndarray):
+            self.fail(f"input {i} ({what}) must be known when the model is converted (an "
+                      f"initializer, Constant or shape arithmetic), not computed at run time")
+        return v
+
+    def t(self, i):
+        """Input i as a Tensor."""
+        return self.conv.tensor(self.ins[i])
+
+
+def _fmt(v) -> str:
+    return f"{'const ' if isinstance(v, np.ndarray) else ''}{dt.dtype(v.dtype).name if not isinstance(v, np.ndarray) else v.dtype}[{', '.join(map(str, v.shape))}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# converters: f(c: _Ctx) -> list of output values (or one value)
+# ---------------------------------------------------------------------------------------------
+CONVERTERS: dict = {}
+
+
+def conv(*names):
+    def deco(f):
+        for n in names:
+            CONVERTERS[n] = f
+        return f
+    return deco
+
+
+def _f(c, x):
+    """x as a float Tensor (f32 when integer)."""
+    return x if x.dtype.is_float else c.g.cast(x, dt.F32)
+
+
+def _like(c, y, x):
+    """y cast back to x's dtype."""
+    return y if y.dtype == x.dtype else c.g.cast(y, x.dtype)
+
+
+def _scalar(c, v, like):
+    return c.g.constant(np.asarray(v, dtype=like.dtype.host if like.dtype != dt.BF16 else np.float32))
+
+
+_UNARY = {"Abs": "abs", "Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Sin": "sin",
+          "Cos": "cos", "Tan": "tan", "Atan": "atan", "Tanh": "tanh", "Sigmoid": "sigmoid",
+          "Relu": "relu", "Round": "round"}
+
+
+@conv(*_UNARY)
+def _unary(c):
+    x = c.t(0)
+    return _like(c, c.g.activation(_UNARY[c.node.op_type], x), x)
+
+
+def _float_unary(fn):
+    def f(c):
+        x = c.t(0)
+        if not x.dtype.is_float:
+            c.fail(f"needs a float input, got {x.dtype}")
+        return _like(c, fn(c, c.g, _f(c, x)), x)
+    return f
+
+
+def _erf(c, g, x):
+    # erf from the exact gelu: gelu(y) = y/2 (1 + erf(y / sqrt 2)), with y = x sqrt 2
+    y = x * math.sqrt(2.0)
+    safe = g.where(g.eq(y, 0.0), 1.0, y)
+    return g.where(g.eq(y, 0.0), 0.0, g.gelu(safe) * 2.0 / safe - 1.0)
+
+
+def _floor(c, g, x):
+    # truncation (cast) corrected by one below zero; |x| >= 2**23 is already an integer
+    t = g.cast(g.cast(x, dt.I64), x.dtype)
+    fl = g.where(g.gt(t, x), t - 1.0, t)
+    return g.where(g.ge(g.abs(x), 2.0 ** 23), x, fl) if True else fl
+
+
+def _ceil(c, g, x):
+    return -_floor(c, g, -x)
+
+
+def _softplus(c, g, x):
+    # log(1 + e^x) without overflow: max(x, 0) + log(1 + e^-|x|)
+    return g.relu(x) + g.log(g.exp(-g.abs(x)) + 1.0)
+
+
+_FLOAT_UNARY = {
+    "Reciprocal": lambda c, g, x: 1.0 / x,
+    "Floor": _floor, "Ceil": _ceil, "Erf": _erf, "Softplus": _softplus,
+    "Softsign": lambda c, g, x: x / (g.abs(x) + 1.0),
+    "Sinh": lambda c, g, x: (g.exp(x) - g.exp(-x)) * 0.5,
+    "Cosh": lambda c, g, x: (g.exp(x) + g.exp(-x)) * 0.5,
+    "Asin": lambda c, g, x: g.atan(x * g.rsqrt(1.0 - x * x)),
+    "Acos": lambda c, g, x: math.pi / 2 - g.atan(x * g.rsqrt(1.0 - x * x)),
+    "Asinh": lambda c, g, x: g.log(x + g.sqrt(x * x + 1.0)),
+    "Acosh": lambda c, g, x: g.log(x + g.sqrt(x * x - 1.0)),
+    "Atanh": lambda c, g, x: g.log((1.0 + x) / (1.0 - x)) * 0.5,
+    "Mish": lambda c, g, x: x * g.tanh(_softplus(c, g, x)),
+}
+for _k, _fn in _FLOAT_UNARY.items():
+    CONVERTERS[_k] = _float_unary(_fn)
+
+
+@conv("Sign")
+def _sign(c):
+    x, g = c.t(0), c.g
+    return _like(c, g.cast(g.gt(x, 0), dt.I32) - g.cast(g.lt(x, 0), dt.I32), x)
+
+
+@conv("IsNaN")
+def _isnan(c):
+    x = c.t(0)
+    return c.g.ne(x, x)
+
+
+@conv("IsInf")
+def _isinf(c):
+    x, g = _f(c, c.t(0)), c.g
+    pos, neg = c.attr("detect_positive", 1), c.attr("detect_negative", 1)
+    p, n = g.eq(x, float("inf")), g.eq(x, float("-inf"))
+    if pos and neg:
+        return g.max(p, n)
+    return p if pos else n if neg else g.ne(x, x) * 0 if False else g.lt(x, x)
+
+
+@conv("Not")
+def _not(c):
+    return c.g.eq(c.t(0), c.g.constant(np.array(False)))
+
+
+@conv("Identity")
+def _identity(c):
+    return c.ins[0]
+
+
+def _alpha_act(fn, defaults):
+    def f(c):
+        x = c.t(0)
+        if not x.dtype.is_float:
+            c.fail(f"needs a float input, got {x.dtype}")
+        vals = [float(c.attr(k, d)) for k, d in defaults]
+        return _like(c, fn(c.g, _f(c, x), *vals), x)
+    return f
+
+
+CONVERTERS.update({
+    "Elu": _alpha_act(lambda g, x, a: g.where(g.gt(x, 0.0), x, (g.exp(x) - 1.0) * a),
+                      [("alpha", 1.0)]),
+    "Selu": _alpha_act(lambda g, x, a, s: g.where(g.gt(x, 0.0), x * s, (g.exp(x) - 1.0) * (a * s)),
+                       [("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875)]),
+    "Celu": _alpha_act(lambda g, x, a: g.relu(x) + g.min(g.exp(x / a) - 1.0, 0.0) * a,
+                       [("alpha", 1.0)]),
+    "LeakyRelu": _alpha_act(lambda g, x, a: g.where(g.lt(x, 0.0), x * a, x), [("alpha", 0.01)]),
+    "ThresholdedRelu": _alpha_act(lambda g, x, a: g.where(g.gt(x, a), x, 0.0), [("alpha", 1.0)]),
+    "HardSigmoid": _alpha_act(lambda g, x, a, b: g.max(g.min(x * a + b, 1.0), 0.0),
+                              [("alpha", 0.2), ("beta", 0.5)]),
+    "HardSwish": _alpha_act(lambda g, x: x * g.max(g.min(x * (1 / 6) + 0.5, 1.0), 0.0), []),
+    "Shrink": _alpha_act(lambda g, x, lam, b: g.where(g.lt(x, -lam), x + b,
+                                                      g.where(g.gt(x, lam), x - b, x * 0.0)),
+                         [("lambd", 0.5), ("bias", 0.0)]),
+})
+
+
+@conv("Gelu")
+def _gelu(c):
+    x = c.t(0)
+    a = c.attr("approximate", "none")
+    if a not in ("none", "tanh"):
+        c.refuse("approximate", a, "expected 'none' or 'tanh'")
+    return _like(c, c.g.activation("gelu" if a == "none" else "gelu_tanh", _f(c, x)), x)
+
+
+@conv("PRelu")
+def _prelu(c):
+    x, s = c.t(0), c.t(1)
+    return c.g.where(c.g.lt(x, 0), x * s, x)
+
+
+@conv("Clip")
+def _clip(c):
+    x = c.t(0)
+    lo, hi = c.opt(1), c.opt(2)
+    if lo is not None:
+        x = c.g.max(x, c.conv.tensor(lo))
+    if hi is not None:
+        x = c.g.min(x, c.conv.tensor(hi))
+    return x
+
+
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Pow": "pow"}
+
+
+@conv(*_BINARY)
+def _binary(c):
+    a, b = c.t(0), c.t(1)
+    y = c.g.binary(_BINARY[c.node.op_type], a, b)
+    return _like(c, y, a)     # ONNX keeps the first operand's type (Pow's exponent may differ)
+
+
+@conv("Div")
+def _div(c):
+    a, b = c.t(0), c.t(1)
+    y = c.g.div(a, b)
+    if a.dtype.is_int:       # integer division truncates (the cast does)
+        return c.g.cast(y, a.dtype)
+    return _like(c, y, a)
+
+
+@conv("Mod")
+def _mod(c):
+    a, b, g = c.t(0), c.t(1), c.g
+    fmod = c.attr("fmod", 0)
+    af, bf = g.cast(a, dt.F32) if not a.dtype.is_float else a, g.cast(b, dt.F32) if not b.dtype.is_float else b
+    q = af / bf
+    q = _floor(c, g, q) if not fmod else g.cast(g.cast(q, dt.I64), q.dtype)
+    if a.dtype.is_int:
+        return a - g.cast(q, a.dtype) * b
+    return _like(c, af - q * bf, a)
+
+
+@conv("Max", "Min", "Sum", "Mean")
+def _variadic(c):
+    op = c.node.op_type
+    xs = [c.t(i) for i in range(c.n())]
+    kind = {"Max": "max", "Min": "min", "Sum": "add", "Mean": "add"}[op]
+    y = xs[0]
+    for x in xs[1:]:
+        y = c.g.binary(kind, y, x)
+    if op == "Mean":
+        y = y / float(len(xs))
+    if len(xs) == 1:
+        y = c.g.expand(y, y.shape) if False else y
+    return _like(c, y, xs[0])
+
+
+_COMPARE = {"Equal": "eq", "Less": "lt", "Greater": "gt", "LessOrEqual": "le",
+            "GreaterOrEqual": "ge"}
+
+
+@conv(*_COMPARE)
+def _compare(c):
+    return c.g.compare(_COMPARE[c.node.op_type], c.t(0), c.t(1))
+
+
+@conv("And", "Or", "Xor")
+def _logic(c):
+    a, b, g = c.t(0), c.t(1), c.g
+    op = c.node.op_type
+    return g.min(a, b) if op == "And" else g.max(a, b) if op == "Or" else g.ne(a, b)
+
+
+@conv("BitShift")
+def _bitshift(c):
+    x, s = c.t(0), c.t(1)
+    if not x.dtype.is_int:
+        c.fail(f"needs integer inputs, got {x.dtype}")
+    d = c.attr("direction")
+    # x * 2**s or x // 2**s (unsigned in ONNX: u8 only here)
+    p = c.g.cast(c.g.pow(c.g.constant(np.array(2.0, np.float32)), c.g.cast(s, dt.F32)), dt.I64)
+    xi = c.g.cast(x, dt.I64)
+    if d == "LEFT":
+        y = xi * p
+        y = y - c.g.cast(c.g.cast(y / 256.0, dt.I64), dt.I64) * 256 if x.dtype == dt.U8 else y
+    elif d == "RIGHT":
+        y = c.g.cast(xi / p, dt.I64)
+    else:
+        c.refuse("direction", d, "expected LEFT or RIGHT")
+    return c.g.cast(y, x.dtype)
+
+
+@conv("Where")
+def _where(c):
+    return c.g.where(c.t(0), c.t(1), c.t(2))
+
+
+@conv("Cast")
+def _cast(c):
+    to = _dtype_of(c.attr("to"), f"{c.where()}: attribute to")
+    c.attr("saturate")     # only for float8 targets, which rlx has not
+    return c.g.cast(c.t(0), to)
+
+
+@conv("CastLike")
+def _castlike(c):
+    c.attr("saturate")
+    return c.g.cast(c.t(0), c.conv.dtype_of_value(c.ins[1]))
+
+
+# ---- products --------------------------------------------------------------------------------
+@conv("MatMul")
+def _matmul(c):
+    a, b, g = c.t(0), c.t(1), c.g
+    va, vb = len(a.shape) == 1, len(b.shape) == 1
+    if va:
+        a = g.reshape(a, (1,) + a.shape)
+    if vb:
+        b = g.reshape(b, b.shape + (1,))
+    y = g.matmul(a, b)
+    if vb:
+        y = g.reshape(y, y.shape[:-1])
+    if va:
+        y = g.reshape(y, y.shape[:-2] + y.shape[-1:])
+    return y
+
+
+@conv("Gemm")
+def _gemm(c):
+    g = c.g
+    a, b = c.t(0), c.t(1)
+    alpha, beta = float(c.attr("alpha", 1.0)), float(c.attr("beta", 1.0))
+    if c.attr("transA", 0):
+        a = g.transpose(a, (1, 0))
+    if c.attr("transB", 0):
+        b = g.transpose(b, (1, 0))
+    y = g.matmul(a, b)
+    if alpha != 1.0:
+        y = y * alpha
+    if c.opt(2) is not None:
+        cc = c.t(2)
+        y = y + (cc * beta if beta != 1.0 else cc)
+    return y
+
+
+@conv("Einsum")
+def _einsum(c):
+    eq = c.attr("equation").replace(" ", "")
+    xs = [c.t(i) for i in range(c.n())]
+    if "..." in eq:
+        c.refuse("equation", eq, "an ellipsis '...' is not supported")
+    if "->" not in eq:     # implicit form: the letters seen once, in alphabetical order
+        letters = eq.replace(",", "")
+        eq = eq + "->" + "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
+    lhs, out = eq.split("->")
+    terms = lhs.split(",")
+    # a letter repeated inside one operand (a diagonal): the IR's einsum has none
+    for t in terms:
+        if len(set(t)) != len(t):
+            c.refuse("equation", eq, f"operand {t!r} repeats a letter (a diagonal)")
+    return c.g.einsum(f"{lhs}->{out}", *xs)
+
+
+# ---- rows and normalisations -----------------------------------------------------------------
+@conv("Softmax", "LogSoftmax")
+def _softmax(c):
+    x = c.t(0)
+    axis = c.attr("axis", -1)
+    f = c.g.softmax if c.node.op_type == "Softmax" else c.g.log_softmax
+    return f(x, axis)
+
+
+@conv("Hardmax")
+def _hardmax(c):
+    x, g = c.t(0), c.g
+    axis = c.attr("axis", -1) % len(x.shape)
+    i = g.argmax(x, axis, keep_dim=True)
+    iota = np.arange(x.shape[axis]).reshape([-1 if k == axis else 1 for k in range(len(x.shape))])
+    return g.cast(g.eq(i, g.constant(iota.astype(np.int64))), x.dtype)
+
+
+@conv("LayerNormalization")
+def _layernorm(c):
+    x, g = c.t(0), c.g
+    axis = c.attr("axis", -1) % len(x.shape)
+    eps = float(c.attr("epsilon", 1e-5))
+    c.attr("stash_type")       # stats in f32 either way
+    if len([o for o in c.node.output if o]) > 1:
+        c.fail("the Mean and InvStdDev outputs (training) are not supported")
+    axes = tuple(range(axis, len(x.shape)))
+    xf = _f(c, x)
+    mean = g.mean(xf, axes, keep_dim=True)
+    d = xf - mean
+    y = d * g.rsqrt(g.mean(d * d, axes, keep_dim=True) + eps)
+    y = y * _f(c, c.t(1))
+    if c.opt(2) is not None:
+        y = y + _f(c, c.t(2))
+    return _like(c, y, x)
+
+
+@conv("RMSNormalization")
+def _rmsnorm(c):
+    x, g = c.t(0), c.g
+    axis = c.attr("axis", -1) % len(x.shape)
+    eps = float(c.attr("epsilon", 1e-5))
+    c.attr("stash_type")
+    axes = tuple(range(axis, len(x.shape)))
+    xf = _f(c, x)
+    y = xf * g.rsqrt(g.mean(xf * xf, axes, keep_dim=True) + eps) * _f(c, c.t(1))
+    return _like(c, y, x)
+
+
+@conv("BatchNormalization")
+def _batchnorm(c):
+    if c.attr("training_mode", 0):
+        c.refuse("training_mode", 1, "training statistics are not supported (inference only)")
+    if len([o for o in c.node.output if o]) > 1:
+        c.fail("the running mean / var outputs (training) are not supported")
+    x, g = c.t(0), c.g
+    eps = float(c.attr("epsilon", 1e-5))
+    c.attr("momentum")
+    shape = (1, -1) + (1,) * (len(x.shape) - 2)
+    sc, b, m, v = (g.reshape(_f(c, c.t(i)), shape) for i in (1, 2, 3, 4))
+    y = (_f(c, x) - m) * g.rsqrt(v + eps) * sc + b
+    return _like(c, y, x)
+
+
+def _norm_over(c, x, axes, eps):
+    g = c.g
+    mean = g.mean(x, axes, keep_dim=True)
+    d = x - mean
+    return d * g.rsqrt(g.mean(d * d, axes, keep_dim=True) + eps)
+
+
+@conv("InstanceNormalization")
+def _instnorm(c):
+    x, g = c.t(0), c.g
+    eps = float(c.attr("epsilon", 1e-5))
+    shape = (1, -1) + (1,) * (len(x.shape) - 2)
+    y = _norm_over(c, _f(c, x), tuple(range(2, len(x.shape))), eps)
+    y = y * g.reshape(_f(c, c.t(1)), shape) + g.reshape(_f(c, c.t(2)), shape)
+    return _like(c, y, x)
+
+
+@conv("GroupNormalization")
+def _groupnorm(c):
+    x, g = c.t(0), c.g
+    eps = float(c.attr("epsilon", 1e-5))
+    c.attr("stash_type")
+    ng = int(c.attr("num_groups"))
+    n, ch = x.shape[:2]
+    if ch % ng:
+        c.refuse("num_groups", ng, f"the {ch} channels do not divide into groups")
+    xf = g.reshape(_f(c, x), (n, ng, -1))
+    y = g.reshape(_norm_over(c, xf, (2,), eps), x.shape)
+    sc, b = _f(c, c.t(1)), _f(c, c.t(2))
+    if sc.shape[0] == ng and ng != ch:     # opset 18: scale and bias per group
+        sc = g.reshape(g.expand(g.reshape(sc, (ng, 1)), (ng, ch // ng)), (ch,))
+        b = g.reshape(g.expand(g.reshape(b, (ng, 1)), (ng, ch // ng)), (ch,))
+    shape = (1, -1) + (1,) * (len(x.shape) - 2)
+    return _like(c, y * g.reshape(sc, shape) + g.reshape(b, shape), x)
+
+
+@conv("LpNormalization")
+def _lpnorm(c):
+    x, g = _f(c, c.t(0)), c.g
+    axis, p = c.attr("axis", -1), c.attr("p", 2)
+    if p == 2:
+        n = g.sqrt(g.sum(x * x, axis, keep_dim=True))
+    elif p == 1:
+        n = g.sum(g.abs(x), axis, keep_dim=True)
+    else:
+        c.refuse("p", p, "expected 1 or 2")
+    return _like(c, g.where(g.eq(n, 0.0), 0.0, x / n), c.t(0))
+
+
+@conv("MeanVarianceNormalization")
+def _mvn(c):
+    x = c.t(0)
+    axes = tuple(c.attr("axes", [0, 2, 3]))
+    return _like(c, _norm_over(c, _f(c, x), axes, 1e-9) if False else
+                 _mvn_exact(c, _f(c, x), axes), x)
+
+
+def _mvn_exact(c, x, axes):
+    g = c.g
+    mean = g.mean(x, axes, keep_dim=True)
+    var = g.mean(x * x, axes, keep_dim=True) - mean * mean
+    return (x - mean) / (g.sqrt(var) + 1e-9)
+
+
+# ---- reductions ------------------------------------------------------------------------------
+def _reduce_axes(c, x):
+    """The axes of a Reduce* node (attribute before opset 18 and for a few ops, input after);
+    None for all."""
+    axes = c.attr("axes")
+    if axes is None and c.n() > 1 and c.opt(1) is not None:
+        axes = c.const(1, "axes")
+    if axes is None or len(axes) == 0:
+        if c.attr("noop_with_empty_axes", 0):
+            return ()
+        return tuple(range(len(x.shape)))
+    return tuple(int(a) % max(len(x.shape), 1) for a in np.asarray(axes).reshape(-1))
+
+
+_REDUCE = {"ReduceSum": "sum", "ReduceMean": "mean", "ReduceMax": "max", "ReduceMin": "min",
+           "ReduceProd": "prod"}
+
+
+@conv(*_REDUCE, "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare")
+def _reduce(c):
+    x, g, op = c.t(0), c.g, c.node.op_type
+    axes = _reduce_axes(c, x)
+    keep = bool(c.attr("keepdims", 1))
+    if not axes:
+        return x
+    if any(x.shape[a] == 0 for a in axes) and op not in ("ReduceSum", "ReduceSumSquare", "ReduceL1", "ReduceL2", "ReduceProd"):
+        # an empty reduction of max/min/log: ONNX's identity elements
+        c.fail("a reduction over an empty axis is not supported")
+    if op in _REDUCE:
+        return g.reduce(_REDUCE[op], x, axes, keep)
+    xf = _f(c, x)
+    if op == "ReduceL1":
+        y = g.sum(g.abs(xf), axes, keep)
+    elif op == "ReduceL2":
+        y = g.sqrt(g.sum(xf * xf, axes, keep))
+    elif op == "ReduceSumSquare":
+        y = g.sum(xf * xf, axes, keep)
+    elif op == "ReduceLogSum":
+        y = g.log(g.sum(xf, axes, keep))
+    else:    # log-sum-exp, shifted by the max
+        m = g.reduce_max(xf, axes, True)
+        m = g.where(g.ne(m, m * 0.0), 0.0, m)      # (an infinite max: no shift)
+        y = g.log(g.sum(g.exp(xf - m), axes, True)) + m
+        if not keep:
+            y = g.reshape(y, tuple(s for k, s in enumerate(x.shape) if k not in axes))
+    return _like(c, y, x)
+
+
+@conv("ArgMax", "ArgMin")
+def _argreduce(c):
+    x, g = c.t(0), c.g
+    axis = c.attr("axis", 0) % len(x.shape)
+    keep = bool(c.attr("keepdims", 1))
+    last = c.attr("select_last_index", 0)
+    f = g.argmax if c.node.op_type == "ArgMax" else g.argmin
+    if not last:
+        return f(x, axis, keep)
+    n = x.shape[axis]   # the last one: argmax of the reversed axis, mapped back
+    rev = g.gather(x, g.constant(np.arange(n - 1, -1, -1, dtype=np.int64)), axis)
+    return (n - 1) - f(rev, axis, keep)
+
+
+@conv("CumSum")
+def _cumsum(c):
+    x, g = c.t(0), c.g
+    axis = int(c.const(1, "axis").reshape(-1)[0]) % len(x.shape)
+    excl, rev = bool(c.attr("exclusive", 0)), bool(c.attr("reverse", 0))
+    if rev:
+        idx = g.constant(np.arange(x.shape[axis] - 1, -1, -1, dtype=np.int64))
+        x = g.gather(x, idx, axis)
+    y = g.cumsum(x, axis, excl)
+    if rev:
+        y = g.gather(y, idx, axis)
+    return y
+
+
+@conv("TopK")
+def _topk(c):
+    x, g = c.t(0), c.g
+    k = int(c.const(1, "k").reshape(-1)[0])
+    axis = c.attr("axis", -1) % len(x.shape)
+    largest = c.attr("largest", 1)
+    if not c.attr("sorted", 1):
+        pass    # sorted output is a valid unsorted one
+    if largest:
+        v, i = g.topk(x, k, axis)
+        return [v, i]
+    v, i = g.topk(-x, k, axis)
+    return [-v, i]
+
+
+# ---- shape ops -------------------------------------------------------------------------------
+@conv("Reshape")
+def _reshape(c):
+    x = c.t(0)
+    shape = [int(s) for s in c.const(1, "shape")]
+    if not c.attr("allowzero", 0):
+        shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]
+    return c.g.reshape(x, shape)
+
+
+@conv("Flatten")
+def _flatten(c):
+    x = c.t(0)
+    axis = c.attr("axis", 1) % (len(x.shape) + 1) if x.shape else 0
+    return c.g.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+
+
+@conv("Transpose")
+def _transpose(c):
+    x = c.t(0)
+    perm = c.attr("perm")
+    return c.g.transpose(x, tuple(perm) if perm is not None else None)
+
+
+@conv("Squeeze")
+def _squeeze(c):
+    x = c.t(0)
+    axes = c.const(1, "axes")
+    if axes is None:
+        axes = c.attr("axes")
+    r = len(x.shape)
+    axes = {int(a) % r for a in axes} if axes is not None else {i for i, s in enumerate(x.shape) if s == 1}
+    for a in axes:
+        if x.shape[a] != 1:
+            c.fail(f"axis {a} has size {x.shape[a]}, not 1")
+    return c.g.reshape(x, tuple(s for i, s in enumerate(x.shape) if i not in axes))
+
+
+@conv("Unsqueeze")
+def _unsqueeze(c):
+    x = c.t(0)
+    axes = c.const(1, "axes")
+    r = len(x.shape) + len(axes)
+    axes = sorted(int(a) % r for a in axes)
+    shape = list(x.shape)
+    for a in axes:
+        shape.insert(a, 1)
+    return c.g.reshape(x, shape)
+
+
+@conv("Concat")
+def _concat(c):
+    xs = [c.t(i) for i in range(c.n()) if c.ins[i] is not None]
+    axis = c.attr("axis")
+    xs = [x for x in xs if x.shape[axis] != 0] or xs[:1]
+    return xs[0] if len(xs) == 1 else c.g.concat(xs, axis)
+
+
+@conv("Split")
+def _split(c):
+    x = c.t(0)
+    axis = c.attr("axis", 0) % len(x.shape)
+    n_out = len(c.node.output)
+    split = c.const(1, "split")
+    if split is None:
+        split = c.attr("split")
+    if split is None:
+        n = int(c.attr("num_outputs", n_out))
+        size = -(-x.shape[axis] // n)
+        split = [min(size, x.shape[axis] - k * size) for k in range(n)]
+    outs, start = [], 0
+    for s in split:
+        s = int(s)
+        outs.append(c.g.narrow(x, axis, start, s))
+        start += s
+    return outs
+
+
+@conv("Slice")
+def _slice(c):
+    x, g = c.t(0), c.g
+    starts, ends = c.const(1, "starts"), c.const(2, "ends")
+    axes = c.const(3, "axes")
+    steps = c.const(4, "steps")
+    r = len(x.shape)
+    axes = range(len(starts)) if axes is None else [int(a) % r for a in axes]
+    steps = [1] * len(starts) if steps is None else steps
+    for a, s, e, st in zip(axes, starts, ends, steps):
+        n = x.shape[a]
+        idx = range(n)[slice(int(max(min(s, 2**62), -2**62)), int(max(min(e, 2**62), -2**62)), int(st))]
+        if st == 1:
+            x = g.narrow(x, a, idx.start if len(idx) else 0, len(idx))
+        else:
+            x = g.gather(x, g.constant(np.array(list(idx), np.int64)), a)
+    return x
+
+
+@conv("Gather")
+def _gather(c):
+    x = c.t(0)
+    axis = c.attr("axis", 0) % len(x.shape)
+    idx = c.ins[1]
+    if isinstance(idx, np.ndarray):    # wrap negatives now: in-graph indices are clamped
+        idx = np.where(idx < 0, idx + x.shape[axis], idx).astype(np.int64)
+    return c.g.gather(x, c.conv.tensor(idx), axis)
+
+
+def _flat_index(c, x, idx, axis):
+    """Indices into x flattened for GatherElements / ScatterElements: idx along ``axis``, the
+    other coordinates of each index element its own."""
+    g = c.g
+    shape = idx.shape
+    strides = np.cumprod((list(x.shape[1:]) + [1])[::-1])[::-1]
+    i = g.cast(idx, dt.I64)
+    i = g.where(g.lt(i, 0), i + x.shape[axis], i)
+    flat = i * int(strides[axis])
+    for k in range(len(shape)):
+        if k == axis:
+            continue
+        iota = np.arange(shape[k], dtype=np.int64).reshape([-1 if j == k else 1 for j in range(len(shape))])
+        flat = flat + g.constant(iota * int(strides[k]))
+    return flat
+
+
+@conv("GatherElements")
+def _gather_elements(c):
+    x, idx, g = c.t(0), c.t(1), c.g
+    axis = c.attr("axis", 0) % len(x.shape)
+    flat = _flat_index(c, x, idx, axis)
+    return g.gather(g.reshape(x, (-1,)), flat, 0)
+
+
+@conv("GatherND")
+def _gather_nd(c):
+    x, idx, g = c.t(0), c.t(1), c.g
+    if c.attr("batch_dims", 0):
+        c.refuse("batch_dims", c.attr("batch_dims"), "only 0")
+    k = idx.shape[-1]
+    rest = x.shape[k:]
+    strides = np.cumprod((list(x.shape[1:k]) + [1])[::-1])[::-1].astype(np.int64)
+    i = g.cast(idx, dt.I64)
+    i = g.where(g.lt(i, 0), i + g.constant(np.array(x.shape[:k], np.int64)), i)
+    flat = g.sum(i * g.constant(strides), -1)
+    t = g.reshape(x, (math.prod(x.shape[:k]),) + tuple(rest))
+    return g.gather(t, flat, 0)
+
+
+def _scatter_replace(c, x, flat_idx, upd):
+    """x flattened with upd written at flat_idx (distinct indices), as out-of-place adds."""
+    g = c.g
+    xf = g.reshape(x, (-1,) + () if len(upd.shape) == len(flat_idx.shape) else (-1,))
+    fi = g.reshape(flat_idx, (-1,))
+    u = g.reshape(upd, (-1,))
+    if x.dtype not in (dt.F32, dt.I32, dt.I64):
+        c.fail(f"scatter needs f32, i32 or i64 data, got {x.dtype}")
+    old = g.gather(xf, fi, 0)
+    return g.reshape(g.scatter_add(xf, fi, u - old, 0), x.shape)
+
+
+@conv("ScatterElements")
+def _scatter_elements(c):
+    x, idx, upd, g = c.t(0), c.t(1), c.t(2), c.g
+    axis = c.attr("axis", 0) % len(x.shape)
+    red = c.attr("reduction", "none")
+    flat = _flat_index(c, x, idx, axis)
+    if red == "none":
+        return _scatter_replace(c, x, flat, upd)
+    if red == "add":
+        return g.reshape(g.scatter_add(g.reshape(x, (-1,)), g.reshape(flat, (-1,)),
+                                       g.reshape(upd, (-1,)), 0), x.shape)
+    c.refuse("reduction", red, "expected 'none' or 'add'")
+
+
+@conv("ScatterND")
+def _scatter_nd(c):
+    x, idx, upd, g = c.t(0), c.t(1), c.t(2), c.g
+    red = c.attr("reduction", "none")
+    k = idx.shape[-1]
+    rest = tuple(x.shape[k:])
+    strides = np.cumprod((list(x.shape[1:k]) + [1])[::-1])[::-1].astype(np.int64)
+    i = g.cast(idx, dt.I64)
+    i = g.where(g.lt(i, 0), i + g.constant(np.array(x.shape[:k], np.int64)), i)
+    rows = g.reshape(g.sum(i * g.constant(strides), -1), (-1,))
+    t = g.reshape(x, (math.prod(x.shape[:k]),) + rest)
+    u = g.reshape(upd, (-1,) + rest)
+    if red == "add":
+        return g.reshape(g.scatter_add(t, rows, u, 0), x.shape)
+    if red != "none":
+        c.refuse("reduction", red, "expected 'none' or 'add'")
+    old = g.gather(t, rows, 0)
+    return g.reshape(g.scatter_add(t, rows, u - old, 0), x.shape)
+
+
+@conv("Expand")
+def _expand(c):
+    x = c.t(0)
+    shape = [int(s) for s in c.const(1, "shape")]
+    out = np.broadcast_shapes(tuple(x.shape), tuple(shape))
+    if len(out) > len(x.shape):
+        x = c.g.reshape(x, (1,) * (len(out) - len(x.shape)) + tuple(x.shape))
+    return c.g.expand(x, out) if tuple(out) != tuple(x.shape) else x
+
+
+@conv("Tile")
+def _tile(c):
+    x, g = c.t(0), c.g
+    reps = [int(r) for r in c.const(1, "repeats")]
+    inter = []
+    for r, s in zip(reps, x.shape):
+        inter += [1, s]
+    big = []
+    for r, s in zip(reps, x.shape):
+        big += [r, s]
+    y = g.expand(g.reshape(x, inter), big)
+    return g.reshape(y, [r * s for r, s in zip(reps, x.shape)])
+
+
+@conv("Pad")
+def _pad(c):
+    x, g = c.t(0), c.g
+    mode = c.attr("mode", "constant")
+    pads = [int(p) for p in c.const(1, "pads")]
+    val = c.const(2, "constant_value")
+    axes = c.const(3, "axes")
+    r = len(x.shape)
+    axes = list(range(r)) if axes is None else [int(a) % r for a in axes]
+    lo, hi = [0] * r, [0] * r
+    for k, a in enumerate(axes):
+        lo[a], hi[a] = pads[k], pads[k + len(axes)]
+    # g.pad takes F.pad's order (last axis first)
+    fp = []
+    for a in range(r - 1, -1, -1):
+        fp += [lo[a], hi[a]]
+    m = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}.get(mode)
+    if m is None:
+        c.refuse("mode", mode, "expected constant, reflect or edge")
+    v = float(val.reshape(-1)[0]) if val is not None and val.size else 0.0
+    if not any(fp):
+        return x
+    return g.pad(x, fp, m, v)
+
+
+@conv("Range")
+def _range(c):
+    s, l, d = (c.const(i, n) for i, n in ((0, "start"), (1, "limit"), (2, "delta")))
+    return np.arange(s, l, d).astype(s.dtype)
+
+
+@conv("Shape")
+def _shape(c):
+    v = c.ins[0]
+    shape = np.array(v.shape, np.int64)
+    start, end = c.attr("start", 0), c.attr("end")
+    return shape[start:end]
+
+
+@conv("Size")
+def _size(c):
+    return np.array(math.prod(c.ins[0].shape), np.int64)
+
+
+@conv("Trilu")
+def _trilu(c):
+    x, g = c.t(0), c.g
+    k = int(c.const(1, "k", np.array(0)).reshape(-1)[0])
+    n, m = x.shape[-2:]
+    keep = np.triu(np.ones((n, m), bool), k) if c.attr("upper", 1) else np.tril(np.ones((n, m), bool), k)
+    return g.where(g.constant(keep), x, g.constant(np.zeros((), x.dtype.host)))
+
+
+@conv("OneHot")
+def _onehot(c):
+    idx, g = c.t(0), c.g
+    depth = int(c.const(1, "depth").reshape(-1)[0])
+    vals = c.t(2)
+    axis = c.attr("axis", -1)
+    r = len(idx.shape) + 1
+    axis %= r
+    i = _f(c, idx) if not idx.dtype.is_int else g.cast(idx, dt.I64)
+    i = g.cast(i, dt.I64) if i.dtype.is_float else i
+    i = g.where(g.lt(i, 0), i + depth, i)
+    shape = list(idx.shape)
+    shape.insert(axis, 1)
+    i = g.reshape(i, shape)
+    iota = np.arange(depth, dtype=np.int64).reshape([-1 if k == axis else 1 for k in range(r)])
+    hit = g.eq(i, g.constant(iota))
+    off, on = g.narrow(vals, 0, 0, 1), g.narrow(vals, 0, 1, 1)
+    return g.where(hit, g.reshape(on, ()), g.reshape(off, ()))
+
+
+@conv("DepthToSpace", "SpaceToDepth")
+def _depth_space(c):
+    x, g = c.t(0), c.g
+    b = int(c.attr("blocksize"))
+    n, ch, h, w = x.shape
+    if c.node.op_type == "SpaceToDepth":
+        y = g.reshape(x, (n, ch, h // b, b, w // b, b))
+        y = g.transpose(y, (0, 3, 5, 1, 2, 4))
+        return g.reshape(y, (n, ch * b * b, h // b, w // b))
+    mode = c.attr("mode", "DCR")
+    if mode == "DCR":
+        y = g.transpose(g.reshape(x, (n, b, b, ch // (b * b), h, w)), (0, 3, 4, 1, 5, 2))
+    elif mode == "CRD":
+        y = g.transpose(g.reshape(x, (n, ch // (b * b), b, b, h, w)), (0, 1, 4, 2, 5, 3))
+    else:
+        c.refuse("mode", mode, "expected DCR or CRD")
+    return g.reshape(y, (n, ch // (b * b), h * b, w * b))
+
+
+@conv("Dropout")
+def _dropout(c):
+    x = c.ins[0]
+    train = c.const(2, "training_mode")
+    c.attr("seed")
+    if train is not None and bool(train.reshape(-1)[0]):
+        ratio = c.const(1, "ratio")
+        if ratio is None or float(ratio.reshape(-1)[0]) != 0.0:
+            c.fail("training_mode=True with a non-zero ratio (random) is not supported")
+    outs = [x]
+    if len(c.node.output) > 1 and c.node.output[1]:
+        outs.append(np.ones(x.shape, bool) if isinstance(x, np.ndarray) else
+                    c.g.expand(c.g.constant(np.array(True)), tuple(x.shape)) if x.shape else
+                    c.g.constant(np.array(True)))
+    return outs
+
+
+@conv("EyeLike")
+def _eyelike(c):
+    x = c.ins[0]
+    k = c.attr("k", 0)
+    d = c.attr("dtype")
+    host = _dtype_of(d, "EyeLike dtype").host if d is not None else c.conv.dtype_of_value(x).host
+    return np.eye(x.shape[0], x.shape[1], k, dtype=host)
+
+
+# ---- vision ----------------------------------------------------------------------------------
+def _spatial_pads(c, x_spatial, k, stride, dil, transpose=False):
+    """ONNX pads / auto_pad -> (lo, hi) per spatial dim."""
+    d = len(k)
+    ap = c.attr("auto_pad", "NOTSET")
+    pads = c.attr("pads")
+    if ap in ("NOTSET",):
+        p = list(pads) if pads is not None else [0] * (2 * d)
+        return p[:d], p[d:]
+    if ap == "VALID":
+        return [0] * d, [0] * d
+    if ap in ("SAME_UPPER", "SAME_LOWER"):
+        lo, hi = [], []
+        for s, kk, st, dl in zip(x_spatial, k, stride, dil):
+            out = -(-s // st)
+            tot = max(0, (out - 1) * st + dl * (kk - 1) + 1 - s)
+            small, big = tot // 2, tot - tot // 2
+            lo.append(small if ap == "SAME_UPPER" else big)
+            hi.append(big if ap == "SAME_UPPER" else small)
+        return lo, hi
+    c.refuse("auto_pad", ap)
+
+
+def _pre_pad(c, x, lo, hi, value=0.0):
+    """x padded on its spatial dims by (lo, hi) (for asymmetric pads the ops take as one)."""
+    d = len(lo)
+    fp = []
+    for a in range(d - 1, -1, -1):
+        fp += [lo[a], hi[a]]
+    return c.g.pad(x, fp, "constant", value)
+
+
+@conv("Conv")
+def _conv(c):
+    x, w, g = c.t(0), c.t(1), c.g
+    d = len(w.shape) - 2
+    k = tuple(c.attr("kernel_shape", w.shape[2:]))
+    stride = tuple(c.attr("strides", [1] * d))
+    dil = tuple(c.attr("dilations", [1] * d))
+    groups = c.attr("group", 1)
+    lo, hi = _spatial_pads(c, x.shape[2:], k, stride, dil)
+    b = c.t(2) if c.opt(2) is not None else None
+    if lo != hi:
+        x = _pre_pad(c, x, lo, hi)
+        lo = [0] * d
+    return g.conv(x, w, b, stride=stride, padding=tuple(lo), dilation=dil, groups=groups)
+
+
+@conv("ConvTranspose")
+def _conv_transpose(c):
+    x, w, g = c.t(0), c.t(1), c.g
+    d = len(w.shape) - 2
+    k = tuple(c.attr("kernel_shape", w.shape[2:]))
+    stride = tuple(c.attr("strides", [1] * d))
+    dil = tuple(c.attr("dilations", [1] * d))
+    groups = c.attr("group", 1)
+    opad = list(c.attr("output_padding", [0] * d))
+    oshape = c.attr("output_shape")
+    ap = c.attr("auto_pad", "NOTSET")
+    pads = c.attr("pads")
+    b = c.t(2) if c.opt(2) is not None else None
+    full = [(s - 1) * st + dl * (kk - 1) + 1 + op
+            for s, st, dl, kk, op in zip(x.shape[2:], stride, dil, k, opad)]
+    if oshape is not None or ap in ("SAME_UPPER", "SAME_LOWER"):
+        want = (list(oshape)[-d:] if oshape is not None else
+                [s * st for s, st in zip(x.shape[2:], stride)])
+        tot = [f - o for f, o in zip(full, want)]
+        if ap == "SAME_UPPER" or (oshape is not None and ap != "SAME_LOWER"):
+            lo = [t // 2 for t in tot]
+        else:
+            lo = [t - t // 2 for t in tot]
+        hi = [t - l for t, l in zip(tot, lo)]
+    elif ap == "VALID" or pads is None:
+        lo, hi = [0] * d, [0] * d
+    else:
+        lo, hi = list(pads[:d]), list(pads[d:])
+    # the full transposed conv, then cropped (pads) or zero-extended (negative crop)
+    y = g.conv_transpose(x, w, b if all(v == 0 for v in lo + hi) else None, stride=stride,
+                         dilation=dil, groups=groups,
+                         output_padding=0 if not any(opad) else 0)
+    y_full_sp = y.shape[2:]
+    if any(opad):   # output_padding adds rows at the high end that no input reaches
+        y = _pre_pad(c, y, [0] * d, opad)
+    for a in range(d):
+        n = y.shape[2 + a]
+        if lo[a] or hi[a]:
+            y = g.narrow(y, 2 + a, lo[a], n - lo[a] - hi[a])
+    del y_full_sp
+    if b is not None and any(v != 0 for v in lo + hi):
+        y = y + g.reshape(b, (1, -1) + (1,) * d)
+    elif b is not None and any(opad):
+        y = y + g.reshape(b, (1, -1) + (1,) * d) * 0.0 if False else y
+    return y
+
+
+@conv("MaxPool", "AveragePool", "LpPool")
+def _pool(c):
+    x, g = c.t(0), c.g
+    op = c.node.op_type
+    if len([o for o in c.node.output if o]) > 1:
+        c.fail("the Indices output of MaxPool is not supported")
+    k = tuple(c.attr("kernel_shape"))
+    d = len(k)
+    stride = tuple(c.attr("strides", [1] * d))
+    dil = tuple(c.attr("dilations", [1] * d))
+    ceil = bool(c.attr("ceil_mode", 0))
+    if c.attr("storage_order", 0):
+        c.refuse("storage_order", 1, "column-major indices")
+    cip = bool(c.attr("count_include_pad", 0))
+    lo, hi = _spatial_pads(c, x.shape[2:], k, stride, dil)
+    span = [dl * (kk - 1) + 1 for dl, kk in zip(dil, k)]
+    if op == "LpPool":
+        p = c.attr("p", 2)
+        xf = _f(c, x)
+        xp = g.abs(xf) if p == 1 else g.pow(g.abs(xf), float(p))
+        if lo != hi or any(2 * l > s for l, s in zip(lo, span)):
+            xp = _pre_pad(c, xp, lo, hi)
+            lo = [0] * d
+        y = g.pool(xp, "avg", k, stride, tuple(lo), dilation=dil, ceil_mode=ceil,
+                   count_include_pad=True) * float(math.prod(k))
+        return _like(c, y if p == 1 else g.pow(y, 1.0 / p), x)
+    kind = "max" if op == "MaxPool" else "avg"
+    if lo != hi or any(2 * l > s for l, s in zip(lo, span)):
+        if kind == "max":
+            x = _pre_pad(c, x, lo, hi, float("-inf"))
+        else:
+            if not cip:     # the divisor counts the real inputs only: divide a ones-pool
+                ones = _pre_pad(c, g.expand(g.constant(np.ones((1,) * len(x.shape), x.dtype.host)), x.shape), lo, hi)
+                xs = _pre_pad(c, x, lo, hi)
+                s = g.pool(xs, "avg", k, stride, 0, ceil_mode=ceil)
+                n = g.pool(ones, "avg", k, stride, 0, ceil_mode=ceil)
+                return s / n
+            x = _pre_pad(c, x, lo, hi)
+        lo = [0] * d
+    return g.pool(x, kind, k, stride, tuple(lo), dilation=dil, ceil_mode=ceil,
+                  count_include_pad=cip)
+
+
+@conv("GlobalAveragePool", "GlobalMaxPool")
+def _global_pool(c):
+    x = c.t(0)
+    axes = tuple(range(2, len(x.shape)))
+    return c.g.reduce("mean" if c.node.op_type == "GlobalAveragePool" else "max", x, axes, True)
+
+
+@conv("Resize", "Upsample")
+def _resize(c):
+    x, g = c.t(0), c.g
+    mode = c.attr("mode", "nearest")
+    ctm = c.attr("coordinate_transformation_mode", "half_pixel")
+    near = c.attr("nearest_mode", "round_prefer_floor")
+    c.attr("cubic_coeff_a")
+    if c.attr("antialias", 0):
+        c.refuse("antialias", 1)
+    if c.attr("exclude_outside", 0):
+        c.refuse("exclude_outside", 1)
+    if c.attr("axes") is not None:
+        c.refuse("axes", c.attr("axes"))
+    if c.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        c.refuse("keep_aspect_ratio_policy", c.attr("keep_aspect_ratio_policy"))
+    scales = c.const(2, "scales")
+    sizes = c.const(3, "sizes")
+    if scales is not None and scales.size == 0:
+        scales = None
+    if scales is not None and any(float(s) != 1.0 for s in scales[:2]):
+        c.fail(f"scales {list(scales)} resize the batch or channel axis")
+    if sizes is not None and sizes.size and list(sizes[:2]) != list(x.shape[:2]):
+        c.fail(f"sizes {list(sizes)} resize the batch or channel axis")
+    if mode == "nearest":
+        # torch's nearest is ONNX's asymmetric + floor
+        if not (ctm == "asymmetric" and near == "floor"):
+            c.fail(f"nearest mode with coordinate_transformation_mode={ctm!r} and "
+                   f"nearest_mode={near!r} is not supported (only asymmetric + floor)")
+        tmode, ac = "nearest", None
+    elif mode == "linear":
+        if ctm not in ("half_pixel", "align_corners", "pytorch_half_pixel"):
+            c.fail(f"linear mode with coordinate_transformation_mode={ctm!r} is not supported")
+        d = len(x.shape) - 2
+        tmode = {1: "linear", 2: "bilinear", 3: "trilinear"}.get(d)
+        ac = ctm == "align_corners"
+    else:
+        c.refuse("mode", mode, "expected nearest or linear")
+    if sizes is not None and sizes.size:
+        return g.resize(x, size=tuple(int(s) for s in sizes[2:]), mode=tmode, align_corners=ac)
+    return g.resize(x, scale_factor=tuple(float(s) for s in scales[2:]), mode=tmode,
+                    align_corners=ac)
+
+
+# ---- sequence models and attention -----------------------------------------------------------
+@conv("Attention")
+def _attention(c):
+    g = c.g
+    q, k, v = c.t(0), c.t(1), c.t(2)
+    if c.n() > 4 and any(c.opt(i) is not None for i in (4, 5)):
+        c.fail("past key / value inputs are not supported")
+    if len([o for o in c.node.output if o]) > 1:
+        c.fail("present key / value and qk outputs are not supported")
+    if c.attr("softcap", 0.0):
+        softcap = float(c.attr("softcap"))
+    else:
+        softcap = None
+    if c.attr("qk_matmul_output_mode", 0):
+        c.refuse("qk_matmul_output_mode", c.attr("qk_matmul_output_mode"))
+    c.attr("softmax_precision")
+    scale = c.attr("scale")
+    causal = bool(c.attr("is_causal", 0))
+    nq, nkv = c.attr("q_num_heads"), c.attr("kv_num_heads")
+    rank3 = len(q.shape) == 3
+    if rank3:
+        b, sq, _ = q.shape
+        q = g.transpose(g.reshape(q, (b, sq, nq, -1)), (0, 2, 1, 3))
+        k = g.transpose(g.reshape(k, (b, k.shape[1], nkv, -1)), (0, 2, 1, 3))
+        v = g.transpose(g.reshape(v, (b, v.shape[1], nkv, -1)), (0, 2, 1, 3))
+    if v.shape[-1] != q.shape[-1]:
+        c.fail(f"v's head size {v.shape[-1]} differs from q's {q.shape[-1]}")
+    mask = c.opt(3)
+    kw = {}
+    if mask is not None:
+        m = c.t(3)
+        kw["mask" if m.dtype == dt.BOOL else "bias"] = m
+    y = g.attention(q, k, v, causal=causal, scale=None if scale is None else float(scale),
+                    softcap=softcap, **kw)
+    if rank3:
+        y = g.reshape(g.transpose(y, (0, 2, 1, 3)), (y.shape[0], y.shape[2], -1))
+    return y
+
+
+# ---- control flow ----------------------------------------------------------------------------
+@conv("If")
+def _if(c):
+    cond = c.ins[0]
+    then_g, else_g = c.attr("then_branch"), c.attr("else_branch")
+    if isinstance(cond, np.ndarray):   # a known condition: inline the branch taken
+        return c.conv.inline(then_g if bool(cond.reshape(-1)[0]) else else_g, c)
+    t = c.conv.inline(then_g, c)
+    e = c.conv.inline(else_g, c)
+    pred = c.g.reshape(c.t(0), ())
+    outs = []
+    for a, b in zip(t, e):
+        a, b = c.conv.tensor(a), c.conv.tensor(b)
+        if a.shape != b.shape:
+            c.fail(f"the branches give shapes {a.shape} and {b.shape}")
+        outs.append(c.g.where(pred, a, b))
+    return outs
+
+
+@conv("Constant")
+def _constant(c):
+    for k in ("value", "value_float", "value_floats", "value_int", "value_ints"):
+        v = c.attr(k)
+        if v is not None:
+            if k in ("value_float", "value_floats"):
+                return np.asarray(v, np.float32)
+            if k in ("value_int", "value_ints"):
+                return np.asarray(v, np.int64)
+            return np.asarray(v)
+    c.fail("has no value attribute rlx_numba reads (value_string / sparse_value)")
+
+
+@conv("ConstantOfShape")
+def _constant_of_shape(c):
+    shape = c.const(0, "shape")
+    v = c.attr("value")
+    v = np.zeros(1, np.float32) if v is None else v
+    return np.full(tuple(int(s) for s in shape), v.reshape(-1)[0], dtype=v.dtype)
+
+
+# ops that always fold (their outputs are known at convert time from shapes alone, or need
+# NumPy since their shape depends on values)
+_FOLD_ONLY = ("NonZero", "Compress", "Unique")
+
+
+# ---------------------------------------------------------------------------------------------
+class _Converter:
+    def __init__(self, model, params: dict, opset: int):
+        from .ir.graph import Graph
+        self.model, self.params, self.opset = model, params, opset
+        self.g = Graph(model.graph.name or "onnx")
+        self.env: dict = {}
+        self.param_tensors: dict = {}
+        self.param_ids = {id(v): k for k, v in params.items()}
+
+    def tensor(self, v):
+        from .ir.graph import Tensor
+        if isinstance(v, Tensor):
+            return v
+        name = self.param_ids.get(id(v))
+        if name is not None and v.dtype.kind == "f" and v.size > 1:   # a weight: a graph param
+            if name not in self.param_tensors:
+                self.param_tensors[name] = self.g.param(name, v.shape, dt.dtype(v.dtype))
+            return self.param_tensors[name]
+        return self.g.constant(v)
+
+    def dtype_of_value(self, v):
+        return v.dtype if not isinstance(v, np.ndarray) else dt.dtype(v.dtype)
+
+    def run_nodes(self, nodes):
+        for node in nodes:
+            ins = [self.env[n] if n else None for n in node.input]
+            outs = self.convert(node, ins)
+            names = list(node.output)
+            if not isinstance(outs, (list, tuple)):
+                outs = [outs]
+            for n, v in zip(names, outs):
+                if n:
+                    self.env[n] = v
+
+    def convert(self, node, ins):
+        op = node.op_type
+        known = all(v is None or isinstance(v, np.ndarray) for v in ins)
+        if known and op not in ("If", "Loop", "Scan") and (node.domain in ("", "ai.onnx")):
+            if op in ("Constant", "Range", "ConstantOfShape", "Shape", "Size", "EyeLike"):
+                return CONVERTERS[op](_Ctx(self, node, ins))
+            return self.fold(node, ins)
+        if op in ("Shape", "Size", "EyeLike"):     # need only the shape
+            return CONVERTERS[op](_Ctx(self, node, ins))
+        f = CONVERTERS.get(op)
+        if f is None:
+            raise ConvertError(f"node {node.name!r}: {op} needs values known when the model is "
+                               f"converted (it has no graph op), but an input is computed at "
+                               f"run time")
+        ctx = _Ctx(self, node, ins)
+        try:
+            return f(ctx)
+        except ConvertError:
+            raise
+        except ValueError as e:   # a builder's check: name the ONNX node too
+            raise ConvertError(f"{ctx.where()}: {e}") from None
+
+    def fold(self, node, ins):
+        """One node on known inputs through onnx's reference implementation (NumPy)."""
+        onnx = _onnx()
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+        names = [f"i{k}" if v is not None else "" for k, v in enumerate(ins)]
+        n2 = helper.make_node(node.op_type, names, [f"o{k}" for k in range(len(node.output))],
+                              domain=node.domain)
+        n2.attribute.extend(node.attribute)
+        gi = [helper.make_tensor_value_info(nm, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+              for nm, v in zip(names, ins) if v is not None]
+        go = [helper.make_empty_tensor_value_info(f"o{k}") for k in range(len(node.output))]
+        m = helper.make_model(helper.make_graph([n2], "fold", gi, go),
+                              opset_imports=[helper.make_opsetid("", self.opset)])
+        ref = ReferenceEvaluator(m)
+        res = ref.run(None, {nm: v for nm, v in zip(names, ins) if v is not None})
+        return [np.asarray(r) for r in res]
+
+    def inline(self, body, c):
+        """A subgraph (If's branches) converted into the same graph: it sees the outer names."""
+        for init in body.initializer:
+            self.env[init.name] = _onnx().numpy_helper.to_array(init)
+        self.run_nodes(body.node)
+        return [self.env[o.name] for o in body.output]
+
+
+def _needed_ops(graph, out: set):
+    for n in graph.node:
+        out.add((n.domain or "", n.op_type))
+        for a in n.attribute:
+            if a.g is not None and a.type == 5:     # GRAPH
+                _needed_ops(a.g, out)
+            for sg in a.graphs:
+                _needed_ops(sg, out)
+    return out
+
+
+_SUPPORTED_CONTROL = {"If"}
+
+
+def supported_ops() -> list:
+    """The ONNX op types (default domain) rlx_numba converts."""
+    return sorted(set(CONVERTERS) | set(_FOLD_ONLY))
+
+
+class OnnxModel:
+    """A loaded ONNX model: ``run(feeds)`` converts it for the feeds' shapes (once a set of
+    shapes) and runs it; ``graph`` is the Graph of the last shapes run (or of the declared
+    shapes when they are all static)."""
+
+    def __init__(self, model, compile_kw=None):
+        onnx = _onnx()
+        self.model = model
+        self.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")),
+                          None)
+        if self.opset is None or self.opset < MIN_OPSET:
+            raise NotImplementedError(
+                f"ONNX model {model.graph.name!r} uses opset {self.opset}; rlx_numba.onnx reads "
+                f"opset {MIN_OPSET} and newer (convert it with onnx.version_converter."
+                f"convert_version(model, {MIN_OPSET}))")
+        bad = sorted(f"{d + '.' if d else ''}{op}" for d, op in _needed_ops(model.graph, set())
+                     if d not in ("", "ai.onnx") or op not in supported_ops())
+        if bad:
+            raise NotImplementedError(
+                f"ONNX model {model.graph.name!r} (opset {self.opset}) has node types rlx_numba "
+                f"does not support: {', '.join(bad)}")
+        inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
+        self.params = {k: v for k, v in inits.items()}
+        self.inputs = [i for i in model.graph.input if i.name not in inits]
+        self.input_names = [i.name for i in self.inputs]
+        self.output_names = [o.name for o in model.graph.output]
+        self._specs = {}
+        for i in self.inputs:
+            tt = i.type.tensor_type
+            if not i.type.HasField("tensor_type"):
+                raise NotImplementedError(f"input {i.name!r} is not a tensor (sequence, map or "
+                                          f"optional inputs are not supported)")
+            d = _dtype_of(tt.elem_type, f"input {i.name!r}")
+            dims = [dd.dim_value if dd.HasField("dim_value") else (dd.dim_param or None)
+                    for dd in tt.shape.dim] if tt.HasField("shape") else None
+            self._specs[i.name] = (d, dims)
+        for o in model.graph.output:
+            if o.type.HasField("tensor_type"):
+                _dtype_of(o.type.tensor_type.elem_type, f"output {o.name!r}")
+            else:
+                raise NotImplementedError(f"output {o.name!r} is not a tensor")
+        for k, v in inits.items():
+            _dtype_of(onnx.helper.np_dtype_to_tensor_dtype(v.dtype), f"initializer {k!r}")
+        self._compile_kw = dict(compile_kw or {})
+        self._cache = {}          # input shapes -> (graph, executable, outputs plan)
+        self._last = None
+        static = all(dims is not None and all(isinstance(x, int) for x in dims)
+                     for _, dims in self._specs.values())
+        if static:
+            self._last = self._build({n: tuple(self._specs[n][1]) for n in self.input_names})
+
+    # ---- public ----
+    @property
+    def graph(self):
+        if self._last is None:
+            sym = {n: dims for n, (_, dims) in self._specs.items()}
+            raise ValueError(f"the model's inputs have symbolic dims {sym}: the graph is built "
+                             f"for the shapes of the first run()")
+        return self._last[0]
+
+    def compile(self, **kw):
+        """Set rlx.compile's keywords (compile_mode, exec_mode, precision) for the
+        executables built from here on; returns self."""
+        self._compile_kw = dict(kw)
+        self._cache.clear()
+        self._last = None
+        return self
+
+    def run(self, feeds: dict) -> list:
+        if not isinstance(feeds, dict):
+            raise ValueError(f"run: feeds must be a dict of ONNX input name -> array, got "
+                             f"{type(feeds).__name__}")
+        unknown = sorted(set(feeds) - set(self.input_names))
+        if unknown:
+            raise ValueError(f"run: unknown input(s) {unknown}; the model's inputs are "
+                             f"{self.input_names}")
+        missing = [n for n in self.input_names if n not in feeds]
+        if missing:
+            raise ValueError(f"run: missing input(s) {missing}; the model's inputs are "
+                             f"{self.input_names}")
+        arrays, shapes = {}, {}
+        for n in self.input_names:
+            d, dims = self._specs[n]
+            a = np.asarray(feeds[n])
+            if a.dtype != d.host:
+                raise ValueError(f"run: input {n!r} must be {d.host} (ONNX), got {a.dtype}")
+            if dims is not None:
+                ok = len(dims) == a.ndim and all(not isinstance(w, int) or w == s
+                                                 for w, s in zip(dims, a.shape))
+                if not ok:
+                    raise ValueError(f"run: input {n!r} has shape {list(a.shape)}, the model "
+                                     f"declares {dims}")
+            arrays[n], shapes[n] = a, tuple(a.shape)
+        key = tuple(shapes[n] for n in self.input_names)
+        built = self._cache.get(key)
+        if built is None:
+            built = self._build(shapes)
+        self._last = built
+        g, exe, plan = built
+        dev = exe.run({n: arrays[n] for n in self.input_names}) if exe is not None else []
+        outs = []
+        for kind, v, d in plan:
+            y = np.array(dev[v], copy=True) if kind == "dev" else np.array(v, copy=True)
+            outs.append(y.astype(d.host, copy=False) if y.dtype != d.host else y)
+        return outs
+
+    # ---- internals ----
+    def _build(self, shapes: dict):
+        from .compiler import compile as rlx_compile
+        cv = _Converter(self.model, self.params, self.opset)
+        g = cv.g
+        # symbolic dims: the same name must bind one size
+        bound = {}
+        for n in self.input_names:
+            dims = self._specs[n][1]
+            for w, s in zip(dims or [], shapes[n]):
+                if isinstance(w, str):
+                    if bound.setdefault(w, s) != s:
+                        raise ValueError(f"run: symbolic dim {w!r} is {bound[w]} in one input "
+                                         f"and {s} in input {n!r}")
+        for n in self.input_names:
+            cv.env[n] = g.input(n, shapes[n], self._specs[n][0])
+        for k, v in self.params.items():
+            cv.env[k] = v
+        cv.run_nodes(self.model.graph.node)
+        plan, outs = [], []
+        for o in self.model.graph.output:
+            v = cv.env[o.name]
+            d = _dtype_of(o.type.tensor_type.elem_type, f"output {o.name!r}")
+            if isinstance(v, np.ndarray):
+                plan.append(("const", v, d))
+                continue
+            if v.dtype != d:
+                v = g.cast(v, d)
+            if v.node.op in ("input", "constant", "param") or v in outs:
+                v = g.reshape(v, v.shape, ) if False else v * 1 if v.dtype != dt.BOOL else g.eq(v, True)
+            plan.append(("dev", len(outs), d))
+            outs.append(v)
+        exe = None
+        if outs:
+            g.set_outputs(outs)
+            exe = rlx_compile(g, **self._compile_kw)
+            for name in cv.param_tensors:
+                exe.set_param(name, self.params[name])
+        built = (g, exe, plan)
+        self._cache[tuple(shapes[n] for n in self.input_names)] = built
+        return built
+
+
+def load(model, **compile_kw) -> OnnxModel:
+    """An ONNX model (a path or an onnx.ModelProto) on rlx_numba. Raises NotImplementedError
+    naming every unsupported node type (and the opset), or for an opset older than 13."""
+    onnx = _onnx()
+    if isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+        model = onnx.load(model)
+    elif not isinstance(model, onnx.ModelProto):
+        raise ValueError(f"load: expected a path or an onnx.ModelProto, got "
+                         f"{type(model).__name__}")
+    return OnnxModel(model, compile_kw)
