@@ -52,6 +52,15 @@ class ConvertError(ValueError):
     where a constant is needed): the message names the node, op, attribute and shapes."""
 
 
+class _NeedValue(Exception):
+    """A run() input whose value a shape / axes / pads slot needs: the model is converted
+    again with that input's value known (and recompiled when the value changes)."""
+
+    def __init__(self, names):
+        super().__init__(sorted(names))
+        self.names = set(names)
+
+
 class _Ctx:
     """What a converter sees: the graph, the node, and helpers to read its attributes and turn
     values into Tensors. A value is a NumPy array (known now) or a Tensor (computed on the
@@ -102,6 +111,9 @@ class _Ctx:
         if v is None:
             return default
         if not isinstance(v, np.ndarray):
+            feeds = self.conv.input_ancestors(v)
+            if feeds:      # a run() input: the model is then specialised on its value
+                raise _NeedValue(feeds)
             self.fail(f"input {i} ({what}) must be known when the model is converted (an "
                       f"initializer, Constant or shape arithmetic), not computed at run time")
         return v
@@ -401,7 +413,7 @@ def _matmul(c):
     if vb:
         y = g.reshape(y, y.shape[:-1])
     if va:
-        y = g.reshape(y, y.shape[:-2] + y.shape[-1:])
+        y = g.reshape(y, y.shape[:-1] if vb else y.shape[:-2] + y.shape[-1:])
     return y
 
 
@@ -465,17 +477,15 @@ def _layernorm(c):
     axis = c.attr("axis", -1) % len(x.shape)
     eps = float(c.attr("epsilon", 1e-5))
     c.attr("stash_type")       # stats in f32 either way
-    if len([o for o in c.node.output if o]) > 1:
-        c.fail("the Mean and InvStdDev outputs (training) are not supported")
     axes = tuple(range(axis, len(x.shape)))
     xf = _f(c, x)
     mean = g.mean(xf, axes, keep_dim=True)
     d = xf - mean
-    y = d * g.rsqrt(g.mean(d * d, axes, keep_dim=True) + eps)
-    y = y * _f(c, c.t(1))
+    inv = g.rsqrt(g.mean(d * d, axes, keep_dim=True) + eps)
+    y = d * inv * _f(c, c.t(1))
     if c.opt(2) is not None:
         y = y + _f(c, c.t(2))
-    return _like(c, y, x)
+    return [_like(c, y, x), mean, inv]    # Mean and InvStdDev in f32 (stash_type 1)
 
 
 @conv("RMSNormalization")
@@ -673,7 +683,8 @@ def _reshape(c):
 @conv("Flatten")
 def _flatten(c):
     x = c.t(0)
-    axis = c.attr("axis", 1) % (len(x.shape) + 1) if x.shape else 0
+    axis = c.attr("axis", 1)
+    axis = axis + len(x.shape) if axis < 0 else axis
     return c.g.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
 
 
@@ -1186,40 +1197,74 @@ def _resize(c):
 # ---- sequence models and attention -----------------------------------------------------------
 @conv("Attention")
 def _attention(c):
+    """ONNX Attention (opset 23+) composed of products and a softmax, as its reference:
+    qk * scale + mask (+ causal, aligned after the past keys) -> softcap -> softmax -> @ v;
+    GQA by repeating k / v heads; a fully masked row gives 0."""
     g = c.g
-    q, k, v = c.t(0), c.t(1), c.t(2)
-    if c.n() > 4 and any(c.opt(i) is not None for i in (4, 5)):
-        c.fail("past key / value inputs are not supported")
-    if len([o for o in c.node.output if o]) > 1:
-        c.fail("present key / value and qk outputs are not supported")
-    if c.attr("softcap", 0.0):
-        softcap = float(c.attr("softcap"))
-    else:
-        softcap = None
-    if c.attr("qk_matmul_output_mode", 0):
-        c.refuse("qk_matmul_output_mode", c.attr("qk_matmul_output_mode"))
+    q, k, v = (_f(c, c.t(i)) for i in range(3))
+    in_dtype = c.t(0).dtype
+    for i, what in ((6, "nonpad_kv_seqlen"),):
+        if c.opt(i) is not None:
+            c.fail(f"input {i} ({what}) is not supported")
+    for a in ("left_window_size", "right_window_size"):
+        if c.attr(a, -1) not in (-1, None):
+            c.refuse(a, c.attr(a))
     c.attr("softmax_precision")
-    scale = c.attr("scale")
-    causal = bool(c.attr("is_causal", 0))
     nq, nkv = c.attr("q_num_heads"), c.attr("kv_num_heads")
     rank3 = len(q.shape) == 3
     if rank3:
-        b, sq, _ = q.shape
-        q = g.transpose(g.reshape(q, (b, sq, nq, -1)), (0, 2, 1, 3))
+        b = q.shape[0]
+        q = g.transpose(g.reshape(q, (b, q.shape[1], nq, -1)), (0, 2, 1, 3))
         k = g.transpose(g.reshape(k, (b, k.shape[1], nkv, -1)), (0, 2, 1, 3))
         v = g.transpose(g.reshape(v, (b, v.shape[1], nkv, -1)), (0, 2, 1, 3))
-    if v.shape[-1] != q.shape[-1]:
-        c.fail(f"v's head size {v.shape[-1]} differs from q's {q.shape[-1]}")
-    mask = c.opt(3)
-    kw = {}
-    if mask is not None:
+    past = 0
+    if c.opt(4) is not None:
+        pk, pv = _f(c, c.t(4)), _f(c, c.t(5))
+        past = pk.shape[2]
+        k, v = g.concat([pk, k], 2), g.concat([pv, v], 2)
+    present = [k, v]
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq != hkv:      # GQA: each kv head serves hq / hkv query heads
+        r = hq // hkv
+        rep = lambda t: g.reshape(g.expand(g.reshape(t, (t.shape[0], hkv, 1) + t.shape[2:]),
+                                           (t.shape[0], hkv, r) + t.shape[2:]),
+                                  (t.shape[0], hq) + t.shape[2:])
+        kr, vr = rep(k), rep(v)
+    else:
+        kr, vr = k, v
+    scale = c.attr("scale")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    s = g.matmul(q, g.transpose(kr, (0, 1, 3, 2))) * scale
+    sq, sk = s.shape[-2:]
+    qk0 = s
+    neg = float("-inf")
+    if c.opt(3) is not None:
         m = c.t(3)
-        kw["mask" if m.dtype == dt.BOOL else "bias"] = m
-    y = g.attention(q, k, v, causal=causal, scale=None if scale is None else float(scale),
-                    softcap=softcap, **kw)
+        if m.shape[-1] != sk:
+            c.fail(f"attn_mask's last dim {m.shape[-1]} is not the key length {sk}")
+        s = g.where(m, s, neg) if m.dtype == dt.BOOL else s + _f(c, m)
+    if c.attr("is_causal", 0):
+        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + past
+        s = g.where(g.constant(keep), s, neg)
+    qk1 = s
+    cap = float(c.attr("softcap", 0.0) or 0.0)
+    if cap > 0:
+        s = g.tanh(s / cap) * cap
+    qk2 = s
+    mx = g.reduce_max(s, -1, True)
+    dead = g.eq(mx, neg)
+    e = g.exp(s - g.where(dead, 0.0, mx))
+    tot = g.sum(e, -1, True)
+    p = e / g.where(g.eq(tot, 0.0), 1.0, tot)
+    y = g.matmul(p, vr)
     if rank3:
         y = g.reshape(g.transpose(y, (0, 2, 1, 3)), (y.shape[0], y.shape[2], -1))
-    return y
+    mode = c.attr("qk_matmul_output_mode", 0)
+    if mode not in (0, 1, 2, 3):
+        c.refuse("qk_matmul_output_mode", mode)
+    qk = [qk0, qk1, qk2, p][mode]
+    cast = lambda t: t if t.dtype == in_dtype else g.cast(t, in_dtype)
+    return [cast(y), cast(present[0]), cast(present[1]), cast(qk)]
 
 
 # ---- control flow ----------------------------------------------------------------------------
@@ -1287,6 +1332,20 @@ class _Converter:
                 self.param_tensors[name] = self.g.param(name, v.shape, dt.dtype(v.dtype))
             return self.param_tensors[name]
         return self.g.constant(v)
+
+    def input_ancestors(self, t) -> set:
+        """The names of the graph inputs a Tensor is computed from."""
+        seen, todo, names = set(), [t.id], set()
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            n = self.g.nodes[i]
+            if n.op == "input":
+                names.add(n.name)
+            todo.extend(n.inputs)
+        return names
 
     def dtype_of_value(self, v):
         return v.dtype if not isinstance(v, np.ndarray) else dt.dtype(v.dtype)
@@ -1413,12 +1472,17 @@ class OnnxModel:
         for k, v in inits.items():
             _dtype_of(onnx.helper.np_dtype_to_tensor_dtype(v.dtype), f"initializer {k!r}")
         self._compile_kw = dict(compile_kw or {})
+        self._value_inputs = set()   # inputs whose values the conversion needs (see _NeedValue)
         self._cache = {}          # input shapes -> (graph, executable, outputs plan)
         self._last = None
         static = all(dims is not None and all(isinstance(x, int) for x in dims)
                      for _, dims in self._specs.values())
         if static:
-            self._last = self._build({n: tuple(self._specs[n][1]) for n in self.input_names})
+            try:
+                self._last = self._build({n: tuple(self._specs[n][1]) for n in self.input_names},
+                                         {})
+            except _NeedValue as e:   # built on the first run, with those inputs' values
+                self._value_inputs |= e.names
 
     # ---- public ----
     @property
@@ -1462,13 +1526,20 @@ class OnnxModel:
                     raise ValueError(f"run: input {n!r} has shape {list(a.shape)}, the model "
                                      f"declares {dims}")
             arrays[n], shapes[n] = a, tuple(a.shape)
-        key = tuple(shapes[n] for n in self.input_names)
-        built = self._cache.get(key)
-        if built is None:
-            built = self._build(shapes)
+        while True:
+            key = self._key(shapes, arrays)
+            built = self._cache.get(key)
+            if built is not None:
+                break
+            try:
+                built = self._build(shapes, arrays)
+                break
+            except _NeedValue as e:
+                self._value_inputs |= e.names
         self._last = built
         g, exe, plan = built
-        dev = exe.run({n: arrays[n] for n in self.input_names}) if exe is not None else []
+        dev = exe.run({n: arrays[n] for n in self.input_names
+                       if n not in self._value_inputs}) if exe is not None else []
         outs = []
         for kind, v, d in plan:
             y = np.array(dev[v], copy=True) if kind == "dev" else np.array(v, copy=True)
@@ -1476,7 +1547,11 @@ class OnnxModel:
         return outs
 
     # ---- internals ----
-    def _build(self, shapes: dict):
+    def _key(self, shapes, arrays):
+        return tuple(shapes[n] if n not in self._value_inputs else
+                     (shapes[n], arrays[n].tobytes()) for n in self.input_names)
+
+    def _build(self, shapes: dict, arrays: dict):
         from .compiler import compile as rlx_compile
         cv = _Converter(self.model, self.params, self.opset)
         g = cv.g
@@ -1490,7 +1565,8 @@ class OnnxModel:
                         raise ValueError(f"run: symbolic dim {w!r} is {bound[w]} in one input "
                                          f"and {s} in input {n!r}")
         for n in self.input_names:
-            cv.env[n] = g.input(n, shapes[n], self._specs[n][0])
+            cv.env[n] = (np.array(arrays[n]) if n in self._value_inputs else
+                         g.input(n, shapes[n], self._specs[n][0]))
         for k, v in self.params.items():
             cv.env[k] = v
         cv.run_nodes(self.model.graph.node)
@@ -1503,8 +1579,8 @@ class OnnxModel:
                 continue
             if v.dtype != d:
                 v = g.cast(v, d)
-            if v.node.op in ("input", "constant", "param") or v in outs:
-                v = g.reshape(v, v.shape, ) if False else v * 1 if v.dtype != dt.BOOL else g.eq(v, True)
+            if v.node.op in ("input", "constant", "param") or any(v.id == o.id for o in outs):
+                v = _copy(g, v)   # an output is its own buffer
             plan.append(("dev", len(outs), d))
             outs.append(v)
         exe = None
@@ -1514,8 +1590,12 @@ class OnnxModel:
             for name in cv.param_tensors:
                 exe.set_param(name, self.params[name])
         built = (g, exe, plan)
-        self._cache[tuple(shapes[n] for n in self.input_names)] = built
+        self._cache[self._key(shapes, arrays)] = built
         return built
+
+
+def _copy(g, v):
+    return g.eq(v, True) if v.dtype == dt.BOOL else g.add(v, g.constant(np.zeros((), v.dtype.host)))
 
 
 def load(model, **compile_kw) -> OnnxModel:
