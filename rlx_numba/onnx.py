@@ -41,7 +41,11 @@ def _onnx():
 def _dtype_of(elem_type: int, what: str):
     name = _ONNX_DTYPES.get(elem_type)
     if name is None:
-        raise NotImplementedError(f"{what} has ONNX type {_ONNX_TYPE_NAMES.get(elem_type, elem_type)}"
+        try:
+            tname = _onnx().TensorProto.DataType.Name(elem_type)
+        except ValueError:
+            tname = _ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
+        raise NotImplementedError(f"{what} has ONNX type {tname}"
                                   f", which rlx_numba has no dtype for (it has "
                                   f"{', '.join(d.name for d in dt.ALL)})")
     return dt.dtype(name)
