@@ -506,14 +506,22 @@ def _rmsnorm(c):
 
 @conv("BatchNormalization")
 def _batchnorm(c):
-    if c.attr("training_mode", 0):
-        c.refuse("training_mode", 1, "training statistics are not supported (inference only)")
-    if len([o for o in c.node.output if o]) > 1:
-        c.fail("the running mean / var outputs (training) are not supported")
     x, g = c.t(0), c.g
     eps = float(c.attr("epsilon", 1e-5))
-    c.attr("momentum")
+    mom = float(c.attr("momentum", 0.9))
     shape = (1, -1) + (1,) * (len(x.shape) - 2)
+    if c.attr("training_mode", 0):   # batch statistics; running ones updated by momentum
+        axes = (0,) + tuple(range(2, len(x.shape)))
+        xf = _f(c, x)
+        mean = g.mean(xf, axes, keep_dim=True)
+        var = g.mean((xf - mean) * (xf - mean), axes, keep_dim=True)
+        sc, b = (g.reshape(_f(c, c.t(i)), shape) for i in (1, 2))
+        y = (xf - mean) * g.rsqrt(var + eps) * sc + b
+        rm = _f(c, c.t(3)) * mom + g.reshape(mean, (-1,)) * (1 - mom)
+        rv = _f(c, c.t(4)) * mom + g.reshape(var, (-1,)) * (1 - mom)
+        return [_like(c, y, x), _like(c, rm, c.t(3)), _like(c, rv, c.t(4))]
+    if len([o for o in c.node.output if o]) > 1:
+        c.fail("running mean / var outputs need training_mode=1")
     sc, b, m, v = (g.reshape(_f(c, c.t(i)), shape) for i in (1, 2, 3, 4))
     y = (_f(c, x) - m) * g.rsqrt(v + eps) * sc + b
     return _like(c, y, x)
@@ -897,24 +905,31 @@ def _pad(c):
     x, g = c.t(0), c.g
     mode = c.attr("mode", "constant")
     pads = [int(p) for p in c.const(1, "pads")]
-    val = c.const(2, "constant_value")
+    val = c.opt(2)
     axes = c.const(3, "axes")
     r = len(x.shape)
     axes = list(range(r)) if axes is None else [int(a) % r for a in axes]
     lo, hi = [0] * r, [0] * r
     for k, a in enumerate(axes):
         lo[a], hi[a] = pads[k], pads[k + len(axes)]
-    # g.pad takes F.pad's order (last axis first)
-    fp = []
+    if not any(lo + hi):
+        return x
+    fp = []                      # g.pad takes F.pad's order (last axis first)
     for a in range(r - 1, -1, -1):
         fp += [lo[a], hi[a]]
     m = {"constant": "constant", "reflect": "reflect", "edge": "replicate"}.get(mode)
     if m is None:
         c.refuse("mode", mode, "expected constant, reflect or edge")
-    v = float(val.reshape(-1)[0]) if val is not None and val.size else 0.0
-    if not any(fp):
-        return x
-    return g.pad(x, fp, m, v)
+    xf = _f(c, x)                # g.pad is float; integers up to 2**24 round-trip exactly
+    if m != "constant" or val is None or isinstance(val, np.ndarray):
+        v = float(np.asarray(val).reshape(-1)[0]) if val is not None and np.asarray(val).size \
+            else 0.0
+        return _like(c, g.pad(xf, fp, m, v if m == "constant" else 0.0), x)
+    # a value computed at run time: pad with 0, then put it where the padding is
+    inside = g.pad(g.constant(np.ones(x.shape, np.float32)), fp, "constant", 0.0)
+    y = g.where(g.gt(inside, 0.5), g.pad(xf, fp, "constant", 0.0),
+                g.reshape(_f(c, c.t(2)), ()))
+    return _like(c, y, x)
 
 
 @conv("Range")
@@ -1060,9 +1075,14 @@ def _conv(c):
 
 @conv("ConvTranspose")
 def _conv_transpose(c):
+    """The full transposed convolution (output_padding as zero rows at the high end), then
+    cropped by the pads (negative: zero-extended), then the bias: ONNX's output size rule for
+    pads, auto_pad and output_shape."""
     x, w, g = c.t(0), c.t(1), c.g
     d = len(w.shape) - 2
     k = tuple(c.attr("kernel_shape", w.shape[2:]))
+    if tuple(k) != tuple(w.shape[2:]):
+        c.refuse("kernel_shape", list(k), f"the weight's kernel is {list(w.shape[2:])}")
     stride = tuple(c.attr("strides", [1] * d))
     dil = tuple(c.attr("dilations", [1] * d))
     groups = c.attr("group", 1)
@@ -1070,38 +1090,32 @@ def _conv_transpose(c):
     oshape = c.attr("output_shape")
     ap = c.attr("auto_pad", "NOTSET")
     pads = c.attr("pads")
-    b = c.t(2) if c.opt(2) is not None else None
     full = [(s - 1) * st + dl * (kk - 1) + 1 + op
             for s, st, dl, kk, op in zip(x.shape[2:], stride, dil, k, opad)]
     if oshape is not None or ap in ("SAME_UPPER", "SAME_LOWER"):
         want = (list(oshape)[-d:] if oshape is not None else
                 [s * st for s, st in zip(x.shape[2:], stride)])
         tot = [f - o for f, o in zip(full, want)]
-        if ap == "SAME_UPPER" or (oshape is not None and ap != "SAME_LOWER"):
-            lo = [t // 2 for t in tot]
-        else:
-            lo = [t - t // 2 for t in tot]
+        lo = [t // 2 if ap == "SAME_UPPER" else t - t // 2 for t in tot]
         hi = [t - l for t, l in zip(tot, lo)]
     elif ap == "VALID" or pads is None:
         lo, hi = [0] * d, [0] * d
-    else:
+    elif ap == "NOTSET":
         lo, hi = list(pads[:d]), list(pads[d:])
-    # the full transposed conv, then cropped (pads) or zero-extended (negative crop)
-    y = g.conv_transpose(x, w, b if all(v == 0 for v in lo + hi) else None, stride=stride,
-                         dilation=dil, groups=groups,
-                         output_padding=0 if not any(opad) else 0)
-    y_full_sp = y.shape[2:]
-    if any(opad):   # output_padding adds rows at the high end that no input reaches
+    else:
+        c.refuse("auto_pad", ap)
+    y = g.conv_transpose(x, w, None, stride=stride, dilation=dil, groups=groups)
+    if any(opad):
         y = _pre_pad(c, y, [0] * d, opad)
+    if any(v < 0 for v in lo + hi):        # an output larger than the full one: zeros
+        y = _pre_pad(c, y, [max(-v, 0) for v in lo], [max(-v, 0) for v in hi])
+        lo, hi = [max(v, 0) for v in lo], [max(v, 0) for v in hi]
     for a in range(d):
         n = y.shape[2 + a]
         if lo[a] or hi[a]:
             y = g.narrow(y, 2 + a, lo[a], n - lo[a] - hi[a])
-    del y_full_sp
-    if b is not None and any(v != 0 for v in lo + hi):
-        y = y + g.reshape(b, (1, -1) + (1,) * d)
-    elif b is not None and any(opad):
-        y = y + g.reshape(b, (1, -1) + (1,) * d) * 0.0 if False else y
+    if c.opt(2) is not None:
+        y = y + g.reshape(c.t(2), (1, -1) + (1,) * d)
     return y
 
 
@@ -1132,6 +1146,9 @@ def _pool(c):
                    count_include_pad=True) * float(math.prod(k))
         return _like(c, y if p == 1 else g.pow(y, 1.0 / p), x)
     kind = "max" if op == "MaxPool" else "avg"
+    if not x.dtype.is_float:     # integer max pool in f32 (exact up to 2**24), cast back
+        c.ins = [c.g.cast(x, dt.F32)]
+        return c.g.cast(_pool(c), x.dtype)
     if lo != hi or any(2 * l > s for l, s in zip(lo, span)):
         if kind == "max":
             x = _pre_pad(c, x, lo, hi, float("-inf"))
@@ -1155,65 +1172,90 @@ def _global_pool(c):
     return c.g.reduce("mean" if c.node.op_type == "GlobalAveragePool" else "max", x, axes, True)
 
 
-@conv("Resize", "Upsample")
+@conv("Resize")
 def _resize(c):
+    """Resize is separable and affine along each axis: y = M x + b for an [out, n] matrix M
+    that depends only on the attributes and shapes. Each axis's M (and b, the extrapolation
+    of tf_crop_and_resize) is computed now by onnx's reference Resize on the n basis vectors,
+    so every mode / coordinate transform / cubic coefficient / antialias / exclude_outside is
+    the reference's own; the graph applies it as a gather (a pure selection, e.g. nearest) or
+    a product along that axis."""
     x, g = c.t(0), c.g
-    mode = c.attr("mode", "nearest")
-    ctm = c.attr("coordinate_transformation_mode", "half_pixel")
-    near = c.attr("nearest_mode", "round_prefer_floor")
-    c.attr("cubic_coeff_a")
-    if c.attr("antialias", 0):
-        c.refuse("antialias", 1)
-    if c.attr("exclude_outside", 0):
-        c.refuse("exclude_outside", 1)
-    if c.attr("axes") is not None:
-        c.refuse("axes", c.attr("axes"))
-    if c.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
-        c.refuse("keep_aspect_ratio_policy", c.attr("keep_aspect_ratio_policy"))
+    r = len(x.shape)
+    roi = c.const(1, "roi")
     scales = c.const(2, "scales")
     sizes = c.const(3, "sizes")
-    if scales is not None and scales.size == 0:
-        scales = None
-    if scales is not None and any(float(s) != 1.0 for s in scales[:2]):
-        c.fail(f"scales {list(scales)} resize the batch or channel axis")
-    if sizes is not None and sizes.size and list(sizes[:2]) != list(x.shape[:2]):
-        c.fail(f"sizes {list(sizes)} resize the batch or channel axis")
-    if mode == "nearest":
-        # torch's nearest is ONNX's asymmetric + floor
-        if not (ctm == "asymmetric" and near == "floor"):
-            c.fail(f"nearest mode with coordinate_transformation_mode={ctm!r} and "
-                   f"nearest_mode={near!r} is not supported (only asymmetric + floor)")
-        tmode, ac = "nearest", None
-    elif mode == "linear":
-        if ctm not in ("half_pixel", "align_corners", "pytorch_half_pixel"):
-            c.fail(f"linear mode with coordinate_transformation_mode={ctm!r} is not supported")
-        d = len(x.shape) - 2
-        tmode = {1: "linear", 2: "bilinear", 3: "trilinear"}.get(d)
-        ac = ctm == "align_corners"
-    else:
-        c.refuse("mode", mode, "expected nearest or linear")
-    if sizes is not None and sizes.size:
-        return g.resize(x, size=tuple(int(s) for s in sizes[2:]), mode=tmode, align_corners=ac)
-    return g.resize(x, scale_factor=tuple(float(s) for s in scales[2:]), mode=tmode,
-                    align_corners=ac)
+    scales = None if scales is None or scales.size == 0 else [float(v) for v in scales]
+    sizes = None if sizes is None or sizes.size == 0 else [int(v) for v in sizes]
+    axes = c.attr("axes")
+    axes = list(range(r)) if axes is None else [int(a) % r for a in axes]
+    policy = c.attr("keep_aspect_ratio_policy", "stretch")
+    attrs = {k: c.attr(k) for k in ("mode", "coordinate_transformation_mode", "nearest_mode",
+                                    "cubic_coeff_a", "exclude_outside", "extrapolation_value",
+                                    "antialias")}
+    attrs = {k: v for k, v in attrs.items() if v is not None}
+    n_ax = len(axes)
+    per_axis_scale = None
+    if sizes is not None and policy != "stretch":
+        ratios = [sizes[i] / x.shape[a] for i, a in enumerate(axes)]
+        sc = min(ratios) if policy == "not_larger" else max(ratios)
+        if policy not in ("not_larger", "not_smaller"):
+            c.refuse("keep_aspect_ratio_policy", policy)
+        per_axis_scale = [sc] * n_ax
+        sizes = [int(math.floor(sc * x.shape[a] + 0.5)) for a in axes]
+    y = x
+    for i, a in enumerate(axes):
+        n = x.shape[a]
+        if per_axis_scale is not None:
+            kw = dict(scales=np.array([per_axis_scale[i]], np.float32))
+            out = sizes[i]
+        elif sizes is not None:
+            kw = dict(sizes=np.array([sizes[i]], np.int64))
+            out = sizes[i]
+        else:
+            kw = dict(scales=np.array([scales[i]], np.float32))
+            out = int(math.floor(n * scales[i]))
+        if roi is not None and roi.size:
+            kw["roi"] = np.array([roi[i], roi[i + n_ax]], np.float32)
+        if out == n and "roi" not in kw and (sizes is not None or kw["scales"][0] == 1.0):
+            continue
+        m, bvec = c.conv.resize_matrix(n, kw, attrs, out)
+        y = _apply_axis(c, y, a, m, bvec)
+    return y
+
+
+def _apply_axis(c, y, a, m, bvec):
+    """y with axis a mapped by the [out, n] matrix m (+ bvec [out])."""
+    g = c.g
+    out, n = m.shape
+    sel = (np.count_nonzero(m, axis=1) == 1) & np.isclose(m.max(axis=1), 1.0) & \
+        (m.sum(axis=1) == 1.0)
+    if sel.all() and not bvec.any():       # a selection: a gather along the axis
+        return g.gather(y, g.constant(m.argmax(axis=1).astype(np.int64)), a)
+    yf = _f(c, y)
+    r = len(y.shape)
+    perm = [k for k in range(r) if k != a] + [a]
+    t = g.transpose(yf, perm) if a != r - 1 else yf
+    t = g.matmul(t, g.constant(np.ascontiguousarray(m.T.astype(np.float32))))
+    if bvec.any():
+        t = t + g.constant(bvec.astype(np.float32))
+    inv = np.argsort(perm).tolist()
+    t = g.transpose(t, inv) if a != r - 1 else t
+    return _like(c, t, y)
 
 
 # ---- sequence models and attention -----------------------------------------------------------
 @conv("Attention")
 def _attention(c):
-    """ONNX Attention (opset 23+) composed of products and a softmax, as its reference:
-    qk * scale + mask (+ causal, aligned after the past keys) -> softcap -> softmax -> @ v;
-    GQA by repeating k / v heads; a fully masked row gives 0."""
+    """ONNX Attention (opset 23+) composed of products and a softmax, as onnx's reference:
+    softcap(qk * scale) + bias -> softmax -> @ v, where bias = attn_mask (bool -> 0 / -inf,
+    padded with -inf up to the key length) + causal / sliding-window / nonpad_kv_seqlen masks
+    (aligned after the past keys, or per batch at nonpad_kv_seqlen - q_len); a row whose bias
+    is -inf everywhere gives 0; GQA by repeating k / v heads. Math in f32."""
     g = c.g
     q, k, v = (_f(c, c.t(i)) for i in range(3))
     in_dtype = c.t(0).dtype
-    for i, what in ((6, "nonpad_kv_seqlen"),):
-        if c.opt(i) is not None:
-            c.fail(f"input {i} ({what}) is not supported")
-    for a in ("left_window_size", "right_window_size"):
-        if c.attr(a, -1) not in (-1, None):
-            c.refuse(a, c.attr(a))
-    c.attr("softmax_precision")
+    c.attr("softmax_precision")          # f32 softmax either way
     nq, nkv = c.attr("q_num_heads"), c.attr("kv_num_heads")
     rank3 = len(q.shape) == 3
     if rank3:
@@ -1221,12 +1263,13 @@ def _attention(c):
         q = g.transpose(g.reshape(q, (b, q.shape[1], nq, -1)), (0, 2, 1, 3))
         k = g.transpose(g.reshape(k, (b, k.shape[1], nkv, -1)), (0, 2, 1, 3))
         v = g.transpose(g.reshape(v, (b, v.shape[1], nkv, -1)), (0, 2, 1, 3))
-    past = 0
+    past = None
     if c.opt(4) is not None:
         pk, pv = _f(c, c.t(4)), _f(c, c.t(5))
         past = pk.shape[2]
         k, v = g.concat([pk, k], 2), g.concat([pv, v], 2)
     present = [k, v]
+    nonpad = c.const(6, "nonpad_kv_seqlen")
     hq, hkv = q.shape[1], k.shape[1]
     if hq != hkv:      # GQA: each kv head serves hq / hkv query heads
         r = hq // hkv
@@ -1239,34 +1282,54 @@ def _attention(c):
     scale = c.attr("scale")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     s = g.matmul(q, g.transpose(kr, (0, 1, 3, 2))) * scale
-    sq, sk = s.shape[-2:]
-    qk0 = s
-    neg = float("-inf")
+    bsz, sq, sk = s.shape[0], s.shape[-2], s.shape[-1]
+    cap = c.attr("softcap")
+    if cap is not None and float(cap) > 0:
+        s = g.tanh(s / float(cap)) * float(cap)
+    qk01 = s
+    # the mask known now: causal / window / padding, [B or 1, 1, Sq, Sk] of 0 / -inf
+    offset = (np.asarray(nonpad, np.int64).reshape(-1, 1, 1) - sq if nonpad is not None and
+              past is None else np.array(past or 0).reshape(1, 1, 1))
+    i_idx, j_idx = np.arange(sq).reshape(1, sq, 1), np.arange(sk).reshape(1, 1, sk)
+    allowed = np.ones((offset.shape[0], sq, sk), bool)
+    if c.attr("is_causal", 0):
+        allowed &= j_idx <= i_idx + offset
+    left, right = c.attr("left_window_size", -1), c.attr("right_window_size", -1)
+    diff = i_idx + offset - j_idx
+    if left is not None and left >= 0:
+        allowed &= diff <= left
+    if right is not None and right >= 0:
+        allowed &= -diff <= right
+    if nonpad is not None:
+        allowed = allowed & (j_idx < np.asarray(nonpad, np.int64).reshape(-1, 1, 1))
+    static = np.where(allowed, 0.0, -np.inf).astype(np.float32)[:, None]   # [B|1, 1, Sq, Sk]
+    bias = None if allowed.all() else g.constant(static)
     if c.opt(3) is not None:
         m = c.t(3)
-        if m.shape[-1] != sk:
-            c.fail(f"attn_mask's last dim {m.shape[-1]} is not the key length {sk}")
-        s = g.where(m, s, neg) if m.dtype == dt.BOOL else s + _f(c, m)
-    if c.attr("is_causal", 0):
-        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + past
-        s = g.where(g.constant(keep), s, neg)
-    qk1 = s
-    cap = float(c.attr("softcap", 0.0) or 0.0)
-    if cap > 0:
-        s = g.tanh(s / cap) * cap
+        mb = g.where(m, 0.0, float("-inf")) if m.dtype == dt.BOOL else _f(c, m)
+        if mb.shape[-1] < sk:      # a mask shorter than the keys: the rest masked
+            fill = g.constant(np.full(tuple(mb.shape[:-1]) + (sk - mb.shape[-1],), -np.inf,
+                                      np.float32))
+            mb = g.concat([mb, fill], len(mb.shape) - 1)
+        bias = mb if bias is None else mb + bias
+    if bias is not None:
+        s = s + bias
     qk2 = s
     mx = g.reduce_max(s, -1, True)
-    dead = g.eq(mx, neg)
-    e = g.exp(s - g.where(dead, 0.0, mx))
+    e = g.exp(s - g.where(g.eq(mx, float("-inf")), 0.0, mx))
     tot = g.sum(e, -1, True)
     p = e / g.where(g.eq(tot, 0.0), 1.0, tot)
+    if bias is not None:       # rows the bias masks whole give 0 (not a NaN or a uniform row)
+        dead = g.eq(g.reduce_max(bias, -1, True), float("-inf"))
+        p = g.where(dead, 0.0, p)
     y = g.matmul(p, vr)
     if rank3:
         y = g.reshape(g.transpose(y, (0, 2, 1, 3)), (y.shape[0], y.shape[2], -1))
     mode = c.attr("qk_matmul_output_mode", 0)
     if mode not in (0, 1, 2, 3):
         c.refuse("qk_matmul_output_mode", mode)
-    qk = [qk0, qk1, qk2, p][mode]
+    qk = [qk01, qk01, qk2, p][mode]
+    del bsz
     cast = lambda t: t if t.dtype == in_dtype else g.cast(t, in_dtype)
     return [cast(y), cast(present[0]), cast(present[1]), cast(qk)]
 
@@ -1375,6 +1438,11 @@ class _Converter:
         if op in ("Shape", "Size", "EyeLike"):     # need only the shape
             return CONVERTERS[op](_Ctx(self, node, ins))
         f = CONVERTERS.get(op)
+        if f is None and op in _FOLD_ONLY:   # value-dependent shapes: specialise on the feeds
+            feeds = set().union(*(self.input_ancestors(v) for v in ins
+                                  if v is not None and not isinstance(v, np.ndarray)))
+            if feeds:
+                raise _NeedValue(feeds)
         if f is None:
             raise ConvertError(f"node {node.name!r}: {op} needs values known when the model is "
                                f"converted (it has no graph op), but an input is computed at "
@@ -1404,6 +1472,31 @@ class _Converter:
         ref = ReferenceEvaluator(m)
         res = ref.run(None, {nm: v for nm, v in zip(names, ins) if v is not None})
         return [np.asarray(r) for r in res]
+
+    def resize_matrix(self, n, kw, attrs, out):
+        """The [out, n] matrix and [out] offset of onnx's reference Resize along one axis
+        (basis vectors as rows of an [n + 1, n] input, axis 1; the last row zeros)."""
+        from onnx import helper
+        from onnx.reference import ReferenceEvaluator
+        basis = np.concatenate([np.eye(n, dtype=np.float32), np.zeros((1, n), np.float32)])
+        names = ["x", "roi" if "roi" in kw else "", "scales" if "scales" in kw else "",
+                 "sizes" if "sizes" in kw else ""]
+        while names and not names[-1]:
+            names.pop()
+        node = helper.make_node("Resize", names, ["y"], axes=[1], **attrs)
+        feeds = {"x": basis, **{k: v for k, v in kw.items()}}
+        gi = [helper.make_tensor_value_info(k, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+              for k, v in feeds.items()]
+        m = helper.make_model(helper.make_graph([node], "resize", gi,
+                                                [helper.make_empty_tensor_value_info("y")]),
+                              opset_imports=[helper.make_opsetid("", max(self.opset, 19))])
+        (y,) = ReferenceEvaluator(m).run(None, feeds)
+        y = np.asarray(y, np.float64)
+        if y.shape[1] != out:
+            raise ConvertError(f"Resize: the reference gives {y.shape[1]} outputs along an "
+                               f"axis, expected {out}")
+        bvec = y[n]
+        return (y[:n] - bvec).T, bvec
 
     def inline(self, body, c):
         """A subgraph (If's branches) converted into the same graph: it sees the outer names."""

@@ -485,3 +485,18 @@ def test_reachable_and_outputs_typed():
     assert i.dtype == np.int64 and i.shape == () and int(i) == int(np.argmax(a))
     assert b.dtype == np.bool_ and (b == (a > 0)).all()
     assert h.dtype == np.float16 and (h == np.maximum(a, 0)).all()
+
+
+def test_cli_run(tmp_path, capsys):
+    from rlx_numba.cli import main
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])
+    y = helper.make_tensor_value_info("y:0", TensorProto.FLOAT, [2, 3])
+    onnx.save(_model([helper.make_node("Relu", ["x"], ["y:0"])], [x], [y]), tmp_path / "m.onnx")
+    a = np.array([[-1, 2, -3], [4, -5, 6]], np.float32)
+    np.save(tmp_path / "x.npy", a)
+    assert main(["run", str(tmp_path / "m.onnx"), "--input", f"x={tmp_path / 'x.npy'}",
+                 "--save", str(tmp_path / "out")]) == 0
+    assert "y:0: float32 [2, 3]" in capsys.readouterr().out
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "y_0.npy"), np.maximum(a, 0))
+    with pytest.raises(SystemExit):
+        main(["run", str(tmp_path / "m.onnx"), "--input", "x"])
