@@ -159,10 +159,6 @@ def _like(c, y, x):
     return y if y.dtype == x.dtype else c.g.cast(y, x.dtype)
 
 
-def _scalar(c, v, like):
-    return c.g.constant(np.asarray(v, dtype=like.dtype.host if like.dtype != dt.BF16 else np.float32))
-
-
 _UNARY = {"Abs": "abs", "Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Sin": "sin",
           "Cos": "cos", "Tan": "tan", "Atan": "atan", "Tanh": "tanh", "Sigmoid": "sigmoid",
           "Relu": "relu", "Round": "round"}
@@ -194,7 +190,7 @@ def _floor(c, g, x):
     # truncation (cast) corrected by one below zero; |x| >= 2**23 is already an integer
     t = g.cast(g.cast(x, dt.I64), x.dtype)
     fl = g.where(g.gt(t, x), t - 1.0, t)
-    return g.where(g.ge(g.abs(x), 2.0 ** 23), x, fl) if True else fl
+    return g.where(g.ge(g.abs(x), 2.0 ** 23), x, fl)
 
 
 def _ceil(c, g, x):
@@ -242,7 +238,7 @@ def _isinf(c):
     p, n = g.eq(x, float("inf")), g.eq(x, float("-inf"))
     if pos and neg:
         return g.max(p, n)
-    return p if pos else n if neg else g.ne(x, x) * 0 if False else g.lt(x, x)
+    return p if pos else n if neg else g.lt(x, x)      # (neither: all False)
 
 
 @conv("Not")
@@ -416,8 +412,6 @@ def _variadic(c):
         y = c.g.binary(kind, y, x)
     if op == "Mean":
         y = y / float(len(xs))
-    if len(xs) == 1:
-        y = c.g.expand(y, y.shape) if False else y
     return _like(c, y, xs[0])
 
 
@@ -650,8 +644,7 @@ def _lpnorm(c):
 def _mvn(c):
     x = c.t(0)
     axes = tuple(c.attr("axes", [0, 2, 3]))
-    return _like(c, _norm_over(c, _f(c, x), axes, 1e-9) if False else
-                 _mvn_exact(c, _f(c, x), axes), x)
+    return _like(c, _mvn_exact(c, _f(c, x), axes), x)
 
 
 def _mvn_exact(c, x, axes):
@@ -666,10 +659,11 @@ def _reduce_axes(c, x):
     """The axes of a Reduce* node (attribute before opset 18 and for a few ops, input after);
     None for all."""
     axes = c.attr("axes")
+    noop = c.attr("noop_with_empty_axes", 0)
     if axes is None and c.n() > 1 and c.opt(1) is not None:
         axes = c.const(1, "axes")
     if axes is None or len(axes) == 0:
-        if c.attr("noop_with_empty_axes", 0):
+        if noop:
             return ()
         return tuple(range(len(x.shape)))
     return tuple(int(a) % max(len(x.shape), 1) for a in np.asarray(axes).reshape(-1))
@@ -1695,11 +1689,15 @@ class _Converter:
                                f"run time")
         ctx = _Ctx(self, node, ins)
         try:
-            return f(ctx)
+            out = f(ctx)
         except ConvertError:
             raise
         except ValueError as e:   # a builder's check: name the ONNX node too
             raise ConvertError(f"{ctx.where()}: {e}") from None
+        unread = sorted(set(ctx.attrs) - ctx.used)
+        if unread:    # every attribute is honoured (read by the converter) or refused
+            ctx.fail(f"attribute(s) {', '.join(unread)} not supported by rlx_numba's {op}")
+        return out
 
     def fold(self, node, ins):
         """One node on known inputs through onnx's reference implementation (NumPy)."""
@@ -1761,9 +1759,6 @@ def _needed_ops(graph, out: set):
             for sg in a.graphs:
                 _needed_ops(sg, out)
     return out
-
-
-_SUPPORTED_CONTROL = {"If"}
 
 
 def supported_ops() -> list:
