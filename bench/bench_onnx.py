@@ -42,8 +42,11 @@ def wall_ms(fn, iters=20, warmup=3, repeats=3, sync=None) -> float:
 
 def export(torch, model, args, names, dynamic=None) -> bytes:
     f = io.BytesIO()
-    torch.onnx.export(model, args, f, opset_version=17, input_names=names,
-                      dynamic_axes=dynamic, dynamo=False)
+    kw = dict(opset_version=17, input_names=names, dynamic_axes=dynamic)
+    try:     # the TorchScript exporter (torch >= 2.5 defaults to the dynamo one)
+        torch.onnx.export(model, args, f, dynamo=False, **kw)
+    except TypeError:
+        torch.onnx.export(model, args, f, **kw)
     return f.getvalue()
 
 
@@ -99,8 +102,8 @@ def main(argv=None) -> int:
         first_s = time.perf_counter() - t0
         rel = float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
         run_ms = wall_ms(lambda: m.run(feeds))
-        _, exe, _ = m._cache[m._key({n: feeds[n].shape for n in names}, feeds)]
-        dev = {n: cuda.to_device(v) for n, v in feeds.items() if n not in m._value_inputs}
+        exe = m.executable
+        dev = {n: cuda.to_device(feeds[n]) for n in m.device_inputs}
         dev_ms = wall_ms(lambda: exe.run(dev, outputs="device"), sync=cuda.synchronize)
         with torch.no_grad():
             torch_ms = time_torch(torch, lambda: model(*targs), 20, 3, 3)

@@ -1831,6 +1831,16 @@ class OnnxModel:
                              f"for the shapes of the first run()")
         return self._last[0]
 
+    @property
+    def executable(self):
+        """The compiled executable of the last run (None when every output is a constant)."""
+        return None if self._last is None else self._last[1]
+
+    @property
+    def device_inputs(self) -> list:
+        """The input names the executable takes (those not specialised on their values)."""
+        return [n for n in self.input_names if n not in self._value_inputs]
+
     def compile(self, **kw):
         """Set rlx.compile's keywords (compile_mode, exec_mode, precision) for the
         executables built from here on; returns self."""

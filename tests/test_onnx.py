@@ -419,3 +419,20 @@ def test_cli_run(tmp_path, capsys):
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "y_0.npy"), np.maximum(a, 0))
     with pytest.raises(SystemExit):
         main(["run", str(tmp_path / "m.onnx"), "--input", "x"])
+
+
+def test_compile_keywords_and_executable():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])
+    w = onnx.numpy_helper.from_array(
+        np.random.default_rng(3).standard_normal((8, 5)).astype(np.float32), "w")
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 5])
+    m = rlx.onnx.load(_model([helper.make_node("MatMul", ["x", "w"], ["y"])], [x], [y], [w]))
+    a = np.random.default_rng(4).standard_normal((4, 8)).astype(np.float32)
+    (ref,) = m.run({"x": a})
+    assert m.executable is not None and m.device_inputs == ["x"]
+    assert m.compile(precision="bf16") is m
+    (half,) = m.run({"x": a})                    # products in bf16: close, not equal
+    assert half.dtype == np.float32 and not np.array_equal(half, ref)
+    np.testing.assert_allclose(half, ref, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="precision"):
+        m.compile(precision="f8").run({"x": a})
