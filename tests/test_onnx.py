@@ -436,3 +436,31 @@ def test_compile_keywords_and_executable():
     np.testing.assert_allclose(half, ref, rtol=0.05, atol=0.05)
     with pytest.raises(ValueError, match="precision"):
         m.compile(precision="f8").run({"x": a})
+
+
+def test_if_runtime_and_known_condition():
+    """If on a run-time condition computes both branches and selects (they see outer names);
+    on a condition known at conversion only the branch taken is built."""
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
+    two = onnx.numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    then_g = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [3])])
+    else_g = helper.make_graph([helper.make_node("Sub", ["x", "two"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [3])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    zero = onnx.numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    m = rlx.onnx.load(_model(nodes, [x], [y], [two, zero]))
+    for a in (np.array([1, 2, -0.5], np.float32), np.array([-1, 2, -3.5], np.float32)):
+        (out,) = m.run({"x": a})
+        np.testing.assert_allclose(out, a * 2 if a.sum() > 0 else a - 2, rtol=1e-6)
+    known = [helper.make_node("Shape", ["x"], ["sh"]),
+             helper.make_node("ReduceSum", ["sh"], ["n"], keepdims=0),
+             helper.make_node("Greater", ["n", "five"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    five = onnx.numpy_helper.from_array(np.array(5, np.int64), "five")
+    m = rlx.onnx.load(_model(known, [x], [y], [two, five]))
+    assert [n.op for n in m.graph.nodes].count("binary") == 1      # only x - 2
+    np.testing.assert_allclose(m.run({"x": np.ones(3, np.float32)})[0], -np.ones(3))
