@@ -741,6 +741,34 @@ def _cumsum(c):
     return y
 
 
+@conv("CumProd")
+def _cumprod(c):
+    """A running product as log2(n) element-wise products with shifted copies (Hillis-Steele:
+    step s multiplies in the value s places back, ones shifted in)."""
+    x, g = c.t(0), c.g
+    axis = int(c.const(1, "axis").reshape(-1)[0]) % len(x.shape)
+    excl, rev = bool(c.attr("exclusive", 0)), bool(c.attr("reverse", 0))
+    n = x.shape[axis]
+    host = x.dtype.host if x.dtype != dt.BF16 else np.float32
+
+    def shifted(t, s):        # t moved s places along the axis, ones in front
+        ones = g.constant(np.ones(tuple(s if k == axis else d for k, d in enumerate(t.shape)),
+                                  host))
+        ones = ones if ones.dtype == t.dtype else g.cast(ones, t.dtype)
+        return ones if s >= n else g.concat([ones, g.narrow(t, axis, 0, n - s)], axis)
+    idx = g.constant(np.arange(n - 1, -1, -1, dtype=np.int64)) if rev else None
+    y = g.gather(x, idx, axis) if rev else x
+    if n == 0:
+        return x
+    if excl:
+        y = shifted(y, 1)
+    s = 1
+    while s < n:
+        y = y * shifted(y, s)
+        s *= 2
+    return g.gather(y, idx, axis) if rev else y
+
+
 @conv("TopK")
 def _topk(c):
     x, g = c.t(0), c.g

@@ -98,7 +98,6 @@ UNSUPPORTED_OPS = {
     "BlackmanWindow": "signal ops: not mapped (g.fft uses a different layout)",
     "CausalConvWithState": "op not in the IR (no builder it maps onto)",
     "Col2Im": "op not in the IR (no builder it maps onto)",
-    "CumProd": "op not in the IR (no builder it maps onto)",
     "DFT": "signal ops: not mapped (g.fft uses a different layout)",
     "DeformConv": "op not in the IR (no builder it maps onto)",
     "DequantizeLinear": "g.quantize / g.dequantize_linear not in the graph API yet (fp8 helper is adding them)",
