@@ -128,7 +128,9 @@ class _Ctx:
 
 
 def _fmt(v) -> str:
-    return f"{'const ' if isinstance(v, np.ndarray) else ''}{dt.dtype(v.dtype).name if not isinstance(v, np.ndarray) else v.dtype}[{', '.join(map(str, v.shape))}]"
+    if isinstance(v, np.ndarray):
+        return f"const {v.dtype}[{', '.join(map(str, v.shape))}]"
+    return f"{v.dtype.name}[{', '.join(map(str, v.shape))}]"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +267,8 @@ CONVERTERS.update({
     "Elu": _alpha_act(lambda g, x, a: g.where(g.gt(x, 0.0), x, (g.exp(x) - 1.0) * a),
                       [("alpha", 1.0)]),
     "Selu": _alpha_act(lambda g, x, a, s: g.where(g.gt(x, 0.0), x * s, (g.exp(x) - 1.0) * (a * s)),
-                       [("alpha", 1.67326319217681884765625), ("gamma", 1.05070102214813232421875)]),
+                       [("alpha", 1.67326319217681884765625),
+                        ("gamma", 1.05070102214813232421875)]),
     "Celu": _alpha_act(lambda g, x, a: g.relu(x) + g.min(g.exp(x / a) - 1.0, 0.0) * a,
                        [("alpha", 1.0)]),
     "LeakyRelu": _alpha_act(lambda g, x, a: g.where(g.lt(x, 0.0), x * a, x), [("alpha", 0.01)]),
@@ -394,7 +397,7 @@ def _div(c):
 def _mod(c):
     a, b, g = c.t(0), c.t(1), c.g
     fmod = c.attr("fmod", 0)
-    af, bf = g.cast(a, dt.F32) if not a.dtype.is_float else a, g.cast(b, dt.F32) if not b.dtype.is_float else b
+    af, bf = _f(c, a), _f(c, b)
     q = af / bf
     q = _floor(c, g, q) if not fmod else g.cast(g.cast(q, dt.I64), q.dtype)
     if a.dtype.is_int:
@@ -690,7 +693,8 @@ def _reduce(c):
                      (np.iinfo(host).min if np.dtype(host).kind in "iu" else
                       False if host == np.bool_ else -np.inf))
         else:
-            ident = {"ReduceProd": 1, "ReduceLogSum": -np.inf, "ReduceLogSumExp": -np.inf}.get(op, 0)
+            ident = {"ReduceProd": 1, "ReduceLogSum": -np.inf,
+                     "ReduceLogSumExp": -np.inf}.get(op, 0)
         return c.g.cast(c.g.constant(np.full(shape, ident, host)), x.dtype) \
             if x.dtype == dt.BF16 else np.full(shape, ident, host)
     if op in _REDUCE:
@@ -860,7 +864,8 @@ def _squeeze(c):
         axes = c.attr("axes")
     axes = None if axes is None else np.asarray(axes).reshape(-1)
     r = len(x.shape)
-    axes = {int(a) % r for a in axes} if axes is not None else {i for i, s in enumerate(x.shape) if s == 1}
+    axes = ({int(a) % r for a in axes} if axes is not None else
+            {i for i, s in enumerate(x.shape) if s == 1})
     for a in axes:
         if x.shape[a] != 1:
             c.fail(f"axis {a} has size {x.shape[a]}, not 1")
@@ -919,7 +924,8 @@ def _slice(c):
     steps = [1] * len(starts) if steps is None else steps
     for a, s, e, st in zip(axes, starts, ends, steps):
         n = x.shape[a]
-        idx = range(n)[slice(int(max(min(s, 2**62), -2**62)), int(max(min(e, 2**62), -2**62)), int(st))]
+        clip = lambda v: int(max(min(v, 2**62), -2**62))    # noqa: E731  (INT64_MAX ends)
+        idx = range(n)[slice(clip(s), clip(e), int(st))]
         if st == 1:
             x = g.narrow(x, a, idx.start if len(idx) else 0, len(idx))
         else:
@@ -949,7 +955,8 @@ def _flat_index(c, x, idx, axis):
     for k in range(len(shape)):
         if k == axis:
             continue
-        iota = np.arange(shape[k], dtype=np.int64).reshape([-1 if j == k else 1 for j in range(len(shape))])
+        iota = np.arange(shape[k], dtype=np.int64).reshape(
+            [-1 if j == k else 1 for j in range(len(shape))])
         flat = flat + g.constant(iota * int(strides[k]))
     return flat
 
@@ -1131,7 +1138,8 @@ def _trilu(c):
     x, g = c.t(0), c.g
     k = int(c.const(1, "k", np.array(0)).reshape(-1)[0])
     n, m = x.shape[-2:]
-    keep = np.triu(np.ones((n, m), bool), k) if c.attr("upper", 1) else np.tril(np.ones((n, m), bool), k)
+    ones = np.ones((n, m), bool)
+    keep = np.triu(ones, k) if c.attr("upper", 1) else np.tril(ones, k)
     return g.where(g.constant(keep), x, g.constant(np.zeros((), x.dtype.host)))
 
 
@@ -1340,7 +1348,8 @@ def _pool(c):
             x = _pre_pad(c, x, lo, hi, float("-inf"))
         else:
             if not cip:     # the divisor counts the real inputs only: divide a ones-pool
-                ones = _pre_pad(c, g.expand(g.constant(np.ones((1,) * len(x.shape), x.dtype.host)), x.shape), lo, hi)
+                one = g.constant(np.ones((1,) * len(x.shape), x.dtype.host))
+                ones = _pre_pad(c, g.expand(one, x.shape), lo, hi)
                 xs = _pre_pad(c, x, lo, hi)
                 s = g.pool(xs, "avg", k, stride, 0, ceil_mode=ceil)
                 n = g.pool(ones, "avg", k, stride, 0, ceil_mode=ceil)
