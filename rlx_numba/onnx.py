@@ -41,11 +41,7 @@ def _onnx():
 def _dtype_of(elem_type: int, what: str):
     name = _ONNX_DTYPES.get(elem_type)
     if name is None:
-        try:
-            tname = _onnx().TensorProto.DataType.Name(elem_type)
-        except ValueError:
-            tname = _ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
-        raise NotImplementedError(f"{what} has ONNX type {tname}"
+        raise NotImplementedError(f"{what} has ONNX type {_onnx_type_name(elem_type)}"
                                   f", which rlx_numba has no dtype for (it has "
                                   f"{', '.join(d.name for d in dt.ALL)})")
     return dt.dtype(name)
@@ -1787,6 +1783,24 @@ class _Converter:
         return [self.env[o.name] for o in body.output]
 
 
+def _all_nodes(graph):
+    """The nodes of a graph and of its subgraphs (If / Loop / Scan bodies)."""
+    for n in graph.node:
+        yield n
+        for a in n.attribute:
+            if a.type == 5:     # GRAPH
+                yield from _all_nodes(a.g)
+            for sg in a.graphs:
+                yield from _all_nodes(sg)
+
+
+def _onnx_type_name(elem_type: int) -> str:
+    try:
+        return _onnx().TensorProto.DataType.Name(elem_type)
+    except ValueError:
+        return _ONNX_TYPE_NAMES.get(elem_type, str(elem_type))
+
+
 def _needed_ops(graph, out: set):
     for n in graph.node:
         out.add((n.domain or "", n.op_type))
@@ -1824,6 +1838,13 @@ class OnnxModel:
             raise NotImplementedError(
                 f"ONNX model {model.graph.name!r} (opset {self.opset}) has node types rlx_numba "
                 f"does not support: {', '.join(bad)}")
+        casts = sorted({_onnx_type_name(a.i) for n in _all_nodes(model.graph)
+                        if n.op_type == "Cast" for a in n.attribute
+                        if a.name == "to" and a.i not in _ONNX_DTYPES})
+        if casts:
+            raise NotImplementedError(
+                f"ONNX model {model.graph.name!r} (opset {self.opset}) casts to "
+                f"{', '.join(casts)}, which rlx_numba has no dtype for")
         inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
         self.params = {k: v for k, v in inits.items()}
         self.inputs = [i for i in model.graph.input if i.name not in inits]
