@@ -10,6 +10,7 @@ from .compiler import compile, eager
 from .runtime.params import ParamStore
 from . import optim
 from .train import Trainer, compile_train
+from . import onnx  # noqa: F401  (rlx.onnx.load; the onnx package is imported on use)
 
 if simulator_enabled():
     patch_simulator()
@@ -18,4 +19,4 @@ __version__ = "0.1.0"
 
 __all__ = ["is_available", "simulator_enabled", "DType", "dtype", "Graph", "Node", "Tensor",
            "CompileMode", "ExecMode", "CudaExecutable", "compile", "eager", "ParamStore", "optim",
-           "compile_train", "Trainer", "CustomOp", "custom_op", "custom_vjp", "__version__"]
+           "compile_train", "Trainer", "onnx", "CustomOp", "custom_op", "custom_vjp", "__version__"]

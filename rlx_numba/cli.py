@@ -4,6 +4,7 @@ launch --gpus N [--master-port P] script.py [args...]`."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -234,6 +235,34 @@ def warmup(path: str, batch: int, prompt_len: int, new: int, dtype: str) -> int:
     return 0
 
 
+def run_onnx(p, path, inputs, save, precision) -> int:
+    """rlx-numba run model.onnx --input name=file.npy: the model's outputs printed / saved."""
+    import numpy as np
+    import rlx_numba as rlx
+    feeds = {}
+    for item in inputs:
+        name, sep, file = item.partition("=")
+        if not sep or not name or not file:
+            p.error(f"run: --input must be NAME=FILE.npy, got {item!r}")
+        try:
+            feeds[name] = np.load(file)
+        except OSError as e:
+            p.error(f"run: cannot read {file!r} for input {name!r}: {e}")
+    m = rlx.onnx.load(path, precision=precision)
+    outs = m.run(feeds)
+    if save:
+        os.makedirs(save, exist_ok=True)
+    for name, y in zip(m.output_names, outs):
+        print(f"{name}: {y.dtype} {list(y.shape)}")
+        print(np.array2string(y, threshold=20, precision=5))
+        if save:
+            fn = os.path.join(save, "".join(ch if ch.isalnum() or ch in "._-" else "_"
+                                            for ch in name) + ".npy")
+            np.save(fn, y)
+            print(f"  saved {fn}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="rlx-numba", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -279,7 +308,18 @@ def main(argv=None) -> int:
                     help="the port rank 0 serves the NCCL id on (default: a free one)")
     la.add_argument("script", help="the Python script each process runs")
     la.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    r = sub.add_parser("run", help="run an ONNX model (rlx.onnx.load) on .npy inputs, print "
+                                   "each output's name, dtype, shape and values; --save DIR "
+                                   "writes <output>.npy files")
+    r.add_argument("model", help="a .onnx file")
+    r.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
+                   help="one a model input (repeat for several)")
+    r.add_argument("--save", metavar="DIR", help="write each output as DIR/<name>.npy")
+    r.add_argument("--precision", default="f32", choices=["f32", "f16", "bf16"],
+                   help="rlx.compile's precision (default f32)")
     args = p.parse_args(argv)
+    if args.cmd == "run":
+        return run_onnx(p, args.model, args.input, args.save, args.precision)
     if args.cmd == "launch":
         if args.gpus < 1:
             p.error(f"launch: --gpus must be >= 1, got {args.gpus}")
