@@ -15,12 +15,13 @@ import math
 import numpy as np
 
 from .ir import dtypes as dt
+from .ir.ops_lowp import FP8_MAX
 
 MIN_OPSET = 13
 
 # ONNX TensorProto data type -> rlx dtype name (the others have no rlx dtype)
-_ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 6: "i32", 7: "i64", 9: "bool", 10: "f16",
-                16: "bf16"}
+_ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16",
+                16: "bf16", 17: "f8e4m3", 19: "f8e5m2"}
 _ONNX_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16",
                     6: "INT32", 7: "INT64", 8: "STRING", 9: "BOOL", 10: "FLOAT16",
                     11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
@@ -454,17 +455,84 @@ def _where(c):
     return c.g.where(c.t(0), c.t(1), c.t(2))
 
 
+def _cast_to(c, x, to):
+    """Cast with ONNX's ``saturate`` (float8 targets only; default 1): out-of-range values and
+    +-inf clamp to the format's largest finite value first (NaN stays NaN); saturate=0 is the
+    plain cast (e4m3fn: NaN, e5m2: inf), as torch's .to."""
+    sat = c.attr("saturate", 1)
+    if to in FP8_MAX and sat:
+        top = FP8_MAX[to]
+        x = c.g.binary("min", c.g.binary("max", _f32(c, x), -top), top)
+    return c.g.cast(x, to)
+
+
 @conv("Cast")
 def _cast(c):
-    to = _dtype_of(c.attr("to"), f"{c.where()}: attribute to")
-    c.attr("saturate")     # only for float8 targets, which rlx has not
-    return c.g.cast(c.t(0), to)
+    return _cast_to(c, c.t(0), _dtype_of(c.attr("to"), f"{c.where()}: attribute to"))
 
 
 @conv("CastLike")
 def _castlike(c):
-    c.attr("saturate")
-    return c.g.cast(c.t(0), c.conv.dtype_of_value(c.ins[1]))
+    return _cast_to(c, c.t(0), c.conv.dtype_of_value(c.ins[1]))
+
+
+# ---- quantisation (ONNX QuantizeLinear / DequantizeLinear / MatMulInteger) --------------------
+def _quant_axis(c, x, scale):
+    """The axis of a per-channel scale ([C], C > 1), else None (per tensor); blocked
+    quantisation (block_size) is refused."""
+    axis, block = c.attr("axis", 1), c.attr("block_size", 0)
+    if block:
+        c.refuse("block_size", block, "blocked quantisation is not in g.quantize / "
+                 "g.dequantize_linear (per tensor or per axis only)")
+    if len(scale.shape) == 1 and scale.shape[0] > 1:
+        return axis % len(x.shape)
+    return None
+
+
+@conv("QuantizeLinear")
+def _quantize_linear(c):
+    x, scale = c.t(0), c.t(1)
+    zp = c.t(2) if c.opt(2) is not None else None
+    axis = _quant_axis(c, x, scale)
+    if not c.attr("saturate", 1):
+        c.refuse("saturate", 0, "g.quantize saturates float8 (ONNX's default)")
+    if c.attr("precision", 0):
+        c.refuse("precision", c.attr("precision"), "the division runs in f32")
+    out = c.attr("output_dtype", 0)
+    dtype = _dtype_of(out, f"{c.where()}: attribute output_dtype") if out else None
+    return c.g.quantize(x, scale, zp, axis=axis, dtype=dtype)
+
+
+@conv("DequantizeLinear")
+def _dequantize_linear(c):
+    q, scale = c.t(0), c.t(1)
+    zp = c.t(2) if c.opt(2) is not None else None
+    axis = _quant_axis(c, q, scale)
+    y = c.g.dequantize_linear(q, scale, zp, axis=axis)     # f32
+    out = c.attr("output_dtype", 0)
+    to = _dtype_of(out, f"{c.where()}: attribute output_dtype") if out else scale.dtype
+    return y if to == y.dtype else c.g.cast(y, to)
+
+
+@conv("MatMulInteger")
+def _matmul_integer(c):
+    """i8 / u8 products, exact i32: g.qmatmul, its zero points known at load (a run() input
+    there specialises the model on its value). A u8 b moves to i8 by - 128, its zero point
+    with it (the same differences b - b_zero)."""
+    a, b, g = c.t(0), c.t(1), c.g
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        c.fail("MatMulInteger: only 2-D A and B map onto g.qmatmul")
+    zs = []
+    for i, what in ((2, "a_zero_point"), (3, "b_zero_point")):
+        z = c.const(i, what, np.zeros((), np.int64))
+        if z.size != 1:
+            c.fail(f"{what} must be one value (per-row / per-column zero points are not in "
+                   f"g.qmatmul), got shape {list(z.shape)}")
+        zs.append(int(z.reshape(-1)[0]))
+    if b.dtype == dt.U8:
+        b = g.cast(g.cast(b, dt.I32) - 128, dt.I8)
+        zs[1] -= 128
+    return g.qmatmul(a, b, a_zero=zs[0], b_zero=zs[1])
 
 
 # ---- products --------------------------------------------------------------------------------
