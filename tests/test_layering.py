@@ -10,7 +10,7 @@
                          executable that runs a Program, params, CUDA graphs
     5 compiler.py        compile() / eager(), the pipeline's public entry; train.py
                          (compile_train) and optim.py (the optimizers) beside it
-    6 models/, cli.py, __init__.py
+    6 models/, cli.py, onnx.py (the ONNX importer), __init__.py
 """
 import ast
 from pathlib import Path
@@ -21,7 +21,7 @@ PKG = Path(rlx_numba.__file__).parent
 FLOORS = {"device": 0, "modes": 0, "ir": 1, "memory": 1, "kernels": 2, "cublas": 2, "cudnn": 2,
           "cufft": 2, "cusolver": 2, "distributed": 2, "passes": 3,
           "runtime": 4, "compiler": 5, "train": 5, "optim": 5,
-          "models": 6, "cli": 6, "__init__": 6}
+          "models": 6, "cli": 6, "onnx": 6, "__init__": 6}
 
 
 def _part(mod_path: Path) -> str:
