@@ -252,6 +252,33 @@ def qr_kernel(a, w, out, batch, m, n):
 
 
 @py_in_sim
+def _pick(x, o, i, n, largest):
+    """The index of the smallest (largest) of x[o + i .. o + n - 1]: a selection sort's step
+    (eigh's ascending values, svd's descending ones; n is small, one thread sorts)."""
+    best = i
+    for j in range(i + 1, n):
+        if (x[o + j] > x[o + best]) if largest else (x[o + j] < x[o + best]):
+            best = j
+    return best
+
+
+@py_in_sim
+def _swap(x, o, i, j):
+    t = x[o + i]
+    x[o + i] = x[o + j]
+    x[o + j] = t
+
+
+@py_in_sim
+def _swap_cols(a, o, rows, ld, i, j):
+    """Columns i and j of the row-major [rows, ld] matrix at a[o:] change places."""
+    for r in range(rows):
+        t = a[o + r * ld + i]
+        a[o + r * ld + i] = a[o + r * ld + j]
+        a[o + r * ld + j] = t
+
+
+@py_in_sim
 def _rotation(app, aqq, apq, tol, floor):
     """(c, s) of the Jacobi rotation that zeroes apq (the smaller angle), or (1, 0) when apq
     is negligible: below tol * sqrt(|app aqq|) or below ``floor``."""
@@ -326,18 +353,10 @@ def eigh_kernel(a, w, out, batch, n):
             for i in range(n):
                 out[ob + i] = w[base + i * n + i]
             for i in range(n - 1):
-                lo = i
-                for j in range(i + 1, n):
-                    if out[ob + j] < out[ob + lo]:
-                        lo = j
+                lo = _pick(out, ob, i, n, False)
                 if lo != i:
-                    t = out[ob + i]
-                    out[ob + i] = out[ob + lo]
-                    out[ob + lo] = t
-                    for r in range(n):
-                        t = out[vb + r * n + i]
-                        out[vb + r * n + i] = out[vb + r * n + lo]
-                        out[vb + r * n + lo] = t
+                    _swap(out, ob, i, lo)
+                    _swap_cols(out, vb, n, n, i, lo)
         cuda.syncthreads()
         for j in range(tid, n, nt):                 # the largest component positive
             big = 0
@@ -423,22 +442,11 @@ def svd_kernel(a, v, out, batch, m, n):
         cuda.syncthreads()
         if tid == 0:                                # descending, U's and V's columns along
             for i in range(n - 1):
-                hi = i
-                for j in range(i + 1, n):
-                    if out[sb + j] > out[sb + hi]:
-                        hi = j
+                hi = _pick(out, sb, i, n, True)
                 if hi != i:
-                    t = out[sb + i]
-                    out[sb + i] = out[sb + hi]
-                    out[sb + hi] = t
-                    for r in range(m):
-                        t = out[ob + r * n + i]
-                        out[ob + r * n + i] = out[ob + r * n + hi]
-                        out[ob + r * n + hi] = t
-                    for r in range(n):
-                        t = v[vb + r * n + i]
-                        v[vb + r * n + i] = v[vb + r * n + hi]
-                        v[vb + r * n + hi] = t
+                    _swap(out, sb, i, hi)
+                    _swap_cols(out, ob, m, n, i, hi)
+                    _swap_cols(v, vb, n, n, i, hi)
         cuda.syncthreads()
         for j in range(tid, n, nt):                 # U's largest component positive
             big = 0
