@@ -272,7 +272,7 @@ def _solver_qr(ctx, n):
     a = ctx.graph.nodes[n.inputs[0]]
     m, nn = a.shape[-2:]
     k, batch = min(m, nn), _batch(a.shape)
-    work, tau, info = _f32(ctx, batch * m * nn), _f32(ctx, batch * k), _i32(ctx, batch)
+    work, tau = _f32(ctx, batch * m * nn), _f32(ctx, batch * k)
     out = ctx.buf(n)
     what = f"{batch}x{m}x{nn}"
     steps = [_kstep(n, f"A^T {what}", K.transpose_kernel, a.size,
@@ -288,6 +288,8 @@ def _solver_qr(ctx, n):
             return lambda: blas.cublasSgeqrfBatched(h, m, nn, _p(a_ptrs), m, _p(t_ptrs),
                                                     byref(host_info), batch)
     else:
+        info = _i32(ctx, batch)         # (geqrf's and orgqr's: argument errors only)
+
         def make_qr(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
             ws = _workspace(cusolver.buffer_size("Sgeqrf", h, m, nn, _p(work), m))
