@@ -432,6 +432,32 @@ def test_tier0_layout_kernels(rng):
     np.testing.assert_array_equal(back, x.reshape(-1))
 
 
+@sim_only
+@pytest.mark.parametrize("shared", [True, False])
+def test_qr_form_q_kernel(rng, shared):
+    """Tier 0's batched Q from geqrf's reflectors, in shared memory and in place in global
+    memory. NumPy's qr(mode='raw') is LAPACK's geqrf: its h is the column-major [m, n] work
+    (reflectors below the diagonal, unit heads implied) and tau the scales; the same
+    reflectors give LAPACK's orgqr Q (NumPy's reduced Q) exactly, up to the f32 rounding.
+    Four threads a block: a thread owns several columns of Q; 3 matrices on 2 blocks."""
+    from rlx_numba.kernels import linalg as K
+    eps = np.finfo(np.float32).eps
+    for m, n in ((7, 5), (9, 9), (4, 6)):
+        b, k = 3, min(m, n)
+        assert K.qr_q_in_shared(m, k)
+        a = rng.standard_normal((b, m, n))
+        raw = [np.linalg.qr(x, mode="raw") for x in a]
+        work = np.stack([h for h, _ in raw]).astype(np.float32).reshape(-1)
+        tau = np.stack([t for _, t in raw]).astype(np.float32).reshape(-1)
+        out = np.full((b, m + k, n), 5.0, np.float32)              # R's rows: not written
+        K.qr_form_q_kernel(shared)[2, 4](work, tau, out.reshape(-1), *map(np.int64, (b, m, n)))
+        q = out[:, :m, :k].astype(np.float64)
+        tol = 4 * m * eps
+        np.testing.assert_allclose(q, np.linalg.qr(a)[0], rtol=0, atol=tol, err_msg=f"{m}x{n}")
+        np.testing.assert_allclose(T(q) @ q, np.broadcast_to(np.eye(k), (b, k, k)), atol=tol)
+        assert np.all(out[:, :m, k:] == 0) and np.all(out[:, m:] == 5.0)
+
+
 def test_cusolver_loader():
     """cuSOLVER loads without a GPU where its wheel is installed (the cu12 / cu13 extras):
     every prototyped name resolves; elsewhere available() says why, never raises."""
@@ -495,6 +521,34 @@ def test_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
     assert np.all(big > 0)
     big = np.take_along_axis(u, np.abs(u).argmax(-2)[..., None, :], -2)
     assert np.all(big > 0)
+
+
+@gpu
+@pytest.mark.parametrize("batch,m,n,where", [((64,), 64, 64, "shared"), ((5, 3), 37, 21, "shared"),
+                                             ((4,), 100, 100, "global"), ((3,), 128, 40, "global")])
+def test_qr_batched_on_gpu(rng, monkeypatch, batch, m, n, where):
+    """Tier 0's batched qr: cuBLAS's geqrf, then one kernel forms every matrix's Q (in shared
+    memory when m x k fits, else in place in the output). R as NumPy's up to row signs (Q's
+    columns along), Q R = A, Q^T Q = I."""
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
+    a = (rng.standard_normal(batch + (m, n)) / np.sqrt(m) + 2 * np.eye(m, n)).astype(np.float32)
+    g = rlx.Graph("qr_batched")
+    A = g.input("a", a.shape, "f32")
+    g.set_outputs(list(g.qr(A)))
+    exe = rlx.compile(g)
+    names = [s.kernel_name for s in exe.steps]
+    assert any("Q from reflectors" in k and f"({where} memory)" in k for k in names), names
+    assert not any("orgqr" in k for k in names), names
+    q, r = exe.run({"a": a})
+    a64 = a.astype(np.float64)
+    qn, rn = np.linalg.qr(a64)
+    d = np.sign(np.diagonal(r, 0, -2, -1)) * np.sign(np.diagonal(rn, 0, -2, -1))
+    tol = 16 * m * np.finfo(np.float32).eps         # a few roundings of m-term sums, |A| ~ 2
+    np.testing.assert_allclose(r * d[..., :, None], rn, atol=tol)
+    np.testing.assert_allclose(q * d[..., None, :], qn, atol=tol)
+    assert np.all(np.tril(r, -1) == 0)
+    np.testing.assert_allclose(q @ r, a64, atol=tol)
+    np.testing.assert_allclose(T(q) @ q, np.broadcast_to(np.eye(n), batch + (n, n)), atol=tol)
 
 
 @gpu

@@ -14,6 +14,9 @@ simulator and small batched matrices; a GPU runs cuSOLVER (tier 0) where it can.
   svd_kernel       one-sided Jacobi (Hestenes) on the columns, sorted descending
 Scalar decisions (a pivot, a rotation) are taken by thread 0 and handed over in shared memory;
 the row / column updates are spread over the block's threads.
+
+Tier 0's (cuSOLVER / cuBLAS) layout and info kernels follow, and qr_form_q_kernel: Q from
+cuBLAS's batched geqrf for a batch at once (orgqr has no batched form).
 """
 import functools
 import math
@@ -186,6 +189,20 @@ def trsm_kernel(upper: bool):
     return kernel
 
 
+@py_in_sim
+def _reflect(q, qo, ldq, v, vo, ldv, lo, hi, v0, beta):
+    """q <- (I - beta u u^T) q on rows lo..hi-1 of the strided vector q[qo + i ldq], where
+    u[lo] = v0 and u[i] = v[vo + i ldv] below it (one Householder reflector on one column: the
+    numba tier's QR and tier 0's Q formation, in global or shared memory)."""
+    s = v0 * q[qo + lo * ldq]
+    for i in range(lo + 1, hi):
+        s += v[vo + i * ldv] * q[qo + i * ldq]
+    s *= beta
+    q[qo + lo * ldq] -= s * v0
+    for i in range(lo + 1, hi):
+        q[qo + i * ldq] -= s * v[vo + i * ldv]
+
+
 @jit
 def qr_kernel(a, w, out, batch, m, n):
     """Reduced QR of a [batch, m, n] into out [batch, m + k, n] (Q [m, k] over R [k, n]);
@@ -223,14 +240,9 @@ def qr_kernel(a, w, out, batch, m, n):
                     w[tau + 2 * c] = 1.0 / (norm * abs(v0))    # 2 / |v|^2
                     w[tau + 2 * c + 1] = alpha
             cuda.syncthreads()
-            beta = w[tau + 2 * c]
+            beta, v0 = w[tau + 2 * c], w[base + c * n + c]
             for j in range(c + 1 + tid, n, nt):
-                s = float32(0.0)
-                for i in range(c, m):
-                    s += w[base + i * n + c] * w[base + i * n + j]
-                s *= beta
-                for i in range(c, m):
-                    w[base + i * n + j] -= s * w[base + i * n + c]
+                _reflect(w, base + j, n, w, base + c, n, c, m, v0, beta)
             cuda.syncthreads()
         for idx in range(tid, k * n, nt):           # R
             i, j = idx // n, idx % n
@@ -241,12 +253,8 @@ def qr_kernel(a, w, out, batch, m, n):
         cuda.syncthreads()
         for j in range(tid, k, nt):                 # Q e_j = H_0 ... H_{k-1} e_j
             for c in range(k - 1, -1, -1):
-                s = float32(0.0)
-                for i in range(c, m):
-                    s += w[base + i * n + c] * out[ob + i * n + j]
-                s *= w[tau + 2 * c]
-                for i in range(c, m):
-                    out[ob + i * n + j] -= s * w[base + i * n + c]
+                _reflect(out, ob + j, n, w, base + c, n, c, m, w[base + c * n + c],
+                         w[tau + 2 * c])
         cuda.syncthreads()
         mat += cuda.gridDim.x
 
@@ -547,6 +555,72 @@ def qr_q_kernel(work, out, batch, m, n):
         i, j = rem // n, rem % n
         out[b * (m + k) * n + i * n + j] = work[b * m * n + j * m + i] if j < k else 0.0
         idx += cuda.gridsize(1)
+
+
+# tier 0's batched Q: a block keeps Q in shared memory when it fits (a 64x64 Q is 16 KB), with
+# the reflector being applied staged beside it (double-buffered: one barrier a reflector)
+QR_Q_SHARED, QR_V_SHARED = 4096, 128
+ONE, ZERO = float32(1.0), float32(0.0)     # (a literal 0.0 in a conditional is f64)
+
+
+def qr_q_in_shared(m: int, k: int) -> bool:
+    """Whether qr_form_q_kernel(True) can form an m x k Q (else qr_form_q_kernel(False))."""
+    return m * k <= QR_Q_SHARED and m <= QR_V_SHARED
+
+
+@functools.lru_cache(maxsize=None)
+def qr_form_q_kernel(shared: bool):
+    """kernel(work, tau, out, batch, m, n): Q [m, k] from geqrf's column-major [m, n] result
+    (a reflector below each diagonal entry, its unit head implied; tau [batch, k]) straight
+    into the packing's rows 0..m-1 (columns k.. zero), for a batch of matrices at once
+    (cuSOLVER's orgqr takes one). Q = H_0 ... H_{k-1} I[:, :k], the reflectors applied last
+    first, so H_c meets columns c.. only (LAPACK's org2r). A block a matrix, a thread a
+    column of Q for the whole run (no barrier between a column's updates; consecutive
+    threads, consecutive words). ``shared``: Q row-major [m, k] in shared memory (needs
+    qr_q_in_shared(m, k)) and each reflector staged there; else Q formed in place in out and
+    the reflectors read from work."""
+    q_size, v_size = (QR_Q_SHARED, 2 * QR_V_SHARED) if shared else (1, 1)
+
+    @jit
+    def kernel(work, tau, out, batch, m, n):
+        tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+        k = min(m, n)
+        qs = cuda.shared.array(q_size, float32)
+        vs = cuda.shared.array(v_size, float32)
+        mat = cuda.blockIdx.x
+        while mat < batch:
+            wb, ob = mat * m * n, mat * (m + k) * n
+            if shared:                              # a thread's own columns: no barrier
+                for j in range(tid, k, nt):
+                    for i in range(m):
+                        qs[i * k + j] = ONE if i == j else ZERO
+            else:
+                for idx in range(tid, m * n, nt):
+                    out[ob + idx] = ONE if idx // n == idx % n else ZERO
+                cuda.syncthreads()
+            for c in range(k - 1, -1, -1):
+                beta = tau[mat * k + c]
+                if shared:
+                    p = (c % 2) * QR_V_SHARED
+                    for i in range(c + 1 + tid, m, nt):
+                        vs[p + i] = work[wb + c * m + i]
+                    cuda.syncthreads()
+                    for j in range(tid, k, nt):
+                        if j >= c:
+                            _reflect(qs, j, k, vs, p, 1, c, m, ONE, beta)
+                else:
+                    for j in range(tid, k, nt):
+                        if j >= c:
+                            _reflect(out, ob + j, n, work, wb + c * m, 1, c, m, ONE, beta)
+            if shared:
+                cuda.syncthreads()
+                for idx in range(tid, m * n, nt):
+                    i, j = idx // n, idx % n
+                    out[ob + idx] = qs[i * k + j] if j < k else ZERO
+            cuda.syncthreads()
+            mat += cuda.gridDim.x
+
+    return kernel
 
 
 @jit
