@@ -589,5 +589,13 @@ def test_graph_mode_on_gpu(rng, monkeypatch, tier):
     for _ in range(2):          # capture, then replay
         got = exe.run(feed)
         for k, (x, y) in enumerate(zip(got, want)):
+            if tier == "0" and k in (5, 6, 8):
+                continue        # eigenvectors / singular vectors: checked below, gauge-free
             tol = 2e-4 if tier == "0" and k >= 4 else 1e-5
             np.testing.assert_allclose(x, y, rtol=tol, atol=tol, err_msg=f"output {k}")
+        if tier == "0":         # another algorithm's vectors differ where values nearly tie:
+            w, v, u, sv, vh = got[4:]           # compare what they reconstruct
+            np.testing.assert_allclose(v @ (w[..., None] * np.swapaxes(v, -1, -2)), spd,
+                                       rtol=2e-4, atol=2e-4, err_msg="eigh: V diag(w) V^T")
+            np.testing.assert_allclose(u @ (sv[..., None] * vh), a, rtol=2e-4, atol=2e-4,
+                                       err_msg="svd: U diag(s) Vh")
