@@ -199,6 +199,9 @@ def _patch_block_manager() -> None:
                     m._rlx_cond.notify()
 
     def run_block(self, grid_point, *args):
+        if not self._debug and thread_free(self._f):
+            return _run_inline(self, grid_point, args)
+
         def target():
             self._f(*args)
         threads = [BT(target, self, grid_point, bp, self._debug)
@@ -228,6 +231,122 @@ def _patch_block_manager() -> None:
 
     BT.syncthreads, BT.run, BM.run = syncthreads, run_thread, run_block
     BM._rlx_evented = True
+
+
+# ---- blocks without barriers run their threads one after another, in the calling thread ----------
+# Starting an OS thread a simulated thread cost most of the suite's time (12,528 thread starts
+# took 13 of 21 s over 230 ONNX node cases), and an element-wise kernel's threads never meet.
+# A kernel that can reach no barrier, warp collective or rendezvous twin (kernels/mma.py) runs
+# each thread to its end in turn: the same results, as its threads never wait for one another.
+_COLLECTIVE = frozenset({
+    "syncthreads", "syncthreads_count", "syncthreads_and", "syncthreads_or", "syncwarp",
+    "shfl_sync", "shfl_up_sync", "shfl_down_sync", "shfl_xor_sync", "shfl_idx_sync",
+    "all_sync", "any_sync", "eq_sync", "ballot_sync", "match_any_sync", "match_all_sync",
+    "activemask", "lanemask_lt", "cg", "this_grid",
+    # the simulator twins that rendezvous across a warp read the OS thread they run on
+    "threading", "current_thread", "Condition", "Barrier", "Event"})
+_LIBRARIES = ("numpy", "numba", "math", "cmath", "ml_dtypes", "builtins", "operator")
+_FREE: "weakref.WeakKeyDictionary" = None
+
+
+def thread_free(f) -> bool:
+    """True when kernel function ``f`` (a simulator kernel's Python function) can reach none of
+    _COLLECTIVE's names through its code, nested code, closure cells and the functions, device
+    functions and rlx_numba modules it names (libraries are not entered: a kernel reaches a
+    collective only through ``cuda.<name>`` or a twin, both seen by name)."""
+    import weakref
+    global _FREE
+    if _FREE is None:
+        _FREE = weakref.WeakKeyDictionary()
+    try:
+        return _FREE[f]
+    except (KeyError, TypeError):
+        pass
+    free = not _reaches_collective(f, set())
+    try:
+        _FREE[f] = free
+    except TypeError:
+        pass
+    return free
+
+
+def _reaches_collective(obj, seen) -> bool:
+    import types
+    if id(obj) in seen:
+        return False
+    seen.add(id(obj))
+    inner = getattr(obj, "fn", None) or getattr(obj, "py_func", None)   # a device function
+    if inner is not None and not isinstance(obj, types.FunctionType):
+        return _reaches_collective(inner, seen)
+    if isinstance(obj, (tuple, list, dict)):     # device functions kept in a table
+        return any(_reaches_collective(o, seen)
+                   for o in (obj.values() if isinstance(obj, dict) else obj))
+    if not isinstance(obj, types.FunctionType) or \
+            (obj.__module__ or "").split(".")[0] in _LIBRARIES:
+        return False
+    cells = {n: c.cell_contents for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or ())
+             if _filled(c)}
+    return _code_reaches(obj.__code__, {**obj.__globals__, **cells}, seen, tuple(cells))
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _code_reaches(code, glb, seen, free=()) -> bool:
+    """``code`` (or code nested in it) names a collective, or a global or free variable
+    ``free`` of it (looked up in ``glb``) reaches one."""
+    import types
+    names = code.co_names
+    if _COLLECTIVE.intersection(names):
+        return True
+    for name in names + tuple(free):
+        v = glb.get(name)
+        if isinstance(v, types.ModuleType):
+            if v.__name__.startswith("rlx_numba"):       # attributes it may be asked for
+                if any(_reaches_collective(getattr(v, a), seen) for a in names
+                       if a in v.__dict__):
+                    return True
+        elif v is not None and _reaches_collective(v, seen):
+            return True
+    return any(_code_reaches(c, glb, seen, c.co_freevars) for c in code.co_consts
+               if isinstance(c, types.CodeType))
+
+
+def _run_inline(manager, grid_point, args) -> None:
+    """Run every thread of ``manager``'s block (a BlockManager of a thread-free kernel) in
+    turn in the calling thread, which takes each simulated thread's identity meanwhile (the
+    fake cuda module reads threadIdx / blockIdx / thread_id from the current thread). An
+    exception is raised as a BlockThread reports it: tid and ctaid in front."""
+    import numpy as np
+    from numba.cuda.simulator.kernelapi import Dim3
+    cur = threading.current_thread()
+    keep = {k: cur.__dict__[k] for k in _IDENTITY if k in cur.__dict__}
+    bx, by, _ = manager._block_dim                # (numba normalises it to 3 dims)
+    cur.blockIdx, cur._manager = Dim3(*grid_point), manager
+    try:
+        for bp in np.ndindex(*manager._block_dim):
+            cur.threadIdx, cur.thread_id = Dim3(*bp), bp[0] + bx * (bp[1] + by * bp[2])
+            try:
+                manager._f(*args)
+            except Exception as e:
+                msg = f"tid={list(bp)} ctaid={list(grid_point)}" + (f": {e}" if str(e) else "")
+                try:
+                    err = type(e)(msg)
+                except Exception:  # noqa: BLE001 - a type that takes other arguments
+                    raise e from None
+                raise err.with_traceback(e.__traceback__) from None
+    finally:
+        for k in _IDENTITY:
+            cur.__dict__.pop(k, None)
+        cur.__dict__.update(keep)
+
+
+_IDENTITY = ("blockIdx", "threadIdx", "thread_id", "_manager")
 
 
 # ---- the communicator of this thread / process ---------------------------------------------------

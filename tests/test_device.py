@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from numba import cuda
 
 import rlx_numba as rlx
 from rlx_numba.device import _probe_driver
@@ -81,3 +82,74 @@ def test_simulator_shared_arrays_are_one_per_block_line():
         t.join()
     assert len(got) == 16 and all(a is got[0] for a in got)
     assert shared.array((4,), np.float32) is not got[0]     # another line: another array
+
+
+@pytest.mark.skipif(not rlx.simulator_enabled(), reason="the simulator's block runner")
+def test_simulator_runs_barrier_free_blocks_inline():
+    """A kernel that can reach no barrier, warp collective or rendezvous twin runs its threads
+    in turn in the launching thread (no OS thread each); one that can (directly, through a
+    device function, a module attribute or a table) keeps a thread a CUDA thread."""
+    import threading
+
+    import numpy as np
+
+    from rlx_numba import device
+    from rlx_numba.kernels import mma, warp
+
+    @cuda.jit(device=True)
+    def dev_sync():
+        cuda.syncthreads()
+
+    table = {"f": dev_sync}
+
+    def free(out, x):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = x[i] * 2 + cuda.threadIdx.x - cuda.blockIdx.x
+            cuda.atomic.add(out, 0, 0.0)
+
+    def direct(out):
+        cuda.syncthreads()
+
+    def through_device_fn(out):
+        dev_sync()
+
+    def through_table(out):
+        table["f"]()
+
+    def through_module(out):
+        warp.group_reduce(out[0], out, 32, warp.SUM)
+
+    def through_twin(out):
+        mma.ldmatrix_x4(out, 0)
+
+    assert device.thread_free(free)
+    for f in (direct, through_device_fn, through_table, through_module, through_twin):
+        assert not device.thread_free(f), f.__name__
+
+    seen = set()
+
+    def who(out, x):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = x[i] + 100 * cuda.blockIdx.x + cuda.threadIdx.x
+
+    kern = cuda.jit(who)
+    x = np.arange(45, dtype=np.float32)
+    out = np.zeros_like(x)
+    orig = threading.Thread.start
+    threading.Thread.start = lambda self: (seen.add(self), orig(self))
+    try:
+        kern[3, 16](out, x)
+    finally:
+        threading.Thread.start = orig
+    assert not seen                     # no thread started
+    i = np.arange(45)
+    np.testing.assert_array_equal(out, x + 100 * (i // 16) + i % 16)
+    assert not hasattr(threading.current_thread(), "threadIdx")   # identity handed back
+
+    def bad(out):
+        if cuda.threadIdx.x == 5 and cuda.blockIdx.x == 1:
+            out[1000] = 1.0
+    with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\] ctaid=\[1, 0, 0\]"):
+        cuda.jit(bad)[2, 8](np.zeros(4, np.float32))
