@@ -165,11 +165,18 @@ def _ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
-def _sdpa_args(ctx, n, q, mask, bias, what):
+def _sdpa_args(ctx, n, q, mask, bias, what, ptrs):
     """What cuDNN's graphs of attention (or backward) node ``n`` share: (dims_q, dims_kv,
-    strides_q, strides_kv, causal, bias_dims, bias pointer, the steps making a bool mask's
-    additive bias). A bool mask becomes a bias of q's dtype (0 where kept, -inf where masked)
-    made by one element-wise kernel."""
+    strides_q, strides_kv, causal, bias_dims, the steps making a bool mask's additive bias),
+    the bias's pointer added to ``ptrs`` (the call's operands); None when one of those is off
+    a 16-byte boundary (a view may start anywhere; arena slots are 256-byte aligned): cuDNN's
+    tensors are declared 16-byte aligned, so the numba tier takes that node (the lowering
+    returns None: "does not apply"). A bool mask becomes a bias of q's dtype (0 where kept,
+    -inf where masked) made by one element-wise kernel."""
+    if bias is not None:
+        ptrs["bias"] = _ptr(ctx.buf(bias))
+    if any(p % 16 for p in ptrs.values()):
+        return None
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     if len(q.shape) == 4:
@@ -177,9 +184,9 @@ def _sdpa_args(ctx, n, q, mask, bias, what):
     else:                               # [B, S, H * D]
         sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
     full = (b, hq, sq, sk)
-    steps, bias_dims, bias_ptr = [], None, None
+    steps, bias_dims = [], None
     if bias is not None:
-        bias_dims, bias_ptr = _dims4(bias.shape, full), _ptr(ctx.buf(bias))
+        bias_dims = _dims4(bias.shape, full)
     elif mask is not None:
         bias_dims = _dims4(mask.shape, full)
         host = q.dtype.storage
@@ -191,9 +198,9 @@ def _sdpa_args(ctx, n, q, mask, bias, what):
             ("where", None, q.dtype, ("in", 0, dt.BOOL), ("in", 1, q.dtype), ("in", 2, q.dtype)),
             buf, tuple(bias_dims), [ctx.buf(mask)] + consts,
             [tuple(bias_dims), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
-        bias_ptr = _ptr(buf)
+        ptrs["bias"] = _ptr(buf)
     causal = None if not a["causal"] else "top_left" if sq == sk else "bottom_right"
-    return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims, bias_ptr, steps
+    return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims, steps
 
 
 def _sdpa_desc(what, kind, a, causal, bias_dims) -> str:
@@ -216,14 +223,16 @@ def _lower_attention_cudnn(ctx, n):
     q, k, v = ins[:3]
     mask, bias = _mask_and_bias(n, ins[3:])
     kind = q.dtype.name
-    dims_q, dims_kv, sq_, sk_, causal, bias_dims, bias_ptr, steps = _sdpa_args(
-        ctx, n, q, mask, bias, "sdpa")
     ptrs = {"q": _ptr(ctx.buf(q)), "k": _ptr(ctx.buf(k)), "v": _ptr(ctx.buf(v)),
-            "o": _ptr(ctx.buf(n)), "bias": bias_ptr}
+            "o": _ptr(ctx.buf(n))}
     # a live attention_lse of this node (its VJP): cuDNN's stats are those numbers
     lse = [r for r in g.nodes[n.id].results if r in ctx.live]
     if lse:
         ptrs["stats"] = _ptr(ctx.buf(lse[0]))
+    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa", ptrs)
+    if args is None:
+        return None
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps = args
     make = lambda stream: cudnn.sdpa_plan(  # noqa: E731
         stream, dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_, dtype=kind,
         scale=a["scale"], causal=causal, bias_dims=bias_dims, ptrs=ptrs, stats=bool(lse))
@@ -320,14 +329,19 @@ def _lower_attention_bwd_cudnn(ctx, n):
     q, k, v, o, do, lse = ins[:6]
     mask, bias = _mask_and_bias(n, ins[6:])
     kind = q.dtype.name
-    dims_q, dims_kv, sq_, sk_, causal, bias_dims, bias_ptr, steps = _sdpa_args(
-        ctx, n, q, mask, bias, "sdpa_backward")
     dkv, _ = _bwd_results(g, n)
+    ptrs = {"q": _ptr(ctx.buf(q)), "k": _ptr(ctx.buf(k)), "v": _ptr(ctx.buf(v)),
+            "o": _ptr(ctx.buf(o)), "do": _ptr(ctx.buf(do)), "stats": _ptr(ctx.buf(lse)),
+            "dq": _ptr(ctx.buf(n))}
     if dkv in ctx.live:
-        dkv_buf = ctx.buf(dkv)
-    else:                               # dK / dV not wanted: cuDNN writes them somewhere
-        dkv_buf = ctx.device_array(np.empty(2 * k.size, q.dtype.storage))
-    stats = ctx.buf(lse)
+        ptrs["dk"] = _ptr(ctx.buf(dkv))
+    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa_backward", ptrs)
+    if args is None:
+        return None
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps = args
+    if dkv not in ctx.live:             # dK / dV not wanted: cuDNN writes them somewhere
+        ptrs["dk"] = _ptr(ctx.device_array(np.empty(2 * k.size, q.dtype.storage)))
+    ptrs["dv"] = ptrs["dk"] + k.size * q.dtype.itemsize     # [dK, dV]: dV the second half
     if mask is not None or bias is not None:
         guarded = ctx.device_array(np.empty(lse.size, np.float32))
         consts = [ctx.device_array(np.array([x], np.float32)) for x in (-np.inf, np.inf)]
@@ -336,14 +350,9 @@ def _lower_attention_bwd_cudnn(ctx, n):
             ("where", None, dt.F32, ("compare", "gt", dt.BOOL, ("in", 0, dt.F32),
                                      ("in", 1, dt.F32)),
              ("in", 0, dt.F32), ("in", 2, dt.F32)),
-            guarded, (lse.size,), [stats] + consts, [(lse.size,), (1,), (1,)],
+            guarded, (lse.size,), [ctx.buf(lse)] + consts, [(lse.size,), (1,), (1,)],
             [dt.F32, dt.F32, dt.F32]))
-        stats = guarded
-    half = k.size * q.dtype.itemsize          # dV: the second half of [dK, dV]
-    ptrs = {"q": _ptr(ctx.buf(q)), "k": _ptr(ctx.buf(k)), "v": _ptr(ctx.buf(v)),
-            "o": _ptr(ctx.buf(o)), "do": _ptr(ctx.buf(do)), "stats": _ptr(stats),
-            "dq": _ptr(ctx.buf(n)), "dk": _ptr(dkv_buf), "dv": _ptr(dkv_buf) + half,
-            "bias": bias_ptr}
+        ptrs["stats"] = _ptr(guarded)
     make = lambda stream: cudnn.sdpa_backward_plan(  # noqa: E731
         stream, dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_, dtype=kind,
         scale=a["scale"], causal=causal, bias_dims=bias_dims, ptrs=ptrs)
