@@ -547,7 +547,8 @@ def sdpa_backward_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype:
     (f32 [B, Hq, Sq], see above), the attributes as sdpa_plan's (o, dO and dQ have q's dims and
     strides, dK and dV k's; GQA: cuDNN sums dK / dV over a group's query heads). No bias
     gradient. cuDNN computes rowsum(dO * O) itself and accumulates dQ in f32 in its workspace
-    (atomics: not bitwise deterministic run to run, as torch's default). ``ptrs``: q, k, v,
+    (atomics: not bitwise deterministic run to run, as torch's default; grad(deterministic=True)
+    keeps the numba kernels). ``ptrs``: q, k, v,
     o, do, stats, dq, dk, dv (and bias). Raises CudnnError when cuDNN has no engine for it."""
     def build(fe, g, io):
         t = lambda name, dims, strides, uid: g.tensor(   # noqa: E731

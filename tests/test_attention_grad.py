@@ -190,3 +190,14 @@ def test_attention_bwd_errors():
                                          r"and LSE \[1, 2, 5\] must be q's \[1, 2, 5, 4\]"):
         g.bind("attention_bwd_dq", (q, k, k, g.input("o", (1, 2, 6, 4)), y, lse),
                **y.node.attrs)
+
+
+def test_attention_grad_deterministic_marks_the_backward():
+    """grad(deterministic=True) marks the backward node (cuDNN's fused backward adds dQ with
+    atomics: its tier passes such a node to the numba kernels, which use none)."""
+    for det in (False, True):
+        g = rlx.Graph("attn_det")
+        q, k = g.input("q", (1, 2, 5, 4)), g.input("k", (1, 2, 6, 4))
+        g.grad(g.reduce_sum(g.attention(q, k, k)), [q, k], deterministic=det)
+        (node,) = [n for n in g.nodes if n.op == "attention_bwd_dq"]
+        assert node.attrs.get("deterministic", False) == det

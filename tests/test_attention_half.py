@@ -459,6 +459,33 @@ def test_cudnn_training(rng, monkeypatch, dt, name):
 
 @pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
 @pytest.mark.parametrize("dt", HALVES)
+def test_cudnn_deterministic_grad_falls_back(rng, monkeypatch, caplog, dt):
+    """grad(deterministic=True): the backward is the numba kernels (no atomics), the same bits
+    on two runs; the forward stays on cuDNN."""
+    import logging
+    monkeypatch.delenv("RLX_NUMBA_ATTENTION_TIERS")
+    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    qs, ks = (2, 4, 40, 32), (2, 2, 40, 32)
+    g, (q, k, v), _, y = _graph(dt, qs, ks, causal=True)
+    seed = rounded(rng.standard_normal(qs), dt)
+    g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed), deterministic=True))
+    with caplog.at_level(logging.WARNING, logger="rlx_numba"):
+        exe = rlx.compile(g)
+    assert "grad(deterministic=True)" in caplog.text
+    names = [s.kernel_name for s in exe.steps]
+    assert any(x.startswith("cudnn sdpa ") for x in names), names
+    assert not any(x.startswith("cudnn sdpa_backward") for x in names), names
+    feed = _feed(rng, dt, qs, ks)
+    first, second = exe.run(feed), exe.run(feed)
+    want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+    mags = _magnitudes(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+    for a, b, w, m in zip(first, second, want, mags):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert_half_close(a, w, dt, k=4.0, scale=m, what="deterministic")
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
 def test_cudnn_bias_gradient_falls_back(rng, monkeypatch, caplog, dt):
     """A bias that takes a gradient: the forward stays on cuDNN (its stats the LSE the numba
     backward reads), the backward is the numba kernels (dS needs the delta, which cuDNN's

@@ -268,8 +268,10 @@ def _vjp_attention(g, n, dy):
     # results); after the decode kernel its own step
     o = g.tensor(n.id)
     lse = g.bind("attention_lse", (o, q, k, *extra), **a)
-    # one node for dQ, [dK, dV] and delta (cuDNN's backward is one call giving all of them)
-    dq, dkv, dl = g.bind("attention_bwd_dq", (q, k, v, o, dy, lse, *extra), **a)
+    # one node for dQ, [dK, dV] and delta (cuDNN's backward is one call giving all of them);
+    # inside grad(..., deterministic=True) marked so (cuDNN's adds dQ with atomics)
+    det = {"deterministic": True} if g.deterministic_grad else {}
+    dq, dkv, dl = g.bind("attention_bwd_dq", (q, k, v, o, dy, lse, *extra), **a, **det)
     dk = g.reshape(g.narrow(dkv, 0, 0, 1), k.shape)
     dv = g.reshape(g.narrow(dkv, 0, 1, 1), v.shape)
     grads = [dq, dk, dv]

@@ -138,7 +138,9 @@ def _cudnn_bwd_unavailable(ctx, n):
     _, delta = _bwd_results(g, n)
     why = _sdpa_refusal(a, ins[0], mask, bias) or (
         "a bias gradient (attention_bwd_ds reads the delta, which cuDNN keeps to itself)"
-        if delta in ctx.live else None)
+        if delta in ctx.live else
+        "grad(deterministic=True) (cuDNN's fused backward adds dQ with atomics)"
+        if a.get("deterministic") else None)
     return why or cudnn.frontend()[1]
 
 
