@@ -364,7 +364,7 @@ def _lower_attention_bwd_cudnn(ctx, n):
                               "tier": 0})]
 
 
-def _grads_step(ctx, n, kind, out, q, k, v, do, lse, dl, mask, bias, mbuf, bbuf, flags, scale,
+def _grads_step(ctx, n, kind, out, q, k, v, do, lse, dl, bias, mbuf, bbuf, flags, scale,
                 softcap, geom, nk=0):
     """The numba kernel writing ``out``: dQ, dS or [dK, dV] (``kind``; ``nk`` elements of dK
     before dV) from the buffers ``lse`` and ``dl`` (LSE and delta)."""
@@ -407,8 +407,8 @@ def _lower_attention_bwd(ctx, n):
                           grid, block, (dl, ctx.buf(o), ctx.buf(do), geom, np.int64(rows))))
     else:
         dl = _dummy(ctx, np.float32)
-    common = (q, k, v, do, ctx.buf(lse) if rows else _dummy(ctx, np.float32), dl, mask, bias,
-              mbuf, bbuf, flags, scale, softcap, geom)
+    common = (q, k, v, do, ctx.buf(lse) if rows else _dummy(ctx, np.float32), dl, bias, mbuf,
+              bbuf, flags, scale, softcap, geom)
     if n.size:
         steps.append(_grads_step(ctx, n, AB.DQ, ctx.buf(n), *common))
     if dkv in ctx.live and k.size:
@@ -432,5 +432,5 @@ def _lower_attention_bwd_ds(ctx, n):
     q, k, v, do, lse, dl = ins[:6]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
     geom, _ = _geom(ctx, n, q, k, mask, bias)
-    return [_grads_step(ctx, n, AB.DS, ctx.buf(n), q, k, v, do, ctx.buf(lse), ctx.buf(dl), mask,
-                        bias, mbuf, bbuf, flags, scale, softcap, geom)]
+    return [_grads_step(ctx, n, AB.DS, ctx.buf(n), q, k, v, do, ctx.buf(lse), ctx.buf(dl), bias,
+                        mbuf, bbuf, flags, scale, softcap, geom)]
