@@ -140,8 +140,33 @@ def _cudnn_bwd_unavailable(ctx, n):
         "a bias gradient (attention_bwd_ds reads the delta, which cuDNN keeps to itself)"
         if delta in ctx.live else
         "grad(deterministic=True) (cuDNN's fused backward adds dQ with atomics)"
-        if a.get("deterministic") else None)
+        if a.get("deterministic") else _bwd_bias_dims(a, ins[0], mask, bias)[1])
     return why or cudnn.frontend()[1]
+
+
+_BWD_MASK_BYTES = 256 << 20
+
+
+def _bwd_bias_dims(a, q, mask, bias):
+    """(the dims cuDNN's fused backward reads the additive bias in, None), (None, None)
+    without one, or (None, why not). A bias must broadcast as [1, 1 or Hq, Sq, Sk] or
+    [B, Hq, Sq, Sk], the shapes its backward engines are known to take (not [B, 1, ...], nor
+    a bias broadcast over the queries or keys); a bool mask's bias is made at the smallest of
+    those covering the mask, up to _BWD_MASK_BYTES."""
+    full = [a["b"], a["hq"], a["sq"], a["sk"]]
+    t = bias if bias is not None else mask
+    if t is None:
+        return None, None
+    dims = _dims4(t.shape, full)
+    if dims[2:] == full[2:] and (dims[0] == 1 or dims[:2] == full[:2]):
+        return dims, None
+    if bias is not None:
+        return None, (f"a bias broadcast as {dims} (cuDNN's fused backward takes [1, 1 or Hq, "
+                      f"Sq, Sk] or [B, Hq, Sq, Sk])")
+    dims = [1, dims[1], *full[2:]] if dims[0] == 1 else full
+    if int(np.prod(dims)) * q.dtype.itemsize > _BWD_MASK_BYTES:
+        return None, f"a mask whose additive bias for cuDNN's fused backward is {dims} (> 256 MiB)"
+    return dims, None
 
 
 def _mask_and_bias(n, rest):
@@ -167,14 +192,15 @@ def _ptr(buf) -> int:
     return buf.device_ctypes_pointer.value
 
 
-def _sdpa_args(ctx, n, q, mask, bias, what, ptrs):
+def _sdpa_args(ctx, n, q, mask, bias, what, ptrs, mask_dims=None):
     """What cuDNN's graphs of attention (or backward) node ``n`` share: (dims_q, dims_kv,
     strides_q, strides_kv, causal, bias_dims, the steps making a bool mask's additive bias),
     the bias's pointer added to ``ptrs`` (the call's operands); None when one of those is off
     a 16-byte boundary (a view may start anywhere; arena slots are 256-byte aligned): cuDNN's
     tensors are declared 16-byte aligned, so the numba tier takes that node (the lowering
     returns None: "does not apply"). A bool mask becomes a bias of q's dtype (0 where kept,
-    -inf where masked) made by one element-wise kernel."""
+    -inf where masked) made by one element-wise kernel, of the mask's broadcast dims or
+    ``mask_dims`` (a broadcast of them)."""
     if bias is not None:
         ptrs["bias"] = _ptr(ctx.buf(bias))
     if any(p % 16 for p in ptrs.values()):
@@ -190,7 +216,8 @@ def _sdpa_args(ctx, n, q, mask, bias, what, ptrs):
     if bias is not None:
         bias_dims = _dims4(bias.shape, full)
     elif mask is not None:
-        bias_dims = _dims4(mask.shape, full)
+        own = _dims4(mask.shape, full)
+        bias_dims = list(mask_dims or own)
         host = q.dtype.storage
         buf = ctx.device_array(np.empty(int(np.prod(bias_dims)), host))
         consts = [ctx.device_array(np.array([v], np.float32).astype(q.dtype.host).view(host))
@@ -199,7 +226,7 @@ def _sdpa_args(ctx, n, q, mask, bias, what, ptrs):
             f"{step_name(n)} {what} mask bias",
             ("where", None, q.dtype, ("in", 0, dt.BOOL), ("in", 1, q.dtype), ("in", 2, q.dtype)),
             buf, tuple(bias_dims), [ctx.buf(mask)] + consts,
-            [tuple(bias_dims), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
+            [tuple(own), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
         ptrs["bias"] = _ptr(buf)
     causal = None if not a["causal"] else "top_left" if sq == sk else "bottom_right"
     return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims, steps
@@ -337,7 +364,8 @@ def _lower_attention_bwd_cudnn(ctx, n):
             "dq": _ptr(ctx.buf(n))}
     if dkv in ctx.live:
         ptrs["dk"] = _ptr(ctx.buf(dkv))
-    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa_backward", ptrs)
+    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa_backward", ptrs,
+                      _bwd_bias_dims(a, q, mask, bias)[0])
     if args is None:
         return None
     dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps = args
