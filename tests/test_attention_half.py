@@ -486,26 +486,29 @@ def test_cudnn_deterministic_grad_falls_back(rng, monkeypatch, caplog, dt):
 
 @pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
 @pytest.mark.parametrize("dt", HALVES)
-def test_cudnn_bias_gradient_falls_back(rng, monkeypatch, caplog, dt):
-    """A bias that takes a gradient: the forward stays on cuDNN (its stats the LSE the numba
-    backward reads), the backward is the numba kernels (dS needs the delta, which cuDNN's
-    fused backward keeps to itself), the reason logged."""
+@pytest.mark.parametrize("case,bias_shape,wrt_bias,why", [
+    ("bias_gradient", (1, 4, 24, 50), True, "a bias gradient"),
+    ("bias_over_queries", (50,), False, "a bias broadcast as [1, 1, 1, 50]")])
+def test_cudnn_backward_falls_back(rng, monkeypatch, caplog, dt, case, bias_shape, wrt_bias, why):
+    """A bias that takes a gradient (dS needs the delta, which cuDNN's fused backward keeps to
+    itself), or one broadcast over the queries: the forward stays on cuDNN (its stats the LSE
+    the numba backward reads), the backward is the numba kernels, the reason logged."""
     import logging
     monkeypatch.delenv("RLX_NUMBA_ATTENTION_TIERS")
     monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
     with caplog.at_level(logging.WARNING, logger="rlx_numba"):
         exe, got, want, mags = _cudnn_grad_run(
             rng, dt, (2, 4, 24, 32), (2, 2, 50, 32),
-            {"bias_shape": (1, 4, 24, 50), "scale": 0.2}, wrt_bias=True)
-    assert "a bias gradient" in caplog.text
+            {"bias_shape": bias_shape, "scale": 0.2}, wrt_bias=wrt_bias)
+    assert why in caplog.text
     names = [s.kernel_name for s in exe.steps]
     assert any(x.startswith("cudnn sdpa ") and x.endswith("+lse") for x in names), names
     assert not any(x.startswith("cudnn sdpa_backward") for x in names), names
-    for kern in ("attention_bwd_delta", "attention_bwd_dq", "attention_bwd_dkv",
-                 "attention_bwd_ds"):
+    kernels = ["attention_bwd_delta", "attention_bwd_dq", "attention_bwd_dkv"]
+    for kern in kernels + (["attention_bwd_ds"] if wrt_bias else []):
         assert any(x.startswith(kern) for x in names), (kern, names)
-    for i, what in enumerate(["o", "dq", "dk", "dv", "dbias"]):
-        assert_half_close(got[i], want[i], dt, k=4.0, scale=mags[i], what=f"fallback {what}")
+    for i, what in enumerate(["o", "dq", "dk", "dv", "dbias"][:len(want)]):
+        assert_half_close(got[i], want[i], dt, k=4.0, scale=mags[i], what=f"{case} {what}")
 
 
 @pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
