@@ -505,15 +505,16 @@ def _bias_tensor(g, bias_dims, io):
 
 
 def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, scale: float,
-              causal: str | None, bias_dims=None, ptrs: dict, stats: bool = False):
+              causal: str | None, bias_dims=None, ptrs: dict | None, stats: bool = False):
     """A callable running softmax(scale q k^T (+ bias), causal) v on ``stream``: q / o of
     ``dims_q`` [B, Hq, Sq, D], k / v of ``dims_kv`` [B, Hkv, Sk, D] (Hq a multiple of Hkv),
     each with its element strides (o's are q's); ``causal`` None, "top_left" or
     "bottom_right" (query i sees keys j <= i + Sk - Sq); ``bias_dims`` the additive bias's
     [B or 1, Hq or 1, Sq or 1, Sk] (contiguous, ``dtype``). ``stats``: also the rows'
     log-sum-exp (f32 [B, Hq, Sq], contiguous) at ptrs["stats"], for the backward. ``ptrs``:
-    q, k, v, o (and bias, stats) device pointers. The built graph is cached per shape and
-    attributes. Raises CudnnError when cuDNN has no engine for it."""
+    q, k, v, o (and bias, stats) device pointers; None: only build the graph (a tier's check)
+    and return None. The built graph is cached per handle, shape and attributes. Raises
+    CudnnError when cuDNN has no engine for it."""
     def build(fe, g, io):
         q = g.tensor(name="q", dim=list(dims_q), stride=list(strides_q), data_type=io, uid=_Q)
         k = g.tensor(name="k", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_K)
@@ -532,6 +533,8 @@ def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, sca
     key = (tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), float(scale),
            causal, tuple(bias_dims) if bias_dims else None, stats)
     g, hv, ws = _sdpa_graph(stream, dtype, key, build, "sdpa")
+    if ptrs is None:
+        return None
     pack = {_Q: ptrs["q"], _K: ptrs["k"], _V: ptrs["v"], _O: ptrs["o"]}
     if bias_dims:
         pack[_BIAS] = ptrs["bias"]
@@ -541,15 +544,15 @@ def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, sca
 
 
 def sdpa_backward_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str,
-                       scale: float, causal: str | None, bias_dims=None, ptrs: dict):
+                       scale: float, causal: str | None, bias_dims=None, ptrs: dict | None):
     """A callable running attention's backward on ``stream`` in one cuDNN call: dQ, dK, dV
     from q, k, v, the forward's output o, its gradient dO and the rows' log-sum-exp ``stats``
     (f32 [B, Hq, Sq], see above), the attributes as sdpa_plan's (o, dO and dQ have q's dims and
     strides, dK and dV k's; GQA: cuDNN sums dK / dV over a group's query heads). No bias
     gradient. cuDNN computes rowsum(dO * O) itself and accumulates dQ in f32 in its workspace
     (atomics: not bitwise deterministic run to run, as torch's default; grad(deterministic=True)
-    keeps the numba kernels). ``ptrs``: q, k, v,
-    o, do, stats, dq, dk, dv (and bias). Raises CudnnError when cuDNN has no engine for it."""
+    keeps the numba kernels). ``ptrs``: q, k, v, o, do, stats, dq, dk, dv (and bias); None:
+    only build the graph, as sdpa_plan's. Raises CudnnError when cuDNN has no engine for it."""
     def build(fe, g, io):
         t = lambda name, dims, strides, uid: g.tensor(   # noqa: E731
             name=name, dim=list(dims), stride=list(strides), data_type=io, uid=uid)
@@ -573,6 +576,8 @@ def sdpa_backward_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype:
     key = (tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), float(scale),
            causal, tuple(bias_dims) if bias_dims else None)
     g, hv, ws = _sdpa_graph(stream, dtype, key, build, "sdpa_backward")
+    if ptrs is None:
+        return None
     pack = {uid: ptrs[name] for uid, name in
             ((_Q, "q"), (_K, "k"), (_V, "v"), (_O, "o"), (_DO, "do"), (_STATS, "stats"),
              (_DQ, "dq"), (_DK, "dk"), (_DV, "dv"))}

@@ -124,7 +124,9 @@ def _cudnn_unavailable(ctx, n):
     mask, bias = _mask_and_bias(n, ins[3:])
     why = _sdpa_refusal(a, ins[0], mask, bias) or (
         "few queries a kv head (the split decode kernel)" if _decodes(a) else None)
-    return why or cudnn.frontend()[1]
+    why = why or cudnn.frontend()[1]
+    return why or _cudnn_builds(ctx, n, ins[0], mask, bias, False,
+                                stats=any(r in ctx.live for r in g.nodes[n.id].results))
 
 
 def _cudnn_bwd_unavailable(ctx, n):
@@ -141,7 +143,27 @@ def _cudnn_bwd_unavailable(ctx, n):
         if delta in ctx.live else
         "grad(deterministic=True) (cuDNN's fused backward adds dQ with atomics)"
         if a.get("deterministic") else _bwd_bias_dims(a, ins[0], mask, bias)[1])
-    return why or cudnn.frontend()[1]
+    why = why or cudnn.frontend()[1]
+    return why or _cudnn_builds(ctx, n, ins[0], mask, bias, True,
+                                mask_dims=_bwd_bias_dims(a, ins[0], mask, bias)[0])
+
+
+def _cudnn_builds(ctx, n, q, mask, bias, backward, mask_dims=None, stats=False):
+    """None when cuDNN builds the graph of node ``n`` (now, on the program's stream: cached,
+    the step's bind reuses it), else why not (an engine it lacks falls to the numba tier
+    here, not as an error when the step is bound)."""
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims = _sdpa_geometry(n, q, mask, bias, mask_dims)
+    kw = dict(dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_,
+              dtype=q.dtype.name, scale=n.attrs["scale"], causal=causal, bias_dims=bias_dims,
+              ptrs=None)
+    try:
+        if backward:
+            cudnn.sdpa_backward_plan(ctx.stream, **kw)
+        else:
+            cudnn.sdpa_plan(ctx.stream, stats=stats, **kw)
+    except cudnn.CudnnError as e:
+        return f"cuDNN builds no graph for it ({e})"
+    return None
 
 
 _BWD_MASK_BYTES = 256 << 20
@@ -205,19 +227,10 @@ def _sdpa_args(ctx, n, q, mask, bias, what, ptrs, mask_dims=None):
         ptrs["bias"] = _ptr(ctx.buf(bias))
     if any(p % 16 for p in ptrs.values()):
         return None
-    a = n.attrs
-    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
-    if len(q.shape) == 4:
-        sq_, sk_ = (hq * sq * d, sq * d, d, 1), (hkv * sk * d, sk * d, d, 1)
-    else:                               # [B, S, H * D]
-        sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
-    full = (b, hq, sq, sk)
-    steps, bias_dims = [], None
-    if bias is not None:
-        bias_dims = _dims4(bias.shape, full)
-    elif mask is not None:
-        own = _dims4(mask.shape, full)
-        bias_dims = list(mask_dims or own)
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims = _sdpa_geometry(n, q, mask, bias, mask_dims)
+    steps = []
+    if bias is None and mask is not None:
+        own = _dims4(mask.shape, (dims_q[0], dims_q[1], dims_q[2], dims_kv[2]))
         host = q.dtype.storage
         buf = ctx.device_array(np.empty(int(np.prod(bias_dims)), host))
         consts = [ctx.device_array(np.array([v], np.float32).astype(q.dtype.host).view(host))
@@ -228,8 +241,24 @@ def _sdpa_args(ctx, n, q, mask, bias, what, ptrs, mask_dims=None):
             buf, tuple(bias_dims), [ctx.buf(mask)] + consts,
             [tuple(own), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
         ptrs["bias"] = _ptr(buf)
+    return dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps
+
+
+def _sdpa_geometry(n, q, mask, bias, mask_dims=None):
+    """(dims_q, dims_kv, strides_q, strides_kv, causal, bias_dims) of cuDNN's graphs of node
+    ``n``: [B, H, S, D] dims with the element strides of q's layout (rank 4, or [B, S, H * D]);
+    the bias's broadcast dims, or a bool mask's (or ``mask_dims``)."""
+    a = n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    if len(q.shape) == 4:
+        sq_, sk_ = (hq * sq * d, sq * d, d, 1), (hkv * sk * d, sk * d, d, 1)
+    else:                               # [B, S, H * D]
+        sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
+    full = (b, hq, sq, sk)
+    bias_dims = (_dims4(bias.shape, full) if bias is not None else
+                 list(mask_dims or _dims4(mask.shape, full)) if mask is not None else None)
     causal = None if not a["causal"] else "top_left" if sq == sk else "bottom_right"
-    return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims, steps
+    return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims
 
 
 def _sdpa_desc(what, kind, a, causal, bias_dims) -> str:
