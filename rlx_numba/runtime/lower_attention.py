@@ -6,7 +6,9 @@ kernel when the queries that share a key/value head are few. Then its backward o
 attention's VJP in ir/ops_attention.py), the same two tiers under the same variable for the
 one node giving dQ, dK and dV (attention_bwd_dq): 0, cuDNN's fused backward (one call; not
 with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py). A forward on one tier
-and a backward on the other agree: cuDNN's softmax stats are our LSE (cudnn.py)."""
+and a backward on the other agree: cuDNN's softmax stats are our LSE (cudnn.py). cuDNN builds
+its graph when tier 0 is considered (_cudnn_builds), so one it has no engine for falls to the
+numba tier, the reason logged."""
 from __future__ import annotations
 
 import dataclasses
