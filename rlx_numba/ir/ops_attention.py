@@ -128,15 +128,14 @@ def infer_attention(q, k, v, *rest, causal, window, has_mask, has_bias, scale, s
     return q.shape, q.dtype
 
 
-def _bwd_infer(op, n_lead, shape_of, masks=True, stats=(), result=None):
-    """Inference of a backward node: its inputs are ``n_lead`` tensors, then (``masks``) the
-    forward's mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
+def _bwd_infer(op, n_lead, shape_of, stats=(), result=None):
+    """Inference of a backward node: its inputs are ``n_lead`` tensors, then the forward's
+    mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
     shape. The lead inputs share input 0's float dtype except those at ``stats`` (LSE and
     delta: f32); the result is f32 unless ``result`` = "io" (input 0's dtype)."""
     def infer(*inputs, **a):
         lead = inputs[:n_lead]
-        mask, bias = _mask_bias(op, inputs[n_lead:], a["has_mask"] and masks,
-                                a["has_bias"] and masks)
+        mask, bias = _mask_bias(op, inputs[n_lead:], a["has_mask"], a["has_bias"])
         io = lead[0].dtype
         for i, t in enumerate(lead):
             want = dt.F32 if i in stats else io
@@ -200,8 +199,8 @@ def _ds_shape(lead, a):
 defop("attention", infer_attention, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
       doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA): cuDNN's fused "
           "attention, or numba flash / split-K")
-# filled by the forward's flash kernel when it is live (its VJP makes it); after a decode
-# kernel its own step (runtime/lower_attention.py)
+# filled by the forward's kernel (flash, or cuDNN's stats) when it is live (its VJP makes it);
+# after a decode kernel its own step (runtime/lower_attention.py)
 defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
       dtype_rule=F32, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's), f32")
 defop("attention_bwd_dq", _infer_bwd, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
