@@ -459,6 +459,35 @@ def test_cudnn_training(rng, monkeypatch, dt, name):
 
 @pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
 @pytest.mark.parametrize("dt", HALVES)
+def test_cudnn_backward_half_accumulation_would_fail(rng, monkeypatch, dt):
+    """1024 queries and keys with nearly equal scores, dO in [2, 3]: each dV entry sums 1024
+    terms p dO ~ 2.5 / 1024 up to ~2.5. cuDNN's dV (P rounded to dt, f32 sums) is within 4 u
+    of P^T |dO|; the same P^T dO with every partial sum rounded to dt is not (past 2 a bf16
+    ulp is 2^-6, several terms; f16's roundings of ~1.3 ulp terms drift one way)."""
+    from halfref import half_accumulated
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "0")
+    qs = (1, 1, 1024, 16)
+    g, (q, k, v), _, y = _graph(dt, qs, qs)
+    feed = {"q": rounded(0.1 * rng.standard_normal(qs), dt),
+            "k": rounded(rng.standard_normal(qs), dt), "v": rounded(rng.uniform(2, 3, qs), dt)}
+    seed = rounded(rng.uniform(2, 3, qs), dt)
+    g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed)))
+    exe = rlx.compile(g)
+    assert any(s.kernel_name.startswith("cudnn sdpa_backward ") for s in exe.steps)
+    dv = exe.run(feed)[2]
+    want = attention64(feed["q"], feed["k"], feed["v"], seed)[3]
+    mag = _magnitudes(feed["q"], feed["k"], feed["v"], seed)[3]
+    assert_half_close(dv, want, dt, k=4.0, scale=mag, what="cudnn dv")
+    s = f64(feed["q"])[0, 0] @ f64(feed["k"])[0, 0].T / 4.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = rounded(p / p.sum(-1, keepdims=True), dt)
+    emulated = half_accumulated(p.T, seed[0, 0], dt).reshape(want.shape)
+    with pytest.raises(AssertionError):
+        assert_half_close(emulated, want, dt, k=4.0, scale=mag, what="half accumulation")
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
 def test_cudnn_deterministic_grad_falls_back(rng, monkeypatch, caplog, dt):
     """grad(deterministic=True): the backward is the numba kernels (no atomics), the same bits
     on two runs; the forward stays on cuDNN."""
