@@ -13,7 +13,10 @@ engines the descriptor API does not reach (the implicit-GEMM engine torch runs f
 64->64 layer of 8x64x56x56: 65.7 us, against 96.6 for the descriptor API's best on an H200).
 A fused bias + relu epilogue runs on the descriptor API (cudnnConvolutionBiasActivationForward). Math is CUDNN_FMA_MATH (no TF32) unless ``rlx_numba.cublas.allow_tf32`` is set when
 the step is bound. 1-D convolutions run as 2-D ones of height 1. Each (device, stream) has one
-workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent streams do not.
+workspace (WORKSPACE_BYTES), so steps on one stream share it and concurrent streams do not
+(fused attention's backward may need more: ``workspace`` keeps a larger one per pair).
+Fused attention (forward with or without its softmax stats, and backward) runs through
+NVIDIA's cuDNN frontend: ``sdpa_plan``, ``sdpa_backward_plan``.
 """
 from __future__ import annotations
 
@@ -415,12 +418,19 @@ def _graph_plans(h, kind, x_shape, w_shape, y_shape, pad, stride, dilation, ptrs
 
 # ---- fused attention (scaled dot-product attention) through cuDNN's frontend ------------------
 # NVIDIA's ``nvidia-cudnn-frontend`` package (the GPU extras, 1.14: its pygraph takes raw
-# device pointers keyed by tensor uid and a raw cudnnHandle_t) builds the SDPA graph; cuDNN
-# picks its fused flash-attention engine (tensor cores, f32 softmax and accumulation).
-# Building that graph by hand with backend descriptors is several hundred lines of
-# attribute plumbing the frontend already keeps in step with each cuDNN release.
-_Q, _K, _V, _O, _BIAS = 1, 2, 3, 4, 5
+# device pointers keyed by tensor uid and a raw cudnnHandle_t) builds the SDPA graphs (the
+# forward, with or without its softmax stats, and the backward); cuDNN picks its fused
+# flash-attention engines (tensor cores, f32 softmax and accumulation). Building those graphs
+# by hand with backend descriptors is several hundred lines of attribute plumbing the frontend
+# already keeps in step with each cuDNN release.
+#
+# The stats are each query row's log-sum-exp (natural log) of the scores cuDNN softmaxes:
+# attn_scale * q.k + bias, masked (-inf where masked): max + log(sum exp(s - max)), f32
+# [B, Hq, Sq, 1], the numbers the numba flash kernel saves as attention's LSE
+# (kernels/attention.py), so a forward on either tier feeds a backward on either.
+_Q, _K, _V, _O, _BIAS, _STATS, _DO, _DQ, _DK, _DV = range(1, 11)
 _sdpa_cache: dict = {}
+_big_ws: dict = {}            # (device, stream) -> workspaces past WORKSPACE_BYTES, largest last
 
 
 def frontend():
@@ -439,52 +449,138 @@ def frontend():
     return fe, None
 
 
-def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, scale: float,
-              causal: str | None, bias_dims=None, ptrs: dict):
-    """A callable running softmax(scale q k^T (+ bias), causal) v on ``stream``: q / o of
-    ``dims_q`` [B, Hq, Sq, D], k / v of ``dims_kv`` [B, Hkv, Sk, D] (Hq a multiple of Hkv),
-    each with its element strides (o's are q's); ``causal`` None, "top_left" or
-    "bottom_right" (query i sees keys j <= i + Sk - Sq); ``bias_dims`` the additive bias's
-    [B or 1, Hq or 1, Sq or 1, Sk] (contiguous, ``dtype``). ``ptrs``: q, k, v, o (and bias)
-    device pointers. The built graph is cached per shape and attributes. Raises
-    CudnnError when cuDNN has no engine for it."""
+def workspace(stream, nbytes: int) -> int:
+    """A device workspace of at least ``nbytes`` for (device, stream): the handle's own
+    (WORKSPACE_BYTES) when that is enough, else one kept for the pair and grown to the largest
+    size asked (the fused backward's holds an f32 dQ accumulator, B * Hq * Sq * D * 4 bytes).
+    A grown-out one stays allocated: calls bound before hold its pointer. Steps on one stream
+    run one at a time, so they share it."""
+    h, ws = handle(stream)
+    if nbytes <= WORKSPACE_BYTES:
+        return ws
+    from numba import cuda
+    held = _big_ws.setdefault(_key(stream), [])
+    if not held or held[-1].size < nbytes:
+        held.append(cuda.device_array(int(nbytes), dtype="u1"))
+    return held[-1].device_ctypes_pointer.value
+
+
+def _sdpa_graph(stream, dtype: str, key, build, what: str):
+    """The built SDPA graph of ``key`` (cached per handle), ``build(fe, g, io)`` adding its
+    tensors and op to a fresh pygraph of io type ``dtype`` (f16 / bf16); with the handle and
+    a workspace pointer that fits it. Raises CudnnError when cuDNN has no engine for it."""
     fe, why = frontend()
     if fe is None:
-        raise CudnnError("sdpa", -1, why)
-    h, ws = handle(stream)
-    key = (h.value, tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), dtype,
-           float(scale), causal, tuple(bias_dims) if bias_dims else None)
+        raise CudnnError(what, -1, why)
+    h, _ = handle(stream)
+    key = (h.value, what, dtype) + tuple(key)
     g = _sdpa_cache.get(key)
     if g is None:
         io = {"f16": fe.data_type.HALF, "bf16": fe.data_type.BFLOAT16}[dtype]
         g = fe.pygraph(io_data_type=io, intermediate_data_type=fe.data_type.FLOAT,
                        compute_data_type=fe.data_type.FLOAT, handle=h.value)
-        q = g.tensor(name="q", dim=list(dims_q), stride=list(strides_q), data_type=io, uid=_Q)
-        k = g.tensor(name="k", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_K)
-        v = g.tensor(name="v", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_V)
-        bias = None
-        if bias_dims:
-            bs = [int(math.prod(bias_dims[i + 1:])) for i in range(4)]
-            bias = g.tensor(name="bias", dim=list(bias_dims), stride=bs, data_type=io, uid=_BIAS)
-        o, _ = g.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=True, attn_scale=float(scale),
-                      bias=bias, use_causal_mask=causal == "top_left",
-                      use_causal_mask_bottom_right=causal == "bottom_right")
-        o.set_output(True).set_dim(list(dims_q)).set_stride(list(strides_q)).set_uid(_O) \
-            .set_data_type(io)
         try:
+            build(fe, g, io)
             g.validate()
             g.build_operation_graph()
             g.create_execution_plans([fe.heur_mode.A, fe.heur_mode.FALLBACK])
             g.check_support()
             g.build_plans()
         except Exception as e:  # noqa: BLE001 - the frontend raises several types
-            raise CudnnError("sdpa", -1, f"no fused-attention engine: {e}") from None
-        if g.get_workspace_size() > WORKSPACE_BYTES:
-            raise CudnnError("sdpa", -1, f"workspace {g.get_workspace_size()} B > "
-                             f"{WORKSPACE_BYTES} B")
+            raise CudnnError(what, -1, f"no fused-attention engine: {e}") from None
         _sdpa_cache[key] = g
+    return g, h.value, workspace(stream, g.get_workspace_size())
+
+
+def _stats_layout(dims_q):
+    b, hq, sq, _ = dims_q
+    return [b, hq, sq, 1], [hq * sq, sq, 1, 1]
+
+
+def _bias_tensor(g, bias_dims, io):
+    if not bias_dims:
+        return None
+    bs = [int(math.prod(bias_dims[i + 1:])) for i in range(4)]
+    return g.tensor(name="bias", dim=list(bias_dims), stride=bs, data_type=io, uid=_BIAS)
+
+
+def sdpa_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str, scale: float,
+              causal: str | None, bias_dims=None, ptrs: dict | None, stats: bool = False):
+    """A callable running softmax(scale q k^T (+ bias), causal) v on ``stream``: q / o of
+    ``dims_q`` [B, Hq, Sq, D], k / v of ``dims_kv`` [B, Hkv, Sk, D] (Hq a multiple of Hkv),
+    each with its element strides (o's are q's); ``causal`` None, "top_left" or
+    "bottom_right" (query i sees keys j <= i + Sk - Sq); ``bias_dims`` the additive bias's
+    [B or 1, Hq or 1, Sq or 1, Sk] (contiguous, ``dtype``). ``stats``: also the rows'
+    log-sum-exp (f32 [B, Hq, Sq], contiguous) at ptrs["stats"], for the backward. ``ptrs``:
+    q, k, v, o (and bias, stats) device pointers; None: only build the graph (a tier's check)
+    and return None. The built graph is cached per handle, shape and attributes. Raises
+    CudnnError when cuDNN has no engine for it."""
+    def build(fe, g, io):
+        q = g.tensor(name="q", dim=list(dims_q), stride=list(strides_q), data_type=io, uid=_Q)
+        k = g.tensor(name="k", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_K)
+        v = g.tensor(name="v", dim=list(dims_kv), stride=list(strides_kv), data_type=io, uid=_V)
+        o, st = g.sdpa(name="sdpa", q=q, k=k, v=v, is_inference=not stats,
+                       attn_scale=float(scale), bias=_bias_tensor(g, bias_dims, io),
+                       use_causal_mask=causal == "top_left",
+                       use_causal_mask_bottom_right=causal == "bottom_right")
+        o.set_output(True).set_dim(list(dims_q)).set_stride(list(strides_q)).set_uid(_O) \
+            .set_data_type(io)
+        if stats:
+            dims, strides = _stats_layout(dims_q)
+            st.set_output(True).set_dim(dims).set_stride(strides).set_uid(_STATS) \
+                .set_data_type(fe.data_type.FLOAT)
+
+    key = (tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), float(scale),
+           causal, tuple(bias_dims) if bias_dims else None, stats)
+    g, hv, ws = _sdpa_graph(stream, dtype, key, build, "sdpa")
+    if ptrs is None:
+        return None
     pack = {_Q: ptrs["q"], _K: ptrs["k"], _V: ptrs["v"], _O: ptrs["o"]}
     if bias_dims:
         pack[_BIAS] = ptrs["bias"]
-    hv = h.value
+    if stats:
+        pack[_STATS] = ptrs["stats"]
+    return lambda: g.execute(pack, ws, hv)
+
+
+def sdpa_backward_plan(stream, *, dims_q, dims_kv, strides_q, strides_kv, dtype: str,
+                       scale: float, causal: str | None, bias_dims=None, ptrs: dict | None):
+    """A callable running attention's backward on ``stream`` in one cuDNN call: dQ, dK, dV
+    from q, k, v, the forward's output o, its gradient dO and the rows' log-sum-exp ``stats``
+    (f32 [B, Hq, Sq], see above), the attributes as sdpa_plan's (o, dO and dQ have q's dims and
+    strides, dK and dV k's; GQA: cuDNN sums dK / dV over a group's query heads). No bias
+    gradient. cuDNN computes rowsum(dO * O) itself and accumulates dQ in f32 in its workspace
+    (atomics: not bitwise deterministic run to run, as torch's default; grad(deterministic=True)
+    keeps the numba kernels). ``ptrs``: q, k, v, o, do, stats, dq, dk, dv (and bias); None:
+    only build the graph, as sdpa_plan's. Raises CudnnError when cuDNN has no engine for it."""
+    def build(fe, g, io):
+        t = lambda name, dims, strides, uid: g.tensor(   # noqa: E731
+            name=name, dim=list(dims), stride=list(strides), data_type=io, uid=uid)
+        q, o, do = (t(nm, dims_q, strides_q, uid) for nm, uid in
+                    (("q", _Q), ("o", _O), ("dO", _DO)))
+        k, v = (t(nm, dims_kv, strides_kv, uid) for nm, uid in (("k", _K), ("v", _V)))
+        dims, strides = _stats_layout(dims_q)
+        st = g.tensor(name="stats", dim=dims, stride=strides, data_type=fe.data_type.FLOAT,
+                      uid=_STATS)
+        dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=q, k=k, v=v, o=o, dO=do,
+                                     stats=st, attn_scale=float(scale),
+                                     bias=_bias_tensor(g, bias_dims, io),
+                                     use_causal_mask=causal == "top_left",
+                                     use_causal_mask_bottom_right=causal == "bottom_right")
+        for grad, dims_, strides_, uid in ((dq, dims_q, strides_q, _DQ),
+                                           (dk, dims_kv, strides_kv, _DK),
+                                           (dv, dims_kv, strides_kv, _DV)):
+            grad.set_output(True).set_dim(list(dims_)).set_stride(list(strides_)).set_uid(uid) \
+                .set_data_type(io)
+
+    key = (tuple(dims_q), tuple(dims_kv), tuple(strides_q), tuple(strides_kv), float(scale),
+           causal, tuple(bias_dims) if bias_dims else None)
+    g, hv, ws = _sdpa_graph(stream, dtype, key, build, "sdpa_backward")
+    if ptrs is None:
+        return None
+    pack = {uid: ptrs[name] for uid, name in
+            ((_Q, "q"), (_K, "k"), (_V, "v"), (_O, "o"), (_DO, "do"), (_STATS, "stats"),
+             (_DQ, "dq"), (_DK, "dk"), (_DV, "dv"))}
+    if bias_dims:
+        pack[_BIAS] = ptrs["bias"]
     return lambda: g.execute(pack, ws, hv)

@@ -154,3 +154,50 @@ def test_attention_grad_several_tiles(rng):
     zero-padded to 48), a window shorter than a tile, softcap and scale."""
     _grad_case(rng, (1, 2, 20, 36), (1, 1, 40, 36), sample=40, causal=True, window=13,
                softcap=3.0, scale=0.4)
+
+
+@pytest.mark.parametrize("wrt", [("q", "k", "v"), ("q",), ("q", "k", "v", "bias")])
+def test_attention_grad_one_backward_node(wrt):
+    """One attention_bwd_dq node gives dQ and its further results [dK, dV] and delta (cuDNN's
+    tier computes all three in one call); the numba tier fills them with the delta, dQ and
+    dK / dV kernels as that node's steps, the dK / dV one only when dK or dV is wanted."""
+    g = rlx.Graph("attn_one")
+    q, k, v = g.input("q", (1, 2, 5, 4)), g.input("k", (1, 1, 6, 4)), g.input("v", (1, 1, 6, 4))
+    ts = {"q": q, "k": k, "v": v}
+    if "bias" in wrt:
+        ts["bias"] = g.input("bias", (5, 6))
+    y = g.attention(q, k, v, causal=True, bias=ts.get("bias"))
+    g.set_outputs(g.grad(g.reduce_sum(y), [ts[n] for n in wrt]))
+    (node,) = [n for n in g.nodes if n.op == "attention_bwd_dq"]
+    assert [g.nodes[r].op for r in node.results] == ["attention_bwd_dkv", "attention_bwd_delta"]
+    assert [g.nodes[r].shape for r in node.results] == [(2, 1, 1, 6, 4), (1, 2, 5)]
+    exe = rlx.compile(g)
+    names = [s.kernel_name.split()[0] for s in exe._node_steps[node.id]]
+    assert names == ["attention_bwd_delta", "attention_bwd_dq"] + (
+        ["attention_bwd_dkv"] if "k" in wrt else [])
+    assert not any(exe._node_steps.get(r) for r in node.results)
+
+
+def test_attention_bwd_errors():
+    g = rlx.Graph("attn_err")
+    q, k = g.input("q", (1, 2, 5, 4)), g.input("k", (1, 1, 6, 4))
+    y = g.attention(q, k, k)
+    lse = g.bind("attention_lse", (y, q, k), **y.node.attrs)
+    with pytest.raises(ValueError, match=r"attention_bwd_dkv: a further result of "
+                                         r"attention_bwd_dq"):
+        g.bind("attention_bwd_dkv", [q], **y.node.attrs)
+    with pytest.raises(ValueError, match=r"attention_bwd_dq: O \[1, 2, 6, 4\], dO \[1, 2, 5, 4\] "
+                                         r"and LSE \[1, 2, 5\] must be q's \[1, 2, 5, 4\]"):
+        g.bind("attention_bwd_dq", (q, k, k, g.input("o", (1, 2, 6, 4)), y, lse),
+               **y.node.attrs)
+
+
+def test_attention_grad_deterministic_marks_the_backward():
+    """grad(deterministic=True) marks the backward node (cuDNN's fused backward adds dQ with
+    atomics: its tier passes such a node to the numba kernels, which use none)."""
+    for det in (False, True):
+        g = rlx.Graph("attn_det")
+        q, k = g.input("q", (1, 2, 5, 4)), g.input("k", (1, 2, 6, 4))
+        g.grad(g.reduce_sum(g.attention(q, k, k)), [q, k], deterministic=det)
+        (node,) = [n for n in g.nodes if n.op == "attention_bwd_dq"]
+        assert node.attrs.get("deterministic", False) == det

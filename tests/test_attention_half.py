@@ -346,3 +346,212 @@ def test_cudnn_tier(rng, monkeypatch, dt, name):
     # of sum_j p_j |v_j| <= max |v|, so the bound is normwise in v
     assert_half_close(got, want, dt, k=2, scale=np.abs(f64(feed["v"])).max(),
                       what=f"cudnn attention {name}")
+
+
+# tier 0 for training (GPU): cuDNN's forward with its softmax stats (the LSE node) and its fused
+# backward (dQ, dK, dV in one call), against the float64 gradients. cuDNN rounds P to the dtype
+# for O = P V and dV = P^T dO, and dS for dQ = dS K and dK = dS^T Q (tensor cores), per-head
+# dK / dV too before a GQA group's sum, and reads O rounded (delta = rowsum(dO * O)): each
+# result's error is a few u of the magnitudes of the sums that make it (_magnitudes), not of
+# the result, which may cancel.
+def _to4(x, h):
+    """[B, S, H * D] -> [B, H, S, D]."""
+    return np.moveaxis(f64(x).reshape(x.shape[0], x.shape[1], h, -1), 1, 2)
+
+
+def _to3(x):
+    """[B, H, S, D] -> [B, S, H * D]."""
+    return np.moveaxis(x, 1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
+def _magnitudes(q, k, v, dy, *, causal=False, mask=None, bias=None, scale=None):
+    """float64 |.|-sums bounding the rounding of each result (see above): O: P |V|;
+    dV: P^T |dO|; dQ: scale |dS|' |K|; dK: scale |dS|'^T |Q|, with |dS|' = |dS| + P r and r
+    = rowsum(|dO| P |V|) (the error of delta through O's); dbias: |dS|' summed as dbias is."""
+    q, k, v, dy = f64(q), f64(k), f64(v), f64(dy)
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    K, V = np.abs(np.repeat(k, g, axis=1)), np.abs(np.repeat(v, g, axis=1))
+    sc = 1 / np.sqrt(d) if scale is None else scale
+    s = q @ np.repeat(k, g, axis=1).transpose(0, 1, 3, 2) * sc
+    if bias is not None:
+        s = s + f64(bias)
+    keep = _keep(b, hq, sq, sk, causal, None, mask)
+    s = np.where(keep, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+    den = e.sum(-1, keepdims=True)
+    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    pv = p @ V
+    dp = dy @ np.repeat(v, g, axis=1).transpose(0, 1, 3, 2)
+    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+    r = (np.abs(dy) * pv).sum(-1, keepdims=True)
+    dsm = np.abs(ds) + p * r
+    group = lambda x: x.reshape(b, hkv, g, *x.shape[2:]).sum(2)        # noqa: E731
+    return (pv, sc * dsm @ K, group(sc * dsm.transpose(0, 1, 3, 2) @ np.abs(q)),
+            group(p.transpose(0, 1, 3, 2) @ np.abs(dy)),
+            None if bias is None else _sum_to(dsm, np.shape(bias)))
+
+
+CUDNN_GRAD_CASES = {
+    "plain": ((2, 4, 65, 64), (2, 4, 65, 64), {}),
+    "causal": ((2, 4, 77, 128), (2, 4, 77, 128), {"causal": True, "scale": 0.1}),
+    "causal_gqa_8_2": ((2, 8, 77, 64), (2, 2, 77, 64), {"causal": True}),
+    "causal_bottom_right": ((1, 4, 33, 128), (1, 4, 100, 128), {"causal": True}),
+    "bshd_layout": ((2, 37, 4 * 32), (2, 45, 2 * 32), {"num_heads": 4, "causal": True}),
+    "bias_no_grad": ((2, 4, 24, 32), (2, 4, 50, 32), {"bias_shape": (1, 4, 24, 50),
+                                                      "scale": 0.2}),
+    "key_mask": ((3, 4, 40, 32), (3, 4, 40, 32), {"mask_shape": (3, 1, 1, 40)}),
+}
+
+
+def _cudnn_grad_run(rng, dt, qs, ks, kw, wrt_bias=False):
+    """(compiled executable, its outputs [O, dQ, dK, dV (, dbias)], the oracle's, the bounds'
+    magnitudes) of attention with causal / mask / bias / layout ``kw`` and its gradients."""
+    kw = dict(kw)
+    mask_shape, bias_shape = kw.pop("mask_shape", None), kw.pop("bias_shape", None)
+    g, (q, k, v), extra, y = _graph(dt, qs, ks, mask_shape, bias_shape, None, **kw)
+    feed = _feed(rng, dt, qs, ks, mask_shape, bias_shape)
+    if "m" in feed:
+        feed["m"][1] = False                      # batch row 1 keeps no key: zeros out
+    seed = rounded(rng.standard_normal(qs), dt)
+    wrt = [q, k, v] + ([extra["bias"]] if wrt_bias else [])
+    g.set_outputs([y, *g.grad(y, wrt, seed=g.constant(seed))])
+    exe = rlx.compile(g)
+    got = exe.run(feed)
+    attrs = {n: kw[n] for n in ("causal", "scale") if n in kw}
+    ins = [feed["q"], feed["k"], feed["v"], seed]
+    if len(qs) == 3:           # [B, S, H * D]: the oracle's [B, H, S, D] and back
+        hq = kw["num_heads"]
+        hkv = hq * ks[2] // qs[2]
+        ins = [_to4(x, h) for x, h in zip(ins, (hq, hkv, hkv, hq))]
+    extra_in = dict(mask=feed.get("m"), bias=feed.get("bias"))
+    want = attention64(*ins, **extra_in, **attrs)
+    mags = _magnitudes(*ins, **extra_in, **attrs)
+    if len(qs) == 3:
+        want, mags = ([_to3(x) if x is not None else None for x in t] for t in (want, mags))
+    n = 5 if wrt_bias else 4
+    return exe, got, list(want)[:n], list(mags)[:n]
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("name", list(CUDNN_GRAD_CASES))
+def test_cudnn_training(rng, monkeypatch, dt, name):
+    """Forward (writing the LSE) and backward both on tier 0: O, dQ, dK, dV within 4 u of
+    their sums' magnitudes; a bias without a gradient goes into both calls; a batch row
+    that keeps no key gets zero output and gradients, and adds nothing to dK / dV."""
+    qs, ks, kw = CUDNN_GRAD_CASES[name]
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "0")
+    exe, got, want, mags = _cudnn_grad_run(rng, dt, qs, ks, kw)
+    names = [s.kernel_name for s in exe.steps]
+    assert [x for x in names if x.startswith("cudnn sdpa ")][0].endswith("+lse"), names
+    assert any(x.startswith("cudnn sdpa_backward ") for x in names), names
+    assert not any(x.startswith("attention") for x in names), names
+    for i, what in enumerate(["o", "dq", "dk", "dv"]):
+        assert not np.isnan(f64(got[i])).any(), what
+        assert_half_close(got[i], want[i], dt, k=4.0, scale=mags[i],
+                          what=f"cudnn {name} {what}")
+    if "mask_shape" in kw:
+        assert not f64(got[0][1]).any() and not f64(got[1][1]).any()
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+def test_cudnn_backward_half_accumulation_would_fail(rng, monkeypatch, dt):
+    """1024 queries and keys with nearly equal scores, dO in [2, 3]: each dV entry sums 1024
+    terms p dO ~ 2.5 / 1024 up to ~2.5. cuDNN's dV (P rounded to dt, f32 sums) is within 4 u
+    of P^T |dO|; the same P^T dO with every partial sum rounded to dt is not (past 2 a bf16
+    ulp is 2^-6, several terms; f16's roundings of ~1.3 ulp terms drift one way)."""
+    from halfref import half_accumulated
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "0")
+    qs = (1, 1, 1024, 16)
+    g, (q, k, v), _, y = _graph(dt, qs, qs)
+    feed = {"q": rounded(0.1 * rng.standard_normal(qs), dt),
+            "k": rounded(rng.standard_normal(qs), dt), "v": rounded(rng.uniform(2, 3, qs), dt)}
+    seed = rounded(rng.uniform(2, 3, qs), dt)
+    g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed)))
+    exe = rlx.compile(g)
+    assert any(s.kernel_name.startswith("cudnn sdpa_backward ") for s in exe.steps)
+    dv = exe.run(feed)[2]
+    want = attention64(feed["q"], feed["k"], feed["v"], seed)[3]
+    mag = _magnitudes(feed["q"], feed["k"], feed["v"], seed)[3]
+    assert_half_close(dv, want, dt, k=4.0, scale=mag, what="cudnn dv")
+    s = f64(feed["q"])[0, 0] @ f64(feed["k"])[0, 0].T / 4.0
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = rounded(p / p.sum(-1, keepdims=True), dt)
+    emulated = half_accumulated(p.T, seed[0, 0], dt).reshape(want.shape)
+    with pytest.raises(AssertionError):
+        assert_half_close(emulated, want, dt, k=4.0, scale=mag, what="half accumulation")
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+def test_cudnn_deterministic_grad_falls_back(rng, monkeypatch, caplog, dt):
+    """grad(deterministic=True): the backward is the numba kernels (no atomics), the same bits
+    on two runs; the forward stays on cuDNN."""
+    import logging
+    monkeypatch.delenv("RLX_NUMBA_ATTENTION_TIERS")
+    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    qs, ks = (2, 4, 40, 32), (2, 2, 40, 32)
+    g, (q, k, v), _, y = _graph(dt, qs, ks, causal=True)
+    seed = rounded(rng.standard_normal(qs), dt)
+    g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed), deterministic=True))
+    with caplog.at_level(logging.WARNING, logger="rlx_numba"):
+        exe = rlx.compile(g)
+    assert "grad(deterministic=True)" in caplog.text
+    names = [s.kernel_name for s in exe.steps]
+    assert any(x.startswith("cudnn sdpa ") for x in names), names
+    assert not any(x.startswith("cudnn sdpa_backward") for x in names), names
+    feed = _feed(rng, dt, qs, ks)
+    first, second = exe.run(feed), exe.run(feed)
+    want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+    mags = _magnitudes(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+    for a, b, w, m in zip(first, second, want, mags):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert_half_close(a, w, dt, k=4.0, scale=m, what="deterministic")
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+@pytest.mark.parametrize("case,bias_shape,wrt_bias,why", [
+    ("bias_gradient", (1, 4, 24, 50), True, "a bias gradient"),
+    ("bias_over_queries", (50,), False, "a bias broadcast as [1, 1, 1, 50]")])
+def test_cudnn_backward_falls_back(rng, monkeypatch, caplog, dt, case, bias_shape, wrt_bias, why):
+    """A bias that takes a gradient (dS needs the delta, which cuDNN's fused backward keeps to
+    itself), or one broadcast over the queries: the forward stays on cuDNN (its stats the LSE
+    the numba backward reads), the backward is the numba kernels, the reason logged."""
+    import logging
+    monkeypatch.delenv("RLX_NUMBA_ATTENTION_TIERS")
+    monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
+    with caplog.at_level(logging.WARNING, logger="rlx_numba"):
+        exe, got, want, mags = _cudnn_grad_run(
+            rng, dt, (2, 4, 24, 32), (2, 2, 50, 32),
+            {"bias_shape": bias_shape, "scale": 0.2}, wrt_bias=wrt_bias)
+    assert why in caplog.text
+    names = [s.kernel_name for s in exe.steps]
+    assert any(x.startswith("cudnn sdpa ") and x.endswith("+lse") for x in names), names
+    assert not any(x.startswith("cudnn sdpa_backward") for x in names), names
+    kernels = ["attention_bwd_delta", "attention_bwd_dq", "attention_bwd_dkv"]
+    for kern in kernels + (["attention_bwd_ds"] if wrt_bias else []):
+        assert any(x.startswith(kern) for x in names), (kern, names)
+    for i, what in enumerate(["o", "dq", "dk", "dv", "dbias"][:len(want)]):
+        assert_half_close(got[i], want[i], dt, k=4.0, scale=mags[i], what=f"{case} {what}")
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="cuDNN runs on a GPU")
+@pytest.mark.parametrize("dt", HALVES)
+def test_cudnn_backward_after_numba_decode(rng, monkeypatch, dt):
+    """Few queries a key/value head: the forward is the numba decode kernel and the LSE its
+    own numba step, the backward cuDNN's, reading that LSE as its stats."""
+    monkeypatch.delenv("RLX_NUMBA_ATTENTION_TIERS")
+    qs, ks = (2, 4, 8, 32), (2, 2, 40, 32)
+    assert A.decode_rows(2, 8, 32) is not None
+    exe, got, want, mags = _cudnn_grad_run(rng, dt, qs, ks, {"causal": True})
+    names = [s.kernel_name for s in exe.steps]
+    assert any(x.startswith("attention decode") for x in names), names
+    assert any(x.startswith("attention_lse") for x in names), names
+    assert any(x.startswith("cudnn sdpa_backward ") for x in names), names
+    for i, what in enumerate(["o", "dq", "dk", "dv"]):
+        assert_half_close(got[i], want[i], dt, k=4.0, scale=mags[i], what=f"decode {what}")

@@ -16,9 +16,14 @@ softmax, P V) and round the output once. The LSE and delta rows are f32; dQ, dK,
 inputs' dtype, a bias's gradient in the bias's.
 
 Backward (``g.grad``): FlashAttention-2 style, see the VJP at the end and
-kernels/attention_bwd.py: attention_lse (the rows' log-sum-exp), attention_bwd_delta
-(rowsum(dO * O)), attention_bwd_dq, attention_bwd_dkv ([2, *k.shape]: dK then dV) and, for a
-bias gradient only, attention_bwd_ds (dS, [B, Hq, Sq, Sk]).
+kernels/attention_bwd.py: attention_lse (the rows' log-sum-exp, natural log, of the scores
+scale * q.k (softcapped, + bias, masked): the forward's kernel writes it, cuDNN's "stats" being
+the same numbers), then ONE backward node, attention_bwd_dq on (q, k, v, O, dO, LSE, [mask],
+[bias]), whose bind gives dQ and two further results its steps fill: attention_bwd_dkv
+([2, *k.shape]: dK then dV) and attention_bwd_delta (rowsum(dO * O) [B, Hq, Sq], f32). One node
+because cuDNN's fused backward computes all three in one call (tier 0); the numba tier runs the
+delta, dQ and dK/dV kernels into them. For a bias gradient only, attention_bwd_ds (dS,
+[B, Hq, Sq, Sk]) reads that delta (cuDNN's tier then passes the node over: it keeps its delta).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ from . import dtypes as dt
 from .autodiff import sum_to, vjp
 from .opdef import F32, defop
 from .ops import broadcast_shapes, fmt
+from .ops_norm import further_result
 
 
 def attention_dims(q, k, v, mask, bias, num_heads, window, scale, softcap):
@@ -122,15 +128,14 @@ def infer_attention(q, k, v, *rest, causal, window, has_mask, has_bias, scale, s
     return q.shape, q.dtype
 
 
-def _bwd_infer(op, n_lead, shape_of, masks=True, stats=(), result=None):
-    """Inference of a backward node: its inputs are ``n_lead`` tensors, then (``masks``) the
-    forward's mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
+def _bwd_infer(op, n_lead, shape_of, stats=(), result=None):
+    """Inference of a backward node: its inputs are ``n_lead`` tensors, then the forward's
+    mask / bias; its attributes the forward node's; ``shape_of(lead, attrs)`` its
     shape. The lead inputs share input 0's float dtype except those at ``stats`` (LSE and
     delta: f32); the result is f32 unless ``result`` = "io" (input 0's dtype)."""
     def infer(*inputs, **a):
         lead = inputs[:n_lead]
-        mask, bias = _mask_bias(op, inputs[n_lead:], a["has_mask"] and masks,
-                                a["has_bias"] and masks)
+        mask, bias = _mask_bias(op, inputs[n_lead:], a["has_mask"], a["has_bias"])
         io = lead[0].dtype
         for i, t in enumerate(lead):
             want = dt.F32 if i in stats else io
@@ -159,43 +164,58 @@ def _lse_shape(lead, a):
     return _rows(a)
 
 
-def _delta_shape(lead, a):
-    o, do = lead
-    if tuple(do.shape) != tuple(o.shape):
-        raise ValueError(f"attention_bwd_delta: dO {fmt(do.shape)} must have O's shape "
-                         f"{fmt(o.shape)}")
-    return _rows(a)
+def _bwd_shapes(lead, a):
+    """attention_bwd_dq's inputs (q, k, v, O, dO, LSE): [dQ (q's shape), [dK, dV]
+    ([2, *k.shape]), delta (the rows')]."""
+    q, k, v, o, do, lse = lead
+    if tuple(o.shape) != tuple(q.shape) or tuple(do.shape) != tuple(q.shape) \
+            or tuple(lse.shape) != _rows(a):
+        raise ValueError(f"attention_bwd_dq: O {fmt(o.shape)}, dO {fmt(do.shape)} and LSE "
+                         f"{fmt(lse.shape)} must be q's {fmt(q.shape)}, q's and the rows' "
+                         f"{fmt(_rows(a))}")
+    return [tuple(q.shape), (2, *k.shape), _rows(a)]
 
 
-def _grads_shape(kind):
-    """dq: q's shape; dkv: [2, *k.shape] (dK then dV); ds: [B, Hq, Sq, Sk]."""
-    def shape_of(lead, a):
-        q, k, v, do, lse, dl = lead
-        if tuple(do.shape) != tuple(q.shape) or tuple(lse.shape) != _rows(a) \
-                or tuple(dl.shape) != _rows(a):
-            raise ValueError(f"attention_bwd_{kind}: dO {fmt(do.shape)}, LSE {fmt(lse.shape)} "
-                             f"and delta {fmt(dl.shape)} must be q's {fmt(q.shape)} and the "
-                             f"rows' {fmt(_rows(a))}")
-        return {"dq": tuple(q.shape), "dkv": (2, *k.shape),
-                "ds": (a["b"], a["hq"], a["sq"], a["sk"])}[kind]
-    return shape_of
+def _infer_bwd(*inputs, **a):
+    """attention_bwd_dq: dQ in q's dtype, then its further results [dK, dV] (q's dtype) and
+    delta (f32)."""
+    shape_dq, dtype = _bwd_infer("attention_bwd_dq", 6, _bwd_shapes, stats=(5,),
+                                 result="io")(*inputs, **a)
+    dq, dkv, rows = shape_dq
+    return [(dq, dtype), (dkv, dtype), (rows, dt.F32)]
+
+
+def _ds_shape(lead, a):
+    """attention_bwd_ds: inputs (q, k, v, dO, LSE, delta): dS [B, Hq, Sq, Sk]."""
+    q, k, v, do, lse, dl = lead
+    if tuple(do.shape) != tuple(q.shape) or tuple(lse.shape) != _rows(a) \
+            or tuple(dl.shape) != _rows(a):
+        raise ValueError(f"attention_bwd_ds: dO {fmt(do.shape)}, LSE {fmt(lse.shape)} and delta "
+                         f"{fmt(dl.shape)} must be q's {fmt(q.shape)} and the rows' "
+                         f"{fmt(_rows(a))}")
+    return (a["b"], a["hq"], a["sq"], a["sk"])
 
 
 defop("attention", infer_attention, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
       doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA): cuDNN's fused "
           "attention, or numba flash / split-K")
-# filled by the forward's flash kernel when it is live (its VJP makes it); after a decode
-# kernel its own step (runtime/lower_attention.py)
+# filled by the forward's kernel (flash, or cuDNN's stats) when it is live (its VJP makes it);
+# after a decode kernel its own step (runtime/lower_attention.py)
 defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
       dtype_rule=F32, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's), f32")
-defop("attention_bwd_delta", _bwd_infer("attention_bwd_delta", 2, _delta_shape, masks=False),
-      dtype_rule=F32, doc="rowsum(dO * O) [B, Hq, Sq], f32")
-for _kind, _doc, _res in (("dq", "dQ (q's shape)", "io"),
-                          ("dkv", "[dK, dV] ([2, *k.shape])", "io"),
-                          ("ds", "dS [B, Hq, Sq, Sk] (for a bias gradient), f32", None)):
-    defop(f"attention_bwd_{_kind}", _bwd_infer(f"attention_bwd_{_kind}", 6, _grads_shape(_kind),
-                                               stats=(4, 5), result=_res),
-          dtype_rule=F32, doc=f"attention's {_doc}, FlashAttention-2 style")
+defop("attention_bwd_dq", _infer_bwd, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
+      results=(("attention_bwd_dkv", None), ("attention_bwd_delta", None)),
+      doc="attention's backward in one node: dQ (q's shape), and its further results [dK, dV] "
+          "and delta: cuDNN's fused SDPA backward, or the numba delta / dQ / dK-dV kernels")
+defop("attention_bwd_dkv", further_result("attention_bwd_dkv", "attention_bwd_dq"),
+      written_by=0, dtype_rule=F32,
+      doc="[dK, dV] ([2, *k.shape], GQA: summed over a group), filled by attention_bwd_dq")
+defop("attention_bwd_delta", further_result("attention_bwd_delta", "attention_bwd_dq"),
+      written_by=0, dtype_rule=F32,
+      doc="rowsum(dO * O) [B, Hq, Sq], f32, filled by attention_bwd_dq (attention_bwd_ds reads it)")
+defop("attention_bwd_ds", _bwd_infer("attention_bwd_ds", 6, _ds_shape, stats=(4, 5)),
+      dtype_rule=F32, doc="attention's dS [B, Hq, Sq, Sk] (for a bias gradient), f32, "
+                          "FlashAttention-2 style")
 
 
 class AttentionOps:
@@ -243,19 +263,21 @@ def _vjp_attention(g, n, dy):
     if dy.dtype != q.dtype:           # (as torch's autograd: a gradient takes its tensor's dtype)
         dy = g.cast(dy, q.dtype)
     extra = [t for t in (mask, bias) if t is not None]
-    # filled by the forward's flash kernel (written_by: it is in the attention's results),
-    # else its own step
-    lse = g.bind("attention_lse", (g.tensor(n.id), q, k, *extra), **a)
-    dl = g.bind("attention_bwd_delta", (g.tensor(n.id), dy), **a)
-    ins = (q, k, v, dy, lse, dl, *extra)
-    dq = g.bind("attention_bwd_dq", ins, **a)
-    dkv = g.bind("attention_bwd_dkv", ins, **a)
+    # filled by the forward's kernel, flash or cuDNN's (written_by: it is in the attention's
+    # results); after the decode kernel its own step
+    o = g.tensor(n.id)
+    lse = g.bind("attention_lse", (o, q, k, *extra), **a)
+    # one node for dQ, [dK, dV] and delta (cuDNN's backward is one call giving all of them);
+    # inside grad(..., deterministic=True) marked so (cuDNN's adds dQ with atomics)
+    det = {"deterministic": True} if g.deterministic_grad else {}
+    dq, dkv, dl = g.bind("attention_bwd_dq", (q, k, v, o, dy, lse, *extra), **a, **det)
     dk = g.reshape(g.narrow(dkv, 0, 0, 1), k.shape)
     dv = g.reshape(g.narrow(dkv, 0, 1, 1), v.shape)
     grads = [dq, dk, dv]
     if mask is not None:
         grads.append(None)
     if bias is not None:
-        ds = sum_to(g, g.bind("attention_bwd_ds", ins, **a), bias.shape)     # f32
+        ds = g.bind("attention_bwd_ds", (q, k, v, dy, lse, dl, *extra), **a)
+        ds = sum_to(g, ds, bias.shape)     # f32
         grads.append(ds if bias.dtype == ds.dtype else g.cast(ds, bias.dtype))
     return grads

@@ -15,9 +15,11 @@ Kernels (the integer geometry is attention's ``GEOM`` array: q / o / dO / dQ sha
 k / v / dK / dV k's; LSE and Dl are contiguous [B, Hq, Sq]):
 
 * LSE: saved by the forward's flash kernel (``WITH_LSE``: the attention node's step fills the
-  ``attention_lse`` node, as norm_bwd fills norm_bwd_stats); where the forward ran the decode
-  kernel, the flash kernel with ``LSE_ONLY`` (its Q K^T and online softmax, no P V).
-* ``delta``: Dl, NC lanes a row.
+  ``attention_lse`` node, as norm_bwd fills norm_bwd_stats; cuDNN's forward writes the same
+  numbers, its softmax stats); where the forward ran the decode kernel, the flash kernel with
+  ``LSE_ONLY`` (its Q K^T and online softmax, no P V).
+* ``delta``: Dl, NC lanes a row. It, dQ and dK / dV are the steps of one node
+  (``attention_bwd_dq``, runtime/lower_attention.py), whose cuDNN tier is one fused call.
 * ``grads``: dQ (or dS), or dK and dV, on the forward flash kernel's geometry and its staging
   helpers (kernels/attention.py's docstring): a block of NT threads holds a tile of BR "rows"
   (thread (tr, tc): TR consecutive rows, keys/queries 4 tc .. of a column tile of BC), and

@@ -1,9 +1,14 @@
 """Lowering of attention, two tiers (``RLX_NUMBA_ATTENTION_TIERS``, RLX_NUMBA_LOG_FALLBACK=1
 logs why one was passed over): 0, cuDNN's fused attention for f16 / bf16 (tensor cores;
-inference, causal, GQA, a bias or a bool mask); 1, the numba kernels (kernels/attention.py):
-the prefill (flash) kernel, or the split-K decode kernel when the queries that share a
-key/value head are few. Then its backward ops (kernels/attention_bwd.py, built by
-attention's VJP in ir/ops_attention.py)."""
+causal, GQA, a bias or a bool mask; with the rows' log-sum-exp when the backward needs it);
+1, the numba kernels (kernels/attention.py): the prefill (flash) kernel, or the split-K decode
+kernel when the queries that share a key/value head are few. Then its backward ops (built by
+attention's VJP in ir/ops_attention.py), the same two tiers under the same variable for the
+one node giving dQ, dK and dV (attention_bwd_dq): 0, cuDNN's fused backward (one call; not
+with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py). A forward on one tier
+and a backward on the other agree: cuDNN's softmax stats are our LSE (cudnn.py). cuDNN builds
+its graph when tier 0 is considered (_cudnn_builds), so one it has no engine for falls to the
+numba tier, the reason logged."""
 from __future__ import annotations
 
 import dataclasses
@@ -92,27 +97,100 @@ def _decodes(a) -> bool:
     return A.decode_rows(a["hq"] // a["hkv"], a["sq"], a["d"]) is not None and a["sk"] > 0
 
 
+def _sdpa_refusal(a, q, mask, bias):
+    """Why cuDNN's fused attention (forward or backward) cannot run an attention of attrs
+    ``a`` on q node ``q`` with these mask / bias nodes; None when it can."""
+    kind = q.dtype.name
+    sq, sk = a["sq"], a["sk"]
+    return ("f32 operands (cuDNN's fused attention takes f16 / bf16)" if kind == "f32" else
+            "an empty operand (the numba kernels write its zeros)"
+            if 0 in (a["b"], a["hq"], sq, sk, a["d"]) else
+            "a sliding window" if a["window"] is not None else
+            "softcap" if a["softcap"] is not None else
+            f"head dim {a['d']} (a multiple of 8 up to 128)" if a["d"] % 8 or a["d"] > 128 else
+            "causal with more queries than keys" if a["causal"] and sq > sk else
+            "causal with fewer queries than keys and a mask or bias (cuDNN's bottom-right "
+            "causal mask takes no bias)"
+            if a["causal"] and sq < sk and (mask is not None or bias is not None) else
+            "a mask and a bias together" if mask is not None and bias is not None else
+            f"a {bias.dtype} bias (cuDNN adds one of q's dtype)"
+            if bias is not None and bias.dtype.name != kind else None)
+
+
 def _cudnn_unavailable(ctx, n):
-    """None when cuDNN's fused attention (tier 0) runs node ``n``, else why not."""
+    """None when cuDNN's fused attention (tier 0) runs attention node ``n``, else why not."""
     if SIMULATOR:
         return "the simulator has no cuDNN"
     g, a = ctx.graph, n.attrs
     ins = [g.nodes[i] for i in n.inputs]
     mask, bias = _mask_and_bias(n, ins[3:])
-    kind = ins[0].dtype.name
-    why = ("f32 operands (cuDNN's fused attention takes f16 / bf16)" if kind == "f32" else
-           "a sliding window" if a["window"] is not None else
-           "softcap" if a["softcap"] is not None else
-           f"head dim {a['d']} (a multiple of 8 up to 128)" if a["d"] % 8 or a["d"] > 128 else
-           "few queries a kv head (the split decode kernel)" if _decodes(a) else
-           "causal with more queries than keys" if a["causal"] and a["sq"] > a["sk"] else
-           "its LSE is saved for the backward" if any(r in ctx.live for r in n.results) else
-           "a mask and a bias together" if mask is not None and bias is not None else
-           f"a {bias.dtype} bias (cuDNN adds one of q's dtype)"
-           if bias is not None and bias.dtype.name != kind else None)
-    if why is None:
-        why = cudnn.frontend()[1]
-    return why
+    why = _sdpa_refusal(a, ins[0], mask, bias) or (
+        "few queries a kv head (the split decode kernel)" if _decodes(a) else None)
+    why = why or cudnn.frontend()[1]
+    return why or _cudnn_builds(ctx, n, ins[0], mask, bias, False,
+                                stats=any(r in ctx.live for r in g.nodes[n.id].results))
+
+
+def _cudnn_bwd_unavailable(ctx, n):
+    """None when cuDNN's fused backward (tier 0) runs attention_bwd_dq node ``n`` (dQ, dK, dV
+    in one call), else why not."""
+    if SIMULATOR:
+        return "the simulator has no cuDNN"
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    mask, bias = _mask_and_bias(n, ins[6:])
+    _, delta = _bwd_results(g, n)
+    why = _sdpa_refusal(a, ins[0], mask, bias) or (
+        "a bias gradient (attention_bwd_ds reads the delta, which cuDNN keeps to itself)"
+        if delta in ctx.live else
+        "grad(deterministic=True) (cuDNN's fused backward adds dQ with atomics)"
+        if a.get("deterministic") else _bwd_bias_dims(a, ins[0], mask, bias)[1])
+    why = why or cudnn.frontend()[1]
+    return why or _cudnn_builds(ctx, n, ins[0], mask, bias, True,
+                                mask_dims=_bwd_bias_dims(a, ins[0], mask, bias)[0])
+
+
+def _cudnn_builds(ctx, n, q, mask, bias, backward, mask_dims=None, stats=False):
+    """None when cuDNN builds the graph of node ``n`` (now, on the program's stream: cached,
+    the step's bind reuses it), else why not (an engine it lacks falls to the numba tier
+    here, not as an error when the step is bound)."""
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims = _sdpa_geometry(n, q, mask, bias, mask_dims)
+    kw = dict(dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_,
+              dtype=q.dtype.name, scale=n.attrs["scale"], causal=causal, bias_dims=bias_dims,
+              ptrs=None)
+    try:
+        if backward:
+            cudnn.sdpa_backward_plan(ctx.stream, **kw)
+        else:
+            cudnn.sdpa_plan(ctx.stream, stats=stats, **kw)
+    except cudnn.CudnnError as e:
+        return f"cuDNN builds no graph for it ({e})"
+    return None
+
+
+_BWD_MASK_BYTES = 256 << 20
+
+
+def _bwd_bias_dims(a, q, mask, bias):
+    """(the dims cuDNN's fused backward reads the additive bias in, None), (None, None)
+    without one, or (None, why not). A bias must broadcast as [1, 1 or Hq, Sq, Sk] or
+    [B, Hq, Sq, Sk], the shapes its backward engines are known to take (not [B, 1, ...], nor
+    a bias broadcast over the queries or keys); a bool mask's bias is made at the smallest of
+    those covering the mask, up to _BWD_MASK_BYTES."""
+    full = [a["b"], a["hq"], a["sq"], a["sk"]]
+    t = bias if bias is not None else mask
+    if t is None:
+        return None, None
+    dims = _dims4(t.shape, full)
+    if dims[2:] == full[2:] and (dims[0] == 1 or dims[:2] == full[:2]):
+        return dims, None
+    if bias is not None:
+        return None, (f"a bias broadcast as {dims} (cuDNN's fused backward takes [1, 1 or Hq, "
+                      f"Sq, Sk] or [B, Hq, Sq, Sk])")
+    dims = [1, dims[1], *full[2:]] if dims[0] == 1 else full
+    if int(np.prod(dims)) * q.dtype.itemsize > _BWD_MASK_BYTES:
+        return None, f"a mask whose additive bias for cuDNN's fused backward is {dims} (> 256 MiB)"
+    return dims, None
 
 
 def _mask_and_bias(n, rest):
@@ -122,61 +200,106 @@ def _mask_and_bias(n, rest):
     return mask, bias
 
 
+def _bwd_results(g, n):
+    """The ids of attention_bwd_dq node ``n``'s further results: ([dK, dV], delta)."""
+    dkv, delta = g.nodes[n.id].results
+    return dkv, delta
+
+
 def _dims4(shape, full):
     """A mask's / bias's shape as 4 dims broadcast against ``full`` (1 where it broadcasts)."""
     shape = (1,) * (4 - len(shape)) + tuple(shape)
     return [f if s != 1 else 1 for s, f in zip(shape, full)]
 
 
-@lowering("attention", tier="cuDNN fused SDPA", available=_cudnn_unavailable)
-def _lower_attention_cudnn(ctx, n):
-    """One cuDNN fused-attention call (f16 / bf16 q, k, v; inference: no LSE kept). Its
-    flash kernel rounds the probabilities to q's dtype for the P V product on tensor cores
-    (as FlashAttention-2 does): an output's error is within a few units of roundoff of
-    sum_j p_j |v_j|, not of |o| (the numba kernels keep P in f32). A bool
-    mask becomes an additive bias of q's dtype (0 where kept, -inf where masked) made by one
-    element-wise kernel; a query row that keeps no key comes out 0, as the numba kernels'
-    (cuDNN's flash kernel guards an all -inf row; tests/test_attention_half.py checks it)."""
-    g, a = ctx.graph, n.attrs
-    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
-    if b * hq * sq * d == 0:
-        return []
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v = ins[:3]
-    mask, bias = _mask_and_bias(n, ins[3:])
-    kind = q.dtype.name
-    if len(q.shape) == 4:
-        sq_, sk_ = (hq * sq * d, sq * d, d, 1), (hkv * sk * d, sk * d, d, 1)
-    else:                               # [B, S, H * D]
-        sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
-    full = (b, hq, sq, sk)
-    ptr = lambda buf: buf.device_ctypes_pointer.value      # noqa: E731
-    ptrs = {"q": ptr(ctx.buf(q)), "k": ptr(ctx.buf(k)), "v": ptr(ctx.buf(v)),
-            "o": ptr(ctx.buf(n))}
-    steps, bias_dims, name = [], None, step_name(n)
+def _ptr(buf) -> int:
+    return buf.device_ctypes_pointer.value
+
+
+def _sdpa_args(ctx, n, q, mask, bias, what, ptrs, mask_dims=None):
+    """What cuDNN's graphs of attention (or backward) node ``n`` share: (dims_q, dims_kv,
+    strides_q, strides_kv, causal, bias_dims, the steps making a bool mask's additive bias),
+    the bias's pointer added to ``ptrs`` (the call's operands); None when one of those is off
+    a 16-byte boundary (a view may start anywhere; arena slots are 256-byte aligned): cuDNN's
+    tensors are declared 16-byte aligned, so the numba tier takes that node (the lowering
+    returns None: "does not apply"). A bool mask becomes a bias of q's dtype (0 where kept,
+    -inf where masked) made by one element-wise kernel, of the mask's broadcast dims or
+    ``mask_dims`` (a broadcast of them)."""
     if bias is not None:
-        bias_dims = _dims4(bias.shape, full)
-        ptrs["bias"] = ptr(ctx.buf(bias))
-    elif mask is not None:
-        bias_dims = _dims4(mask.shape, full)
+        ptrs["bias"] = _ptr(ctx.buf(bias))
+    if any(p % 16 for p in ptrs.values()):
+        return None
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims = _sdpa_geometry(n, q, mask, bias, mask_dims)
+    steps = []
+    if bias is None and mask is not None:
+        own = _dims4(mask.shape, (dims_q[0], dims_q[1], dims_q[2], dims_kv[2]))
         host = q.dtype.storage
         buf = ctx.device_array(np.empty(int(np.prod(bias_dims)), host))
         consts = [ctx.device_array(np.array([v], np.float32).astype(q.dtype.host).view(host))
                   for v in (0.0, -np.inf)]
         steps.append(elementwise_step(
-            name + " mask bias", ("where", None, q.dtype, ("in", 0, dt.BOOL),
-                                  ("in", 1, q.dtype), ("in", 2, q.dtype)),
+            f"{step_name(n)} {what} mask bias",
+            ("where", None, q.dtype, ("in", 0, dt.BOOL), ("in", 1, q.dtype), ("in", 2, q.dtype)),
             buf, tuple(bias_dims), [ctx.buf(mask)] + consts,
-            [tuple(bias_dims), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
-        ptrs["bias"] = ptr(buf)
+            [tuple(own), (1,), (1,)], [dt.BOOL, q.dtype, q.dtype]))
+        ptrs["bias"] = _ptr(buf)
+    return dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps
+
+
+def _sdpa_geometry(n, q, mask, bias, mask_dims=None):
+    """(dims_q, dims_kv, strides_q, strides_kv, causal, bias_dims) of cuDNN's graphs of node
+    ``n``: [B, H, S, D] dims with the element strides of q's layout (rank 4, or [B, S, H * D]);
+    the bias's broadcast dims, or a bool mask's (or ``mask_dims``)."""
+    a = n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    if len(q.shape) == 4:
+        sq_, sk_ = (hq * sq * d, sq * d, d, 1), (hkv * sk * d, sk * d, d, 1)
+    else:                               # [B, S, H * D]
+        sq_, sk_ = (sq * hq * d, d, hq * d, 1), (sk * hkv * d, d, hkv * d, 1)
+    full = (b, hq, sq, sk)
+    bias_dims = (_dims4(bias.shape, full) if bias is not None else
+                 list(mask_dims or _dims4(mask.shape, full)) if mask is not None else None)
     causal = None if not a["causal"] else "top_left" if sq == sk else "bottom_right"
+    return (b, hq, sq, d), (b, hkv, sk, d), sq_, sk_, causal, bias_dims
+
+
+def _sdpa_desc(what, kind, a, causal, bias_dims) -> str:
+    return (f"cudnn {what} {kind} D={a['d']} {'causal ' if causal else ''}"
+            f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}{' +bias' if bias_dims else ''}")
+
+
+@lowering("attention", tier="cuDNN fused SDPA", available=_cudnn_unavailable)
+def _lower_attention_cudnn(ctx, n):
+    """One cuDNN fused-attention call (f16 / bf16 q, k, v), with the rows' log-sum-exp (its
+    softmax stats) into the attention_lse node when that is live (training). Its flash kernel
+    rounds the probabilities to q's dtype for the P V product on tensor cores (as
+    FlashAttention-2 does): an output's error is within a few units of roundoff of
+    sum_j p_j |v_j|, not of |o| (the numba kernels keep P in f32). A bool mask becomes an
+    additive bias (_sdpa_args); a query row that keeps no key comes out 0, as the numba
+    kernels' (cuDNN's flash kernel guards an all -inf row; tests/test_attention_half.py checks
+    it)."""
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    mask, bias = _mask_and_bias(n, ins[3:])
+    kind = q.dtype.name
+    ptrs = {"q": _ptr(ctx.buf(q)), "k": _ptr(ctx.buf(k)), "v": _ptr(ctx.buf(v)),
+            "o": _ptr(ctx.buf(n))}
+    # a live attention_lse of this node (its VJP): cuDNN's stats are those numbers
+    lse = [r for r in g.nodes[n.id].results if r in ctx.live]
+    if lse:
+        ptrs["stats"] = _ptr(ctx.buf(lse[0]))
+    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa", ptrs)
+    if args is None:
+        return None
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps = args
     make = lambda stream: cudnn.sdpa_plan(  # noqa: E731
-        stream, dims_q=(b, hq, sq, d), dims_kv=(b, hkv, sk, d), strides_q=sq_,
-        strides_kv=sk_, dtype=kind, scale=a["scale"], causal=causal, bias_dims=bias_dims,
-        ptrs=ptrs)
-    return steps + [CallStep(name, f"cudnn sdpa {kind} D={d} {'causal ' if causal else ''}"
-                             f"{b}x{hq}/{hkv}x{sq}x{sk}{' +bias' if bias_dims else ''}", make,
-                             {"flops": 4 * b * hq * sq * sk * d, "tier": 0})]
+        stream, dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_, dtype=kind,
+        scale=a["scale"], causal=causal, bias_dims=bias_dims, ptrs=ptrs, stats=bool(lse))
+    desc = _sdpa_desc("sdpa", kind, a, causal, bias_dims) + (" +lse" if lse else "")
+    return steps + [CallStep(step_name(n), desc, make,
+                             {"flops": 4 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"],
+                              "tier": 0})]
 
 
 @lowering("attention", tier="numba flash / split decode")
@@ -252,43 +375,121 @@ def _lower_attention_lse(ctx, n):
                  {"flops": 2 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]})]
 
 
-@lowering("attention_bwd_delta")
-def _lower_attention_delta(ctx, n):
-    """inputs (o, do): rowsum(dO * O) [B, Hq, Sq]."""
-    g = ctx.graph
-    if n.size == 0:
-        return []
-    o, do = (g.nodes[i] for i in n.inputs)
-    geom, _ = _geom(ctx, n, o, o, None, None)
-    geo = default_geometry("attention")
-    grid, block = AB.launch_delta(geo, n.size)
-    return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo, io_kind(o.dtype)), grid, block,
-                 (ctx.buf(n), ctx.buf(o), ctx.buf(do), geom, np.int64(n.size)))]
-
-
-@lowering("attention_bwd_dq", "attention_bwd_ds", "attention_bwd_dkv")
-def _lower_attention_bwd(ctx, n):
-    """inputs (q, k, v, dO, LSE, Dl, [mask], [bias]): dQ (q's shape), dS [B, Hq, Sq, Sk] (for
-    a bias gradient) or [dK, dV] ([2, *k.shape])."""
+@lowering("attention_bwd_dq", tier="cuDNN fused SDPA backward",
+          available=_cudnn_bwd_unavailable)
+def _lower_attention_bwd_cudnn(ctx, n):
+    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): dQ, dK and dV (the attention_bwd_dkv
+    result's halves) in one cuDNN call. The LSE is cuDNN's stats convention (cudnn.py); where
+    a mask or bias may leave a row with no key, a row whose LSE is -inf (the numba kernels')
+    goes in as +inf (a small element-wise step into a scratch), so every exp(s - LSE) of it is
+    0 and the row's gradients zeros. cuDNN rounds P (for dV = P^T dO) and dS (for dQ = dS K,
+    dK = dS^T Q) to q's dtype for the tensor-core products."""
     g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, o, do, lse = ins[:6]
+    mask, bias = _mask_and_bias(n, ins[6:])
+    kind = q.dtype.name
+    dkv, _ = _bwd_results(g, n)
+    ptrs = {"q": _ptr(ctx.buf(q)), "k": _ptr(ctx.buf(k)), "v": _ptr(ctx.buf(v)),
+            "o": _ptr(ctx.buf(o)), "do": _ptr(ctx.buf(do)), "stats": _ptr(ctx.buf(lse)),
+            "dq": _ptr(ctx.buf(n))}
+    if dkv in ctx.live:
+        ptrs["dk"] = _ptr(ctx.buf(dkv))
+    args = _sdpa_args(ctx, n, q, mask, bias, "sdpa_backward", ptrs,
+                      _bwd_bias_dims(a, q, mask, bias)[0])
+    if args is None:
+        return None
+    dims_q, dims_kv, sq_, sk_, causal, bias_dims, steps = args
+    if dkv not in ctx.live:             # dK / dV not wanted: cuDNN writes them somewhere
+        ptrs["dk"] = _ptr(ctx.device_array(np.empty(2 * k.size, q.dtype.storage)))
+    ptrs["dv"] = ptrs["dk"] + k.size * q.dtype.itemsize     # [dK, dV]: dV the second half
+    if mask is not None or bias is not None:
+        guarded = ctx.device_array(np.empty(lse.size, np.float32))
+        consts = [ctx.device_array(np.array([x], np.float32)) for x in (-np.inf, np.inf)]
+        steps.append(elementwise_step(
+            f"{step_name(n)} lse guard",
+            ("where", None, dt.F32, ("compare", "gt", dt.BOOL, ("in", 0, dt.F32),
+                                     ("in", 1, dt.F32)),
+             ("in", 0, dt.F32), ("in", 2, dt.F32)),
+            guarded, (lse.size,), [ctx.buf(lse)] + consts, [(lse.size,), (1,), (1,)],
+            [dt.F32, dt.F32, dt.F32]))
+        ptrs["stats"] = _ptr(guarded)
+    make = lambda stream: cudnn.sdpa_backward_plan(  # noqa: E731
+        stream, dims_q=dims_q, dims_kv=dims_kv, strides_q=sq_, strides_kv=sk_, dtype=kind,
+        scale=a["scale"], causal=causal, bias_dims=bias_dims, ptrs=ptrs)
+    return steps + [CallStep(step_name(n), _sdpa_desc("sdpa_backward", kind, a, causal,
+                                                      bias_dims), make,
+                             {"flops": 10 * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"],
+                              "tier": 0})]
+
+
+def _grads_step(ctx, n, kind, out, q, k, v, do, lse, dl, bias, mbuf, bbuf, flags, scale,
+                softcap, geom, nk=0):
+    """The numba kernel writing ``out``: dQ, dS or [dK, dV] (``kind``; ``nk`` elements of dK
+    before dV) from the buffers ``lse`` and ``dl`` (LSE and delta)."""
+    a = n.attrs
+    kinds = _kinds(q, bias)
+    vec = _vec(kinds[0], a["d"], tuple(ctx.buf(t) for t in (q, k, v, do)))
+    args = (out, ctx.buf(q), ctx.buf(k), ctx.buf(v), ctx.buf(do), lse, dl, mbuf, bbuf, geom,
+            scale, softcap, np.int64(nk))
+    per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
+    flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
+    op = {AB.DQ: "attention_bwd_dq", AB.DS: "attention_bwd_ds", AB.DKV: "attention_bwd_dkv"}
+    desc = f"{op[kind]}{_tag(kinds[0])} D={a['d']} {'causal ' if a['causal'] else ''}" \
+           f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}"
+    geo = default_geometry("attention")
+    grid, block = AB.launch(geo, kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
+    return Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags,
+                                             *kinds), grid, block, args, flops)
+
+
+@lowering("attention_bwd_dq", tier="numba delta / dQ / dK-dV kernels")
+def _lower_attention_bwd(ctx, n):
+    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (rowsum(dO * O), into
+    the attention_bwd_delta result, or a scratch of the node's own when nothing reads it),
+    then the dQ kernel (this node) and the dK / dV kernel (the attention_bwd_dkv result), each
+    skipped when its output is empty (no queries: dK and dV are still written, zeros)."""
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, o, do, lse = ins[:6]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
+    dkv, delta = _bwd_results(g, n)
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    rows = lse.size
+    steps = []
+    if rows:
+        dl = (ctx.buf(delta) if delta in ctx.live
+              else ctx.device_array(np.empty(rows, np.float32)))
+        geo = default_geometry("attention")
+        grid, block = AB.launch_delta(geo, rows)
+        steps.append(Step(step_name(n), "attention_bwd_delta", AB.delta(geo, io_kind(o.dtype)),
+                          grid, block, (dl, ctx.buf(o), ctx.buf(do), geom, np.int64(rows))))
+    else:
+        dl = _dummy(ctx, np.float32)
+    common = (q, k, v, do, ctx.buf(lse) if rows else _dummy(ctx, np.float32), dl, bias, mbuf,
+              bbuf, flags, scale, softcap, geom)
+    if n.size:
+        steps.append(_grads_step(ctx, n, AB.DQ, ctx.buf(n), *common))
+    if dkv in ctx.live and k.size:
+        steps.append(_grads_step(ctx, n, AB.DKV, ctx.buf(dkv), *common, nk=k.size))
+    return steps
+
+
+@lowering("attention_bwd_dkv", "attention_bwd_delta")
+def _lower_attention_bwd_results(ctx, n):
+    return []   # written by their attention_bwd_dq node's steps
+
+
+@lowering("attention_bwd_ds")
+def _lower_attention_bwd_ds(ctx, n):
+    """inputs (q, k, v, dO, LSE, delta, [mask], [bias]): dS [B, Hq, Sq, Sk] (for a bias
+    gradient)."""
+    g = ctx.graph
     if n.size == 0:
         return []
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v, do, lse, dl = ins[:6]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
-    kinds = _kinds(q, bias)
     geom, _ = _geom(ctx, n, q, k, mask, bias)
-    kind = {"attention_bwd_dq": AB.DQ, "attention_bwd_ds": AB.DS,
-            "attention_bwd_dkv": AB.DKV}[n.op]
-    vec = _vec(kinds[0], a["d"], tuple(ctx.buf(t) for t in (q, k, v, do)))
-    args = (ctx.buf(n), ctx.buf(q), ctx.buf(k), ctx.buf(v), ctx.buf(do), ctx.buf(lse),
-            ctx.buf(dl), mbuf, bbuf, geom, scale, softcap,
-            np.int64(n.size // 2 if kind == AB.DKV else 0))
-    per = {AB.DQ: 6, AB.DS: 4, AB.DKV: 8}[kind]
-    flops = {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * a["d"]}   # 2 a product
-    desc = f"{n.op}{_tag(kinds[0])} D={a['d']} {'causal ' if a['causal'] else ''}" \
-           f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}"
-    geo = default_geometry("attention")
-    grid, block = AB.launch(geo, kind, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"])
-    return [Step(step_name(n), desc, AB.grads(geo, kind, A.head_split(geo, a["d"]), vec, *flags,
-                                              *kinds), grid, block, args, flops)]
+    return [_grads_step(ctx, n, AB.DS, ctx.buf(n), q, k, v, do, ctx.buf(lse), ctx.buf(dl), bias,
+                        mbuf, bbuf, flags, scale, softcap, geom)]
