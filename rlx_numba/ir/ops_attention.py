@@ -183,7 +183,7 @@ def _grads_shape(kind):
 
 defop("attention", infer_attention, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
       doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA): cuDNN's fused "
-          "attention, or numba flash / split-K")
+          "attention, the numba tensor-core flash kernel, or numba flash / split-K")
 # filled by the forward's flash kernel when it is live (its VJP makes it); after a decode
 # kernel its own step (runtime/lower_attention.py)
 defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,

@@ -1,0 +1,335 @@
+"""The tensor-core flash kernel (attention tier 1): a FlashAttention-2 forward for f16 / bf16
+q, k, v on mma.sync (kernels/mma.py's m16n8k16, ldmatrix and cp.async; sm_80+), with the
+masking contract of kernels/attention.py's f32 ``flash`` (its GEOM array, ``scorer`` and LSE
+convention), so the numba backward consumes the LSE it writes.
+
+Structure (geometry ``TcAttnGeometry``, the family "attention_tc" of kernels/launch.py). A
+block owns BR = 16 W query rows of one (batch, query head), W warps of 16 rows each, and
+streams the keys of its kv head (h // (Hq / Hkv): GQA reads K / V in place) BC at a time
+through shared memory:
+
+    Q's A fragments are loaded once into registers (D / 4 words a lane, straight from global
+    memory); K tile 0 is issued by cp.async.
+    for each key tile:
+        wait for K; barrier (every warp is past the last tile's P V: V's buffer is free);
+        issue V's tile (its copy overlaps the scores and the softmax);
+        S = Q K^T: ldmatrix_x4 of K ([key][dim] rows: the "col" B operand), f32 fragments;
+        scale (exp2 units: scale log2 e folded in), softcap, bias and masks -- a tile that
+        needs none skips the tests -- and the online softmax in registers: a lane holds two
+        rows (g, g + 8) of its warp's 16, each row's max over the 4 lanes of a quad
+        (two shuffles); its own share of the row sums l (the quad's summed once at the end);
+        wait for V; barrier (every warp is past its scores: K's buffer is free);
+        issue the next K tile (its copy overlaps P V);
+        O += P V: P rounded to the io dtype (cvt.rn.{bf16,f16}x2) straight from the score
+        fragments (two m16n8 C tiles are one m16k16 A tile), V's B fragments by
+        ldmatrix_x4_trans of its [key][dim] rows; O in f32 fragments.
+    O / l rounded once to the io dtype; with WITH_LSE the rows' log-sum-exp (natural units,
+    -inf for a row that keeps no key, whose output is 0) as kernels/attention.py writes it.
+
+Key tiles wholly masked by causal / window are skipped; causal blocks start from the
+heaviest query tiles. Shared memory: K and V tiles of BC x (D + 8) halves, rows padded by 16
+bytes (a row stride of an odd number of 16-byte units: the 8 rows an ldmatrix phase reads
+fall in 8 distinct bank groups), within 48 KB of static shared memory (``keys`` halves BC
+until it fits: 128 keys at D 64, 64 at D 128). Rows past Sk are zero-filled (P is 0 there,
+and 0 times stale bits could be NaN). K / V rows must be 16-byte aligned (cp.async): the
+lowering checks the pointers; D a multiple of 16 makes every row stride a multiple of 8.
+
+Precision: as cuDNN and FlashAttention-2, P is rounded to the io dtype before P V (the row
+sums l are of the f32 P), so an output's error is a few units of roundoff of
+sum_j p_j |v_j| / l, plus the scores' f32 sums. q / k / v are passed as uint16 bit patterns
+(f16 as its uint16 view); out in its own storage (kernels/halfio.py), the bias in ``bkind``.
+"""
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int64, uint16, uint32, uint64
+
+from ..device import SIMULATOR
+from . import halfio
+from . import mathfn as m
+from . import mma as tc
+from . import ptx
+from .attention import NO_LSE, WITH_LSE, divmod_small, scorer
+from .launch import inline as _inline, jit, register_geometry
+from .warp import xor_shfl
+
+ALIGN = tc.SMEM_ALIGN   # (a module constant: shared.array needs a literal alignment)
+VERSION = 1             # bump when the kernel or its geometry changes
+PAD = 8                 # halves of padding a shared row (see the module docstring)
+SMEM_LIMIT = 48 * 1024  # static shared memory a kernel may declare
+MAX_D = 128             # head dims: multiples of 16 up to this (Q's and O's registers)
+KINDS = tc.KINDS        # q / k / v storage kinds it takes
+
+_u = np.uint64
+NEG_INF = float32(-math.inf)
+ZERO = float32(0.0)
+ONE = float32(1.0)
+ZERO16 = uint16(0)
+ZERO32 = uint32(0)
+LOG2E = float32(1.0 / math.log(2.0))
+LN2 = float32(math.log(2.0))
+
+
+def shared_bytes(bc: int, d: int) -> int:
+    """Static shared memory of a kernel with key tiles of ``bc`` keys at head dim ``d``."""
+    return 2 * bc * (d + PAD) * 2
+
+
+@dataclass(frozen=True)
+class TcAttnGeometry:
+    warps: int           # warps a block, 16 query rows each
+    bc: int              # keys a tile (at most: ``keys`` halves it until shared memory fits)
+    min_blocks: int = 1  # launch bounds' blocks an SM
+
+    @property
+    def br(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def keys(self, d: int) -> int:
+        """Keys a tile at head dim ``d``: bc, halved until the K and V tiles fit."""
+        bc = self.bc
+        while bc > 16 and shared_bytes(bc, d) > SMEM_LIMIT:
+            bc //= 2
+        return bc
+
+
+# GPU: 4 warps (64 query rows a block), 128 keys a tile at D <= 64 and 64 at D 128; two blocks
+# an SM (launch bounds: up to 255 registers a thread; Q's fragments, O's and S's are D / 4 +
+# D / 2 + BC / 2 of them). Untimed: bench/sweep_attention_tc.py times it with the others of
+# SWEEP_GEOMETRIES. Simulator: one warp, 16-key tiles (every simulated lane is an OS thread).
+GPU_GEOMETRY = TcAttnGeometry(4, 128, 2)
+SIM_GEOMETRY = TcAttnGeometry(1, 16, 1)
+register_geometry("attention_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
+# what bench/sweep_attention_tc.py times (the shipped one first); tests/test_attention_tc.py's
+# GPU test launches each, so the sweep meets no kernel the tests have not run
+SWEEP_GEOMETRIES = (GPU_GEOMETRY,) + tuple(TcAttnGeometry(*g) for g in (
+    (4, 64, 2), (4, 128, 1), (8, 64, 1), (8, 128, 1), (4, 32, 3), (8, 32, 2), (2, 64, 4)))
+
+
+def check(geo: TcAttnGeometry, d: int):
+    """ValueError unless the kernel can be built for ``geo`` at head dim ``d``."""
+    if d % 16 or not 16 <= d <= MAX_D:
+        raise ValueError(f"tensor-core flash: head dim {d}, expected a multiple of 16 up to "
+                         f"{MAX_D}")
+    bc = geo.keys(d)
+    if geo.warps < 1 or bc % 16 or shared_bytes(bc, d) > SMEM_LIMIT:
+        raise ValueError(f"tensor-core flash geometry {geo} at D {d}: at least one warp, key "
+                         f"tiles a multiple of 16 within {SMEM_LIMIT} bytes of shared memory "
+                         f"({shared_bytes(bc, d)})")
+
+
+@_inline
+def _max(a, b):
+    """max propagating NaN (as kernels/warp.py's MAX)."""
+    return a if (a > b or a != a) else b
+
+
+@functools.lru_cache(maxsize=None)
+def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_mask: bool,
+             has_bias: bool, has_softcap: bool, lse: int = NO_LSE, kind: str = "bf16",
+             bkind: str = "f32"):
+    """kernel(out, lse_out, q, k, v, mask, bias, geom, scale, softcap) for head dim ``d``:
+    kernels/attention.py's ``flash`` arguments, q / k / v as uint16 bit patterns of ``kind``
+    (bf16 / f16), out in ``kind``'s storage, the bias in ``bkind``'s (f32 or kind); ``lse``
+    NO_LSE or WITH_LSE (lse_out [B, Hq, Sq] f32). Launch with flash_tc_launch."""
+    if kind not in tc.KINDS:
+        raise ValueError(f"tensor-core flash: q / k / v of kind {kind!r}, expected one of "
+                         f"{tc.KINDS}")
+    if lse not in (NO_LSE, WITH_LSE):
+        raise ValueError(f"tensor-core flash: lse mode {lse} (NO_LSE or WITH_LSE)")
+    check(geo, d)
+    W, NT, BR = geo.warps, geo.threads, geo.br
+    BC = geo.keys(d)
+    LD = d + PAD                   # a shared row (halves)
+    KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of O
+    NS, KC = BC // 8, BC // 16     # n8 tiles of S; k16 steps of P V
+    TILE = BC * LD
+    CPR = d // 8                   # 16-byte chunks a row
+    CH = BC * CPR                  # chunks a tile
+    PT = -(-CH // NT)              # chunks a thread
+    FULL = CH % NT == 0
+    uLD, uCPR, uCH = _u(LD), _u(CPR), _u(CH)
+    MMA = tc.mma(kind)
+    PACK = tc.f2bf2 if kind == "bf16" else ptx.f2h2
+    score = scorer(bkind)
+    st = halfio.store(kind)
+    with_lse = lse == WITH_LSE
+    XS = (W, 32) if SIMULATOR else (1, 1)     # the simulator's shuffle stand-in
+
+    @_inline
+    def load_tile(sm, src, base, rs, r0, sk, tid):
+        """Rows r0 .. r0 + BC of the [rows, d] matrix at src[base:] (row stride rs) into sm by
+        cp.async, a 16-byte chunk a thread a step; rows past sk zero-filled."""
+        for p in range(PT):
+            ch = tid + _u(p * NT)
+            if FULL or ch < uCH:
+                r = ch // uCPR
+                c = (ch % uCPR) * _u(8)
+                at = r * uLD + c
+                row = r0 + int64(r)
+                if row < sk:
+                    tc.cp_async16(sm, at, src, uint64(base + row * rs) + c)
+                else:
+                    for e in range(8):
+                        sm[at + _u(e)] = ZERO16
+
+    @jit(launch_bounds=(NT, geo.min_blocks))
+    def kernel(out, lse_out, q, k, v, mask, bias, geom, scale, softcap):
+        Ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
+        Vs = cuda.shared.array(TILE, uint16, alignment=ALIGN)
+        xs = cuda.shared.array(XS, float32)
+        fq = cuda.local.array((KD, 4), uint32)     # Q's A fragments (constant indices only:
+        s = cuda.local.array((NS, 4), float32)     # registers); S, then P
+        o = cuda.local.array((DN, 4), float32)
+        mr = cuda.local.array(2, float32)          # rows g and g + 8: max (exp2 units)
+        lr = cuda.local.array(2, float32)          # ... and this lane's share of the sum
+        hq, g, sq, sk = geom[0], geom[1], geom[2], geom[3]
+        tid = uint64(cuda.threadIdx.x)
+        lane, w = tid % _u(32), tid // _u(32)
+        gl, tl = lane >> _u(2), lane & _u(3)
+        bh = int64(cuda.blockIdx.y)
+        b, h = divmod_small(bh, hq)
+        hk = divmod_small(h, g)[0]
+        nqt = (sq + BR - 1) // BR
+        q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR      # heaviest causal tiles first
+        q0w = q0 + int64(w) * 16                          # this warp's rows
+        qbase = b * geom[5] + h * geom[6]
+        qs = geom[7]
+        kbase = b * geom[8] + hk * geom[9]
+        ks = geom[10]
+        off = geom[23]
+        scale2 = scale * LOG2E
+        for kk in range(KD):       # A word r: row g + 8 (r & 1), cols 2t + 8 (r >> 1) (+1)
+            for r in range(4):
+                row = q0w + int64(gl + _u(8 * (r & 1)))
+                col = _u(16 * kk + 8 * (r >> 1)) + _u(2) * tl
+                fq[kk, r] = ptx.ldw(q, uint64(qbase + row * qs) + col) if row < sq else ZERO32
+        for r in range(2):
+            mr[r] = NEG_INF
+            lr[r] = ZERO
+        for dn in range(DN):
+            for i in range(4):
+                o[dn, i] = ZERO
+        kv_end = sk
+        if causal or has_window:          # keys past the tile's last query position: masked
+            kv_end = min(sk, max(int64(0), off + q0 + BR))
+        kv0 = int64(0)
+        if has_window:                    # keys before the first query's window: masked
+            kv0 = max(int64(0), off + q0 - geom[22] + 1) // BC * BC
+        # this lane's ldmatrix row (module mma's docstring: lanes 8j .. 8j+7 give matrix j's
+        # rows). K, [key][dim] as B^T: matrix j at key + 8 (j >> 1), dim + 8 (j & 1); V,
+        # [key][dim] as B: matrix j at key + 8 (j & 1), dim + 8 (j >> 1)
+        k_lane = ((lane & _u(7)) + _u(8) * (lane >> _u(4))) * uLD + _u(8) * ((lane >> _u(3)) & _u(1))
+        v_lane = ((lane & _u(7)) + _u(8) * ((lane >> _u(3)) & _u(1))) * uLD + _u(8) * (lane >> _u(4))
+        if kv0 < kv_end:
+            load_tile(Ks, k, kbase, ks, kv0, sk, tid)
+        tc.cp_async_commit()
+        while kv0 < kv_end:               # uniform across the block (barriers inside)
+            tc.cp_async_wait(0)           # K's tile has landed (this thread's copies) ...
+            cuda.syncthreads()            # ... everyone's; every warp is past P V: V is free
+            load_tile(Vs, v, kbase, ks, kv0, sk, tid)
+            tc.cp_async_commit()
+            for ni in range(NS):
+                for i in range(4):
+                    s[ni, i] = ZERO
+            for kk in range(KD):          # S = Q K^T
+                for nj in range(KC):
+                    wd = tc.ldmatrix_x4(Ks, k_lane + _u(nj * 16 * LD + kk * 16))
+                    d0 = MMA(fq[kk, 0], fq[kk, 1], fq[kk, 2], fq[kk, 3], wd[0], wd[1],
+                             s[2 * nj, 0], s[2 * nj, 1], s[2 * nj, 2], s[2 * nj, 3])
+                    d1 = MMA(fq[kk, 0], fq[kk, 1], fq[kk, 2], fq[kk, 3], wd[2], wd[3],
+                             s[2 * nj + 1, 0], s[2 * nj + 1, 1], s[2 * nj + 1, 2],
+                             s[2 * nj + 1, 3])
+                    for i in range(4):
+                        s[2 * nj, i] = d0[i]
+                        s[2 * nj + 1, i] = d1[i]
+            # a warp whose rows are all in range and (causal) see every key of the tile needs
+            # no mask test (uniform across the warp). C float i of tile ni: row g + 8 (i >> 1),
+            # key 8 ni + 2t + (i & 1)
+            plain = (not has_window and not has_mask and not has_bias and q0w + 16 <= sq
+                     and kv0 + BC <= sk and (not causal or kv0 + BC - 1 <= off + q0w))
+            for ni in range(NS):
+                for i in range(4):
+                    x = s[ni, i]
+                    if plain:
+                        if has_softcap:
+                            x = softcap * m.tanh(x * scale / softcap) * LOG2E
+                        else:
+                            x = x * scale2
+                    else:
+                        qi = q0w + int64(gl + _u(8 * (i >> 1)))
+                        kj = kv0 + int64(_u(8 * ni + (i & 1)) + _u(2) * tl)
+                        x = score(x, qi, kj, off + qi, b, h, mask, bias, geom, scale, softcap,
+                                  causal, has_window, has_mask, has_bias, has_softcap, sq,
+                                  sk) * LOG2E
+                    s[ni, i] = x
+            for r in range(2):            # the online softmax, rows g and g + 8
+                mx = NEG_INF
+                for ni in range(NS):
+                    mx = _max(_max(s[ni, 2 * r], s[ni, 2 * r + 1]), mx)
+                mx = _max(mx, xor_shfl(mx, 1, xs, w, lane))     # over the row's quad
+                mx = _max(mx, xor_shfl(mx, 2, xs, w, lane))
+                mnew = _max(mx, mr[r])
+                alpha = ONE
+                if mnew != NEG_INF:
+                    alpha = m.exp2(mr[r] - mnew)
+                rs = ZERO
+                for ni in range(NS):
+                    for c in range(2):
+                        p_ = m.exp2(s[ni, 2 * r + c] - mnew) if mnew != NEG_INF else ZERO
+                        s[ni, 2 * r + c] = p_
+                        rs += p_
+                lr[r] = lr[r] * alpha + rs
+                mr[r] = mnew
+                for dn in range(DN):
+                    o[dn, 2 * r] *= alpha
+                    o[dn, 2 * r + 1] *= alpha
+            tc.cp_async_wait(0)           # V's tile has landed ...
+            cuda.syncthreads()            # ... everyone's; every warp is past S: K is free
+            if kv0 + BC < kv_end:
+                load_tile(Ks, k, kbase, ks, kv0 + BC, sk, tid)
+            tc.cp_async_commit()          # (an empty group at the end: uniform count)
+            for kc in range(KC):          # O += P V; P's C tiles 2 kc, 2 kc + 1 are one A tile
+                a0 = PACK(s[2 * kc, 0], s[2 * kc, 1])
+                a1 = PACK(s[2 * kc, 2], s[2 * kc, 3])
+                a2 = PACK(s[2 * kc + 1, 0], s[2 * kc + 1, 1])
+                a3 = PACK(s[2 * kc + 1, 2], s[2 * kc + 1, 3])
+                for nd in range(KD):
+                    wd = tc.ldmatrix_x4_trans(Vs, v_lane + _u(kc * 16 * LD + nd * 16))
+                    d0 = MMA(a0, a1, a2, a3, wd[0], wd[1], o[2 * nd, 0], o[2 * nd, 1],
+                             o[2 * nd, 2], o[2 * nd, 3])
+                    d1 = MMA(a0, a1, a2, a3, wd[2], wd[3], o[2 * nd + 1, 0], o[2 * nd + 1, 1],
+                             o[2 * nd + 1, 2], o[2 * nd + 1, 3])
+                    for i in range(4):
+                        o[2 * nd, i] = d0[i]
+                        o[2 * nd + 1, i] = d1[i]
+            kv0 += BC
+        tc.cp_async_wait_all()
+        obase = b * geom[11] + h * geom[12]
+        for r in range(2):
+            li = lr[r]
+            li += xor_shfl(li, 1, xs, w, lane)
+            li += xor_shfl(li, 2, xs, w, lane)
+            qi = q0w + int64(gl + _u(8 * r))
+            if qi < sq:
+                if with_lse and tl == _u(0):
+                    lse_out[uint64(bh * sq + qi)] = mr[r] * LN2 + m.log(li) if li > ZERO \
+                        else NEG_INF
+                inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
+                at = uint64(obase + qi * geom[13]) + _u(2) * tl
+                for dn in range(DN):
+                    for c in range(2):
+                        st(out, at + _u(8 * dn + c), o[dn, 2 * r + c] * inv)
+
+    return kernel
+
+
+def flash_tc_launch(geo: TcAttnGeometry, b: int, hq: int, sq: int):
+    """(grid, block) of a flash_tc launch: a block per BR query rows and (batch, head)."""
+    return (-(-sq // geo.br), b * hq), (geo.threads,)
