@@ -333,3 +333,52 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
 def flash_tc_launch(geo: TcAttnGeometry, b: int, hq: int, sq: int):
     """(grid, block) of a flash_tc launch: a block per BR query rows and (batch, head)."""
     return (-(-sq // geo.br), b * hq), (geo.threads,)
+
+
+def direct_launch(out, q, k, v, kind: str, causal: bool = False, scale: float | None = None,
+                  lse=None, geo: TcAttnGeometry | None = None):
+    """launch(stream=0), which enqueues out = attention(q, k, v) (no mask, bias, window or
+    softcap; ``lse``: also the rows' LSE) by the kernel of ``geo`` (the device's default
+    unless given), launched directly: no graph (bench/sweep_attention_tc.py, the GPU tests).
+    q, out [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D]: C-contiguous device arrays (NumPy ones in
+    the simulator) in ``kind``'s storage (bf16: uint16 bit patterns; f16: float16, or its
+    uint16 bits for q, k, v); lse None or f32 [B, Hq, Sq]. The kernel gets flat views."""
+    from .attention import GEOM
+    from .launch import default_geometry
+    if kind not in KINDS:
+        raise ValueError(f"tensor-core flash: q / k / v of kind {kind!r}, expected one of {KINDS}")
+    if q.ndim != 4 or k.ndim != 4 or tuple(k.shape) != tuple(v.shape) \
+            or tuple(out.shape) != tuple(q.shape) or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"tensor-core flash: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, out {tuple(out.shape)}: expected q and out [B, Hq, "
+                         "Sq, D], k and v [B, Hkv, Sk, D] with Hkv dividing Hq")
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    half = np.dtype(np.uint16 if kind == "bf16" else np.float16)
+    for name, x, dts in (("q", q, (np.uint16, half)), ("k", k, (np.uint16, half)),
+                         ("v", v, (np.uint16, half)), ("out", out, (half,))):
+        if not x.flags["C_CONTIGUOUS"] or np.dtype(x.dtype) not in dts:
+            raise ValueError(f"tensor-core flash {kind}: {name} is {x.dtype} {tuple(x.shape)} "
+                             f"(C-contiguous: {x.flags['C_CONTIGUOUS']}); expected C-contiguous "
+                             f"{' or '.join(np.dtype(t).name for t in dts)}")
+    if lse is not None and (tuple(lse.shape) != (b, hq, sq) or np.dtype(lse.dtype) != np.float32):
+        raise ValueError(f"tensor-core flash: lse is {lse.dtype} {tuple(lse.shape)}, expected "
+                         f"float32 {(b, hq, sq)}")
+    geo = geo or default_geometry("attention_tc")
+    vals = dict(hq=hq, g=hq // hkv, sq=sq, sk=sk, d=d, q_b=hq * sq * d, q_h=sq * d, q_s=d,
+                k_b=hkv * sk * d, k_h=sk * d, k_s=d, o_b=hq * sq * d, o_h=sq * d, o_s=d,
+                window=0, off=sk - sq)
+    geom = cuda.to_device(np.array([vals.get(n, 0) for n in GEOM], np.int64))
+    flat = lambda x: x.reshape(x.size)                                    # noqa: E731
+    mask, bias = cuda.to_device(np.zeros(1, np.bool_)), cuda.to_device(np.zeros(1, np.float32))
+    lse_f = flat(lse) if lse is not None else cuda.to_device(np.zeros(1, np.float32))
+    kern = flash_tc(geo, d, bool(causal), False, False, False, False,
+                    NO_LSE if lse is None else WITH_LSE, kind, "f32")
+    grid, block = flash_tc_launch(geo, b, hq, sq)
+    args = (flat(out), lse_f, *(flat(x).view(np.uint16) for x in (q, k, v)), mask, bias, geom,
+            np.float32(1 / math.sqrt(d) if scale is None else scale), np.float32(1.0))
+
+    def launch(stream=0):
+        kern[grid, block, stream](*args)
+    return launch
