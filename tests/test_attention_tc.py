@@ -170,6 +170,20 @@ def test_tc_lse_direct(rng):
     np.testing.assert_allclose(lse[..., 8:], want[..., 8:], rtol=0, atol=1e-5)
 
 
+def test_tc_two_row_tiles_a_warp_q_reread(rng):
+    """A warp of two m16 row tiles (K / V fragments shared by both), at D 80, where Q's
+    fragments are re-read every key tile (mi d > 128); causal Sq < Sk, partial tiles."""
+    geo = ATC.TcAttnGeometry(1, 16, 1, mi=2)
+    assert not geo.q_regs(80) and geo.br == 32
+    dt = "bf16"
+    q = rounded(rng.standard_normal((1, 1, 19, 80)), dt)
+    k, v = (rounded(rng.standard_normal((1, 1, 37, 80)), dt) for _ in range(2))
+    out, lse = direct(dt, q, k, v, geo, causal=True)
+    o, pv, want = reference(q, k, v, causal=True)
+    assert_pv_close(out, o, pv, dt)
+    np.testing.assert_allclose(lse, want, rtol=0, atol=1e-5)
+
+
 def test_tc_long_row_half_accumulation_would_fail(rng, monkeypatch):
     """300 keys (19 tiles) of nearly equal scores, values in [2, 3] (test_attention_half's
     case): this kernel's f32 sums pass the bound of f32 accumulation (P rounded, k u |o|, as

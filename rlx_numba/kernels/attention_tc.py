@@ -79,13 +79,14 @@ def shared_bytes(bc: int, d: int) -> int:
 
 @dataclass(frozen=True)
 class TcAttnGeometry:
-    warps: int           # warps a block, 16 query rows each
+    warps: int           # warps a block
     bc: int              # keys a tile (at most: ``keys`` halves it until shared memory fits)
     min_blocks: int = 1  # launch bounds' blocks an SM
+    mi: int = 1          # m16 row tiles a warp (16 mi query rows; K / V fragments reused mi x)
 
     @property
     def br(self) -> int:
-        return 16 * self.warps
+        return 16 * self.mi * self.warps
 
     @property
     def threads(self) -> int:
@@ -98,10 +99,17 @@ class TcAttnGeometry:
             bc //= 2
         return bc
 
+    def q_regs(self, d: int) -> bool:
+        """Whether Q's A fragments stay in registers for the whole key loop (mi d / 4 words a
+        lane, at most 32), else re-read from global memory (L1) every key tile, as
+        FlashAttention-2 re-reads them from shared memory."""
+        return self.mi * d <= 128
 
-# GPU: 4 warps (64 query rows a block), 128 keys a tile at D <= 64 and 64 at D 128; two blocks
-# an SM (launch bounds: up to 255 registers a thread; Q's fragments, O's and S's are D / 4 +
-# D / 2 + BC / 2 of them). Untimed: bench/sweep_attention_tc.py times it with the others of
+
+# GPU: 4 warps of 16 query rows (64 a block), 128 keys a tile at D <= 64 and 64 at D 128; two
+# blocks an SM (ptxas, sm_80: 230 registers a thread, no spills). Untimed: two row tiles a
+# warp halve the K / V shared-memory reads a product (a warp's ldmatrix of K or V feeds mi
+# mma pairs), which may matter more than occupancy: bench/sweep_attention_tc.py times
 # SWEEP_GEOMETRIES. Simulator: one warp, 16-key tiles (every simulated lane is an OS thread).
 GPU_GEOMETRY = TcAttnGeometry(4, 128, 2)
 SIM_GEOMETRY = TcAttnGeometry(1, 16, 1)
@@ -109,7 +117,8 @@ register_geometry("attention_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
 # what bench/sweep_attention_tc.py times (the shipped one first); tests/test_attention_tc.py's
 # GPU test launches each, so the sweep meets no kernel the tests have not run
 SWEEP_GEOMETRIES = (GPU_GEOMETRY,) + tuple(TcAttnGeometry(*g) for g in (
-    (4, 64, 2), (4, 128, 1), (8, 64, 1), (8, 128, 1), (4, 32, 3), (8, 32, 2), (2, 64, 4)))
+    (4, 64, 2, 1), (8, 64, 1, 1), (4, 64, 1, 2), (4, 32, 1, 2), (4, 32, 2, 2), (2, 64, 2, 2),
+    (8, 32, 1, 2), (4, 128, 1, 1)))
 
 
 def check(geo: TcAttnGeometry, d: int):
@@ -135,17 +144,20 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
              has_bias: bool, has_softcap: bool, lse: int = NO_LSE, kind: str = "bf16",
              bkind: str = "f32"):
     """kernel(out, lse_out, q, k, v, mask, bias, geom, scale, softcap) for head dim ``d``:
-    kernels/attention.py's ``flash`` arguments, q / k / v as uint16 bit patterns of ``kind``
-    (bf16 / f16), out in ``kind``'s storage, the bias in ``bkind``'s (f32 or kind); ``lse``
-    NO_LSE or WITH_LSE (lse_out [B, Hq, Sq] f32). Launch with flash_tc_launch."""
+    kernels/attention.py's ``flash`` arguments, q as uint32 words (pairs of ``kind`` halves:
+    its uint16 bits viewed as uint32, 4-byte aligned), k / v as uint16 bit patterns, out in
+    ``kind``'s storage, the bias in ``bkind``'s (f32 or kind); ``lse`` NO_LSE or WITH_LSE
+    (lse_out [B, Hq, Sq] f32). Launch with flash_tc_launch."""
     if kind not in tc.KINDS:
         raise ValueError(f"tensor-core flash: q / k / v of kind {kind!r}, expected one of "
                          f"{tc.KINDS}")
     if lse not in (NO_LSE, WITH_LSE):
         raise ValueError(f"tensor-core flash: lse mode {lse} (NO_LSE or WITH_LSE)")
     check(geo, d)
-    W, NT, BR = geo.warps, geo.threads, geo.br
+    W, NT, BR, MI = geo.warps, geo.threads, geo.br, geo.mi
+    WR = 16 * MI                   # a warp's query rows
     BC = geo.keys(d)
+    QREG = geo.q_regs(d)
     LD = d + PAD                   # a shared row (halves)
     KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of O
     NS, KC = BC // 8, BC // 16     # n8 tiles of S; k16 steps of P V
@@ -179,16 +191,28 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
                     for e in range(8):
                         sm[at + _u(e)] = ZERO16
 
+    @_inline
+    def load_q(fq, slot, q, qbase, qs, q0w, sq, kk, gl, tl):
+        """Q's A fragments of k16 step kk into fq[:, slot] (slot = kk; word r: row g + 8 (r & 1), cols
+        2t + 8 (r >> 1) and the next: one uint32 of q), zeros past sq."""
+        for mi in range(MI):
+            for r in range(4):
+                row = q0w + int64(gl + _u(16 * mi + 8 * (r & 1)))
+                col = _u(16 * kk + 8 * (r >> 1)) + _u(2) * tl
+                fq[mi, slot, r] = q[(uint64(qbase + row * qs) + col) >> _u(1)] if row < sq \
+                    else ZERO32
+
     @jit(launch_bounds=(NT, geo.min_blocks))
     def kernel(out, lse_out, q, k, v, mask, bias, geom, scale, softcap):
         Ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
         Vs = cuda.shared.array(TILE, uint16, alignment=ALIGN)
         xs = cuda.shared.array(XS, float32)
-        fq = cuda.local.array((KD, 4), uint32)     # Q's A fragments (constant indices only:
-        s = cuda.local.array((NS, 4), float32)     # registers); S, then P
-        o = cuda.local.array((DN, 4), float32)
-        mr = cuda.local.array(2, float32)          # rows g and g + 8: max (exp2 units)
-        lr = cuda.local.array(2, float32)          # ... and this lane's share of the sum
+        fq = cuda.local.array((MI, KD, 4), uint32)          # Q's A fragments (constant indices only:
+        s = cuda.local.array((MI, NS, 4), float32)     # registers); S, then P
+        o = cuda.local.array((MI, DN, 4), float32)
+        mr = cuda.local.array((MI, 2), float32)    # rows g and g + 8: max (exp2 units)
+        lr = cuda.local.array((MI, 2), float32)    # ... and this lane's share of the sum
+        pa = cuda.local.array((MI, 4), uint32)     # P's A fragment of a k16 step
         hq, g, sq, sk = geom[0], geom[1], geom[2], geom[3]
         tid = uint64(cuda.threadIdx.x)
         lane, w = tid % _u(32), tid // _u(32)
@@ -198,24 +222,23 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
         hk = divmod_small(h, g)[0]
         nqt = (sq + BR - 1) // BR
         q0 = (nqt - 1 - int64(cuda.blockIdx.x)) * BR      # heaviest causal tiles first
-        q0w = q0 + int64(w) * 16                          # this warp's rows
+        q0w = q0 + int64(w) * WR                          # this warp's rows
         qbase = b * geom[5] + h * geom[6]
         qs = geom[7]
         kbase = b * geom[8] + hk * geom[9]
         ks = geom[10]
         off = geom[23]
         scale2 = scale * LOG2E
-        for kk in range(KD):       # A word r: row g + 8 (r & 1), cols 2t + 8 (r >> 1) (+1)
-            for r in range(4):
-                row = q0w + int64(gl + _u(8 * (r & 1)))
-                col = _u(16 * kk + 8 * (r >> 1)) + _u(2) * tl
-                fq[kk, r] = ptx.ldw(q, uint64(qbase + row * qs) + col) if row < sq else ZERO32
-        for r in range(2):
-            mr[r] = NEG_INF
-            lr[r] = ZERO
-        for dn in range(DN):
-            for i in range(4):
-                o[dn, i] = ZERO
+        if QREG:
+            for kk in range(KD):
+                load_q(fq, kk, q, qbase, qs, q0w, sq, kk, gl, tl)
+        for mi in range(MI):
+            for r in range(2):
+                mr[mi, r] = NEG_INF
+                lr[mi, r] = ZERO
+            for dn in range(DN):
+                for i in range(4):
+                    o[mi, dn, i] = ZERO
         kv_end = sk
         if causal or has_window:          # keys past the tile's last query position: masked
             kv_end = min(sk, max(int64(0), off + q0 + BR))
@@ -225,8 +248,10 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
         # this lane's ldmatrix row (module mma's docstring: lanes 8j .. 8j+7 give matrix j's
         # rows). K, [key][dim] as B^T: matrix j at key + 8 (j >> 1), dim + 8 (j & 1); V,
         # [key][dim] as B: matrix j at key + 8 (j & 1), dim + 8 (j >> 1)
-        k_lane = ((lane & _u(7)) + _u(8) * (lane >> _u(4))) * uLD + _u(8) * ((lane >> _u(3)) & _u(1))
-        v_lane = ((lane & _u(7)) + _u(8) * ((lane >> _u(3)) & _u(1))) * uLD + _u(8) * (lane >> _u(4))
+        k_lane = ((lane & _u(7)) + _u(8) * (lane >> _u(4))) * uLD \
+            + _u(8) * ((lane >> _u(3)) & _u(1))
+        v_lane = ((lane & _u(7)) + _u(8) * ((lane >> _u(3)) & _u(1))) * uLD \
+            + _u(8) * (lane >> _u(4))
         if kv0 < kv_end:
             load_tile(Ks, k, kbase, ks, kv0, sk, tid)
         tc.cp_async_commit()
@@ -235,97 +260,111 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
             cuda.syncthreads()            # ... everyone's; every warp is past P V: V is free
             load_tile(Vs, v, kbase, ks, kv0, sk, tid)
             tc.cp_async_commit()
-            for ni in range(NS):
-                for i in range(4):
-                    s[ni, i] = ZERO
+            for mi in range(MI):
+                for ni in range(NS):
+                    for i in range(4):
+                        s[mi, ni, i] = ZERO
             for kk in range(KD):          # S = Q K^T
+                if not QREG:              # (slot kk either way: constant indices)
+                    load_q(fq, kk, q, qbase, qs, q0w, sq, kk, gl, tl)
                 for nj in range(KC):
                     wd = tc.ldmatrix_x4(Ks, k_lane + _u(nj * 16 * LD + kk * 16))
-                    d0 = MMA(fq[kk, 0], fq[kk, 1], fq[kk, 2], fq[kk, 3], wd[0], wd[1],
-                             s[2 * nj, 0], s[2 * nj, 1], s[2 * nj, 2], s[2 * nj, 3])
-                    d1 = MMA(fq[kk, 0], fq[kk, 1], fq[kk, 2], fq[kk, 3], wd[2], wd[3],
-                             s[2 * nj + 1, 0], s[2 * nj + 1, 1], s[2 * nj + 1, 2],
-                             s[2 * nj + 1, 3])
-                    for i in range(4):
-                        s[2 * nj, i] = d0[i]
-                        s[2 * nj + 1, i] = d1[i]
+                    for mi in range(MI):
+                        d0 = MMA(fq[mi, kk, 0], fq[mi, kk, 1], fq[mi, kk, 2], fq[mi, kk, 3],
+                                 wd[0], wd[1], s[mi, 2 * nj, 0], s[mi, 2 * nj, 1],
+                                 s[mi, 2 * nj, 2], s[mi, 2 * nj, 3])
+                        d1 = MMA(fq[mi, kk, 0], fq[mi, kk, 1], fq[mi, kk, 2], fq[mi, kk, 3],
+                                 wd[2], wd[3], s[mi, 2 * nj + 1, 0], s[mi, 2 * nj + 1, 1],
+                                 s[mi, 2 * nj + 1, 2], s[mi, 2 * nj + 1, 3])
+                        for i in range(4):
+                            s[mi, 2 * nj, i] = d0[i]
+                            s[mi, 2 * nj + 1, i] = d1[i]
             # a warp whose rows are all in range and (causal) see every key of the tile needs
             # no mask test (uniform across the warp). C float i of tile ni: row g + 8 (i >> 1),
             # key 8 ni + 2t + (i & 1)
-            plain = (not has_window and not has_mask and not has_bias and q0w + 16 <= sq
+            plain = (not has_window and not has_mask and not has_bias and q0w + WR <= sq
                      and kv0 + BC <= sk and (not causal or kv0 + BC - 1 <= off + q0w))
-            for ni in range(NS):
-                for i in range(4):
-                    x = s[ni, i]
-                    if plain:
-                        if has_softcap:
-                            x = softcap * m.tanh(x * scale / softcap) * LOG2E
+            for mi in range(MI):
+                for ni in range(NS):
+                    for i in range(4):
+                        x = s[mi, ni, i]
+                        if plain:
+                            if has_softcap:
+                                x = softcap * m.tanh(x * scale / softcap) * LOG2E
+                            else:
+                                x = x * scale2
                         else:
-                            x = x * scale2
-                    else:
-                        qi = q0w + int64(gl + _u(8 * (i >> 1)))
-                        kj = kv0 + int64(_u(8 * ni + (i & 1)) + _u(2) * tl)
-                        x = score(x, qi, kj, off + qi, b, h, mask, bias, geom, scale, softcap,
-                                  causal, has_window, has_mask, has_bias, has_softcap, sq,
-                                  sk) * LOG2E
-                    s[ni, i] = x
-            for r in range(2):            # the online softmax, rows g and g + 8
-                mx = NEG_INF
-                for ni in range(NS):
-                    mx = _max(_max(s[ni, 2 * r], s[ni, 2 * r + 1]), mx)
-                mx = _max(mx, xor_shfl(mx, 1, xs, w, lane))     # over the row's quad
-                mx = _max(mx, xor_shfl(mx, 2, xs, w, lane))
-                mnew = _max(mx, mr[r])
-                alpha = ONE
-                if mnew != NEG_INF:
-                    alpha = m.exp2(mr[r] - mnew)
-                rs = ZERO
-                for ni in range(NS):
-                    for c in range(2):
-                        p_ = m.exp2(s[ni, 2 * r + c] - mnew) if mnew != NEG_INF else ZERO
-                        s[ni, 2 * r + c] = p_
-                        rs += p_
-                lr[r] = lr[r] * alpha + rs
-                mr[r] = mnew
-                for dn in range(DN):
-                    o[dn, 2 * r] *= alpha
-                    o[dn, 2 * r + 1] *= alpha
+                            qi = q0w + int64(gl + _u(16 * mi + 8 * (i >> 1)))
+                            kj = kv0 + int64(_u(8 * ni + (i & 1)) + _u(2) * tl)
+                            x = score(x, qi, kj, off + qi, b, h, mask, bias, geom, scale,
+                                      softcap, causal, has_window, has_mask, has_bias,
+                                      has_softcap, sq, sk) * LOG2E
+                        s[mi, ni, i] = x
+            for mi in range(MI):          # the online softmax, rows g and g + 8
+                for r in range(2):
+                    mx = NEG_INF
+                    for ni in range(NS):
+                        mx = _max(_max(s[mi, ni, 2 * r], s[mi, ni, 2 * r + 1]), mx)
+                    mx = _max(mx, xor_shfl(mx, 1, xs, w, lane))     # over the row's quad
+                    mx = _max(mx, xor_shfl(mx, 2, xs, w, lane))
+                    mnew = _max(mx, mr[mi, r])
+                    alpha = ONE
+                    if mnew != NEG_INF:
+                        alpha = m.exp2(mr[mi, r] - mnew)
+                    rs = ZERO
+                    for ni in range(NS):
+                        for c in range(2):
+                            p_ = m.exp2(s[mi, ni, 2 * r + c] - mnew) if mnew != NEG_INF \
+                                else ZERO
+                            s[mi, ni, 2 * r + c] = p_
+                            rs += p_
+                    lr[mi, r] = lr[mi, r] * alpha + rs
+                    mr[mi, r] = mnew
+                    for dn in range(DN):
+                        o[mi, dn, 2 * r] *= alpha
+                        o[mi, dn, 2 * r + 1] *= alpha
             tc.cp_async_wait(0)           # V's tile has landed ...
             cuda.syncthreads()            # ... everyone's; every warp is past S: K is free
             if kv0 + BC < kv_end:
                 load_tile(Ks, k, kbase, ks, kv0 + BC, sk, tid)
             tc.cp_async_commit()          # (an empty group at the end: uniform count)
             for kc in range(KC):          # O += P V; P's C tiles 2 kc, 2 kc + 1 are one A tile
-                a0 = PACK(s[2 * kc, 0], s[2 * kc, 1])
-                a1 = PACK(s[2 * kc, 2], s[2 * kc, 3])
-                a2 = PACK(s[2 * kc + 1, 0], s[2 * kc + 1, 1])
-                a3 = PACK(s[2 * kc + 1, 2], s[2 * kc + 1, 3])
+                for mi in range(MI):
+                    pa[mi, 0] = PACK(s[mi, 2 * kc, 0], s[mi, 2 * kc, 1])
+                    pa[mi, 1] = PACK(s[mi, 2 * kc, 2], s[mi, 2 * kc, 3])
+                    pa[mi, 2] = PACK(s[mi, 2 * kc + 1, 0], s[mi, 2 * kc + 1, 1])
+                    pa[mi, 3] = PACK(s[mi, 2 * kc + 1, 2], s[mi, 2 * kc + 1, 3])
                 for nd in range(KD):
                     wd = tc.ldmatrix_x4_trans(Vs, v_lane + _u(kc * 16 * LD + nd * 16))
-                    d0 = MMA(a0, a1, a2, a3, wd[0], wd[1], o[2 * nd, 0], o[2 * nd, 1],
-                             o[2 * nd, 2], o[2 * nd, 3])
-                    d1 = MMA(a0, a1, a2, a3, wd[2], wd[3], o[2 * nd + 1, 0], o[2 * nd + 1, 1],
-                             o[2 * nd + 1, 2], o[2 * nd + 1, 3])
-                    for i in range(4):
-                        o[2 * nd, i] = d0[i]
-                        o[2 * nd + 1, i] = d1[i]
+                    for mi in range(MI):
+                        d0 = MMA(pa[mi, 0], pa[mi, 1], pa[mi, 2], pa[mi, 3], wd[0], wd[1],
+                                 o[mi, 2 * nd, 0], o[mi, 2 * nd, 1], o[mi, 2 * nd, 2],
+                                 o[mi, 2 * nd, 3])
+                        d1 = MMA(pa[mi, 0], pa[mi, 1], pa[mi, 2], pa[mi, 3], wd[2], wd[3],
+                                 o[mi, 2 * nd + 1, 0],
+                                 o[mi, 2 * nd + 1, 1], o[mi, 2 * nd + 1, 2],
+                                 o[mi, 2 * nd + 1, 3])
+                        for i in range(4):
+                            o[mi, 2 * nd, i] = d0[i]
+                            o[mi, 2 * nd + 1, i] = d1[i]
             kv0 += BC
         tc.cp_async_wait_all()
         obase = b * geom[11] + h * geom[12]
-        for r in range(2):
-            li = lr[r]
-            li += xor_shfl(li, 1, xs, w, lane)
-            li += xor_shfl(li, 2, xs, w, lane)
-            qi = q0w + int64(gl + _u(8 * r))
-            if qi < sq:
-                if with_lse and tl == _u(0):
-                    lse_out[uint64(bh * sq + qi)] = mr[r] * LN2 + m.log(li) if li > ZERO \
-                        else NEG_INF
-                inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
-                at = uint64(obase + qi * geom[13]) + _u(2) * tl
-                for dn in range(DN):
-                    for c in range(2):
-                        st(out, at + _u(8 * dn + c), o[dn, 2 * r + c] * inv)
+        for mi in range(MI):
+            for r in range(2):
+                li = lr[mi, r]
+                li += xor_shfl(li, 1, xs, w, lane)
+                li += xor_shfl(li, 2, xs, w, lane)
+                qi = q0w + int64(gl + _u(16 * mi + 8 * r))
+                if qi < sq:
+                    if with_lse and tl == _u(0):
+                        lse_out[uint64(bh * sq + qi)] = mr[mi, r] * LN2 + m.log(li) \
+                            if li > ZERO else NEG_INF
+                    inv = ONE / li if li > ZERO else ZERO     # no key at all: zeros
+                    at = uint64(obase + qi * geom[13]) + _u(2) * tl
+                    for dn in range(DN):
+                        for c in range(2):
+                            st(out, at + _u(8 * dn + c), o[mi, dn, 2 * r + c] * inv)
 
     return kernel
 
@@ -376,7 +415,8 @@ def direct_launch(out, q, k, v, kind: str, causal: bool = False, scale: float | 
     kern = flash_tc(geo, d, bool(causal), False, False, False, False,
                     NO_LSE if lse is None else WITH_LSE, kind, "f32")
     grid, block = flash_tc_launch(geo, b, hq, sq)
-    args = (flat(out), lse_f, *(flat(x).view(np.uint16) for x in (q, k, v)), mask, bias, geom,
+    args = (flat(out), lse_f, flat(q).view(np.uint16).view(np.uint32),
+            *(flat(x).view(np.uint16) for x in (k, v)), mask, bias, geom,
             np.float32(1 / math.sqrt(d) if scale is None else scale), np.float32(1.0))
 
     def launch(stream=0):

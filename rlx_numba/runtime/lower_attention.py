@@ -208,8 +208,8 @@ def _tc_unavailable(ctx, n):
         return f"{a['b']} x {a['hq']} (batch x heads) blocks past the grid's y limit"
     if not SIMULATOR and device_info()["cc"] < (8, 0):
         return "mma.sync on bf16 / f16 needs compute capability 8.0"
-    if not all(_aligned16(ctx.buf(t)) for t in (k, v)):
-        return "K / V not 16-byte aligned (cp.async)"
+    if not all(_aligned16(ctx.buf(t)) for t in (q, k, v)):
+        return "q / k / v not 16-byte aligned (cp.async, Q read a word at a time)"
     return None
 
 
@@ -240,7 +240,8 @@ def _lower_attention_tc(ctx, n):
     geo = default_geometry("attention_tc")
     kern = ATC.flash_tc(geo, d, *flags, A.WITH_LSE if lse else A.NO_LSE, *kinds)
     grid, block = ATC.flash_tc_launch(geo, b, hq, sq)
-    bits = [ctx.buf(t).view(np.uint16) for t in (q, k, v)]
+    bits = [ctx.buf(q).view(np.uint16).view(np.uint32)] + [ctx.buf(t).view(np.uint16)
+                                                          for t in (k, v)]
     return [Step(step_name(n), f"attention tc-flash {kinds[0]} D={d} "
                  f"{'causal ' if flags[0] else ''}{b}x{hq}/{hkv}x{sq}x{sk}"
                  f"{' +lse' if lse else ''} {geo.warps}w x {geo.keys(d)}", kern, grid, block,
