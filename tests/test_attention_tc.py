@@ -11,6 +11,11 @@ runs only where RLX_NUMBA_ATTENTION_TIERS names it, with its small geometry (one
 tiles); the mma twins are slow, so the shapes here are a few tiles (Sq 19: two query tiles,
 Sk 37: three key tiles, the last partial). The GPU's geometry runs on GPU-only tests (and
 tests/test_gpu_geometry.py in the simulator)."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -18,6 +23,7 @@ import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HALVES, HOST, assert_half_close, f64, rounded
 from test_attention_half import _half_online_softmax, _keep, attention64
+from test_mma import _toolkit, assemble_sm80
 
 from rlx_numba.kernels import attention as A
 from rlx_numba.kernels import attention_tc as ATC
@@ -254,6 +260,46 @@ def test_tc_geometry():
             assert ATC.shared_bytes(geo.keys(d), d) <= ATC.SMEM_LIMIT
     with pytest.raises(ValueError, match="head dim 40"):
         ATC.check(gpu, 40)
+
+
+# ---- the GPU kernels through NVVM and ptxas (where a CUDA toolkit is installed) --------------
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_kernel_assembles_without_spills(tmp_path):
+    """Without a GPU: the GPU geometry's kernel with every flag (causal, window, mask, an f16
+    bias, softcap, the LSE; f16, D 128) compiled to PTX with the GPU bodies and assembled by
+    ptxas for sm_80 under the launch bounds: the mma / ldmatrix / cp.async instructions are
+    there and nothing spills. (One kernel: a compile takes ~10 s of CPU.)"""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+        from numba import cuda, types
+        import numba.cuda.dispatcher as D
+
+        class Dev:
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
+        from rlx_numba.kernels import attention_tc as T
+        u16, u32, f16, f32, i64, b1 = (types.uint16, types.uint32, types.float16,
+                                       types.float32, types.int64, types.boolean)
+        geo = T.GPU_GEOMETRY
+        k = T.flash_tc(geo, 128, True, True, True, True, True, 1, "f16", "f16")
+        sig = (f16[::1], f32[::1], u32[::1], u16[::1], u16[::1], b1[::1], f16[::1], i64[::1],
+               f32, f32)
+        ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
+                                  launch_bounds=(geo.threads, geo.min_blocks))
+        open(os.path.join({str(tmp_path)!r}, "k.ptx"), "w").write(ptx)
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    p = tmp_path / "k.ptx"
+    text = p.read_text()
+    for insn in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                 "ldmatrix.sync.aligned.m8n8.x4.shared", "ldmatrix.sync.aligned.m8n8.x4.trans",
+                 "cp.async.cg.shared.global", "cp.async.wait_group 0", "cvt.rn.f16x2.f32",
+                 "ex2.approx", "shfl.sync.bfly", "bar.sync"):
+        assert insn in text, insn
+    assemble_sm80(p)
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------
