@@ -56,7 +56,6 @@ from .launch import inline as _inline, jit, register_geometry
 from .warp import xor_shfl
 
 ALIGN = tc.SMEM_ALIGN   # (a module constant: shared.array needs a literal alignment)
-VERSION = 1             # bump when the kernel or its geometry changes
 PAD = 8                 # halves of padding a shared row (see the module docstring)
 SMEM_LIMIT = 48 * 1024  # static shared memory a kernel may declare
 MAX_D = 128             # head dims: multiples of 16 up to this (Q's and O's registers)
