@@ -227,6 +227,7 @@ def _why(dt, qs, ks, **kw):
     ("bf16", (1, 1, 19, 24), (1, 1, 37, 24), "head dim 24 (a multiple of 16 up to 128)"),
     ("bf16", (1, 1, 19, 144), (1, 1, 37, 144), "head dim 144"),
     ("f16", (1, 4, 1, 16), (1, 1, 37, 16), "few queries a kv head (the split decode kernel)"),
+    ("bf16", (1, 1, 19, 16), (1, 1, 0, 16), "no keys"),
 ])
 def test_tc_declines_with_a_reason(dt, qs, ks, why):
     """Only tier 1 allowed: what it cannot run fails to compile, naming the tier and why."""

@@ -204,6 +204,8 @@ def _tc_unavailable(ctx, n):
         return f"head dim {d} (a multiple of 16 up to {ATC.MAX_D})"
     if _decodes(a):
         return "few queries a kv head (the split decode kernel)"
+    if a["sk"] == 0:
+        return "no keys"
     if a["b"] * a["hq"] > 65535:
         return f"{a['b']} x {a['hq']} (batch x heads) blocks past the grid's y limit"
     if not SIMULATOR and device_info()["cc"] < (8, 0):
