@@ -4,25 +4,27 @@ masking contract of kernels/attention.py's f32 ``flash`` (its GEOM array, ``scor
 convention), so the numba backward consumes the LSE it writes.
 
 Structure (geometry ``TcAttnGeometry``, the family "attention_tc" of kernels/launch.py). A
-block owns BR = 16 W query rows of one (batch, query head), W warps of 16 rows each, and
-streams the keys of its kv head (h // (Hq / Hkv): GQA reads K / V in place) BC at a time
-through shared memory:
+block owns BR = 16 MI W query rows of one (batch, query head), W warps of MI m16 row tiles
+each, and streams the keys of its kv head (h // (Hq / Hkv): GQA reads K / V in place) BC at
+a time through shared memory:
 
-    Q's A fragments are loaded once into registers (D / 4 words a lane, straight from global
-    memory); K tile 0 is issued by cp.async.
+    Q's A fragments are loaded once into registers (MI D / 4 words a lane, straight from
+    global memory; above 32 words they are re-read every key tile instead, from L1, as
+    FlashAttention-2 re-reads them from shared memory); K tile 0 is issued by cp.async.
     for each key tile:
         wait for K; barrier (every warp is past the last tile's P V: V's buffer is free);
         issue V's tile (its copy overlaps the scores and the softmax);
         S = Q K^T: ldmatrix_x4 of K ([key][dim] rows: the "col" B operand), f32 fragments;
         scale (exp2 units: scale log2 e folded in), softcap, bias and masks -- a tile that
         needs none skips the tests -- and the online softmax in registers: a lane holds two
-        rows (g, g + 8) of its warp's 16, each row's max over the 4 lanes of a quad
+        rows (g, g + 8) of each of its warp's m16 tiles, a row's max over a quad's 4 lanes
         (two shuffles); its own share of the row sums l (the quad's summed once at the end);
         wait for V; barrier (every warp is past its scores: K's buffer is free);
         issue the next K tile (its copy overlaps P V);
         O += P V: P rounded to the io dtype (cvt.rn.{bf16,f16}x2) straight from the score
         fragments (two m16n8 C tiles are one m16k16 A tile), V's B fragments by
-        ldmatrix_x4_trans of its [key][dim] rows; O in f32 fragments.
+        ldmatrix_x4_trans of its [key][dim] rows; O in f32 fragments. (Each K / V fragment
+        feeds MI mma pairs: MI 2 halves the shared-memory reads a product.)
     O / l rounded once to the io dtype; with WITH_LSE the rows' log-sum-exp (natural units,
     -inf for a row that keeps no key, whose output is 0) as kernels/attention.py writes it.
 
@@ -32,12 +34,16 @@ bytes (a row stride of an odd number of 16-byte units: the 8 rows an ldmatrix ph
 fall in 8 distinct bank groups), within 48 KB of static shared memory (``keys`` halves BC
 until it fits: 128 keys at D 64, 64 at D 128). Rows past Sk are zero-filled (P is 0 there,
 and 0 times stale bits could be NaN). K / V rows must be 16-byte aligned (cp.async): the
-lowering checks the pointers; D a multiple of 16 makes every row stride a multiple of 8.
+lowering checks the pointers (q's, k's, v's; else tier 2 runs it); D a multiple of 16 makes
+every row stride a multiple of 8. A warp's rows that are all in range and see every key of a
+tile skip the mask tests (``plain``), so only diagonal / edge tiles pay for them.
 
 Precision: as cuDNN and FlashAttention-2, P is rounded to the io dtype before P V (the row
 sums l are of the f32 P), so an output's error is a few units of roundoff of
-sum_j p_j |v_j| / l, plus the scores' f32 sums. q / k / v are passed as uint16 bit patterns
-(f16 as its uint16 view); out in its own storage (kernels/halfio.py), the bias in ``bkind``.
+sum_j p_j |v_j| / l, plus the scores' f32 sums. k / v are passed as uint16 bit patterns
+(f16 as its uint16 view), q as uint32 words of two (so 4-byte aligned: the lowering asks 16);
+out in its own storage (kernels/halfio.py), the bias in ``bkind``. ``direct_launch`` runs one
+attention on device arrays without a graph (bench/sweep_attention_tc.py, the GPU tests).
 """
 import functools
 import math
