@@ -126,11 +126,11 @@ def test_tc_forward(rng, name):
 def test_tc_lse_through_the_backward(rng, monkeypatch):
     """The forward at tier 1 saves the rows' LSE (attention_lse), which the numba backward
     (tier 2's kernels) reads: its gradients match float64 ones only if the LSE has the f32
-    kernel's convention. bf16 (test_tc_lse_direct checks f16's LSE), GQA, causal, two query
-    tiles, two key tiles."""
+    kernel's convention. bf16 (test_tc_lse_direct checks f16's LSE), GQA, causal, one query
+    tile and one partial key tile (the backward kernels are the slow part here)."""
     monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "1,2")
     dt = "bf16"
-    qs, ks = (1, 2, 17, 16), (1, 1, 21, 16)
+    qs, ks = (1, 2, 9, 16), (1, 1, 13, 16)
     g = rlx.Graph("attn_tc_grad")
     q, k, v = g.input("q", qs, dt), g.input("k", ks, dt), g.input("v", ks, dt)
     y = g.attention(q, k, v, causal=True)
