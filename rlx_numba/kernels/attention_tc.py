@@ -198,14 +198,14 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
                         sm[at + _u(e)] = ZERO16
 
     @_inline
-    def load_q(fq, slot, q, qbase, qs, q0w, sq, kk, gl, tl):
-        """Q's A fragments of k16 step kk into fq[:, slot] (slot = kk; word r: row g + 8 (r & 1), cols
+    def load_q(fq, q, qbase, qs, q0w, sq, kk, gl, tl):
+        """Q's A fragments of k16 step kk into fq[:, kk] (word r: row g + 8 (r & 1), cols
         2t + 8 (r >> 1) and the next: one uint32 of q), zeros past sq."""
         for mi in range(MI):
             for r in range(4):
                 row = q0w + int64(gl + _u(16 * mi + 8 * (r & 1)))
                 col = _u(16 * kk + 8 * (r >> 1)) + _u(2) * tl
-                fq[mi, slot, r] = q[(uint64(qbase + row * qs) + col) >> _u(1)] if row < sq \
+                fq[mi, kk, r] = q[(uint64(qbase + row * qs) + col) >> _u(1)] if row < sq \
                     else ZERO32
 
     @jit(launch_bounds=(NT, geo.min_blocks))
@@ -213,8 +213,8 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
         Ks = cuda.shared.array(TILE, uint16, alignment=ALIGN)
         Vs = cuda.shared.array(TILE, uint16, alignment=ALIGN)
         xs = cuda.shared.array(XS, float32)
-        fq = cuda.local.array((MI, KD, 4), uint32)          # Q's A fragments (constant indices only:
-        s = cuda.local.array((MI, NS, 4), float32)     # registers); S, then P
+        fq = cuda.local.array((MI, KD, 4), uint32)     # Q's A fragments (constant indices
+        s = cuda.local.array((MI, NS, 4), float32)     # only: registers); S, then P
         o = cuda.local.array((MI, DN, 4), float32)
         mr = cuda.local.array((MI, 2), float32)    # rows g and g + 8: max (exp2 units)
         lr = cuda.local.array((MI, 2), float32)    # ... and this lane's share of the sum
@@ -237,7 +237,7 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
         scale2 = scale * LOG2E
         if QREG:
             for kk in range(KD):
-                load_q(fq, kk, q, qbase, qs, q0w, sq, kk, gl, tl)
+                load_q(fq, q, qbase, qs, q0w, sq, kk, gl, tl)
         for mi in range(MI):
             for r in range(2):
                 mr[mi, r] = NEG_INF
@@ -271,8 +271,8 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
                     for i in range(4):
                         s[mi, ni, i] = ZERO
             for kk in range(KD):          # S = Q K^T
-                if not QREG:              # (slot kk either way: constant indices)
-                    load_q(fq, kk, q, qbase, qs, q0w, sq, kk, gl, tl)
+                if not QREG:              # re-read (L1) every tile
+                    load_q(fq, q, qbase, qs, q0w, sq, kk, gl, tl)
                 for nj in range(KC):
                     wd = tc.ldmatrix_x4(Ks, k_lane + _u(nj * 16 * LD + kk * 16))
                     for mi in range(MI):
