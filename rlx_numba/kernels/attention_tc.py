@@ -115,9 +115,9 @@ class TcAttnGeometry:
 # blocks an SM (ptxas, sm_90, causal bf16: 241 registers at D 64, 247 at D 128, no spills).
 # Untimed: two row tiles a warp halve the K / V shared-memory reads a product (an ldmatrix
 # of K or V feeds mi mma pairs), which may matter more than occupancy, but at D 128 they spill
-# (255 registers; 4 warps x 64 keys, mi 2: 816 bytes of stack) and 3 blocks an SM (168
-# registers) spills 12 bytes at D 64, 364 at D 128: bench/sweep_attention_tc.py times
-# SWEEP_GEOMETRIES. Simulator: one warp, 16-key tiles (every simulated lane is an OS thread).
+# (255 registers; 4 warps x 64 keys, mi 2: 816 bytes of stack, x 32 keys: 1120 with 576
+# spilled -- at D 64 mi 2 x 32 keys fits in 230) and 3 blocks an SM (168 registers) spills
+# 12 bytes at D 64, 364 at D 128: bench/sweep_attention_tc.py times SWEEP_GEOMETRIES. Simulator: one warp, 16-key tiles (every simulated lane is an OS thread).
 GPU_GEOMETRY = TcAttnGeometry(4, 128, 2)
 SIM_GEOMETRY = TcAttnGeometry(1, 16, 1)
 register_geometry("attention_tc", gpu=GPU_GEOMETRY, sim=SIM_GEOMETRY)
