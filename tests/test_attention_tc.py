@@ -254,6 +254,7 @@ def test_tc_not_by_default_in_the_simulator(monkeypatch, caplog):
 def test_tc_geometry():
     gpu = ATC.GPU_GEOMETRY
     assert (gpu.warps, gpu.keys(64), gpu.keys(128)) == (4, 128, 64)
+    assert gpu.keys(64, masked=True) == 64 and ATC.SIM_GEOMETRY.keys(64, masked=True) == 16
     for geo in ATC.SWEEP_GEOMETRIES:
         for d in (16, 64, 128):
             ATC.check(geo, d)

@@ -32,8 +32,8 @@ Key tiles wholly masked by causal / window are skipped; causal blocks start from
 heaviest query tiles. Shared memory: K and V tiles of BC x (D + 8) halves, rows padded by 16
 bytes (a row stride of an odd number of 16-byte units: the 8 rows an ldmatrix phase reads
 fall in 8 distinct bank groups), within 48 KB of static shared memory (``keys`` halves BC
-until it fits: 128 keys at D 64, 64 at D 128). Rows past Sk are zero-filled (P is 0 there,
-and 0 times stale bits could be NaN). K / V rows must be 16-byte aligned (cp.async): the
+until it fits: 128 keys at D 64, 64 at D 128; 64 at most with a window, mask, bias or
+softcap). Rows past Sk are zero-filled (P is 0 there, and 0 times stale bits could be NaN). K / V rows must be 16-byte aligned (cp.async): the
 lowering checks the pointers (q's, k's, v's; else tier 2 runs it); D a multiple of 16 makes
 every row stride a multiple of 8. A warp's rows that are all in range and see every key of a
 tile skip the mask tests (``plain``), so only diagonal / edge tiles pay for them.
@@ -66,6 +66,7 @@ PAD = 8                 # halves of padding a shared row (see the module docstri
 SMEM_LIMIT = 48 * 1024  # static shared memory a kernel may declare
 MAX_D = 128             # head dims: multiples of 16 up to this (Q's and O's registers)
 KINDS = tc.KINDS        # q / k / v storage kinds it takes
+MASKED_KEYS = 64        # keys a tile at most with per-element mask work (TcAttnGeometry.keys)
 
 _u = np.uint64
 NEG_INF = float32(-math.inf)
@@ -97,9 +98,12 @@ class TcAttnGeometry:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def keys(self, d: int) -> int:
-        """Keys a tile at head dim ``d``: bc, halved until the K and V tiles fit."""
-        bc = self.bc
+    def keys(self, d: int, masked: bool = False) -> int:
+        """Keys a tile at head dim ``d``: bc, halved until the K and V tiles fit; at most
+        MASKED_KEYS for a kernel with per-element mask work (``masked``: a window, a mask, a
+        bias or softcap), whose score loop over 128 keys the compiler did not unroll (S then
+        lived in local memory: 256 bytes of stack at D 64; none at 64 keys)."""
+        bc = min(self.bc, MASKED_KEYS) if masked else self.bc
         while bc > 16 and shared_bytes(bc, d) > SMEM_LIMIT:
             bc //= 2
         return bc
@@ -162,7 +166,7 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
     check(geo, d)
     W, NT, BR, MI = geo.warps, geo.threads, geo.br, geo.mi
     WR = 16 * MI                   # a warp's query rows
-    BC = geo.keys(d)
+    BC = geo.keys(d, has_window or has_mask or has_bias or has_softcap)
     QREG = geo.q_regs(d)
     LD = d + PAD                   # a shared row (halves)
     KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of O

@@ -246,7 +246,7 @@ def _lower_attention_tc(ctx, n):
                                                           for t in (k, v)]
     return [Step(step_name(n), f"attention tc-flash {kinds[0]} D={d} "
                  f"{'causal ' if flags[0] else ''}{b}x{hq}/{hkv}x{sq}x{sk}"
-                 f"{' +lse' if lse else ''} {geo.warps}w x {geo.keys(d)}", kern, grid, block,
+                 f"{' +lse' if lse else ''} {geo.warps}w x {geo.keys(d, any(flags[1:]))}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *bits,
                   mbuf, bbuf, geom, scale, softcap),
                  {"flops": 4 * b * hq * sq * sk * d, "tier": TC_TIER})]
