@@ -339,7 +339,7 @@ def test_gpu_tc_sweep_geometries(rng, geo, dt, d, causal, lse):
     o, pv, want = reference(q, k, v, causal=causal)
     assert_pv_close(out, o, pv, dt, what=f"{geo} D{d}")
     if lse:
-        np.testing.assert_allclose(got_lse, want, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got_lse, want, rtol=0, atol=2e-4)   # (tensor-core f32 sums)
 
 
 @gpu_only
