@@ -244,9 +244,10 @@ def _lower_attention_tc(ctx, n):
     grid, block = ATC.flash_tc_launch(geo, b, hq, sq)
     bits = [ctx.buf(q).view(np.uint16).view(np.uint32)] + [ctx.buf(t).view(np.uint16)
                                                           for t in (k, v)]
+    tile = f"{geo.warps}w mi{geo.mi} {geo.keys(d, any(flags[1:]))} keys"
     return [Step(step_name(n), f"attention tc-flash {kinds[0]} D={d} "
                  f"{'causal ' if flags[0] else ''}{b}x{hq}/{hkv}x{sq}x{sk}"
-                 f"{' +lse' if lse else ''} {geo.warps}w x {geo.keys(d, any(flags[1:]))}", kern, grid, block,
+                 f"{' +lse' if lse else ''} {tile}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *bits,
                   mbuf, bbuf, geom, scale, softcap),
                  {"flops": 4 * b * hq * sq * sk * d, "tier": TC_TIER})]
