@@ -10,9 +10,9 @@ Each side is timed over windows of back-to-back launches (CUDA events, best of 3
 Half precision (issue 31), bf16 and f16 beside torch's SDPA in the same dtype: tokens B * S =
 32k, H32, S {1k, 4k, 16k}, D {64, 128}, causal and not, forward (TFLOP/s 4 B H S^2 D, halved
 when causal) and backward (2.5x the forward's FLOPs; time = forward+backward - forward, on
-both sides), per tier (RLX_NUMBA_ATTENTION_TIERS): tier 0 (cuDNN's fused attention, bar 0.95x
-forward and backward) and tier 1 (the numba tensor-core flash kernel, bars 0.4x forward and
-0.3x backward at D128 S4k). Half-KV decode: the decode rows with bf16 K / V (bar 85% of copy).
+both sides), per tier (RLX_NUMBA_ATTENTION_TIERS): tier 0 (cuDNN's fused attention forward and
+backward, bar 0.95x both) and tier 1 (the numba tensor-core flash forward, then the numba
+backward kernels; bars 0.4x forward and 0.3x backward at D128 S4k). Half-KV decode: the decode rows with bf16 K / V (bar 85% of copy).
 Errors: max |ours - ref| / max |ref|, ref torch's SDPA in f32 of the same half inputs (torch's
 own half result's error printed beside it).
 
@@ -99,6 +99,8 @@ def bench_half(b, h, s, d, causal, dtype, tier, rlx, cuda, torch, iters):
     F = torch.nn.functional
     tdt = {"bf16": torch.bfloat16, "f16": torch.float16}[dtype]
     os.environ["RLX_NUMBA_ATTENTION_TIERS"] = str(tier)
+    # the backward: cuDNN's fused one with tier 0, else the numba kernels
+    os.environ["RLX_NUMBA_ATTENTION_BWD_TIERS"] = "0" if tier == 0 else "1"
     try:
         shape = (b, h, s, d)
         tq, tk, tv, tdo = (torch.randn(*shape, device="cuda").to(tdt) for _ in range(4))
@@ -144,6 +146,7 @@ def bench_half(b, h, s, d, causal, dtype, tier, rlx, cuda, torch, iters):
         kernels = {p: [st.kernel_name for st in e.steps] for p, e in exes.items()}
     finally:
         os.environ.pop("RLX_NUMBA_ATTENTION_TIERS", None)
+        os.environ.pop("RLX_NUMBA_ATTENTION_BWD_TIERS", None)
     flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0)
     rows = []
     for part, fl in (("fwd", flops), ("bwd", 2.5 * flops)):

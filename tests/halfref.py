@@ -14,6 +14,8 @@ HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 HALVES = ("f16", "bf16")
 # unit roundoff: half an ulp of 1
 UNIT = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}
+# a rounding's absolute floor: half the subnormals' spacing (u |y| is less than that there)
+TINY = {"f32": 2.0 ** -150, "f16": 2.0 ** -25, "bf16": 2.0 ** -134}
 
 
 def rounded(x, dtype) -> np.ndarray:
@@ -26,9 +28,9 @@ def f64(x) -> np.ndarray:
 
 
 def assert_half_close(got, want, dtype, *, k=2.0, scale=None, what=""):
-    """|got - want| <= k u (|want| + scale) elementwise; ``scale`` (default: the largest
-    |want|, times 2^-6) stands in for results that cancel to near zero. ``got`` must already
-    be in ``dtype``."""
+    """|got - want| <= k (u (|want| + scale) + tiny) elementwise; ``scale`` (default: the
+    largest |want|, times 2^-6) stands in for results that cancel to near zero, ``tiny`` is a
+    subnormal result's rounding (TINY). ``got`` must already be in ``dtype``."""
     got = np.asarray(got)
     assert got.dtype == np.dtype(HOST[dtype]), f"{what}: dtype {got.dtype}, want {dtype}"
     want = f64(want)
@@ -37,7 +39,7 @@ def assert_half_close(got, want, dtype, *, k=2.0, scale=None, what=""):
         scale = float(np.max(np.abs(want), initial=0.0)) * 2.0 ** -6
     u = UNIT[dtype]
     err = np.abs(f64(got) - want)
-    bound = k * u * (np.abs(want) + scale)
+    bound = k * (u * (np.abs(want) + scale) + TINY[dtype])
     bad = ~(err <= bound) & ~(np.isnan(want) & np.isnan(f64(got)))
     if bad.any():
         i = np.unravel_index(int(np.argmax(np.where(bad, err - bound, -np.inf))), got.shape)

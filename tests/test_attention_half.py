@@ -104,9 +104,10 @@ def run_half(rng, dt, qs, ks, *, mask_shape=None, bias_shape=None, bias_dtype=No
 
 @pytest.fixture(autouse=True)
 def _numba_tier(monkeypatch):
-    """These tests check the numba kernels (tier 1); on a GPU cuDNN would take some
-    (test_cudnn_tier sets tier 0 itself)."""
-    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "1")
+    """These tests check the numba f32-accumulating kernels (tier 2); on a GPU cuDNN or the
+    tensor-core flash kernel would take some (test_cudnn_tier sets tier 0 itself;
+    tests/test_attention_tc.py checks tier 1)."""
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_TIERS", "2")
 
 
 # name: (q shape, k shape, attributes); the simulator's tiles are 16 x 16 (16 threads)

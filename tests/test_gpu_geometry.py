@@ -247,3 +247,21 @@ def test_rope_kv_write_as_programmatic_dependent(rng, monkeypatch):
     from test_fused_decoder import RKV_CASES, test_rope_kv_write_matches_numpy
     gpu_launch(monkeypatch)
     test_rope_kv_write_matches_numpy(rng, *RKV_CASES[2], cpos_tensor=True)
+
+
+
+def test_attention_tc_gpu_geometry(rng):
+    """The tensor-core flash kernel (attention tier 1) at the GPU's geometry: 4 warps of 16
+    query rows, one 128-key tile (D 16), causal with Sq < Sk (diagonal warps take the mask
+    path, the others none) and its LSE."""
+    from halfref import rounded
+    from rlx_numba.kernels import attention_tc as ATC
+    from test_attention_tc import assert_pv_close, direct, reference
+    assert default_geometry("attention_tc") == ATC.SIM_GEOMETRY
+    assert gpu_geometry("attention_tc") == ATC.GPU_GEOMETRY
+    q = rounded(rng.standard_normal((1, 1, 35, 16)), "bf16")
+    k, v = (rounded(rng.standard_normal((1, 1, 70, 16)), "bf16") for _ in range(2))
+    out, lse = direct("bf16", q, k, v, ATC.GPU_GEOMETRY, causal=True)
+    o, pv, want = reference(q, k, v, causal=True)
+    assert_pv_close(out, o, pv, "bf16")
+    np.testing.assert_allclose(lse, want, rtol=0, atol=1e-5)

@@ -198,12 +198,12 @@ def _ds_shape(lead, a):
 
 defop("attention", infer_attention, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
       doc="softmax(scale * q k^T (+ bias), masked) @ v per head (GQA / MQA): cuDNN's fused "
-          "attention, or numba flash / split-K")
+          "attention, the numba tensor-core flash kernel, or numba flash / split-K")
 # filled by the forward's kernel (flash, or cuDNN's stats) when it is live (its VJP makes it);
 # after a decode kernel its own step (runtime/lower_attention.py)
 defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
       dtype_rule=F32, doc="the rows' log-sum-exp [B, Hq, Sq] of an attention (its VJP's), f32")
-defop("attention_bwd_dq", _infer_bwd, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_TIERS",
+defop("attention_bwd_dq", _infer_bwd, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_BWD_TIERS",
       results=(("attention_bwd_dkv", None), ("attention_bwd_delta", None)),
       doc="attention's backward in one node: dQ (q's shape), and its further results [dK, dV] "
           "and delta: cuDNN's fused SDPA backward, or the numba delta / dQ / dK-dV kernels")

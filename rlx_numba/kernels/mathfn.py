@@ -18,6 +18,7 @@ if not SIMULATOR:
     # softmax weights exp(x), x <= 0: ex2.approx(x * log2 e), 2 instructions against expf's ~16;
     # relative error ~|x| * 6e-8 + 2^-22, far below f32 attention's tolerance
     fast_exp = libdevice.fast_expf
+    exp2 = libdevice.exp2f            # ex2.approx (2 ulp): the tensor-core flash's softmax
     log = math.log
     sqrt = math.sqrt
     tanh = math.tanh
@@ -40,6 +41,7 @@ else:
 
     exp = _wrap(np.exp)
     fast_exp = exp
+    exp2 = _wrap(np.exp2)
     log = _wrap(np.log)
     sqrt = _wrap(np.sqrt)
     tanh = _wrap(np.tanh)

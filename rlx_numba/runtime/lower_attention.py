@@ -1,28 +1,35 @@
-"""Lowering of attention, two tiers (``RLX_NUMBA_ATTENTION_TIERS``, RLX_NUMBA_LOG_FALLBACK=1
+"""Lowering of attention, three tiers (``RLX_NUMBA_ATTENTION_TIERS``, RLX_NUMBA_LOG_FALLBACK=1
 logs why one was passed over): 0, cuDNN's fused attention for f16 / bf16 (tensor cores;
 causal, GQA, a bias or a bool mask; with the rows' log-sum-exp when the backward needs it);
-1, the numba kernels (kernels/attention.py): the prefill (flash) kernel, or the split-K decode
-kernel when the queries that share a key/value head are few. Then its backward ops (built by
-attention's VJP in ir/ops_attention.py), the same two tiers under the same variable for the
-one node giving dQ, dK and dV (attention_bwd_dq): 0, cuDNN's fused backward (one call; not
-with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py). A forward on one tier
-and a backward on the other agree: cuDNN's softmax stats are our LSE (cudnn.py). cuDNN builds
-its graph when tier 0 is considered (_cudnn_builds), so one it has no engine for falls to the
-numba tier, the reason logged."""
+1, the numba tensor-core flash kernel (kernels/attention_tc.py: f16 / bf16 prefill on
+mma.sync, every mask and attribute of the f32 kernels, the LSE for the backward; in the
+simulator only where RLX_NUMBA_ATTENTION_TIERS names it, its mma twins being slow); 2, the
+numba f32-accumulating kernels (kernels/attention.py): the prefill (flash) kernel, or the
+split-K decode kernel when the queries that share a key/value head are few. Then its backward
+(built by attention's VJP in ir/ops_attention.py): one node giving dQ, dK and dV
+(attention_bwd_dq), two tiers under ``RLX_NUMBA_ATTENTION_BWD_TIERS``: 0, cuDNN's fused
+backward (one call; not with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py).
+A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
+(cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
+engine for falls to the next tier, the reason logged."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
 from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
+from ..kernels import attention_tc as ATC
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .. import cudnn
-from ..device import SIMULATOR
+from ..device import SIMULATOR, device_info
 from ..ir import dtypes as dt
-from .lower import CallStep, Step, elementwise_step, lowering, pdl_supported, step_name
+from ..ir.opdef import opdef
+from .lower import (CallStep, Step, elementwise_step, env_tiers, lowering, pdl_supported,
+                    step_name)
 
 
 def _bcast_strides(shape, full):
@@ -302,8 +309,76 @@ def _lower_attention_cudnn(ctx, n):
                               "tier": 0})]
 
 
+TC_TIER = 1          # the tensor-core flash kernel's place in the ladder
+
+
+def _tc_unavailable(ctx, n):
+    """None when the tensor-core flash kernel (tier 1) runs node ``n``, else why not."""
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    kind = q.dtype.name
+    if kind not in ATC.KINDS:
+        return f"{kind} operands (it takes f16 / bf16)"
+    if SIMULATOR and not _tier_named(TC_TIER):
+        return "the simulator runs it only where RLX_NUMBA_ATTENTION_TIERS names it"
+    d = a["d"]
+    if d % 16 or not 16 <= d <= ATC.MAX_D:
+        return f"head dim {d} (a multiple of 16 up to {ATC.MAX_D})"
+    if _decodes(a):
+        return "few queries a kv head (the split decode kernel)"
+    if a["sk"] == 0:
+        return "no keys"
+    if a["b"] * a["hq"] > 65535:
+        return f"{a['b']} x {a['hq']} (batch x heads) blocks past the grid's y limit"
+    if not SIMULATOR and device_info()["cc"] < (8, 0):
+        return "mma.sync on bf16 / f16 needs compute capability 8.0"
+    if not all(_aligned16(ctx.buf(t)) for t in (q, k, v)):
+        return "q / k / v not 16-byte aligned (cp.async, Q read a word at a time)"
+    return None
+
+
+def _tier_named(tier: int) -> bool:
+    """RLX_NUMBA_ATTENTION_TIERS is set and names ``tier``."""
+    if not os.environ.get("RLX_NUMBA_ATTENTION_TIERS"):
+        return False
+    names = {i: t.name for i, t in enumerate(opdef("attention").tiers)}
+    return tier in env_tiers("RLX_NUMBA_ATTENTION_TIERS", names)
+
+
+@lowering("attention", tier="numba tensor-core flash", available=_tc_unavailable)
+def _lower_attention_tc(ctx, n):
+    """The tensor-core flash kernel (kernels/attention_tc.py) of an f16 / bf16 prefill, with
+    the rows' LSE when its attention_lse is live (the VJP's). Its P is rounded to q's dtype
+    before P V, as cuDNN's and FlashAttention-2's: an output's error is a few units of
+    roundoff of sum_j p_j |v_j|."""
+    g, a = ctx.graph, n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    if b * hq * sq * d == 0:
+        return []
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
+    kinds = _kinds(q, bias)
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    lse = [r for r in g.nodes[n.id].results if r in ctx.live]
+    geo = default_geometry("attention_tc")
+    kern = ATC.flash_tc(geo, d, *flags, A.WITH_LSE if lse else A.NO_LSE, *kinds)
+    grid, block = ATC.flash_tc_launch(geo, b, hq, sq)
+    bits = [ctx.buf(q).view(np.uint16).view(np.uint32)] + [ctx.buf(t).view(np.uint16)
+                                                          for t in (k, v)]
+    tile = f"{geo.warps}w mi{geo.mi} {geo.keys(d, any(flags[1:]))} keys"
+    return [Step(step_name(n), f"attention tc-flash {kinds[0]} D={d} "
+                 f"{'causal ' if flags[0] else ''}{b}x{hq}/{hkv}x{sq}x{sk}"
+                 f"{' +lse' if lse else ''} {tile}", kern, grid, block,
+                 (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *bits,
+                  mbuf, bbuf, geom, scale, softcap),
+                 {"flops": 4 * b * hq * sq * sk * d, "tier": TC_TIER})]
+
+
 @lowering("attention", tier="numba flash / split decode")
 def _lower_attention(ctx, n):
+    """Tier 2: the f32-accumulating kernels (any float dtype, any head dim, decode)."""
     g = ctx.graph
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
