@@ -200,7 +200,7 @@ def _patch_block_manager() -> None:
 
     def run_block(self, grid_point, *args):
         if not self._debug and thread_free(self._f):
-            return _run_inline(self, grid_point, args)
+            return _run_inline(self, self._f, self._block_dim, grid_point, args)
 
         def target():
             self._f(*args)
@@ -317,22 +317,22 @@ def _code_reaches(code, glb, seen, free=()) -> bool:
                if isinstance(c, types.CodeType))
 
 
-def _run_inline(manager, grid_point, args) -> None:
-    """Run every thread of ``manager``'s block (a BlockManager of a thread-free kernel) in
-    turn in the calling thread, which takes each simulated thread's identity meanwhile (the
+def _run_inline(manager, f, block_dim, grid_point, args) -> None:
+    """Run every thread of ``manager``'s block (a BlockManager of the thread-free kernel
+    function ``f``, ``block_dim`` its 3 dims) in turn in the calling thread, which takes each simulated thread's identity meanwhile (the
     fake cuda module reads threadIdx / blockIdx / thread_id from the current thread). An
     exception is raised as a BlockThread reports it: tid and ctaid in front."""
     import numpy as np
     from numba.cuda.simulator.kernelapi import Dim3
     cur = threading.current_thread()
     keep = {k: cur.__dict__[k] for k in _IDENTITY if k in cur.__dict__}
-    bx, by, _ = manager._block_dim                # (numba normalises it to 3 dims)
+    bx, by, _ = block_dim
     cur.blockIdx, cur._manager = Dim3(*grid_point), manager
     try:
-        for bp in np.ndindex(*manager._block_dim):
+        for bp in np.ndindex(*block_dim):
             cur.threadIdx, cur.thread_id = Dim3(*bp), bp[0] + bx * (bp[1] + by * bp[2])
             try:
-                manager._f(*args)
+                f(*args)
             except Exception as e:
                 msg = f"tid={list(bp)} ctaid={list(grid_point)}" + (f": {e}" if str(e) else "")
                 try:
