@@ -215,7 +215,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             t = self.constant(np.asarray(value, dtype=np.float32))
             t.node.attrs["weak"] = True
             return t
-        return self.constant(np.asarray(value, dtype=d.host))
+        return self.constant(np.asarray(value, dtype=d.host), d)   # (d: an f64 stays f64)
 
     def _leaf(self, kind, name, shape, dtype) -> Tensor:
         if not isinstance(name, str) or not name:
