@@ -163,7 +163,24 @@ def test_cast_round_trips(rng):
             g.cast(f, "i32"), g.cast(g.cast(f, "f32"), "f64"), g.cast(g.cast(h, "f16"), "f64"),
             g.cast(g.cast(h, "bf16"), "f64"), g.cast(f, "bool"), g.cast(g.cast(f, "bool"), "f64"),
             g.cast(g.cast(h, "f32"), "f64")]
-    got = run_graph(_one_output_many(g, outs), {"i": big, "f": fv, "h": hv})
+    small = {"u8": np.array([0, 255, 7, 128, 1, 9], np.uint8),
+             "i8": np.array([-128, 127, -1, 0, 5, -7], np.int8),
+             "i16": np.array([-32768, 32767, -3, 0, 300, 11], np.int16)}
+    ins = {n: g.input(n, (6,), n) for n in small}
+    outs += [g.cast(t, "f64") for t in ins.values()]
+    outs += [g.cast(g.cast(f, n), "f64") for n in small]
+    outs += [g.cast(g.cast(h, n), "f64") for n in ("f8e4m3", "f8e5m2")]
+    got = run_graph(_one_output_many(g, outs), {"i": big, "f": fv, "h": hv, **small})
+    for k, (n, v) in enumerate(small.items()):
+        np.testing.assert_array_equal(got[10 + k], v.astype(np.float64), err_msg=n)
+    # to a small int: through i32, wrapping, as torch's casts (0.5 and 1e10 + 0.5 included)
+    wrapped = np.clip(np.trunc(fv), -2**31, 2**31 - 1).astype(np.int32)
+    for k, n in enumerate(small):
+        np.testing.assert_array_equal(got[13 + k], wrapped.astype(small[n].dtype).astype(np.float64),
+                                      err_msg=n)
+    import ml_dtypes
+    for k, t in enumerate((ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)):
+        np.testing.assert_array_equal(got[16 + k], hv.astype(t).astype(np.float64), err_msg=str(t))
     np.testing.assert_array_equal(got[0], big.astype(np.float64))
     assert got[0][0] == 2.0**53 - 1                       # f32 would give 2**53
     np.testing.assert_array_equal(got[1], big)
@@ -172,11 +189,26 @@ def test_cast_round_trips(rng):
     np.testing.assert_array_equal(got[3], np.clip(np.trunc(fv), -2**31, 2**31 - 1).astype(np.int32))
     np.testing.assert_array_equal(got[4], fv.astype(np.float32).astype(np.float64))
     np.testing.assert_array_equal(got[5], hv.astype(np.float16).astype(np.float64))
-    import ml_dtypes
     np.testing.assert_array_equal(got[6], hv.astype(ml_dtypes.bfloat16).astype(np.float64))
     np.testing.assert_array_equal(got[7], fv != 0)
     np.testing.assert_array_equal(got[8], (fv != 0).astype(np.float64))
     np.testing.assert_array_equal(got[9], hv)             # exact both ways
+
+
+def test_half_inputs_widen_exactly_into_f64(rng):
+    """f16 / bf16 tensors (the vector kernel's 16-byte loads: 17 elements, two vectors and a
+    tail) meeting f64 ones: widened exactly, the product in f64."""
+    import ml_dtypes
+    hv = rng.standard_normal(17).astype(np.float16)
+    bv = rng.standard_normal(17).astype(ml_dtypes.bfloat16)
+    fv = rng.standard_normal(17) + 1e-9
+    g = rlx.Graph("widen")
+    h, b, f = g.input("h", (17,), "f16"), g.input("b", (17,), "bf16"), g.input("f", (17,), "f64")
+    got = run_graph(_one_output_many(g, [h * f, g.cast(b, "f64") + f, g.cast(h, "f64")]),
+                    {"h": hv, "b": bv, "f": fv})
+    close(got[0], hv.astype(np.float64) * fv, what="f16 * f64")
+    close(got[1], bv.astype(np.float64) + fv, what="bf16 + f64")
+    np.testing.assert_array_equal(got[2], hv.astype(np.float64))
 
 
 # ---- reductions ------------------------------------------------------------------------------------
