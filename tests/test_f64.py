@@ -127,6 +127,12 @@ def test_every_activation_and_binary_op_in_f64(rng):
     for gv, wv, name in zip(got, want, names):
         close(gv, wv, what=name)
     assert got[list(UNARY).index("log")][0, 0] == pytest.approx(1e-10, rel=1e-6)
+    # the chain alone is one fused kernel, in f64 throughout
+    g1 = rlx.Graph("chain")
+    x1, y1 = g1.input("x", (3, 7), "f64"), g1.input("y", (7,), "f64")
+    exe = rlx.compile(_one_output(g1, g1.exp(g1.tanh(x1) * 3.0 - y1) / (g1.sqrt(x1) + 1e-3)))
+    assert [s.name.split(" ")[1][:5] for s in exe.steps] == ["fused"], [s.name for s in exe.steps]
+    close(exe.run({"x": xv, "y": yv})[0], want[len(UNARY) + len(binary)], what="fused chain")
     beyond_f32(np.log(xv[0, 0]), np.log(np.float32(xv[0, 0])))   # f32: log(1) = 0
 
 
