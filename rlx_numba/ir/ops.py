@@ -149,7 +149,7 @@ def product_dtype(op, named) -> dt.DType:
     for arg, t in named:
         if t.dtype not in PRODUCT_DTYPES:
             raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)} (or f16 / "
-                             f"bf16 / f64: every float operand of one dtype)")
+                             f"bf16: every float operand of one dtype), or f64")
     (arg0, t0), *rest = named
     for arg, t in rest:
         if t.dtype != t0.dtype:
