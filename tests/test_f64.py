@@ -323,16 +323,29 @@ def _ln32(x, gam, bet):
 # ---- storage ops -------------------------------------------------------------------------------------
 def test_shape_ops_move_f64_exactly(rng):
     xv = rng.standard_normal((4, 5)) + 1e-12
-    iv = np.array([3, 0, 2], np.int64)
+    iv = np.array([3, 0, 3], np.int64)               # a repeated index: atomic adds in f64
+    cv = rng.standard_normal((3, 5)) + 1e-12
     g = rlx.Graph("shape")
-    x, i = g.input("x", (4, 5), "f64"), g.input("i", (3,), "i64")
+    x, i, c = g.input("x", (4, 5), "f64"), g.input("i", (3,), "i64"), g.input("c", (3, 5), "f64")
     outs = [g.transpose(x, (1, 0)), g.concat([x, x * 2], 1), g.narrow(x, 1, 1, 3),
-            g.expand(g.reshape(x, (1, 4, 5)), (2, 4, 5)), g.gather(x, i, 0)]
-    got = run_graph(_one_output_many(g, outs), {"x": xv, "i": iv})
-    for gv, wv in zip(got, [xv.T, np.concatenate([xv, xv * 2], 1), xv[:, 1:4],
-                            np.broadcast_to(xv, (2, 4, 5)), xv[iv]]):
+            g.expand(g.reshape(x, (1, 4, 5)), (2, 4, 5)), g.gather(x, i, 0),
+            g.scatter_add(x, i, c), g.scatter_add(x, i, c, deterministic=True)]
+    loss = g.sum(g.gather(x, i, 0) * c) + g.sum(g.narrow(g.transpose(x, (1, 0)), 0, 1, 2))
+    outs.append(g.grad(loss, x))
+    got = run_graph(_one_output_many(g, outs), {"x": xv, "i": iv, "c": cv})
+    added = xv.copy()
+    np.add.at(added, iv, cv)
+    dx = np.zeros_like(xv)
+    np.add.at(dx, iv, cv)
+    dx[:, 1:3] += 1
+    for k, (gv, wv) in enumerate(zip(got, [xv.T, np.concatenate([xv, xv * 2], 1), xv[:, 1:4],
+                                           np.broadcast_to(xv, (2, 4, 5)), xv[iv]])):
         assert gv.dtype == np.float64
-        np.testing.assert_array_equal(gv, wv)
+        np.testing.assert_array_equal(gv, wv, err_msg=str(k))
+    close(got[5], added, what="scatter_add")
+    np.testing.assert_array_equal(got[6], added)      # (np.add.at's order, the same bits)
+    close(got[7], dx, what="gather's gradient")
+    beyond_f32(dx[3], (cv[0].astype(np.float32) + cv[2].astype(np.float32)))
 
 
 # ---- autodiff ------------------------------------------------------------------------------------------
