@@ -262,13 +262,16 @@ def test_matmul_linear_batched_ill_conditioned(rng):
     g = rlx.Graph("mm")
     a, w, b = g.input("a", (m, k), "f64"), g.param("w", (k, n), "f64"), g.param("b", (n,), "f64")
     x, y = g.input("x", (2, 3, m, k), "f64"), g.input("y", (3, k, 4), "f64")
+    r = g.input("r", (m, n), "f64")
     outs = [a @ w, g.linear(a, w, b, activation="gelu"), x @ y,
             g.matmul(g.transpose(w, (1, 0)), g.transpose(a, (1, 0))),
-            g.einsum("mk,nk->mn", a, g.transpose(w, (1, 0)))]
+            g.einsum("mk,nk->mn", a, g.transpose(w, (1, 0))),
+            g.linear(a, w, b) + r, g.silu(a @ w + b) + r]     # residual / epilogue folds
     exe = rlx.compile(_one_output_many(g, outs))
     exe.set_param("w", wv)
     exe.set_param("b", bv)
-    got = exe.run({"a": av, "x": xb, "y": yb})
+    rv = rng.standard_normal((m, n))
+    got = exe.run({"a": av, "x": xb, "y": yb, "r": rv})
     tiers = {s.info["tier"] for s in exe.steps if "tier" in s.info}
     assert tiers == ({2} if ON_GPU else {4}), tiers      # cuBLAS Dgemm / the numba f64 GEMM
     want, scale = av @ wv, np.abs(av) @ np.abs(wv)       # (the sums' 1e8-sized terms)
@@ -278,6 +281,9 @@ def test_matmul_linear_batched_ill_conditioned(rng):
     close(got[2], xb @ yb, scale=np.abs(xb) @ np.abs(yb), what="batched, broadcast")
     close(got[3], want.T, scale=scale.T, what="transposed operands")
     close(got[4], want, scale=scale, what="einsum")
+    close(got[5], want + bv + rv, scale=scale + np.abs(bv) + np.abs(rv), what="residual")
+    z = want + bv
+    close(got[6], z / (1 + np.exp(-z)) + rv, scale=scale + np.abs(bv) + np.abs(rv), what="silu")
 
 
 # ---- rows -------------------------------------------------------------------------------------------
