@@ -64,6 +64,16 @@ def test_dtype_names_and_promotion():
     assert g.constant(np.ones(3), "f64").dtype is dt.F64
 
 
+def test_autocast_leaves_f64_alone():
+    """torch.autocast casts only float32 (and half) operands: f64 products stay f64."""
+    g = rlx.Graph("ac")
+    a, w = g.input("a", (3, 4), "f64"), g.param("w", (4, 5), "f64")
+    x, v = g.input("x", (3, 4), "f32"), g.param("v", (4, 5), "f32")
+    g.set_outputs([g.linear(a, w), x @ v, g.sum(a)])
+    h = g.autocast("bf16")
+    assert [h.nodes[o].dtype for o in h.outputs] == [dt.F64, dt.BF16, dt.F64]
+
+
 def test_unsupported_op_raises_naming_op_and_dtype():
     g = rlx.Graph("u")
     x = g.input("x", (4, 3), "f64")
