@@ -448,3 +448,29 @@ def test_gpu_dgemm(rng, monkeypatch, tier):
     close(got[1], pv @ qv, scale=np.abs(pv) @ np.abs(qv), what="broadcast batch")
     pt = pv.transpose(0, 1, 3, 2)
     close(got[2], pv @ pt, scale=np.abs(pv) @ np.abs(pt), what="transposed batch")
+
+
+@gpu_only
+def test_gpu_f64_reductions_rows_and_elementwise_at_size(rng):
+    """The GPU's geometries: long rows split into f64 partials and combined by a second pass,
+    split columns, a block-wide cumsum, a million-element fused chain, softmax rows of 4097."""
+    a = 1.0 + rng.random((3, 400_001)) * 1e-9
+    c = 1.0 + rng.random((4097, 129)) * 1e-9
+    s = rng.standard_normal((2, 100_003))
+    lg = 1000.0 + rng.standard_normal((64, 4097)) * 1e-6
+    g = rlx.Graph("size")
+    x, y, z, w = (g.input("a", a.shape, "f64"), g.input("c", c.shape, "f64"),
+                  g.input("s", s.shape, "f64"), g.input("lg", lg.shape, "f64"))
+    outs = [g.sum(x, 1), g.mean(x), g.sum(y, 0), g.reduce_max(y, 0), g.argmax(x, 1),
+            g.cumsum(z, 1), g.exp(g.tanh(z) * 2.0) - z, g.softmax(w)]
+    got = run_graph(_one_output_many(g, outs), {"a": a, "c": c, "s": s, "lg": lg})
+    close(got[0], a.sum(1), what="sum of long rows")
+    close(got[1], np.float64(a.mean()), what="mean of everything")
+    close(got[2], c.sum(0), what="sum of columns")
+    close(got[3], c.max(0), what="max of columns")
+    np.testing.assert_array_equal(got[4], a.argmax(1))
+    cs = np.cumsum(s, 1)
+    close(got[5], cs, scale=np.cumsum(np.abs(s), 1), what="cumsum")
+    close(got[6], np.exp(np.tanh(s) * 2) - s, scale=np.exp(2) + np.abs(s), what="chain")
+    e = np.exp(lg - lg.max(-1, keepdims=True))
+    close(got[7], e / e.sum(-1, keepdims=True), what="softmax")
