@@ -35,6 +35,10 @@ Each product is planned once, at compile time, taking the first tier whose preco
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
 generated element-wise kernel over the output, in place.
 
+f64 products (every operand f64) compute in f64 end to end: tier 2 as cublasDgemm (strided /
+pointer-array batched), else tier 4's f64 kind, the epilogue kernel in f64; the other tiers
+have no f64 form (``_f64_product``).
+
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
