@@ -140,7 +140,7 @@ def _lower_reduce(ctx, n):
     if not any(red for _, red in dims):
         return [_cast_step(ctx, name, n, x)]
     op, acc = K.OPS[kind], _acc(x.dtype)
-    div = _ACC_NP.get(acc, np.float32)(count)   # (mean's count, in the accumulator's float)
+    div = (np.float64 if acc == "f64" else np.float32)(count)   # mean's count (f64 for f64)
     src, ld, itemsize = ctx.buf(x), _ld(x.dtype), x.dtype.itemsize
     steps = []
     while True:
