@@ -43,8 +43,8 @@ def _dtype_of(elem_type: int, what: str):
     name = _ONNX_DTYPES.get(elem_type)
     if name is None:
         raise NotImplementedError(f"{what} has ONNX type {_onnx_type_name(elem_type)}"
-                                  f", which rlx_numba has no dtype for (it has "
-                                  f"{', '.join(d.name for d in dt.ALL)})")
+                                  f", which rlx.onnx does not take (it takes "
+                                  f"{', '.join(_ONNX_DTYPES.values())})")
     return dt.dtype(name)
 
 
@@ -1912,7 +1912,7 @@ class OnnxModel:
         if casts:
             raise NotImplementedError(
                 f"ONNX model {model.graph.name!r} (opset {self.opset}) casts to "
-                f"{', '.join(casts)}, which rlx_numba has no dtype for")
+                f"{', '.join(casts)}, which rlx.onnx does not take")
         inits = {t.name: onnx.numpy_helper.to_array(t) for t in model.graph.initializer}
         self.params = {k: v for k, v in inits.items()}
         self.inputs = [i for i in model.graph.input if i.name not in inits]

@@ -191,7 +191,7 @@ def test_reshape_errors():
         g.reshape(x, (2, -3))
 
 
-@pytest.mark.parametrize("bad", ["f64", "float64", "uint16", "half", ""])
+@pytest.mark.parametrize("bad", ["f128", "float128", "uint16", "half", ""])   # (f64 exists)
 def test_unknown_dtype_string(bad):
     g = _g()
     with pytest.raises(ValueError, match=rf"unknown dtype {re.escape(repr(bad))}; expected one "
@@ -206,8 +206,8 @@ def test_unknown_dtype_string(bad):
 
 def test_numpy_dtype_without_rlx_dtype():
     g = _g()
-    with pytest.raises(ValueError, match=r"NumPy dtype float64 has no rlx_numba dtype"):
-        g.input("x", (3,), np.float64)
+    with pytest.raises(ValueError, match=r"NumPy dtype uint32 has no rlx_numba dtype"):
+        g.input("x", (3,), np.uint32)
     with pytest.raises(ValueError, match=r"NumPy dtype uint16 has no rlx_numba dtype"):
         g.constant(np.zeros(3, np.uint16) + 1)
 

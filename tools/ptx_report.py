@@ -3,7 +3,7 @@
 The simulator runs kernels as Python, so it cannot see what only the GPU compiler sees: a
 signed/unsigned mix that numba types as float64, a kernel that needs more registers than a
 1024-thread block may have (it then fails to launch), spills. This compiles the row kernels
-and the SGEMM for sm_90 with numba's real compiler and runs ptxas on the PTX.
+and the SGEMM (and its f64 kind) for sm_90 with numba's real compiler and runs ptxas on the PTX.
 
 Needs libnvvm and ptxas (a CUDA toolkit, e.g. /usr/local/cuda) and NVRTC
 (``pip install nvidia-cuda-nvrtc``); no GPU or driver.
@@ -90,6 +90,11 @@ def main(argv=None) -> int:
                                       launch_bounds=mm.LAUNCH_BOUNDS)
             print(f"sgemm     trans_a={int(ta)} trans_b={int(tb)} {mm.BM}x{mm.BN}x{mm.BK} "
                   f"tile, {mm.TM}x{mm.TN} a thread {ptxas(ptx, args.ptxas)}")
+            f64 = T.float64[::1]     # the f64 kind (expected: float64 math, one block an SM)
+            sig = (f64,) * 3 + (T.int64,) * 3 + (i64, i64, T.int64)
+            ptx, _ = cuda.compile_ptx(mm.sgemm_kernel(ta, tb, "f64", "f64").py_func, sig,
+                                      cc=(9, 0), launch_bounds=(mm.NT, 1))
+            print(f"dgemm     trans_a={int(ta)} trans_b={int(tb)} {ptxas(ptx, args.ptxas)}")
     return 0
 
 

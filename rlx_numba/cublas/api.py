@@ -66,6 +66,12 @@ CUBLAS = {
                                   P, c_int, c_int64, P, P, c_int, c_int64, c_int],
     "cublasSgemmBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P,
                            c_int, c_int],
+    # f64 products (the same arguments, double alpha / beta and data)
+    "cublasDgemm_v2": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P, c_int],
+    "cublasDgemmStridedBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int64,
+                                  P, c_int, c_int64, P, P, c_int, c_int64, c_int],
+    "cublasDgemmBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P,
+                           c_int, c_int],
     "cublasGemmEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int, c_int,
                      P, P, c_int, c_int, c_int, c_int],
     "cublasGemmBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int,

@@ -14,7 +14,7 @@ that enqueues the GEMM on the stream.
 from __future__ import annotations
 
 import weakref
-from ctypes import byref, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
+from ctypes import byref, c_double, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
 from . import api
@@ -99,29 +99,34 @@ def colmajor(m: int, n: int, k: int, trans_a: bool, trans_b: bool) -> Colmajor:
 
 
 _ONE, _ZERO = c_float(1.0), c_float(0.0)
+_ONE64, _ZERO64 = c_double(1.0), c_double(0.0)
 
 
 def sgemm_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, c_ptr: int, *, tf32: bool,
-               batch: int = 1, stride_a: int = 0, stride_b: int = 0, ptr_arrays=None):
+               batch: int = 1, stride_a: int = 0, stride_b: int = 0, ptr_arrays=None,
+               f64: bool = False):
     """cublasSgemm_v2 (batch 1), cublasSgemmStridedBatched (element strides of our A and B,
     0 for a broadcast operand), or cublasSgemmBatched with device arrays of pointers
-    (``ptr_arrays`` = (A pointers, B pointers, C pointers)) for any other batch broadcast."""
+    (``ptr_arrays`` = (A pointers, B pointers, C pointers)) for any other batch broadcast.
+    ``f64``: the same calls of cublasDgemm (double data, alpha and beta; no TF32)."""
     blas, _ = api.libs()
-    h = blas_handle(stream, tf32)
-    head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(_ONE))
+    h = blas_handle(stream, tf32 and not f64)
+    one, zero = (_ONE64, _ZERO64) if f64 else (_ONE, _ZERO)
+    call = "cublasD" if f64 else "cublasS"
+    head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(one))
     if ptr_arrays is not None:
         pa, pb, pc = (p.device_ctypes_pointer.value for p in ptr_arrays)
-        args = head + (c_void_p(pb), cm.lda, c_void_p(pa), cm.ldb, byref(_ZERO), c_void_p(pc),
+        args = head + (c_void_p(pb), cm.lda, c_void_p(pa), cm.ldb, byref(zero), c_void_p(pc),
                        cm.ldc, batch)
-        fn = blas.cublasSgemmBatched
+        fn = getattr(blas, call + "gemmBatched")
     elif batch > 1:
         args = head + (c_void_p(b_ptr), cm.lda, stride_b, c_void_p(a_ptr), cm.ldb, stride_a,
-                       byref(_ZERO), c_void_p(c_ptr), cm.ldc, cm.m * cm.n, batch)
-        fn = blas.cublasSgemmStridedBatched
+                       byref(zero), c_void_p(c_ptr), cm.ldc, cm.m * cm.n, batch)
+        fn = getattr(blas, call + "gemmStridedBatched")
     else:
-        args = head + (c_void_p(b_ptr), cm.lda, c_void_p(a_ptr), cm.ldb, byref(_ZERO),
+        args = head + (c_void_p(b_ptr), cm.lda, c_void_p(a_ptr), cm.ldb, byref(zero),
                        c_void_p(c_ptr), cm.ldc)
-        fn = blas.cublasSgemm_v2
+        fn = getattr(blas, call + "gemm_v2")
     return lambda: fn(*args)
 
 

@@ -6,7 +6,8 @@ ops' own inference exactly as when a user writes the casts by hand. The policies
 torch.autocast's CUDA op lists, mapped onto this IR:
 
     lower     products run in the half dtype: matmul, linear, conv, conv_transpose, attention
-              (every float operand cast, bias included; masks and indices untouched)
+              (every f32 / half operand cast, bias included; masks, indices and f64
+              operands untouched: torch's autocast does not take float64)
     f32       half operands widened to f32: softmax, log_softmax, the norms, cross_entropy,
               sum / prod reductions, cumsum, and the activations torch lists (exp, log,
               rsqrt, tan) and pow
@@ -118,8 +119,8 @@ def _rebuild(graph, d, pol, *, half_params=False, convert=False):
             continue
         ins = [new[i] for i in n.inputs]
         p = pol.get(n.id)
-        if p == LOWER:
-            ins = [cast(t, d) for t in ins]
+        if p == LOWER:      # (torch's autocast leaves float64 alone: not eligible)
+            ins = [t if t.dtype == dt.F64 else cast(t, d) for t in ins]
         elif p == F32:
             ins = [cast(t, dt.F32) if t.dtype in HALVES else t for t in ins]
         elif p == PROMOTE:

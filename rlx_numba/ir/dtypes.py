@@ -1,4 +1,4 @@
-"""The eleven dtypes, their NumPy mapping and the promotion rule.
+"""The twelve dtypes, their NumPy mapping and the promotion rule.
 
 bf16 has no NumPy dtype of its own: on the host it is ``ml_dtypes.bfloat16``, on the device its
 16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays). The fp8 types
@@ -50,11 +50,12 @@ F8E5M2 = DType("f8e5m2", np.dtype(ml_dtypes.float8_e5m2), np.dtype(np.uint8), "f
 BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float", 6)
 F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 6)
 F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 7)
+F64 = DType("f64", np.dtype(np.float64), np.dtype(np.float64), "float", 8)
 
-ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL, I16, F8E4M3, F8E5M2)
+ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL, I16, F8E4M3, F8E5M2, F64)
 FP8 = (F8E4M3, F8E5M2)
 _BY_NAME = {d.name: d for d in ALL}
-_ALIASES = {"float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
+_ALIASES = {"float64": F64, "float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
             "uint8": U8, "int8": I8, "bool_": BOOL, "int16": I16, "float8_e4m3fn": F8E4M3,
             "float8_e5m2": F8E5M2}
 _BY_HOST = {d.host: d for d in ALL}
@@ -81,8 +82,8 @@ def dtype(x) -> DType:
 
 
 def promote(a: DType, b: DType) -> DType:
-    """Result dtype of a binary op: bool < u8, i8 < i16 < i32 < i64 < fp8 < f16, bf16 < f32;
-    f16 with bf16 is f32, e4m3 with e5m2 is f32 (torch refuses to promote fp8; arithmetic on
+    """Result dtype of a binary op: bool < u8, i8 < i16 < i32 < i64 < fp8 < f16, bf16 < f32
+    < f64 (so f64 with any other dtype is f64, as torch); f16 with bf16 is f32, e4m3 with e5m2 is f32 (torch refuses to promote fp8; arithmetic on
     fp8 here computes in f32 like any float), u8 with i8 is i16 (as PyTorch)."""
     if a == b:
         return a
@@ -91,6 +92,12 @@ def promote(a: DType, b: DType) -> DType:
     if {a, b} == {U8, I8}:
         return I16
     return a if a.rank > b.rank else b
+
+
+def compute_dtype(d: DType) -> DType:
+    """The dtype float math on ``d`` runs in: f64 for f64, f32 for every other dtype (halves
+    and fp8 widen to f32, as torch's CUDA kernels do)."""
+    return F64 if d == F64 else F32
 
 
 def scalar_dtype(value, other: DType) -> DType:

@@ -215,7 +215,7 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             t = self.constant(np.asarray(value, dtype=np.float32))
             t.node.attrs["weak"] = True
             return t
-        return self.constant(np.asarray(value, dtype=d.host))
+        return self.constant(np.asarray(value, dtype=d.host), d)   # (d: an f64 stays f64)
 
     def _leaf(self, kind, name, shape, dtype) -> Tensor:
         if not isinstance(name, str) or not name:
@@ -242,7 +242,8 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         arr = np.asarray(array)
         if dtype is not None:
             d = dt.dtype(dtype)
-        else:  # float64 (NumPy's default) becomes f32: there is no f64 on the device
+        else:  # float64 (NumPy's default) becomes f32, as before f64 existed: ask for
+            # dtype="f64" to keep it (else a float64 array would make every op it meets f64)
             d = dt.F32 if arr.dtype == np.float64 else dt.dtype(arr.dtype)
         arr = np.array(arr, dtype=d.host, order="C", copy=True)
         return self._add("constant", (), arr.shape, d, value=arr)
@@ -344,10 +345,12 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             z = self.linear(a2, b, bias)
             gp = self.bind("activation_grad", [g2, z], kind=activation)   # (f32: torch's
             # gelu_backward also computes in f32; rounded to the half type for the products)
-        # d_bias summed in f32 (as torch's bias gradient), then rounded to bias's dtype
-        d_bias = (self.sum(gp if gp.dtype == dt.F32 else self.cast(gp, dt.F32), 0)
+        # d_bias summed in f32 (as torch's bias gradient; f64 in f64), then rounded to bias's
+        # dtype
+        acc = dt.compute_dtype(half)
+        d_bias = (self.sum(gp if gp.dtype == acc else self.cast(gp, acc), 0)
                   if bias is not None else None)
-        if d_bias is not None and half != dt.F32:
+        if d_bias is not None and half != acc:
             d_bias = self.cast(d_bias, half)
         if gp.dtype != half:
             gp = self.cast(gp, half)
@@ -462,7 +465,9 @@ def _in(g, n, k=0):
 
 
 def _in_f32(g, *ts):
-    return [t if t.dtype == dt.F32 else g.cast(t, dt.F32) for t in ts]
+    """The tensors in the dtype their gradients compute in: halves widened to f32, f32 and
+    f64 as they are."""
+    return [t if t.dtype in (dt.F32, dt.F64) else g.cast(t, dt.F32) for t in ts]
 
 
 @vjp("activation")

@@ -26,6 +26,11 @@ Compute-dtype rules (what an f16 / bf16 input computes in):
     f32       math in f32 whatever the float storage; results in the dtype inference gives
     f32-only  takes f32 operands only today (a half operand raises at build time)
     exact     integer / index results computed exactly (argmax, sort indices, compares)
+
+f64: an op takes f64 operands (or gives an f64 result) only where its OpDef says ``f64=True``
+(its kernels compute in f64 end to end: no f32 step anywhere); STORAGE ops, which only move
+values, take them by default. Any other op raises ValueError at build time naming the op and
+the dtype (``infer_results``, the one place every node's dtypes pass), never a silent f32.
 """
 from __future__ import annotations
 
@@ -68,13 +73,35 @@ class OpDef:
     vjp: Callable | None = None      # fn(g, node, dy) -> [d input, ...] (ir/autodiff.py)
     tiers: list = field(default_factory=list)
     owner: str = ""                  # the module that declared it
+    f64: bool | None = None          # computes f64 in f64 (None: only STORAGE ops do)
+
+    @property
+    def takes_f64(self) -> bool:
+        return self.dtype_rule == STORAGE if self.f64 is None else self.f64
 
     def infer_results(self, inputs, attrs) -> list:
-        """[(shape, dtype), ...] for these inputs and attributes."""
+        """[(shape, dtype), ...] for these inputs and attributes (ValueError for an f64
+        operand or result of an op without f64 kernels)."""
+        if not self.takes_f64:
+            for i, t in enumerate(inputs):
+                if getattr(t.dtype, "name", None) == F64_NAME:
+                    raise ValueError(_no_f64(self.name, f"input {i} is f64 "
+                                                        f"{list(t.shape)}"))
         out = self.infer(*inputs, **attrs)
         if isinstance(out, tuple) and len(out) == 2 and not isinstance(out[1], tuple):
             out = [out]
-        return [(tuple(s), d) for s, d in out]
+        res = [(tuple(s), d) for s, d in out]
+        if not self.takes_f64 and any(getattr(d, "name", None) == F64_NAME for _, d in res):
+            raise ValueError(_no_f64(self.name, "its result would be f64"))
+        return res
+
+
+F64_NAME = "f64"
+
+
+def _no_f64(op: str, what: str) -> str:
+    return (f"{op}: dtype f64 is not supported ({what}); its kernels compute in f32 only: "
+            f"cast the operands to f32 first")
 
 
 OPS: dict[str, OpDef] = {}

@@ -140,16 +140,16 @@ def infer_reshape(x, shape, stop_gradient=False):
     return tuple(shape), x.dtype
 
 
-PRODUCT_DTYPES = (dt.F32, dt.F16, dt.BF16)
+PRODUCT_DTYPES = (dt.F32, dt.F16, dt.BF16, dt.F64)
 
 
 def product_dtype(op, named) -> dt.DType:
-    """The dtype of a product's float operands ``named`` [(arg, Tensor)]: f32, f16 or bf16,
-    the same for all (torch's rule: no promotion inside a product; cast one first)."""
+    """The dtype of a product's float operands ``named`` [(arg, Tensor)]: f32, f16, bf16 or
+    f64 (computed in f64: cuBLAS Dgemm), the same for all (torch's rule: no promotion inside a product; cast one first)."""
     for arg, t in named:
         if t.dtype not in PRODUCT_DTYPES:
             raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)} (or f16 / "
-                             f"bf16: every float operand of one dtype)")
+                             f"bf16: every float operand of one dtype), or f64")
     (arg0, t0), *rest = named
     for arg, t in rest:
         if t.dtype != t0.dtype:
@@ -232,7 +232,7 @@ def infer_activation_grad(dy, x, kind):
         raise ValueError(f"activation_grad: no gradient kernel for {kind!r}")
     if tuple(dy.shape) != tuple(x.shape):
         raise ValueError(f"activation_grad: dy {fmt(dy.shape)} and x {fmt(x.shape)} differ")
-    return x.shape, dt.F32
+    return x.shape, dt.F64 if dt.F64 in (dy.dtype, x.dtype) else dt.F32
 
 
 def infer_gated_bwd(dy, x, activation, interleaved):
@@ -259,23 +259,23 @@ def _cast_aliases(node, graph) -> bool:
 for _leaf in ("input", "param", "constant"):
     defop(_leaf, _built_by_graph, memory=LEAF, dtype_rule=STORAGE,
           doc="a run() input, a weight, or a constant baked into the graph")
-defop("activation", infer_activation, elementwise=True,
+defop("activation", infer_activation, elementwise=True, f64=True,
       doc="kind(x) for kind in ACTIVATIONS; integer inputs give f32 except relu/neg/abs/round")
-defop("binary", infer_binary, elementwise=True,
+defop("binary", infer_binary, elementwise=True, f64=True,
       doc="kind(a, b) with NumPy broadcasting and torch's promotion")
-defop("compare", infer_compare, elementwise=True, dtype_rule=EXACT, doc="a kind b -> bool")
-defop("where", infer_where, elementwise=True, doc="cond ? a : b, broadcast")
+defop("compare", infer_compare, elementwise=True, dtype_rule=EXACT, f64=True, doc="a kind b -> bool")
+defop("where", infer_where, elementwise=True, f64=True, doc="cond ? a : b, broadcast")
 defop("cast", infer_cast, memory=VIEW, view_if=_cast_aliases, elementwise=True,
       dtype_rule=STORAGE, doc="a real conversion; a view when the dtype does not change")
-defop("activation_grad", infer_activation_grad, elementwise=True, doc="dy * kind'(x)")
-defop("fused", _built_by_fusion, elementwise=True,
+defop("activation_grad", infer_activation_grad, elementwise=True, f64=True, doc="dy * kind'(x)")
+defop("fused", _built_by_fusion, elementwise=True, f64=True,
       doc="an element-wise region fused into one generated kernel (passes/fusion.py)")
 defop("gated", infer_gated, doc="activation(gate) * up over x's last axis's halves or pairs")
 defop("gated_bwd", infer_gated_bwd, doc="gated's gradient in one kernel")
-defop("matmul", infer_matmul, dtype_rule=F32,
+defop("matmul", infer_matmul, dtype_rule=F32, f64=True,
       doc="[..., M, K] @ [..., K, N], batch broadcast; f32 / f16 / bf16 operands of one dtype, "
           "f32 accumulation, the result in their dtype")
-defop("linear", infer_linear_node, dtype_rule=F32,
+defop("linear", infer_linear_node, dtype_rule=F32, f64=True,
       doc="activation(x @ w + bias) + residual, w [K, N]; every operand of one float dtype")
 defop("reshape", infer_reshape, memory=VIEW, dtype_rule=STORAGE,
       doc="the same elements in a new shape (a view); stop_gradient=True is g.stop_gradient")

@@ -3,7 +3,7 @@
 (torch's formulas, built from graph ops). Tiers: runtime/lower_linalg.py (0 cuSOLVER / cuBLAS,
 1 numba, ``RLX_NUMBA_LINALG_TIERS``).
 
-Only f32 exists (the repo has no f64 dtype yet); the kernels compute in f32.
+Only f32: the kernels compute in f32 and have no f64 form yet (an f64 operand raises).
 
 Nodes (leading batch axes flattened; one matrix a block in the numba tier):
   "lu_solve"  (A [..., n, n], B [..., n, k]) -> X = A^-1 B (partial-pivot LU)
@@ -47,8 +47,8 @@ def _desc(t):
 
 def _f32(op, arg, t):
     if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32 (the only float dtype linalg takes; there is "
-                         f"no f64 yet), got {_desc(t)}")
+        raise ValueError(f"{op}: {arg} must be f32 (the only float dtype linalg takes: its "
+                         f"kernels have no f64 yet), got {_desc(t)}")
 
 
 def _square(op, arg, a):

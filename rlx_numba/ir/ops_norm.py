@@ -3,7 +3,9 @@ fused with a residual add), their closed-form backward ops (softmax_bwd, norm_bw
 Kernels: kernels/rows.py; lowering: runtime/lower_norm.py.
 
 x may be f32, f16 or bf16; the kernels read it in its own dtype, compute and accumulate in
-f32 and round the result once to x's dtype (as torch's CUDA kernels do). The dtype rules
+f32 and round the result once to x's dtype (as torch's CUDA kernels do). An f64 x (every
+operand f64) is built by the builders from f64 reductions and element-wise ops instead (no
+row-kernel node: those compute in f32). The dtype rules
 (checked with a ValueError naming op, argument, dtypes and shapes):
 
 * the result, residual_sum and dx (norm_bwd's dh, softmax_bwd's dx): x's dtype;
@@ -202,12 +204,33 @@ class NormOps:
     def softmax(self, x, axis: int = -1):
         """exp(x - max) / sum(exp(x - max)) along ``axis``."""
         axis = self._row_op("softmax", x, axis)
+        if x.dtype == dt.F64:
+            e = self.exp(x - self._row_max(x, axis))
+            return e / self.reduce_sum(e, axis, keep_dim=True)
         return self.bind("softmax", [x], axis=axis)
 
     def log_softmax(self, x, axis: int = -1):
         """x - max - log(sum(exp(x - max))) along ``axis``."""
         axis = self._row_op("log_softmax", x, axis)
+        if x.dtype == dt.F64:
+            z = x - self._row_max(x, axis)
+            return z - self.log(self.reduce_sum(self.exp(z), axis, keep_dim=True))
         return self.bind("log_softmax", [x], axis=axis)
+
+    # f64 rows: the row kernels (kernels/rows.py) compute in f32, so an f64 softmax or norm is
+    # built from f64 reductions and element-wise ops (which fuse); their VJPs are those ops'
+    def _row_max(self, x, axis):
+        """The row maxima, kept as dims, as a constant to grad (softmax is shift-invariant)."""
+        return self.stop_gradient(self.reduce_max(x, axis, keep_dim=True))
+
+    def _norm_f64(self, op, x, gamma, beta, axis, eps, residual):
+        """(y, h) of an f64 norm from f64 ops; gamma / beta shaped to broadcast along axis."""
+        h = x if residual is None else x + residual
+        along = (x.shape[axis],) + (1,) * (len(x.shape) - 1 - axis)
+        d = h - self.reduce_mean(h, axis, keep_dim=True) if op == "layer_norm" else h
+        y = d * self.rsqrt(self.reduce_mean(d * d, axis, keep_dim=True) + float(eps))
+        y = y * self.reshape(gamma, along)
+        return (y if beta is None else y + self.reshape(beta, along)), h
 
     def _norm_args(self, op, x, gamma, beta, axis, eps, residual):
         """The checks of a norm's arguments; the axis, normalised."""
@@ -237,6 +260,14 @@ class NormOps:
         axis = self._norm_args(op, x, gamma, beta, axis, eps, residual)
         if residual is None and return_residual:
             raise ValueError(f"{op}: return_residual=True needs a residual")
+        if dt.F64 in (x.dtype, gamma.dtype, getattr(beta, "dtype", None),
+                      getattr(residual, "dtype", None)):
+            for arg, t in (("x", x), ("gamma", gamma), ("beta", beta), ("residual", residual)):
+                if t is not None and t.dtype != dt.F64:
+                    raise ValueError(f"{op}: f64 needs every operand f64 (x {x.dtype}), got "
+                                     f"{arg} {t.dtype} {fmt(t.shape)}")
+            y, h = self._norm_f64(op, x, gamma, beta, axis, eps, residual)
+            return (y, h) if return_residual else y
         ins = [x, gamma] + ([beta] if beta is not None else [])
         if residual is not None:
             ins.append(residual)

@@ -5,7 +5,7 @@ Graph). Kernels: kernels/reduce.py; lowering: runtime/lower_reduce.py.
 
 Dtypes follow PyTorch: sum/prod of bool/i32/i64 give i64, of a float the same float; mean gives
 the same float (ints and bool: f32); max/min keep the dtype; argmax/argmin give i64; cumsum
-keeps a float dtype and gives i64 for ints and bool. Floats accumulate in f32.
+keeps a float dtype and gives i64 for ints and bool. Floats accumulate in f32, f64 in f64.
 ``axes=None`` reduces every axis; ``axes=()`` reduces none (NumPy's rule: the result is x
 converted to the result dtype).
 """
@@ -132,13 +132,14 @@ def infer_cumsum(x, axis, exclusive: bool):
     return x.shape, (x.dtype if x.dtype.is_float else dt.I64)
 
 
-defop("reduce", infer_reduce,
-      doc="sum / mean / max / min / prod over axes (torch's result dtypes, f32 accumulation)")
-defop("argmax", _infer_argreduce("argmax"), dtype_rule=EXACT,
+defop("reduce", infer_reduce, f64=True,
+      doc="sum / mean / max / min / prod over axes (torch's result dtypes, f32 accumulation; "
+          "f64 in f64)")
+defop("argmax", _infer_argreduce("argmax"), dtype_rule=EXACT, f64=True,
       doc="i64 index of the largest value over one axis or all (first on ties, NaN largest)")
-defop("argmin", _infer_argreduce("argmin"), dtype_rule=EXACT,
+defop("argmin", _infer_argreduce("argmin"), dtype_rule=EXACT, f64=True,
       doc="i64 index of the smallest value over one axis or all (first on ties, NaN smallest)")
-defop("cumsum", infer_cumsum, doc="running sum along axis (exclusive: starting at 0)")
+defop("cumsum", infer_cumsum, f64=True, doc="running sum along axis (exclusive: starting at 0)")
 
 
 class ReduceOps:
@@ -206,21 +207,22 @@ def _vjp_reduce(g, n, dy):
     if not x.dtype.is_float:
         return [None]
     k, axes = n.attrs["kind"], n.attrs["axes"]
-    xf = x if x.dtype == dt.F32 else g.cast(x, dt.F32)
-    d = _kept(g, n, dy if dy.dtype == dt.F32 else g.cast(dy, dt.F32))
+    c = dt.compute_dtype(x.dtype)        # f32 (halves widened), or f64
+    xf = x if x.dtype == c else g.cast(x, c)
+    d = _kept(g, n, dy if dy.dtype == c else g.cast(dy, c))
     if k == "sum":
         dx = g.expand(d, x.shape)
     elif k == "mean":
         dx = g.expand(d * (1.0 / max(1, math.prod(x.shape[a] for a in axes))), x.shape)
     elif k in ("max", "min"):
-        y = _kept(g, n, g.tensor(n.id) if n.dtype == dt.F32 else g.cast(g.tensor(n.id), dt.F32))
-        hit = g.cast(g.eq(xf, y), dt.F32)
+        y = _kept(g, n, g.tensor(n.id) if n.dtype == c else g.cast(g.tensor(n.id), c))
+        hit = g.cast(g.eq(xf, y), c)
         dx = hit * d / g.reduce_sum(hit, axes, keep_dim=True)
     else:       # prod: y / x where x != 0; at a zero the product of the others (0 if two zeros)
         zero = g.eq(xf, 0.0)
         others = g.reduce_prod(g.where(zero, 1.0, xf), axes, keep_dim=True)
-        zeros = g.reduce_sum(g.cast(zero, dt.F32), axes, keep_dim=True)
-        y = _kept(g, n, g.tensor(n.id) if n.dtype == dt.F32 else g.cast(g.tensor(n.id), dt.F32))
+        zeros = g.reduce_sum(g.cast(zero, c), axes, keep_dim=True)
+        y = _kept(g, n, g.tensor(n.id) if n.dtype == c else g.cast(g.tensor(n.id), c))
         at_zero = g.where(g.eq(zeros, 1.0), others, 0.0)
         dx = d * g.where(zero, at_zero, y / g.where(zero, 1.0, xf))
     return [dx]

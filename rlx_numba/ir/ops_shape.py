@@ -18,7 +18,7 @@ from .opdef import F32_ONLY, STORAGE, VIEW, defop
 from .ops import fmt
 
 INDEX_DTYPES = (dt.I32, dt.I64)
-SCATTER_DTYPES = (dt.F32, dt.I32, dt.I64)   # what cuda.atomic.add takes
+SCATTER_DTYPES = (dt.F32, dt.I32, dt.I64, dt.F64)   # what cuda.atomic.add takes
 
 
 def _int(op: str, arg: str, v) -> int:
@@ -202,7 +202,7 @@ def scatter_axis(target, indices, updates, axis) -> int:
     axis = _axis("scatter_add", "axis", axis, target, "target")
     if target.dtype not in SCATTER_DTYPES:
         raise ValueError(f"scatter_add: target is {target.dtype} {fmt(target.shape)}; atomic add "
-                         f"supports f32, i32 and i64 only, so cast it first")
+                         f"supports f32, i32 and i64 only (and f64), so cast it first")
     _index_operand("scatter_add", indices)
     if len(indices.shape) != 1:
         raise ValueError(f"scatter_add: indices must be 1-D, got {fmt(indices.shape)}")
@@ -236,7 +236,7 @@ defop("expand", infer_expand, dtype_rule=STORAGE,
       doc="x broadcast to shape (NumPy broadcast_to), materialised")
 defop("gather", infer_gather, dtype_rule=STORAGE,
       doc="table's slices along axis at i32/i64 indices")
-defop("scatter_add", infer_scatter_add, dtype_rule=F32_ONLY,
+defop("scatter_add", infer_scatter_add, dtype_rule=F32_ONLY, f64=True,
       doc="target with updates added at indices along axis (atomic, or ordered: deterministic)")
 
 
@@ -295,10 +295,6 @@ class ShapeOps:
 
 
 # ---- VJPs (ir/autodiff.py) -----------------------------------------------------------------------
-def _f32(g, t):
-    return t if t.dtype == dt.F32 else g.cast(t, dt.F32)
-
-
 @vjp("transpose")
 def _vjp_transpose(g, n, dy):
     """dy moved back by the inverse permutation."""
@@ -352,16 +348,18 @@ def _flat_indices(g, n):
 def _vjp_gather(g, n, dy):
     """d table: dy scatter-added into zeros at the gathered rows (np.add.at), so an index
     that appears several times collects every one of its rows. The adds are atomic f32 adds
-    (with repeated indices the sum's order, so its last bits, may differ from run to run)
+    (f64 ones for an f64 table; with repeated indices the sum's order, so its last bits, may differ from run to run)
     unless grad(..., deterministic=True): then in index order. Negative indices
     wrap as in the forward; an out-of-range in-graph index, which the forward clamps, gets
     no gradient (scatter_add drops it)."""
     table, idx = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
     axis = n.attrs["axis"]
     flat = _flat_indices(g, n)
-    upd = g.reshape(_f32(g, dy), tuple(table.shape[:axis]) + (math.prod(idx.shape),)
+    acc = dt.compute_dtype(table.dtype)      # f32 adds (halves widened), f64 ones for f64
+    upd = g.reshape(dy if dy.dtype == acc else g.cast(dy, acc),
+                    tuple(table.shape[:axis]) + (math.prod(idx.shape),)
                     + tuple(table.shape[axis + 1:]))
-    return [scatter_grad(g, zeros(g, table.shape, dt.F32), flat, upd, axis), None]
+    return [scatter_grad(g, zeros(g, table.shape, acc), flat, upd, axis), None]
 
 
 @vjp("scatter_add")

@@ -9,6 +9,9 @@ collapsed dims and strides), so no broadcast is ever materialised. Where half da
 vector variant (``kernel_source``'s ``vec``) has a thread take 8 consecutive elements in
 16-byte loads and stores (kernels/ptx.py); runtime/lower.py decides where that is legal.
 
+Floats are computed in f32 (f16 / bf16 / fp8 widened on load, rounded on store), except f64,
+which is computed in f64 throughout (the ``_f64`` functions of kernels/elementwise.py).
+
 Expressions are nested tuples:
   ("in", k, dtype) | ("activation", kind, dtype, x) | ("binary", kind, dtype, a, b)
   | ("compare", kind, dtype, a, b) | ("where", None, dtype, c, a, b) | ("cast", None, dtype, x)
@@ -35,12 +38,18 @@ _loaded: dict[str, object] = {}
 
 
 # ---- expression -> Python source ------------------------------------------------------------
+def _compute(d: dt.DType) -> dt.DType:
+    """The dtype a value of ``d`` is held in inside a kernel: f64 for f64, f32 for the other
+    floats (f16 / bf16 / fp8 widened on load), the integer itself otherwise."""
+    return d if d == dt.F64 or not d.is_float else dt.F32
+
+
 def _to(value: str, src: dt.DType, dst: dt.DType) -> str:
-    """Convert a value held in src's compute form (f32 for floats) to dst's compute form."""
-    if src == dst or (src.is_float and dst.is_float):
+    """Convert a value held in src's compute form (f32 for floats, f64 for f64) to dst's."""
+    if src == dst or _compute(src) == _compute(dst):
         return value
-    if dst.is_float:
-        return f"float32({value})"
+    if dst.is_float:   # (f64 to a half goes through f32, as torch's casts from double do)
+        return f"{_compute(dst).name.replace('f', 'float')}({value})"
     if dst == dt.BOOL:
         return f"({value} != 0)"
     if src.is_float and dst.itemsize <= 2:   # through int32, wrapping as PyTorch's casts do
@@ -48,6 +57,11 @@ def _to(value: str, src: dt.DType, dst: dt.DType) -> str:
     if src.is_float:
         return f"ew.f2i{dst.itemsize * 8}({value})"
     return f"{_NUMBA_INT[dst]}({value})"
+
+
+def _fn(kind: str, d: dt.DType) -> str:
+    """The elementwise.py function of float op ``kind`` computing in d's compute form."""
+    return f"ew.{kind}_f64" if d == dt.F64 else f"ew.{kind}"
 
 
 def _emit(e, loads: list[str]) -> str:
@@ -60,13 +74,14 @@ def _emit(e, loads: list[str]) -> str:
         (x, xd), = args
         if xd.is_int and kind in INT_PRESERVING:
             return f"ew.{kind}_i({x})"
-        return f"ew.{kind}({_to(x, xd, dt.F32)})"
+        return f"{_fn(kind, d)}({_to(x, xd, d)})"
     if op == "binary":
         (a, ad), (b, bd) = args
         ct = dt.promote(ad, bd)
         if kind == "div" and not ct.is_float:
             ct = dt.F32
-        suffix = "" if ct.is_float else ("_b" if ct == dt.BOOL else "_i")
+        suffix = ("_f64" if ct == dt.F64 and kind == "pow" else "" if ct.is_float
+                  else "_b" if ct == dt.BOOL else "_i")
         return f"ew.{kind}{suffix}({_to(a, ad, ct)}, {_to(b, bd, ct)})"
     if op == "compare":
         (a, ad), (b, bd) = args
@@ -75,7 +90,7 @@ def _emit(e, loads: list[str]) -> str:
         return f"({_to(a, ad, ct)} {sym} {_to(b, bd, ct)})"
     if op == "activation_grad":
         (gr, gd), (z, zd) = args
-        return f"ew.{kind}_grad({_to(gr, gd, dt.F32)}, {_to(z, zd, dt.F32)})"
+        return f"{_fn(kind + '_grad', d)}({_to(gr, gd, d)}, {_to(z, zd, d)})"
     if op == "where":
         (c, _), (a, ad), (b, bd) = args
         return f"({_to(a, ad, d)} if {c} else {_to(b, bd, d)})"
@@ -268,7 +283,7 @@ def kernel_source(expr, in_dtypes, modes, ndim: int, idx32: bool = True, vec=Non
         f"# expr: {expr_repr(expr)}",
         f"# inputs: {', '.join(f'{d}:{mo}' for d, mo in zip(in_dtypes, modes))}; collapsed rank {ndim}",
         *([f"# vector: {VEC} elements a thread; inputs read {', '.join(vec)}"] if vec else []),
-        "from numba import cuda, float32, int8, int16, int32, int64, uint8, uint32, uint64",
+        "from numba import cuda, float32, float64, int8, int16, int32, int64, uint8, uint32, uint64",
         "from numba.core.types import float16",
         "from rlx_numba.kernels import elementwise as ew",
         *(["from rlx_numba.kernels import ptx"] if vec else []),

@@ -1,148 +1,146 @@
 """Element-wise device functions: the 17 activations (and six gradients), 7 binary ops, casts.
 
-Float math is done in float32 (f16/bf16 values are widened on load and rounded on store);
+Float math is done in float32 (f16/bf16 values are widened on load and rounded on store),
+f64 in float64 (the ``_f64`` set);
 integer ops stay integer. The kernels that call these are generated per expression by
 ``kernels/codegen.py`` (one grid-stride loop with the broadcast index math inlined), so each
 function here is the single definition of its op.
 """
-from numba import cuda, float32, int32, int64, uint8, uint16, uint32
+from numba import cuda, float32, float64, int32, int64, uint8, uint16, uint32
 
 from . import mathfn as m
 from .launch import device
 
-_SQRT1_2 = float32(0.7071067811865476)
-_SQRT_2_PI = float32(0.7978845608028654)
-_HALF = float32(0.5)
-_ONE = float32(1.0)
-_ZERO = float32(0.0)
+# ---- float activations, their gradients and pow: one definition for f32 and f64 ------------
+# (f16 / bf16 data computes in f32). ``float_ops(kind)`` builds the set with constants and
+# math (kernels/mathfn.py) of that precision, so an f64 kernel never rounds through float32.
+_ACTS = ("gelu", "gelu_tanh", "silu", "relu", "sigmoid", "tanh", "exp", "log", "sqrt", "rsqrt",
+         "neg", "abs", "sin", "cos", "tan", "atan", "round")
+_GRADS = ("relu_grad", "gelu_grad", "gelu_tanh_grad", "silu_grad", "sigmoid_grad", "tanh_grad")
 
 
+def float_ops(kind: str) -> dict:
+    """name -> device function for ``kind`` "f32" or "f64": the 17 activations, the six
+    activation gradients and pow."""
+    ft = float64 if kind == "f64" else float32
+    mf = m.for_kind(kind)
+    m_exp, m_log, m_sqrt, m_tanh, m_erf = mf.exp, mf.log, mf.sqrt, mf.tanh, mf.erf
+    m_sin, m_cos, m_tan, m_atan, m_pow, m_rint = mf.sin, mf.cos, mf.tan, mf.atan, mf.pow, mf.rint
+    SQRT1_2, SQRT_2_PI = ft(0.7071067811865476), ft(0.7978845608028654)
+    HALF, ONE, ZERO = ft(0.5), ft(1.0), ft(0.0)
+    C3, C3X3 = ft(0.044715), ft(3.0 * 0.044715)
+    INV_SQRT_2PI = ft(0.3989422804014327)
+
+    @device
+    def gelu(x):  # exact, erf form
+        return HALF * x * (ONE + m_erf(x * SQRT1_2))
+
+    @device
+    def gelu_tanh(x):
+        return HALF * x * (ONE + m_tanh(SQRT_2_PI * (x + C3 * x * x * x)))
+
+    @device
+    def silu(x):
+        return x / (ONE + m_exp(-x))
+
+    @device
+    def relu(x):
+        return ZERO if x < ZERO else x  # NaN stays NaN, like torch
+
+    @device
+    def sigmoid(x):
+        return ONE / (ONE + m_exp(-x))
+
+    @device
+    def tanh(x):
+        return m_tanh(x)
+
+    @device
+    def exp(x):
+        return m_exp(x)
+
+    @device
+    def log(x):
+        return m_log(x)
+
+    @device
+    def sqrt(x):
+        return m_sqrt(x)
+
+    @device
+    def rsqrt(x):
+        return ONE / m_sqrt(x)
+
+    @device
+    def neg(x):
+        return -x
+
+    @device
+    def abs(x):  # noqa: A001 - the op's name
+        return -x if x < ZERO else x + ZERO  # abs(-0.0) is 0.0
+
+    @device
+    def sin(x):
+        return m_sin(x)
+
+    @device
+    def cos(x):
+        return m_cos(x)
+
+    @device
+    def tan(x):
+        return m_tan(x)
+
+    @device
+    def atan(x):
+        return m_atan(x)
+
+    @device
+    def round(x):  # noqa: A001 - half to even, like numpy.round / torch.round
+        return m_rint(x)
+
+    # activation gradients: grad * f'(z), for the matmul epilogue backward
+    @device
+    def relu_grad(g, z):
+        return g if z > ZERO else ZERO
+
+    @device
+    def gelu_grad(g, z):   # d/dz z*Phi(z) = Phi(z) + z*phi(z)
+        return g * (HALF * (ONE + m_erf(z * SQRT1_2)) + z * INV_SQRT_2PI * m_exp(-HALF * z * z))
+
+    @device
+    def gelu_tanh_grad(g, z):
+        u = SQRT_2_PI * (z + C3 * z * z * z)
+        t = m_tanh(u)
+        du = SQRT_2_PI * (ONE + C3X3 * z * z)
+        return g * (HALF * (ONE + t) + HALF * z * (ONE - t * t) * du)
+
+    @device
+    def silu_grad(g, z):
+        s = ONE / (ONE + m_exp(-z))
+        return g * s * (ONE + z * (ONE - s))
+
+    @device
+    def sigmoid_grad(g, z):
+        s = ONE / (ONE + m_exp(-z))
+        return g * s * (ONE - s)
+
+    @device
+    def tanh_grad(g, z):
+        t = m_tanh(z)
+        return g * (ONE - t * t)
+
+    @device
+    def pow(a, b):  # noqa: A001
+        return m_pow(a, b)
+
+    loc = locals()
+    return {k: loc[k] for k in _ACTS + _GRADS + ("pow",)}
 
 
-# ---- float activations (float32 -> float32) --------------------------------------------------
-@device
-def gelu(x):  # exact, erf form
-    return _HALF * x * (_ONE + m.erf(x * _SQRT1_2))
-
-
-@device
-def gelu_tanh(x):
-    return _HALF * x * (_ONE + m.tanh(_SQRT_2_PI * (x + float32(0.044715) * x * x * x)))
-
-
-@device
-def silu(x):
-    return x / (_ONE + m.exp(-x))
-
-
-@device
-def relu(x):
-    return _ZERO if x < _ZERO else x  # NaN stays NaN, like torch
-
-
-@device
-def sigmoid(x):
-    return _ONE / (_ONE + m.exp(-x))
-
-
-@device
-def tanh(x):
-    return m.tanh(x)
-
-
-@device
-def exp(x):
-    return m.exp(x)
-
-
-@device
-def log(x):
-    return m.log(x)
-
-
-@device
-def sqrt(x):
-    return m.sqrt(x)
-
-
-@device
-def rsqrt(x):
-    return _ONE / m.sqrt(x)
-
-
-@device
-def neg(x):
-    return -x
-
-
-@device
-def abs(x):  # noqa: A001 - the op's name
-    return -x if x < _ZERO else x + _ZERO  # abs(-0.0) is 0.0
-
-
-@device
-def sin(x):
-    return m.sin(x)
-
-
-@device
-def cos(x):
-    return m.cos(x)
-
-
-@device
-def tan(x):
-    return m.tan(x)
-
-
-@device
-def atan(x):
-    return m.atan(x)
-
-
-@device
-def round(x):  # noqa: A001 - half to even, like numpy.round / torch.round
-    return m.rint(x)
-
-
-# ---- activation gradients: grad * f'(z), for the matmul epilogue backward ---------------------
-_INV_SQRT_2PI = float32(0.3989422804014327)
-
-
-@device
-def relu_grad(g, z):
-    return g if z > _ZERO else _ZERO
-
-
-@device
-def gelu_grad(g, z):   # d/dz z*Phi(z) = Phi(z) + z*phi(z)
-    return g * (_HALF * (_ONE + m.erf(z * _SQRT1_2)) + z * _INV_SQRT_2PI * m.exp(-_HALF * z * z))
-
-
-@device
-def gelu_tanh_grad(g, z):
-    u = _SQRT_2_PI * (z + float32(0.044715) * z * z * z)
-    t = m.tanh(u)
-    du = _SQRT_2_PI * (_ONE + float32(3.0 * 0.044715) * z * z)
-    return g * (_HALF * (_ONE + t) + _HALF * z * (_ONE - t * t) * du)
-
-
-@device
-def silu_grad(g, z):
-    s = _ONE / (_ONE + m.exp(-z))
-    return g * s * (_ONE + z * (_ONE - s))
-
-
-@device
-def sigmoid_grad(g, z):
-    s = _ONE / (_ONE + m.exp(-z))
-    return g * s * (_ONE - s)
-
-
-@device
-def tanh_grad(g, z):
-    t = m.tanh(z)
-    return g * (_ONE - t * t)
+# the f32 set under the ops' names (ew.gelu, ...), the f64 set suffixed (ew.gelu_f64, ...)
+globals().update(float_ops("f32"))
+globals().update({k + "_f64": f for k, f in float_ops("f64").items()})
 
 
 # ---- integer activations (same type in and out) --------------------------------------------------
@@ -195,11 +193,6 @@ def max(a, b):  # noqa: A001 - NaN-propagating, like torch.maximum
 @device
 def min(a, b):  # noqa: A001 - NaN-propagating, like torch.minimum
     return a if (a < b or a != a) else b
-
-
-@device
-def pow(a, b):  # noqa: A001
-    return m.pow(a, b)
 
 
 add_i, sub_i, mul_i, max_i, min_i = add, sub, mul, max, min

@@ -17,7 +17,7 @@ load latency hides behind the FMAs and one barrier per K tile suffices.
 import functools
 
 import numpy as np
-from numba import cuda, float32, uint64
+from numba import cuda, float32, float64, uint64
 
 from ..device import SIMULATOR
 from . import halfio
@@ -82,7 +82,7 @@ def store_tile(c, acc, base, rows, cols, n):
                     c[base + _u(i * TY) * n + _u(j * TX)] = acc[i, j]
 
 
-def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None):
+def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None, acc_type=float32):
     """The tiled product as an inline device function tiles(c, a, b, m, n, k, a_off, b_off,
     batch, geo): c[z] (flat [batch, m, n]) = A[z] @ B[z], where element (r, q) of A[z] is
     fetch_a(a, a_off[z], r, q, m, k, geo) and (q, col) of B[z] is fetch_b(b, b_off[z], q, col,
@@ -94,7 +94,9 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None)
     from the image and the weight as they go, described by ``geo`` (B not transposed: a
     thread loads one column of each B tile). ``put(c, i, v)`` stores an f32 sum (a
     kernels/halfio.py store: rounds once to c's dtype); None: c is f32, plain stores.
-    Fetches return float32 (a half source widens in its fetch), sums are f32."""
+    Fetches return float32 (a half source widens in its fetch), sums are f32; with
+    ``acc_type`` float64 (the f64 product) the tiles, fetches and sums are all float64."""
+    Z = acc_type(0.0)
 
     # Tile loads: consecutive threads walk each source's contiguous axis. Thread tid's p-th
     # element of the A tile is (row ar + p*ARS, k aq + p*AQS); of the B tile (k bq + p*BQS,
@@ -108,10 +110,10 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None)
         its first row / column; col: column(c0, n, geo)), zero outside the matrices."""
         for p in range(LA):
             r, q = r0 + _u(p * ARS), k0 + aq + _u(p * AQS)
-            ra[p] = fetch_a(a, ao, r, q, m, k, geo) if r < m and q < k else ZERO
+            ra[p] = fetch_a(a, ao, r, q, m, k, geo) if r < m and q < k else Z
         for p in range(LB):
             q, cl = k0 + bq + _u(p * BQS), c0 + _u(p * BCS)
-            rb[p] = fetch_b(b, bo, q, cl, col, n, k, geo) if cl < n and q < k else ZERO
+            rb[p] = fetch_b(b, bo, q, cl, col, n, k, geo) if cl < n and q < k else Z
 
     @_inline
     def stage(As, Bs, ra, rb, buf, ar, aq, bq, bc):
@@ -134,13 +136,13 @@ def gemm_tiles(trans_a: bool, trans_b: bool, fetch_a, fetch_b, column, put=None)
 
     @_inline
     def tiles(c, a, b, m, n, k, a_off, b_off, batch, geo):
-        As = cuda.shared.array(SA, float32)
-        Bs = cuda.shared.array(SB, float32)
-        acc = cuda.local.array((TM, TN), float32)   # constant indices only: registers
-        fa = cuda.local.array(TM, float32)
-        fb = cuda.local.array(TN, float32)
-        ra = cuda.local.array(LA, float32)          # the next K tile, in flight
-        rb = cuda.local.array(LB, float32)
+        As = cuda.shared.array(SA, acc_type)
+        Bs = cuda.shared.array(SB, acc_type)
+        acc = cuda.local.array((TM, TN), acc_type)  # constant indices only: registers
+        fa = cuda.local.array(TM, acc_type)
+        fb = cuda.local.array(TN, acc_type)
+        ra = cuda.local.array(LA, acc_type)         # the next K tile, in flight
+        rb = cuda.local.array(LB, acc_type)
         m, n, k, batch = uint64(m), uint64(n), uint64(k), uint64(batch)
         tid = uint64(cuda.threadIdx.x)
         tx, ty = tid % uTX, tid // uTX
@@ -198,12 +200,17 @@ def _sgemm_kernel(trans_a: bool, trans_b: bool, kind: str, out_kind: str):
     A[z] @ B[z]; A[z] starts at a[a_off[z]], row-major [m, k] ([k, m] when trans_a, A being its
     transpose), B[z] at b[b_off[z]], [k, n] ([n, k] when trans_b); a_off/b_off int64 arrays.
     a and b hold ``kind`` data (f32, f16, or bf16 as uint16 bits: kernels/halfio.py widens
-    each load to f32), c ``out_kind``: the f32 sums rounded once on the store. Launch with
+    each load to f32), c ``out_kind``: the f32 sums rounded once on the store. ``kind``
+    "f64" (with out_kind "f64") is the DGEMM: the same tiles in float64 throughout. Launch with
     sgemm_launch(m, n, batch); the grid strides over tiles and batches, so any grid works.
     k == 0 writes zeros."""
-    ld = halfio.load(kind)
+    f64 = kind == "f64"
+    if f64 != (out_kind == "f64"):
+        raise ValueError(f"sgemm_kernel: f64 operands give an f64 result, got kind {kind!r} "
+                         f"and out_kind {out_kind!r}")
+    ld = None if f64 else halfio.load(kind)
 
-    if kind == "f32":       # (plain subscripts: the f32 kernel's code stays as it was)
+    if kind in ("f32", "f64"):   # (plain subscripts: the f32 kernel's code stays as it was)
         @_inline
         def fetch_a(a, ao, r, q, m, k, geo):
             return a[ao + (q * m + r if trans_a else r * k + q)]
@@ -225,9 +232,12 @@ def _sgemm_kernel(trans_a: bool, trans_b: bool, kind: str, out_kind: str):
         return c0
 
     tiles = gemm_tiles(trans_a, trans_b, fetch_a, fetch_b, column,
-                       None if out_kind == "f32" else halfio.store(out_kind))
+                       None if out_kind in ("f32", "f64") else halfio.store(out_kind),
+                       float64 if f64 else float32)
 
-    @_jit
+    # f64: 64 double accumulators are 128 registers alone, so one block an SM (no forced
+    # spills); the f32 kernel keeps its two
+    @(jit(launch_bounds=(NT, 1)) if f64 else _jit)
     def kernel(c, a, b, m, n, k, a_off, b_off, batch):
         tiles(c, a, b, m, n, k, a_off, b_off, batch, a_off)     # (no geometry: a_off unused)
 

@@ -16,7 +16,8 @@ The graph op is planned into passes by runtime/lower_reduce.py; each pass is one
   thread scans K consecutive elements, the group scans the thread totals) and ``scan_cols``
   (other axes: a thread per (outer, inner) column walks r, coalesced across inner).
 
-Values are loaded into an accumulator type, f32 for floats (f16/bf16 widened) or i64 for
+Values are loaded into an accumulator type, f32 for floats (f16/bf16 widened), f64 for f64, or
+i64 for
 integers and bool, and stored by a store function that converts to the output dtype (and for
 mean divides by the count). Loads, stores, the op and the sizes are compile-time constants of
 each factory, so each kernel is straight-line code. All index math is uint64 (numba adds a
@@ -25,7 +26,7 @@ negative-index wraparound to signed subscripts).
 import functools
 import math
 
-from numba import cuda, float32, int32, int64, uint64
+from numba import cuda, float32, float64, int32, int64, uint64
 from numba.core.types import float16
 
 from ..device import SIMULATOR
@@ -58,7 +59,7 @@ _f32_to_bf16 = _inline(ew.f32_to_bf16)
 
 OPS = {"sum": SUM, "mean": SUM, "max": MAX, "min": MIN, "prod": PROD,
        "argmax": ARGMAX, "argmin": ARGMIN}
-ACC_TYPES = {"f32": float32, "i64": int64}
+ACC_TYPES = {"f32": float32, "f64": float64, "i64": int64}
 UNROLL = 8   # loads in flight per thread in the reduce loops (4 or 8)
 _I64_MAX = int64(2**63 - 1)
 _U0 = uint64(0)
@@ -71,7 +72,13 @@ def ld_int(x, k):
     return int64(x[k])
 
 
-LOADS = {"f32": halfio.ld_f32, "f16": halfio.ld_f16, "bf16": halfio.ld_bf16, "int": ld_int}
+@py_in_sim
+def ld_f64(x, k):
+    return float64(x[k])
+
+
+LOADS = {"f32": halfio.ld_f32, "f16": halfio.ld_f16, "bf16": halfio.ld_bf16, "int": ld_int,
+         "f64": ld_f64}
 
 
 # ---- stores: out[k] = v converted (d: the count, for mean) ------------------------------------
@@ -106,6 +113,11 @@ def st_mean_f32(out, k, v, d):
 
 
 @py_in_sim
+def st_mean_f64(out, k, v, d):
+    out[k] = float64(v) / float64(d)
+
+
+@py_in_sim
 def st_mean_f16(out, k, v, d):
     out[k] = float16(float32(v) / d)
 
@@ -116,13 +128,14 @@ def st_mean_bf16(out, k, v, d):
 
 
 STORES = {"same": st_same, "f16": st_f16, "bf16": st_bf16, "i32": st_i32, "bool": st_bool,
-          "mean_f32": st_mean_f32, "mean_f16": st_mean_f16, "mean_bf16": st_mean_bf16}
+          "mean_f32": st_mean_f32, "mean_f16": st_mean_f16, "mean_bf16": st_mean_bf16,
+          "mean_f64": st_mean_f64}
 
 
 def identity(op: int, acc: str):
     """The value an empty thread contributes: 0, 1, or the far end of the type."""
-    if acc == "f32":
-        return float32({SUM: 0.0, PROD: 1.0, MAX: -math.inf, MIN: math.inf,
+    if acc in ("f32", "f64"):
+        return ACC_TYPES[acc]({SUM: 0.0, PROD: 1.0, MAX: -math.inf, MIN: math.inf,
                         ARGMAX: -math.inf, ARGMIN: math.inf}[op])
     return int64({SUM: 0, PROD: 1, MAX: -2**63, MIN: 2**63 - 1,
                   ARGMAX: -2**63, ARGMIN: 2**63 - 1}[op])

@@ -35,6 +35,10 @@ Each product is planned once, at compile time, taking the first tier whose preco
 Whatever a tier leaves of the epilogue ``activation(A@B + bias) + residual`` runs as one
 generated element-wise kernel over the output, in place.
 
+f64 products (every operand f64) compute in f64 end to end: tier 2 as cublasDgemm (strided /
+pointer-array batched), else tier 4's f64 kind, the epilogue kernel in f64; the other tiers
+have no f64 form (``_f64_product``).
+
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
 their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
 tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
@@ -248,7 +252,8 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     row-norm step into a scratch of A's dtype first."""
     name = step_name(n)
     out = ctx.buf(n)
-    kind = io_kind(n.dtype)     # f16 / bf16 products: half operands, f32 sums, half result
+    # f16 / bf16 products: half operands, f32 sums, half result; f64: all f64 (_f64_product)
+    kind = "f64" if n.dtype == dt.F64 else io_kind(n.dtype)
     half = kind != "f32"
     if a.node.dtype != n.dtype:   # (an f32 graph's half-stored weight is an f32 node)
         raise ValueError(f"{name}: a product of {a.node.dtype} operands cannot write "
@@ -288,6 +293,12 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     tiers = matmul_env_tiers()
     ok, reason = (False, "the simulator has no cuBLAS") if SIMULATOR else cublas.available()
     flops = 2 * batch * m * ncols * k
+    if n.dtype == dt.F64:
+        if norm is not None or gated:
+            raise AssertionError(f"{name}: an f64 product with a norm prologue or a gated "
+                                 f"epilogue (passes/fusion.py folds neither for f64)")
+        return _f64_product(ctx, n, name, a, b, out, m, ncols, k, batch, offs_a,
+                            offs_b, epi, flops, tiers, ok, reason)
     skinny = (_tier3(ctx, name, a, b, out, m, ncols, k, batch,
                      {"bias": bias, "activation": gated or activation, "residual": residual,
                       "gated": bool(gated), "norm": norm}, why)
@@ -400,6 +411,48 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             + post)
 
 
+def _f64_product(ctx, n, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, epi, flops,
+                 tiers, ok, reason):
+    """An f64 product, computed in f64 throughout: tier 2's cublasDgemm (strided / pointer-array
+    batched) on a GPU with cuBLAS, else tier 4's numba kernel in its f64 kind (the DGEMM: the
+    simulator, no cuBLAS, RLX_NUMBA_MATMUL_TIERS); then the epilogue kernel in place, in f64.
+    Tiers 0, 1, 3 and 5 have no f64 form (a half weight, cuBLASLt's TF32 / half epilogues, the
+    f32 skinny kernel, tensor cores), so they are passed over."""
+    why = [f"tier {t}: no f64 form" for t in (0, 1) if t in tiers]
+    steps = None
+    if 2 not in tiers:
+        why.append("tier 2 not allowed by RLX_NUMBA_MATMUL_TIERS")
+    elif not ok:
+        why.append(f"tier 2: {reason.splitlines()[0]}")
+    else:
+        from ..cublas import gemm
+        cm = gemm.colmajor(m, ncols, k, a.trans, b.trans)
+        sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
+        ptrs, call = None, "cublasDgemm" if batch == 1 else "cublasDgemmStridedBatched"
+        if batch > 1 and (sa is None or sb is None):
+            ptrs = (gemm.pointer_array(data_ptr(a.buf), offs_a, 8),
+                    gemm.pointer_array(data_ptr(b.buf), offs_b, 8),
+                    gemm.pointer_array(data_ptr(out), np.arange(batch) * m * ncols, 8))
+            ctx.keep(ptrs)
+            call = "cublasDgemmBatched"
+        make = lambda stream: gemm.sgemm_plan(stream, cm, data_ptr(a.buf), data_ptr(b.buf),  # noqa: E731
+                                              data_ptr(out), tf32=False, batch=batch,
+                                              stride_a=sa or 0, stride_b=sb or 0,
+                                              ptr_arrays=ptrs, f64=True)
+        steps = _done(n, 2, why, [CallStep(name, f"{call} {batch}x{m}x{ncols}x{k}", make)],
+                      flops)
+    if steps is None:
+        why += [f"tier {t}: no f64 form" for t in (3,) if t in tiers]
+        kern = mm.sgemm_kernel(a.trans, b.trans, "f64", "f64")
+        grid, block = mm.sgemm_launch(m, ncols, batch)
+        steps = _done(n, 4, why, [Step(name, f"numba dgemm {batch}x{m}x{ncols}x{k}", kern, grid,
+                                       block, (out, a.buf, b.buf, np.int64(m), np.int64(ncols),
+                                               np.int64(k), ctx.device_array(offs_a),
+                                               ctx.device_array(offs_b), np.int64(batch)))],
+                      flops)
+    return steps + _epilogue(ctx, name, out, (batch * m, ncols), **epi, out_dtype=dt.F64)
+
+
 def f32_scratch_elems(graph: Graph, n) -> int:
     """Elements of the f32 scratch that product node ``n`` (as the fusion pass lowers it)
     writes, for the memory plan (plan.py puts it in the arena, live at the node's step
@@ -429,7 +482,7 @@ def _done(n, tier, why, steps, flops, last=-1):
 def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, src=None,
               out_dtype=dt.F32, residual_first=False):
     """out = activation(src + bias) + residual (``residual_first``: activation(src + bias +
-    residual)) as one generated kernel (or nothing), in f32
+    residual)) as one generated kernel (or nothing), in f32 (f64 for an f64 product)
     and rounded once to ``out_dtype`` on the store; src (f32) is out itself (in place, an f32
     product) or a half product's f32 scratch. Bias and residual are read in their dtype."""
     src = out if src is None else src
@@ -437,24 +490,25 @@ def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, 
         if src is not out:
             raise AssertionError(f"{name}: a product written to a scratch with no epilogue")
         return []
-    dts = [dt.F32 if src is not out else out_dtype]
+    f = dt.compute_dtype(out_dtype)      # f32, or f64 for an f64 product
+    dts = [f if src is not out else out_dtype]
     expr = ("in", 0, dts[0])
     ins, shapes = [src], [shape]
     if bias is not None:
-        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), bias.dtype))
+        expr = ("binary", "add", f, expr, ("in", len(ins), bias.dtype))
         ins.append(ctx.buf(bias))
         shapes.append(bias.shape)
         dts.append(bias.dtype)
     if activation and not residual_first:
-        expr = ("activation", activation, dt.F32, expr)
+        expr = ("activation", activation, f, expr)
     if residual is not None:
-        expr = ("binary", "add", dt.F32, expr, ("in", len(ins), residual.dtype))
+        expr = ("binary", "add", f, expr, ("in", len(ins), residual.dtype))
         ins.append(ctx.buf(residual))
         shapes.append(shape)
         dts.append(residual.dtype)
     if activation and residual_first:
-        expr = ("activation", activation, dt.F32, expr)
-    if out_dtype != dt.F32:
+        expr = ("activation", activation, f, expr)
+    if out_dtype != f:
         expr = ("cast", None, out_dtype, expr)
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, dts)]
 

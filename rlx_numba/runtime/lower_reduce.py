@@ -5,7 +5,7 @@ merged), giving alternating kept/reduced blocks, e.g. [K0, R0, K1, R1]. Each red
 one pass, innermost first: a row pass when it is last ([rows, n]), else a column pass over
 [outer, r, inner] (threads on the contiguous inner positions, no transpose). Interleaved
 reduced axes (axes (0, 2) of [A, B, C]) thus take two passes through a temporary of the
-accumulator type (f32 or i64), which only the last pass converts to the output dtype (and for
+accumulator type (f32, f64 or i64), which only the last pass converts to the output dtype (and for
 mean divides by the full count). A pass whose output cannot fill the GPU splits its reduced
 extent across blocks into partials, combined by a second, small pass of the same kind.
 
@@ -31,17 +31,17 @@ def _ld(d: dt.DType) -> str:
 
 
 def _acc(d: dt.DType) -> str:
-    return "f32" if d.is_float else "i64"
+    return ("f64" if d == dt.F64 else "f32") if d.is_float else "i64"
 
 
-_ACC_LD = {"f32": "f32", "i64": "int"}
-_ACC_NP = {"f32": np.float32, "i64": np.int64}
+_ACC_LD = {"f32": "f32", "f64": "f64", "i64": "int"}
+_ACC_NP = {"f32": np.float32, "f64": np.float64, "i64": np.int64}
 
 
 def _store(d: dt.DType, mean: bool = False) -> str:
     if mean:
         return "mean_" + d.name
-    return {"f32": "same", "i64": "same", "f16": "f16", "bf16": "bf16", "i32": "i32",
+    return {"f32": "same", "f64": "same", "i64": "same", "f16": "f16", "bf16": "bf16", "i32": "i32",
             "bool": "bool", "u8": "same", "i8": "same", "i16": "same"}[d.name]   # (max / min
     # of a small int: the i64 accumulator holds one of x's values, stored as it is)
 
@@ -140,7 +140,7 @@ def _lower_reduce(ctx, n):
     if not any(red for _, red in dims):
         return [_cast_step(ctx, name, n, x)]
     op, acc = K.OPS[kind], _acc(x.dtype)
-    div = np.float32(count)
+    div = (np.float64 if acc == "f64" else np.float32)(count)   # mean's count (f64 for f64)
     src, ld, itemsize = ctx.buf(x), _ld(x.dtype), x.dtype.itemsize
     steps = []
     while True:
@@ -161,7 +161,7 @@ def _lower_reduce(ctx, n):
                                itemsize)
         if final:
             return steps
-        src, ld, itemsize = dst, _ACC_LD[acc], 8 if acc == "i64" else 4
+        src, ld, itemsize = dst, _ACC_LD[acc], np.dtype(_ACC_NP[acc]).itemsize
         del dims[k]
         if 0 < k < len(dims) and not dims[k - 1][1] and not dims[k][1]:
             dims[k - 1][0] *= dims.pop(k)[0]    # the kept neighbours are now adjacent
