@@ -1,0 +1,73 @@
+"""The kernel disk cache's keys are the same in every process (kernels/cache.py func_key).
+
+A key that changes from one process to the next makes the kernel a miss in every process: it
+is compiled (seconds for gemv's kernels on an H100) and written again each time. numba
+pickles an intrinsic (kernels/ptx.py's loads, which gemv's kernels hold in their closures)
+with a uuid1 drawn per process, and cells of sets / dynamic classes would change with the
+hash seed; so the keys of the kernels a Llama prefill and decode step use (the GPU's
+variants: ptx loads, programmatic dependent launch, norm prologue, gated epilogue, half
+activations) are computed in two processes with different PYTHONHASHSEED and compared.
+
+The processes import rlx_numba with the simulator off (RLX_NUMBA_SIMULATOR=0): the factories
+then build real numba CUDA dispatchers, which needs no GPU (nothing is compiled)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SCRIPT = r"""
+import json
+from rlx_numba.kernels import attention, gemv, quant, reduce, rope, rows
+from rlx_numba.kernels.cache import func_key
+geo = attention.GPU
+kernels = {
+    # gemv (tier 3): m, nw, tw, cpw, u, kind, vec, bias, act, res, minb, gated, xkind, norm, pdl
+    "gemv qkv norm pdl": gemv.gemv_kernel(1, 4, 1, 4, 2, "f32", 4, False, None, False, 1,
+                                          False, "f32", True, True),
+    "gemv o residual": gemv.gemv_kernel(1, 4, 1, 4, 2, "f32", 4, False, None, True, 1, False,
+                                        "f32", False, False),
+    "gemv gate/up silu": gemv.gemv_kernel(1, 4, 2, 2, 2, "f32", 4, False, "silu", False, 3,
+                                          True, "f32", True, True),
+    "gemv bf16": gemv.gemv_kernel(1, 4, 1, 4, 2, "bf16", 8, True, "gelu", False, 1, False,
+                                  "bf16", False, False),
+    "gemv q4_1": quant.gemv_kernel("q4_1", 8, 1, 4, 1, False, 1, 2, False, "silu", False,
+                                   True),
+    "decode attention": attention.decode_split(geo, 2, 3, 2, True, False, True, False, False,
+                                               "f32", "f32", True),
+    "prefill attention": attention.flash(geo, attention.head_split(geo, 64), True, True, False,
+                                         True, False, False),
+    "rms_norm": rows.rows_reg(3, 256, 4, 576, False, True, True, False, True, "f32", "f32"),
+    "rope_kv_write": rope.rope_kv_write("f32", "f32", False),
+    "argmax": reduce.arg_rows(4, "f32", "f32", 2, 256, 1),
+}
+print(json.dumps({name: list(func_key(k.py_func)) for name, k in kernels.items()}))
+"""
+
+
+def _start(seed: str):
+    env = {**os.environ, "RLX_NUMBA_SIMULATOR": "0", "PYTHONHASHSEED": seed,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _keys(proc) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_kernel_cache_keys_equal_across_processes():
+    p1, p2 = _start("1"), _start("2")     # at once: two imports of numba
+    a, b = _keys(p1), _keys(p2)
+    assert a.keys() == b.keys() and len(a) == 10
+    differ = {name: (a[name], b[name]) for name in a if a[name] != b[name]}
+    assert not differ, f"kernel-cache keys differ between two processes: {differ}"
+    # every one of these is a closure: its cells are in the key (not only its bytecode)
+    assert all(len(code) == 64 and len(cells) == 64 for code, cells in a.values()), a
+    # and the key tells variants apart
+    assert len({tuple(v) for v in a.values()}) == len(a)
