@@ -43,14 +43,38 @@ kernels = {
     "rope_kv_write": rope.rope_kv_write("f32", "f32", False),
     "argmax": reduce.arg_rows(4, "f32", "f32", 2, 256, 1),
 }
-print(json.dumps({name: list(func_key(k.py_func)) for name, k in kernels.items()}))
+out = {name: list(func_key(k.py_func)) for name, k in kernels.items()}
+# a miss (the cache dir is empty) is counted and named
+from numba.cuda import types
+from rlx_numba.kernels import cache
+
+
+class Codegen:                      # what numba's key reads from the codegen: the target
+    def magic_tuple(self):
+        return ("nvptx64-nvidia-cuda", "sm_90", "")
+
+
+class Context:                      # what load_overload needs of numba's target context
+    def refresh(self):
+        pass
+
+    def codegen(self):
+        return Codegen()
+
+
+sig = (types.float32[::1],)
+got = kernels["rope_kv_write"]._cache.load_overload(sig, Context())
+print(json.dumps({"keys": out, "loaded": got, "misses": cache.STATS["misses"],
+                  "missed": cache.MISSED}))
 """
 
 
-def _start(seed: str):
+def _start(seed: str, tmp_path):
     env = {**os.environ, "RLX_NUMBA_SIMULATOR": "0", "PYTHONHASHSEED": seed,
+           "RLX_NUMBA_CACHE_DIR": str(tmp_path / seed),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    for var in ("NUMBA_ENABLE_CUDASIM", "NUMBA_CACHE_DIR"):
+        env.pop(var, None)
     return subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -61,9 +85,10 @@ def _keys(proc) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_kernel_cache_keys_equal_across_processes():
-    p1, p2 = _start("1"), _start("2")     # at once: two imports of numba
-    a, b = _keys(p1), _keys(p2)
+def test_kernel_cache_keys_equal_across_processes(tmp_path):
+    p1, p2 = _start("1", tmp_path), _start("2", tmp_path)     # at once: two imports of numba
+    r1, r2 = _keys(p1), _keys(p2)
+    a, b = r1["keys"], r2["keys"]
     assert a.keys() == b.keys() and len(a) == 10
     differ = {name: (a[name], b[name]) for name in a if a[name] != b[name]}
     assert not differ, f"kernel-cache keys differ between two processes: {differ}"
@@ -71,3 +96,7 @@ def test_kernel_cache_keys_equal_across_processes():
     assert all(len(code) == 64 and len(cells) == 64 for code, cells in a.values()), a
     # and the key tells variants apart
     assert len({tuple(v) for v in a.values()}) == len(a)
+    # an empty cache: the kernel is a miss, counted and named (cache.MISSED, logged at INFO)
+    assert r1["loaded"] is None and r1["misses"] == 1
+    assert r1["missed"] == ["rlx_numba.kernels.rope.rope_kv_write.<locals>.rope_kv_write_kernel "
+                            "(array(float32, 1d, C))"]

@@ -52,6 +52,9 @@ log = logging.getLogger("rlx_numba")
 # damaged entries met ("corrupt"); generated sources written or reused ("py_written",
 # "py_reused", counted by codegen.load_kernel)
 STATS = collections.Counter()
+# per process: "module.qualname signature" of each kernel the disk cache missed (a warm
+# process should have none: a name here in every process is a key that does not repeat)
+MISSED: list[str] = []
 
 
 def cache_dir() -> Path:
@@ -251,6 +254,11 @@ if not SIMULATOR:
                             self._name, e)
                 kernel = None
             STATS["hits" if kernel is not None else "misses"] += 1
+            if kernel is None:
+                args = ", ".join(map(str, getattr(sig, "args", sig)))
+                name = f"{self._py_func.__module__}.{self._py_func.__qualname__} ({args})"
+                MISSED.append(name)
+                log.info("rlx_numba: kernel %s not in the disk cache: compiling it", name)
             return kernel
 
         def save_overload(self, sig, data):
