@@ -481,3 +481,31 @@ def test_dequantize_blocks_equal_the_gguf_package():
     blk[0:4] = np.array([0.25, -1.0], np.float16).view(np.uint8)
     blk[4:] = 0xF3
     np.testing.assert_array_equal(dequantize_blocks(blk, "q4_1"), [-0.25] * 16 + [2.75] * 16)
+
+
+def test_gguf_tokenizer_built_on_first_use(tmp_path, monkeypatch):
+    """from_gguf builds the vocabulary's tokenizer when it is first used (0.3-0.6 s for a 49k
+    vocabulary that generating from token ids never needs), once; a vocabulary it cannot
+    build is still reported at load (a warning, no tokenizer)."""
+    from rlx_numba.models import llama
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, CFG, hf_params(CFG, 2))
+    built = []
+    real = llama.gguf_tokenizer
+    monkeypatch.setattr(llama, "gguf_tokenizer", lambda f: built.append(1) or real(f))
+    m = LlamaForCausalLM.from_gguf(path)
+    assert built == []
+    ids = m.encode("hello hello12")
+    assert built == [1] and m.tokenizer is m.tokenizer and built == [1]
+    assert m.decode(ids) == "hello hello12"
+    assert m.quantized("q8_0").tokenizer is m.tokenizer
+    bad = tmp_path / "spm.gguf"
+    write_gguf(bad, CFG, hf_params(CFG, 2))
+    data = bad.read_bytes().replace(b"gpt2", b"llam", 1)     # tokenizer.ggml.model 'llam'
+    bad.write_bytes(data)
+    with monkeypatch.context() as mp:
+        records = []
+        mp.setattr(llama.log, "warning", lambda msg, *a: records.append(msg % a))
+        m2 = LlamaForCausalLM.from_gguf(bad)
+    assert m2.tokenizer is None
+    assert records and "tokenizer.ggml.model is 'llam'; only the byte-level BPE" in records[0]

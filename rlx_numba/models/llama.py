@@ -31,8 +31,9 @@ from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_po
                      embedding, gated_mlp, lm_head, moe_mlp, norm)
 from .blocks import pad_name, rope_tables  # noqa: F401  (this module's names before blocks.py)
 from .executables import ExecutableCache, bucket_length, in_dtype, model_dtype, next_pow2
-from .weights import (LEGACY_BLOCKS, GGUFFile, as_path, check_params, dequantize_blocks,
-                      gguf_tokenizer, load_safetensors, quantize, read_json, reverse_permute)
+from .weights import (LEGACY_BLOCKS, GGUFFile, as_path, check_gguf_vocab, check_params,
+                      dequantize_blocks, gguf_tokenizer, load_safetensors, quantize, read_json,
+                      reverse_permute)
 
 log = logging.getLogger("rlx_numba")
 
@@ -686,7 +687,10 @@ class LlamaForCausalLM:
         tok = None
         if f.get("tokenizer.ggml.model") is not None:
             try:
-                tok = gguf_tokenizer(f)
+                check_gguf_vocab(f)
+                # built on first use (m.tokenizer): 0.3-0.6 s for a 49k vocabulary, which a
+                # process generating from token ids never needs
+                tok = _Deferred(lambda: gguf_tokenizer(f))
             except ValueError as e:
                 log.warning("%s", e)
         return cls(config, arrays, tokenizer=tok, source=f.path, weights=weights, **kw)
@@ -710,7 +714,7 @@ class LlamaForCausalLM:
                 packed[name] = (s, raw)
                 params[name] = _dequantized(raw, s, v.shape)
         kw = {"exec_mode": self.exec_mode, "max_cached": self.max_cached, **kw}
-        return type(self)(self.config, params, tokenizer=self.tokenizer, weights="gguf",
+        return type(self)(self.config, params, tokenizer=self._tokenizer, weights="gguf",
                           packed=packed, source=f"quantized({scheme!r})", **kw)
 
     # ---- compiled graphs -------------------------------------------------------------------------
@@ -995,6 +999,18 @@ class LlamaForCausalLM:
         return out[0] if np.ndim(prompt_ids) == 1 else out
 
     # ---- text -----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` (None without one); from_gguf's is built here, on first
+        use."""
+        if isinstance(self._tokenizer, _Deferred):
+            self._tokenizer = self._tokenizer.make()
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok):
+        self._tokenizer = tok
+
     def _tok(self):
         if self.tokenizer is None:
             raise ValueError("LlamaForCausalLM: this model has no tokenizer (pass tokenizer=, or "
@@ -1062,6 +1078,13 @@ _GGUF_LAYER = {
 }
 _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight",
              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+class _Deferred:
+    """A value made on first use (LlamaForCausalLM.tokenizer)."""
+
+    def __init__(self, make):
+        self.make = make
 
 
 def _dequantized(raw, scheme, shape):

@@ -446,6 +446,17 @@ def reverse_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape))
 
 
+def check_gguf_vocab(f: GGUFFile) -> None:
+    """ValueError unless the GGUF holds a vocabulary gguf_tokenizer builds (a cheap check: the
+    build itself can wait until the tokenizer is used)."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{f.path}: tokenizer.ggml.model is {kind!r}; only the byte-level BPE "
+                         f"'gpt2' vocabularies are supported (SmolLM2, Llama 3, Qwen ...)")
+    f.require("tokenizer.ggml.tokens")
+    f.require("tokenizer.ggml.merges")
+
+
 def gguf_tokenizer(f: GGUFFile):
     """A ``tokenizers.Tokenizer`` built from a GGUF's own vocabulary (tokenizer.ggml.*): the
     byte-level BPE ('gpt2') family, with llama.cpp's pre-tokenizer split for the 'pre' names
@@ -453,10 +464,7 @@ def gguf_tokenizer(f: GGUFFile):
     _need("tokenizers")
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    kind = f.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"{f.path}: tokenizer.ggml.model is {kind!r}; only the byte-level BPE "
-                         f"'gpt2' vocabularies are supported (SmolLM2, Llama 3, Qwen ...)")
+    check_gguf_vocab(f)
     tokens = f.require("tokenizer.ggml.tokens")
     merges = f.require("tokenizer.ggml.merges")
     types = f.get("tokenizer.ggml.token_type") or [1] * len(tokens)
