@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import rlx_numba as rlx
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SCRIPT = r"""
@@ -100,3 +104,39 @@ def test_kernel_cache_keys_equal_across_processes(tmp_path):
     assert r1["loaded"] is None and r1["misses"] == 1
     assert r1["missed"] == ["rlx_numba.kernels.rope.rope_kv_write.<locals>.rope_kv_write_kernel "
                             "(array(float32, 1d, C))"]
+
+
+GENERATE = r"""
+import json
+import numpy as np
+from rlx_numba.kernels import cache
+from rlx_numba.models import LlamaConfig, LlamaForCausalLM
+cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  tie_word_embeddings=True)
+out = LlamaForCausalLM.from_config(cfg, seed=0).generate(np.array([[3, 14, 15, 9, 2]]), 3)
+print(json.dumps({"tokens": out.tolist(), "hits": cache.STATS["hits"],
+                  "misses": cache.STATS["misses"], "missed": cache.MISSED}))
+"""
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="the simulator compiles nothing: no disk cache to hit")
+def test_second_process_compiles_none_of_a_models_kernels_gpu(tmp_path):
+    """A Llama prefill + decode in one process fills an empty kernel cache; a second process
+    doing the same compiles nothing (every kernel a hit, cache.MISSED empty) and gives the
+    same tokens. Every product (5 rows or 1) on tier 3, gemv's kernels (ptx loads and, on
+    compute capability 9.0+, programmatic dependent launch in their closures): they missed
+    in every process while an intrinsic's per-process uuid was in their keys."""
+    env = {**os.environ, "RLX_NUMBA_CACHE_DIR": str(tmp_path), "RLX_NUMBA_MATMUL_TIERS": "3",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("NUMBA_CACHE_DIR", None)
+    runs = []
+    for seed in ("1", "2"):
+        r = subprocess.run([sys.executable, "-c", GENERATE], env={**env, "PYTHONHASHSEED": seed},
+                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["misses"] > 0 and any("gemv" in name for name in first["missed"]), first
+    assert second["missed"] == [] and second["misses"] == 0, second
+    assert second["hits"] >= first["misses"] and second["tokens"] == first["tokens"]
