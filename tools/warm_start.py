@@ -70,7 +70,8 @@ def main(argv=None) -> int:
     if not a.no_warmup:
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-m", "rlx_numba.cli", "warmup", a.model,
-                            "--prompt-len", str(a.prompt_len), "--new", str(a.new)], env=env,
+                            "--prompt-len", str(a.prompt_len), "--new", str(a.new),
+                            "--weights", a.weights], env=env,
                            capture_output=True, text=True)
         print(r.stdout.strip())
         if r.returncode:
