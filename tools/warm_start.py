@@ -28,7 +28,8 @@ import numpy as np
 import rlx_numba
 from rlx_numba.kernels import cache
 from rlx_numba.models import LlamaForCausalLM
-path, plen, new, weights, top = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+path, weights = sys.argv[1], sys.argv[4]
+plen, new, top = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[5])
 prof = None
 if top:
     import cProfile
