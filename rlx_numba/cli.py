@@ -1,5 +1,5 @@
 """`rlx-numba info [--weights F | --ops] | demo [--model minilm|smollm2 | --train] |
-warmup MODEL [--batch B] [--prompt-len S] [--new N] [--dtype D] |
+warmup MODEL [--batch B] [--prompt-len S] [--new N] [--dtype D] [--weights W] |
 launch --gpus N [--master-port P] script.py [args...]`."""
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ def demo_model(name: str, path: str | None = None, prompt: str | None = None) ->
     return 0
 
 
-def warmup(path: str, batch: int, prompt_len: int, new: int, dtype: str) -> int:
+def warmup(path: str, batch: int, prompt_len: int, new: int, dtype: str,
+           weights: str = "f32") -> int:
     """Load a Llama-family model (a .gguf file or a Hugging Face folder) and generate ``new``
     tokens from a dummy prompt, so its prefill and decode graphs' kernels and tuning verdicts
     land in the disk cache (kernels/cache.py): the next process loading the model compiles
@@ -216,7 +217,10 @@ def warmup(path: str, batch: int, prompt_len: int, new: int, dtype: str) -> int:
     t0 = time.perf_counter()
     try:
         if p.suffix == ".gguf":
-            model = LlamaForCausalLM.from_gguf(p, dtype=dtype)
+            model = LlamaForCausalLM.from_gguf(p, dtype=dtype, weights=weights)
+        elif p.is_dir() and weights != "f32":
+            print("warmup: --weights gguf is for a .gguf file", file=sys.stderr)
+            return 2
         elif p.is_dir():
             model = LlamaForCausalLM.from_safetensors(p, dtype=dtype)
         else:
@@ -301,6 +305,9 @@ def main(argv=None) -> int:
     w.add_argument("--new", type=int, default=8, help="tokens generated (default 8)")
     w.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="the model's dtype (default f32)")
+    w.add_argument("--weights", default="f32", choices=["f32", "gguf"],
+                   help="a .gguf's weights: dequantised to f32 (default), or 'gguf': kept "
+                        "packed on the device (from_gguf's weights=; its kernels differ)")
     la = sub.add_parser("launch", help="run a script as N processes, one per GPU, with RANK, "
                                        "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as "
                                        "torchrun sets them (rlx_numba.distributed.init reads them)")
@@ -344,7 +351,8 @@ def main(argv=None) -> int:
         for k in ("batch", "prompt_len", "new"):
             if getattr(args, k) < 1:
                 p.error(f"warmup: --{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
-        return warmup(args.model, args.batch, args.prompt_len, args.new, args.dtype)
+        return warmup(args.model, args.batch, args.prompt_len, args.new, args.dtype,
+                      args.weights)
     return demo()
 
 

@@ -120,3 +120,14 @@ def test_warmup_compiles_a_gguf_model(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["warmup", str(path), "--new", "0"])
     assert "--new must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_warmup_weights_argument(tmp_path, capsys):
+    """`rlx-numba warmup --weights`: f32 or gguf (from_gguf's weights=), gguf only for a .gguf
+    file; anything else is refused by the parser."""
+    with pytest.raises(SystemExit):
+        main(["warmup", str(tmp_path), "--weights", "q4"])
+    assert "invalid choice: 'q4'" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["warmup", str(tmp_path), "--weights", "gguf"]) == 2
+    assert "--weights gguf is for a .gguf file" in capsys.readouterr().err

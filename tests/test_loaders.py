@@ -195,9 +195,20 @@ def vocabulary():
 
 
 def write_gguf(path, cfg, params, *, q8=(), f16=(), arch="llama", drop=(), replace=None,
-               extra=None, truncate=0):
+               extra=None, truncate=0, more_meta=False):
     tokens, merges, types = vocabulary()
     w = gguf.GGUFWriter(str(path), arch)
+    if more_meta:    # a value of every scalar type, arrays of each kind, another alignment
+        w.add_custom_alignment(64)
+        w.add_uint32("test.alignment_used", 64)
+        for t, v in (("uint8", 200), ("int8", -5), ("uint16", 60000), ("int16", -300),
+                     ("int32", -70000), ("uint64", 2**40 + 3), ("int64", -2**40),
+                     ("float32", 0.1), ("float64", 0.1), ("bool", True), ("string", "héllo")):
+            getattr(w, f"add_{t}")(f"test.{t}", v)
+        w.add_array("test.ints", [1, -2, 3])
+        w.add_array("test.floats", [0.5, -1.25])
+        w.add_array("test.bools", [True, False, True])
+        w.add_array("test.strings", ["a", "", "ünï"])
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -411,3 +422,90 @@ def test_gguf_weights_kept_packed(tmp_path):
     assert m.generate(ids[0], max_new_tokens=2).tolist() == np_greedy(cfg, deq, ids, 2)[0].tolist()
     with pytest.raises(ValueError, match="weights='gguf' comes from from_gguf"):
         LlamaForCausalLM(CFG, params, weights="gguf")
+
+
+def test_gguf_reader_matches_the_gguf_package(tmp_path):
+    """GGUFFile reads the file itself (models/weights.py: gguf.GGUFReader took seconds over a
+    real vocabulary): every metadata value and every tensor (type, dims, bytes) as
+    gguf.GGUFReader gives them, on a file with scalars of each type, arrays of numbers,
+    strings and bools, Q8_0 / F16 / F32 / I32 tensors and a non-default alignment."""
+    params = hf_params(CFG, 7)
+    path = tmp_path / "meta.gguf"
+    q8 = ("model.layers.0.mlp.up_proj.weight",)
+    write_gguf(path, CFG, params, q8=q8, f16=("model.layers.1.self_attn.v_proj.weight",),
+               extra={"rope_freqs_like": np.arange(5, dtype=np.int32)}, more_meta=True)
+    f = GGUFFile(path)
+    ref = gguf.GGUFReader(str(path))
+    want = {k: fld.contents() for k, fld in ref.fields.items() if not k.startswith("GGUF.")}
+    assert f.metadata.keys() == want.keys()
+    for k, v in want.items():
+        assert f.metadata[k] == v and type(f.metadata[k]) is type(v), k
+    assert f.get("test.alignment_used") == 64 and f.get("general.alignment") == 64
+    assert f.names == [t.name for t in ref.tensors]
+    for t in ref.tensors:
+        assert f.type_name(t.name) == t.tensor_type.name
+        assert f.shape(t.name) == tuple(int(d) for d in reversed(t.shape.tolist()))
+        assert f.raw(t.name).tobytes() == np.asarray(t.data).tobytes()
+    assert f.raw(gguf_name(q8[0])).shape == (44, 32 // 32 * 34)
+
+
+def test_dequantize_blocks_equal_the_gguf_package():
+    """weights.dequantize_blocks (whole-array numpy) against gguf.quants.dequantize (llama.cpp's
+    reference, per block group) value for value, on random blocks of every 32-weight scheme
+    (7 rows of 3 blocks, random nibbles and fifth bits, finite f16 scales of both signs), and
+    one q5_0 / q4_1 block worked by hand."""
+    from gguf.quants import dequantize
+    from rlx_numba.models.weights import LEGACY_BLOCKS, dequantize_blocks
+    rng = np.random.default_rng(11)
+    for scheme, (size, head) in LEGACY_BLOCKS.items():
+        raw = rng.integers(0, 256, (7, 3, size), dtype=np.uint8)
+        scales = rng.uniform(-2, 2, (7, 3, 2)).astype(np.float16)   # d (and m)
+        raw[..., 0:2] = scales[..., :1].view(np.uint8)
+        if scheme.endswith("_1"):
+            raw[..., 2:4] = scales[..., 1:].view(np.uint8)
+        raw = raw.reshape(7, 3 * size)
+        want = dequantize(raw, getattr(gguf.GGMLQuantizationType, scheme.upper()))
+        got = dequantize_blocks(raw, scheme)
+        assert got.dtype == np.float32 and got.shape == (7 * 96,)
+        np.testing.assert_array_equal(got, want.reshape(-1), err_msg=scheme)
+    # q5_0 by hand: d = 0.5, qh with bits 0 and 31 set, nibbles 0x21 (low 1, high 2)
+    blk = np.zeros(22, np.uint8)
+    blk[0:2] = np.array([0.5], np.float16).view(np.uint8)
+    blk[2:6] = np.array([1 | (1 << 31)], "<u4").view(np.uint8)
+    blk[6:] = 0x21
+    want = np.array([(1 + 16 - 16) * 0.5] + [(1 - 16) * 0.5] * 15
+                    + [(2 - 16) * 0.5] * 15 + [(2 + 16 - 16) * 0.5])
+    np.testing.assert_array_equal(dequantize_blocks(blk, "q5_0"), want)
+    # q4_1 by hand: d = 0.25, m = -1, nibbles 0xF3: weights 0..15 -> 3 d + m, 16..31 -> 15 d + m
+    blk = np.zeros(20, np.uint8)
+    blk[0:4] = np.array([0.25, -1.0], np.float16).view(np.uint8)
+    blk[4:] = 0xF3
+    np.testing.assert_array_equal(dequantize_blocks(blk, "q4_1"), [-0.25] * 16 + [2.75] * 16)
+
+
+def test_gguf_tokenizer_built_on_first_use(tmp_path, monkeypatch):
+    """from_gguf builds the vocabulary's tokenizer when it is first used (0.3-0.6 s for a 49k
+    vocabulary that generating from token ids never needs), once; a vocabulary it cannot
+    build is still reported at load (a warning, no tokenizer)."""
+    from rlx_numba.models import llama
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, CFG, hf_params(CFG, 2))
+    built = []
+    real = llama.gguf_tokenizer
+    monkeypatch.setattr(llama, "gguf_tokenizer", lambda f: built.append(1) or real(f))
+    m = LlamaForCausalLM.from_gguf(path)
+    assert built == []
+    ids = m.encode("hello hello12")
+    assert built == [1] and m.tokenizer is m.tokenizer and built == [1]
+    assert m.decode(ids) == "hello hello12"
+    assert m.quantized("q8_0").tokenizer is m.tokenizer
+    bad = tmp_path / "spm.gguf"
+    write_gguf(bad, CFG, hf_params(CFG, 2))
+    data = bad.read_bytes().replace(b"gpt2", b"llam", 1)     # tokenizer.ggml.model 'llam'
+    bad.write_bytes(data)
+    with monkeypatch.context() as mp:
+        records = []
+        mp.setattr(llama.log, "warning", lambda msg, *a: records.append(msg % a))
+        m2 = LlamaForCausalLM.from_gguf(bad)
+    assert m2.tokenizer is None
+    assert records and "tokenizer.ggml.model is 'llam'; only the byte-level BPE" in records[0]

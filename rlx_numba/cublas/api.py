@@ -100,6 +100,7 @@ CUBLASLT = {
     "cublasLtMatmulAlgoGetHeuristic": [P, P, P, P, P, P, P, c_int, POINTER(HeuristicResultT),
                                        POINTER(c_int)],
     "cublasLtMatmul": [P, P, P, P, P, P, P, P, P, P, P, P, POINTER(AlgoT), P, c_size_t, P],
+    "cublasLtMatmulAlgoCheck": [P, P, P, P, P, P, POINTER(AlgoT), POINTER(HeuristicResultT)],
 }
 
 

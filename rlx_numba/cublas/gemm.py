@@ -13,11 +13,18 @@ that enqueues the GEMM on the stream.
 """
 from __future__ import annotations
 
+import collections
+import json
+import logging
+import os
+import tempfile
 import weakref
 from ctypes import byref, c_double, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
 from . import api
+
+log = logging.getLogger("rlx_numba")
 
 WORKSPACE_BYTES = 32 << 20      # NVIDIA's recommendation for Hopper (4 MiB elsewhere is enough)
 TUNE_ALGOS = 8                  # cuBLASLt algorithms timed per product at compile time
@@ -291,7 +298,7 @@ def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
         return (h, desc, byref(one), c_void_p(b_ptr), la, c_void_p(a_ptr), lb, byref(zero),
                 c_void_p(d_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
                 c_void_p(_stream_ptr(stream)))
-    key = ("lowp", dev, cm, a_type, b_type, d_type, bias_ptr is not None,
+    key = (dev, "lowp", cm, a_type, b_type, d_type, bias_ptr is not None,
            a_scale_ptr is not None, outer_vec,
            tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
     algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for)
@@ -311,11 +318,99 @@ _descs: dict = {}       # (compute, opa, opb, epilogue, bias pointer) -> cublasL
 _layouts: dict = {}     # (dtype, rows, cols, ld) -> cublasLtMatrixLayout_t
 
 
+class AlgoStore:
+    """cuBLASLt algorithms chosen in earlier processes, on disk (``<cache dir>/cublaslt_algos
+    .json``: problem -> the 64 bytes of its cublasLtMatmulAlgo_t, which cuBLASLt's docs allow
+    to be serialised and restored into the same library version). A process takes a problem's
+    algorithm from here instead of running the heuristic and timing its candidates again
+    (``_fastest``); the problem names the GPU, the library version and the workspace. A
+    damaged or foreign file reads as empty; one that cannot be written is a warning."""
+
+    FILE = "cublaslt_algos.json"
+
+    def __init__(self, directory=None):
+        self._dir = directory
+        self.stats = collections.Counter()      # "hits" (restored), "misses" (chosen here)
+
+    def path(self):
+        if self._dir is not None:
+            return os.path.join(os.fspath(self._dir), self.FILE)
+        from ..kernels.cache import cache_dir
+        return os.path.join(cache_dir(), self.FILE)
+
+    def _read(self) -> dict:
+        try:
+            with open(self.path()) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        return {k: v for k, v in data.items() if isinstance(v, str) and len(v) == 128}
+
+    def get(self, problem: str) -> bytes | None:
+        blob = self._read().get(problem)
+        try:
+            return None if blob is None else bytes.fromhex(blob)
+        except ValueError:
+            return None
+
+    def put(self, problem: str, blob: bytes) -> None:
+        """Merge one choice into the file (read, merge and rename under a lock: processes
+        choosing at once keep each other's choices)."""
+        import fcntl
+        try:
+            path = self.path()
+            with open(path + ".lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                data = self._read()
+                data[problem] = bytes(blob).hex()
+                fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".cublaslt_algos")
+                with os.fdopen(fd, "w") as f:
+                    json.dump(data, f, indent=0)
+                os.replace(tmp, path)
+        except OSError as e:
+            log.warning("rlx_numba: could not save a cuBLASLt algorithm choice (%s)", e)
+
+
+ALGOS = AlgoStore()
+
+
+def _problem(key, lt, ws_size) -> str:
+    """``key`` (device ordinal first) as AlgoStore names it: the GPU's name for the ordinal."""
+    from numba import cuda
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else str(name)
+    return repr((name, getattr(lt, "version", 0), ws_size) + tuple(key[1:]))
+
+
+def _restored(problem, lt, h, desc, la, lb, lc):
+    """The algorithm AlgoStore holds for ``problem``, if cuBLASLt accepts it for this
+    problem (cublasLtMatmulAlgoCheck), else None."""
+    blob = ALGOS.get(problem)
+    if blob is None or len(blob) != sizeof(api.AlgoT):
+        return None
+    algo = api.AlgoT.from_buffer_copy(blob)
+    try:
+        lt.cublasLtMatmulAlgoCheck(h, desc, la, lb, lc, lc, byref(algo),
+                                   byref(api.HeuristicResultT()))
+    except api.CublasError:
+        return None
+    return algo
+
+
 def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for):
     """The algorithm for problem ``key``: chosen once (cuBLASLt's heuristic's candidates,
-    the fastest of them timed by ``_fastest``), then taken from ``_lt_choice``."""
+    the fastest of them timed by ``_fastest``) and kept on disk (AlgoStore), then taken from
+    ``_lt_choice``."""
     algo = _lt_choice.get(key)
     if algo is None:
+        problem = _problem(key, lt, ws_size)
+        algo = _restored(problem, lt, h, desc, la, lb, lc)
+        if algo is not None:
+            ALGOS.stats["hits"] += 1
+            _lt_choice[key] = algo
+            return algo
         pref, ws = c_void_p(), c_uint64(ws_size)
         lt.cublasLtMatmulPreferenceCreate(byref(pref))
         lt.cublasLtMatmulPreferenceSetAttribute(pref, api.PREF_MAX_WORKSPACE_BYTES, byref(ws),
@@ -328,6 +423,8 @@ def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for):
             raise api.CublasError("cublasLtMatmulAlgoGetHeuristic (no algorithm)", 15)
         algo = _lt_choice[key] = _fastest(stream, call, args_for,
                                           [results[i].algo for i in range(count.value)])
+        ALGOS.stats["misses"] += 1
+        ALGOS.put(problem, bytes(algo))
     return algo
 
 

@@ -26,8 +26,12 @@ So ``attach`` gives a dispatcher an ``RlxCache``: the key adds the jit options, 
 stamp adds a hash of every kernel module's source, each file carries a SHA-256 of its
 payload (a damaged file reads as a miss: the kernel is compiled again and the file
 rewritten), and the location is always ours. Closure kernels of the factories cache too:
-their cells (ints, bools, strings, numba types, device functions) pickle the same in every
-process. The simulator compiles nothing, so there ``attach`` does nothing.
+``func_key`` hashes their cells (ints, bools, strings, numba types, device functions,
+intrinsics), which must pickle the same in every process. numba pickles an intrinsic with a
+uuid1 drawn per process (its ``_reduce_states``), so a kernel whose closure (or a device
+function in it) holds one, e.g. kernels/ptx.py's loads in gemv's kernels, had a new key in
+every process and was compiled every time: ``func_key`` pickles an intrinsic as its name and
+definition instead. The simulator compiles nothing, so there ``attach`` does nothing.
 """
 from __future__ import annotations
 
@@ -48,6 +52,9 @@ log = logging.getLogger("rlx_numba")
 # damaged entries met ("corrupt"); generated sources written or reused ("py_written",
 # "py_reused", counted by codegen.load_kernel)
 STATS = collections.Counter()
+# per process: "module.qualname signature" of each kernel the disk cache missed (a warm
+# process should have none: a name here in every process is a key that does not repeat)
+MISSED: list[str] = []
 
 
 def cache_dir() -> Path:
@@ -92,6 +99,35 @@ def _sources_hash() -> str:
 
 
 SOURCES_HASH = _sources_hash()
+
+
+def _intrinsic_by_definition(name, defn):   # never called: the pickle is only hashed
+    raise AssertionError("a kernel-cache key is not unpickled")
+
+
+def func_key(py_func) -> tuple[str, str]:
+    """(hash of the bytecode, hash of the closure cells) of a kernel's Python function: the
+    part of its disk-cache key that tells closures of one factory apart. The same in every
+    process for the same factory arguments (tests/test_kernel_cache_keys.py checks it across
+    processes and hash seeds)."""
+    import io
+
+    from numba.cuda.extending import _Intrinsic
+    from numba.cuda.serialize import NumbaPickler
+
+    class KeyPickler(NumbaPickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, _Intrinsic):   # not its per-process uuid (see the module doc)
+                return _intrinsic_by_definition, (obj._name, obj._defn)
+            return super().reducer_override(obj)
+
+    code = hashlib.sha256(py_func.__code__.co_code).hexdigest()
+    cells = tuple(c.cell_contents for c in py_func.__closure__ or ())
+    if not cells:
+        return code, ""
+    with io.BytesIO() as buf:
+        KeyPickler(buf, protocol=4).dump(cells)
+        return code, hashlib.sha256(buf.getvalue()).hexdigest()
 
 
 if not SIMULATOR:
@@ -197,9 +233,7 @@ if not SIMULATOR:
 
         def _index_key(self, sig, codegen):
             if self._func_key is None:   # once: a load and the save after a miss must agree
-                f = self._py_func
-                cells = tuple(c.cell_contents for c in f.__closure__ or ())
-                self._func_key = (_sha(f.__code__.co_code), _sha(dumps(cells)) if cells else "")
+                self._func_key = func_key(self._py_func)
             key = (sig, codegen.magic_tuple(), numba_cuda.__version__, self._func_key,
                    self._options)
             if self._launch_config_key is not None:   # as CUDACache._index_key
@@ -220,6 +254,11 @@ if not SIMULATOR:
                             self._name, e)
                 kernel = None
             STATS["hits" if kernel is not None else "misses"] += 1
+            if kernel is None:
+                args = ", ".join(map(str, getattr(sig, "args", sig)))
+                name = f"{self._py_func.__module__}.{self._py_func.__qualname__} ({args})"
+                MISSED.append(name)
+                log.info("rlx_numba: kernel %s not in the disk cache: compiling it", name)
             return kernel
 
         def save_overload(self, sig, data):

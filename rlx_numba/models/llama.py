@@ -17,6 +17,8 @@ no weight is copied or transposed on the host.
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
@@ -29,8 +31,9 @@ from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_po
                      embedding, gated_mlp, lm_head, moe_mlp, norm)
 from .blocks import pad_name, rope_tables  # noqa: F401  (this module's names before blocks.py)
 from .executables import ExecutableCache, bucket_length, in_dtype, model_dtype, next_pow2
-from .weights import (GGUFFile, as_path, check_params, gguf_tokenizer, load_safetensors,
-                      quantize, read_json, reverse_permute)
+from .weights import (LEGACY_BLOCKS, GGUFFile, as_path, check_gguf_vocab, check_params,
+                      dequantize_blocks, gguf_tokenizer, load_safetensors, quantize, read_json,
+                      reverse_permute)
 
 log = logging.getLogger("rlx_numba")
 
@@ -649,20 +652,30 @@ class LlamaForCausalLM:
         the other tensors (norms, F16 / F32 ones) are f32."""
         f = GGUFFile(as_path(path))
         config = llama_config_from_gguf(f)
-        tensors = {}
+        names = {}
         for gname in f.names:
             hf = _gguf_to_hf(gname)
             if hf is None:
                 raise ValueError(f"{f.path}: unexpected tensor {gname!r} for a llama model")
-            tensors[hf] = (gname, f.tensor(gname))
-        arrays, packed = {}, {}
-        for hf, (gname, arr) in tensors.items():
-            heads = (config.num_attention_heads if hf.endswith(("q_proj.weight", "q_proj.bias"))
-                     else config.num_key_value_heads
-                     if hf.endswith(("k_proj.weight", "k_proj.bias")) else None)
-            if heads:
-                arr = _unpermute(f, gname, arr, heads, config.head_dim)
-            arrays[hf] = arr
+            names[hf] = gname
+
+        def heads_of(hf):
+            return (config.num_attention_heads if hf.endswith(("q_proj.weight", "q_proj.bias"))
+                    else config.num_key_value_heads
+                    if hf.endswith(("k_proj.weight", "k_proj.bias")) else None)
+
+        def read(hf):
+            arr, heads = f.tensor(names[hf]), heads_of(hf)
+            return _unpermute(f, names[hf], arr, heads, config.head_dim) if heads else arr
+
+        # dequantising is whole-array numpy work, which releases the GIL: the tensors in
+        # parallel (SmolLM2-135M's 272 on a many-core host); the first failure in file order
+        # is the one raised, as one at a time
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+            arrays = dict(zip(names, pool.map(read, names)))
+        packed = {}
+        for hf, gname in names.items():
+            arr, heads = arrays[hf], heads_of(hf)
             scheme = f.type_name(gname).lower()
             if (weights == "gguf" and scheme in GGUF_SCHEMES
                     and (hf.endswith("_proj.weight") or hf in ("model.embed_tokens.weight",
@@ -674,7 +687,10 @@ class LlamaForCausalLM:
         tok = None
         if f.get("tokenizer.ggml.model") is not None:
             try:
-                tok = gguf_tokenizer(f)
+                check_gguf_vocab(f)
+                # built on first use (m.tokenizer): 0.3-0.6 s for a 49k vocabulary, which a
+                # process generating from token ids never needs
+                tok = _Deferred(lambda: gguf_tokenizer(f))
             except ValueError as e:
                 log.warning("%s", e)
         return cls(config, arrays, tokenizer=tok, source=f.path, weights=weights, **kw)
@@ -698,7 +714,7 @@ class LlamaForCausalLM:
                 packed[name] = (s, raw)
                 params[name] = _dequantized(raw, s, v.shape)
         kw = {"exec_mode": self.exec_mode, "max_cached": self.max_cached, **kw}
-        return type(self)(self.config, params, tokenizer=self.tokenizer, weights="gguf",
+        return type(self)(self.config, params, tokenizer=self._tokenizer, weights="gguf",
                           packed=packed, source=f"quantized({scheme!r})", **kw)
 
     # ---- compiled graphs -------------------------------------------------------------------------
@@ -983,6 +999,18 @@ class LlamaForCausalLM:
         return out[0] if np.ndim(prompt_ids) == 1 else out
 
     # ---- text -----------------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        """The ``tokenizers.Tokenizer`` (None without one); from_gguf's is built here, on first
+        use."""
+        if isinstance(self._tokenizer, _Deferred):
+            self._tokenizer = self._tokenizer.make()
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tok):
+        self._tokenizer = tok
+
     def _tok(self):
         if self.tokenizer is None:
             raise ValueError("LlamaForCausalLM: this model has no tokenizer (pass tokenizer=, or "
@@ -1052,8 +1080,18 @@ _GGUF_TOP = {"token_embd.weight": "model.embed_tokens.weight",
              "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
+class _Deferred:
+    """A value made on first use (LlamaForCausalLM.tokenizer)."""
+
+    def __init__(self, make):
+        self.make = make
+
+
 def _dequantized(raw, scheme, shape):
-    """The f32 values of GGUF blocks (the gguf package's dequantize)."""
+    """The f32 values of GGUF blocks (the gguf package's dequantize; ours for the 32-weight
+    schemes, value for value the same and faster)."""
+    if scheme in LEGACY_BLOCKS:
+        return dequantize_blocks(raw, scheme).reshape(shape)
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     return np.ascontiguousarray(dequantize(raw, getattr(GGMLQuantizationType, scheme.upper())),

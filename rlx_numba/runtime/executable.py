@@ -238,7 +238,8 @@ class CudaExecutable:
             if tuple(arr.shape) != node.shape:
                 raise ValueError(f"set_param {name!r}: expected shape {fmt(node.shape)}, got "
                                  f"{fmt(arr.shape)}")
-            self.params.set_host(node, arr.astype(node.dtype.host))
+            # (no copy when the dtype matches: the host value is only read, during this call)
+            self.params.set_host(node, arr.astype(node.dtype.host, copy=False))
         self._unset.discard(name)
 
     def get_param(self, name: str) -> np.ndarray:
