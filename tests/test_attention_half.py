@@ -27,6 +27,16 @@ def _keep(b, hq, sq, sk, causal, window, mask):
     return keep
 
 
+def masked_softmax(s, keep):
+    """(p, row max, row sum) of softmax(s) over the last axis where ``keep``; a row that keeps
+    nothing gives p = 0 (float64)."""
+    s = np.where(keep, s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+    den = e.sum(-1, keepdims=True)
+    return np.where(den > 0, e / np.where(den > 0, den, 1), 0), mx, den
+
+
 def _sum_to(x, shape):
     """x [B, Hq, Sq, Sk] summed back to a broadcast operand's shape."""
     x = x.sum(axis=tuple(range(x.ndim - len(shape))))
@@ -49,12 +59,7 @@ def attention64(q, k, v, dy=None, *, causal=False, window=None, mask=None, bias=
     s = softcap * t if softcap is not None else u
     if bias is not None:
         s = s + f64(bias)
-    keep = _keep(b, hq, sq, sk, causal, window, mask)
-    s = np.where(keep, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
-    den = e.sum(-1, keepdims=True)
-    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    p, _, _ = masked_softmax(s, _keep(b, hq, sq, sk, causal, window, mask))
     o = p @ V
     if dy is None:
         return o
@@ -378,12 +383,7 @@ def _magnitudes(q, k, v, dy, *, causal=False, mask=None, bias=None, scale=None):
     s = q @ np.repeat(k, g, axis=1).transpose(0, 1, 3, 2) * sc
     if bias is not None:
         s = s + f64(bias)
-    keep = _keep(b, hq, sq, sk, causal, None, mask)
-    s = np.where(keep, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
-    den = e.sum(-1, keepdims=True)
-    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    p, _, _ = masked_softmax(s, _keep(b, hq, sq, sk, causal, None, mask))
     pv = p @ V
     dp = dy @ np.repeat(v, g, axis=1).transpose(0, 1, 3, 2)
     ds = p * (dp - (dp * p).sum(-1, keepdims=True))

@@ -22,7 +22,7 @@ import pytest
 import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HOST, assert_half_close, f64, rounded
-from test_attention_half import _half_online_softmax, _keep, attention64
+from test_attention_half import _half_online_softmax, _keep, attention64, masked_softmax
 from test_mma import _toolkit, assemble_sm80
 
 from rlx_numba.kernels import attention as A
@@ -48,12 +48,7 @@ def reference(q, k, v, *, causal=False, window=None, mask=None, bias=None, scale
         s = softcap * np.tanh(s / softcap)
     if bias is not None:
         s = s + f64(bias)
-    keep = _keep(b, hq, sq, sk, causal, window, mask)
-    s = np.where(keep, s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    e = np.where(keep, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
-    den = e.sum(-1, keepdims=True)
-    p = np.where(den > 0, e / np.where(den > 0, den, 1), 0)
+    p, mx, den = masked_softmax(s, _keep(b, hq, sq, sk, causal, window, mask))
     with np.errstate(divide="ignore"):
         lse = np.where(den[..., 0] > 0, mx[..., 0] + np.log(den[..., 0]), -np.inf)
     return p @ V, p @ np.abs(V), lse

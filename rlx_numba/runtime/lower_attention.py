@@ -346,6 +346,16 @@ def _tier_named(tier: int) -> bool:
     return tier in env_tiers("RLX_NUMBA_ATTENTION_TIERS", names)
 
 
+def _operands(ctx, n):
+    """((q, k, v), mask buffer, bias buffer, the kernels' flags, scale, softcap, io kinds, GEOM
+    array, k's strides) of a prefill / decode attention node ``n`` for the numba tiers."""
+    ins = [ctx.graph.nodes[i] for i in n.inputs]
+    q, k, v = ins[:3]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
+    geom, ks = _geom(ctx, n, q, k, mask, bias)
+    return (q, k, v), mbuf, bbuf, flags, scale, softcap, _kinds(q, bias), geom, ks
+
+
 @lowering("attention", tier="numba tensor-core flash", available=_tc_unavailable)
 def _lower_attention_tc(ctx, n):
     """The tensor-core flash kernel (kernels/attention_tc.py) of an f16 / bf16 prefill, with
@@ -356,11 +366,7 @@ def _lower_attention_tc(ctx, n):
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     if b * hq * sq * d == 0:
         return []
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v = ins[:3]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
-    kinds = _kinds(q, bias)
-    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, _ = _operands(ctx, n)
     lse = [r for r in g.nodes[n.id].results if r in ctx.live]
     geo = default_geometry("attention_tc")
     kern = ATC.flash_tc(geo, d, *flags, A.WITH_LSE if lse else A.NO_LSE, *kinds)
@@ -384,11 +390,7 @@ def _lower_attention(ctx, n):
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     if b * hq * sq * d == 0:
         return []
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v = ins[:3]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
-    kinds = _kinds(q, bias)
-    geom, ks = _geom(ctx, n, q, k, mask, bias)
+    (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, ks = _operands(ctx, n)
     args = (ctx.buf(q), ctx.buf(k), ctx.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
     geo = default_geometry("attention")
