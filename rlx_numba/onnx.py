@@ -21,7 +21,7 @@ MIN_OPSET = 13
 
 # ONNX TensorProto data type -> rlx dtype name (the others have no rlx dtype)
 _ONNX_DTYPES = {1: "f32", 2: "u8", 3: "i8", 5: "i16", 6: "i32", 7: "i64", 9: "bool", 10: "f16",
-                16: "bf16", 17: "f8e4m3", 19: "f8e5m2"}
+                11: "f64", 16: "bf16", 17: "f8e4m3", 19: "f8e5m2"}
 _ONNX_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "UINT8", 3: "INT8", 4: "UINT16", 5: "INT16",
                     6: "INT32", 7: "INT64", 8: "STRING", 9: "BOOL", 10: "FLOAT16",
                     11: "DOUBLE", 12: "UINT32", 13: "UINT64", 14: "COMPLEX64",
