@@ -1716,8 +1716,10 @@ def _constant_of_shape(c):
 
 
 # ops that always fold (their outputs are known at convert time from shapes alone, or need
-# NumPy since their shape depends on values)
-_FOLD_ONLY = ("NonZero", "Compress", "Unique")
+# NumPy since their shape depends on values: the window functions' and MelWeightMatrix's
+# shapes are their scalar inputs' values)
+_FOLD_ONLY = ("NonZero", "Compress", "Unique", "HannWindow", "HammingWindow", "BlackmanWindow",
+              "MelWeightMatrix")
 
 
 # ---------------------------------------------------------------------------------------------
