@@ -330,6 +330,7 @@ class AlgoStore:
 
     def __init__(self, directory=None):
         self._dir = directory
+        self._data, self._stamp = {}, None      # the file's choices as last read, its stat
         self.stats = collections.Counter()      # "hits" (restored), "misses" (chosen here)
 
     def path(self):
@@ -349,7 +350,14 @@ class AlgoStore:
         return {k: v for k, v in data.items() if isinstance(v, str) and len(v) == 128}
 
     def get(self, problem: str) -> bytes | None:
-        blob = self._read().get(problem)
+        try:                            # parsed again only when the file changed (a model's
+            st = os.stat(self.path())   # compile asks for every product)
+            stamp = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self._stamp:
+            self._data, self._stamp = (self._read() if stamp else {}), stamp
+        blob = self._data.get(problem)
         try:
             return None if blob is None else bytes.fromhex(blob)
         except ValueError:
