@@ -152,16 +152,8 @@ def test_temp_fallback_must_be_private(tmp_path, monkeypatch):
 
 
 # ---- numba's compiled-kernel cache, on real dispatchers ---------------------------------------
-NUMBA_CACHE = """
-import json, logging, sys
-import numpy as np
-import rlx_numba
-from rlx_numba.kernels import cache, rows, shape
-from numba.cuda import types
-
-logging.basicConfig(level=logging.WARNING)
-
-
+# numba cache stand-ins the subprocess scripts here and in test_kernel_cache_keys.py share
+NUMBA_FAKES = """
 class Codegen:                      # what numba's key reads from the codegen: the target
     def magic_tuple(self):
         return ("nvptx64-nvidia-cuda", "sm_90", "")
@@ -173,6 +165,19 @@ class Context:                      # what load_overload needs of numba's target
 
     def codegen(self):
         return Codegen()
+"""
+
+NUMBA_CACHE = """
+import json, logging, sys
+import numpy as np
+import rlx_numba
+from rlx_numba.kernels import cache, rows, shape
+from numba.cuda import types
+
+logging.basicConfig(level=logging.WARNING)
+
+
+""" + NUMBA_FAKES + """
 
 
 class Compiled:                     # a compiled kernel as numba's cache sees it

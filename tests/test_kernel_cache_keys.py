@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import rlx_numba as rlx
+from test_cache import NUMBA_FAKES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,17 +54,7 @@ from numba.cuda import types
 from rlx_numba.kernels import cache
 
 
-class Codegen:                      # what numba's key reads from the codegen: the target
-    def magic_tuple(self):
-        return ("nvptx64-nvidia-cuda", "sm_90", "")
-
-
-class Context:                      # what load_overload needs of numba's target context
-    def refresh(self):
-        pass
-
-    def codegen(self):
-        return Codegen()
+""" + NUMBA_FAKES + """
 
 
 sig = (types.float32[::1],)
