@@ -9,6 +9,7 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
   tier0 bf16  - bf16 weight, activations cast, GemmEx vs torch bf16 matmul          (bar 0.90 on
                 the weight-bound shapes 1x4096x4096 and 32x4096x11008; others reported)
   tier4 numba - the register-tiled numba SGEMM        vs torch fp32 (cuBLAS)        (bar 0.25 at 4096^3)
+  f64         - f64 operands: cublasDgemm (tier 2)    vs torch float64 matmul        (bar 0.95)
   bf16 / f16  - a graph in that dtype (x, w and the result; f32 sums), the default ladder
                 (cuBLASLt; GemmStridedBatchedEx when batched) vs torch.matmul on CUDA tensors of
                 the same dtype                                                    (bar 0.90 at 4096^3)
@@ -30,7 +31,7 @@ shape), 64x(512x64x512). Rows, each against its torch counterpart:
 Only the kernels are timed (the executable's steps back to back; inputs already on the device).
 
   python bench/bench_matmul.py [--shapes 4096x4096x4096,...] [--iters 10]
-      [--tiers 2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8]
+      [--tiers 2,2tf32,1,0,4,f64,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8]
 """
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_device_memory, time_rlx, time_torch  # noqa: E402
 
 SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,8192x1024x4096,64:512x64x512"
-TIERS = "2,2tf32,1,0,4,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8"
+TIERS = "2,2tf32,1,0,4,f64,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8"
 LOWP_ROWS = ("fp8", "fp8row", "fp8row0", "int8")
 LOWP_BAR = {"fp8": (0.9, (1, 8192, 8192, 8192)), "int8": (1.5, (1, 8192, 8192, 8192))}
 WEIGHT_BOUND = {(1, 1, 4096, 4096), (1, 32, 4096, 11008)}
@@ -219,23 +220,24 @@ def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
     tf32 = tier == "2tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     rlx.cublas.allow_tf32 = tf32
-    os.environ["RLX_NUMBA_MATMUL_TIERS"] = {"2tf32": "2"}.get(tier, tier)
+    os.environ["RLX_NUMBA_MATMUL_TIERS"] = {"2tf32": "2", "f64": "2"}.get(tier, tier)
+    dtype, tdt = ("f64", torch.float64) if tier == "f64" else ("f32", torch.float32)
     g = rlx.Graph(f"mm_{tier}")
     ashape = (batch, m, k) if batch > 1 else (m, k)
-    x = g.input("x", ashape)
+    x = g.input("x", ashape, dtype)
     if batch > 1:
-        w = g.input("w", (batch, k, n))
+        w = g.input("w", (batch, k, n), dtype)
         g.set_outputs([g.matmul(x, w)])
     else:
-        w, b = g.param("w", (k, n)), g.param("b", (n,))
+        w, b = g.param("w", (k, n), dtype), g.param("b", (n,), dtype)
         if tier == "1":
             g.set_outputs([g.linear(x, w, b, activation="gelu_tanh")])
         else:
             g.set_outputs([g.linear(x, w)])
     exe = rlx.compile(g)
-    tx = torch.randn(*ashape, device="cuda")
-    tw = torch.randn(*((batch, k, n) if batch > 1 else (k, n)), device="cuda") / k ** 0.5
-    tb = torch.randn(n, device="cuda")
+    tx = torch.randn(*ashape, device="cuda", dtype=tdt)
+    tw = torch.randn(*((batch, k, n) if batch > 1 else (k, n)), device="cuda", dtype=tdt) / k ** 0.5
+    tb = torch.randn(n, device="cuda", dtype=tdt)
     inputs = {"x": tx}
     if batch > 1:
         inputs["w"] = tw
@@ -255,14 +257,14 @@ def bench(tier, batch, m, k, n, rlx, cuda, torch, iters):
         tfn = lambda: torch.matmul(xb, wb)  # noqa: E731
     else:
         tfn = lambda: torch.matmul(tx, tw)  # noqa: E731
-    ref = tfn().float()
+    ref = tfn() if tier == "f64" else tfn().float()
     err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
     res = timed_row(tier, batch, m, k, n, exe, tfn, err, cuda, torch, iters)
-    bar = {"2": 0.95, "2tf32": 0.95, "1": 1.0, "0": 0.9, "4": 0.25}[tier]
+    bar = {"2": 0.95, "2tf32": 0.95, "1": 1.0, "0": 0.9, "4": 0.25, "f64": 0.95}[tier]
     applies = (tier not in ("0", "4")) or (tier == "0" and (batch, m, k, n) in WEIGHT_BOUND) \
         or (tier == "4" and (batch, m, k, n) == (1, 4096, 4096, 4096))
     res["bar"] = bar if applies else None
-    tol = 3e-2 if tier in ("0", "2tf32", "1") else 1e-4
+    tol = 3e-2 if tier in ("0", "2tf32", "1") else 1e-12 if tier == "f64" else 1e-4
     res["pass"] = (res["ratio"] >= bar if applies else True) and err <= tol
     del exe, view, got, tx, tw, tb
     free_device_memory(cuda, torch)
