@@ -9,6 +9,8 @@ CUDA 12). libcusolver needs libcublas / libcublasLt, libcusparse and libnvJitLin
 set no search path to each other, so those are loaded first (RTLD_GLOBAL) from their own wheel
 directories when they are there, as torch does.
 
+f32 takes the S routines, f64 the D ones (the same arguments on double data).
+
 One handle per (device, stream). Workspaces are device arrays a step owns (sized by the
 ``*_bufferSize`` queries when the step is bound); info codes are device int32 arrays read by a
 kernel after the call (never by the host: that would need a sync).
@@ -42,33 +44,38 @@ STATUS = {1: "NOT_INITIALIZED", 2: "ALLOC_FAILED", 3: "INVALID_VALUE", 4: "ARCH_
           8: "MATRIX_TYPE_NOT_SUPPORTED", 9: "NOT_SUPPORTED"}
 
 P, I, IP = c_void_p, c_int, POINTER(c_int)
+# the typed routines by their name after the type letter: the S (float) and D (double) forms
+# take the same arguments
+TYPED = {
+    "getrf_bufferSize": [P, I, I, P, I, IP],
+    "getrf": [P, I, I, P, I, P, P, P],
+    "getrs": [P, I, I, I, P, I, P, P, I, P],
+    "potrf_bufferSize": [P, I, I, P, I, IP],
+    "potrf": [P, I, I, P, I, P, I, P],
+    "potrfBatched": [P, I, I, P, I, P, I],
+    "geqrf_bufferSize": [P, I, I, P, I, IP],
+    "geqrf": [P, I, I, P, I, P, P, I, P],
+    "orgqr_bufferSize": [P, I, I, I, P, I, P, IP],
+    "orgqr": [P, I, I, I, P, I, P, P, I, P],
+    "syevd_bufferSize": [P, I, I, I, P, I, P, IP],
+    "syevd": [P, I, I, I, P, I, P, P, I, P],
+    "syevjBatched_bufferSize": [P, I, I, I, P, I, P, IP, P, I],
+    "syevjBatched": [P, I, I, I, P, I, P, P, I, P, P, I],
+    "gesvdj_bufferSize": [P, I, I, I, I, P, I, P, P, I, P, I, IP, P],
+    "gesvdj": [P, I, I, I, I, P, I, P, P, I, P, I, P, I, P, P],
+    "gesvdjBatched_bufferSize": [P, I, I, I, P, I, P, P, I, P, I, IP, P, I],
+    "gesvdjBatched": [P, I, I, I, P, I, P, P, I, P, I, P, I, P, P, I],
+}
 PROTOS = {
     "cusolverGetVersion": [IP],
     "cusolverDnCreate": [POINTER(c_void_p)],
     "cusolverDnSetStream": [P, P],
     "cusolverDnDestroy": [P],
-    "cusolverDnSgetrf_bufferSize": [P, I, I, P, I, IP],
-    "cusolverDnSgetrf": [P, I, I, P, I, P, P, P],
-    "cusolverDnSgetrs": [P, I, I, I, P, I, P, P, I, P],
-    "cusolverDnSpotrf_bufferSize": [P, I, I, P, I, IP],
-    "cusolverDnSpotrf": [P, I, I, P, I, P, I, P],
-    "cusolverDnSpotrfBatched": [P, I, I, P, I, P, I],
-    "cusolverDnSgeqrf_bufferSize": [P, I, I, P, I, IP],
-    "cusolverDnSgeqrf": [P, I, I, P, I, P, P, I, P],
-    "cusolverDnSorgqr_bufferSize": [P, I, I, I, P, I, P, IP],
-    "cusolverDnSorgqr": [P, I, I, I, P, I, P, P, I, P],
-    "cusolverDnSsyevd_bufferSize": [P, I, I, I, P, I, P, IP],
-    "cusolverDnSsyevd": [P, I, I, I, P, I, P, P, I, P],
     "cusolverDnCreateSyevjInfo": [POINTER(c_void_p)],
     "cusolverDnXsyevjSetSortEig": [P, I],
-    "cusolverDnSsyevjBatched_bufferSize": [P, I, I, I, P, I, P, IP, P, I],
-    "cusolverDnSsyevjBatched": [P, I, I, I, P, I, P, P, I, P, P, I],
     "cusolverDnCreateGesvdjInfo": [POINTER(c_void_p)],
     "cusolverDnXgesvdjSetSortEig": [P, I],
-    "cusolverDnSgesvdj_bufferSize": [P, I, I, I, I, P, I, P, P, I, P, I, IP, P],
-    "cusolverDnSgesvdj": [P, I, I, I, I, P, I, P, P, I, P, I, P, I, P, P],
-    "cusolverDnSgesvdjBatched_bufferSize": [P, I, I, I, P, I, P, P, I, P, I, IP, P, I],
-    "cusolverDnSgesvdjBatched": [P, I, I, I, P, I, P, P, I, P, I, P, I, P, P, I],
+    **{f"cusolverDn{t}{name}": args for t in "SD" for name, args in TYPED.items()},
 }
 
 
@@ -159,7 +166,8 @@ def sorted_params(kind: str) -> c_void_p:
 
 
 def buffer_size(name: str, *args) -> int:
-    """lwork (elements) from ``cusolverDn<name>_bufferSize(*args, &lwork[, tail])``: args
+    """lwork (elements) from ``cusolverDn<name>_bufferSize(*args, &lwork[, tail])`` (``name``
+    with its type letter: "Sgetrf", "Dgetrf"): args
     are every argument before lwork; for the Jacobi queries the ones after it follow as
     ``tail`` in ``args`` after a None placeholder."""
     lwork = c_int()

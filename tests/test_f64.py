@@ -103,7 +103,8 @@ def test_ops_declared_f64_are_the_ones_with_f64_kernels():
     declared = {n for n, d in OPS.items() if d.f64}
     assert declared == {"activation", "activation_grad", "argmax", "argmin", "binary", "compare",
                         "cumsum", "fused", "linear", "matmul", "reduce", "scatter_add",
-                        "where"}, declared
+                        "where", "cholesky", "eigh", "lu_solve", "qr", "slogdet", "svd",
+                        "trsm"}, declared
     assert not OPS["softmax"].takes_f64 and not OPS["layer_norm"].takes_f64   # (built from
     # f64 ops by their builders instead)
 

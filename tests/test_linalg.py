@@ -307,7 +307,7 @@ def test_errors():
          r"linalg_solve: B must be.*n=3.*\[2, 4, 1\]"),
         (lambda: g.linalg_solve(sq, other),
          r"linalg_solve: the batch axes of A.*\[2, 3, 3\].*\[4, 3, 3\]"),
-        (lambda: g.cholesky(half), r"cholesky: A must be f32.*no f64 yet.*f16"),
+        (lambda: g.cholesky(half), r"cholesky: A must be f32 or f64.*f16"),
         (lambda: g.cholesky(sq, upper=1), r"cholesky: upper must be a bool"),
         (lambda: g.inv(rect), r"inv: A must be square"),
         (lambda: g.det(g.input("v", (3,), "f32")), r"det: A must be square.*\[3\]"),
@@ -344,6 +344,243 @@ def test_tier_choice(monkeypatch, caplog):
         (ch,) = rlx.compile(g).run({"a": 4 * np.eye(3, dtype=np.float32)})
     np.testing.assert_allclose(ch, 2 * np.eye(3))
     assert any("cholesky" in r.message and "tier 1 (numba)" in r.message for r in caplog.records)
+
+
+# ---- f64: every op computes in f64 (the numba tier's f64 kind here, cuSOLVER's D routines on a
+# GPU); the oracles are float64 NumPy, the tolerance one that only f64 reaches --------------------
+RTOL64 = 1e-12
+
+
+def _close64(got, want, what, rtol=RTOL64):
+    """f64 results, within rtol of the reference's largest magnitude (normwise: entries that
+    are near 0 by cancellation are held to the same absolute error)."""
+    assert got.dtype == np.float64, (what, got.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err <= rtol, (what, err)
+
+
+def _orthonormal(rng, batch, m, k):
+    return np.linalg.qr(rng.standard_normal(batch + (m, k)))[0]
+
+
+def _sym64(rng, batch, n):
+    """Symmetric with eigenvalues at least 0.6 apart (vectors well determined)."""
+    q = _orthonormal(rng, batch, n, n)
+    w = np.arange(n) * 0.7 - 1.3 + 0.1 * rng.random(batch + (n,))
+    return (q * w[..., None, :]) @ T(q)
+
+
+def _svd64(rng, batch, m, n):
+    """[..., m, n] with singular values in [1, 1 + 0.6 (k - 1)], at least 0.5 apart."""
+    k = min(m, n)
+    s = 1 + 0.6 * np.arange(k)[::-1] + 0.1 * rng.random(batch + (k,))
+    return (_orthonormal(rng, batch, m, k) * s[..., None, :]) @ T(_orthonormal(rng, batch, n, k))
+
+
+def test_f64_ops_against_numpy(rng):
+    """Every op in f64 on batched odd sizes: solve (matrix and vector right-hand sides, batch
+    axes broadcast), inv, det, slogdet, cholesky, both triangular solves, qr / svd (square,
+    tall, wide) and eigh against numpy.linalg in float64 at 1e-12, with the reconstructions
+    and the gauges; f32 misses every one of them by orders of magnitude (the last check)."""
+    n = 5
+    a = rng.standard_normal((3, n, n)) / np.sqrt(n) + 2 * np.eye(n)
+    b, v = rng.standard_normal((2, 1, n, 3)), rng.standard_normal(n)
+    spd = _sym64(rng, (2,), n) + 3 * np.eye(n)                  # eigenvalues >= 1.7
+    sym = _sym64(rng, (2,), n)
+    sym_in = sym.copy()
+    sym_in[:, 0, n - 1] = 1e3                                   # the upper triangle: not read
+    tall, wide = _svd64(rng, (2,), 7, 4), _svd64(rng, (), 3, 6)
+    feed = {"a": a, "b": b, "v": v, "s": spd, "e": sym_in, "t": tall, "w": wide}
+    g = rlx.Graph("linalg64")
+    A, B, V, S, E, Ta, W = (g.input(k, x.shape, "f64") for k, x in feed.items())
+    sign, logabs = g.slogdet(A)
+    outs = [g.linalg_solve(A, B), g.linalg_solve(A, V), g.inv(A), g.det(A), sign, logabs,
+            g.cholesky(S), g.cholesky(S, upper=True), g.triangular_solve(A, g.narrow(B, 0, 0, 1),
+                                                                        upper=True),
+            g.triangular_solve(A, mT(g, g.narrow(B, 0, 1, 1)), left=False),
+            *g.eigh(E), *g.qr(A), *g.qr(Ta), *g.qr(W), *g.svd(A), *g.svd(Ta), *g.svd(W)]
+    assert all(t.dtype.name == "f64" for t in outs)
+    got = _run(g, outs, feed)
+    chol = np.linalg.cholesky(spd)
+    want = [np.linalg.solve(a, b), np.linalg.solve(a, v[None, :, None])[..., 0],
+            np.linalg.inv(a), np.linalg.det(a), *np.linalg.slogdet(a), chol, T(chol),
+            np.linalg.solve(np.triu(a), b[:1]), T(np.linalg.solve(T(np.tril(a)), b[1:]))]
+    names = ["solve", "solve vector", "inv", "det", "sign", "logabsdet", "cholesky",
+             "cholesky upper", "trsm upper left", "trsm lower right"]
+    for x, y, what in zip(got, want, names):
+        _close64(x, y, what)
+    w, vec = got[10:12]
+    wn, vn = np.linalg.eigh(sym)
+    _close64(w, wn, "eigenvalues")
+    _close64(vec, _sign_fix(vn)[0], "eigenvectors (gauge)")
+    _close64((vec * w[..., None, :]) @ T(vec), sym, "V diag(w) V^T")
+    _close64(T(vec) @ vec, np.broadcast_to(np.eye(n), vec.shape), "V^T V")
+    for (q, r), x, what in zip((got[12:14], got[14:16], got[16:18]), (a, tall, wide),
+                               ("square", "tall", "wide")):
+        qn, rn = np.linalg.qr(x)
+        _close64(r, rn, f"qr {what}: R (LAPACK's signs)")
+        _close64(q, qn, f"qr {what}: Q")
+        _close64(q @ r, x, f"qr {what}: Q R")
+        assert np.all(np.tril(r, -1) == 0)
+    for (u, sv, vh), x, what in zip((got[18:21], got[21:24], got[24:27]), (a, tall, wide),
+                                    ("square", "tall", "wide")):
+        un, sn, vhn = np.linalg.svd(x, full_matrices=False)
+        _close64(sv, sn, f"svd {what}: S")
+        _close64((u * sv[..., None, :]) @ vh, x, f"svd {what}: U S Vh")
+        if what == "wide":          # the gauge is on the right singular vectors
+            v_ref, u_ref = _sign_fix(T(vhn), un)
+            _close64(T(vh), v_ref, f"svd {what}: V (gauge)")
+            _close64(u, u_ref, f"svd {what}: U")
+        else:
+            u_ref, v_ref = _sign_fix(un, T(vhn))
+            _close64(u, u_ref, f"svd {what}: U (gauge)")
+            _close64(vh, T(v_ref), f"svd {what}: Vh")
+    # the same solve and eigenvalues in f32 are far outside this tolerance
+    x32 = np.linalg.solve(a.astype(np.float32), b.astype(np.float32))
+    assert np.abs(x32 - want[0]).max() / np.abs(want[0]).max() > 1e3 * RTOL64
+    w32 = np.linalg.eigvalsh(sym.astype(np.float32))
+    assert np.abs(w32 - wn).max() / np.abs(wn).max() > 1e3 * RTOL64
+
+
+def test_f64_singular_and_mixed_dtypes():
+    """The f64 kind's singular / not positive definite results as f32's; an f64 A with an f32
+    B (or a half one) raises naming the op, the arguments and the shapes, as matmul does."""
+    a = np.stack([np.array([[1, 0, 3], [2, 0, 6], [1, 0, 1]], np.float64), 2 * np.eye(3)])
+    npd = np.stack([np.diag([1.0, -1.0, 2.0]), np.eye(3)])
+    g = rlx.Graph("singular64")
+    A, P = g.input("a", a.shape, "f64"), g.input("p", npd.shape, "f64")
+    sign, logabs = g.slogdet(A)
+    x, det, s, la, ch = _run(g, [g.linalg_solve(A, g.constant(np.ones((3, 1)), "f64")), g.det(A),
+                                 sign, logabs, g.cholesky(P)], {"a": a, "p": npd})
+    assert np.isnan(x[0]).all() and np.isnan(ch[0]).all()
+    np.testing.assert_array_equal(x[1], 0.5 * np.ones((3, 1)))
+    np.testing.assert_array_equal(ch[1], np.eye(3))
+    assert det[0] == 0 and s[0] == 0 and la[0] == -np.inf
+    _close64(np.array([det[1], la[1]]), np.array([8.0, np.log(8.0)]), "det, logabsdet")
+    g = rlx.Graph("mixed")
+    a64, b32 = g.input("a64", (2, 3, 3), "f64"), g.input("b32", (2, 3, 4), "f32")
+    cases = [
+        (lambda: g.linalg_solve(a64, b32), r"linalg_solve: A and B must have the same dtype, "
+                                           r"got A f64 \[2, 3, 3\] and B f32 \[2, 3, 4\]"),
+        (lambda: g.linalg_solve(g.input("a32", (3, 3), "f32"), g.input("b64", (3,), "f64")),
+         r"linalg_solve: A and B must have the same dtype, got A f32 \[3, 3\] and B f64 \[3\]"),
+        (lambda: g.triangular_solve(a64, b32, upper=True),
+         r"triangular_solve: A and B must have the same dtype, got A f64 \[2, 3, 3\] and B f32"),
+        (lambda: g.triangular_solve(a64, g.input("h", (2, 3, 4), "bf16")),
+         r"triangular_solve: B must be f32 or f64.*bf16 \[2, 3, 4\]"),
+        (lambda: g.eigh(g.input("i", (3, 3), "i64")), r"eigh: A must be f32 or f64.*i64"),
+    ]
+    for fn, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            fn()
+
+
+def _grad64(g, loss, wrt, feed):
+    """The gradients of ``loss`` in f64 (their dtype checked), with the loss."""
+    grads = g.grad(loss, wrt)
+    assert all(t.dtype.name == "f64" for t in grads)
+    g.set_outputs([loss, *grads])
+    return rlx.compile(g).run(feed)
+
+
+def _central(f, x, h=1e-6):
+    """df/dx by float64 central differences, element by element."""
+    out = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        up, dn = x.copy(), x.copy()
+        up[i] += h
+        dn[i] -= h
+        out[i] = (f(up) - f(dn)) / (2 * h)
+    return out
+
+
+def test_f64_grad_against_finite_differences(rng):
+    """One loss over every general-matrix op in f64 (solve, inv, det, slogdet, both triangular
+    solves, qr and svd square and wide) against float64 central differences of its NumPy
+    oracle element by element, at 1e-7 of the largest entry (the differences' own error is
+    ~1e-9; f32 gradients are good to ~1e-3)."""
+    n = 3
+    a = rng.standard_normal((2, n, n)) / np.sqrt(n) + 2 * np.eye(n)
+    wide = _svd64(rng, (2,), 3, 5)
+    b = rng.standard_normal((2, n, 2))
+    c = {k: rng.standard_normal(shape) for k, shape in (
+        ("x", (2, n, 2)), ("inv", (2, n, n)), ("det", (2,)), ("la", (2,)), ("tu", (2, n, 2)),
+        ("tl", (2, 2, n)), ("q", (2, n, n)), ("r", (2, n, n)), ("u", (2, n, n)), ("s", (2, n)),
+        ("vh", (2, n, n)), ("qw", (2, 3, 3)), ("rw", (2, 3, 5)), ("uw", (2, 3, 3)),
+        ("sw", (2, 3)), ("vw", (2, 3, 5)))}
+
+    def svd_gauged(x):
+        u, s, vh = np.linalg.svd(x, full_matrices=False)
+        if x.shape[-2] >= x.shape[-1]:
+            u, v = _sign_fix(u, T(vh))
+        else:
+            v, u = _sign_fix(T(vh), u)
+        return u, s, T(v)
+
+    def oracle(a, b, wide):
+        _, la = np.linalg.slogdet(a)
+        terms = [(np.linalg.solve(a, b), "x"), (np.linalg.inv(a), "inv"),
+                 (np.linalg.det(a), "det"), (la, "la"), (np.linalg.solve(np.triu(a), b), "tu"),
+                 (T(np.linalg.solve(T(np.tril(a)), b)), "tl")]
+        terms += list(zip(np.linalg.qr(a), ("q", "r"))) + list(zip(svd_gauged(a), ("u", "s", "vh")))
+        terms += list(zip(np.linalg.qr(wide), ("qw", "rw")))
+        terms += list(zip(svd_gauged(wide), ("uw", "sw", "vw")))
+        return sum(float((t * c[k]).sum()) for t, k in terms)
+
+    g = rlx.Graph("grad64")
+    A, B, W = (g.input(k, x.shape, "f64") for k, x in (("a", a), ("b", b), ("w", wide)))
+    _, logabs = g.slogdet(A)
+    terms = [(g.linalg_solve(A, B), "x"), (g.inv(A), "inv"), (g.det(A), "det"), (logabs, "la"),
+             (g.triangular_solve(A, B, upper=True), "tu"),
+             (g.triangular_solve(A, mT(g, B), left=False), "tl")]
+    terms += list(zip(g.qr(A), ("q", "r"))) + list(zip(g.svd(A), ("u", "s", "vh")))
+    terms += list(zip(g.qr(W), ("qw", "rw"))) + list(zip(g.svd(W), ("uw", "sw", "vw")))
+    loss = None
+    for t, k in terms:
+        term = g.reduce_sum(g.mul(t, g.constant(c[k], "f64")))
+        loss = term if loss is None else g.add(loss, term)
+    got = _grad64(g, loss, [A, B, W], {"a": a, "b": b, "w": wide})
+    _close64(np.asarray(got[0]), np.asarray(oracle(a, b, wide)), "loss")
+    for k, x, dgot in (("a", a, got[1]), ("b", b, got[2]), ("w", wide, got[3])):
+        args = {"a": a, "b": b, "wide": wide}
+        key = "wide" if k == "w" else k
+        num = _central(lambda v: oracle(**{**args, key: v}), x)
+        _close64(dgot, num, f"d/d{k}", rtol=1e-7)
+
+
+def test_f64_grad_cholesky_eigh(rng):
+    """cholesky's and eigh's f64 gradients: symmetric, as torch's, and their derivative along
+    random symmetric directions (off the diagonal and on it) matches float64 central
+    differences at 1e-7."""
+    n = 4
+    spd = _sym64(rng, (2,), n) + 3 * np.eye(n)
+    sym = _sym64(rng, (2,), n)
+    cl, cw, cv = (rng.standard_normal(s) for s in ((2, n, n), (2, n), (2, n, n)))
+
+    def f_chol(x):
+        return float((np.linalg.cholesky(_lower_sym(x)) * cl).sum())
+
+    def f_eigh(x):
+        w, v = np.linalg.eigh(_lower_sym(x))
+        return float((w * cw).sum() + (_sign_fix(v)[0] * cv).sum())
+    g = rlx.Graph("grad64_sym")
+    S, E = g.input("s", spd.shape, "f64"), g.input("e", sym.shape, "f64")
+    w, v = g.eigh(E)
+    lc = g.reduce_sum(g.mul(g.cholesky(S), g.constant(cl, "f64")))
+    le = g.add(g.reduce_sum(g.mul(w, g.constant(cw, "f64"))),
+               g.reduce_sum(g.mul(v, g.constant(cv, "f64"))))
+    _, ds, de = _grad64(g, g.add(lc, le), [S, E], {"s": spd, "e": sym})
+    for x, d, f, what in ((spd, ds, f_chol, "cholesky"), (sym, de, f_eigh, "eigh")):
+        _close64(d, T(d), f"{what}: symmetric gradient", rtol=1e-14)
+        for _ in range(3):
+            e = rng.standard_normal(x.shape)
+            e = e + T(e)
+            h = 1e-6
+            fd = (f(x + h * e) - f(x - h * e)) / (2 * h)
+            dot = float((d * e).sum())
+            assert abs(dot - fd) <= 1e-7 * (abs(fd) + np.abs(d).max() * np.abs(e).max()), \
+                (what, dot, fd)
 
 
 # ---- tier 0's layout kernels, fed what cuSOLVER returns (made here in NumPy, column-major) -------

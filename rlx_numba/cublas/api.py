@@ -79,12 +79,14 @@ CUBLAS = {
     "cublasGemmStridedBatchedEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int,
                                    c_int64, P, c_int, c_int, c_int64, P, P, c_int, c_int,
                                    c_int64, c_int, c_int, c_int],
-    # the linear-algebra tier 0 (runtime/lower_linalg.py): batched trsm, LU, QR
-    "cublasStrsmBatched": [P, c_int, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int,
-                           c_int],
-    "cublasSgetrfBatched": [P, c_int, P, c_int, P, P, c_int],
-    "cublasSgetrsBatched": [P, c_int, c_int, c_int, P, c_int, P, P, c_int, P, c_int],
-    "cublasSgeqrfBatched": [P, c_int, c_int, P, c_int, P, P, c_int],
+    # the linear-algebra tier 0 (runtime/lower_linalg.py): batched trsm, LU, QR; f32 and f64
+    # (the D forms: the same arguments, double data and alpha)
+    **{f"cublas{t}{name}": args for t in "SD" for name, args in {
+        "trsmBatched": [P, c_int, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int,
+                        c_int],
+        "getrfBatched": [P, c_int, P, c_int, P, P, c_int],
+        "getrsBatched": [P, c_int, c_int, c_int, P, c_int, P, P, c_int, P, c_int],
+        "geqrfBatched": [P, c_int, c_int, P, c_int, P, P, c_int]}.items()},
 }
 CUBLASLT = {
     "cublasLtCreate": [POINTER(c_void_p)],

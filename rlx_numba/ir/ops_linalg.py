@@ -1,9 +1,12 @@
-"""Dense linear algebra (torch.linalg semantics, batched [..., n, n], f32): the nodes' OpDefs
-(ir/opdef.py), argument checks, the Graph builder methods (mixed into Graph) and the VJPs
-(torch's formulas, built from graph ops). Tiers: runtime/lower_linalg.py (0 cuSOLVER / cuBLAS,
-1 numba, ``RLX_NUMBA_LINALG_TIERS``).
+"""Dense linear algebra (torch.linalg semantics, batched [..., n, n], f32 and f64): the nodes'
+OpDefs (ir/opdef.py), argument checks, the Graph builder methods (mixed into Graph) and the
+VJPs (torch's formulas, built from graph ops). Tiers: runtime/lower_linalg.py (0 cuSOLVER /
+cuBLAS, 1 numba, ``RLX_NUMBA_LINALG_TIERS``).
 
-Only f32: the kernels compute in f32 and have no f64 form yet (an f64 operand raises).
+f32 or f64: an f64 op computes in f64 throughout (cuSOLVER's / cuBLAS's D routines, the numba
+kernels' f64 kind) and gives f64 results; its gradient is f64 too. Half operands raise (no
+half kernels: cast to f32). A and B of solve / triangular_solve must share the dtype, as a
+product's operands (torch's rule: no promotion inside linalg.solve; cast one first).
 
 Nodes (leading batch axes flattened; one matrix a block in the numba tier):
   "lu_solve"  (A [..., n, n], B [..., n, k]) -> X = A^-1 B (partial-pivot LU)
@@ -45,27 +48,38 @@ def _desc(t):
     return f"{t.dtype} {fmt(t.shape)}"
 
 
-def _f32(op, arg, t):
-    if t.dtype != dt.F32:
-        raise ValueError(f"{op}: {arg} must be f32 (the only float dtype linalg takes: its "
-                         f"kernels have no f64 yet), got {_desc(t)}")
+LINALG_DTYPES = (dt.F32, dt.F64)
+
+
+def _float(op, arg, t):
+    if t.dtype not in LINALG_DTYPES:
+        raise ValueError(f"{op}: {arg} must be f32 or f64 (linalg has no half or integer "
+                         f"kernels: cast it first), got {_desc(t)}")
+
+
+def _same_dtype(op, a, b):
+    """A and B of one dtype (both f32 or both f64), as a product's operands."""
+    _float(op, "B", b)
+    if a.dtype != b.dtype:
+        raise ValueError(f"{op}: A and B must have the same dtype, got A {_desc(a)} and B "
+                         f"{_desc(b)}; cast one of them first")
 
 
 def _square(op, arg, a):
-    _f32(op, arg, a)
+    _float(op, arg, a)
     if len(a.shape) < 2 or a.shape[-1] != a.shape[-2] or a.shape[-1] < 1:
         raise ValueError(f"{op}: {arg} must be square [..., n, n] with n >= 1, got {_desc(a)}")
 
 
 def _matrix(op, arg, a):
-    _f32(op, arg, a)
+    _float(op, arg, a)
     if len(a.shape) < 2 or a.shape[-1] < 1 or a.shape[-2] < 1:
         raise ValueError(f"{op}: {arg} must be [..., m, n] with m, n >= 1, got {_desc(a)}")
 
 
 def _rhs(op, a, b):
     _square(op, "A", a)
-    _f32(op, "B", b)
+    _same_dtype(op, a, b)
     if tuple(b.shape[:-2]) != tuple(a.shape[:-2]) or len(b.shape) < 2 \
             or b.shape[-2] != a.shape[-1]:
         raise ValueError(f"{op}: B must be [..., n, k] with A's batch axes and n rows, got A "
@@ -74,34 +88,34 @@ def _rhs(op, a, b):
 
 def infer_lu_solve(a, b):
     _rhs("lu_solve", a, b)
-    return b.shape, dt.F32
+    return b.shape, a.dtype
 
 
 def infer_trsm(a, b, upper):
     _rhs("trsm", a, b)
-    return b.shape, dt.F32
+    return b.shape, a.dtype
 
 
 def infer_cholesky(a):
     _square("cholesky", "A", a)
-    return a.shape, dt.F32
+    return a.shape, a.dtype
 
 
 def infer_slogdet(a):
     _square("slogdet", "A", a)
-    return tuple(a.shape[:-2]) + (2,), dt.F32
+    return tuple(a.shape[:-2]) + (2,), a.dtype
 
 
 def infer_qr(a):
     _matrix("qr", "A", a)
     m, n = a.shape[-2:]
-    return tuple(a.shape[:-2]) + (m + min(m, n), n), dt.F32
+    return tuple(a.shape[:-2]) + (m + min(m, n), n), a.dtype
 
 
 def infer_eigh(a):
     _square("eigh", "A", a)
     n = a.shape[-1]
-    return tuple(a.shape[:-2]) + (n + 1, n), dt.F32
+    return tuple(a.shape[:-2]) + (n + 1, n), a.dtype
 
 
 def infer_svd(a):
@@ -109,24 +123,24 @@ def infer_svd(a):
     m, n = a.shape[-2:]
     if m < n:
         raise ValueError(f"svd: the node takes m >= n (the builder transposes), got {_desc(a)}")
-    return tuple(a.shape[:-2]) + (m + 1 + n, n), dt.F32
+    return tuple(a.shape[:-2]) + (m + 1 + n, n), a.dtype
 
 
 LINALG_NODES = ("lu_solve", "cholesky", "trsm", "slogdet", "qr", "eigh", "svd")
 _TIERS = "RLX_NUMBA_LINALG_TIERS"
-defop("lu_solve", infer_lu_solve, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("lu_solve", infer_lu_solve, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="X = A^-1 B by partial-pivot LU (NaN X for a singular A)")
-defop("cholesky", infer_cholesky, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("cholesky", infer_cholesky, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="lower Cholesky factor from A's lower triangle (NaN when not positive definite)")
-defop("trsm", infer_trsm, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("trsm", infer_trsm, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="A^-1 B for a triangular A (attr upper)")
-defop("slogdet", infer_slogdet, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("slogdet", infer_slogdet, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="(sign, log|det A|) as [..., 2]")
-defop("qr", infer_qr, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("qr", infer_qr, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="reduced Householder QR, packed [..., m + k, n]: Q over R")
-defop("eigh", infer_eigh, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("eigh", infer_eigh, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="symmetric eigendecomposition (lower triangle), packed [..., n + 1, n]: w over V")
-defop("svd", infer_svd, dtype_rule=F32_ONLY, tier_env=_TIERS,
+defop("svd", infer_svd, dtype_rule=F32_ONLY, f64=True, tier_env=_TIERS,
       doc="thin SVD of m >= n, packed [..., m + 1 + n, n]: U, S, Vh")
 
 
@@ -137,20 +151,21 @@ def mT(g, x):
     return g.transpose(x, list(range(r - 2)) + [r - 1, r - 2])
 
 
-def _eye(g, n):
-    return g.constant(np.eye(n, dtype=np.float32))
+def _eye(g, n, like):
+    """The n x n identity in ``like``'s dtype (f32 or f64)."""
+    return g.constant(np.eye(n), like.dtype)
 
 
-def _tri_mask(g, n, lower: bool, k: int = 0):
-    ones = np.ones((n, n), np.float32)
+def _tri_mask(g, n, lower: bool, like, k: int = 0):
+    ones = np.ones((n, n))
     m = np.tril(ones, k) if lower else np.triu(ones, k)
-    return g.constant(m)
+    return g.constant(m, like.dtype)
 
 
 def _diag_embed(g, v):
     """[..., n] -> [..., n, n] with v on the diagonal."""
     n = v.shape[-1]
-    return g.mul(g.reshape(v, tuple(v.shape) + (1,)), _eye(g, n))
+    return g.mul(g.reshape(v, tuple(v.shape) + (1,)), _eye(g, n, v))
 
 
 def _col(g, v):
@@ -165,7 +180,7 @@ def _row(g, v):
 
 def _diagonal(g, x):
     """[..., n, n] -> [..., n]"""
-    return g.reduce_sum(g.mul(x, _eye(g, x.shape[-1])), -1)
+    return g.reduce_sum(g.mul(x, _eye(g, x.shape[-1], x)), -1)
 
 
 @vjp("lu_solve")
@@ -181,7 +196,8 @@ def _vjp_trsm(g, n, dx):
     # X = A^-1 B, A triangular: dB = A^-T dX, dA = -dB X^T on A's triangle
     a, upper = g.tensor(n.inputs[0]), n.attrs["upper"]
     db = g.bind("trsm", [mT(g, a), dx], upper=not upper)
-    da = g.mul(g.neg(g.matmul(db, mT(g, g.tensor(n.id)))), _tri_mask(g, a.shape[-1], not upper))
+    da = g.mul(g.neg(g.matmul(db, mT(g, g.tensor(n.id)))),
+               _tri_mask(g, a.shape[-1], not upper, a))
     return [da, db]
 
 
@@ -191,8 +207,8 @@ def _vjp_cholesky(g, n, dl):
     # dA = L^-T P L^-1 (symmetric)
     L = g.tensor(n.id)
     k = L.shape[-1]
-    p = g.mul(g.matmul(mT(g, L), dl), _tri_mask(g, k, True))
-    p = g.mul(g.add(p, mT(g, g.mul(p, _tri_mask(g, k, True, -1)))), 0.5)
+    p = g.mul(g.matmul(mT(g, L), dl), _tri_mask(g, k, True, L))
+    p = g.mul(g.add(p, mT(g, g.mul(p, _tri_mask(g, k, True, L, -1)))), 0.5)
     lt = mT(g, L)
     s = g.bind("trsm", [lt, p], upper=True)                          # S = L^-T P
     return [mT(g, g.bind("trsm", [lt, mT(g, s)], upper=True))]       # S L^-1 = (L^-T S^T)^T
@@ -204,7 +220,7 @@ def _vjp_slogdet(g, n, dy):
     a = g.tensor(n.inputs[0])
     k = a.shape[-1]
     dl = g.narrow(dy, -1, 1, 1)                                       # [..., 1]
-    inv_t = g.bind("lu_solve", [mT(g, a), g.expand(_eye(g, k), a.shape)])
+    inv_t = g.bind("lu_solve", [mT(g, a), g.expand(_eye(g, k, a), a.shape)])
     return [g.mul(inv_t, g.reshape(dl, tuple(dl.shape) + (1,)))]
 
 
@@ -212,8 +228,8 @@ def _qr_back_tall(g, q, r, dq, dr):
     # m >= n (Liao et al. / torch): M = R dR^T - dQ^T Q, dA = (dQ + Q copyltu(M)) R^-T
     k = r.shape[-1]
     m_ = g.sub(g.matmul(r, mT(g, dr)), g.matmul(mT(g, dq), q))
-    low = g.mul(m_, _tri_mask(g, k, True))
-    sym = g.add(low, mT(g, g.mul(m_, _tri_mask(g, k, True, -1))))
+    low = g.mul(m_, _tri_mask(g, k, True, r))
+    sym = g.add(low, mT(g, g.mul(m_, _tri_mask(g, k, True, r, -1))))
     y = g.add(dq, g.matmul(q, sym))
     # Y R^-T = (R^-1 Y^T)^T
     return mT(g, g.bind("trsm", [r, mT(g, y)], upper=True))
@@ -249,7 +265,7 @@ def _vjp_eigh(g, n, dy):
     dv = g.narrow(dy, -2, 1, k)
     x = g.matmul(mT(g, v), dv)
     skew = g.mul(g.sub(x, mT(g, x)), 0.5)
-    e = g.add(g.sub(_row(g, w), _col(g, w)), _eye(g, k))             # w_j - w_i, 1 on the diagonal
+    e = g.add(g.sub(_row(g, w), _col(g, w)), _eye(g, k, w))          # w_j - w_i, 1 on the diagonal
     inner = g.add(g.div(skew, e), _diag_embed(g, dw))
     return [g.matmul(g.matmul(v, inner), mT(g, v))]
 
@@ -273,7 +289,7 @@ def _vjp_svd(g, n, dy):
     z = g.matmul(mT(g, v), dv)
     vhgv = g.sub(z, mT(g, z))
     s2 = g.mul(s, s)
-    e = g.add(g.sub(_row(g, s2), _col(g, s2)), _eye(g, k))
+    e = g.add(g.sub(_row(g, s2), _col(g, s2)), _eye(g, k, s2))
     inner = g.div(g.add(g.mul(uhgu, _row(g, s)), g.mul(_col(g, s), vhgv)), e)
     inner = g.add(inner, _diag_embed(g, ds))
     da = g.matmul(u, inner)
@@ -307,7 +323,7 @@ class LinalgOps:
         self.check(op, "A", A)
         self.check(op, "B", B)
         _square(op, "A", A)
-        _f32(op, "B", B)
+        _same_dtype(op, A, B)
         n = A.shape[-1]
         vector = len(B.shape) == 1 or tuple(B.shape) == tuple(A.shape[:-1])
         if vector:
@@ -325,7 +341,7 @@ class LinalgOps:
         """torch.linalg.inv(A): A [..., n, n]; a singular A gives NaN (torch raises)."""
         self.check("inv", "A", A)
         _square("inv", "A", A)
-        return self.bind("lu_solve", [A, self.expand(_eye(self, A.shape[-1]), A.shape)])
+        return self.bind("lu_solve", [A, self.expand(_eye(self, A.shape[-1], A), A.shape)])
 
     def cholesky(self, A, upper: bool = False):
         """torch.linalg.cholesky(A, upper): L (L L^T = A) from A's lower triangle, or its
@@ -345,7 +361,7 @@ class LinalgOps:
         self.check(op, "A", A)
         self.check(op, "B", B)
         _square(op, "A", A)
-        _f32(op, "B", B)
+        _same_dtype(op, A, B)
         for arg, v in (("upper", upper), ("left", left)):
             if not isinstance(v, bool):
                 raise ValueError(f"{op}: {arg} must be a bool, got {v!r}")

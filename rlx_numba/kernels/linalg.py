@@ -1,6 +1,11 @@
 """The numba linear-algebra tier (ir/ops_linalg.py, runtime/lower_linalg.py): one block a
-matrix (the grid strides over the batch), a working copy in global memory, f32. For the
+matrix (the grid strides over the batch), a working copy in global memory. For the
 simulator and small batched matrices; a GPU runs cuSOLVER (tier 0) where it can.
+
+Two kinds, f32 and f64 (``f64`` of the factories): the f64 kind keeps its scalars, shared
+values and Jacobi thresholds in float64 (machine epsilon 2^-52), so nothing rounds through
+f32. The kernels without a float scalar of their own (cholesky, trsm, the layout kernels)
+are one dispatcher each that numba specialises on the arrays' dtype.
 
   lu_kernel        partial-pivot LU on [A | B] then back substitution (solve), or the
                    pivots' sign and sum of log|pivot| (slogdet); an exact zero (or NaN)
@@ -22,7 +27,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba import cuda, float32, int32
+from numba import cuda, float32, float64, int32
 
 from .launch import jit, py_in_sim, register_geometry
 
@@ -38,19 +43,27 @@ NAN = float32(math.nan)
 EPS = float32(1.2e-7)           # f32's unit roundoff: a rotation below it is skipped
 TINY = float32(2.4e-7)          # eigh: ... and one below this times max |A| (the rounding a
                                 # rotation leaves: chasing it would only spend sweeps)
-SWEEPS = 30                     # Jacobi's cap (f32 converges in well under 10)
+EPS64, TINY64 = float64(2.0**-52), float64(2.0**-51)    # the same in f64
+SWEEPS = 30                     # Jacobi's cap (f32 converges in well under 10; f64, quadratic
+                                # near the end, in a few more)
+
+
+def _float(f64: bool):
+    """The numba float type a kind computes in."""
+    return float64 if f64 else float32
 
 
 @functools.lru_cache(maxsize=None)
-def lu_kernel(solve: bool):
+def lu_kernel(solve: bool, f64: bool = False):
     """solve: kernel(a, w, b, x, det, batch, n, k): w scratch [batch, n, n], x = A^-1 B
     [batch, n, k]; else det[2 mat] = sign, det[2 mat + 1] = log|det| (b, x unused)."""
+    ft = _float(f64)
 
     @jit
     def kernel(a, w, b, x, det, batch, n, k):
         tid, nt = cuda.threadIdx.x, cuda.blockDim.x
         sh = cuda.shared.array(2, int32)           # pivot row, singular
-        shf = cuda.shared.array(2, float32)        # sign, log|det|
+        shf = cuda.shared.array(2, ft)             # sign, log|det|
         mat = cuda.blockIdx.x
         while mat < batch:
             base, xb = mat * n * n, mat * n * k
@@ -203,61 +216,66 @@ def _reflect(q, qo, ldq, v, vo, ldv, lo, hi, v0, beta):
         q[qo + i * ldq] -= s * v[vo + i * ldv]
 
 
-@jit
-def qr_kernel(a, w, out, batch, m, n):
-    """Reduced QR of a [batch, m, n] into out [batch, m + k, n] (Q [m, k] over R [k, n]);
-    w scratch [batch, m * n + 2 k]: the Householder vectors below R, then (beta, alpha) a
-    column."""
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    k = min(m, n)
-    mat = cuda.blockIdx.x
-    while mat < batch:
-        base = mat * (m * n + 2 * k)
-        tau = base + m * n
-        ob = mat * (m + k) * n
-        for i in range(tid, m * n, nt):
-            w[base + i] = a[mat * m * n + i]
-        cuda.syncthreads()
-        for c in range(k):
-            if tid == 0:
-                tail = float32(0.0)
-                for i in range(c + 1, m):
-                    tail = max(tail, abs(w[base + i * n + c]))
-                x0 = w[base + c * n + c]
-                mx = max(tail, abs(x0))
-                if tail == 0.0:                     # H = I, as LAPACK's larfg (R keeps x0's sign)
-                    w[tau + 2 * c] = 0.0
-                    w[tau + 2 * c + 1] = x0
-                else:
-                    s = float32(0.0)
-                    for i in range(c, m):
-                        v = w[base + i * n + c] / mx
-                        s += v * v
-                    norm = mx * math.sqrt(s)
-                    alpha = -norm if x0 >= 0.0 else norm
-                    v0 = x0 - alpha                    # |v0| = |x0| + norm: no cancellation
-                    w[base + c * n + c] = v0
-                    w[tau + 2 * c] = 1.0 / (norm * abs(v0))    # 2 / |v|^2
-                    w[tau + 2 * c + 1] = alpha
-            cuda.syncthreads()
-            beta, v0 = w[tau + 2 * c], w[base + c * n + c]
-            for j in range(c + 1 + tid, n, nt):
-                _reflect(w, base + j, n, w, base + c, n, c, m, v0, beta)
-            cuda.syncthreads()
-        for idx in range(tid, k * n, nt):           # R
-            i, j = idx // n, idx % n
-            r = w[base + i * n + j] if j > i else (w[tau + 2 * i + 1] if j == i else 0.0)
-            out[ob + (m + i) * n + j] = r
-        for idx in range(tid, m * n, nt):           # Q's columns k.. of the packing are 0
-            out[ob + idx] = 1.0 if idx // n == idx % n and idx % n < k else 0.0
-        cuda.syncthreads()
-        for j in range(tid, k, nt):                 # Q e_j = H_0 ... H_{k-1} e_j
-            for c in range(k - 1, -1, -1):
-                _reflect(out, ob + j, n, w, base + c, n, c, m, w[base + c * n + c],
-                         w[tau + 2 * c])
-        cuda.syncthreads()
-        mat += cuda.gridDim.x
+@functools.lru_cache(maxsize=None)
+def qr_kernel(f64: bool = False):
+    """kernel(a, w, out, batch, m, n): reduced QR of a [batch, m, n] into out [batch, m + k, n]
+    (Q [m, k] over R [k, n]); w scratch [batch, m * n + 2 k]: the Householder vectors below
+    R, then (beta, alpha) a column."""
+    ft = _float(f64)
 
+    @jit
+    def kernel(a, w, out, batch, m, n):
+        tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+        k = min(m, n)
+        mat = cuda.blockIdx.x
+        while mat < batch:
+            base = mat * (m * n + 2 * k)
+            tau = base + m * n
+            ob = mat * (m + k) * n
+            for i in range(tid, m * n, nt):
+                w[base + i] = a[mat * m * n + i]
+            cuda.syncthreads()
+            for c in range(k):
+                if tid == 0:
+                    tail = ft(0.0)
+                    for i in range(c + 1, m):
+                        tail = max(tail, abs(w[base + i * n + c]))
+                    x0 = w[base + c * n + c]
+                    mx = max(tail, abs(x0))
+                    if tail == 0.0:             # H = I, as LAPACK's larfg (R keeps x0's sign)
+                        w[tau + 2 * c] = 0.0
+                        w[tau + 2 * c + 1] = x0
+                    else:
+                        s = ft(0.0)
+                        for i in range(c, m):
+                            v = w[base + i * n + c] / mx
+                            s += v * v
+                        norm = mx * math.sqrt(s)
+                        alpha = -norm if x0 >= 0.0 else norm
+                        v0 = x0 - alpha                    # |v0| = |x0| + norm: no cancellation
+                        w[base + c * n + c] = v0
+                        w[tau + 2 * c] = 1.0 / (norm * abs(v0))    # 2 / |v|^2
+                        w[tau + 2 * c + 1] = alpha
+                cuda.syncthreads()
+                beta, v0 = w[tau + 2 * c], w[base + c * n + c]
+                for j in range(c + 1 + tid, n, nt):
+                    _reflect(w, base + j, n, w, base + c, n, c, m, v0, beta)
+                cuda.syncthreads()
+            for idx in range(tid, k * n, nt):           # R
+                i, j = idx // n, idx % n
+                r = w[base + i * n + j] if j > i else (w[tau + 2 * i + 1] if j == i else 0.0)
+                out[ob + (m + i) * n + j] = r
+            for idx in range(tid, m * n, nt):           # Q's columns k.. of the packing are 0
+                out[ob + idx] = 1.0 if idx // n == idx % n and idx % n < k else 0.0
+            cuda.syncthreads()
+            for j in range(tid, k, nt):                 # Q e_j = H_0 ... H_{k-1} e_j
+                for c in range(k - 1, -1, -1):
+                    _reflect(out, ob + j, n, w, base + c, n, c, m, w[base + c * n + c],
+                             w[tau + 2 * c])
+            cuda.syncthreads()
+            mat += cuda.gridDim.x
+
+    return kernel
 
 @py_in_sim
 def _pick(x, o, i, n, largest):
@@ -286,192 +304,212 @@ def _swap_cols(a, o, rows, ld, i, j):
         a[o + r * ld + j] = t
 
 
-@py_in_sim
-def _rotation(app, aqq, apq, tol, floor):
-    """(c, s) of the Jacobi rotation that zeroes apq (the smaller angle), or (1, 0) when apq
-    is negligible: below tol * sqrt(|app aqq|) or below ``floor``."""
-    if abs(apq) <= max(tol * math.sqrt(abs(app * aqq)), floor):
-        return float32(1.0), float32(0.0)
-    theta = (aqq - app) / (2.0 * apq)
-    if abs(theta) > 1e18:
-        t = 0.5 / theta
-    else:
-        t = 1.0 / (abs(theta) + math.sqrt(theta * theta + 1.0))
-        if theta < 0.0:
-            t = -t
-    c = 1.0 / math.sqrt(t * t + 1.0)
-    return float32(c), float32(t * c)
+@functools.lru_cache(maxsize=None)
+def _rotation(f64: bool):
+    """rotation(app, aqq, apq, tol, floor) of the kind: see below."""
+    ft = _float(f64)
+
+    @py_in_sim
+    def rotation(app, aqq, apq, tol, floor):
+        """(c, s) of the Jacobi rotation that zeroes apq (the smaller angle), or (1, 0) when apq
+        is negligible: below tol * sqrt(|app aqq|) or below ``floor``."""
+        if abs(apq) <= max(tol * math.sqrt(abs(app * aqq)), floor):
+            return ft(1.0), ft(0.0)
+        theta = (aqq - app) / (2.0 * apq)
+        if abs(theta) > 1e18:
+            t = 0.5 / theta
+        else:
+            t = 1.0 / (abs(theta) + math.sqrt(theta * theta + 1.0))
+            if theta < 0.0:
+                t = -t
+        c = 1.0 / math.sqrt(t * t + 1.0)
+        return ft(c), ft(t * c)
+
+    return rotation
 
 
-@jit
-def eigh_kernel(a, w, out, batch, n):
-    """eigh of a's lower triangle [batch, n, n] into out [batch, n + 1, n] (w ascending over
-    V's columns); w scratch [batch, n, n]."""
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    sh = cuda.shared.array(2, int32)            # rotate this pair, any rotation this sweep
-    shf = cuda.shared.array(3, float32)         # c, s, scale
-    mat = cuda.blockIdx.x
-    while mat < batch:
-        base, ob = mat * n * n, mat * (n + 1) * n
-        vb = ob + n
-        for idx in range(tid, n * n, nt):
-            i, j = idx // n, idx % n
-            w[base + idx] = a[base + idx] if j <= i else a[base + j * n + i]
-            out[vb + idx] = 1.0 if i == j else 0.0
-        cuda.syncthreads()
-        if tid == 0:
-            s = float32(0.0)
-            for idx in range(n * n):
-                s = max(s, abs(w[base + idx]))
-            shf[2] = s
-        for sweep in range(SWEEPS):
-            if tid == 0:
-                sh[1] = 0
+@functools.lru_cache(maxsize=None)
+def eigh_kernel(f64: bool = False):
+    """kernel(a, w, out, batch, n): eigh of a's lower triangle [batch, n, n] into out
+    [batch, n + 1, n] (w ascending over V's columns); w scratch [batch, n, n]."""
+    ft, eps, tiny = (float64, EPS64, TINY64) if f64 else (float32, EPS, TINY)
+    rotation = _rotation(f64)
+
+    @jit
+    def kernel(a, w, out, batch, n):
+        tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+        sh = cuda.shared.array(2, int32)            # rotate this pair, any rotation this sweep
+        shf = cuda.shared.array(3, ft)              # c, s, scale
+        mat = cuda.blockIdx.x
+        while mat < batch:
+            base, ob = mat * n * n, mat * (n + 1) * n
+            vb = ob + n
+            for idx in range(tid, n * n, nt):
+                i, j = idx // n, idx % n
+                w[base + idx] = a[base + idx] if j <= i else a[base + j * n + i]
+                out[vb + idx] = 1.0 if i == j else 0.0
             cuda.syncthreads()
-            for p in range(n - 1):
-                for q in range(p + 1, n):
-                    if tid == 0:
-                        c, s = _rotation(w[base + p * n + p], w[base + q * n + q],
-                                         w[base + p * n + q], EPS, TINY * shf[2])
-                        shf[0], shf[1] = c, s
-                        sh[0] = 1 if s != 0.0 else 0
-                        if s != 0.0:
-                            sh[1] = 1
-                    cuda.syncthreads()
-                    if sh[0] != 0:
-                        c, s = shf[0], shf[1]
-                        for r in range(tid, n, nt):        # W <- W J, V <- V J
-                            x, y = w[base + r * n + p], w[base + r * n + q]
-                            w[base + r * n + p] = c * x - s * y
-                            w[base + r * n + q] = s * x + c * y
-                            x, y = out[vb + r * n + p], out[vb + r * n + q]
-                            out[vb + r * n + p] = c * x - s * y
-                            out[vb + r * n + q] = s * x + c * y
+            if tid == 0:
+                s = ft(0.0)
+                for idx in range(n * n):
+                    s = max(s, abs(w[base + idx]))
+                shf[2] = s
+            for sweep in range(SWEEPS):
+                if tid == 0:
+                    sh[1] = 0
+                cuda.syncthreads()
+                for p in range(n - 1):
+                    for q in range(p + 1, n):
+                        if tid == 0:
+                            c, s = rotation(w[base + p * n + p], w[base + q * n + q],
+                                            w[base + p * n + q], eps, tiny * shf[2])
+                            shf[0], shf[1] = c, s
+                            sh[0] = 1 if s != 0.0 else 0
+                            if s != 0.0:
+                                sh[1] = 1
                         cuda.syncthreads()
-                        for r in range(tid, n, nt):        # W <- J^T W
-                            x, y = w[base + p * n + r], w[base + q * n + r]
-                            w[base + p * n + r] = c * x - s * y
-                            w[base + q * n + r] = s * x + c * y
-                    cuda.syncthreads()
-            done = sh[1] == 0
+                        if sh[0] != 0:
+                            c, s = shf[0], shf[1]
+                            for r in range(tid, n, nt):        # W <- W J, V <- V J
+                                x, y = w[base + r * n + p], w[base + r * n + q]
+                                w[base + r * n + p] = c * x - s * y
+                                w[base + r * n + q] = s * x + c * y
+                                x, y = out[vb + r * n + p], out[vb + r * n + q]
+                                out[vb + r * n + p] = c * x - s * y
+                                out[vb + r * n + q] = s * x + c * y
+                            cuda.syncthreads()
+                            for r in range(tid, n, nt):        # W <- J^T W
+                                x, y = w[base + p * n + r], w[base + q * n + r]
+                                w[base + p * n + r] = c * x - s * y
+                                w[base + q * n + r] = s * x + c * y
+                        cuda.syncthreads()
+                done = sh[1] == 0
+                cuda.syncthreads()
+                if done:
+                    break
+            if tid == 0:                                # ascending, V's columns along
+                for i in range(n):
+                    out[ob + i] = w[base + i * n + i]
+                for i in range(n - 1):
+                    lo = _pick(out, ob, i, n, False)
+                    if lo != i:
+                        _swap(out, ob, i, lo)
+                        _swap_cols(out, vb, n, n, i, lo)
             cuda.syncthreads()
-            if done:
-                break
-        if tid == 0:                                # ascending, V's columns along
-            for i in range(n):
-                out[ob + i] = w[base + i * n + i]
-            for i in range(n - 1):
-                lo = _pick(out, ob, i, n, False)
-                if lo != i:
-                    _swap(out, ob, i, lo)
-                    _swap_cols(out, vb, n, n, i, lo)
-        cuda.syncthreads()
-        for j in range(tid, n, nt):                 # the largest component positive
-            big = 0
-            for r in range(1, n):
-                if abs(out[vb + r * n + j]) > abs(out[vb + big * n + j]):
-                    big = r
-            if out[vb + big * n + j] < 0.0:
-                for r in range(n):
-                    out[vb + r * n + j] = -out[vb + r * n + j]
-        cuda.syncthreads()
-        mat += cuda.gridDim.x
+            for j in range(tid, n, nt):                 # the largest component positive
+                big = 0
+                for r in range(1, n):
+                    if abs(out[vb + r * n + j]) > abs(out[vb + big * n + j]):
+                        big = r
+                if out[vb + big * n + j] < 0.0:
+                    for r in range(n):
+                        out[vb + r * n + j] = -out[vb + r * n + j]
+            cuda.syncthreads()
+            mat += cuda.gridDim.x
+
+    return kernel
 
 
-@jit
-def svd_kernel(a, v, out, batch, m, n):
-    """Thin SVD of a [batch, m, n], m >= n, into out [batch, m + 1 + n, n] (U, S
-    descending, Vh); v scratch [batch, n, n] (V)."""
-    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
-    sh = cuda.shared.array(2, int32)
-    shf = cuda.shared.array(3, float32)
-    mat = cuda.blockIdx.x
-    while mat < batch:
-        ob, vb = mat * (m + 1 + n) * n, mat * n * n
-        sb = ob + m * n
-        for idx in range(tid, m * n, nt):
-            out[ob + idx] = a[mat * m * n + idx]
-        for idx in range(tid, n * n, nt):
-            v[vb + idx] = 1.0 if idx // n == idx % n else 0.0
-        cuda.syncthreads()
-        if tid == 0:
-            shf[2] = EPS * math.sqrt(float32(m))
-        for sweep in range(SWEEPS):
+@functools.lru_cache(maxsize=None)
+def svd_kernel(f64: bool = False):
+    """kernel(a, v, out, batch, m, n): thin SVD of a [batch, m, n], m >= n, into out
+    [batch, m + 1 + n, n] (U, S descending, Vh); v scratch [batch, n, n] (V)."""
+    ft, eps = (float64, EPS64) if f64 else (float32, EPS)
+    rotation = _rotation(f64)
+
+    @jit
+    def kernel(a, v, out, batch, m, n):
+        tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+        sh = cuda.shared.array(2, int32)
+        shf = cuda.shared.array(3, ft)
+        mat = cuda.blockIdx.x
+        while mat < batch:
+            ob, vb = mat * (m + 1 + n) * n, mat * n * n
+            sb = ob + m * n
+            for idx in range(tid, m * n, nt):
+                out[ob + idx] = a[mat * m * n + idx]
+            for idx in range(tid, n * n, nt):
+                v[vb + idx] = 1.0 if idx // n == idx % n else 0.0
+            cuda.syncthreads()
             if tid == 0:
-                sh[1] = 0
+                shf[2] = eps * math.sqrt(ft(m))
+            for sweep in range(SWEEPS):
+                if tid == 0:
+                    sh[1] = 0
+                cuda.syncthreads()
+                for p in range(n - 1):
+                    for q in range(p + 1, n):
+                        if tid == 0:
+                            al, be, ga = ft(0.0), ft(0.0), ft(0.0)
+                            for r in range(m):
+                                x, y = out[ob + r * n + p], out[ob + r * n + q]
+                                al += x * x
+                                be += y * y
+                                ga += x * y
+                            # the rotation that diagonalises [[al, ga], [ga, be]] (U^T U's block);
+                            # relative only (one-sided Jacobi's accuracy for small singular
+                            # values), at the rounding of an m-term dot product, as LAPACK's gesvj
+                            c, s = rotation(al, be, ga, shf[2], ft(0.0))
+                            shf[0], shf[1] = c, s
+                            sh[0] = 1 if s != 0.0 else 0
+                            if s != 0.0:
+                                sh[1] = 1
+                        cuda.syncthreads()
+                        if sh[0] != 0:
+                            c, s = shf[0], shf[1]
+                            for r in range(tid, m, nt):
+                                x, y = out[ob + r * n + p], out[ob + r * n + q]
+                                out[ob + r * n + p] = c * x - s * y
+                                out[ob + r * n + q] = s * x + c * y
+                            for r in range(tid, n, nt):
+                                x, y = v[vb + r * n + p], v[vb + r * n + q]
+                                v[vb + r * n + p] = c * x - s * y
+                                v[vb + r * n + q] = s * x + c * y
+                        cuda.syncthreads()
+                done = sh[1] == 0
+                cuda.syncthreads()
+                if done:
+                    break
+            for j in range(tid, n, nt):                 # S_j = |U[:, j]|, U's columns normalised
+                mx = ft(0.0)
+                for r in range(m):
+                    mx = max(mx, abs(out[ob + r * n + j]))
+                sj = ft(0.0)
+                if mx > 0.0:
+                    s = ft(0.0)
+                    for r in range(m):
+                        y = out[ob + r * n + j] / mx
+                        s += y * y
+                    sj = mx * math.sqrt(s)
+                    for r in range(m):
+                        out[ob + r * n + j] /= sj
+                out[sb + j] = sj
             cuda.syncthreads()
-            for p in range(n - 1):
-                for q in range(p + 1, n):
-                    if tid == 0:
-                        al, be, ga = float32(0.0), float32(0.0), float32(0.0)
-                        for r in range(m):
-                            x, y = out[ob + r * n + p], out[ob + r * n + q]
-                            al += x * x
-                            be += y * y
-                            ga += x * y
-                        # the rotation that diagonalises [[al, ga], [ga, be]] (U^T U's block);
-                        # relative only (one-sided Jacobi's accuracy for small singular
-                        # values), at the rounding of an m-term dot product, as LAPACK's gesvj
-                        c, s = _rotation(al, be, ga, shf[2], float32(0.0))
-                        shf[0], shf[1] = c, s
-                        sh[0] = 1 if s != 0.0 else 0
-                        if s != 0.0:
-                            sh[1] = 1
-                    cuda.syncthreads()
-                    if sh[0] != 0:
-                        c, s = shf[0], shf[1]
-                        for r in range(tid, m, nt):
-                            x, y = out[ob + r * n + p], out[ob + r * n + q]
-                            out[ob + r * n + p] = c * x - s * y
-                            out[ob + r * n + q] = s * x + c * y
-                        for r in range(tid, n, nt):
-                            x, y = v[vb + r * n + p], v[vb + r * n + q]
-                            v[vb + r * n + p] = c * x - s * y
-                            v[vb + r * n + q] = s * x + c * y
-                    cuda.syncthreads()
-            done = sh[1] == 0
+            if tid == 0:                                # descending, U's and V's columns along
+                for i in range(n - 1):
+                    hi = _pick(out, sb, i, n, True)
+                    if hi != i:
+                        _swap(out, sb, i, hi)
+                        _swap_cols(out, ob, m, n, i, hi)
+                        _swap_cols(v, vb, n, n, i, hi)
             cuda.syncthreads()
-            if done:
-                break
-        for j in range(tid, n, nt):                 # S_j = |U[:, j]|, U's columns normalised
-            mx = float32(0.0)
-            for r in range(m):
-                mx = max(mx, abs(out[ob + r * n + j]))
-            sj = float32(0.0)
-            if mx > 0.0:
-                s = float32(0.0)
-                for r in range(m):
-                    y = out[ob + r * n + j] / mx
-                    s += y * y
-                sj = mx * math.sqrt(s)
-                for r in range(m):
-                    out[ob + r * n + j] /= sj
-            out[sb + j] = sj
-        cuda.syncthreads()
-        if tid == 0:                                # descending, U's and V's columns along
-            for i in range(n - 1):
-                hi = _pick(out, sb, i, n, True)
-                if hi != i:
-                    _swap(out, sb, i, hi)
-                    _swap_cols(out, ob, m, n, i, hi)
-                    _swap_cols(v, vb, n, n, i, hi)
-        cuda.syncthreads()
-        for j in range(tid, n, nt):                 # U's largest component positive
-            big = 0
-            for r in range(1, m):
-                if abs(out[ob + r * n + j]) > abs(out[ob + big * n + j]):
-                    big = r
-            if out[ob + big * n + j] < 0.0:
-                for r in range(m):
-                    out[ob + r * n + j] = -out[ob + r * n + j]
-                for r in range(n):
-                    v[vb + r * n + j] = -v[vb + r * n + j]
-        cuda.syncthreads()
-        for idx in range(tid, n * n, nt):           # Vh = V^T
-            out[sb + n + idx] = v[vb + (idx % n) * n + idx // n]
-        cuda.syncthreads()
-        mat += cuda.gridDim.x
+            for j in range(tid, n, nt):                 # U's largest component positive
+                big = 0
+                for r in range(1, m):
+                    if abs(out[ob + r * n + j]) > abs(out[ob + big * n + j]):
+                        big = r
+                if out[ob + big * n + j] < 0.0:
+                    for r in range(m):
+                        out[ob + r * n + j] = -out[ob + r * n + j]
+                    for r in range(n):
+                        v[vb + r * n + j] = -v[vb + r * n + j]
+            cuda.syncthreads()
+            for idx in range(tid, n * n, nt):           # Vh = V^T
+                out[sb + n + idx] = v[vb + (idx % n) * n + idx // n]
+            cuda.syncthreads()
+            mat += cuda.gridDim.x
 
+    return kernel
 
 # ---- tier 0's layout and info kernels (cuSOLVER / cuBLAS are column-major; a row-major
 # [r, c] buffer is to them the column-major [c, r] transpose). Grid-stride, a thread an item.
@@ -511,25 +549,35 @@ def tril_kernel(el, info, batch, n):
         idx += cuda.gridsize(1)
 
 
-@jit
-def slogdet_lu_kernel(lu, ipiv, info, det, batch, n):
-    """(sign, log|det|) from getrf's factors (U's diagonal, 1-based pivots); (0, -inf) where
-    info > 0 (an exact zero pivot). A thread a matrix."""
-    b = cuda.grid(1)
-    while b < batch:
-        if info[b] != 0:
-            det[2 * b] = 0.0
-            det[2 * b + 1] = -math.inf
-        else:
-            sign, logabs = float32(1.0), float32(0.0)
-            for i in range(n):
-                u = lu[b * n * n + i * n + i]
-                if (u < 0.0) != (ipiv[b * n + i] != i + 1):
-                    sign = -sign
-                logabs += math.log(abs(u))
-            det[2 * b] = sign
-            det[2 * b + 1] = logabs
-        b += cuda.gridsize(1)
+@functools.lru_cache(maxsize=None)
+def slogdet_lu(f64: bool = False):
+    """kernel(lu, ipiv, info, det, batch, n): (sign, log|det|) from getrf's factors (U's
+    diagonal, 1-based pivots), summed in the kind's float; (0, -inf) where info > 0 (an
+    exact zero pivot). A thread a matrix."""
+    ft = _float(f64)
+
+    @jit
+    def kernel(lu, ipiv, info, det, batch, n):
+        b = cuda.grid(1)
+        while b < batch:
+            if info[b] != 0:
+                det[2 * b] = 0.0
+                det[2 * b + 1] = -math.inf
+            else:
+                sign, logabs = ft(1.0), ft(0.0)
+                for i in range(n):
+                    u = lu[b * n * n + i * n + i]
+                    if (u < 0.0) != (ipiv[b * n + i] != i + 1):
+                        sign = -sign
+                    logabs += math.log(abs(u))
+                det[2 * b] = sign
+                det[2 * b + 1] = logabs
+            b += cuda.gridsize(1)
+
+    return kernel
+
+
+slogdet_lu_kernel = slogdet_lu()            # the f32 kind
 
 
 @jit
@@ -561,6 +609,7 @@ def qr_q_kernel(work, out, batch, m, n):
 # the reflector being applied staged beside it (double-buffered: one barrier a reflector)
 QR_Q_SHARED, QR_V_SHARED = 4096, 128
 ONE, ZERO = float32(1.0), float32(0.0)     # (a literal 0.0 in a conditional is f64)
+ONE64, ZERO64 = float64(1.0), float64(0.0)
 
 
 def qr_q_in_shared(m: int, k: int) -> bool:
@@ -569,7 +618,7 @@ def qr_q_in_shared(m: int, k: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def qr_form_q_kernel(shared: bool):
+def qr_form_q_kernel(shared: bool, f64: bool = False):
     """kernel(work, tau, out, batch, m, n): Q [m, k] from geqrf's column-major [m, n] result
     (a reflector below each diagonal entry, its unit head implied; tau [batch, k]) straight
     into the packing's rows 0..m-1 (columns k.. zero), for a batch of matrices at once
@@ -578,25 +627,27 @@ def qr_form_q_kernel(shared: bool):
     column of Q for the whole run (no barrier between a column's updates; consecutive
     threads, consecutive words). ``shared``: Q row-major [m, k] in shared memory (needs
     qr_q_in_shared(m, k)) and each reflector staged there; else Q formed in place in out and
-    the reflectors read from work."""
+    the reflectors read from work. ``f64``: the f64 kind (34 KB of shared memory)."""
     q_size, v_size = (QR_Q_SHARED, 2 * QR_V_SHARED) if shared else (1, 1)
+    ft = _float(f64)
+    one, zero = (ONE64, ZERO64) if f64 else (ONE, ZERO)
 
     @jit
     def kernel(work, tau, out, batch, m, n):
         tid, nt = cuda.threadIdx.x, cuda.blockDim.x
         k = min(m, n)
-        qs = cuda.shared.array(q_size, float32)
-        vs = cuda.shared.array(v_size, float32)
+        qs = cuda.shared.array(q_size, ft)
+        vs = cuda.shared.array(v_size, ft)
         mat = cuda.blockIdx.x
         while mat < batch:
             wb, ob = mat * m * n, mat * (m + k) * n
             if shared:                              # a thread's own columns: no barrier
                 for j in range(tid, k, nt):
                     for i in range(m):
-                        qs[i * k + j] = ONE if i == j else ZERO
+                        qs[i * k + j] = one if i == j else zero
             else:
                 for idx in range(tid, m * n, nt):
-                    out[ob + idx] = ONE if idx // n == idx % n else ZERO
+                    out[ob + idx] = one if idx // n == idx % n else zero
                 cuda.syncthreads()
             for c in range(k - 1, -1, -1):
                 beta = tau[mat * k + c]
@@ -607,16 +658,16 @@ def qr_form_q_kernel(shared: bool):
                     cuda.syncthreads()
                     for j in range(tid, k, nt):
                         if j >= c:
-                            _reflect(qs, j, k, vs, p, 1, c, m, ONE, beta)
+                            _reflect(qs, j, k, vs, p, 1, c, m, one, beta)
                 else:
                     for j in range(tid, k, nt):
                         if j >= c:
-                            _reflect(out, ob + j, n, work, wb + c * m, 1, c, m, ONE, beta)
+                            _reflect(out, ob + j, n, work, wb + c * m, 1, c, m, one, beta)
             if shared:
                 cuda.syncthreads()
                 for idx in range(tid, m * n, nt):
                     i, j = idx // n, idx % n
-                    out[ob + idx] = qs[i * k + j] if j < k else ZERO
+                    out[ob + idx] = qs[i * k + j] if j < k else zero
             cuda.syncthreads()
             mat += cuda.gridDim.x
 

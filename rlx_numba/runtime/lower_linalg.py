@@ -15,6 +15,10 @@
 Every buffer is row-major [batch, ...]; cuSOLVER is column-major, so it sees A^T: potrf
 "upper" of A^T is our lower factor, getrs "transposed" solves A X = B with B handed over
 transposed (a transpose kernel either side), and so on (each lowering says how).
+
+f64 nodes take the same routines' D forms (cusolverDnD*, cublasD*: the same arguments on
+double data) and the numba kernels' f64 kind; the scratch, workspaces and pointer tables
+follow the node's dtype (``_Kind``).
 """
 from __future__ import annotations
 
@@ -22,10 +26,11 @@ import math
 
 import numpy as np
 
-from ctypes import byref, c_float, c_int, c_void_p
+from ctypes import byref, c_double, c_float, c_int, c_void_p
 
 from .. import cusolver
 from ..device import SIMULATOR
+from ..ir import dtypes as dt
 from ..kernels import linalg as K
 from ..kernels.launch import default_geometry, grid_1d, grid_3d
 from .lower import CallStep, Step, data_ptr, lowering, step_name
@@ -68,24 +73,52 @@ def _solver_available_uncaptured(ctx, n):
     return why
 
 
-def _f32(ctx, count: int):
-    return ctx.device_array(np.zeros(max(count, 1), np.float32))
+class _Kind:
+    """A node's float: f32 (cusolverDnS* / cublasS*, the kernels' f32 kind) or f64 (the D
+    forms, the f64 kind)."""
+
+    def __init__(self, node):
+        self.f64 = node.dtype == dt.F64
+        self.np = np.float64 if self.f64 else np.float32
+        self.t = "D" if self.f64 else "S"           # the routines' type letter
+        self.one = c_double(1.0) if self.f64 else c_float(1.0)
+
+    def scratch(self, ctx, count: int):
+        """A device array of ``count`` floats a step owns."""
+        return ctx.device_array(np.zeros(max(count, 1), self.np))
+
+    def workspace(self, lwork: int):
+        from numba import cuda
+        return cuda.device_array(lwork, self.np)
+
+    def solver(self, lib, name: str):
+        """cuSOLVER's ``cusolverDn<S|D><name>``."""
+        return getattr(lib, f"cusolverDn{self.t}{name}")
+
+    def blas(self, blas, name: str):
+        """cuBLAS's ``cublas<S|D><name>``."""
+        return getattr(blas, f"cublas{self.t}{name}")
+
+    def dummy(self, ctx):
+        """The placeholder for an argument a kernel does not use."""
+        return ctx.shared(f"linalg_dummy_{self.t}", lambda: np.zeros(1, self.np))
 
 
 def _i32(ctx, count: int):
     return ctx.device_array(np.zeros(max(count, 1), np.int32))
 
 
-def _ptrs(ctx, buf, count: int, stride: int, itemsize: int = 4):
+def _ptrs(ctx, buf, count: int, stride: int):
     """A device array of ``count`` pointers into ``buf``, ``stride`` elements apart."""
     from ..cublas import gemm
-    a = gemm.pointer_array(data_ptr(buf), np.arange(count) * stride, itemsize)
+    a = gemm.pointer_array(data_ptr(buf), np.arange(count) * stride, buf.dtype.itemsize)
     ctx.keep([a])
     return a
 
 
-def _p(buf, offset: int = 0, itemsize: int = 4) -> c_void_p:
-    return c_void_p(data_ptr(buf) + offset * itemsize)
+def _p(buf, offset: int = 0) -> c_void_p:
+    """The address of ``buf``'s element ``offset`` (its dtype's size)."""
+    return c_void_p(data_ptr(buf) + offset * buf.dtype.itemsize)
 
 
 def _kstep(n, what, kernel, total, args):
@@ -102,11 +135,6 @@ def _copy_in(stream, dst, src):
     dst.copy_to_device(src, stream=stream)
 
 
-def _workspace(lwork: int):
-    from numba import cuda
-    return cuda.device_array(lwork, np.float32)
-
-
 @lowering("lu_solve", tier="cuSOLVER", available=_solver_available)
 def _solver_lu_solve(ctx, n):
     """LU of A^T (the column-major view of A) and a transposed solve: (A^T)^T X = A X = B.
@@ -114,10 +142,11 @@ def _solver_lu_solve(ctx, n):
     cuBLAS getrf / getrs up to LU_BATCHED_N, else cuSOLVER a matrix at a time."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a, b = (ctx.graph.nodes[i] for i in n.inputs)
     k, m = a.shape[-1], n.shape[-1]
     batch = _batch(a.shape)
-    lu, xt = _f32(ctx, batch * k * k), _f32(ctx, batch * k * m)
+    lu, xt = kd.scratch(ctx, batch * k * k), kd.scratch(ctx, batch * k * m)
     ipiv, info = _i32(ctx, batch * k), _i32(ctx, batch)
     a_buf, out = ctx.buf(a), ctx.buf(n)
     what = f"{batch}x{k}x{k} ({m} rhs)"
@@ -131,12 +160,13 @@ def _solver_lu_solve(ctx, n):
             blas = api.libs()[0]
             h = gemm.blas_handle(stream, False)
             host_info = c_int()
+            getrf, getrs = kd.blas(blas, "getrfBatched"), kd.blas(blas, "getrsBatched")
 
             def go():
                 _copy_in(stream, lu, a_buf)
-                blas.cublasSgetrfBatched(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
-                blas.cublasSgetrsBatched(h, cusolver.OP_T, k, m, _p(a_ptrs), k, _p(ipiv),
-                                         _p(x_ptrs), k, byref(host_info), batch)
+                getrf(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
+                getrs(h, cusolver.OP_T, k, m, _p(a_ptrs), k, _p(ipiv), _p(x_ptrs), k,
+                      byref(host_info), batch)
             return go
         steps.append(_call(n, f"cublas getrf/getrs batched {what}", make,
                            batch * (2 * k**3 / 3 + 2 * k * k * m)))
@@ -145,15 +175,16 @@ def _solver_lu_solve(ctx, n):
 
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
-            ws = _workspace(cusolver.buffer_size("Sgetrf", h, k, k, _p(lu), k))
+            ws = kd.workspace(cusolver.buffer_size(f"{kd.t}getrf", h, k, k, _p(lu), k))
             calls = [(_p(lu, i * k * k), _p(ipiv, i * k), _p(xt, i * k * m), _p(info, i))
                      for i in range(batch)]
+            getrf, getrs = kd.solver(lib, "getrf"), kd.solver(lib, "getrs")
 
             def go():
                 _copy_in(stream, lu, a_buf)
                 for pa, pp, px, pi in calls:
-                    lib.cusolverDnSgetrf(h, k, k, pa, k, _p(ws), pp, pi)
-                    lib.cusolverDnSgetrs(h, cusolver.OP_T, k, m, pa, k, pp, px, k, _p(rs_info))
+                    getrf(h, k, k, pa, k, _p(ws), pp, pi)
+                    getrs(h, cusolver.OP_T, k, m, pa, k, pp, px, k, _p(rs_info))
             return go
         steps.append(_call(n, f"cusolver getrf/getrs {what}", make,
                            batch * (2 * k**3 / 3 + 2 * k * k * m)))
@@ -169,9 +200,10 @@ def _solver_slogdet(ctx, n):
     """getrf of A^T (det A^T = det A); a kernel reduces U's diagonal and the pivots."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
-    lu, ipiv, info = _f32(ctx, batch * k * k), _i32(ctx, batch * k), _i32(ctx, batch)
+    lu, ipiv, info = kd.scratch(ctx, batch * k * k), _i32(ctx, batch * k), _i32(ctx, batch)
     a_buf = ctx.buf(a)
     if k <= LU_BATCHED_N and batch > 1:
         a_ptrs = _ptrs(ctx, lu, batch, k * k)
@@ -179,24 +211,26 @@ def _solver_slogdet(ctx, n):
         def make(stream):
             from ..cublas import api, gemm
             blas, h = api.libs()[0], gemm.blas_handle(stream, False)
+            getrf = kd.blas(blas, "getrfBatched")
 
             def go():
                 _copy_in(stream, lu, a_buf)
-                blas.cublasSgetrfBatched(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
+                getrf(h, k, _p(a_ptrs), k, _p(ipiv), _p(info), batch)
             return go
     else:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
-            ws = _workspace(cusolver.buffer_size("Sgetrf", h, k, k, _p(lu), k))
+            ws = kd.workspace(cusolver.buffer_size(f"{kd.t}getrf", h, k, k, _p(lu), k))
             calls = [(_p(lu, i * k * k), _p(ipiv, i * k), _p(info, i)) for i in range(batch)]
+            getrf = kd.solver(lib, "getrf")
 
             def go():
                 _copy_in(stream, lu, a_buf)
                 for pa, pp, pi in calls:
-                    lib.cusolverDnSgetrf(h, k, k, pa, k, _p(ws), pp, pi)
+                    getrf(h, k, k, pa, k, _p(ws), pp, pi)
             return go
     return [_call(n, f"getrf {batch}x{k}x{k}", make, batch * 2 * k**3 / 3),
-            _kstep(n, "slogdet from LU", K.slogdet_lu_kernel, batch,
+            _kstep(n, "slogdet from LU", K.slogdet_lu(kd.f64), batch,
                    (lu, ipiv, info, ctx.buf(n), _I(batch), _I(k)))]
 
 
@@ -207,6 +241,7 @@ def _solver_cholesky(ctx, n):
     as scratch) and NaN-fills where info != 0."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     k, batch = n.shape[-1], _batch(n.shape)
     out, a_buf = ctx.buf(n), ctx.buf(n.inputs[0])
     info = _i32(ctx, batch)
@@ -215,20 +250,22 @@ def _solver_cholesky(ctx, n):
 
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
+            potrf = kd.solver(lib, "potrfBatched")
 
             def go():
                 _copy_in(stream, out, a_buf)
-                lib.cusolverDnSpotrfBatched(h, cusolver.UPPER, k, _p(ptrs), k, _p(info), batch)
+                potrf(h, cusolver.UPPER, k, _p(ptrs), k, _p(info), batch)
             return go
     else:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
-            ws = _workspace(cusolver.buffer_size("Spotrf", h, cusolver.UPPER, k, _p(out), k))
-            lwork = ws.size
+            ws = kd.workspace(cusolver.buffer_size(f"{kd.t}potrf", h, cusolver.UPPER, k, _p(out),
+                                                   k))
+            lwork, potrf = ws.size, kd.solver(lib, "potrf")
 
             def go():
                 _copy_in(stream, out, a_buf)
-                lib.cusolverDnSpotrf(h, cusolver.UPPER, k, _p(out), k, _p(ws), lwork, _p(info))
+                potrf(h, cusolver.UPPER, k, _p(out), k, _p(ws), lwork, _p(info))
             return go
     return [_call(n, f"cusolver potrf {batch}x{k}x{k}", make, batch * k**3 / 3),
             _kstep(n, "tril / NaN where not positive definite", K.tril_kernel, n.size,
@@ -241,21 +278,23 @@ def _solver_trsm(ctx, n):
     B^T ([k, n] column-major, our B as it lies) by A^T, whose upper triangle is A's lower."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     k, m, batch = a.shape[-1], n.shape[-1], _batch(a.shape)
     out, b_buf = ctx.buf(n), ctx.buf(n.inputs[1])
     a_ptrs, x_ptrs = _ptrs(ctx, ctx.buf(a), batch, k * k), _ptrs(ctx, out, batch, k * m)
     uplo = cusolver.LOWER if n.attrs["upper"] else cusolver.UPPER
-    alpha = c_float(1.0)
+    alpha = kd.one
 
     def make(stream):
         from ..cublas import api, gemm
         blas, h = api.libs()[0], gemm.blas_handle(stream, False)
+        trsm = kd.blas(blas, "trsmBatched")
 
         def go():
             _copy_in(stream, out, b_buf)
-            blas.cublasStrsmBatched(h, cusolver.RIGHT, uplo, cusolver.OP_N, cusolver.NON_UNIT,
-                                    m, k, byref(alpha), _p(a_ptrs), k, _p(x_ptrs), m, batch)
+            trsm(h, cusolver.RIGHT, uplo, cusolver.OP_N, cusolver.NON_UNIT, m, k, byref(alpha),
+                 _p(a_ptrs), k, _p(x_ptrs), m, batch)
         return go
     return [_call(n, f"cublas trsm batched {batch}x{k}x{k} ({m} rhs)", make, batch * k * k * m)]
 
@@ -269,10 +308,11 @@ def _solver_qr(ctx, n):
     place, copied out."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     m, nn = a.shape[-2:]
     k, batch = min(m, nn), _batch(a.shape)
-    work, tau = _f32(ctx, batch * m * nn), _f32(ctx, batch * k)
+    work, tau = kd.scratch(ctx, batch * m * nn), kd.scratch(ctx, batch * k)
     out = ctx.buf(n)
     what = f"{batch}x{m}x{nn}"
     steps = [_kstep(n, f"A^T {what}", K.transpose_kernel, a.size,
@@ -285,19 +325,20 @@ def _solver_qr(ctx, n):
             from ..cublas import api, gemm
             blas, h = api.libs()[0], gemm.blas_handle(stream, False)
             host_info = c_int()
-            return lambda: blas.cublasSgeqrfBatched(h, m, nn, _p(a_ptrs), m, _p(t_ptrs),
-                                                    byref(host_info), batch)
+            geqrf = kd.blas(blas, "geqrfBatched")
+            return lambda: geqrf(h, m, nn, _p(a_ptrs), m, _p(t_ptrs), byref(host_info), batch)
     else:
         info = _i32(ctx, batch)         # (geqrf's and orgqr's: argument errors only)
 
         def make_qr(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
-            ws = _workspace(cusolver.buffer_size("Sgeqrf", h, m, nn, _p(work), m))
+            ws = kd.workspace(cusolver.buffer_size(f"{kd.t}geqrf", h, m, nn, _p(work), m))
             calls = [(_p(work, i * m * nn), _p(tau, i * k), _p(info, i)) for i in range(batch)]
+            geqrf = kd.solver(lib, "geqrf")
 
             def go():
                 for pa, pt, pi in calls:
-                    lib.cusolverDnSgeqrf(h, m, nn, pa, m, pt, _p(ws), ws.size, pi)
+                    geqrf(h, m, nn, pa, m, pt, _p(ws), ws.size, pi)
             return go
 
     flops = batch * 2 * m * nn * k
@@ -307,19 +348,21 @@ def _solver_qr(ctx, n):
         shared = K.qr_q_in_shared(m, k)
         return steps + [Step(step_name(n), f"Q from reflectors {what} "
                              f"({'shared' if shared else 'global'} memory)",
-                             K.qr_form_q_kernel(shared), grid_3d(batch),
+                             K.qr_form_q_kernel(shared, kd.f64), grid_3d(batch),
                              (min(128, 32 * -(-k // 32)),),      # a thread a column
                              (work, tau, out, _I(batch), _I(m), _I(nn)),
                              {"flops": flops, "tier": 0})]
 
     def make_q(stream):
         lib, h = cusolver.lib(), cusolver.handle(stream)
-        ws = _workspace(cusolver.buffer_size("Sorgqr", h, m, k, k, _p(work), m, _p(tau)))
+        ws = kd.workspace(cusolver.buffer_size(f"{kd.t}orgqr", h, m, k, k, _p(work), m,
+                                               _p(tau)))
         calls = [(_p(work, i * m * nn), _p(tau, i * k), _p(info, i)) for i in range(batch)]
+        orgqr = kd.solver(lib, "orgqr")
 
         def go():
             for pa, pt, pi in calls:
-                lib.cusolverDnSorgqr(h, m, k, k, pa, m, pt, _p(ws), ws.size, pi)
+                orgqr(h, m, k, k, pa, m, pt, _p(ws), ws.size, pi)
         return go
     return steps + [_call(n, f"cusolver orgqr {what}", make_q, flops),
                     _kstep(n, "Q", K.qr_q_kernel, batch * m * nn,
@@ -332,36 +375,38 @@ def _solver_eigh(ctx, n):
     a kernel lays out w and V (its columns the column-major vectors) with the gauge."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
-    vec, w, info = _f32(ctx, batch * k * k), _f32(ctx, batch * k), _i32(ctx, batch)
+    vec, w, info = kd.scratch(ctx, batch * k * k), kd.scratch(ctx, batch * k), _i32(ctx, batch)
     a_buf = ctx.buf(a)
     if batch > 1 and k <= JACOBI_BATCHED_N:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
             params = cusolver.sorted_params("syevj")
-            ws = _workspace(cusolver.buffer_size(
-                "SsyevjBatched", h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k, _p(w), None,
-                params, batch))
+            ws = kd.workspace(cusolver.buffer_size(
+                f"{kd.t}syevjBatched", h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k, _p(w),
+                None, params, batch))
+            syevj = kd.solver(lib, "syevjBatched")
 
             def go():
                 _copy_in(stream, vec, a_buf)
-                lib.cusolverDnSsyevjBatched(h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k,
-                                            _p(w), _p(ws), ws.size, _p(info), params, batch)
+                syevj(h, cusolver.VECTOR, cusolver.UPPER, k, _p(vec), k, _p(w), _p(ws), ws.size,
+                      _p(info), params, batch)
             return go
         what = f"cusolver syevjBatched {batch}x{k}x{k}"
     else:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
-            ws = _workspace(cusolver.buffer_size("Ssyevd", h, cusolver.VECTOR, cusolver.UPPER,
-                                                 k, _p(vec), k, _p(w)))
+            ws = kd.workspace(cusolver.buffer_size(f"{kd.t}syevd", h, cusolver.VECTOR,
+                                                   cusolver.UPPER, k, _p(vec), k, _p(w)))
             calls = [(_p(vec, i * k * k), _p(w, i * k), _p(info, i)) for i in range(batch)]
+            syevd = kd.solver(lib, "syevd")
 
             def go():
                 _copy_in(stream, vec, a_buf)
                 for pa, pw, pi in calls:
-                    lib.cusolverDnSsyevd(h, cusolver.VECTOR, cusolver.UPPER, k, pa, k, pw,
-                                         _p(ws), ws.size, pi)
+                    syevd(h, cusolver.VECTOR, cusolver.UPPER, k, pa, k, pw, _p(ws), ws.size, pi)
             return go
         what = f"cusolver syevd {batch}x{k}x{k}"
     return [_call(n, what, make, batch * 9 * k**3),
@@ -376,43 +421,47 @@ def _solver_svd(ctx, n):
     a kernel lays them out with the gauge and NaN-fills where gesvdj did not converge."""
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     m, k = a.shape[-2:]
     batch = _batch(a.shape)
     batched = batch > 1 and m <= JACOBI_BATCHED_N
     vstride = m * m if batched else m * k          # V' is [m, m] batched, [m, k] econ
-    work, s = _f32(ctx, batch * m * k), _f32(ctx, batch * k)
-    u1, v1, info = _f32(ctx, batch * k * k), _f32(ctx, batch * vstride), _i32(ctx, batch)
+    work, s = kd.scratch(ctx, batch * m * k), kd.scratch(ctx, batch * k)
+    u1, v1 = kd.scratch(ctx, batch * k * k), kd.scratch(ctx, batch * vstride)
+    info = _i32(ctx, batch)
     a_buf = ctx.buf(a)
     V = cusolver.VECTOR
     if batched:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
             params = cusolver.sorted_params("gesvdj")
-            ws = _workspace(cusolver.buffer_size(
-                "SgesvdjBatched", h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, None,
-                params, batch))
+            ws = kd.workspace(cusolver.buffer_size(
+                f"{kd.t}gesvdjBatched", h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m,
+                None, params, batch))
+            gesvdj = kd.solver(lib, "gesvdjBatched")
 
             def go():
                 _copy_in(stream, work, a_buf)
-                lib.cusolverDnSgesvdjBatched(h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1),
-                                             m, _p(ws), ws.size, _p(info), params, batch)
+                gesvdj(h, V, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, _p(ws), ws.size,
+                       _p(info), params, batch)
             return go
         what = f"cusolver gesvdjBatched {batch}x{m}x{k}"
     else:
         def make(stream):
             lib, h = cusolver.lib(), cusolver.handle(stream)
             params = cusolver.sorted_params("gesvdj")
-            ws = _workspace(cusolver.buffer_size(
-                "Sgesvdj", h, V, 1, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, None, params))
+            ws = kd.workspace(cusolver.buffer_size(
+                f"{kd.t}gesvdj", h, V, 1, k, m, _p(work), k, _p(s), _p(u1), k, _p(v1), m, None,
+                params))
             calls = [(_p(work, i * m * k), _p(s, i * k), _p(u1, i * k * k), _p(v1, i * vstride),
                       _p(info, i)) for i in range(batch)]
+            gesvdj = kd.solver(lib, "gesvdj")
 
             def go():
                 _copy_in(stream, work, a_buf)
                 for pa, ps, pu, pv, pi in calls:
-                    lib.cusolverDnSgesvdj(h, V, 1, k, m, pa, k, ps, pu, k, pv, m, _p(ws), ws.size,
-                                          pi, params)
+                    gesvdj(h, V, 1, k, m, pa, k, ps, pu, k, pv, m, _p(ws), ws.size, pi, params)
             return go
         what = f"cusolver gesvdj {batch}x{m}x{k}"
     return [_call(n, what, make, batch * 12 * m * k * k),
@@ -421,17 +470,18 @@ def _solver_svd(ctx, n):
                     _I(vstride)))]
 
 
-# ---- tier 1: numba ---------------------------------------------------------------------------
+# ---- tier 1: numba (the kernels' f32 or f64 kind, as the node's dtype) --------------------------
 @lowering("lu_solve", tier="numba")
 def _numba_lu_solve(ctx, n):
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a, b = (ctx.graph.nodes[i] for i in n.inputs)
     k, m = a.shape[-1], n.shape[-1]
     batch = _batch(a.shape)
-    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(b), ctx.buf(n),
-            ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32)), _I(batch), _I(k), _I(m))
-    return [Step(step_name(n), f"lu solve {batch}x{k}x{k} ({m} rhs)", K.lu_kernel(True),
+    args = (ctx.buf(a), kd.scratch(ctx, batch * k * k), ctx.buf(b), ctx.buf(n), kd.dummy(ctx),
+            _I(batch), _I(k), _I(m))
+    return [Step(step_name(n), f"lu solve {batch}x{k}x{k} ({m} rhs)", K.lu_kernel(True, kd.f64),
                  grid_3d(batch), _block(), args, {"flops": batch * (2 * k**3 / 3 + 2 * k * k * m)})]
 
 
@@ -439,12 +489,13 @@ def _numba_lu_solve(ctx, n):
 def _numba_slogdet(ctx, n):
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
-    dummy = ctx.shared("linalg_dummy", lambda: np.zeros(1, np.float32))
-    args = (ctx.buf(a), _f32(ctx, batch * k * k), dummy, dummy, ctx.buf(n), _I(batch),
+    dummy = kd.dummy(ctx)
+    args = (ctx.buf(a), kd.scratch(ctx, batch * k * k), dummy, dummy, ctx.buf(n), _I(batch),
             _I(k), _I(0))
-    return [Step(step_name(n), f"lu slogdet {batch}x{k}x{k}", K.lu_kernel(False),
+    return [Step(step_name(n), f"lu slogdet {batch}x{k}x{k}", K.lu_kernel(False, kd.f64),
                  grid_3d(batch), _block(), args, {"flops": batch * 2 * k**3 / 3})]
 
 
@@ -475,33 +526,36 @@ def _numba_trsm(ctx, n):
 def _numba_qr(ctx, n):
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     m, nn = a.shape[-2:]
     k, batch = min(m, nn), _batch(a.shape)
-    args = (ctx.buf(a), _f32(ctx, batch * (m * nn + 2 * k)), ctx.buf(n), _I(batch), _I(m),
+    args = (ctx.buf(a), kd.scratch(ctx, batch * (m * nn + 2 * k)), ctx.buf(n), _I(batch), _I(m),
             _I(nn))
-    return [Step(step_name(n), f"householder qr {batch}x{m}x{nn}", K.qr_kernel, grid_3d(batch),
-                 _block(), args, {"flops": batch * 4 * m * nn * k})]
+    return [Step(step_name(n), f"householder qr {batch}x{m}x{nn}", K.qr_kernel(kd.f64),
+                 grid_3d(batch), _block(), args, {"flops": batch * 4 * m * nn * k})]
 
 
 @lowering("eigh", tier="numba")
 def _numba_eigh(ctx, n):
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     k, batch = a.shape[-1], _batch(a.shape)
-    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(k))
-    return [Step(step_name(n), f"jacobi eigh {batch}x{k}x{k}", K.eigh_kernel, grid_3d(batch),
-                 _block(), args, {})]
+    args = (ctx.buf(a), kd.scratch(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(k))
+    return [Step(step_name(n), f"jacobi eigh {batch}x{k}x{k}", K.eigh_kernel(kd.f64),
+                 grid_3d(batch), _block(), args, {})]
 
 
 @lowering("svd", tier="numba")
 def _numba_svd(ctx, n):
     if n.size == 0:
         return []
+    kd = _Kind(n)
     a = ctx.graph.nodes[n.inputs[0]]
     m, k = a.shape[-2:]
     batch = _batch(a.shape)
-    args = (ctx.buf(a), _f32(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(m), _I(k))
-    return [Step(step_name(n), f"one-sided jacobi svd {batch}x{m}x{k}", K.svd_kernel,
+    args = (ctx.buf(a), kd.scratch(ctx, batch * k * k), ctx.buf(n), _I(batch), _I(m), _I(k))
+    return [Step(step_name(n), f"one-sided jacobi svd {batch}x{m}x{k}", K.svd_kernel(kd.f64),
                  grid_3d(batch), _block(), args, {})]
