@@ -836,3 +836,66 @@ def test_graph_mode_on_gpu(rng, monkeypatch, tier):
                                        rtol=2e-4, atol=2e-4, err_msg="eigh: V diag(w) V^T")
             np.testing.assert_allclose(u @ (sv[..., None] * vh), a, rtol=2e-4, atol=2e-4,
                                        err_msg="svd: U diag(s) Vh")
+
+
+@gpu
+@pytest.mark.parametrize("tier", ["0", "1"])
+@pytest.mark.parametrize("batch,n", [((16,), 33), ((8,), 7), ((3,), 100), ((), 300)])
+def test_f64_tiers_on_gpu(rng, monkeypatch, tier, batch, n):
+    """Every op in f64 on the GPU: tier 0's D routines at n = 33 batched (cuBLAS
+    DgetrfBatched / DgetrsBatched / DgeqrfBatched with the f64 Q kernel in shared memory,
+    DpotrfBatched, DtrsmBatched; Dsyevd and Dgesvdj a matrix at a time), n = 7 batched
+    (DsyevjBatched, DgesvdjBatched), n = 100 batched (the Q kernel in global memory) and one
+    n = 300 matrix (Dgetrf / Dgetrs, Dpotrf, Dgeqrf / Dorgqr); tier 1's f64 kind at the small
+    sizes. Normwise errors within 1e-13 n (f32 routines would miss by 1e4 or more)."""
+    if tier == "1" and n > 64:
+        pytest.skip("the numba tier is for small matrices")
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", tier)
+    a = rng.standard_normal(batch + (n, n)) / np.sqrt(n) + 2 * np.eye(n)
+    spd = _sym64(rng, batch, n) + 3 * np.eye(n)
+    b = rng.standard_normal(batch + (n, 4))
+    g = rlx.Graph("gpu_linalg64")
+    A, S, B = (g.input(k, v.shape, "f64") for k, v in (("a", a), ("s", spd), ("b", b)))
+    sign, logabs = g.slogdet(A)
+    outs = _run(g, [g.linalg_solve(A, B), g.inv(A), sign, logabs, g.cholesky(S),
+                    g.triangular_solve(A, B, upper=True),
+                    g.triangular_solve(A, g.narrow(mT(g, B), -1, 0, n), left=False),
+                    *g.qr(A), *g.eigh(S), *g.svd(A)], {"a": a, "s": spd, "b": b})
+    x, inv, s, la, ch, tu, tl, q, r, w, v, u, sv, vh = outs
+    rtol = 1e-13 * max(n, 10)
+    _close64(x, np.linalg.solve(a, b), "solve", rtol)
+    _close64(inv, np.linalg.inv(a), "inv", rtol)
+    rs, rl = np.linalg.slogdet(a)
+    np.testing.assert_array_equal(s, rs)
+    _close64(la, rl, "logabsdet", rtol)
+    _close64(ch, np.linalg.cholesky(spd), "cholesky", rtol)
+    _close64(tu, np.linalg.solve(np.triu(a), b), "trsm upper", rtol)
+    _close64(tl, T(np.linalg.solve(T(np.tril(a)), b)), "trsm lower right", rtol)
+    _close64(q @ r, a, "Q R", rtol)
+    _close64(T(q) @ q, np.broadcast_to(np.eye(n), q.shape), "Q^T Q", rtol)
+    assert np.all(np.tril(r, -1) == 0)
+    _close64(w, np.linalg.eigvalsh(spd), "eigenvalues", rtol)
+    _close64((v * w[..., None, :]) @ T(v), spd, "V diag(w) V^T", rtol)
+    _close64(T(v) @ v, np.broadcast_to(np.eye(n), v.shape), "V^T V", rtol)
+    _close64(sv, np.linalg.svd(a, compute_uv=False), "singular values", rtol)
+    _close64((u * sv[..., None, :]) @ vh, a, "U S Vh", rtol)
+    _close64(T(u) @ u, np.broadcast_to(np.eye(n), u.shape), "U^T U", rtol)
+    for vecs in (v, u):         # the documented gauges
+        big = np.take_along_axis(vecs, np.abs(vecs).argmax(-2)[..., None, :], -2)
+        assert np.all(big > 0)
+
+
+@gpu
+def test_f64_singular_on_gpu(monkeypatch):
+    """Tier 0's info codes in f64: the batched calls (cuBLAS DgetrfBatched, DpotrfBatched) and
+    the single ones (Dgetrf + Dgetrs, Dpotrf) NaN-fill as the numba tier does."""
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "0")
+    test_f64_singular_and_mixed_dtypes()
+    a = np.array([[1, 0, 3], [2, 0, 6], [1, 0, 1]], np.float64)
+    g = rlx.Graph("singular_single64")
+    A = g.input("a", a.shape, "f64")
+    sign, logabs = g.slogdet(A)
+    x, s, la, ch = _run(g, [g.linalg_solve(A, g.constant(np.ones((3, 2)), "f64")), sign, logabs,
+                            g.cholesky(A)], {"a": a})
+    assert np.isnan(x).all() and np.isnan(ch).all()
+    assert s == 0 and la == -np.inf
