@@ -2,8 +2,9 @@
 
 The simulator runs kernels as Python, so it cannot see what only the GPU compiler sees: a
 signed/unsigned mix that numba types as float64, a kernel that needs more registers than a
-1024-thread block may have (it then fails to launch), spills. This compiles the row kernels
-and the SGEMM (and its f64 kind) for sm_90 with numba's real compiler and runs ptxas on the PTX.
+1024-thread block may have (it then fails to launch), spills. This compiles the row kernels,
+the SGEMM (and its f64 kind) and the linear-algebra kernels (f32 and f64 kinds) for sm_90 with
+numba's real compiler and runs ptxas on the PTX.
 
 Needs libnvvm and ptxas (a CUDA toolkit, e.g. /usr/local/cuda) and NVRTC
 (``pip install nvidia-cuda-nvrtc``); no GPU or driver.
@@ -95,7 +96,30 @@ def main(argv=None) -> int:
             ptx, _ = cuda.compile_ptx(mm.sgemm_kernel(ta, tb, "f64", "f64").py_func, sig,
                                       cc=(9, 0), launch_bounds=(mm.NT, 1))
             print(f"dgemm     trans_a={int(ta)} trans_b={int(tb)} {ptxas(ptx, args.ptxas)}")
+    linalg(args.ptxas)
     return 0
+
+
+def linalg(exe: str) -> None:
+    """The linear-algebra kernels in both kinds (the f64 kind: float64 math expected)."""
+    from rlx_numba.kernels import linalg as K
+    i, info = T.int64, T.int32[::1]
+    for f64 in (False, True):
+        F = (T.float64 if f64 else T.float32)[::1]
+        for name, k, sig in (
+                ("lu solve", K.lu_kernel(True, f64), (F,) * 5 + (i,) * 3),
+                ("lu slogdet", K.lu_kernel(False, f64), (F,) * 5 + (i,) * 3),
+                ("cholesky", K.cholesky_kernel, (F, F, i, i)),
+                ("trsm", K.trsm_kernel(False), (F, F, F, i, i, i)),
+                ("qr", K.qr_kernel(f64), (F, F, F, i, i, i)),
+                ("eigh", K.eigh_kernel(f64), (F, F, F, i, i)),
+                ("svd", K.svd_kernel(f64), (F, F, F, i, i, i)),
+                ("slogdet_lu", K.slogdet_lu(f64), (F, info, info, F, i, i)),
+                ("qr form q", K.qr_form_q_kernel(True, f64), (F, F, F, i, i, i)),
+                ("eigh post", K.eigh_post_kernel, (F, F, info, F, i, i)),
+                ("svd post", K.svd_post_kernel, (F, F, F, info, F) + (i,) * 5)):
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(9, 0))
+            print(f"linalg    {'f64' if f64 else 'f32'} {name:<11} {ptxas(ptx, exe)}")
 
 
 if __name__ == "__main__":
