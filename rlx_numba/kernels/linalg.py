@@ -306,7 +306,7 @@ def _swap_cols(a, o, rows, ld, i, j):
 
 @functools.lru_cache(maxsize=None)
 def _rotation(f64: bool):
-    """rotation(app, aqq, apq, tol, floor) of the kind: see below."""
+    """The kind's rotation(app, aqq, apq, tol, floor) -> (c, s), in its float."""
     ft = _float(f64)
 
     @py_in_sim

@@ -128,6 +128,8 @@ def _kstep(n, what, kernel, total, args):
 
 
 def _call(n, what, make, flops=0.0):
+    """A library call's step; an f64 node's says so (its routines are the D forms)."""
+    what += " (f64)" if n.dtype == dt.F64 else ""
     return CallStep(step_name(n), what, make, {"flops": flops, "tier": 0})
 
 
