@@ -178,11 +178,6 @@ def _row(g, v):
     return g.reshape(v, tuple(v.shape[:-1]) + (1, v.shape[-1]))
 
 
-def _diagonal(g, x):
-    """[..., n, n] -> [..., n]"""
-    return g.reduce_sum(g.mul(x, _eye(g, x.shape[-1], x)), -1)
-
-
 @vjp("lu_solve")
 def _vjp_lu_solve(g, n, dx):
     # X = A^-1 B: dB = A^-T dX, dA = -dB X^T
