@@ -138,29 +138,31 @@ def embedding(w: Weights, name: str, ids: Tensor) -> Tensor:
 
 
 def norm(w: Weights, name: str, x: Tensor, *, eps: float, kind: str = "rms",
-         residual: Tensor | None = None, return_residual: bool = False):
+         residual: Tensor | None = None, return_residual: bool = False, gain: str = "weight"):
     """``kind`` "rms" or "layer" norm of x (+ ``residual``, added in the same kernel) with the
-    gain ``name.weight`` and the shift ``name.bias`` when there is one; with
+    gain ``name.weight`` (``name.<gain>``) and the shift ``name.bias`` when there is one; with
     ``return_residual`` also the sum x + residual (Graph.rms_norm / layer_norm)."""
     if kind not in ("rms", "layer"):
         raise ValueError(f"norm: kind must be 'rms' or 'layer', got {kind!r}")
     f = w.g.rms_norm if kind == "rms" else w.g.layer_norm
-    return f(x, w[name + ".weight"], w.get(name + ".bias"), eps=eps, residual=residual,
+    return f(x, w[f"{name}.{gain}"], w.get(name + ".bias"), eps=eps, residual=residual,
              return_residual=return_residual)
 
 
 def add_norm(w: Weights, name: str, branch: Tensor | None, stream: Tensor, *, eps: float,
-             kind: str = "rms", separate: bool = False):
+             kind: str = "rms", separate: bool = False, gain: str = "weight"):
     """A pre-norm residual step: (norm(stream + branch), stream + branch) in one kernel;
     with no branch (the first layer's), (norm(stream), stream). ``separate``: the add as a
     node of its own (a decode step: it folds into the product computing ``branch`` as its
-    residual, and the norm into the product reading it, passes/fusion.py)."""
+    residual, and the norm into the product reading it, passes/fusion.py). ``gain``: the
+    gain param's suffix (norm's)."""
     if branch is None:
-        return norm(w, name, stream, eps=eps, kind=kind), stream
+        return norm(w, name, stream, eps=eps, kind=kind, gain=gain), stream
     if separate:
         stream = w.g.add(branch, stream)
-        return norm(w, name, stream, eps=eps, kind=kind), stream
-    return norm(w, name, branch, eps=eps, kind=kind, residual=stream, return_residual=True)
+        return norm(w, name, stream, eps=eps, kind=kind, gain=gain), stream
+    return norm(w, name, branch, eps=eps, kind=kind, residual=stream, return_residual=True,
+                gain=gain)
 
 
 def lm_head(w: Weights, name: str, x: Tensor) -> Tensor:
@@ -205,15 +207,17 @@ class Positions:
 
 
 def decoder_positions(g: Graph, cfg, kind: str, batch: int, seq: int,
-                      cache_len: int | None = None) -> Positions:
-    """The rope tables (cfg.head_dim, cfg.rope_theta) and positions of a ``kind`` graph over
+                      cache_len: int | None = None, *, rotary_dim: int | None = None) -> Positions:
+    """The rope tables (cfg.head_dim, or ``rotary_dim`` for a partial rotary embedding that
+    turns only a head's first dims; cfg.rope_theta) and positions of a ``kind`` graph over
     [batch, seq] tokens, with its inputs: a prefill's ``pad`` (i32 [batch, 1], each row's
     left pads: row r's column t sits at position t - pad[r], its pad columns masked out as
     keys), a decode step's ``pos`` (i32 [1]) and the param of its rows' pads (``pad_name``;
     rows pad..pos live, and only the last cfg.sliding_window of them with a window)."""
     b, s, win = batch, seq, cfg.sliding_window
     cached = kind in ("prefill", "decode")
-    cos_np, sin_np = rope_tables(cfg.head_dim, cfg.rope_theta, cache_len if cached else s)
+    cos_np, sin_np = rope_tables(rotary_dim or cfg.head_dim, cfg.rope_theta,
+                                 cache_len if cached else s)
     at = Positions(kind, b, s, cache_len if cached else None, win,
                    g.constant(cos_np), g.constant(sin_np))
     if kind == "decode":
