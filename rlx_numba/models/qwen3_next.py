@@ -38,7 +38,7 @@ over one token), as models/mamba.py carries its states.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -83,26 +83,28 @@ class Qwen3NextConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: list = field(default_factory=list)
     layer_types: list | None = None             # None: every full_attention_interval-th full
-    full_attention_interval: int = 4
+    full_attention_interval: InitVar[int] = 4   # (only read to make layer_types)
     bos_token_id: int | None = None
     eos_token_id: int | list | None = None
 
     sliding_window = None                       # (no sliding window: blocks.decoder_positions)
 
-    def __post_init__(self):
+    def __post_init__(self, full_attention_interval):
+        if self.layer_types is None:
+            k = full_attention_interval
+            if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or k < 1:
+                raise ValueError(f"Qwen3NextConfig: full_attention_interval must be an int >= 1, "
+                                 f"got {k!r}")
+            self.layer_types = ["full_attention" if (n + 1) % k == 0 else "linear_attention"
+                                for n in range(self.num_hidden_layers)]
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim",
                   "max_position_embeddings", "linear_conv_kernel_dim", "linear_key_head_dim",
                   "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                  "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
-                  "full_attention_interval"):
+                  "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             self._int(f, 1)
         for f in ("num_experts", "shared_expert_intermediate_size"):
             self._int(f, 0)
-        if self.layer_types is None:
-            k = self.full_attention_interval
-            self.layer_types = ["full_attention" if (n + 1) % k == 0 else "linear_attention"
-                                for n in range(self.num_hidden_layers)]
         lt = self.layer_types
         if not isinstance(lt, (list, tuple)) or len(lt) != self.num_hidden_layers:
             raise ValueError(f"Qwen3NextConfig: layer_types must list one type per layer "
@@ -181,6 +183,8 @@ class Qwen3NextConfig:
             raise ValueError(f"{source}: rope scaling {rtype!r} is not supported (only the "
                              f"default rope)")
         kw = {f.name: d[f.name] for f in fields(cls) if d.get(f.name) is not None}
+        if d.get("full_attention_interval") is not None:
+            kw["full_attention_interval"] = d["full_attention_interval"]
         for k in ("rope_theta", "partial_rotary_factor"):
             if rope.get(k) is not None:
                 kw[k] = rope[k]
