@@ -474,7 +474,7 @@ def gated_delta_block(w: Weights, cfg: Qwen3NextConfig, p: str, x, at, *,
     kd, vd, r = nk * dk, nv * dv, nv // nk
     ch = 2 * kd + vd
     if at.keys is not None:            # a prefill's pad columns: zeros (no state change)
-        x = x * g.cast(g.reshape(at.keys, (b, s, 1)), "f32")
+        x = g.where(g.reshape(at.keys, (b, s, 1)), x, 0.0)
     proj = w.linear(x, p + "in_proj")                         # [b, s, ch + vd + 2 nv]
     mixed = g.narrow(proj, 2, 0, ch)
     z = g.reshape(g.narrow(proj, 2, ch, vd), (b, s, nv, dv))
