@@ -177,18 +177,21 @@ def test_forward_matches_numpy():
 
 
 def test_generate_carries_the_states():
-    """Prefill of 4 tokens, then 2 decode steps: each step's logits are the oracle's over the
-    whole sequence at that position (conv window, recurrent state and KV cache carried), and
-    the ids its argmax."""
+    """Prompts of 4 and 2 tokens (the second left-padded: its pads masked from attention and
+    zeroed before the gated-delta layer, whose conv window of 2 then holds them), prefill, then
+    2 decode steps: each step's logits are the oracle's over that row's own sequence at that
+    position (conv window, recurrent state and KV cache carried), the ids their argmax."""
     cfg = Qwen3NextConfig(**CFG_B)
     m = Qwen3NextForCausalLM.from_config(cfg, seed=2, std=0.3)
-    prompt = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, 4))
-    out, logits = m.generate(prompt, 3, output_logits=True)
-    assert out.shape == (2, 7) and out.dtype == np.int64 and logits.shape == (2, 3, 37)
-    np.testing.assert_array_equal(out[:, :4], prompt)
-    want = oracle_logits(cfg, m.params, out[:, :-1])[:, 3:]
-    _close(logits, want, "prefill + decode logits")
-    np.testing.assert_array_equal(out[:, 4:], want.argmax(-1))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n) for n in (4, 2)]
+    out, logits = m.generate(prompts, 3, output_logits=True)
+    for p, row, lg in zip(prompts, out, logits):
+        assert row.dtype == np.int64 and row.shape == (len(p) + 3,) and lg.shape == (3, 37)
+        np.testing.assert_array_equal(row[:len(p)], p)
+        want = oracle_logits(cfg, m.params, row[None, :-1])[0, len(p) - 1:]
+        _close(lg, want, f"prefill + decode logits of the {len(p)}-token prompt")
+        np.testing.assert_array_equal(row[len(p):], want.argmax(-1))
 
 
 def test_graph_params_regroup_the_projections():
