@@ -253,7 +253,8 @@ def test_config_from_transformers_dicts():
 
 
 def test_from_safetensors_stacks_per_expert_tensors(tmp_path):
-    """A transformers 4.x checkpoint (per-expert tensors, an mtp.* head) loads by name."""
+    """A transformers 4.x checkpoint (per-expert tensors, an mtp.* head, a rotary buffer) loads
+    by name."""
     from safetensors.numpy import save_file
     cfg = Qwen3NextConfig(**CFG_A)
     P = Qwen3NextForCausalLM.from_config(cfg, seed=6).params
@@ -265,6 +266,7 @@ def test_from_safetensors_stacks_per_expert_tensors(tmp_path):
         disk[f"{p}{e}.up_proj.weight"] = np.ascontiguousarray(gu[mi:])
         disk[f"{p}{e}.down_proj.weight"] = P[p + "down_proj"][e]
     disk["mtp.fc.weight"] = np.zeros((2, 2), np.float32)
+    disk["model.rotary_emb.inv_freq"] = np.ones(2, np.float32)
     save_file(disk, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(dict(cfg.to_dict(), hidden_act="silu")))
     m = Qwen3NextForCausalLM.from_safetensors(tmp_path)

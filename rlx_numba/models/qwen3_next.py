@@ -563,7 +563,9 @@ class Qwen3NextForCausalLM:
         folder = as_path(folder)
         config = Qwen3NextConfig.from_dict(read_json(folder / "config.json", "config.json"),
                                            source=folder / "config.json")
-        arrays = {k: v for k, v in load_safetensors(folder).items() if not k.startswith("mtp.")}
+        # (rotary tables some checkpoints carry as buffers are recomputed here)
+        arrays = {k: v for k, v in load_safetensors(folder).items()
+                  if not k.startswith("mtp.") and not k.endswith("rotary_emb.inv_freq")}
         return cls(config, fuse_experts(config, arrays, folder), source=folder, **kw)
 
     # ---- compiled graphs --------------------------------------------------------------------
