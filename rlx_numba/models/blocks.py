@@ -341,6 +341,26 @@ def encoder_attention(w: Weights, x: Tensor, names: tuple, *, num_heads: int,
     return w.linear(w.g.attention(q, k, v, mask=mask, num_heads=num_heads), o_name)
 
 
+# ---- a recurrent mixer's causal conv -------------------------------------------------------------
+def causal_conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                  state: Tensor | None = None):
+    """The causal depthwise conv1d of Mamba's and Qwen3-Next's gated-delta mixers (nn.Conv1d
+    with groups = channels, left-padded by k - 1, no activation) over x [b, C, s], weight
+    [C, 1, k], bias [C] -> (y [b, C, s], the last k - 1 inputs [b, C, k - 1]: the state a
+    decode step goes on from). ``state``: a decode step's (s = 1) those of the tokens
+    before; the conv is then a dot over the window."""
+    b, c, s = x.shape
+    k = weight.shape[-1]
+    if state is not None:
+        window = g.concat([state, x], 2)                                  # [b, C, k]
+        y = g.reduce_sum(window * g.reshape(weight, (c, k)), 2)
+        if bias is not None:
+            y = y + bias
+        return g.reshape(y, (b, c, 1)), g.narrow(window, 2, 1, k - 1)
+    xp = g.pad(x, (k - 1, 0))
+    return g.conv(xp, weight, bias, groups=c), g.narrow(xp, 2, s, k - 1)
+
+
 # ---- MLPs ------------------------------------------------------------------------------------
 def mlp(w: Weights, x: Tensor, up: str, down: str, *, activation: str) -> Tensor:
     """down(activation(up(x))): BERT's intermediate / output, a ViT's MLP."""

@@ -44,8 +44,8 @@ import numpy as np
 
 from ..compiler import compile
 from ..ir.graph import Graph
-from .blocks import (Weights, add_norm, decoder_positions, embedding, gated_mlp, lm_head,
-                     moe_mlp, pad_name)
+from .blocks import (Weights, add_norm, causal_conv1d, decoder_positions, embedding, gated_mlp,
+                     lm_head, moe_mlp, pad_name)
 from .executables import ExecutableCache, in_dtype, model_dtype, next_pow2
 from .moe import fuse_experts
 from .weights import as_path, check_params, load_safetensors, read_json
@@ -480,16 +480,15 @@ def gated_delta_block(w: Weights, cfg: Qwen3NextConfig, p: str, x, at, *,
     z = g.reshape(g.narrow(proj, 2, ch, vd), (b, s, nv, dv))
     beta = g.sigmoid(g.narrow(proj, 2, ch + vd, nv))
     decay = w[p + "A"] * g.softplus(g.narrow(proj, 2, ch + vd + nv, nv) + w[p + "dt_bias"])
-    if state is not None:              # one token: the conv a dot over the window
-        window = g.concat([g.input(state[0], (b, ch, kw - 1)), g.reshape(mixed, (b, ch, 1))], 2)
-        conv = g.reduce_sum(window * g.reshape(w[p + "conv1d.weight"], (ch, kw)), 2)
+    if state is not None:              # one token: [b, 1, ch] is [b, ch, 1]
+        conv, conv_state = causal_conv1d(g, g.reshape(mixed, (b, ch, 1)), w[p + "conv1d.weight"],
+                                         state=g.input(state[0], (b, ch, kw - 1)))
         conv = g.reshape(g.silu(conv), (b, 1, ch))
-        conv_state = g.narrow(window, 2, 1, kw - 1)
         s0 = g.input(state[1], (b, nv, dk, dv))
-    else:                              # causal: left-padded by conv_kernel - 1
-        xp = g.pad(g.transpose(mixed, (0, 2, 1)), (kw - 1, 0))     # [b, ch, s + kw - 1]
-        conv = g.transpose(g.silu(g.conv(xp, w[p + "conv1d.weight"], groups=ch)), (0, 2, 1))
-        conv_state = g.narrow(xp, 2, s, kw - 1)
+    else:
+        conv, conv_state = causal_conv1d(g, g.transpose(mixed, (0, 2, 1)),
+                                         w[p + "conv1d.weight"])
+        conv = g.transpose(g.silu(conv), (0, 2, 1))                   # [b, s, ch]
         s0 = None
     q = g.reshape(g.narrow(conv, 2, 0, kd), (b, s, nk, dk))
     k = g.reshape(g.narrow(conv, 2, kd, kd), (b, s, nk, dk))
