@@ -16,7 +16,7 @@ from rlx_numba.models.qwen3_next import graph_param_shapes, graph_params
 
 # layer 0 gated-delta with the MoE (2 value heads a key head), layer 1 attention, dense MLP
 CFG_A = dict(vocab_size=37, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+             num_attention_heads=2, num_key_value_heads=1, head_dim=8,
              partial_rotary_factor=0.5, layer_types=["linear_attention", "full_attention"],
              linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
              linear_value_head_dim=6, num_experts=3, num_experts_per_tok=2,
@@ -172,8 +172,8 @@ def _close(got, want, what):
 def test_forward_matches_numpy():
     cfg = Qwen3NextConfig(**CFG_A)
     m = Qwen3NextForCausalLM.from_config(cfg, seed=1, std=0.3)
-    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5))
-    _close(m(ids), oracle_logits(cfg, m.params, ids), "forward logits")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 6)
+    _close(m(ids), oracle_logits(cfg, m.params, ids[None])[0], "forward logits")
 
 
 def test_generate_carries_the_states():
@@ -205,7 +205,8 @@ def test_graph_params_regroup_the_projections():
     qkvg = gp["model.layers.1.self_attn.qkvg_proj.weight"]
     q = P["model.layers.1.self_attn.q_proj.weight"]
     np.testing.assert_array_equal(qkvg[d:2 * d], q[2 * d:3 * d])              # head 1's query
-    np.testing.assert_array_equal(qkvg[-d:], q[-d:])                           # head 3's gate
+    np.testing.assert_array_equal(qkvg[-2 * d:-d], q[d:2 * d])                 # head 0's gate
+    np.testing.assert_array_equal(qkvg[2 * d:3 * d], P["model.layers.1.self_attn.k_proj.weight"])
     inp = gp["model.layers.0.linear_attn.in_proj.weight"]
     qkvz = P["model.layers.0.linear_attn.in_proj_qkvz.weight"]
     ba = P["model.layers.0.linear_attn.in_proj_ba.weight"]
