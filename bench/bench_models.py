@@ -509,8 +509,7 @@ def hf_qwen3next(torch, transformers, seed=0):
     routers N(0, 0.5), conv N(0, 0.3), A_log log U(1, 16), dt_bias 1 + N(0, 0.2)."""
     cfg = transformers.Qwen3NextConfig(**QWEN3NEXT)
     cfg._attn_implementation = "eager"
-    if hasattr(cfg, "_experts_implementation"):     # transformers 5: its loop over experts
-        cfg._experts_implementation = "eager"
+    cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
     hf = transformers.Qwen3NextForCausalLM(cfg).float()
     torch.manual_seed(seed)
     with torch.no_grad():

@@ -61,8 +61,7 @@ def build_hf(seed=0, **over):
     wider than its init, so that routing and greedy picks are far from ties."""
     cfg = transformers.Qwen3NextConfig(**dict(SMALL, **over))
     cfg._attn_implementation = "eager"
-    if hasattr(cfg, "_experts_implementation"):     # transformers 5: its loop over experts
-        cfg._experts_implementation = "eager"
+    cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
     hf = transformers.Qwen3NextForCausalLM(cfg).float()
     torch.manual_seed(seed)
     with torch.no_grad():
