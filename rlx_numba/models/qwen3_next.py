@@ -232,7 +232,8 @@ def qwen3_next_param_shapes(cfg: Qwen3NextConfig) -> dict[str, tuple]:
             out[a + "k_norm.weight"] = (d,)
         out[p + "post_attention_layernorm.weight"] = (h,)
         if cfg.sparse_layer(n):
-            e, mi, si = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+            e, mi = cfg.num_experts, cfg.moe_intermediate_size
+            si = cfg.shared_expert_intermediate_size
             out[p + "mlp.gate.weight"] = (e, h)
             out[p + "mlp.experts.gate_up_proj"] = (e, 2 * mi, h)
             out[p + "mlp.experts.down_proj"] = (e, h, mi)
