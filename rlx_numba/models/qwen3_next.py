@@ -510,7 +510,7 @@ class Qwen3NextForCausalLM:
 
     ``params``: name -> array in transformers' names and layouts (``qwen3_next_param_shapes``),
     kept on the host as f32. ``dtype``: "f32", "bf16" or "f16" (the graphs run in it,
-    blocks.in_dtype). ``exec_mode``: the decode graph's ("stream", or "graph": one CUDA
+    executables.in_dtype). ``exec_mode``: the decode graph's ("stream", or "graph": one CUDA
     graph replayed per token; the simulator runs it as a stream); the others run "stream".
     Compiled graphs are kept per shape (the ``max_cached`` most recent); they share one
     device copy of the weights and one stream."""
