@@ -26,6 +26,15 @@ and KV caches, by format).
 Bars: 1B batch 1, q4 >= 2.5x and bf16 >= 1.6x the f32 tok/s; SmolLM2, every format >= 1.0x f32
 at both batches.
 
+Qwen3-Next (``--only qwen3next``; issue 33): the hybrid decoder (gated-delta and attention
+layers, MoE with a shared expert) at a small config (QWEN3NEXT, f32, random weights spread
+wider than transformers' init), saved by transformers' Qwen3NextForCausalLM and loaded by ours:
+decode tok/s at batch 1 and 4 (16-token prompts, --new tokens; (t(n) - t(1)) / (n - 1) of
+whole greedy generate calls on both sides) with our decode graph run as a stream and as one
+CUDA graph, beside transformers' eager generate (its torch code paths: fla / causal-conv1d
+kernels swapped out where installed, as tests/test_qwen3_next_gpu.py), and whether the greedy
+tokens are the same (the row's pass).
+
   python bench/bench_models.py [--no-compile] [--decode-exec-mode stream] [--weights f16]
                                [--new 128] [--out bench/results/models.json]
 """
@@ -486,6 +495,104 @@ def bench_decode_1b(torch, transformers, args, rows):
     free_device_memory(args.cuda, torch)
 
 
+QWEN3NEXT = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                 linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                 linear_value_head_dim=64, num_experts=16, num_experts_per_tok=4,
+                 moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                 max_position_embeddings=4096, tie_word_embeddings=False)   # every 4th: attention
+
+
+def hf_qwen3next(torch, transformers, seed=0):
+    """transformers' Qwen3NextForCausalLM of QWEN3NEXT on the GPU, f32, eager attention, its torch
+    gated-delta / conv code in every layer; weights N(0, 0.08), zero-centred norms N(0, 0.1),
+    routers N(0, 0.5), conv N(0, 0.3), A_log log U(1, 16), dt_bias 1 + N(0, 0.2)."""
+    cfg = transformers.Qwen3NextConfig(**QWEN3NEXT)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
+    hf = transformers.Qwen3NextForCausalLM(cfg).float()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+            elif name.endswith("dt_bias"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else
+                          0.3 if name.endswith("conv1d.weight") else 0.08)
+    mod = __import__(type(hf).__module__, fromlist=["_"])
+    for m in hf.modules():
+        if type(m).__name__ == "Qwen3NextGatedDeltaNet":
+            m.chunk_gated_delta_rule = mod.torch_chunk_gated_delta_rule
+            m.recurrent_gated_delta_rule = mod.torch_recurrent_gated_delta_rule
+            m.causal_conv1d_update = mod.torch_causal_conv1d_update
+            m.causal_conv1d_fn = None
+            if type(m.norm).__name__ != "Qwen3NextRMSNormGated":
+                norm = mod.Qwen3NextRMSNormGated(m.head_v_dim, eps=m.layer_norm_epsilon)
+                norm.weight.data.copy_(m.norm.weight.data.float())
+                m.norm = norm
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    return hf.cuda().eval()
+
+
+def bench_qwen3next(torch, transformers, args, rows):
+    import tempfile
+
+    from rlx_numba.models import Qwen3NextForCausalLM
+    if not hasattr(transformers, "Qwen3NextForCausalLM"):
+        print(f"\nqwen3next: transformers {transformers.__version__} has no Qwen3NextForCausalLM; "
+              f"skipped")
+        return
+    hf = hf_qwen3next(torch, transformers)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf.save_pretrained(tmp)
+        models = {mode: Qwen3NextForCausalLM.from_safetensors(tmp, exec_mode=mode)
+                  for mode in ("stream", "graph")}
+    ctx = args.cuda.current_context()
+    n = args.new
+    print(f"\n{'Qwen3-Next small, f32':<22} {'stream tok/s':>13} {'graph tok/s':>12} "
+          f"{'eager tok/s':>12} {'x eager':>8}  same greedy tokens")
+    for b in (1, 4):
+        prompt = np.random.default_rng(1).integers(0, QWEN3NEXT["vocab_size"], (b, 16))
+        tp = torch.from_numpy(prompt).cuda()
+
+        def run_hf(k):
+            with torch.inference_mode():
+                return hf.generate(tp, max_new_tokens=k, min_new_tokens=k,
+                                   do_sample=False).cpu().numpy()
+
+        def per_token(gen):
+            gen(1), gen(n)                    # compile / warm up
+            t1 = wall(lambda: gen(1), lambda: None, 1, warmup=0)
+            tn = wall(lambda: gen(n), lambda: None, 1, warmup=0)
+            return (tn - t1) / (n - 1)
+
+        ref = run_hf(n)
+        per = {mode: per_token(lambda k, m=m: m.generate(prompt, k, max_seq_len=16 + n))
+               for mode, m in models.items()}
+        same = all(np.array_equal(m.generate(prompt, n), ref) for m in models.values())
+        t_eager = per_token(run_hf)
+        best = min(per.values())
+        r = dict(model="qwen3next-small", phase="decode", batch=b, tokens=n,
+                 rlx_per_s=b / best, rlx_stream_per_s=b / per["stream"],
+                 rlx_graph_per_s=b / per["graph"], eager_per_s=b / t_eager,
+                 ratio=t_eager / best, bar="same greedy tokens as transformers")
+        r["pass"] = bool(same)
+        rows.append(r)
+        print(f"  decode, batch {b:<7} {b / per['stream']:13.0f} {b / per['graph']:12.0f} "
+              f"{b / t_eager:12.0f} {t_eager / best:8.2f}  {'PASS' if same else 'FAIL'}",
+              flush=True)
+    del models, hf
+    settle(ctx)
+    free_device_memory(args.cuda, torch)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--no-compile", dest="compile", action="store_false")
@@ -494,7 +601,7 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="the models' dtype= (torch's models .to() the same dtype)")
     p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
-    p.add_argument("--only", choices=["bert", "llama", "formats", "decode1b"])
+    p.add_argument("--only", choices=["bert", "llama", "formats", "decode1b", "qwen3next"])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "models.json")
     args = p.parse_args(argv)
@@ -526,6 +633,8 @@ def main(argv=None) -> int:
         bench_formats(args, rows)
     if args.only in (None, "decode1b"):
         bench_decode_1b(torch, transformers, args, rows)
+    if args.only in (None, "qwen3next"):
+        bench_qwen3next(torch, transformers, args, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
              for r in rows]

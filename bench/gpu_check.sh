@@ -50,6 +50,7 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
   # minutes and no bar reads them. Sections run as in the baseline commands.
   run models.log 75 bench/bench_models.py --no-compile --only bert --out "$J/models_bert.json"
   run models.log 170 bench/bench_models.py --no-compile --only llama --out "$J/models_llama.json"
+  run models.log 240 bench/bench_models.py --no-compile --only qwen3next --new 64 --out "$J/models_qwen3next.json"
   if python3 -c "import gguf" 2>/dev/null; then
     # q4_0 / q5_0 quantisation goes through the gguf package; the 1B shape's random f32
     # weights (~5 GB on the host) and their quantisation are most of this run's time

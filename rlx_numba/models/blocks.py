@@ -138,29 +138,31 @@ def embedding(w: Weights, name: str, ids: Tensor) -> Tensor:
 
 
 def norm(w: Weights, name: str, x: Tensor, *, eps: float, kind: str = "rms",
-         residual: Tensor | None = None, return_residual: bool = False):
+         residual: Tensor | None = None, return_residual: bool = False, gain: str = "weight"):
     """``kind`` "rms" or "layer" norm of x (+ ``residual``, added in the same kernel) with the
-    gain ``name.weight`` and the shift ``name.bias`` when there is one; with
+    gain ``name.weight`` (``name.<gain>``) and the shift ``name.bias`` when there is one; with
     ``return_residual`` also the sum x + residual (Graph.rms_norm / layer_norm)."""
     if kind not in ("rms", "layer"):
         raise ValueError(f"norm: kind must be 'rms' or 'layer', got {kind!r}")
     f = w.g.rms_norm if kind == "rms" else w.g.layer_norm
-    return f(x, w[name + ".weight"], w.get(name + ".bias"), eps=eps, residual=residual,
+    return f(x, w[f"{name}.{gain}"], w.get(name + ".bias"), eps=eps, residual=residual,
              return_residual=return_residual)
 
 
 def add_norm(w: Weights, name: str, branch: Tensor | None, stream: Tensor, *, eps: float,
-             kind: str = "rms", separate: bool = False):
+             kind: str = "rms", separate: bool = False, gain: str = "weight"):
     """A pre-norm residual step: (norm(stream + branch), stream + branch) in one kernel;
     with no branch (the first layer's), (norm(stream), stream). ``separate``: the add as a
     node of its own (a decode step: it folds into the product computing ``branch`` as its
-    residual, and the norm into the product reading it, passes/fusion.py)."""
+    residual, and the norm into the product reading it, passes/fusion.py). ``gain``: the
+    gain param's suffix (norm's)."""
     if branch is None:
-        return norm(w, name, stream, eps=eps, kind=kind), stream
+        return norm(w, name, stream, eps=eps, kind=kind, gain=gain), stream
     if separate:
         stream = w.g.add(branch, stream)
-        return norm(w, name, stream, eps=eps, kind=kind), stream
-    return norm(w, name, branch, eps=eps, kind=kind, residual=stream, return_residual=True)
+        return norm(w, name, stream, eps=eps, kind=kind, gain=gain), stream
+    return norm(w, name, branch, eps=eps, kind=kind, residual=stream, return_residual=True,
+                gain=gain)
 
 
 def lm_head(w: Weights, name: str, x: Tensor) -> Tensor:
@@ -205,15 +207,17 @@ class Positions:
 
 
 def decoder_positions(g: Graph, cfg, kind: str, batch: int, seq: int,
-                      cache_len: int | None = None) -> Positions:
-    """The rope tables (cfg.head_dim, cfg.rope_theta) and positions of a ``kind`` graph over
+                      cache_len: int | None = None, *, rotary_dim: int | None = None) -> Positions:
+    """The rope tables (cfg.head_dim, or ``rotary_dim`` for a partial rotary embedding that
+    turns only a head's first dims; cfg.rope_theta) and positions of a ``kind`` graph over
     [batch, seq] tokens, with its inputs: a prefill's ``pad`` (i32 [batch, 1], each row's
     left pads: row r's column t sits at position t - pad[r], its pad columns masked out as
     keys), a decode step's ``pos`` (i32 [1]) and the param of its rows' pads (``pad_name``;
     rows pad..pos live, and only the last cfg.sliding_window of them with a window)."""
     b, s, win = batch, seq, cfg.sliding_window
     cached = kind in ("prefill", "decode")
-    cos_np, sin_np = rope_tables(cfg.head_dim, cfg.rope_theta, cache_len if cached else s)
+    cos_np, sin_np = rope_tables(rotary_dim or cfg.head_dim, cfg.rope_theta,
+                                 cache_len if cached else s)
     at = Positions(kind, b, s, cache_len if cached else None, win,
                    g.constant(cos_np), g.constant(sin_np))
     if kind == "decode":
@@ -335,6 +339,26 @@ def encoder_attention(w: Weights, x: Tensor, names: tuple, *, num_heads: int,
     q_name, k_name, v_name, o_name = names
     q, k, v = (w.linear(x, n) for n in (q_name, k_name, v_name))
     return w.linear(w.g.attention(q, k, v, mask=mask, num_heads=num_heads), o_name)
+
+
+# ---- a recurrent mixer's causal conv -------------------------------------------------------------
+def causal_conv1d(g: Graph, x: Tensor, weight: Tensor, bias: Tensor | None = None, *,
+                  state: Tensor | None = None):
+    """The causal depthwise conv1d of Mamba's and Qwen3-Next's gated-delta mixers (nn.Conv1d
+    with groups = channels, left-padded by k - 1, no activation) over x [b, C, s], weight
+    [C, 1, k], bias [C] -> (y [b, C, s], the last k - 1 inputs [b, C, k - 1]: the state a
+    decode step goes on from). ``state``: a decode step's (s = 1) those of the tokens
+    before; the conv is then a dot over the window."""
+    b, c, s = x.shape
+    k = weight.shape[-1]
+    if state is not None:
+        window = g.concat([state, x], 2)                                  # [b, C, k]
+        y = g.reduce_sum(window * g.reshape(weight, (c, k)), 2)
+        if bias is not None:
+            y = y + bias
+        return g.reshape(y, (b, c, 1)), g.narrow(window, 2, 1, k - 1)
+    xp = g.pad(x, (k - 1, 0))
+    return g.conv(xp, weight, bias, groups=c), g.narrow(xp, 2, s, k - 1)
 
 
 # ---- MLPs ------------------------------------------------------------------------------------

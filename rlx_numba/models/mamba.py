@@ -20,7 +20,7 @@ import numpy as np
 
 from ..compiler import compile
 from ..ir.graph import Graph
-from .blocks import Weights, embedding, norm
+from .blocks import Weights, causal_conv1d, embedding, norm
 from .executables import ExecutableCache, in_dtype, model_dtype
 from .weights import check_params, load_safetensors
 
@@ -130,28 +130,24 @@ def mamba_mixer(w: Weights, cfg: MambaConfig, p: str, x, *, state: tuple | None 
     r, k = cfg.time_step_rank, cfg.conv_kernel
     xz = w.linear(x, p + "in_proj")                                     # [b, s, 2 di]
     A = g.neg(g.exp(w[p + "A_log"]))
-    conv_w = g.reshape(w[p + "conv1d.weight"], (di, k))
     if state is not None:
         xz = g.reshape(xz, (b, 2 * di))
         x, z = g.narrow(xz, 1, 0, di), g.narrow(xz, 1, di, di)
-        window = g.concat([g.input(state[0], (b, di, k - 1)),
-                           g.reshape(x, (b, di, 1))], 2)              # [b, di, k]
-        xc = g.reduce_sum(g.mul(window, conv_w), 2)
-        if cfg.use_conv_bias:
-            xc = g.add(xc, w[p + "conv1d.bias"])
-        xc = g.silu(xc)                                                 # [b, di]
+        xc, conv_state = causal_conv1d(g, g.reshape(x, (b, di, 1)), w[p + "conv1d.weight"],
+                                       w.get(p + "conv1d.bias"),
+                                       state=g.input(state[0], (b, di, k - 1)))
+        xc = g.silu(g.reshape(xc, (b, di)))                             # [b, di]
         dbl = g.reshape(w.linear(g.reshape(xc, (b, 1, di)), p + "x_proj"), (b, r + 2 * n))
         dt = w.linear(g.narrow(dbl, 1, 0, r), p + "dt_proj")           # [b, di]
         y, ssm = g.selective_state_update(
             g.input(state[1], (b, di, n)), xc, dt, A, g.narrow(dbl, 1, r, n),
             g.narrow(dbl, 1, r + n, n), D=w[p + "D"], z=z, dt_softplus=True)
         out = w.linear(g.reshape(y, (b, 1, di)), p + "out_proj")
-        return out, [g.narrow(window, 2, 1, k - 1), ssm]
+        return out, [conv_state, ssm]
     xzt = g.transpose(xz, (0, 2, 1))                                    # [b, 2 di, s]
     x, z = g.narrow(xzt, 1, 0, di), g.narrow(xzt, 1, di, di)
-    xp = g.pad(x, (k - 1, 0))                                           # causal
-    xc = g.silu(g.conv(xp, w[p + "conv1d.weight"], w.get(p + "conv1d.bias"),
-                       groups=di))                                      # [b, di, s]
+    xc, conv_state = causal_conv1d(g, x, w[p + "conv1d.weight"], w.get(p + "conv1d.bias"))
+    xc = g.silu(xc)                                                     # [b, di, s]
     dbl = w.linear(g.transpose(xc, (0, 2, 1)), p + "x_proj")            # [b, s, r + 2n]
     dt = w.linear(g.narrow(dbl, 2, 0, r), p + "dt_proj")                # [b, s, di]
     Bm = g.transpose(g.narrow(dbl, 2, r, n), (0, 2, 1))                 # [b, n, s]
@@ -159,7 +155,7 @@ def mamba_mixer(w: Weights, cfg: MambaConfig, p: str, x, *, state: tuple | None 
     y, last = g.selective_scan(xc, g.transpose(dt, (0, 2, 1)), A, Bm, Cm, D=w[p + "D"],
                                z=z, delta_softplus=True, return_last_state=True)
     out = w.linear(g.transpose(y, (0, 2, 1)), p + "out_proj")          # [b, s, d]
-    return out, [g.narrow(xp, 2, s, k - 1), last]
+    return out, [conv_state, last]
 
 
 class MambaForCausalLM:

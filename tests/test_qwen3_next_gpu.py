@@ -1,0 +1,162 @@
+"""GPU acceptance of Qwen3NextForCausalLM against transformers' Qwen3NextForCausalLM (torch and
+transformers are on the GPU image; never dependencies): a small hybrid config (gated-delta and
+attention layers, MoE and dense MLPs) with random weights, f32, eager attention and
+transformers' torch implementations of the gated delta rule and the conv (fla / causal-conv1d
+kernels, when installed, are swapped out: the reference is transformers' own torch code, TF32
+off), saved with save_pretrained and loaded with Qwen3NextForCausalLM.from_safetensors. The
+logits of every position agree within 1e-4 of the largest |logit|; 16 greedy tokens equal
+transformers' generate(do_sample=False); a ragged batch and the CUDA-graph decode give the same
+tokens. Skipped under the simulator (and without torch / a transformers with Qwen3-Next)."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+
+pytestmark = pytest.mark.skipif(rlx.simulator_enabled(), reason="needs a GPU, torch and "
+                                                                 "transformers")
+torch = pytest.importorskip("torch") if not rlx.simulator_enabled() else None
+transformers = pytest.importorskip("transformers") if not rlx.simulator_enabled() else None
+
+from rlx_numba.models import Qwen3NextForCausalLM  # noqa: E402
+
+# layers: gated-delta (MoE), attention (dense: mlp_only_layers), gated-delta (MoE), attention
+# (MoE); 2 value heads a key head; rotary over a quarter of head_dim (transformers' default)
+SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=160, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+             layer_types=["linear_attention", "full_attention"] * 2,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+             linear_value_head_dim=24, linear_conv_kernel_dim=4, num_experts=8,
+             num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=64,
+             mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def torch_reference(model):
+    """transformers' torch code paths in every gated-delta layer (its fallbacks when fla and
+    causal-conv1d are missing), whatever is installed; returns what was swapped."""
+    mod = __import__(type(model).__module__, fromlist=["_"])
+    swapped = set()
+    for m in model.modules():
+        if type(m).__name__ != "Qwen3NextGatedDeltaNet":
+            continue
+        for attr, fn in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                         ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                         ("causal_conv1d_update", "torch_causal_conv1d_update")):
+            ref = getattr(mod, fn, None)
+            if ref is not None and hasattr(m, attr) and getattr(m, attr) is not ref:
+                setattr(m, attr, ref)
+                swapped.add(attr)
+        if getattr(m, "causal_conv1d_fn", None) is not None:
+            m.causal_conv1d_fn = None
+            swapped.add("causal_conv1d_fn")
+        if type(m.norm).__name__ != "Qwen3NextRMSNormGated":
+            norm = mod.Qwen3NextRMSNormGated(m.head_v_dim, eps=m.layer_norm_epsilon)
+            norm.weight.data.copy_(m.norm.weight.data.float())
+            m.norm = norm.to(m.norm.weight.device)
+            swapped.add("norm")
+    return swapped
+
+
+def build_hf(seed=0, **over):
+    """transformers' model of SMALL (f32, eager attention, torch paths) with weights spread
+    wider than its init, so that routing and greedy picks are far from ties."""
+    cfg = transformers.Qwen3NextConfig(**dict(SMALL, **over))
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
+    hf = transformers.Qwen3NextForCausalLM(cfg).float()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:                       # zero-centred: gain 1 + weight
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+            elif name.endswith("dt_bias"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("conv1d.weight"):
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.08)
+    hf = hf.cuda().eval()
+    print(f"\ntransformers {transformers.__version__}: swapped to its torch code: "
+          f"{sorted(torch_reference(hf)) or 'nothing (no fla / causal-conv1d)'}")
+    return hf
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    if not hasattr(transformers, "Qwen3NextForCausalLM"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3NextForCausalLM")
+    torch.backends.cuda.matmul.allow_tf32 = False       # f32 products on both sides
+    torch.backends.cudnn.allow_tf32 = False
+    hf = build_hf()
+    path = tmp_path_factory.mktemp("qwen3next")
+    hf.save_pretrained(path)
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        names = sorted(k for k in f.keys() if k.startswith(("model.layers.0.",
+                                                            "model.layers.1.")))
+        print("saved layers 0 and 1 as:")
+        for k in names:
+            print(f"  {k} {f.get_slice(k).get_shape()}")
+    return hf, Qwen3NextForCausalLM.from_safetensors(path)
+
+
+def test_logits_match_transformers(pair):
+    hf, ours = pair
+    assert ours.config.layer_types == SMALL["layer_types"]
+    assert ours.config.rotary_dim == 8                 # 32 x transformers' default 0.25
+    ids = np.random.default_rng(1).integers(0, SMALL["vocab_size"], (2, 19))
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids).cuda()).logits.double().cpu().numpy()
+    got = ours(ids).astype(np.float64)
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    print(f"logits [2, 19, 1000]: max |diff| / max |logit| = {rel:.2e}")
+    assert rel <= 1e-4, rel
+
+
+def test_greedy_tokens_match_transformers(pair):
+    hf, ours = pair
+    prompt = np.random.default_rng(2).integers(0, SMALL["vocab_size"], (2, 7))
+    hf.generation_config.eos_token_id = None            # random weights: never stop early
+    hf.generation_config.pad_token_id = 0
+    with torch.no_grad():
+        ref = hf.generate(torch.from_numpy(prompt).cuda(), max_new_tokens=16,
+                          do_sample=False).cpu().numpy()
+    out = ours.generate(prompt, 16)
+    print(f"ours  {out[:, 7:].tolist()}\nthem  {ref[:, 7:].tolist()}")
+    np.testing.assert_array_equal(out, ref)
+    graph = Qwen3NextForCausalLM(ours.config, ours.params, exec_mode="graph")
+    np.testing.assert_array_equal(graph.generate(prompt, 16), ref)     # CUDA-graph decode
+
+
+def test_ragged_prompts_generate_as_alone(pair):
+    """Left-padded rows (pad columns masked from attention, zeroed before the gated-delta
+    layers) give transformers' tokens for each prompt alone."""
+    hf, ours = pair
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, SMALL["vocab_size"], n) for n in (3, 9, 6)]
+    got = ours.generate(prompts, 12)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, row in zip(prompts, got):
+        with torch.no_grad():
+            ref = hf.generate(torch.from_numpy(p[None]).cuda(), max_new_tokens=12,
+                              do_sample=False).cpu().numpy()[0]
+        np.testing.assert_array_equal(row, ref)
+
+
+def test_bf16_model_near_transformers_f32(pair):
+    """dtype="bf16" (weights and activations bf16, f32 math inside the kernels) stays within
+    bf16's rounding of transformers' f32 logits."""
+    hf, ours = pair
+    half = Qwen3NextForCausalLM(ours.config, ours.params, dtype="bf16")
+    ids = np.random.default_rng(4).integers(0, SMALL["vocab_size"], (2, 11))
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids).cuda()).logits.double().cpu().numpy()
+    rel = np.abs(half(ids) - want).max() / np.abs(want).max()
+    print(f"bf16 logits: max |diff| / max |logit| = {rel:.2e}")
+    assert rel <= 5e-2, rel
