@@ -105,6 +105,10 @@ def _intrinsic_by_definition(name, defn):   # never called: the pickle is only h
     raise AssertionError("a kernel-cache key is not unpickled")
 
 
+def _llvm_by_text(kind, text):   # never called: the pickle is only hashed
+    raise AssertionError("a kernel-cache key is not unpickled")
+
+
 def func_key(py_func) -> tuple[str, str]:
     """(hash of the bytecode, hash of the closure cells) of a kernel's Python function: the
     part of its disk-cache key that tells closures of one factory apart. The same in every
@@ -115,10 +119,17 @@ def func_key(py_func) -> tuple[str, str]:
     from numba.cuda.extending import _Intrinsic
     from numba.cuda.serialize import NumbaPickler
 
+    from llvmlite.ir._utils import _StrCaching
+
     class KeyPickler(NumbaPickler):
         def reducer_override(self, obj):
             if isinstance(obj, _Intrinsic):   # not its per-process uuid (see the module doc)
                 return _intrinsic_by_definition, (obj._name, obj._defn)
+            if isinstance(obj, _StrCaching):
+                # an llvmlite IR type or value (an intrinsic's codegen holds ir.IntType(32)):
+                # by its IR text, not its __dict__, where str() caches that text once a
+                # compile has printed it -- keys computed before and after a compile differed
+                return _llvm_by_text, (type(obj).__qualname__, str(obj))
             return super().reducer_override(obj)
 
     code = hashlib.sha256(py_func.__code__.co_code).hexdigest()
