@@ -1,24 +1,108 @@
 """Gated DeltaNet (Qwen3-Next's linear attention; fla's chunk_gated_delta_rule), a builder
-method mixed into Graph.
+method mixed into Graph, with its decode step.
 
 Per head the state S [Dk, Dv] evolves token by token (fla's naive recurrent reference):
 S <- S exp(g_t); u_t = beta_t (v_t - S^T k_t); S <- S + k_t u_t^T; o_t = S^T q_t, with q scaled
 by Dk ** -0.5 (after an optional l2 norm of q and k over Dk).
 
-Built here in the chunked form of fla and of transformers' torch_chunk_gated_delta_rule,
-from graph ops: the tokens split into chunks of C, everything inside a chunk is batched
-products over all chunks at once -- the within-chunk decays exp(G_i - G_j) (G the chunk's
-running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule solved as
-(I + A)(I + A^2)(I + A^4)... (A is strictly lower, so A^C = 0: log2 C products instead of C
-row updates) -- and only the state passes from chunk to chunk, through g.scan (unrolled: one
-CUDA graph). Autodiff differentiates it through those ops' VJPs. Padding tokens (g = 0,
-beta = 0) leave the state unchanged."""
+Built in the chunked form of fla and of transformers' torch_chunk_gated_delta_rule. The
+tokens split into chunks of C; everything that does not need the state runs for all chunks at
+once as batched products and element-wise ops: the within-chunk decays exp(G_i - G_j) (G the
+chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule solved
+as (I + A)(I + A^2)(I + A^4)... (A is strictly lower, so A^C = 0: log2 C products instead of C
+row updates), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
+and the decayed keys. Only the state pass is sequential, the op "delta_state_scan" (one
+kernel for all chunks, kernels/delta.py):
+
+    h_n entering chunk n;  v'_n = u_n - W_n h_n;  h_{n+1} = exp(G_last) h_n + K_dec^T v'_n
+
+after which o = (q exp(G)) h_n + attn v'_n for all chunks at once. Its VJP is the same op run
+backwards over the chunks (the adjoint state obeys the transposed recurrence) and batched
+products. Padding tokens (g = 0, beta = 0) leave the state unchanged."""
 from __future__ import annotations
 
 import numpy as np
 
 from . import dtypes as dt
+from .autodiff import vjp
+from .opdef import F32_ONLY, defop
 from .ops import fmt
+
+# Shared memory (f32 words) the state pass's kernel may use: 48 KB, the static limit. Its
+# blocks hold S's [Dk, VS] slice, X's [C, VS] and one of P / Q [C, Dk + 1] with VS <= 16
+# columns and thread tiles of <= 16 rows (kernels/delta.py); the builder picks C to fit.
+SCAN_SHARED_FLOATS = 12 * 1024
+SCAN_MAX_COLUMNS = SCAN_MAX_ROWS = 16
+MAX_DK = 256
+
+
+def scan_chunk_fits(dk: int, c: int) -> bool:
+    """Whether the state pass's kernel fits chunks of c tokens with Dk = dk (its largest
+    geometry: 16 columns of V, tiles of 16 rows)."""
+    r, vs = SCAN_MAX_ROWS, SCAN_MAX_COLUMNS
+    return dk * vs + c * vs + max(c, -(-c // r) * r) * (dk + 1) + -(-dk // r) * r \
+        <= SCAN_SHARED_FLOATS
+
+
+def _state_scan_dims(op, p, q, a, d, s0, bias=None):
+    for arg, t in (("P", p), ("Q", q), ("A", a), ("d", d), ("s0", s0), ("bias", bias)):
+        if t is not None and t.dtype != dt.F32:
+            raise ValueError(f"{op}: {arg} must be f32, got {t.dtype} {fmt(t.shape)}")
+    if len(p.shape) != 4 or q.shape != p.shape:
+        raise ValueError(f"{op}: P and Q must be [G, N, C, K] of one shape, got P "
+                         f"{fmt(p.shape)}, Q {fmt(q.shape)}")
+    g, n, c, k = p.shape
+    if len(a.shape) != 4 or a.shape[:3] != (g, n, c):
+        raise ValueError(f"{op}: A must be [G, N, C, V] = [{g}, {n}, {c}, V], got "
+                         f"{fmt(a.shape)}")
+    v = a.shape[3]
+    for arg, t, want in (("d", d, (g, n)), ("s0", s0, (g, k, v)),
+                         ("bias", bias, (g, n, k, v))):
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(f"{op}: {arg} must be {fmt(want)}, got {fmt(t.shape)}")
+    return g, n, c, k, v
+
+
+def _infer_state_scan(p, q, a, d, s0, bias=None, *, reverse=False):
+    """Flat [states (G N K V) | X (G N C V) | final (G K V)]."""
+    g, n, c, k, v = _state_scan_dims("delta_state_scan", p, q, a, d, s0, bias)
+    return (g * n * k * v + g * n * c * v + g * k * v,), dt.F32
+
+
+defop("delta_state_scan", _infer_state_scan, dtype_rule=F32_ONLY,
+      doc="the chunked gated delta rule's state pass: per chunk n (reversed when reverse) "
+          "states[n] = S, X[n] = A[n] + P[n] S, S = d[n] S + Q[n]^T X[n] (+ bias[n]); "
+          "flat [states | X | final S]")
+
+
+def _split_state_scan(g, flat, gg, n, c, k, v):
+    sizes = ((gg, n, k, v), (gg, n, c, v), (gg, k, v))
+    out, at = [], 0
+    for shape in sizes:
+        size = int(np.prod(shape))
+        out.append(g.reshape(g.narrow(flat, 0, at, size), shape))
+        at += size
+    return out
+
+
+@vjp("delta_state_scan")
+def _state_scan_vjp(g, node, dflat):
+    """The adjoint G_n of the state entering chunk n + 1 runs the same recurrence backwards:
+    X'_n = dX_n + Q_n G_n (dA_n), G_{n-1} = d_n G_n + P_n^T X'_n + dstates_n; then
+    dP_n = X'_n S_n^T, dQ_n = X_n G_n^T, dd_n = <S_n, G_n>, dbias_n = G_n, ds0 = the last G."""
+    ins = [g.tensor(i) for i in node.inputs]
+    p, q, a, d, s0 = ins[:5]
+    gg, n, c, k, v = _state_scan_dims("delta_state_scan", *ins)
+    states, x, _ = _split_state_scan(g, g.tensor(node.id), gg, n, c, k, v)
+    dstates, dx, dfinal = _split_state_scan(g, dflat, gg, n, c, k, v)
+    back = g.bind("delta_state_scan", [q, p, dx, d, dfinal, dstates],
+                  reverse=not node.attrs.get("reverse", False))
+    adj, dxt, ds0 = _split_state_scan(g, back, gg, n, c, k, v)
+    tr = (0, 1, 3, 2)
+    dp = g.matmul(dxt, g.transpose(states, tr))
+    dq = g.matmul(x, g.transpose(adj, tr))
+    dd = g.reduce_sum(states * adj, [2, 3])
+    return [dp, dq, dxt, dd, ds0] + ([adj] if len(ins) == 6 else [])
 
 
 def _check(op, q, k, v, g_, beta, initial_state, scale):
@@ -70,7 +154,11 @@ class DeltaOps:
             raise ValueError(f"{op}: chunk_size must be a power of two, got {chunk_size!r}")
         b, t, h, dk = q.shape
         dv = v.shape[3]
+        if dk > MAX_DK:
+            raise ValueError(f"{op}: Dk must be at most {MAX_DK}, got q {fmt(q.shape)}")
         c = min(chunk_size, 1 << max(0, (t - 1).bit_length()))
+        while not scan_chunk_fits(dk, c):
+            c //= 2                 # the state pass's shared memory bounds the chunk
         n = -(-t // c)
         if use_qk_l2norm:
             q, k = (self._l2norm(x) for x in (q, k))
@@ -99,28 +187,26 @@ class DeltaOps:
         a = self.where(strict, -(self.matmul(k_beta, kt) * decay), zero)
         tri = self._unit_lower_inverse(a, c)                   # (I - A)^-1
         u = self.matmul(tri, v_beta)                           # [B, H, N, C, Dv]
-        k_cum = self.matmul(tri, k_beta * self.activation("exp", gi))
+        # -W: the state pass adds P h, P = -W
+        w_neg = self.matmul(tri, k_beta * -self.activation("exp", gi))
         attn = self.where(lower, self.matmul(q, kt) * decay, zero)   # within a chunk
         g_last = self.narrow(gs, 3, c - 1, 1)                  # [B, H, N, 1]
         k_dec = k * self.activation("exp", self.reshape(g_last - gs, (b, h, n, c, 1)))
         q_dec = q * self.activation("exp", gi)
-        s_dec = self.activation("exp", self.reshape(g_last, (b, h, n, 1, 1)))
-        chunk_first = lambda x: self.transpose(x, (2, 0, 1, 3, 4))   # noqa: E731
-        xs = [chunk_first(x) for x in (q_dec, k_dec, u, k_cum, attn, s_dec)]
-        s0 = initial_state if initial_state is not None else \
-            self.constant(np.zeros((b, h, dk, dv), np.float32))
-
-        def step(sub, s, qd, kd, un, kc, at, sd):
-            v_new = un - sub.matmul(kc, s)
-            out = sub.matmul(qd, s) + sub.matmul(at, v_new)
-            s = s * sd + sub.matmul(sub.transpose(kd, (0, 1, 3, 2)), v_new)
-            return [s], [out]
-
-        (last,), (outs,) = self.scan(step, [s0], xs)          # outs [N, B, H, C, Dv]
-        o = self.reshape(self.transpose(outs, (1, 2, 0, 3, 4)), (b, h, n * c, dv))
+        s_dec = self.activation("exp", self.reshape(g_last, (b * h, n)))
+        s0 = self.reshape(initial_state, (b * h, dk, dv)) if initial_state is not None else \
+            self.constant(np.zeros((b * h, dk, dv), np.float32))
+        flat = self.bind("delta_state_scan", [self.reshape(w_neg, (b * h, n, c, dk)),
+                                              self.reshape(k_dec, (b * h, n, c, dk)),
+                                              self.reshape(u, (b * h, n, c, dv)), s_dec, s0])
+        states, v_new, last = _split_state_scan(self, flat, b * h, n, c, dk, dv)
+        states = self.reshape(states, (b, h, n, dk, dv))       # h_n entering each chunk
+        v_new = self.reshape(v_new, (b, h, n, c, dv))
+        o = self.matmul(q_dec, states) + self.matmul(attn, v_new)
+        o = self.reshape(o, (b, h, n * c, dv))
         if n * c != t:
             o = self.narrow(o, 2, 0, t)
-        return self.transpose(o, (0, 2, 1, 3)), last
+        return self.transpose(o, (0, 2, 1, 3)), self.reshape(last, (b, h, dk, dv))
 
     def _l2norm(self, x):
         ss = self.reduce_sum(x * x, [x.ndim - 1], keep_dim=True)

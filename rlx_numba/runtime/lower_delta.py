@@ -1,0 +1,36 @@
+"""Lowering of delta_state_scan (ir/ops_delta.py; kernels/delta.py): one launch for all
+chunks, a block per (head, slice of V's columns)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..device import SIMULATOR
+from ..kernels import delta as K
+from ..kernels.launch import default_geometry
+from .lower import Step, lowering, step_name
+
+
+@lowering("delta_state_scan")
+def _lower_state_scan(ctx, n):
+    ins = [ctx.graph.nodes[i] for i in n.inputs]
+    heads, chunks, c, k = ins[0].shape
+    v = ins[2].shape[3]
+    if heads * chunks * c * k * v == 0:
+        return []
+    geo = default_geometry("delta_state_scan")
+    vs = K.columns(geo, v)
+    has_bias = len(ins) == 6
+    reverse = bool(n.attrs.get("reverse", False))
+    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias)
+    out = ctx.buf(n)
+    ns, nx = heads * chunks * k * v, heads * chunks * c * v
+    p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
+    bias = ctx.buf(n.inputs[5]) if has_bias else d          # (not read without a bias)
+    blocks = heads * -(-v // vs)
+    grid = min(blocks, 2) if SIMULATOR else blocks
+    return [Step(step_name(n), f"delta state scan {heads} heads x {chunks} chunks of {c}, "
+                 f"K={k} V={v}{' reversed' if reverse else ''}", kernel, (grid,),
+                 (geo.rt * geo.ct,),
+                 (out[:ns], out[ns:ns + nx], out[ns + nx:], p, q, a, d, s0, bias,
+                  np.int64(heads), np.int64(chunks), np.int64(v)),
+                 {"flops": 4 * heads * chunks * c * k * v})]
