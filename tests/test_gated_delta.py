@@ -96,3 +96,73 @@ def test_option_errors():
     with pytest.raises(ValueError, match=r"gated_delta_net: q must be f32 \(cast half tensors "
                                          r"first\), got bf16"):
         g.gated_delta_net(x, x, x, g.input("g", (1, 3, 1)), g.input("b", (1, 3, 1)))
+
+
+# ---- the sequential state pass alone (the op "delta_state_scan", kernels/delta.py) ----------
+def state_scan_ref(p, q, a, d, s0, bias=None, reverse=False):
+    """Flat [states entering each chunk | X | final state] in float64."""
+    gg, n, c, k = p.shape
+    states, x, s = np.zeros((gg, n, k, a.shape[3])), np.zeros(a.shape), s0.copy()
+    for i in (range(n - 1, -1, -1) if reverse else range(n)):
+        states[:, i] = s
+        x[:, i] = a[:, i] + p[:, i] @ s
+        s = d[:, i, None, None] * s + q[:, i].transpose(0, 2, 1) @ x[:, i]
+        if bias is not None:
+            s = s + bias[:, i]
+    return np.concatenate([states.ravel(), x.ravel(), s.ravel()])
+
+
+def scan_feed(rng, gg, n, c, k, v, bias):
+    f = dict(p=rng.standard_normal((gg, n, c, k)) * 0.5, q=rng.standard_normal((gg, n, c, k)) * 0.5,
+             a=rng.standard_normal((gg, n, c, v)), d=rng.uniform(0.5, 1.0, (gg, n)),
+             s0=rng.standard_normal((gg, k, v)))
+    if bias:
+        f["bias"] = rng.standard_normal((gg, n, k, v))
+    return f
+
+
+def scan_graph(f, reverse):
+    g = rlx.Graph()
+    ts = {name: g.input(name, x.shape) for name, x in f.items()}
+    return g, ts, g.bind("delta_state_scan", list(ts.values()), reverse=reverse)
+
+
+@pytest.mark.parametrize("reverse,bias,gpu_geo", [(False, False, False), (True, True, False),
+                                                  (False, True, True)])
+def test_state_scan_kernel(rng, reverse, bias, gpu_geo):
+    """V = 7 spans two column slices of the simulator's geometry (4 columns, the last one
+    part-filled) and 3 heads x 2 slices outnumber its 2 blocks (the grid-stride loop); the
+    GPU's geometry (128 threads, 16 columns, tiles of 16 rows) runs once on tiny sizes."""
+    import contextlib
+
+    from rlx_numba.kernels.launch import gpu_geometry, override_geometry
+    f = scan_feed(rng, 3, 3, 5, 3, 7, bias)
+    g, _, y = scan_graph(f, reverse)
+    g.set_outputs([y])
+    geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
+        if gpu_geo else contextlib.nullcontext()
+    with geo:
+        (got,) = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
+    want = state_scan_ref(*(f[k] for k in ("p", "q", "a", "d", "s0")), f.get("bias"), reverse)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse,bias", [(False, True), (True, False)])
+def test_state_scan_gradients(rng, reverse, bias):
+    f = scan_feed(rng, 2, 3, 2, 2, 3, bias)
+    g, ts, y = scan_graph(f, reverse)
+    check(g, y, ts, f, lambda **kw: state_scan_ref(**kw, reverse=reverse),
+          seed=rng.standard_normal(y.shape), rtol=1e-3, atol=1e-4)
+
+
+def test_state_scan_errors():
+    g = rlx.Graph()
+    p = g.input("p", (2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"delta_state_scan: A must be \[G, N, C, V\] = "
+                                         r"\[2, 3, 4, V\], got \[2, 3, 5, 6\]"):
+        g.bind("delta_state_scan", [p, p, g.input("a", (2, 3, 5, 6)), g.input("d", (2, 3)),
+                                    g.input("s", (2, 5, 6))])
+    with pytest.raises(ValueError, match=r"delta_state_scan: s0 must be \[2, 5, 6\], got "
+                                         r"\[2, 6, 5\]"):
+        g.bind("delta_state_scan", [p, p, g.input("a2", (2, 3, 4, 6)), g.input("d2", (2, 3)),
+                                    g.input("s2", (2, 6, 5))])
