@@ -166,3 +166,78 @@ def test_state_scan_errors():
                                          r"\[2, 6, 5\]"):
         g.bind("delta_state_scan", [p, p, g.input("a2", (2, 3, 4, 6)), g.input("d2", (2, 3)),
                                     g.input("s2", (2, 6, 5))])
+
+
+# ---- the decode step ------------------------------------------------------------------------
+@pytest.mark.parametrize("l2,scale,init", [(False, None, True), (True, 0.7, True),
+                                           (True, None, False)])
+def test_step_matches_the_recurrent_reference(rng, l2, scale, init):
+    b, h, dk, dv = 2, 3, 5, 4
+    f = make(rng, b, 1, h, dk, dv)
+    f["s0"] = rng.standard_normal((b, h, dk, dv)) if init else np.zeros((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items() if init or n != "s0"}
+    o, s = g.gated_delta_step(ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"],
+                              ts.get("s0"), scale=scale, use_qk_l2norm=l2)
+    assert o.shape == (b, 1, h, dv) and s.shape == (b, h, dk, dv)
+    g.set_outputs([o, s])
+    got_o, got_s = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()
+                                       if init or k != "s0"})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], scale, f["s0"], l2)
+    np.testing.assert_allclose(got_o, want_o, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got_s, want_s, rtol=2e-5, atol=2e-5)
+
+
+def test_step_continues_the_chunked_form(rng):
+    """gated_delta_net over T tokens, then a step: the T + 1 tokens' reference."""
+    b, t, h, dk, dv = 1, 6, 2, 4, 3
+    f = make(rng, b, t + 1, h, dk, dv)
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    head = {n: g.narrow(x, 1, 0, t) for n, x in ts.items()}
+    tail = {n: g.narrow(x, 1, t, 1) for n, x in ts.items()}
+    _, s = g.gated_delta_net(*(head[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=4,
+                             use_qk_l2norm=True)
+    o, s = g.gated_delta_step(*(tail[n] for n in ("q", "k", "v", "g", "beta")), s,
+                              use_qk_l2norm=True)
+    g.set_outputs([o, s])
+    got_o, got_s = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], l2=True)
+    np.testing.assert_allclose(got_o[:, 0], want_o[:, t], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(got_s, want_s, rtol=2e-4, atol=2e-4)
+
+
+def test_step_gradients(rng):
+    b, h, dk, dv = 1, 2, 3, 2
+    f = make(rng, b, 1, h, dk, dv)
+    f["s0"] = rng.standard_normal((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    o, s = g.gated_delta_step(ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"], ts["s0"],
+                              use_qk_l2norm=True)
+    seed_o, seed_s = rng.standard_normal(o.shape), rng.standard_normal(s.shape)
+    y = g.reduce_sum(o * g.constant(seed_o.astype(np.float32))) + \
+        g.reduce_sum(s * g.constant(seed_s.astype(np.float32)))
+
+    def oracle(q, k, v, g, beta, s0):
+        oo, ss = naive(q, k, v, g, beta, None, s0, True)
+        return (oo * seed_o).sum() + (ss * seed_s).sum()
+    check(g, y, ts, f, oracle, rtol=1e-3, atol=1e-4)
+
+
+def test_step_errors():
+    g = rlx.Graph()
+    q = g.input("q", (2, 1, 2, 4))
+    v = g.input("v", (2, 1, 2, 3))
+    gb = g.input("g", (2, 1, 2))
+    with pytest.raises(ValueError, match=r"gated_delta_step: state must be f32 \[2, 2, 4, 3\], "
+                                         r"got f32 \[2, 2, 3, 4\]"):
+        g.gated_delta_step(q, q, v, gb, gb, g.input("s", (2, 2, 3, 4)))
+    q2 = g.input("q2", (2, 2, 2, 4))
+    with pytest.raises(ValueError, match=r"gated_delta_step: one token a step: q must be "
+                                         r"\[B, 1, H, Dk\], got \[2, 2, 2, 4\]"):
+        g.gated_delta_step(q2, q2, g.input("v2", (2, 2, 2, 3)), g.input("g2", (2, 2, 2)),
+                           g.input("b2", (2, 2, 2)), None)
+    with pytest.raises(ValueError, match=r"gated_delta_step: v must be \[B, T, H, Dv\] = "
+                                         r"\[2, 1, 2, Dv\], got \[2, 1, 3, 3\]"):
+        g.gated_delta_step(q, q, g.input("v3", (2, 1, 3, 3)), gb, gb, None)

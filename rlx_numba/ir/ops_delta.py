@@ -105,7 +105,7 @@ def _state_scan_vjp(g, node, dflat):
     return [dp, dq, dxt, dd, ds0] + ([adj] if len(ins) == 6 else [])
 
 
-def _check(op, q, k, v, g_, beta, initial_state, scale):
+def _check(op, q, k, v, g_, beta, initial_state, scale, state_arg="initial_state"):
     for arg, t in (("q", q), ("k", k), ("v", v), ("g", g_), ("beta", beta)):
         if t.dtype != dt.F32:
             raise ValueError(f"{op}: {arg} must be f32 (cast half tensors first), got {t.dtype} "
@@ -124,7 +124,7 @@ def _check(op, q, k, v, g_, beta, initial_state, scale):
     if initial_state is not None:
         want = (b, h, q.shape[3], v.shape[3])
         if initial_state.dtype != dt.F32 or initial_state.shape != want:
-            raise ValueError(f"{op}: initial_state must be f32 {fmt(want)}, got "
+            raise ValueError(f"{op}: {state_arg} must be f32 {fmt(want)}, got "
                              f"{initial_state.dtype} {fmt(initial_state.shape)}")
     if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool)
                               or not np.isfinite(scale)):
@@ -207,6 +207,42 @@ class DeltaOps:
         if n * c != t:
             o = self.narrow(o, 2, 0, t)
         return self.transpose(o, (0, 2, 1, 3)), self.reshape(last, (b, h, dk, dv))
+
+    def gated_delta_step(self, q, k, v, g_, beta, state, *, scale=None, use_qk_l2norm=False):
+        """One token of the gated delta rule (the decode step; transformers'
+        torch_recurrent_gated_delta_rule at T = 1): q, k [B, 1, H, Dk], v [B, 1, H, Dv], g_ and
+        beta [B, 1, H], state [B, H, Dk, Dv] (None: zeros) -> (o [B, 1, H, Dv], the new state
+        [B, H, Dk, Dv]), the layouts of gated_delta_net at T = 1. f32.
+
+        S' = e S + k d^T with e = exp(g), d = beta (v - e S^T k); o = S'^T q = e S^T q +
+        (k . q) d: one batched product [q; k] @ S reads the state once, one fused
+        element-wise pass writes the new one."""
+        op = "gated_delta_step"
+        for arg, t in (("q", q), ("k", k), ("v", v), ("g_", g_), ("beta", beta)):
+            self.check(op, arg, t)
+        if state is not None:
+            self.check(op, "state", state)
+        _check(op, q, k, v, g_, beta, state, scale, state_arg="state")
+        if not isinstance(use_qk_l2norm, bool):
+            raise ValueError(f"{op}: use_qk_l2norm must be a bool, got {use_qk_l2norm!r}")
+        b, t, h, dk = q.shape
+        dv = v.shape[3]
+        if t != 1:
+            raise ValueError(f"{op}: one token a step: q must be [B, 1, H, Dk], got "
+                             f"{fmt(q.shape)} (gated_delta_net runs whole sequences)")
+        if use_qk_l2norm:
+            q, k = (self._l2norm(x) for x in (q, k))
+        q = q * float(dk ** -0.5 if scale is None else scale)
+        q, k = (self.reshape(x, (b, h, 1, dk)) for x in (q, k))   # [B, 1, H, D]: T = 1
+        if state is None:
+            state = self.constant(np.zeros((b, h, dk, dv), np.float32))
+        m = self.matmul(self.concat([q, k], 2), state)            # [B, H, 2, Dv]
+        sq, sk = self.narrow(m, 2, 0, 1), self.narrow(m, 2, 1, 1)
+        e = self.activation("exp", self.reshape(g_, (b, h, 1, 1)))
+        d = (self.reshape(v, (b, h, 1, dv)) - e * sk) * self.reshape(beta, (b, h, 1, 1))
+        new = e * state + self.reshape(k, (b, h, dk, 1)) * d
+        o = e * sq + self.reduce_sum(k * q, [3], keep_dim=True) * d
+        return self.reshape(o, (b, 1, h, dv)), new
 
     def _l2norm(self, x):
         ss = self.reduce_sum(x * x, [x.ndim - 1], keep_dim=True)
