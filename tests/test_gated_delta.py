@@ -241,3 +241,27 @@ def test_step_errors():
     with pytest.raises(ValueError, match=r"gated_delta_step: v must be \[B, T, H, Dv\] = "
                                          r"\[2, 1, 2, Dv\], got \[2, 1, 3, 3\]"):
         g.gated_delta_step(q, q, g.input("v3", (2, 1, 3, 3)), gb, gb, None)
+
+
+# ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
+def test_unit_lower_inverse(rng):
+    """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
+    count), 3 matrices of 5 x 5 (more than the simulator's 2 blocks: the grid-stride loop);
+    its VJP by finite differences."""
+    a = rng.standard_normal((3, 5, 5)) * 0.5
+
+    def oracle(a):
+        return np.linalg.inv(np.eye(5) - np.tril(a, -1))
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    g.set_outputs([g.bind("unit_lower_inverse", [x])])
+    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+    np.testing.assert_allclose(got, oracle(a), rtol=1e-5, atol=1e-5)
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    y = g.bind("unit_lower_inverse", [x])
+    check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
+          atol=1e-4)
+    with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
+                                         r"with C <= 64, got f32 \[2, 3, 4\]"):
+        g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])

@@ -8,9 +8,8 @@ by Dk ** -0.5 (after an optional l2 norm of q and k over Dk).
 Built in the chunked form of fla and of transformers' torch_chunk_gated_delta_rule. The
 tokens split into chunks of C; everything that does not need the state runs for all chunks at
 once as batched products and element-wise ops: the within-chunk decays exp(G_i - G_j) (G the
-chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule solved
-as (I + A)(I + A^2)(I + A^4)... (A is strictly lower, so A^C = 0: log2 C products instead of C
-row updates), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
+chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule (the op
+"unit_lower_inverse": forward substitution, a block a chunk; its VJP two batched products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
 and the decayed keys. Only the state pass is sequential, the op "delta_state_scan" (one
 kernel for all chunks, kernels/delta.py):
 
@@ -34,6 +33,7 @@ from .ops import fmt
 SCAN_SHARED_FLOATS = 12 * 1024
 SCAN_MAX_COLUMNS = SCAN_MAX_ROWS = 16
 MAX_DK = 256
+MAX_CHUNK = 64      # unit_lower_inverse's kernel: C threads, A and T [C, C] in shared memory
 
 
 def scan_chunk_fits(dk: int, c: int) -> bool:
@@ -105,6 +105,30 @@ def _state_scan_vjp(g, node, dflat):
     return [dp, dq, dxt, dd, ds0] + ([adj] if len(ins) == 6 else [])
 
 
+def _infer_unit_lower_inverse(a):
+    if a.dtype != dt.F32 or len(a.shape) < 2 or a.shape[-1] != a.shape[-2] \
+            or not 1 <= a.shape[-1] <= MAX_CHUNK:
+        raise ValueError(f"unit_lower_inverse: A must be f32 [..., C, C] with C <= {MAX_CHUNK}, "
+                         f"got {a.dtype} {fmt(a.shape)}")
+    return a.shape, dt.F32
+
+
+defop("unit_lower_inverse", _infer_unit_lower_inverse, dtype_rule=F32_ONLY,
+      doc="(I - A)^-1 of A's strictly lower triangle, [..., C, C] (C <= 64)")
+
+
+@vjp("unit_lower_inverse")
+def _unit_lower_inverse_vjp(g, node, dt_):
+    """T = (I - A)^-1: dT = T dA T, so dA = T^T dT T^T on the strictly lower triangle (the
+    only part read)."""
+    t = g.tensor(node.id)
+    c = t.shape[-1]
+    tt = g.transpose(t, tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
+    da = g.matmul(g.matmul(tt, dt_), tt)
+    strict = g.constant(np.tril(np.ones((c, c), bool), -1))
+    return [g.where(strict, da, g.constant(np.zeros((), np.float32)))]
+
+
 def _check(op, q, k, v, g_, beta, initial_state, scale, state_arg="initial_state"):
     for arg, t in (("q", q), ("k", k), ("v", v), ("g", g_), ("beta", beta)):
         if t.dtype != dt.F32:
@@ -140,7 +164,8 @@ class DeltaOps:
         [B, T, H, Dk], v [B, T, H, Dv], g_ (log decay) and beta [B, T, H]; scale None =
         Dk ** -0.5; initial_state [B, H, Dk, Dv] or zeros; use_qk_l2norm: q and k divided by
         sqrt(sum x^2 + 1e-6) over Dk first. f32. ``chunk_size``: tokens a chunk (the result
-        does not depend on it beyond rounding; at most the next power of two >= T is used)."""
+        does not depend on it beyond rounding; at most 64, the next power of two >= T, and
+        what the state pass's shared memory holds for Dk are used)."""
         op = "gated_delta_net"
         for arg, t in (("q", q), ("k", k), ("v", v), ("g_", g_), ("beta", beta)):
             self.check(op, arg, t)
@@ -156,7 +181,7 @@ class DeltaOps:
         dv = v.shape[3]
         if dk > MAX_DK:
             raise ValueError(f"{op}: Dk must be at most {MAX_DK}, got q {fmt(q.shape)}")
-        c = min(chunk_size, 1 << max(0, (t - 1).bit_length()))
+        c = min(chunk_size, MAX_CHUNK, 1 << max(0, (t - 1).bit_length()))
         while not scan_chunk_fits(dk, c):
             c //= 2                 # the state pass's shared memory bounds the chunk
         n = -(-t // c)
@@ -249,13 +274,6 @@ class DeltaOps:
         return x * self.activation("rsqrt", ss + 1e-6)
 
     def _unit_lower_inverse(self, a, c):
-        """(I - A)^-1 for A strictly lower triangular [..., C, C]: (I + A)(I + A^2)(I + A^4)
-        ... up to A^(C/2) (A^C = 0)."""
-        eye = self.constant(np.eye(c, dtype=np.float32))
-        inv, p = eye + a, a
-        m = 2
-        while m < c:
-            p = self.matmul(p, p)
-            inv = self.matmul(inv, eye + p)
-            m *= 2
-        return inv
+        """(I - A)^-1 for A strictly lower triangular [..., C, C] (one kernel: forward
+        substitution, a block a matrix)."""
+        return self.bind("unit_lower_inverse", [a])

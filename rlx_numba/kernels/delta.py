@@ -174,3 +174,38 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
             blk += cuda.gridDim.x
 
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def unit_lower_inverse_kernel(c: int):
+    """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
+    reading only A's strictly lower triangle. A block a matrix (grid-stride), C threads:
+    thread j runs column j's forward substitution T[i, j] = sum_{j <= l < i} A[i, l] T[l, j]
+    (T[j, j] = 1), A and T in shared memory (T's rows are contiguous over j: the lanes hit
+    distinct banks; A[i, l] is one broadcast)."""
+    C = c
+
+    @jit
+    def kernel(out, a, count):
+        a_sh = cuda.shared.array(C * C, float32)
+        t_sh = cuda.shared.array(C * C, float32)
+        j = cuda.threadIdx.x
+        m = cuda.blockIdx.x
+        while m < count:
+            base = m * (C * C)
+            for r in range(C):
+                a_sh[r * C + j] = a[base + r * C + j]
+                t_sh[r * C + j] = float32(1.0) if r == j else float32(0.0)
+            cuda.syncthreads()
+            for i in range(j + 1, C):
+                acc = float32(0.0)
+                for l in range(j, i):
+                    acc += a_sh[i * C + l] * t_sh[l * C + j]
+                t_sh[i * C + j] = acc
+            cuda.syncthreads()
+            for r in range(C):
+                out[base + r * C + j] = t_sh[r * C + j]
+            cuda.syncthreads()            # before the next matrix overwrites A and T
+            m += cuda.gridDim.x
+
+    return kernel

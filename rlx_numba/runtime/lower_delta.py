@@ -34,3 +34,16 @@ def _lower_state_scan(ctx, n):
                  (out[:ns], out[ns:ns + nx], out[ns + nx:], p, q, a, d, s0, bias,
                   np.int64(heads), np.int64(chunks), np.int64(v)),
                  {"flops": 4 * heads * chunks * c * k * v})]
+
+
+@lowering("unit_lower_inverse")
+def _lower_unit_lower_inverse(ctx, n):
+    c = n.shape[-1]
+    count = int(np.prod(n.shape[:-2], dtype=np.int64))
+    if count * c == 0:
+        return []
+    grid = min(count, 2) if SIMULATOR else count
+    return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}",
+                 K.unit_lower_inverse_kernel(c), (grid,), (c,),
+                 (ctx.buf(n), ctx.buf(n.inputs[0]), np.int64(count)),
+                 {"flops": count * c ** 3 // 3})]
