@@ -265,3 +265,27 @@ def test_unit_lower_inverse(rng):
     with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
                                          r"with C <= 64, got f32 \[2, 3, 4\]"):
         g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="needs a GPU (Qwen3-Next's head size: "
+                                                    "too slow in the simulator)")
+def test_gpu_qwen3_next_head_size(rng):
+    """Dk = Dv = 128, T = 300 (5 chunks of 64, the last part-filled), l2 norm, an initial
+    state: the GPU geometries of both kernels against the recurrent reference, then a step."""
+    b, t, h, dk, dv = 2, 300, 3, 128, 128
+    f = make(rng, b, t + 1, h, dk, dv)
+    f["s0"] = 0.1 * rng.standard_normal((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    head = [g.narrow(ts[n], 1, 0, t) for n in ("q", "k", "v", "g", "beta")]
+    o, s = g.gated_delta_net(*head, initial_state=ts["s0"], use_qk_l2norm=True)
+    o1, s1 = g.gated_delta_step(*(g.narrow(ts[n], 1, t, 1) for n in ("q", "k", "v", "g", "beta")),
+                                s, use_qk_l2norm=True)
+    g.set_outputs([o, s, o1, s1])
+    got = rlx.compile(g, exec_mode="graph").run({k: x.astype(np.float32) for k, x in f.items()})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], None, f["s0"], True)
+    _, mid = naive(f["q"][:, :t], f["k"][:, :t], f["v"][:, :t], f["g"][:, :t],
+                   f["beta"][:, :t], None, f["s0"], True)
+    for x, want in ((got[0], want_o[:, :t]), (got[1], mid), (got[2], want_o[:, t:]),
+                    (got[3], want_s)):
+        np.testing.assert_allclose(x, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
