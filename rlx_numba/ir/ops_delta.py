@@ -8,8 +8,9 @@ by Dk ** -0.5 (after an optional l2 norm of q and k over Dk).
 Built in the chunked form of fla and of transformers' torch_chunk_gated_delta_rule. The
 tokens split into chunks of C; everything that does not need the state runs for all chunks at
 once as batched products and element-wise ops: the within-chunk decays exp(G_i - G_j) (G the
-chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule (the op
-"unit_lower_inverse": forward substitution, a block a chunk; its VJP two batched products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
+chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule (the
+op "unit_lower_inverse": forward substitution, a block a chunk; its VJP two batched
+products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
 and the decayed keys. Only the state pass is sequential, the op "delta_state_scan" (one
 kernel for all chunks, kernels/delta.py):
 
