@@ -66,6 +66,11 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                          f"{4 * (NS + NX + NPQ)} bytes of shared memory, over "
                          f"{4 * SCAN_SHARED_FLOATS}")
     NSR, NX1 = TR2 * TC, TR1 * TC
+    # P / Q staging: a thread's NPER elements in groups of U loads issued before any store
+    # (a load then its store, element by element, would wait out a memory latency each)
+    NPER = -(-(C * K) // NT)
+    U = min(16, NPER)
+    NG = -(-NPER // U)
 
     @jit
     def kernel(states, xo, final, P, Q, A, d, s0, bias, heads, chunks, v_dim):
@@ -76,6 +81,7 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
         acc = cuda.local.array(NSR, float32)
         x1 = cuda.local.array(NX1, float32)
         sv = cuda.local.array(TC, float32)
+        stg = cuda.local.array(U, float32)
         t = cuda.threadIdx.x
         ty, tx = t // CT, t % CT
         nvs = (v_dim + VS - 1) // VS
@@ -104,10 +110,14 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                         if k < K and col < v_dim:
                             states[(gn * K + k) * v_dim + col] = sr[i * TC + j]
                 base = gn * (C * K)
-                e = t
-                while e < C * K:
-                    pq[(e // K) * KS + e % K] = P[base + e]
-                    e += NT
+                for grp in range(NG):
+                    for u in range(U):
+                        e = (grp * U + u) * NT + t
+                        stg[u] = P[base + e] if e < C * K else float32(0.0)
+                    for u in range(U):
+                        e = (grp * U + u) * NT + t
+                        if e < C * K:
+                            pq[(e // K) * KS + e % K] = stg[u]
                 cuda.syncthreads()
                 # X = A + P S: rows ty + RT i of C, this thread's columns
                 for i in range(TR1):
@@ -132,10 +142,14 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                             if col < v_dim:
                                 xo[(gn * C + r) * v_dim + col] = x1[i * TC + j]
                 cuda.syncthreads()                # P and X's slice read / written
-                e = t
-                while e < C * K:
-                    pq[(e // K) * KS + e % K] = Q[base + e]
-                    e += NT
+                for grp in range(NG):
+                    for u in range(U):
+                        e = (grp * U + u) * NT + t
+                        stg[u] = Q[base + e] if e < C * K else float32(0.0)
+                    for u in range(U):
+                        e = (grp * U + u) * NT + t
+                        if e < C * K:
+                            pq[(e // K) * KS + e % K] = stg[u]
                 cuda.syncthreads()
                 # S = d S + Q^T X (+ bias)
                 dn = d[gn]
@@ -184,18 +198,27 @@ def unit_lower_inverse_kernel(c: int):
     (T[j, j] = 1), A and T in shared memory (T's rows are contiguous over j: the lanes hit
     distinct banks; A[i, l] is one broadcast)."""
     C = c
+    U = min(16, C)                # rows loaded a group (all loads issued before the stores)
+    NG = -(-C // U)
 
     @jit
     def kernel(out, a, count):
         a_sh = cuda.shared.array(C * C, float32)
         t_sh = cuda.shared.array(C * C, float32)
+        stg = cuda.local.array(U, float32)
         j = cuda.threadIdx.x
         m = cuda.blockIdx.x
         while m < count:
             base = m * (C * C)
-            for r in range(C):
-                a_sh[r * C + j] = a[base + r * C + j]
-                t_sh[r * C + j] = float32(1.0) if r == j else float32(0.0)
+            for grp in range(NG):
+                for u in range(U):
+                    r = grp * U + u
+                    stg[u] = a[base + r * C + j] if r < C else float32(0.0)
+                for u in range(U):
+                    r = grp * U + u
+                    if r < C:
+                        a_sh[r * C + j] = stg[u]
+                        t_sh[r * C + j] = float32(1.0) if r == j else float32(0.0)
             cuda.syncthreads()
             for i in range(j + 1, C):
                 acc = float32(0.0)
