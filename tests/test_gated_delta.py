@@ -91,6 +91,9 @@ def test_option_errors():
         build(shapes, chunk_size=3)
     with pytest.raises(ValueError, match=r"gated_delta_net: use_qk_l2norm must be a bool"):
         build(shapes, use_qk_l2norm=1)
+    with pytest.raises(ValueError, match=r"gated_delta_net: Dk must be at most 256, got q "
+                                         r"\[1, 3, 1, 257\]"):
+        build(dict(shapes, q=(1, 3, 1, 257), k=(1, 3, 1, 257)))
     g = rlx.Graph()
     x = g.input("q", (1, 3, 1, 4), "bf16")
     with pytest.raises(ValueError, match=r"gated_delta_net: q must be f32 \(cast half tensors "
