@@ -186,9 +186,11 @@ class DeltaOps:
         while not scan_chunk_fits(dk, c):
             c //= 2                 # the state pass's shared memory bounds the chunk
         n = -(-t // c)
+        qs = float(dk ** -0.5 if scale is None else scale)
         if use_qk_l2norm:
-            q, k = (self._l2norm(x) for x in (q, k))
-        q = q * float(dk ** -0.5 if scale is None else scale)
+            q, k = self._l2norm(q, qs), self._l2norm(k)
+        else:
+            q = q * qs
 
         def heads(x, d):          # [B, T, H(, D)] -> [B, H, N, C(, D)], T padded with zeros
             x = self.transpose(x, (0, 2, 1, 3) if d else (0, 2, 1))
@@ -199,8 +201,10 @@ class DeltaOps:
 
         q, k, v = heads(q, dk), heads(k, dk), heads(v, dv)
         gs = self.cumsum(heads(g_, 0), 3)                     # G: the chunk's running log decay
-        bt = self.reshape(heads(beta, 0), (b, h, n, c, 1))
-        k_beta, v_beta = k * bt, v * bt
+        # beta (and exp(G)) scale the rows of k and v; they are applied to the [C, C] factors
+        # instead (a row scale of A, a column scale of (I - A)^-1): passes over [C, C] per
+        # chunk rather than over [C, D] ones
+        bh = heads(beta, 0)
         lower = self.constant(np.tril(np.ones((c, c), bool)))
         strict = self.constant(np.tril(np.ones((c, c), bool), -1))
         zero = self.constant(np.zeros((), np.float32))
@@ -210,15 +214,16 @@ class DeltaOps:
         # above the diagonal (its gradient would be 0 * inf there)
         decay = self.where(lower, self.activation("exp", self.where(lower, diff, zero)), zero)
         kt = self.transpose(k, (0, 1, 2, 4, 3))
-        a = self.where(strict, -(self.matmul(k_beta, kt) * decay), zero)
+        a = self.where(strict, -(self.matmul(k, kt) * decay * self.reshape(bh, (b, h, n, c, 1))),
+                       zero)                                   # A = -diag(beta) (k k^T * decay)
         tri = self._unit_lower_inverse(a, c)                   # (I - A)^-1
-        u = self.matmul(tri, v_beta)                           # [B, H, N, C, Dv]
-        # -W: the state pass adds P h, P = -W
-        w_neg = self.matmul(tri, k_beta * -self.activation("exp", gi))
+        u = self.matmul(tri * self.reshape(bh, (b, h, n, 1, c)), v)     # [B, H, N, C, Dv]
+        # -W = -(I - A)^-1 diag(beta exp(G)) k: the state pass adds P h, P = -W
+        bw = -(bh * self.activation("exp", gs))
+        w_neg = self.matmul(tri * self.reshape(bw, (b, h, n, 1, c)), k)
         attn = self.where(lower, self.matmul(q, kt) * decay, zero)   # within a chunk
         g_last = self.narrow(gs, 3, c - 1, 1)                  # [B, H, N, 1]
         k_dec = k * self.activation("exp", self.reshape(g_last - gs, (b, h, n, c, 1)))
-        q_dec = q * self.activation("exp", gi)
         s_dec = self.activation("exp", self.reshape(g_last, (b * h, n)))
         s0 = self.reshape(initial_state, (b * h, dk, dv)) if initial_state is not None else \
             self.constant(np.zeros((b * h, dk, dv), np.float32))
@@ -228,7 +233,8 @@ class DeltaOps:
         states, v_new, last = _split_state_scan(self, flat, b * h, n, c, dk, dv)
         states = self.reshape(states, (b, h, n, dk, dv))       # h_n entering each chunk
         v_new = self.reshape(v_new, (b, h, n, c, dv))
-        o = self.matmul(q_dec, states) + self.matmul(attn, v_new)
+        # (q exp(G)) h_n as exp(G) (q h_n): the row scale on the product, not a pass over q
+        o = self.activation("exp", gi) * self.matmul(q, states) + self.matmul(attn, v_new)
         o = self.reshape(o, (b, h, n * c, dv))
         if n * c != t:
             o = self.narrow(o, 2, 0, t)
@@ -256,9 +262,11 @@ class DeltaOps:
         if t != 1:
             raise ValueError(f"{op}: one token a step: q must be [B, 1, H, Dk], got "
                              f"{fmt(q.shape)} (gated_delta_net runs whole sequences)")
+        qs = float(dk ** -0.5 if scale is None else scale)
         if use_qk_l2norm:
-            q, k = (self._l2norm(x) for x in (q, k))
-        q = q * float(dk ** -0.5 if scale is None else scale)
+            q, k = self._l2norm(q, qs), self._l2norm(k)
+        else:
+            q = q * qs
         q, k = (self.reshape(x, (b, h, 1, dk)) for x in (q, k))   # [B, 1, H, D]: T = 1
         if state is None:
             state = self.constant(np.zeros((b, h, dk, dv), np.float32))
@@ -270,9 +278,13 @@ class DeltaOps:
         o = e * sq + self.reduce_sum(k * q, [3], keep_dim=True) * d
         return self.reshape(o, (b, 1, h, dv)), new
 
-    def _l2norm(self, x):
-        ss = self.reduce_sum(x * x, [x.ndim - 1], keep_dim=True)
-        return x * self.activation("rsqrt", ss + 1e-6)
+    def _l2norm(self, x, scale=1.0):
+        """x / sqrt(sum x^2 + 1e-6) over the last axis, times ``scale``: rms_norm with eps
+        1e-6 / D and gamma scale / sqrt(D) (x sqrt(D) rsqrt(sum x^2 + 1e-6) scale / sqrt(D)),
+        one row kernel forward and backward."""
+        d = x.shape[-1]
+        return self.rms_norm(x, self.constant(np.full(d, scale / np.sqrt(d), np.float32)),
+                             eps=1e-6 / d)
 
     def _unit_lower_inverse(self, a, c):
         """(I - A)^-1 for A strictly lower triangular [..., C, C] (one kernel: forward
