@@ -103,7 +103,7 @@ def test_option_errors():
 
 # ---- the sequential state pass alone (the op "delta_state_scan", kernels/delta.py) ----------
 def state_scan_ref(p, q, a, d, s0, bias=None, reverse=False):
-    """Flat [states entering each chunk | X | final state] in float64."""
+    """(X, the states entering each chunk, the final state) in float64."""
     gg, n, c, k = p.shape
     states, x, s = np.zeros((gg, n, k, a.shape[3])), np.zeros(a.shape), s0.copy()
     for i in (range(n - 1, -1, -1) if reverse else range(n)):
@@ -112,7 +112,7 @@ def state_scan_ref(p, q, a, d, s0, bias=None, reverse=False):
         s = d[:, i, None, None] * s + q[:, i].transpose(0, 2, 1) @ x[:, i]
         if bias is not None:
             s = s + bias[:, i]
-    return np.concatenate([states.ravel(), x.ravel(), s.ravel()])
+    return x, states, s
 
 
 def scan_feed(rng, gg, n, c, k, v, bias):
@@ -140,22 +140,35 @@ def test_state_scan_kernel(rng, reverse, bias, gpu_geo):
 
     from rlx_numba.kernels.launch import gpu_geometry, override_geometry
     f = scan_feed(rng, 3, 3, 5, 3, 7, bias)
-    g, _, y = scan_graph(f, reverse)
-    g.set_outputs([y])
+    g, _, ys = scan_graph(f, reverse)
+    g.set_outputs(list(ys))
     geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
         if gpu_geo else contextlib.nullcontext()
     with geo:
-        (got,) = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
+        got = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
     want = state_scan_ref(*(f[k] for k in ("p", "q", "a", "d", "s0")), f.get("bias"), reverse)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for x, w in zip(got, want):
+        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reverse,bias", [(False, True), (True, False)])
-def test_state_scan_gradients(rng, reverse, bias):
+@pytest.mark.parametrize("reverse,bias,used", [(False, True, (0, 1, 2)), (True, False, (0, 1, 2)),
+                                               (False, False, (1,)), (True, True, (2,)),
+                                               (False, False, (0,))])
+def test_state_scan_gradients(rng, reverse, bias, used):
+    """Through any subset of the three results (a result's VJP hands the scan a zero that
+    the scan's VJP drops; an unused X gets a zero cotangent)."""
     f = scan_feed(rng, 2, 3, 2, 2, 3, bias)
-    g, ts, y = scan_graph(f, reverse)
-    check(g, y, ts, f, lambda **kw: state_scan_ref(**kw, reverse=reverse),
-          seed=rng.standard_normal(y.shape), rtol=1e-3, atol=1e-4)
+    g, ts, ys = scan_graph(f, reverse)
+    seeds = [rng.standard_normal(y.shape) for y in ys]
+    y = None
+    for i in used:
+        term = g.reduce_sum(ys[i] * g.constant(seeds[i].astype(np.float32)))
+        y = term if y is None else y + term
+
+    def oracle(**kw):
+        out = state_scan_ref(**kw, reverse=reverse)
+        return sum(float((out[i] * seeds[i]).sum()) for i in used)
+    check(g, y, ts, f, oracle, rtol=1e-3, atol=1e-4)
 
 
 def test_state_scan_errors():

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import dtypes as dt
-from .autodiff import vjp
+from .autodiff import vjp, zeros
 from .opdef import F32_ONLY, defop
 from .ops import fmt
 
@@ -65,40 +65,77 @@ def _state_scan_dims(op, p, q, a, d, s0, bias=None):
 
 
 def _infer_state_scan(p, q, a, d, s0, bias=None, *, reverse=False):
-    """Flat [states (G N K V) | X (G N C V) | final (G K V)]."""
+    """X [G, N, C, V]; further results: states [G, N, K, V] (entering each chunk), the
+    final state [G, K, V]."""
     g, n, c, k, v = _state_scan_dims("delta_state_scan", p, q, a, d, s0, bias)
-    return (g * n * k * v + g * n * c * v + g * k * v,), dt.F32
+    return [((g, n, c, v), dt.F32), ((g, n, k, v), dt.F32), ((g, k, v), dt.F32)]
+
+
+def _further_result(op):
+    def infer(*inputs, **attrs):
+        raise ValueError(f"{op}: a further result of delta_state_scan: that op's bind makes "
+                         f"it, not a bind of its own")
+    return infer
 
 
 defop("delta_state_scan", _infer_state_scan, dtype_rule=F32_ONLY,
+      results=(("delta_scan_states", None), ("delta_scan_final", None)),
       doc="the chunked gated delta rule's state pass: per chunk n (reversed when reverse) "
           "states[n] = S, X[n] = A[n] + P[n] S, S = d[n] S + Q[n]^T X[n] (+ bias[n]); "
-          "flat [states | X | final S]")
+          "-> (X, states, the final S)")
+for _op in ("delta_scan_states", "delta_scan_final"):
+    defop(_op, _further_result(_op), written_by=0, dtype_rule=F32_ONLY,
+          doc="a further result of delta_state_scan, stored by its kernel")
 
 
-def _split_state_scan(g, flat, gg, n, c, k, v):
-    sizes = ((gg, n, k, v), (gg, n, c, v), (gg, k, v))
-    out, at = [], 0
-    for shape in sizes:
-        size = int(np.prod(shape))
-        out.append(g.reshape(g.narrow(flat, 0, at, size), shape))
-        at += size
-    return out
+def _pending(g):
+    """delta_state_scan node id -> {result op: (the zero its VJP handed the scan, d result)}:
+    a further result is no function of X, the node it hangs on, so its VJP keeps its
+    gradient here for the scan's VJP (which runs later in the same grad() walk) and hands X a
+    zero, so that the scan's VJP runs even when X itself is unused; that VJP drops the zeros."""
+    return g.__dict__.setdefault("_delta_scan_grads", {})
+
+
+@vjp("delta_scan_states", "delta_scan_final")
+def _further_vjp(g, node, dy):
+    x = g.tensor(node.inputs[0])
+    z = zeros(g, x.shape)
+    _pending(g).setdefault(x.id, {})[node.op] = (z.id, dy)
+    return [z]
+
+
+def _strip(g, dy, zids):
+    """dy without the zeros the further results' VJPs added (None when nothing else is left)."""
+    if dy is None or dy.id in zids:
+        return None
+    node = dy.node
+    if node.op == "binary" and node.attrs.get("kind") == "add":
+        a, b = (_strip(g, g.tensor(i), zids) for i in node.inputs)
+        if a is None or b is None:
+            return b if a is None else a
+        return dy if (a.id, b.id) == tuple(node.inputs) else a + b
+    return dy
 
 
 @vjp("delta_state_scan")
-def _state_scan_vjp(g, node, dflat):
+def _state_scan_vjp(g, node, dx):
     """The adjoint G_n of the state entering chunk n + 1 runs the same recurrence backwards:
     X'_n = dX_n + Q_n G_n (dA_n), G_{n-1} = d_n G_n + P_n^T X'_n + dstates_n; then
     dP_n = X'_n S_n^T, dQ_n = X_n G_n^T, dd_n = <S_n, G_n>, dbias_n = G_n, ds0 = the last G."""
     ins = [g.tensor(i) for i in node.inputs]
     p, q, a, d, s0 = ins[:5]
     gg, n, c, k, v = _state_scan_dims("delta_state_scan", *ins)
-    states, x, _ = _split_state_scan(g, g.tensor(node.id), gg, n, c, k, v)
-    dstates, dx, dfinal = _split_state_scan(g, dflat, gg, n, c, k, v)
-    back = g.bind("delta_state_scan", [q, p, dx, d, dfinal, dstates],
-                  reverse=not node.attrs.get("reverse", False))
-    adj, dxt, ds0 = _split_state_scan(g, back, gg, n, c, k, v)
+    marked = _pending(g).pop(node.id, {})
+    dx = _strip(g, dx, {z for z, _ in marked.values()})
+    dstates = marked.get("delta_scan_states", (None, None))[1]
+    dfinal = marked.get("delta_scan_final", (None, None))[1]
+    x = g.tensor(node.id)
+    states = g.tensor(next(r for r in node.results if g.nodes[r].op == "delta_scan_states"))
+    dxt, adj, ds0 = g.bind("delta_state_scan",
+                           [q, p, zeros(g, x.shape) if dx is None else dx, d,
+                            zeros(g, s0.shape) if dfinal is None else dfinal]
+                           + ([] if dstates is None else [dstates]),
+                           reverse=not node.attrs.get("reverse", False))
     tr = (0, 1, 3, 2)
     dp = g.matmul(dxt, g.transpose(states, tr))
     dq = g.matmul(x, g.transpose(adj, tr))
@@ -227,10 +264,10 @@ class DeltaOps:
         s_dec = self.activation("exp", self.reshape(g_last, (b * h, n)))
         s0 = self.reshape(initial_state, (b * h, dk, dv)) if initial_state is not None else \
             self.constant(np.zeros((b * h, dk, dv), np.float32))
-        flat = self.bind("delta_state_scan", [self.reshape(w_neg, (b * h, n, c, dk)),
-                                              self.reshape(k_dec, (b * h, n, c, dk)),
-                                              self.reshape(u, (b * h, n, c, dv)), s_dec, s0])
-        states, v_new, last = _split_state_scan(self, flat, b * h, n, c, dk, dv)
+        v_new, states, last = self.bind(
+            "delta_state_scan", [self.reshape(w_neg, (b * h, n, c, dk)),
+                                 self.reshape(k_dec, (b * h, n, c, dk)),
+                                 self.reshape(u, (b * h, n, c, dv)), s_dec, s0])
         states = self.reshape(states, (b, h, n, dk, dv))       # h_n entering each chunk
         v_new = self.reshape(v_new, (b, h, n, c, dv))
         # (q exp(G)) h_n as exp(G) (q h_n): the row scale on the product, not a pass over q

@@ -22,8 +22,16 @@ def _lower_state_scan(ctx, n):
     has_bias = len(ins) == 6
     reverse = bool(n.attrs.get("reverse", False))
     kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias)
-    out = ctx.buf(n)
-    ns, nx = heads * chunks * k * v, heads * chunks * c * v
+    # the further results (states, final) where they are live, else scratch the kernel
+    # writes and nothing reads
+    outs = {"delta_scan_states": (heads * chunks * k * v), "delta_scan_final": (heads * k * v)}
+    for r in n.results:
+        op = ctx.graph.nodes[r].op
+        if r in ctx.live and isinstance(outs.get(op), int):
+            outs[op] = ctx.buf(r)
+    for op, size in outs.items():
+        if isinstance(size, int):
+            outs[op] = ctx.device_array(np.zeros(size, np.float32))
     p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
     bias = ctx.buf(n.inputs[5]) if has_bias else d          # (not read without a bias)
     blocks = heads * -(-v // vs)
@@ -31,9 +39,14 @@ def _lower_state_scan(ctx, n):
     return [Step(step_name(n), f"delta state scan {heads} heads x {chunks} chunks of {c}, "
                  f"K={k} V={v}{' reversed' if reverse else ''}", kernel, (grid,),
                  (geo.rt * geo.ct,),
-                 (out[:ns], out[ns:ns + nx], out[ns + nx:], p, q, a, d, s0, bias,
-                  np.int64(heads), np.int64(chunks), np.int64(v)),
+                 (outs["delta_scan_states"], ctx.buf(n), outs["delta_scan_final"], p, q, a, d,
+                  s0, bias, np.int64(heads), np.int64(chunks), np.int64(v)),
                  {"flops": 4 * heads * chunks * c * k * v})]
+
+
+@lowering("delta_scan_states", "delta_scan_final")
+def _lower_further(ctx, n):
+    return []   # written by delta_state_scan's kernel
 
 
 @lowering("unit_lower_inverse")
