@@ -16,7 +16,9 @@ Both sides must agree: max |ours - torch| / max |torch| <= 2e-3 on o and on ever
 
 --tf32: TF32 products on both sides (torch.backends.cuda.matmul.allow_tf32 and
 RLX_NUMBA_TF32's switch); --profile prints our forward's and training graph's per-step
-profile (where the time goes).
+profile (where the time goes); --scan-geometries "16,8,16 16,4,16 8,8,16 16,8,8" times our
+forward with each (thread rows, thread columns, state columns a block) of the state pass's
+kernel (kernels/delta.py; rows and state columns at most 16), then stops.
 """
 import argparse
 import sys
@@ -150,6 +152,32 @@ def row(name, shape, ours, torch_ms, bar, err, launches, extra=None):
                 **(extra or {}), **{"pass": bool(ok)})
 
 
+def sweep_scan(rlx, cuda, x, names, spec) -> int:
+    """Our forward timed with each geometry of the state pass's kernel (its step alone too,
+    from exe.profile)."""
+    from rlx_numba.kernels.delta import StateScanGeometry
+    from rlx_numba.kernels.launch import override_geometry
+    feed = {n: cuda.to_device(a) for n, a in x.items()}
+    ref = None
+    for item in spec.split():
+        rt, ct, vs = (int(v) for v in item.split(","))
+        g = rlx.Graph("gdn_fwd")
+        ins = {n: g.input(n, a.shape) for n, a in x.items()}
+        o, _ = g.gated_delta_net(*(ins[n] for n in names), use_qk_l2norm=True)
+        g.set_outputs([o])
+        with override_geometry("delta_state_scan", StateScanGeometry(rt, ct, vs)):
+            exe = rlx.compile(g, exec_mode="graph")
+            (got,) = exe.run(feed)
+            ms = time_ours(cuda, exe, feed)
+            prof = str(exe.profile(feed))
+        ref = got if ref is None else ref
+        scan = [line for line in prof.splitlines() if "delta_state_scan" in line]
+        print(f"geometry rt={rt} ct={ct} vs={vs}: forward {ms:.3f} ms, max |diff| vs the first "
+              f"{float(np.abs(got - ref).max()):.1e}\n  " + "\n  ".join(scan), flush=True)
+        del exe
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=4)
@@ -159,6 +187,7 @@ def main(argv=None) -> int:
     p.add_argument("--dv", type=int, default=128)
     p.add_argument("--tf32", action="store_true")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--scan-geometries", default="")
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "gated_delta.json")
     args = p.parse_args(argv)
@@ -187,6 +216,9 @@ def main(argv=None) -> int:
     print(f"{'case':<22} {'shape':<26} {'ours ms':>9} {'torch ms':>9} {'ratio':>8}  {'bar':<6} "
           f"{'rel err':>8}  {'steps':>5}  result")
     rows = []
+
+    if args.scan_geometries:
+        return sweep_scan(rlx, cuda, x, names, args.scan_geometries)
 
     # ---- forward
     g = rlx.Graph("gdn_fwd")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from numba import cuda, float32
 
-from ..ir.ops_delta import SCAN_SHARED_FLOATS
+from ..ir.ops_delta import SCAN_MAX_COLUMNS, SCAN_MAX_ROWS, SCAN_SHARED_FLOATS
 from .launch import jit, register_geometry
 
 
@@ -26,6 +26,13 @@ class StateScanGeometry:
     rt: int      # thread rows
     ct: int      # thread columns (rt * ct threads a block)
     vs: int      # columns of V a block owns (a multiple of ct)
+
+    def __post_init__(self):
+        if self.vs % self.ct or not (1 <= self.rt <= SCAN_MAX_ROWS
+                                     and 1 <= self.vs <= SCAN_MAX_COLUMNS):
+            raise ValueError(f"delta_state_scan geometry: vs must be a multiple of ct, rt and "
+                             f"vs at most {SCAN_MAX_ROWS} / {SCAN_MAX_COLUMNS} (what "
+                             f"ir/ops_delta.py sizes chunks for), got {self}")
 
 
 # GPU: 128 threads, 16 columns of V a block (K = 128, C = 64: 45 KB of shared memory, 8 x 2
