@@ -38,7 +38,8 @@ BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
            ("rows", "bench_rows.py"), ("reduce", "bench_reduce.py"),
            ("signal", "bench_signal.py"), ("linalg", "bench_linalg.py"),
            ("runtime", "bench_runtime.py"),
-           ("control", "bench_control.py"), ("custom_op", "bench_custom_op.py"),
+           ("control", "bench_control.py"), ("gated_delta", "bench_gated_delta.py"),
+           ("custom_op", "bench_custom_op.py"),
            ("distributed", "bench_distributed.py")]
 # a row's identifying fields, in the order its label joins them
 ID_KEYS = ("row", "case", "name", "model", "op", "kind", "phase", "tier", "scheme", "shape",

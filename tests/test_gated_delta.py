@@ -91,8 +91,217 @@ def test_option_errors():
         build(shapes, chunk_size=3)
     with pytest.raises(ValueError, match=r"gated_delta_net: use_qk_l2norm must be a bool"):
         build(shapes, use_qk_l2norm=1)
+    with pytest.raises(ValueError, match=r"gated_delta_net: Dk must be at most 256, got q "
+                                         r"\[1, 3, 1, 257\]"):
+        build(dict(shapes, q=(1, 3, 1, 257), k=(1, 3, 1, 257)))
     g = rlx.Graph()
     x = g.input("q", (1, 3, 1, 4), "bf16")
     with pytest.raises(ValueError, match=r"gated_delta_net: q must be f32 \(cast half tensors "
                                          r"first\), got bf16"):
         g.gated_delta_net(x, x, x, g.input("g", (1, 3, 1)), g.input("b", (1, 3, 1)))
+
+
+# ---- the sequential state pass alone (the op "delta_state_scan", kernels/delta.py) ----------
+def state_scan_ref(p, q, a, d, s0, bias=None, reverse=False):
+    """(X, the states entering each chunk, the final state) in float64."""
+    gg, n, c, k = p.shape
+    states, x, s = np.zeros((gg, n, k, a.shape[3])), np.zeros(a.shape), s0.copy()
+    for i in (range(n - 1, -1, -1) if reverse else range(n)):
+        states[:, i] = s
+        x[:, i] = a[:, i] + p[:, i] @ s
+        s = d[:, i, None, None] * s + q[:, i].transpose(0, 2, 1) @ x[:, i]
+        if bias is not None:
+            s = s + bias[:, i]
+    return x, states, s
+
+
+def scan_feed(rng, gg, n, c, k, v, bias):
+    f = dict(p=rng.standard_normal((gg, n, c, k)) * 0.5, q=rng.standard_normal((gg, n, c, k)) * 0.5,
+             a=rng.standard_normal((gg, n, c, v)), d=rng.uniform(0.5, 1.0, (gg, n)),
+             s0=rng.standard_normal((gg, k, v)))
+    if bias:
+        f["bias"] = rng.standard_normal((gg, n, k, v))
+    return f
+
+
+def scan_graph(f, reverse):
+    g = rlx.Graph()
+    ts = {name: g.input(name, x.shape) for name, x in f.items()}
+    return g, ts, g.bind("delta_state_scan", list(ts.values()), reverse=reverse)
+
+
+@pytest.mark.parametrize("reverse,bias,gpu_geo", [(False, False, False), (True, True, False),
+                                                  (False, True, True)])
+def test_state_scan_kernel(rng, reverse, bias, gpu_geo):
+    """V = 7 spans two column slices of the simulator's geometry (4 columns, the last one
+    part-filled) and 3 heads x 2 slices outnumber its 2 blocks (the grid-stride loop); the
+    GPU's geometry (128 threads, 16 columns, tiles of 16 rows) runs once on tiny sizes."""
+    import contextlib
+
+    from rlx_numba.kernels.launch import gpu_geometry, override_geometry
+    f = scan_feed(rng, 3, 3, 5, 3, 7, bias)
+    g, _, ys = scan_graph(f, reverse)
+    g.set_outputs(list(ys))
+    geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
+        if gpu_geo else contextlib.nullcontext()
+    with geo:
+        got = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
+    want = state_scan_ref(*(f[k] for k in ("p", "q", "a", "d", "s0")), f.get("bias"), reverse)
+    for x, w in zip(got, want):
+        np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reverse,bias,used", [(False, True, (0, 1, 2)), (True, False, (0, 1, 2)),
+                                               (False, False, (1,)), (True, True, (2,)),
+                                               (False, False, (0,))])
+def test_state_scan_gradients(rng, reverse, bias, used):
+    """Through any subset of the three results (a result's VJP hands the scan a zero that
+    the scan's VJP drops; an unused X gets a zero cotangent)."""
+    f = scan_feed(rng, 2, 3, 2, 2, 3, bias)
+    g, ts, ys = scan_graph(f, reverse)
+    seeds = [rng.standard_normal(y.shape) for y in ys]
+    y = None
+    for i in used:
+        term = g.reduce_sum(ys[i] * g.constant(seeds[i].astype(np.float32)))
+        y = term if y is None else y + term
+
+    def oracle(**kw):
+        out = state_scan_ref(**kw, reverse=reverse)
+        return sum(float((out[i] * seeds[i]).sum()) for i in used)
+    check(g, y, ts, f, oracle, rtol=1e-3, atol=1e-4)
+
+
+def test_state_scan_errors():
+    g = rlx.Graph()
+    p = g.input("p", (2, 3, 4, 5))
+    with pytest.raises(ValueError, match=r"delta_state_scan: A must be \[G, N, C, V\] = "
+                                         r"\[2, 3, 4, V\], got \[2, 3, 5, 6\]"):
+        g.bind("delta_state_scan", [p, p, g.input("a", (2, 3, 5, 6)), g.input("d", (2, 3)),
+                                    g.input("s", (2, 5, 6))])
+    with pytest.raises(ValueError, match=r"delta_state_scan: s0 must be \[2, 5, 6\], got "
+                                         r"\[2, 6, 5\]"):
+        g.bind("delta_state_scan", [p, p, g.input("a2", (2, 3, 4, 6)), g.input("d2", (2, 3)),
+                                    g.input("s2", (2, 6, 5))])
+
+
+# ---- the decode step ------------------------------------------------------------------------
+@pytest.mark.parametrize("l2,scale,init", [(False, None, True), (True, 0.7, True),
+                                           (True, None, False)])
+def test_step_matches_the_recurrent_reference(rng, l2, scale, init):
+    b, h, dk, dv = 2, 3, 5, 4
+    f = make(rng, b, 1, h, dk, dv)
+    f["s0"] = rng.standard_normal((b, h, dk, dv)) if init else np.zeros((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items() if init or n != "s0"}
+    o, s = g.gated_delta_step(ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"],
+                              ts.get("s0"), scale=scale, use_qk_l2norm=l2)
+    assert o.shape == (b, 1, h, dv) and s.shape == (b, h, dk, dv)
+    g.set_outputs([o, s])
+    got_o, got_s = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()
+                                       if init or k != "s0"})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], scale, f["s0"], l2)
+    np.testing.assert_allclose(got_o, want_o, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got_s, want_s, rtol=2e-5, atol=2e-5)
+
+
+def test_step_continues_the_chunked_form(rng):
+    """gated_delta_net over T tokens, then a step: the T + 1 tokens' reference."""
+    b, t, h, dk, dv = 1, 6, 2, 4, 3
+    f = make(rng, b, t + 1, h, dk, dv)
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    head = {n: g.narrow(x, 1, 0, t) for n, x in ts.items()}
+    tail = {n: g.narrow(x, 1, t, 1) for n, x in ts.items()}
+    _, s = g.gated_delta_net(*(head[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=4,
+                             use_qk_l2norm=True)
+    o, s = g.gated_delta_step(*(tail[n] for n in ("q", "k", "v", "g", "beta")), s,
+                              use_qk_l2norm=True)
+    g.set_outputs([o, s])
+    got_o, got_s = rlx.compile(g).run({k: x.astype(np.float32) for k, x in f.items()})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], l2=True)
+    np.testing.assert_allclose(got_o[:, 0], want_o[:, t], rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(got_s, want_s, rtol=2e-4, atol=2e-4)
+
+
+def test_step_gradients(rng):
+    b, h, dk, dv = 1, 2, 3, 2
+    f = make(rng, b, 1, h, dk, dv)
+    f["s0"] = rng.standard_normal((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    o, s = g.gated_delta_step(ts["q"], ts["k"], ts["v"], ts["g"], ts["beta"], ts["s0"],
+                              use_qk_l2norm=True)
+    seed_o, seed_s = rng.standard_normal(o.shape), rng.standard_normal(s.shape)
+    y = g.reduce_sum(o * g.constant(seed_o.astype(np.float32))) + \
+        g.reduce_sum(s * g.constant(seed_s.astype(np.float32)))
+
+    def oracle(q, k, v, g, beta, s0):
+        oo, ss = naive(q, k, v, g, beta, None, s0, True)
+        return (oo * seed_o).sum() + (ss * seed_s).sum()
+    check(g, y, ts, f, oracle, rtol=1e-3, atol=1e-4)
+
+
+def test_step_errors():
+    g = rlx.Graph()
+    q = g.input("q", (2, 1, 2, 4))
+    v = g.input("v", (2, 1, 2, 3))
+    gb = g.input("g", (2, 1, 2))
+    with pytest.raises(ValueError, match=r"gated_delta_step: state must be f32 \[2, 2, 4, 3\], "
+                                         r"got f32 \[2, 2, 3, 4\]"):
+        g.gated_delta_step(q, q, v, gb, gb, g.input("s", (2, 2, 3, 4)))
+    q2 = g.input("q2", (2, 2, 2, 4))
+    with pytest.raises(ValueError, match=r"gated_delta_step: one token a step: q must be "
+                                         r"\[B, 1, H, Dk\], got \[2, 2, 2, 4\]"):
+        g.gated_delta_step(q2, q2, g.input("v2", (2, 2, 2, 3)), g.input("g2", (2, 2, 2)),
+                           g.input("b2", (2, 2, 2)), None)
+    with pytest.raises(ValueError, match=r"gated_delta_step: v must be \[B, T, H, Dv\] = "
+                                         r"\[2, 1, 2, Dv\], got \[2, 1, 3, 3\]"):
+        g.gated_delta_step(q, q, g.input("v3", (2, 1, 3, 3)), gb, gb, None)
+
+
+# ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
+def test_unit_lower_inverse(rng):
+    """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
+    count), 3 matrices of 5 x 5 (more than the simulator's 2 blocks: the grid-stride loop);
+    its VJP by finite differences."""
+    a = rng.standard_normal((3, 5, 5)) * 0.5
+
+    def oracle(a):
+        return np.linalg.inv(np.eye(5) - np.tril(a, -1))
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    g.set_outputs([g.bind("unit_lower_inverse", [x])])
+    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+    np.testing.assert_allclose(got, oracle(a), rtol=1e-5, atol=1e-5)
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    y = g.bind("unit_lower_inverse", [x])
+    check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
+          atol=1e-4)
+    with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
+                                         r"with C <= 64, got f32 \[2, 3, 4\]"):
+        g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])
+
+
+@pytest.mark.skipif(rlx.simulator_enabled(), reason="needs a GPU (Qwen3-Next's head size: "
+                                                    "too slow in the simulator)")
+def test_gpu_qwen3_next_head_size(rng):
+    """Dk = Dv = 128, T = 300 (5 chunks of 64, the last part-filled), l2 norm, an initial
+    state: the GPU geometries of both kernels against the recurrent reference, then a step."""
+    b, t, h, dk, dv = 2, 300, 3, 128, 128
+    f = make(rng, b, t + 1, h, dk, dv)
+    f["s0"] = 0.1 * rng.standard_normal((b, h, dk, dv))
+    g = rlx.Graph()
+    ts = {n: g.input(n, x.shape) for n, x in f.items()}
+    head = [g.narrow(ts[n], 1, 0, t) for n in ("q", "k", "v", "g", "beta")]
+    o, s = g.gated_delta_net(*head, initial_state=ts["s0"], use_qk_l2norm=True)
+    o1, s1 = g.gated_delta_step(*(g.narrow(ts[n], 1, t, 1) for n in ("q", "k", "v", "g", "beta")),
+                                s, use_qk_l2norm=True)
+    g.set_outputs([o, s, o1, s1])
+    got = rlx.compile(g, exec_mode="graph").run({k: x.astype(np.float32) for k, x in f.items()})
+    want_o, want_s = naive(f["q"], f["k"], f["v"], f["g"], f["beta"], None, f["s0"], True)
+    _, mid = naive(f["q"][:, :t], f["k"][:, :t], f["v"][:, :t], f["g"][:, :t],
+                   f["beta"][:, :t], None, f["s0"], True)
+    for x, want in ((got[0], want_o[:, :t]), (got[1], mid), (got[2], want_o[:, t:]),
+                    (got[3], want_s)):
+        np.testing.assert_allclose(x, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())

@@ -25,7 +25,8 @@ from . import (lower, lower_attention, lower_custom, lower_dist, lower_fft,  # n
                lower_grouped, lower_linalg,
                lower_loss, lower_lowp, lower_matmul, lower_norm, lower_optim, lower_quant,
                lower_random,
-               lower_reduce, lower_rope, lower_sample, lower_scan, lower_shape, lower_sort,
+               lower_delta, lower_reduce, lower_rope, lower_sample, lower_scan, lower_shape,
+               lower_sort,
                lower_vision)  # (each registers its lowerings)
 from . import trace
 from .params import ParamStore

@@ -1,0 +1,62 @@
+"""Lowering of delta_state_scan (ir/ops_delta.py; kernels/delta.py): one launch for all
+chunks, a block per (head, slice of V's columns)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..device import SIMULATOR
+from ..kernels import delta as K
+from ..kernels.launch import default_geometry
+from .lower import Step, lowering, step_name
+
+
+@lowering("delta_state_scan")
+def _lower_state_scan(ctx, n):
+    ins = [ctx.graph.nodes[i] for i in n.inputs]
+    heads, chunks, c, k = ins[0].shape
+    v = ins[2].shape[3]
+    if heads * chunks * c * k * v == 0:
+        return []
+    geo = default_geometry("delta_state_scan")
+    vs = K.columns(geo, v)
+    has_bias = len(ins) == 6
+    reverse = bool(n.attrs.get("reverse", False))
+    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias)
+    # the further results (states, final) where they are live, else scratch the kernel
+    # writes and nothing reads
+    outs = {"delta_scan_states": (heads * chunks * k * v), "delta_scan_final": (heads * k * v)}
+    for r in n.results:
+        op = ctx.graph.nodes[r].op
+        if r in ctx.live and isinstance(outs.get(op), int):
+            outs[op] = ctx.buf(r)
+    for op, size in outs.items():
+        if isinstance(size, int):
+            outs[op] = ctx.device_array(np.zeros(size, np.float32))
+    p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
+    bias = ctx.buf(n.inputs[5]) if has_bias else d          # (not read without a bias)
+    blocks = heads * -(-v // vs)
+    grid = min(blocks, 2) if SIMULATOR else blocks
+    return [Step(step_name(n), f"delta state scan {heads} heads x {chunks} chunks of {c}, "
+                 f"K={k} V={v}{' reversed' if reverse else ''}", kernel, (grid,),
+                 (geo.rt * geo.ct,),
+                 (outs["delta_scan_states"], ctx.buf(n), outs["delta_scan_final"], p, q, a, d,
+                  s0, bias, np.int64(heads), np.int64(chunks), np.int64(v)),
+                 {"flops": 4 * heads * chunks * c * k * v})]
+
+
+@lowering("delta_scan_states", "delta_scan_final")
+def _lower_further(ctx, n):
+    return []   # written by delta_state_scan's kernel
+
+
+@lowering("unit_lower_inverse")
+def _lower_unit_lower_inverse(ctx, n):
+    c = n.shape[-1]
+    count = int(np.prod(n.shape[:-2], dtype=np.int64))
+    if count * c == 0:
+        return []
+    grid = min(count, 2) if SIMULATOR else count
+    return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}",
+                 K.unit_lower_inverse_kernel(c), (grid,), (c,),
+                 (ctx.buf(n), ctx.buf(n.inputs[0]), np.int64(count)),
+                 {"flops": count * c ** 3 // 3})]
