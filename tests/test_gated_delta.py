@@ -7,6 +7,7 @@ import pytest
 
 import rlx_numba as rlx
 from gradcheck import check
+from rlx_numba.ir import dtypes as dt
 
 
 def naive(q, k, v, g, beta, scale=None, s0=None, l2=False):
@@ -305,3 +306,29 @@ def test_gpu_qwen3_next_head_size(rng):
     for x, want in ((got[0], want_o[:, :t]), (got[1], mid), (got[2], want_o[:, t:]),
                     (got[3], want_s)):
         np.testing.assert_allclose(x, want, rtol=1e-3, atol=1e-3 * np.abs(want).max())
+
+
+def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
+    """A model converted to bf16 (Graph.to_dtype, the models' dtype=) runs the chunk inverse
+    and the state pass in f32, as transformers does its delta rule, and hands bf16 on; under
+    autocast they widen half operands. o against the float64 recurrence of the same
+    bf16-rounded inputs: the bf16 products around the f32 scan, a few bf16 roundoffs."""
+    b, t, h, dk, dv = 1, 5, 2, 4, 3
+    f = make(rng, b, t, h, dk, dv)
+    g, _, o, s = build({k: v.shape for k, v in f.items()}, chunk_size=4)
+    g.set_outputs([o, s])
+    half = g.to_dtype("bf16")
+    scans = [n for n in half.nodes if n.op in ("delta_state_scan", "unit_lower_inverse")]
+    assert len(scans) == 2
+    assert all(half.nodes[i].dtype == dt.F32 for n in scans for i in n.inputs
+               if half.nodes[i].dtype.is_float)
+    assert [half.nodes[i].dtype for i in half.outputs] == [dt.BF16, dt.BF16]
+    auto = g.autocast("bf16")
+    assert all(auto.nodes[i].dtype == dt.F32 for n in auto.nodes if n.op == "delta_state_scan"
+               for i in n.inputs if auto.nodes[i].dtype.is_float)
+    bf = {k: v.astype(np.float32).astype(dt.BF16.host).astype(np.float64)
+          for k, v in f.items()}
+    got_o, _ = rlx.compile(half).run({k: v.astype(np.float32) for k, v in bf.items()})
+    want_o, _ = naive(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"])
+    err = np.abs(np.asarray(got_o, np.float64) - want_o).max() / np.abs(want_o).max()
+    assert err < 16 * 2.0 ** -8, err

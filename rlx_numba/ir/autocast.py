@@ -34,6 +34,11 @@ _F32_OPS = {"softmax", "log_softmax", "layer_norm", "rms_norm", "cross_entropy",
 _F32_ACTIVATIONS = {"exp", "log", "rsqrt", "tan"}
 _F32_REDUCTIONS = {"sum", "prod"}
 _PROMOTE_OPS = {"concat", "scatter_add"}
+# Gated DeltaNet's chunk inverse and state pass (ir/ops_delta.py) take f32 only, as
+# transformers runs the delta rule in f32 whatever the model's dtype: under autocast they
+# widen half operands (policy f32); in a converted model (to_dtype) they also compute in f32
+# and hand the model's dtype on, as the norms do inside their kernels.
+_F32_INSIDE_OPS = {"delta_state_scan", "unit_lower_inverse"}
 
 HALVES = (dt.F16, dt.BF16)
 
@@ -43,7 +48,8 @@ def policy(node) -> str | None:
     op, a = node.op, node.attrs
     if op in _LOWER_OPS:
         return LOWER
-    if (op in _F32_OPS or (op == "activation" and a.get("kind") in _F32_ACTIVATIONS)
+    if (op in _F32_OPS or op in _F32_INSIDE_OPS
+            or (op == "activation" and a.get("kind") in _F32_ACTIVATIONS)
             or (op == "binary" and a.get("kind") == "pow")
             or (op == "reduce" and a.get("kind") in _F32_REDUCTIONS)):
         return F32
@@ -130,13 +136,15 @@ def _rebuild(graph, d, pol, *, half_params=False, convert=False):
                 for f in floats[1:]:
                     wide = dt.promote(wide, f)
                 ins = [cast(t, wide) for t in ins]
+        inside = convert and n.op in _F32_INSIDE_OPS
+        if inside:
+            ins = [cast(t, dt.F32) if t.dtype in HALVES else t for t in ins]
         out = g.bind(n.op, ins, **n.attrs)
-        if isinstance(out, tuple):
-            new[n.id] = out[0]
-            for rid, t in zip(n.results, out[1:]):
-                new[rid] = t
-        else:
-            new[n.id] = out
+        outs = out if isinstance(out, tuple) else (out,)
+        if inside:
+            outs = tuple(g.cast(t, d) if t.dtype == dt.F32 else t for t in outs)
+        for rid, t in zip([n.id, *n.results], outs):
+            new[rid] = t
     if graph.outputs:
         g.set_outputs([new[o] for o in graph.outputs])
     return g
