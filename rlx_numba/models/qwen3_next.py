@@ -490,14 +490,16 @@ def gated_delta_block(w: Weights, cfg: Qwen3NextConfig, p: str, x, at, *,
         conv, conv_state = causal_conv1d(g, g.transpose(mixed, (0, 2, 1)),
                                          w[p + "conv1d.weight"])
         conv = g.transpose(g.silu(conv), (0, 2, 1))                   # [b, s, ch]
-        s0 = None
     q = g.reshape(g.narrow(conv, 2, 0, kd), (b, s, nk, dk))
     k = g.reshape(g.narrow(conv, 2, kd, kd), (b, s, nk, dk))
     v = g.reshape(g.narrow(conv, 2, 2 * kd, vd), (b, s, nv, dv))
     if r > 1:                          # key head j serves value heads j r .. j r + r - 1
         q, k = (g.reshape(g.expand(g.reshape(t, (b, s, nk, 1, dk)), (b, s, nk, r, dk)),
                           (b, s, nv, dk)) for t in (q, k))
-    o, last = g.gated_delta_net(q, k, v, decay, beta, initial_state=s0, use_qk_l2norm=True)
+    if state is not None:              # a decode step: the recurrence itself, no chunk machinery
+        o, last = g.gated_delta_step(q, k, v, decay, beta, s0, use_qk_l2norm=True)
+    else:
+        o, last = g.gated_delta_net(q, k, v, decay, beta, use_qk_l2norm=True)
     o = g.rms_norm(o, w[p + "norm.weight"], eps=cfg.rms_norm_eps) * g.silu(z)
     return w.linear(g.reshape(o, (b, s, vd)), p + "out_proj"), [conv_state, last]
 
