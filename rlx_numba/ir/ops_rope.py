@@ -248,6 +248,18 @@ defop("kv_written", further_result("kv_written", "rope_kv_write"), memory=INPLAC
       doc="a KV cache after rope_kv_write wrote into it in place")
 
 
+def _folded_by_fusion(*inputs, **attrs):
+    raise ValueError("rope_kv_attention is made by the fusion pass (passes/fusion.py) from a "
+                     "rope_kv_write and the decode attention over its q and caches, not bind")
+
+
+# inputs: rope_kv_write's, then the attention's mask / bias; attrs: the attention's, and
+# "rope_kv_write": that node's id (runtime/lower_attention.py)
+defop("rope_kv_attention", _folded_by_fusion, dtype_rule=F32,
+      doc="a decode attention with the rope_kv_write of its q and caches folded in: one kernel "
+          "rotates q, writes the new k / v rows and attends (passes/fusion.py)")
+
+
 class RopeOps:
     """Builder methods; ``self`` is the Graph."""
 

@@ -32,7 +32,7 @@ from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
 from . import halfio, ptx
-from .launch import jit
+from .launch import inline, jit
 from .shape import copy_span
 
 HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
@@ -123,8 +123,10 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
 
 
 @functools.cache
-def _rotate_row_fn(kind: str, tkind: str):
-    """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind``."""
+def rotate_row_fn(kind: str, tkind: str):
+    """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind`` (also the decode
+    attention kernel's, which folds rope_kv_write in: kernels/attention.py; ``rope_pos`` and
+    ``rope_element`` below are its other parts, the same arithmetic as this kernel's)."""
     ld, st, ldt = halfio.load(kind), halfio.store(kind), halfio.load(tkind)
 
     @cuda.jit(device=True)
@@ -148,12 +150,55 @@ def _rotate_row_fn(kind: str, tkind: str):
     return _rotate_row
 
 
+@inline
+def rope_pos(pos, i, use_pos, t, max_pos):
+    """A token's rope position: pos[i] when ``use_pos`` else t (int64), clamped to
+    [0, max_pos - 1] (rope_kv_write's rule)."""
+    v = int64(pos[i]) if use_pos else t
+    if v < int64(0):
+        v = int64(0)
+    if v >= max_pos:
+        v = max_pos - int64(1)
+    return v
+
+
+@functools.cache
+def rope_element_fn(kind: str, tkind: str):
+    """rope_element for src of storage ``kind``, cos / sin of ``tkind``."""
+    ld, ldt, rnd = halfio.load(kind), halfio.load(tkind), halfio.round_to(kind)
+
+    @inline
+    def rope_element(src, so, dg, cos, sin, cb, half, interleaved):
+        """Element dg (int64) of the head row at src[so:] as _rotate_row would store it
+        (the same products, rounded to ``kind``), as a float32: pair (i, i + half), or (2i,
+        2i + 1) when ``interleaved``; dims from 2 half on pass through."""
+        h = int64(half)
+        x = ld(src, so + uint64(dg))
+        if dg >= h + h:
+            return x
+        if interleaved:
+            first = (dg & int64(1)) == int64(0)
+            i = dg >> int64(1)
+            o = dg + int64(1) if first else dg - int64(1)
+        else:
+            first = dg < h
+            i = dg if first else dg - h
+            o = dg + h if first else dg - h
+        y = ld(src, so + uint64(o))
+        cs = ldt(cos, cb + uint64(i))
+        sn = ldt(sin, cb + uint64(i))
+        # (_rotate_row's a * cs - b * sn and b * cs + a * sn, x in the place of this dim's)
+        return rnd(x * cs - y * sn) if first else rnd(x * cs + y * sn)
+
+    return rope_element
+
+
 @functools.cache
 def rope_kv_write(kind: str = "f32", tkind: str = "f32", pdl: bool = False):
     """The rope_kv_write kernel for qkv, q and the caches of storage ``kind``, cos / sin of
     ``tkind``; ``pdl``: launched as a programmatic dependent (kernels/ptx.py), it lets the next
     kernel start and waits for the one before first."""
-    _rotate_row = _rotate_row_fn(kind, tkind)
+    _rotate_row = rotate_row_fn(kind, tkind)
 
     @jit
     def rope_kv_write_kernel(q, k_cache, v_cache, qkv, cos, sin, cpos, cache_position, use_cpos,
@@ -179,12 +224,7 @@ def rope_kv_write(kind: str = "f32", tkind: str = "f32", pdl: bool = False):
             s = tok - b * S
             src = r * D                  # rows of qkv are the (token, head) rows themselves
             t = p0 + int64(s)
-            v = int64(pos[b * pos_bstride + s]) if use_pos else t
-            if v < int64(0):
-                v = int64(0)
-            if v >= max_pos:
-                v = max_pos - int64(1)
-            cb = uint64(v) * half
+            cb = uint64(rope_pos(pos, b * pos_bstride + s, use_pos, t, max_pos)) * half
             if h < Hq:
                 _rotate_row(q, ((b * Hq + h) * S + s) * D, qkv, src, cos, sin, cb, c0, ncols,
                             half, pair_mul, pair_gap, xstep)
