@@ -55,7 +55,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba.core.types import float16
 
 from ..device import SIMULATOR
 from . import halfio
@@ -673,9 +674,10 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     behind a block fence makes them visible to its threads before any key is read (K and V
     not on the read-only path). Row groups of one head (blocks along z) each write the same
     rows, the same values from the same inputs, so whichever store a block reads sees them.
-    Each query element is rotated as it is loaded and rounded to ``kind``, as rope_kv_write
-    stores q: the same values as the two kernels. The rope arguments (cos .. max_pos: those of
-    rope_kv_write's kernel) are dummies otherwise.
+    In the same phase the block's query rows are rotated into shared memory (in ``kind``, by
+    rope_kv_write's own row rotation: kernels/rope.py rotate_row_fn), and the lanes load their
+    dims from there: the same values as the two kernels. The rope arguments (cos ..
+    max_pos: those of rope_kv_write's kernel) are dummies otherwise.
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
     tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
@@ -687,7 +689,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     DEC_NW = geo.dec_nw               # warps a block
     ld, st_ = halfio.load(kind), halfio.store(kind)
     _dec_fetch, _dec_tile = _dec_fetch_fn(kind, rope), _dec_tile_fn(bkind)
-    _rotate_row, rope_element = R.rotate_row_fn(kind, tkind), R.rope_element_fn(kind, tkind)
+    _rotate_row = R.rotate_row_fn(kind, tkind)
     rope_pos = R.rope_pos
     dmax = 32 * dpl
     kt = decode_keys(dpl, rows_c)
@@ -697,6 +699,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     nt = DEC_NW * 32
     U32 = _u(32)
     tpr = dmax // pair                # threads a row in the block merge
+    qs_size = rows_c * dmax if rope else 1
+    qs_type = {"f32": float32, "f16": float16, "bf16": uint16}[kind]   # (q's storage)
 
     occ = max(1, min(DEC_OCC, DEC_OCC * 4 // DEC_NW))
     @_jit(nt, occ)   # up to 255 registers (2 blocks an SM): a tile's loads all in flight at once
@@ -725,6 +729,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         acc = cuda.local.array((rows_c, dpl), float32)
         mr = cuda.local.array(rows_c, float32)
         vals = cuda.local.array(nv, float32)
+        Qs = cuda.shared.array(qs_size, qs_type)     # the block's rotated queries (rope)
         if pdl:
             ptx.grid_launch_dependents()
             ptx.grid_wait()
@@ -743,9 +748,8 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         kbase = b * kstride_b + hk * kstride_h
-        p0 = int64(0)
-        if rope:                          # this kv head's new rows into the caches
-            p0 = int64(cpos[0]) if use_cpos else cache_position
+        if rope:                          # this kv head's new rows into the caches, and the
+            p0 = int64(cpos[0]) if use_cpos else cache_position   # block's queries rotated
             ntu = _u(nt)
             for s_ in range(sq):
                 t = p0 + s_
@@ -760,25 +764,33 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                     while c < uint64(d):
                         v[dst + c] = q[src + c]   # (same dtype: the bits as they are)
                         c += ntu
-            cuda.threadfence_block()
+            # the queries rotated into shared memory by rope_kv_write's own _rotate_row (the
+            # same products, rounded to kind as it stores q), a work item a thread at a time:
+            # per-lane loops over rotations would not unroll, and the lanes' register arrays
+            # would go to local memory
+            e = int64(tid)
+            while e < rows_c * ncols:
+                r, c = divmod_small(e, int64(ncols))
+                if rb + r < rows:
+                    gi, qi = divmod_small(rb + r, sq)
+                    cq = uint64(rope_pos(pos, b * pos_bstride + qi, use_pos, p0 + qi,
+                                         max_pos)) * half
+                    _rotate_row(Qs, uint64(r * dmax), q, uint64(b * geom[5] + (hk * g + gi)
+                                                               * geom[6] + qi * geom[7]),
+                                cos, sin, cq, uint64(c), ncols, half, pair_mul, pair_gap, ncols)
+                e += nt
+            cuda.threadfence_block()      # the rows written, then read by the block's warps
             cuda.syncthreads()
         for r in range(rows_c):
             gi, qi = divmod_small(rb + r, sq)
             mr[r] = NEG_INF
-            at = b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7]
-            cq = _u(0)
-            if rope and rb + r < rows:    # the query's rope position (rope_kv_write's)
-                cq = uint64(rope_pos(pos, b * pos_bstride + qi, use_pos, p0 + qi, max_pos)) * half
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
-                if rb + r < rows and dg < d:
-                    if rope:
-                        qr[r, u] = rope_element(q, uint64(at), dg, cos, sin, cq, half,
-                                                pair_mul == _u(2))
-                    else:
-                        qr[r, u] = ld(q, uint64(at + dg))
+                if rope:
+                    qr[r, u] = ld(Qs, uint64(r * dmax + dg)) if rb + r < rows and dg < d else ZERO
                 else:
-                    qr[r, u] = ZERO
+                    qr[r, u] = ld(q, uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7]
+                                            + dg)) if rb + r < rows and dg < d else ZERO
                 acc[r, u] = ZERO
         st[0] = NEG_INF
         st[1] = ZERO

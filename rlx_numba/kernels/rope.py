@@ -125,8 +125,8 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
 @functools.cache
 def rotate_row_fn(kind: str, tkind: str):
     """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind`` (also the decode
-    attention kernel's, which folds rope_kv_write in: kernels/attention.py; ``rope_pos`` and
-    ``rope_element`` below are its other parts, the same arithmetic as this kernel's)."""
+    attention kernel's, which folds rope_kv_write in: kernels/attention.py, with ``rope_pos``
+    below)."""
     ld, st, ldt = halfio.load(kind), halfio.store(kind), halfio.load(tkind)
 
     @cuda.jit(device=True)
@@ -160,37 +160,6 @@ def rope_pos(pos, i, use_pos, t, max_pos):
     if v >= max_pos:
         v = max_pos - int64(1)
     return v
-
-
-@functools.cache
-def rope_element_fn(kind: str, tkind: str):
-    """rope_element for src of storage ``kind``, cos / sin of ``tkind``."""
-    ld, ldt, rnd = halfio.load(kind), halfio.load(tkind), halfio.round_to(kind)
-
-    @inline
-    def rope_element(src, so, dg, cos, sin, cb, half, interleaved):
-        """Element dg (int64) of the head row at src[so:] as _rotate_row would store it
-        (the same products, rounded to ``kind``), as a float32: pair (i, i + half), or (2i,
-        2i + 1) when ``interleaved``; dims from 2 half on pass through."""
-        h = int64(half)
-        x = ld(src, so + uint64(dg))
-        if dg >= h + h:
-            return x
-        if interleaved:
-            first = (dg & int64(1)) == int64(0)
-            i = dg >> int64(1)
-            o = dg + int64(1) if first else dg - int64(1)
-        else:
-            first = dg < h
-            i = dg if first else dg - h
-            o = dg + h if first else dg - h
-        y = ld(src, so + uint64(o))
-        cs = ldt(cos, cb + uint64(i))
-        sn = ldt(sin, cb + uint64(i))
-        # (_rotate_row's a * cs - b * sn and b * cs + a * sn, x in the place of this dim's)
-        return rnd(x * cs - y * sn) if first else rnd(x * cs + y * sn)
-
-    return rope_element
 
 
 @functools.cache

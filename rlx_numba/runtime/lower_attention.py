@@ -481,7 +481,8 @@ def _lower_rope_kv_attention(ctx, n):
     rkw = g.nodes[a["rope_kv_write"]]
     kc, vc = rkw.inputs[3:5]
     # the attention node this one stands for: q rope_kv_write's, k / v the caches
-    att = dataclasses.replace(n, op="attention", inputs=(rkw.id, kc, vc) + n.inputs[len(rkw.inputs):])
+    att = dataclasses.replace(n, op="attention",
+                              inputs=(rkw.id, kc, vc) + n.inputs[len(rkw.inputs):])
     caches = [ctx.byte_range(i) for i in (kc, vc)]
     if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:
         steps = rope_kv_write_step(ctx, rkw, _dummy(ctx, g.nodes[rkw.inputs[0]].dtype.storage))
