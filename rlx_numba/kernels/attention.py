@@ -43,7 +43,8 @@ in shared memory into one partial a block; the last block of a head to finish (a
 acquire-release atomic ticket) merges the splits and writes the output, so decode is one
 launch (one split: the block writes the output itself). A launch of fewer blocks than SMs
 splits the rows over blocks too. K and V are read once, whatever the GQA
-ratio (once per row group when the rows are split).
+ratio (once per row group when the rows are split). With ``rope`` it also does
+rope_kv_write's work for its kv head first (one split only: see ``decode_split``).
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short. Tile
 geometry (NT, NC, BC, DC, JC, TR and the decode block's warps) is a ``Geometry``: each kernel

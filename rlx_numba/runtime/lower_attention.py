@@ -11,7 +11,9 @@ split-K decode kernel when the queries that share a key/value head are few. Then
 backward (one call; not with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py).
 A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
-engine for falls to the next tier, the reason logged."""
+engine for falls to the next tier, the reason logged. ``rope_kv_attention`` (passes/fusion.py's
+fold of a rope_kv_write into the decode attention after it) lowers here too: the decode kernel
+with the rope and the cache write in it, or, on the split plan, the two kernels."""
 from __future__ import annotations
 
 import dataclasses
