@@ -475,8 +475,8 @@ def _lower_rope_kv_attention(ctx, n):
     """passes/fusion.py's fold of a rope_kv_write into the decode attention over its q and
     caches: inputs rope_kv_write's (qkv, cos, sin, the caches, [cache position],
     [positions]), then the attention's mask / bias. Where the decode plan gives each kv head's
-    keys to one split, one kernel (kernels/attention.py decode_split(rope=True)) rotates q as
-    it loads it from qkv, writes the new k / v rows and attends; where the keys are split
+    keys to one split, one kernel (kernels/attention.py decode_split(rope=True)) writes the kv
+    head's new k / v rows, rotates the block's queries from qkv, and attends; where the keys are split
     over blocks (long caches), the rope_kv_write kernel first, its q into a scratch of this
     node's, then the decode kernel. Either way the steps declare the caches' bytes written."""
     g, a = ctx.graph, n.attrs
@@ -486,19 +486,19 @@ def _lower_rope_kv_attention(ctx, n):
     att = dataclasses.replace(n, op="attention",
                               inputs=(rkw.id, kc, vc) + n.inputs[len(rkw.inputs):])
     caches = [ctx.byte_range(i) for i in (kc, vc)]
-    if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:
-        steps = rope_kv_write_step(ctx, rkw, _dummy(ctx, g.nodes[rkw.inputs[0]].dtype.storage))
+    if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:      # (so is qkv: nothing to write)
+        rope_kv_operands(ctx, rkw)                      # (its run() index checks)
+        return []
+    plan = _decode_plan(a)
+    if plan[1] == 1:                  # one split: every block that reads a head writes its rows
+        nh = a["hq"] + 2 * a["hkv"]
+        ops = _operands(ctx, att, q_strides=(a["sq"] * nh * a["d"], a["d"], nh * a["d"]))
+        steps = [_decode_step(ctx, att, ops, ctx.buf(rkw.inputs[0]), rope_kv_operands(ctx, rkw),
+                              plan)]
     else:
-        plan = _decode_plan(a)
-        if plan[1] == 1:              # one split: every block that reads a head writes its rows
-            nh = a["hq"] + 2 * a["hkv"]
-            ops = _operands(ctx, att, q_strides=(a["sq"] * nh * a["d"], a["d"], nh * a["d"]))
-            steps = [_decode_step(ctx, att, ops, ctx.buf(rkw.inputs[0]),
-                                  rope_kv_operands(ctx, rkw), plan)]
-        else:
-            q = ctx.device_array(np.empty(rkw.size, rkw.dtype.storage))
-            steps = rope_kv_write_step(ctx, rkw, q, step_name(n) + " rope_kv_write")
-            steps.append(_decode_step(ctx, att, _operands(ctx, att), q, plan=plan))
+        q = ctx.device_array(np.empty(rkw.size, rkw.dtype.storage))
+        steps = rope_kv_write_step(ctx, rkw, q, step_name(n) + " rope_kv_write")
+        steps.append(_decode_step(ctx, att, _operands(ctx, att), q, plan=plan))
     for s in steps:
         s.writes = s.writes + [r for r in caches if r not in s.writes]
     return steps
