@@ -395,7 +395,11 @@ class RopeOps:
         ``positions[s]`` / ``positions[b, s]`` when ``positions`` (an i32/i64 tensor [S] or
         [B, S]) is given (per-row positions of left-padded batches), else
         cache_position + s; positions are clamped to [0, max_pos - 1] on the device (run()
-        range-checks host-array inputs)."""
+        range-checks host-array inputs).
+
+        When q and the caches feed one decode attention and nothing else reads them, compile()
+        folds this op into that attention's kernel (passes/fusion.py): the same values and
+        cache contents, one launch fewer."""
         op = "rope_kv_write"
         for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                        ("v_cache", v_cache)):

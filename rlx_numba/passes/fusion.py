@@ -53,8 +53,8 @@ in the graph node's place (``nodes``). Nine rewrites:
 - **Rope / KV-write prologues.** A decode attention (few queries a kv head: the split-K
   decode kernel) over exactly the three results of a ``rope_kv_write`` (q and the caches
   after the write), which nothing else reads, becomes a ``rope_kv_attention`` node taking
-  the rope_kv_write's inputs: where each kv head's keys go to one block, its kernel rotates q
-  as it loads it from the packed qkv, writes the head's new k / v rows into the caches, and
+  the rope_kv_write's inputs: where each kv head's keys go to one block, its kernel writes
+  the head's new k / v rows into the caches, rotates its queries from the packed qkv, and
   attends (one kernel where there were two: a decoder layer's rope costs no launch); where the
   keys are split over blocks the lowering runs the rope_kv_write kernel first (its q in a
   scratch). The same values either way: q rounded to its dtype as rope_kv_write stores it.
