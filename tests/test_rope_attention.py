@@ -149,12 +149,13 @@ def _numba_tier(monkeypatch):
 
 
 # (dtype, B, S, Hq, Hkv, D, max_S, cache position, n_rot, interleaved, positions, tables):
-# positions in the middle of the cache; GQA; f32 K/V read in 16-byte groups (D 128) and in
-# pairs (D 64); per-row and per-token rope positions, partial and GPT-J rotation, half tables
+# positions in the middle of the cache; GQA (3 rows a kv head: a padding row); f32 K / V read
+# in 16-byte groups (D 128) and in pairs (D 64); per-row and per-token rope positions, partial
+# and GPT-J rotation, half tables; two tokens (S 2)
 CASES = [
     ("f32", 1, 1, 2, 1, 128, 6, 3, None, False, None, "f32"),
     ("f32", 1, 1, 2, 2, 64, 5, 2, 48, True, "bs", "f32"),
-    ("bf16", 2, 1, 4, 2, 16, 8, 5, 8, True, "bs", "bf16"),
+    ("bf16", 2, 1, 4, 1, 16, 8, 5, 8, True, "bs", "bf16"),
     ("bf16", 1, 1, 6, 2, 36, 9, 4, None, False, None, "f32"),
     ("f16", 2, 2, 3, 1, 8, 7, 2, None, False, "s", "f16"),
 ]
