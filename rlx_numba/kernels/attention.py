@@ -44,7 +44,7 @@ acquire-release atomic ticket) merges the splits and writes the output, so decod
 launch (one split: the block writes the output itself). A launch of fewer blocks than SMs
 splits the rows over blocks too. K and V are read once, whatever the GQA
 ratio (once per row group when the rows are split). With ``rope`` it also does
-rope_kv_write's work for its kv head first (one split only: see ``decode_split``).
+rope_kv_write's work for its kv head first (see ``decode_split``).
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short. Tile
 geometry (NT, NC, BC, DC, JC, TR and the decode block's warps) is a ``Geometry``: each kernel
@@ -667,18 +667,19 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     as a programmatic dependent (kernels/ptx.py): it lets the next kernel start early and
     waits for the one before before anything else.
 
-    ``rope``: rope_kv_write folded in (kernels/rope.py; cos / sin of storage ``tkind``), for a
-    launch of one split (each block sees every key of its kv head). ``q`` is then the packed
-    qkv [B, S, (Hq + 2 Hkv) D] (geom's q strides say where a query head's row lies) and k / v
-    the caches: after the wait for the kernel before, every block writes its kv head's new
-    rows (the rotated key, the value's bits) at cache_position + s, then a block barrier
-    behind a block fence makes them visible to its threads before any key is read (K and V
-    not on the read-only path). Row groups of one head (blocks along z) each write the same
-    rows, the same values from the same inputs, so whichever store a block reads sees them.
-    In the same phase the block's query rows are rotated into shared memory (in ``kind``, by
-    rope_kv_write's own row rotation: kernels/rope.py rotate_row_fn), and the lanes load their
-    dims from there: the same values as the two kernels. The rope arguments (cos ..
-    max_pos: those of rope_kv_write's kernel) are dummies otherwise.
+    ``rope``: rope_kv_write folded in (kernels/rope.py; cos / sin of storage ``tkind``). ``q``
+    is then the packed qkv [B, S, (Hq + 2 Hkv) D] (geom's q strides say where a query head's
+    row lies) and k / v the caches. After the wait for the kernel before, a block writes the
+    new rows of its kv head (the rotated key, the value's bits; rows cache_position + s) that
+    lie among its own keys, then a block barrier behind a block fence makes them visible to
+    its threads before any key is read (K and V not on the read-only path): a new row is read
+    only by the blocks whose keys hold it, and each of those wrote it itself. Row groups of
+    one head (blocks along z) each write the same rows, the same values from the same
+    inputs, so whichever store a block reads sees them; the partials the last block combines
+    hold no cache row. In the same phase the block's query rows are rotated into shared
+    memory (in ``kind``, by rope_kv_write's own row rotation: kernels/rope.py rotate_row_fn),
+    and the lanes load their dims from there: the same values as the two kernels. The rope
+    arguments (cos .. max_pos: those of rope_kv_write's kernel) are dummies otherwise.
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
     tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
@@ -749,12 +750,14 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
         kbase = b * kstride_b + hk * kstride_h
-        if rope:                          # this kv head's new rows into the caches, and the
-            p0 = int64(cpos[0]) if use_cpos else cache_position   # block's queries rotated
-            ntu = _u(nt)
+        k_lo = int64(cuda.blockIdx.x) * chunk     # this block's keys
+        k_hi = min(sk, k_lo + chunk)
+        if rope:                          # this kv head's new rows among the block's keys into
+            p0 = int64(cpos[0]) if use_cpos else cache_position   # the caches, and the
+            ntu = _u(nt)                                          # block's queries rotated
             for s_ in range(sq):
                 t = p0 + s_
-                if t >= int64(0) and t < sk:      # (rows outside the cache are dropped)
+                if t >= k_lo and t < k_hi:        # (rows outside the cache are dropped)
                     cb = uint64(rope_pos(pos, b * pos_bstride + s_, use_pos, t, max_pos)) * half
                     src = uint64(b * geom[5] + s_ * geom[7] + (geom[0] + hk) * d)
                     dst = uint64(kbase + t * ks)
@@ -795,8 +798,6 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                 acc[r, u] = ZERO
         st[0] = NEG_INF
         st[1] = ZERO
-        k_lo = int64(cuda.blockIdx.x) * chunk
-        k_hi = min(sk, k_lo + chunk)
         t0 = k_lo + int64(w) * kt
         tile = DEC_NW * kt                # the block's keys a trip, the same trips every warp
         k_end = k_lo + (k_hi - k_lo + tile - 1) // tile * tile

@@ -53,11 +53,11 @@ in the graph node's place (``nodes``). Nine rewrites:
 - **Rope / KV-write prologues.** A decode attention (few queries a kv head: the split-K
   decode kernel) over exactly the three results of a ``rope_kv_write`` (q and the caches
   after the write), which nothing else reads, becomes a ``rope_kv_attention`` node taking
-  the rope_kv_write's inputs: where each kv head's keys go to one block, its kernel writes
-  the head's new k / v rows into the caches, rotates its queries from the packed qkv, and
-  attends (one kernel where there were two: a decoder layer's rope costs no launch); where the
-  keys are split over blocks the lowering runs the rope_kv_write kernel first (its q in a
-  scratch). The same values either way: q rounded to its dtype as rope_kv_write stores it.
+  the rope_kv_write's inputs: each block of its kernel writes the new k / v rows that lie
+  among its keys into the caches (a row is read by those blocks alone), rotates its queries
+  from the packed qkv, and attends -- one kernel where there were two, a decoder layer's rope
+  costs no launch; the same values and cache contents (q rounded to its dtype as
+  rope_kv_write stores it).
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use add of
   two same-shape tensors of its dtype (f32, f16 or bf16: a half norm rounds a + b to the dtype
   before it uses it, as the add's kernel would) becomes the norm with ``residual=b`` (one row
@@ -530,8 +530,7 @@ def _rope_kv_prologue(nodes, att, live, outputs, writes, root):
     (the write's two kv_written aliases of the caches aside) nor sees outside the graph, and
     no live result of its own (a training attention's LSE). Between the two nodes no other
     in-place write may touch memory the rope_kv_write reads (the fold moves the reads and
-    the caches' write to the attention's place). The lowering (runtime/lower_attention.py)
-    runs one kernel where each kv head's keys go to one block, else the two kernels."""
+    the caches' write to the attention's place; runtime/lower_attention.py lowers it)."""
     rkw = nodes[att.inputs[0]]
     if rkw.op != "rope_kv_write" or len(rkw.results) != 2 or att.inputs[1:3] != tuple(rkw.results):
         return None

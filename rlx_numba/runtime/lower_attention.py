@@ -13,7 +13,7 @@ A forward on one tier and a backward on another agree: cuDNN's softmax stats are
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
 engine for falls to the next tier, the reason logged. ``rope_kv_attention`` (passes/fusion.py's
 fold of a rope_kv_write into the decode attention after it) lowers here too: the decode kernel
-with the rope and the cache write in it, or, on the split plan, the two kernels."""
+with the rope and the cache write in it."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +32,7 @@ from ..ir import dtypes as dt
 from ..ir.opdef import opdef
 from .lower import (CallStep, Step, elementwise_step, env_tiers, lowering, pdl_supported,
                     step_name)
-from .lower_rope import rope_kv_operands, rope_kv_write_step
+from .lower_rope import rope_kv_operands
 
 U = np.uint64
 
@@ -429,14 +429,14 @@ def _decode_plan(a):
     return geo, splits, chunk, rows_c, groups
 
 
-def _decode_step(ctx, n, operands, q_buf, rope=None, plan=None):
+def _decode_step(ctx, n, operands, q_buf, rope=None):
     """The split-K decode kernel's step for attention node ``n`` (its ``_operands``), q read
     from ``q_buf``; with ``rope`` (lower_rope.RopeKV) the kernel that folds rope_kv_write in
     (q_buf then the packed qkv, the geometry's q strides its)."""
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, ks = operands
-    geo, splits, chunk, rows_c, groups = plan or _decode_plan(a)
+    geo, splits, chunk, rows_c, groups = _decode_plan(a)
     dpl = -(-d // 32)
     part = b * hkv * groups * splits * rows_c
     pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
@@ -474,34 +474,24 @@ def _decode_step(ctx, n, operands, q_buf, rope=None, plan=None):
 def _lower_rope_kv_attention(ctx, n):
     """passes/fusion.py's fold of a rope_kv_write into the decode attention over its q and
     caches: inputs rope_kv_write's (qkv, cos, sin, the caches, [cache position],
-    [positions]), then the attention's mask / bias. Where the decode plan gives each kv head's
-    keys to one split, one kernel (kernels/attention.py decode_split(rope=True)) writes the kv
-    head's new k / v rows, rotates the block's queries from qkv, and attends; where the keys are split
-    over blocks (long caches), the rope_kv_write kernel first, its q into a scratch of this
-    node's, then the decode kernel. Either way the steps declare the caches' bytes written."""
+    [positions]), then the attention's mask / bias. One kernel (kernels/attention.py
+    decode_split(rope=True)): each block writes the kv head's new k / v rows that lie among
+    its keys, rotates its queries from qkv, and attends; the step declares the caches' bytes
+    written."""
     g, a = ctx.graph, n.attrs
     rkw = g.nodes[a["rope_kv_write"]]
+    rope = rope_kv_operands(ctx, rkw)     # (also its run() index checks)
+    if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:      # (so is qkv: nothing to write)
+        return []
     kc, vc = rkw.inputs[3:5]
     # the attention node this one stands for: q rope_kv_write's, k / v the caches
     att = dataclasses.replace(n, op="attention",
                               inputs=(rkw.id, kc, vc) + n.inputs[len(rkw.inputs):])
-    caches = [ctx.byte_range(i) for i in (kc, vc)]
-    if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:      # (so is qkv: nothing to write)
-        rope_kv_operands(ctx, rkw)                      # (its run() index checks)
-        return []
-    plan = _decode_plan(a)
-    if plan[1] == 1:                  # one split: every block that reads a head writes its rows
-        nh = a["hq"] + 2 * a["hkv"]
-        ops = _operands(ctx, att, q_strides=(a["sq"] * nh * a["d"], a["d"], nh * a["d"]))
-        steps = [_decode_step(ctx, att, ops, ctx.buf(rkw.inputs[0]), rope_kv_operands(ctx, rkw),
-                              plan)]
-    else:
-        q = ctx.device_array(np.empty(rkw.size, rkw.dtype.storage))
-        steps = rope_kv_write_step(ctx, rkw, q, step_name(n) + " rope_kv_write")
-        steps.append(_decode_step(ctx, att, _operands(ctx, att), q, plan=plan))
-    for s in steps:
-        s.writes = s.writes + [r for r in caches if r not in s.writes]
-    return steps
+    nh = a["hq"] + 2 * a["hkv"]
+    ops = _operands(ctx, att, q_strides=(a["sq"] * nh * a["d"], a["d"], nh * a["d"]))
+    step = _decode_step(ctx, att, ops, ctx.buf(rkw.inputs[0]), rope)
+    step.writes = step.writes + [ctx.byte_range(i) for i in (kc, vc)]
+    return [step]
 
 
 # ---- backward (attention's VJP) --------------------------------------------------------------

@@ -98,8 +98,8 @@ def _lower_kv_write(ctx, n):
 
 @dataclass
 class RopeKV:
-    """What rope_kv_write node ``n``'s kernel takes besides its arrays (qkv, q and the
-    caches), also what the decode attention kernel that folds it in takes
+    """What a rope_kv_write node's kernel takes besides its arrays (qkv, q and the caches),
+    also what the decode attention kernel that folds it in takes
     (runtime/lower_attention.py): the cache position (``cpos`` a device array when
     ``use_cpos``, else ``position``), the per-token rope positions (``pos`` when ``use_pos``,
     ``pos_bstride`` apart a batch row), the geometry."""
@@ -164,9 +164,8 @@ def rope_kv_operands(ctx, n) -> RopeKV:
                   d, a["n_rot"], a["interleaved"], max_s, max_pos)
 
 
-def rope_kv_write_step(ctx, n, q_buf, name=None) -> list:
-    """rope_kv_write node ``n``'s kernel, its q into ``q_buf`` (its own buffer, or a scratch of
-    the attention that folded it in but runs it as a step of its own)."""
+@lowering("rope_kv_write")
+def _lower_rope_kv_write(ctx, n):
     g = ctx.graph
     qkv, cos, sin, kc, vc = (g.nodes[i] for i in n.inputs[:5])
     r = rope_kv_operands(ctx, n)
@@ -176,21 +175,16 @@ def rope_kv_write_step(ctx, n, q_buf, name=None) -> list:
     nrows = r.b * r.s * nh
     grid, block = _geometry(r.d, nrows)
     # the kv_written results alias the caches: their buffers are the caches' own
-    args = (q_buf, ctx.buf(kc), ctx.buf(vc), ctx.buf(qkv), ctx.buf(cos), ctx.buf(sin), r.cpos,
-            np.int64(r.position), r.use_cpos, r.pos, U(r.pos_bstride), r.use_pos, U(nrows),
-            U(r.s), U(r.hq), U(r.hkv), U(nh), U(r.d), U(r.half), U(r.ncols), U(r.pair[0]),
-            U(r.pair[1]), U(r.max_s), np.int64(r.max_pos))
+    args = (ctx.buf(n), ctx.buf(kc), ctx.buf(vc), ctx.buf(qkv), ctx.buf(cos), ctx.buf(sin),
+            r.cpos, np.int64(r.position), r.use_cpos, r.pos, U(r.pos_bstride), r.use_pos,
+            U(nrows), U(r.s), U(r.hq), U(r.hkv), U(nh), U(r.d), U(r.half), U(r.ncols),
+            U(r.pair[0]), U(r.pair[1]), U(r.max_s), np.int64(r.max_pos))
     pdl = pdl_supported()
     kern = k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype), pdl)
-    return [Step(name or step_name(n), f"rope_kv_write {r.layout} {r.b}x{r.s} heads "
-                 f"{r.hq}/{r.hkv}", kern, grid, block, args,
+    return [Step(step_name(n), f"rope_kv_write {r.layout} {r.b}x{r.s} heads {r.hq}/{r.hkv}",
+                 kern, grid, block, args,
                  {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * r.b * r.s * r.half},
                  pdl=pdl)]
-
-
-@lowering("rope_kv_write")
-def _lower_rope_kv_write(ctx, n):
-    return rope_kv_write_step(ctx, n, ctx.buf(n))
 
 
 @lowering("kv_written")
