@@ -416,19 +416,6 @@ def _lower_attention(ctx, n):
                  flops)]
 
 
-def _decode_plan(a):
-    """(the decode block's geometry, splits, keys a split, rows a block, row groups) of
-    attention attrs ``a`` on this device (kernels/attention.py decode_warps .. decode_groups)."""
-    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
-    sm = 1 if SIMULATOR else sm_count()
-    geo = default_geometry("attention")
-    geo = dataclasses.replace(geo, dec_nw=A.decode_warps(b, hkv, sk, sm, geo.dec_nw))
-    splits, chunk = A.decode_plan(b, hkv, sk, sm, geo.dec_nw)
-    rows_c, groups = A.decode_groups(A.decode_rows(hq // hkv, sq, d), hq // hkv * sq,
-                                     splits * b * hkv, sm)
-    return geo, splits, chunk, rows_c, groups
-
-
 def _decode_step(ctx, n, operands, q_buf, rope=None):
     """The split-K decode kernel's step for attention node ``n`` (its ``_operands``), q read
     from ``q_buf``; with ``rope`` (lower_rope.RopeKV) the kernel that folds rope_kv_write in
@@ -436,7 +423,12 @@ def _decode_step(ctx, n, operands, q_buf, rope=None):
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, ks = operands
-    geo, splits, chunk, rows_c, groups = _decode_plan(a)
+    sm = 1 if SIMULATOR else sm_count()
+    geo = default_geometry("attention")
+    geo = dataclasses.replace(geo, dec_nw=A.decode_warps(b, hkv, sk, sm, geo.dec_nw))
+    splits, chunk = A.decode_plan(b, hkv, sk, sm, geo.dec_nw)
+    rows_c, groups = A.decode_groups(A.decode_rows(hq // hkv, sq, d), hq // hkv * sq,
+                                     splits * b * hkv, sm)
     dpl = -(-d // 32)
     part = b * hkv * groups * splits * rows_c
     pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
