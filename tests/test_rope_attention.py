@@ -169,19 +169,11 @@ def test_folded_decode_matches_unfolded_and_numpy(rng, monkeypatch, dt, b, s, hq
     assert "+rope_kv_write" in st.kernel_name and st.info["splits"] == 1
 
 
-def test_row_groups_each_write_the_same_rows(rng, monkeypatch):
-    """A GPU's plan for few kv heads: a head's rows over blocks of 2 (each block writes the
-    head's new rows, the same bits, and reads its own)."""
-    monkeypatch.setattr(A, "decode_groups", lambda rows_c, rows, blocks, sm: (2, -(-rows // 2)))
-    exe = check(rng, monkeypatch, "bf16", 1, 1, 4, 1, 16, 6, 2)
-    (st,) = [st for st in exe.steps if "attention" in st.kernel_name]
-    assert st.grid == (1, 1, 2) and "+rope_kv_write" in st.kernel_name
-
-
 def test_split_plan_blocks_write_the_rows_among_their_keys(rng, monkeypatch):
     """Keys over several blocks a kv head (a long cache; the last block of a head combines):
     each block writes the new rows among its keys, here two tokens on either side of a split
-    boundary (rows 3 and 4, blocks of 4 keys), with row groups too."""
+    boundary (rows 3 and 4, blocks of 4 keys); and a head's rows over blocks of 2 (a GPU's
+    plan for few kv heads): each of those writes the same rows, the same bits."""
     monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 4), 4))
     monkeypatch.setattr(A, "decode_groups", lambda rows_c, rows, blocks, sm: (2, -(-rows // 2)))
     exe = check(rng, monkeypatch, "bf16", 1, 2, 2, 1, 16, 7, 3)
@@ -199,6 +191,22 @@ def test_q_read_elsewhere_is_not_folded(rng, monkeypatch):
     assert [st for st in exe.steps if st.kernel_name.startswith("rope_kv_write")]
     for got, want in ((y, y0), (q, q0), (k1, k0), (v1, v0)):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the GPU geometry and PDL are the defaults")
+def test_gpu_geometry_and_programmatic_dependent(rng, monkeypatch):
+    """The folded kernel as a GPU of compute capability 9.0 builds it: 4-warp blocks, launched
+    as a programmatic dependent (grid_wait before qkv is read: a no-op in the simulator), bf16
+    K / V in dim pairs (D 64), the keys over two splits."""
+    from rlx_numba.kernels.launch import override_geometry
+    from rlx_numba.runtime import lower_attention, lower_rope
+    for mod in (lower_attention, lower_rope):
+        monkeypatch.setattr(mod, "pdl_supported", lambda: True)
+    monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // 8), 8))
+    with override_geometry("attention", A.GPU):
+        exe = check(rng, monkeypatch, "bf16", 1, 1, 4, 1, 64, 12, 9, posmode="bs")
+    (st,) = [st for st in exe.steps if st.kernel_name.startswith("attention")]
+    assert st.pdl and st.block == (128,) and st.info["splits"] == 2
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the Llama-3.2-1B decode shapes need a GPU")
