@@ -248,6 +248,18 @@ defop("kv_written", further_result("kv_written", "rope_kv_write"), memory=INPLAC
       doc="a KV cache after rope_kv_write wrote into it in place")
 
 
+def _folded_by_fusion(*inputs, **attrs):
+    raise ValueError("rope_kv_attention is made by the fusion pass (passes/fusion.py) from a "
+                     "rope_kv_write and the decode attention over its q and caches, not bind")
+
+
+# inputs: rope_kv_write's, then the attention's mask / bias; attrs: the attention's, and
+# "rope_kv_write": that node's id (runtime/lower_attention.py)
+defop("rope_kv_attention", _folded_by_fusion, dtype_rule=F32,
+      doc="a decode attention with the rope_kv_write of its q and caches folded in: one kernel "
+          "rotates q, writes the new k / v rows and attends (passes/fusion.py)")
+
+
 class RopeOps:
     """Builder methods; ``self`` is the Graph."""
 
@@ -383,7 +395,11 @@ class RopeOps:
         ``positions[s]`` / ``positions[b, s]`` when ``positions`` (an i32/i64 tensor [S] or
         [B, S]) is given (per-row positions of left-padded batches), else
         cache_position + s; positions are clamped to [0, max_pos - 1] on the device (run()
-        range-checks host-array inputs)."""
+        range-checks host-array inputs).
+
+        When q and the caches feed one decode attention and nothing else reads them, compile()
+        folds this op into that attention's kernel (passes/fusion.py): the same values and
+        cache contents, one launch fewer."""
         op = "rope_kv_write"
         for arg, t in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache),
                        ("v_cache", v_cache)):

@@ -43,7 +43,8 @@ in shared memory into one partial a block; the last block of a head to finish (a
 acquire-release atomic ticket) merges the splits and writes the output, so decode is one
 launch (one split: the block writes the output itself). A launch of fewer blocks than SMs
 splits the rows over blocks too. K and V are read once, whatever the GQA
-ratio (once per row group when the rows are split).
+ratio (once per row group when the rows are split). With ``rope`` it also does
+rope_kv_write's work for its kv head first (see ``decode_split``).
 
 Integer geometry comes in one int64 array ``geom`` (see GEOM) so launches stay short. Tile
 geometry (NT, NC, BC, DC, JC, TR and the decode block's warps) is a ``Geometry``: each kernel
@@ -55,12 +56,14 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint16, uint32, uint64
+from numba.core.types import float16
 
 from ..device import SIMULATOR
 from . import halfio
 from . import mathfn as m
 from . import ptx
+from . import rope as R
 from .warp import MAX, SLOTS, SUM, group_reduce, reduce_scatter, warp_sync, xor_shfl
 from .launch import default_geometry, inline as _inline, jit, register_geometry
 
@@ -537,12 +540,31 @@ def _dec_fetch(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
                 r[j, u] = src[uint64(kk + min(int64(lane) + u * 32, d - 1))]
 
 
+@_inline
+def _dec_fetch_coherent(r, src, kbase, ks, t0, k_hi, lane, d, kt, dpl, pair):
+    """_dec_fetch of f32 K / V that this kernel wrote rows of (the decode with rope_kv_write
+    folded in): no read-only-path loads (ld.global.nc may return what the row held before
+    the write), 16-byte groups through the ordinary path, pairs as two loads."""
+    for j in range(kt):
+        kk = kbase + min(t0 + j, k_hi - 1) * ks
+        if pair == 4:
+            for u in range(dpl // 4):
+                x4 = ptx.vld4(src, uint64(kk + min(_dec_dim(lane, 4 * u, 4), d - 4)))
+                for i in range(4):
+                    r[j, 4 * u + i] = x4[i]
+        else:
+            for u in range(dpl // pair):
+                at = uint64(kk + min(_dec_dim(lane, pair * u, pair), d - pair))
+                for i in range(pair):
+                    r[j, pair * u + i] = src[at + uint64(i)]
+
+
 @functools.cache
-def _dec_fetch_fn(kind: str):
-    """_dec_fetch for K / V of storage kind ``kind``: f32's (vector loads), or the same dims
-    a lane read one widening load each."""
+def _dec_fetch_fn(kind: str, coherent: bool = False):
+    """_dec_fetch for K / V of storage kind ``kind``: f32's (vector loads; ``coherent``: none
+    on the read-only path), or the same dims a lane read one widening load each."""
     if kind == "f32":
-        return _dec_fetch
+        return _dec_fetch_coherent if coherent else _dec_fetch
     ld = halfio.load(kind)
 
     @_inline
@@ -638,12 +660,26 @@ def _dec_tile_fn(bkind: str):
 
 @functools.lru_cache(maxsize=None)
 def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias, has_softcap,
-                 kind="f32", bkind="f32", pdl=False):
+                 kind="f32", bkind="f32", pdl=False, rope=False, tkind="f32"):
     """Attention for every row reading one kv head, the keys split across blocks (see the
     module docstring); ``count`` holds a zeroed int32 ticket per (batch, kv head). ``kind``:
     q, k, v and out's storage, ``bkind`` the bias's; the partials are f32. ``pdl``: launched
     as a programmatic dependent (kernels/ptx.py): it lets the next kernel start early and
     waits for the one before before anything else.
+
+    ``rope``: rope_kv_write folded in (kernels/rope.py; cos / sin of storage ``tkind``). ``q``
+    is then the packed qkv [B, S, (Hq + 2 Hkv) D] (geom's q strides say where a query head's
+    row lies) and k / v the caches. After the wait for the kernel before, a block writes the
+    new rows of its kv head (the rotated key, the value's bits; rows cache_position + s) that
+    lie among its own keys, then a block barrier behind a block fence makes them visible to
+    its threads before any key is read (K and V not on the read-only path): a new row is read
+    only by the blocks whose keys hold it, and each of those wrote it itself. Row groups of
+    one head (blocks along z) each write the same rows, the same values from the same
+    inputs, so whichever store a block reads sees them; the partials the last block combines
+    hold no cache row. In the same phase the block's query rows are rotated into shared
+    memory (in ``kind``, by rope_kv_write's own row rotation: kernels/rope.py rotate_row_fn),
+    and the lanes load their dims from there: the same values as the two kernels. The rope
+    arguments (cos .. max_pos: those of rope_kv_write's kernel) are dummies otherwise.
 
     Lane l holds head dims l, l+32, ... of every query row (registers) and of each key of a
     tile of kt keys (pair == 2: dims 2l, 2l+1, 2l+64, ..., K and V read as float64 pairs). A
@@ -654,7 +690,9 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     memory for the P V update. No shared memory traffic on the K and V bytes."""
     DEC_NW = geo.dec_nw               # warps a block
     ld, st_ = halfio.load(kind), halfio.store(kind)
-    _dec_fetch, _dec_tile = _dec_fetch_fn(kind), _dec_tile_fn(bkind)
+    _dec_fetch, _dec_tile = _dec_fetch_fn(kind, rope), _dec_tile_fn(bkind)
+    _rotate_row = R.rotate_row_fn(kind, tkind)
+    rope_pos = R.rope_pos
     dmax = 32 * dpl
     kt = decode_keys(dpl, rows_c)
     nv = rows_c * kt                  # scores a warp computes a tile
@@ -663,11 +701,14 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
     nt = DEC_NW * 32
     U32 = _u(32)
     tpr = dmax // pair                # threads a row in the block merge
+    qs_size = rows_c * dmax if rope else 1
+    qs_type = {"f32": float32, "f16": float16, "bf16": uint16}[kind]   # (q's storage)
 
     occ = max(1, min(DEC_OCC, DEC_OCC * 4 // DEC_NW))
     @_jit(nt, occ)   # up to 255 registers (2 blocks an SM): a tile's loads all in flight at once
     def kernel(out, pm, pl, pacc, count, q, k, v, mask, bias, geom, scale, softcap, chunk, splits,
-               hkv, sk, kstride_b, kstride_h, ks):
+               hkv, sk, kstride_b, kstride_h, ks, cos, sin, cpos, cache_position, use_cpos, pos,
+               pos_bstride, use_pos, half, ncols, pair_mul, pair_gap, max_pos):
         # (hkv, sk and K/V's strides are also in geom; as parameters the first K/V loads
         # need no round trip to memory for their addresses)
         xs = cuda.shared.array((DEC_NW, 32), float32)    # shuffle stand-in (simulator)
@@ -690,6 +731,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         acc = cuda.local.array((rows_c, dpl), float32)
         mr = cuda.local.array(rows_c, float32)
         vals = cuda.local.array(nv, float32)
+        Qs = cuda.shared.array(qs_size, qs_type)     # the block's rotated queries (rope)
         if pdl:
             ptx.grid_launch_dependents()
             ptx.grid_wait()
@@ -707,19 +749,55 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
         gi_me, qi_me = divmod_small(rb + r_me, sq)
         if rb + r_me >= rows:             # a padding row: qi = sq masks it before any read
             gi_me, qi_me = int64(0), sq
+        kbase = b * kstride_b + hk * kstride_h
+        k_lo = int64(cuda.blockIdx.x) * chunk     # this block's keys
+        k_hi = min(sk, k_lo + chunk)
+        if rope:                          # this kv head's new rows among the block's keys into
+            p0 = int64(cpos[0]) if use_cpos else cache_position   # the caches, and the
+            ntu = _u(nt)                                          # block's queries rotated
+            for s_ in range(sq):
+                t = p0 + s_
+                if t >= k_lo and t < k_hi:        # (rows outside the cache are dropped)
+                    cb = uint64(rope_pos(pos, b * pos_bstride + s_, use_pos, t, max_pos)) * half
+                    src = uint64(b * geom[5] + s_ * geom[7] + (geom[0] + hk) * d)
+                    dst = uint64(kbase + t * ks)
+                    _rotate_row(k, dst, q, src, cos, sin, cb, tid, ncols, half, pair_mul,
+                                pair_gap, ntu)
+                    src += uint64(hkv * d)
+                    c = tid
+                    while c < uint64(d):
+                        v[dst + c] = q[src + c]   # (same dtype: the bits as they are)
+                        c += ntu
+            # the queries rotated into shared memory by rope_kv_write's own _rotate_row (the
+            # same products, rounded to kind as it stores q), a work item a thread at a time:
+            # per-lane loops over rotations would not unroll, and the lanes' register arrays
+            # would go to local memory
+            e = int64(tid)
+            while e < rows_c * ncols:
+                r, c = divmod_small(e, int64(ncols))
+                if rb + r < rows:
+                    gi, qi = divmod_small(rb + r, sq)
+                    cq = uint64(rope_pos(pos, b * pos_bstride + qi, use_pos, p0 + qi,
+                                         max_pos)) * half
+                    _rotate_row(Qs, uint64(r * dmax), q, uint64(b * geom[5] + (hk * g + gi)
+                                                               * geom[6] + qi * geom[7]),
+                                cos, sin, cq, uint64(c), ncols, half, pair_mul, pair_gap, ncols)
+                e += nt
+            cuda.threadfence_block()      # the rows written, then read by the block's warps
+            cuda.syncthreads()
         for r in range(rows_c):
             gi, qi = divmod_small(rb + r, sq)
             mr[r] = NEG_INF
             for u in range(dpl):
                 dg = _dec_dim(lane, u, pair)
-                qr[r, u] = ld(q, uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7]
-                                        + dg)) if rb + r < rows and dg < d else ZERO
+                if rope:
+                    qr[r, u] = ld(Qs, uint64(r * dmax + dg)) if rb + r < rows and dg < d else ZERO
+                else:
+                    qr[r, u] = ld(q, uint64(b * geom[5] + (hk * g + gi) * geom[6] + qi * geom[7]
+                                            + dg)) if rb + r < rows and dg < d else ZERO
                 acc[r, u] = ZERO
         st[0] = NEG_INF
         st[1] = ZERO
-        k_lo = int64(cuda.blockIdx.x) * chunk
-        k_hi = min(sk, k_lo + chunk)
-        kbase = b * kstride_b + hk * kstride_h
         t0 = k_lo + int64(w) * kt
         tile = DEC_NW * kt                # the block's keys a trip, the same trips every warp
         k_end = k_lo + (k_hi - k_lo + tile - 1) // tile * tile

@@ -32,7 +32,7 @@ from numba import cuda, float32, int64, uint64
 
 from ..device import SIMULATOR
 from . import halfio, ptx
-from .launch import jit
+from .launch import inline, jit
 from .shape import copy_span
 
 HPT = 2 if SIMULATOR else 4     # heads a thread (the same pair of each)
@@ -123,8 +123,10 @@ def kv_write(cache, new, pos, position, use_pos, nrows, s, max_s, D):
 
 
 @functools.cache
-def _rotate_row_fn(kind: str, tkind: str):
-    """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind``."""
+def rotate_row_fn(kind: str, tkind: str):
+    """_rotate_row for src and dst of storage ``kind``, cos / sin of ``tkind`` (also the decode
+    attention kernel's, which folds rope_kv_write in: kernels/attention.py, with ``rope_pos``
+    below)."""
     ld, st, ldt = halfio.load(kind), halfio.store(kind), halfio.load(tkind)
 
     @cuda.jit(device=True)
@@ -148,12 +150,24 @@ def _rotate_row_fn(kind: str, tkind: str):
     return _rotate_row
 
 
+@inline
+def rope_pos(pos, i, use_pos, t, max_pos):
+    """A token's rope position: pos[i] when ``use_pos`` else t (int64), clamped to
+    [0, max_pos - 1] (rope_kv_write's rule)."""
+    v = int64(pos[i]) if use_pos else t
+    if v < int64(0):
+        v = int64(0)
+    if v >= max_pos:
+        v = max_pos - int64(1)
+    return v
+
+
 @functools.cache
 def rope_kv_write(kind: str = "f32", tkind: str = "f32", pdl: bool = False):
     """The rope_kv_write kernel for qkv, q and the caches of storage ``kind``, cos / sin of
     ``tkind``; ``pdl``: launched as a programmatic dependent (kernels/ptx.py), it lets the next
     kernel start and waits for the one before first."""
-    _rotate_row = _rotate_row_fn(kind, tkind)
+    _rotate_row = rotate_row_fn(kind, tkind)
 
     @jit
     def rope_kv_write_kernel(q, k_cache, v_cache, qkv, cos, sin, cpos, cache_position, use_cpos,
@@ -179,12 +193,7 @@ def rope_kv_write(kind: str = "f32", tkind: str = "f32", pdl: bool = False):
             s = tok - b * S
             src = r * D                  # rows of qkv are the (token, head) rows themselves
             t = p0 + int64(s)
-            v = int64(pos[b * pos_bstride + s]) if use_pos else t
-            if v < int64(0):
-                v = int64(0)
-            if v >= max_pos:
-                v = max_pos - int64(1)
-            cb = uint64(v) * half
+            cb = uint64(rope_pos(pos, b * pos_bstride + s, use_pos, t, max_pos)) * half
             if h < Hq:
                 _rotate_row(q, ((b * Hq + h) * S + s) * D, qkv, src, cos, sin, cb, c0, ncols,
                             half, pair_mul, pair_gap, xstep)

@@ -3,7 +3,7 @@
 ``fuse(graph, live, root, is_view, strided)`` reads the graph (never changes it: a Graph can be compiled
 again, with or without fusion) and returns a ``Fusion``: the nodes that are never materialised
 (``interior``: no arena buffer, no Step) and, per surviving root, the Node the executable lowers
-in the graph node's place (``nodes``). Eight rewrites:
+in the graph node's place (``nodes``). Nine rewrites:
 
 - **Element-wise regions.** A live element-wise node (its OpDef's ``elementwise``, not a view)
   is computed inside its consumer's kernel when it has exactly one reader, that reader is
@@ -50,6 +50,14 @@ in the graph node's place (``nodes``). Eight rewrites:
   ``rms_norm_eps`` and gamma as its last input: the skinny-product kernel normalises x as it
   reads it, so a decoder layer's norms cost no kernel of their own; other tiers run the
   norm as a step before the product (runtime/lower_matmul.py).
+- **Rope / KV-write prologues.** A decode attention (few queries a kv head: the split-K
+  decode kernel) over exactly the three results of a ``rope_kv_write`` (q and the caches
+  after the write), which nothing else reads, becomes a ``rope_kv_attention`` node taking
+  the rope_kv_write's inputs: each block of its kernel writes the new k / v rows that lie
+  among its keys into the caches (a row is read by those blocks alone), rotates its queries
+  from the packed qkv, and attends -- one kernel where there were two, a decoder layer's rope
+  costs no launch; the same values and cache contents (q rounded to its dtype as
+  rope_kv_write stores it).
 - **Residual + norm.** ``layer_norm(a + b)`` / ``rms_norm(a + b)`` over a single-use add of
   two same-shape tensors of its dtype (f32, f16 or bf16: a half norm rounds a + b to the dtype
   before it uses it, as the add's kernel would) becomes the norm with ``residual=b`` (one row
@@ -78,6 +86,7 @@ from dataclasses import dataclass, field
 from ..ir import dtypes as dt
 from ..ir.graph import Node
 from ..ir.opdef import is_elementwise, is_inplace
+from ..kernels.attention import decode_rows
 from ..kernels.gemv import MAX_M
 
 # a region's size caps: numba kernels take every input as ~7 parameters (4 KiB in all), and
@@ -247,6 +256,15 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
             out.folds[pid] = (f"{kind} + norm prologue" if kind else "norm prologue",
                               tuple(sorted(members + (n.id,))))
             interior.add(n.id)
+    for n in nodes:   # rope_kv_write prologues: the decode attention over its q and caches
+        if n.op == "attention" and n.id in live and n.id not in out.nodes:
+            fold = _rope_kv_prologue(nodes, n, live, outputs, writes, root)
+            if fold is not None:
+                rkw = nodes[n.inputs[0]]
+                out.nodes[n.id] = fold
+                out.folds[n.id] = ("rope_kv_write prologue",
+                                   tuple(sorted((rkw.id, *rkw.results, n.id))))
+                interior.update((rkw.id, *rkw.results))
     for r, reg in out.regions.items():
         root_node = nodes[r]
         out.nodes[r] = Node(r, "fused", reg.leaves, root_node.shape, root_node.dtype,
@@ -503,6 +521,35 @@ def _norm_prologue(nodes, norm, reader, folded, interior):
             or prod.dtype != x.dtype or "rms_norm_eps" in prod.attrs):
         return None
     return pid
+
+
+def _rope_kv_prologue(nodes, att, live, outputs, writes, root):
+    """The rope_kv_attention node standing for ``att`` and the rope_kv_write it reads, else
+    None: ``att`` a decode attention (kernels/attention.py's decode kernel: few queries a kv
+    head) of q, k_all, v_all, exactly a rope_kv_write's three results, which nothing else reads
+    (the write's two kv_written aliases of the caches aside) nor sees outside the graph, and
+    no live result of its own (a training attention's LSE). Between the two nodes no other
+    in-place write may touch memory the rope_kv_write reads (the fold moves the reads and
+    the caches' write to the attention's place; runtime/lower_attention.py lowers it)."""
+    rkw = nodes[att.inputs[0]]
+    if rkw.op != "rope_kv_write" or len(rkw.results) != 2 or att.inputs[1:3] != tuple(rkw.results):
+        return None
+    a = att.attrs
+    if (a["sk"] == 0 or decode_rows(a["hq"] // a["hkv"], a["sq"], a["d"]) is None
+            or any(r in live for r in att.results)):
+        return None
+    mine = {rkw.id, *rkw.results}
+    if mine & outputs or mine.intersection(att.inputs[3:]):
+        return None
+    if any(n.id in live and n.id != att.id and n.id not in mine and mine.intersection(n.inputs)
+           for n in nodes):   # another reader of q or of the caches after the write
+        return None
+    read = {root[i] for i in rkw.inputs}
+    if any(rkw.id < k < att.id and w in read and k not in mine for k, w in writes):
+        return None
+    rest = att.inputs[3:]
+    return Node(att.id, "rope_kv_attention", rkw.inputs + rest, att.shape, att.dtype,
+                {**a, "rope_kv_write": rkw.id})
 
 
 def _residual_add(nodes, x, single) -> bool:

@@ -11,7 +11,9 @@ split-K decode kernel when the queries that share a key/value head are few. Then
 backward (one call; not with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py).
 A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
-engine for falls to the next tier, the reason logged."""
+engine for falls to the next tier, the reason logged. ``rope_kv_attention`` (passes/fusion.py's
+fold of a rope_kv_write into the decode attention after it) lowers here too: the decode kernel
+with the rope and the cache write in it."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,6 +32,9 @@ from ..ir import dtypes as dt
 from ..ir.opdef import opdef
 from .lower import (CallStep, Step, elementwise_step, env_tiers, lowering, pdl_supported,
                     step_name)
+from .lower_rope import rope_kv_operands
+
+U = np.uint64
 
 
 def _bcast_strides(shape, full):
@@ -50,8 +55,9 @@ def _dummy(ctx, dtype):
     return ctx.shared(f"attn_dummy_{np.dtype(dtype).name}", lambda: np.zeros(1, dtype))
 
 
-def _geom(ctx, n, q, k, mask, bias):
-    """attention's GEOM array (kernels/attention.py) of node ``n``'s attributes."""
+def _geom(ctx, n, q, k, mask, bias, q_strides=None):
+    """attention's GEOM array (kernels/attention.py) of node ``n``'s attributes; q's element
+    strides (batch, head, row) ``q_strides`` where q is not laid out as the output is."""
     a = n.attrs
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     full = (b, hq, sq, sk)
@@ -65,6 +71,8 @@ def _geom(ctx, n, q, k, mask, bias):
                 k_b=ks[0], k_h=ks[1], k_s=ks[2], o_b=qs[0], o_h=qs[1], o_s=qs[2],
                 m_b=ms[0], m_h=ms[1], m_q=ms[2], m_k=ms[3], b_b=bs[0], b_h=bs[1], b_q=bs[2],
                 b_k=bs[3], window=a["window"] or 0, off=sk - sq)
+    if q_strides is not None:
+        vals.update(q_b=q_strides[0], q_h=q_strides[1], q_s=q_strides[2])
     return ctx.device_array(np.array([vals[key] for key in A.GEOM], np.int64)), ks
 
 
@@ -346,13 +354,13 @@ def _tier_named(tier: int) -> bool:
     return tier in env_tiers("RLX_NUMBA_ATTENTION_TIERS", names)
 
 
-def _operands(ctx, n):
+def _operands(ctx, n, q_strides=None):
     """((q, k, v), mask buffer, bias buffer, the kernels' flags, scale, softcap, io kinds, GEOM
     array, k's strides) of a prefill / decode attention node ``n`` for the numba tiers."""
     ins = [ctx.graph.nodes[i] for i in n.inputs]
     q, k, v = ins[:3]
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[3:])
-    geom, ks = _geom(ctx, n, q, k, mask, bias)
+    geom, ks = _geom(ctx, n, q, k, mask, bias, q_strides)
     return (q, k, v), mbuf, bbuf, flags, scale, softcap, _kinds(q, bias), geom, ks
 
 
@@ -390,32 +398,12 @@ def _lower_attention(ctx, n):
     b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
     if b * hq * sq * d == 0:
         return []
+    if _decodes(a):                       # few queries a kv head: split the keys instead
+        return [_decode_step(ctx, n, _operands(ctx, n), ctx.buf(n.inputs[0]))]
     (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, ks = _operands(ctx, n)
     args = (ctx.buf(q), ctx.buf(k), ctx.buf(v), mbuf, bbuf, geom, scale, softcap)
     name, flops = step_name(n), {"flops": 4 * b * hq * sq * sk * d}
     geo = default_geometry("attention")
-    if _decodes(a):                       # few queries a kv head: split the keys instead
-        rows_c = A.decode_rows(hq // hkv, sq, d)
-        dpl = -(-d // 32)
-        sm = 1 if SIMULATOR else sm_count()
-        geo = dataclasses.replace(geo, dec_nw=A.decode_warps(b, hkv, sk, sm, geo.dec_nw))
-        splits, chunk = A.decode_plan(b, hkv, sk, sm, geo.dec_nw)
-        rows_c, groups = A.decode_groups(rows_c, hq // hkv * sq, splits * b * hkv, sm)
-        part = b * hkv * groups * splits * rows_c
-        pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
-        pacc = ctx.device_array(np.zeros(part * 32 * dpl, np.float32))
-        count = ctx.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
-        # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
-        # 256-byte aligned and a view starting where its buffer does)
-        pdl = pdl_supported()
-        kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags, *kinds, pdl)
-        return [Step(name, f"attention decode{_tag(kinds[0])} D={d} {b}x{hq}/{hkv}x{sq}x{sk} "
-                     f"{splits} splits"
-                     f"{f' {groups} row groups' if groups > 1 else ''}",
-                     kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
-                     (ctx.buf(n), pm, pl, pacc, count, *args, np.int64(chunk),
-                      np.int64(splits), *(np.int64(x) for x in (hkv, sk, *ks))),
-                     {**flops, "splits": splits, "chunk": chunk, "rows_c": rows_c}, pdl=pdl)]
     vec = _vec(kinds[0], d, (ctx.buf(q), ctx.buf(k), ctx.buf(v)))
     # a live attention_lse of this node (its VJP): the kernel saves each row's log-sum-exp
     lse = [r for r in g.nodes[n.id].results if r in ctx.live]
@@ -426,6 +414,76 @@ def _lower_attention(ctx, n):
                  f"{b}x{hq}x{sq}x{sk}{' +lse' if lse else ''}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(lse[0]) if lse else _dummy(ctx, np.float32), *args),
                  flops)]
+
+
+def _decode_step(ctx, n, operands, q_buf, rope=None):
+    """The split-K decode kernel's step for attention node ``n`` (its ``_operands``), q read
+    from ``q_buf``; with ``rope`` (lower_rope.RopeKV) the kernel that folds rope_kv_write in
+    (q_buf then the packed qkv, the geometry's q strides its)."""
+    a = n.attrs
+    b, hq, hkv, sq, sk, d = a["b"], a["hq"], a["hkv"], a["sq"], a["sk"], a["d"]
+    (q, k, v), mbuf, bbuf, flags, scale, softcap, kinds, geom, ks = operands
+    sm = 1 if SIMULATOR else sm_count()
+    geo = default_geometry("attention")
+    geo = dataclasses.replace(geo, dec_nw=A.decode_warps(b, hkv, sk, sm, geo.dec_nw))
+    splits, chunk = A.decode_plan(b, hkv, sk, sm, geo.dec_nw)
+    rows_c, groups = A.decode_groups(A.decode_rows(hq // hkv, sq, d), hq // hkv * sq,
+                                     splits * b * hkv, sm)
+    dpl = -(-d // 32)
+    part = b * hkv * groups * splits * rows_c
+    pm, pl = (ctx.device_array(np.zeros(part, np.float32)) for _ in range(2))
+    pacc = ctx.device_array(np.zeros(part * 32 * dpl, np.float32))
+    count = ctx.device_array(np.zeros(b * hkv * groups, np.int32))   # tickets (kernel resets)
+    # (K and V read pair dims a load: the buffers are aligned for that, arena slots being
+    # 256-byte aligned and a view starting where its buffer does)
+    pdl = pdl_supported()
+    if rope is None:
+        tkind, desc = "f32", ""
+        f32, i64 = _dummy(ctx, np.float32), _dummy(ctx, np.int64)
+        rargs = (f32, f32, i64, np.int64(0), False, i64, np.int64(0), False, *(U(0),) * 4,
+                 np.int64(0))
+    else:
+        g = ctx.graph
+        rkw = g.nodes[n.attrs["rope_kv_write"]]
+        cos, sin = (g.nodes[i] for i in rkw.inputs[1:3])
+        tkind, desc = io_kind(cos.dtype), f" +rope_kv_write {rope.layout}"
+        rargs = (ctx.buf(cos), ctx.buf(sin), rope.cpos, np.int64(rope.position), rope.use_cpos,
+                 rope.pos, np.int64(rope.pos_bstride), rope.use_pos, U(rope.half),
+                 U(rope.ncols), U(rope.pair[0]), U(rope.pair[1]), np.int64(rope.max_pos))
+    kern = A.decode_split(geo, dpl, rows_c, A.decode_pair(d), *flags, *kinds, pdl,
+                          rope is not None, tkind)
+    return Step(step_name(n), f"attention decode{_tag(kinds[0])} D={d} {b}x{hq}/{hkv}x{sq}x{sk} "
+                f"{splits} splits{f' {groups} row groups' if groups > 1 else ''}{desc}",
+                kern, (splits, b * hkv, groups), (geo.dec_nw * 32,),
+                (ctx.buf(n), pm, pl, pacc, count, q_buf, ctx.buf(k), ctx.buf(v), mbuf, bbuf, geom,
+                 scale, softcap, np.int64(chunk), np.int64(splits),
+                 *(np.int64(x) for x in (hkv, sk, *ks)), *rargs),
+                {"flops": 4 * b * hq * sq * sk * d, "splits": splits, "chunk": chunk,
+                 "rows_c": rows_c}, pdl=pdl)
+
+
+@lowering("rope_kv_attention")
+def _lower_rope_kv_attention(ctx, n):
+    """passes/fusion.py's fold of a rope_kv_write into the decode attention over its q and
+    caches: inputs rope_kv_write's (qkv, cos, sin, the caches, [cache position],
+    [positions]), then the attention's mask / bias. One kernel (kernels/attention.py
+    decode_split(rope=True)): each block writes the kv head's new k / v rows that lie among
+    its keys, rotates its queries from qkv, and attends; the step declares the caches' bytes
+    written."""
+    g, a = ctx.graph, n.attrs
+    rkw = g.nodes[a["rope_kv_write"]]
+    rope = rope_kv_operands(ctx, rkw)     # (also its run() index checks)
+    if a["b"] * a["hq"] * a["sq"] * a["d"] == 0:      # (so is qkv: nothing to write)
+        return []
+    kc, vc = rkw.inputs[3:5]
+    # the attention node this one stands for: q rope_kv_write's, k / v the caches
+    att = dataclasses.replace(n, op="attention",
+                              inputs=(rkw.id, kc, vc) + n.inputs[len(rkw.inputs):])
+    nh = a["hq"] + 2 * a["hkv"]
+    ops = _operands(ctx, att, q_strides=(a["sq"] * nh * a["d"], a["d"], nh * a["d"]))
+    step = _decode_step(ctx, att, ops, ctx.buf(rkw.inputs[0]), rope)
+    step.writes = step.writes + [ctx.byte_range(i) for i in (kc, vc)]
+    return [step]
 
 
 # ---- backward (attention's VJP) --------------------------------------------------------------

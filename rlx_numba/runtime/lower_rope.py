@@ -8,6 +8,8 @@ input 0 (the cache), so the kernel here only writes the new rows into ``ctx.buf(
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..ir.ops import fmt
@@ -94,15 +96,55 @@ def _lower_kv_write(ctx, n):
                  args, {"bytes": 2 * new.nbytes})]
 
 
-@lowering("rope_kv_write")
-def _lower_rope_kv_write(ctx, n):
+@dataclass
+class RopeKV:
+    """What a rope_kv_write node's kernel takes besides its arrays (qkv, q and the caches),
+    also what the decode attention kernel that folds it in takes
+    (runtime/lower_attention.py): the cache position (``cpos`` a device array when
+    ``use_cpos``, else ``position``), the per-token rope positions (``pos`` when ``use_pos``,
+    ``pos_bstride`` apart a batch row), the geometry."""
+    cpos: object
+    position: int
+    use_cpos: bool
+    pos: object
+    pos_bstride: int
+    use_pos: bool
+    b: int
+    s: int
+    hq: int
+    hkv: int
+    d: int
+    n_rot: int
+    interleaved: bool
+    max_s: int
+    max_pos: int
+
+    @property
+    def half(self):
+        return self.n_rot // 2
+
+    @property
+    def ncols(self):            # a head's work items: the rotated pairs, the passed-through dims
+        return self.half + self.d - self.n_rot
+
+    @property
+    def pair(self):             # (pair_mul, pair_gap): pair i is columns (i mul, i mul + gap)
+        return (2, 1) if self.interleaved else (1, self.half)
+
+    @property
+    def layout(self):
+        return f"{'gptj' if self.interleaved else 'neox'} n_rot={self.n_rot}/{self.d}"
+
+
+def rope_kv_operands(ctx, n) -> RopeKV:
+    """The RopeKV of rope_kv_write node ``n`` (a graph node); registers its run() index
+    checks (the cache position, the positions)."""
     g = ctx.graph
     a = n.attrs
     qkv, cos, sin, kc, vc = (g.nodes[i] for i in n.inputs[:5])
     rest = [g.nodes[i] for i in n.inputs[5:]]
     b, hkv, max_s, d = kc.shape
-    s, hq, half = qkv.shape[1], a["num_heads"], a["n_rot"] // 2
-    max_pos = cos.shape[0]
+    s, max_pos = qkv.shape[1], cos.shape[0]
     what = f"rope_kv_write %{n.id} (qkv {fmt(qkv.shape)}, caches {fmt(kc.shape)}"
     cpos, use_cpos, position = _dummy(ctx), False, a["cache_position"]
     if position is None:
@@ -118,23 +160,31 @@ def _lower_rope_kv_write(ctx, n):
         ctx.add_index_check(pnode, 0, max_pos - 1, what + f", positions of cos/sin "
                             f"{fmt(cos.shape)})")
         pos, use_pos, pos_bstride = ctx.buf(pnode), True, (s if len(pnode.shape) == 2 else 0)
+    return RopeKV(cpos, position, use_cpos, pos, pos_bstride, use_pos, b, s, a["num_heads"], hkv,
+                  d, a["n_rot"], a["interleaved"], max_s, max_pos)
+
+
+@lowering("rope_kv_write")
+def _lower_rope_kv_write(ctx, n):
+    g = ctx.graph
+    qkv, cos, sin, kc, vc = (g.nodes[i] for i in n.inputs[:5])
+    r = rope_kv_operands(ctx, n)
     if qkv.size == 0:
         return []
-    nh = hq + 2 * hkv
-    nrows = b * s * nh
-    ncols = half + (d - a["n_rot"])
-    mul, gap = (2, 1) if a["interleaved"] else (1, half)
-    grid, block = _geometry(d, nrows)
+    nh = r.hq + 2 * r.hkv
+    nrows = r.b * r.s * nh
+    grid, block = _geometry(r.d, nrows)
     # the kv_written results alias the caches: their buffers are the caches' own
-    args = (ctx.buf(n), ctx.buf(kc), ctx.buf(vc), ctx.buf(qkv), ctx.buf(cos), ctx.buf(sin), cpos,
-            np.int64(position), use_cpos, pos, U(pos_bstride), use_pos, U(nrows), U(s), U(hq),
-            U(hkv), U(nh), U(d), U(half), U(ncols), U(mul), U(gap), U(max_s), np.int64(max_pos))
-    layout = "gptj" if a["interleaved"] else "neox"
+    args = (ctx.buf(n), ctx.buf(kc), ctx.buf(vc), ctx.buf(qkv), ctx.buf(cos), ctx.buf(sin),
+            r.cpos, np.int64(r.position), r.use_cpos, r.pos, U(r.pos_bstride), r.use_pos,
+            U(nrows), U(r.s), U(r.hq), U(r.hkv), U(nh), U(r.d), U(r.half), U(r.ncols),
+            U(r.pair[0]), U(r.pair[1]), U(r.max_s), np.int64(r.max_pos))
     pdl = pdl_supported()
     kern = k.rope_kv_write(io_kind(qkv.dtype), io_kind(cos.dtype), pdl)
-    return [Step(step_name(n), f"rope_kv_write {layout} n_rot={a['n_rot']}/{d} {b}x{s} "
-                 f"heads {hq}/{hkv}", kern, grid, block, args,
-                 {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * b * s * half}, pdl=pdl)]
+    return [Step(step_name(n), f"rope_kv_write {r.layout} {r.b}x{r.s} heads {r.hq}/{r.hkv}",
+                 kern, grid, block, args,
+                 {"bytes": 2 * qkv.nbytes + 2 * cos.dtype.itemsize * r.b * r.s * r.half},
+                 pdl=pdl)]
 
 
 @lowering("kv_written")
