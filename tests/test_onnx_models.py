@@ -247,3 +247,42 @@ def test_vit_patchify_cls_token_packed_qkv(rng):
              _n("Gemm", ["clsr", "wh", "bh"], "y", transB=1)]
     model = _model(nodes, [_vi("x", F, [bs, ch, hw, hw])], [_vi("y", F, [bs, ncls])], c, 18)
     _check(model, {"x": _rand(rng, bs, ch, hw, hw, s=1.0)})
+
+
+def test_gelu_and_rmsnorm_patterns_become_one_op(rng):
+    """The exporters' exact GELU in its three operand orders (TorchScript: (x (1 + erf)) 0.5;
+    dynamo: x (0.5 (1 + erf)); transformers: (0.5 x) (1 + erf); x / sqrt 2 as a Div or a Mul)
+    each become one gelu, and RMSNorm (Pow or x * x, Reciprocal or 1 / Sqrt) one rms_norm; a
+    chain whose Erf is also a graph output stays as written. All against the reference."""
+    x = _vi("x", F, [3, 7])
+    c = dict(rt2=np.array(np.sqrt(2), np.float32), irt2=np.array(np.sqrt(0.5), np.float32),
+             one=np.array(1.0, np.float32), half=np.array(0.5, np.float32),
+             two=np.array(2.0, np.float32), ax=np.array([-1], np.int64),
+             eps=np.array(1e-5, np.float32), w=_rand(rng, 7) + 1, w2=_rand(rng, 7) + 1)
+    nodes = []
+    for k, (div, form) in enumerate([("Div", "ts"), ("Mul", "dyn"), ("Div", "hf"),
+                                     ("Div", "kept")]):
+        p = f"g{k}_"
+        nodes += [_n(div, ["x", "rt2" if div == "Div" else "irt2"], p + "d"),
+                  _n("Erf", [p + "d"], p + "e"), _n("Add", ["one", p + "e"], p + "a")]
+        if form in ("ts", "kept"):
+            nodes += [_n("Mul", ["x", p + "a"], p + "m"), _n("Mul", [p + "m", "half"], f"y{k}")]
+        elif form == "dyn":
+            nodes += [_n("Mul", ["half", p + "a"], p + "m"), _n("Mul", ["x", p + "m"], f"y{k}")]
+        else:
+            nodes += [_n("Mul", ["x", "half"], p + "h"), _n("Mul", [p + "h", p + "a"], f"y{k}")]
+    nodes += [_n("Pow", ["x", "two"], "r0p"), _n("ReduceMean", ["r0p", "ax"], "r0m"),
+              _n("Add", ["r0m", "eps"], "r0a"), _n("Sqrt", ["r0a"], "r0s"),
+              _n("Reciprocal", ["r0s"], "r0r"), _n("Mul", ["x", "r0r"], "r0x"),
+              _n("Mul", ["w", "r0x"], "r0"),
+              _n("Mul", ["x", "x"], "r1p"), _n("ReduceMean", ["r1p", "ax"], "r1m"),
+              _n("Add", ["eps", "r1m"], "r1a"), _n("Sqrt", ["r1a"], "r1s"),
+              _n("Div", ["one", "r1s"], "r1r"), _n("Mul", ["r1r", "x"], "r1x"),
+              _n("Mul", ["r1x", "w2"], "r1")]
+    outs = [_vi(f"y{k}", F, [3, 7]) for k in range(4)] + [_vi("g3_e", F, [3, 7])] + \
+        [_vi(f"r{k}", F, [3, 7]) for k in range(2)]
+    g = _check(_model(nodes, [x], outs, c, 18), {"x": _rand(rng, 3, 7, s=2.0)})
+    ops = [(n.op, n.attrs.get("kind")) for n in g.nodes]
+    assert ops.count(("rms_norm", None)) == 2 and not any(o == "reduce" for o, _ in ops), ops
+    assert ops.count(("activation", "erf")) == 0 and ops.count(("where", None)) == 2, ops
+    assert ops.count(("activation", "gelu")) == 4, ops   # 3 fused, 1 inside the kept Erf
