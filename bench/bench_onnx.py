@@ -9,7 +9,7 @@ TorchScript at opset 17 and dynamo at opset 18. Batch 8, f32, TF32 off in torch 
 
 Per row: ``rel ort`` = max |rlx - ort| / max |ort| (bar <= 1e-4), ``rel torch`` the same against
 the torch model on the GPU; ms per batch of rlx's compiled executable on device inputs
-(``dev``: exe.run(outputs="device"), the figure compared with torch), of ``m.run(feeds)`` host
+(``dev``: exe.run(outputs="view"), the figure compared with torch), of ``m.run(feeds)`` host
 to host (``run``), torch eager on device tensors, onnxruntime (CPU provider, the image has no
 other: printed, no bar); ``x torch`` = torch ms / rlx dev ms (bar >= 1.0). PASS needs both bars;
 a model that cannot be exported, loaded or run is a row saying why, not passing. rlx compiles
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import math
 import sys
 import tempfile
@@ -134,7 +135,7 @@ def export_setup(torch, name, exp, eager_attn):
         was = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
         undo.append(lambda: torch.backends.mha.set_fastpath_enabled(was))
-    if eager_attn:
+    if eager_attn is not None:
         inner = eager_attn.m
         old = inner.config._attn_implementation
         _set_attn(inner, "eager")
@@ -185,7 +186,9 @@ def run_row(torch, cuda, rlx, ort, onnx, key, path, feeds, ref, torch_ms, args):
     first_s = time.perf_counter() - t0
     exe = m.executable
     dev = {n: cuda.to_device(feeds[n]) for n in m.device_inputs}
-    dev_ms = timed_ms(lambda: exe.run(dev, outputs="device"), cuda.synchronize)
+    # views into the executable's arena: no output allocation or copy a run (torch's eager
+    # call takes its outputs from its caching allocator)
+    dev_ms = timed_ms(lambda: exe.run(dev, outputs="view"), cuda.synchronize)
     run_ms = timed_ms(lambda: m.run(feeds), cuda.synchronize)
     del m, exe, dev
     rel_ort = rel_ort_torch = ort_ms = math.nan
@@ -242,6 +245,12 @@ def main(argv=None) -> int:
            f"{'torch':>8} {'ort cpu':>8} {'x torch':>7}")
     print(hdr + "   (ms per batch)")
     rows = []
+
+    def record(row):         # the JSON rewritten after every row: a timeout keeps the rows
+        rows.append(row)
+        with contextlib.redirect_stdout(io.StringIO()):
+            write_results(args.out, torch, rows)
+
     tmp = Path(tempfile.mkdtemp(prefix="bench_onnx_"))
     for name in MODELS:
         if not picked(name):
@@ -252,9 +261,9 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - a row that says why (e.g. no transformers)
             for exp, _, _ in EXPORTERS:
                 if picked(name, exp):
-                    rows.append(dict(model=f"{name}_{exp}", batch=args.batch,
-                                     error=f"model build failed: {type(e).__name__}: {e}",
-                                     **{"pass": False}))
+                    record(dict(model=f"{name}_{exp}", batch=args.batch,
+                                error=f"model build failed: {type(e).__name__}: {e}",
+                                **{"pass": False}))
                     print(f"{name + '_' + exp:16} FAIL  model build failed: {e}", flush=True)
             continue
         feeds = {n: a.numpy() for n, a in zip(names, targs)}
@@ -269,8 +278,8 @@ def main(argv=None) -> int:
                               tmp / f"{key}.onnx")
                 files[key] = (tmp / f"{key}.onnx", note, time.perf_counter() - t)
             except Exception as e:  # noqa: BLE001 - a row that says why
-                rows.append(dict(model=key, batch=args.batch, error=f"export failed: {e}",
-                                 **{"pass": False}))
+                record(dict(model=key, batch=args.batch, error=f"export failed: {e}",
+                            **{"pass": False}))
                 print(f"{key:16} FAIL  export failed: {e}", flush=True)
         if not files:
             continue
@@ -289,8 +298,8 @@ def main(argv=None) -> int:
                            **{"pass": False})
             row["export_s"] = export_s
             if note:
-                row["note"] = note
-            rows.append(row)
+                row["note"] = "; ".join(filter(None, (row.get("note"), note)))
+            record(row)
             if "error" in row:
                 print(f"{key:16} FAIL  {row['error']}", flush=True)
                 continue
