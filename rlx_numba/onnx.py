@@ -1023,6 +1023,15 @@ def _gather(c):
     idx = c.ins[1]
     if isinstance(idx, np.ndarray):    # wrap negatives now: in-graph indices are clamped
         idx = np.where(idx < 0, idx + x.shape[axis], idx).astype(np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= x.shape[axis]):
+            c.fail(f"indices must lie in [-{x.shape[axis]}, {x.shape[axis]}) along axis "
+                   f"{axis}, got {c.ins[1].reshape(-1).tolist()}")
+        if idx.ndim == 0 or (idx.ndim == 1 and idx.size and
+                             (np.diff(idx) == 1).all()):
+            # one index or a run of them (a packed QKV's q / k / v): a narrow, which is a view
+            # when it is along the leading axes, where a gather always copies
+            y = c.g.narrow(x, axis, int(idx.reshape(-1)[0]), max(idx.size, 1))
+            return y if idx.ndim else c.g.reshape(y, x.shape[:axis] + x.shape[axis + 1:])
     return c.g.gather(x, c.conv.tensor(idx), axis)
 
 
@@ -2198,7 +2207,8 @@ class OnnxModel:
                        if n not in self._value_inputs}) if exe is not None else []
         outs = []
         for kind, v, d in plan:
-            y = np.array(dev[v], copy=True) if kind == "dev" else np.array(v, copy=True)
+            # exe.run's host arrays are fresh each run (copy_to_host allocates): no copy
+            y = np.asarray(dev[v]) if kind == "dev" else np.array(v, copy=True)
             outs.append(y.astype(d.host, copy=False) if y.dtype != d.host else y)
         return outs
 

@@ -286,3 +286,19 @@ def test_gelu_and_rmsnorm_patterns_become_one_op(rng):
     assert ops.count(("rms_norm", None)) == 2 and not any(o == "reduce" for o, _ in ops), ops
     assert ops.count(("activation", "erf")) == 0 and ops.count(("where", None)) == 2, ops
     assert ops.count(("activation", "gelu")) == 4, ops   # 3 fused, 1 inside the kept Erf
+
+
+def test_gather_of_known_indices_is_a_narrow(rng):
+    """Gather of a scalar index or a run of indices known at load (ViT's packed q / k / v,
+    BERT's CLS row) is a narrow: no gather node; out-of-range indices are refused by name."""
+    x = _vi("x", F, [3, 4, 5])
+    c = dict(i1=np.array(1, np.int64), run=np.array([-3, -2], np.int64),
+             odd=np.array([[2, 0]], np.int64))
+    nodes = [_n("Gather", ["x", "i1"], "a", axis=0), _n("Gather", ["x", "run"], "b", axis=2),
+             _n("Gather", ["x", "odd"], "d", axis=1)]
+    outs = [_vi("a", F, [4, 5]), _vi("b", F, [3, 4, 2]), _vi("d", F, [3, 1, 2, 5])]
+    g = _check(_model(nodes, [x], outs, c, 17), {"x": _rand(rng, 3, 4, 5)})
+    assert [n.op for n in g.nodes].count("gather") == 1           # only the [2, 0] one
+    c["i1"] = np.array(3, np.int64)
+    with pytest.raises(ValueError, match=r"Gather.*indices must lie in \[-3, 3\)"):
+        rlx.onnx.load(_model(nodes, [x], outs, c, 17))
