@@ -606,12 +606,28 @@ def _hardmax(c):
     return g.cast(g.eq(i, g.constant(iota.astype(np.int64))), x.dtype)
 
 
+def _row_norm(c, kind, x, axis, eps):
+    """The IR's one-kernel layer_norm / rms_norm when the node fits it (the last axis alone,
+    scale and bias [n] of x's float dtype, no Mean / InvStdDev output asked for), else None."""
+    scale, bias = c.t(1), (c.t(2) if c.opt(2) is not None else None)
+    n = x.shape[-1] if x.shape else 0
+    if (axis != len(x.shape) - 1 or x.dtype not in (dt.F32, dt.F16, dt.BF16) or
+            any(o for o in c.node.output[1:]) or
+            any(t is not None and (t.dtype != x.dtype or tuple(t.shape) != (n,))
+                for t in (scale, bias))):
+        return None
+    return getattr(c.g, kind)(x, scale, bias, axis=-1, eps=eps)
+
+
 @conv("LayerNormalization")
 def _layernorm(c):
     x, g = c.t(0), c.g
     axis = c.attr("axis", -1) % len(x.shape)
     eps = float(c.attr("epsilon", 1e-5))
     c.attr("stash_type")       # stats in f32 either way
+    y = _row_norm(c, "layer_norm", x, axis, eps)
+    if y is not None:
+        return y
     axes = tuple(range(axis, len(x.shape)))
     xf = _f(c, x)
     mean = g.mean(xf, axes, keep_dim=True)
@@ -629,6 +645,9 @@ def _rmsnorm(c):
     axis = c.attr("axis", -1) % len(x.shape)
     eps = float(c.attr("epsilon", 1e-5))
     c.attr("stash_type")
+    y = _row_norm(c, "rms_norm", x, axis, eps)
+    if y is not None:
+        return y
     axes = tuple(range(axis, len(x.shape)))
     xf = _f(c, x)
     y = xf * g.rsqrt(g.mean(xf * xf, axes, keep_dim=True) + eps) * _f(c, c.t(1))
@@ -1004,6 +1023,15 @@ def _gather(c):
     idx = c.ins[1]
     if isinstance(idx, np.ndarray):    # wrap negatives now: in-graph indices are clamped
         idx = np.where(idx < 0, idx + x.shape[axis], idx).astype(np.int64)
+        if idx.size and (idx.min() < 0 or idx.max() >= x.shape[axis]):
+            c.fail(f"indices must lie in [-{x.shape[axis]}, {x.shape[axis]}) along axis "
+                   f"{axis}, got {c.ins[1].reshape(-1).tolist()}")
+        if idx.ndim == 0 or (idx.ndim == 1 and idx.size and
+                             (np.diff(idx) == 1).all()):
+            # one index or a run of them (a packed QKV's q / k / v): a narrow, which is a view
+            # when it is along the leading axes, where a gather always copies
+            y = c.g.narrow(x, axis, int(idx.reshape(-1)[0]), max(idx.size, 1))
+            return y if idx.ndim else c.g.reshape(y, x.shape[:axis] + x.shape[axis + 1:])
     return c.g.gather(x, c.conv.tensor(idx), axis)
 
 
@@ -1722,6 +1750,27 @@ _FOLD_ONLY = ("NonZero", "Compress", "Unique", "HannWindow", "HammingWindow", "B
               "MelWeightMatrix")
 
 
+def _fold_gather_elements(c, x, idx):
+    # onnx's reference takes np.choose, which holds at most 64 choices (NPY_MAXARGS): past
+    # 64 along the axis it falls back to a helper that reads only idx[:, 0] and fails to
+    # reshape (BERT's token_type_ids buffer [1, 512] gathered by position_ids [1, S])
+    axis = c.attr("axis", 0) % x.ndim
+    n = x.shape[axis]
+    if idx.size and (idx.min() < -n or idx.max() >= n):
+        c.fail(f"indices must lie in [-{n}, {n}) along axis {axis}, got "
+               f"[{idx.min()}, {idx.max()}]")
+    for k in range(x.ndim):
+        if k != axis and idx.shape[k] > x.shape[k]:
+            c.fail(f"indices shape {list(idx.shape)} exceeds data shape {list(x.shape)} "
+                   f"off axis {axis}")
+    i = np.where(idx < 0, idx + n, idx).astype(np.int64)
+    sub = x[tuple(slice(0, s) if k != axis else slice(None) for k, s in enumerate(idx.shape))]
+    return np.take_along_axis(sub, i, axis)
+
+
+_NUMPY_FOLDS = {"GatherElements": _fold_gather_elements}
+
+
 # ---------------------------------------------------------------------------------------------
 class _Converter:
     def __init__(self, model, params: dict, opset: int):
@@ -1803,7 +1852,12 @@ class _Converter:
         return out
 
     def fold(self, node, ins):
-        """One node on known inputs through onnx's reference implementation (NumPy)."""
+        """One node on known inputs through onnx's reference implementation (NumPy), or through
+        a NumPy twin of the few ops whose reference is wrong (_NUMPY_FOLDS)."""
+        twin = _NUMPY_FOLDS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+        if twin is not None:
+            ctx = _Ctx(self, node, ins)
+            return [twin(ctx, *ins)]
         onnx = _onnx()
         from onnx import helper
         from onnx.reference import ReferenceEvaluator
@@ -1851,6 +1905,140 @@ class _Converter:
             self.env[init.name] = _onnx().numpy_helper.to_array(init)
         self.run_nodes(body.node)
         return [self.env[o.name] for o in body.output]
+
+
+# ---- exporter patterns -> one op ------------------------------------------------------------
+# torch.onnx.export writes exact GELU as x * 0.5 * (1 + Erf(x / sqrt 2)) and Llama's RMSNorm as
+# w * (x * Reciprocal(Sqrt(ReduceMean(x^2) + eps))): node by node they cost four to six device
+# passes each; as the IR's gelu / rms_norm they are one (and fuse with the product before /
+# the residual add before). The rewritten nodes carry this domain, which no model uses: a
+# converter then runs them even when every input is known (there is no fold for them).
+_FUSED_DOMAIN = "rlx_numba.fused"
+
+
+def _fuse_patterns(graph):
+    """graph.node with the exporters' exact-GELU and RMSNorm subgraphs replaced by one
+    Gelu / RMSNormalization node each (only where every inner value has that one reader and
+    is not a graph output)."""
+    onnx = _onnx()
+    nodes = list(graph.node)
+    consts = {t.name: t for t in graph.initializer}
+    for n in nodes:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = n.attribute[0].t
+    readers: dict = {}
+    for n in nodes:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    outs = {o.name for o in graph.output}
+    for n in nodes:             # names a subgraph (If / Loop / Scan body) reads stay as they are
+        for a in n.attribute:
+            for sg in ([a.g] if a.type == 5 else list(a.graphs)):
+                outs.update(i for m in _all_nodes(sg) for i in m.input)
+    producer = {o: n for n in nodes for o in n.output}
+
+    def scalar(name):
+        t = consts.get(name)
+        if t is None or math.prod(t.dims) != 1:
+            return None
+        return float(onnx.numpy_helper.to_array(t).reshape(-1)[0])
+
+    def near(v, want):
+        return v is not None and abs(v - want) <= 1e-6 * abs(want)
+
+    def only_reader(name, op):
+        r = readers.get(name, [])
+        if name in outs or len(r) != 1 or r[0].op_type != op or r[0].domain not in ("", "ai.onnx"):
+            return None
+        return r[0]
+
+    def other(n, name):
+        """n's input that is not ``name`` (n binary, reading name once)."""
+        ins = list(n.input)
+        if len(ins) != 2 or ins.count(name) != 1:
+            return None
+        return ins[1 - ins.index(name)]
+
+    dead, repl = set(), {}      # ids of removed nodes; id(last node) -> its replacement
+    for e in nodes:
+        if e.op_type != "Erf" or id(e) in dead:
+            continue
+        d = producer.get(e.input[0])
+        if d is None or e.input[0] in outs or len(readers[e.input[0]]) != 1:
+            continue
+        if d.op_type == "Div" and near(scalar(d.input[1]), math.sqrt(2)):
+            x = d.input[0]
+        elif d.op_type == "Mul" and len(d.input) == 2:
+            x = next((d.input[k] for k in (0, 1) if near(scalar(d.input[1 - k]),
+                                                        math.sqrt(0.5))), None)
+        else:
+            continue
+        a = only_reader(e.output[0], "Add")
+        if x is None or a is None or not near(scalar(other(a, e.output[0]) or ""), 1.0):
+            continue
+        m1 = only_reader(a.output[0], "Mul")
+        if m1 is None:
+            continue
+        z = other(m1, a.output[0])
+        chain, y = None, None
+        if z == x:                                   # (x * (1 + erf)) * 0.5
+            y = only_reader(m1.output[0], "Mul")
+            if y is not None and near(scalar(other(y, m1.output[0]) or ""), 0.5):
+                chain = [d, e, a, m1, y]
+        elif near(scalar(z or ""), 0.5):             # x * (0.5 * (1 + erf))
+            y = only_reader(m1.output[0], "Mul")
+            if y is not None and other(y, m1.output[0]) == x:
+                chain = [d, e, a, m1, y]
+        elif z in producer and z not in outs and len(readers[z]) == 1:   # (x * 0.5) * (1 + erf)
+            h = producer[z]
+            if h.op_type == "Mul" and other(h, x) is not None and \
+                    near(scalar(other(h, x)), 0.5):
+                chain, y = [d, e, a, h, m1], m1
+        if chain is None:
+            continue
+        dead.update(id(n) for n in chain)
+        repl[id(y)] = onnx.helper.make_node("Gelu", [x], [y.output[0]], name=f"{y.name}/gelu",
+                                            domain=_FUSED_DOMAIN)
+    for r in nodes:
+        if r.op_type != "ReduceMean" or id(r) in dead:
+            continue
+        p = producer.get(r.input[0])
+        if p is None or r.input[0] in outs or len(readers[r.input[0]]) != 1:
+            continue
+        if p.op_type == "Pow" and near(scalar(p.input[1]), 2.0):
+            x = p.input[0]
+        elif p.op_type == "Mul" and len(p.input) == 2 and p.input[0] == p.input[1]:
+            x = p.input[0]
+        else:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in r.attribute}
+        axes = attrs.get("axes")
+        if axes is None and len(r.input) > 1 and r.input[1] in consts:
+            axes = onnx.numpy_helper.to_array(consts[r.input[1]]).reshape(-1).tolist()
+        if list(axes or []) != [-1] or not attrs.get("keepdims", 1):
+            continue
+        a = only_reader(r.output[0], "Add")
+        eps = scalar(other(a, r.output[0]) or "") if a is not None else None
+        sq = only_reader(a.output[0], "Sqrt") if eps is not None else None
+        if sq is None:
+            continue
+        rc = only_reader(sq.output[0], "Reciprocal")
+        if rc is None:
+            rc = only_reader(sq.output[0], "Div")
+            if rc is None or rc.input[1] != sq.output[0] or not near(scalar(rc.input[0]), 1.0):
+                continue
+        m = only_reader(rc.output[0], "Mul")
+        if m is None or other(m, rc.output[0]) != x:
+            continue
+        mw = only_reader(m.output[0], "Mul")
+        w = other(mw, m.output[0]) if mw is not None else None
+        if w not in consts or len(consts[w].dims) != 1:
+            continue
+        dead.update(id(n) for n in (p, r, a, sq, rc, m, mw))
+        repl[id(mw)] = onnx.helper.make_node("RMSNormalization", [x, w], [mw.output[0]],
+                                             name=f"{mw.name}/rms_norm", domain=_FUSED_DOMAIN,
+                                             epsilon=eps, axis=-1)
+    return [repl.get(id(n), n) for n in nodes if id(n) not in dead or id(n) in repl]
 
 
 def _all_nodes(graph):
@@ -1938,6 +2126,7 @@ class OnnxModel:
         for k, v in inits.items():
             _dtype_of(onnx.helper.np_dtype_to_tensor_dtype(v.dtype), f"initializer {k!r}")
         self._compile_kw = dict(compile_kw or {})
+        self._nodes = _fuse_patterns(model.graph)
         self._value_inputs = set()   # inputs whose values the conversion needs (see _NeedValue)
         self._cache = {}          # input shapes -> (graph, executable, outputs plan)
         self._last = None
@@ -2018,7 +2207,8 @@ class OnnxModel:
                        if n not in self._value_inputs}) if exe is not None else []
         outs = []
         for kind, v, d in plan:
-            y = np.array(dev[v], copy=True) if kind == "dev" else np.array(v, copy=True)
+            # exe.run's host arrays are fresh each run (copy_to_host allocates): no copy
+            y = np.asarray(dev[v]) if kind == "dev" else np.array(v, copy=True)
             outs.append(y.astype(d.host, copy=False) if y.dtype != d.host else y)
         return outs
 
@@ -2045,7 +2235,7 @@ class OnnxModel:
                          g.input(n, shapes[n], self._specs[n][0]))
         for k, v in self.params.items():
             cv.env[k] = v
-        cv.run_nodes(self.model.graph.node)
+        cv.run_nodes(self._nodes)
         plan, outs = [], []
         for o in self.model.graph.output:
             v = cv.env[o.name]
