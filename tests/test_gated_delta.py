@@ -2,11 +2,19 @@
 (fused_recurrent_gated_delta_rule's torch reference: S <- S exp(g_t); u = beta (v - S^T k);
 S <- S + k u^T; o = S^T q), with an initial state, the q/k l2 norm, T not a multiple of the
 chunk, chunk sizes that must agree; gradients by finite differences; errors."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import rlx_numba as rlx
+from conftest import ON_GPU
 from gradcheck import check
+from test_mma import _toolkit, assemble_sm80
 from rlx_numba.ir import dtypes as dt
 
 
@@ -332,3 +340,32 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
     want_o, _ = naive(bf["q"], bf["k"], bf["v"], bf["g"], bf["beta"])
     err = np.abs(np.asarray(got_o, np.float64) - want_o).max() / np.abs(want_o).max()
     assert err < 16 * 2.0 ** -8, err
+
+
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
+    """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias)
+    and the chunk inverse, compiled through NVVM and assembled by ptxas. The simulator takes
+    a shared array sized by an expression; NVVM needs a constant (the inverse's C * C failed
+    on an H200)."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["RLX_NUMBA_SIMULATOR"] = "0"
+        from numba import cuda
+        from numba.cuda import types as T
+        from rlx_numba.kernels import delta as K
+        from rlx_numba.kernels.launch import default_geometry
+        f32 = T.float32[::1]
+        geo = default_geometry("delta_state_scan")
+        scan = K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True)
+        for name, k, sig in (("scan", scan, (f32,) * 9 + (T.int64,) * 3),
+                             ("inverse", K.unit_lower_inverse_kernel(64), (f32, f32, T.int64))):
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0))
+            open(os.path.join({str(tmp_path)!r}, name + ".ptx"), "w").write(ptx)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for name in ("scan", "inverse"):
+        assemble_sm80(tmp_path / f"{name}.ptx", no_spills=False)

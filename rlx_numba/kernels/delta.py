@@ -205,13 +205,14 @@ def unit_lower_inverse_kernel(c: int):
     (T[j, j] = 1), A and T in shared memory (T's rows are contiguous over j: the lanes hit
     distinct banks; A[i, l] is one broadcast)."""
     C = c
+    CC = C * C                    # a constant for shared.array (C * C in the kernel is a value)
     U = min(16, C)                # rows loaded a group (all loads issued before the stores)
     NG = -(-C // U)
 
     @jit
     def kernel(out, a, count):
-        a_sh = cuda.shared.array(C * C, float32)
-        t_sh = cuda.shared.array(C * C, float32)
+        a_sh = cuda.shared.array(CC, float32)
+        t_sh = cuda.shared.array(CC, float32)
         stg = cuda.local.array(U, float32)
         j = cuda.threadIdx.x
         m = cuda.blockIdx.x
