@@ -12,7 +12,10 @@ prints the held-out next-token cross-entropy and accuracy of each.
     python examples/qat_llama.py [--steps 60] [--more 30] [--scheme q4_0] [--batch 8] [--seq 16]
 
 Sized for a GPU: the simulator takes minutes a step at these sizes (``--batch 2 --seq 6
---steps 1 --more 1`` checks that it runs).
+--steps 1 --more 1`` checks that it runs). The defaults are a quick run; QAT pays off from a
+converged f32 model: ``--steps 2000 --more 600`` on an H200 gave cross-entropy / accuracy
+f32 0.271 / 0.893, PTQ 0.404 / 0.875, QAT 0.341 / 0.874 (q4_0); at 600 + 300 steps QAT
+lagged PTQ (0.855 / 0.603 against 0.752 / 0.732).
 """
 import argparse
 import time
