@@ -1,0 +1,196 @@
+"""c64 (complex64): the dtype, its ops against NumPy complex128 computed from the same
+complex64 inputs, the FFTs on c64 beside the [..., 2] form, products, every error with its
+message, and gradients in torch's convention (dL/dRe + i dL/dIm of a real loss) checked by
+central differences of a float64 NumPy loss and against torch's VJP formulas."""
+import numpy as np
+import pytest
+
+import rlx_numba as rlx
+from conftest import run_graph
+from rlx_numba.ir import dtypes as dt
+
+EPS = 2.0 ** -24          # f32's unit roundoff
+
+
+def crand(rng, shape):
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+
+
+def close(got, want, dtype, k=8, scale=None, what=""):
+    """|got - want| <= k u (|want| + scale): k roundings of the inputs' magnitude."""
+    assert got.dtype == dtype and got.shape == want.shape, (what, got.dtype, got.shape)
+    scale = np.abs(want) if scale is None else scale
+    err = np.abs(got.astype(np.complex128) - want)
+    bound = k * EPS * (np.abs(want) + scale)
+    assert np.all(err <= bound), (what, np.max(err / np.maximum(bound, 1e-300)))
+
+
+# ---- the dtype and its promotion -------------------------------------------------------------
+def test_dtype_and_promotion():
+    for spelling in ("c64", "complex64", np.complex64, np.dtype("complex64"), dt.C64):
+        assert dt.dtype(spelling) is dt.C64
+    assert dt.C64.host == np.complex64 and dt.C64.storage == np.complex64 and dt.C64.itemsize == 8
+    # torch.promote_types(torch.complex64, t): complex64 for every real dtype but float64
+    for other in ("f32", "f16", "bf16", "i64", "i32", "i16", "i8", "u8", "bool", "c64"):
+        o = dt.dtype(other)
+        assert dt.promote(dt.C64, o) is dt.C64 and dt.promote(o, dt.C64) is dt.C64, other
+    with pytest.raises(ValueError, match="complex128"):
+        dt.promote(dt.F64, dt.C64)
+    g = rlx.Graph("p")
+    z = g.input("z", (3,), "c64")
+    for other in ("f32", "f16", "bf16", "i32", "bool"):
+        y = g.input(f"y_{other}", (3,), other)
+        assert (z + y).dtype is dt.C64 and (y * z).dtype is dt.C64, other
+    x = g.input("x", (3,), "f32")
+    assert (z * 2).dtype is dt.C64 and (z + 0.5).dtype is dt.C64 and (x * 1j).dtype is dt.C64
+    assert g.abs(z).dtype is dt.F32 and g.angle(z).dtype is dt.F32 and g.real(z).dtype is dt.F32
+    assert g.cast(x, "c64").dtype is dt.C64 and g.real(x) is x and g.conj(x) is x
+
+
+def test_errors():
+    g = rlx.Graph("e")
+    z = g.input("z", (3,), "c64")
+    w = g.input("w", (2, 3), "c64")
+    d = g.input("d", (3,), "f64")
+    x = g.input("x", (3,), "f32")
+    cases = [
+        (lambda: g.exp(z), r"activation: dtype c64 is not supported \(input 0 is c64 \[3\]\)"),
+        (lambda: g.reduce_sum(w, -1), r"reduce: dtype c64 is not supported \(input 0 is c64 \[2, 3\]\)"),
+        (lambda: g.transpose(w, (1, 0)), r"transpose: dtype c64 is not supported"),
+        (lambda: z > z, r"gt: dtype c64|compare: dtype c64"),
+        (lambda: g.max(z, z), r"max: c64 operands take add, sub, mul, div only, got a c64 \[3\]"),
+        (lambda: z + d, r"add: b is f64 \[3\] beside a c64 operand .*complex128"),
+        (lambda: z + g.input("q", (4,), "c64"),
+         r"add: shapes do not broadcast: a \[3\], b \[4\]"),
+        (lambda: g.matmul(w, x), r"matmul: a and b must have the same dtype, got a c64 \[2, 3\] "
+                                 r"and b f32 \[3\]"),
+        (lambda: g.matmul(w, w), r"matmul: inner dimensions differ: a \[2, 3\] has K=3, b \[2, 3\] "
+                                 r"has K=2"),
+        (lambda: g.imag(x), r"imag: z must be c64, got f32 \[3\]"),
+        (lambda: g.complex(z, x), r"complex: re must be a real f32 .* got c64 \[3\]"),
+        (lambda: g.complex(x, d), r"complex: im must be a real f32 .* got f64 \[3\]"),
+        (lambda: g.view_as_complex(g.input("p", (3, 3), "f32")),
+         r"view_as_complex: x must be f32 \[\.\.\., 2\] \(re, im\), got f32 \[3, 3\]"),
+        (lambda: g.view_as_real(x), r"view_as_real: x must be c64, got f32 \[3\]"),
+        (lambda: g.cast(d, "c64"), r"cast: x is f64 \[3\]"),
+        (lambda: g.cast(z, "f32"), r"cast: dtype c64 is not supported \(input 0 is c64 \[3\]\)"),
+        (lambda: g.rfft(z), r"rfft: x must be f32, got c64 \[3\]"),
+        (lambda: g.grad(g.mul(z, z), z), r"grad: y .* is c64; a gradient without seed="),
+    ]
+    for build, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            build()
+
+
+# ---- forward against NumPy complex128 -------------------------------------------------------
+def test_elementwise_ops(rng):
+    a_np = crand(rng, (3, 5))
+    a_np[0, :4] = [0, -2, 3j, -1 + 1e-3j]       # angle's axes and its branch cut's edge
+    b_np = crand(rng, (5,))
+    x_np = rng.standard_normal((3, 1)).astype(np.float32)
+    g = rlx.Graph("ew")
+    a, b, x = g.input("a", a_np.shape, "c64"), g.input("b", (5,), "c64"), g.input("x", (3, 1))
+    outs = {"add": a + b, "sub": b - a, "mul": a * b, "div": a / b, "rdiv": x / b,
+            "mul_real": a * x, "div_real": a / x, "sub_real": x - a, "scalar": 2.5 * a + 1j,
+            "neg": -a, "conj": g.conj(a), "abs": g.abs(a), "angle": g.angle(a),
+            "real": g.real(a), "imag": g.imag(a), "complex": g.complex(x, g.real(b)),
+            "cast": g.cast(x, "c64")}
+    g.set_outputs(list(outs.values()))
+    got = dict(zip(outs, run_graph(g, {"a": a_np, "b": b_np, "x": x_np})))
+    A, B, X = a_np.astype(np.complex128), b_np.astype(np.complex128), x_np.astype(np.float64)
+    want = {"add": A + B, "sub": B - A, "mul": A * B, "div": A / B, "rdiv": X / B,
+            "mul_real": A * X, "div_real": A / X, "sub_real": X - A, "scalar": 2.5 * A + 1j,
+            "neg": -A, "conj": A.conj(), "abs": np.abs(A), "angle": np.angle(A), "real": A.real,
+            "imag": A.imag, "complex": X + 1j * B.real, "cast": X + 0j}
+    mag = np.abs(A) * np.abs(B)      # the products' and quotients' cancellation scales
+    scale = {"add": np.abs(A) + np.abs(B), "sub": np.abs(A) + np.abs(B), "mul": mag,
+             "div": np.abs(A) / np.abs(B), "rdiv": np.abs(X) / np.abs(B),
+             "sub_real": np.abs(A) + np.abs(X), "scalar": 2.5 * np.abs(A) + 1}
+    for k, w in want.items():
+        real = k in ("abs", "angle", "real", "imag")
+        close(got[k], w, np.float32 if real else np.complex64, scale=scale.get(k), what=k)
+    assert got["angle"][0, 0] == 0 and got["abs"][0, 0] == 0
+    # the naive atan(im / (|z| + re)) near the negative real axis cancels to ~1e-5 there
+    assert abs(got["angle"][0, 3] - np.angle(A[0, 3])) < 4 * EPS * np.pi
+
+
+def test_matmul(rng):
+    a_np, b_np = crand(rng, (2, 3, 5)), crand(rng, (5, 7))
+    g = rlx.Graph("mm")
+    a, b = g.input("a", a_np.shape, "c64"), g.input("b", b_np.shape, "c64")
+    g.set_outputs([a @ b])
+    (got,) = run_graph(g, {"a": a_np, "b": b_np})
+    A, B = a_np.astype(np.complex128), b_np.astype(np.complex128)
+    close(got, A @ B, np.complex64, k=16, scale=np.abs(A) @ np.abs(B))
+
+
+@pytest.mark.parametrize("n", [6, 8])
+def test_fft(rng, n):
+    z_np = crand(rng, (2, n))
+    g = rlx.Graph("fft")
+    z = g.input("z", z_np.shape, "c64")
+    pairs = g.view_as_real(z)
+    outs = [g.fft(z), g.fft(z, inverse=True), g.fft(z, norm="ortho"), g.irfft(z, n=2 * n - 3),
+            g.fft(pairs)]
+    g.set_outputs(outs)
+    y, yi, yo, r, old = run_graph(g, {"z": z_np})
+    Z = z_np.astype(np.complex128)
+    scale = np.sqrt(n) * np.linalg.norm(Z, axis=-1, keepdims=True)
+    close(y, np.fft.fft(Z), np.complex64, k=16 * n, scale=scale)
+    close(yi, np.fft.ifft(Z), np.complex64, k=16 * n, scale=scale / n)
+    close(yo, np.fft.fft(Z, norm="ortho"), np.complex64, k=16 * n, scale=scale / np.sqrt(n))
+    close(r, np.fft.irfft(Z, n=2 * n - 3), np.float32, k=32 * n, scale=scale / n)
+    # the [..., 2] form: the same nodes, the same bits
+    assert old.dtype == np.float32 and old.shape == (2, n, 2)
+    np.testing.assert_array_equal(old, y.view(np.float32).reshape(2, n, 2))
+
+
+# ---- gradients ------------------------------------------------------------------------------
+def _fd(loss, arrays, name, h=1e-6):
+    """dL/dRe + i dL/dIm of the float64 loss by central differences (each real component)."""
+    base = {k: v.astype(np.complex128 if np.iscomplexobj(v) else np.float64)
+            for k, v in arrays.items()}
+    v = base[name]
+    out = np.zeros(v.shape, v.dtype)
+    for idx in np.ndindex(v.shape):
+        for unit in ((1, 1j) if np.iscomplexobj(v) else (1,)):
+            d = []
+            for s in (h, -h):
+                arr = dict(base)
+                arr[name] = v.copy()
+                arr[name][idx] += s * unit
+                d.append(loss(**arr))
+            out[idx] += unit * (d[0] - d[1]) / (2 * h)
+    return out
+
+
+def test_gradient_finite_differences(rng):
+    """A real loss over every op: its gradients against central differences of the same loss
+    in float64 NumPy, for the c64 and the f32 inputs."""
+    feed = {"a": crand(rng, (2, 3)), "b": crand(rng, (3,)), "c": crand(rng, (3, 2)),
+            "x": rng.standard_normal((2, 1)).astype(np.float32)}
+
+    def loss(a, b, c, x, np=np):
+        y = a * b - a / b + np.conj(a) * x
+        m = (a @ c) / (1.5 + 0.5j)
+        f = np.fft.fft(a)
+        return (np.abs(y).sum() + np.angle(y).sum() + (np.real(m) * np.imag(m)).sum()
+                + np.abs(f).sum() + (np.abs(a + (x + 0.5j * np.real(b))) ** 2).sum())
+
+    g = rlx.Graph("grad")
+    t = {k: g.input(k, v.shape, "c64" if np.iscomplexobj(v) else "f32") for k, v in feed.items()}
+    a, b, c, x = t["a"], t["b"], t["c"], t["x"]
+    y = a * b - a / b + g.conj(a) * x
+    m = (a @ c) / (1.5 + 0.5j)
+    f = g.fft(a)
+    e = a + g.complex(x, 0.5 * g.real(b))
+    L = (g.reduce_sum(g.abs(y)) + g.reduce_sum(g.angle(y)) + g.reduce_sum(g.real(m) * g.imag(m))
+         + g.reduce_sum(g.abs(f)) + g.reduce_sum(g.abs(e) * g.abs(e)))
+    grads = g.grad(L, [a, b, c, x])
+    g.set_outputs([L] + grads)
+    got = run_graph(g, feed)
+    assert abs(got[0] - loss(**{k: v.astype(np.complex128) for k, v in feed.items()})) < 1e-4 * abs(got[0])
+    for name, gr in zip("abcx", got[1:]):
+        want = _fd(loss, feed, name)
+        assert gr.dtype == feed[name].dtype, name
+        np.testing.assert_allclose(gr, want, rtol=1e-4, atol=1e-4, err_msg=name)
