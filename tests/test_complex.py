@@ -194,3 +194,49 @@ def test_gradient_finite_differences(rng):
         want = _fd(loss, feed, name)
         assert gr.dtype == feed[name].dtype, name
         np.testing.assert_allclose(gr, want, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_vjps_are_torch_formulas(rng):
+    """Each op's VJP for a given cotangent dy, against torch's formulas (torch/csrc/autograd/
+    FunctionsManual.cpp and derivatives.yaml) evaluated in complex128: mul dy conj(b), div
+    dy / conj(b) and -dy conj(a) / conj(b)^2, abs dy z / |z| (0 at 0), angle dy i z / |z|^2
+    (0 at 0), conj conj(dy), real dy, imag i dy, complex (Re dy, Im dy), matmul dy b^H and
+    a^H dy, an unnormalised fft n ifft(dy); a real operand gets the real part, summed over
+    its broadcast axes."""
+    a_np, b_np, dy_np = crand(rng, (3, 5)), crand(rng, (5,)), crand(rng, (3, 5))
+    a_np[1, 2] = 0
+    x_np = rng.standard_normal((3, 1)).astype(np.float32)
+    r_np = rng.standard_normal((3, 5)).astype(np.float32)
+    c_np, dm_np = crand(rng, (5, 4)), crand(rng, (3, 4))
+    g = rlx.Graph("vjp")
+    a, b, x = g.input("a", (3, 5), "c64"), g.input("b", (5,), "c64"), g.input("x", (3, 1))
+    c = g.input("c", (5, 4), "c64")
+    dy, r, dm = g.input("dy", (3, 5), "c64"), g.input("r", (3, 5)), g.input("dm", (3, 4), "c64")
+    dyr = g.real(dy)
+    outs = (g.grad(a * b, [a, b], seed=dy) + g.grad(a / b, [a, b], seed=dy)
+            + [g.grad(g.abs(a), a, seed=dyr), g.grad(g.angle(a), a, seed=dyr),
+               g.grad(g.conj(a), a, seed=dy), g.grad(g.real(a), a, seed=dyr),
+               g.grad(g.imag(a), a, seed=dyr)]
+            + g.grad(g.complex(r, x), [r, x], seed=dy) + g.grad(a * x, [x], seed=dy)
+            + g.grad(a @ c, [a, c], seed=dm) + [g.grad(g.fft(a), a, seed=dy)])
+    g.set_outputs(outs)
+    got = run_graph(g, {"a": a_np, "b": b_np, "x": x_np, "c": c_np, "dy": dy_np, "r": r_np,
+                        "dm": dm_np})
+    A, B, C = (v.astype(np.complex128) for v in (a_np, b_np, c_np))
+    DY, DM = dy_np.astype(np.complex128), dm_np.astype(np.complex128)
+    DR = DY.real
+    absA = np.abs(A)
+    sgn = np.divide(A, absA, out=np.zeros_like(A), where=absA > 0)
+    ang = np.divide(1j * A, absA ** 2, out=np.zeros_like(A), where=absA > 0)
+    want = [DY * B.conj(), (DY * A.conj()).sum(0), DY / B.conj(),
+            (-DY * A.conj() / B.conj() ** 2).sum(0), DR * sgn, DR * ang, DY.conj(), DR + 0j,
+            1j * DR, DY.real, DY.imag.sum(1, keepdims=True),
+            (DY * A.conj()).real.sum(1, keepdims=True),
+            DM @ C.conj().T, A.conj().T @ DM, 5 * np.fft.ifft(DY)]
+    names = ["mul a", "mul b", "div a", "div b", "abs", "angle", "conj", "real", "imag",
+             "complex re", "complex im", "mul real x", "matmul a", "matmul b", "fft"]
+    assert len(got) == len(want) == len(names)
+    for k, gw, w in zip(names, got, want):
+        np.testing.assert_allclose(gw, w, rtol=1e-5, atol=1e-5, err_msg=k)
+        assert gw.dtype == (np.complex64 if np.iscomplexobj(w) else np.float32), k
+    assert got[4][1, 2] == 0 and got[5][1, 2] == 0         # torch's 0 at z = 0, not NaN

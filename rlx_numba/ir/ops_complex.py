@@ -230,8 +230,9 @@ class ComplexOps:
             return self.where(self.lt(z, 0), math.pi, 0.0)
         p = self.view_as_real(z)
         re, im, r = _part(self, p, 0), _part(self, p, 1), _safe_abs(self, p)
-        d1 = r + re
-        a1 = 2.0 * self.atan(im / self.where(self.eq(d1, 0.0), 1.0, d1))
+        d1 = r + re                    # 0 where re >= 0 only at z = 0: angle 0, slope 0
+        at0 = self.eq(d1, 0.0)
+        a1 = 2.0 * self.atan(self.where(at0, 0.0, im) / self.where(at0, 1.0, d1))
         flat = self.eq(im, 0.0)
         a2 = 2.0 * self.atan((r - re) / self.where(flat, 1.0, im))
         ang = self.where(self.ge(re, 0.0), a1, self.where(flat, math.pi, a2))
