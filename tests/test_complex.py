@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
-from conftest import run_graph
+from conftest import ON_GPU, run_graph
 from rlx_numba.ir import dtypes as dt
 
 EPS = 2.0 ** -24          # f32's unit roundoff
@@ -240,3 +240,41 @@ def test_vjps_are_torch_formulas(rng):
         np.testing.assert_allclose(gw, w, rtol=1e-5, atol=1e-5, err_msg=k)
         assert gw.dtype == (np.complex64 if np.iscomplexobj(w) else np.float32), k
     assert got[4][1, 2] == 0 and got[5][1, 2] == 0         # torch's 0 at z = 0, not NaN
+
+
+@pytest.mark.skipif(not ON_GPU, reason="sizes for a GPU (cuFFT, cuBLAS, the GPU's geometries)")
+@pytest.mark.parametrize("mode", ["stream", "graph"])
+def test_gpu_complex_at_size(rng, mode):
+    """A 300 x 257 x 129 c64 product (four cuBLAS Sgemm), cuFFT C2C on c64 rows of 4096 and
+    1000, element-wise ops over 100,003 entries, and the gradient of sum |a @ b| (dY = sgn(Y):
+    dA = sgn(Y) b^H, dB = a^H sgn(Y)), in a stream and captured in a CUDA graph."""
+    a_np, b_np = crand(rng, (300, 257)), crand(rng, (257, 129))
+    f_np, h_np = crand(rng, (3, 4096)), crand(rng, (2, 1000))
+    u_np, v_np = crand(rng, (100_003,)), crand(rng, (100_003,))
+    g = rlx.Graph("gpu")
+    a, b = g.input("a", a_np.shape, "c64"), g.input("b", b_np.shape, "c64")
+    f, h = g.input("f", f_np.shape, "c64"), g.input("h", h_np.shape, "c64")
+    u, v = g.input("u", u_np.shape, "c64"), g.input("v", v_np.shape, "c64")
+    y = a @ b
+    outs = [y, g.fft(f), g.fft(h, inverse=True), u * v / (v + 2.0), g.angle(u)]
+    outs += g.grad(g.reduce_sum(g.abs(y)), [a, b])
+    g.set_outputs(outs)
+    got = run_graph(g, {"a": a_np, "b": b_np, "f": f_np, "h": h_np, "u": u_np, "v": v_np},
+                    mode=mode)
+    A, B, F, H, U, V = (t.astype(np.complex128) for t in (a_np, b_np, f_np, h_np, u_np, v_np))
+    Y = A @ B
+    close(got[0], Y, np.complex64, k=64, scale=np.abs(A) @ np.abs(B), what="matmul")
+    close(got[1], np.fft.fft(F), np.complex64, k=64 * 12,
+          scale=np.sqrt(4096) * np.linalg.norm(F, axis=-1, keepdims=True), what="fft 4096")
+    close(got[2], np.fft.ifft(H), np.complex64, k=64 * 10,
+          scale=np.linalg.norm(H, axis=-1, keepdims=True) / np.sqrt(1000), what="ifft 1000")
+    W = U * V / (V + 2.0)
+    close(got[3], W, np.complex64, k=16, scale=np.abs(U) * np.abs(V) / np.abs(V + 2.0) * 4,
+          what="element-wise")
+    close(got[4], np.angle(U), np.float32, k=8, scale=np.pi, what="angle")
+    S = got[0].astype(np.complex128)      # sgn of the Y the backward reads (the forward's:
+    S /= np.abs(S)                         # sgn of an exact Y near 0 would differ by far more)
+    close(got[5], S @ B.conj().T, np.complex64, k=64, scale=np.ones((1, 129)) @ np.abs(B).T,
+          what="grad a")
+    close(got[6], A.conj().T @ S, np.complex64, k=64, scale=np.abs(A).T @ np.ones((300, 1)),
+          what="grad b")
