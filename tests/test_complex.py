@@ -2,11 +2,18 @@
 complex64 inputs, the FFTs on c64 beside the [..., 2] form, products, every error with its
 message, and gradients in torch's convention (dL/dRe + i dL/dIm of a real loss) checked by
 central differences of a float64 NumPy loss and against torch's VJP formulas."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import rlx_numba as rlx
 from conftest import ON_GPU, run_graph
+from test_mma import _toolkit, assemble_sm80
 from rlx_numba.ir import dtypes as dt
 
 EPS = 2.0 ** -24          # f32's unit roundoff
@@ -115,13 +122,73 @@ def test_elementwise_ops(rng):
 
 
 def test_matmul(rng):
+    """Batched and broadcast c64 products (the numba tier here), and their gradients for a
+    cotangent dy summed back over the broadcast axes: dy b^H, a^H dy."""
     a_np, b_np = crand(rng, (2, 3, 5)), crand(rng, (5, 7))
+    p_np, q_np, dy_np = crand(rng, (2, 1, 3, 5)), crand(rng, (3, 5, 4)), crand(rng, (2, 3, 3, 4))
     g = rlx.Graph("mm")
     a, b = g.input("a", a_np.shape, "c64"), g.input("b", b_np.shape, "c64")
-    g.set_outputs([a @ b])
-    (got,) = run_graph(g, {"a": a_np, "b": b_np})
-    A, B = a_np.astype(np.complex128), b_np.astype(np.complex128)
-    close(got, A @ B, np.complex64, k=16, scale=np.abs(A) @ np.abs(B))
+    p, q = g.input("p", p_np.shape, "c64"), g.input("q", q_np.shape, "c64")
+    dy = g.input("dy", dy_np.shape, "c64")
+    g.set_outputs([a @ b, p @ q] + g.grad(p @ q, [p, q], seed=dy))
+    got = run_graph(g, {"a": a_np, "b": b_np, "p": p_np, "q": q_np, "dy": dy_np})
+    A, B, P, Q, DY = (t.astype(np.complex128) for t in (a_np, b_np, p_np, q_np, dy_np))
+    H = lambda t: np.swapaxes(t, -1, -2).conj()       # noqa: E731
+    close(got[0], A @ B, np.complex64, k=16, scale=np.abs(A) @ np.abs(B))
+    close(got[1], P @ Q, np.complex64, k=16, scale=np.abs(P) @ np.abs(Q))
+    close(got[2], (DY @ H(Q)).sum(1, keepdims=True), np.complex64, k=32,
+          scale=(np.abs(DY) @ np.abs(H(Q))).sum(1, keepdims=True))
+    close(got[3], (H(P) @ DY).sum(0), np.complex64, k=32, scale=(np.abs(H(P)) @ np.abs(DY)).sum(0))
+
+
+@pytest.mark.parametrize("ha,hb", [(False, True), (True, False), (True, True)])
+def test_matmul_flags_and_their_gradients(rng, ha, hb):
+    """The product node's conjugate-transpose flags (its VJP's products use them): forward
+    against NumPy, gradients of a real loss against central differences."""
+    feed = {"a": crand(rng, (3, 2) if ha else (2, 3)), "b": crand(rng, (4, 3) if hb else (3, 4)),
+            "w": crand(rng, (2, 4))}
+    op = lambda t, h: t.conj().T if h else t           # noqa: E731
+
+    def loss(a, b, w):
+        return np.real(op(a, ha) @ op(b, hb) * w).sum() + np.abs(op(a, ha) @ op(b, hb)).sum()
+
+    g = rlx.Graph("flags")
+    a, b, w = (g.input(k, v.shape, "c64") for k, v in feed.items())
+    y = g.bind("cmatmul", [a, b], ha=ha, hb=hb)
+    L = g.reduce_sum(g.real(y * w)) + g.reduce_sum(g.abs(y))
+    g.set_outputs([y] + g.grad(L, [a, b]))
+    got = run_graph(g, feed)
+    A, B = (feed[k].astype(np.complex128) for k in "ab")
+    close(got[0], op(A, ha) @ op(B, hb), np.complex64, k=16,
+          scale=np.abs(op(A, ha)) @ np.abs(op(B, hb)))
+    for name, gr in zip("ab", got[1:]):
+        np.testing.assert_allclose(gr, _fd(loss, feed, name), rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
+def test_gpu_body_of_the_cgemm_kernel_compiles(tmp_path):
+    """Without a GPU: the numba c64 product in its four flag variants through NVVM and
+    ptxas (the simulator runs Python complex arithmetic, which NVVM may refuse)."""
+    script = textwrap.dedent(f"""
+        import os
+        os.environ["RLX_NUMBA_SIMULATOR"] = "0"
+        from numba import cuda
+        from numba.cuda import types as T
+        from rlx_numba.kernels import complex as K
+        c, i = T.complex64[::1], T.int64[::1]
+        for ha in (False, True):
+            for hb in (False, True):
+                ptx, _ = cuda.compile_ptx(K.cgemm_kernel(ha, hb).py_func,
+                                          (c, c, c) + (T.int64,) * 3 + (i, i, T.int64), cc=(8, 0))
+                open(os.path.join({str(tmp_path)!r}, f"cgemm{{int(ha)}}{{int(hb)}}.ptx"), "w").write(ptx)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for ha in (0, 1):
+        for hb in (0, 1):
+            assemble_sm80(tmp_path / f"cgemm{ha}{hb}.ptx")
 
 
 @pytest.mark.parametrize("n", [6, 8])
@@ -243,11 +310,13 @@ def test_vjps_are_torch_formulas(rng):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="sizes for a GPU (cuFFT, cuBLAS, the GPU's geometries)")
-@pytest.mark.parametrize("mode", ["stream", "graph"])
-def test_gpu_complex_at_size(rng, mode):
-    """A 300 x 257 x 129 c64 product (four cuBLAS Sgemm), cuFFT C2C on c64 rows of 4096 and
-    1000, element-wise ops over 100,003 entries, and the gradient of sum |a @ b| (dY = sgn(Y):
-    dA = sgn(Y) b^H, dB = a^H sgn(Y)), in a stream and captured in a CUDA graph."""
+@pytest.mark.parametrize("mode,tier", [("stream", "0"), ("graph", "0"), ("stream", "1")])
+def test_gpu_complex_at_size(rng, monkeypatch, mode, tier):
+    """A 300 x 257 x 129 c64 product (cublasCgemm: tier 0; the numba kernel: tier 1), cuFFT
+    C2C on c64 rows of 4096 and 1000, element-wise ops over 100,003 entries, and the gradient
+    of sum |a @ b| (dY = sgn(Y): dA = sgn(Y) b^H, dB = a^H sgn(Y): Cgemm's OP_C), in a stream
+    and captured in a CUDA graph."""
+    monkeypatch.setenv("RLX_NUMBA_CMATMUL_TIERS", tier)
     a_np, b_np = crand(rng, (300, 257)), crand(rng, (257, 129))
     f_np, h_np = crand(rng, (3, 4096)), crand(rng, (2, 1000))
     u_np, v_np = crand(rng, (100_003,)), crand(rng, (100_003,))
@@ -259,8 +328,11 @@ def test_gpu_complex_at_size(rng, mode):
     outs = [y, g.fft(f), g.fft(h, inverse=True), u * v / (v + 2.0), g.angle(u)]
     outs += g.grad(g.reduce_sum(g.abs(y)), [a, b])
     g.set_outputs(outs)
-    got = run_graph(g, {"a": a_np, "b": b_np, "f": f_np, "h": h_np, "u": u_np, "v": v_np},
-                    mode=mode)
+    exe = rlx.compile(g, exec_mode=mode)
+    names = [s.kernel_name for s in exe.steps if "cgemm" in s.kernel_name.lower()]
+    assert len(names) == 3 and all(n.startswith("cublasCgemm" if tier == "0" else "numba cgemm")
+                                   for n in names), names
+    got = exe.run({"a": a_np, "b": b_np, "f": f_np, "h": h_np, "u": u_np, "v": v_np})
     A, B, F, H, U, V = (t.astype(np.complex128) for t in (a_np, b_np, f_np, h_np, u_np, v_np))
     Y = A @ B
     close(got[0], Y, np.complex64, k=64, scale=np.abs(A) @ np.abs(B), what="matmul")

@@ -5,16 +5,17 @@ A c64 tensor's memory is its interleaved (re, im) f32 pairs, so two VIEW nodes r
 it without a kernel:
   "view_as_real"     c64 [...] -> f32 [..., 2]     (torch.view_as_real)
   "view_as_complex"  f32 [..., 2] -> c64 [...]     (torch.view_as_complex)
-They are the only ops besides the leaves and reshape whose OpDef says ``c64=True``
+They, "cmatmul", the leaves and reshape are the only ops whose OpDef says ``c64=True``
 (ir/opdef.py raises for any other). Every complex op here (complex, real, imag, conj, abs,
-angle, + - * /, matmul, the FFTs in ir/ops_fft.py) is built at graph-build time from f32 ops
-on the pairs between those two views: no kernel reads complex64, and c64 has no kernel of its
-own (matmul: four real products, each on the f32 matmul's tiers; cuBLAS Cgemm is not used).
+angle, + - * /, the FFTs in ir/ops_fft.py) is built at graph-build time from f32 ops on the
+pairs between those two views: no element-wise kernel reads complex64. matmul is one node of
+its own, "cmatmul" (cuBLAS Cgemm on a GPU, a numba kernel on complex64 otherwise).
 
 Gradients: each view's VJP is the other view, so the gradient of a real loss L with respect
 to a c64 z is the pair (dL/dRe z, dL/dIm z) read as complex: dL/dRe + i dL/dIm, torch's
 convention (the conjugate Wirtinger derivative, doubled). The f32 ops' own VJPs then give
-torch's formulas: mul's dy * conj(other), div's, abs's dy * z / |z| (0 at z = 0, as torch's
+torch's formulas: mul's dy * conj(other), div's, matmul's dy b^H and a^H dy (written out:
+the cmatmul node's conjugate-transpose flags), abs's dy * z / |z| (0 at z = 0, as torch's
 sgn), angle's dy * i z / |z|^2 (0 at z = 0); abs and angle choose their denominators so that
 no branch a where discards puts inf or NaN into the gradient.
 """
@@ -25,7 +26,7 @@ import math
 import numpy as np
 
 from . import dtypes as dt
-from .autodiff import vjp
+from .autodiff import sum_to, vjp
 from .opdef import STORAGE, VIEW, defop
 from .ops import broadcast_shapes, fmt
 
@@ -132,16 +133,58 @@ def binary_c64(g, kind, a, b):
     return out
 
 
+def _mat(op, arg, t, h):
+    """(rows, cols) of op(t): t's last two axes, swapped when ``h`` (conjugate transpose)."""
+    if t.dtype != dt.C64:
+        raise ValueError(f"{op}: {arg} must be c64, got {_desc(t)}")
+    if len(t.shape) < 2:
+        raise ValueError(f"{op}: {arg} must have rank >= 2 ([..., M, K] @ [..., K, N]), got "
+                         f"{fmt(t.shape)}")
+    r, c = t.shape[-2:]
+    return (c, r) if h else (r, c)
+
+
+def infer_cmatmul(a, b, ha=False, hb=False):
+    """op(a) @ op(b), op the conjugate transpose of the last two axes where ``ha`` / ``hb``."""
+    (m, k), (k2, n) = _mat("matmul", "a", a, ha), _mat("matmul", "b", b, hb)
+    if k != k2:
+        raise ValueError(f"matmul: inner dimensions differ: a {fmt(a.shape)} has K={k}, b "
+                         f"{fmt(b.shape)} has K={k2}")
+    batch = broadcast_shapes("matmul", ["a batch", "b batch"], [a.shape[:-2], b.shape[:-2]])
+    return batch + (m, n), dt.C64
+
+
+defop("cmatmul", infer_cmatmul, c64=True, tier_env="RLX_NUMBA_CMATMUL_TIERS",
+      doc="c64 op(a) @ op(b) (op: conjugate transpose where ha / hb), batch broadcast: "
+          "cuBLAS Cgemm on a GPU, a numba kernel otherwise (runtime/lower_complex.py)")
+
+
+def _sum_to_c64(g, t, shape):
+    """sum_to of a c64 gradient, on its pairs (the trailing 2 stays aligned)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    return g.view_as_complex(sum_to(g, g.view_as_real(t), tuple(shape) + (2,)))
+
+
+@vjp("cmatmul")
+def _vjp_cmatmul(g, n, dy):
+    """y = A B with A = op(a), B = op(b): dA = dy B^H, dB = A^H dy (torch's), through the
+    flags: no conjugate or transpose is materialised."""
+    a, b = g.tensor(n.inputs[0]), g.tensor(n.inputs[1])
+    ha, hb = n.attrs["ha"], n.attrs["hb"]
+    mm = lambda x, y, hx, hy: g.bind("cmatmul", [x, y], ha=hx, hb=hy)   # noqa: E731
+    da = mm(b, dy, hb, True) if ha else mm(dy, b, False, not hb)
+    db = mm(dy, a, True, ha) if hb else mm(a, dy, not ha, False)
+    return [_sum_to_c64(g, da, a.shape), _sum_to_c64(g, db, b.shape)]
+
+
 def matmul_c64(g, a, b):
-    """a @ b for c64 a and b (Graph.matmul sends c64 here): four f32 products, (ar br - ai bi)
-    + i (ar bi + ai br), each on the f32 matmul's tiers (the real parts' shapes are the
-    operands', so the f32 matmul's shape errors name them rightly)."""
+    """a @ b for c64 a and b (Graph.matmul sends c64 here): one "cmatmul" node."""
     if a.dtype != b.dtype:
         raise ValueError(f"matmul: a and b must have the same dtype, got a {_desc(a)} and b "
                          f"{_desc(b)}; cast the real one with g.complex(x, 0) or g.cast(x, "
                          f"'c64') first (torch does not promote inside a product either)")
-    ar, ai, br, bi = g.real(a), g.imag(a), g.real(b), g.imag(b)
-    return g.complex(g.matmul(ar, br) - g.matmul(ai, bi), g.matmul(ar, bi) + g.matmul(ai, br))
+    return g.bind("cmatmul", [a, b], ha=False, hb=False)
 
 
 def unary_c64(g, kind, x):
