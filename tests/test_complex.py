@@ -52,6 +52,7 @@ def test_dtype_and_promotion():
     assert (z * 2).dtype is dt.C64 and (z + 0.5).dtype is dt.C64 and (x * 1j).dtype is dt.C64
     assert g.abs(z).dtype is dt.F32 and g.angle(z).dtype is dt.F32 and g.real(z).dtype is dt.F32
     assert g.cast(x, "c64").dtype is dt.C64 and g.real(x) is x and g.conj(x) is x
+    assert g.constant(np.exp(1j * np.arange(3.0))).dtype is dt.C64     # complex128 -> c64
 
 
 def test_errors():
@@ -87,6 +88,10 @@ def test_errors():
     for build, msg in cases:
         with pytest.raises(ValueError, match=msg):
             build()
+    h = rlx.Graph("run")
+    h.set_outputs([h.input("z", (3,), "c64") * 2])
+    with pytest.raises(ValueError, match=r"run: input 'z' must be c64 \(complex64\), got complex128"):
+        rlx.compile(h).run({"z": np.ones(3, np.complex128)})
 
 
 # ---- forward against NumPy complex128 -------------------------------------------------------
@@ -284,7 +289,7 @@ def test_vjps_are_torch_formulas(rng):
             + [g.grad(g.abs(a), a, seed=dyr), g.grad(g.angle(a), a, seed=dyr),
                g.grad(g.conj(a), a, seed=dy), g.grad(g.real(a), a, seed=dyr),
                g.grad(g.imag(a), a, seed=dyr)]
-            + g.grad(g.complex(r, x), [r, x], seed=dy) + g.grad(a * x, [x], seed=dy)
+            + g.grad(g.complex(r, x), [r, x], seed=dy) + g.grad(a * x, [x, b], seed=dy)
             + g.grad(a @ c, [a, c], seed=dm) + [g.grad(g.fft(a), a, seed=dy)])
     g.set_outputs(outs)
     got = run_graph(g, {"a": a_np, "b": b_np, "x": x_np, "c": c_np, "dy": dy_np, "r": r_np,
@@ -298,10 +303,10 @@ def test_vjps_are_torch_formulas(rng):
     want = [DY * B.conj(), (DY * A.conj()).sum(0), DY / B.conj(),
             (-DY * A.conj() / B.conj() ** 2).sum(0), DR * sgn, DR * ang, DY.conj(), DR + 0j,
             1j * DR, DY.real, DY.imag.sum(1, keepdims=True),
-            (DY * A.conj()).real.sum(1, keepdims=True),
+            (DY * A.conj()).real.sum(1, keepdims=True), np.zeros(5, np.complex128),
             DM @ C.conj().T, A.conj().T @ DM, 5 * np.fft.ifft(DY)]
     names = ["mul a", "mul b", "div a", "div b", "abs", "angle", "conj", "real", "imag",
-             "complex re", "complex im", "mul real x", "matmul a", "matmul b", "fft"]
+             "complex re", "complex im", "mul real x", "unused b", "matmul a", "matmul b", "fft"]
     assert len(got) == len(want) == len(names)
     for k, gw, w in zip(names, got, want):
         np.testing.assert_allclose(gw, w, rtol=1e-5, atol=1e-5, err_msg=k)

@@ -244,8 +244,10 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         if dtype is not None:
             d = dt.dtype(dtype)
         else:  # float64 (NumPy's default) becomes f32, as before f64 existed: ask for
-            # dtype="f64" to keep it (else a float64 array would make every op it meets f64)
-            d = dt.F32 if arr.dtype == np.float64 else dt.dtype(arr.dtype)
+            # dtype="f64" to keep it (else a float64 array would make every op it meets f64);
+            # complex128 (np.exp(1j * t)) becomes c64: there is no complex128
+            d = (dt.F32 if arr.dtype == np.float64 else
+                 dt.C64 if arr.dtype == np.complex128 else dt.dtype(arr.dtype))
         arr = np.array(arr, dtype=d.host, order="C", copy=True)
         return self._add("constant", (), arr.shape, d, value=arr)
 
