@@ -55,6 +55,13 @@ def test_dtype_and_promotion():
     assert g.constant(np.exp(1j * np.arange(3.0))).dtype is dt.C64     # complex128 -> c64
 
 
+def test_the_ops_declaring_c64():
+    """The one enforcement point: these OpDefs take c64; every other op raises (test_errors)."""
+    from rlx_numba.ir.opdef import OPS
+    assert {n for n, d in OPS.items() if d.c64} == {"reshape", "view_as_real",
+                                                    "view_as_complex", "cmatmul"}
+
+
 def test_errors():
     g = rlx.Graph("e")
     z = g.input("z", (3,), "c64")
