@@ -33,8 +33,8 @@ values, take them by default. Any other op raises ValueError at build time namin
 the dtype (``infer_results``, the one place every node's dtypes pass), never a silent f32.
 
 c64: an op takes a c64 operand (or gives a c64 result) only where its OpDef says
-``c64=True`` (the views between c64 and its [..., 2] f32 pairs, reshape; ir/ops_complex.py
-builds every complex op from them); no other op does, STORAGE ops included (their kernels
+``c64=True`` (the views between c64 and its [..., 2] f32 pairs, the c64 product cmatmul,
+reshape; ir/ops_complex.py builds every other complex op from them); no other op does, STORAGE ops included (their kernels
 move 4-byte or smaller elements). Any other op raises ValueError at build time naming the op,
 the argument and its shape.
 """

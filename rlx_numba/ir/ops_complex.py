@@ -5,8 +5,8 @@ A c64 tensor's memory is its interleaved (re, im) f32 pairs, so two VIEW nodes r
 it without a kernel:
   "view_as_real"     c64 [...] -> f32 [..., 2]     (torch.view_as_real)
   "view_as_complex"  f32 [..., 2] -> c64 [...]     (torch.view_as_complex)
-They, "cmatmul", the leaves and reshape are the only ops whose OpDef says ``c64=True``
-(ir/opdef.py raises for any other). Every complex op here (complex, real, imag, conj, abs,
+They, "cmatmul" and reshape are the only ops whose OpDef says ``c64=True`` (ir/opdef.py
+raises for any other; leaves take any dtype). Every complex op here (complex, real, imag, conj, abs,
 angle, + - * /, the FFTs in ir/ops_fft.py) is built at graph-build time from f32 ops on the
 pairs between those two views: no element-wise kernel reads complex64. matmul is one node of
 its own, "cmatmul" (cuBLAS Cgemm on a GPU, a numba kernel on complex64 otherwise).
