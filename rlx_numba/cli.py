@@ -59,7 +59,8 @@ def ops_table() -> list[str]:
         extra = [f"+{r}" for r, _ in d.results]
         if d.written_by is not None:
             extra.append(f"filled by input {d.written_by}")
-        rule = d.dtype_rule + (" +f64" if d.f64 else "")    # (storage ops move f64 too)
+        rule = (d.dtype_rule + (" +f64" if d.f64 else "")    # (storage ops move f64 too)
+                + (" +c64" if d.c64 else ""))
         rows.append((name, d.owner.rsplit(".", 1)[-1], d.memory, rule,
                      "yes" if d.vjp else "-", " ".join(extra), tiers))
     head = ("op", "declared in", "memory", "dtype", "vjp", "results", "tiers")

@@ -13,7 +13,7 @@ from ctypes import POINTER, c_float, c_int, c_int64, c_size_t, c_uint64, c_void_
 from .loader import load_cublas
 
 # cublasOperation_t, cublasMath_t, cublasGemmAlgo_t
-OP_N, OP_T = 0, 1
+OP_N, OP_T, OP_C = 0, 1, 2
 DEFAULT_MATH, TF32_TENSOR_OP_MATH = 0, 3
 GEMM_DEFAULT = -1
 # cudaDataType / cublasComputeType_t
@@ -71,6 +71,12 @@ CUBLAS = {
     "cublasDgemmStridedBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int64,
                                   P, c_int, c_int64, P, P, c_int, c_int64, c_int],
     "cublasDgemmBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P,
+                           c_int, c_int],
+    # c64 products (the same arguments, cuComplex alpha / beta and data; ops N, T or C)
+    "cublasCgemm_v2": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P, c_int],
+    "cublasCgemmStridedBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int64,
+                                  P, c_int, c_int64, P, P, c_int, c_int64, c_int],
+    "cublasCgemmBatched": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, P, c_int, P, P,
                            c_int, c_int],
     "cublasGemmEx": [P, c_int, c_int, c_int, c_int, c_int, P, P, c_int, c_int, P, c_int, c_int,
                      P, P, c_int, c_int, c_int, c_int],

@@ -137,6 +137,32 @@ def sgemm_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, c_ptr: int, *, tf32
     return lambda: fn(*args)
 
 
+_C_ONE, _C_ZERO = (c_float * 2)(1.0, 0.0), (c_float * 2)(0.0, 0.0)     # cuComplex
+
+
+def cgemm_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, c_ptr: int, *, batch: int = 1,
+               stride_a: int = 0, stride_b: int = 0, ptr_arrays=None):
+    """cublasCgemm_v2 / CgemmStridedBatched / CgemmBatched (complex64, ``cm``'s ops N, T or
+    C), as ``sgemm_plan`` lays them out."""
+    blas, _ = api.libs()
+    h = blas_handle(stream, False)
+    head = (h, cm.opa, cm.opb, cm.m, cm.n, cm.k, byref(_C_ONE))
+    if ptr_arrays is not None:
+        pa, pb, pc = (p.device_ctypes_pointer.value for p in ptr_arrays)
+        args = head + (c_void_p(pb), cm.lda, c_void_p(pa), cm.ldb, byref(_C_ZERO), c_void_p(pc),
+                       cm.ldc, batch)
+        fn = blas.cublasCgemmBatched
+    elif batch > 1:
+        args = head + (c_void_p(b_ptr), cm.lda, stride_b, c_void_p(a_ptr), cm.ldb, stride_a,
+                       byref(_C_ZERO), c_void_p(c_ptr), cm.ldc, cm.m * cm.n, batch)
+        fn = blas.cublasCgemmStridedBatched
+    else:
+        args = head + (c_void_p(b_ptr), cm.lda, c_void_p(a_ptr), cm.ldb, byref(_C_ZERO),
+                       c_void_p(c_ptr), cm.ldc)
+        fn = blas.cublasCgemm_v2
+    return lambda: fn(*args)
+
+
 def gemm_ex_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_type: int,
                  c_ptr: int, *, c_type: int = api.R_32F, batch: int = 1, stride_a: int = 0,
                  stride_b: int = 0, ptr_arrays=None):

@@ -68,7 +68,7 @@ def vjp(*ops):
 
 
 def differentiable(dtype) -> bool:
-    return dtype.is_float
+    return dtype.is_float or dtype.is_complex
 
 
 def sum_to(g, t, shape):
@@ -93,6 +93,8 @@ def scatter_grad(g, target, indices, updates, axis):
 
 def zeros(g, shape, dtype=dt.F32):
     """A zero tensor of ``shape`` (one scalar constant, broadcast: no big constant baked)."""
+    if dtype.is_complex:     # (expand moves no c64: zero pairs, viewed)
+        return g.view_as_complex(zeros(g, tuple(shape) + (2,)))
     z = g.constant(np.zeros((), dtype.host), dtype)
     return g.expand(z, shape) if tuple(shape) else z
 
@@ -124,6 +126,10 @@ def _grad(g, y, wrt, seed):
         raise ValueError(f"grad: y {y!r} is {y.dtype} {fmt(y.shape)}; only a float y has "
                          f"gradients")
     if seed is None:
+        if y.dtype.is_complex:
+            raise ValueError(f"grad: y {y!r} is c64; a gradient without seed= needs a real y "
+                             f"(torch: only real scalar outputs); pass seed= or take e.g. "
+                             f"g.abs / g.real of it")
         if int(np.prod(y.shape)) != 1:
             raise ValueError(f"grad: y {y!r} has shape {fmt(y.shape)}, not a scalar; pass seed= "
                              f"(dL/dy, of y's shape) for a non-scalar y")

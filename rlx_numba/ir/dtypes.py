@@ -1,9 +1,11 @@
-"""The twelve dtypes, their NumPy mapping and the promotion rule.
+"""The thirteen dtypes, their NumPy mapping and the promotion rule.
 
 bf16 has no NumPy dtype of its own: on the host it is ``ml_dtypes.bfloat16``, on the device its
 16-bit pattern is stored as uint16 (numba and its simulator have no bf16 arrays). The fp8 types
 likewise: ``ml_dtypes.float8_e4m3fn`` / ``float8_e5m2`` on the host, their bytes as uint8 on
-the device (kernels/elementwise.py converts, with ml_dtypes' rounding).
+the device (kernels/elementwise.py converts, with ml_dtypes' rounding). c64 is NumPy's
+complex64 on the host and on the device: its memory is the interleaved (re, im) f32 pairs that
+the [..., 2] f32 form reads through a view (ir/ops_complex.py), so no kernel sees it.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ class DType:
     name: str          # "f32", ...
     host: np.dtype     # what run() takes and returns
     storage: np.dtype  # what the device array holds
-    kind: str          # "float", "int" or "bool"
+    kind: str          # "float", "int", "bool" or "complex"
     rank: int          # promotion order
 
     @property
@@ -28,6 +30,10 @@ class DType:
     @property
     def is_float(self) -> bool:
         return self.kind == "float"
+
+    @property
+    def is_complex(self) -> bool:
+        return self.kind == "complex"
 
     @property
     def is_int(self) -> bool:
@@ -51,13 +57,14 @@ BF16 = DType("bf16", np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16), "float",
 F16 = DType("f16", np.dtype(np.float16), np.dtype(np.float16), "float", 6)
 F32 = DType("f32", np.dtype(np.float32), np.dtype(np.float32), "float", 7)
 F64 = DType("f64", np.dtype(np.float64), np.dtype(np.float64), "float", 8)
+C64 = DType("c64", np.dtype(np.complex64), np.dtype(np.complex64), "complex", 9)
 
-ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL, I16, F8E4M3, F8E5M2, F64)
+ALL = (F32, F16, BF16, I32, I64, U8, I8, BOOL, I16, F8E4M3, F8E5M2, F64, C64)
 FP8 = (F8E4M3, F8E5M2)
 _BY_NAME = {d.name: d for d in ALL}
 _ALIASES = {"float64": F64, "float32": F32, "float16": F16, "bfloat16": BF16, "int32": I32, "int64": I64,
             "uint8": U8, "int8": I8, "bool_": BOOL, "int16": I16, "float8_e4m3fn": F8E4M3,
-            "float8_e5m2": F8E5M2}
+            "float8_e5m2": F8E5M2, "complex64": C64}
 _BY_HOST = {d.host: d for d in ALL}
 
 
@@ -83,10 +90,14 @@ def dtype(x) -> DType:
 
 def promote(a: DType, b: DType) -> DType:
     """Result dtype of a binary op: bool < u8, i8 < i16 < i32 < i64 < fp8 < f16, bf16 < f32
-    < f64 (so f64 with any other dtype is f64, as torch); f16 with bf16 is f32, e4m3 with e5m2 is f32 (torch refuses to promote fp8; arithmetic on
+    < f64 (so f64 with any other dtype is f64, as torch) < c64 (c64 with any real dtype but f64
+    is c64, as torch's complex64; f64 with c64 raises: torch's complex128 is absent); f16 with bf16 is f32, e4m3 with e5m2 is f32 (torch refuses to promote fp8; arithmetic on
     fp8 here computes in f32 like any float), u8 with i8 is i16 (as PyTorch)."""
     if a == b:
         return a
+    if {a, b} == {F64, C64}:     # torch gives complex128, which does not exist here
+        raise ValueError("f64 with c64 would be complex128, which rlx_numba does not have; "
+                         "cast the f64 operand to f32 first")
     if {a, b} in ({F16, BF16}, {F8E4M3, F8E5M2}):
         return F32
     if {a, b} == {U8, I8}:
@@ -108,4 +119,6 @@ def scalar_dtype(value, other: DType) -> DType:
         return other if other.kind != "bool" else I64
     if isinstance(value, (float, np.floating)):
         return other if other.is_float else F32
+    if isinstance(value, (complex, np.complexfloating)):
+        return C64
     raise ValueError(f"cannot use {type(value).__name__} {value!r} as a tensor operand")

@@ -14,6 +14,7 @@ from .opdef import LEAF, OPS, opdef
 from .autodiff import sum_to, vjp, zeros
 from .ops import fmt
 from .ops_attention import AttentionOps
+from .ops_complex import ComplexOps, binary_c64, cast_c64, matmul_c64, unary_c64
 from .ops_custom import CustomOps
 from .ops_dist import DistOps
 from .ops_control import ControlOps
@@ -124,7 +125,7 @@ class Tensor:
 class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, LossOps, RandomOps,
             QuantOps, MoEOps, VisionOps, ResampleOps, ScanOps, FftOps, SortOps,
             DistOps, EinsumOps, ControlOps, DeltaOps, CustomOps, QatOps, LinalgOps,
-            LowPrecisionOps):
+            LowPrecisionOps, ComplexOps):
     """A graph of tensor ops, built node by node in topological order."""
 
     def __init__(self, name: str = "graph"):
@@ -243,14 +244,18 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         if dtype is not None:
             d = dt.dtype(dtype)
         else:  # float64 (NumPy's default) becomes f32, as before f64 existed: ask for
-            # dtype="f64" to keep it (else a float64 array would make every op it meets f64)
-            d = dt.F32 if arr.dtype == np.float64 else dt.dtype(arr.dtype)
+            # dtype="f64" to keep it (else a float64 array would make every op it meets f64);
+            # complex128 (np.exp(1j * t)) becomes c64: there is no complex128
+            d = (dt.F32 if arr.dtype == np.float64 else
+                 dt.C64 if arr.dtype == np.complex128 else dt.dtype(arr.dtype))
         arr = np.array(arr, dtype=d.host, order="C", copy=True)
         return self._add("constant", (), arr.shape, d, value=arr)
 
     # ---- element-wise ----------------------------------------------------------------------
     def activation(self, kind: str, x: Tensor) -> Tensor:
         self.check(f"activation {kind}", "x", x)
+        if x.dtype == dt.C64:        # abs and neg of a complex tensor (ir/ops_complex.py)
+            return unary_c64(self, kind, x)
         return self.bind("activation", [x], kind=kind)
 
     def gated(self, x: Tensor, activation: str = "silu", interleaved: bool = False) -> Tensor:
@@ -267,6 +272,8 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
             a = self._operand(a, like=b, op=kind)
         self.check(kind, "a", a)
         b = self.check(kind, "b", self._operand(b, like=a, op=kind))
+        if op == "binary" and dt.C64 in (a.dtype, b.dtype):   # built on f32 pairs
+            return binary_c64(self, kind, a, b)
         return self.bind(op, [a, b], kind=kind)
 
     def binary(self, kind: str, a, b) -> Tensor:
@@ -284,12 +291,16 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
 
     def cast(self, x: Tensor, dtype) -> Tensor:
         self.check("cast", "x", x)
+        if dt.dtype(dtype) == dt.C64:          # a zero imaginary part (ir/ops_complex.py)
+            return cast_c64(self, x)
         return self.bind("cast", [x], to=dt.dtype(dtype))
 
     # ---- linear algebra ---------------------------------------------------------------------
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         self.check("matmul", "a", a)
         self.check("matmul", "b", b)
+        if dt.C64 in (a.dtype, b.dtype):       # four f32 products (ir/ops_complex.py)
+            return matmul_c64(self, a, b)
         return self.bind("matmul", [a, b])
 
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, activation=None,

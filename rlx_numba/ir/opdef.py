@@ -31,6 +31,12 @@ f64: an op takes f64 operands (or gives an f64 result) only where its OpDef says
 (its kernels compute in f64 end to end: no f32 step anywhere); STORAGE ops, which only move
 values, take them by default. Any other op raises ValueError at build time naming the op and
 the dtype (``infer_results``, the one place every node's dtypes pass), never a silent f32.
+
+c64: an op takes a c64 operand (or gives a c64 result) only where its OpDef says
+``c64=True`` (the views between c64 and its [..., 2] f32 pairs, the c64 product cmatmul,
+reshape; ir/ops_complex.py builds every other complex op from them); no other op does, STORAGE ops included (their kernels
+move 4-byte or smaller elements). Any other op raises ValueError at build time naming the op,
+the argument and its shape.
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ class OpDef:
     tiers: list = field(default_factory=list)
     owner: str = ""                  # the module that declared it
     f64: bool | None = None          # computes f64 in f64 (None: only STORAGE ops do)
+    c64: bool = False                # takes / gives c64 (complex64)
 
     @property
     def takes_f64(self) -> bool:
@@ -81,7 +88,11 @@ class OpDef:
 
     def infer_results(self, inputs, attrs) -> list:
         """[(shape, dtype), ...] for these inputs and attributes (ValueError for an f64
-        operand or result of an op without f64 kernels)."""
+        operand or result of an op without f64 kernels, or a c64 one of an op without c64)."""
+        if not self.c64:
+            for i, t in enumerate(inputs):
+                if getattr(t.dtype, "name", None) == C64_NAME:
+                    raise ValueError(_no_c64(self.name, f"input {i} is c64 {list(t.shape)}"))
         if not self.takes_f64:
             for i, t in enumerate(inputs):
                 if getattr(t.dtype, "name", None) == F64_NAME:
@@ -93,10 +104,19 @@ class OpDef:
         res = [(tuple(s), d) for s, d in out]
         if not self.takes_f64 and any(getattr(d, "name", None) == F64_NAME for _, d in res):
             raise ValueError(_no_f64(self.name, "its result would be f64"))
+        if not self.c64 and any(getattr(d, "name", None) == C64_NAME for _, d in res):
+            raise ValueError(_no_c64(self.name, "its result would be c64"))
         return res
 
 
 F64_NAME = "f64"
+C64_NAME = "c64"
+
+
+def _no_c64(op: str, what: str) -> str:
+    return (f"{op}: dtype c64 is not supported ({what}); complex tensors take g.real / g.imag "
+            f"/ g.conj / g.abs / g.angle, + - * /, matmul and the FFTs (or g.view_as_real for "
+            f"the [..., 2] f32 form)")
 
 
 def _no_f64(op: str, what: str) -> str:

@@ -277,5 +277,5 @@ defop("matmul", infer_matmul, dtype_rule=F32, f64=True,
           "f32 accumulation, the result in their dtype")
 defop("linear", infer_linear_node, dtype_rule=F32, f64=True,
       doc="activation(x @ w + bias) + residual, w [K, N]; every operand of one float dtype")
-defop("reshape", infer_reshape, memory=VIEW, dtype_rule=STORAGE,
+defop("reshape", infer_reshape, memory=VIEW, dtype_rule=STORAGE, c64=True,
       doc="the same elements in a new shape (a view); stop_gradient=True is g.stop_gradient")

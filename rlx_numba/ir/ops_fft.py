@@ -15,7 +15,8 @@ fits BLUESTEIN_M, else graph ops over the "fft" node: x_j c_j (c_j = exp(-+ i pi
 power of two m >= 2n - 1, convolved with conj(c) by two m-point transforms and the transform
 of conj(c) made on the host (float64), times c_k. rdft there is the complex transform of x
 with a zero imaginary part (its first bins); irdft builds the Hermitian spectrum and keeps the
-real part of the inverse. The norms are torch's scales, as graph ops. welch is SciPy's
+real part of the inverse. The norms are torch's scales, as graph ops. fft and irfft also
+take c64 tensors (ir/ops_complex.py): their [..., 2] pairs are viewed, the same nodes run. welch is SciPy's
 (framing by a gather, detrend "constant", the window, rfft, density scaling, one-sided, the
 mean over segments).
 """
@@ -218,8 +219,14 @@ class FftOps:
 
     def fft(self, x, inverse: bool = False, norm: str = "backward"):
         """torch.fft.fft / ifft along the last complex axis: x f32 [..., n, 2] (re, im) ->
-        [..., n, 2]; any n >= 1; norm "backward" (inverse scaled 1/n), "ortho", "forward"."""
+        [..., n, 2]; any n >= 1; norm "backward" (inverse scaled 1/n), "ortho", "forward".
+        A c64 x [..., n] -> c64 [..., n]: the same transform on its pairs (views, no copy)."""
         op = "fft"
+        if getattr(x, "dtype", None) == dt.C64:
+            self.check(op, "x", x)
+            if len(x.shape) < 1 or x.shape[-1] < 1:
+                raise ValueError(f"{op}: a c64 x must be [..., n] with n >= 1, got {_desc(x)}")
+            return self.view_as_complex(self.fft(self.view_as_real(x), inverse, norm))
         self._fft_args(op, x, norm)
         if len(x.shape) < 2 or x.shape[-1] != 2 or x.shape[-2] < 1:
             raise ValueError(f"{op}: x must be complex as [..., n, 2] (re, im) with n >= 1, got "
@@ -242,8 +249,13 @@ class FftOps:
     def irfft(self, x, n: int | None = None, norm: str = "backward"):
         """torch.fft.irfft: x f32 [..., m, 2] (a one-sided spectrum) -> [..., n] real, n
         default 2 (m - 1); x is cut or zero-padded to n // 2 + 1 bins, the imaginary parts of
-        bin 0 (and n / 2) do not count."""
+        bin 0 (and n / 2) do not count. A c64 x [..., m] is taken as its pairs."""
         op = "irfft"
+        if getattr(x, "dtype", None) == dt.C64:
+            self.check(op, "x", x)
+            if len(x.shape) < 1:
+                raise ValueError(f"{op}: a c64 x must be [..., m] with m >= 1, got {_desc(x)}")
+            x = self.view_as_real(x)
         self._fft_args(op, x, norm)
         if len(x.shape) < 2 or x.shape[-1] != 2 or x.shape[-2] < 1:
             raise ValueError(f"{op}: x must be complex as [..., m, 2] (re, im) with m >= 1, got "

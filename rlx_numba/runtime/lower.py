@@ -175,11 +175,13 @@ def view_window(graph: Graph, nid: int, root) -> tuple:
     n = graph.nodes[nid]
     if n.size == 0:
         return 0, 1
-    off, m = 0, n
+    off, m = 0, n             # (in bytes: a view may change the dtype, c64 <-> f32 pairs)
     while root[m.id] != m.id:
         if m.op == "narrow":
-            off += narrow_layout(m, graph)[0]
+            off += narrow_layout(m, graph)[0] * m.dtype.itemsize
         m = graph.nodes[m.inputs[0]]
+    assert off % n.dtype.itemsize == 0, (nid, off)
+    off //= n.dtype.itemsize
     count = n.size
     if n.op == "narrow" and root[nid] != nid and not narrow_contiguous(n, graph):
         _, rows, width, stride = narrow_layout(n, graph)

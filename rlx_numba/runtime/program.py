@@ -21,8 +21,8 @@ from ..ir import dtypes as dt
 from ..ir.opdef import is_inplace, is_leaf, opdef
 from ..ir.ops import fmt
 from ..modes import CompileMode, ExecMode
-from . import (lower, lower_attention, lower_custom, lower_dist, lower_fft,  # noqa: F401
-               lower_grouped, lower_linalg,
+from . import (lower, lower_attention, lower_complex, lower_custom, lower_dist,  # noqa: F401
+               lower_fft, lower_grouped, lower_linalg,
                lower_loss, lower_lowp, lower_matmul, lower_norm, lower_optim, lower_quant,
                lower_random,
                lower_delta, lower_reduce, lower_rope, lower_sample, lower_scan, lower_shape,
