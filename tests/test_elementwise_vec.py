@@ -194,3 +194,25 @@ def test_gated_halves_read_as_vectors(rng, dtype):
     # k 3: the output's rounding, and silu's (an f32 silu next to the tie may round the
     # other way than the float64 one: one ulp)
     assert_half_close(got, silu * b, dtype, k=3)
+
+
+def test_kernel_source_made_once_for_equal_arguments():
+    """kernel_source keeps each text it made: lists and tuples of the same dtypes, modes and
+    vector kinds give the text made the first time (the same object), equal to a fresh
+    generation; any argument that differs gives its own text."""
+    from rlx_numba.kernels import codegen
+    expr = ("binary", "add", dt.F16, ("in", 0, dt.F16), ("in", 1, dt.F16))
+    args = ([dt.F16, dt.F16], ["full", "bcast"], 2, True, ["ld", "one"])
+    first = codegen.kernel_source(expr, *args)
+    again = codegen.kernel_source(expr, *(tuple(a) if isinstance(a, list) else a for a in args))
+    assert again is first
+    assert first == codegen._kernel_source.__wrapped__(expr, (dt.F16, dt.F16), ("full", "bcast"),
+                                                      2, True, ("ld", "one"))
+    others = {codegen.kernel_source(expr, [dt.F16, dt.F16], ["full", "bcast"], 2, False,
+                                    ["ld", "one"]),
+              codegen.kernel_source(expr, [dt.F16, dt.F16], ["full", "bcast"], 3, True,
+                                    ["ld", "one"]),
+              codegen.kernel_source(expr, [dt.F16, dt.F16], ["full", "bcast"], 2, True, None),
+              codegen.kernel_source(expr[:2] + (dt.F32,) + expr[3:], [dt.F16, dt.F16],
+                                    ["full", "bcast"], 2, True, ["ld", "one"])}
+    assert len(others) == 4 and first not in others

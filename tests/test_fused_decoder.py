@@ -8,8 +8,8 @@ import pytest
 import rlx_numba as rlx
 from conftest import run_graph
 from rlx_numba.models.llama import (LlamaConfig, LlamaForCausalLM, build_llama, cache_names,
-                                    graph_param_shapes, graph_params, llama_param_shapes,
-                                    pad_name, product_weights)
+                                    graph_param_reader, graph_param_shapes, graph_params,
+                                    llama_param_shapes, pad_name, product_weights)
 from rlx_numba.runtime.schedule import node_units
 
 
@@ -352,6 +352,27 @@ def test_graph_params_pack_the_projections(hf_params):
                                   hf_params[p + "mlp.up_proj.weight"])
     assert p + "self_attn.qkv_proj.weight" in product_weights(CFG)
     assert set(product_weights(CFG)) <= set(shapes)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_graph_param_reader_reads_what_graph_params_packs(hf_params, fused):
+    """read(name) equals graph_params' value (weights and biases, concatenated and
+    interleaved packs), read in any order; a packed value's buffer is reused by the next read
+    of its shape, so each is checked before the next read."""
+    gp = graph_params(CFG, hf_params, fused)
+    read = graph_param_reader(CFG, hf_params, fused)
+    names = sorted(gp, reverse=True)
+    for name in names:
+        got = read(name)
+        assert got.dtype == gp[name].dtype
+        np.testing.assert_array_equal(got, gp[name])
+    qkv = "model.layers.{}.self_attn.qkv_proj.weight"
+    if fused:   # layer 1's pack overwrote layer 0's buffer: a value is good until the next read
+        first = read(qkv.format(0))
+        read(qkv.format(1))
+        np.testing.assert_array_equal(first, gp[qkv.format(1)])
+    with pytest.raises(KeyError):
+        read("model.layers.9.mlp.up_proj.weight")
 
 
 @pytest.mark.parametrize("tiers", [None, "3,4"])

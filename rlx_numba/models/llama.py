@@ -279,9 +279,45 @@ def graph_params(cfg: LlamaConfig, params: dict, fused: bool = True) -> dict:
         return out
     for packed, parts, interleaved in list(_packs(cfg, params)):
         arrs = [out.pop(name) for name in parts]
-        out[packed] = (np.stack(arrs, axis=1).reshape((-1,) + arrs[0].shape[1:]) if interleaved
-                       else np.concatenate(arrs, axis=0))
+        out[packed] = _pack(arrs, interleaved)
     return out
+
+
+def _pack(arrs, interleaved: bool, out=None) -> np.ndarray:
+    """The parts' rows one after the other (``interleaved``: row i of each part in turn), into
+    ``out`` when given."""
+    if out is None:
+        out = np.empty((sum(a.shape[0] for a in arrs),) + arrs[0].shape[1:],
+                       np.result_type(*arrs))
+    if interleaved:
+        rows = out.reshape((arrs[0].shape[0], len(arrs)) + arrs[0].shape[1:])
+        for k, a in enumerate(arrs):
+            rows[:, k] = a
+    else:
+        np.concatenate(arrs, axis=0, out=out)
+    return out
+
+
+def graph_param_reader(cfg: LlamaConfig, params: dict, fused: bool = True):
+    """``read(name)``: graph_params(cfg, params, fused)[name] without packing every weight
+    first. A packed one is written into a host buffer kept per shape, which the next packed
+    read of that shape overwrites: use a value before reading the next (set_param copies it
+    during the call). A fresh process's first compile of SmolLM2-135M no longer faults in
+    280 MB of new pages for 60 packs (graph_params 0.18-0.26 s of CPU on the 2-core dev
+    host, these reads 0.04 s)."""
+    packs = {p: (parts, inter) for p, parts, inter in _packs(cfg, params)} if fused else {}
+    bufs = {}
+
+    def read(name):
+        if name not in packs:
+            return params[name]
+        parts, interleaved = packs[name]
+        arrs = [params[p] for p in parts]
+        key = ((sum(a.shape[0] for a in arrs),) + arrs[0].shape[1:], np.result_type(*arrs))
+        if key not in bufs:
+            bufs[key] = np.empty(*key)
+        return _pack(arrs, interleaved, bufs[key])
+    return read
 
 
 def unpack_graph_params(cfg: LlamaConfig, gp: dict, fused: bool = True) -> dict:
@@ -740,9 +776,7 @@ class LlamaForCausalLM:
         half = set(product_weights(local)) if self.weights in ("f16", "bf16") else set()
         caches = set(cache_names(local))
         unset = exe.unset_params        # the first executable of the store uploads them
-        state = caches | {pad_name(cache_len)}    # per-shape state, not weights
-        weights = (graph_params(local, self.params, fused=fused)
-                   if set(unset) - state else {})
+        weights = graph_param_reader(local, self.params, fused=fused)
         for name in unset:
             if name in caches:          # rows past the prompt are never read; zeros keep them tidy
                 exe.set_param(name, np.zeros((batch, local.num_key_value_heads, cache_len,
@@ -752,9 +786,9 @@ class LlamaForCausalLM:
             elif name in packed:
                 exe.set_param(name, packed[name][1])
             elif name in half:
-                exe.set_param_half(name, weights[name], self.weights)
+                exe.set_param_half(name, weights(name), self.weights)
             else:
-                exe.set_param(name, weights[name])
+                exe.set_param(name, weights(name))
         return exe
 
     def device_bytes(self) -> dict:

@@ -256,9 +256,14 @@ def fuse(graph, live, root, is_view, strided=frozenset()) -> Fusion:
             out.folds[pid] = (f"{kind} + norm prologue" if kind else "norm prologue",
                               tuple(sorted(members + (n.id,))))
             interior.add(n.id)
+    readers: dict = {}    # node id -> the live nodes reading it
+    for n in nodes:
+        if n.id in live:
+            for i in n.inputs:
+                readers.setdefault(i, set()).add(n.id)
     for n in nodes:   # rope_kv_write prologues: the decode attention over its q and caches
         if n.op == "attention" and n.id in live and n.id not in out.nodes:
-            fold = _rope_kv_prologue(nodes, n, live, outputs, writes, root)
+            fold = _rope_kv_prologue(nodes, n, live, outputs, writes, root, readers)
             if fold is not None:
                 rkw = nodes[n.inputs[0]]
                 out.nodes[n.id] = fold
@@ -523,7 +528,7 @@ def _norm_prologue(nodes, norm, reader, folded, interior):
     return pid
 
 
-def _rope_kv_prologue(nodes, att, live, outputs, writes, root):
+def _rope_kv_prologue(nodes, att, live, outputs, writes, root, readers):
     """The rope_kv_attention node standing for ``att`` and the rope_kv_write it reads, else
     None: ``att`` a decode attention (kernels/attention.py's decode kernel: few queries a kv
     head) of q, k_all, v_all, exactly a rope_kv_write's three results, which nothing else reads
@@ -541,8 +546,10 @@ def _rope_kv_prologue(nodes, att, live, outputs, writes, root):
     mine = {rkw.id, *rkw.results}
     if mine & outputs or mine.intersection(att.inputs[3:]):
         return None
-    if any(n.id in live and n.id != att.id and n.id not in mine and mine.intersection(n.inputs)
-           for n in nodes):   # another reader of q or of the caches after the write
+    # another reader of q or of the caches after the write (``readers``: the live nodes
+    # reading each node, made once a graph: a scan of every node per attention was half of
+    # SmolLM2-135M's decode plan, 15 of 32 ms)
+    if any(r != att.id and r not in mine for m in mine for r in readers.get(m, ())):
         return None
     read = {root[i] for i in rkw.inputs}
     if any(rkw.id < k < att.id and w in read and k not in mine for k, w in writes):
