@@ -161,4 +161,4 @@ def test_info_ops_lists_every_op(capsys):
     conv = next(line for line in out if line.startswith("conv "))
     assert re.search(r"cuDNN > im2col .* \(rewrite\) > .*implicit-GEMM.*\[RLX_NUMBA_CONV_TIERS\]",
                      conv), conv
-    assert re.search(r"^reshape\s+ops\s+view\s+storage\s+yes", "\n".join(out), re.M)
+    assert re.search(r"^reshape\s+ops\s+view\s+storage \+c64\s+yes", "\n".join(out), re.M)
