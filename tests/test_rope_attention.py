@@ -13,14 +13,9 @@ import pytest
 import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HOST, assert_half_close, f64, rounded
+from test_fused_decoder import tables
 from rlx_numba.kernels import attention as A
 from rlx_numba.runtime.schedule import node_units
-
-
-def tables(max_pos, n_rot):
-    inv = 10000.0 ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
-    ang = np.arange(max_pos)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
 def np_rot(x, cos, sin, p, n_rot, interleaved):
