@@ -14,7 +14,7 @@ calls a matrix counts its host gaps too); torch's by events around the call. The
 4096x4096 svd and eigh take seconds a call: each side is timed once after one untimed call
 (the output says so); every other row is the best of repeats.
 
-  python bench/bench_linalg.py [--out F] [--skip single,numba] [--ops solve,qr]
+  python bench/bench_linalg.py [--out F] [--skip batch,numba,single] [--ops solve,qr]
                                [--dtypes f32,f64]
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -102,12 +103,17 @@ def op_row(rlx, torch, op, batch, n, tier, dtype="f32"):
     prof = exe.profile(feed, warmup=0 if once else 1)
     tt = {k: torch.tensor(v, device="cuda") for k, v in feed.items()}
     call = _torch_call(torch, op, tt)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
     want = call()                       # (torch's untimed call)
+    torch.cuda.synchronize()
+    slow = time.perf_counter() - t0 > 0.5      # (the batched svd / eigh: seconds a call)
     want = [want] if torch.is_tensor(want) else list(want)
     if once:
         theirs = time_torch(torch, call, 1, 0, 1)
     else:
-        theirs = time_torch(torch, call, 1 if heavy else 5, 1, 2 if heavy else 3)
+        theirs = time_torch(torch, call, 1 if heavy or slow else 5, 1 if not slow else 0,
+                            2 if heavy or slow else 3)
     row = dict(row=f"{op} {_shape(batch, n)}", tier=tier, dtype=dtype, rlx_ms=prof.total_ms,
                torch_ms=theirs, ratio=theirs / prof.total_ms,
                rlx_residual=_residual(torch, op, tt, got),
@@ -130,7 +136,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "linalg.json")
-    p.add_argument("--skip", default="", help="comma-separated: single (4096x4096), numba")
+    p.add_argument("--skip", default="", help="comma-separated: batch (tier 0 on 4096 64x64), numba (tier 1 on "
+                   "them), single (4096x4096)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {OPS}")
     p.add_argument("--dtypes", default="f32",
                    help="comma-separated: f32, f64 (f64 rows beside torch.linalg in float64)")
@@ -152,7 +159,8 @@ def main():
         print(f"single 4096x4096 {' / '.join(o for o in SLOW_SINGLE if o in ops)}: seconds a "
               f"call, so each side is timed once after one untimed call (no repeats)")
     print()
-    cases = [((4096,), 64, "0")] + ([((4096,), 64, "1")] if "numba" not in skip else []) \
+    cases = ([((4096,), 64, "0")] if "batch" not in skip else []) \
+        + ([((4096,), 64, "1")] if "numba" not in skip else []) \
         + ([((), 4096, "0")] if "single" not in skip else [])
     results = []
     for dtype in dtypes:

@@ -657,9 +657,15 @@ def test_tier0_layout_kernels(rng):
     el = np.linalg.cholesky(_spd(rng, (b, n, n)).astype(np.float64))
     junk = el + np.triu(np.full((n, n), 9.0), 1)
     flat = junk.astype(np.float32).reshape(-1)
-    _launch(K.tril_kernel, flat, np.array([0, 3], np.int32), b, n)
+    _launch(K.tril_kernel, flat, flat, np.array([0, 3], np.int32), b, n, 0)
     np.testing.assert_allclose(flat.reshape(b, n, n)[0], el[0], atol=1e-6)
     assert np.isnan(flat.reshape(b, n, n)[1]).all()
+    # one matrix: potrf "lower" of the column-major A leaves L column-major (L^T row-major)
+    # with garbage above; the kernel transposes it back
+    col = _cm(junk[:1].astype(np.float32))
+    el1 = np.full(n * n, 7.0, np.float32)
+    _launch(K.tril_kernel, col, el1, np.array([0], np.int32), 1, n, 1)
+    np.testing.assert_allclose(el1.reshape(n, n), el[0], atol=1e-6)
     # solve's B^T in and X^T out
     x = rng.standard_normal((b, n, 4)).astype(np.float32)
     xt, back = np.zeros(x.size, np.float32), np.zeros(x.size, np.float32)

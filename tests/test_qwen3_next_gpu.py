@@ -150,13 +150,22 @@ def test_ragged_prompts_generate_as_alone(pair):
 
 
 def test_bf16_model_near_transformers_f32(pair):
-    """dtype="bf16" (weights and activations bf16, f32 math inside the kernels) stays within
-    bf16's rounding of transformers' f32 logits."""
+    """dtype="bf16" (weights and activations bf16, f32 math inside the kernels) is as close to
+    transformers' f32 logits as transformers' own bf16 model is: the same rounding of the
+    same weights, so the two errors are of one size (a top-k routing flip near a tie moves
+    both). Bound: twice torch's bf16 error, floored at 2^-7 (a few bf16 ulps)."""
+    import copy
     hf, ours = pair
     half = Qwen3NextForCausalLM(ours.config, ours.params, dtype="bf16")
     ids = np.random.default_rng(4).integers(0, SMALL["vocab_size"], (2, 11))
     with torch.no_grad():
-        want = hf(input_ids=torch.from_numpy(ids).cuda()).logits.double().cpu().numpy()
-    rel = np.abs(half(ids) - want).max() / np.abs(want).max()
-    print(f"bf16 logits: max |diff| / max |logit| = {rel:.2e}")
-    assert rel <= 5e-2, rel
+        x = torch.from_numpy(ids).cuda()
+        want = hf(input_ids=x).logits.double().cpu().numpy()
+        hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+        theirs = hf16(input_ids=x).logits.double().cpu().numpy()
+    scale = np.abs(want).max()
+    rel, torch_rel = (np.abs(half(ids) - want).max() / scale,
+                      np.abs(theirs - want).max() / scale)
+    print(f"bf16 logits: max |diff| / max |logit| = {rel:.2e} (transformers bf16: "
+          f"{torch_rel:.2e})")
+    assert rel <= max(2 * torch_rel, 2.0 ** -7), (rel, torch_rel)

@@ -536,16 +536,22 @@ def nan_where_kernel(x, info, batch, per):
 
 
 @jit
-def tril_kernel(el, info, batch, n):
-    """potrf left the factor in el's lower triangle (row-major): zero the rest; NaN-fill a
-    matrix whose info is not 0 (not positive definite)."""
+def tril_kernel(src, el, info, batch, n, transposed):
+    """el = the lower triangle of src (row-major; of src^T when ``transposed``: potrf "lower"
+    on a column-major matrix), the rest zero; NaN-filled where info is not 0 (not positive
+    definite). src may be el (``transposed`` 0)."""
     idx = cuda.grid(1)
     while idx < batch * n * n:
         rem = idx % (n * n)
+        r, c = rem // n, rem % n
         if info[idx // (n * n)] != 0:
             el[idx] = NAN
-        elif rem % n > rem // n:
+        elif c > r:
             el[idx] = 0.0
+        elif transposed:
+            el[idx] = src[idx - rem + c * n + r]
+        else:
+            el[idx] = src[idx]
         idx += cuda.gridsize(1)
 
 
