@@ -92,17 +92,33 @@ def _conj_pairs(g, p):
     return g.mul(p, g.constant(np.array([1.0, -1.0], np.float32)))
 
 
-def _abs2(g, p):
-    """|z|^2 [..., 1] of pairs p."""
-    return g.reduce_sum(p * p, -1, keep_dim=True)
-
-
 def _safe_abs(g, p):
-    """|z| [..., 1] of pairs p; sqrt's infinite slope at 0 never reaches the gradient (a
-    where feeds it 1 there), so d|z| at z = 0 is 0, as torch's sgn(0)."""
-    s = _abs2(g, p)
-    zero = g.eq(s, 0.0)
-    return g.where(zero, 0.0, g.sqrt(g.where(zero, 1.0, s)))
+    """|z| [..., 1] of pairs p, as hypot: m sqrt((re/m)^2 + (im/m)^2) with m = max(|re|, |im|),
+    so |z|^2 never forms (in f32 it overflows past |z| ~ 1.8e19 and underflows below
+    ~1e-19); an infinite part gives inf. At z = 0 the result and its slope are 0 (wheres feed
+    the divisions and sqrt 1 there), as torch's sgn(0); the slope through m is 0 (the
+    expression is |z| for any m > 0)."""
+    m = g.reduce_max(g.abs(p), -1, keep_dim=True)
+    zero = g.eq(m, 0.0)
+    ms = g.where(zero, 1.0, m)
+    q = p / ms
+    r = ms * g.sqrt(g.where(zero, 1.0, g.reduce_sum(q * q, -1, keep_dim=True)))
+    return g.where(zero, 0.0, g.where(g.eq(m, math.inf), math.inf, r))
+
+
+def _cdiv(g, a, b):
+    """a / b of pairs by Smith's algorithm (numpy's, and torch's c10::complex): the ratio of
+    b's smaller part to its larger keeps every intermediate within the operands' range, where
+    a conj(b) / |b|^2 overflows past |b| ~ 1.8e19. b = 0 gives (Re a / 0, Im a / 0): inf or
+    NaN, as numpy."""
+    ar, ai, c, d = _part(g, a, 0), _part(g, a, 1), _part(g, b, 0), _part(g, b, 1)
+    big = g.ge(g.abs(c), g.abs(d))
+    rat = g.where(big, d / g.where(g.eq(c, 0.0), 1.0, c), c / g.where(g.eq(d, 0.0), 1.0, d))
+    den = g.where(big, c + d * rat, d + c * rat)
+    den = g.where(g.eq(g.abs(c) + g.abs(d), 0.0), 0.0, den)      # +0: a / 0's signs
+    re = g.where(big, ar + ai * rat, ar * rat + ai)
+    im = g.where(big, ai - ar * rat, ai * rat - ar)
+    return g.concat([re / den, im / den], -1)
 
 
 def binary_c64(g, kind, a, b):
@@ -125,9 +141,8 @@ def binary_c64(g, kind, a, b):
     elif kind == "mul":
         p = (g.mul(g.view_as_real(b), g.reshape(_f32(g, a), tuple(a.shape) + (1,)))
              if a.dtype != dt.C64 else _cmul(g, g.view_as_real(a), g.view_as_real(b)))
-    else:                             # a / b = a conj(b) / |b|^2
-        pb = g.view_as_real(b)
-        p = g.div(_cmul(g, _pairs(g, a), _conj_pairs(g, pb)), _abs2(g, pb))
+    else:
+        p = _cdiv(g, _pairs(g, a), g.view_as_real(b))
     out = g.view_as_complex(p)
     assert out.shape == shape, (out.shape, shape)
     return out
