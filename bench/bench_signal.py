@@ -10,10 +10,12 @@
   rfft / fft / irfft of 2^20 points batch 64 and rfft of a length that is not a power of two
     against torch.fft (cuFFT): our tier 0 (cuFFT, bar 0.9x) and tier 1 (numba Stockham, and
     Bluestein for 1000; bar 0.3x);
-  sort of 1M f32 (one row) and 4096 rows x 32k against torch.sort(stable=True), bar 0.7x.
+  sort of 1M f32 (one row) and 4096 rows x 32k against torch.sort(stable=True), bar 0.7x;
+  c64 (complex64): fft, the product (cublasCgemm / the numba kernel) and a chain of
+    element-wise ops beside torch in complex64 (no bar: measured and stated).
 Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch's by events.
 
-  python bench/bench_signal.py [--out F] [--skip scan,decode]
+  python bench/bench_signal.py [--out F] [--skip scan,fft,decode,complex]
 """
 from __future__ import annotations
 
@@ -65,20 +67,23 @@ def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
                 steps=[(r.kernel, r.ms) for r in prof])
 
 
-def op_row(rlx, torch, name, shape, build, ref, check, tiers=None):
+def op_row(rlx, torch, name, shape, build, ref, check, tiers=None, dtype="f32",
+           env="RLX_NUMBA_FFT_TIERS"):
     """One graph op beside its torch call: (rel or equality, ours ms, torch ms); ``tiers``:
-    RLX_NUMBA_FFT_TIERS while it compiles."""
+    ``env`` (RLX_NUMBA_FFT_TIERS) while it compiles; a c64 ``dtype`` feeds complex64 x."""
     rng = np.random.default_rng(1)
     x = rng.standard_normal(shape).astype(np.float32)
+    if dtype == "c64":
+        x = (x + 1j * rng.standard_normal(shape)).astype(np.complex64)
     g = rlx.Graph(name)
-    g.set_outputs(list(build(g, g.input("x", shape))))
+    g.set_outputs(list(build(g, g.input("x", shape, dtype))))
     if tiers:
-        os.environ["RLX_NUMBA_FFT_TIERS"] = tiers
+        os.environ[env] = tiers
         name += f" tier {tiers}"
     try:
         exe = rlx.compile(g)
     finally:
-        os.environ.pop("RLX_NUMBA_FFT_TIERS", None)
+        os.environ.pop(env, None)
     got = exe.run({"x": x})
     tx = torch.tensor(x, device="cuda")
     want = ref(tx)
@@ -91,7 +96,9 @@ def op_row(rlx, torch, name, shape, build, ref, check, tiers=None):
 
 def fft_sort_rows(rlx, torch):
     def rel(got, want):
-        w = torch.view_as_real(want).cpu().numpy() if want.is_complex() else want.cpu().numpy()
+        w = want.cpu().numpy()
+        if want.is_complex() and not np.iscomplexobj(got[0]):     # the [..., 2] form
+            w = torch.view_as_real(want).cpu().numpy()
         return float(np.abs(got[0] - w).max() / np.abs(w).max())
 
     def same(got, want):
@@ -114,6 +121,27 @@ def fft_sort_rows(rlx, torch):
     ]
     return ([op_row(rlx, torch, *r, tiers=t) for r in ffts for t in ("0", "1")]
             + [op_row(rlx, torch, *r) for r in rows])
+
+
+def complex_rows(rlx, torch):
+    """c64 (issue 33): fft on complex64 (cuFFT C2C / the numba Stockham kernels), the
+    product (cublasCgemm: tier 0; the numba complex64 kernel: tier 1, at a size it finishes
+    in), and a chain of complex element-wise ops (built on f32 pairs: one fused kernel or a
+    few), each beside torch's complex64 call. No bar: measured and stated."""
+    def rel(got, want):
+        w = want.cpu().numpy()
+        return float(np.abs(got[0] - w).max() / np.abs(w).max())
+    fft = ("c64 fft 2^20 x 64", (64, 2**20), lambda g, x: [g.fft(x)],
+           lambda x: torch.fft.fft(x), rel)
+    ew = ("c64 |x * x - 1j| / (x + 2), 2^24", (2**24,),
+          lambda g, x: [g.abs(x * x - 1j) / (x + 2.0)],
+          lambda x: torch.abs(x * x - 1j) / (x + 2.0), rel)
+    mm = [(f"c64 matmul {n}^3", (n, n), lambda g, x: [g.matmul(x, x)], lambda x: x @ x, rel, t)
+          for n, t in ((4096, "0"), (1024, "1"))]
+    return ([op_row(rlx, torch, *fft, tiers=t, dtype="c64") for t in ("0", "1")]
+            + [op_row(rlx, torch, *r[:5], tiers=r[5], dtype="c64",
+                      env="RLX_NUMBA_CMATMUL_TIERS") for r in mm]
+            + [op_row(rlx, torch, *ew, dtype="c64")])
 
 
 def decode_row(torch, rng, new_tokens=64, prompt=8):
@@ -153,7 +181,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "signal.json")
-    p.add_argument("--skip", default="", help="comma-separated: scan, decode")
+    p.add_argument("--skip", default="", help="comma-separated: scan, fft (fft and sort), decode, complex")
     args = p.parse_args()
     skip = set(args.skip.split(","))
     import torch
@@ -169,7 +197,8 @@ def main():
           f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:6.1f}   "
               + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
         results.append(r)
-    for r in fft_sort_rows(rlx, torch):
+    for r in ((fft_sort_rows(rlx, torch) if "fft" not in skip else [])
+              + (complex_rows(rlx, torch) if "complex" not in skip else [])):
         print(f"{r['row']:<44} check {r['check']}  ours {r['rlx_ms']:8.3f} ms  torch "
               f"{r['torch_ms']:8.3f} ms  ratio {r['ratio']:5.2f}   "
               + " | ".join(f"{k[:28]} {ms:.3f}" for k, ms in r["steps"][:6]), flush=True)
