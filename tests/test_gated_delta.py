@@ -353,13 +353,22 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
         from numba import cuda
         from numba.cuda import types as T
+        import numba.cuda.dispatcher as D
+
+        class Dev:                # (device functions compile for the current device's cc)
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
         from rlx_numba.kernels import delta as K
         from rlx_numba.kernels.launch import default_geometry
         f32 = T.float32[::1]
         geo = default_geometry("delta_state_scan")
-        scan = K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True)
-        for name, k, sig in (("scan", scan, (f32,) * 9 + (T.int64,) * 3),
-                             ("inverse", K.unit_lower_inverse_kernel(64), (f32, f32, T.int64))):
+        inv = K.unit_lower_inverse_kernel(64, default_geometry("unit_lower_inverse"))
+        for name, k, sig in (
+                ("scan", K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True,
+                                             True), (f32,) * 9 + (T.int64,) * 3),
+                ("scan1", K.state_scan_kernel(127, 64, K.columns(geo, 128), geo, True, False,
+                                              False), (f32,) * 9 + (T.int64,) * 3),
+                ("inverse", inv, (f32, f32, T.int64))):
             ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0))
             open(os.path.join({str(tmp_path)!r}, name + ".ptx"), "w").write(ptx)
     """)
@@ -367,5 +376,6 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        cwd=Path(__file__).parents[1], timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in ("scan", "inverse"):
-        assemble_sm80(tmp_path / f"{name}.ptx", no_spills=False)
+    for name in ("scan", "scan1", "inverse"):
+        assemble_sm80(tmp_path / f"{name}.ptx")
+    assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
