@@ -139,16 +139,19 @@ def scan_graph(f, reverse):
     return g, ts, g.bind("delta_state_scan", list(ts.values()), reverse=reverse)
 
 
-@pytest.mark.parametrize("reverse,bias,gpu_geo", [(False, False, False), (True, True, False),
-                                                  (False, True, True)])
-def test_state_scan_kernel(rng, reverse, bias, gpu_geo):
+@pytest.mark.parametrize("reverse,bias,gpu_geo,k", [(False, False, False, 3),
+                                                    (True, True, False, 8),
+                                                    (False, True, True, 3),
+                                                    (True, False, True, 8)])
+def test_state_scan_kernel(rng, reverse, bias, gpu_geo, k):
     """V = 7 spans two column slices of the simulator's geometry (4 columns, the last one
     part-filled) and 3 heads x 2 slices outnumber its 2 blocks (the grid-stride loop); the
-    GPU's geometry (128 threads, 16 columns, tiles of 16 rows) runs once on tiny sizes."""
+    GPU's geometry (128 threads, 32 columns) runs on tiny sizes too. K = 3 copies P and Q a
+    float at a time, K = 8 16 bytes at a time (cp.async)."""
     import contextlib
 
     from rlx_numba.kernels.launch import gpu_geometry, override_geometry
-    f = scan_feed(rng, 3, 3, 5, 3, 7, bias)
+    f = scan_feed(rng, 3, 3, 5, k, 7, bias)
     g, _, ys = scan_graph(f, reverse)
     g.set_outputs(list(ys))
     geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
@@ -271,8 +274,8 @@ def test_step_errors():
 # ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
 def test_unit_lower_inverse(rng):
     """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
-    count), 3 matrices of 5 x 5 (more than the simulator's 2 blocks: the grid-stride loop);
-    its VJP by finite differences."""
+    count), 3 matrices of 5 x 5 and of 40 x 40 (more than the simulator's 2 blocks: the
+    grid-stride loop); its VJP by finite differences."""
     a = rng.standard_normal((3, 5, 5)) * 0.5
 
     def oracle(a):
@@ -287,6 +290,14 @@ def test_unit_lower_inverse(rng):
     y = g.bind("unit_lower_inverse", [x])
     check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
           atol=1e-4)
+    # C = 40: padded to 64, the 16 x 16 diagonal blocks then two levels of products
+    a = rng.standard_normal((3, 40, 40)) * 0.3
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    g.set_outputs([g.bind("unit_lower_inverse", [x])])
+    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+    want = np.linalg.inv(np.eye(40) - np.tril(a, -1))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
                                          r"with C <= 64, got f32 \[2, 3, 4\]"):
         g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])

@@ -249,14 +249,20 @@ def inverse_size(c: int) -> int:
     return max(DIAG, 1 << max(0, c - 1).bit_length())
 
 
+@inline
+def _item(it, hh, hq):
+    """A product's work item -> (4-column group, row, the pair's first row of T)."""
+    return it % hq, (it // hq) % hh, (it // (hq * hh)) * 2 * hh
+
+
 @functools.lru_cache(maxsize=None)
 def unit_lower_inverse_kernel(c: int, tpc: int):
     """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
     reading only A's strictly lower triangle; a block a matrix (grid-stride), CP tpc threads
     (CP = inverse_size(C)). With A zero-padded to CP and T = (I - A)^-1:
 
-    * each diagonal 16 x 16 block of T by forward substitution, a thread a column (registers:
-      t_i = sum_{l < i} A[i, l] t_l, t_j = 1, so the rows above j come out 0);
+    * each diagonal 16 x 16 block of T by forward substitution, a thread a column j:
+      T[i, j] = sum_{j <= l < i} A[i, l] T[l, j], T[j, j] = 1;
     * then for h = 16, 32, .. < CP, each 2h diagonal block [[T1, 0], [X, T2]] from its two
       inverted h halves: X = T2 (A21 T1), two [h, h] products, a thread 4 consecutive columns
       of a row of each (T's upper blocks are zeros, written first).
@@ -269,21 +275,12 @@ def unit_lower_inverse_kernel(c: int, tpc: int):
     S = CP + 1
     NSQ = CP * S                  # (a constant for shared.array: an expression there is a value)
     NY = CP * CP // 4             # the products' A21 T1, all pairs of one level
-    LEVELS = []                   # (h, items: pairs x rows x column groups)
-    h = DIAG
-    while h < CP:
-        LEVELS.append((h, (CP // (2 * h)) * h * (h // 4)))
-        h *= 2
-    NL = len(LEVELS)
-    LH = tuple(v[0] for v in LEVELS) or (0,)
-    LI = tuple(v[1] for v in LEVELS) or (0,)
 
-    @jit
+    @jit(launch_bounds=(NT, 3))      # 3 blocks a multiprocessor (unbounded: 125 registers, 2)
     def kernel(out, a, count):
         a_sh = cuda.shared.array(NSQ, float32)
         t_sh = cuda.shared.array(NSQ, float32)
         y_sh = cuda.shared.array(NY, float32)
-        tv = cuda.local.array(DIAG, float32)
         acc = cuda.local.array(4, float32)
         t = cuda.threadIdx.x
         m = cuda.blockIdx.x
@@ -296,43 +293,41 @@ def unit_lower_inverse_kernel(c: int, tpc: int):
                 t_sh[r * S + col] = float32(0.0)
             cuda.syncthreads()
             if t < CP:                            # diagonal block t // 16, its column t % 16
-                d0, j = t - t % DIAG, t % DIAG
-                for i in range(DIAG):
+                d0, j = t - t % DIAG, t % DIAG    # (T's rows of it above j stay 0)
+                t_sh[(d0 + j) * S + d0 + j] = float32(1.0)
+                for i in range(j + 1, DIAG):
                     s = float32(0.0)
-                    for l in range(i):
-                        s += a_sh[(d0 + i) * S + d0 + l] * tv[l]
-                    tv[i] = float32(1.0) if i == j else s
-                for i in range(DIAG):
-                    t_sh[(d0 + i) * S + d0 + j] = tv[i]
+                    for l in range(j, i):
+                        s += a_sh[(d0 + i) * S + d0 + l] * t_sh[(d0 + l) * S + d0 + j]
+                    t_sh[(d0 + i) * S + d0 + j] = s
             cuda.syncthreads()
-            for lv in range(NL):
-                hh, items = LH[lv], LI[lv]
+            hh = DIAG
+            while hh < CP:                        # each pair of hh blocks into one of 2 hh
                 hq = hh // 4
-                for half in range(2):             # Y = A21 T1, then X = T2 Y
-                    for it in range(t, items, NT):
-                        cg = it % hq
-                        r = (it // hq) % hh
-                        p0 = (it // (hq * hh)) * 2 * hh       # the pair's first row
+                items = (CP // (2 * hh)) * hh * hq    # pairs x rows x 4-column groups
+                for it in range(t, items, NT):    # Y = A21 T1
+                    cg, r, p0 = _item(it, hh, hq)
+                    for w in range(4):
+                        acc[w] = float32(0.0)
+                    for k in range(hh):
+                        lf = a_sh[(p0 + hh + r) * S + p0 + k]
                         for w in range(4):
-                            acc[w] = float32(0.0)
-                        for k in range(hh):
-                            if half == 0:
-                                lv_ = a_sh[(p0 + hh + r) * S + p0 + k]
-                                rrow = (p0 + k) * S + p0 + 4 * cg
-                                for w in range(4):
-                                    acc[w] += lv_ * t_sh[rrow + w]
-                            else:
-                                lv_ = t_sh[(p0 + hh + r) * S + p0 + hh + k]
-                                yrow = (p0 // 2 + k) * hh + 4 * cg
-                                for w in range(4):
-                                    acc[w] += lv_ * y_sh[yrow + w]
-                        if half == 0:
-                            for w in range(4):
-                                y_sh[(p0 // 2 + r) * hh + 4 * cg + w] = acc[w]
-                        else:
-                            for w in range(4):
-                                t_sh[(p0 + hh + r) * S + p0 + 4 * cg + w] = acc[w]
-                    cuda.syncthreads()
+                            acc[w] += lf * t_sh[(p0 + k) * S + p0 + 4 * cg + w]
+                    for w in range(4):
+                        y_sh[(p0 // 2 + r) * hh + 4 * cg + w] = acc[w]
+                cuda.syncthreads()
+                for it in range(t, items, NT):    # X = T2 Y
+                    cg, r, p0 = _item(it, hh, hq)
+                    for w in range(4):
+                        acc[w] = float32(0.0)
+                    for k in range(hh):
+                        lf = t_sh[(p0 + hh + r) * S + p0 + hh + k]
+                        for w in range(4):
+                            acc[w] += lf * y_sh[(p0 // 2 + k) * hh + 4 * cg + w]
+                    for w in range(4):
+                        t_sh[(p0 + hh + r) * S + p0 + 4 * cg + w] = acc[w]
+                cuda.syncthreads()
+                hh *= 2
             for e in range(t, C * C, NT):
                 out[base + e] = t_sh[(e // C) * S + e % C]
             cuda.syncthreads()                    # before the next matrix overwrites A and T
