@@ -79,7 +79,7 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
     d [G, N], s0 [G, K, V], bias [G, N, K, V] (read only when ``has_bias``); launch with
     rt * ct threads a block, ``shared_bytes`` of dynamic shared memory, blocks over
     G * ceil(V / vs) (a grid-stride loop). ``vec``: P and Q copied 16 bytes at a time by
-    cp.async (K % 4 == 0 and both 16-byte aligned)."""
+    cp.async (K % 4 == 0, both 16-byte aligned, compute capability 8.0 or more)."""
     K, C, VS, RT, CT = k_dim, chunk, vs, geo.rt, geo.ct
     lay = scan_shared_layout(K, C, VS, RT)
     if lay["total"] > SCAN_SHARED_FLOATS:
@@ -153,7 +153,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                     ptx.vst4(sh, S_OFF + k * VSP + c0 + 4 * j4, sr[i * TC + 4 * j4],
                              sr[i * TC + 4 * j4 + 1], sr[i * TC + 4 * j4 + 2],
                              sr[i * TC + 4 * j4 + 3])
-            tc.cp_async_wait_all()
+            if vec:
+                tc.cp_async_wait_all()
             cuda.syncthreads()
             for step in range(chunks):
                 n = chunks - 1 - step if reverse else step
@@ -194,7 +195,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                             ptx.vst4(sh, X_OFF + r * VSP + c0 + 4 * j4, x1[i * TC + 4 * j4],
                                      x1[i * TC + 4 * j4 + 1], x1[i * TC + 4 * j4 + 2],
                                      x1[i * TC + 4 * j4 + 3])
-                tc.cp_async_wait_all()            # this chunk's Q
+                if vec:
+                    tc.cp_async_wait_all()        # this chunk's Q
                 cuda.syncthreads()                # P and S read, X and Q in place
                 if step + 1 < chunks:
                     stage(sh, P_OFF, P, (gn + (-1 if reverse else 1)) * CK, t)
@@ -224,7 +226,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                         ptx.vst4(sh, S_OFF + (ty * TR2 + i) * VSP + c0 + 4 * j4,
                                  sr[i * TC + 4 * j4], sr[i * TC + 4 * j4 + 1],
                                  sr[i * TC + 4 * j4 + 2], sr[i * TC + 4 * j4 + 3])
-                tc.cp_async_wait_all()            # the next chunk's P
+                if vec:
+                    tc.cp_async_wait_all()        # the next chunk's P
                 cuda.syncthreads()                # Q and X read, S and P in place
                 if step + 1 < chunks:
                     stage(sh, Q_OFF, Q, (gn + (-1 if reverse else 1)) * CK, t)

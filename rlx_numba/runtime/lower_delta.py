@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import SIMULATOR
+from ..device import SIMULATOR, device_info
 from ..kernels import delta as K
 from ..kernels.launch import default_geometry
 from .lower import Step, data_ptr, lowering, step_name
@@ -22,8 +22,9 @@ def _lower_state_scan(ctx, n):
     has_bias = len(ins) == 6
     reverse = bool(n.attrs.get("reverse", False))
     p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
-    # P and Q copied 16 bytes at a time (cp.async) where their rows allow it
-    vec = k % 4 == 0 and all(data_ptr(b) % 16 == 0 for b in (p, q))
+    # P and Q copied 16 bytes at a time (cp.async: sm_80+) where their rows allow it
+    vec = k % 4 == 0 and all(data_ptr(b) % 16 == 0 for b in (p, q)) \
+        and (SIMULATOR or device_info()["cc"] >= (8, 0))
     kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias, vec)
     # the further results (states, final) where they are live, else scratch the kernel
     # writes and nothing reads
