@@ -123,6 +123,7 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
     def kernel(states, xo, final, P, Q, A, d, s0, bias, heads, chunks, v_dim):
         sh = cuda.shared.array(0, float32, alignment=ALIGN)
         sr = cuda.local.array(NSR, float32)           # this thread's rows of S
+        bv = cuda.local.array(NSR, float32)           # the bias's (read only with one)
         x1 = cuda.local.array(NX1, float32)           # its rows of X
         a1 = cuda.local.array(NX1, float32)           # A's (loaded before X's product)
         pv = cuda.local.array(NPV, float32)           # 4 columns of P, each of its X rows
@@ -164,6 +165,14 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                     for j in range(TC):
                         if k < K and v0 + j < v_dim:
                             states[(gn * K + k) * v_dim + v0 + j] = sr[i * TC + j]
+                # d and the bias loaded now, used after X's product (their latency hidden)
+                dn = d[gn]
+                if has_bias:
+                    for i in range(TR2):
+                        k = ty * TR2 + i
+                        for j in range(TC):
+                            bv[i * TC + j] = bias[(gn * K + k) * v_dim + v0 + j] \
+                                if k < K and v0 + j < v_dim else float32(0.0)
                 # X = A + P S: rows ty + RT i of C, this thread's columns
                 for i in range(TR1):
                     r = ty + RT * i
@@ -201,14 +210,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                 if step + 1 < chunks:
                     stage(sh, P_OFF, P, (gn + (-1 if reverse else 1)) * CK, t)
                 # S = d S + Q^T X (+ bias); columns past V stay 0 (X is 0 there)
-                dn = d[gn]
-                for i in range(TR2):
-                    k = ty * TR2 + i
-                    for j in range(TC):
-                        b = float32(0.0)
-                        if has_bias and k < K and v0 + j < v_dim:
-                            b = bias[(gn * K + k) * v_dim + v0 + j]
-                        sr[i * TC + j] = dn * sr[i * TC + j] + b
+                for i in range(NSR):
+                    sr[i] = dn * sr[i] + bv[i] if has_bias else dn * sr[i]
                 for c in range(C):
                     for i4 in range(TR2 // 4):
                         q = ptx.vld4(sh, Q_OFF + c * KS + ty * TR2 + 4 * i4)
