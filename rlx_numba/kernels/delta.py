@@ -92,7 +92,9 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
     TR1, TR2, KS, VSP = lay["tr1"], lay["tr2"], lay["ks"], lay["vsp"]
     S_OFF, X_OFF, P_OFF, Q_OFF, NSH = lay["s"], lay["x"], lay["p"], lay["q"], lay["total"]
     K4 = -(-K // 4) * 4                     # P's columns read (past K: zeros)
+    UC = 2 if C % 2 == 0 else 1             # rows of Q^T X's sum a loop trip
     NSR, NX1, NPV = TR2 * TC, TR1 * TC, 4 * TR1     # (shapes of local arrays: constants)
+    NQV, NXV = UC * TR2, UC * TC
     CK, CK4, KV4 = C * K, C * K // 4, K // 4
     # element copies: a thread's NPER elements in groups of U loads issued before any store
     # (a load then its store, element by element, would wait out a memory latency each)
@@ -127,8 +129,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
         x1 = cuda.local.array(NX1, float32)           # its rows of X
         a1 = cuda.local.array(NX1, float32)           # A's (loaded before X's product)
         pv = cuda.local.array(NPV, float32)           # 4 columns of P, each of its X rows
-        qv = cuda.local.array(TR2, float32)
-        sv = cuda.local.array(TC, float32)
+        qv = cuda.local.array(NQV, float32)           # UC rows: of Q (TR2 each), X (TC)
+        sv = cuda.local.array(NXV, float32)           # (and a row of S: TC)
         t = cuda.threadIdx.x
         ty, tx = t // CT, t % CT
         c0 = tx * TC                                  # its first column in the block's
@@ -139,7 +141,7 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
         blk = cuda.blockIdx.x
         while blk < heads * nvs:
             gi = blk // nvs
-            v0 = (blk % nvs) * VS + c0                # global column of sv[0]
+            v0 = (blk % nvs) * VS + c0                # the global column of its first
             gn = gi * chunks + (chunks - 1 if reverse else 0)
             stage(sh, P_OFF, P, gn * CK, t)
             stage(sh, Q_OFF, Q, gn * CK, t)
@@ -212,18 +214,21 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                 # S = d S + Q^T X (+ bias); columns past V stay 0 (X is 0 there)
                 for i in range(NSR):
                     sr[i] = dn * sr[i] + bv[i] if has_bias else dn * sr[i]
-                for c in range(C):
-                    for i4 in range(TR2 // 4):
-                        q = ptx.vld4(sh, Q_OFF + c * KS + ty * TR2 + 4 * i4)
-                        for w in range(4):
-                            qv[4 * i4 + w] = q[w]
-                    for j4 in range(TC // 4):
-                        s = ptx.vld4(sh, X_OFF + c * VSP + c0 + 4 * j4)
-                        for w in range(4):
-                            sv[4 * j4 + w] = s[w]
-                    for i in range(TR2):
-                        for j in range(TC):
-                            sr[i * TC + j] += qv[i] * sv[j]
+                for cb in range(C // UC):         # UC rows of Q and X a trip: their loads
+                    for h in range(UC):           # are in flight together
+                        c = cb * UC + h
+                        for i4 in range(TR2 // 4):
+                            q = ptx.vld4(sh, Q_OFF + c * KS + ty * TR2 + 4 * i4)
+                            for w in range(4):
+                                qv[h * TR2 + 4 * i4 + w] = q[w]
+                        for j4 in range(TC // 4):
+                            s = ptx.vld4(sh, X_OFF + c * VSP + c0 + 4 * j4)
+                            for w in range(4):
+                                sv[h * TC + 4 * j4 + w] = s[w]
+                    for h in range(UC):
+                        for i in range(TR2):
+                            for j in range(TC):
+                                sr[i * TC + j] += qv[h * TR2 + i] * sv[h * TC + j]
                 for i in range(TR2):              # (S was last read before the barrier)
                     for j4 in range(TC // 4):
                         ptx.vst4(sh, S_OFF + (ty * TR2 + i) * VSP + c0 + 4 * j4,
