@@ -355,10 +355,11 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
-    """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias)
-    and the chunk inverse, compiled through NVVM and assembled by ptxas. The simulator takes
-    a shared array sized by an expression; NVVM needs a constant (the inverse's C * C failed
-    on an H200)."""
+    """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
+    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, under
+    its launch bounds), compiled through NVVM and assembled by ptxas with nothing spilled. The
+    simulator takes a shared array sized by an expression; NVVM needs a constant (the
+    inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
@@ -380,7 +381,8 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
                 ("scan1", K.state_scan_kernel(127, 64, K.columns(geo, 128), geo, True, False,
                                               False), (f32,) * 9 + (T.int64,) * 3),
                 ("inverse", inv, (f32, f32, T.int64))):
-            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0))
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
+                                      launch_bounds=k.targetoptions.get("launch_bounds"))
             open(os.path.join({str(tmp_path)!r}, name + ".ptx"), "w").write(ptx)
     """)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
