@@ -16,9 +16,10 @@ Both sides must agree: max |ours - torch| / max |torch| <= 2e-3 on o and on ever
 
 --tf32: TF32 products on both sides (torch.backends.cuda.matmul.allow_tf32 and
 RLX_NUMBA_TF32's switch); --profile prints our forward's and training graph's per-step
-profile (where the time goes); --scan-geometries "16,8,16 16,4,16 8,8,16 16,8,8" times our
+profile (where the time goes); --scan-geometries "16,8,32 16,16,64 8,8,32 16,4,16" times our
 forward with each (thread rows, thread columns, state columns a block) of the state pass's
-kernel (kernels/delta.py; rows and state columns at most 16), then stops.
+kernel (kernels/delta.py; rows at most 16, state columns at most 64 and a multiple of 4 thread
+columns), then stops.
 """
 import argparse
 import sys
@@ -153,8 +154,8 @@ def row(name, shape, ours, torch_ms, bar, err, launches, extra=None):
 
 
 def sweep_scan(rlx, cuda, x, names, spec) -> int:
-    """Our forward timed with each geometry of the state pass's kernel (its step alone too,
-    from exe.profile)."""
+    """Our forward timed with each geometry of the state pass's kernel (its step and the chunk
+    inverse's alone too, from exe.profile)."""
     from rlx_numba.kernels.delta import StateScanGeometry
     from rlx_numba.kernels.launch import override_geometry
     feed = {n: cuda.to_device(a) for n, a in x.items()}
@@ -171,7 +172,8 @@ def sweep_scan(rlx, cuda, x, names, spec) -> int:
             ms = time_ours(cuda, exe, feed)
             prof = str(exe.profile(feed))
         ref = got if ref is None else ref
-        scan = [line for line in prof.splitlines() if "delta_state_scan" in line]
+        scan = [line for line in prof.splitlines()
+                if "delta_state_scan" in line or "unit_lower_inverse" in line]
         print(f"geometry rt={rt} ct={ct} vs={vs}: forward {ms:.3f} ms, max |diff| vs the first "
               f"{float(np.abs(got - ref).max()):.1e}\n  " + "\n  ".join(scan), flush=True)
         del exe

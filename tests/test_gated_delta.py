@@ -139,16 +139,19 @@ def scan_graph(f, reverse):
     return g, ts, g.bind("delta_state_scan", list(ts.values()), reverse=reverse)
 
 
-@pytest.mark.parametrize("reverse,bias,gpu_geo", [(False, False, False), (True, True, False),
-                                                  (False, True, True)])
-def test_state_scan_kernel(rng, reverse, bias, gpu_geo):
+@pytest.mark.parametrize("reverse,bias,gpu_geo,k", [(False, False, False, 3),
+                                                    (True, True, False, 8),
+                                                    (False, True, True, 3),
+                                                    (True, False, True, 8)])
+def test_state_scan_kernel(rng, reverse, bias, gpu_geo, k):
     """V = 7 spans two column slices of the simulator's geometry (4 columns, the last one
     part-filled) and 3 heads x 2 slices outnumber its 2 blocks (the grid-stride loop); the
-    GPU's geometry (128 threads, 16 columns, tiles of 16 rows) runs once on tiny sizes."""
+    GPU's geometry (128 threads, 32 columns) runs on tiny sizes too. K = 3 copies P and Q a
+    float at a time, K = 8 16 bytes at a time (cp.async)."""
     import contextlib
 
     from rlx_numba.kernels.launch import gpu_geometry, override_geometry
-    f = scan_feed(rng, 3, 3, 5, 3, 7, bias)
+    f = scan_feed(rng, 3, 3, 5, k, 7, bias)
     g, _, ys = scan_graph(f, reverse)
     g.set_outputs(list(ys))
     geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
@@ -271,8 +274,8 @@ def test_step_errors():
 # ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
 def test_unit_lower_inverse(rng):
     """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
-    count), 3 matrices of 5 x 5 (more than the simulator's 2 blocks: the grid-stride loop);
-    its VJP by finite differences."""
+    count), 3 matrices of 5 x 5 and of 40 x 40 (more than the simulator's 2 blocks: the
+    grid-stride loop); its VJP by finite differences."""
     a = rng.standard_normal((3, 5, 5)) * 0.5
 
     def oracle(a):
@@ -287,6 +290,14 @@ def test_unit_lower_inverse(rng):
     y = g.bind("unit_lower_inverse", [x])
     check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
           atol=1e-4)
+    # C = 40: padded to 64, the 16 x 16 diagonal blocks then two levels of products
+    a = rng.standard_normal((3, 40, 40)) * 0.3
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    g.set_outputs([g.bind("unit_lower_inverse", [x])])
+    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+    want = np.linalg.inv(np.eye(40) - np.tril(a, -1))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
                                          r"with C <= 64, got f32 \[2, 3, 4\]"):
         g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])
@@ -344,28 +355,42 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
-    """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias)
-    and the chunk inverse, compiled through NVVM and assembled by ptxas. The simulator takes
-    a shared array sized by an expression; NVVM needs a constant (the inverse's C * C failed
-    on an H200)."""
+    """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
+    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, under
+    its launch bounds), compiled through NVVM and assembled by ptxas with nothing spilled. The
+    simulator takes a shared array sized by an expression; NVVM needs a constant (the
+    inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
         from numba import cuda
         from numba.cuda import types as T
+        import numba.cuda.dispatcher as D
+
+        class Dev:                # (device functions compile for the current device's cc)
+            compute_capability = (8, 0)
+        D.get_current_device = lambda: Dev()
         from rlx_numba.kernels import delta as K
         from rlx_numba.kernels.launch import default_geometry
         f32 = T.float32[::1]
         geo = default_geometry("delta_state_scan")
-        scan = K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True)
-        for name, k, sig in (("scan", scan, (f32,) * 9 + (T.int64,) * 3),
-                             ("inverse", K.unit_lower_inverse_kernel(64), (f32, f32, T.int64))):
-            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0))
+        inv = K.unit_lower_inverse_kernel(64, default_geometry("unit_lower_inverse"))
+        for name, k, sig in (
+                ("scan", K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True,
+                                             True), (f32,) * 9 + (T.int64,) * 3),
+                ("scan1", K.state_scan_kernel(127, 64, K.columns(geo, 128), geo, True, False,
+                                              False), (f32,) * 9 + (T.int64,) * 3),
+                ("inverse", inv, (f32, f32, T.int64))):
+            ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
+                                      launch_bounds=k.targetoptions.get("launch_bounds"))
             open(os.path.join({str(tmp_path)!r}, name + ".ptx"), "w").write(ptx)
     """)
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        cwd=Path(__file__).parents[1], timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in ("scan", "inverse"):
-        assemble_sm80(tmp_path / f"{name}.ptx", no_spills=False)
+    for name in ("scan", "scan1", "inverse"):
+        assemble_sm80(tmp_path / f"{name}.ptx")
+    # element copies (K % 4 != 0) take no cp.async: they also run below sm_80
+    assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
+    assert "cp.async" not in (tmp_path / "scan1.ptx").read_text()

@@ -28,20 +28,36 @@ from .autodiff import vjp, zeros
 from .opdef import F32_ONLY, defop
 from .ops import fmt
 
-# Shared memory (f32 words) the state pass's kernel may use: 48 KB, the static limit. Its
-# blocks hold S's [Dk, VS] slice, X's [C, VS] and one of P / Q [C, Dk + 1] with VS <= 16
-# columns and thread tiles of <= 16 rows (kernels/delta.py); the builder picks C to fit.
-SCAN_SHARED_FLOATS = 12 * 1024
-SCAN_MAX_COLUMNS = SCAN_MAX_ROWS = 16
+# Shared memory (f32 words) the state pass's kernel may use (dynamic shared memory: 120 KB,
+# two blocks of the GPU's geometry a multiprocessor on an H100 / H200). A block holds S's
+# [Dk, VS] slice, X's [C, VS] and P and Q [C, Dk] of a chunk (kernels/delta.py); with up to
+# SCAN_MAX_COLUMNS columns and SCAN_MAX_ROWS thread rows, the builder picks C to fit.
+SCAN_SHARED_FLOATS = 30 * 1024
+SCAN_MAX_COLUMNS = 64
+SCAN_MAX_ROWS = 16
 MAX_DK = 256
-MAX_CHUNK = 64      # unit_lower_inverse's kernel: C threads, A and T [C, C] in shared memory
+MAX_CHUNK = 64      # unit_lower_inverse's kernel: [C, C] padded to 16, 32 or 64 in shared memory
+
+
+def scan_shared_layout(k: int, c: int, vs: int, rt: int) -> dict:
+    """The state pass's shared memory (kernels/delta.py), in f32 words, for Dk = k, chunks of
+    c, vs columns of V a block and rt thread rows: S [kp, vs + 4] (kp >= k: a thread's rows
+    of S are a multiple of 4 consecutive ones), X [c, vs + 4], P [rt ceil(c / rt), kp + 4]
+    and Q [c, kp + 4] (rows padded by 16 bytes: rows a warp reads at once fall in distinct
+    banks); offsets of each and the total."""
+    tr2 = -(-(-(-k // rt)) // 4) * 4
+    kp, ks, vsp = rt * tr2, rt * tr2 + 4, vs + 4
+    x = kp * vsp
+    p = x + c * vsp
+    q = p + rt * -(-c // rt) * ks
+    return dict(tr1=-(-c // rt), tr2=tr2, kp=kp, ks=ks, vsp=vsp, s=0, x=x, p=p, q=q,
+                total=q + c * ks)
 
 
 def scan_chunk_fits(dk: int, c: int) -> bool:
-    """Whether the state pass's kernel fits chunks of c tokens with Dk = dk (its largest
-    geometry: 16 columns of V, tiles of 16 rows)."""
-    r, vs = SCAN_MAX_ROWS, SCAN_MAX_COLUMNS
-    return dk * vs + c * vs + max(c, -(-c // r) * r) * (dk + 1) + -(-dk // r) * r \
+    """Whether the state pass's kernel fits chunks of c tokens with Dk = dk at any geometry
+    (the most columns and thread rows)."""
+    return scan_shared_layout(dk, c, SCAN_MAX_COLUMNS, SCAN_MAX_ROWS)["total"] \
         <= SCAN_SHARED_FLOATS
 
 

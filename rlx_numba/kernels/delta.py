@@ -6,237 +6,342 @@ per head g, through its N chunks in order (or reversed), with the state S [K, V]
     S            = d[g, n] S + Q[g, n]^T X[g, n] (+ Bias[g, n])
 
 and final[g] = S after the last chunk. One launch for all chunks: a block per (head, slice
-of VS columns of V) keeps its [K, VS] slice of S in registers (a thread holds a TR x TC tile,
-rows ty + RT i, columns tx + CT j) and in shared memory (where the product P S reads it),
-stages P[g, n] and then Q[g, n] in shared memory (rows padded to K + 1 floats: the RT rows a
-warp reads at once fall in distinct banks), and X's [C, VS] slice beside them. The columns a
-block owns never mix with others' (both products keep V's columns apart), so blocks run
-independently: no atomics, no grid barrier."""
+of VS columns of V). The columns a block owns never mix with others' (both products keep V's
+columns apart), so blocks run independently: no atomics, no grid barrier.
+
+Thread (ty, tx) of RT x CT owns TC = VS / CT consecutive columns (tx TC ..) and holds, in
+registers, TR2 consecutive rows of its columns of S (ty TR2 ..; TR2 a multiple of 4) and
+TR1 rows of X (ty, ty + RT, ..: the rows a warp reads at once are consecutive). Dynamic
+shared memory (ir/ops_delta.py's ``scan_shared_layout``) holds S and X of the block's
+columns and the chunk's P and Q, each as rows (padded by 16 bytes), and every inner step is
+16-byte loads: X += P S reads 4 of P's columns of each of the thread's rows and TC of S per 4
+rows of K (4 TR1 TC FMAs from TR1 + TC loads of 16 bytes); S += Q^T X reads TR2 of a row of
+Q and TC of X (TR2 TC FMAs from (TR2 + TC) / 4 loads). Two barriers a chunk:
+
+    X = A + P S  (P, S);  wait for Q;  barrier;  P of the next chunk starts copying (cp.async);
+    S = d S + Q^T X  (Q, X) and S to shared memory;  wait for P;  barrier;
+    Q of the next chunk starts copying
+
+so the copies of P and Q run under the other product. Rows of P and S past C and K, and
+columns of P and Q past K, are zeros, written once (the products read them whole). Without
+16-byte aligned rows (K % 4, or an unaligned buffer) P and Q are copied a float at a time,
+at the same points.
+
+unit_lower_inverse: (I - A)^-1 by blocks (below)."""
 import functools
 from dataclasses import dataclass
 
 from numba import cuda, float32
 
-from ..ir.ops_delta import SCAN_MAX_COLUMNS, SCAN_MAX_ROWS, SCAN_SHARED_FLOATS
-from .launch import jit, register_geometry
+from ..ir.ops_delta import SCAN_MAX_COLUMNS, SCAN_MAX_ROWS, SCAN_SHARED_FLOATS, \
+    scan_shared_layout
+from . import mma as tc
+from . import ptx
+from .launch import inline, jit, register_geometry
+
+ALIGN = tc.SMEM_ALIGN      # (a module constant: shared.array needs a literal alignment)
 
 
 @dataclass(frozen=True)
 class StateScanGeometry:
     rt: int      # thread rows
     ct: int      # thread columns (rt * ct threads a block)
-    vs: int      # columns of V a block owns (a multiple of ct)
+    vs: int      # columns of V a block owns: a multiple of 4 ct (each thread's, 16-byte groups)
 
     def __post_init__(self):
-        if self.vs % self.ct or not (1 <= self.rt <= SCAN_MAX_ROWS
-                                     and 1 <= self.vs <= SCAN_MAX_COLUMNS):
-            raise ValueError(f"delta_state_scan geometry: vs must be a multiple of ct, rt and "
-                             f"vs at most {SCAN_MAX_ROWS} / {SCAN_MAX_COLUMNS} (what "
+        if self.vs % (4 * self.ct) or not (1 <= self.rt <= SCAN_MAX_ROWS
+                                           and 1 <= self.vs <= SCAN_MAX_COLUMNS):
+            raise ValueError(f"delta_state_scan geometry: vs must be a multiple of 4 ct, rt "
+                             f"and vs at most {SCAN_MAX_ROWS} / {SCAN_MAX_COLUMNS} (what "
                              f"ir/ops_delta.py sizes chunks for), got {self}")
 
 
-# GPU: 128 threads, 16 columns of V a block (K = 128, C = 64: 45 KB of shared memory, 8 x 2
-# and 4 x 2 register tiles); the simulator: 4 threads (each CUDA thread is a Python thread)
-register_geometry("delta_state_scan", StateScanGeometry(16, 8, 16), StateScanGeometry(2, 2, 4))
+# GPU: 128 threads, 32 columns of V a block (K = 128, C = 64: 95 KB of shared memory, two
+# blocks a multiprocessor; 4 x 4 tiles of X, 8 x 4 of S); the simulator: 2 threads (each CUDA
+# thread is a Python thread)
+register_geometry("delta_state_scan", StateScanGeometry(16, 8, 32), StateScanGeometry(2, 1, 4))
 
 
 def columns(geo: StateScanGeometry, v: int) -> int:
-    """The columns of V a block owns for V = v: geo.vs, or v rounded up to geo.ct if less."""
-    return min(geo.vs, -(-v // geo.ct) * geo.ct)
+    """The columns of V a block owns for V = v: geo.vs, or v rounded up to 4 geo.ct if less."""
+    return min(geo.vs, -(-v // (4 * geo.ct)) * 4 * geo.ct)
 
 
-def shared_floats(k: int, c: int, vs: int, geo: StateScanGeometry) -> int:
-    return k * vs + c * vs + _pq_floats(k, c, geo)
-
-
-def _pq_floats(k, c, geo):
-    # P / Q staged with rows of K + 1; rows up to the thread tiles' last row are read (and
-    # never used) past C rows and K columns, so the array runs that far
-    rows = max(c, -(-c // geo.rt) * geo.rt)
-    return rows * (k + 1) + -(-k // geo.rt) * geo.rt
+def shared_bytes(k: int, c: int, vs: int, geo: StateScanGeometry) -> int:
+    return 4 * scan_shared_layout(k, c, vs, geo.rt)["total"]
 
 
 @functools.lru_cache(maxsize=None)
 def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, reverse: bool,
-                      has_bias: bool):
+                      has_bias: bool, vec: bool):
     """kernel(states, xo, final, P, Q, A, d, s0, bias, heads, chunks, v_dim): flat f32 arrays
     states [G, N, K, V], xo [G, N, C, V], final [G, K, V], P / Q [G, N, C, K], A [G, N, C, V],
     d [G, N], s0 [G, K, V], bias [G, N, K, V] (read only when ``has_bias``); launch with
-    rt * ct threads a block, blocks over G * ceil(V / vs) (a grid-stride loop)."""
+    rt * ct threads a block, ``shared_bytes`` of dynamic shared memory, blocks over
+    G * ceil(V / vs) (a grid-stride loop). ``vec``: P and Q copied 16 bytes at a time by
+    cp.async (K % 4 == 0, both 16-byte aligned, compute capability 8.0 or more)."""
     K, C, VS, RT, CT = k_dim, chunk, vs, geo.rt, geo.ct
-    NT, TC = RT * CT, VS // CT
-    TR1, TR2 = -(-C // RT), -(-K // RT)   # row tiles of X (C rows) and of S (K rows)
-    KS = K + 1
-    NS, NX, NPQ = K * VS, C * VS, _pq_floats(K, C, geo)
-    if NS + NX + NPQ > SCAN_SHARED_FLOATS:
-        raise ValueError(f"delta_state_scan: K={K}, chunk {C}, {VS} columns need "
-                         f"{4 * (NS + NX + NPQ)} bytes of shared memory, over "
+    lay = scan_shared_layout(K, C, VS, RT)
+    if lay["total"] > SCAN_SHARED_FLOATS:
+        raise ValueError(f"delta_state_scan: K={K}, chunk {C}, {VS} columns, {RT} thread rows "
+                         f"need {4 * lay['total']} bytes of shared memory, over "
                          f"{4 * SCAN_SHARED_FLOATS}")
-    NSR, NX1 = TR2 * TC, TR1 * TC
-    # P / Q staging: a thread's NPER elements in groups of U loads issued before any store
+    if vec and K % 4:
+        raise ValueError(f"delta_state_scan: 16-byte copies need K % 4 == 0, got K={K}")
+    NT, TC = RT * CT, VS // CT
+    TR1, TR2, KS, VSP = lay["tr1"], lay["tr2"], lay["ks"], lay["vsp"]
+    S_OFF, X_OFF, P_OFF, Q_OFF, NSH = lay["s"], lay["x"], lay["p"], lay["q"], lay["total"]
+    K4 = -(-K // 4) * 4                     # P's columns read (past K: zeros)
+    UC = 2 if C % 2 == 0 else 1             # rows of Q^T X's sum a loop trip
+    NSR, NX1, NPV = TR2 * TC, TR1 * TC, 4 * TR1     # (shapes of local arrays: constants)
+    NQV, NXV = UC * TR2, UC * TC
+    CK, CK4, KV4 = C * K, C * K // 4, K // 4
+    # element copies: a thread's NPER elements in groups of U loads issued before any store
     # (a load then its store, element by element, would wait out a memory latency each)
-    NPER = -(-(C * K) // NT)
+    NPER = -(-CK // NT)
     U = min(16, NPER)
     NG = -(-NPER // U)
 
+    @inline
+    def stage(sh, off, src, base, t):
+        """Chunk [C, K] at src[base:] into shared rows of KS at sh[off:] (cp.async when vec:
+        the caller waits before the barrier that publishes it)."""
+        if vec:
+            for f in range(t, CK4, NT):
+                r = f // KV4
+                tc.cp_async16(sh, off + r * KS + 4 * (f - r * KV4), src, base + 4 * f)
+        else:
+            stg = cuda.local.array(U, float32)
+            for grp in range(NG):
+                for u in range(U):
+                    e = (grp * U + u) * NT + t
+                    stg[u] = src[base + e] if e < CK else float32(0.0)
+                for u in range(U):
+                    e = (grp * U + u) * NT + t
+                    if e < CK:
+                        sh[off + (e // K) * KS + e % K] = stg[u]
+
     @jit
     def kernel(states, xo, final, P, Q, A, d, s0, bias, heads, chunks, v_dim):
-        s_sh = cuda.shared.array(NS, float32)
-        x_sh = cuda.shared.array(NX, float32)
-        pq = cuda.shared.array(NPQ, float32)
-        sr = cuda.local.array(NSR, float32)       # this thread's tile of S
-        acc = cuda.local.array(NSR, float32)
-        x1 = cuda.local.array(NX1, float32)
-        sv = cuda.local.array(TC, float32)
-        stg = cuda.local.array(U, float32)
+        sh = cuda.shared.array(0, float32, alignment=ALIGN)
+        sr = cuda.local.array(NSR, float32)           # this thread's rows of S
+        bv = cuda.local.array(NSR, float32)           # the bias's (read only with one)
+        x1 = cuda.local.array(NX1, float32)           # its rows of X
+        a1 = cuda.local.array(NX1, float32)           # A's (loaded before X's product)
+        pv = cuda.local.array(NPV, float32)           # 4 columns of P, each of its X rows
+        qv = cuda.local.array(NQV, float32)           # UC rows: of Q (TR2 each), X (TC)
+        sv = cuda.local.array(NXV, float32)           # (and a row of S: TC)
         t = cuda.threadIdx.x
         ty, tx = t // CT, t % CT
+        c0 = tx * TC                                  # its first column in the block's
+        for e in range(t, NSH, NT):                   # the padding stays 0 from here on
+            sh[e] = float32(0.0)
+        cuda.syncthreads()
         nvs = (v_dim + VS - 1) // VS
         blk = cuda.blockIdx.x
         while blk < heads * nvs:
             gi = blk // nvs
-            v0 = (blk % nvs) * VS
+            v0 = (blk % nvs) * VS + c0                # the global column of its first
+            gn = gi * chunks + (chunks - 1 if reverse else 0)
+            stage(sh, P_OFF, P, gn * CK, t)
+            stage(sh, Q_OFF, Q, gn * CK, t)
             for i in range(TR2):
-                k = ty + RT * i
+                k = ty * TR2 + i
                 for j in range(TC):
-                    col = v0 + tx + CT * j
                     val = float32(0.0)
-                    if k < K and col < v_dim:
-                        val = s0[(gi * K + k) * v_dim + col]
+                    if k < K and v0 + j < v_dim:
+                        val = s0[(gi * K + k) * v_dim + v0 + j]
                     sr[i * TC + j] = val
-                    if k < K:
-                        s_sh[k * VS + tx + CT * j] = val
+                for j4 in range(TC // 4):
+                    ptx.vst4(sh, S_OFF + k * VSP + c0 + 4 * j4, sr[i * TC + 4 * j4],
+                             sr[i * TC + 4 * j4 + 1], sr[i * TC + 4 * j4 + 2],
+                             sr[i * TC + 4 * j4 + 3])
+            if vec:
+                tc.cp_async_wait_all()
             cuda.syncthreads()
             for step in range(chunks):
                 n = chunks - 1 - step if reverse else step
                 gn = gi * chunks + n
                 for i in range(TR2):
-                    k = ty + RT * i
+                    k = ty * TR2 + i
                     for j in range(TC):
-                        col = v0 + tx + CT * j
-                        if k < K and col < v_dim:
-                            states[(gn * K + k) * v_dim + col] = sr[i * TC + j]
-                base = gn * (C * K)
-                for grp in range(NG):
-                    for u in range(U):
-                        e = (grp * U + u) * NT + t
-                        stg[u] = P[base + e] if e < C * K else float32(0.0)
-                    for u in range(U):
-                        e = (grp * U + u) * NT + t
-                        if e < C * K:
-                            pq[(e // K) * KS + e % K] = stg[u]
-                cuda.syncthreads()
+                        if k < K and v0 + j < v_dim:
+                            states[(gn * K + k) * v_dim + v0 + j] = sr[i * TC + j]
+                # d and the bias loaded now, used after X's product (their latency hidden)
+                dn = d[gn]
+                if has_bias:
+                    for i in range(TR2):
+                        k = ty * TR2 + i
+                        for j in range(TC):
+                            bv[i * TC + j] = bias[(gn * K + k) * v_dim + v0 + j] \
+                                if k < K and v0 + j < v_dim else float32(0.0)
                 # X = A + P S: rows ty + RT i of C, this thread's columns
                 for i in range(TR1):
                     r = ty + RT * i
                     for j in range(TC):
-                        col = v0 + tx + CT * j
-                        x1[i * TC + j] = A[(gn * C + r) * v_dim + col] \
-                            if r < C and col < v_dim else float32(0.0)
-                for kk in range(K):
-                    for j in range(TC):
-                        sv[j] = s_sh[kk * VS + tx + CT * j]
+                        a1[i * TC + j] = A[(gn * C + r) * v_dim + v0 + j] \
+                            if r < C and v0 + j < v_dim else float32(0.0)
+                        x1[i * TC + j] = float32(0.0)
+                for k4 in range(K4 // 4):
                     for i in range(TR1):
-                        pv = pq[(ty + RT * i) * KS + kk]
-                        for j in range(TC):
-                            x1[i * TC + j] += pv * sv[j]
+                        p = ptx.vld4(sh, P_OFF + (ty + RT * i) * KS + 4 * k4)
+                        for u in range(4):
+                            pv[4 * i + u] = p[u]
+                    for u in range(4):
+                        for j4 in range(TC // 4):
+                            s = ptx.vld4(sh, S_OFF + (4 * k4 + u) * VSP + c0 + 4 * j4)
+                            for w in range(4):
+                                sv[4 * j4 + w] = s[w]
+                        for i in range(TR1):
+                            for j in range(TC):
+                                x1[i * TC + j] += pv[4 * i + u] * sv[j]
                 for i in range(TR1):
                     r = ty + RT * i
                     if r < C:
                         for j in range(TC):
-                            x_sh[r * VS + tx + CT * j] = x1[i * TC + j]
-                            col = v0 + tx + CT * j
-                            if col < v_dim:
-                                xo[(gn * C + r) * v_dim + col] = x1[i * TC + j]
-                cuda.syncthreads()                # P and X's slice read / written
-                for grp in range(NG):
-                    for u in range(U):
-                        e = (grp * U + u) * NT + t
-                        stg[u] = Q[base + e] if e < C * K else float32(0.0)
-                    for u in range(U):
-                        e = (grp * U + u) * NT + t
-                        if e < C * K:
-                            pq[(e // K) * KS + e % K] = stg[u]
-                cuda.syncthreads()
-                # S = d S + Q^T X (+ bias)
-                dn = d[gn]
-                for i in range(TR2):
-                    k = ty + RT * i
-                    for j in range(TC):
-                        col = v0 + tx + CT * j
-                        b = float32(0.0)
-                        if has_bias and k < K and col < v_dim:
-                            b = bias[(gn * K + k) * v_dim + col]
-                        acc[i * TC + j] = dn * sr[i * TC + j] + b
-                for c in range(C):
-                    for j in range(TC):
-                        sv[j] = x_sh[c * VS + tx + CT * j]
-                    for i in range(TR2):
-                        qv = pq[c * KS + ty + RT * i]
-                        for j in range(TC):
-                            acc[i * TC + j] += qv * sv[j]
-                cuda.syncthreads()                # every read of S, X and Q done
-                for i in range(TR2):
-                    k = ty + RT * i
-                    for j in range(TC):
-                        col = v0 + tx + CT * j
-                        # columns past V stay 0 (their P S terms must add nothing)
-                        val = acc[i * TC + j] if col < v_dim else float32(0.0)
-                        sr[i * TC + j] = val
-                        if k < K:
-                            s_sh[k * VS + tx + CT * j] = val
-                cuda.syncthreads()
+                            x1[i * TC + j] += a1[i * TC + j]
+                            if v0 + j < v_dim:
+                                xo[(gn * C + r) * v_dim + v0 + j] = x1[i * TC + j]
+                        for j4 in range(TC // 4):
+                            ptx.vst4(sh, X_OFF + r * VSP + c0 + 4 * j4, x1[i * TC + 4 * j4],
+                                     x1[i * TC + 4 * j4 + 1], x1[i * TC + 4 * j4 + 2],
+                                     x1[i * TC + 4 * j4 + 3])
+                if vec:
+                    tc.cp_async_wait_all()        # this chunk's Q
+                cuda.syncthreads()                # P and S read, X and Q in place
+                if step + 1 < chunks:
+                    stage(sh, P_OFF, P, (gn + (-1 if reverse else 1)) * CK, t)
+                # S = d S + Q^T X (+ bias); columns past V stay 0 (X is 0 there)
+                for i in range(NSR):
+                    sr[i] = dn * sr[i] + bv[i] if has_bias else dn * sr[i]
+                for cb in range(C // UC):         # UC rows of Q and X a trip: their loads
+                    for h in range(UC):           # are in flight together
+                        c = cb * UC + h
+                        for i4 in range(TR2 // 4):
+                            q = ptx.vld4(sh, Q_OFF + c * KS + ty * TR2 + 4 * i4)
+                            for w in range(4):
+                                qv[h * TR2 + 4 * i4 + w] = q[w]
+                        for j4 in range(TC // 4):
+                            s = ptx.vld4(sh, X_OFF + c * VSP + c0 + 4 * j4)
+                            for w in range(4):
+                                sv[h * TC + 4 * j4 + w] = s[w]
+                    for h in range(UC):
+                        for i in range(TR2):
+                            for j in range(TC):
+                                sr[i * TC + j] += qv[h * TR2 + i] * sv[h * TC + j]
+                for i in range(TR2):              # (S was last read before the barrier)
+                    for j4 in range(TC // 4):
+                        ptx.vst4(sh, S_OFF + (ty * TR2 + i) * VSP + c0 + 4 * j4,
+                                 sr[i * TC + 4 * j4], sr[i * TC + 4 * j4 + 1],
+                                 sr[i * TC + 4 * j4 + 2], sr[i * TC + 4 * j4 + 3])
+                if vec:
+                    tc.cp_async_wait_all()        # the next chunk's P
+                cuda.syncthreads()                # Q and X read, S and P in place
+                if step + 1 < chunks:
+                    stage(sh, Q_OFF, Q, (gn + (-1 if reverse else 1)) * CK, t)
             for i in range(TR2):
-                k = ty + RT * i
+                k = ty * TR2 + i
                 for j in range(TC):
-                    col = v0 + tx + CT * j
-                    if k < K and col < v_dim:
-                        final[(gi * K + k) * v_dim + col] = sr[i * TC + j]
+                    if k < K and v0 + j < v_dim:
+                        final[(gi * K + k) * v_dim + v0 + j] = sr[i * TC + j]
             blk += cuda.gridDim.x
 
     return kernel
 
 
-@functools.lru_cache(maxsize=None)
-def unit_lower_inverse_kernel(c: int):
-    """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
-    reading only A's strictly lower triangle. A block a matrix (grid-stride), C threads:
-    thread j runs column j's forward substitution T[i, j] = sum_{j <= l < i} A[i, l] T[l, j]
-    (T[j, j] = 1), A and T in shared memory (T's rows are contiguous over j: the lanes hit
-    distinct banks; A[i, l] is one broadcast)."""
-    C = c
-    CC = C * C                    # a constant for shared.array (C * C in the kernel is a value)
-    U = min(16, C)                # rows loaded a group (all loads issued before the stores)
-    NG = -(-C // U)
+# ---- the chunk's triangular system ----------------------------------------------------------
+# threads a column of the padded matrix (the products' share of the work): GPU 4, simulator 1
+register_geometry("unit_lower_inverse", 4, 1)
+DIAG = 16                 # the diagonal blocks inverted by substitution
 
-    @jit
+
+def inverse_size(c: int) -> int:
+    """The padded size of a [c, c] system: 16, 32 or 64 (A zero-padded: T's corner is exact)."""
+    return max(DIAG, 1 << max(0, c - 1).bit_length())
+
+
+@inline
+def _item(it, hh, hq):
+    """A product's work item -> (4-column group, row, the pair's first row of T)."""
+    return it % hq, (it // hq) % hh, (it // (hq * hh)) * 2 * hh
+
+
+@functools.lru_cache(maxsize=None)
+def unit_lower_inverse_kernel(c: int, tpc: int):
+    """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
+    reading only A's strictly lower triangle; a block a matrix (grid-stride), CP tpc threads
+    (CP = inverse_size(C)). With A zero-padded to CP and T = (I - A)^-1:
+
+    * each diagonal 16 x 16 block of T by forward substitution, a thread a column j:
+      T[i, j] = sum_{j <= l < i} A[i, l] T[l, j], T[j, j] = 1;
+    * then for h = 16, 32, .. < CP, each 2h diagonal block [[T1, 0], [X, T2]] from its two
+      inverted h halves: X = T2 (A21 T1), two [h, h] products, a thread 4 consecutive columns
+      of a row of each (T's upper blocks are zeros, written first).
+
+    A and T live in shared memory, rows CP + 1 apart (a product's lanes read distinct rows
+    of the left factor: distinct banks)."""
+    C, TPC = c, tpc
+    CP = inverse_size(C)
+    NT = CP * TPC
+    S = CP + 1
+    NSQ = CP * S                  # (a constant for shared.array: an expression there is a value)
+    NY = CP * CP // 4             # the products' A21 T1, all pairs of one level
+
+    @jit(launch_bounds=(NT, 3))      # 3 blocks a multiprocessor (unbounded: 125 registers, 2)
     def kernel(out, a, count):
-        a_sh = cuda.shared.array(CC, float32)
-        t_sh = cuda.shared.array(CC, float32)
-        stg = cuda.local.array(U, float32)
-        j = cuda.threadIdx.x
+        a_sh = cuda.shared.array(NSQ, float32)
+        t_sh = cuda.shared.array(NSQ, float32)
+        y_sh = cuda.shared.array(NY, float32)
+        acc = cuda.local.array(4, float32)
+        t = cuda.threadIdx.x
         m = cuda.blockIdx.x
         while m < count:
             base = m * (C * C)
-            for grp in range(NG):
-                for u in range(U):
-                    r = grp * U + u
-                    stg[u] = a[base + r * C + j] if r < C else float32(0.0)
-                for u in range(U):
-                    r = grp * U + u
-                    if r < C:
-                        a_sh[r * C + j] = stg[u]
-                        t_sh[r * C + j] = float32(1.0) if r == j else float32(0.0)
+            for e in range(t, CP * CP, NT):
+                r, col = e // CP, e % CP
+                a_sh[r * S + col] = a[base + r * C + col] if r < C and col < C \
+                    else float32(0.0)
+                t_sh[r * S + col] = float32(0.0)
             cuda.syncthreads()
-            for i in range(j + 1, C):
-                acc = float32(0.0)
-                for l in range(j, i):
-                    acc += a_sh[i * C + l] * t_sh[l * C + j]
-                t_sh[i * C + j] = acc
+            if t < CP:                            # diagonal block t // 16, its column t % 16
+                d0, j = t - t % DIAG, t % DIAG    # (T's rows of it above j stay 0)
+                t_sh[(d0 + j) * S + d0 + j] = float32(1.0)
+                for i in range(j + 1, DIAG):
+                    s = float32(0.0)
+                    for l in range(j, i):
+                        s += a_sh[(d0 + i) * S + d0 + l] * t_sh[(d0 + l) * S + d0 + j]
+                    t_sh[(d0 + i) * S + d0 + j] = s
             cuda.syncthreads()
-            for r in range(C):
-                out[base + r * C + j] = t_sh[r * C + j]
-            cuda.syncthreads()            # before the next matrix overwrites A and T
+            hh = DIAG
+            while hh < CP:                        # each pair of hh blocks into one of 2 hh
+                hq = hh // 4
+                items = (CP // (2 * hh)) * hh * hq    # pairs x rows x 4-column groups
+                for it in range(t, items, NT):    # Y = A21 T1
+                    cg, r, p0 = _item(it, hh, hq)
+                    for w in range(4):
+                        acc[w] = float32(0.0)
+                    for k in range(hh):
+                        lf = a_sh[(p0 + hh + r) * S + p0 + k]
+                        for w in range(4):
+                            acc[w] += lf * t_sh[(p0 + k) * S + p0 + 4 * cg + w]
+                    for w in range(4):
+                        y_sh[(p0 // 2 + r) * hh + 4 * cg + w] = acc[w]
+                cuda.syncthreads()
+                for it in range(t, items, NT):    # X = T2 Y
+                    cg, r, p0 = _item(it, hh, hq)
+                    for w in range(4):
+                        acc[w] = float32(0.0)
+                    for k in range(hh):
+                        lf = t_sh[(p0 + hh + r) * S + p0 + hh + k]
+                        for w in range(4):
+                            acc[w] += lf * y_sh[(p0 // 2 + k) * hh + 4 * cg + w]
+                    for w in range(4):
+                        t_sh[(p0 + hh + r) * S + p0 + 4 * cg + w] = acc[w]
+                cuda.syncthreads()
+                hh *= 2
+            for e in range(t, C * C, NT):
+                out[base + e] = t_sh[(e // C) * S + e % C]
+            cuda.syncthreads()                    # before the next matrix overwrites A and T
             m += cuda.gridDim.x
 
     return kernel

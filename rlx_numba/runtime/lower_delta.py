@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import SIMULATOR
+from ..device import SIMULATOR, device_info
 from ..kernels import delta as K
 from ..kernels.launch import default_geometry
-from .lower import Step, lowering, step_name
+from .lower import Step, data_ptr, lowering, step_name
 
 
 @lowering("delta_state_scan")
@@ -21,7 +21,11 @@ def _lower_state_scan(ctx, n):
     vs = K.columns(geo, v)
     has_bias = len(ins) == 6
     reverse = bool(n.attrs.get("reverse", False))
-    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias)
+    p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
+    # P and Q copied 16 bytes at a time (cp.async: sm_80+) where their rows allow it
+    vec = k % 4 == 0 and all(data_ptr(b) % 16 == 0 for b in (p, q)) \
+        and (SIMULATOR or device_info()["cc"] >= (8, 0))
+    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias, vec)
     # the further results (states, final) where they are live, else scratch the kernel
     # writes and nothing reads
     outs = {"delta_scan_states": (heads * chunks * k * v), "delta_scan_final": (heads * k * v)}
@@ -32,7 +36,6 @@ def _lower_state_scan(ctx, n):
     for op, size in outs.items():
         if isinstance(size, int):
             outs[op] = ctx.device_array(np.zeros(size, np.float32))
-    p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
     bias = ctx.buf(n.inputs[5]) if has_bias else d          # (not read without a bias)
     blocks = heads * -(-v // vs)
     grid = min(blocks, 2) if SIMULATOR else blocks
@@ -41,7 +44,7 @@ def _lower_state_scan(ctx, n):
                  (geo.rt * geo.ct,),
                  (outs["delta_scan_states"], ctx.buf(n), outs["delta_scan_final"], p, q, a, d,
                   s0, bias, np.int64(heads), np.int64(chunks), np.int64(v)),
-                 {"flops": 4 * heads * chunks * c * k * v})]
+                 {"flops": 4 * heads * chunks * c * k * v}, shared=K.shared_bytes(k, c, vs, geo))]
 
 
 @lowering("delta_scan_states", "delta_scan_final")
@@ -56,7 +59,8 @@ def _lower_unit_lower_inverse(ctx, n):
     if count * c == 0:
         return []
     grid = min(count, 2) if SIMULATOR else count
+    tpc = default_geometry("unit_lower_inverse")
     return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}",
-                 K.unit_lower_inverse_kernel(c), (grid,), (c,),
+                 K.unit_lower_inverse_kernel(c, tpc), (grid,), (K.inverse_size(c) * tpc,),
                  (ctx.buf(n), ctx.buf(n.inputs[0]), np.int64(count)),
                  {"flops": count * c ** 3 // 3})]
