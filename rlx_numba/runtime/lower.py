@@ -351,10 +351,21 @@ def compile_off_thread(dispatcher, sig):
 
 
 def _set_max_dynamic_shared(func: int, nbytes: int) -> None:
-    """cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): the opt-in past 48 KiB."""
-    fn = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    err = fn(ctypes.c_void_p(func), 8, int(nbytes))   # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    """The opt-in past 48 KiB: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8) on the
+    handle numba launches. numba-cuda loads modules as libraries, so that handle can be a
+    CUkernel (cuLaunchKernel takes either), which cuFuncSetAttribute refuses with
+    CUDA_ERROR_INVALID_HANDLE (400); a CUkernel takes cuKernelSetAttribute for the context's
+    device."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    err = cu.cuFuncSetAttribute(ctypes.c_void_p(func), 8, int(nbytes))
+    if err == 400:
+        dev = ctypes.c_int()
+        err = cu.cuCtxGetDevice(ctypes.byref(dev))
+        if not err:
+            cu.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                ctypes.c_int]
+            err = cu.cuKernelSetAttribute(8, int(nbytes), ctypes.c_void_p(func), dev.value)
     if err:
         raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: "
                            f"CUresult {err} (more than the GPU's shared memory a block?)")
