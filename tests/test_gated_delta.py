@@ -290,14 +290,16 @@ def test_unit_lower_inverse(rng):
     y = g.bind("unit_lower_inverse", [x])
     check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
           atol=1e-4)
-    # C = 40: padded to 64, the 16 x 16 diagonal blocks then two levels of products
-    a = rng.standard_normal((3, 40, 40)) * 0.3
-    g = rlx.Graph()
-    x = g.input("a", a.shape)
-    g.set_outputs([g.bind("unit_lower_inverse", [x])])
-    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
-    want = np.linalg.inv(np.eye(40) - np.tril(a, -1))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # C = 20 (padded to 32: one warp), 40 and 64 (padded to 64: the second warp starts at
+    # its first column's row block); A's noise above the diagonal must not count
+    for c, sd in ((20, 0.3), (40, 0.3), (64, 0.15)):
+        a = rng.standard_normal((3, c, c)) * sd
+        g = rlx.Graph()
+        x = g.input("a", a.shape)
+        g.set_outputs([g.bind("unit_lower_inverse", [x])])
+        (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+        want = np.linalg.inv(np.eye(c) - np.tril(a, -1))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
                                          r"with C <= 64, got f32 \[2, 3, 4\]"):
         g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])
@@ -356,8 +358,8 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
-    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, under
-    its launch bounds), compiled through NVVM and assembled by ptxas with nothing spilled. The
+    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, no
+    local memory), compiled through NVVM and assembled by ptxas with nothing spilled. The
     simulator takes a shared array sized by an expression; NVVM needs a constant (the
     inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
@@ -374,7 +376,7 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
         from rlx_numba.kernels.launch import default_geometry
         f32 = T.float32[::1]
         geo = default_geometry("delta_state_scan")
-        inv = K.unit_lower_inverse_kernel(64, default_geometry("unit_lower_inverse"))
+        inv = K.unit_lower_inverse_kernel(64)
         for name, k, sig in (
                 ("scan", K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True,
                                              True), (f32,) * 9 + (T.int64,) * 3),
@@ -391,6 +393,12 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("scan", "scan1", "inverse"):
         assemble_sm80(tmp_path / f"{name}.ptx")
+    # the inverse's register arrays (T's 16 rows, indexed by constants once unrolled) stay in
+    # registers: no local memory at all
+    r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(tmp_path / "inverse.ptx"), "-o",
+                        str(tmp_path / "inverse.cubin")], capture_output=True, text=True,
+                       timeout=300)
+    assert "0 bytes stack frame" in r.stderr, r.stderr
     # element copies (K % 4 != 0) take no cp.async: they also run below sm_80
     assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
     assert "cp.async" not in (tmp_path / "scan1.ptx").read_text()

@@ -59,8 +59,7 @@ def _lower_unit_lower_inverse(ctx, n):
     if count * c == 0:
         return []
     grid = min(count, 2) if SIMULATOR else count
-    tpc = default_geometry("unit_lower_inverse")
     return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}",
-                 K.unit_lower_inverse_kernel(c, tpc), (grid,), (K.inverse_size(c) * tpc,),
+                 K.unit_lower_inverse_kernel(c), (grid,), (K.inverse_size(c),),
                  (ctx.buf(n), ctx.buf(n.inputs[0]), np.int64(count)),
                  {"flops": count * c ** 3 // 3})]
