@@ -262,22 +262,29 @@ class DeltaOps:
         strict = self.constant(np.tril(np.ones((c, c), bool), -1))
         zero = self.constant(np.zeros((), np.float32))
         gi = self.reshape(gs, (b, h, n, c, 1))
-        diff = gi - self.reshape(gs, (b, h, n, 1, c))
-        # exp(G_i - G_j) for j <= i; the exponent is masked first so that no exp overflows
-        # above the diagonal (its gradient would be 0 * inf there)
-        decay = self.where(lower, self.activation("exp", self.where(lower, diff, zero)), zero)
+        gj = self.reshape(gs, (b, h, n, 1, c))
+
+        def decay(mask):
+            # exp(G_i - G_j) where mask; the exponent is masked first so that no exp overflows
+            # above the diagonal (its gradient would be 0 * inf there). Built once for each
+            # reader: a chain with one reader of its shape fuses into that reader's kernel,
+            # so the [C, C] decays are never stored
+            return self.activation("exp", self.where(mask, gi - gj, zero))
         kt = self.transpose(k, (0, 1, 2, 4, 3))
-        a = self.where(strict, -(self.matmul(k, kt) * decay * self.reshape(bh, (b, h, n, c, 1))),
-                       zero)                                   # A = -diag(beta) (k k^T * decay)
+        # A = -diag(beta) (k k^T * decay), its strict triangle
+        a = self.where(strict, -(self.matmul(k, kt) * decay(strict)
+                                 * self.reshape(bh, (b, h, n, c, 1))), zero)
         tri = self._unit_lower_inverse(a, c)                   # (I - A)^-1
         u = self.matmul(tri * self.reshape(bh, (b, h, n, 1, c)), v)     # [B, H, N, C, Dv]
         # -W = -(I - A)^-1 diag(beta exp(G)) k: the state pass adds P h, P = -W
         bw = -(bh * self.activation("exp", gs))
         w_neg = self.matmul(tri * self.reshape(bw, (b, h, n, 1, c)), k)
-        attn = self.where(lower, self.matmul(q, kt) * decay, zero)   # within a chunk
+        attn = self.where(lower, self.matmul(q, kt) * decay(lower), zero)   # within a chunk
+        # G_last, the chunk's total log decay: read in place (a strided narrow) by the two
+        # element-wise kernels below, which is what they alone read it with
         g_last = self.narrow(gs, 3, c - 1, 1)                  # [B, H, N, 1]
-        k_dec = k * self.activation("exp", self.reshape(g_last - gs, (b, h, n, c, 1)))
-        s_dec = self.activation("exp", self.reshape(g_last, (b * h, n)))
+        k_dec = k * self.reshape(self.activation("exp", g_last - gs), (b, h, n, c, 1))
+        s_dec = self.reshape(self.activation("exp", g_last), (b * h, n))
         s0 = self.reshape(initial_state, (b * h, dk, dv)) if initial_state is not None else \
             self.constant(np.zeros((b * h, dk, dv), np.float32))
         v_new, states, last = self.bind(
