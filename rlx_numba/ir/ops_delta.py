@@ -183,6 +183,56 @@ def _unit_lower_inverse_vjp(g, node, dt_):
     return [g.where(strict, da, g.constant(np.zeros((), np.float32)))]
 
 
+def _infer_unit_lower_inverse_scaled(a, s1, s2):
+    """T diag(s1) [..., C, C]; further results: T diag(s2), T."""
+    _infer_unit_lower_inverse(a)
+    for arg, t in (("s1", s1), ("s2", s2)):
+        if t.dtype != dt.F32 or tuple(t.shape) != tuple(a.shape[:-1]):
+            raise ValueError(f"unit_lower_inverse_scaled: {arg} must be f32 "
+                             f"{fmt(a.shape[:-1])} (a column scale of each matrix of A "
+                             f"{fmt(a.shape)}), got {t.dtype} {fmt(t.shape)}")
+    return [(a.shape, dt.F32)] * 3
+
+
+defop("unit_lower_inverse_scaled", _infer_unit_lower_inverse_scaled, dtype_rule=F32_ONLY,
+      results=(("unit_lower_inverse_second", None), ("unit_lower_inverse_t", None)),
+      doc="T = (I - A)^-1 of A's strictly lower triangle [..., C, C] (C <= 64) column-scaled "
+          "twice, one kernel: -> (T diag(s1), T diag(s2), T), s1 and s2 [..., C]")
+for _op in ("unit_lower_inverse_second", "unit_lower_inverse_t"):
+    defop(_op, _further_result(_op), written_by=0, dtype_rule=F32_ONLY,
+          doc="a further result of unit_lower_inverse_scaled, stored by its kernel (T only "
+              "where something reads it)")
+vjp("unit_lower_inverse_second", "unit_lower_inverse_t")(_further_vjp)
+
+
+@vjp("unit_lower_inverse_scaled")
+def _unit_lower_inverse_scaled_vjp(g, node, dx):
+    """out_k = T diag(s_k): dT = sum_k dout_k diag(s_k) (+ dT of T itself), ds_k = the column
+    sums of T * dout_k; then dA = T^T dT T^T on the strict lower triangle, as
+    unit_lower_inverse's."""
+    a, s1, s2 = (g.tensor(i) for i in node.inputs)
+    marked = _pending(g).pop(node.id, {})
+    d1 = _strip(g, dx, {z for z, _ in marked.values()})
+    d2 = marked.get("unit_lower_inverse_second", (None, None))[1]
+    t = g.tensor(next(r for r in node.results if g.nodes[r].op == "unit_lower_inverse_t"))
+    c = a.shape[-1]
+    dt_ = marked.get("unit_lower_inverse_t", (None, None))[1]
+    grads = []
+    for d, sk in ((d1, s1), (d2, s2)):
+        if d is None:
+            grads.append(None)
+            continue
+        term = d * g.reshape(sk, sk.shape[:-1] + (1, c))
+        dt_ = term if dt_ is None else dt_ + term
+        grads.append(g.reduce_sum(t * d, [a.ndim - 2]))
+    if dt_ is None:
+        return [None] + grads
+    tt = g.transpose(t, tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
+    da = g.matmul(g.matmul(tt, dt_), tt)
+    strict = g.constant(np.tril(np.ones((c, c), bool), -1))
+    return [g.where(strict, da, g.constant(np.zeros((), np.float32)))] + grads
+
+
 def _check(op, q, k, v, g_, beta, initial_state, scale, state_arg="initial_state"):
     for arg, t in (("q", q), ("k", k), ("v", v), ("g", g_), ("beta", beta)):
         if t.dtype != dt.F32:
@@ -274,11 +324,13 @@ class DeltaOps:
         # A = -diag(beta) (k k^T * decay), its strict triangle
         a = self.where(strict, -(self.matmul(k, kt) * decay(strict)
                                  * self.reshape(bh, (b, h, n, c, 1))), zero)
-        tri = self._unit_lower_inverse(a, c)                   # (I - A)^-1
-        u = self.matmul(tri * self.reshape(bh, (b, h, n, 1, c)), v)     # [B, H, N, C, Dv]
-        # -W = -(I - A)^-1 diag(beta exp(G)) k: the state pass adds P h, P = -W
+        # u = (I - A)^-1 diag(beta) v and -W = -(I - A)^-1 diag(beta exp(G)) k (the state pass
+        # adds P h, P = -W): the inverse's kernel writes both column-scaled copies, so neither
+        # scale is a pass over [C, C] of its own
         bw = -(bh * self.activation("exp", gs))
-        w_neg = self.matmul(tri * self.reshape(bw, (b, h, n, 1, c)), k)
+        tri_b, tri_w, _ = self.bind("unit_lower_inverse_scaled", [a, bh, bw])
+        u = self.matmul(tri_b, v)                              # [B, H, N, C, Dv]
+        w_neg = self.matmul(tri_w, k)
         attn = self.where(lower, self.matmul(q, kt) * decay(lower), zero)   # within a chunk
         # G_last, the chunk's total log decay: read in place (a strided narrow) by the two
         # element-wise kernels below, which is what they alone read it with
@@ -345,8 +397,3 @@ class DeltaOps:
         d = x.shape[-1]
         return self.rms_norm(x, self.constant(np.full(d, scale / np.sqrt(d), np.float32)),
                              eps=1e-6 / d)
-
-    def _unit_lower_inverse(self, a, c):
-        """(I - A)^-1 for A strictly lower triangular [..., C, C] (one kernel: forward
-        substitution, a block a matrix)."""
-        return self.bind("unit_lower_inverse", [a])

@@ -276,10 +276,13 @@ def _triangle(cp: int):
 
 
 @functools.lru_cache(maxsize=None)
-def unit_lower_inverse_kernel(c: int):
-    """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
-    reading only A's strictly lower triangle; a block a matrix (grid-stride), CP threads
-    (CP = inverse_size(C), A zero-padded to CP).
+def unit_lower_inverse_kernel(c: int, scaled: bool, write_t: bool):
+    """kernel(out, out2, tout, a, s1, s2, count): T = (I - A[m])^-1 for each of ``count``
+    [C, C] matrices, reading only A's strictly lower triangle, into out[m]; ``scaled``: the
+    column-scaled T diag(s1[m]) into out[m] and T diag(s2[m]) into out2[m] (s1, s2 [count,
+    C]), and T itself into tout[m] when ``write_t`` (out2, tout, s1 and s2 are not touched
+    otherwise). A block a matrix (grid-stride), CP threads (CP = inverse_size(C), A
+    zero-padded to CP).
 
     T = I + A T, so thread j solves column j by forward substitution,
     T[i, j] = [i == j] + sum_{l < i} A[i, l] T[l, j], 16 rows at a time in registers: first
@@ -298,7 +301,7 @@ def unit_lower_inverse_kernel(c: int):
     tri = _triangle(CP)
 
     @jit(launch_bounds=(CP,))
-    def kernel(out, a, count):
+    def kernel(out, out2, tout, a, s1, s2, count):
         a_sh = cuda.shared.array(NA, float32, alignment=ALIGN)
         t_sh = cuda.shared.array(NTS, float32)
         acc = cuda.local.array(RB, float32)       # rows 16 R + r of column j
@@ -309,6 +312,8 @@ def unit_lower_inverse_kernel(c: int):
         m = cuda.blockIdx.x
         while m < count:
             base = m * (C * C)
+            sc1 = s1[m * C + j] if scaled and j < C else float32(1.0)   # column j's scales
+            sc2 = s2[m * C + j] if scaled and j < C else float32(1.0)
             # A's row i, column j (a warp's loads coalesced), RB rows' loads in flight at once;
             # the diagonal, the upper triangle and the padding stored as zeros (16-byte loads of
             # a row read past its diagonal)
@@ -339,7 +344,14 @@ def unit_lower_inverse_kernel(c: int):
                     if rb + 1 < NR:
                         t_sh[(i0 + r) * CP + j] = acc[r]
                     if i0 + r < C and j < C:
-                        out[base + (i0 + r) * C + j] = acc[r]
+                        e = base + (i0 + r) * C + j
+                        if scaled:
+                            out[e] = acc[r] * sc1
+                            out2[e] = acc[r] * sc2
+                            if write_t:
+                                tout[e] = acc[r]
+                        else:
+                            out[e] = acc[r]
             cuda.syncthreads()                    # A read before the next matrix overwrites it
             m += cuda.gridDim.x
 
