@@ -274,8 +274,9 @@ def test_step_errors():
 # ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
 def test_unit_lower_inverse(rng):
     """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
-    count), 3 matrices of 5 x 5 and of 40 x 40 (more than the simulator's 2 blocks: the
-    grid-stride loop); its VJP by finite differences."""
+    count), 3 matrices (more than the simulator's 2 blocks: the grid-stride loop) of 5 x 5
+    (its VJP by finite differences), 20 x 20, 40 x 40 and 64 x 64; then the column-scaled
+    form gated_delta_net uses."""
     a = rng.standard_normal((3, 5, 5)) * 0.5
 
     def oracle(a):
@@ -387,9 +388,9 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
     cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, both
-    column-scaled copies and T: no local memory), compiled through NVVM and assembled by ptxas with nothing spilled. The
-    simulator takes a shared array sized by an expression; NVVM needs a constant (the
-    inverse's C * C failed on an H200)."""
+    column-scaled copies and T: no local memory either), compiled through NVVM and assembled
+    by ptxas with nothing spilled. The simulator takes a shared array sized by an
+    expression; NVVM needs a constant (the inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"

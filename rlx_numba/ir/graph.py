@@ -514,8 +514,8 @@ def _vjp_binary(g, n, dy):
     dy, af, bf = _in_f32(g, dy, a, b)
     if k == "add":
         da, db = dy, dy
-    elif k == "sub":    # b's gradient negated after its sum to b's shape: a broadcast b's
-        da, db = dy, None    # is smaller than dy (one pass over dy fewer)
+    elif k == "sub":    # b's gradient: -dy summed to b's shape, negated after the sum (a
+        da, db = dy, None   # broadcast b's sum is smaller than dy: no full-size neg pass)
     elif k == "mul":
         da, db = dy * bf, dy * af
     elif k == "div":

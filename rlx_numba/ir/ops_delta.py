@@ -9,10 +9,11 @@ Built in the chunked form of fla and of transformers' torch_chunk_gated_delta_ru
 tokens split into chunks of C; everything that does not need the state runs for all chunks at
 once as batched products and element-wise ops: the within-chunk decays exp(G_i - G_j) (G the
 chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule (the
-op "unit_lower_inverse": forward substitution, a block a chunk; its VJP two batched
-products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
-and the decayed keys. Only the state pass is sequential, the op "delta_state_scan" (one
-kernel for all chunks, kernels/delta.py):
+op "unit_lower_inverse_scaled": forward substitution, a block a chunk, writing the two
+column-scaled copies (I - A)^-1 diag(beta) and -(I - A)^-1 diag(beta exp(G)) the products
+read; its VJP two batched products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G),
+the within-chunk attention and the decayed keys. Only the state pass is sequential, the op
+"delta_state_scan" (one kernel for all chunks, kernels/delta.py):
 
     h_n entering chunk n;  v'_n = u_n - W_n h_n;  h_{n+1} = exp(G_last) h_n + K_dec^T v'_n
 
@@ -332,8 +333,8 @@ class DeltaOps:
         u = self.matmul(tri_b, v)                              # [B, H, N, C, Dv]
         w_neg = self.matmul(tri_w, k)
         attn = self.where(lower, self.matmul(q, kt) * decay(lower), zero)   # within a chunk
-        # G_last, the chunk's total log decay: read in place (a strided narrow) by the two
-        # element-wise kernels below, which is what they alone read it with
+        # G_last, the chunk's total log decay: only element-wise kernels read it (exp before
+        # any reshape), so it is a strided narrow read in place, not a copy
         g_last = self.narrow(gs, 3, c - 1, 1)                  # [B, H, N, 1]
         k_dec = k * self.reshape(self.activation("exp", g_last - gs), (b, h, n, c, 1))
         s_dec = self.reshape(self.activation("exp", g_last), (b * h, n))
