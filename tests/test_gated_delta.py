@@ -274,8 +274,9 @@ def test_step_errors():
 # ---- the chunk's triangular system (the op "unit_lower_inverse") ----------------------------
 def test_unit_lower_inverse(rng):
     """(I - A)^-1 from A's strictly lower triangle only (the rest is noise that must not
-    count), 3 matrices of 5 x 5 and of 40 x 40 (more than the simulator's 2 blocks: the
-    grid-stride loop); its VJP by finite differences."""
+    count), 3 matrices (more than the simulator's 2 blocks: the grid-stride loop) of 5 x 5
+    (its VJP by finite differences), 20 x 20, 40 x 40 and 64 x 64; then the column-scaled
+    form gated_delta_net uses."""
     a = rng.standard_normal((3, 5, 5)) * 0.5
 
     def oracle(a):
@@ -290,14 +291,44 @@ def test_unit_lower_inverse(rng):
     y = g.bind("unit_lower_inverse", [x])
     check(g, y, {"a": x}, {"a": a}, oracle, seed=rng.standard_normal(a.shape), rtol=1e-3,
           atol=1e-4)
-    # C = 40: padded to 64, the 16 x 16 diagonal blocks then two levels of products
-    a = rng.standard_normal((3, 40, 40)) * 0.3
-    g = rlx.Graph()
-    x = g.input("a", a.shape)
-    g.set_outputs([g.bind("unit_lower_inverse", [x])])
-    (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
-    want = np.linalg.inv(np.eye(40) - np.tril(a, -1))
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # C = 20 (padded to 32: one warp), 40 and 64 (padded to 64: the second warp starts at
+    # its first column's row block); A's noise above the diagonal must not count
+    for c, sd in ((20, 0.3), (40, 0.3), (64, 0.15)):
+        a = rng.standard_normal((3, c, c)) * sd
+        g = rlx.Graph()
+        x = g.input("a", a.shape)
+        g.set_outputs([g.bind("unit_lower_inverse", [x])])
+        (got,) = rlx.compile(g).run({"a": a.astype(np.float32)})
+        want = np.linalg.inv(np.eye(c) - np.tril(a, -1))
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    # the column-scaled form (gated_delta_net's): T diag(s1), T diag(s2), T from one kernel,
+    # each result's gradient by finite differences (T alone read: the further result whose
+    # kernel store is conditional)
+    a = rng.standard_normal((2, 3, 6, 6)) * 0.5
+    s1, s2 = rng.standard_normal((2, 3, 6)), rng.standard_normal((2, 3, 6))
+
+    def scaled(a, s1, s2):
+        t = np.linalg.inv(np.eye(6) - np.tril(a, -1))
+        return t * s1[..., None, :], t * s2[..., None, :], t
+    for pick in range(3):
+        g = rlx.Graph()
+        xs = {n: g.input(n, v.shape) for n, v in (("a", a), ("s1", s1), ("s2", s2))}
+        outs = g.bind("unit_lower_inverse_scaled", list(xs.values()))
+        if pick == 0:
+            g.set_outputs(list(outs))
+            got = rlx.compile(g).run({"a": a.astype(np.float32), "s1": s1.astype(np.float32),
+                                      "s2": s2.astype(np.float32)})
+            for x, want in zip(got, scaled(a, s1, s2)):
+                np.testing.assert_allclose(x, want, rtol=1e-5, atol=1e-5)
+        y = outs[pick] if pick else outs[0] * 0.5 + outs[1]
+        check(g, y, xs, {"a": a, "s1": s1, "s2": s2},
+              lambda a, s1, s2: (scaled(a, s1, s2)[pick] if pick else
+                                 scaled(a, s1, s2)[0] * 0.5 + scaled(a, s1, s2)[1]),
+              seed=rng.standard_normal(a.shape), rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError, match=r"unit_lower_inverse_scaled: s2 must be f32 \[2, 3, 6\] "
+                                         r"\(a column scale of each matrix of A \[2, 3, 6, 6\]\), "
+                                         r"got f32 \[2, 6\]"):
+        g.bind("unit_lower_inverse_scaled", [xs["a"], xs["s1"], g.input("b2", (2, 6))])
     with pytest.raises(ValueError, match=r"unit_lower_inverse: A must be f32 \[\.\.\., C, C\] "
                                          r"with C <= 64, got f32 \[2, 3, 4\]"):
         g.bind("unit_lower_inverse", [g.input("b", (2, 3, 4))])
@@ -337,7 +368,7 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
     g, _, o, s = build({k: v.shape for k, v in f.items()}, chunk_size=4)
     g.set_outputs([o, s])
     half = g.to_dtype("bf16")
-    scans = [n for n in half.nodes if n.op in ("delta_state_scan", "unit_lower_inverse")]
+    scans = [n for n in half.nodes if n.op in ("delta_state_scan", "unit_lower_inverse_scaled")]
     assert len(scans) == 2
     assert all(half.nodes[i].dtype == dt.F32 for n in scans for i in n.inputs
                if half.nodes[i].dtype.is_float)
@@ -356,10 +387,10 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
-    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, under
-    its launch bounds), compiled through NVVM and assembled by ptxas with nothing spilled. The
-    simulator takes a shared array sized by an expression; NVVM needs a constant (the
-    inverse's C * C failed on an H200)."""
+    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, both
+    column-scaled copies and T: no local memory either), compiled through NVVM and assembled
+    by ptxas with nothing spilled. The simulator takes a shared array sized by an
+    expression; NVVM needs a constant (the inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
@@ -374,13 +405,13 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
         from rlx_numba.kernels.launch import default_geometry
         f32 = T.float32[::1]
         geo = default_geometry("delta_state_scan")
-        inv = K.unit_lower_inverse_kernel(64, default_geometry("unit_lower_inverse"))
+        inv = K.unit_lower_inverse_kernel(64, True, True)
         for name, k, sig in (
                 ("scan", K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True,
                                              True), (f32,) * 9 + (T.int64,) * 3),
                 ("scan1", K.state_scan_kernel(127, 64, K.columns(geo, 128), geo, True, False,
                                               False), (f32,) * 9 + (T.int64,) * 3),
-                ("inverse", inv, (f32, f32, T.int64))):
+                ("inverse", inv, (f32,) * 6 + (T.int64,))):
             ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                       launch_bounds=k.targetoptions.get("launch_bounds"))
             open(os.path.join({str(tmp_path)!r}, name + ".ptx"), "w").write(ptx)
@@ -391,6 +422,12 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("scan", "scan1", "inverse"):
         assemble_sm80(tmp_path / f"{name}.ptx")
+    # the inverse's register arrays (T's 16 rows, indexed by constants once unrolled) stay in
+    # registers: no local memory at all
+    r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(tmp_path / "inverse.ptx"), "-o",
+                        str(tmp_path / "inverse.cubin")], capture_output=True, text=True,
+                       timeout=300)
+    assert "0 bytes stack frame" in r.stderr, r.stderr
     # element copies (K % 4 != 0) take no cp.async: they also run below sm_80
     assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
     assert "cp.async" not in (tmp_path / "scan1.ptx").read_text()

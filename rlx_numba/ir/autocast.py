@@ -38,7 +38,7 @@ _PROMOTE_OPS = {"concat", "scatter_add"}
 # transformers runs the delta rule in f32 whatever the model's dtype: under autocast they
 # widen half operands (policy f32); in a converted model (to_dtype) they also compute in f32
 # and hand the model's dtype on, as the norms do inside their kernels.
-_F32_INSIDE_OPS = {"delta_state_scan", "unit_lower_inverse"}
+_F32_INSIDE_OPS = {"delta_state_scan", "unit_lower_inverse", "unit_lower_inverse_scaled"}
 
 HALVES = (dt.F16, dt.BF16)
 

@@ -514,8 +514,8 @@ def _vjp_binary(g, n, dy):
     dy, af, bf = _in_f32(g, dy, a, b)
     if k == "add":
         da, db = dy, dy
-    elif k == "sub":
-        da, db = dy, -dy
+    elif k == "sub":    # b's gradient: -dy summed to b's shape, negated after the sum (a
+        da, db = dy, None   # broadcast b's sum is smaller than dy: no full-size neg pass)
     elif k == "mul":
         da, db = dy * bf, dy * af
     elif k == "div":
@@ -532,7 +532,8 @@ def _vjp_binary(g, n, dy):
         zero_base = g.min(g.eq(af, 0.0), g.ge(bf, 0.0))     # min of bools: and
         db = g.where(zero_base, 0.0, dy * y * g.log(af))
     return [sum_to(g, da, a.shape) if a.dtype.is_float else None,
-            sum_to(g, db, b.shape) if b.dtype.is_float else None]
+            (-sum_to(g, dy, b.shape) if k == "sub" else sum_to(g, db, b.shape))
+            if b.dtype.is_float else None]
 
 
 @vjp("where")

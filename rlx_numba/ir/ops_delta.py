@@ -9,10 +9,11 @@ Built in the chunked form of fla and of transformers' torch_chunk_gated_delta_ru
 tokens split into chunks of C; everything that does not need the state runs for all chunks at
 once as batched products and element-wise ops: the within-chunk decays exp(G_i - G_j) (G the
 chunk's running sum of g), the unit lower-triangular system (I - A)^-1 of the delta rule (the
-op "unit_lower_inverse": forward substitution, a block a chunk; its VJP two batched
-products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G), the within-chunk attention
-and the decayed keys. Only the state pass is sequential, the op "delta_state_scan" (one
-kernel for all chunks, kernels/delta.py):
+op "unit_lower_inverse_scaled": forward substitution, a block a chunk, writing the two
+column-scaled copies (I - A)^-1 diag(beta) and -(I - A)^-1 diag(beta exp(G)) the products
+read; its VJP two batched products), u = (I - A)^-1 beta v, W = (I - A)^-1 beta k exp(G),
+the within-chunk attention and the decayed keys. Only the state pass is sequential, the op
+"delta_state_scan" (one kernel for all chunks, kernels/delta.py):
 
     h_n entering chunk n;  v'_n = u_n - W_n h_n;  h_{n+1} = exp(G_last) h_n + K_dec^T v'_n
 
@@ -183,6 +184,56 @@ def _unit_lower_inverse_vjp(g, node, dt_):
     return [g.where(strict, da, g.constant(np.zeros((), np.float32)))]
 
 
+def _infer_unit_lower_inverse_scaled(a, s1, s2):
+    """T diag(s1) [..., C, C]; further results: T diag(s2), T."""
+    _infer_unit_lower_inverse(a)
+    for arg, t in (("s1", s1), ("s2", s2)):
+        if t.dtype != dt.F32 or tuple(t.shape) != tuple(a.shape[:-1]):
+            raise ValueError(f"unit_lower_inverse_scaled: {arg} must be f32 "
+                             f"{fmt(a.shape[:-1])} (a column scale of each matrix of A "
+                             f"{fmt(a.shape)}), got {t.dtype} {fmt(t.shape)}")
+    return [(a.shape, dt.F32)] * 3
+
+
+defop("unit_lower_inverse_scaled", _infer_unit_lower_inverse_scaled, dtype_rule=F32_ONLY,
+      results=(("unit_lower_inverse_second", None), ("unit_lower_inverse_t", None)),
+      doc="T = (I - A)^-1 of A's strictly lower triangle [..., C, C] (C <= 64) column-scaled "
+          "twice, one kernel: -> (T diag(s1), T diag(s2), T), s1 and s2 [..., C]")
+for _op in ("unit_lower_inverse_second", "unit_lower_inverse_t"):
+    defop(_op, _further_result(_op), written_by=0, dtype_rule=F32_ONLY,
+          doc="a further result of unit_lower_inverse_scaled, stored by its kernel (T only "
+              "where something reads it)")
+vjp("unit_lower_inverse_second", "unit_lower_inverse_t")(_further_vjp)
+
+
+@vjp("unit_lower_inverse_scaled")
+def _unit_lower_inverse_scaled_vjp(g, node, dx):
+    """out_k = T diag(s_k): dT = sum_k dout_k diag(s_k) (+ dT of T itself), ds_k = the column
+    sums of T * dout_k; then dA = T^T dT T^T on the strict lower triangle, as
+    unit_lower_inverse's."""
+    a, s1, s2 = (g.tensor(i) for i in node.inputs)
+    marked = _pending(g).pop(node.id, {})
+    d1 = _strip(g, dx, {z for z, _ in marked.values()})
+    d2 = marked.get("unit_lower_inverse_second", (None, None))[1]
+    t = g.tensor(next(r for r in node.results if g.nodes[r].op == "unit_lower_inverse_t"))
+    c = a.shape[-1]
+    dt_ = marked.get("unit_lower_inverse_t", (None, None))[1]
+    grads = []
+    for d, sk in ((d1, s1), (d2, s2)):
+        if d is None:
+            grads.append(None)
+            continue
+        term = d * g.reshape(sk, sk.shape[:-1] + (1, c))
+        dt_ = term if dt_ is None else dt_ + term
+        grads.append(g.reduce_sum(t * d, [a.ndim - 2]))
+    if dt_ is None:
+        return [None] + grads
+    tt = g.transpose(t, tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
+    da = g.matmul(g.matmul(tt, dt_), tt)
+    strict = g.constant(np.tril(np.ones((c, c), bool), -1))
+    return [g.where(strict, da, g.constant(np.zeros((), np.float32)))] + grads
+
+
 def _check(op, q, k, v, g_, beta, initial_state, scale, state_arg="initial_state"):
     for arg, t in (("q", q), ("k", k), ("v", v), ("g", g_), ("beta", beta)):
         if t.dtype != dt.F32:
@@ -262,22 +313,31 @@ class DeltaOps:
         strict = self.constant(np.tril(np.ones((c, c), bool), -1))
         zero = self.constant(np.zeros((), np.float32))
         gi = self.reshape(gs, (b, h, n, c, 1))
-        diff = gi - self.reshape(gs, (b, h, n, 1, c))
-        # exp(G_i - G_j) for j <= i; the exponent is masked first so that no exp overflows
-        # above the diagonal (its gradient would be 0 * inf there)
-        decay = self.where(lower, self.activation("exp", self.where(lower, diff, zero)), zero)
+        gj = self.reshape(gs, (b, h, n, 1, c))
+
+        def decay(mask):
+            # exp(G_i - G_j) where mask; the exponent is masked first so that no exp overflows
+            # above the diagonal (its gradient would be 0 * inf there). Built once for each
+            # reader: a chain with one reader of its shape fuses into that reader's kernel,
+            # so the [C, C] decays are never stored
+            return self.activation("exp", self.where(mask, gi - gj, zero))
         kt = self.transpose(k, (0, 1, 2, 4, 3))
-        a = self.where(strict, -(self.matmul(k, kt) * decay * self.reshape(bh, (b, h, n, c, 1))),
-                       zero)                                   # A = -diag(beta) (k k^T * decay)
-        tri = self._unit_lower_inverse(a, c)                   # (I - A)^-1
-        u = self.matmul(tri * self.reshape(bh, (b, h, n, 1, c)), v)     # [B, H, N, C, Dv]
-        # -W = -(I - A)^-1 diag(beta exp(G)) k: the state pass adds P h, P = -W
+        # A = -diag(beta) (k k^T * decay), its strict triangle
+        a = self.where(strict, -(self.matmul(k, kt) * decay(strict)
+                                 * self.reshape(bh, (b, h, n, c, 1))), zero)
+        # u = (I - A)^-1 diag(beta) v and -W = -(I - A)^-1 diag(beta exp(G)) k (the state pass
+        # adds P h, P = -W): the inverse's kernel writes both column-scaled copies, so neither
+        # scale is a pass over [C, C] of its own
         bw = -(bh * self.activation("exp", gs))
-        w_neg = self.matmul(tri * self.reshape(bw, (b, h, n, 1, c)), k)
-        attn = self.where(lower, self.matmul(q, kt) * decay, zero)   # within a chunk
+        tri_b, tri_w, _ = self.bind("unit_lower_inverse_scaled", [a, bh, bw])
+        u = self.matmul(tri_b, v)                              # [B, H, N, C, Dv]
+        w_neg = self.matmul(tri_w, k)
+        attn = self.where(lower, self.matmul(q, kt) * decay(lower), zero)   # within a chunk
+        # G_last, the chunk's total log decay: only element-wise kernels read it (exp before
+        # any reshape), so it is a strided narrow read in place, not a copy
         g_last = self.narrow(gs, 3, c - 1, 1)                  # [B, H, N, 1]
-        k_dec = k * self.activation("exp", self.reshape(g_last - gs, (b, h, n, c, 1)))
-        s_dec = self.activation("exp", self.reshape(g_last, (b * h, n)))
+        k_dec = k * self.reshape(self.activation("exp", g_last - gs), (b, h, n, c, 1))
+        s_dec = self.reshape(self.activation("exp", g_last), (b * h, n))
         s0 = self.reshape(initial_state, (b * h, dk, dv)) if initial_state is not None else \
             self.constant(np.zeros((b * h, dk, dv), np.float32))
         v_new, states, last = self.bind(
@@ -338,8 +398,3 @@ class DeltaOps:
         d = x.shape[-1]
         return self.rms_norm(x, self.constant(np.full(d, scale / np.sqrt(d), np.float32)),
                              eps=1e-6 / d)
-
-    def _unit_lower_inverse(self, a, c):
-        """(I - A)^-1 for A strictly lower triangular [..., C, C] (one kernel: forward
-        substitution, a block a matrix)."""
-        return self.bind("unit_lower_inverse", [a])

@@ -27,7 +27,7 @@ columns of P and Q past K, are zeros, written once (the products read them whole
 16-byte aligned rows (K % 4, or an unaligned buffer) P and Q are copied a float at a time,
 at the same points.
 
-unit_lower_inverse: (I - A)^-1 by blocks (below)."""
+unit_lower_inverse: (I - A)^-1, a thread a column by forward substitution (below)."""
 import functools
 from dataclasses import dataclass
 
@@ -250,98 +250,109 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
 
 
 # ---- the chunk's triangular system ----------------------------------------------------------
-# threads a column of the padded matrix (the products' share of the work): GPU 4, simulator 1
-register_geometry("unit_lower_inverse", 4, 1)
-DIAG = 16                 # the diagonal blocks inverted by substitution
+RB = 16                   # rows of T a thread holds in registers at a time
 
 
 def inverse_size(c: int) -> int:
     """The padded size of a [c, c] system: 16, 32 or 64 (A zero-padded: T's corner is exact)."""
-    return max(DIAG, 1 << max(0, c - 1).bit_length())
-
-
-@inline
-def _item(it, hh, hq):
-    """A product's work item -> (4-column group, row, the pair's first row of T)."""
-    return it % hq, (it // hq) % hh, (it // (hq * hh)) * 2 * hh
+    return max(RB, 1 << max(0, c - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=None)
-def unit_lower_inverse_kernel(c: int, tpc: int):
-    """kernel(out, a, count): out[m] = (I - A[m])^-1 for each of ``count`` [C, C] matrices,
-    reading only A's strictly lower triangle; a block a matrix (grid-stride), CP tpc threads
-    (CP = inverse_size(C)). With A zero-padded to CP and T = (I - A)^-1:
+def _triangle(cp: int):
+    """tri(a_sh, o, acc): acc[r] += sum_{l < r} A[r, l] acc[l] in row order over a diagonal
+    RB x RB block of A at a_sh[o:] (rows cp apart), A read 4 columns at a time. Written out
+    as straight-line code: NVVM does not unroll the triangle's loops, and acc[] indexed by a
+    loop variable would live in local memory."""
+    lines = ["def tri(a_sh, o, acc):"]
+    for r in range(1, RB):
+        for q in range(-(-r // 4)):
+            lines.append(f"    p = vld4(a_sh, o + {r * cp + 4 * q})")
+            lines += [f"    acc[{r}] += p[{u}] * acc[{4 * q + u}]"
+                      for u in range(min(4, r - 4 * q))]
+    ns = {"vld4": ptx.vld4}
+    exec("\n".join(lines), ns)         # noqa: S102 - the source is built just above
+    return inline(ns["tri"])
 
-    * each diagonal 16 x 16 block of T by forward substitution, a thread a column j:
-      T[i, j] = sum_{j <= l < i} A[i, l] T[l, j], T[j, j] = 1;
-    * then for h = 16, 32, .. < CP, each 2h diagonal block [[T1, 0], [X, T2]] from its two
-      inverted h halves: X = T2 (A21 T1), two [h, h] products, a thread 4 consecutive columns
-      of a row of each (T's upper blocks are zeros, written first).
 
-    A and T live in shared memory, rows CP + 1 apart (a product's lanes read distinct rows
-    of the left factor: distinct banks)."""
-    C, TPC = c, tpc
+@functools.lru_cache(maxsize=None)
+def unit_lower_inverse_kernel(c: int, scaled: bool, write_t: bool):
+    """kernel(out, out2, tout, a, s1, s2, count): T = (I - A[m])^-1 for each of ``count``
+    [C, C] matrices, reading only A's strictly lower triangle, into out[m]; ``scaled``: the
+    column-scaled T diag(s1[m]) into out[m] and T diag(s2[m]) into out2[m] (s1, s2 [count,
+    C]), and T itself into tout[m] when ``write_t`` (out2, tout, s1 and s2 are not touched
+    otherwise). A block a matrix (grid-stride), CP threads (CP = inverse_size(C), A
+    zero-padded to CP).
+
+    T = I + A T, so thread j solves column j by forward substitution,
+    T[i, j] = [i == j] + sum_{l < i} A[i, l] T[l, j], 16 rows at a time in registers: first
+    the rows above the block (T's rows already solved, from shared memory: 4 at a time, with
+    16-byte loads of A's rows), then within the block (unrolled: acc[r] += A[r, l] acc[l]).
+    A's reads are the same address across a warp (broadcasts), T's column is the thread's own
+    (no barrier between row blocks). T[l, j] = 0 for l < j, so a warp starts at its first
+    column's row block, and its sums at that row: the rows above stay zero.
+
+    Two barriers a matrix (A in place; A read before the next matrix overwrites it)."""
+    C = c
     CP = inverse_size(C)
-    NT = CP * TPC
-    S = CP + 1
-    NSQ = CP * S                  # (a constant for shared.array: an expression there is a value)
-    NY = CP * CP // 4             # the products' A21 T1, all pairs of one level
+    NR = CP // RB
+    NA = CP * CP
+    NTS = max(1, (CP - RB) * CP)   # T's rows that later row blocks read (not the last block's)
+    tri = _triangle(CP)
 
-    @jit(launch_bounds=(NT, 3))      # 3 blocks a multiprocessor (unbounded: 125 registers, 2)
-    def kernel(out, a, count):
-        a_sh = cuda.shared.array(NSQ, float32)
-        t_sh = cuda.shared.array(NSQ, float32)
-        y_sh = cuda.shared.array(NY, float32)
-        acc = cuda.local.array(4, float32)
-        t = cuda.threadIdx.x
+    @jit(launch_bounds=(CP,))
+    def kernel(out, out2, tout, a, s1, s2, count):
+        a_sh = cuda.shared.array(NA, float32, alignment=ALIGN)
+        t_sh = cuda.shared.array(NTS, float32)
+        acc = cuda.local.array(RB, float32)       # rows 16 R + r of column j
+        stg = cuda.local.array(RB, float32)
+        tv = cuda.local.array(4, float32)
+        j = cuda.threadIdx.x
+        wf = j - j % 32                           # the warp's first column
         m = cuda.blockIdx.x
         while m < count:
             base = m * (C * C)
-            for e in range(t, CP * CP, NT):
-                r, col = e // CP, e % CP
-                a_sh[r * S + col] = a[base + r * C + col] if r < C and col < C \
-                    else float32(0.0)
-                t_sh[r * S + col] = float32(0.0)
+            sc1 = s1[m * C + j] if scaled and j < C else float32(1.0)   # column j's scales
+            sc2 = s2[m * C + j] if scaled and j < C else float32(1.0)
+            # A's row i, column j (a warp's loads coalesced), RB rows' loads in flight at once;
+            # the diagonal, the upper triangle and the padding stored as zeros (16-byte loads of
+            # a row read past its diagonal)
+            for r0 in range(NR):
+                for r in range(RB):
+                    i = r0 * RB + r
+                    stg[r] = a[base + i * C + j] if j < i and i < C else float32(0.0)
+                for r in range(RB):
+                    a_sh[(r0 * RB + r) * CP + j] = stg[r]
             cuda.syncthreads()
-            if t < CP:                            # diagonal block t // 16, its column t % 16
-                d0, j = t - t % DIAG, t % DIAG    # (T's rows of it above j stay 0)
-                t_sh[(d0 + j) * S + d0 + j] = float32(1.0)
-                for i in range(j + 1, DIAG):
-                    s = float32(0.0)
-                    for l in range(j, i):
-                        s += a_sh[(d0 + i) * S + d0 + l] * t_sh[(d0 + l) * S + d0 + j]
-                    t_sh[(d0 + i) * S + d0 + j] = s
-            cuda.syncthreads()
-            hh = DIAG
-            while hh < CP:                        # each pair of hh blocks into one of 2 hh
-                hq = hh // 4
-                items = (CP // (2 * hh)) * hh * hq    # pairs x rows x 4-column groups
-                for it in range(t, items, NT):    # Y = A21 T1
-                    cg, r, p0 = _item(it, hh, hq)
-                    for w in range(4):
-                        acc[w] = float32(0.0)
-                    for k in range(hh):
-                        lf = a_sh[(p0 + hh + r) * S + p0 + k]
-                        for w in range(4):
-                            acc[w] += lf * t_sh[(p0 + k) * S + p0 + 4 * cg + w]
-                    for w in range(4):
-                        y_sh[(p0 // 2 + r) * hh + 4 * cg + w] = acc[w]
-                cuda.syncthreads()
-                for it in range(t, items, NT):    # X = T2 Y
-                    cg, r, p0 = _item(it, hh, hq)
-                    for w in range(4):
-                        acc[w] = float32(0.0)
-                    for k in range(hh):
-                        lf = t_sh[(p0 + hh + r) * S + p0 + hh + k]
-                        for w in range(4):
-                            acc[w] += lf * y_sh[(p0 // 2 + k) * hh + 4 * cg + w]
-                    for w in range(4):
-                        t_sh[(p0 + hh + r) * S + p0 + 4 * cg + w] = acc[w]
-                cuda.syncthreads()
-                hh *= 2
-            for e in range(t, C * C, NT):
-                out[base + e] = t_sh[(e // C) * S + e % C]
-            cuda.syncthreads()                    # before the next matrix overwrites A and T
+            for rb in range(NR):
+                i0 = rb * RB
+                if i0 + RB > wf:                  # (rows of the block above column wf: zeros)
+                    for r in range(RB):
+                        acc[r] = float32(1.0) if i0 + r == j else float32(0.0)
+                    for l4 in range(wf // 4, i0 // 4):      # solved rows above the block
+                        for u in range(4):
+                            tv[u] = t_sh[(4 * l4 + u) * CP + j]
+                        for r in range(RB):
+                            p = ptx.vld4(a_sh, (i0 + r) * CP + 4 * l4)
+                            for u in range(4):
+                                acc[r] += p[u] * tv[u]
+                    tri(a_sh, (i0 * CP + i0), acc)        # within the block
+                else:
+                    for r in range(RB):
+                        acc[r] = float32(0.0)
+                for r in range(RB):
+                    if rb + 1 < NR:
+                        t_sh[(i0 + r) * CP + j] = acc[r]
+                    if i0 + r < C and j < C:
+                        e = base + (i0 + r) * C + j
+                        if scaled:
+                            out[e] = acc[r] * sc1
+                            out2[e] = acc[r] * sc2
+                            if write_t:
+                                tout[e] = acc[r]
+                        else:
+                            out[e] = acc[r]
+            cuda.syncthreads()                    # A read before the next matrix overwrites it
             m += cuda.gridDim.x
 
     return kernel

@@ -52,15 +52,34 @@ def _lower_further(ctx, n):
     return []   # written by delta_state_scan's kernel
 
 
-@lowering("unit_lower_inverse")
+@lowering("unit_lower_inverse", "unit_lower_inverse_scaled")
 def _lower_unit_lower_inverse(ctx, n):
     c = n.shape[-1]
     count = int(np.prod(n.shape[:-2], dtype=np.int64))
     if count * c == 0:
         return []
     grid = min(count, 2) if SIMULATOR else count
-    tpc = default_geometry("unit_lower_inverse")
-    return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}",
-                 K.unit_lower_inverse_kernel(c, tpc), (grid,), (K.inverse_size(c) * tpc,),
-                 (ctx.buf(n), ctx.buf(n.inputs[0]), np.int64(count)),
+    a = ctx.buf(n.inputs[0])
+    out2 = tout = s1 = s2 = a                                  # (not touched when plain)
+    scaled = n.op == "unit_lower_inverse_scaled"
+    write_t = False
+    if scaled:
+        s1, s2 = ctx.buf(n.inputs[1]), ctx.buf(n.inputs[2])
+        for r in n.results:             # T diag(s2) always (scratch when dead), T where live
+            op = ctx.graph.nodes[r].op
+            live = r in ctx.live
+            if op == "unit_lower_inverse_second":
+                out2 = ctx.buf(r) if live else ctx.device_array(np.zeros(count * c * c,
+                                                                          np.float32))
+            elif op == "unit_lower_inverse_t" and live:
+                tout, write_t = ctx.buf(r), True
+    what = (f", two column-scaled copies{' and T' if write_t else ''}" if scaled else "")
+    return [Step(step_name(n), f"unit lower inverse {count} x {c}x{c}{what}",
+                 K.unit_lower_inverse_kernel(c, scaled, write_t), (grid,), (K.inverse_size(c),),
+                 (ctx.buf(n), out2, tout, a, s1, s2, np.int64(count)),
                  {"flops": count * c ** 3 // 3})]
+
+
+@lowering("unit_lower_inverse_second", "unit_lower_inverse_t")
+def _lower_inverse_further(ctx, n):
+    return []   # written by unit_lower_inverse_scaled's kernel
