@@ -127,6 +127,7 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
     LD = d + PAD
     KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of an accumulator
     NS, KC = BC // 8, BC // 16     # n8 tiles of S; k16 steps over the columns
+    XT, YT = BR * LD, BC * LD      # a row / column tile (halves)
     uLD = _u(LD)
     rows_q = which == DQ
     load_x = tile_loader(BR, d, NT)
@@ -177,10 +178,10 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
 
     @jit(launch_bounds=(NT, geo.min_blocks))
     def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, nk):
-        X1 = cuda.shared.array(BR * LD, uint16, alignment=ALIGN)   # K or Q
-        X2 = cuda.shared.array(BR * LD, uint16, alignment=ALIGN)   # V or dO
-        Y1 = cuda.shared.array(BC * LD, uint16, alignment=ALIGN)   # Q or K
-        Y2 = cuda.shared.array(BC * LD, uint16, alignment=ALIGN)   # dO or V
+        X1 = cuda.shared.array(XT, uint16, alignment=ALIGN)   # K or Q
+        X2 = cuda.shared.array(XT, uint16, alignment=ALIGN)   # V or dO
+        Y1 = cuda.shared.array(YT, uint16, alignment=ALIGN)   # Q or K
+        Y2 = cuda.shared.array(YT, uint16, alignment=ALIGN)   # dO or V
         s = cuda.local.array((NS, 4), float32)      # S, then P
         dp = cuda.local.array((NS, 4), float32)     # dP, then dS
         o1 = cuda.local.array((DN, 4), float32)     # dV (DKV)
