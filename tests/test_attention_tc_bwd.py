@@ -2,13 +2,15 @@
 for f16 / bf16 on mma.sync against float64 NumPy gradients of the same half-rounded inputs
 (tests/test_attention_half.py's oracle): causal with Sq < Sk, Sq = Sk and Sq > Sk (rows that
 keep no key), a key padding mask with a batch row that keeps none, scale, GQA (dK / dV summed
-over a group in the kernel), the [B, S, H * D] layout; the attributes it does not implement
-(window, softcap, bias) declined with their reason, to tier 2.
+over a group in the kernel), the [B, S, H * D] layout, a sliding window, softcap, a bias in
+f32 or q's dtype (with its gradient: attention_bwd_ds reads the delta this tier writes); what
+it does not run (f32, a head dim not a multiple of 16) declined with the reason, to tier 2.
 
 Tolerance: as cuDNN and FlashAttention-2 the kernels round P and dS to the io dtype for the
 tensor-core products and read O rounded (delta = rowsum(dO * O)): each gradient within a few
 u of the magnitudes of the sums that make it (test_attention_half's ``_magnitudes``), the
-bound tier 0 meets. In the simulator the tier runs only where RLX_NUMBA_ATTENTION_BWD_TIERS
+bound tier 0 meets; with a window or softcap (which that oracle has not) a few u of the
+largest entry, test_attention_half's backward bound. In the simulator the tier runs only where RLX_NUMBA_ATTENTION_BWD_TIERS
 names it, with one warp and 16-column tiles (its mma twins are slow: Sq / Sk 19 and 33 are a
 few tiles, the last partial); the forward there is tier 2's f32 kernel (its LSE convention is
 tier 1's). The GPU geometry runs here once at a small shape, and at S 200 / 333 on a GPU."""
@@ -24,7 +26,7 @@ import pytest
 import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import assert_half_close, f64, rounded
-from test_attention_half import _cudnn_grad_run, attention64
+from test_attention_half import _cudnn_grad_run, _feed, _graph, attention64
 from test_mma import _toolkit, assemble_sm80
 
 from rlx_numba.kernels import attention_tc_bwd as ATB
@@ -46,11 +48,7 @@ def check_case(rng, dt, qs, ks, kw, k=4.0):
     """Run attention and its gradients with the backward on tier 1 (asserting both tc kernels
     ran and no other backward kernel did); O, dQ, dK, dV within k u of their magnitudes."""
     exe, got, want, mags = _cudnn_grad_run(rng, dt, qs, ks, kw)
-    names = _steps(exe)
-    for kern in ("attention_bwd_dq tc ", "attention_bwd_dkv tc "):
-        assert sum(x.startswith(kern) for x in names) == 1, names
-    assert not any(x.startswith(("attention_bwd_dq " + dt, "attention_bwd_dkv " + dt))
-                   for x in names), names
+    _tc_names(_steps(exe), dt)
     for i, what in enumerate(["o", "dq", "dk", "dv"]):
         assert not np.isnan(f64(got[i])).any(), what
         assert_half_close(got[i], want[i], dt, k=k, scale=mags[i], what=f"tc bwd {what}")
@@ -76,6 +74,52 @@ def test_tc_backward(rng, name):
         assert not f64(got[1])[..., :14, :].any() and not want[1][..., :14, :].any()
     if name == "key_mask_gqa_f16":        # batch row 1 keeps no key (_cudnn_grad_run)
         assert not any(f64(x[1]).any() for x in got)
+
+
+def _tc_names(names, dt):
+    """The tensor-core backward's two kernels ran, tier 2's none."""
+    for kern in ("attention_bwd_dq tc ", "attention_bwd_dkv tc "):
+        assert sum(x.startswith(kern) for x in names) == 1, names
+    assert not any(x.startswith(("attention_bwd_dq " + dt, "attention_bwd_dkv " + dt))
+                   for x in names), names
+
+
+# window / softcap / bias: (dtype, q shape, k shape, attributes)
+MASK_CASES = {
+    "window_softcap_gqa_f16": ("f16", (1, 2, 19, 32), (1, 1, 33, 32),
+                               {"window": 9, "softcap": 2.5, "scale": 0.3}),
+    "mask_f32_bias_causal_bf16": ("bf16", (1, 1, 19, 16), (1, 1, 33, 16),
+                                  {"mask_shape": (19, 33), "bias_shape": (1, 1, 19, 33),
+                                   "bias_dtype": "f32", "causal": True}),
+    "half_bias_gradient_f16": ("f16", (1, 2, 19, 16), (1, 1, 33, 16),
+                               {"bias_shape": (2, 19, 33), "wrt_bias": True}),
+}
+
+
+def check_general(rng, name, dt, qs, ks, kw):
+    """check_case for attributes _magnitudes does not take (window, softcap; a bias's
+    gradient): every result within 4 u of the largest entry."""
+    kw = dict(kw)
+    mask_shape, bias_shape = kw.pop("mask_shape", None), kw.pop("bias_shape", None)
+    bias_dtype, wrt_bias = kw.pop("bias_dtype", None), kw.pop("wrt_bias", False)
+    g, (q, k, v), extra, y = _graph(dt, qs, ks, mask_shape, bias_shape, bias_dtype, **kw)
+    feed = _feed(rng, dt, qs, ks, mask_shape, bias_shape, bias_dtype)
+    seed = rounded(rng.standard_normal(qs), dt)
+    g.set_outputs([y, *g.grad(y, [q, k, v] + ([extra["bias"]] if wrt_bias else []),
+                              seed=g.constant(seed))])
+    exe = rlx.compile(g)
+    _tc_names(_steps(exe), dt)
+    got = exe.run(feed)
+    want = attention64(feed["q"], feed["k"], feed["v"], seed, mask=feed.get("m"),
+                       bias=feed.get("bias"), **kw)
+    for i, what in enumerate(["o", "dq", "dk", "dv", "dbias"][:len(got)]):
+        assert_half_close(got[i], want[i], dt, k=4.0, scale=np.abs(want[i]).max() if i else None,
+                          what=f"tc bwd {name} {what}")
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_tc_backward_window_softcap_bias(rng, name):
+    check_general(rng, name, *MASK_CASES[name])
 
 
 def test_tc_backward_gpu_geometry(rng):
@@ -142,7 +186,7 @@ def test_tc_backward_cp_async_groups(rng, monkeypatch, geo):
                    (1, 1, 70 if geo == "gpu" else 19, 16), {"causal": True})
 
 
-def _graph(dt, qs, ks, **kw):
+def _grad_graph(dt, qs, ks, **kw):
     g = rlx.Graph("tc_bwd")
     q, k, v = g.input("q", qs, dt), g.input("k", ks, dt), g.input("v", ks, dt)
     extra = {}
@@ -156,11 +200,7 @@ def _graph(dt, qs, ks, **kw):
 DECLINES = [
     ("f32", (1, 1, 19, 16), (1, 1, 33, 16), {}, "f32 operands (it takes f16 / bf16)"),
     ("bf16", (1, 1, 19, 24), (1, 1, 33, 24), {}, "head dim 24 (a multiple of 16 up to 128)"),
-    ("bf16", (1, 1, 19, 16), (1, 1, 33, 16), {"window": 5},
-     "a sliding window (not implemented in it)"),
-    ("f16", (1, 1, 19, 16), (1, 1, 33, 16), {"softcap": 2.0}, "softcap (not implemented in it)"),
-    ("f16", (1, 1, 19, 16), (1, 1, 33, 16), {"bias_shape": (19, 33)},
-     "an additive bias (not implemented in it)"),
+    ("f16", (1, 1, 19, 144), (1, 1, 33, 144), {}, "head dim 144"),
 ]
 
 
@@ -169,16 +209,16 @@ def test_tc_backward_declines_with_a_reason(dt, qs, ks, kw, why):
     """Only backward tier 1 allowed: what it does not run fails to compile, naming the tier
     and why."""
     with pytest.raises(NotImplementedError) as e:
-        rlx.compile(_graph(dt, qs, ks, **dict(kw)))
+        rlx.compile(_grad_graph(dt, qs, ks, **dict(kw)))
     assert "tier 1 (numba tensor-core backward): " + why in str(e.value), str(e.value)
 
 
 def test_tc_backward_declined_falls_to_tier2(rng, monkeypatch, caplog):
-    """Tiers 1 and 2 allowed: softcap passes tier 1 over (logged) and tier 2's f32 kernels
-    compute the gradients, right."""
+    """Tiers 1 and 2 allowed: head dim 24 passes tier 1 over (logged) and tier 2's f32 kernels
+    compute the gradients (with softcap and a window), right."""
     monkeypatch.setenv("RLX_NUMBA_ATTENTION_BWD_TIERS", "1,2")
     monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
-    dt, qs, ks, kw = "bf16", (1, 2, 9, 16), (1, 1, 13, 16), {"softcap": 2.0, "causal": True}
+    dt, qs, ks, kw = "bf16", (1, 2, 9, 24), (1, 1, 13, 24), {"softcap": 2.0, "window": 6}
     g = rlx.Graph("tc_bwd_fall")
     q, k, v = g.input("q", qs, dt), g.input("k", ks, dt), g.input("v", ks, dt)
     y = g.attention(q, k, v, **kw)
@@ -189,7 +229,8 @@ def test_tc_backward_declined_falls_to_tier2(rng, monkeypatch, caplog):
     names = _steps(exe)
     assert not any(" tc " in x for x in names if x.startswith("attention_bwd")), names
     assert any(x.startswith("attention_bwd_dkv bf16") for x in names), names
-    assert "tier 1 (numba tensor-core backward): softcap (not implemented in it)" in caplog.text
+    assert "tier 1 (numba tensor-core backward): head dim 24 (a multiple of 16 up to 128)" \
+        in caplog.text, caplog.text
     feed = {n: rounded(rng.standard_normal(s), dt) for n, s in (("q", qs), ("k", ks), ("v", ks))}
     got = exe.run(feed)
     want = attention64(feed["q"], feed["k"], feed["v"], seed, **kw)
@@ -206,7 +247,7 @@ def test_tc_backward_not_by_default_in_the_simulator(monkeypatch, caplog):
     monkeypatch.delenv("RLX_NUMBA_ATTENTION_BWD_TIERS")
     monkeypatch.setenv("RLX_NUMBA_LOG_FALLBACK", "1")
     with caplog.at_level("WARNING", logger="rlx_numba"):
-        exe = rlx.compile(_graph("bf16", (1, 1, 19, 16), (1, 1, 19, 16)))
+        exe = rlx.compile(_grad_graph("bf16", (1, 1, 19, 16), (1, 1, 19, 16)))
     assert any(x.startswith("attention_bwd_dq bf16") for x in _steps(exe)), _steps(exe)
     assert "tier 1 (numba tensor-core backward): the simulator runs it only where " \
            "RLX_NUMBA_ATTENTION_BWD_TIERS names it" in caplog.text, caplog.text
@@ -226,8 +267,8 @@ def test_tc_backward_geometry():
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 @pytest.mark.parametrize("which", [ATB.DQ, ATB.DKV], ids=["dq", "dkv"])
 def test_gpu_kernels_assemble_without_spills(tmp_path, which):
-    """Without a GPU: the GPU geometry's dQ / dK-dV kernel (causal, a mask, f16, D 128: the
-    most registers) compiled to PTX with the GPU bodies and assembled by ptxas for sm_80
+    """Without a GPU: the GPU geometry's dQ / dK-dV kernel with every flag (causal, window,
+    mask, an f16 bias, softcap; f16, D 128: the most registers) compiled to PTX with the GPU bodies and assembled by ptxas for sm_80
     under the launch bounds: the mma / ldmatrix / cp.async instructions are there and nothing
     spills. (~5 s of CPU each.)"""
     script = textwrap.dedent(f"""
@@ -243,9 +284,9 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which):
         u16, f16, f32, i64, b1 = (types.uint16, types.float16, types.float32, types.int64,
                                   types.boolean)
         geo = T.GPU_GEOMETRY
-        k = T.grads_tc(geo, {which}, 128, True, True, "f16")
+        k = T.grads_tc(geo, {which}, 128, True, True, True, True, True, "f16", "f16")
         sig = (f16[::1], u16[::1], u16[::1], u16[::1], u16[::1], f32[::1], f32[::1], b1[::1],
-               f32[::1], i64[::1], f32, i64)
+               f16[::1], i64[::1], f32, f32, i64)
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                   launch_bounds=(geo.threads, geo.min_blocks))
         open(os.path.join({str(tmp_path)!r}, "k.ptx"), "w").write(ptx)
@@ -282,3 +323,20 @@ GPU_CASES = {
 def test_gpu_tc_backward(rng, name):
     dt, qs, ks, kw = GPU_CASES[name]
     check_case(rng, dt, qs, ks, kw)
+
+
+GPU_MASK_CASES = {
+    "window_softcap_mask_bias_d64_bf16": ("bf16", (1, 4, 200, 64), (1, 2, 333, 64),
+                                          {"window": 77, "softcap": 20.0,
+                                           "mask_shape": (1, 1, 200, 333),
+                                           "bias_shape": (4, 200, 333), "bias_dtype": "f32"}),
+    "half_bias_gradient_d128_f16": ("f16", (2, 4, 200, 128), (2, 4, 200, 128),
+                                    {"bias_shape": (1, 4, 200, 200), "wrt_bias": True,
+                                     "causal": True}),
+}
+
+
+@gpu_only
+@pytest.mark.parametrize("name", list(GPU_MASK_CASES))
+def test_gpu_tc_backward_window_softcap_bias(rng, name):
+    check_general(rng, name, *GPU_MASK_CASES[name])

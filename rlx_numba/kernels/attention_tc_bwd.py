@@ -1,12 +1,14 @@
 """The tensor-core attention backward (attention_bwd_dq's tier 1): FlashAttention-2's dQ and
 dK / dV for f16 / bf16 q, k, v on mma.sync (kernels/mma.py), with the forward tier 1's
 operand loader (attention_tc.tile_loader), shared-row padding and fragment addressing, and
-the f32 kernels' score (kernels/attention.py ``scorer``: causal top-left / bottom-right and
-bool masks exactly as the forward). The delta Dl = rowsum(dO * O) is
+the f32 kernels' score (kernels/attention.py ``scorer``: causal top-left / bottom-right,
+sliding window, bool masks, an additive bias in f32 or the io dtype and softcap, exactly as
+the forward's). The delta Dl = rowsum(dO * O) is
 kernels/attention_bwd.py's ``delta`` kernel; LSE the forward's (natural units, -inf for a
 row that keeps no key). With P = exp(s - LSE), dP = dO V^T, dS = P (dP - Dl):
 
-    dV = P^T dO,   dK = scale dS^T Q,   dQ = scale dS K
+    dV = P^T dO,   dK = scale dS'^T Q,   dQ = scale dS' K,
+    dS' = dS (1 - tanh^2(scale q.k / softcap))     (softcap's chain rule; dS' = dS without)
 
 One kernel factory, two kinds (``tiles`` of geometry ``TcBwdGeometry``, family
 "attention_tc_bwd"). A block owns BR = 16 W "rows" (W warps of one m16 tile each) and streams
@@ -26,8 +28,9 @@ products. Per column tile:
 
     wait for the first tile (DKV: Y1; DQ: Y2); barrier; its product (S or dP) in f32 fragments
     wait for the second; barrier; the other product
-    P = exp2(S scale log2 e - LSE log2 e) (masked scores through ``scorer`` where a warp's tile
-    needs the test: diagonal and edge tiles), dS = P (dP - Dl), in registers
+    P = exp2(s log2 e - LSE log2 e), s the score (scaled, capped, biased and masked through
+    ``scorer`` where a warp's tile needs the tests: diagonal and edge tiles, or every tile
+    with a window, mask or bias), dS' = P (dP - Dl) (times softcap's factor), in registers
     DKV: dK += dS^T Q (dS rounded to the io dtype, an A fragment from two C tiles); barrier;
          refill Y1; dV += P^T dO (P rounded); barrier; refill Y2
     DQ:  barrier; refill Y2 (V); dQ += dS K; barrier; refill Y1 (K)
@@ -36,9 +39,9 @@ Rounding as FlashAttention-2 and cuDNN: P and dS to the io dtype for the tensor-
 every sum f32, each gradient rounded once (so a result is within a few u of the magnitudes of
 the sums that make it, tests/test_attention_half.py ``_magnitudes``). q, k, v, dO are uint16
 bit patterns (16-byte aligned rows: cp.async; the lowering checks), outputs in the io
-storage (kernels/halfio.py): dQ, or [dK, dV] with dV ``nk`` elements after dK. Column tiles
-wholly masked by causal are skipped. Not here (the lowering declines them to tier 2):
-sliding windows, softcap, an additive bias.
+storage (kernels/halfio.py): dQ, or [dK, dV] with dV ``nk`` elements after dK; the bias in
+``bkind``'s. Column tiles wholly masked by causal or the window are skipped. A bias's
+gradient is attention_bwd_ds's (tier 2's kernel), which reads the delta this node writes.
 """
 import functools
 import math
@@ -110,13 +113,14 @@ def check(geo: TcBwdGeometry, d: int):
 
 
 @functools.lru_cache(maxsize=None)
-def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: bool,
-             kind: str = "bf16"):
-    """kernel(out, q, k, v, do, lse, dl, mask, bias, geom, scale, nk) for head dim ``d``:
-    ``which`` DQ (out dQ, q's strides) or DKV (out [dK, dV], k's strides, dV at element nk);
-    q, k, v, dO uint16 bit patterns of ``kind``, lse / dl f32 [B, Hq, Sq], mask bool (read
-    when ``has_mask``), bias a placeholder f32 array (``scorer``'s argument, never read),
-    geom kernels/attention.py's GEOM. Launch with ``launch``."""
+def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_window: bool,
+             has_mask: bool, has_bias: bool, has_softcap: bool, kind: str = "bf16",
+             bkind: str = "f32"):
+    """kernel(out, q, k, v, do, lse, dl, mask, bias, geom, scale, softcap, nk) for head dim
+    ``d``: ``which`` DQ (out dQ, q's strides) or DKV (out [dK, dV], k's strides, dV at element
+    nk); q, k, v, dO uint16 bit patterns of ``kind``, lse / dl f32 [B, Hq, Sq], the mask
+    bool and the bias of storage ``bkind`` (each read only with its flag), geom
+    kernels/attention.py's GEOM (the window its ``window``). Launch with ``launch``."""
     if kind not in KINDS:
         raise ValueError(f"tensor-core attention backward: q / k / v of kind {kind!r}, "
                          f"expected one of {KINDS}")
@@ -134,7 +138,8 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
     load_y = tile_loader(BC, d, NT)
     MMA = tc.mma(kind)
     PACK = tc.f2bf2 if kind == "bf16" else ptx.f2h2
-    score = scorer("f32")
+    score = scorer(bkind)
+    masked = has_window or has_mask or has_bias   # every tile needs the score's tests
     st = halfio.store(kind)
 
     @_inline
@@ -177,7 +182,7 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
                     o[2 * nd + 1, i] = d1[i]
 
     @jit(launch_bounds=(NT, geo.min_blocks))
-    def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, nk):
+    def kernel(out, q, k, v, do, lse_, dl, mask, bias, geom, scale, softcap, nk):
         X1 = cuda.shared.array(XT, uint16, alignment=ALIGN)   # K or Q
         X2 = cuda.shared.array(XT, uint16, alignment=ALIGN)   # V or dO
         Y1 = cuda.shared.array(YT, uint16, alignment=ALIGN)   # Q or K
@@ -201,16 +206,20 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
             nrt = (sq + BR - 1) // BR
             r0 = (nrt - 1 - int64(cuda.blockIdx.x)) * BR     # heaviest causal tiles first
             heads, c_lo, c_end = int64(1), int64(0), sk
-            if causal:                    # keys past the tile's last query position: masked
+            if causal or has_window:      # keys past the tile's last query position: masked
                 c_end = min(sk, max(int64(0), off + r0 + BR))
+            if has_window:                # keys before the first query's window: masked
+                c_lo = max(int64(0), off + r0 - geom[22] + 1)
             xbase, xs_, xn = b * geom[5] + h * geom[6], qs, sq
         else:
             b, hk = divmod_small(bx, hq // g)
             h = hk * g
             r0 = int64(cuda.blockIdx.x) * BR                  # (the first key tiles see most)
             heads, c_lo, c_end = g, int64(0), sq
-            if causal:                    # queries at or after the tile's first key
+            if causal or has_window:      # queries at or after the tile's first key
                 c_lo = max(int64(0), r0 - off)
+            if has_window:                # and before its last key's window ends
+                c_end = min(sq, max(int64(0), r0 + BR + geom[22] - 1 - off))
             xbase, xs_, xn = b * geom[8] + hk * geom[9], ks, sk
         kbase = b * geom[8] + hk * geom[9]
         rw0 = r0 + int64(w) * 16          # this warp's first row
@@ -278,7 +287,7 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
             else:
                 plain = (c0 + BC <= sq and rw0 + 16 <= sk
                          and (not causal or rw0 + 15 <= off + c0))
-            plain = plain and not has_mask
+            plain = plain and not masked
             for ni in range(NS):
                 for c in range(2):
                     col = c0 + int64(_u(8 * ni + c) + _u(2) * tl)
@@ -293,16 +302,23 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_mask: boo
                             qi, kj, l2, dlt = row, col, rl[r], rd[r]
                         else:
                             qi, kj, l2, dlt = col, row, cl, cd
-                        x = s[ni, i]
+                        raw = s[ni, i]
                         if plain:
-                            x = x * scale2
+                            if has_softcap:
+                                x = softcap * m.tanh(raw * scale / softcap) * LOG2E
+                            else:
+                                x = raw * scale2
                         else:
-                            x = score(x, qi, kj, off + qi, b, hh, mask, bias, geom, scale,
-                                      float32(1.0), causal, False, has_mask, False, False,
-                                      sq, sk) * LOG2E
+                            x = score(raw, qi, kj, off + qi, b, hh, mask, bias, geom, scale,
+                                      softcap, causal, has_window, has_mask, has_bias,
+                                      has_softcap, sq, sk) * LOG2E
                         p = ZERO if x == NEG_INF else m.exp2(x - l2)
+                        ds = p * (dp[ni, i] - dlt)
+                        if has_softcap:           # d softcap tanh(u / softcap) / du
+                            th = m.tanh(raw * scale / softcap)
+                            ds = ds * (float32(1.0) - th * th)
                         s[ni, i] = p
-                        dp[ni, i] = p * (dp[ni, i] - dlt)
+                        dp[ni, i] = ds
             if rows_q:
                 cuda.syncthreads()        # every warp is past dP: V's buffer is free
                 if t + 1 < ntot:

@@ -9,8 +9,8 @@ split-K decode kernel when the queries that share a key/value head are few. Then
 (built by attention's VJP in ir/ops_attention.py): one node giving dQ, dK and dV
 (attention_bwd_dq), three tiers under ``RLX_NUMBA_ATTENTION_BWD_TIERS``: 0, cuDNN's fused
 backward (one call; not with a bias gradient), 1, the numba tensor-core backward for f16 / bf16
-(kernels/attention_tc_bwd.py: mma.sync dQ and dK / dV kernels; causal, bool masks, GQA, both
-layouts; not a window, softcap or bias; in the simulator only where the variable names it),
+(kernels/attention_tc_bwd.py: mma.sync dQ and dK / dV kernels with every mask and attribute of
+the forward's; in the simulator only where the variable names it),
 2, the numba f32-accumulating kernels (kernels/attention_bwd.py), which run everything.
 A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
@@ -614,12 +614,6 @@ def _tc_bwd_unavailable(ctx, n):
     d = a["d"]
     if d % 16 or not 16 <= d <= ATB.MAX_D:
         return f"head dim {d} (a multiple of 16 up to {ATB.MAX_D})"
-    if a["window"] is not None:
-        return "a sliding window (not implemented in it)"
-    if a["softcap"] is not None:
-        return "softcap (not implemented in it)"
-    if a["has_bias"]:
-        return "an additive bias (not implemented in it)"
     if max(a["b"] * a["hq"], a["b"] * a["hkv"]) > 65535:
         return f"{a['b']} x {a['hq']} (batch x heads) blocks past the grid's y limit"
     if not SIMULATOR and device_info()["cc"] < (8, 0):
@@ -631,14 +625,15 @@ def _tc_bwd_unavailable(ctx, n):
 
 @lowering("attention_bwd_dq", tier="numba tensor-core backward", available=_tc_bwd_unavailable)
 def _lower_attention_bwd_tc(ctx, n):
-    """inputs (q, k, v, O, dO, LSE, [mask]): the delta kernel, then the tensor-core dQ kernel
+    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (into the
+    attention_bwd_delta result when a bias gradient reads it), then the tensor-core dQ kernel
     (this node) and dK / dV kernel (the attention_bwd_dkv result), each skipped when its output
     is empty. P and dS are rounded to q's dtype for the products (as cuDNN and
     FlashAttention-2): a gradient's error is a few u of the magnitudes of its sums."""
     g, a = ctx.graph, n.attrs
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v, o, do, lse = ins[:6]
-    mask, bias, mbuf, bbuf, flags, scale, _ = _masks(ctx, n, ins[6:])
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
     dkv, delta = _bwd_results(g, n)
     geom, _ = _geom(ctx, n, q, k, mask, bias)
     steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
@@ -651,13 +646,13 @@ def _lower_attention_bwd_tc(ctx, n):
                                         (ATB.DKV, dkv, k.size, "dkv", 8)):
         if not size or (which == ATB.DKV and dkv not in ctx.live):
             continue
-        kern = ATB.grads_tc(geo, which, d, a["causal"], mask is not None, kind)
+        kern = ATB.grads_tc(geo, which, d, *flags, *_kinds(q, bias))
         grid, block = ATB.launch(geo, which, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"])
         steps.append(Step(step_name(n), f"attention_bwd_{name} tc {kind} D={d} "
                           f"{'causal ' if a['causal'] else ''}{dims} {geo.warps}w "
                           f"{geo.cols(d)} cols", kern, grid, block,
                           (ctx.buf(out), *bits, lse_buf, dl, mbuf, bbuf, geom, scale,
-                           np.int64(k.size)),
+                           softcap, np.int64(k.size)),
                           {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * d,
                            "tier": TC_BWD_TIER}))
     return steps
