@@ -10,10 +10,11 @@ Tolerance: as cuDNN and FlashAttention-2 the kernels round P and dS to the io dt
 tensor-core products and read O rounded (delta = rowsum(dO * O)): each gradient within a few
 u of the magnitudes of the sums that make it (test_attention_half's ``_magnitudes``), the
 bound tier 0 meets; with a window or softcap (which that oracle has not) a few u of the
-largest entry, test_attention_half's backward bound. In the simulator the tier runs only where RLX_NUMBA_ATTENTION_BWD_TIERS
-names it, with one warp and 16-column tiles (its mma twins are slow: Sq / Sk 19 and 33 are a
-few tiles, the last partial); the forward there is tier 2's f32 kernel (its LSE convention is
-tier 1's). The GPU geometry runs here once at a small shape, and at S 200 / 333 on a GPU."""
+largest entry, test_attention_half's backward bound. In the simulator the tier runs only
+where RLX_NUMBA_ATTENTION_BWD_TIERS names it, with one warp and 16-column tiles (its mma twins
+are slow: Sq / Sk 19 and 33 are a few tiles, the last partial); the forward there is tier 2's
+f32 kernel (its LSE convention is tier 1's). The GPU geometry runs here at small shapes (the
+slow tests, ~10 s each), and at S 200 / 333 on a GPU."""
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,26 @@ def test_tc_backward_window_softcap_bias(rng, name):
     check_general(rng, name, *MASK_CASES[name])
 
 
+def test_tc_backward_deterministic(rng, monkeypatch):
+    """grad(deterministic=True) takes tier 1 (no atomics: a GQA group's dK / dV are summed in
+    one block, dQ has a kernel of its own): two runs give the same bits."""
+    monkeypatch.setenv("RLX_NUMBA_ATTENTION_BWD_TIERS", "1,2")
+    dt, qs, ks = "bf16", (1, 2, 19, 16), (1, 1, 19, 16)
+    g = rlx.Graph("tc_bwd_det")
+    q, k, v = g.input("q", qs, dt), g.input("k", ks, dt), g.input("v", ks, dt)
+    y = g.attention(q, k, v, causal=True)
+    seed = rounded(rng.standard_normal(qs), dt)
+    g.set_outputs(g.grad(y, [q, k, v], seed=g.constant(seed), deterministic=True))
+    exe = rlx.compile(g)
+    _tc_names(_steps(exe), dt)
+    feed = {n: rounded(rng.standard_normal(s), dt) for n, s in (("q", qs), ("k", ks), ("v", ks))}
+    first, second = exe.run(feed), exe.run(feed)
+    want = attention64(feed["q"], feed["k"], feed["v"], seed, causal=True)[1:4]
+    for a, b, w in zip(first, second, want):
+        assert np.array_equal(a.view(np.uint16), b.view(np.uint16))
+        assert_half_close(a, w, dt, k=4.0, scale=np.abs(w).max(), what="deterministic")
+
+
 def test_tc_backward_gpu_geometry(rng):
     """The GPU's geometry (4 warps: 64 rows a block, 64-column tiles) in the simulator: two
     row blocks, the second partial; GQA, causal. (Slow: 128 simulated threads.)"""
@@ -149,7 +170,8 @@ class LazyCpAsync:
 
     def copy(self, dst, di, src, si):
         d, sv = flat(dst), flat(src)
-        self._state().open.append((d, int(di), sv[si: si + 16 // sv.itemsize].view(np.uint8).copy()))
+        data = sv[si: si + 16 // sv.itemsize].view(np.uint8).copy()
+        self._state().open.append((d, int(di), data))
 
     def commit(self):
         st = self._state()
@@ -265,12 +287,18 @@ def test_tc_backward_geometry():
 
 # ---- the GPU kernels through NVVM and ptxas (where a CUDA toolkit is installed) --------------
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
-@pytest.mark.parametrize("which", [ATB.DQ, ATB.DKV], ids=["dq", "dkv"])
-def test_gpu_kernels_assemble_without_spills(tmp_path, which):
-    """Without a GPU: the GPU geometry's dQ / dK-dV kernel with every flag (causal, window,
-    mask, an f16 bias, softcap; f16, D 128: the most registers) compiled to PTX with the GPU bodies and assembled by ptxas for sm_80
-    under the launch bounds: the mma / ldmatrix / cp.async instructions are there and nothing
-    spills. (~5 s of CPU each.)"""
+@pytest.mark.parametrize("which,d,flags", [
+    (ATB.DQ, 128, (True, False, False, False, False)),
+    (ATB.DKV, 128, (True, False, False, False, False)),
+    (ATB.DQ, 64, (True, True, True, True, True)),
+    (ATB.DKV, 64, (True, True, True, True, True))], ids=["dq128", "dkv128", "dq64all", "dkv64all"])
+def test_gpu_kernels_assemble_without_spills(tmp_path, which, d, flags):
+    """Without a GPU: the GPU geometry's dQ / dK-dV kernel compiled to PTX with the GPU bodies
+    and assembled by ptxas for sm_80 under the launch bounds: the mma / ldmatrix / cp.async
+    instructions are there, nothing spills and nothing lives in local memory (no stack
+    frame). Causal at D 128 (the most registers: 250 for dK / dV) and every flag (causal,
+    window, mask, an f16 bias, softcap) at D 64 (the longest element loop, which the
+    compiler left rolled at 64 columns: HEAVY_COLS). f16. (~10 s of CPU each.)"""
     script = textwrap.dedent(f"""
         import os
         os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
@@ -284,7 +312,7 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which):
         u16, f16, f32, i64, b1 = (types.uint16, types.float16, types.float32, types.int64,
                                   types.boolean)
         geo = T.GPU_GEOMETRY
-        k = T.grads_tc(geo, {which}, 128, True, True, True, True, True, "f16", "f16")
+        k = T.grads_tc(geo, {which}, {d}, *{flags!r}, "f16", "f16")
         sig = (f16[::1], u16[::1], u16[::1], u16[::1], u16[::1], f32[::1], f32[::1], b1[::1],
                f16[::1], i64[::1], f32, f32, i64)
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
@@ -302,6 +330,9 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which):
                  "cvt.rn.f16x2.f32", "ex2.approx", "bar.sync"):
         assert insn in text, insn
     assemble_sm80(p)
+    r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(p), "-o", str(tmp_path / "k.cubin")],
+                       capture_output=True, text=True, timeout=300)
+    assert "0 bytes stack frame" in r.stderr, r.stderr
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------

@@ -85,13 +85,19 @@ class TcBwdGeometry:
     def threads(self) -> int:
         return 32 * self.warps
 
-    def cols(self, d: int) -> int:
-        """Columns a tile at head dim ``d``: bc, halved until the four tiles fit."""
-        bc = self.bc
+    def cols(self, d: int, flags: int = 0) -> int:
+        """Columns a tile at head dim ``d``: bc, halved until the four tiles fit; at most
+        HEAVY_COLS for a kernel with ``flags`` >= HEAVY_FLAGS of causal, window, mask, bias and
+        softcap, whose element loop over 64 columns the compiler did not unroll (ptxas,
+        sm_80: S and dP then lived in local memory, 256 bytes of stack at D 32 and 64, with
+        mask, bias, softcap and causal or window)."""
+        bc = min(self.bc, HEAVY_COLS) if flags >= HEAVY_FLAGS else self.bc
         while bc > 16 and shared_bytes(self.br, bc, d) > SMEM_LIMIT:
             bc //= 2
         return bc
 
+
+HEAVY_FLAGS, HEAVY_COLS = 4, 32
 
 # GPU: 4 warps (64 rows), 64 columns a tile at D <= 64, 16 at D 128 (the two 64-row tiles take
 # 34 KB there); two blocks an SM. Untimed against alternatives. Simulator: one warp, 16 x 16.
@@ -127,7 +133,8 @@ def grads_tc(geo: TcBwdGeometry, which: int, d: int, causal: bool, has_window: b
     if which not in (DQ, DKV):
         raise ValueError(f"tensor-core attention backward: kernel kind {which} (DQ or DKV)")
     check(geo, d)
-    NT, BR, BC = geo.threads, geo.br, geo.cols(d)
+    NT, BR = geo.threads, geo.br
+    BC = geo.cols(d, causal + has_window + has_mask + has_bias + has_softcap)
     LD = d + PAD
     KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of an accumulator
     NS, KC = BC // 8, BC // 16     # n8 tiles of S; k16 steps over the columns

@@ -629,7 +629,8 @@ def _lower_attention_bwd_tc(ctx, n):
     attention_bwd_delta result when a bias gradient reads it), then the tensor-core dQ kernel
     (this node) and dK / dV kernel (the attention_bwd_dkv result), each skipped when its output
     is empty. P and dS are rounded to q's dtype for the products (as cuDNN and
-    FlashAttention-2): a gradient's error is a few u of the magnitudes of its sums."""
+    FlashAttention-2): a gradient's error is a few u of the magnitudes of its sums. No atomics
+    (a GQA group's dK / dV are summed in one block): grad(deterministic=True) runs here too."""
     g, a = ctx.graph, n.attrs
     ins = [g.nodes[i] for i in n.inputs]
     q, k, v, o, do, lse = ins[:6]
@@ -650,7 +651,7 @@ def _lower_attention_bwd_tc(ctx, n):
         grid, block = ATB.launch(geo, which, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"])
         steps.append(Step(step_name(n), f"attention_bwd_{name} tc {kind} D={d} "
                           f"{'causal ' if a['causal'] else ''}{dims} {geo.warps}w "
-                          f"{geo.cols(d)} cols", kern, grid, block,
+                          f"{geo.cols(d, sum(flags))} cols", kern, grid, block,
                           (ctx.buf(out), *bits, lse_buf, dl, mbuf, bbuf, geom, scale,
                            softcap, np.int64(k.size)),
                           {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * d,
