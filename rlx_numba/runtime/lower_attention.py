@@ -605,7 +605,7 @@ def _tc_bwd_unavailable(ctx, n):
     not (those fall to tier 2, which runs every attribute)."""
     g, a = ctx.graph, n.attrs
     ins = [g.nodes[i] for i in n.inputs]
-    q, k, v, o, do = ins[:5]
+    q, k, v, _, do = ins[:5]
     kind = q.dtype.name
     if kind not in ATB.KINDS:
         return f"{kind} operands (it takes f16 / bf16)"
