@@ -206,7 +206,8 @@ defop("attention_lse", _bwd_infer("attention_lse", 3, _lse_shape), written_by=0,
 defop("attention_bwd_dq", _infer_bwd, dtype_rule=F32, tier_env="RLX_NUMBA_ATTENTION_BWD_TIERS",
       results=(("attention_bwd_dkv", None), ("attention_bwd_delta", None)),
       doc="attention's backward in one node: dQ (q's shape), and its further results [dK, dV] "
-          "and delta: cuDNN's fused SDPA backward, or the numba delta / dQ / dK-dV kernels")
+          "and delta: cuDNN's fused SDPA backward, the numba tensor-core (mma.sync) kernels, or "
+          "the numba f32 delta / dQ / dK-dV kernels")
 defop("attention_bwd_dkv", further_result("attention_bwd_dkv", "attention_bwd_dq"),
       written_by=0, dtype_rule=F32,
       doc="[dK, dV] ([2, *k.shape], GQA: summed over a group), filled by attention_bwd_dq")

@@ -150,6 +150,37 @@ def _max(a, b):
 
 
 @functools.lru_cache(maxsize=None)
+def tile_loader(rows: int, d: int, nt: int):
+    """load_tile(sm, src, base, rs, r0, n, tid): rows r0 .. r0 + ``rows`` of the [n, d] matrix
+    at src[base:] (a uint16 array, row stride rs) into the shared tile sm (rows of d + PAD
+    halves) by cp.async, a 16-byte chunk a thread (tid of ``nt``) a step; rows past n
+    zero-filled (0 times stale bits could be NaN). Also the backward's (attention_tc_bwd)."""
+    LD = d + PAD
+    CPR = d // 8                   # 16-byte chunks a row
+    CH = rows * CPR                # chunks a tile
+    PT = -(-CH // nt)              # chunks a thread
+    FULL = CH % nt == 0
+    uLD, uCPR, uCH = _u(LD), _u(CPR), _u(CH)
+
+    @_inline
+    def load_tile(sm, src, base, rs, r0, n, tid):
+        for p in range(PT):
+            ch = tid + _u(p * nt)
+            if FULL or ch < uCH:
+                r = ch // uCPR
+                c = (ch % uCPR) * _u(8)
+                at = r * uLD + c
+                row = r0 + int64(r)
+                if row < n:
+                    tc.cp_async16(sm, at, src, uint64(base + row * rs) + c)
+                else:
+                    for e in range(8):
+                        sm[at + _u(e)] = ZERO16
+
+    return load_tile
+
+
+@functools.lru_cache(maxsize=None)
 def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_mask: bool,
              has_bias: bool, has_softcap: bool, lse: int = NO_LSE, kind: str = "bf16",
              bkind: str = "f32"):
@@ -172,34 +203,14 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
     KD, DN = d // 16, d // 8       # k16 steps over the head dims; n8 tiles of O
     NS, KC = BC // 8, BC // 16     # n8 tiles of S; k16 steps of P V
     TILE = BC * LD
-    CPR = d // 8                   # 16-byte chunks a row
-    CH = BC * CPR                  # chunks a tile
-    PT = -(-CH // NT)              # chunks a thread
-    FULL = CH % NT == 0
-    uLD, uCPR, uCH = _u(LD), _u(CPR), _u(CH)
+    uLD = _u(LD)
+    load_tile = tile_loader(BC, d, NT)
     MMA = tc.mma(kind)
     PACK = tc.f2bf2 if kind == "bf16" else ptx.f2h2
     score = scorer(bkind)
     st = halfio.store(kind)
     with_lse = lse == WITH_LSE
     XS = (W, 32) if SIMULATOR else (1, 1)     # the simulator's shuffle stand-in
-
-    @_inline
-    def load_tile(sm, src, base, rs, r0, sk, tid):
-        """Rows r0 .. r0 + BC of the [rows, d] matrix at src[base:] (row stride rs) into sm by
-        cp.async, a 16-byte chunk a thread a step; rows past sk zero-filled."""
-        for p in range(PT):
-            ch = tid + _u(p * NT)
-            if FULL or ch < uCH:
-                r = ch // uCPR
-                c = (ch % uCPR) * _u(8)
-                at = r * uLD + c
-                row = r0 + int64(r)
-                if row < sk:
-                    tc.cp_async16(sm, at, src, uint64(base + row * rs) + c)
-                else:
-                    for e in range(8):
-                        sm[at + _u(e)] = ZERO16
 
     @_inline
     def load_q(fq, q, qbase, qs, q0w, sq, kk, gl, tl):

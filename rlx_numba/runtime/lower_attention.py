@@ -7,8 +7,11 @@ simulator only where RLX_NUMBA_ATTENTION_TIERS names it, its mma twins being slo
 numba f32-accumulating kernels (kernels/attention.py): the prefill (flash) kernel, or the
 split-K decode kernel when the queries that share a key/value head are few. Then its backward
 (built by attention's VJP in ir/ops_attention.py): one node giving dQ, dK and dV
-(attention_bwd_dq), two tiers under ``RLX_NUMBA_ATTENTION_BWD_TIERS``: 0, cuDNN's fused
-backward (one call; not with a bias gradient), 1, the numba kernels (kernels/attention_bwd.py).
+(attention_bwd_dq), three tiers under ``RLX_NUMBA_ATTENTION_BWD_TIERS``: 0, cuDNN's fused
+backward (one call; not with a bias gradient), 1, the numba tensor-core backward for f16 / bf16
+(kernels/attention_tc_bwd.py: mma.sync dQ and dK / dV kernels with every mask and attribute of
+the forward's; in the simulator only where the variable names it),
+2, the numba f32-accumulating kernels (kernels/attention_bwd.py), which run everything.
 A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
 engine for falls to the next tier, the reason logged. ``rope_kv_attention`` (passes/fusion.py's
@@ -24,6 +27,7 @@ import numpy as np
 from ..kernels import attention as A
 from ..kernels import attention_bwd as AB
 from ..kernels import attention_tc as ATC
+from ..kernels import attention_tc_bwd as ATB
 from ..kernels.halfio import io_kind
 from ..kernels.launch import default_geometry, sm_count
 from .. import cudnn
@@ -346,12 +350,14 @@ def _tc_unavailable(ctx, n):
     return None
 
 
-def _tier_named(tier: int) -> bool:
-    """RLX_NUMBA_ATTENTION_TIERS is set and names ``tier``."""
-    if not os.environ.get("RLX_NUMBA_ATTENTION_TIERS"):
+def _tier_named(tier: int, op: str = "attention") -> bool:
+    """``op``'s tiers variable (RLX_NUMBA_ATTENTION_TIERS, ..._BWD_TIERS) is set and names
+    ``tier``."""
+    var = opdef(op).tier_env
+    if not os.environ.get(var):
         return False
-    names = {i: t.name for i, t in enumerate(opdef("attention").tiers)}
-    return tier in env_tiers("RLX_NUMBA_ATTENTION_TIERS", names)
+    names = {i: t.name for i, t in enumerate(opdef(op).tiers)}
+    return tier in env_tiers(var, names)
 
 
 def _operands(ctx, n, q_strides=None):
@@ -578,11 +584,85 @@ def _grads_step(ctx, n, kind, out, q, k, v, do, lse, dl, bias, mbuf, bbuf, flags
                                              *kinds), grid, block, args, flops)
 
 
+def _delta_step(ctx, n, o, do, lse, delta, geom):
+    """(the delta kernel's steps, the Dl buffer): rowsum(dO * O) into the attention_bwd_delta
+    result, or a scratch of node ``n``'s own when nothing reads it; no step without rows."""
+    rows = lse.size
+    if not rows:
+        return [], _dummy(ctx, np.float32)
+    dl = ctx.buf(delta) if delta in ctx.live else ctx.device_array(np.empty(rows, np.float32))
+    geo = default_geometry("attention")
+    grid, block = AB.launch_delta(geo, rows)
+    return [Step(step_name(n), "attention_bwd_delta", AB.delta(geo, io_kind(o.dtype)), grid, block,
+                 (dl, ctx.buf(o), ctx.buf(do), geom, np.int64(rows)))], dl
+
+
+TC_BWD_TIER = 1      # the tensor-core backward's place in attention_bwd_dq's ladder
+
+
+def _tc_bwd_unavailable(ctx, n):
+    """None when the tensor-core backward (tier 1) runs attention_bwd_dq node ``n``, else why
+    not (those fall to tier 2, which runs every attribute)."""
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, _, do = ins[:5]
+    kind = q.dtype.name
+    if kind not in ATB.KINDS:
+        return f"{kind} operands (it takes f16 / bf16)"
+    if SIMULATOR and not _tier_named(TC_BWD_TIER, "attention_bwd_dq"):
+        return "the simulator runs it only where RLX_NUMBA_ATTENTION_BWD_TIERS names it"
+    d = a["d"]
+    if d % 16 or not 16 <= d <= ATB.MAX_D:
+        return f"head dim {d} (a multiple of 16 up to {ATB.MAX_D})"
+    if max(a["b"] * a["hq"], a["b"] * a["hkv"]) > 65535:
+        return f"{a['b']} x {a['hq']} (batch x heads) blocks past the grid's y limit"
+    if not SIMULATOR and device_info()["cc"] < (8, 0):
+        return "mma.sync on bf16 / f16 needs compute capability 8.0"
+    if not all(_aligned16(ctx.buf(t)) for t in (q, k, v, do)):
+        return "q / k / v / dO not 16-byte aligned (cp.async)"
+    return None
+
+
+@lowering("attention_bwd_dq", tier="numba tensor-core backward", available=_tc_bwd_unavailable)
+def _lower_attention_bwd_tc(ctx, n):
+    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (into the
+    attention_bwd_delta result when a bias gradient reads it), then the tensor-core dQ kernel
+    (this node) and dK / dV kernel (the attention_bwd_dkv result), each skipped when its output
+    is empty. P and dS are rounded to q's dtype for the products (as cuDNN and
+    FlashAttention-2): a gradient's error is a few u of the magnitudes of its sums. No atomics
+    (a GQA group's dK / dV are summed in one block): grad(deterministic=True) runs here too."""
+    g, a = ctx.graph, n.attrs
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, o, do, lse = ins[:6]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
+    dkv, delta = _bwd_results(g, n)
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
+    kind, d = q.dtype.name, a["d"]
+    geo = default_geometry("attention_tc_bwd")
+    lse_buf = ctx.buf(lse) if lse.size else _dummy(ctx, np.float32)
+    bits = [ctx.buf(t).view(np.uint16) for t in (q, k, v, do)]
+    dims = f"{a['b']}x{a['hq']}/{a['hkv']}x{a['sq']}x{a['sk']}"
+    for which, out, size, name, per in ((ATB.DQ, n, n.size, "dq", 6),
+                                        (ATB.DKV, dkv, k.size, "dkv", 8)):
+        if not size or (which == ATB.DKV and dkv not in ctx.live):
+            continue
+        kern = ATB.grads_tc(geo, which, d, *flags, *_kinds(q, bias))
+        grid, block = ATB.launch(geo, which, a["b"], a["hq"], a["hkv"], a["sq"], a["sk"])
+        steps.append(Step(step_name(n), f"attention_bwd_{name} tc {kind} D={d} "
+                          f"{'causal ' if a['causal'] else ''}{dims} {geo.warps}w "
+                          f"{geo.cols(d, sum(flags))} cols", kern, grid, block,
+                          (ctx.buf(out), *bits, lse_buf, dl, mbuf, bbuf, geom, scale,
+                           softcap, np.int64(k.size)),
+                          {"flops": per * a["b"] * a["hq"] * a["sq"] * a["sk"] * d,
+                           "tier": TC_BWD_TIER}))
+    return steps
+
+
 @lowering("attention_bwd_dq", tier="numba delta / dQ / dK-dV kernels")
 def _lower_attention_bwd(ctx, n):
-    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (rowsum(dO * O), into
-    the attention_bwd_delta result, or a scratch of the node's own when nothing reads it),
-    then the dQ kernel (this node) and the dK / dV kernel (the attention_bwd_dkv result), each
+    """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (``_delta_step``), then
+    the dQ kernel (this node) and the dK / dV kernel (the attention_bwd_dkv result), each
     skipped when its output is empty (no queries: dK and dV are still written, zeros)."""
     g, a = ctx.graph, n.attrs
     ins = [g.nodes[i] for i in n.inputs]
@@ -590,19 +670,9 @@ def _lower_attention_bwd(ctx, n):
     mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
     dkv, delta = _bwd_results(g, n)
     geom, _ = _geom(ctx, n, q, k, mask, bias)
-    rows = lse.size
-    steps = []
-    if rows:
-        dl = (ctx.buf(delta) if delta in ctx.live
-              else ctx.device_array(np.empty(rows, np.float32)))
-        geo = default_geometry("attention")
-        grid, block = AB.launch_delta(geo, rows)
-        steps.append(Step(step_name(n), "attention_bwd_delta", AB.delta(geo, io_kind(o.dtype)),
-                          grid, block, (dl, ctx.buf(o), ctx.buf(do), geom, np.int64(rows))))
-    else:
-        dl = _dummy(ctx, np.float32)
-    common = (q, k, v, do, ctx.buf(lse) if rows else _dummy(ctx, np.float32), dl, bias, mbuf,
-              bbuf, flags, scale, softcap, geom)
+    steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
+    common = (q, k, v, do, ctx.buf(lse) if lse.size else _dummy(ctx, np.float32), dl, bias,
+              mbuf, bbuf, flags, scale, softcap, geom)
     if n.size:
         steps.append(_grads_step(ctx, n, AB.DQ, ctx.buf(n), *common))
     if dkv in ctx.live and k.size:
