@@ -330,10 +330,7 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which, d, flags):
                  "cp.async.cg.shared.global", "cp.async.wait_group 1", "cp.async.wait_group 0",
                  "cvt.rn.f16x2.f32", "ex2.approx", "bar.sync"):
         assert insn in text, insn
-    assemble_sm80(p)
-    r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(p), "-o", str(tmp_path / "k.cubin")],
-                       capture_output=True, text=True, timeout=300)
-    assert "0 bytes stack frame" in r.stderr, r.stderr
+    assemble_sm80(p, no_stack=True)
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------

@@ -420,14 +420,10 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        cwd=Path(__file__).parents[1], timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    for name in ("scan", "scan1", "inverse"):
-        assemble_sm80(tmp_path / f"{name}.ptx")
     # the inverse's register arrays (T's 16 rows, indexed by constants once unrolled) stay in
     # registers: no local memory at all
-    r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(tmp_path / "inverse.ptx"), "-o",
-                        str(tmp_path / "inverse.cubin")], capture_output=True, text=True,
-                       timeout=300)
-    assert "0 bytes stack frame" in r.stderr, r.stderr
+    for name in ("scan", "scan1", "inverse"):
+        assemble_sm80(tmp_path / f"{name}.ptx", no_stack=name == "inverse")
     # element copies (K % 4 != 0) take no cp.async: they also run below sm_80
     assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
     assert "cp.async" not in (tmp_path / "scan1.ptx").read_text()

@@ -347,15 +347,17 @@ def _toolkit():
     return ptxas if nvvm else None
 
 
-def assemble_sm80(ptx: Path, no_spills: bool = True) -> None:
+def assemble_sm80(ptx: Path, no_spills: bool = True, no_stack: bool = False) -> None:
     """ptxas the PTX file for sm_80 (-v): it must assemble and, with ``no_spills``, spill
-    nothing."""
+    nothing; with ``no_stack``, keep nothing in local memory at all (0 bytes stack frame)."""
     r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(ptx), "-o",
                         str(ptx.with_suffix(".cubin"))], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, f"{ptx.name}: {r.stderr}"
     if no_spills:
         assert "0 bytes spill stores, 0 bytes spill loads" in r.stderr, (ptx.name, r.stderr)
+    if no_stack:
+        assert "0 bytes stack frame" in r.stderr, (ptx.name, r.stderr)
 
 
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")

@@ -625,6 +625,19 @@ def _tc_bwd_unavailable(ctx, n):
     return None
 
 
+def _bwd_operands(ctx, n):
+    """What both numba backward tiers of attention_bwd_dq node ``n`` read: its operands, masks
+    and flags, the dK / dV result, the geometry array, and the delta step with its buffer."""
+    g = ctx.graph
+    ins = [g.nodes[i] for i in n.inputs]
+    q, k, v, o, do, lse = ins[:6]
+    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
+    dkv, delta = _bwd_results(g, n)
+    geom, _ = _geom(ctx, n, q, k, mask, bias)
+    steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
+    return q, k, v, do, lse, bias, mbuf, bbuf, flags, scale, softcap, dkv, geom, steps, dl
+
+
 @lowering("attention_bwd_dq", tier="numba tensor-core backward", available=_tc_bwd_unavailable)
 def _lower_attention_bwd_tc(ctx, n):
     """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (into the
@@ -633,13 +646,9 @@ def _lower_attention_bwd_tc(ctx, n):
     is empty. P and dS are rounded to q's dtype for the products (as cuDNN and
     FlashAttention-2): a gradient's error is a few u of the magnitudes of its sums. No atomics
     (a GQA group's dK / dV are summed in one block): grad(deterministic=True) runs here too."""
-    g, a = ctx.graph, n.attrs
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v, o, do, lse = ins[:6]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
-    dkv, delta = _bwd_results(g, n)
-    geom, _ = _geom(ctx, n, q, k, mask, bias)
-    steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
+    a = n.attrs
+    (q, k, v, do, lse, bias, mbuf, bbuf, flags, scale, softcap, dkv, geom, steps,
+     dl) = _bwd_operands(ctx, n)
     kind, d = q.dtype.name, a["d"]
     geo = default_geometry("attention_tc_bwd")
     lse_buf = ctx.buf(lse) if lse.size else _dummy(ctx, np.float32)
@@ -666,13 +675,8 @@ def _lower_attention_bwd(ctx, n):
     """inputs (q, k, v, O, dO, LSE, [mask], [bias]): the delta kernel (``_delta_step``), then
     the dQ kernel (this node) and the dK / dV kernel (the attention_bwd_dkv result), each
     skipped when its output is empty (no queries: dK and dV are still written, zeros)."""
-    g, a = ctx.graph, n.attrs
-    ins = [g.nodes[i] for i in n.inputs]
-    q, k, v, o, do, lse = ins[:6]
-    mask, bias, mbuf, bbuf, flags, scale, softcap = _masks(ctx, n, ins[6:])
-    dkv, delta = _bwd_results(g, n)
-    geom, _ = _geom(ctx, n, q, k, mask, bias)
-    steps, dl = _delta_step(ctx, n, o, do, lse, delta, geom)
+    (q, k, v, do, lse, bias, mbuf, bbuf, flags, scale, softcap, dkv, geom, steps,
+     dl) = _bwd_operands(ctx, n)
     common = (q, k, v, do, ctx.buf(lse) if lse.size else _dummy(ctx, np.float32), dl, bias,
               mbuf, bbuf, flags, scale, softcap, geom)
     if n.size:
