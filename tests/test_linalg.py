@@ -166,6 +166,26 @@ def test_singular_and_not_positive_definite():
     np.testing.assert_allclose([det[1], s[1], la[1]], [8.0, 1.0, np.log(8.0)], rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["f32", "f64"])
+def test_cholesky_of_one_matrix(rng, dtype):
+    """An unbatched [n, n] (cuSOLVER's potrf "lower" on A transposed into column-major on a GPU,
+    L transposed back; the numba kernel here): only A's lower triangle is read (noise above
+    it changes nothing), and a matrix that is not positive definite gives NaN."""
+    f = np.float32 if dtype == "f32" else np.float64
+    n = 37 if ON_GPU else 7
+    a = _spd(rng, (n, n)).astype(f)
+    noisy = a + np.triu(rng.standard_normal((n, n)), 1).astype(f)
+    npd = np.diag(np.r_[np.ones(n - 1), -1.0]).astype(f)
+    g = rlx.Graph("chol1")
+    A, P = g.input("a", (n, n), dtype), g.input("p", (n, n), dtype)
+    el, bad = _run(g, [g.cholesky(A), g.cholesky(P)], {"a": noisy, "p": npd})
+    want = np.linalg.cholesky(a.astype(np.float64))
+    assert el.dtype == f and np.all(np.triu(el, 1) == 0)
+    np.testing.assert_allclose(el, want, rtol=0, atol=(1e-5 if dtype == "f32" else 1e-12)
+                               * np.abs(want).max())
+    assert np.isnan(bad).all()
+
+
 def _feed64(**kw):
     return {k: v.astype(np.float64) for k, v in kw.items()}
 

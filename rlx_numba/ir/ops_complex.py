@@ -95,15 +95,18 @@ def _conj_pairs(g, p):
 def _safe_abs(g, p):
     """|z| [..., 1] of pairs p, as hypot: m sqrt((re/m)^2 + (im/m)^2) with m = max(|re|, |im|),
     so |z|^2 never forms (in f32 it overflows past |z| ~ 1.8e19 and underflows below
-    ~1e-19); an infinite part gives inf. At z = 0 the result and its slope are 0 (wheres feed
+    ~1e-19); an infinite part gives inf, even beside a NaN. At z = 0 the result and its slope are 0 (wheres feed
     the divisions and sqrt 1 there), as torch's sgn(0); the slope through m is 0 (the
     expression is |z| for any m > 0)."""
-    m = g.reduce_max(g.abs(p), -1, keep_dim=True)
+    ap = g.abs(p)
+    m = g.reduce_max(ap, -1, keep_dim=True)
     zero = g.eq(m, 0.0)
     ms = g.where(zero, 1.0, m)
     q = p / ms
     r = ms * g.sqrt(g.where(zero, 1.0, g.reduce_sum(q * q, -1, keep_dim=True)))
-    return g.where(zero, 0.0, g.where(g.eq(m, math.inf), math.inf, r))
+    # an infinite part wins over a NaN one (hypot(inf, nan) = inf, as numpy and torch)
+    inf = g.gt(g.reduce_max(g.where(g.eq(ap, math.inf), 1.0, 0.0), -1, keep_dim=True), 0.0)
+    return g.where(zero, 0.0, g.where(inf, math.inf, r))
 
 
 def _cdiv(g, a, b):

@@ -361,6 +361,9 @@ class GGUFFile:
     def length(self, key) -> int | None:
         """The item count of an array value (None when the key is missing), decoding nothing."""
         v = self._meta.get(key)
+        if v is not None and not hasattr(v, "__len__"):
+            raise ValueError(f"{self.path}: GGUF metadata {key!r} must be an array, got "
+                             f"{type(v).__name__} {v!r}")
         return None if v is None else len(v)
 
     def shape(self, name: str) -> tuple:

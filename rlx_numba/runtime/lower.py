@@ -288,7 +288,7 @@ def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0, pdl: boo
         kern.bind()   # load the module into the context and set it up, as numba's launch does
         func = int(kern._codelibrary.get_cufunc().handle)
     if shared > 48 << 10:   # past 48 KiB a kernel must opt in to dynamic shared memory
-        _set_max_dynamic_shared(func, shared)
+        _set_max_dynamic_shared(func, shared, dispatcher.py_func.__qualname__)
     retr, params = [], []
     for ty, val in zip(kern.argument_types, args):
         kern._prepare_args(ty, val, stream, retr, params)
@@ -350,25 +350,29 @@ def compile_off_thread(dispatcher, sig):
     return out["kernel"]
 
 
-def _set_max_dynamic_shared(func: int, nbytes: int) -> None:
+def _set_max_dynamic_shared(func: int, nbytes: int, name: str) -> None:
     """The opt-in past 48 KiB: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8) on the
     handle numba launches. numba-cuda loads modules as libraries, so that handle can be a
     CUkernel (cuLaunchKernel takes either), which cuFuncSetAttribute refuses with
     CUDA_ERROR_INVALID_HANDLE (400); a CUkernel takes cuKernelSetAttribute for the context's
-    device."""
+    device. A failure names the kernel, the bytes and the device's opt-in limit."""
     cu = ctypes.CDLL("libcuda.so.1")
     cu.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    err = cu.cuFuncSetAttribute(ctypes.c_void_p(func), 8, int(nbytes))
-    if err == 400:
-        dev = ctypes.c_int()
-        err = cu.cuCtxGetDevice(ctypes.byref(dev))
+    call, err = "cuFuncSetAttribute", cu.cuFuncSetAttribute(ctypes.c_void_p(func), 8, int(nbytes))
+    dev = ctypes.c_int()
+    if err == 400 and hasattr(cu, "cuKernelSetAttribute"):
+        call, err = "cuCtxGetDevice", cu.cuCtxGetDevice(ctypes.byref(dev))
         if not err:
             cu.cuKernelSetAttribute.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                 ctypes.c_int]
+            call = "cuKernelSetAttribute"
             err = cu.cuKernelSetAttribute(8, int(nbytes), ctypes.c_void_p(func), dev.value)
     if err:
-        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: "
-                           f"CUresult {err} (more than the GPU's shared memory a block?)")
+        limit = ctypes.c_int(-1)
+        if not cu.cuCtxGetDevice(ctypes.byref(dev)):    # MAX_SHARED_MEMORY_PER_BLOCK_OPTIN (97)
+            cu.cuDeviceGetAttribute(ctypes.byref(limit), 97, dev.value)
+        raise RuntimeError(f"{name}: {call} for {nbytes} bytes of dynamic shared memory failed: "
+                           f"CUresult {err} (this GPU allows {limit.value} bytes a block)")
 
 
 class _LaunchAttr(ctypes.Structure):
