@@ -266,7 +266,7 @@ def test_state_scan_in_less_shared_memory(rng, monkeypatch, gpu_geo, layout, wan
             3, 2, vs, K.StateScanGeometry(rt, ct, vs), shared_pq))
         g, ts, ys = scan_graph(f, False)
         seeds = [rng.standard_normal(y.shape) for y in ys]
-        y = sum((g.reduce_sum(y * g.constant(sd.astype(np.float32))) for y, sd in zip(ys, seeds)),
+        y = sum((g.reduce_sum(r * g.constant(sd.astype(np.float32))) for r, sd in zip(ys, seeds)),
                 start=g.constant(np.zeros((), np.float32)))
 
         def oracle(**kw):
@@ -467,8 +467,9 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
     cp.async copies; K = 127, reversed, element copies; P and Q in one buffer with element
     copies, as on sm_75) and the chunk inverse (C = 64, both column-scaled copies and T: no
-    local memory either), compiled through NVVM and assembled by ptxas with nothing spilled. The simulator takes a shared array sized by an
-    expression; NVVM needs a constant (the inverse's C * C failed on an H200)."""
+    local memory either), compiled through NVVM and assembled by ptxas with nothing spilled.
+    The simulator takes a shared array sized by an expression; NVVM needs a constant (the
+    inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
