@@ -117,6 +117,32 @@ def device_info() -> dict:
             "sm_count": dev.MULTIPROCESSOR_COUNT, "simulator": False}
 
 
+# The simulator has no shared memory limit; it stands for the sm_90 GPUs (H100 / H200) the
+# kernels are tuned on
+SIMULATOR_SHARED_PER_BLOCK = 227 << 10
+
+
+def max_shared_per_block() -> int:
+    """The bytes of shared memory a block of the current device may opt in to (dynamic shared
+    memory past 48 KiB: 227 KiB on sm_90, 163 on sm_80, 99 on sm_86/89, 64 on sm_75)."""
+    if SIMULATOR:
+        return SIMULATOR_SHARED_PER_BLOCK
+    from numba import cuda
+
+    dev = cuda.get_current_device()
+    try:
+        return int(dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    except AttributeError:   # a numba without the attribute's name: the driver's (97)
+        cu = ctypes.CDLL("libcuda.so.1")
+        handle, limit = ctypes.c_int(), ctypes.c_int()
+        err = cu.cuDeviceGet(ctypes.byref(handle), dev.id) or \
+            cu.cuDeviceGetAttribute(ctypes.byref(limit), 97, handle.value)
+        if err:
+            raise RuntimeError(f"cuDeviceGetAttribute(MAX_SHARED_MEMORY_PER_BLOCK_OPTIN) of "
+                               f"device {dev.id} failed: CUresult {err}") from None
+        return limit.value
+
+
 def patch_simulator() -> None:
     """Make the simulator's shared arrays safe: numba's FakeCUDAShared.array finds a block's
     array by (file, line) in a dict with an unlocked get-then-set, so two threads of a block

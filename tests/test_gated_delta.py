@@ -196,6 +196,84 @@ def test_state_scan_errors():
                                     g.input("s2", (2, 6, 5))])
 
 
+def test_state_scan_fits_the_gpu():
+    """The layout the lowering takes for a GPU's shared memory a block: on sm_86/89 (99 KiB,
+    the least of sm_80+) the GPU geometry with P and Q resident, for every Dk and the chunk
+    gated_delta_net picks for it; below, fewer columns, then P and Q in one buffer, then an
+    error. Sizes in f32 words of scan_shared_layout, written out: K = 128 (rows of 132
+    words), C = 64 takes S 128 x (VS + 4), X 64 x (VS + 4) and P, Q 64 x 132 each."""
+    from rlx_numba.ir.ops_delta import scan_chunk_fits
+    from rlx_numba.kernels import delta as K
+    from rlx_numba.kernels.launch import gpu_geometry
+    geo = gpu_geometry("delta_state_scan")
+    assert geo == K.StateScanGeometry(16, 8, 32)
+    for dk in range(1, 257):
+        c = 64
+        while not scan_chunk_fits(dk, c):
+            c //= 2
+        assert K.fit_state_scan(dk, c, 128, geo, 99 << 10) == (geo, 32, False), (dk, c)
+    pq = 64 * 132
+    assert K.shared_bytes(128, 64, 32, geo) == 4 * (192 * 36 + 2 * pq) == 95232
+    # sm_75 (64 KiB): 16 or 8 columns still need 4 (192 * 20 + 2 pq) = 82944 and 76800
+    # bytes; P and Q in one buffer at 32 columns need 4 (192 * 36 + pq) = 61440
+    assert K.fit_state_scan(128, 64, 128, geo, 64 << 10) == (geo, 32, True)
+    # 48 KiB: 4 (192 * 20 + pq) = 49152 at 16 columns
+    half = K.StateScanGeometry(16, 4, 16)
+    assert K.fit_state_scan(128, 64, 128, geo, 48 << 10) == (half, 16, True)
+    # K = 256 (rows of 260), C = 16 on sm_75: 4 (272 * 20 + 2 * 16 * 260) = 55040 bytes
+    assert K.fit_state_scan(256, 16, 128, geo, 64 << 10) == (half, 16, False)
+    with pytest.raises(ValueError, match=r"delta_state_scan: Dk=128, chunk 64 needs at least "
+                                         r"43008 bytes of shared memory a block \(8 columns, "
+                                         r"P and Q in one buffer\); this GPU allows 40000"):
+        K.fit_state_scan(128, 64, 128, geo, 40000)
+
+
+@pytest.mark.parametrize("gpu_geo,layout,want", [
+    (True, ((16, 4, 16), False), "16 columns a block"),
+    (True, ((16, 2, 8), True), "8 columns a block, P and Q in one buffer"),
+    (False, ((2, 1, 4), True), "4 columns a block, P and Q in one buffer")])
+def test_state_scan_in_less_shared_memory(rng, monkeypatch, gpu_geo, layout, want):
+    """A GPU allowing a block just the bytes of a smaller layout (the lowering reads the
+    limit from max_shared_per_block) runs that layout: fewer columns, P and Q in one buffer
+    (both at the GPU geometry, on tiny sizes), and at the simulator's. Forward against the
+    reference, then the gradients (the same kernel run in reverse); K = 8 copies with
+    cp.async, K = 3 a float at a time."""
+    import contextlib
+
+    from rlx_numba.kernels import delta as K
+    from rlx_numba.kernels.launch import gpu_geometry, override_geometry
+    from rlx_numba.runtime import lower_delta
+    (rt, ct, vs), shared_pq = layout
+    geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
+        if gpu_geo else contextlib.nullcontext()
+    with geo:
+        for k, reverse, bias in ((8, False, True), (3, True, False)):
+            f = scan_feed(rng, 2, 3, 5, k, 7, bias)
+            monkeypatch.setattr(lower_delta, "max_shared_per_block", lambda: K.shared_bytes(
+                k, 5, vs, K.StateScanGeometry(rt, ct, vs), shared_pq))
+            g, _, ys = scan_graph(f, reverse)
+            g.set_outputs(list(ys))
+            exe = rlx.compile(g)
+            (step,) = [s for s in exe.steps if s.kernel_name.startswith("delta state scan")]
+            assert step.kernel_name.endswith(want), step.kernel_name
+            got = exe.run({n: x.astype(np.float32) for n, x in f.items()})
+            ref = state_scan_ref(*(f[n] for n in ("p", "q", "a", "d", "s0")), f.get("bias"),
+                                 reverse)
+            for x, w in zip(got, ref):
+                np.testing.assert_allclose(x, w, rtol=1e-5, atol=1e-5)
+        f = scan_feed(rng, 2, 3, 2, 3, 7, True)
+        monkeypatch.setattr(lower_delta, "max_shared_per_block", lambda: K.shared_bytes(
+            3, 2, vs, K.StateScanGeometry(rt, ct, vs), shared_pq))
+        g, ts, ys = scan_graph(f, False)
+        seeds = [rng.standard_normal(y.shape) for y in ys]
+        y = sum((g.reduce_sum(r * g.constant(sd.astype(np.float32))) for r, sd in zip(ys, seeds)),
+                start=g.constant(np.zeros((), np.float32)))
+
+        def oracle(**kw):
+            return sum(float((o * sd).sum()) for o, sd in zip(state_scan_ref(**kw), seeds))
+        check(g, y, ts, f, oracle, rtol=1e-3, atol=1e-4)
+
+
 # ---- the decode step ------------------------------------------------------------------------
 @pytest.mark.parametrize("l2,scale,init", [(False, None, True), (True, 0.7, True),
                                            (True, None, False)])
@@ -387,10 +465,11 @@ def test_a_converted_model_keeps_the_delta_rule_in_f32(rng):
 @pytest.mark.skipif(ON_GPU or _toolkit() is None, reason="needs ptxas + libnvvm, no GPU")
 def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     """Without a GPU: the state pass at the GPU geometry (K = V = 128, C = 64, with a bias and
-    cp.async copies; K = 127, reversed, element copies) and the chunk inverse (C = 64, both
-    column-scaled copies and T: no local memory either), compiled through NVVM and assembled
-    by ptxas with nothing spilled. The simulator takes a shared array sized by an
-    expression; NVVM needs a constant (the inverse's C * C failed on an H200)."""
+    cp.async copies; K = 127, reversed, element copies; P and Q in one buffer with element
+    copies, as on sm_75) and the chunk inverse (C = 64, both column-scaled copies and T: no
+    local memory either), compiled through NVVM and assembled by ptxas with nothing spilled.
+    The simulator takes a shared array sized by an expression; NVVM needs a constant (the
+    inverse's C * C failed on an H200)."""
     script = textwrap.dedent(f"""
         import os
         os.environ["RLX_NUMBA_SIMULATOR"] = "0"
@@ -411,6 +490,8 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
                                              True), (f32,) * 9 + (T.int64,) * 3),
                 ("scan1", K.state_scan_kernel(127, 64, K.columns(geo, 128), geo, True, False,
                                               False), (f32,) * 9 + (T.int64,) * 3),
+                ("scan_pq", K.state_scan_kernel(128, 64, K.columns(geo, 128), geo, False, True,
+                                                False, True), (f32,) * 9 + (T.int64,) * 3),
                 ("inverse", inv, (f32,) * 6 + (T.int64,))):
             ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                       launch_bounds=k.targetoptions.get("launch_bounds"))
@@ -422,8 +503,9 @@ def test_gpu_bodies_of_the_delta_kernels_compile(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     # the inverse's register arrays (T's 16 rows, indexed by constants once unrolled) stay in
     # registers: no local memory at all
-    for name in ("scan", "scan1", "inverse"):
+    for name in ("scan", "scan1", "scan_pq", "inverse"):
         assemble_sm80(tmp_path / f"{name}.ptx", no_stack=name == "inverse")
     # element copies (K % 4 != 0) take no cp.async: they also run below sm_80
     assert "cp.async.cg.shared.global" in (tmp_path / "scan.ptx").read_text()
     assert "cp.async" not in (tmp_path / "scan1.ptx").read_text()
+    assert "cp.async" not in (tmp_path / "scan_pq.ptx").read_text()

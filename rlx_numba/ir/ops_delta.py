@@ -32,7 +32,8 @@ from .ops import fmt
 # Shared memory (f32 words) the state pass's kernel may use (dynamic shared memory: 120 KB,
 # two blocks of the GPU's geometry a multiprocessor on an H100 / H200). A block holds S's
 # [Dk, VS] slice, X's [C, VS] and P and Q [C, Dk] of a chunk (kernels/delta.py); with up to
-# SCAN_MAX_COLUMNS columns and SCAN_MAX_ROWS thread rows, the builder picks C to fit.
+# SCAN_MAX_COLUMNS columns and SCAN_MAX_ROWS thread rows, the builder picks C to fit. (GPUs
+# allowing a block less get a smaller layout at lowering: kernels/delta.py fit_state_scan.)
 SCAN_SHARED_FLOATS = 30 * 1024
 SCAN_MAX_COLUMNS = 64
 SCAN_MAX_ROWS = 16
@@ -40,19 +41,21 @@ MAX_DK = 256
 MAX_CHUNK = 64      # unit_lower_inverse's kernel: [C, C] padded to 16, 32 or 64 in shared memory
 
 
-def scan_shared_layout(k: int, c: int, vs: int, rt: int) -> dict:
+def scan_shared_layout(k: int, c: int, vs: int, rt: int, shared_pq: bool = False) -> dict:
     """The state pass's shared memory (kernels/delta.py), in f32 words, for Dk = k, chunks of
     c, vs columns of V a block and rt thread rows: S [kp, vs + 4] (kp >= k: a thread's rows
     of S are a multiple of 4 consecutive ones), X [c, vs + 4], P [rt ceil(c / rt), kp + 4]
     and Q [c, kp + 4] (rows padded by 16 bytes: rows a warp reads at once fall in distinct
-    banks); offsets of each and the total."""
+    banks); offsets of each and the total. ``shared_pq``: Q in P's buffer (one staged at a
+    time: GPUs with less shared memory a block)."""
     tr2 = -(-(-(-k // rt)) // 4) * 4
     kp, ks, vsp = rt * tr2, rt * tr2 + 4, vs + 4
     x = kp * vsp
     p = x + c * vsp
-    q = p + rt * -(-c // rt) * ks
+    p_end = p + rt * -(-c // rt) * ks
+    q = p if shared_pq else p_end
     return dict(tr1=-(-c // rt), tr2=tr2, kp=kp, ks=ks, vsp=vsp, s=0, x=x, p=p, q=q,
-                total=q + c * ks)
+                total=max(p_end, q + c * ks))
 
 
 def scan_chunk_fits(dk: int, c: int) -> bool:

@@ -27,6 +27,10 @@ columns of P and Q past K, are zeros, written once (the products read them whole
 16-byte aligned rows (K % 4, or an unaligned buffer) P and Q are copied a float at a time,
 at the same points.
 
+That layout takes 95 KB at K = 128, C = 64 (sm_80+ and sm_86/89's 99 KB allow it). On GPUs
+allowing a block less (sm_75: 64 KB; 48 KB before) the lowering (``fit_state_scan``) takes
+fewer columns a block, then P and Q in one buffer, staged in turn (four barriers a chunk).
+
 unit_lower_inverse: (I - A)^-1, a thread a column by forward substitution (below)."""
 import functools
 from dataclasses import dataclass
@@ -67,21 +71,50 @@ def columns(geo: StateScanGeometry, v: int) -> int:
     return min(geo.vs, -(-v // (4 * geo.ct)) * 4 * geo.ct)
 
 
-def shared_bytes(k: int, c: int, vs: int, geo: StateScanGeometry) -> int:
-    return 4 * scan_shared_layout(k, c, vs, geo.rt)["total"]
+def shared_bytes(k: int, c: int, vs: int, geo: StateScanGeometry,
+                 shared_pq: bool = False) -> int:
+    return 4 * scan_shared_layout(k, c, vs, geo.rt, shared_pq)["total"]
+
+
+def fewer_columns(geo: StateScanGeometry) -> list:
+    """geo, then geometries of a half and a quarter of its columns (and thread columns: each
+    thread's columns stay the same), where those are geometries."""
+    return [geo] + [StateScanGeometry(geo.rt, geo.ct >> i, geo.vs >> i) for i in (1, 2)
+                    if geo.ct >> i and (geo.vs >> i) % (4 * (geo.ct >> i)) == 0]
+
+
+def fit_state_scan(k: int, c: int, v: int, geo: StateScanGeometry, limit: int):
+    """(geometry, columns, shared_pq) of the state pass for Dk = k, chunks of c and V = v on
+    a GPU allowing ``limit`` bytes of shared memory a block: geo itself where its layout fits
+    (always on sm_80+: the builder sized c for it), else fewer columns, else P and Q in one
+    buffer (two more barriers a chunk, no copy under a product), at geo then fewer columns.
+    Raises when nothing fits."""
+    for shared_pq in (False, True):
+        for g in fewer_columns(geo):
+            vs = columns(g, v)
+            if shared_bytes(k, c, vs, g, shared_pq) <= limit:
+                return g, vs, shared_pq
+    g = fewer_columns(geo)[-1]
+    vs = columns(g, v)
+    raise ValueError(f"delta_state_scan: Dk={k}, chunk {c} needs at least "
+                     f"{shared_bytes(k, c, vs, g, True)} bytes of shared memory a block "
+                     f"({vs} columns, P and Q in one buffer); this GPU allows {limit}")
 
 
 @functools.lru_cache(maxsize=None)
 def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, reverse: bool,
-                      has_bias: bool, vec: bool):
+                      has_bias: bool, vec: bool, shared_pq: bool = False):
     """kernel(states, xo, final, P, Q, A, d, s0, bias, heads, chunks, v_dim): flat f32 arrays
     states [G, N, K, V], xo [G, N, C, V], final [G, K, V], P / Q [G, N, C, K], A [G, N, C, V],
     d [G, N], s0 [G, K, V], bias [G, N, K, V] (read only when ``has_bias``); launch with
     rt * ct threads a block, ``shared_bytes`` of dynamic shared memory, blocks over
     G * ceil(V / vs) (a grid-stride loop). ``vec``: P and Q copied 16 bytes at a time by
-    cp.async (K % 4 == 0, both 16-byte aligned, compute capability 8.0 or more)."""
+    cp.async (K % 4 == 0, both 16-byte aligned, compute capability 8.0 or more).
+    ``shared_pq``: P and Q take turns in one buffer (``fit_state_scan``), four barriers a
+    chunk: X = A + P S; barrier; Q copied in; barrier; S's update; barrier; the next P
+    copied in; barrier."""
     K, C, VS, RT, CT = k_dim, chunk, vs, geo.rt, geo.ct
-    lay = scan_shared_layout(K, C, VS, RT)
+    lay = scan_shared_layout(K, C, VS, RT, shared_pq)
     if lay["total"] > SCAN_SHARED_FLOATS:
         raise ValueError(f"delta_state_scan: K={K}, chunk {C}, {VS} columns, {RT} thread rows "
                          f"need {4 * lay['total']} bytes of shared memory, over "
@@ -144,7 +177,8 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
             v0 = (blk % nvs) * VS + c0                # the global column of its first
             gn = gi * chunks + (chunks - 1 if reverse else 0)
             stage(sh, P_OFF, P, gn * CK, t)
-            stage(sh, Q_OFF, Q, gn * CK, t)
+            if not shared_pq:
+                stage(sh, Q_OFF, Q, gn * CK, t)
             for i in range(TR2):
                 k = ty * TR2 + i
                 for j in range(TC):
@@ -206,10 +240,13 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                             ptx.vst4(sh, X_OFF + r * VSP + c0 + 4 * j4, x1[i * TC + 4 * j4],
                                      x1[i * TC + 4 * j4 + 1], x1[i * TC + 4 * j4 + 2],
                                      x1[i * TC + 4 * j4 + 3])
+                if shared_pq:
+                    cuda.syncthreads()            # P read: Q takes its buffer
+                    stage(sh, Q_OFF, Q, gn * CK, t)
                 if vec:
                     tc.cp_async_wait_all()        # this chunk's Q
                 cuda.syncthreads()                # P and S read, X and Q in place
-                if step + 1 < chunks:
+                if step + 1 < chunks and not shared_pq:
                     stage(sh, P_OFF, P, (gn + (-1 if reverse else 1)) * CK, t)
                 # S = d S + Q^T X (+ bias); columns past V stay 0 (X is 0 there)
                 for i in range(NSR):
@@ -234,10 +271,14 @@ def state_scan_kernel(k_dim: int, chunk: int, vs: int, geo: StateScanGeometry, r
                         ptx.vst4(sh, S_OFF + (ty * TR2 + i) * VSP + c0 + 4 * j4,
                                  sr[i * TC + 4 * j4], sr[i * TC + 4 * j4 + 1],
                                  sr[i * TC + 4 * j4 + 2], sr[i * TC + 4 * j4 + 3])
+                if shared_pq:
+                    cuda.syncthreads()            # Q read: the next P takes its buffer
+                    if step + 1 < chunks:
+                        stage(sh, P_OFF, P, (gn + (-1 if reverse else 1)) * CK, t)
                 if vec:
                     tc.cp_async_wait_all()        # the next chunk's P
                 cuda.syncthreads()                # Q and X read, S and P in place
-                if step + 1 < chunks:
+                if step + 1 < chunks and not shared_pq:
                     stage(sh, Q_OFF, Q, (gn + (-1 if reverse else 1)) * CK, t)
             for i in range(TR2):
                 k = ty * TR2 + i

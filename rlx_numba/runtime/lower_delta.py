@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..device import SIMULATOR, device_info
+from ..device import SIMULATOR, device_info, max_shared_per_block
 from ..kernels import delta as K
 from ..kernels.launch import default_geometry
 from .lower import Step, data_ptr, lowering, step_name
@@ -17,15 +17,16 @@ def _lower_state_scan(ctx, n):
     v = ins[2].shape[3]
     if heads * chunks * c * k * v == 0:
         return []
-    geo = default_geometry("delta_state_scan")
-    vs = K.columns(geo, v)
+    # the default geometry where this GPU allows its shared memory, else a smaller layout
+    geo, vs, shared_pq = K.fit_state_scan(k, c, v, default_geometry("delta_state_scan"),
+                                          max_shared_per_block())
     has_bias = len(ins) == 6
     reverse = bool(n.attrs.get("reverse", False))
     p, q, a, d, s0 = (ctx.buf(i) for i in n.inputs[:5])
     # P and Q copied 16 bytes at a time (cp.async: sm_80+) where their rows allow it
     vec = k % 4 == 0 and all(data_ptr(b) % 16 == 0 for b in (p, q)) \
         and (SIMULATOR or device_info()["cc"] >= (8, 0))
-    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias, vec)
+    kernel = K.state_scan_kernel(k, c, vs, geo, reverse, has_bias, vec, shared_pq)
     # the further results (states, final) where they are live, else scratch the kernel
     # writes and nothing reads
     outs = {"delta_scan_states": (heads * chunks * k * v), "delta_scan_final": (heads * k * v)}
@@ -40,11 +41,13 @@ def _lower_state_scan(ctx, n):
     blocks = heads * -(-v // vs)
     grid = min(blocks, 2) if SIMULATOR else blocks
     return [Step(step_name(n), f"delta state scan {heads} heads x {chunks} chunks of {c}, "
-                 f"K={k} V={v}{' reversed' if reverse else ''}", kernel, (grid,),
+                 f"K={k} V={v}{' reversed' if reverse else ''}, {vs} columns a block"
+                 f"{', P and Q in one buffer' if shared_pq else ''}", kernel, (grid,),
                  (geo.rt * geo.ct,),
                  (outs["delta_scan_states"], ctx.buf(n), outs["delta_scan_final"], p, q, a, d,
                   s0, bias, np.int64(heads), np.int64(chunks), np.int64(v)),
-                 {"flops": 4 * heads * chunks * c * k * v}, shared=K.shared_bytes(k, c, vs, geo))]
+                 {"flops": 4 * heads * chunks * c * k * v},
+                 shared=K.shared_bytes(k, c, vs, geo, shared_pq))]
 
 
 @lowering("delta_scan_states", "delta_scan_final")
