@@ -503,11 +503,40 @@ QWEN3NEXT = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_h
                  max_position_embeddings=4096, tie_word_embeddings=False)   # every 4th: attention
 
 
-def hf_qwen3next(torch, transformers, seed=0):
-    """transformers' Qwen3NextForCausalLM of QWEN3NEXT on the GPU, f32, eager attention, its torch
-    gated-delta / conv code in every layer; weights N(0, 0.08), zero-centred norms N(0, 0.1),
-    routers N(0, 0.5), conv N(0, 0.3), A_log log U(1, 16), dt_bias 1 + N(0, 0.2)."""
-    cfg = transformers.Qwen3NextConfig(**QWEN3NEXT)
+def torch_paths(model) -> set:
+    """transformers' torch code paths in every gated-delta layer of a Qwen3-Next ``model`` (its
+    fallbacks when fla and causal-conv1d are missing), whatever is installed; returns what was
+    swapped."""
+    mod = __import__(type(model).__module__, fromlist=["_"])
+    swapped = set()
+    for m in model.modules():
+        if type(m).__name__ != "Qwen3NextGatedDeltaNet":
+            continue
+        for attr, fn in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                         ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                         ("causal_conv1d_update", "torch_causal_conv1d_update")):
+            ref = getattr(mod, fn, None)
+            if ref is not None and hasattr(m, attr) and getattr(m, attr) is not ref:
+                setattr(m, attr, ref)
+                swapped.add(attr)
+        if getattr(m, "causal_conv1d_fn", None) is not None:
+            m.causal_conv1d_fn = None
+            swapped.add("causal_conv1d_fn")
+        if type(m.norm).__name__ != "Qwen3NextRMSNormGated":
+            norm = mod.Qwen3NextRMSNormGated(m.head_v_dim, eps=m.layer_norm_epsilon)
+            norm.weight.data.copy_(m.norm.weight.data.float())
+            m.norm = norm.to(m.norm.weight.device)
+            swapped.add("norm")
+    return swapped
+
+
+def hf_qwen3next(torch, transformers, seed=0, config=None):
+    """transformers' Qwen3NextForCausalLM of ``config`` (default QWEN3NEXT) on the GPU, f32,
+    eager attention, its torch gated-delta / conv code in every layer (torch_paths); weights
+    spread wider than its init so that routing and greedy picks are far from ties: N(0, 0.08),
+    zero-centred norms N(0, 0.1), routers N(0, 0.5), conv N(0, 0.3), A_log log U(1, 16),
+    dt_bias 1 + N(0, 0.2); generation never stops early (random weights)."""
+    cfg = transformers.Qwen3NextConfig(**(config or QWEN3NEXT))
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
     hf = transformers.Qwen3NextForCausalLM(cfg).float()
@@ -516,7 +545,7 @@ def hf_qwen3next(torch, transformers, seed=0):
         for name, p in hf.named_parameters():
             if name.endswith("linear_attn.norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:
+            elif "norm" in name:                       # zero-centred: gain 1 + weight
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("A_log"):
                 p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
@@ -525,17 +554,7 @@ def hf_qwen3next(torch, transformers, seed=0):
             else:
                 p.normal_(0.0, 0.5 if name.endswith("mlp.gate.weight") else
                           0.3 if name.endswith("conv1d.weight") else 0.08)
-    mod = __import__(type(hf).__module__, fromlist=["_"])
-    for m in hf.modules():
-        if type(m).__name__ == "Qwen3NextGatedDeltaNet":
-            m.chunk_gated_delta_rule = mod.torch_chunk_gated_delta_rule
-            m.recurrent_gated_delta_rule = mod.torch_recurrent_gated_delta_rule
-            m.causal_conv1d_update = mod.torch_causal_conv1d_update
-            m.causal_conv1d_fn = None
-            if type(m.norm).__name__ != "Qwen3NextRMSNormGated":
-                norm = mod.Qwen3NextRMSNormGated(m.head_v_dim, eps=m.layer_norm_epsilon)
-                norm.weight.data.copy_(m.norm.weight.data.float())
-                m.norm = norm
+    torch_paths(hf)
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = 0
     return hf.cuda().eval()

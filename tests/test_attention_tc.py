@@ -11,10 +11,6 @@ runs only where RLX_NUMBA_ATTENTION_TIERS names it, with its small geometry (one
 tiles); the mma twins are slow, so the shapes here are a few tiles (Sq 19: two query tiles,
 Sk 37: three key tiles, the last partial). The GPU's geometry runs on GPU-only tests (and
 tests/test_gpu_geometry.py in the simulator)."""
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,7 +19,7 @@ import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import HOST, assert_half_close, f64, rounded
 from test_attention_half import _half_online_softmax, _keep, attention64, masked_softmax
-from test_mma import _toolkit, assemble_sm80
+from test_mma import _toolkit, assemble_sm80, compile_sm80
 
 from rlx_numba.kernels import attention as A
 from rlx_numba.kernels import attention_tc as ATC
@@ -265,15 +261,7 @@ def test_gpu_kernel_assembles_without_spills(tmp_path):
     bias, softcap, the LSE; f16, D 128) compiled to PTX with the GPU bodies and assembled by
     ptxas for sm_80 under the launch bounds: the mma / ldmatrix / cp.async instructions are
     there and nothing spills. (One kernel: a compile takes ~10 s of CPU.)"""
-    script = textwrap.dedent(f"""
-        import os
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-        from numba import cuda, types
-        import numba.cuda.dispatcher as D
-
-        class Dev:
-            compute_capability = (8, 0)
-        D.get_current_device = lambda: Dev()
+    compile_sm80(f"""
         from rlx_numba.kernels import attention_tc as T
         u16, u32, f16, f32, i64, b1 = (types.uint16, types.uint32, types.float16,
                                        types.float32, types.int64, types.boolean)
@@ -284,18 +272,12 @@ def test_gpu_kernel_assembles_without_spills(tmp_path):
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                   launch_bounds=(geo.threads, geo.min_blocks))
         open(os.path.join({str(tmp_path)!r}, "k.ptx"), "w").write(ptx)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       cwd=Path(__file__).parents[1], timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    p = tmp_path / "k.ptx"
-    text = p.read_text()
-    for insn in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
-                 "ldmatrix.sync.aligned.m8n8.x4.shared", "ldmatrix.sync.aligned.m8n8.x4.trans",
-                 "cp.async.cg.shared.global", "cp.async.wait_group 0", "cvt.rn.f16x2.f32",
-                 "ex2.approx", "shfl.sync.bfly", "bar.sync"):
-        assert insn in text, insn
-    assemble_sm80(p)
+    """, timeout=900)
+    assemble_sm80(tmp_path / "k.ptx", insns=(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared", "ldmatrix.sync.aligned.m8n8.x4.trans",
+        "cp.async.cg.shared.global", "cp.async.wait_group 0", "cvt.rn.f16x2.f32",
+        "ex2.approx", "shfl.sync.bfly", "bar.sync"))
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------

@@ -15,11 +15,7 @@ where RLX_NUMBA_ATTENTION_BWD_TIERS names it, with one warp and 16-column tiles 
 are slow: Sq / Sk 19 and 33 are a few tiles, the last partial); the forward there is tier 2's
 f32 kernel (its LSE convention is tier 1's). The GPU geometry runs here at small shapes (the
 slow tests, ~10 s each), and at S 200 / 333 on a GPU."""
-import subprocess
-import sys
-import textwrap
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +24,7 @@ import rlx_numba as rlx
 from conftest import ON_GPU
 from halfref import assert_half_close, f64, rounded
 from test_attention_half import _cudnn_grad_run, _feed, _graph, attention64
-from test_mma import _toolkit, assemble_sm80
+from test_mma import _toolkit, assemble_sm80, compile_sm80
 
 from rlx_numba.kernels import attention_tc_bwd as ATB
 from rlx_numba.kernels.ptx import flat
@@ -300,15 +296,7 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which, d, flags):
     frame). Causal at D 128 (the most registers: 250 for dK / dV) and every flag (causal,
     window, mask, an f16 bias, softcap) at D 64 (the longest element loop, which the
     compiler left rolled at 64 columns: HEAVY_COLS). f16. (~10 s of CPU each.)"""
-    script = textwrap.dedent(f"""
-        import os
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-        from numba import cuda, types
-        import numba.cuda.dispatcher as D
-
-        class Dev:
-            compute_capability = (8, 0)
-        D.get_current_device = lambda: Dev()
+    compile_sm80(f"""
         from rlx_numba.kernels import attention_tc_bwd as T
         u16, f16, f32, i64, b1 = (types.uint16, types.float16, types.float32, types.int64,
                                   types.boolean)
@@ -319,18 +307,12 @@ def test_gpu_kernels_assemble_without_spills(tmp_path, which, d, flags):
         ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                   launch_bounds=(geo.threads, geo.min_blocks))
         open(os.path.join({str(tmp_path)!r}, "k.ptx"), "w").write(ptx)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       cwd=Path(__file__).parents[1], timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    p = tmp_path / "k.ptx"
-    text = p.read_text()
-    for insn in ("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
-                 "ldmatrix.sync.aligned.m8n8.x4.shared", "ldmatrix.sync.aligned.m8n8.x4.trans",
-                 "cp.async.cg.shared.global", "cp.async.wait_group 1", "cp.async.wait_group 0",
-                 "cvt.rn.f16x2.f32", "ex2.approx", "bar.sync"):
-        assert insn in text, insn
-    assemble_sm80(p, no_stack=True)
+    """, timeout=900)
+    assemble_sm80(tmp_path / "k.ptx", no_stack=True, insns=(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared", "ldmatrix.sync.aligned.m8n8.x4.trans",
+        "cp.async.cg.shared.global", "cp.async.wait_group 1", "cp.async.wait_group 0",
+        "cvt.rn.f16x2.f32", "ex2.approx", "bar.sync"))
 
 
 # ---- on a GPU (the lead runs these) -----------------------------------------------------------

@@ -4,10 +4,6 @@ geometry's row tile), f32 sums in mma fragments, one rounding -- against float64
 same half-rounded inputs (tests/halfref.py). The simulator's mma twins are slow: the
 simulator geometry's tile is 32 x 16 x 16 (two warps), so the shapes here are one or two tiles
 each way, K and N not multiples of the tile, odd row counts an expert and an empty expert."""
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +15,7 @@ from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, roun
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import override_geometry
 from rlx_numba.runtime.lower_matmul import tier5_offered
-from test_mma import _toolkit, assemble_sm80
+from test_mma import _toolkit, assemble_sm80, compile_sm80
 
 
 def oracle(x, w, ids, trans_w):
@@ -246,15 +242,7 @@ def test_gpu_grouped_kernels_assemble_without_spills(tmp_path):
     kernel (cp.async bf16; element loads f16 with w^T), the CUDA-core grouped kernel reading
     halves and the routing at the tensor-core row tile, compiled to PTX for sm_80 and
     assembled by ptxas: the mma / cp.async instructions are there and nothing spills."""
-    script = textwrap.dedent(f"""
-        import os
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-        from numba import cuda, types
-        import numba.cuda.dispatcher as D
-
-        class Dev:
-            compute_capability = (8, 0)
-        D.get_current_device = lambda: Dev()
+    compile_sm80(f"""
         from rlx_numba.kernels import grouped as G, matmul_tc as T
         u16, f16, i64, i32 = types.uint16, types.float16, types.int64, types.int32
         geo = T.GPU_GEOMETRY
@@ -274,10 +262,7 @@ def test_gpu_grouped_kernels_assemble_without_spills(tmp_path):
             sig = (i64[:], i64, i64, i64, i64, i32[:], i32[:], i32[:], i32[:], i32[:], c[:], i64)
             open(os.path.join(out, f"route{{n}}.ptx"), "w").write(
                 cuda.compile_ptx(k.py_func, sig, cc=(8, 0))[0])
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       cwd=Path(__file__).parents[1], timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """, timeout=600)
     for p in sorted(tmp_path.glob("*.ptx")):
         text = p.read_text()
         if p.name.startswith("tc"):

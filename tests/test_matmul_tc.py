@@ -20,7 +20,7 @@ from halfref import HALVES, HOST, assert_half_close, f64, half_accumulated, roun
 from rlx_numba.kernels import matmul_tc as mtc
 from rlx_numba.kernels.launch import default_geometry, override_geometry
 from test_matmul_half import act64, data
-from test_mma import _toolkit, assemble_sm80
+from test_mma import _toolkit, assemble_sm80, compile_sm80
 
 
 @pytest.fixture
@@ -260,15 +260,7 @@ def test_gpu_kernels_assemble_without_spills(tmp_path):
     driver cannot give: sm_80 is supplied) and assembled by ptxas for sm_80 under the launch
     bounds: the mma / ldmatrix / cp.async instructions are there and nothing spills (the
     accumulators stay in registers; the 256-byte frame is the epilogue's copy of them)."""
-    script = textwrap.dedent(f"""
-        import os
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
-        from numba import cuda, types
-        import numba.cuda.dispatcher as D
-
-        class Dev:
-            compute_capability = (8, 0)
-        D.get_current_device = lambda: Dev()
+    compile_sm80(f"""
         from rlx_numba.kernels import matmul_tc as T
         u16, f16, i64 = types.uint16, types.float16, types.int64
         geo = T.GPU_GEOMETRY
@@ -280,10 +272,7 @@ def test_gpu_kernels_assemble_without_spills(tmp_path):
             ptx, _ = cuda.compile_ptx(k.py_func, sig, cc=(8, 0),
                                       launch_bounds=(geo.threads, geo.min_blocks))
             open(os.path.join({str(tmp_path)!r}, f"k{{n}}.ptx"), "w").write(ptx)
-    """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                       cwd=Path(__file__).parents[1], timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    """, timeout=600)
     for p in sorted(tmp_path.glob("k*.ptx")):
         text = p.read_text()
         for insn in ("mma.sync.aligned.m16n8k16.row.col.f32", "ldmatrix.sync.aligned.m8n8.x4",

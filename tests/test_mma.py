@@ -347,9 +347,36 @@ def _toolkit():
     return ptxas if nvvm else None
 
 
-def assemble_sm80(ptx: Path, no_spills: bool = True, no_stack: bool = False) -> None:
-    """ptxas the PTX file for sm_80 (-v): it must assemble and, with ``no_spills``, spill
-    nothing; with ``no_stack``, keep nothing in local memory at all (0 bytes stack frame)."""
+SM80_PREAMBLE = """
+import os
+os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
+from numba import cuda, types
+import numba.cuda.dispatcher as D
+
+class Dev:                # (device functions compile for the current device's cc)
+    compute_capability = (8, 0)
+D.get_current_device = lambda: Dev()
+"""
+
+
+def compile_sm80(body: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run ``body`` (it writes PTX with cuda.compile_ptx) in a fresh interpreter with numba's GPU
+    target and a stand-in sm_80 device: no driver is needed. It must exit 0."""
+    script = SM80_PREAMBLE + textwrap.dedent(body)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       cwd=Path(__file__).parents[1], timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def assemble_sm80(ptx: Path, no_spills: bool = True, no_stack: bool = False,
+                  insns=()) -> None:
+    """ptxas the PTX file for sm_80 (-v): it must hold each of ``insns``, assemble and, with
+    ``no_spills``, spill nothing; with ``no_stack``, keep nothing in local memory at all
+    (0 bytes stack frame)."""
+    text = ptx.read_text()
+    for insn in insns:
+        assert insn in text, (ptx.name, insn)
     r = subprocess.run([_toolkit(), "-arch=sm_80", "-v", str(ptx), "-o",
                         str(ptx.with_suffix(".cubin"))], capture_output=True, text=True,
                        timeout=300)

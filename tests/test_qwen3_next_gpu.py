@@ -7,6 +7,9 @@ off), saved with save_pretrained and loaded with Qwen3NextForCausalLM.from_safet
 logits of every position agree within 1e-4 of the largest |logit|; 16 greedy tokens equal
 transformers' generate(do_sample=False); a ragged batch and the CUDA-graph decode give the same
 tokens. Skipped under the simulator (and without torch / a transformers with Qwen3-Next)."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -30,59 +33,15 @@ SMALL = dict(vocab_size=1000, hidden_size=128, intermediate_size=160, num_hidden
              mlp_only_layers=[1], max_position_embeddings=256, tie_word_embeddings=False)
 
 
-def torch_reference(model):
-    """transformers' torch code paths in every gated-delta layer (its fallbacks when fla and
-    causal-conv1d are missing), whatever is installed; returns what was swapped."""
-    mod = __import__(type(model).__module__, fromlist=["_"])
-    swapped = set()
-    for m in model.modules():
-        if type(m).__name__ != "Qwen3NextGatedDeltaNet":
-            continue
-        for attr, fn in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
-                         ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
-                         ("causal_conv1d_update", "torch_causal_conv1d_update")):
-            ref = getattr(mod, fn, None)
-            if ref is not None and hasattr(m, attr) and getattr(m, attr) is not ref:
-                setattr(m, attr, ref)
-                swapped.add(attr)
-        if getattr(m, "causal_conv1d_fn", None) is not None:
-            m.causal_conv1d_fn = None
-            swapped.add("causal_conv1d_fn")
-        if type(m.norm).__name__ != "Qwen3NextRMSNormGated":
-            norm = mod.Qwen3NextRMSNormGated(m.head_v_dim, eps=m.layer_norm_epsilon)
-            norm.weight.data.copy_(m.norm.weight.data.float())
-            m.norm = norm.to(m.norm.weight.device)
-            swapped.add("norm")
-    return swapped
-
-
 def build_hf(seed=0, **over):
-    """transformers' model of SMALL (f32, eager attention, torch paths) with weights spread
-    wider than its init, so that routing and greedy picks are far from ties."""
-    cfg = transformers.Qwen3NextConfig(**dict(SMALL, **over))
-    cfg._attn_implementation = "eager"
-    cfg._experts_implementation = "eager"           # transformers 5: its loop over experts
-    hf = transformers.Qwen3NextForCausalLM(cfg).float()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:                       # zero-centred: gain 1 + weight
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
-            elif name.endswith("dt_bias"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("conv1d.weight"):
-                p.normal_(0.0, 0.3)
-            else:
-                p.normal_(0.0, 0.08)
-    hf = hf.cuda().eval()
-    print(f"\ntransformers {transformers.__version__}: swapped to its torch code: "
-          f"{sorted(torch_reference(hf)) or 'nothing (no fla / causal-conv1d)'}")
+    """transformers' model of SMALL (bench_models.hf_qwen3next: f32, eager attention, torch
+    paths, weights spread wider than its init, so that routing and greedy picks are far from
+    ties)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from bench_models import hf_qwen3next
+    hf = hf_qwen3next(torch, transformers, seed, dict(SMALL, **over))
+    print(f"\ntransformers {transformers.__version__}: the torch code paths of its gated-delta "
+          f"layers (fla / causal-conv1d swapped out where installed)")
     return hf
 
 

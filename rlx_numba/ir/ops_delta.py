@@ -179,12 +179,16 @@ defop("unit_lower_inverse", _infer_unit_lower_inverse, dtype_rule=F32_ONLY,
 def _unit_lower_inverse_vjp(g, node, dt_):
     """T = (I - A)^-1: dT = T dA T, so dA = T^T dT T^T on the strictly lower triangle (the
     only part read)."""
-    t = g.tensor(node.id)
+    return [_inverse_da(g, g.tensor(node.id), dt_)]
+
+
+def _inverse_da(g, t, dt_):
+    """dA = T^T dT T^T on the strictly lower triangle, for T = (I - A)^-1 (dT = T dA T)."""
     c = t.shape[-1]
     tt = g.transpose(t, tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
     da = g.matmul(g.matmul(tt, dt_), tt)
     strict = g.constant(np.tril(np.ones((c, c), bool), -1))
-    return [g.where(strict, da, g.constant(np.zeros((), np.float32)))]
+    return g.where(strict, da, g.constant(np.zeros((), np.float32)))
 
 
 def _infer_unit_lower_inverse_scaled(a, s1, s2):
@@ -231,10 +235,7 @@ def _unit_lower_inverse_scaled_vjp(g, node, dx):
         grads.append(g.reduce_sum(t * d, [a.ndim - 2]))
     if dt_ is None:
         return [None] + grads
-    tt = g.transpose(t, tuple(range(t.ndim - 2)) + (t.ndim - 1, t.ndim - 2))
-    da = g.matmul(g.matmul(tt, dt_), tt)
-    strict = g.constant(np.tril(np.ones((c, c), bool), -1))
-    return [g.where(strict, da, g.constant(np.zeros((), np.float32)))] + grads
+    return [_inverse_da(g, t, dt_)] + grads
 
 
 def _check(op, q, k, v, g_, beta, initial_state, scale, state_arg="initial_state"):
