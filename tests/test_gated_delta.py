@@ -238,15 +238,12 @@ def test_state_scan_in_less_shared_memory(rng, monkeypatch, gpu_geo, layout, wan
     (both at the GPU geometry, on tiny sizes), and at the simulator's. Forward against the
     reference, then the gradients (the same kernel run in reverse); K = 8 copies with
     cp.async, K = 3 a float at a time."""
-    import contextlib
-
     from rlx_numba.kernels import delta as K
-    from rlx_numba.kernels.launch import gpu_geometry, override_geometry
+    from rlx_numba.kernels.launch import gpu_geometry, override_geometry, sim_geometry
     from rlx_numba.runtime import lower_delta
     (rt, ct, vs), shared_pq = layout
-    geo = override_geometry("delta_state_scan", gpu_geometry("delta_state_scan")) \
-        if gpu_geo else contextlib.nullcontext()
-    with geo:
+    pick = gpu_geometry if gpu_geo else sim_geometry
+    with override_geometry("delta_state_scan", pick("delta_state_scan")):
         for k, reverse, bias in ((8, False, True), (3, True, False)):
             f = scan_feed(rng, 2, 3, 5, k, 7, bias)
             monkeypatch.setattr(lower_delta, "max_shared_per_block", lambda: K.shared_bytes(

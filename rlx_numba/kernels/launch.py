@@ -77,6 +77,11 @@ def gpu_geometry(family: str):
     return _GEOMETRY[family][0]
 
 
+def sim_geometry(family: str):
+    """``family``'s simulator geometry, whatever the device (a GPU test runs it)."""
+    return _GEOMETRY[family][1]
+
+
 _SM = None
 
 

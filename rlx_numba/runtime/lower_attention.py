@@ -10,7 +10,7 @@ split-K decode kernel when the queries that share a key/value head are few. Then
 (attention_bwd_dq), three tiers under ``RLX_NUMBA_ATTENTION_BWD_TIERS``: 0, cuDNN's fused
 backward (one call; not with a bias gradient), 1, the numba tensor-core backward for f16 / bf16
 (kernels/attention_tc_bwd.py: mma.sync dQ and dK / dV kernels with every mask and attribute of
-the forward's; only where the variable names it, on a GPU too until a GPU run has checked it),
+the forward's; in the simulator only where the variable names it, its mma twins being slow),
 2, the numba f32-accumulating kernels (kernels/attention_bwd.py), which run everything.
 A forward on one tier and a backward on another agree: cuDNN's softmax stats are our LSE
 (cudnn.py). cuDNN builds its graph when tier 0 is considered (_cudnn_builds), so one it has no
@@ -609,10 +609,9 @@ def _tc_bwd_unavailable(ctx, n):
     kind = q.dtype.name
     if kind not in ATB.KINDS:
         return f"{kind} operands (it takes f16 / bf16)"
-    if not _tier_named(TC_BWD_TIER, "attention_bwd_dq"):
-        # the simulator: its mma twins are slow; a GPU: not yet checked on one (built
-        # without device time; the GPU cases of tests/test_attention_tc_bwd.py name it)
-        return "runs only where RLX_NUMBA_ATTENTION_BWD_TIERS names it (not yet checked on a GPU)"
+    if SIMULATOR and not _tier_named(TC_BWD_TIER, "attention_bwd_dq"):
+        # its mma twins are slow there
+        return "the simulator runs it only where RLX_NUMBA_ATTENTION_BWD_TIERS names it"
     d = a["d"]
     if d % 16 or not 16 <= d <= ATB.MAX_D:
         return f"head dim {d} (a multiple of 16 up to {ATB.MAX_D})"
