@@ -483,20 +483,80 @@ def test_dequantize_blocks_equal_the_gguf_package():
     np.testing.assert_array_equal(dequantize_blocks(blk, "q4_1"), [-0.25] * 16 + [2.75] * 16)
 
 
+def test_gguf_types_and_tensors_equal_the_gguf_package(tmp_path, monkeypatch):
+    """weights._GGML_TYPES (ours, so that reading a GGUF imports no gguf package) names and
+    sizes every type as gguf.constants does, a type missing from it comes from the package,
+    and GGUFFile.tensor's F32 / F16 / BF16 / Q8_0 / Q4_K values equal gguf.quants.dequantize's
+    of the tensors gguf.GGUFReader reads."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+    from rlx_numba.models import weights
+    for q in gguf.GGMLQuantizationType:
+        t = weights._ggml_type(int(q))
+        assert (t.id, t.name, t.block, t.type_size) == (int(q), q.name, *GGML_QUANT_SIZES[q])
+    with monkeypatch.context() as mp:
+        mp.delitem(weights._GGML_TYPES, 8)
+        assert weights._ggml_type(8) == weights.GGMLType(8, "Q8_0", 32, 34)
+    assert weights._ggml_type(999) is None
+    rng = np.random.default_rng(5)
+    w32 = rng.standard_normal((3, 256)).astype(np.float32)
+    bf16 = w32.astype(ml_dtypes.bfloat16).view(np.uint8)
+    Q = gguf.GGMLQuantizationType
+    path = tmp_path / "types.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("f32", w32)
+    w.add_tensor("f16", w32.astype(np.float16))
+    w.add_tensor("bf16", bf16, raw_dtype=Q.BF16)
+    w.add_tensor("q8_0", weights.quantize(w32, "q8_0"), raw_dtype=Q.Q8_0)
+    w.add_tensor("q4_k", weights.quantize(w32, "q4_k"), raw_dtype=Q.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    f = GGUFFile(path)
+    for t in gguf.GGUFReader(str(path)).tensors:
+        want = dequantize(np.asarray(t.data), t.tensor_type).reshape(3, 256)
+        got = f.tensor(t.name)
+        assert got.dtype == np.float32 and f.type_name(t.name) == t.tensor_type.name
+        np.testing.assert_array_equal(got, want, err_msg=t.name)
+    np.testing.assert_array_equal(f.tensor("bf16"), w32.astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def test_gguf_load_imports_no_gguf_package(tmp_path):
+    """from_gguf of F32 / F16 / Q8_0 tensors (our dequantisers) never imports the gguf
+    package (0.16 s of a warm process's load on an H200 host): a fresh interpreter."""
+    import subprocess
+    import sys
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, CFG, hf_params(CFG, 4), q8=("model.layers.0.mlp.up_proj.weight",),
+               f16=("model.layers.1.mlp.up_proj.weight",))
+    code = ("import sys; from rlx_numba.models import LlamaForCausalLM; "
+            f"m = LlamaForCausalLM.from_gguf({str(path)!r}); "
+            "print(sorted(k for k in sys.modules if k.split('.')[0] == 'gguf'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_gguf_tokenizer_built_on_first_use(tmp_path, monkeypatch):
     """from_gguf builds the vocabulary's tokenizer when it is first used (0.3-0.6 s for a 49k
-    vocabulary that generating from token ids never needs), once; a vocabulary it cannot
-    build is still reported at load (a warning, no tokenizer)."""
-    from rlx_numba.models import llama
+    vocabulary that generating from token ids never needs), once, and only then decodes the
+    tokens and merges; a vocabulary it cannot build is still reported at load (a warning, no
+    tokenizer)."""
+    from rlx_numba.models import llama, weights
     path = tmp_path / "tiny.gguf"
     write_gguf(path, CFG, hf_params(CFG, 2))
-    built = []
+    built, decoded = [], []
     real = llama.gguf_tokenizer
     monkeypatch.setattr(llama, "gguf_tokenizer", lambda f: built.append(1) or real(f))
+    real_decode = weights._Strings.decode
+    monkeypatch.setattr(weights._Strings, "decode",
+                        lambda s: decoded.append(s.n) or real_decode(s))
     m = LlamaForCausalLM.from_gguf(path)
-    assert built == []
+    assert built == [] and decoded == [] and m.config.vocab_size == 265
     ids = m.encode("hello hello12")
     assert built == [1] and m.tokenizer is m.tokenizer and built == [1]
+    assert sorted(decoded) == [6, 265]           # the merges, the tokens: once each
     assert m.decode(ids) == "hello hello12"
     assert m.quantized("q8_0").tokenizer is m.tokenizer
     bad = tmp_path / "spm.gguf"

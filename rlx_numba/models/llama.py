@@ -1178,11 +1178,11 @@ def llama_config_from_gguf(f: GGUFFile) -> LlamaConfig:
     if rot != head_dim:
         raise ValueError(f"{f.path}: llama.rope.dimension_count {rot} != head dim {head_dim} "
                          f"(partial rotary is not supported)")
-    tokens = f.get("tokenizer.ggml.tokens")
+    tokens = f.length("tokenizer.ggml.tokens")        # not decoded: only the count
     if f.get("llama.vocab_size") is not None:
         vocab = int(f.get("llama.vocab_size"))
     elif tokens is not None:
-        vocab = len(tokens)
+        vocab = tokens
     elif "token_embd.weight" in f.names:
         vocab = f.shape("token_embd.weight")[0]
     else:

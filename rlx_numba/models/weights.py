@@ -104,13 +104,51 @@ def load_safetensors(path, select=None) -> dict[str, np.ndarray]:
 # metadata, the tensor infos (name, dims, type, offset), then the data at general.alignment.
 # Read here rather than by gguf.GGUFReader, which makes numpy views of every item: the 49,152
 # tokens and 48,900 merges of SmolLM2's vocabulary took it 3.3 s (8 s under cProfile) on this
-# project's CPU, this reader 0.1 s. The gguf package still names the types and dequantises the
-# K-quants.
+# project's CPU, this reader 0.1 s. The gguf package is imported only to dequantise K-quants
+# and to name a type newer than _GGML_TYPES (importing it took 0.16 s of a warm process's
+# from_gguf on an H200 host).
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
             12: "d"}   # GGUF value type -> struct format; 8 is a string, 9 an array
 _STRING, _ARRAY = 8, 9
 _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
           "I16": np.int16, "I32": np.int32, "I64": np.int64}   # others: the raw bytes
+_DEFAULT_ALIGNMENT = 32        # gguf.GGUF_DEFAULT_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    """A tensor type: ggml's id and name, weights a block, bytes a block."""
+    id: int
+    name: str
+    block: int
+    type_size: int
+
+
+# ggml's types (gguf.constants' GGMLQuantizationType and GGML_QUANT_SIZES; tests/test_loaders
+# checks them against the package's)
+_GGML_TYPES = {i: GGMLType(i, *v) for i, v in {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18)}.items()}
+
+
+def _ggml_type(raw: int) -> GGMLType | None:
+    """The type of id ``raw``: ours, else the gguf package's (one newer than our table)."""
+    if raw in _GGML_TYPES:
+        return _GGML_TYPES[raw]
+    try:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        q = GGMLQuantizationType(raw)
+    except (ImportError, ValueError):
+        return None
+    return GGMLType(raw, q.name, *GGML_QUANT_SIZES[q])
 
 
 @dataclass(frozen=True)
@@ -119,11 +157,27 @@ class GGUFTensor:
     as their numpy dtype, numpy dims (GGUF's reversed); the others as bytes, [..., bytes a row]
     (as gguf.GGUFReader gives them)."""
     name: str
-    tensor_type: object          # gguf.GGMLQuantizationType
+    tensor_type: GGMLType
     shape: tuple                 # GGUF's dims (innermost first)
     n_elements: int
     n_bytes: int
     data: np.ndarray
+
+
+class _Strings:
+    """An array of strings left in the mapped file until first asked for (a vocabulary's
+    tokens and merges, which generating from token ids never needs); len() without decoding."""
+
+    def __init__(self, buf, order: str, off: int, n: int):
+        self.buf, self.order, self.off, self.n = buf, order, off, n
+
+    def __len__(self):
+        return self.n
+
+    def decode(self) -> list[str]:
+        c = _Cursor(self.buf, self.order)
+        c.off = self.off
+        return c.strings(self.n)
 
 
 class _Cursor:
@@ -159,7 +213,20 @@ class _Cursor:
         self.off = off
         return out
 
-    def value(self, vtype: int):
+    def skip_strings(self, n: int) -> _Strings:
+        """n strings passed over, their lengths checked, left undecoded (_Strings)."""
+        buf, off = self.buf, self.off
+        length = struct.Struct(self.order + "Q").unpack_from
+        for _ in range(n):
+            off += 8 + length(buf, off)[0]
+            if off > len(buf):
+                raise struct.error(f"a string ending at byte {off} runs past the end")
+        lazy = _Strings(self.buf, self.order, self.off, n)
+        self.off = off
+        return lazy
+
+    def value(self, vtype: int, lazy: bool = False):
+        """The value of type ``vtype``; ``lazy``: an array of strings as _Strings."""
         if vtype == _STRING:
             return self.string()
         if vtype in _SCALARS:
@@ -168,7 +235,7 @@ class _Cursor:
             raise ValueError(f"unknown metadata value type {vtype} at byte {self.off}")
         itype, n = self.scalar("I"), self.scalar("Q")
         if itype == _STRING:
-            return self.strings(n)
+            return self.skip_strings(n) if lazy else self.strings(n)
         if itype in _SCALARS:
             fmt = np.dtype(self.order + _SCALARS[itype])
             if self.off + n * fmt.itemsize > len(self.buf):
@@ -180,10 +247,8 @@ class _Cursor:
 
 
 def _read_gguf(path: Path):
-    """(metadata: key -> value, [GGUFTensor]) of a GGUF file, its data mapped, not read."""
-    gguf = _need("gguf")
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    """(metadata: key -> value, [GGUFTensor]) of a GGUF file, its data mapped, not read; the
+    arrays of strings as _Strings."""
     mm = np.memmap(path, np.uint8, mode="r")
     size = len(mm)
     buf = memoryview(mm)
@@ -203,13 +268,13 @@ def _read_gguf(path: Path):
         key = c.string()
         if key in meta:
             raise ValueError(f"metadata key {key!r} appears twice")
-        meta[key] = c.value(c.scalar("I"))
+        meta[key] = c.value(c.scalar("I"), lazy=True)
     infos = []
     for _ in range(n_tensors):
         name = c.string()
         dims = tuple(c.scalar("Q") for _ in range(c.scalar("I")))
         infos.append((name, dims, c.scalar("I"), c.scalar("Q")))
-    align = meta.get("general.alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    align = meta.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment {align!r} is not a power of two")
     start = -(-c.off // align) * align
@@ -218,11 +283,10 @@ def _read_gguf(path: Path):
         if name in seen:
             raise ValueError(f"tensor {name!r} appears twice")
         seen.add(name)
-        try:
-            qtype = GGMLQuantizationType(raw_type)
-        except ValueError:
-            raise ValueError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}") from None
-        block, tsize = GGML_QUANT_SIZES[qtype]
+        qtype = _ggml_type(raw_type)
+        if qtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has unknown GGML type {raw_type}")
+        block, tsize = qtype.block, qtype.type_size
         n = math.prod(dims)
         n_bytes = n * tsize // block
         begin = start + off
@@ -258,24 +322,45 @@ def _gguf_reader(path: Path):
 class GGUFFile:
     """A GGUF file's metadata (``metadata``: key -> value) and tensors, dequantised to f32 on
     request (``tensor(name)``; numpy shapes are GGUF's dims reversed, so a weight reads
-    [out, in] like PyTorch's)."""
+    [out, in] like PyTorch's). An array of strings is decoded when a key first asks for it."""
 
     def __init__(self, path):
         self.path = Path(path)
-        self.metadata, tensors = _gguf_reader(self.path)
+        self._meta, tensors = _gguf_reader(self.path)
         self._tensors = {t.name: t for t in tensors}
+
+    @property
+    def metadata(self) -> dict:
+        """Every key's value (decoding every array of strings)."""
+        for key in self._meta:
+            self.get(key)
+        return self._meta
 
     @property
     def names(self) -> list[str]:
         return list(self._tensors)
 
     def get(self, key, default=None):
-        return self.metadata.get(key, default)
+        v = self._meta.get(key, default)
+        if isinstance(v, _Strings):
+            try:
+                v = self._meta[key] = v.decode()
+            except (struct.error, UnicodeDecodeError) as e:
+                raise ValueError(f"{self.path}: GGUF metadata {key!r} is unreadable "
+                                 f"({type(e).__name__}: {e})") from None
+        return v
 
-    def require(self, key):
-        if key not in self.metadata:
+    def require(self, key, decode: bool = True):
+        """The value of ``key``, ValueError when it is missing; ``decode=False``: only the
+        check (an array of strings stays undecoded)."""
+        if key not in self._meta:
             raise ValueError(f"{self.path}: GGUF metadata {key!r} is missing")
-        return self.metadata[key]
+        return self.get(key) if decode else None
+
+    def length(self, key) -> int | None:
+        """The item count of an array value (None when the key is missing), decoding nothing."""
+        v = self._meta.get(key)
+        return None if v is None else len(v)
 
     def shape(self, name: str) -> tuple:
         return tuple(int(d) for d in reversed(self._tensors[name].shape))
@@ -284,27 +369,29 @@ class GGUFFile:
         return self._tensors[name].tensor_type.name
 
     def tensor(self, name: str) -> np.ndarray:
-        """The tensor as float32, dequantised (Q4_0, Q4_1, Q8_0, K-quants, ... via
-        gguf.quants.dequantize)."""
-        from gguf.constants import GGMLQuantizationType as Q
-        from gguf.quants import dequantize
-
+        """The tensor as float32: F32, F16, BF16 and the 32-weight blocks (dequantize_blocks)
+        here, the K-quants and others by gguf.quants.dequantize."""
         t = self._tensors.get(name)
         if t is None:
             raise ValueError(f"{self.path}: GGUF tensor {name!r} is missing")
-        if t.tensor_type in (Q.I8, Q.I16, Q.I32, Q.I64, Q.F64):
-            raise ValueError(f"{self.path}: GGUF tensor {name!r} has type {t.tensor_type.name}; "
+        kind = t.tensor_type.name
+        if kind in ("I8", "I16", "I32", "I64", "F64"):
+            raise ValueError(f"{self.path}: GGUF tensor {name!r} has type {kind}; "
                              f"a weight must be F32, F16, BF16 or a quantised type")
-        shape = self.shape(name)
-        scheme = t.tensor_type.name.lower()
-        if scheme in LEGACY_BLOCKS:
-            return dequantize_blocks(np.asarray(t.data), scheme).reshape(shape)
+        shape, data = self.shape(name), np.asarray(t.data)
+        if kind in ("F32", "F16"):
+            return np.ascontiguousarray(data, dtype=np.float32).reshape(shape)
+        if kind == "BF16":           # the high half of an f32's bits
+            return (data.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        if kind.lower() in LEGACY_BLOCKS:
+            return dequantize_blocks(data, kind.lower()).reshape(shape)
+        gguf = _need("gguf")
+        from gguf.quants import dequantize
         try:
-            arr = dequantize(np.asarray(t.data), t.tensor_type)
+            arr = dequantize(data, gguf.GGMLQuantizationType(t.tensor_type.id))
         except NotImplementedError as e:
             raise ValueError(f"{self.path}: GGUF tensor {name!r}: {e}") from None
         return np.ascontiguousarray(arr, dtype=np.float32).reshape(shape)
-
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's bytes as stored (u8 [rows, bytes a row]): a quantised tensor's blocks
@@ -453,8 +540,8 @@ def check_gguf_vocab(f: GGUFFile) -> None:
     if kind != "gpt2":
         raise ValueError(f"{f.path}: tokenizer.ggml.model is {kind!r}; only the byte-level BPE "
                          f"'gpt2' vocabularies are supported (SmolLM2, Llama 3, Qwen ...)")
-    f.require("tokenizer.ggml.tokens")
-    f.require("tokenizer.ggml.merges")
+    f.require("tokenizer.ggml.tokens", decode=False)     # decoded by the build
+    f.require("tokenizer.ggml.merges", decode=False)
 
 
 def gguf_tokenizer(f: GGUFFile):
