@@ -1,6 +1,7 @@
-"""Weight files: safetensors (one file or a sharded folder) and GGUF, read through their own
-libraries (``safetensors``, ``gguf``), and the one check every loader ends with
-(``check_params``: names, shapes, dtypes against a model's parameter spec).
+"""Weight files: safetensors (one file or a sharded folder, through the ``safetensors``
+library) and GGUF (read here; the ``gguf`` package dequantises the K-quants), and the one
+check every loader ends with (``check_params``: names, shapes, dtypes against a model's
+parameter spec).
 
 Every error names the file and, where there is one, the tensor.
 """
