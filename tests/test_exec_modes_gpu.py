@@ -216,7 +216,8 @@ def test_context_looked_up_once_a_compile_and_set_param(rng, monkeypatch):
     monkeypatch.setattr(devices._runtime, "_get_or_create_context_uncached",
                         lambda devnum: (calls.append(1) if threading.get_ident() == me else None)
                         or real(devnum))
-    params = {k: (rng.standard_normal((D, D)) / 4).astype(np.float32) for k in ("wq", "wk", "wv", "wo")}
+    params = {k: (rng.standard_normal((D, D)) / 4).astype(np.float32)
+              for k in ("wq", "wk", "wv", "wo")}
     params["kc"] = np.zeros((B, H, MAX_S, D), np.float32)
     params["vc"] = np.zeros((B, H, MAX_S, D), np.float32)
     params["gamma"] = rng.standard_normal(D).astype(np.float32)

@@ -519,7 +519,8 @@ def test_gguf_types_and_tensors_equal_the_gguf_package(tmp_path, monkeypatch):
         got = f.tensor(t.name)
         assert got.dtype == np.float32 and f.type_name(t.name) == t.tensor_type.name
         np.testing.assert_array_equal(got, want, err_msg=t.name)
-    np.testing.assert_array_equal(f.tensor("bf16"), w32.astype(ml_dtypes.bfloat16).astype(np.float32))
+    np.testing.assert_array_equal(f.tensor("bf16"),
+                                  w32.astype(ml_dtypes.bfloat16).astype(np.float32))
 
 
 def test_gguf_load_imports_no_gguf_package(tmp_path):
