@@ -153,3 +153,69 @@ def test_simulator_runs_barrier_free_blocks_inline():
             out[1000] = 1.0
     with pytest.raises(IndexError, match=r"tid=\[5, 0, 0\] ctaid=\[1, 0, 0\]"):
         cuda.jit(bad)[2, 8](np.zeros(4, np.float32))
+
+
+def test_byte_view_is_numbas_slice_and_view():
+    """device.byte_view's GPU path (a DeviceNDArray made straight from the memory pointer's
+    view) against numba's own base[start:stop].view(dtype) (its _do_getitem, the slice
+    without the context check): shape, strides, dtype, stream, address and extent, for
+    views of the arena and of a view, f32 / u16 / f64 / u8. Real numba.cuda classes
+    (RLX_NUMBA_SIMULATOR=0) over an address no kernel reads: no driver call is made."""
+    code = """
+import numpy as np
+import rlx_numba
+from rlx_numba.device import byte_view
+from numba.cuda.cudadrv import driver
+from numba.cuda.cudadrv.devicearray import DeviceNDArray
+assert not rlx_numba.simulator_enabled()
+base_ptr = 1 << 40
+mem = driver.MemoryPointer(context=None, pointer=driver.binding.CUdeviceptr(base_ptr), size=4096)
+arena = DeviceNDArray((4096,), (1,), np.uint8, stream=0, gpu_data=mem)
+inner = byte_view(arena, 512, 2560, np.uint8)
+for base in (arena, inner):
+    for start, stop, dtype in ((0, 64, np.float32), (256, 1280, np.uint16), (8, 2048, np.float64),
+                               (100, 101, np.uint8), (2040, 2048, np.float32)):
+        got = byte_view(base, start, stop, dtype)
+        want = base._do_getitem(slice(start, stop)).view(dtype)
+        assert type(got) is type(want) is DeviceNDArray
+        for attr in ("shape", "strides", "dtype", "size", "stream"):
+            assert getattr(got, attr) == getattr(want, attr), (attr, start, stop, dtype)
+        assert got.device_ctypes_pointer.value == want.device_ctypes_pointer.value
+        assert got.gpu_data.size == want.gpu_data.size == stop - start
+        assert got.is_c_contiguous()
+print(inner.device_ctypes_pointer.value - base_ptr)
+"""
+    r = _py(code, RLX_NUMBA_SIMULATOR="0")
+    if "No module named" in r.stderr and "cuda" in r.stderr:
+        pytest.skip(f"numba-cuda's driver bindings are not installed: {r.stderr[-300:]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "512"
+
+
+def test_gc_paused_restores_the_collector():
+    """device.gc_paused: the cyclic collector off during the call, as it was after it (on, or
+    off when the caller had turned it off), also when the call raises."""
+    import gc
+
+    from rlx_numba.device import gc_paused
+    seen = []
+
+    @gc_paused
+    def f(fail=False):
+        seen.append(gc.isenabled())
+        if fail:
+            raise KeyError("x")
+        return 7
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        assert f() == 7 and gc.isenabled()
+        with pytest.raises(KeyError):
+            f(fail=True)
+        assert gc.isenabled()
+        gc.disable()
+        assert f() == 7 and not gc.isenabled()
+        assert seen == [False, False, False]
+    finally:
+        (gc.enable if was else gc.disable)()

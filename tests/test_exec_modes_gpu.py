@@ -200,3 +200,37 @@ def test_launch_overhead_figure(monkeypatch):
     print("\nlaunch overhead, 50-step element-wise chain [1024] (input copy + sync included):")
     for mode, us in rows:
         print(f"  {mode:16s} {us:9.1f} us/run  {us / 50:6.2f} us/step")
+
+
+def test_context_looked_up_once_a_compile_and_set_param(rng, monkeypatch):
+    """compile(), set_param and the first GRAPH run's launch-list build and capture each run
+    inside one scope of numba's CUDA context (device.in_cuda_context): the numba calls within
+    (device-array views and copies, kernel set-up) find it attached to the thread instead of
+    asking the driver under numba's lock (its _get_or_create_context_uncached) each time.
+    Counted on this thread; outputs against NumPy as test_decoder_matches_numpy_and_stream."""
+    import threading
+
+    from numba.cuda.cudadrv import devices
+    me, calls = threading.get_ident(), []
+    real = devices._runtime._get_or_create_context_uncached
+    monkeypatch.setattr(devices._runtime, "_get_or_create_context_uncached",
+                        lambda devnum: (calls.append(1) if threading.get_ident() == me else None)
+                        or real(devnum))
+    params = {k: (rng.standard_normal((D, D)) / 4).astype(np.float32)
+              for k in ("wq", "wk", "wv", "wo")}
+    params["kc"] = np.zeros((B, H, MAX_S, D), np.float32)
+    params["vc"] = np.zeros((B, H, MAX_S, D), np.float32)
+    params["gamma"] = rng.standard_normal(D).astype(np.float32)
+    exe = rlx.compile(_decoder(), exec_mode="graph")
+    assert len(calls) == 1
+    for k, v in params.items():
+        exe.set_param(k, v)
+    assert len(calls) == 1 + len(params)
+    exe._runner._build()     # what the first run does first: every launch packed (before the
+    # scopes: two lookups a kernel step in fast_launch, more a cuBLASLt plan)
+    assert len(calls) == 2 + len(params)
+    r = {"x": rng.standard_normal((B, H, S, D)).astype(np.float32), "pos": np.array([0], np.int32)}
+    got = exe.run(r)
+    assert exe._runner.captures == 1
+    for y, w in zip(got, _decoder_numpy(params, [r])[0]):
+        np.testing.assert_allclose(y, w, rtol=1e-4, atol=1e-4)

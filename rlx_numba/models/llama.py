@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import numpy as np
 
 from .. import Graph, compile
-from ..device import SIMULATOR
+from ..device import SIMULATOR, gc_paused, in_cuda_context
 from ..ir.ops_quant import GGUF as GGUF_SCHEMES
 from ..modes import parse_exec_mode
 from .blocks import (Positions, Weights, add_norm, decoder_attention, decoder_positions,
@@ -762,6 +762,8 @@ class LlamaForCausalLM:
         return self._exes.fetch(key, self.max_cached,
                                 lambda: self._compile(kind, batch, seq, cache_len, sampling))
 
+    @gc_paused                   # (one context scope and one pause for the compile and the
+    @in_cuda_context             # uploads)
     def _compile(self, kind, batch, seq, cache_len, sampling):
         t, k, p = sampling
         fused, packed = self._graph_packed()

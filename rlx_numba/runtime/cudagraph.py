@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from ..device import SIMULATOR
+from ..device import SIMULATOR, in_cuda_context
 from .lower import CallStep, Step, log
 from .schedule import Schedule, assign_streams, node_units
 
@@ -157,6 +157,7 @@ class Runner:
         self.graph_nodes = self.kernel_nodes = 0
 
     # -- building -------------------------------------------------------------------------------
+    @in_cuda_context
     def _build(self):
         exe = self.exe
         self._drop_graph()
@@ -231,6 +232,7 @@ class Runner:
             return
         self._launch()
 
+    @in_cuda_context
     def _capture(self):
         from numba import cuda
         drv = cu_driver()

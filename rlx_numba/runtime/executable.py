@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from ..device import SIMULATOR
+from ..device import SIMULATOR, gc_paused, in_cuda_context
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
@@ -82,6 +82,8 @@ def _from_python(name, node, value) -> np.ndarray:
     return arr.astype(host)
 
 
+@gc_paused
+@in_cuda_context
 def compile_graph(graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,
                   params: ParamStore | None = None, stream=None) -> "CudaExecutable":
     """What ``rlx_numba.compile`` (compiler.py) and ``CudaExecutable.compile_with`` do: parse
@@ -128,6 +130,7 @@ class CudaExecutable:
         self._unset = {name for name, n in self._params.items() if not self._entry(n).is_set}
         self._views = {}                     # output node id -> its arena view (run "view")
         self._runner = None                  # GRAPH / MULTISTREAM: see cudagraph.py
+        self._ran = False                    # run() has returned once (see _first_run)
         if self.exec_mode.kind in ("graph", "multistream"):
             from .cudagraph import runner_for
             self._runner = runner_for(self)
@@ -215,6 +218,7 @@ class CudaExecutable:
         """The params nobody has set yet (through this executable or another of its store)."""
         return [k for k, n in self._params.items() if not self._entry(n).is_set]
 
+    @in_cuda_context
     def set_param(self, name: str, value) -> None:
         """Copy a weight to the device; checks the name, shape and dtype."""
         node = self._params.get(name)
@@ -242,6 +246,7 @@ class CudaExecutable:
             self.params.set_host(node, arr.astype(node.dtype.host, copy=False))
         self._unset.discard(name)
 
+    @in_cuda_context
     def get_param(self, name: str) -> np.ndarray:
         """A param's value back from the device as numpy, as it was set (a weight stored
         transposed comes back in its logical shape; a half-stored one as its rounded f32)."""
@@ -257,6 +262,7 @@ class CudaExecutable:
         self.stream.synchronize()
         return self.params.get_host(node, node.id in self.transposed)
 
+    @in_cuda_context
     def set_param_half(self, name: str, value, dtype: str) -> None:
         """Store an f32 weight on the device as f16 or bf16 (``dtype``): the products that take
         it as their weight then read the half copy (matmul tier 0: half operands, f32
@@ -390,7 +396,19 @@ class CudaExecutable:
         runs share the arena); "view" results are then only valid until the other thread's
         run -- give each thread its own executable (``compile_with``) to overlap them."""
         with self._run_lock:
-            return self._run(inputs, outputs, wait)
+            if self._ran:
+                return self._run(inputs, outputs, wait)
+            out = self._first_run(inputs, outputs, wait)
+            self._ran = True
+            return out
+
+    @gc_paused
+    @in_cuda_context
+    def _first_run(self, inputs, outputs, wait):
+        """The first run loads (or compiles) every kernel and packs its launch (JIT), and
+        builds and captures a CUDA graph (GRAPH): host work done in one CUDA context scope,
+        with the collector paused. Later runs make few numba calls and allocate little."""
+        return self._run(inputs, outputs, wait)
 
     def _run(self, inputs, outputs, wait):
         if outputs not in ("numpy", "device", "view"):

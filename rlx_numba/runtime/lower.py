@@ -25,7 +25,7 @@ from ..ir.opdef import (OPS, VIEW, Tier, add_tier, is_elementwise, is_inplace, o
 from ..ir.ops_shape import narrow_contiguous, narrow_layout
 from ..kernels import codegen
 from ..kernels.launch import grid_1d
-from ..device import SIMULATOR
+from ..device import SIMULATOR, in_cuda_context
 
 log = logging.getLogger("rlx_numba")
 
@@ -262,6 +262,7 @@ def _sim_launch(kernel, grid, block, stream, args, shared=0):
     kernel[grid, block, stream, shared](*args)
 
 
+@in_cuda_context
 def fast_launch(dispatcher, grid, block, stream, args, shared: int = 0, pdl: bool = False):
     """A no-argument callable that enqueues the kernel with these (fixed) arguments.
 

@@ -29,6 +29,7 @@ import weakref
 
 import numpy as np
 
+from ..device import byte_view
 from ..ir.ops import fmt
 from ..memory import ALIGN
 
@@ -69,9 +70,9 @@ class _Pool:
         off, n = free[i]
         free[i:i + 1] = [(off + nbytes, n - nbytes)] if n > nbytes else []
         slab[2] += nbytes
-        view = slab[0][off:off + nbytes]
+        view = byte_view(slab[0], off, off + nbytes, np.uint8)
         if np.dtype(dtype) != np.uint8:
-            view = view[:want].view(dtype)
+            view = byte_view(view, 0, want, dtype)
         self._where[id(view)] = (slab, off, nbytes)
         return view
 
@@ -315,7 +316,7 @@ class ParamStore:
         for t in layouts:
             buf = e.copies.get(t)
             if buf is not None:
-                buf[:e.nbytes].view(e.dtype.storage).copy_to_device(
+                byte_view(buf, 0, e.nbytes, e.dtype.storage).copy_to_device(
                     np.ascontiguousarray(host.T if t else host).view(e.dtype.storage).reshape(-1))
 
     def _hold_f32(self, e: _Entry, fill: bool, layouts=(False, True)) -> None:

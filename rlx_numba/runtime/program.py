@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from ..device import SIMULATOR
+from ..device import SIMULATOR, byte_view
 from ..ir import dtypes as dt
 from ..ir.opdef import is_inplace, is_leaf, opdef
 from ..ir.ops import fmt
@@ -104,9 +104,9 @@ class LowerCtx:
             mem = self.param_mem[root]
             if mem is None:               # a half weight's dropped f32 copy (params.py)
                 return None
-            return mem[start:start + count * st.itemsize].view(st)
+            return byte_view(mem, start, start + count * st.itemsize, st)
         start += self.buffers[root].offset
-        return self.arena[start:start + count * st.itemsize].view(st)
+        return byte_view(self.arena, start, start + count * st.itemsize, st)
 
     def rebind_param(self, name) -> None:
         """The store dropped or made again the f32 copy of param ``name``: take the new views."""
@@ -125,7 +125,7 @@ class LowerCtx:
         b = self.plan.scratch.get(getattr(node_or_id, "id", node_or_id))
         if b is None:
             return None
-        return self.arena[b.offset:b.offset + b.nbytes].view(np.float32)
+        return byte_view(self.arena, b.offset, b.offset + b.nbytes, np.float32)
 
     def byte_range(self, node_or_id):
         """(lo, hi) bytes of the memory behind a node (params: a range past the arena), or
