@@ -187,7 +187,9 @@ def collect_meta() -> dict:
             pass
     return dict(gpu=name, driver=driver, versions=versions,
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                commit=out("git", "rev-parse", "--short", "HEAD"),
+                # RLX_NUMBA_COMMIT: a copy of the tree without its .git (a remote GPU machine)
+                commit=os.environ.get("RLX_NUMBA_COMMIT") or out("git", "rev-parse", "--short",
+                                                                 "HEAD"),
                 dirty=bool(out("git", "status", "--porcelain", "--untracked-files=no")))
 
 
