@@ -148,11 +148,17 @@ def row(rlx, cuda, torch, m, n, k, wdt, copy_gbs, norm=False):
     else:
         tfn = lambda: nrm().bfloat16() @ wb.t()  # noqa: E731
     out["torch_us"] = graph_us(torch, tfn, stream)
+    out["rlx_us"] = picked_us(out)
     for label in ("tier3", "lt", "torch"):
         out[f"{label}_copy_pct"] = 100 * wbytes / (out[f"{label}_us"] * 1e-6) / (copy_gbs * 1e9)
     del w, x
     free_device_memory(cuda, torch)
     return out
+
+
+def picked_us(row: dict) -> float:
+    """The time of the tier the default ladder picked (tier 3's or cuBLASLt's, as timed)."""
+    return row["tier3_us"] if row["pick_tier"] == row["tier3_tier"] else row["lt_us"]
 
 
 def main(argv=None) -> int:

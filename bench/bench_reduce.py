@@ -55,11 +55,12 @@ def main(argv=None) -> int:
             err = ((yt - ref).abs().max() / ref.abs().max()).item()
             t_r = time_rlx(cuda, launch, exe.stream, IT, WU, REP)
             t_t = time_torch(torch, lambda: torch.sum(x, axis), IT, WU, REP)
-            r = dict(shape=shape, axis=axis, rlx_gbps=gbps(nbytes, t_r), torch_gbps=gbps(nbytes, t_t),
-                     ratio=t_t / t_r, err=err, steps=[s.kernel_name for s in exe.steps])
+            r = dict(op=f"sum axis {axis}", shape="x".join(map(str, shape)), axis=axis,
+                     rlx_gbps=gbps(nbytes, t_r), torch_gbps=gbps(nbytes, t_t), ratio=t_t / t_r,
+                     err=err, kernels=[s.kernel_name for s in exe.steps])
             res.append(r)
             print(f"{str(shape):16} axis {axis}: rlx {r['rlx_gbps']:7.0f} GB/s  torch {r['torch_gbps']:7.0f} GB/s  "
-                  f"ratio {r['ratio']:.3f}  err {err:.1e}  {r['steps']}", flush=True)
+                  f"ratio {r['ratio']:.3f}  err {err:.1e}  {r['kernels']}", flush=True)
             del exe
             free_device_memory(cuda, torch)
         del x
@@ -95,13 +96,17 @@ def main(argv=None) -> int:
             print(f"{name:12} {str(shape):16}: rlx {gbps(nbytes, t_r):7.0f} GB/s ({t_r*1e3:8.1f} us)  "
                   f"torch {gbps(nbytes, t_t):7.0f} GB/s ({t_t*1e3:8.1f} us)  ratio {t_t / t_r:.2f} {ok} "
                   f"{[s.kernel_name for s in exe.steps]}", flush=True)
+            res.append(dict(op=name, shape="x".join(map(str, shape)), dtype=rdt,
+                            rlx_gbps=gbps(nbytes, t_r), torch_gbps=gbps(nbytes, t_t),
+                            ratio=t_t / t_r, close=ok == "ok",
+                            kernels=[s.kernel_name for s in exe.steps]))
             del exe
         except Exception as e:  # noqa: BLE001
             print(f"{name} {shape}: FAILED {type(e).__name__}: {e}", flush=True)
         del x
         free_device_memory(cuda, torch)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), sums=res), indent=1, default=str))
+    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), results=res), indent=1, default=str))
     print(f"wrote {args.out}")
     return 0
 

@@ -3,11 +3,19 @@
   python -m bench.report                  run the single-GPU benches, then build the report
   python -m bench.report --distributed    ... bench_distributed.py too (rlx-numba launch, 2 GPUs)
   python -m bench.report --no-run         build from bench/results/*.json as they are
-  python -m bench.report --only models,attention    run (and report) these families
+  python -m bench.report --only models,attention    run these families (the report has every
+                                                    family --results holds, each dated)
   python -m bench.report --compare OLD.json         what moved since OLD (a report.json),
                                                     regressions first
 
-Each bench_<family>.py writes bench/results/<family>.json in a shape of its own; ``gather``
+  python -m bench.report --only signal --results bench/report/results --timeout 300 \
+      --readme README.md                            add a family to the committed report and
+                                                    rewrite the README's summary of it
+
+Each bench_<family>.py writes bench/results/<family>.json in a shape of its own; beside it the
+run writes <family>.run.json (GPU, driver, versions, date, commit, seconds, exit status), so a
+report can be assembled from families run at different times (a GPU session too short for
+every bench): each family's heading says when and at which commit it ran. ``gather``
 turns every row of them into one record: the family, a label (the row's identifying fields),
 ours and the peer in the row's unit (torch, eager, cuBLAS, sentence-transformers: whichever
 the bench measured beside us), the ratio (> 1: we are faster), the bar and pass/fail.
@@ -26,6 +34,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -42,11 +51,15 @@ BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
            ("custom_op", "bench_custom_op.py"),
            ("distributed", "bench_distributed.py")]
 # a row's identifying fields, in the order its label joins them
-ID_KEYS = ("row", "case", "name", "model", "op", "kind", "phase", "tier", "scheme", "shape",
-           "dtype", "precision", "batch", "seq", "m", "n", "k", "rule", "blocks", "threads",
-           "steps")
-COUNTS = ("batch", "seq", "m", "n", "k", "blocks", "threads", "steps")   # labelled name=value
-PEERS = ("torch", "eager", "cublas", "st", "hf", "compile")    # preferred peer, in this order
+ID_KEYS = ("row", "case", "name", "model", "mode", "op", "kind", "phase", "tier", "scheme",
+           "shape", "dtype", "precision", "tc", "batch", "seq", "m", "n", "k", "experts", "rule",
+           "blocks", "threads", "steps")
+COUNTS = ("batch", "seq", "m", "n", "k", "experts", "blocks", "threads", "steps")  # name=value
+# the peer a row is compared with, preferred in this order (then any other torch_*)
+PEERS = ("torch", "torch_bf16", "torch_mm", "torch_bf16_mm", "eager", "cublas", "st", "hf",
+         "compile")
+# bare fields that are ours (their name is the unit)
+UNITS = ("us", "ms", "s", "gbs", "gbps", "tflops", "per_s", "tok_s", "us_run")
 LOWER_IS_BETTER = ("ms", "us", "s", "bytes")                    # the other units are rates
 
 
@@ -54,6 +67,9 @@ LOWER_IS_BETTER = ("ms", "us", "s", "bytes")                    # the other unit
 def _rows_of(doc: dict) -> list[dict]:
     """The row dicts of one bench's JSON, whatever it calls them."""
     rows = [r for key in ("results", "rows") for r in doc.get(key) or [] if isinstance(r, dict)]
+    if doc.get("bar") is not None:         # one bar for every row that passes or fails
+        rows = [dict(r, bar=doc["bar"]) if "pass" in r and r.get("bar") is None else r
+                for r in rows]
     for b in doc.get("bars") or []:          # bench_runtime: named values against bars
         rows.append({"name": b.get("name"), "value": b.get("value"), "bar": b.get("bar"),
                      "pass": b.get("passed")})
@@ -64,31 +80,63 @@ def _rows_of(doc: dict) -> list[dict]:
 
 
 def _label(row: dict) -> str:
-    parts = [f"{k}={row[k]}" if k in COUNTS else str(row[k])
-             for k in ID_KEYS if row.get(k) not in (None, "")]
+    parts = []
+    for k in ID_KEYS:
+        v = row.get(k)
+        if v in (None, "") or v is False:
+            continue
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        parts.append(k if v is True else f"{k}={v}" if k in COUNTS else str(v))
     return " ".join(parts) or "?"
 
 
 def _pair(row: dict):
-    """(unit, ours, peer name, peer) from an ``rlx_<unit>`` field and the same unit's peer
-    field (``torch_<unit>``, ``eager_<unit>``, ...); Nones where the row has no such pair."""
-    for key in row:
-        if not key.startswith("rlx_") or not _num(row[key]):
+    """(unit, ours, peer name, peer): ours from an ``rlx_<unit>`` field (or a bare unit field:
+    ``us``), the peer from the same unit's ``<peer>_<unit>`` field, the most preferred peer
+    (PEERS, then any torch_*) winning; Nones where the row has no such pair."""
+    best, alone = None, None
+    for key, v in row.items():
+        unit = key[4:] if key.startswith("rlx_") else key if key in UNITS else None
+        if unit is None or not _num(v):
             continue
-        unit = key[4:]
-        peers = [k[: -len(unit) - 1] for k in row
-                 if k.endswith("_" + unit) and k != key and _num(row[k])]
-        if peers:
-            name = min(peers, key=lambda p: PEERS.index(p) if p in PEERS else len(PEERS))
-            return unit, float(row[key]), name, float(row[f"{name}_{unit}"])
-        return unit, float(row[key]), None, None
+        alone = alone or (unit, float(v), None, None)
+        for pk, pv in row.items():
+            name = pk[: -len(unit) - 1]
+            if pk == key or not pk.endswith("_" + unit) or not _num(pv) or not _is_peer(name):
+                continue
+            rank = PEERS.index(name) if name in PEERS else len(PEERS)
+            if best is None or rank < best[0]:
+                best = (rank, unit, float(v), name, float(pv))
+    if best:
+        return best[1:]
+    if alone:
+        return alone
     if _num(row.get("value")):
         return "value", float(row["value"]), None, None
     return None, None, None, None
 
 
+def _is_peer(name: str) -> bool:
+    return name in PEERS or name.startswith("torch_")
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def runs_of(results: Path = RESULTS, families=None) -> dict:
+    """{family: its <family>.run.json} (how and where run_benches last ran it)."""
+    runs = {}
+    for path in sorted(results.glob("*.run.json")):
+        fam = path.name[: -len(".run.json")]
+        if families and fam not in families:
+            continue
+        try:
+            runs[fam] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"report: skipping {path.name}: {e}", file=sys.stderr)
+    return runs
 
 
 def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
@@ -99,7 +147,7 @@ def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
                    key=lambda p: known.index(p.stem) if p.stem in known else len(known))
     for path in paths:
         fam = path.stem
-        if fam == "meta" or (families and fam not in families):
+        if fam == "meta" or fam.endswith(".run") or (families and fam not in families):
             continue
         try:
             doc = json.loads(path.read_text())
@@ -156,9 +204,12 @@ def _rate(row: dict):
 
 
 # ---- the report -------------------------------------------------------------------------------
-def meta_now(results: Path = RESULTS) -> dict:
-    """What the report is of: results/meta.json as the run wrote it (GPU, driver, versions,
-    date, commit), else what this machine and checkout say now."""
+def meta_now(results: Path = RESULTS, runs: dict | None = None) -> dict:
+    """What the report is of: the newest family run record (GPU, driver, versions, date,
+    commit), else results/meta.json where one was written by hand, else what this machine
+    and checkout say now."""
+    if runs:
+        return max(runs.values(), key=lambda r: r.get("date") or "")
     path = results / "meta.json"
     if path.exists():
         try:
@@ -166,6 +217,10 @@ def meta_now(results: Path = RESULTS) -> dict:
         except json.JSONDecodeError:
             pass
     return collect_meta()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def collect_meta() -> dict:
@@ -186,7 +241,7 @@ def collect_meta() -> dict:
         except Exception:  # noqa: BLE001 - not installed: not reported
             pass
     return dict(gpu=name, driver=driver, versions=versions,
-                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                date=_now(),
                 # RLX_NUMBA_COMMIT: a copy of the tree without its .git (a remote GPU machine)
                 commit=os.environ.get("RLX_NUMBA_COMMIT") or out("git", "rev-parse", "--short",
                                                                  "HEAD"),
@@ -201,34 +256,73 @@ def _fmt(v) -> str:
     return f"{v:.3g}"
 
 
-def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str]) -> str:
-    n_bar = [r for r in records if r["passed"] is not None]
+def _judged(r: dict) -> bool:
+    """A row the pass count holds: one with a bar, or one that failed (an error); a row
+    without a bar that passed only checked its result."""
+    return r["passed"] is False or (r["passed"] is not None and r["bar"] is not None)
+
+
+def _run_line(run: dict, meta: dict) -> str | None:
+    """A family's run record in words, where it differs from the report's header or failed."""
+    parts = []
+    if (run.get("commit"), run.get("gpu")) != (meta.get("commit"), meta.get("gpu")) \
+            or run.get("date") != meta.get("date"):
+        parts.append(f"ran {run.get('date', '?')} at commit {run.get('commit') or '?'}"
+                     + (f" on {run['gpu']}" if run.get("gpu") != meta.get("gpu") else ""))
+    if run.get("seconds") is not None:
+        parts.append(f"{run['seconds']:.0f} s")
+    st = run.get("status")
+    if st == TIMED_OUT:
+        parts.append(f"**stopped by the {run.get('timeout'):.0f} s timeout**"
+                     + ("" if run.get("wrote") else ", no results"))
+    elif st:
+        parts.append(f"**exited with status {st}**"
+                     + (" after writing its results" if run.get("wrote") else ", no results"))
+    return "_" + "; ".join(parts) + "_" if parts else None
+
+
+def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str],
+             runs: dict | None = None, results_name: str = "bench/results") -> str:
+    n_bar = [r for r in records if _judged(r)]
     ok = sum(r["passed"] for r in n_bar)
     gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
     vers = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
     lines = ["# rlx_numba benchmarks", "",
              f"{gpu}, driver {meta.get('driver') or '?'}; {vers or 'versions unknown'}.  ",
-             f"Made {meta.get('date', '?')} from commit {meta.get('commit') or '?'}"
-             f"{' (with local changes)' if meta.get('dirty') else ''} by "
-             f"`python -m bench.report`; every figure is the bench's own output "
-             f"(`bench/results/*.json`), each bench timing us and the peer in one process.", "",
+             f"Newest bench run {meta.get('date', '?')} at commit {meta.get('commit') or '?'}"
+             f"{' (with local changes)' if meta.get('dirty') else ''} (a family run at another "
+             f"time says so under its heading); made by `python -m bench.report`. Every figure "
+             f"is the bench's own output (its JSON in `{results_name}`), each bench timing us "
+             f"and the peer in one process.", "",
              f"**{ok} of {len(n_bar)} rows with a bar pass.** \"x peer\": how many times "
              f"better than the peer (faster, or less memory); \"ratio\": the bench's own, which "
              f"its bar is about.", ""]
     for c in charts:
         lines += [f"![{c}]({c})", ""]
-    for fam in dict.fromkeys(r["family"] for r in records):
+    runs = runs or {}
+    known = [f for f, _ in BENCHES]
+    fams = sorted(dict.fromkeys([r["family"] for r in records] + list(runs)),
+                  key=lambda f: known.index(f) if f in known else len(known))
+    for fam in fams:
         rows = [r for r in records if r["family"] == fam]
         if gpus.get(fam) and gpus[fam] != gpu:
             lines.append(f"## {fam} (run on {gpus[fam]})")
         else:
             lines.append(f"## {fam}")
+        said = _run_line(runs[fam], meta) if fam in runs else None
+        if said:
+            lines += ["", said]
+        if not rows:
+            lines += ["", "No rows.", ""]
+            continue
         lines += ["", "| row | unit | ours | peer | x peer | ratio | bar | pass |",
                   "|---|---|---:|---:|---:|---:|---|---|"]
         for r in rows:
             peer = f"{_fmt(r['peer'])} ({r['peer_name']})" if r["peer_name"] else "-"
+            # a row without a bar passes or fails on the bench's own check (its error)
             verdict = ("ERROR: " + str(r["error"])[:60] if r["error"] else
-                       "-" if r["passed"] is None else "PASS" if r["passed"] else "**FAIL**")
+                       "-" if r["passed"] is None else "PASS" if r["passed"] and r["bar"] else
+                       "ok" if r["passed"] else "**FAIL**")
             better = "-" if r["better"] is None else f"{r['better']:.2f}x"
             lines.append(f"| {r['label']} | {r['unit'] or '-'} | {_fmt(r['ours'])} | {peer} | "
                          f"{better} | {_fmt(r['ratio'])} | {r['bar'] or '-'} | {verdict} |")
@@ -269,10 +363,26 @@ def charts(records: list[dict], out: Path, gpu: str) -> list[str]:
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
         ax.set_yticks(ys, labels, fontsize=7)
         ax.set_xscale("log")
-        ax.set_xlabel("times better than the peer (log scale; > 1: rlx_numba faster or "
-                      "smaller; hatched: the row misses its bar)")
+        ax.set_xlabel("times better than the peer (log; > 1: rlx_numba faster or smaller)\n"
+                      "hatched: the row misses its bar")
         ax.set_title(f"rlx_numba against the peer each bench names, {gpu}")
         save(fig, "ratios.png")
+        # the README's chart: a family a bar, its median, whiskers to its slowest / fastest row
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.45 * len(fams)))
+        for fi, fam in enumerate(fams):
+            vals = sorted(r["better"] for r in rated if r["family"] == fam)
+            med = vals[len(vals) // 2]
+            ax.barh(-fi, med, color=colors[fi % len(colors)], edgecolor="black", linewidth=0.3)
+            ax.plot([vals[0], vals[-1]], [-fi, -fi], color="black", linewidth=1)
+            ax.text(max(vals[-1], med) * 1.08, -fi, f"{med:.2f}x ({len(vals)} row{'' if len(vals) == 1 else 's'})",
+                    va="center", fontsize=8)
+        ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_yticks([-i for i in range(len(fams))], fams)
+        ax.set_xscale("log")
+        ax.set_xlabel("times better than the peer (log; > 1: rlx_numba faster)\n"
+                      "bar: the family's median row; line: its slowest to fastest row")
+        ax.set_title(f"rlx_numba against torch / cuBLAS by family, {gpu}")
+        save(fig, "families.png")
     for phase, name, title in (("decode", "decode.png", "Decode"),
                                ("train", "train.png", "Training")):
         rows = [r for r in records if r["rate"] and r["rate"][0] == phase]
@@ -316,17 +426,66 @@ def charts(records: list[dict], out: Path, gpu: str) -> list[str]:
 def build(results: Path = RESULTS, out: Path = REPORT, families=None) -> Path:
     """Write out/README.md, out/report.json and the charts; the README's path."""
     records, gpus = gather(results, families)
-    if not records:
+    runs = runs_of(results, families)
+    if not records and not runs:
         raise SystemExit(f"report: no bench results in {results} (run the benches first)")
-    meta = meta_now(results)
+    meta = meta_now(results, runs)
     out.mkdir(parents=True, exist_ok=True)
     gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
     made = charts(records, out, gpu)
-    (out / "report.json").write_text(json.dumps(dict(meta=meta, gpus=gpus, rows=records),
-                                                indent=1) + "\n")
+    (out / "report.json").write_text(json.dumps(dict(meta=meta, gpus=gpus, runs=runs,
+                                                     rows=records), indent=1) + "\n")
     readme = out / "README.md"
-    readme.write_text(markdown(records, gpus, meta, made) + "\n")
+    try:
+        name = str(results.resolve().relative_to(HERE.parent))
+    except ValueError:
+        name = str(results)
+    readme.write_text(markdown(records, gpus, meta, made, runs, name) + "\n")
     return readme
+
+
+README_START, README_END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
+
+
+def summary(records: list[dict], meta: dict, runs: dict, out: Path) -> str:
+    """The README's block: a line a family (rows with a bar that pass, the median "x peer",
+    when and where it ran) and the ratio chart, linking the full report."""
+    try:
+        rel = out.resolve().relative_to(HERE.parent).as_posix()
+    except ValueError:
+        rel = out.as_posix()
+    known = [f for f, _ in BENCHES]
+    fams = sorted(dict.fromkeys([r["family"] for r in records] + list(runs)),
+                  key=lambda f: known.index(f) if f in known else len(known))
+    lines = [f"{meta.get('gpu') or '?'}, driver {meta.get('driver') or '?'}; the full tables "
+             f"are in [{rel}/README.md]({rel}/README.md).", "",
+             "| family | rows with a bar that pass | median x peer | run |",
+             "|---|---|---:|---|"]
+    for fam in fams:
+        rows = [r for r in records if r["family"] == fam]
+        barred = [r for r in rows if _judged(r)]
+        better = sorted(r["better"] for r in rows if r["better"] is not None)
+        med = f"{better[len(better) // 2]:.2f}x" if better else "-"
+        run = runs.get(fam) or {}
+        when = f"{run.get('date', '?')}, {run.get('commit') or '?'}" if run else "-"
+        st = run.get("status")
+        if st:
+            when += ", timed out" if st == TIMED_OUT else f", exit status {st}"
+        lines.append(f"| {fam} | {sum(r['passed'] for r in barred)} of {len(barred)} | {med} | "
+                     f"{when} |" if rows else f"| {fam} | no results | - | {when} |")
+    if (out / "families.png").exists():
+        lines += ["", f"![each family against its peer]({rel}/families.png)"]
+    return "\n".join(lines)
+
+
+def update_readme(path: Path, block: str) -> None:
+    """Replace what lies between README_START and README_END in ``path`` with ``block``."""
+    text = path.read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"report: {path} has no {README_START} ... {README_END} block")
+    head, rest = text.split(README_START, 1)
+    tail = rest.split(README_END, 1)[1]
+    path.write_text(f"{head}{README_START}\n{block}\n{README_END}{tail}")
 
 
 # ---- comparing two reports ----------------------------------------------------------------------
@@ -356,25 +515,43 @@ def compare(old: dict, new: dict, threshold: float = 0.05) -> list[str]:
 
 
 # ---- running the benches ----------------------------------------------------------------------
-def run_benches(families, distributed: bool, results: Path = RESULTS) -> dict:
-    """Run each bench in its own process (a crash or a CUDA fault stays in it); {family: exit
-    status}. results/meta.json records what ran where."""
+TIMED_OUT = 124        # a family's status when --timeout stopped it (as timeout(1) says)
+
+
+def run_benches(families, distributed: bool, results: Path = RESULTS,
+                timeout: float | None = None) -> dict:
+    """Run each bench in its own process (a crash or a CUDA fault stays in it), at most
+    ``timeout`` seconds each; {family: exit status}. A family's old JSON goes first (a bench
+    that fails must not leave an earlier run's rows looking current); <family>.run.json
+    records what ran where, how long and how it ended."""
     results.mkdir(parents=True, exist_ok=True)
-    (results / "meta.json").write_text(json.dumps(collect_meta(), indent=1) + "\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    meta = collect_meta()
     status = {}
     for fam, script in BENCHES:
         if families and fam not in families:
             continue
         if fam == "distributed" and not distributed:
             continue
+        out = results / f"{fam}.json"
+        out.unlink(missing_ok=True)
         cmd = ([sys.executable, "-m", "rlx_numba.cli", "launch", "--gpus", "2"]
-               if fam == "distributed" else [sys.executable]) + [str(HERE / script)]
+               if fam == "distributed" else [sys.executable]) + [str(HERE / script),
+                                                                 "--out", str(out)]
         print(f"\n==== {fam}: {' '.join(cmd[1:])}", flush=True)
-        status[fam] = subprocess.run(cmd, env=env, cwd=HERE.parent).returncode
+        t0, started = time.perf_counter(), _now()
+        try:
+            status[fam] = subprocess.run(cmd, env=env, cwd=HERE.parent, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            status[fam] = TIMED_OUT
+        seconds = round(time.perf_counter() - t0, 1)
+        run = dict(meta, date=started, seconds=seconds, status=status[fam],
+                   timeout=timeout, wrote=out.exists())
+        (results / f"{fam}.run.json").write_text(json.dumps(run, indent=1) + "\n")
         if status[fam]:
-            print(f"==== {fam} exited with status {status[fam]}", flush=True)
+            print(f"==== {fam} {'timed out' if status[fam] == TIMED_OUT else 'exited'} with "
+                  f"status {status[fam]} after {seconds} s", flush=True)
     return status
 
 
@@ -386,6 +563,10 @@ def main(argv=None) -> int:
     p.add_argument("--only", default=None, help="comma-separated families (default: all)")
     p.add_argument("--distributed", action="store_true", help="also the 2-GPU bench")
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--readme", type=Path, default=None, metavar="README.md",
+                   help="also rewrite that file's bench-report block with the summary")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a bench may run before it is stopped (default: no limit)")
     p.add_argument("--out", type=Path, default=REPORT)
     p.add_argument("--compare", type=Path, default=None, metavar="OLD.json",
                    help="print what moved since OLD (a report.json) and exit")
@@ -401,8 +582,13 @@ def main(argv=None) -> int:
         return 0
     failed = {}
     if args.run:
-        failed = {f: s for f, s in run_benches(families, args.distributed, args.results).items() if s}
-    readme = build(args.results, args.out, families)
+        failed = {f: s for f, s in run_benches(families, args.distributed, args.results,
+                                                      args.timeout).items() if s}
+    readme = build(args.results, args.out)      # every family with results there, run now or not
+    if args.readme is not None:
+        records, _ = gather(args.results)
+        runs = runs_of(args.results)
+        update_readme(args.readme, summary(records, meta_now(args.results, runs), runs, args.out))
     print(f"\nwrote {readme} and its charts"
           + (f"; benches that failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

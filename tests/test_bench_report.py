@@ -69,7 +69,7 @@ def test_report_tables_charts_and_records(tmp_path):
     assert "| warm process start vs cold (AOT) | value | 3.1 | - | - | - | >= 2x | PASS |" in md
     assert "ERROR: CUDA_ERROR_ILLEGAL_ADDRESS" in md
     assert "**6 of 10 rows with a bar pass.**" in md
-    for png in ("ratios.png", "decode.png", "train.png", "attention.png"):
+    for png in ("families.png", "ratios.png", "decode.png", "train.png", "attention.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         assert f"![{png}]({png})" in md
     rows = json.loads((out / "report.json").read_text())["rows"]
@@ -101,3 +101,68 @@ def test_errors(tmp_path):
         report.main(["--no-run", "--only", "nonsense"])
     with pytest.raises(SystemExit, match="no bench results"):
         report.build(tmp_path / "empty", tmp_path / "out")
+
+
+FAKE_BENCH = """import argparse, json, os, sys, time
+from pathlib import Path
+p = argparse.ArgumentParser(); p.add_argument("--out", type=Path); a = p.parse_args()
+how = {how!r}
+if how == "slow":
+    time.sleep(30)
+a.out.write_text(json.dumps({{"gpu": "G", "bar": 0.9, "results": [
+    {{"op": "add", "tc": True, "steps": 3.0, "rlx_ms": 1.0, "host_ms": 0.01, "torch_ms": 2.0,
+      "ratio": 2.0, "pass": True}},
+    {{"op": "mul", "tc": False, "rlx_ms": 2.0, "torch_ms": 1.0, "ratio": 0.5, "pass": False}}]}}))
+sys.exit(3 if how == "crash" else 0)
+"""
+
+
+def test_run_records_timeouts_and_failures(tmp_path, monkeypatch):
+    """run_benches runs each bench with --out, removes a family's old JSON first, stops one past
+    --timeout and writes <family>.run.json (status, seconds, whether it wrote); the report shows
+    a failed or stopped family under its heading, a crash after writing keeps its rows; a doc's
+    bar applies to its rows; the peer is a peer (host_ms is not); labels name true flags."""
+    benches = []
+    for how in ("ok", "slow", "crash"):
+        path = tmp_path / f"bench_{how}.py"
+        path.write_text(FAKE_BENCH.format(how=how))
+        benches.append((how, str(path)))
+    monkeypatch.setattr(report, "BENCHES", benches)
+    res, out = tmp_path / "results", tmp_path / "report"
+    res.mkdir()
+    (res / "slow.json").write_text(json.dumps({"gpu": "G", "results": [{"op": "stale"}]}))
+    status = report.run_benches(None, False, res, timeout=5)
+    assert status == {"ok": 0, "slow": report.TIMED_OUT, "crash": 3}
+    assert not (res / "slow.json").exists()            # the old rows went, none came back
+    runs = report.runs_of(res)
+    assert runs["slow"]["status"] == 124 and runs["slow"]["wrote"] is False
+    assert runs["slow"]["timeout"] == 5 and runs["slow"]["seconds"] >= 5
+    assert runs["crash"]["status"] == 3 and runs["crash"]["wrote"] is True
+    assert set(runs["ok"]) >= {"gpu", "commit", "date", "versions", "seconds"}
+    report.build(res, out)
+    md = (out / "README.md").read_text()
+    slow = md[md.index("## slow"):md.index("## crash")]
+    assert "**stopped by the 5 s timeout**, no results" in slow and "No rows." in slow
+    assert "**exited with status 3** after writing its results" in md
+    assert "| add tc steps=3 | ms | 1 | 2 (torch) | 2.00x | 2 | 0.9 | PASS |" in md
+    assert "| mul | ms | 2 | 1 (torch) | 0.50x | 0.5 | 0.9 | **FAIL** |" in md
+    assert "**2 of 4 rows with a bar pass.**" in md
+
+
+def test_readme_block(tmp_path):
+    """--readme rewrites only the text between the markers: a line a family, the chart."""
+    res, out = tmp_path / "results", tmp_path / "report"
+    write_results(res)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{report.README_START}\nold\n{report.README_END}\nafter\n")
+    assert report.main(["--no-run", "--results", str(res), "--out", str(out),
+                        "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("intro\n" + report.README_START) and text.endswith(
+        report.README_END + "\nafter\n") and "old" not in text
+    assert "| models | 1 of 2 | 10.47x | - |" in text      # no run record: no date
+    assert "families.png)" in text
+    readme.write_text("no markers\n")
+    with pytest.raises(SystemExit, match="no <!-- bench-report:start -->"):
+        report.main(["--no-run", "--results", str(res), "--out", str(out),
+                     "--readme", str(readme)])
