@@ -374,8 +374,9 @@ def charts(records: list[dict], out: Path, gpu: str) -> list[str]:
             med = vals[len(vals) // 2]
             ax.barh(-fi, med, color=colors[fi % len(colors)], edgecolor="black", linewidth=0.3)
             ax.plot([vals[0], vals[-1]], [-fi, -fi], color="black", linewidth=1)
-            ax.text(max(vals[-1], med) * 1.08, -fi, f"{med:.2f}x ({len(vals)} row{'' if len(vals) == 1 else 's'})",
-                    va="center", fontsize=8)
+            rows = f"{len(vals)} row{'' if len(vals) == 1 else 's'}"
+            ax.text(max(vals[-1], med) * 1.08, -fi, f"{med:.2f}x ({rows})", va="center",
+                    fontsize=8)
         ax.axvline(1.0, color="black", linestyle="--", linewidth=1)
         ax.set_yticks([-i for i in range(len(fams))], fams)
         ax.set_xscale("log")

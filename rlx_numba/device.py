@@ -199,6 +199,43 @@ def max_shared_per_block() -> int:
         return limit.value
 
 
+# ---- interpreter exit ----------------------------------------------------------------------------
+_EXIT_HOOKS: list = []
+_exit_installed = False
+
+
+def at_exit(fn):
+    """Run ``fn`` once when the interpreter exits, before numba's exit handlers, the
+    finalizers and the CUDA libraries' static destructors: what could race those (an NCCL
+    communicator's proxy threads, work still queued on a stream) tears down here, in order.
+    Hooks run newest first; one that raises is logged and the others still run."""
+    _EXIT_HOOKS.append(fn)
+    return fn
+
+
+def run_exit_hooks() -> None:
+    """The teardown ``at_exit`` hooks make, now (atexit calls it; a second call is a no-op)."""
+    while _EXIT_HOOKS:
+        fn = _EXIT_HOOKS.pop()
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - the remaining hooks must still run
+            log.warning("rlx_numba: at exit, %s raised %s: %s",
+                        getattr(fn, "__qualname__", fn), type(e).__name__, e)
+
+
+def install_exit_teardown() -> None:
+    """Register run_exit_hooks with atexit, after numba.cuda is imported (rlx_numba/__init__
+    does it last) so that it runs before numba's handlers. (No device-wide synchronize: a
+    hung kernel would then hang the exit, where the driver's teardown ends it.)"""
+    global _exit_installed
+    if _exit_installed:
+        return
+    import atexit
+    _exit_installed = True
+    atexit.register(run_exit_hooks)
+
+
 def patch_simulator() -> None:
     """Make the simulator's shared arrays safe: numba's FakeCUDAShared.array finds a block's
     array by (file, line) in a dict with an unlocked get-then-set, so two threads of a block

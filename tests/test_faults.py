@@ -1,5 +1,7 @@
 """Faults an operator of a long-lived service meets (issue 36): one executable run from two
-threads at once, a KeyboardInterrupt in the middle of a run."""
+threads at once, a KeyboardInterrupt in the middle of a run, the interpreter's exit (the
+teardown device.at_exit orders)."""
+import os
 import threading
 
 import numpy as np
@@ -66,3 +68,47 @@ def test_keyboard_interrupt_leaves_the_executable_usable(mode, monkeypatch):
     assert fired
     np.testing.assert_allclose(exe.run({"x": xv})[0], want, rtol=1e-6)
     np.testing.assert_allclose(exe.run({"x": xv + 1})[0], want + 6, rtol=1e-6)
+
+
+EXIT_SCRIPT = r"""
+import rlx_numba
+from rlx_numba import device
+from rlx_numba.distributed import comm as C
+
+class FakeNccl:
+    def ncclCommAbort(self, handle):
+        print("abort", handle, flush=True)
+    def ncclCommDestroy(self, handle):
+        print("destroy", handle, flush=True)
+
+def fake(rank, handle):
+    c = object.__new__(C.NcclCommunicator)
+    c.rank, c.world_size, c.lib, c.handle = rank, 2, FakeNccl(), handle
+    C._OPEN_NCCL.add(c)
+    return c
+
+left_open, closed = fake(0, "h0"), fake(1, "h1")
+closed.close()                                     # destroyed by the user: not aborted again
+device.at_exit(lambda: print("hook 1", flush=True))
+@device.at_exit
+def broken():
+    raise RuntimeError("boom")
+device.at_exit(lambda: print("hook 3", flush=True))
+print("exiting", flush=True)
+"""
+
+
+def test_exit_teardown_aborts_open_communicators_in_order():
+    """At interpreter exit the at_exit hooks run newest first, before numba's handlers; one
+    that raises is logged and the rest still run; an NCCL communicator still open is aborted
+    (with a warning naming the fix), one the user closed is left alone. A subprocess (the
+    simulator: the NCCL library is a stand-in)."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "RLX_NUMBA_SIMULATOR": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["destroy h1", "exiting", "hook 3", "hook 1", "abort h0"], \
+        (r.stdout, r.stderr)
+    assert "broken raised RuntimeError: boom" in r.stderr, r.stderr
+    assert "NCCL communicator of rank 0 of 2 still open at exit: aborted" in r.stderr, r.stderr

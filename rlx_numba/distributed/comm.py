@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import logging
 import threading
 import time
+import weakref
 
 import numpy as np
 
 from .. import device
+from ..device import at_exit
 from . import nccl
+
+log = logging.getLogger("rlx_numba")
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 REDUCING = ("all_reduce", "reduce_scatter")
@@ -171,6 +176,7 @@ class NcclCommunicator(Communicator):
         self.handle = nccl.Comm()
         self.lib.ncclCommInitRank(ctypes.byref(self.handle), self.world_size, uid_struct,
                                   self.rank)
+        _OPEN_NCCL.add(self)
         self._barrier_buf = None
         self._barrier_stream = None
 
@@ -253,6 +259,21 @@ class NcclCommunicator(Communicator):
         if not self.closed:
             self.closed = True
             self.lib.ncclCommDestroy(self.handle)
+
+
+# communicators not yet closed: at interpreter exit each is aborted (ncclCommAbort stops its
+# proxy threads without waiting for ranks that may be gone) before the libraries unload
+_OPEN_NCCL: "weakref.WeakSet[NcclCommunicator]" = weakref.WeakSet()
+
+
+@at_exit
+def _abort_open_communicators() -> None:
+    for comm in list(_OPEN_NCCL):
+        if not comm.closed:
+            log.warning("rlx_numba: NCCL communicator of rank %d of %d still open at exit: "
+                        "aborted (call rlx_numba.distributed.destroy() to close it)",
+                        comm.rank, comm.world_size)
+            comm.abort()
 
 
 def _stream_handle(stream) -> int:
