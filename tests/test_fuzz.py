@@ -30,6 +30,16 @@ def test_fuzz_slice_halves_and_views():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_attention_and_rope():
+    """attention (GQA, causal, window, mask, softcap, scale) and rope (tables in f32 or x's
+    dtype, both pair layouts), every float dtype, against the fuzzer's own references."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("attention", "rope"))
+    rep = fuzz.fuzz(12, 11, cfg, out=lambda s: None)
+    assert rep.ops["attention"] >= 4 and rep.ops["rope"] >= 4, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

@@ -21,10 +21,11 @@ stay tight. A finding prints the seed, the graph, the mode, the output and the e
 command that reruns just that graph; the exit status is 1 when there is one.
 
 ``--grads``: each graph whose nodes are all differentiable ops away from kinks (smooth
-activations, + - * /, sum / mean, softmax, norms, products, shape ops, gathers) and whose
-outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k random) with respect to
-its f32 inputs, checked against central differences of that loss through the same graph's
-forward run (which the evaluator above has checked), at a few coordinates of each input.
+activations, + - * /, sum / mean, softmax, norms, products, attention, rope, shape ops,
+gathers) and whose outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k
+random) with respect to its f32 inputs, checked against central differences of that loss
+through the same graph's forward run (which the evaluator above has checked), at a few
+coordinates of each input.
 """
 from __future__ import annotations
 
@@ -747,6 +748,107 @@ def gen_matmul(b):
     return b.emit("matmul", build, vs, a.d, e, f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}")
 
 
+def gen_attention(b):
+    """attention of q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (one float dtype; GQA), maybe
+    causal (aligned to the keys' end), a sliding window, a bool mask broadcast from one of
+    three shapes, softcap, a scale; a row that keeps no key is 0. Bound: the scores' error
+    (inputs' errors and an f32 dot of D terms), through softmax (relative, twice the scores'
+    error plus f32 sums) into O, plus P rounded to a half dtype for the P V product (the
+    tensor-core kernels)."""
+    r = b.rng
+    d = str(r.choice(floats(b)))
+    bb, hkv, grp = int(r.integers(1, 3)), int(r.integers(1, 3)), int(r.integers(1, 3))
+    sq, sk, dd = int(r.integers(1, 6)), int(r.integers(1, 7)), int(r.integers(1, 9))
+    hq = hkv * grp
+    qs, ks = (bb, hq, sq, dd), (bb, hkv, sk, dd)
+    if max(math.prod(qs), math.prod(ks), bb * hq * sq * sk) > b.cfg.max_size:
+        return
+    q = b.pick(lambda x: x.shape == qs and x.d == d, shape=qs, d=d)
+    k = b.pick(lambda x: x.shape == ks and x.d == d, shape=ks, d=d)
+    v = b.pick(lambda x: x.shape == ks and x.d == d, shape=ks, d=d)
+    if q is None or k is None or v is None:
+        return
+    causal = bool(r.random() < 0.4)
+    window = int(r.integers(1, sk + 1)) if r.random() < 0.2 else None
+    softcap = float(r.choice([2.0, 5.0])) if r.random() < 0.2 else None
+    scale = float(np.round(r.uniform(0.1, 1.0), 3)) if r.random() < 0.4 else None
+    mask = None
+    if r.random() < 0.25:
+        mshape = [(bb, 1, 1, sk), (sq, sk), (bb, hq, sq, sk)][int(r.integers(3))]
+        mask = b.leaf(mshape, "bool", kind="input")
+    sc = 1.0 / math.sqrt(dd) if scale is None else scale
+    pos = sk - sq + np.arange(sq)[:, None]
+    j = np.arange(sk)[None, :]
+    vs = []
+    for i in range(2):
+        kk, vv = (np.repeat(x.vs[i], grp, axis=1) for x in (k, v))
+        u = q.vs[i] @ kk.transpose(0, 1, 3, 2) * sc
+        s_ = softcap * np.tanh(u / softcap) if softcap is not None else u
+        keep = np.ones(s_.shape, bool)
+        if causal:
+            keep &= j <= pos
+        if window is not None:
+            keep &= (j > pos - window) & (j <= pos)
+        if mask is not None:
+            keep &= mask.vs[i].astype(bool)
+        z = np.where(keep, s_, -np.inf)
+        mx = z.max(-1, keepdims=True)
+        ex = np.where(keep, np.exp(z - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+        den = ex.sum(-1, keepdims=True)
+        vs.append(np.where(den > 0, ex / np.where(den > 0, den, 1.0), 0.0) @ vv)
+    mq, mk, mv = amax(q.vs), amax(k.vs), amax(v.vs)
+    es = sc * dd * (q.e * mk + k.e * mq + 4 * U32 * mq * mk)
+    spread = 2 * (softcap if softcap is not None else sc * dd * mq * mk)
+    rel = 2 * es + 8 * U32 * (sk + spread)
+    e = v.e + 2 * rel * mv + (2 * UNIT[d] * mv if d != "f32" else 0.0)
+    kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
+    if mask is not None:
+        kw["mask"] = mask.t
+    tag = (f"{d} q{list(qs)} k{list(ks)} causal={causal} window={window} softcap={softcap} "
+           f"scale={scale} mask={None if mask is None else list(mask.shape)}")
+    return b.emit("attention", lambda: b.g.attention(q.t, k.t, v.t, **kw), vs, d, e, tag, 8)
+
+
+def gen_rope(b):
+    """rope of x [B, H, S, D] (or [B, S, D]) with cos / sin tables [max_pos, n_rot / 2] (f32 or
+    x's dtype), half-split or interleaved pairs, n_rot <= D, a position offset; rotated in f32."""
+    r = b.rng
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) in (3, 4) and v.shape[-1] >= 2,
+               shape=b.shape(int(r.choice([3, 4]))), d=str(r.choice(floats(b))))
+    if x is None or x.shape[-1] < 2 or x.shape[-2] == 0:
+        return
+    dd, ss = x.shape[-1], x.shape[-2]
+    n_rot = 2 * int(r.integers(1, dd // 2 + 1))
+    half = n_rot // 2
+    off = int(r.integers(0, 4))
+    max_pos = off + ss + int(r.integers(0, 3))
+    td = "f32" if r.random() < 0.6 else x.d
+    ang = r.uniform(0, 2 * math.pi, size=(max_pos, half))
+
+    def table(f):                  # real cos / sin tables (|entries| <= 1), constants
+        v = rnd(f(ang), td)
+        val = Val(b.g.constant(v.astype(HOST[td])), [v, v], td, 0.0, leaf=True)
+        b.vals.append(val)
+        return val
+    cos, sin = table(np.cos), table(np.sin)
+    inter = bool(r.random() < 0.4)
+    c, sn = cos.vs[0][off:off + ss], sin.vs[0][off:off + ss]
+    vs = []
+    for xv in x.vs:
+        y = xv.copy()
+        if inter:
+            x0, x1 = xv[..., 0:n_rot:2], xv[..., 1:n_rot:2]
+            y[..., 0:n_rot:2], y[..., 1:n_rot:2] = x0 * c - x1 * sn, x1 * c + x0 * sn
+        else:
+            x0, x1 = xv[..., :half], xv[..., half:n_rot]
+            y[..., :half], y[..., half:n_rot] = x0 * c - x1 * sn, x1 * c + x0 * sn
+        vs.append(y)
+    e = 2 * x.e + 6 * U32 * amax(x.vs)
+    tag = f"{x.d} {list(x.shape)} n_rot={n_rot} interleaved={inter} offset={off} tables {td}"
+    return b.emit("rope", lambda: b.g.rope(x.t, cos.t, sin.t, n_rot=n_rot, interleaved=inter,
+                                           position_offset=off), vs, x.d, e, tag)
+
+
 LINEAR_ACTS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 
 
@@ -945,7 +1047,7 @@ GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
     "softmax": gen_softmax, "norm": gen_norm, "gated": gen_gated, "matmul": gen_matmul,
-    "linear": gen_linear,
+    "linear": gen_linear, "attention": gen_attention, "rope": gen_rope,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -1115,7 +1217,7 @@ SMOOTH = {   # op -> the attribute and values with a derivative everywhere the g
 }
 SHAPE_OPS = {"input", "param", "constant", "reshape", "transpose", "narrow", "concat", "expand",
              "gather", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul",
-             "residual_sum", "cumsum"}
+             "residual_sum", "cumsum", "attention", "rope"}
 
 
 def differentiable(g) -> bool:
