@@ -40,6 +40,18 @@ def test_fuzz_slice_attention_and_rope():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_conv_pool_pad_sort():
+    """conv (1-d / 2-d, groups, dilation, a bias, channels_last), max / avg pool (ceil_mode,
+    count_include_pad), pad (crops, reflect, replicate) and sort / argsort / topk."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16", "i32"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("conv", "pool", "pad", "sort"))
+    rep = fuzz.fuzz(16, 12, cfg, out=lambda s: None)
+    for op in ("conv", "pool", "resample"):
+        assert rep.ops[op] >= 3, rep.ops
+    assert rep.ops["topk"] + rep.ops["argsort"] >= 3, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

@@ -21,8 +21,8 @@ stay tight. A finding prints the seed, the graph, the mode, the output and the e
 command that reruns just that graph; the exit status is 1 when there is one.
 
 ``--grads``: each graph whose nodes are all differentiable ops away from kinks (smooth
-activations, + - * /, sum / mean, softmax, norms, products, attention, rope, shape ops,
-gathers) and whose outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k
+activations, + - * /, sum / mean, softmax, norms, products, attention, rope, conv, avg
+pool, pad, shape ops, gathers) and whose outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k
 random) with respect to its f32 inputs, checked against central differences of that loss
 through the same graph's forward run (which the evaluator above has checked), at a few
 coordinates of each input.
@@ -849,6 +849,232 @@ def gen_rope(b):
                                            position_offset=off), vs, x.d, e, tag)
 
 
+def _windows(xp, k, stride, dil):
+    """xp [N, C, *S] -> [N, C, *O, *k]: each output position's (dilated, strided) window."""
+    nd = len(k)
+    sp = tuple(range(2, 2 + nd))
+    w = np.lib.stride_tricks.sliding_window_view(xp, [dl * (kk - 1) + 1 for kk, dl in
+                                                      zip(k, dil)], axis=sp)
+    w = w[(Ellipsis,) + tuple(slice(None, None, dl) for dl in dil)]
+    return w[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in stride)]
+
+
+def gen_conv(b):
+    """conv (1-d / 2-d; stride, padding per dim, dilation, groups, a bias, channels_last) of
+    float x and w; reference: the windows times the filters in float64. Bound as a product of
+    C / groups * prod(k) terms."""
+    r = b.rng
+    d = str(r.choice(floats(b)))
+    nd = int(r.integers(1, 3))
+    n, groups = int(r.integers(1, 3)), int(r.integers(1, 3))
+    cin, cout = groups * int(r.integers(1, 3)), groups * int(r.integers(1, 3))
+    sp = [int(r.integers(1, 6)) for _ in range(nd)]
+    k = [int(r.integers(1, 4)) for _ in range(nd)]
+    stride = [int(r.integers(1, 3)) for _ in range(nd)]
+    dil = [int(r.integers(1, 3)) for _ in range(nd)]
+    pad = [int(r.integers(0, 2)) for _ in range(nd)]
+    out = [(s_ + 2 * p_ - dl * (kk - 1) - 1) // st + 1
+           for s_, p_, dl, kk, st in zip(sp, pad, dil, k, stride)]
+    if min(out) < 1:
+        return
+    xs, ws = (n, cin, *sp), (cout, cin // groups, *k)
+    if max(math.prod(xs), math.prod(ws), n * cout * math.prod(out)) > b.cfg.max_size:
+        return
+    cl = bool(r.random() < 0.25)
+    perm = (0, *range(2, 2 + nd), 1)           # NC*S -> N*SC (and the filters' KRSC)
+    inv = (0, nd + 1, *range(1, nd + 1))
+    x = b.leaf(tuple(xs[i] for i in perm) if cl else xs, d)
+    w = b.leaf(tuple(ws[i] for i in perm) if cl else ws, d, kind=str(r.choice(["param",
+                                                                              "input"])))
+    bias = b.leaf((cout,), d) if r.random() < 0.5 else None
+    vs = []
+    for i in range(2):
+        xv, wv = (np.transpose(x.vs[i], inv), np.transpose(w.vs[i], inv)) if cl else \
+            (x.vs[i], w.vs[i])
+        xp = np.pad(xv, [(0, 0), (0, 0)] + [(p_, p_) for p_ in pad])
+        win = _windows(xp, k, stride, dil)              # [N, C, *O, *k]
+        cg, og = cin // groups, cout // groups
+        parts = []
+        for gi in range(groups):
+            wg = win[:, gi * cg:(gi + 1) * cg]
+            fg = wv[gi * og:(gi + 1) * og]
+            parts.append(np.einsum(wg, [0, 1, *range(2, 2 + 2 * nd)],
+                                   fg, [2 + 2 * nd, 1, *range(2 + nd, 2 + 2 * nd)],
+                                   [0, 2 + 2 * nd, *range(2, 2 + nd)]))
+        y = np.concatenate(parts, axis=1)
+        vs.append(np.transpose(y, perm) if cl else y)
+    kk = cin // groups * math.prod(k)
+    mx, mw = amax(x.vs), amax(w.vs)
+    e = kk * (x.e * mw + w.e * mx) + 2 * kk * U32 * mx * mw
+    kw = dict(stride=stride, padding=pad, dilation=dil, groups=groups, channels_last=cl)
+    tag = f"{d} x{list(x.shape)} w{list(w.shape)} {kw} bias={bias is not None}"
+    build = lambda: b.g.conv(x.t, w.t, None if bias is None else bias.t, **kw)  # noqa: E731
+    if bias is None:
+        return b.emit("conv", build, vs, d, e, tag)
+    # the bias is added to the product rounded to d (torch's cuDNN path adds it after the
+    # convolution, in d), or inside the convolution's epilogue: a result within either
+    bshape = (1,) * (1 + nd) + (cout,) if cl else (1, cout) + (1,) * nd
+    lo, hi, pre = [], [], []
+    for i in range(2):
+        bv = bias.vs[i].reshape(bshape)
+        pre.append(rnd(vs[i], d) + bv)
+        cands = [rnd(rnd(vs[i] + sg * (e + 4 * U32 * np.abs(vs[i])), d) + sg * bias.e + bv, d)
+                 for sg in (-1, 1)]
+        cands += [rnd(vs[i] + bv + sg * (e + bias.e + 4 * U32 * np.abs(vs[i] + bv)), d)
+                  for sg in (-1, 1)]
+        lo.append(np.minimum.reduce(cands))
+        hi.append(np.maximum.reduce(cands))
+    return b.emit("conv", build, pre, d, e + bias.e, tag, 0, (lo, hi))
+
+
+def gen_pool(b):
+    """max / avg pool (1-d / 2-d; stride, padding <= half the window, dilation for max,
+    ceil_mode, count_include_pad) over x [N, C, *S]; max moves values (exact), avg is a mean
+    in f32."""
+    r = b.rng
+    kind = str(r.choice(["max", "avg"]))
+    nd = int(r.integers(1, 3))
+    x = b.pick(lambda v: v.d in FLOATS and len(v.shape) == nd + 2 and min(v.shape) >= 1,
+               shape=(int(r.integers(1, 3)), int(r.integers(1, 3)),
+                      *[int(r.integers(1, 6)) for _ in range(nd)]),
+               d=str(r.choice(floats(b))))
+    if x is None or min(x.shape) < 1 or math.prod(x.shape) > b.cfg.max_size:
+        return
+    sp = x.shape[2:]
+    k = [int(r.integers(1, min(3, s_) + 1)) for s_ in sp]
+    stride = [int(r.integers(1, 3)) for _ in range(nd)]
+    dil = [int(r.integers(1, 3)) if kind == "max" else 1 for _ in range(nd)]
+    pad = [int(r.integers(0, (dl * (kk - 1) + 1) // 2 + 1)) for kk, dl in zip(k, dil)]
+    ceil = bool(r.random() < 0.3)
+    cip = bool(r.random() < 0.5)
+    out = []
+    for s_, kk, st, dl, p_ in zip(sp, k, stride, dil, pad):
+        span = s_ + 2 * p_ - dl * (kk - 1) - 1
+        o = (span + (st - 1 if ceil else 0)) // st + 1
+        if ceil and (o - 1) * st >= s_ + p_:    # the last window must start inside
+            o -= 1
+        out.append(o)
+    if min(out) < 1:
+        return
+    vs, los, his = [], [], []
+    for src, res in ((x.vs, vs), (x.lo, los), (x.hi, his)):
+        for v in src:
+            # pad enough on the high side for ceil_mode's last window
+            hi_pad = [max(p_, (o - 1) * st + dl * (kk - 1) + 1 - s_ - p_)
+                      for o, st, dl, kk, s_, p_ in zip(out, stride, dil, k, sp, pad)]
+            fill = -np.inf if kind == "max" else 0.0
+            widths = [(0, 0), (0, 0)] + [(p_, h_) for p_, h_ in zip(pad, hi_pad)]
+            xp = np.pad(v, widths, constant_values=fill)
+            win = _windows(xp, k, stride, dil)[(slice(None), slice(None)) +
+                                               tuple(slice(0, o) for o in out)]
+            axes = tuple(range(2 + nd, 2 + 2 * nd))
+            if kind == "max":
+                res.append(win.max(axis=axes))
+            else:
+                one = np.pad(np.ones(v.shape), widths)     # 1 inside the input
+                inside = _windows(one, k, stride, dil)[(slice(None), slice(None)) +
+                                                        tuple(slice(0, o) for o in out)]
+                if cip:      # the window clipped to the padded input
+                    padded = np.pad(np.ones(v.shape), [(0, 0), (0, 0)] +
+                                    [(p_, p_) for p_ in pad], constant_values=1.0)
+                    padded = np.pad(padded, [(0, 0), (0, 0)] +
+                                    [(0, h_ - p_) for h_, p_ in zip(hi_pad, pad)])
+                    cnt = _windows(padded, k, stride, dil)[(slice(None), slice(None)) +
+                                                           tuple(slice(0, o) for o in out)]
+                else:
+                    cnt = inside
+                res.append(win.sum(axis=axes) / cnt.sum(axis=axes))
+    kw = dict(stride=stride, padding=pad, dilation=dil, ceil_mode=ceil, count_include_pad=cip)
+    tag = f"{kind} {x.d} {list(x.shape)} k={k} {kw}"
+    build = lambda: b.g.pool(x.t, kind, k, **kw)  # noqa: E731
+    if kind == "max":
+        return b.emit("pool", build, vs, x.d, x.e, tag, 0, ([rnd(v, x.d) for v in los],
+                                                          [rnd(v, x.d) for v in his]))
+    win_n = math.prod(k)
+    return b.emit("pool", build, vs, x.d, x.e + 2 * win_n * U32 * amax(x.vs), tag)
+
+
+def gen_pad(b):
+    """pad (constant, maybe negative: a crop; reflect; replicate) over the last one or two
+    axes: values move (bounds moved alike), the constant rounded to x's dtype."""
+    r = b.rng
+    x = b.pick(lambda v: len(v.shape) >= 1 and min(v.shape) >= 1 and v.d != "bool")
+    if x is None or not x.shape or min(x.shape) < 1:
+        return
+    mode = str(r.choice(["constant", "constant", "reflect", "replicate"]))
+    naxes = int(r.integers(1, min(2, len(x.shape)) + 1))
+    pads = []
+    for ax in range(naxes):
+        size = x.shape[-1 - ax]
+        if mode == "reflect":
+            pads += [int(r.integers(0, size)), int(r.integers(0, size))]
+        elif mode == "constant" and r.random() < 0.3 and size > 1:
+            pads += [-int(r.integers(0, size // 2 + 1)), int(r.integers(0, 3))]
+        else:
+            pads += [int(r.integers(0, 3)), int(r.integers(0, 3))]
+    value = float(np.round(r.uniform(-2, 2), 2)) if mode == "constant" and r.random() < 0.5 \
+        else 0.0
+    if x.d not in FLOATS:
+        value = float(int(value))
+    rank = len(x.shape)
+
+    def f(v):
+        widths = [(0, 0)] * rank
+        out = v
+        for ax in range(naxes):
+            lo, hi = pads[2 * ax], pads[2 * ax + 1]
+            a = rank - 1 - ax
+            if lo < 0:
+                out = np.take(out, range(-lo, out.shape[a]), axis=a)
+                lo = 0
+            if hi < 0:
+                out = np.take(out, range(0, out.shape[a] + hi), axis=a)
+                hi = 0
+            widths[a] = (lo, hi)
+        if mode == "constant":
+            return np.pad(out, widths, constant_values=rnd(value, x.d))
+        return np.pad(out, widths, mode="reflect" if mode == "reflect" else "edge")
+    vs, bounds = via(f, x)
+    if math.prod(vs[0].shape) > b.cfg.max_size or 0 in vs[0].shape:
+        return
+    tag = f"{x.d} {list(x.shape)} pads={pads} {mode} value={value}"
+    return b.emit("pad", lambda: b.g.pad(x.t, pads, mode, value), vs, x.d, x.e, tag, 0, bounds)
+
+
+def gen_sort(b):
+    """sort / argsort / topk of exact values (floats or i32) along an axis: values and i64
+    indices bit for bit (stable: ties keep their order; topk: ties to the smaller index)."""
+    r = b.rng
+    kind = str(r.choice(["sort", "argsort", "topk"]))
+    x = b.pick(lambda v: v.exact and v.d in FLOATS + ("i32",) and len(v.shape) >= 1
+               and min(v.shape) >= 1)
+    if x is None or not x.shape or min(x.shape) < 1:
+        return
+    rank = len(x.shape)
+    axis = int(r.integers(-rank, rank))
+    n = x.shape[axis]
+    desc = bool(r.random() < 0.5) if kind != "topk" else True
+    kk = int(r.integers(1, n + 1))
+    idx = [np.argsort(-v if desc else v, axis=axis, kind="stable") for v in x.vs]
+    if kind == "topk":
+        idx = [np.take(i, range(kk), axis=axis) for i in idx]
+    vals = [np.take_along_axis(v, i, axis=axis) for v, i in zip(x.vs, idx)]
+    tag = f"{kind} {x.d} {list(x.shape)} axis={axis} desc={desc}" + \
+        (f" k={kk}" if kind == "topk" else "")
+    if kind == "argsort":
+        return b.emit("argsort", lambda: b.g.argsort(x.t, axis, desc), idx, "i64", 0.0, tag, 0)
+    made = {}
+
+    def build(which):
+        if "res" not in made:
+            made["res"] = (b.g.sort(x.t, axis, desc) if kind == "sort"
+                           else b.g.topk(x.t, kk, axis))
+        return made["res"][which]
+    if b.emit(kind, lambda: build(0), vals, x.d, 0.0, tag, 0) is None:
+        return
+    return b.emit(kind, lambda: build(1), idx, "i64", 0.0, tag + " indices", 0)
+
+
 LINEAR_ACTS = (None, "relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh")
 
 
@@ -1047,7 +1273,8 @@ GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
     "softmax": gen_softmax, "norm": gen_norm, "gated": gen_gated, "matmul": gen_matmul,
-    "linear": gen_linear, "attention": gen_attention, "rope": gen_rope,
+    "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
+    "pool": gen_pool, "pad": gen_pad, "sort": gen_sort,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -1214,10 +1441,11 @@ SMOOTH = {   # op -> the attribute and values with a derivative everywhere the g
     "reduce": ("kind", {"sum", "mean"}),
     "linear": ("activation", {None, "gelu", "gelu_tanh", "silu", "sigmoid", "tanh"}),
     "gated": ("activation", {"gelu", "gelu_tanh", "silu", "sigmoid", "tanh"}),
+    "pool": ("kind", {"avg"}),
 }
 SHAPE_OPS = {"input", "param", "constant", "reshape", "transpose", "narrow", "concat", "expand",
              "gather", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul",
-             "residual_sum", "cumsum", "attention", "rope"}
+             "residual_sum", "cumsum", "attention", "rope", "conv", "resample"}
 
 
 def differentiable(g) -> bool:
