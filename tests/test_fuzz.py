@@ -52,6 +52,19 @@ def test_fuzz_slice_conv_pool_pad_sort():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_einsum_group_norm_cross_entropy_scatter():
+    """einsum (products, transposes, reductions, outer products), group_norm (with and
+    without gamma / beta), cross_entropy (ignore_index, smoothing, each reduction) and
+    scatter_add (repeats, negative indices, deterministic or atomic; f32 and i32)."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16", "i32"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("einsum", "group_norm", "cross_entropy", "scatter_add"))
+    rep = fuzz.fuzz(16, 13, cfg, out=lambda s: None)
+    for op in ("layer_norm", "cross_entropy", "scatter_add"):
+        assert rep.ops[op] >= 3, rep.ops
+    assert rep.ops["matmul"] + rep.ops["reduce"] + rep.ops["transpose"] >= 3, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:
