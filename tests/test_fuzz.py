@@ -10,8 +10,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: 
 from tools import fuzz  # noqa: E402                            # installed package
 
 # tiny graphs and tensors, the two exec modes that differ under the simulator
-CI = fuzz.Config(dtypes=("f32", "f16", "bf16", "i32"), modes=("stream", "eager"), max_nodes=6,
-                 max_size=48)
+CI = fuzz.Config(dtypes=("f32", "f16", "bf16", "f64", "i32"), modes=("stream", "eager"),
+                 max_nodes=6, max_size=48)
 
 
 def test_fuzz_slice_has_no_findings():
@@ -62,6 +62,15 @@ def test_fuzz_slice_einsum_group_norm_cross_entropy_scatter():
     for op in ("layer_norm", "cross_entropy", "scatter_add"):
         assert rep.ops[op] >= 3, rep.ops
     assert rep.ops["matmul"] + rep.ops["reduce"] + rep.ops["transpose"] >= 3, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
+def test_fuzz_slice_f64():
+    """f64 graphs, checked at f64's unit roundoff (an op computing in f32 is a finding); the
+    ops that refuse f64 (their kernels are f32 only) are counted as refused, with the reason."""
+    cfg = fuzz.Config(dtypes=("f64", "i32"), modes=("stream",), max_nodes=5, max_size=48)
+    rep = fuzz.fuzz(24, 14, cfg, out=lambda s: None)
+    assert rep.ops["binary"] + rep.ops["activation"] + rep.ops["reduce"] >= 15, rep.ops
     assert not rep.findings, "\n\n".join(rep.findings)
 
 

@@ -3,7 +3,7 @@ rlx_numba (every requested exec mode, two input sets, numpy and view outputs) an
 against an independent NumPy evaluator written here.
 
     python -m tools.fuzz --n 200 --seed 0 [--modes stream,graph,eager]
-                         [--dtypes f32,f16,bf16,i32] [--max-nodes 8] [--ops exp,add,...]
+                         [--dtypes f32,f16,bf16,f64,i32] [--max-nodes 8] [--ops exp,add,...]
                          [--only 17]          # rerun one graph of a seed (a finding's repro)
 
 The evaluator computes every node in float64 from its inputs' already-rounded values and
@@ -11,7 +11,8 @@ rounds the result to the node's dtype (each kernel rounds its op's output once).
 values it keeps, elementwise, the range [lo, hi] a correct kernel's result lies in:
 rnd(pre - E) .. rnd(pre + E), where pre is the float64 value before the output rounding and
 E bounds the kernel's distance from it before its rounding (the inputs' errors times the op's
-sensitivity, plus f32 arithmetic). Rounding is monotonic, so exact inputs to a correctly
+sensitivity, plus the kernel's arithmetic: f32, or f64's for f64 results, so an f64 op that
+computes in f32 is a finding). Rounding is monotonic, so exact inputs to a correctly
 rounded op leave a single value (two near a rounding boundary): a result one ulp off is a
 finding. Integer and bool results, comparisons, max/min and shape ops of exact inputs must
 match bit for bit. Ops that are discontinuous (compare, round, float->int casts, argmax)
@@ -42,13 +43,20 @@ import numpy as np
 
 import rlx_numba as rlx
 
-HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "i32": np.int32,
-        "i64": np.int64, "bool": np.bool_}
-FLOATS = ("f32", "f16", "bf16")
-UNIT = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8}     # unit roundoff
-TINY = {"f32": 2.0 ** -149, "f16": 2.0 ** -24, "bf16": 2.0 ** -133}  # smallest subnormal
+HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "f64": np.float64,
+        "i32": np.int32, "i64": np.int64, "bool": np.bool_}
+FLOATS = ("f32", "f16", "bf16", "f64")
+UNIT = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f64": 2.0 ** -53}  # roundoff
+TINY = {"f32": 2.0 ** -149, "f16": 2.0 ** -24, "bf16": 2.0 ** -133,                # smallest
+        "f64": 2.0 ** -1074}                                                      # subnormal
 U32 = UNIT["f32"]
-RANK = {"bool": 0, "i32": 2, "i64": 3, "f16": 4, "bf16": 4, "f32": 5}
+
+
+def cu(d):
+    """The unit roundoff of the arithmetic a kernel producing dtype ``d`` does: f64's own, f32
+    for every other (half kernels compute in f32)."""
+    return UNIT["f64"] if d == "f64" else U32
+RANK = {"bool": 0, "i32": 2, "i64": 3, "f16": 4, "bf16": 4, "f32": 5, "f64": 6}
 LIMIT = 1e4          # values beyond this are not generated (f16 overflows at 65504)
 
 
@@ -154,7 +162,7 @@ class Scalar:
 
 @dataclass
 class Config:
-    dtypes: tuple = ("f32", "f16", "bf16", "i32")
+    dtypes: tuple = ("f32", "f16", "bf16", "f64", "i32")
     modes: tuple = ("stream", "graph", "eager")
     compile_mode: str = "jit"
     max_nodes: int = 8
@@ -226,7 +234,7 @@ class Builder:
         else:
             v = self.values(shape, d)
             vs = [v, v]
-            t = self.g.constant(v.astype(HOST[d]))
+            t = self.g.constant(v.astype(HOST[d]), d)
         val = Val(t, vs, d, 0.0, leaf=True)
         self.vals.append(val)
         return val
@@ -291,7 +299,8 @@ class Builder:
         """Build one node (``build()`` through the public API) whose float64 values before
         the output rounding are ``pre`` (one array per input set). ``e`` bounds how far the
         kernel's value before its rounding may be from ``pre`` (the inputs' errors through the
-        op, and f32 arithmetic), plus ``ulps`` f32 ulps of each element; a correct result lies
+        op, and the arithmetic at cu(d)), plus ``ulps`` units cu(d) of each element (f32's, or
+        f64's for f64); a correct result lies
         in [rnd(pre - E), rnd(pre + E)] elementwise (rounding is monotonic), so exact inputs
         to a correctly rounded op leave one value (two only near a rounding boundary).
         ``bounds`` (lo, hi): given instead, for ops that only move values (shape ops).
@@ -305,7 +314,7 @@ class Builder:
             if bounds is not None:
                 lo, hi = bounds
             elif e or ulps:
-                E = [e + ulps * U32 * np.abs(v) for v in pre]
+                E = [e + ulps * cu(d) * np.abs(v) for v in pre]
                 lo = [rnd(v - w, d) for v, w in zip(pre, E)]
                 hi = [rnd(v + w, d) for v, w in zip(pre, E)]
             e = max((float(np.max(np.maximum(h - v, v - l), initial=0.0))
@@ -368,7 +377,7 @@ def gen_unary(b):
         e, ulps = x.e, 0
     else:     # the input's error through the slope; f32 math (the argument's rounding too)
         slope = max(SLOPE[kind](v) if v.size else 0.0 for v in xs)
-        e, ulps = slope * x.e + 2 * U32 * slope * amax(xs), 8
+        e, ulps = slope * x.e + 2 * cu(d) * slope * amax(xs), 8
     how = b.rng.random()
     build = ((lambda: b.g.activation(kind, x.t)) if how < 0.5 else
              (lambda: -x.t) if kind == "neg" and how < 0.75 else
@@ -424,7 +433,7 @@ def binary(b, kind, a, c, swap=False):
                         + float(np.max(np.abs(z * np.log(x)))) * ec)
     ulps = 0 if kind in ("max", "min") else 4
     if kind == "pow":   # powf: exp(b log a) in f32
-        e += 4 * U32 * amax(vs) * (1 + amax([np.abs(y * np.log(x)) for x, y in zip(fa, fc)]))
+        e += 4 * cu(d) * amax(vs) * (1 + amax([np.abs(y * np.log(x)) for x, y in zip(fa, fc)]))
         ulps = 8
     tag = f"{kind} {da}{'(weak)' if wa else ''},{dc}{'(weak)' if wc else ''}"
     u = b.rng.random()
@@ -585,9 +594,9 @@ def gen_reduce(b):
     elif kind in ("max", "min"):
         e, ulps = x.e, 0
     elif kind == "prod":
-        e = 2 * n * U32 * amax(vs)
+        e = 2 * n * cu(d) * amax(vs)
     else:       # any summation order in f32
-        e = n * x.e + 2 * n * n * U32 * amax(src)
+        e = n * x.e + 2 * n * n * cu(d) * amax(src)
         if kind == "mean":
             e /= max(n, 1)
     how = b.rng.random()
@@ -630,7 +639,7 @@ def gen_cumsum(b):
         c = np.cumsum(v, axis=axis)
         vs.append(c - v if excl else c)
     n = x.shape[axis]
-    e = 0.0 if d not in FLOATS else n * x.e + 2 * n * n * U32 * amax(src)
+    e = 0.0 if d not in FLOATS else n * x.e + 2 * n * n * cu(d) * amax(src)
     return b.emit("cumsum", lambda: b.g.cumsum(x.t, axis, exclusive=excl), vs, d, e,
                   f"{x.d} axis={axis} exclusive={excl}")
 
@@ -652,7 +661,7 @@ def gen_softmax(b):
         lse = np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
         vs.append(z - lse if log else np.exp(z - lse))
     n = x.shape[axis]
-    e = 2 * x.e + 8 * U32 * (n + spread) * (amax(vs) if not log else 1.0)
+    e = 2 * x.e + 8 * cu(x.d) * (n + spread) * (amax(vs) if not log else 1.0)
     op = "log_softmax" if log else "softmax"
     return b.emit(op, lambda: getattr(b.g, op)(x.t, axis), vs, x.d, e, f"{x.d} axis={axis}", 8)
 
@@ -697,8 +706,8 @@ def gen_norm(b):
     eh = x.e + (res.e + 2 * UNIT[x.d] * amax([x.vs[0] + res.vs[0], x.vs[1] + res.vs[1]])
                 if res is not None else 0.0)    # (h rounded to x's dtype)
     sens = amax(gamma.vs) / math.sqrt(worst) if math.isfinite(worst) else 0.0
-    e = 3 * sens * (eh + 4 * n * U32 * (amax(x.vs) + (amax(res.vs) if res else 0)))
-    e += 8 * U32 * amax(vs) * n
+    e = 3 * sens * (eh + 4 * n * cu(x.d) * (amax(x.vs) + (amax(res.vs) if res else 0)))
+    e += 8 * cu(x.d) * amax(vs) * n
     fn = getattr(b.g, kind)
     both = res is not None and b.rng.random() < 0.5     # also the x + residual it computed
     pair = []
@@ -743,7 +752,7 @@ def gen_matmul(b):
         return
     vs = [np.matmul(x.astype(np.float64), y.astype(np.float64)) for x, y in zip(a.vs, c.vs)]
     ma, mc = amax(a.vs), amax(c.vs)
-    e = k * (a.e * mc + c.e * ma) + 2 * k * U32 * ma * mc
+    e = k * (a.e * mc + c.e * ma) + 2 * k * cu(a.d) * ma * mc
     build = (lambda: a.t @ c.t) if r.random() < 0.5 else (lambda: b.g.matmul(a.t, c.t))
     return b.emit("matmul", build, vs, a.d, e, f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}")
 
@@ -797,9 +806,9 @@ def gen_attention(b):
         den = ex.sum(-1, keepdims=True)
         vs.append(np.where(den > 0, ex / np.where(den > 0, den, 1.0), 0.0) @ vv)
     mq, mk, mv = amax(q.vs), amax(k.vs), amax(v.vs)
-    es = sc * dd * (q.e * mk + k.e * mq + 4 * U32 * mq * mk)
+    es = sc * dd * (q.e * mk + k.e * mq + 4 * cu(d) * mq * mk)
     spread = 2 * (softcap if softcap is not None else sc * dd * mq * mk)
-    rel = 2 * es + 8 * U32 * (sk + spread)
+    rel = 2 * es + 8 * cu(d) * (sk + spread)
     e = v.e + 2 * rel * mv + (2 * UNIT[d] * mv if d != "f32" else 0.0)
     kw = dict(causal=causal, window=window, softcap=softcap, scale=scale)
     if mask is not None:
@@ -827,7 +836,7 @@ def gen_rope(b):
 
     def table(f):                  # real cos / sin tables (|entries| <= 1), constants
         v = rnd(f(ang), td)
-        val = Val(b.g.constant(v.astype(HOST[td])), [v, v], td, 0.0, leaf=True)
+        val = Val(b.g.constant(v.astype(HOST[td]), td), [v, v], td, 0.0, leaf=True)
         b.vals.append(val)
         return val
     cos, sin = table(np.cos), table(np.sin)
@@ -843,7 +852,7 @@ def gen_rope(b):
             x0, x1 = xv[..., :half], xv[..., half:n_rot]
             y[..., :half], y[..., half:n_rot] = x0 * c - x1 * sn, x1 * c + x0 * sn
         vs.append(y)
-    e = 2 * x.e + 6 * U32 * amax(x.vs)
+    e = 2 * x.e + 6 * cu(x.d) * amax(x.vs)
     tag = f"{x.d} {list(x.shape)} n_rot={n_rot} interleaved={inter} offset={off} tables {td}"
     return b.emit("rope", lambda: b.g.rope(x.t, cos.t, sin.t, n_rot=n_rot, interleaved=inter,
                                            position_offset=off), vs, x.d, e, tag)
@@ -905,7 +914,7 @@ def gen_conv(b):
         vs.append(np.transpose(y, perm) if cl else y)
     kk = cin // groups * math.prod(k)
     mx, mw = amax(x.vs), amax(w.vs)
-    e = kk * (x.e * mw + w.e * mx) + 2 * kk * U32 * mx * mw
+    e = kk * (x.e * mw + w.e * mx) + 2 * kk * cu(d) * mx * mw
     kw = dict(stride=stride, padding=pad, dilation=dil, groups=groups, channels_last=cl)
     tag = f"{d} x{list(x.shape)} w{list(w.shape)} {kw} bias={bias is not None}"
     build = lambda: b.g.conv(x.t, w.t, None if bias is None else bias.t, **kw)  # noqa: E731
@@ -918,9 +927,9 @@ def gen_conv(b):
     for i in range(2):
         bv = bias.vs[i].reshape(bshape)
         pre.append(rnd(vs[i], d) + bv)
-        cands = [rnd(rnd(vs[i] + sg * (e + 4 * U32 * np.abs(vs[i])), d) + sg * bias.e + bv, d)
+        cands = [rnd(rnd(vs[i] + sg * (e + 4 * cu(d) * np.abs(vs[i])), d) + sg * bias.e + bv, d)
                  for sg in (-1, 1)]
-        cands += [rnd(vs[i] + bv + sg * (e + bias.e + 4 * U32 * np.abs(vs[i] + bv)), d)
+        cands += [rnd(vs[i] + bv + sg * (e + bias.e + 4 * cu(d) * np.abs(vs[i] + bv)), d)
                   for sg in (-1, 1)]
         lo.append(np.minimum.reduce(cands))
         hi.append(np.maximum.reduce(cands))
@@ -991,7 +1000,7 @@ def gen_pool(b):
         return b.emit("pool", build, vs, x.d, x.e, tag, 0, ([rnd(v, x.d) for v in los],
                                                           [rnd(v, x.d) for v in his]))
     win_n = math.prod(k)
-    return b.emit("pool", build, vs, x.d, x.e + 2 * win_n * U32 * amax(x.vs), tag)
+    return b.emit("pool", build, vs, x.d, x.e + 2 * win_n * cu(x.d) * amax(x.vs), tag)
 
 
 def gen_pad(b):
@@ -1099,8 +1108,8 @@ def gen_linear(b):
         y = UNARY[act](z) if act else z
         vs.append(y + res.vs[i] if res is not None else y)
     mz = amax(zs)
-    ez = k * x.e * amax(w.vs) + 2 * k * U32 * amax(x.vs) * amax(w.vs) + 4 * U32 * mz
-    e = 1.13 * ez + 8 * U32 * (amax(vs) + mz) + (res.e if res else 0.0)
+    ez = k * x.e * amax(w.vs) + 2 * k * cu(x.d) * amax(x.vs) * amax(w.vs) + 4 * cu(x.d) * mz
+    e = 1.13 * ez + 8 * cu(x.d) * (amax(vs) + mz) + (res.e if res else 0.0)
     if act and x.d != "f32":   # a cuBLAS tier rounds the product (bias added) to the half type
         e += 1.13 * UNIT[x.d] * mz   # before an activation cuBLASLt cannot fuse (gelu: erf),
                                      # as torch eager's linear then gelu does (lower_matmul.py)
@@ -1129,7 +1138,7 @@ def gen_gated(b):
     mg = amax([h[0] for h in halves])
     mu = amax([h[1] for h in halves])
     ma = amax([UNARY[act](h[0]) for h in halves])
-    e = x.e * (slope * mu + ma) + 8 * U32 * (slope * mg * mu + ma * mu)
+    e = x.e * (slope * mu + ma) + 8 * cu(x.d) * (slope * mg * mu + ma * mu)
     return b.emit("gated", lambda: b.g.gated(x.t, act, inter), vs, x.d, e,
                   f"{x.d} {act} interleaved={inter}", 8)
 
@@ -1306,7 +1315,7 @@ def gen_scatter_add(b):
             return
         e = 0.0
     else:       # each result sums its target and up to m updates, in some order
-        e = t.e + m * u.e + 2 * (m + 1) * U32 * (amax(t.vs) + m * amax(u.vs))
+        e = t.e + m * u.e + 2 * (m + 1) * cu(t.d) * (amax(t.vs) + m * amax(u.vs))
     tag = f"{t.d} {list(t.shape)} axis={axis} {m} indices {it.dtype} deterministic={det}"
     return b.emit("scatter_add", lambda: b.g.scatter_add(t.t, it, u.t, axis, det), vs, t.d, e,
                   tag, 0)
@@ -1340,7 +1349,7 @@ def gen_einsum(b):
     ms = [amax(o.vs) for o in ops]
     prod = math.prod(ms)
     e = summed * sum(o.e * prod / m_ if m_ else 0.0 for o, m_ in zip(ops, ms))
-    e += 2 * summed * len(ops) * U32 * prod
+    e += 2 * summed * len(ops) * cu(d) * prod
     return b.emit("einsum", lambda: b.g.einsum(spec, *(o.t for o in ops)), vs, d, e,
                   f"{d} {spec} {[list(s_) for s_ in shapes]}")
 
@@ -1370,7 +1379,7 @@ def gen_group_norm(b):
         worst = min(worst, float(np.min(var + eps, initial=np.inf)))
     if amax(x.vs) > 1e3 * math.sqrt(worst):
         return          # a group's spread lost in its offset: f32 keeps few of its digits
-    e = 3 / math.sqrt(worst) * (x.e + 4 * n_per * U32 * amax(x.vs)) + 8 * U32 * amax(norm) * n_per
+    e = 3 / math.sqrt(worst) * (x.e + 4 * n_per * cu(x.d) * amax(x.vs)) + 8 * cu(x.d) * amax(norm) * n_per
     tag = f"{x.d} {list(x.shape)} groups={groups} affine={affine} beta={beta is not None}"
     build = lambda: b.g.group_norm(x.t, groups, gamma.t if gamma else None,  # noqa: E731
                                    beta.t if beta else None, eps)
@@ -1384,9 +1393,9 @@ def gen_group_norm(b):
         gm = gamma.vs[k].reshape(cs)
         bt = beta.vs[k].reshape(cs) if beta else 0.0
         pre.append(rnd(norm[k], x.d) * gm + bt)
-        ends = [rnd(rnd(norm[k] + sg * (e + 4 * U32 * np.abs(norm[k])), x.d) * gm + bt, x.d)
+        ends = [rnd(rnd(norm[k] + sg * (e + 4 * cu(x.d) * np.abs(norm[k])), x.d) * gm + bt, x.d)
                 for sg in (-1, 1)]
-        slack = 4 * U32 * (np.abs(pre[-1]) + np.abs(gm)) + (beta.e if beta else 0.0)
+        slack = 4 * cu(x.d) * (np.abs(pre[-1]) + np.abs(gm)) + (beta.e if beta else 0.0)
         lo.append(rnd(np.minimum(*ends) - slack, x.d))
         hi.append(rnd(np.maximum(*ends) + slack, x.d))
     return b.emit("group_norm", build, pre, x.d, e, tag, 0, (lo, hi))
@@ -1433,8 +1442,8 @@ def gen_cross_entropy(b):
                   else np.asarray(row.sum() / keep.sum()))
     n = max(1, math.prod(lshape))
     spread = 2 * amax(x.vs)
-    e = (2 * x.e + 8 * U32 * (c + spread + amax(x.vs))) * (n if red == "sum" else 1)
-    e += 4 * n * U32 * amax(vs)
+    e = (2 * x.e + 8 * cu(x.d) * (c + spread + amax(x.vs))) * (n if red == "sum" else 1)
+    e += 4 * n * cu(x.d) * amax(vs)
     return b.emit("cross_entropy", lambda: b.g.cross_entropy(
         x.t, lt, red, ignore, smooth), vs, x.d, e,
         f"{x.d} {list(x.shape)} {red} ignore={ignore} smoothing={smooth}")
@@ -1709,7 +1718,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="stream,graph,eager",
                    help="exec modes, comma-separated: stream, graph, eager, multistream(n)")
-    p.add_argument("--dtypes", default="f32,f16,bf16,i32")
+    p.add_argument("--dtypes", default="f32,f16,bf16,f64,i32")
     p.add_argument("--max-nodes", type=int, default=8)
     p.add_argument("--compile-mode", default="jit", choices=("jit", "aot"))
     p.add_argument("--max-size", type=int, default=120, help="elements per tensor at most")
@@ -1728,8 +1737,8 @@ def main(argv=None):
                  zero_dims=a.zero_dims, compile_mode=a.compile_mode,
                  ops=tuple(a.ops.split(",")) if a.ops else None, grads=a.grads)
     for d in cfg.dtypes:
-        if d not in ("f32", "f16", "bf16", "i32"):
-            p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, i32")
+        if d not in ("f32", "f16", "bf16", "f64", "i32"):
+            p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, f64, i32")
     for o in cfg.ops or ():
         if o not in GENERATORS:
             p.error(f"--ops: unknown generator {o!r}")
