@@ -300,9 +300,9 @@ class Builder:
         the output rounding are ``pre`` (one array per input set). ``e`` bounds how far the
         kernel's value before its rounding may be from ``pre`` (the inputs' errors through the
         op, and the arithmetic at cu(d)), plus ``ulps`` units cu(d) of each element (f32's, or
-        f64's for f64); a correct result lies
-        in [rnd(pre - E), rnd(pre + E)] elementwise (rounding is monotonic), so exact inputs
-        to a correctly rounded op leave one value (two only near a rounding boundary).
+        f64's for f64); a correct result lies in [rnd(pre - E), rnd(pre + E)] elementwise
+        (rounding is monotonic), so exact inputs to a correctly rounded op leave one value
+        (two only near a rounding boundary).
         ``bounds`` (lo, hi): given instead, for ops that only move values (shape ops).
         A ValueError from the builder (an op refusing a dtype) skips the candidate and is
         counted; a shape or dtype other than the reference's is a finding."""
