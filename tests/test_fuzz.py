@@ -74,6 +74,16 @@ def test_fuzz_slice_f64():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_c64():
+    """complex64: complex(), + - * / (c64, f32, Python floats), real / imag / conj / neg, abs,
+    angle, matmul and reshape, each component within its bound."""
+    cfg = fuzz.Config(dtypes=("f32", "c64"), modes=("stream", "eager"), max_nodes=5,
+                      max_size=48, ops=("complex", "reshape"))
+    rep = fuzz.fuzz(16, 15, cfg, out=lambda s: None)
+    assert rep.ops["view_as_complex"] + rep.ops["binary"] >= 8, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

@@ -3,7 +3,7 @@ rlx_numba (every requested exec mode, two input sets, numpy and view outputs) an
 against an independent NumPy evaluator written here.
 
     python -m tools.fuzz --n 200 --seed 0 [--modes stream,graph,eager]
-                         [--dtypes f32,f16,bf16,f64,i32] [--max-nodes 8] [--ops exp,add,...]
+                         [--dtypes f32,f16,bf16,f64,i32,c64] [--max-nodes 8] [--ops add,...]
                          [--only 17]          # rerun one graph of a seed (a finding's repro)
 
 The evaluator computes every node in float64 from its inputs' already-rounded values and
@@ -44,7 +44,7 @@ import numpy as np
 import rlx_numba as rlx
 
 HOST = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "f64": np.float64,
-        "i32": np.int32, "i64": np.int64, "bool": np.bool_}
+        "i32": np.int32, "i64": np.int64, "bool": np.bool_, "c64": np.complex64}
 FLOATS = ("f32", "f16", "bf16", "f64")
 UNIT = {"f32": 2.0 ** -24, "f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f64": 2.0 ** -53}  # roundoff
 TINY = {"f32": 2.0 ** -149, "f16": 2.0 ** -24, "bf16": 2.0 ** -133,                # smallest
@@ -74,8 +74,11 @@ def promote(a, b):
 
 
 def rnd(x, d):
-    """x (float64 / int / bool array) as the values of dtype d (float64, int64 or bool)."""
+    """x (float64 / int / bool array) as the values of dtype d (float64, int64 or bool;
+    complex128 for c64)."""
     x = np.asarray(x)
+    if d == "c64":
+        return x.astype(np.complex128).astype(np.complex64).astype(np.complex128)
     if d in FLOATS:
         return x.astype(np.float64).astype(HOST[d]).astype(np.float64)
     if d == "bool":
@@ -85,8 +88,9 @@ def rnd(x, d):
 
 
 def amax(vs):
-    """max |v| over both input sets (0 for empty or bool)."""
-    return max((float(np.max(np.abs(v.astype(np.float64)), initial=0.0)) for v in vs), default=0.0)
+    """max |v| over both input sets (0 for empty or bool; the modulus of complex values)."""
+    return max((float(np.max(np.abs(v if np.iscomplexobj(v) else v.astype(np.float64)),
+                              initial=0.0)) for v in vs), default=0.0)
 
 
 # ---- the reference functions of the element-wise ops (float64) --------------------------------
@@ -162,7 +166,7 @@ class Scalar:
 
 @dataclass
 class Config:
-    dtypes: tuple = ("f32", "f16", "bf16", "f64", "i32")
+    dtypes: tuple = ("f32", "f16", "bf16", "f64", "i32", "c64")
     modes: tuple = ("stream", "graph", "eager")
     compile_mode: str = "jit"
     max_nodes: int = 8
@@ -185,6 +189,9 @@ class Builder:
         self.refused = Counter()      # op/dtype -> ValueErrors at build time
         self.n_ops = 0
         self.k = 0
+        # c64 values are made and taken only by the generators that opt in (gen_complex and
+        # the shape ops that move complex values)
+        self.real_dtypes = tuple(d for d in cfg.dtypes if d != "c64") or ("f32",)
 
     # ---- leaves ------------------------------------------------------------------------------
     def shape(self, rank=None):
@@ -200,6 +207,8 @@ class Builder:
 
     def values(self, shape, d):
         r = self.rng
+        if d == "c64":
+            return rnd(self.values(shape, "f32") + 1j * self.values(shape, "f32"), d)
         if d in FLOATS:     # mostly uniform; some integers and halves (ties, round's
             u = r.random()  # half-to-even), some small or large magnitudes
             if u < 0.6:
@@ -218,7 +227,7 @@ class Builder:
     def leaf(self, shape=None, d=None, kind=None):
         """A new input (or a param / constant, set once for both input sets)."""
         shape = self.shape() if shape is None else tuple(shape)
-        d = d or str(self.rng.choice(self.cfg.dtypes))
+        d = d or str(self.rng.choice(self.real_dtypes))
         kind = kind or str(self.rng.choice(["input"] * 6 + ["param", "constant"]))
         self.k += 1
         name = f"{'x' if kind == 'input' else 'p'}{self.k}"
@@ -239,9 +248,10 @@ class Builder:
         self.vals.append(val)
         return val
 
-    def pick(self, ok=lambda v: True, **new):
-        """An existing value satisfying ``ok`` (mostly), else a new leaf made with ``new``."""
-        cands = [v for v in self.vals if ok(v)]
+    def pick(self, ok=lambda v: True, complex_ok=False, **new):
+        """An existing value satisfying ``ok`` (mostly), else a new leaf made with ``new``;
+        c64 values only where ``complex_ok``."""
+        cands = [v for v in self.vals if ok(v) and (complex_ok or v.d != "c64")]
         if cands and self.rng.random() < 0.8:
             # prefer recent values: deeper graphs
             w = np.arange(1, len(cands) + 1, dtype=np.float64) ** 2
@@ -268,7 +278,7 @@ class Builder:
         """A second operand for a: an existing broadcastable value, a new leaf, or a scalar."""
         r = self.rng
         u = r.random()
-        dtypes = dtypes or self.cfg.dtypes
+        dtypes = dtypes or self.real_dtypes
         if u < 0.3:      # a Python scalar: float or int
             if r.random() < 0.6:
                 return self.scalar(float(np.round(r.uniform(-2, 2), 3)), a.d)
@@ -321,6 +331,20 @@ class Builder:
                      for v, l, h in zip(vs, lo, hi)), default=0.0)
             if e > 0.25 * (amax(vs) + 1.0):
                 return None           # too ill-conditioned to test tightly
+        elif d == "c64":
+            if not all(np.all(np.isfinite(v)) for v in vs) or amax(vs) > LIMIT:
+                return None
+            if bounds is not None:
+                lo, hi = bounds
+            else:     # each component within E of pre's, E from |pre|
+                E = [e + ulps * U32 * np.abs(v) for v in pre]
+                lo = [rnd(v.real - w, "f32") + 1j * rnd(v.imag - w, "f32") for v, w in zip(pre, E)]
+                hi = [rnd(v.real + w, "f32") + 1j * rnd(v.imag + w, "f32") for v, w in zip(pre, E)]
+            e = max((float(np.max(np.maximum(np.maximum(h.real - v.real, v.real - l.real),
+                                              np.maximum(h.imag - v.imag, v.imag - l.imag)),
+                                  initial=0.0)) for v, l, h in zip(vs, lo, hi)), default=0.0)
+            if e > 0.25 * (amax(vs) + 1.0):
+                return None
         elif d != "bool" and amax(vs) > 2 ** 30:
             return None
         try:
@@ -509,8 +533,8 @@ def gen_where(b):
         cond = gen_compare(b)
         if cond is None:
             return
-    a = b.partner(cond, dtypes=b.cfg.dtypes)
-    c = b.partner(cond if isinstance(a, Scalar) else a, dtypes=b.cfg.dtypes)
+    a = b.partner(cond, dtypes=b.real_dtypes)
+    c = b.partner(cond if isinstance(a, Scalar) else a, dtypes=b.real_dtypes)
     if isinstance(a, Scalar) and isinstance(c, Scalar):
         return
     like = a if isinstance(a, Val) else c
@@ -531,7 +555,7 @@ def gen_where(b):
 
 
 def gen_cast(b):
-    to = str(b.rng.choice(list(b.cfg.dtypes) + ["i64", "bool"]))
+    to = str(b.rng.choice(list(b.real_dtypes) + ["i64", "bool"]))
     x = b.pick()
     if x is None:
         return
@@ -740,7 +764,7 @@ def gen_matmul(b):
     bshape = tuple(batch) + (k, nn)
     if math.prod(bshape) > b.cfg.max_size:
         return
-    bd = a.d if r.random() < 0.9 else str(r.choice(b.cfg.dtypes))
+    bd = a.d if r.random() < 0.9 else str(r.choice(b.real_dtypes))
     c = b.pick(lambda v: v.shape == bshape and v.d == bd, shape=bshape, d=bd)
     if c is None:
         return
@@ -1153,7 +1177,7 @@ def via(f, *xs):
 
 
 def gen_reshape(b):
-    x = b.pick()
+    x = b.pick(complex_ok=True)
     if x is None:
         return
     size = math.prod(x.shape)
@@ -1449,6 +1473,112 @@ def gen_cross_entropy(b):
         f"{x.d} {list(x.shape)} {red} ignore={ignore} smoothing={smooth}")
 
 
+def _cparts(lo, hi, f):
+    """(lo, hi) of complex bounds moved by f, applied to each corner's parts: f of (re, im)
+    pairs gives the new parts; the result's bounds are the corners' min / max."""
+    corners = [f(a.real + 1j * c.imag) for a in (lo, hi) for c in (lo, hi)]
+    re = [np.real(x) for x in corners]
+    im = [np.imag(x) for x in corners]
+    return (np.minimum.reduce(re) + 1j * np.minimum.reduce(im),
+            np.maximum.reduce(re) + 1j * np.maximum.reduce(im))
+
+
+def gen_complex(b):
+    """c64 (only when --dtypes names it): complex(re, im) of f32 tensors, + - * / of c64
+    tensors (or beside an f32 tensor or a Python float), real / imag / conj / neg (values
+    move), abs (hypot) and angle (atan2, away from the branch cut and 0), a c64 matmul.
+    Each component within its bound (f32 arithmetic, Smith's division)."""
+    if "c64" not in b.cfg.dtypes:
+        return
+    r = b.rng
+    kind = str(r.choice(["complex", "add", "sub", "mul", "div", "real", "imag", "conj", "neg",
+                         "abs", "angle", "matmul"]))
+    isc = lambda v: v.d == "c64"  # noqa: E731
+    if kind == "complex":
+        re = b.pick(lambda v: v.d == "f32", d="f32")
+        if re is None:
+            return
+        im = b.pick(lambda v: v.d == "f32" and v.shape == re.shape, shape=re.shape, d="f32")
+        if im is None:
+            return
+        vs = [a + 1j * c for a, c in zip(re.vs, im.vs)]
+        bounds = ([a + 1j * c for a, c in zip(re.lo, im.lo)],
+                  [a + 1j * c for a, c in zip(re.hi, im.hi)])
+        return b.emit("complex", lambda: b.g.complex(re.t, im.t), vs, "c64", 0.0, "f32,f32", 0,
+                      bounds)
+    x = b.pick(isc, complex_ok=True, d="c64")
+    if x is None:
+        return
+    if kind in ("real", "imag"):
+        part = np.real if kind == "real" else np.imag
+        return b.emit(kind, lambda: getattr(b.g, kind)(x.t), [part(v) for v in x.vs], "f32",
+                      x.e, "c64", 0, ([part(v) for v in x.lo], [part(v) for v in x.hi]))
+    if kind in ("conj", "neg"):
+        f = np.conj if kind == "conj" else np.negative
+        lohi = [_cparts(lo, hi, f) for lo, hi in zip(x.lo, x.hi)]
+        build = (lambda: b.g.conj(x.t)) if kind == "conj" else (lambda: -x.t)
+        return b.emit(kind, build, [f(v) for v in x.vs], "c64", x.e, "c64", 0,
+                      ([a for a, _ in lohi], [c for _, c in lohi]))
+    mag = [np.abs(v) for v in x.vs]
+    if kind == "abs":
+        return b.emit("abs", lambda: b.g.abs(x.t), mag, "f32",
+                      1.5 * x.e + 2 * U32 * amax(mag), "c64")
+    if kind == "angle":
+        lowest = min(float(np.min(m_, initial=1.0)) for m_ in mag)
+        near_cut = any(np.any((v.real < 0) & (np.abs(v.imag) <= 1e-3 + 2 * x.e)) for v in x.vs)
+        if lowest < 0.25 or near_cut:
+            return
+        return b.emit("angle", lambda: b.g.angle(x.t), [np.angle(v) for v in x.vs], "f32",
+                      1.5 * x.e / lowest + 4 * U32, "c64")
+    if kind == "matmul":
+        if len(x.shape) < 2:
+            return
+        k, nn = x.shape[-1], int(r.integers(1, 5))
+        cshape = (k, nn)
+        if math.prod(x.shape[:-1]) * nn > b.cfg.max_size or k * nn > b.cfg.max_size:
+            return
+        c = b.pick(lambda v: v.d == "c64" and v.shape == cshape, complex_ok=True, shape=cshape,
+                   d="c64")
+        if c is None:
+            return
+        ma, mc = amax(x.vs), amax(c.vs)
+        e = k * (x.e * mc + c.e * ma) + 4 * k * U32 * ma * mc
+        return b.emit("matmul", lambda: b.g.matmul(x.t, c.t), [a @ w for a, w in zip(x.vs, c.vs)],
+                      "c64", e, f"c64 {list(x.shape)}@{list(cshape)}")
+    # + - * /: the other operand c64 (same shape or broadcast), an f32 tensor, or a float
+    u = r.random()
+    if u < 0.5:
+        c = b.pick(lambda v: v.d == "c64" and v.shape == x.shape, complex_ok=True,
+                   shape=x.shape, d="c64")
+        tag = "c64,c64"
+    elif u < 0.75:
+        c = b.pick(lambda v: v.d == "f32" and v.shape == x.shape, shape=x.shape, d="f32")
+        tag = "c64,f32"
+    else:
+        py = float(np.round(r.uniform(0.5, 2.0) * r.choice([-1, 1]), 3))
+        c, tag = Scalar(py, "f32"), f"c64,{py}"
+    if c is None:
+        return
+    cv = [np.asarray(rnd(c.py, "f32"))] * 2 if isinstance(c, Scalar) else c.vs
+    ce = 0.0 if isinstance(c, Scalar) else c.e
+    ct = c.py if isinstance(c, Scalar) else c.t
+    ma, mc = amax(x.vs), amax(cv)
+    if kind == "div":
+        lc = min(float(np.min(np.abs(v), initial=1.0)) for v in cv)
+        if lc < 0.5:
+            return
+        e = 2 * (x.e + ce * ma / lc) / lc + 10 * U32 * ma / lc
+    elif kind == "mul":
+        e = x.e * mc + ce * ma + x.e * ce + 4 * U32 * ma * mc
+    else:
+        e = x.e + ce
+    op = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide}[kind]
+    vs = [op(a, w) for a, w in zip(x.vs, cv)]
+    gop = {"add": lambda: x.t + ct, "sub": lambda: x.t - ct, "mul": lambda: x.t * ct,
+           "div": lambda: x.t / ct}[kind]
+    return b.emit(kind, gop, vs, "c64", e, tag)
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
@@ -1456,6 +1586,7 @@ GENERATORS = {
     "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
     "pool": gen_pool, "pad": gen_pad, "sort": gen_sort, "scatter_add": gen_scatter_add,
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
+    "complex": gen_complex,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -1508,6 +1639,14 @@ def compare(got, v: Val, k):
         return f"dtype {got.dtype}, want {np.dtype(HOST[v.d])}"
     if got.shape != want.shape:
         return f"shape {got.shape}, want {want.shape}"
+    if v.d == "c64":
+        g = got.astype(np.complex128)
+        for part in ("real", "imag"):
+            what = _outside(getattr(g, part), getattr(want, part), getattr(v.lo[k], part),
+                            getattr(v.hi[k], part))
+            if what:
+                return f"{part} parts: {what}"
+        return None
     if v.d not in FLOATS:
         bad = got.astype(want.dtype) != want
         if bad.any():
@@ -1515,8 +1654,11 @@ def compare(got, v: Val, k):
             return (f"{int(bad.sum())} of {bad.size} differ; at {i}: got {got[i]!r}, "
                     f"want {want[i]!r}")
         return None
-    g64 = got.astype(np.float64)
-    lo, hi = v.lo[k], v.hi[k]
+    return _outside(got.astype(np.float64), want, v.lo[k], v.hi[k])
+
+
+def _outside(g64, want, lo, hi):
+    """None, or how many of ``g64`` lie outside [lo, hi] (NaN where want is NaN passes)."""
     same_special = (np.isnan(g64) & np.isnan(want)) | (g64 == want)
     bad = ~((g64 >= lo) & (g64 <= hi)) & ~same_special
     if bad.any():
@@ -1718,7 +1860,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="stream,graph,eager",
                    help="exec modes, comma-separated: stream, graph, eager, multistream(n)")
-    p.add_argument("--dtypes", default="f32,f16,bf16,f64,i32")
+    p.add_argument("--dtypes", default="f32,f16,bf16,f64,i32,c64")
     p.add_argument("--max-nodes", type=int, default=8)
     p.add_argument("--compile-mode", default="jit", choices=("jit", "aot"))
     p.add_argument("--max-size", type=int, default=120, help="elements per tensor at most")
@@ -1737,8 +1879,8 @@ def main(argv=None):
                  zero_dims=a.zero_dims, compile_mode=a.compile_mode,
                  ops=tuple(a.ops.split(",")) if a.ops else None, grads=a.grads)
     for d in cfg.dtypes:
-        if d not in ("f32", "f16", "bf16", "f64", "i32"):
-            p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, f64, i32")
+        if d not in ("f32", "f16", "bf16", "f64", "i32", "c64"):
+            p.error(f"--dtypes: {d!r} is not one of f32, f16, bf16, f64, i32, c64")
     for o in cfg.ops or ():
         if o not in GENERATORS:
             p.error(f"--ops: unknown generator {o!r}")
