@@ -84,6 +84,19 @@ def test_fuzz_slice_c64():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_nan_and_inf():
+    """NaN / +-inf inputs through max / min / sum / mean, argmax / argmin, softmax /
+    log_softmax over any axis, exp, relu and binary max / min: NaN and inf results exactly
+    where torch's kernels put them."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("specials",))
+    rep = fuzz.fuzz(24, 16, cfg, out=lambda s: None)
+    ops = rep.ops
+    assert ops["reduce"] >= 3 and ops["softmax"] + ops["log_softmax"] >= 3, ops
+    assert ops["argmax"] + ops["argmin"] >= 3, ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

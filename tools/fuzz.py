@@ -142,6 +142,7 @@ class Val:
     leaf: bool = False
     lo: list = None      # per input set, the range a correct result lies in (elementwise)
     hi: list = None
+    special: bool = False  # holds NaN / inf (gen_specials): an output, never an operand
 
     def __post_init__(self):
         if self.lo is None:
@@ -251,7 +252,8 @@ class Builder:
     def pick(self, ok=lambda v: True, complex_ok=False, **new):
         """An existing value satisfying ``ok`` (mostly), else a new leaf made with ``new``;
         c64 values only where ``complex_ok``."""
-        cands = [v for v in self.vals if ok(v) and (complex_ok or v.d != "c64")]
+        cands = [v for v in self.vals
+                 if ok(v) and (complex_ok or v.d != "c64") and not v.special]
         if cands and self.rng.random() < 0.8:
             # prefer recent values: deeper graphs
             w = np.arange(1, len(cands) + 1, dtype=np.float64) ** 2
@@ -285,7 +287,7 @@ class Builder:
             return self.scalar(int(r.integers(-3, 4)), a.d)
         def fits(v):
             try:
-                return (v is not a or r.random() < 0.3) and v.d in dtypes and \
+                return (v is not a or r.random() < 0.3) and v.d in dtypes and not v.special and \
                     math.prod(np.broadcast_shapes(v.shape, a.shape)) <= self.cfg.max_size
             except ValueError:
                 return False
@@ -1579,6 +1581,104 @@ def gen_complex(b):
     return b.emit(kind, gop, vs, "c64", e, tag)
 
 
+def gen_specials(b):
+    """NaN and +-inf through max / min / sum / mean, argmax / argmin, softmax / log_softmax,
+    exp, relu and binary max / min, as torch's CUDA kernels carry them: max / min carry a
+    NaN; argmax / argmin take the first NaN as the answer; a softmax row with a NaN or a +inf
+    is all NaN (x - max is inf - inf); sums are IEEE. A fresh input with about a fifth of its
+    entries NaN / inf; NaN and inf results must match exactly, finite ones their bound. The
+    result is an output, never another op's operand."""
+    r = b.rng
+    d = str(r.choice(floats(b)))
+    if d == "f64":
+        d = "f32"
+    shape = b.shape(int(r.integers(1, 4)))
+    if not shape or min(shape) < 1:
+        return
+    vs = []
+    for _ in range(2):
+        v = b.values(shape, d)
+        u = r.random(size=shape)
+        v = np.where(u < 0.07, np.nan, np.where(u < 0.14, np.inf, np.where(u < 0.2, -np.inf, v)))
+        vs.append(v)
+    b.k += 1
+    name = f"s{b.k}"
+    t = b.g.input(name, shape, d)
+    for k in (0, 1):
+        b.feeds[k][name] = vs[k].astype(HOST[d])
+    rank = len(shape)
+    axis = int(r.integers(-rank, rank))
+    kind = str(r.choice(["max", "min", "sum", "mean", "argmax", "argmin", "softmax",
+                         "log_softmax", "exp", "relu", "maximum", "minimum"]))
+    n = shape[axis]
+    tag = f"{kind} {d} {list(shape)} axis={axis}"
+    with np.errstate(all="ignore"):
+        if kind in ("max", "min", "sum", "mean"):
+            fn = {"max": np.max, "min": np.min, "sum": np.sum, "mean": np.mean}[kind]
+            out = [np.asarray(fn(v, axis=axis)) for v in vs]
+            e = 0.0 if kind in ("max", "min") else 2 * n * n * U32 * 2 * 2 * 30.0
+            build = lambda: b.g.reduce(kind, t, [axis], False)  # noqa: E731
+            od = d
+        elif kind in ("argmax", "argmin"):
+            out = []
+            for v in vs:
+                base = np.argmax(v, axis=axis) if kind == "argmax" else np.argmin(v, axis=axis)
+                nan = np.isnan(v)
+                out.append(np.where(nan.any(axis=axis), np.argmax(nan, axis=axis), base))
+            build = lambda: getattr(b.g, kind)(t, axis, False)  # noqa: E731
+            od, e = "i64", 0.0
+        elif kind in ("softmax", "log_softmax"):
+            out = []
+            for v in vs:
+                m = np.max(v, axis=axis, keepdims=True)
+                z = v - m
+                lse = np.log(np.sum(np.exp(z), axis=axis, keepdims=True))
+                out.append(z - lse if kind == "log_softmax" else np.exp(z - lse))
+            build = lambda: getattr(b.g, kind)(t, axis)  # noqa: E731
+            od, e = d, 8 * U32 * (n + 60.0)
+        elif kind in ("exp", "relu"):
+            fin = [np.where(np.isfinite(v), np.clip(v, -30, 4), v) for v in vs]
+            for k in (0, 1):
+                vs[k] = fin[k]
+                b.feeds[k][name] = fin[k].astype(HOST[d])
+            out = [np.exp(v) if kind == "exp" else np.maximum(v, 0.0) for v in vs]
+            build = lambda: b.g.activation(kind, t)  # noqa: E731
+            od, e = d, 0.0
+        else:
+            other = [b.values(shape, d) for _ in range(2)]
+            b.k += 1
+            oname = f"x{b.k}"
+            ot = b.g.input(oname, shape, d)
+            for k in (0, 1):
+                b.feeds[k][oname] = other[k].astype(HOST[d])
+            fn = np.maximum if kind == "maximum" else np.minimum     # both carry a NaN
+            out = [fn(v, o) for v, o in zip(vs, other)]
+            build = lambda: b.g.binary("max" if kind == "maximum" else "min", t, ot)  # noqa: E731
+            od, e = d, 0.0
+    pre, out = out, [rnd(o, od) for o in out]
+    if od != "i64":
+        lo, hi = [], []
+        for p_, o in zip(pre, out):
+            fin = np.isfinite(p_)
+            w = np.where(fin, e + 8 * U32 * np.abs(np.where(fin, p_, 0.0)), 0.0)
+            lo.append(np.where(fin, rnd(p_ - w, od), o))
+            hi.append(np.where(fin, rnd(p_ + w, od), o))
+    else:
+        lo = hi = out
+    try:
+        tt = build()
+    except ValueError as ex:
+        b.refused[f"specials/{tag}: {str(ex)[:90]}"] += 1
+        return None
+    if tuple(tt.shape) != out[0].shape or str(tt.dtype) != od:
+        raise Finding(f"build specials ({tag}): got {tt.dtype}{list(tt.shape)}, reference "
+                      f"{od}{list(out[0].shape)}")
+    b.n_ops += 1
+    v = Val(tt, out, od, float(e), lo=lo, hi=hi, special=True)
+    b.vals.append(v)
+    return v
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
@@ -1586,7 +1686,7 @@ GENERATORS = {
     "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
     "pool": gen_pool, "pad": gen_pad, "sort": gen_sort, "scatter_add": gen_scatter_add,
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
-    "complex": gen_complex,
+    "complex": gen_complex, "specials": gen_specials,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -1610,7 +1710,7 @@ def build(seed, gi, cfg: Config):
         return b, []
     # outputs: the last node and a random subset of the others (intermediates, views, and
     # now and then a leaf or one node twice)
-    outs = [nodes[-1]] + [v for v in nodes[:-1] if rng.random() < 0.35]
+    outs = [nodes[-1]] + [v for v in nodes[:-1] if v.special or rng.random() < 0.35]
     if rng.random() < 0.1:
         outs.append(b.vals[int(rng.integers(len(b.vals)))])
     if rng.random() < 0.05:

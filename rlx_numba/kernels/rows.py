@@ -332,9 +332,10 @@ def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum, xk="f32
 
 @cuda.jit(device=True)
 def _online(mx, s, v):
-    """Fold v into a running (max, sum of exp(x - max))."""
+    """Fold v into a running (max, sum of exp(x - max)). A +inf max adds exp(inf - inf), a
+    NaN, as torch's x - max does: the row is all NaN (a NaN v makes the sum NaN below)."""
     if v > mx:
-        return v, s * m.exp(mx - v) + ONE
+        return v, s * m.exp(mx - v) + m.exp(v - v)
     if v == NEG_INF:
         return mx, s
     return mx, s + m.exp(v - mx)
