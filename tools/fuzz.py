@@ -1583,9 +1583,10 @@ def gen_complex(b):
 
 def gen_specials(b):
     """NaN and +-inf through max / min / sum / mean, argmax / argmin, softmax / log_softmax,
-    exp, relu and binary max / min, as torch's CUDA kernels carry them: max / min carry a
-    NaN; argmax / argmin take the first NaN as the answer; a softmax row with a NaN or a +inf
-    is all NaN (x - max is inf - inf); sums are IEEE. A fresh input with about a fifth of its
+    layer_norm / rms_norm, cumsum, exp, relu and binary max / min, as torch's CUDA kernels
+    carry them: max / min carry a NaN; argmax / argmin take the first NaN as the answer; a
+    softmax row with a NaN or a +inf is all NaN (x - max is inf - inf); norms follow their
+    formulas (rms_norm of a row with an inf: inf * 0 and finite * 0); sums are IEEE. A fresh input with about a fifth of its
     entries NaN / inf; NaN and inf results must match exactly, finite ones their bound. The
     result is an output, never another op's operand."""
     r = b.rng
@@ -1609,7 +1610,8 @@ def gen_specials(b):
     rank = len(shape)
     axis = int(r.integers(-rank, rank))
     kind = str(r.choice(["max", "min", "sum", "mean", "argmax", "argmin", "softmax",
-                         "log_softmax", "exp", "relu", "maximum", "minimum"]))
+                         "log_softmax", "exp", "relu", "maximum", "minimum", "layer_norm",
+                         "rms_norm", "cumsum"]))
     n = shape[axis]
     tag = f"{kind} {d} {list(shape)} axis={axis}"
     with np.errstate(all="ignore"):
@@ -1636,6 +1638,27 @@ def gen_specials(b):
                 out.append(z - lse if kind == "log_softmax" else np.exp(z - lse))
             build = lambda: getattr(b.g, kind)(t, axis)  # noqa: E731
             od, e = d, 8 * U32 * (n + 60.0)
+        elif kind in ("layer_norm", "rms_norm"):     # their formulas, as torch's
+            gam = rnd(r.uniform(0.5, 2.0, size=n), "f32")
+            gt = b.g.constant(gam.astype(np.float32), "f32")
+            shape_g = [1] * rank
+            shape_g[axis] = n
+            out = []
+            for v in vs:
+                if kind == "rms_norm":
+                    y = v / np.sqrt(np.mean(v * v, axis=axis, keepdims=True) + 1e-5)
+                else:
+                    mu = np.mean(v, axis=axis, keepdims=True)
+                    y = (v - mu) / np.sqrt(np.mean((v - mu) ** 2, axis=axis, keepdims=True)
+                                           + 1e-5)
+                out.append(y * gam.reshape(shape_g))
+            fin = [o[np.isfinite(o)] for o in out]
+            build = lambda: getattr(b.g, kind)(t, gt, axis=axis, eps=1e-5)  # noqa: E731
+            od, e = d, 16 * n * U32 * (amax(fin) + 1.0) * 60.0
+        elif kind == "cumsum":
+            out = [np.cumsum(v, axis=axis) for v in vs]
+            build = lambda: b.g.cumsum(t, axis)  # noqa: E731
+            od, e = d, 2 * n * n * U32 * 60.0
         elif kind in ("exp", "relu"):
             fin = [np.where(np.isfinite(v), np.clip(v, -30, 4), v) for v in vs]
             for k in (0, 1):
