@@ -56,6 +56,30 @@ def test_sort_i32(rng, descending):
     assert vals.dtype == np.int32
 
 
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_half(rng, dtype, descending):
+    """f16 / bf16 (as torch): ordered by their exact f32 values, the values returned in x's
+    dtype bit for bit; ties (many), NaN, +-inf and -0.0; a middle axis."""
+    import ml_dtypes
+    host = {"f16": np.float16, "bf16": ml_dtypes.bfloat16}[dtype]
+    x = (rng.integers(-6, 7, (3, 13, 2)) * 0.375).astype(np.float64)
+    x[0, :4, 0] = [np.nan, np.inf, -np.inf, -0.0]
+    x[2, 5:8, 1] = [np.nan, 1e4, -1e4]
+    xh = x.astype(host)
+    g = rlx.Graph("sort_half")
+    t = g.input("x", x.shape, dtype)
+    v, i = g.sort(t, axis=1, descending=descending)
+    g.set_outputs([v, i, g.argsort(t, axis=1, descending=descending)])
+    vals, idx, idx2 = run_graph(g, {"x": xh})
+    want = ref_order(xh.astype(np.float32), 1, descending)
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(idx2, want)
+    assert vals.dtype == np.dtype(host)
+    np.testing.assert_array_equal(vals.view(np.uint16),
+                                  np.take_along_axis(xh, want, 1).view(np.uint16))
+
+
 def test_sort_values_gradient(rng):
     x = rng.standard_normal((3, 11))
     g = rlx.Graph("sort_grad")
@@ -68,7 +92,9 @@ def test_sort_values_gradient(rng):
 def test_sort_errors():
     g = rlx.Graph("e")
     cases = [
-        (lambda: g.sort(g.input("a", (3,), "i64")), "sort: x must be f32 or i32"),
+        (lambda: g.sort(g.input("a", (3,), "i64")), "sort: x must be f32, i32, f16 or bf16"),
+        (lambda: g.argsort(g.input("d", (3,), "f64")), "argsort: x must be f32, i32, f16 or "
+                                                       "bf16, got f64 [3]"),
         (lambda: g.sort(g.input("b", (3, 4)), axis=2), "sort: axis 2 out of range"),
         (lambda: g.argsort(g.input("c", ())), "argsort: x must have at least one axis"),
     ]

@@ -1,6 +1,7 @@
 """sort and argsort: argsort's OpDef (ir/opdef.py), argument checks and the Graph builder
 methods (mixed into Graph). The "argsort" node (kernels/sort.py, lowering
-runtime/lower_sort.py) gives each row's stable order along the last axis as i64; values are
+runtime/lower_sort.py) gives each row's stable order along the last axis as i64 (f32 / i32
+rows; f16 / bf16 ones are ordered by their f32 cast, which is exact); values are
 topk_values' row gather of those indices (whose VJP scatters the gradient back). A non-last
 axis is moved last by a transpose and back."""
 from __future__ import annotations
@@ -12,9 +13,11 @@ from .opdef import EXACT, defop
 from .ops import fmt
 
 
-def _sortable(op, x):
-    if x.dtype not in (dt.F32, dt.I32):
-        raise ValueError(f"{op}: x must be f32 or i32, got {x.dtype} {fmt(x.shape)}")
+def _sortable(op, x, halves=False):
+    ok = (dt.F32, dt.I32) + ((dt.F16, dt.BF16) if halves else ())
+    if x.dtype not in ok:
+        raise ValueError(f"{op}: x must be {', '.join(map(str, ok[:-1]))} or {ok[-1]}, got "
+                         f"{x.dtype} {fmt(x.shape)}")
     if len(x.shape) == 0:
         raise ValueError(f"{op}: x must have at least one axis, got a scalar")
 
@@ -38,7 +41,7 @@ class SortOps:
 
     def _argsort_last(self, op, x, axis, descending):
         self.check(op, "x", x)
-        _sortable(op, x)
+        _sortable(op, x, halves=True)
         rank = len(x.shape)
         if not isinstance(axis, (int, np.integer)) or not -rank <= axis < rank:
             raise ValueError(f"{op}: axis {axis!r} out of range for x {x.dtype} {fmt(x.shape)}")
@@ -49,15 +52,19 @@ class SortOps:
         if axis != rank - 1:
             perm = [a for a in range(rank) if a != axis] + [axis]
             x = self.transpose(x, perm)
-        idx = self.bind("argsort", [x], descending=bool(descending))
+        # f16 / bf16 are ordered by their exact f32 values (the kernels sort f32 and i32);
+        # the values are then gathered from x itself, in its dtype
+        key = self.cast(x, "f32") if x.dtype in (dt.F16, dt.BF16) else x
+        idx = self.bind("argsort", [key], descending=bool(descending))
         return x, idx, perm
 
     def _back(self, t, perm):
         return t if perm is None else self.transpose(t, [int(a) for a in np.argsort(perm)])
 
     def sort(self, x, axis: int = -1, descending: bool = False):
-        """torch.sort(x, dim=axis, descending, stable=True): (values, i64 indices); ties keep
-        their order; NaN is the largest value (last ascending, first descending)."""
+        """torch.sort(x, dim=axis, descending, stable=True) of f32, f16, bf16 or i32 x:
+        (values in x's dtype, i64 indices); ties keep their order; NaN is the largest value
+        (last ascending, first descending)."""
         xt, idx, perm = self._argsort_last("sort", x, axis, descending)
         vals = self.bind("topk_values", [xt, idx], k=xt.shape[-1])
         return self._back(vals, perm), self._back(idx, perm)
