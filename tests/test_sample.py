@@ -193,6 +193,15 @@ def test_topk_half(rng, host, name):
     _check_topk(np.ascontiguousarray(x[:, :40].T), 2, axis=0, dtype=name)   # via a transpose
 
 
+def test_topk_i32(rng):
+    """i32 (as torch.topk): full range, many ties (to the smaller index), a middle axis."""
+    x = rng.integers(-2**31, 2**31 - 1, (3, 40, 2), dtype=np.int64).astype(np.int32)
+    x[0, :5, 0] = [2**31 - 1, -2**31, 7, 7, 2**31 - 1]
+    x[1, :, 1] = 3                                            # all ties
+    _check_topk(x, 6, axis=1)
+    _check_topk(x[:, :, 0].copy(), 40)
+
+
 # ---- Philox ----------------------------------------------------------------------------------
 def test_philox_known_answers_python_oracle():
     for ctr, key, want in KAT:
@@ -386,8 +395,8 @@ def _g():
     (lambda g, x: g.topk(x, 2.0), r"topk: k must be an int, got 2.0"),
     (lambda g, x: g.topk(x, True), r"topk: k must be an int, got True"),
     (lambda g, x: g.topk(x, 2, axis=2), r"topk: axis 2 is out of range for rank 2"),
-    (lambda g, x: g.topk(g.input("i", (3, 4), "i32"), 2),
-     r"topk: x must be a float tensor \(f32, f16 or bf16\), got i32 \[3, 4\]"),
+    (lambda g, x: g.topk(g.input("i", (3, 4), "i64"), 2),
+     r"topk: x must be f32, f16, bf16 or i32, got i64 \[3, 4\]"),
     (lambda g, x: g.topk(g.input("s", (), "f32"), 1), r"topk: x must have rank >= 1, got a scalar"),
     (lambda g, x: g.topk(np.ones(3), 1), r"topk: x must be a Tensor of this graph, got ndarray"),
     (lambda g, x: g.sample(x, temperature=-1.0),

@@ -44,7 +44,11 @@ def _real_arg(v):
 
 def topk_args(x, k, axis):
     """(normalised axis, n, k as int) of topk(x, k, axis); ValueError otherwise."""
-    _float_x("topk", "x", x)
+    if not (x.dtype.is_float or x.dtype == dt.I32):
+        raise ValueError(f"topk: x must be f32, f16, bf16 or i32, got {x.dtype} "
+                         f"{fmt(x.shape)}")
+    if len(x.shape) == 0:
+        raise ValueError("topk: x must have rank >= 1, got a scalar")
     if isinstance(axis, np.integer):
         axis = int(axis)
     axis = normalize_axis("topk", "axis", axis, len(x.shape))
@@ -130,12 +134,16 @@ class SampleOps:
     """Builder methods; ``self`` is the Graph."""
 
     def topk(self, x, k, axis: int = -1):
-        """(values, indices) of the k largest elements along ``axis``, sorted descending; ties
-        go to the smaller index; NaN counts as larger than every number (several NaNs: by
-        index), like torch.topk. values keep x's dtype, indices are i64. A non-last axis is
-        moved last by a transpose (a copy of x) and the results moved back."""
+        """(values, indices) of the k largest elements along ``axis`` of f32 / f16 / bf16 / i32
+        x, sorted descending; ties go to the smaller index; NaN counts as larger than every
+        number (several NaNs: by index), like torch.topk. values keep x's dtype, indices are
+        i64. A non-last axis is moved last by a transpose (a copy of x) and the results moved
+        back; i32 rows are the first k of a stable descending sort."""
         self.check("topk", "x", x)
         axis, _, k = topk_args(x, k, axis)
+        if x.dtype == dt.I32:     # the stable descending sort's first k (ties: smaller index)
+            vals, idx = self.sort(x, axis, descending=True)
+            return self.narrow(vals, axis, 0, k), self.narrow(idx, axis, 0, k)
         last = len(x.shape) - 1
         xt = x
         if axis != last:
