@@ -97,6 +97,16 @@ def test_fuzz_slice_nan_and_inf():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_linalg():
+    """solve, inv, cholesky, det, slogdet and triangular_solve of well-conditioned f32 / f64
+    batches, f64 held to f64's roundoff."""
+    cfg = fuzz.Config(dtypes=("f32", "f64"), modes=("stream",), max_nodes=3, max_size=48,
+                      ops=("linalg",))
+    rep = fuzz.fuzz(16, 17, cfg, out=lambda s: None)
+    assert rep.ops["lu_solve"] + rep.ops["trsm"] + rep.ops["cholesky"] >= 6, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

@@ -1702,6 +1702,87 @@ def gen_specials(b):
     return v
 
 
+def gen_linalg(b):
+    """linalg_solve, inv, cholesky (lower / upper), det, slogdet and triangular_solve (upper /
+    lower, left / right) of a fresh, well-conditioned batch of f32 or f64 matrices (diagonally
+    dominant; symmetric positive definite for cholesky); references from np.linalg in
+    float64, bounds from the conditioning (cond <= 3 by construction) at the arithmetic's
+    unit roundoff, so f64 results are held to f64."""
+    r = b.rng
+    d = "f64" if "f64" in b.cfg.dtypes and r.random() < 0.5 else "f32"
+    kind = str(r.choice(["solve", "inv", "cholesky", "det", "slogdet", "triangular"]))
+    n = int(r.integers(1, 6))
+    batch = tuple(int(x) for x in r.integers(1, 3, size=int(r.integers(0, 2))))
+    shape = batch + (n, n)
+    if math.prod(shape) > b.cfg.max_size:
+        return
+    u = cu(d)
+
+    def matrices():
+        m_ = r.uniform(-1, 1, size=shape) / max(n, 1)
+        if kind == "cholesky":
+            m_ = m_ @ np.swapaxes(m_, -1, -2) + np.eye(n)
+        elif kind == "triangular":
+            m_ = m_ + 2 * np.eye(n)
+        else:
+            m_ = m_ + 2 * np.eye(n) * np.sign(r.uniform(-1, 1, size=batch + (1, 1)))
+        return rnd(m_, d)
+    vs_a = [matrices(), matrices()]
+    b.k += 1
+    name = f"A{b.k}"
+    at = b.g.input(name, shape, d)
+    for k in (0, 1):
+        b.feeds[k][name] = vs_a[k].astype(HOST[d])
+    tag = f"{kind} {d} {list(shape)}"
+    amx = max(amax(vs_a), 1.0)
+    if kind in ("solve", "triangular"):
+        upper, left = bool(r.random() < 0.5), bool(r.random() < 0.5 or kind == "solve")
+        kk = int(r.integers(1, 4))
+        bshape = batch + ((n, kk) if left else (kk, n))
+        if math.prod(bshape) > b.cfg.max_size:
+            return
+        rhs = b.pick(lambda v: v.d == d and v.shape == bshape and v.exact, shape=bshape, d=d)
+        if rhs is None:
+            return
+        vs = []
+        for A, B in zip(vs_a, rhs.vs):
+            if kind == "triangular":
+                A = np.triu(A) if upper else np.tril(A)
+            vs.append(np.linalg.solve(A, B) if left else
+                      np.swapaxes(np.linalg.solve(np.swapaxes(A, -1, -2),
+                                                  np.swapaxes(B, -1, -2)), -1, -2))
+        e = 64 * n * u * (amax(vs) + amax(rhs.vs)) * 3
+        build = ((lambda: b.g.linalg_solve(at, rhs.t)) if kind == "solve" else
+                 (lambda: b.g.triangular_solve(at, rhs.t, upper=upper, left=left)))
+        tag += f" upper={upper} left={left} rhs {list(bshape)}"
+        return b.emit(kind, build, vs, d, e, tag, 8)
+    if kind == "inv":
+        vs = [np.linalg.inv(A) for A in vs_a]
+        return b.emit("inv", lambda: b.g.inv(at), vs, d, 64 * n * u * amax(vs) * 3, tag, 8)
+    if kind == "cholesky":
+        upper = bool(r.random() < 0.5)
+        vs = [np.linalg.cholesky(A) for A in vs_a]
+        if upper:
+            vs = [np.swapaxes(L, -1, -2) for L in vs]
+        return b.emit("cholesky", lambda: b.g.cholesky(at, upper=upper), vs, d,
+                      16 * n * u * amx, tag + f" upper={upper}", 8)
+    if kind == "det":
+        vs = [np.asarray(np.linalg.det(A)) for A in vs_a]
+        return b.emit("det", lambda: b.g.det(at), vs, d, 16 * n * n * u * amax(vs), tag, 8)
+    sign_ld = [np.linalg.slogdet(A) for A in vs_a]
+    made = {}
+
+    def build(which):
+        if "res" not in made:
+            made["res"] = b.g.slogdet(at)
+        return made["res"][which]
+    if b.emit("slogdet", lambda: build(0), [np.asarray(sl[0]) for sl in sign_ld], d, 0.0,
+              tag + " sign", 0) is None:
+        return None
+    return b.emit("slogdet", lambda: build(1), [np.asarray(sl[1]) for sl in sign_ld], d,
+                  16 * n * n * u, tag + " logabsdet", 8)
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
@@ -1709,7 +1790,7 @@ GENERATORS = {
     "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
     "pool": gen_pool, "pad": gen_pad, "sort": gen_sort, "scatter_add": gen_scatter_add,
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
-    "complex": gen_complex, "specials": gen_specials,
+    "complex": gen_complex, "specials": gen_specials, "linalg": gen_linalg,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
