@@ -23,7 +23,8 @@ command that reruns just that graph; the exit status is 1 when there is one.
 
 ``--grads``: each graph whose nodes are all differentiable ops away from kinks (smooth
 activations, + - * /, sum / mean, softmax, norms, products, einsum, attention, rope, conv,
-avg pool, pad, scatter_add, cross_entropy, shape ops, gathers) and whose outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k
+avg pool, pad, scatter_add, cross_entropy, solve, inv, det, slogdet, triangular_solve, shape
+ops, gathers) and whose outputs are f32 also gets ``g.grad`` of sum_k sum(out_k * W_k) (W_k
 random) with respect to its f32 inputs, checked against central differences of that loss
 through the same graph's forward run (which the evaluator above has checked), at a few
 coordinates of each input.
@@ -1973,7 +1974,9 @@ SMOOTH = {   # op -> the attribute and values with a derivative everywhere the g
 SHAPE_OPS = {"input", "param", "constant", "reshape", "transpose", "narrow", "concat", "expand",
              "gather", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul",
              "residual_sum", "cumsum", "attention", "rope", "conv", "resample", "channel_affine",
-             "scatter_add", "cross_entropy"}
+             "scatter_add", "cross_entropy", "lu_solve", "trsm", "slogdet"}
+# (not cholesky: its gradient is the symmetric one torch gives, for a symmetric A, which
+# central differences of one entry at a time do not measure)
 
 
 def differentiable(g) -> bool:
