@@ -239,7 +239,9 @@ class Graph(ShapeOps, ReduceOps, NormOps, AttentionOps, RopeOps, SampleOps, Loss
         return self._leaf("param", name, shape, dtype)
 
     def constant(self, array, dtype=None) -> Tensor:
-        """A constant baked into the graph (copied now)."""
+        """A constant baked into the graph (copied now), of ``dtype`` (default: the array's,
+        except that NumPy's default float64 becomes f32 and complex128 c64: pass
+        dtype="f64" to keep float64)."""
         arr = np.asarray(array)
         if dtype is not None:
             d = dt.dtype(dtype)
