@@ -107,6 +107,18 @@ def test_fuzz_slice_linalg():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_fft_conv_transpose_batch_norm_adaptive_pool():
+    """fft / ifft / rfft / irfft (every norm; c64 and [..., n, 2] pairs), conv_transpose,
+    inference batch_norm and adaptive_avg_pool."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16", "c64"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("fft", "conv_transpose", "batch_norm", "adaptive_pool"))
+    rep = fuzz.fuzz(16, 18, cfg, out=lambda s: None)
+    ops = rep.ops
+    assert ops["dft"] + ops["rdft"] + ops["irdft"] >= 3 and ops["conv_transpose"] >= 3, ops
+    assert ops["channel_affine"] >= 3 and ops["resample"] >= 3, ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

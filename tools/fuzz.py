@@ -1784,6 +1784,178 @@ def gen_linalg(b):
                   16 * n * n * u, tag + " logabsdet", 8)
 
 
+def gen_fft(b):
+    """fft / ifft (c64, or f32 [..., n, 2] pairs; norm backward / ortho / forward), rfft of
+    f32 and irfft (a given or default n) against np.fft in float64; bound: every output sums
+    n products of f32 twiddles (generous: 8 n u of the sum of |x|, scaled by the norm)."""
+    r = b.rng
+    kind = str(r.choice(["fft", "ifft", "rfft", "irfft"]))
+    norm = str(r.choice(["backward", "ortho", "forward"]))
+    n = int(r.integers(1, 13))
+    lead = tuple(int(x) for x in r.integers(1, 4, size=int(r.integers(0, 2))))
+    pairs = kind in ("fft", "ifft") and ("c64" not in b.cfg.dtypes or r.random() < 0.5)
+    inv = kind in ("ifft", "irfft")
+    nf = n
+    if kind == "irfft":
+        m = int(r.integers(1, 8))
+        n = int(r.integers(1, 13)) if r.random() < 0.5 else 2 * (m - 1) or 1
+        given = n if r.random() < 0.5 or n != 2 * (m - 1) else None
+        nf = n
+        shape = lead + (m, 2)
+    elif kind == "rfft":
+        shape = lead + (n,)
+    else:
+        shape = lead + ((n, 2) if pairs else (n,))
+    if math.prod(shape) * 2 > b.cfg.max_size:
+        return
+    d = "f32" if pairs or kind in ("rfft", "irfft") else "c64"
+    x = b.pick(lambda v: v.d == d and v.shape == shape, complex_ok=True, shape=shape, d=d)
+    if x is None:
+        return
+    scale = {"backward": 1.0 / nf if inv else 1.0, "forward": 1.0 if inv else 1.0 / nf,
+             "ortho": 1.0 / math.sqrt(nf)}[norm]
+    vs = []
+    for v in x.vs:
+        z = v[..., 0] + 1j * v[..., 1] if d == "f32" and kind != "rfft" else v
+        if kind == "fft":
+            y = np.fft.fft(z, axis=-1, norm=norm)
+        elif kind == "ifft":
+            y = np.fft.ifft(z, axis=-1, norm=norm)
+        elif kind == "rfft":
+            y = np.fft.rfft(z, axis=-1, norm=norm)
+        else:
+            y = np.fft.irfft(z, n=n, axis=-1, norm=norm)
+        vs.append(np.stack([y.real, y.imag], -1) if kind == "rfft" or (pairs and kind != "irfft")
+                  else y)
+    od = "c64" if d == "c64" else "f32"
+    e = (8 * nf * U32 + 2 * x.e) * nf * max(amax(x.vs), 1e-30) * scale * 2
+    tag = f"{kind} {d} {list(shape)} norm={norm}" + (f" n={n}" if kind == "irfft" else "")
+    if kind == "irfft":
+        build = lambda: b.g.irfft(x.t, given, norm)  # noqa: E731
+    elif kind == "rfft":
+        build = lambda: b.g.rfft(x.t, norm)  # noqa: E731
+    else:
+        build = lambda: b.g.fft(x.t, inv, norm)  # noqa: E731
+    return b.emit(kind, build, vs, od, e, tag, 8)
+
+
+def gen_conv_transpose(b):
+    """conv_transpose (1-d / 2-d; stride, padding, output_padding, dilation, groups, a bias):
+    each input element scatters its filter; bound as conv's, Cin / groups * prod(k) terms."""
+    r = b.rng
+    d = str(r.choice(floats(b)))
+    if d == "f64":
+        d = "f32"
+    nd = int(r.integers(1, 3))
+    nb, groups = int(r.integers(1, 3)), int(r.integers(1, 3))
+    cin, cout = groups * int(r.integers(1, 3)), groups * int(r.integers(1, 3))
+    sp = [int(r.integers(1, 5)) for _ in range(nd)]
+    k = [int(r.integers(1, 4)) for _ in range(nd)]
+    stride = [int(r.integers(1, 3)) for _ in range(nd)]
+    dil = [int(r.integers(1, 3)) for _ in range(nd)]
+    pad = [int(r.integers(0, 2)) for _ in range(nd)]
+    opad = [int(r.integers(0, max(st, dl))) for st, dl in zip(stride, dil)]
+    out = [(s_ - 1) * st - 2 * p_ + dl * (kk - 1) + op + 1
+           for s_, st, p_, dl, kk, op in zip(sp, stride, pad, dil, k, opad)]
+    if min(out) < 1:
+        return
+    xs, ws = (nb, cin, *sp), (cin, cout // groups, *k)
+    if max(math.prod(xs), math.prod(ws), nb * cout * math.prod(out)) > b.cfg.max_size:
+        return
+    x = b.leaf(xs, d)
+    w = b.leaf(ws, d, kind=str(r.choice(["param", "input"])))
+    vs = []
+    cg, og = cin // groups, cout // groups
+    for i in range(2):
+        y = np.zeros((nb, cout, *out))
+        for idx in np.ndindex(*sp):
+            for kidx in np.ndindex(*k):
+                o = [ii * st - p_ + kk * dl for ii, st, p_, kk, dl in
+                     zip(idx, stride, pad, kidx, dil)]
+                if any(oo < 0 or oo >= ob for oo, ob in zip(o, out)):
+                    continue
+                for gi in range(groups):
+                    xv = x.vs[i][(slice(None), slice(gi * cg, (gi + 1) * cg)) + idx]   # [N, cg]
+                    wv = w.vs[i][(slice(gi * cg, (gi + 1) * cg), slice(None)) + kidx]  # [cg, og]
+                    y[(slice(None), slice(gi * og, (gi + 1) * og)) + tuple(o)] += xv @ wv
+        vs.append(y)
+    kk = cg * math.prod(k)
+    mx, mw = amax(x.vs), amax(w.vs)
+    e = kk * (x.e * mw + w.e * mx) + 2 * kk * U32 * mx * mw
+    kw = dict(stride=stride, padding=pad, output_padding=opad, dilation=dil, groups=groups)
+    return b.emit("conv_transpose", lambda: b.g.conv_transpose(x.t, w.t, None, **kw), vs, d, e,
+                  f"{d} x{list(xs)} w{list(ws)} {kw}")
+
+
+def gen_batch_norm(b):
+    """Inference batch_norm over x [N, C, *S] with running mean / var (positive) and maybe
+    gamma / beta, per channel, in one rounding."""
+    r = b.rng
+    x = b.pick(lambda v: v.d in FLOATS and v.d != "f64" and 2 <= len(v.shape) <= 4
+               and min(v.shape) >= 1, shape=b.shape(int(r.integers(2, 5))),
+               d=str(r.choice([f for f in floats(b) if f != "f64"] or ["f32"])))
+    if x is None or len(x.shape) < 2 or min(x.shape) < 1:
+        return
+    c = x.shape[1]
+    mean = b.leaf((c,), "f32")
+    var = b.leaf((c,), "f32", kind="constant")
+    varv = rnd(np.abs(var.vs[0]) + 0.25, "f32")
+    var.vs = [varv, varv]
+    var.lo = var.hi = var.vs
+    var.t = b.g.constant(varv.astype(np.float32), "f32")
+    gamma = b.leaf((c,), "f32") if r.random() < 0.6 else None
+    beta = b.leaf((c,), "f32") if r.random() < 0.6 else None
+    eps = float(r.choice([1e-5, 1e-3]))
+    cs = (1, c) + (1,) * (len(x.shape) - 2)
+    vs = []
+    for k in range(2):
+        y = (x.vs[k] - mean.vs[k].reshape(cs)) / np.sqrt(varv.reshape(cs) + eps)
+        if gamma is not None:
+            y = y * gamma.vs[k].reshape(cs)
+        if beta is not None:
+            y = y + beta.vs[k].reshape(cs)
+        vs.append(y)
+    mg = amax(gamma.vs) if gamma else 1.0
+    rs = 1 / math.sqrt(float(varv.min()) + eps)
+    e = mg * rs * (x.e + mean.e + 8 * U32 * (amax(x.vs) + amax(mean.vs))) + 8 * U32 * amax(vs)
+    tag = f"{x.d} {list(x.shape)} gamma={gamma is not None} beta={beta is not None} eps={eps}"
+    return b.emit("batch_norm", lambda: b.g.batch_norm(
+        x.t, mean.t, var.t, gamma.t if gamma else None, beta.t if beta else None, eps),
+        vs, x.d, e, tag)
+
+
+def gen_adaptive_pool(b):
+    """adaptive_avg_pool (1-d / 2-d, None keeps a dim, channels_last): window o of a dim is
+    [floor(o S / O), ceil((o + 1) S / O)), a mean in f32."""
+    r = b.rng
+    nd = int(r.integers(1, 3))
+    x = b.pick(lambda v: v.d in FLOATS and v.d != "f64" and len(v.shape) == nd + 2
+               and min(v.shape) >= 1,
+               shape=(int(r.integers(1, 3)), int(r.integers(1, 3)),
+                      *[int(r.integers(1, 7)) for _ in range(nd)]),
+               d=str(r.choice([f for f in floats(b) if f != "f64"] or ["f32"])))
+    if x is None or min(x.shape) < 1:
+        return
+    cl = bool(r.random() < 0.25)
+    sp = x.shape[1:-1] if cl else x.shape[2:]
+    osz = [None if r.random() < 0.15 else int(r.integers(1, s_ + 3)) for s_ in sp]
+    outs = [s_ if o is None else o for s_, o in zip(sp, osz)]
+    vs = []
+    for v in x.vs:
+        z = np.moveaxis(v, -1, 1) if cl else v
+        for j, (s_, o_) in enumerate(zip(sp, outs)):
+            ax = 2 + j
+            parts = [np.take(z, range((o * s_) // o_, -(-((o + 1) * s_) // o_)), axis=ax)
+                     .mean(axis=ax, keepdims=True) for o in range(o_)]
+            z = np.concatenate(parts, axis=ax)
+        vs.append(np.moveaxis(z, 1, -1) if cl else z)
+    win = math.prod(-(-s_ // o_) + 1 for s_, o_ in zip(sp, outs))
+    e = x.e + 2 * win * U32 * amax(x.vs)
+    size = osz[0] if nd == 1 and r.random() < 0.5 else tuple(osz)
+    return b.emit("adaptive_avg_pool", lambda: b.g.adaptive_avg_pool(x.t, size, channels_last=cl),
+                  vs, x.d, e, f"{x.d} {list(x.shape)} output_size={size} channels_last={cl}")
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
@@ -1791,7 +1963,9 @@ GENERATORS = {
     "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
     "pool": gen_pool, "pad": gen_pad, "sort": gen_sort, "scatter_add": gen_scatter_add,
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
-    "complex": gen_complex, "specials": gen_specials, "linalg": gen_linalg,
+    "complex": gen_complex, "specials": gen_specials, "linalg": gen_linalg, "fft": gen_fft,
+    "conv_transpose": gen_conv_transpose, "batch_norm": gen_batch_norm,
+    "adaptive_pool": gen_adaptive_pool,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
@@ -1974,7 +2148,7 @@ SMOOTH = {   # op -> the attribute and values with a derivative everywhere the g
 SHAPE_OPS = {"input", "param", "constant", "reshape", "transpose", "narrow", "concat", "expand",
              "gather", "softmax", "log_softmax", "layer_norm", "rms_norm", "matmul",
              "residual_sum", "cumsum", "attention", "rope", "conv", "resample", "channel_affine",
-             "scatter_add", "cross_entropy", "lu_solve", "trsm", "slogdet"}
+             "scatter_add", "cross_entropy", "lu_solve", "trsm", "slogdet", "conv_transpose"}
 # (not cholesky: its gradient is the symmetric one torch gives, for a symmetric A, which
 # central differences of one entry at a time do not measure)
 
