@@ -350,6 +350,11 @@ class Builder:
                 return None
         elif d != "bool" and amax(vs) > 2 ** 30:
             return None
+        return self.add_node(op, build, vs, d, e, tag, lo, hi)
+
+    def add_node(self, op, build, vs, d, e, tag, lo, hi, special=False):
+        """``build()`` the node whose reference values and bounds are given; None (counted)
+        where the builder refuses with a ValueError."""
         try:
             t = build()
         except ValueError as ex:
@@ -359,7 +364,7 @@ class Builder:
             raise Finding(f"build {op} ({tag}): got {t.dtype}{list(t.shape)}, reference "
                           f"{d}{list(vs[0].shape)}")
         self.n_ops += 1
-        v = Val(t, vs, d, float(e), lo=lo, hi=hi)
+        v = Val(t, vs, d, float(e), lo=lo, hi=hi, special=special)
         self.vals.append(v)
         return v
 
@@ -895,20 +900,27 @@ def _windows(xp, k, stride, dil):
     return w[(slice(None), slice(None)) + tuple(slice(None, None, st) for st in stride)]
 
 
+def _conv_geometry(r, max_spatial):
+    """(spatial rank, batch, groups, C in, C out, spatial sizes, kernel, stride, dilation,
+    padding) of a random 1-d / 2-d convolution."""
+    nd = int(r.integers(1, 3))
+    n, groups = int(r.integers(1, 3)), int(r.integers(1, 3))
+    cin, cout = groups * int(r.integers(1, 3)), groups * int(r.integers(1, 3))
+    sp = [int(r.integers(1, max_spatial)) for _ in range(nd)]
+    k = [int(r.integers(1, 4)) for _ in range(nd)]
+    stride = [int(r.integers(1, 3)) for _ in range(nd)]
+    dil = [int(r.integers(1, 3)) for _ in range(nd)]
+    pad = [int(r.integers(0, 2)) for _ in range(nd)]
+    return nd, n, groups, cin, cout, sp, k, stride, dil, pad
+
+
 def gen_conv(b):
     """conv (1-d / 2-d; stride, padding per dim, dilation, groups, a bias, channels_last) of
     float x and w; reference: the windows times the filters in float64. Bound as a product of
     C / groups * prod(k) terms."""
     r = b.rng
     d = str(r.choice(floats(b)))
-    nd = int(r.integers(1, 3))
-    n, groups = int(r.integers(1, 3)), int(r.integers(1, 3))
-    cin, cout = groups * int(r.integers(1, 3)), groups * int(r.integers(1, 3))
-    sp = [int(r.integers(1, 6)) for _ in range(nd)]
-    k = [int(r.integers(1, 4)) for _ in range(nd)]
-    stride = [int(r.integers(1, 3)) for _ in range(nd)]
-    dil = [int(r.integers(1, 3)) for _ in range(nd)]
-    pad = [int(r.integers(0, 2)) for _ in range(nd)]
+    nd, n, groups, cin, cout, sp, k, stride, dil, pad = _conv_geometry(r, 6)
     out = [(s_ + 2 * p_ - dl * (kk - 1) - 1) // st + 1
            for s_, p_, dl, kk, st in zip(sp, pad, dil, k, stride)]
     if min(out) < 1:
@@ -1689,18 +1701,7 @@ def gen_specials(b):
             hi.append(np.where(fin, rnd(p_ + w, od), o))
     else:
         lo = hi = out
-    try:
-        tt = build()
-    except ValueError as ex:
-        b.refused[f"specials/{tag}: {str(ex)[:90]}"] += 1
-        return None
-    if tuple(tt.shape) != out[0].shape or str(tt.dtype) != od:
-        raise Finding(f"build specials ({tag}): got {tt.dtype}{list(tt.shape)}, reference "
-                      f"{od}{list(out[0].shape)}")
-    b.n_ops += 1
-    v = Val(tt, out, od, float(e), lo=lo, hi=hi, special=True)
-    b.vals.append(v)
-    return v
+    return b.add_node("specials", build, out, od, e, tag, lo, hi, special=True)
 
 
 def gen_linalg(b):
@@ -1846,14 +1847,7 @@ def gen_conv_transpose(b):
     d = str(r.choice(floats(b)))
     if d == "f64":
         d = "f32"
-    nd = int(r.integers(1, 3))
-    nb, groups = int(r.integers(1, 3)), int(r.integers(1, 3))
-    cin, cout = groups * int(r.integers(1, 3)), groups * int(r.integers(1, 3))
-    sp = [int(r.integers(1, 5)) for _ in range(nd)]
-    k = [int(r.integers(1, 4)) for _ in range(nd)]
-    stride = [int(r.integers(1, 3)) for _ in range(nd)]
-    dil = [int(r.integers(1, 3)) for _ in range(nd)]
-    pad = [int(r.integers(0, 2)) for _ in range(nd)]
+    nd, nb, groups, cin, cout, sp, k, stride, dil, pad = _conv_geometry(r, 5)
     opad = [int(r.integers(0, max(st, dl))) for st, dl in zip(stride, dil)]
     out = [(s_ - 1) * st - 2 * p_ + dl * (kk - 1) + op + 1
            for s_, st, p_, dl, kk, op in zip(sp, stride, pad, dil, k, opad)]
