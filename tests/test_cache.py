@@ -137,18 +137,47 @@ def test_cache_dir_honours_the_environment(tmp_path, monkeypatch):
     assert d != tmp_path / "file" / "sub" and (d / "kernels").is_dir()
 
 
-def test_temp_fallback_must_be_private(tmp_path, monkeypatch):
+def test_temp_fallback_must_be_private(tmp_path, monkeypatch, caplog):
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("RLX_NUMBA_CACHE_DIR", str(tmp_path / "file" / "sub"))
     monkeypatch.setattr(cache.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     shared = tmp_path / "tmp" / f"rlx_numba-{os.getuid()}"
     shared.mkdir()
-    shared.chmod(0o777)                  # anyone could plant cache files here: refused
-    with pytest.raises(RuntimeError, match="is not a private directory of this user"):
-        cache.cache_dir()
+    shared.chmod(0o777)                  # anyone could plant cache files here: refused,
+    monkeypatch.setattr(cache, "_PROCESS_DIR", None)    # a directory of this process instead
+    with caplog.at_level("WARNING", logger="rlx_numba"):
+        own = cache.cache_dir()
+    assert own != shared and own.name.startswith("rlx_numba-process-")
+    assert (own / "kernels").is_dir() and not own.stat().st_mode & 0o077
+    assert "running uncached" in caplog.text and cache.cache_dir() == own     # once a process
+    monkeypatch.setattr(cache, "_PROCESS_DIR", None)
     shared.chmod(0o700)
     assert cache.cache_dir() == shared and (shared / "kernels").is_dir()
+
+
+def test_a_full_cache_runs_the_kernel_uncached(tmp_path, monkeypatch, caplog):
+    """Writing a generated kernel's source fails (a full or read-only disk): the kernel
+    still loads and runs, with a warning, and no temp file is left behind."""
+    import errno
+
+    from rlx_numba.kernels import codegen
+    monkeypatch.setenv("RLX_NUMBA_CACHE_DIR", str(tmp_path / "c"))
+    real = codegen.tempfile.NamedTemporaryFile
+
+    def full(*a, **kw):
+        f = real(*a, **kw)
+        f.write = lambda *_: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left"))
+        return f
+    monkeypatch.setattr(codegen.tempfile, "NamedTemporaryFile", full)
+    g = rlx.Graph("full_cache")
+    x = g.input("x", (7,))
+    g.set_outputs([g.exp(x * 0.731 + 0.25)])             # a new elementwise kernel
+    with caplog.at_level("WARNING", logger="rlx_numba"):
+        (y,) = rlx.compile(g).run({"x": np.arange(7, dtype=np.float32)})
+    np.testing.assert_allclose(y, np.exp(np.arange(7) * 0.731 + 0.25), rtol=1e-6)
+    assert "it runs without the disk cache" in caplog.text, caplog.text
+    assert not list((tmp_path / "c" / "kernels").glob("*.tmp"))
 
 
 # ---- numba's compiled-kernel cache, on real dispatchers ---------------------------------------

@@ -57,10 +57,15 @@ STATS = collections.Counter()
 MISSED: list[str] = []
 
 
+_PROCESS_DIR: Path | None = None
+
+
 def cache_dir() -> Path:
     """RLX_NUMBA_CACHE_DIR, else the platform cache dir; a private temp dir if neither is
     writable (only one this user owns and nobody else may write: cached kernels are
-    unpickled, so a directory another user could plant files in is never used)."""
+    unpickled, so a directory another user could plant files in is never used); else a
+    fresh directory of this process's own, removed at exit: it runs uncached, with a
+    warning."""
     env = os.environ.get("RLX_NUMBA_CACHE_DIR")
     base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "rlx_numba"
     try:
@@ -78,8 +83,28 @@ def cache_dir() -> Path:
             return tmp
     except OSError:
         pass
-    raise RuntimeError(f"rlx_numba: no writable cache dir (tried {base}, and {tmp} is not a "
-                       f"private directory of this user)")
+    return _process_dir(base, tmp)
+
+
+def _process_dir(base: Path, tmp: Path) -> Path:
+    """A private directory for this process only (mkdtemp: mode 0700, a new name), its files
+    gone at exit: nothing is cached across processes."""
+    global _PROCESS_DIR
+    if _PROCESS_DIR is None:
+        import shutil
+
+        from ..device import at_exit
+        try:
+            _PROCESS_DIR = Path(tempfile.mkdtemp(prefix="rlx_numba-process-"))
+            (_PROCESS_DIR / "kernels").mkdir()
+        except OSError as e:
+            raise RuntimeError(f"rlx_numba: no writable directory for kernels (tried {base}, "
+                               f"{tmp} and a new temp dir: {e})") from e
+        log.warning("rlx_numba: no usable kernel cache dir (%s is not writable and %s is not a "
+                    "private directory of this user): running uncached, in %s", base, tmp,
+                    _PROCESS_DIR)
+        at_exit(lambda d=_PROCESS_DIR: shutil.rmtree(d, ignore_errors=True))
+    return _PROCESS_DIR
 
 
 def numba_cache_dir() -> Path:

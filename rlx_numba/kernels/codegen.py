@@ -31,7 +31,7 @@ from pathlib import Path
 from ..ir import dtypes as dt
 from ..ir.ops import INT_PRESERVING
 from . import elementwise
-from .cache import STATS, attach, cache_dir  # noqa: F401 - cache_dir: codegen's name for it too
+from .cache import STATS, attach, cache_dir, log  # noqa: F401 - cache_dir: codegen's name too
 
 _NUMBA_INT = {dt.I32: "int32", dt.I64: "int64", dt.U8: "uint8", dt.I8: "int8", dt.I16: "int16"}
 _FP8 = {dt.F8E4M3: "f8e4m3", dt.F8E5M2: "f8e5m2"}    # ew.<name>_to_f32 / f32_to_<name>
@@ -325,6 +325,14 @@ _DEPS = hashlib.sha256(Path(elementwise.__file__).read_bytes()
                        + Path(__file__).read_bytes()).hexdigest()[:8]
 
 
+def _unlink_quietly(name) -> None:
+    if name is not None:
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+
+
 def load_kernel(source: str):
     """The kernel of this source, from its module ``<cache_dir>/kernels/ew_<hash>.py``: the
     file is reused when its content is exactly ``source``, else (missing, damaged, stale)
@@ -342,11 +350,18 @@ def load_kernel(source: str):
     if same:
         STATS["py_reused"] += 1
     else:
-        with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent,
-                                         suffix=".tmp", delete=False) as f:
-            f.write(source)
-        os.replace(f.name, path)
-        STATS["py_written"] += 1
+        tmp = None
+        try:
+            with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent,
+                                             suffix=".tmp", delete=False) as f:
+                tmp = f.name
+                f.write(source)
+            os.replace(tmp, path)
+            STATS["py_written"] += 1
+        except OSError as e:   # a full or read-only cache: this kernel runs uncached
+            _unlink_quietly(tmp)
+            log.warning("rlx_numba: could not write the kernel source %s (%s): it runs "
+                        "without the disk cache", path, e)
     mod = types.ModuleType(f"rlx_numba_generated.{key}")
     mod.__file__ = str(path)
     sys.modules[mod.__name__] = mod
