@@ -393,6 +393,7 @@ class AlgoStore:
         """Merge one choice into the file (read, merge and rename under a lock: processes
         choosing at once keep each other's choices)."""
         import fcntl
+        tmp = None
         try:
             path = self.path()
             with open(path + ".lock", "a") as lock:
@@ -403,8 +404,14 @@ class AlgoStore:
                 with os.fdopen(fd, "w") as f:
                     json.dump(data, f, indent=0)
                 os.replace(tmp, path)
-        except OSError as e:
+                tmp = None
+        except OSError as e:     # (a full disk: the half-written temp file goes too)
             log.warning("rlx_numba: could not save a cuBLASLt algorithm choice (%s)", e)
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
 
 
 ALGOS = AlgoStore()
