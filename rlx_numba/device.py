@@ -272,6 +272,33 @@ def patch_simulator() -> None:
     cls.array = array
     cls._rlx_locked = True
     _patch_block_manager()
+    _serialise_launches()
+
+
+def _serialise_launches() -> None:
+    """One simulated launch at a time: numba's simulator swaps a module's ``cuda`` global for
+    the launch's fake module (only on the first of overlapping entries) and keeps the kernel
+    context in a module global, so two threads launching at once (two executables run from
+    two threads) would run one kernel with the other's grid. Device-function calls (from a
+    kernel's block threads) pass straight through."""
+    import threading
+
+    from numba.cuda.simulator import kernel as K
+
+    cls = K.FakeCUDAKernel
+    if getattr(cls, "_rlx_serial", False):
+        return
+    call = cls.__call__
+    lock = threading.Lock()
+
+    def launch(self, *args):
+        if self._device:
+            return call(self, *args)
+        with lock:
+            return call(self, *args)
+
+    cls.__call__ = launch
+    cls._rlx_serial = True
 
 
 def _patch_block_manager() -> None:

@@ -1,6 +1,6 @@
 """Faults an operator of a long-lived service meets (issue 36): one executable run from two
-threads at once, a KeyboardInterrupt in the middle of a run, the interpreter's exit (the
-teardown device.at_exit orders)."""
+threads at once, two executables from two threads, a KeyboardInterrupt in the middle of a run,
+the interpreter's exit (the teardown device.at_exit orders)."""
 import os
 import threading
 
@@ -36,6 +36,49 @@ def test_one_executable_from_two_threads_serialises():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.parametrize("mode", ["stream", "graph"])
+def test_two_executables_from_two_threads(mode):
+    """Two executables (their own arenas and streams) run at once from two threads, each
+    compiled in its thread too: every result is its own inputs' (a softmax row kernel and a
+    matmul with a reduction, different shapes)."""
+    errors, exes = [], {}
+
+    def build(which):
+        g = rlx.Graph(f"faults_{which}")
+        if which == 0:
+            x = g.input("x", (4, 9))
+            g.set_outputs([g.softmax(x * 3.0, -1)])
+        else:
+            x = g.input("x", (6, 5))
+            g.set_outputs([g.reduce_sum(x @ g.constant(np.eye(5, 3, dtype=np.float32)), [1])])
+        exes[which] = rlx.compile(g, exec_mode=mode)
+
+    def want(which, xv):
+        x64 = xv.astype(np.float64)
+        if which == 0:
+            z = np.exp(3 * x64 - (3 * x64).max(-1, keepdims=True))
+            return z / z.sum(-1, keepdims=True)
+        return x64[:, :3].sum(1)
+
+    def worker(which):
+        try:
+            build(which)
+            rng = np.random.default_rng(which)
+            for _ in range(5):
+                xv = rng.standard_normal((4, 9) if which == 0 else (6, 5)).astype(np.float32)
+                (got,) = exes[which].run({"x": xv})
+                if not np.allclose(got, want(which, xv), rtol=1e-5, atol=1e-6):
+                    errors.append((which, "wrong"))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((which, repr(e)))
+    threads = [threading.Thread(target=worker, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 @pytest.mark.parametrize("mode", ["stream", "eager", "graph"])
