@@ -315,9 +315,10 @@ def infer_channel_affine(x, *params, eps=None):
     return x.shape, x.dtype
 
 
-def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None):
+def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None, out=None):
     """x with axis (and axis + 1, given the second tables) resampled: out[o] = const[o] +
-    sum_t w[o, t] * x[idx[o, t]]."""
+    sum_t w[o, t] * x[idx[o, t]], in dtype ``out`` (default x's: f32 between the nodes of a
+    half tensor resampled along several axes)."""
     op = "resample"
     _float(op, "x", x)
     if not 0 <= axis < len(x.shape) - (idx2 is not None):
@@ -334,7 +335,7 @@ def infer_resample(x, *, axis, idx, w, const, idx2=None, w2=None, const2=None):
                              f"[out, taps] with indices in range and const [out], got idx "
                              f"{fmt(i.shape)}, w {fmt(ww.shape)}, const {fmt(c.shape)}")
         shape[axis + k] = i.shape[0]
-    return tuple(shape), x.dtype
+    return tuple(shape), x.dtype if out is None else dt.dtype(out)
 
 
 defop("conv", infer_conv, dtype_rule=F32,
@@ -753,12 +754,14 @@ def _transposed(idx, w, n_in):
 
 
 def _resample(g, x, tables):
-    """x resampled along each axis of ``tables`` {axis: (idx, w, const or None)}."""
+    """x resampled along each axis of ``tables`` {axis: (idx, w, const or None)}. A half x
+    that takes more than one node keeps the nodes between in f32 (each node's store rounds),
+    so the result is rounded once, as torch's kernels round it."""
     y, last = x, len(x.shape) - 1
     pair = last in tables and last - 1 in tables
-    for axis in sorted(tables):
-        if pair and axis == last:
-            continue
+    axes = [a for a in sorted(tables) if not (pair and a == last)]
+    half = x.dtype in (dt.F16, dt.BF16) and len(axes) > 1
+    for i, axis in enumerate(axes):
         t = [tables[axis]] + ([tables[last]] if pair and axis == last - 1 else [])
         attrs = {}
         for k, (idx, w, const) in enumerate(t):
@@ -766,6 +769,8 @@ def _resample(g, x, tables):
             attrs.update({"idx" + sfx: idx, "w" + sfx: w, "const" + sfx:
                           np.zeros(idx.shape[0], np.float32) if const is None
                           else const.astype(np.float32)})
+        if half:
+            attrs["out"] = "f32" if i < len(axes) - 1 else x.dtype.name
         y = g.bind("resample", (y,), axis=axis, **attrs)
     return y
 
@@ -777,7 +782,10 @@ def _resample_vjp(g, node, dy):
     tables = {ax: _transposed(a["idx"], a["w"], x.shape[ax])}
     if "idx2" in a:
         tables[ax + 1] = _transposed(a["idx2"], a["w2"], x.shape[ax + 1])
-    return [_resample(g, dy, tables)]
+    # a node between two of a half tensor's (x f32, dy half): its adjoint in f32 as well
+    src = g.cast(dy, "f32") if x.dtype == dt.F32 and dy.dtype != dt.F32 else dy
+    dx = _resample(g, src, tables)
+    return [dx if dx.dtype == x.dtype else g.cast(dx, x.dtype.name)]
 
 
 def _pad_table(mode, n, lo, hi, value):

@@ -10,7 +10,8 @@ tap count (1 for nearest and pad, 2 for linear): the tap loops unroll, so a thre
 loads are in flight together rather than one loop trip after another (nearest 2x of
 8x64x56x56 took 69 us with runtime counts on an H200). They take x's storage kind too
 (kernels/halfio.py): loads widen to f32, the taps sum in f32 (the tables are f32), the store
-rounds once."""
+rounds once, to ``okind`` where it differs (a half tensor resampled along several axes keeps
+its intermediates in f32, so the result is rounded once, as torch's kernels do)."""
 import functools
 
 from numba import cuda, float32, uint64
@@ -40,10 +41,10 @@ def _tap_sum_fn(taps, kind):
 
 
 @functools.lru_cache(maxsize=None)
-def resample_last_kernel(taps, kind="f32"):
+def resample_last_kernel(taps, kind="f32", okind=None):
     """B = 1: line a, threads along o. (out, x, idx, w, const, rows, olen, ilen)"""
     tap_sum = _tap_sum_fn(taps, kind)
-    st = halfio.store(kind)
+    st = halfio.store(okind or kind)
 
     @jit
     def kernel(out, x, idx, w, const, rows, olen, ilen):
@@ -60,10 +61,10 @@ def resample_last_kernel(taps, kind="f32"):
 
 
 @functools.lru_cache(maxsize=None)
-def resample_kernel(taps, kind="f32"):
+def resample_kernel(taps, kind="f32", okind=None):
     """B > 1: line (a, o), threads along b. (out, x, idx, w, const, rows, olen, ilen, inner)"""
     tap_sum = _tap_sum_fn(taps, kind)
-    st = halfio.store(kind)
+    st = halfio.store(okind or kind)
 
     @jit
     def kernel(out, x, idx, w, const, rows, olen, ilen, inner):
@@ -88,12 +89,12 @@ GROUP = 4
 
 
 @functools.lru_cache(maxsize=None)
-def resample2_kernel(taps, taps2, kind="f32"):
+def resample2_kernel(taps, taps2, kind="f32", okind=None):
     """The last two axes: x [A, I, I2] -> out [A, O, O2]; a line is (a, o), threads along o2,
     GROUP consecutive lines a thread. Launch over ceil(lines / GROUP) lines.
     (out, x, idx, w, const, idx2, w2, const2, rows, olen, ilen, olen2, ilen2)"""
     tap_sum = _tap_sum_fn(taps2, kind)
-    st = halfio.store(kind)
+    st = halfio.store(okind or kind)
     t = uint64(taps)
     group, ug = GROUP, uint64(GROUP)
 

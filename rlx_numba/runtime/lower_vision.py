@@ -136,7 +136,7 @@ def _lower_resample(ctx, n):
     olen, taps = idx.shape
     inner = math.prod(n.shape[ax + 1:])
     rows = math.prod(n.shape[:ax])
-    kind = halfio.io_kind(n.dtype)
+    kind, okind = halfio.io_kind(x.dtype), halfio.io_kind(n.dtype)   # (f32 intermediates)
     u = np.uint64
     table = lambda i, w, c: (ctx.device_array(i.reshape(-1)),  # noqa: E731
                              ctx.device_array(w.reshape(-1)), ctx.device_array(c))
@@ -145,18 +145,20 @@ def _lower_resample(ctx, n):
     if "idx2" in a:
         olen2, taps2 = a["idx2"].shape
         grid, block = K.lines_launch(-(-rows * olen // R.GROUP), olen2)
-        kern = R.resample2_kernel(taps, taps2, kind)
+        kern = R.resample2_kernel(taps, taps2, kind, okind)
         tables += table(a["idx2"], a["w2"], a["const2"])
         sizes = (u(rows), u(olen), u(x.shape[ax]), u(olen2), u(x.shape[ax + 1]))
         what = (f"axes {ax}, {ax + 1} {fmt(x.shape[ax:])} -> {fmt(n.shape[ax:])} "
                 f"({taps}x{taps2} taps)")
     elif inner == 1:
         grid, block = K.lines_launch(rows, olen)
-        kern, sizes = R.resample_last_kernel(taps, kind), (u(rows), u(olen), u(x.shape[ax]))
+        kern, sizes = (R.resample_last_kernel(taps, kind, okind),
+                       (u(rows), u(olen), u(x.shape[ax])))
         what = f"axis {ax} {what}"
     else:
         grid, block = K.lines_launch(rows * olen, inner)
-        kern, sizes = R.resample_kernel(taps, kind), (u(rows), u(olen), u(x.shape[ax]), u(inner))
+        kern, sizes = (R.resample_kernel(taps, kind, okind),
+                       (u(rows), u(olen), u(x.shape[ax]), u(inner)))
         what = f"axis {ax} {what}"
     return [Step(step_name(n), f"resample {what} of {fmt(x.shape)}", kern, grid, block,
                  (ctx.buf(n), ctx.buf(x)) + tables + sizes, {"bytes": n.nbytes + x.nbytes})]
