@@ -119,6 +119,16 @@ def test_fuzz_slice_fft_conv_transpose_batch_norm_adaptive_pool():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_resize_dot_general():
+    """resize (nearest / linear / bilinear, size or scale_factor, align_corners) against
+    torch's index math, and dot_general with batch, contracting and free dims in any order."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16"), modes=("stream",), max_nodes=3,
+                      max_size=48, ops=("resize", "dot_general"))
+    rep = fuzz.fuzz(16, 19, cfg, out=lambda s: None)
+    assert rep.ops["resample"] >= 3 and rep.ops["matmul"] >= 3, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

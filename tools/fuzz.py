@@ -1950,6 +1950,114 @@ def gen_adaptive_pool(b):
                   vs, x.d, e, f"{x.d} {list(x.shape)} output_size={size} channels_last={cl}")
 
 
+def _resize_src(n_in, n_out, align, factor, linear):
+    """torch's upsample source positions of one axis (its float32 index math): nearest: an
+    index; linear: (i0, i1, lambda)."""
+    f = np.float32
+    if align:
+        sc = f((n_in - 1) / (n_out - 1)) if n_out > 1 else f(0.0)
+    else:
+        sc = f(1.0 / factor) if factor else f(n_in / n_out)
+    out = []
+    for o in range(n_out):
+        if not linear:
+            out.append(min(int(np.floor(f(o) * sc)), n_in - 1))
+            continue
+        src = f(o) * sc if align else max(f(sc * (f(o) + f(0.5)) - f(0.5)), f(0.0))
+        i0 = min(int(src), n_in - 1)
+        out.append((i0, min(i0 + 1, n_in - 1), float(f(src - f(i0)))))
+    return out
+
+
+def gen_resize(b):
+    """resize (nearest, linear / bilinear; size or scale_factor; align_corners) over 1-2
+    spatial dims of x [N, C, *S], against torch's index math written here."""
+    r = b.rng
+    nd = int(r.integers(1, 3))
+    x = b.pick(lambda v: v.d in FLOATS and v.d != "f64" and len(v.shape) == nd + 2
+               and min(v.shape) >= 1,
+               shape=(int(r.integers(1, 3)), int(r.integers(1, 3)),
+                      *[int(r.integers(1, 6)) for _ in range(nd)]),
+               d=str(r.choice([f for f in floats(b) if f != "f64"] or ["f32"])))
+    if x is None or min(x.shape) < 1:
+        return
+    linear = bool(r.random() < 0.6)
+    mode = ("linear" if nd == 1 else "bilinear") if linear else "nearest"
+    align = bool(r.random() < 0.4) if linear else None
+    sp = x.shape[2:]
+    if r.random() < 0.5:
+        factor = float(r.choice([0.5, 1.5, 2.0, 3.0]))
+        outs = [int(np.floor(s_ * factor)) for s_ in sp]
+        kw = dict(scale_factor=factor)
+    else:
+        factor = None
+        outs = [int(r.integers(1, 8)) for _ in sp]
+        kw = dict(size=outs[0] if nd == 1 else tuple(outs))
+    if min(outs) < 1 or x.shape[0] * x.shape[1] * math.prod(outs) > b.cfg.max_size:
+        return
+    vs = []
+    for v in x.vs:
+        z = v
+        for j, (s_, o_) in enumerate(zip(sp, outs)):
+            ax = 2 + j
+            src = _resize_src(s_, o_, bool(align), factor, linear)
+            if linear:
+                parts = [np.take(z, [i0], ax) * (1 - lam) + np.take(z, [i1], ax) * lam
+                         for i0, i1, lam in src]
+            else:
+                parts = [np.take(z, [i0], ax) for i0 in src]
+            z = np.concatenate(parts, axis=ax)
+        vs.append(z)
+    e = x.e + 8 * U32 * amax(x.vs)
+    tag = f"{x.d} {list(x.shape)} {mode} {kw} align_corners={align}"
+    return b.emit("resize", lambda: b.g.resize(x.t, mode=mode, align_corners=align, **kw), vs,
+                  x.d, e, tag)
+
+
+def gen_dot_general(b):
+    """dot_general (lax's): contract some dims of a and b, batch others, in the order lax
+    puts the result (batch, a's free dims, b's free dims)."""
+    r = b.rng
+    d = str(r.choice(floats(b)))
+    nb, nc = int(r.integers(0, 2)), int(r.integers(1, 3))
+    na, nbf = int(r.integers(0, 2)), int(r.integers(0, 2))
+    sizes = [int(r.integers(1, 4)) for _ in range(nb + nc + na + nbf)]
+    bs, cs = sizes[:nb], sizes[nb:nb + nc]
+    fa, fb = sizes[nb + nc:nb + nc + na], sizes[nb + nc + na:]
+    # a's dims: batch, contract, free in a random order; b's likewise
+    a_roles = [("b", i) for i in range(nb)] + [("c", i) for i in range(nc)] + \
+        [("f", i) for i in range(na)]
+    b_roles = [("b", i) for i in range(nb)] + [("c", i) for i in range(nc)] + \
+        [("g", i) for i in range(nbf)]
+    a_roles = [a_roles[i] for i in r.permutation(len(a_roles))]
+    b_roles = [b_roles[i] for i in r.permutation(len(b_roles))]
+    size = {"b": bs, "c": cs, "f": fa, "g": fb}
+    ashape = tuple(size[k][i] for k, i in a_roles)
+    bshape = tuple(size[k][i] for k, i in b_roles)
+    oshape = tuple(bs) + tuple(fa) + tuple(fb)
+    if max(math.prod(ashape), math.prod(bshape), math.prod(oshape)) > b.cfg.max_size:
+        return
+    xa = b.pick(lambda v: v.d == d and v.shape == ashape, shape=ashape, d=d)
+    xb = b.pick(lambda v: v.d == d and v.shape == bshape, shape=bshape, d=d)
+    if xa is None or xb is None:
+        return
+    contracting = (tuple(a_roles.index(("c", i)) for i in range(nc)),
+                   tuple(b_roles.index(("c", i)) for i in range(nc)))
+    batch = (tuple(a_roles.index(("b", i)) for i in range(nb)),
+             tuple(b_roles.index(("b", i)) for i in range(nb)))
+    letters = "abcdefghij"
+    la = "".join(letters[{"b": 0, "c": 2, "f": 4, "g": 6}[k] + i] for k, i in a_roles)
+    lb = "".join(letters[{"b": 0, "c": 2, "f": 4, "g": 6}[k] + i] for k, i in b_roles)
+    lo = "".join(letters[i] for i in range(nb)) + "".join(letters[4 + i] for i in range(na)) + \
+        "".join(letters[6 + i] for i in range(nbf))
+    vs = [np.einsum(f"{la},{lb}->{lo}", p, q) for p, q in zip(xa.vs, xb.vs)]
+    kk = math.prod(cs)
+    ma, mb = amax(xa.vs), amax(xb.vs)
+    e = kk * (xa.e * mb + xb.e * ma) + 2 * kk * cu(d) * ma * mb
+    return b.emit("dot_general", lambda: b.g.dot_general(xa.t, xb.t, contracting, batch), vs, d,
+                  e, f"{d} {list(ashape)} x {list(bshape)} contract={contracting} batch={batch}")
+
+
 GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
@@ -1959,7 +2067,7 @@ GENERATORS = {
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
     "complex": gen_complex, "specials": gen_specials, "linalg": gen_linalg, "fft": gen_fft,
     "conv_transpose": gen_conv_transpose, "batch_norm": gen_batch_norm,
-    "adaptive_pool": gen_adaptive_pool,
+    "adaptive_pool": gen_adaptive_pool, "resize": gen_resize, "dot_general": gen_dot_general,
     "reshape": gen_reshape, "transpose": gen_transpose, "narrow": gen_narrow,
     "concat": gen_concat, "expand": gen_expand, "gather": gen_gather,
 }
