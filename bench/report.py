@@ -472,8 +472,9 @@ def summary(records: list[dict], meta: dict, runs: dict, out: Path) -> str:
         st = run.get("status")
         if st:
             when += ", timed out" if st == TIMED_OUT else f", exit status {st}"
-        lines.append(f"| {fam} | {sum(r['passed'] for r in barred)} of {len(barred)} | {med} | "
-                     f"{when} |" if rows else f"| {fam} | no results | - | {when} |")
+        verdict = f"{sum(r['passed'] for r in barred)} of {len(barred)}" if barred else "no bar"
+        lines.append(f"| {fam} | {verdict} | {med} | {when} |" if rows else
+                     f"| {fam} | no results | - | {when} |")
     if (out / "families.png").exists():
         lines += ["", f"![each family against its peer]({rel}/families.png)"]
     return "\n".join(lines)
