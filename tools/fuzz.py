@@ -1918,18 +1918,27 @@ def gen_batch_norm(b):
         vs, x.d, e, tag)
 
 
-def gen_adaptive_pool(b):
-    """adaptive_avg_pool (1-d / 2-d, None keeps a dim, channels_last): window o of a dim is
-    [floor(o S / O), ceil((o + 1) S / O)), a mean in f32."""
+def _image(b, max_spatial):
+    """An f32 / f16 / bf16 image [N, C, *S] of 1 or 2 spatial dims (an existing value or a
+    new leaf, spatial dims below ``max_spatial``), or None."""
     r = b.rng
     nd = int(r.integers(1, 3))
     x = b.pick(lambda v: v.d in FLOATS and v.d != "f64" and len(v.shape) == nd + 2
                and min(v.shape) >= 1,
                shape=(int(r.integers(1, 3)), int(r.integers(1, 3)),
-                      *[int(r.integers(1, 7)) for _ in range(nd)]),
+                      *[int(r.integers(1, max_spatial)) for _ in range(nd)]),
                d=str(r.choice([f for f in floats(b) if f != "f64"] or ["f32"])))
-    if x is None or min(x.shape) < 1:
+    return None if x is None or min(x.shape) < 1 else x
+
+
+def gen_adaptive_pool(b):
+    """adaptive_avg_pool (1-d / 2-d, None keeps a dim, channels_last): window o of a dim is
+    [floor(o S / O), ceil((o + 1) S / O)), a mean in f32."""
+    r = b.rng
+    x = _image(b, 7)
+    if x is None:
         return
+    nd = len(x.shape) - 2
     cl = bool(r.random() < 0.25)
     sp = x.shape[1:-1] if cl else x.shape[2:]
     osz = [None if r.random() < 0.15 else int(r.integers(1, s_ + 3)) for s_ in sp]
@@ -1973,14 +1982,10 @@ def gen_resize(b):
     """resize (nearest, linear / bilinear; size or scale_factor; align_corners) over 1-2
     spatial dims of x [N, C, *S], against torch's index math written here."""
     r = b.rng
-    nd = int(r.integers(1, 3))
-    x = b.pick(lambda v: v.d in FLOATS and v.d != "f64" and len(v.shape) == nd + 2
-               and min(v.shape) >= 1,
-               shape=(int(r.integers(1, 3)), int(r.integers(1, 3)),
-                      *[int(r.integers(1, 6)) for _ in range(nd)]),
-               d=str(r.choice([f for f in floats(b) if f != "f64"] or ["f32"])))
-    if x is None or min(x.shape) < 1:
+    x = _image(b, 6)
+    if x is None:
         return
+    nd = len(x.shape) - 2
     linear = bool(r.random() < 0.6)
     mode = ("linear" if nd == 1 else "bilinear") if linear else "nearest"
     align = bool(r.random() < 0.4) if linear else None
