@@ -11,6 +11,7 @@
     against torch.fft (cuFFT): our tier 0 (cuFFT, bar 0.9x) and tier 1 (numba Stockham, and
     Bluestein for 1000; bar 0.3x);
   sort of 1M f32 (one row) and 4096 rows x 32k against torch.sort(stable=True), bar 0.7x;
+    the same 4096 x 32k sort in bf16 and topk 64 of it in i32 (no bar: measured and stated);
   c64 (complex64): fft, the product (cublasCgemm / the numba kernel) and a chain of
     element-wise ops beside torch in complex64 (no bar: measured and stated).
 Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch's by events.
@@ -75,6 +76,11 @@ def op_row(rlx, torch, name, shape, build, ref, check, tiers=None, dtype="f32",
     x = rng.standard_normal(shape).astype(np.float32)
     if dtype == "c64":
         x = (x + 1j * rng.standard_normal(shape)).astype(np.complex64)
+    elif dtype in ("f16", "bf16"):
+        import ml_dtypes
+        x = x.astype(ml_dtypes.bfloat16 if dtype == "bf16" else np.float16)
+    elif dtype == "i32":
+        x = rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
     g = rlx.Graph(name)
     g.set_outputs(list(build(g, g.input("x", shape, dtype))))
     if tiers:
@@ -85,7 +91,9 @@ def op_row(rlx, torch, name, shape, build, ref, check, tiers=None, dtype="f32",
     finally:
         os.environ.pop(env, None)
     got = exe.run({"x": x})
-    tx = torch.tensor(x, device="cuda")
+    tx = torch.tensor(x.astype(np.float32) if dtype in ("f16", "bf16") else x, device="cuda")
+    if dtype in ("f16", "bf16"):
+        tx = tx.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     want = ref(tx)
     ok = check(got, want)
     prof = exe.profile({"x": x}, warmup=1)
@@ -103,6 +111,9 @@ def fft_sort_rows(rlx, torch):
 
     def same(got, want):
         return bool((got[1] == want.indices.cpu().numpy()).all())
+
+    def same_values(got, want):        # (torch.topk's order among ties is not specified)
+        return bool((got[0] == want.values.cpu().numpy()).all())
     ffts = [
         ("rfft 2^20 x 64", (64, 2**20), lambda g, x: [g.rfft(x)],
          lambda x: torch.fft.rfft(x), rel),
@@ -119,8 +130,15 @@ def fft_sort_rows(rlx, torch):
         ("sort 4096 x 32k f32", (4096, 32768), lambda g, x: g.sort(x),
          lambda x: torch.sort(x, stable=True), same),
     ]
+    typed = [   # f16 / bf16 sort: ordered by the f32 cast; i32 topk: a sort's first k
+        ("sort 4096 x 32k bf16", (4096, 32768), lambda g, x: g.sort(x),
+         lambda x: torch.sort(x, stable=True), same, "bf16"),
+        ("topk 64 of 4096 x 32k i32", (4096, 32768), lambda g, x: g.topk(x, 64),
+         lambda x: torch.topk(x, 64), same_values, "i32"),
+    ]
     return ([op_row(rlx, torch, *r, tiers=t) for r in ffts for t in ("0", "1")]
-            + [op_row(rlx, torch, *r) for r in rows])
+            + [op_row(rlx, torch, *r) for r in rows]
+            + [op_row(rlx, torch, *r[:5], dtype=r[5]) for r in typed])
 
 
 def complex_rows(rlx, torch):

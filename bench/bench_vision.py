@@ -83,6 +83,10 @@ def rows(rlx, F, rng):
         ("NHWC max pool 3x3 s2 p1 64ch 112 b8", (8, 112, 112, 64),
          lambda g, x, p: g.pool(x, "max", 3, 2, 1, channels_last=True),
          lambda x, p: F.max_pool2d(_cf(x), 3, 2, 1).permute(0, 2, 3, 1), {}),
+        # two resample nodes (the spatial axes are not the last two): the one between in f32
+        ("NHWC adaptive avg pool 7x7->1 2048ch b32 bf16", (32, 7, 7, 2048),
+         lambda g, x, p: g.adaptive_avg_pool(x, (1, 1), channels_last=True),
+         lambda x, p: F.adaptive_avg_pool2d(_cf(x), 1).permute(0, 2, 3, 1), {}, "bf16"),
     ]
 
 
@@ -140,18 +144,25 @@ CONV_ROWS = 6        # the first rows of rows() are the convolutions: also timed
 
 def bench_row(rlx, torch, F, rng, row, label=""):
     """One row: ours (compiled as the environment says) against torch's call, checked."""
-    name, xs, build, ref, params = row
+    name, xs, build, ref, params, *rest = row
+    dtype = rest[0] if rest else "f32"          # a half row: x rounded, torch in that dtype
     x = rng.standard_normal(xs).astype(np.float32)
+    if dtype != "f32":
+        import ml_dtypes
+        x = x.astype(ml_dtypes.bfloat16 if dtype == "bf16" else np.float16)
     g = rlx.Graph("vision")
-    xt = g.input("x", xs)
+    xt = g.input("x", xs, dtype)
     g.set_outputs([build(g, xt, {k: g.param(k, v.shape) for k, v in params.items()})])
     exe = rlx.compile(g)
     for k, v in params.items():
         exe.set_param(k, v)
     (got,) = exe.run({"x": x})
-    tx = torch.tensor(x, device="cuda")
+    got = got.astype(np.float32)
+    tx = torch.tensor(x.astype(np.float32), device="cuda")
+    if dtype != "f32":
+        tx = tx.to(torch.bfloat16 if dtype == "bf16" else torch.float16)
     tp = {k: torch.tensor(v, device="cuda") for k, v in params.items()}
-    want = ref(tx, tp).cpu().numpy()
+    want = ref(tx, tp).float().cpu().numpy()
     rel = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
     prof = exe.profile({"x": x}, warmup=2)
     ours = prof.total_ms * 1e3
