@@ -25,6 +25,8 @@ import math
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
+from .device import when_stream_dies
+
 DATA_FLOAT, TENSOR_NCHW, TENSOR_NHWC, CROSS_CORRELATION = 0, 0, 1, 1
 # cudnnDataType_t of the storage kinds (cudnn_graph.h: HALF 2, BFLOAT16 9)
 DATA_TYPES = {"f32": DATA_FLOAT, "f16": 2, "bf16": 9}
@@ -49,6 +51,7 @@ class AlgoPerf(ctypes.Structure):   # cudnnConvolution{Fwd,BwdData,BwdFilter}Alg
 P = c_void_p
 PROTOS = {
     "cudnnCreate": [POINTER(c_void_p)],
+    "cudnnDestroy": [c_void_p],
     "cudnnSetStream": [P, P],
     "cudnnCreateTensorDescriptor": [POINTER(c_void_p)],
     "cudnnSetTensorNdDescriptor": [P, c_int, c_int, POINTER(c_int), POINTER(c_int)],
@@ -145,7 +148,16 @@ def handle(stream):
         lib().cudnnSetStream(h, c_void_p(key[1]))
         _handles[key] = h
         _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
+        when_stream_dies(stream, _drop_stream, key)
     return _handles[key], _ws[key].device_ctypes_pointer.value
+
+
+def _drop_stream(key) -> None:
+    """The handle and workspace of (device, stream) go with the stream."""
+    _ws.pop(key, None)
+    h = _handles.pop(key, None)
+    if h is not None:
+        lib().cudnnDestroy(h)
 
 
 def _ints(vals):

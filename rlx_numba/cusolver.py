@@ -21,6 +21,8 @@ import ctypes
 from ctypes import POINTER, byref, c_int, c_void_p
 from pathlib import Path
 
+from .device import when_stream_dies
+
 SONAMES = ("libcusolver.so.12", "libcusolver.so.11")
 WHEEL_DIRS = ("nvidia/cu13/lib", "nvidia/cusolver/lib")
 # what libcusolver links against, by wheel directory (CUDA 12 wheels) or cu13/lib (13)
@@ -147,7 +149,15 @@ def handle(stream) -> c_void_p:
         lib().cusolverDnCreate(byref(h))
         lib().cusolverDnSetStream(h, c_void_p(s))
         _handles[key] = h
+        when_stream_dies(stream, _drop_stream, key)
     return _handles[key]
+
+
+def _drop_stream(key) -> None:
+    """The handle of (device, stream) goes with the stream."""
+    h = _handles.pop(key, None)
+    if h is not None:
+        lib().cusolverDnDestroy(h)
 
 
 def sorted_params(kind: str) -> c_void_p:

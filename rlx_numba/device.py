@@ -116,6 +116,54 @@ def gc_paused(fn):
     return call
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is a device allocation failing: the driver's CUDA_ERROR_OUT_OF_MEMORY, a
+    library's ALLOC_FAILED, or a cuDNN / cuSOLVER handle that could not be created (they say
+    INTERNAL_ERROR when the memory a handle needs is missing)."""
+    text = f"{type(e).__name__}: {e}"
+    return ("OUT_OF_MEMORY" in text or "ALLOC_FAILED" in text
+            or type(e).__name__ in ("CudnnError", "CusolverError") and "Create failed" in text)
+
+
+def release_unreferenced() -> None:
+    """Free the device memory nothing references any more: a cycle collection (an executable
+    caught in a reference cycle holds its arena, its streams' library handles and workspaces
+    until one runs), then numba's deallocations still pending (numba defers frees until
+    they reach a fifth of the GPU's memory)."""
+    gc.collect()
+    if not SIMULATOR:
+        from numba import cuda
+        cuda.current_context().deallocations.clear()
+
+
+def retry_out_of_memory(fn):
+    """``fn``, called once more after ``release_unreferenced`` when it runs out of device
+    memory: a process that compiles many graphs in turn (a service, the fuzzer) may hold
+    executables it no longer references that the collector has not reached yet."""
+    @functools.wraps(fn)
+    def call(*args, **kw):
+        try:
+            return fn(*args, **kw)
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is out of memory
+            if SIMULATOR or not out_of_memory(e):
+                raise
+            log.warning("rlx_numba: %s ran out of device memory (%s: %s); freeing what is no "
+                        "longer referenced and trying once more", fn.__qualname__,
+                        type(e).__name__, e)
+            release_unreferenced()
+            return fn(*args, **kw)
+    return call
+
+
+def when_stream_dies(stream, fn, *args) -> None:
+    """Call ``fn(*args)`` when numba stream ``stream`` is collected (a library's handles and
+    workspace bound to it go with it; not at exit, where the driver frees them). The null
+    stream (None) never dies."""
+    if stream is not None:
+        import weakref
+        weakref.finalize(stream, fn, *args).atexit = False
+
+
 def byte_view(base, start: int, stop: int, dtype):
     """``base[start:stop].view(dtype)`` of a flat uint8 device array. On a GPU it is made
     directly from the memory pointer's view, as numba's slicing makes it: numba's
@@ -224,15 +272,47 @@ def run_exit_hooks() -> None:
                         getattr(fn, "__qualname__", fn), type(e).__name__, e)
 
 
+_KEPT: list = []       # the entered defer_cleanup() of each context, held until the process ends
+
+
+def _leave_device_memory_to_the_driver() -> None:
+    """The last exit hook: numba's frees and module unloads stay deferred from here on. At exit
+    weakref's finalizers unload every numba module (cuLibraryUnload) after the teardown of
+    other libraries in the process (torch's, NCCL's) has run, and that crashed one
+    ``rlx-numba launch --gpus 2 bench/bench_distributed.py`` in three on 2 x H200 (a segfault
+    in cuLibraryUnload under weakref's exit function). The driver frees both with the
+    process."""
+    if SIMULATOR:
+        return
+    from numba.cuda.cudadrv.driver import driver
+    for dev in list(driver.devices.values()):
+        ctx = dev.primary_context
+        if ctx is not None:
+            deferred = ctx.defer_cleanup()
+            deferred.__enter__()
+            _KEPT.append(deferred)
+
+
+class _ExitOrder:
+    """A weakly referenced stand-in: finalizing it registers weakref's exit function."""
+
+
+_EXIT_ORDER = _ExitOrder()
+
+
 def install_exit_teardown() -> None:
     """Register run_exit_hooks with atexit, after numba.cuda is imported (rlx_numba/__init__
-    does it last) so that it runs before numba's handlers. (No device-wide synchronize: a
-    hung kernel would then hang the exit, where the driver's teardown ends it.)"""
+    does it last) and after weakref's exit function (made sure of here), so that it runs
+    before numba's handlers and before the finalizers. (No device-wide synchronize: a hung
+    kernel would then hang the exit, where the driver's teardown ends it.)"""
     global _exit_installed
     if _exit_installed:
         return
     import atexit
+    import weakref
     _exit_installed = True
+    weakref.finalize(_EXIT_ORDER, int)      # atexit runs the last registered first
+    _EXIT_HOOKS.insert(0, _leave_device_memory_to_the_driver)   # hooks run newest first
     atexit.register(run_exit_hooks)
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
+from rlx_numba.device import SIMULATOR
 
 
 def _exe(mode="stream"):
@@ -155,3 +156,122 @@ def test_exit_teardown_aborts_open_communicators_in_order():
         (r.stdout, r.stderr)
     assert "broken raised RuntimeError: boom" in r.stderr, r.stderr
     assert "NCCL communicator of rank 0 of 2 still open at exit: aborted" in r.stderr, r.stderr
+
+
+ORDER_SCRIPT = r"""
+import weakref
+import rlx_numba
+from rlx_numba import device
+
+
+class Held:
+    pass
+
+
+held = Held()
+weakref.finalize(held, print, "finalizer", flush=True)   # made after rlx_numba's import
+device.at_exit(lambda: print("hook", flush=True))
+"""
+
+
+def test_exit_hooks_run_before_the_finalizers():
+    """The exit hooks run before weakref's finalizers (numba's module unloads and frees are
+    finalizers), even for a finalizer made after rlx_numba's import: atexit runs the last
+    registered first, so rlx_numba has weakref register its exit function before its own."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", ORDER_SCRIPT], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "RLX_NUMBA_SIMULATOR": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["hook", "finalizer"], (r.stdout, r.stderr)
+
+
+@pytest.mark.skipif(SIMULATOR, reason="numba's contexts: a GPU")
+def test_exit_leaves_device_memory_to_the_driver():
+    """The last exit hook keeps numba's frees and module unloads deferred for every context
+    numba made (the driver frees them with the process): after it, a context's pending
+    deallocations are disabled."""
+    import subprocess
+    import sys
+    script = ("import numpy as np, rlx_numba\nfrom numba import cuda\nfrom rlx_numba import device\n"
+              "a = cuda.to_device(np.ones(4))\ndevice.run_exit_hooks()\n"
+              "print(cuda.current_context().deallocations.is_disabled)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True"], (r.stdout, r.stderr)
+
+
+def test_out_of_memory_is_told_apart():
+    """What counts as running out of device memory: the driver's error, a library's
+    ALLOC_FAILED, a cuDNN / cuSOLVER handle that could not be made; nothing else."""
+    from rlx_numba.device import out_of_memory
+
+    class CudnnError(RuntimeError):
+        pass
+
+    assert out_of_memory(RuntimeError("cuGraphInstantiate failed: CUDA_ERROR_OUT_OF_MEMORY"))
+    assert out_of_memory(RuntimeError("cublasCreate_v2 failed: CUBLAS_STATUS_ALLOC_FAILED (3)"))
+    assert out_of_memory(CudnnError("cudnnCreate failed: cuDNN status 4000 INTERNAL_ERROR"))
+    assert not out_of_memory(CudnnError("cudnnConvolutionForward failed: BAD_PARAM"))
+    assert not out_of_memory(ValueError("matmul: shapes [2, 3] and [4, 5] do not agree"))
+
+
+def test_out_of_memory_retries_once_after_freeing(monkeypatch, caplog):
+    """A compile that runs out of device memory runs once more after the unreferenced
+    executables are collected and numba's pending frees flushed; any other error, or a
+    second failure, reaches the caller as it is."""
+    from rlx_numba import device
+    freed = []
+    monkeypatch.setattr(device, "SIMULATOR", False)
+    monkeypatch.setattr(device, "release_unreferenced", lambda: freed.append(1))
+    calls = []
+
+    @device.retry_out_of_memory
+    def flaky(fail):
+        calls.append(1)
+        if len(calls) <= fail:
+            raise RuntimeError("cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY")
+        return "built"
+
+    assert flaky(1) == "built" and len(calls) == 2 and freed == [1]
+    assert "ran out of device memory" in caplog.text
+    calls.clear()
+    with pytest.raises(RuntimeError, match="OUT_OF_MEMORY"):
+        flaky(2)
+    assert len(calls) == 2 and freed == [1, 1]
+
+    @device.retry_out_of_memory
+    def wrong():
+        calls.append(1)
+        raise ValueError("matmul: bad shapes")
+
+    calls.clear()
+    with pytest.raises(ValueError):
+        wrong()
+    assert len(calls) == 1 and freed == [1, 1]
+
+
+@pytest.mark.skipif(SIMULATOR, reason="cuDNN / cuSOLVER handles: a GPU")
+def test_library_handles_go_with_their_stream():
+    """cuBLAS, cuDNN and cuSOLVER handles (and workspaces) made for a stream are destroyed
+    when the stream is collected: a process compiling executable after executable, each
+    with streams of its own, must not keep them all."""
+    import gc
+
+    from numba import cuda
+
+    from rlx_numba import cudnn, cusolver
+    from rlx_numba.cublas import gemm
+    libs = [(m, m.handle) for m, ok in ((cudnn, cudnn.available()[0]),
+                                        (cusolver, cusolver.available()[0])) if ok]
+    s = cuda.stream()
+    key = (cuda.get_current_device().id, int(s))
+    gemm.blas_handle(s, False)
+    for _, make in libs:
+        make(s)
+    assert all(key in m._handles for m, _ in libs) and any(k[:2] == key for k in gemm._blas)
+    del s
+    gc.collect()
+    assert not any(key in m._handles for m, _ in libs)
+    assert not any(k[:2] == key for k in gemm._blas) and key not in gemm._ws

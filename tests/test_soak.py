@@ -50,3 +50,17 @@ def test_soak_fails_on_growth(monkeypatch, capsys):
     monkeypatch.setattr(soak, "rss", lambda: next(grow))
     assert soak.main(ARGS + ["--steps", "0", "--slack", "1e6"]) == 1
     assert "GREW" in capsys.readouterr().out
+
+
+def test_soak_compiles_and_drops_distinct_graphs(monkeypatch, capsys):
+    """--graphs: distinct graphs (a product, a convolution, a solve) compiled, run and dropped
+    in turn; live library handles must not grow at all."""
+    monkeypatch.setattr(soak, "load_model", lambda name: (_ for _ in ()).throw(AssertionError))
+    assert soak.main(["--graphs", "3", "--tokens", "0", "--steps", "0", "--every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "graphs: after warm-up host +" in out and "handles +0: flat" in out
+    count = iter(range(100))
+    monkeypatch.setattr(soak, "live_handles", lambda: next(count))
+    assert soak.main(["--graphs", "3", "--tokens", "0", "--steps", "0", "--every", "1",
+                      "--slack", "1e12"]) == 1
+    assert "handles +2: GREW" in capsys.readouterr().out

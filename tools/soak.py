@@ -3,8 +3,13 @@ host's resident memory, the device memory in use and the model's compiled graphs
 they go; exits 1 if any of them grew after the warm-up by more than ``--slack`` (bytes) or
 at all (graphs).
 
-    python tools/soak.py [--tokens 100000] [--steps 5000] [--config smollm2|tiny]
+    python tools/soak.py [--tokens 100000] [--steps 5000] [--graphs 0] [--config smollm2|tiny]
         [--new 128] [--batch 1] [--train-batch 8 --seq 256] [--slack 64e6]
+
+``--graphs N`` first compiles, runs and drops N distinct small graphs (a product, a
+convolution and a solve of changing shapes, in stream, graph and multistream modes), as a
+service compiling graph after graph does; its count column is the live cuBLAS / cuDNN /
+cuSOLVER handles, which must not grow.
 
 Generation runs ``generate`` of ``--new`` tokens (random prompts of varying lengths within one
 bucket, so the same graphs serve every call) until ``--tokens`` are made; training runs
@@ -48,17 +53,19 @@ def device_used() -> int:
 
 
 class Watch:
-    """Rows of (done, rss, device, graphs); the baseline is the first row after warm-up."""
+    """Rows of (done, rss, device, count); the baseline is the first row after warm-up.
+    ``count()``: what must not grow at all (the model's compiled graphs, or live library
+    handles), named ``counted``."""
 
-    def __init__(self, what: str, total: int, model):
-        self.what, self.total, self.model = what, total, model
+    def __init__(self, what: str, total: int, count, counted: str = "graphs"):
+        self.what, self.total, self.count, self.counted = what, total, count, counted
         self.base = None
         self.worst = (0, 0, 0)
-        print(f"{'':8}{what:>10} {'host MiB':>10} {'device MiB':>11} {'graphs':>7} {'s':>8}")
+        print(f"{'':8}{what:>10} {'host MiB':>10} {'device MiB':>11} {counted:>7} {'s':>8}")
         self.t0 = time.perf_counter()
 
     def row(self, done: int) -> None:
-        now = (rss(), device_used(), self.model.cached_executables)
+        now = (rss(), device_used(), self.count())
         if self.base is None and done >= self.total // 10:
             self.base = now
         if self.base is not None:
@@ -70,8 +77,34 @@ class Watch:
         host, dev, graphs = self.worst
         good = host <= slack and dev <= slack and graphs == 0
         print(f"{self.what}: after warm-up host +{host / 2**20:.1f} MiB, device "
-              f"+{dev / 2**20:.1f} MiB, graphs +{graphs}: {'flat' if good else 'GREW'}")
+              f"+{dev / 2**20:.1f} MiB, {self.counted} +{graphs}: {'flat' if good else 'GREW'}")
         return good
+
+
+def live_handles() -> int:
+    """cuBLAS, cuDNN and cuSOLVER handles alive in this process (0 in the simulator)."""
+    from rlx_numba import cudnn, cusolver
+    from rlx_numba.cublas import gemm
+    return len(gemm._blas) + len(cudnn._handles) + len(cusolver._handles)
+
+
+def churn_graph(rlx, i: int, rng):
+    """The i-th of a stream of distinct small graphs a long-lived service might compile: a
+    product (cuBLAS), a convolution (cuDNN) and a solve (cuSOLVER), with shapes that change
+    from one to the next; (graph, inputs)."""
+    m, c = 8 + i % 61, 3 + i % 5
+    g = rlx.Graph(f"churn{i}")
+    x, w = g.input("x", (m, 64)), g.input("w", (64, 32))
+    img, k = g.input("img", (1, c, 12, 12)), g.input("k", (4, c, 3, 3))
+    a, b = g.input("a", (2, 8, 8)), g.input("b", (2, 8, 3))
+    g.set_outputs([g.matmul(x, w), g.conv(img, k, padding=1), g.linalg_solve(a, b)])
+    inputs = {"x": rng.standard_normal((m, 64), np.float32),
+              "w": rng.standard_normal((64, 32), np.float32),
+              "img": rng.standard_normal((1, c, 12, 12), np.float32),
+              "k": rng.standard_normal((4, c, 3, 3), np.float32),
+              "a": (rng.standard_normal((2, 8, 8)) + 8 * np.eye(8)).astype(np.float32),
+              "b": rng.standard_normal((2, 8, 3), np.float32)}
+    return g, inputs
 
 
 def load_model(name: str):
@@ -90,16 +123,32 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1, help="generation batch")
     p.add_argument("--train-batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--graphs", type=int, default=0, help="distinct graphs to compile, run and "
+                   "drop first (a service compiling graph after graph)")
     p.add_argument("--slack", type=float, default=64e6, help="bytes of growth allowed")
     p.add_argument("--every", type=int, default=0, help="rows every N tokens / steps "
                                                         "(default: ten rows)")
     args = p.parse_args(argv)
     import rlx_numba as rlx
-    cfg, model = load_model(args.config)
+    from rlx_numba.device import release_unreferenced
     rng = np.random.default_rng(0)
     good = True
+    if args.graphs:       # compile, run and drop distinct graphs, each mode in turn
+        modes = ("stream", "graph", "multistream")
+        w = Watch("graphs", args.graphs, live_handles, "handles")
+        every = args.every or max(1, args.graphs // 10)
+        for i in range(1, args.graphs + 1):
+            g, inputs = churn_graph(rlx, i, rng)
+            rlx.compile(g, exec_mode=modes[i % len(modes)]).run(inputs)
+            if i % every == 0 or i == args.graphs:
+                release_unreferenced()     # what a dropped executable held, freed now
+                w.row(i)
+        good &= w.ok(args.slack)
+    if not (args.tokens or args.steps):
+        return 0 if good else 1
+    cfg, model = load_model(args.config)
     if args.tokens:
-        w = Watch("tokens", args.tokens, model)
+        w = Watch("tokens", args.tokens, lambda: model.cached_executables)
         every, done, mark = args.every or max(1, args.tokens // 10), 0, 0
         while done < args.tokens:
             plen = int(rng.integers(25, 33))          # one prompt bucket: the same graphs
@@ -111,7 +160,7 @@ def main(argv=None) -> int:
         good &= w.ok(args.slack)
     if args.steps:
         tr = model.trainer(args.train_batch, args.seq, rlx.optim.AdamW(1e-4))
-        w = Watch("steps", args.steps, model)
+        w = Watch("steps", args.steps, lambda: model.cached_executables)
         every = args.every or max(1, args.steps // 10)
         for s in range(1, args.steps + 1):
             tr.step(rng.integers(0, cfg.vocab_size, (args.train_batch, args.seq)))

@@ -18,10 +18,10 @@ import json
 import logging
 import os
 import tempfile
-import weakref
 from ctypes import byref, c_double, c_float, c_int, c_int32, c_uint32, c_uint64, c_void_p, sizeof
 from dataclasses import dataclass
 
+from ..device import when_stream_dies
 from . import api
 
 log = logging.getLogger("rlx_numba")
@@ -49,9 +49,9 @@ def workspace(stream, dev: int | None = None) -> tuple[int, int]:
     key = (_device_id() if dev is None else dev, _stream_ptr(stream))
     if key not in _ws:
         _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
-        if stream is not None:    # a stream's workspace and handles go with it (32 MiB, and
-            # a cuBLAS handle holds ~64 MiB of its own on an H100)
-            weakref.finalize(stream, _drop_stream, key).atexit = False
+        # a stream's workspace and handles go with it (32 MiB, and a cuBLAS handle holds
+        # ~64 MiB of its own on an H100)
+        when_stream_dies(stream, _drop_stream, key)
     return _ws[key].device_ctypes_pointer.value, WORKSPACE_BYTES
 
 

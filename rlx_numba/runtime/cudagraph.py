@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-from ..device import SIMULATOR, in_cuda_context
+from ..device import SIMULATOR, in_cuda_context, retry_out_of_memory
 from .lower import CallStep, Step, log
 from .schedule import Schedule, assign_streams, node_units
 
@@ -114,6 +114,13 @@ def cu_check(drv, res, what):
     if res[0] != drv.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"{what} failed: {_err_name(drv, res[0])}")
     return res[1] if len(res) == 2 else res[1:]
+
+
+def instantiate(drv, graph):
+    """cuGraphInstantiate of a captured graph; out of device memory, it runs once more after
+    ``release_unreferenced`` (an executable's graph needs memory of its own)."""
+    return retry_out_of_memory(
+        lambda: cu_check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate"))()
 
 
 def _launcher(step, stream):
@@ -280,7 +287,7 @@ class Runner:
             self.graph_nodes = int(count)
             self.kernel_nodes = sum(cu_check(drv, drv.cuGraphNodeGetType(nd), "cuGraphNodeGetType")
                                     == kernel for nd in nodes)
-            exec_ = cu_check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+            exec_ = instantiate(drv, graph)
         except Exception:
             drv.cuGraphDestroy(graph)
             raise

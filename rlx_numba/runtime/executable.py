@@ -10,7 +10,7 @@ import warnings
 
 import numpy as np
 
-from ..device import SIMULATOR, gc_paused, in_cuda_context
+from ..device import SIMULATOR, gc_paused, in_cuda_context, retry_out_of_memory
 from ..ir import dtypes as dt
 from ..ir.graph import Graph
 from ..ir.ops import fmt
@@ -82,6 +82,7 @@ def _from_python(name, node, value) -> np.ndarray:
     return arr.astype(host)
 
 
+@retry_out_of_memory
 @gc_paused
 @in_cuda_context
 def compile_graph(graph, compile_mode=CompileMode.JIT, exec_mode=ExecMode.STREAM,

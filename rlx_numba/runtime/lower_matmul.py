@@ -890,7 +890,7 @@ def _graph_us(stream, steps) -> float:
     """``_device_us`` through a CUDA graph of TIMED_LAUNCHES runs of the steps."""
     from numba import cuda
 
-    from .cudagraph import cu_check, cu_driver, destroy_graph
+    from .cudagraph import cu_check, cu_driver, destroy_graph, instantiate
     drv = cu_driver()
     h = drv.CUstream(int(stream))
     cu_check(drv, drv.cuStreamBeginCapture(
@@ -905,7 +905,7 @@ def _graph_us(stream, steps) -> float:
     graph = cu_check(drv, res, "cuStreamEndCapture")
     exec_ = None
     try:
-        exec_ = cu_check(drv, drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        exec_ = instantiate(drv, graph)
         cu_check(drv, drv.cuGraphLaunch(exec_, h), "cuGraphLaunch")
         best = math.inf
         for _ in range(3):
