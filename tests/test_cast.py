@@ -4,7 +4,8 @@ Oracle: NumPy's astype (and ml_dtypes for bf16), written here. float -> int trun
 zero like astype on in-range values, saturates out of range and sends NaN to 0 (to u8 / i8:
 through i32, then wrapped like PyTorch's casts); int -> narrower int wraps; float -> f16 and
 float -> bf16 round to nearest even; int -> bool is "nonzero"; bool -> number is 0/1; a cast to
-the dtype the tensor already has is a view (no copy, no kernel).
+the dtype the tensor already has is a view (no copy, no kernel). f64 -> f16 / bf16 / fp8
+rounds the f64 value once (oracle: rounding over the narrow dtype's bit patterns, written here).
 """
 import ml_dtypes
 import numpy as np
@@ -240,3 +241,90 @@ def test_u8_i8_wrap_and_promote():
     assert ab.dtype == np.int16 and list(ab) == [72, 227, 254, 5, 0]
     assert chain.dtype == np.uint8 and list(chain) == [88, 44, 253, 0, 21]
     np.testing.assert_array_equal(fl, a.astype(np.float32))
+
+
+# ---- f64 -> f16 / bf16 / fp8: one rounding (an H200 gave an f16 1 ulp off: f64 -> f32 -> f16) --
+NARROW = {"f16": (np.float16, np.uint16), "bf16": (BF16, np.uint16),
+          "f8e4m3": (ml_dtypes.float8_e4m3fn, np.uint8), "f8e5m2": (ml_dtypes.float8_e5m2, np.uint8)}
+
+
+def _grid(dtype):
+    """The float64 values of dtype's positive bit patterns 0, 1, ..., up to the first that is
+    not finite, which stands for the next step past the largest (2^16 for f16, 2^128 for bf16,
+    480 for e4m3fn): round to nearest even over this grid is IEEE's rounding with overflow."""
+    host, bits = NARROW[dtype]
+    pats = np.arange(np.iinfo(bits).max // 2 + 1, dtype=bits)
+    vals = pats.view(host).astype(np.float64)
+    top = int(np.argmax(~np.isfinite(vals)))
+    grid = vals[:top + 1].copy()
+    grid[top] = 2 * grid[top - 1] - grid[top - 2]
+    return grid
+
+
+def _round_once(x, dtype):
+    """x (float64) rounded to nearest, ties to the even bit pattern, once, as dtype's bit
+    patterns: midpoints of grid neighbours have one bit more than they do, so the float64
+    comparisons are exact. Past the grid (or at its top): inf, NaN for e4m3fn (no inf)."""
+    host, bits = NARROW[dtype]
+    grid = _grid(dtype)
+    top = len(grid) - 1
+    inf_pat = np.asarray(np.inf, np.float64).astype(host).view(bits)
+    out = np.zeros(x.shape, bits)
+    for k, v in enumerate(x):
+        if v != v:
+            out[k] = np.asarray(np.nan).astype(host).view(bits)
+            continue
+        a = abs(v)
+        i = int(np.searchsorted(grid, a, side="right")) - 1
+        if i >= top:
+            p = top
+        else:
+            mid = (grid[i] + grid[i + 1]) / 2
+            p = i + 1 if a > mid or (a == mid and i % 2) else i
+        if p == top:
+            p = int(inf_pat) & (np.iinfo(bits).max // 2)     # inf, or e4m3fn's NaN pattern
+        out[k] = p | (np.iinfo(bits).max // 2 + 1 if np.signbit(v) else 0)
+    return out
+
+
+def _ties(dtype):
+    """float64 values a hair either side of dtype's rounding ties, each close enough that its
+    nearest float32 is the tie itself (so f64 -> f32 -> dtype rounds it a second time, to the
+    even side), across normals, subnormals and the overflow threshold; then specials."""
+    grid = _grid(dtype)
+    idx = np.unique(np.concatenate([np.arange(0, 6), np.linspace(6, len(grid) - 6, 40).astype(int),
+                                    np.arange(len(grid) - 5, len(grid) - 1)]))
+    mids = (grid[idx] + grid[idx + 1]) / 2
+    delta = np.where(mids >= 2.0**-126, mids * 2.0**-30, 2.0**-155)
+    x = np.concatenate([mids - delta, mids + delta])
+    x = np.concatenate([x, -x])
+    assert (np.abs(x.astype(np.float32).astype(np.float64)) == np.tile(mids, 4)).all()
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e300, -1e300, 1e-300, -1e-300, 3.5e38,
+               -3.4e38, 1.0 / 3, 2.0 / 3, np.pi, 1e-7, 65519.99, 65520.0, 464.0, 464.01]
+    return np.concatenate([x, special])
+
+
+@pytest.mark.parametrize("ddt", list(NARROW))
+def test_f64_to_narrow_float_rounds_once(rng, ddt):
+    """cast f64 -> f16 / bf16 / fp8 rounds the f64 value once (nearest even, inf past the
+    largest, e4m3fn's NaN), not through the nearest f32: at a hair from a tie of the narrow
+    type the nearest f32 is the tie, which then rounds to the even side, an ulp off half the
+    time. Oracle: _round_once over the dtype's bit patterns (and NumPy's direct f64 -> f16)."""
+    host, bits = NARROW[ddt]
+    x = np.concatenate([_ties(ddt), rng.standard_normal(16) * 10.0 ** rng.integers(-9, 6, 16)])
+    want = _round_once(x, ddt)
+    if ddt == "f16":
+        np.testing.assert_array_equal(want, x.astype(np.float16).view(np.uint16))
+    twice = x.astype(np.float32).astype(host).view(bits)
+    assert (twice != want).sum() >= 40          # the values do tell one rounding from two
+    g = rlx.Graph("cast64")
+    a = g.input("x", x.shape, "f64")
+    g.set_outputs([g.cast(a, ddt), g.cast(g.cast(a, ddt), "f32")])   # the stored and the
+    got, widened = run_graph(g, {"x": x})                            # chained value
+    assert got.dtype == np.dtype(host)
+    for out, what in ((got.view(bits), "stored"), (widened.astype(host).view(bits), "chained")):
+        bad = np.flatnonzero(out != want)
+        nan = np.isnan(x) | (np.isnan(want.view(host).astype(np.float64)))
+        bad = bad[~(nan[bad] & np.isnan(out.view(host).astype(np.float64))[bad])]
+        assert not bad.size, (f"f64 -> {ddt} {what}: {bad.size} wrong, e.g. x={x[bad[0]]!r}: got "
+                              f"{out.view(host)[bad[0]]!r}, want {want.view(host)[bad[0]]!r}")

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import rlx_numba as rlx
-from halfref import HOST, UNIT
+from halfref import HOST, UNIT, f64
+from rlx_numba.kernels import rows
+from rlx_numba.kernels.launch import default_geometry
 
 NAN, INF = np.nan, np.inf
 X = np.array([[1.0, NAN, 3.0, -2.0, 0.5, 7.0, -3.0],
@@ -115,3 +117,121 @@ def test_softmax_over_a_middle_axis_carries_inf_and_nan(dtype):
                                    ("softmax", "log_softmax")):
             close(gv_, want, dtype, name)
     assert np.isnan(np.asarray(got[0], np.float64)[:, 2]).all()     # X's row 2 holds +inf
+
+
+# ---- norms and softmax on every kernel path, with the GPU's builtin max (issue: layer_norm
+# over axis 0 gave +-inf on an H200 where torch gives NaN) ---------------------------------------
+def _fmax(a, b):
+    """The builtin max as numba lowers it for floats on a GPU (fmaxf / fmax): a NaN operand
+    gives the other one, where Python's max(nan, 0) keeps the NaN."""
+    return b if a != a else a if b != b else (a if a >= b else b)
+
+
+@pytest.fixture
+def gpu_max(monkeypatch):
+    """In the simulator, rows.py's kernels see the GPU's max (a kernel runs there as Python with
+    its module's globals), so a NaN the GPU would drop is dropped here too. On a GPU nothing is
+    patched: the compiled kernels already use fmaxf."""
+    if rlx.simulator_enabled():
+        monkeypatch.setattr(rows, "max", _fmax, raising=False)
+
+
+def _groups_with_specials(length):
+    """[6, length] f32: the groups (values normalised together) hold a +inf (last place), a
+    -inf, a NaN, both infinities, an inf in the first place (the shifted sums' shift), and
+    nothing special."""
+    base = (np.arange(6 * length, dtype=np.float32).reshape(6, length) % 7 - 3) * 0.5
+    base[0, -1] = INF
+    base[1, length // 2] = -INF
+    base[2, 1] = NAN
+    base[3, 0], base[3, -1] = -INF, INF
+    base[4, 0] = INF
+    return base
+
+
+def _ln(h, gam, bet, eps):
+    d = h - h.mean(-1, keepdims=True)
+    y = d / np.sqrt((d * d).mean(-1, keepdims=True) + eps) * gam
+    return y if bet is None else y + bet
+
+
+def _rms(h, gam, bet, eps):
+    y = h * (1 / np.sqrt((h * h).mean(-1, keepdims=True) + eps)) * gam
+    return y if bet is None else y + bet
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("path", ["cols", "rows_reg", "rows_loop"])
+def test_norms_and_softmax_carry_inf_and_nan_on_every_path(dtype, path, gpu_max):
+    """A group holding an infinity has mean +-inf and x - mean = inf - inf (or a NaN var):
+    every output of layer_norm is NaN, as torch's; a NaN group is NaN; rms_norm follows
+    h * rsqrt(mean(h^2) + eps) (inf * 0 = NaN, finite * 0 = 0); softmax / log_softmax as
+    above. Each path of kernels/rows.py: the column kernel (axis 0), a row in registers and
+    a row streamed in chunks (the GPU's shifted sums, whose variance clamp was the builtin
+    max: fmaxf turned the NaN variance into 0, leaving +-inf where torch has NaN), with beta
+    and a fused residual."""
+    geo = default_geometry("rows")
+    length = {"cols": 6, "rows_reg": 7, "rows_loop": geo.max_g * rows.VPT_MAX + 8}[path]
+    if path == "rows_loop":
+        assert rows.row_plan(length, False) is None and rows.row_plan(length, True) is None
+    grp = _groups_with_specials(length)
+    res = ((np.arange(grp.size, dtype=np.float32).reshape(grp.shape) % 5) - 2) * 0.25
+    if path == "cols":   # [length, 3, 2], normalised over axis 0
+        to_x = lambda a: np.moveaxis(a.reshape(3, 2, length), -1, 0)   # noqa: E731
+        axis = 0
+    else:
+        to_x = lambda a: a                                              # noqa: E731
+        axis = -1
+    from_x = lambda a: np.moveaxis(a, 0, -1).reshape(6, length) if axis == 0 else a  # noqa: E731
+    host = HOST[dtype]
+    xv, rv = to_x(grp).astype(host), to_x(res).astype(host)
+    gv = np.linspace(0.5, 2.0, length).astype(host)
+    bv = np.linspace(-1.0, 1.0, length).astype(host)
+    g = rlx.Graph()
+    a, r = g.input("x", xv.shape, dtype), g.input("r", xv.shape, dtype)
+    gam, bet = g.constant(gv, dtype), g.constant(bv, dtype)
+    outs = {"layer_norm": g.layer_norm(a, gam, axis=axis, eps=EPS),
+            "layer_norm beta residual": g.layer_norm(a, gam, bet, axis=axis, eps=EPS, residual=r),
+            "rms_norm beta residual": g.rms_norm(a, gam, bet, axis=axis, eps=EPS, residual=r),
+            "softmax": g.softmax(a, axis),
+            "log_softmax": g.log_softmax(a, axis)}
+    g.set_outputs(list(outs.values()))
+    got = rlx.compile(g).run({"x": xv, "r": rv})
+    x64, g64, b64 = f64(from_x(xv)), f64(gv), f64(bv)
+    h64 = f64((x64 + f64(from_x(rv))).astype(host))    # h rounded to the dtype, as stored
+    with np.errstate(all="ignore"):
+        wants = {"layer_norm": _ln(x64, g64, None, EPS),
+                 "layer_norm beta residual": _ln(h64, g64, b64, EPS),
+                 "rms_norm beta residual": _rms(h64, g64, b64, EPS),
+                 "softmax": softmax(x64), "log_softmax": log_softmax(x64)}
+    for (name, want), out in zip(wants.items(), got):
+        out = from_x(np.asarray(out))
+        close(out, want.astype(host) if dtype != "f32" else want, dtype, f"{path} {name}")
+    assert np.isnan(f64(from_x(np.asarray(got[0])))[:5]).all()   # every special group: all NaN
+
+
+def test_layer_norm_grad_carries_inf_and_nan(gpu_max):
+    """norm_bwd's statistics clamp their variance too: a group holding an infinity gets a NaN
+    dx (rstd is NaN) and makes d gamma NaN, over axis 0 (one thread a column) and the last axis
+    (threads a row); other groups match the closed form dx = rstd (gdy - mean(gdy) -
+    xhat mean(gdy xhat)), gdy = dy * gamma."""
+    grp = _groups_with_specials(6)
+    gv = np.linspace(0.5, 2.0, 6).astype(np.float32)
+    dyv = ((np.arange(36, dtype=np.float32).reshape(6, 6) % 4) - 1.5) * 0.5
+    g64, dy64, x64 = f64(gv), f64(dyv), f64(grp)
+    with np.errstate(all="ignore"):
+        d = x64 - x64.mean(-1, keepdims=True)
+        rstd = 1 / np.sqrt((d * d).mean(-1, keepdims=True) + EPS)
+        xh, gdy = d * rstd, dy64 * g64
+        dx = rstd * (gdy - gdy.mean(-1, keepdims=True) - xh * (gdy * xh).mean(-1, keepdims=True))
+        dgam = (dy64 * xh).sum(0)
+    for axis, to_x in ((0, lambda a: np.ascontiguousarray(a.T)), (-1, lambda a: a)):
+        g = rlx.Graph()
+        x, gam = g.input("x", (6, 6)), g.param("g", (6,))
+        y = g.layer_norm(x, gam, axis=axis, eps=EPS)
+        g.set_outputs(g.grad(y, [x, gam], seed=g.constant(to_x(dyv))))
+        exe = rlx.compile(g)
+        exe.set_param("g", gv)
+        got_dx, got_dg = exe.run({"x": to_x(grp)})
+        close(to_x(np.asarray(got_dx)), dx, "f32", f"dx axis {axis}")
+        close(got_dg, dgam, "f32", f"d gamma axis {axis}")

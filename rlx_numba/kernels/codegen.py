@@ -49,7 +49,7 @@ def _to(value: str, src: dt.DType, dst: dt.DType) -> str:
     """Convert a value held in src's compute form (f32 for floats, f64 for f64) to dst's."""
     if src == dst or _compute(src) == _compute(dst):
         return value
-    if dst.is_float:   # (f64 to a half goes through f32, as torch's casts from double do)
+    if dst.is_float:   # (a cast from f64 to a narrower float rounds once: see _emit)
         return f"{_compute(dst).name.replace('f', 'float')}({value})"
     if dst == dt.BOOL:
         return f"({value} != 0)"
@@ -97,6 +97,8 @@ def _emit(e, loads: list[str]) -> str:
         return f"({_to(a, ad, d)} if {c} else {_to(b, bd, d)})"
     if op == "cast":
         (x, xd), = args
+        if xd == dt.F64 and d.is_float and d.itemsize <= 2:   # f32 rounded to odd, then once
+            x, xd = f"ew.f64_to_f32_odd({x})", dt.F32          # to d (not f32's nearest first)
         v = _to(x, xd, d)
         if d == dt.F16 and xd != dt.F16:   # round now, so later ops in a chain see f16 values
             return f"float32(float16({v}))"

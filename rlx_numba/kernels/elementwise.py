@@ -244,6 +244,22 @@ def f32_to_bf16(x):
 
 
 @device
+def f64_to_f32_odd(x):
+    """float64 -> float32 rounded to odd: x itself when it is a float32 (or NaN), else the
+    neighbour of x with an odd last bit (beyond the largest float32: that float32, not inf).
+    A later round to nearest even into f16 / bf16 / fp8 (each at least 2 bits narrower, bf16's
+    subnormals 16 bits coarser than f32's) then equals rounding x once; rounding x to nearest
+    float32 first could land on a tie of the narrow type and round again, an ulp off."""
+    f = float32(x)
+    if x != x or float64(f) == x:
+        return f
+    b = m.f32_bits(f)
+    if (b & int32(1)) == int32(0):   # even: the other neighbour of x, one step toward it
+        b = int32(b + int32(1)) if abs(float64(f)) < abs(x) else int32(b - int32(1))
+    return m.bits_f32(b)
+
+
+@device
 def round_bf16(x):
     """float32 rounded to the nearest bf16 value, kept as float32."""
     return bf16_to_f32(f32_to_bf16(x))

@@ -59,6 +59,15 @@ ZERO = float32(0.0)
 ONE = float32(1.0)
 
 
+@cuda.jit(device=True)
+def nonneg(v):
+    """max(v, 0) keeping a NaN: the shifted-sums variance E[d^2] - E[d]^2 can round below 0,
+    and is NaN when the row holds an infinity (inf - inf) or a NaN, which must reach every
+    output as torch's does. The builtin max is fmaxf on a GPU, which drops the NaN (the
+    simulator's Python max kept it, so only the GPU gave inf or a plain normalised value)."""
+    return ZERO if v < ZERO else v
+
+
 @functools.lru_cache(maxsize=None)
 def _finisher(kind, has_beta, gk):
     """finish(v, c, a, b, gamma, beta): the output value of element v at axis position c, given
@@ -307,7 +316,7 @@ def rows_loop(kind, block, unroll, cached, has_beta, has_res, write_sum, xk="f32
                     a = a + m.log(s)
             elif kind == LAYER_NORM:
                 mean = group_reduce(p, smem, g, SUM) / n
-                var = max(group_reduce(q, smem, g, SUM) / n - mean * mean, ZERO)
+                var = nonneg(group_reduce(q, smem, g, SUM) / n - mean * mean)
                 a = shift + mean
                 b = ONE / m.sqrt(var + eps)
             else:
@@ -388,7 +397,7 @@ def cols(kind, has_beta, has_res, write_sum, xk="f32", gk="f32"):
             elif kind == LAYER_NORM:
                 mean = p / fn
                 a = shift + mean
-                b = ONE / m.sqrt(max(q / fn - mean * mean, ZERO) + eps)
+                b = ONE / m.sqrt(nonneg(q / fn - mean * mean) + eps)
             else:
                 b = ONE / m.sqrt(q / fn + eps)
             src = sum_out if write_sum else x
@@ -521,7 +530,7 @@ def _norm_bwd_stats(kind, p1, p2, p3, p4, k, n, eps):
     the variance keeps its digits); rms_norm p2 = sum(h^2), p4 = sum(g*h). g = dy * gamma."""
     if kind == LAYER_NORM:
         m1 = p1 / n
-        rstd = ONE / m.sqrt(max(p2 / n - m1 * m1, ZERO) + eps)
+        rstd = ONE / m.sqrt(nonneg(p2 / n - m1 * m1) + eps)
         mg = p3 / n
         return k + m1, rstd, mg, (p4 / n - m1 * mg) * rstd
     rstd = ONE / m.sqrt(p2 / n + eps)
