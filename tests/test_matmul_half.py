@@ -423,3 +423,124 @@ def test_gpu_lt_exact_gelu_rounds_d_then_runs_in_place(rng, d, res):
     zh = f64(rounded(f64(xv) @ f64(wv) + f64(cv), d))
     want = act64("gelu", zh) + (f64(rv) if res else 0)
     assert_half_close(got, want, d, k=4, what=f"Lt {d} + gelu in place")
+
+
+# ---- the cuBLAS tiers' roundings, in the simulator: cuBLAS emulated ---------------------------
+class _EmulatedCublas:
+    """cuBLAS / cuBLASLt for the simulator (whose device arrays live on the host): each call the
+    lowering plans computes its product exactly (float64, then the epilogue cuBLASLt fuses) and
+    rounds it once to its C / D type, as the library does with f32 sums; the plans it saw are
+    kept (``calls``) for the tests to read which type each product writes."""
+    TYPES = {0: np.float32, 2: np.float16, 14: None}     # R_32F, R_16F, R_16BF
+
+    def __init__(self, monkeypatch):
+        import ml_dtypes
+        from rlx_numba import cublas
+        from rlx_numba.cublas import gemm
+        from rlx_numba.runtime import lower_matmul
+        self.TYPES = {**self.TYPES, 14: ml_dtypes.bfloat16}
+        self.calls = []
+        monkeypatch.setattr(lower_matmul, "SIMULATOR", False)   # the cuBLAS tiers are planned
+        monkeypatch.setattr(cublas, "available", lambda: (True, ""))
+        monkeypatch.setattr(gemm, "lt_plan", self.lt_plan)
+        monkeypatch.setattr(gemm, "gemm_ex_plan", self.gemm_ex_plan)
+
+    def view(self, ptr, code, shape):
+        import ctypes
+        t = np.dtype(self.TYPES[code])
+        raw = (ctypes.c_char * (t.itemsize * int(np.prod(shape)))).from_address(ptr)
+        return np.frombuffer(raw, t).reshape(shape)
+
+    def operands(self, cm, a_ptr, a_code, b_ptr, b_code):
+        """Our A [M, K] and B [K, N] (row-major) as float64 from cuBLAS's column-major terms
+        (gemm.colmajor: its A is our B, its B our A)."""
+        m, n, k = cm.n, cm.m, cm.k
+        a = self.view(a_ptr, a_code, (k, m) if cm.opb else (m, k)).astype(np.float64)
+        b = self.view(b_ptr, b_code, (n, k) if cm.opa else (k, n)).astype(np.float64)
+        return (a.T if cm.opb else a), (b.T if cm.opa else b)
+
+    def lt_plan(self, stream, cm, a_ptr, b_ptr, d_ptr, *, tf32, bias_ptr=None, activation=None,
+                residual_ptr=None, in_type, out_type):
+        self.calls.append(("lt", out_type, bias_ptr is not None, activation,
+                           residual_ptr is not None))
+
+        def run():
+            a, b = self.operands(cm, a_ptr, in_type, b_ptr, in_type)
+            z = a @ b
+            if bias_ptr is not None:
+                z = z + self.view(bias_ptr, out_type, (cm.m,)).astype(np.float64)
+            if residual_ptr is not None:
+                z = z + self.view(residual_ptr, out_type, z.shape).astype(np.float64)
+            z = act64(activation, z)
+            self.view(d_ptr, out_type, z.shape)[...] = z.astype(self.TYPES[out_type])
+        return run
+
+    def gemm_ex_plan(self, stream, cm, a_ptr, a_type, b_ptr, b_type, c_ptr, *, c_type, batch=1,
+                     stride_a=0, stride_b=0, ptr_arrays=None):
+        assert ptr_arrays is None, "not emulated"
+        self.calls.append(("ex", c_type))
+        size = {a_type: np.dtype(self.TYPES[a_type]).itemsize}[b_type]
+
+        def run():
+            for i in range(batch):
+                a, b = self.operands(cm, a_ptr + i * stride_a * size, a_type,
+                                     b_ptr + i * stride_b * size, b_type)
+                ci = np.dtype(self.TYPES[c_type]).itemsize * i * cm.m * cm.n
+                self.view(c_ptr + ci, c_type, (cm.n, cm.m))[...] = (a @ b).astype(
+                    self.TYPES[c_type])
+        return run
+
+
+@pytest.mark.skipif(ON_GPU, reason="emulates cuBLAS in the simulator (the GPU runs the library)")
+@pytest.mark.parametrize("d", HALVES)
+@pytest.mark.parametrize("tier", [1, 2])
+def test_cublas_tiers_round_half_epilogues_once(rng, monkeypatch, d, tier):
+    """A half product whose epilogue cuBLASLt fuses whole (bias with none / relu / gelu_tanh,
+    a residual with no activation) writes D of its type from the library; any other (an
+    activation cuBLASLt lacks, a residual after an activation, every epilogue on tier 2, a
+    batched product) has the library write its f32 sums into the arena scratch the plan gave
+    the node and the epilogue kernel round once: every output within one rounding of float64
+    (a steep tan and a residual that cancels make a product rounded to half first miss it by
+    many ulps). cuBLAS is emulated: exact sums, one rounding to the call's C / D type."""
+    monkeypatch.setenv("RLX_NUMBA_MATMUL_TIERS", f"{tier},4")
+    emu = _EmulatedCublas(monkeypatch)
+    m, k, n = 12, 9, 16
+    g = rlx.Graph("cublash")
+    x, r = g.input("x", (m, k), d), g.input("r", (m, n), d)
+    w, c = g.input("w", (k, n), d), g.input("c", (n,), d)
+    a3, b3, r3 = (g.input(q, s_, d) for q, s_ in (("a3", (2, m, k)), ("b3", (2, k, n)),
+                                                ("r3", (2, m, n))))
+    cases = [(None, False), ("gelu_tanh", False), (None, True), ("relu", True), ("tan", False),
+             ("neg", True), ("silu", False)]
+    ys = [g.linear(x, w, c, activation=act, residual=r if res else None) for act, res in cases]
+    plain = g.linear(x, w)
+    batched = g.matmul(a3, b3) + r3     # folded into the product: a residual epilogue
+    g.set_outputs(ys + [plain, batched])
+    exe = rlx.compile(g)
+    # scratches: every product with an epilogue a kernel applies (on tier 1 not those cuBLASLt
+    # fuses: the first three), 4 bytes an element; none for the plain product
+    split = [i for i, (act, res) in enumerate(cases) if tier == 2 or i >= 3]
+    assert sorted(exe.plan.scratch) == sorted([ys[i].id for i in split] + [batched.id])
+    assert all(exe.plan.scratch[y.id].nbytes == 4 * m * n for y in (ys[i] for i in split))
+    codes = {"f16": 2, "bf16": 14}
+    half_d = [c_ for c_ in emu.calls if c_[1] == codes[d]]
+    if tier == 1:   # the three cuBLASLt fuses, and the plain product, write D of the half type
+        assert sorted(half_d, key=str) == sorted(
+            [("lt", codes[d], True, None, False), ("lt", codes[d], True, "gelu_tanh", False),
+             ("lt", codes[d], True, None, True), ("lt", codes[d], False, None, False)], key=str)
+        assert ("lt", 0, False, None, False) in emu.calls     # the others: f32, nothing fused
+    else:
+        assert half_d == [("ex", codes[d])]                   # the plain product alone
+    epilogues = [s_.kernel_name for s_ in exe.steps if s_.name.endswith("epilogue")]
+    assert len(epilogues) == len(split) + 1 and all("in0:f32" in e for e in epilogues), epilogues
+    feed = {q: data(rng, v.shape, d) for q, v in (("x", x), ("r", r), ("w", w), ("c", c),
+                                                  ("a3", a3), ("b3", b3), ("r3", r3))}
+    got = exe.run(feed)
+    X, R, W, C = (f64(feed[q]) for q in ("x", "r", "w", "c"))
+    z = X @ W + C
+    for (act, res), y in zip(cases, got):
+        want = act64(act, z) + (R if res else 0)
+        assert_half_close(y, want, d, k=1.0, what=f"tier {tier} {act} residual={res}")
+    assert_half_close(got[-2], X @ W, d, k=1.0, what="plain")
+    assert_half_close(got[-1], f64(feed["a3"]) @ f64(feed["b3"]) + f64(feed["r3"]), d, k=1.0,
+                      what="batched + residual")
