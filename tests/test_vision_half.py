@@ -248,6 +248,47 @@ def test_conv_tiers_in_half(rng, monkeypatch, dtype, tiers):
 
 
 @pytest.mark.parametrize("dtype", HALVES)
+def test_conv_transpose_tier1_product_dtype(monkeypatch, dtype):
+    """Tier 1's conv_transpose: where windows overlap (dilation * (k - 1) >= stride on an
+    axis) its product is f32 (z and w cast up) and col2im sums f32 columns; where none do (a
+    2x2 stride-2 upsampling) each image element is one column and the product stays half."""
+    monkeypatch.setenv("RLX_NUMBA_CONV_TIERS", "1")
+    z = (1, 4, 3, 3)
+    for kw, ws, wide in ((dict(stride=2), (4, 2, 2, 2), False),
+                         (dict(stride=1, padding=1, dilation=2, output_padding=1), (4, 2, 3, 3), True),
+                         (dict(stride=(2, 1), padding=(0, 1)), (4, 2, 2, 3), True)):
+        g = rlx.Graph("ctp")
+        g.set_outputs([g.conv_transpose(g.input("z", z, dtype), g.input("w", ws, dtype), **kw)])
+        names = [s.kernel_name for s in rlx.compile(g).steps]
+        (mm,) = [n for n in names if "sgemm" in n]
+        assert (f"{dtype}->{dtype}" not in mm) == wide, (kw, names)
+        assert any("col2im" in n for n in names), names
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN and cuBLAS run on a GPU")
+@pytest.mark.parametrize("dtype", HALVES)
+@pytest.mark.parametrize("zs,ws,kw", [
+    ((1, 1, 4), (1, 1, 3), dict(padding=1, dilation=2, output_padding=1)),    # the fuzzer's
+    ((2, 6, 5, 4), (6, 2, 3, 3), dict(stride=(1, 2), padding=1, dilation=(2, 1),
+                                      output_padding=(1, 0), groups=2)),
+    ((1, 32, 6, 5), (32, 8, 3, 3), dict(padding=(1, 0), dilation=2, output_padding=(1, 0)))])
+def test_gpu_conv_transpose_off_cudnn_rounds_once(rng, dtype, zs, ws, kw):
+    """A half conv_transpose cuDNN declines (output_padding >= stride: padding unequal on the
+    two sides) takes tier 1 on the default ladder: its overlapping columns are summed in f32
+    and the image rounded once, within one rounding of float64 (it was 1-2 ulps off when the
+    half product rounded each column before col2im's sum)."""
+    a = _inputs(rng, dtype, z=zs, w=ws)
+    g = rlx.Graph("ctgpu")
+    g.set_outputs([g.conv_transpose(g.input("z", zs, dtype), g.input("w", ws, dtype), **kw)])
+    exe = rlx.compile(g)
+    names = [s.kernel_name for s in exe.steps]
+    assert any("col2im" in n for n in names) and not any("cudnn" in n for n in names), names
+    (got,) = exe.run(a)
+    want = conv_t_ref(a["z"], a["w"], **kw)
+    assert_half_close(got, want, dtype, k=1.0, what=f"conv_transpose {kw} {names}")
+
+
+@pytest.mark.parametrize("dtype", HALVES)
 def test_conv_and_pool_vjps_in_half(rng, dtype):
     """g.grad through conv and max pool in half: dx a half conv_transpose, dw a half
     conv_wgrad, the pool's a half pool_grad (the seed s is dy exactly)."""
