@@ -1149,9 +1149,6 @@ def gen_linear(b):
     mz = amax(zs)
     ez = k * x.e * amax(w.vs) + 2 * k * cu(x.d) * amax(x.vs) * amax(w.vs) + 4 * cu(x.d) * mz
     e = 1.13 * ez + 8 * cu(x.d) * (amax(vs) + mz) + (res.e if res else 0.0)
-    if act and x.d != "f32":   # a cuBLAS tier rounds the product (bias added) to the half type
-        e += 1.13 * UNIT[x.d] * mz   # before an activation cuBLASLt cannot fuse (gelu: erf),
-                                     # as torch eager's linear then gelu does (lower_matmul.py)
     oshape = vs[0].shape
     if math.prod(oshape) > b.cfg.max_size:
         return

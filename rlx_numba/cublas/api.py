@@ -15,6 +15,8 @@ from .loader import load_cublas
 # cublasOperation_t, cublasMath_t, cublasGemmAlgo_t
 OP_N, OP_T, OP_C = 0, 1, 2
 DEFAULT_MATH, TF32_TENSOR_OP_MATH = 0, 3
+# a flag of the math mode: split-K reductions in the compute type (f32), never a half output's
+DISALLOW_REDUCED_PRECISION_REDUCTION = 16
 GEMM_DEFAULT = -1
 # cudaDataType / cublasComputeType_t
 R_32F, R_16F, R_16BF = 0, 2, 14
@@ -30,6 +32,9 @@ MATRIX_SCALE_OUTER_VEC_32F = 3                           # an f32 vector along t
 EPILOGUE_DEFAULT, EPILOGUE_RELU, EPILOGUE_BIAS, EPILOGUE_RELU_BIAS = 1, 2, 4, 6
 EPILOGUE_GELU, EPILOGUE_GELU_BIAS = 32, 36
 PREF_MAX_WORKSPACE_BYTES = 1
+PREF_REDUCTION_SCHEME_MASK = 3
+# cublasLtReductionScheme_t: INPLACE (1) and OUTPUT_TYPE (4) sum split-K partials in D's type
+REDUCTION_SCHEME_COMPUTE_TYPE = 2
 
 STATUS = {0: "CUBLAS_STATUS_SUCCESS", 1: "CUBLAS_STATUS_NOT_INITIALIZED",
           3: "CUBLAS_STATUS_ALLOC_FAILED", 7: "CUBLAS_STATUS_INVALID_VALUE",

@@ -71,7 +71,10 @@ def blas_handle(stream, tf32: bool) -> c_void_p:
         blas.cublasSetStream_v2(h, c_void_p(key[1]))
         ptr, size = workspace(stream, key[0])
         blas.cublasSetWorkspace_v2(h, c_void_p(ptr), size)
-        blas.cublasSetMathMode(h, api.TF32_TENSOR_OP_MATH if tf32 else api.DEFAULT_MATH)
+        # a split-K reduction sums in f32 for a half C too (the default may sum its partials
+        # in C's type: more roundings than the one the contract allows)
+        blas.cublasSetMathMode(h, (api.TF32_TENSOR_OP_MATH if tf32 else api.DEFAULT_MATH)
+                               | api.DISALLOW_REDUCED_PRECISION_REDUCTION)
         _blas[key] = h
     return _blas[key]
 
@@ -191,6 +194,10 @@ def gemm_ex_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
     return lambda: fn(*args)
 
 
+# the split-K reductions a half D allows: none, or partials summed in f32 (the compute type)
+# in the workspace; not INPLACE or OUTPUT_TYPE, which round each partial to D's half type
+HALF_D_REDUCTIONS = api.REDUCTION_SCHEME_COMPUTE_TYPE
+
 LT_EPILOGUES = {(False, None): api.EPILOGUE_DEFAULT, (True, None): api.EPILOGUE_BIAS,
                 (False, "relu"): api.EPILOGUE_RELU, (True, "relu"): api.EPILOGUE_RELU_BIAS,
                 (False, "gelu_tanh"): api.EPILOGUE_GELU, (True, "gelu_tanh"): api.EPILOGUE_GELU_BIAS}
@@ -203,9 +210,10 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
     """cuBLASLt matmul D = epilogue(A@B [+ bias]) [+ residual]; A and B of ``in_type`` (f32,
     or f16/bf16 with f32 accumulation), D, C and the bias of ``out_type`` (f32, or the
     operands' half type: the bias then has D's type, the library's default for
-    BIAS_DATA_TYPE; compute and scale f32 either way). The residual goes in as C with
-    beta = 1, which the library adds before the epilogue: callers pass it only without an
-    activation. Raises CublasError(NOT_SUPPORTED) when no algorithm fits."""
+    BIAS_DATA_TYPE; compute and scale f32 either way; a half D's split-K partials are summed
+    in f32, ``HALF_D_REDUCTIONS``). The residual goes in as C with beta = 1, which the
+    library adds before the epilogue: callers pass it only without an activation. Raises
+    CublasError(NOT_SUPPORTED) when no algorithm fits."""
     _, lt = api.libs()
     dev = _device_id()            # (once: numba's device lookup is a context check each time)
     h = lt_handle(dev)
@@ -252,10 +260,11 @@ def lt_plan(stream, cm: Colmajor, a_ptr: int, b_ptr: int, d_ptr: int, *, tf32: b
                 c_void_p(_stream_ptr(stream)))
     # the same problem (shape, types, epilogue, operand alignments) again -- a model's layers
     # repeat shapes -- takes the algorithm chosen the first time: no heuristic, no timing
+    reductions = HALF_D_REDUCTIONS if out_type in (api.R_16F, api.R_16BF) else None
     key = (dev, cm, compute, in_type, out_type, epilogue,
            residual_ptr is not None, tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0,
-                                                            residual_ptr or 0)))
-    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for)
+                                                            residual_ptr or 0)), reductions)
+    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for, reductions)
     args = args_for(algo)
     keep += [desc, la, lb, lc, algo, beta]
 
@@ -324,10 +333,11 @@ def lt_lowp_plan(stream, cm: Colmajor, a_ptr: int, a_type: int, b_ptr: int, b_ty
         return (h, desc, byref(one), c_void_p(b_ptr), la, c_void_p(a_ptr), lb, byref(zero),
                 c_void_p(d_ptr), lc, c_void_p(d_ptr), lc, byref(algo), c_void_p(ws_ptr), ws_size,
                 c_void_p(_stream_ptr(stream)))
+    reductions = HALF_D_REDUCTIONS if d_type in (api.R_16F, api.R_16BF) else None
     key = (dev, "lowp", cm, a_type, b_type, d_type, bias_ptr is not None,
            a_scale_ptr is not None, outer_vec,
-           tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)))
-    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for)
+           tuple(p % 256 for p in (a_ptr, b_ptr, d_ptr, bias_ptr or 0)), reductions)
+    algo = _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for, reductions)
     args = args_for(algo)
     keep += [desc, la, lb, lc, algo, one, zero]
 
@@ -440,10 +450,11 @@ def _restored(problem, lt, h, desc, la, lb, lc):
     return algo
 
 
-def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for):
+def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for, reductions=None):
     """The algorithm for problem ``key``: chosen once (cuBLASLt's heuristic's candidates,
     the fastest of them timed by ``_fastest``) and kept on disk (AlgoStore), then taken from
-    ``_lt_choice``."""
+    ``_lt_choice``. ``reductions``: the split-K reduction schemes the candidates may use (a
+    cublasLtReductionScheme_t mask; None: any), part of ``key``."""
     algo = _lt_choice.get(key)
     if algo is None:
         problem = _problem(key, lt, ws_size)
@@ -456,6 +467,10 @@ def _lt_algo(key, lt, h, desc, la, lb, lc, ws_size, stream, call, args_for):
         lt.cublasLtMatmulPreferenceCreate(byref(pref))
         lt.cublasLtMatmulPreferenceSetAttribute(pref, api.PREF_MAX_WORKSPACE_BYTES, byref(ws),
                                                 sizeof(ws))
+        if reductions is not None:
+            mask = c_uint32(reductions)
+            lt.cublasLtMatmulPreferenceSetAttribute(pref, api.PREF_REDUCTION_SCHEME_MASK,
+                                                    byref(mask), sizeof(mask))
         results, count = (api.HeuristicResultT * TUNE_ALGOS)(), c_int(0)
         lt.cublasLtMatmulAlgoGetHeuristic(h, desc, la, lb, lc, lc, pref, TUNE_ALGOS, results,
                                           byref(count))

@@ -673,17 +673,25 @@ def expand_conv(g, node, ins):
       conv_wgrad      dw = the sum over N of dy [N, G, K/G, L] @ im2col(x)^T
     im2col and col2im take half natively; the products run in half where matmul takes it, else
     in f32 (``_product``; conv_transpose's col2im then sums f32 columns), the result rounded
-    once. A half weight gradient takes its products and their batch sum in f32 and rounds once
-    (a half product would round each sample's partial before the sum)."""
+    once. A half conv_transpose whose windows overlap (col2im sums several columns into an
+    image element) takes its product in f32 too, so the sum rounds once, not each column
+    first; without overlap (a 1x1, a kernel no wider than its stride) each image element is
+    one column, rounded once by the half product. A half weight gradient takes its products
+    and their batch sum in f32 and rounds once (a half product would round each sample's
+    partial before the sum)."""
     a = node.attrs
     groups, k = a["groups"], a["kernel"]
     if node.op == "conv_transpose":
         z, w = ins
+        # two taps of an axis reach one image element where dilation * (k - 1) >= stride
+        if node.dtype in (dt.F16, dt.BF16) and any(
+                kk > 1 and d * (kk - 1) >= s for kk, s, d in zip(k, a["stride"], a["dilation"])):
+            z, w = g.cast(z, dt.F32), g.cast(w, dt.F32)
         n, kc = z.shape[:2]
         r = w.shape[1] * math.prod(k)
         wt = g.transpose(g.reshape(w, (groups, kc // groups, r)), (0, 2, 1))
         cols = _product(g, wt, g.reshape(z, (n, groups, kc // groups, math.prod(z.shape[2:]))),
-                        node.dtype)
+                        z.dtype)
         img = g.bind("col2im", (cols,), **conv_geometry(node, node.shape, z.shape))
         return _rounded(g, img, node.dtype)
     x = ins[0]

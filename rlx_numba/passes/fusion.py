@@ -43,7 +43,7 @@ in the graph node's place (``nodes``). Nine rewrites:
   epilogue: the skinny-product kernel pairs each block's interleaved gate and up columns, so
   a SwiGLU MLP's activation costs no kernel of its own. A half product is then rounded once
   (act(gate) * up from its f32 sums) where the graph as written rounds the product first:
-  it may differ by that one rounding (runtime/lower_matmul.py: the other tiers keep it).
+  it may differ by that one rounding (runtime/lower_matmul.py: every tier rounds it once).
 - **Norm prologues.** ``rms_norm(x)`` over the last axis (no beta, no residual) read only as
   the A of a product of a 2-D weight with at most 16 rows (decode; the product possibly
   folded above), gamma and the product of x's dtype, becomes that product with

@@ -40,31 +40,28 @@ pointer-array batched), else tier 4's f64 kind, the epilogue kernel in f64; the 
 have no f64 form (``_f64_product``).
 
 f16 / bf16 products (every operand of that dtype, torch's rule) sum in f32 and round once to
-their dtype: tier 1 with A, B, C, D and the bias in the half type (f32 compute and scale:
-tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx, tier 4
-loading and storing through kernels/halfio.py, tier 5 in mma fragments. Roundings of a half
-product's epilogue:
+their dtype, the epilogue included (DESIGN.md): tier 1 with A, B and the half type's D (f32
+compute and scale: tensor cores), tier 2 through cublasGemmEx / GemmStridedBatchedEx /
+GemmBatchedEx, tier 4 loading and storing through kernels/halfio.py, tier 5 in mma fragments.
+cuBLAS and cuBLASLt sum split-K partials in f32 for a half D (gemm.py: never in D's type).
+Where a half product's epilogue is computed:
 
-- what cuBLASLt fuses (bias, relu / gelu_tanh, or a residual as C with no activation) is
-  computed in f32 and D rounded once;
-- what a cuBLAS tier leaves (exact gelu and the other activations; a residual after an
-  activation; everything on tier 2) runs as the element-wise kernel in place on D, which was
-  rounded to the half type first (the bias fused into it on tier 1): two roundings, as torch
-  eager's ``addmm`` then ``gelu``. Against one rounding through an f32 D this costs at most
-  |f'(z)| u |z| more (f' the activation's slope, z = x @ w + bias: about one more half ulp of
-  the result for gelu, silu and relu where z > 0, less where they flatten) and moves 6 bytes
-  an element of the product instead of 10 (D written and read in 2 bytes, not 4): the
-  intermediate of a BERT / ViT MLP, the largest tensor of the layer;
-- tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into an arena
-  scratch the memory plan gives the node (``f32_scratch_elems``) and the kernel rounds once;
+- cuBLASLt fusing the whole of it (bias, relu / gelu_tanh, a residual as C before any
+  activation: ``lt_fuses``) computes it in f32 and rounds D once: a model's fast path;
+- otherwise a cuBLAS tier (exact gelu and the other activations, a residual after an
+  activation, everything on tier 2) writes D in f32 (f32 C / D under COMPUTE_32F) into an
+  arena scratch the memory plan gives the node (``f32_scratch_elems``), and the element-wise
+  kernel applies the whole epilogue to those sums and rounds once (10 bytes an element of
+  the product moved instead of 6: D written and read in 4 bytes; rounding D to half first
+  would err by up to |f'(z)| u |z| more, f' the activation's slope at z = x @ w + bias, which
+  a residual that cancels y, or a steep activation, makes many ulps of y);
+- tier 4 (the numba SGEMM: the simulator, or no cuBLAS) writes its f32 sums into that
+  scratch likewise;
 - tier 5 applies the whole epilogue to its f32 fragments in its store: one rounding;
 - a gated epilogue (passes/fusion.py: SwiGLU's act(gate + bias) * (up + bias) over the
-  interleaved columns): tier 3 computes it from its f32 sums and rounds y once; tiers 0-2
-  write the product (+ bias) to a scratch of the half type (D, as cuBLAS writes it; tier 2's
-  bias added in place by the epilogue kernel, a rounding more) and the gated kernel reads it
-  and rounds act(gate) * up again: two roundings, as torch eager's ``mm`` then ``silu * mul``
-  (and as the unfolded graph); tier 4 writes its f32 sums (+ bias) to an f32 scratch of its
-  own and the gated kernel rounds once.
+  interleaved columns): tier 3 computes it from its f32 sums and rounds y once; the other
+  tiers write the f32 sums to an f32 scratch of the node's own (the bias added in place
+  there by the epilogue kernel, in f32) and the gated kernel rounds once.
 
 Tier 3 takes x, y, bias and residual in the
 half type with a weight of that type (a half param, stored [N, K] as f32 ones are); tier 0
@@ -105,6 +102,14 @@ from .lower import (CallStep, Step, compile_off_thread, data_ptr, elementwise_st
 from .lower_norm import rms_norm_steps
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
+NO_EPILOGUE = {"bias": None, "activation": None, "residual": None, "residual_first": False}
+
+
+def lt_fuses(activation, has_residual, residual_first) -> bool:
+    """Whether cuBLASLt fuses the whole epilogue (``_lt_step``): the bias, relu / gelu_tanh,
+    and a residual added as C before any activation (none, or ``residual_first``)."""
+    return activation in LT_ACTIVATIONS and (not has_residual or activation is None
+                                             or residual_first)
 PRODUCTS = ("matmul", "linear")
 # ops reading their input 1 (b / w) through a transpose flag (lower_lowp.py: the low-precision
 # products' tiers read b stored [N, K] as well as [K, N])
@@ -268,6 +273,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     epi = {"bias": bias, "activation": activation, "residual": residual,
            "residual_first": residual_first}
     post, full = [], out      # full: where the ladder's tiers write the [M, N] product
+    full_dt = n.dtype         # and its dtype
 
     def gated_scratch(sdt):
         """(scratch, [gated step]): the [M, N] product (+ bias) in ``sdt``, which the gated
@@ -276,18 +282,36 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
         return scratch, [gated_step(name + " gated", out, scratch, (batch * m, ncols), sdt,
                                     gated, True, residual=ctx.buf(residual) if residual is not None
                                     else None, out_dtype=n.dtype)]
-    if gated:     # cuBLAS writes D in the product's dtype (a half one rounded twice: the
-        # module docstring); tier 4 below takes an f32 scratch of its own instead
-        full, post = gated_scratch(n.dtype)
+    if gated:     # the product (+ bias) in f32 (a half one's sums too): the gated kernel
+        # rounds once
+        full_dt = dt.compute_dtype(n.dtype)
+        full, post = gated_scratch(full_dt)
         epi = {"bias": bias, "activation": None, "residual": None, "residual_first": False}
     steps, why = [], []
     has_epi = any(epi[k] is not None for k in ("bias", "activation", "residual"))
     if k == 0:   # an empty sum: zeros (exact in any dtype), then the epilogue in place
         zero = ctx.device_array(np.zeros(1, np.bool_))
-        steps.append(elementwise_step(name + " zero", ("cast", None, n.dtype, ("in", 0, dt.BOOL)),
+        steps.append(elementwise_step(name + " zero", ("cast", None, full_dt, ("in", 0, dt.BOOL)),
                                       full, (batch * m * ncols,), [zero], [(1,)], [dt.BOOL]))
-        return (steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, out_dtype=n.dtype)
+        return (steps + _epilogue(ctx, name, full, (batch * m, ncols), **epi, out_dtype=full_dt)
                 + post)
+    wide = []
+
+    def sums():
+        """Where a half product whose tier leaves (part of) its epilogue to a kernel writes its
+        f32 sums: the gated scratch, else the arena scratch the memory plan gave the node
+        (``f32_scratch_elems``), or an array of its own where the plan did not foresee one
+        (the tiers allowed changed since: a product planned again by set_param_half; cuBLASLt
+        refused a product whose epilogue it would fuse)."""
+        if gated:
+            return full
+        if not wide:
+            size = batch * m * ncols
+            dst = ctx.scratch_buf(n)
+            if dst is None or dst.size < size:
+                dst = ctx.device_array(np.empty(size, np.float32))
+            wide.append(dst[:size])
+        return wide[0]
     offs_a = _batch_offsets(a.shape, batch_shape, m * k) if batch > 1 else np.zeros(1, np.int64)
     offs_b = _batch_offsets(b.shape, batch_shape, k * ncols) if batch > 1 else np.zeros(1, np.int64)
     tiers = matmul_env_tiers()
@@ -338,15 +362,20 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
             continue
         if tier:
             b = _f32_weight(ctx, b, tier, why)
-        # a half product is written in its dtype (D of cuBLASLt / GemmEx) with what the tier
-        # fuses; the rest of its epilogue runs in place on it (see the module docstring)
-        plan = _TIERS[tier](ctx, name, a, b, full, m, ncols, k, batch, offs_a, offs_b, epi, why,
-                            kind=kind)
+        # a half product rounds once (the module docstring): D of its dtype where cuBLASLt
+        # fuses the whole epilogue (or there is none), else the f32 sums, which the epilogue
+        # kernel reads
+        split = half and (has_epi or gated) and not (
+            tier == 1 and not gated and lt_fuses(activation, residual is not None, residual_first))
+        dst = sums() if split else full
+        plan = _TIERS[tier](ctx, name, a, b, dst, m, ncols, k, batch, offs_a, offs_b,
+                            NO_EPILOGUE if split else epi, why, kind=kind,
+                            out_kind="f32" if split else kind)
         if plan is not None:
             steps, left = plan
-            left = {**epi, **left}      # what the tier left of the epilogue
+            left = epi if split else {**epi, **left}      # what the tier left of the epilogue
             steps = pre + steps + _epilogue(ctx, name, full, (batch * m, ncols), **left,
-                                            out_dtype=n.dtype) + post
+                                            src=dst, out_dtype=full_dt) + post
             if skinny is not None and m == 1 and half:
                 # one row of half activations: tier 3 streams the weight at 85-105% of copy
                 # bandwidth where cuBLASLt reaches 37-98% (bench_gemv, H100, the 1B shapes);
@@ -388,16 +417,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
     if tensor is not None:
         return _done(n, 5, why, tensor, flops)
     b = _f32_weight(ctx, b, 4, why)
-    if gated and half:          # the f32 sums (+ bias) for the gated kernel: one rounding
-        full, post = gated_scratch(dt.F32)
-    dst = full
-    if half and has_epi and not gated:   # f32 into the arena scratch the plan gave the node (one
-        # rounding, on the epilogue kernel's store); an own array only where the tiers
-        # allowed changed since the plan (a product planned again by set_param_half)
-        dst = ctx.scratch_buf(n)
-        if dst is None or dst.size < batch * m * ncols:
-            dst = ctx.device_array(np.empty(batch * m * ncols, np.float32))
-        dst = dst[:batch * m * ncols]
+    dst = sums() if half and (has_epi or gated) else full   # f32: one rounding, the kernel's
     out_kind = kind if dst is out else "f32"
     kern = mm.sgemm_kernel(a.trans, b.trans, kind, out_kind)
     grid, block = mm.sgemm_launch(m, ncols, batch)
@@ -406,8 +426,7 @@ def product_steps(ctx, n, a: Operand, b: Operand, out_shape, bias=None, activati
                   (dst, a.buf, b.buf, np.int64(m), np.int64(ncols), np.int64(k),
                    ctx.device_array(offs_a), ctx.device_array(offs_b), np.int64(batch)))]
     return (pre + _done(n, 4, why, steps, flops)
-            + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst,
-                        out_dtype=dt.F32 if gated else n.dtype)
+            + _epilogue(ctx, name, full, (batch * m, ncols), **epi, src=dst, out_dtype=full_dt)
             + post)
 
 
@@ -456,17 +475,26 @@ def _f64_product(ctx, n, name, a, b, out, m, ncols, k, batch, offs_a, offs_b, ep
 def f32_scratch_elems(graph: Graph, n) -> int:
     """Elements of the f32 scratch that product node ``n`` (as the fusion pass lowers it)
     writes, for the memory plan (plan.py puts it in the arena, live at the node's step
-    alone): a half product with an epilogue that may reach tier 4 (no cuBLAS tier for it:
-    the simulator, no library, RLX_NUMBA_MATMUL_TIERS), which writes its f32 sums there for
-    the epilogue kernel to round once; 0 for any other node, and where tier 5 is offered
-    (it fuses the epilogue; should it pass a product over, tier 4 makes its own scratch)."""
-    if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or n.attrs.get("gated")
-            or not (n.attrs.get("has_bias") or n.attrs.get("activation")
-                    or n.attrs.get("has_residual"))
+    alone): a half product with an epilogue that a kernel applies, its tier writing the f32
+    sums there for that kernel to round once -- on a GPU with cuBLAS, every such product but
+    an unbatched one whose epilogue cuBLASLt fuses whole (tier 1, ``lt_fuses``); without
+    (the simulator, no library, RLX_NUMBA_MATMUL_TIERS), tier 4's. 0 for any other node,
+    and where tier 5 is offered without cuBLAS (it fuses the epilogue; should it pass a
+    product over, tier 4 makes its own scratch). A product planned otherwise than foreseen
+    here (an absorbed transpose of A unfolding the batch; cuBLASLt refusing one it would
+    fuse) makes its own (``product_steps``)."""
+    a = n.attrs
+    if (n.op not in PRODUCTS or n.dtype not in (dt.F16, dt.BF16) or a.get("gated")
+            or not (a.get("has_bias") or a.get("activation") or a.get("has_residual"))
             or not n.size or not graph.nodes[n.inputs[0]].shape[-1]):
         return 0
-    if not SIMULATOR and {1, 2} & matmul_env_tiers() and cublas.available()[0]:
-        return 0        # tier 1 or 2 takes every product (tier 2 whatever tier 1 refuses)
+    tiers = matmul_env_tiers()
+    if not SIMULATOR and {1, 2} & tiers and cublas.available()[0]:
+        unbatched = n.op == "linear" or len(graph.nodes[n.inputs[1]].shape) == 2 or \
+            math.prod(n.shape[:-2]) == 1
+        whole = 1 in tiers and unbatched and lt_fuses(a.get("activation"), a.get("has_residual"),
+                                                      a.get("residual_first", False))
+        return 0 if whole else n.size
     if tier5_offered():
         return 0        # tier 5 takes every half product tier 3 does not (both fuse the epilogue)
     return n.size
@@ -513,7 +541,8 @@ def _epilogue(ctx, name, out, shape, bias=None, activation=None, residual=None, 
     return [elementwise_step(name + " epilogue", expr, out, shape, ins, shapes, dts)]
 
 
-def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
+def _tier0(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind, out_kind):
+    # (kind and out_kind are f32: tier 0 takes an f32 graph's products)
     half = ctx.half_param(b.node)
     if half is None:
         why.append("tier 0: the weight is not stored half (set_param_half)")
@@ -574,32 +603,33 @@ def _lt_step(ctx, name, cm, a_buf, b_buf, out, epi, why, in_type, label, out_typ
     return step, left
 
 
-def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
+def _tier1(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind, out_kind):
     """Every unbatched product, whatever its epilogue: cuBLASLt fuses what it can (the
     bias always, relu / gelu_tanh, a residual with no activation) and the epilogue kernel
     does the rest. Even with nothing to fuse it beats cublasSgemm_v2 on the host (a call cost
     ~11 against ~23 us of CPU on an H100 box: Sgemm runs cuBLAS's own heuristic each call),
     and its algorithm was timed at compile time. f16 / bf16 operands: A, B, C and D (and the
-    bias) of that type, f32 compute and scale (tensor cores); the epilogue it cannot fuse
-    runs on D in place (the module docstring's roundings)."""
+    bias) of that type, f32 compute and scale (tensor cores); ``out_kind`` f32: D holds the
+    f32 sums for the epilogue kernel (the module docstring's roundings)."""
     if batch > 1:
         why.append("tier 1: batched product")
         return None
     from ..cublas import api, gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
+    label = "" if kind == "f32" else kind if out_kind == kind else f"{kind}->{out_kind}"
     lt = _lt_step(ctx, name, cm, a.buf, b.buf, out, epi, why, in_type=api.DATA_TYPE[kind],
-                  label="" if kind == "f32" else kind, out_type=api.DATA_TYPE[kind])
+                  label=label, out_type=api.DATA_TYPE[out_kind])
     return None if lt is None else ([lt[0]], lt[1])
 
 
-def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind):
+def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind, out_kind):
     """cublasSgemm (strided / pointer-array batched) for f32; for f16 / bf16 operands
-    cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx with f32 compute, C of the operands'
-    type (an epilogue kernel follows in place)."""
+    cublasGemmEx / GemmStridedBatchedEx / GemmBatchedEx with f32 compute, C of ``out_kind``
+    (the operands' type, or f32 sums for the epilogue kernel to round once)."""
     from ..cublas import gemm
     cm = gemm.colmajor(m, n, k, a.trans, b.trans)
     if kind != "f32":
-        return _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind)
+        return _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind)
     tf32 = cublas.allow_tf32
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, kind = None, "cublasSgemm" if batch == 1 else "cublasSgemmStridedBatched"
@@ -614,9 +644,9 @@ def _tier2(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, epi, why, kind)
     return [CallStep(name, f"{kind} {batch}x{m}x{n}x{k}{' tf32' if tf32 else ''}", make)], {}
 
 
-def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind):
+def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind, out_kind):
     from ..cublas import api, gemm
-    code = api.DATA_TYPE[kind]
+    code, c_code = api.DATA_TYPE[kind], api.DATA_TYPE[out_kind]
     sa, sb = _uniform_stride(offs_a), _uniform_stride(offs_b)
     ptrs, call = None, "cublasGemmEx" if batch == 1 else "cublasGemmStridedBatchedEx"
     if batch > 1 and (sa is None or sb is None):
@@ -627,9 +657,10 @@ def _tier2_ex(ctx, name, a, b, out, m, n, k, batch, offs_a, offs_b, cm, kind):
         ctx.keep(ptrs)
         call = "cublasGemmBatchedEx"
     make = lambda stream: gemm.gemm_ex_plan(stream, cm, data_ptr(a.buf), code, data_ptr(b.buf),  # noqa: E731
-                                            code, data_ptr(out), c_type=code, batch=batch,
+                                            code, data_ptr(out), c_type=c_code, batch=batch,
                                             stride_a=sa or 0, stride_b=sb or 0, ptr_arrays=ptrs)
-    return [CallStep(name, f"{call} {kind} {batch}x{m}x{n}x{k}", make)], {}
+    to = "" if out_kind == kind else f"->{out_kind}"
+    return [CallStep(name, f"{call} {kind}{to} {batch}x{m}x{n}x{k}", make)], {}
 
 
 _TIERS = {0: _tier0, 1: _tier1, 2: _tier2}
