@@ -1138,9 +1138,10 @@ def gen_linear(b):
     res = (b.pick(lambda v: v.shape == oshape and v.d == x.d, shape=oshape, d=x.d)
            if r.random() < 0.3 else None)
     act = LINEAR_ACTS[int(r.integers(len(LINEAR_ACTS)))]
-    vs, zs = [], []
+    vs, zs, ps = [], [], []
     for i in range(2):
         z = np.matmul(x.vs[i][..., None, :], w.vs[i])[..., 0, :]
+        ps.append(z)
         if bias is not None:
             z = z + bias.vs[i]
         zs.append(z)
@@ -1149,6 +1150,10 @@ def gen_linear(b):
     mz = amax(zs)
     ez = k * x.e * amax(w.vs) + 2 * k * cu(x.d) * amax(x.vs) * amax(w.vs) + 4 * cu(x.d) * mz
     e = 1.13 * ez + 8 * cu(x.d) * (amax(vs) + mz) + (res.e if res else 0.0)
+    if x.d != "f32" and (act in (None, "relu") and (bias is not None or act)
+                         or res is not None):
+        e += 1.13 * UNIT[x.d] * amax(ps)   # cuBLASLt's fused epilogue rounds the product to the
+                                           # half type first, as torch's addmm does
     oshape = vs[0].shape
     if math.prod(oshape) > b.cfg.max_size:
         return

@@ -6,10 +6,12 @@ at all (graphs).
     python tools/soak.py [--tokens 100000] [--steps 5000] [--graphs 0] [--config smollm2|tiny]
         [--new 128] [--batch 1] [--train-batch 8 --seq 256] [--slack 64e6]
 
-``--graphs N`` first compiles, runs and drops N distinct small graphs (a product, a
-convolution and a solve of changing shapes, in stream, graph and multistream modes), as a
-service compiling graph after graph does; its count column is the live cuBLAS / cuDNN /
-cuSOLVER handles, which must not grow.
+``--graphs N`` first compiles, runs and drops N small graphs (a product, a convolution and
+a solve whose shapes cycle through 60 distinct ones, in stream, graph and multistream modes),
+as a service compiling graph after graph does; what is cached per distinct shape (kernels,
+tuning verdicts, library plans) fills during the first cycle, so with N >= 600 the baseline
+(the first tenth) comes after it; its count column is the live cuBLAS / cuDNN / cuSOLVER
+handles, which must not grow.
 
 Generation runs ``generate`` of ``--new`` tokens (random prompts of varying lengths within one
 bucket, so the same graphs serve every call) until ``--tokens`` are made; training runs
@@ -88,11 +90,15 @@ def live_handles() -> int:
     return len(gemm._blas) + len(cudnn._handles) + len(cusolver._handles)
 
 
+CHURN_SHAPES = 60   # distinct graphs the churn cycles through (per-shape caches fill in one)
+
+
 def churn_graph(rlx, i: int, rng):
-    """The i-th of a stream of distinct small graphs a long-lived service might compile: a
-    product (cuBLAS), a convolution (cuDNN) and a solve (cuSOLVER), with shapes that change
-    from one to the next; (graph, inputs)."""
-    m, c = 8 + i % 61, 3 + i % 5
+    """The i-th of a stream of small graphs a long-lived service might compile: a product
+    (cuBLAS), a convolution (cuDNN) and a solve (cuSOLVER), with shapes that change from one
+    to the next through CHURN_SHAPES distinct ones; (graph, inputs)."""
+    j = i % CHURN_SHAPES
+    m, c = 8 + j, 3 + j % 5
     g = rlx.Graph(f"churn{i}")
     x, w = g.input("x", (m, 64)), g.input("w", (64, 32))
     img, k = g.input("img", (1, c, 12, 12)), g.input("k", (4, c, 3, 3))

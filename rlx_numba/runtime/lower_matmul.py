@@ -46,9 +46,12 @@ GemmBatchedEx, tier 4 loading and storing through kernels/halfio.py, tier 5 in m
 cuBLAS and cuBLASLt sum split-K partials in f32 for a half D (gemm.py: never in D's type).
 Where a half product's epilogue is computed:
 
-- cuBLASLt fusing the whole of it (bias, relu / gelu_tanh, a residual as C before any
-  activation: ``lt_fuses``) computes it in f32 and rounds D once: a model's fast path;
-- otherwise a cuBLAS tier (exact gelu and the other activations, a residual after an
+- cuBLASLt fusing the whole of it (bias, relu, a residual as C before any activation:
+  ``lt_fuses``): a model's fast path, as torch's addmm runs it; on an H200 Lt rounds the
+  product to D's type before it adds the bias (half an ulp of the product, which a bias
+  that cancels it leaves), so this one is not a single rounding; its GELU epilogue (the tanh
+  form) was up to ~1.2 ulp off its formula there, so gelu_tanh takes the next way;
+- otherwise a cuBLAS tier (gelu, gelu_tanh and the other activations, a residual after an
   activation, everything on tier 2) writes D in f32 (f32 C / D under COMPUTE_32F) into an
   arena scratch the memory plan gives the node (``f32_scratch_elems``), and the element-wise
   kernel applies the whole epilogue to those sums and rounds once (10 bytes an element of
@@ -102,14 +105,15 @@ from .lower import (CallStep, Step, compile_off_thread, data_ptr, elementwise_st
 from .lower_norm import rms_norm_steps
 
 LT_ACTIVATIONS = (None, "relu", "gelu_tanh")   # cuBLASLt's GELU is the tanh form
+LT_HALF_ACTIVATIONS = (None, "relu")           # (its GELU is off by ~1.2 ulp of a half D)
 NO_EPILOGUE = {"bias": None, "activation": None, "residual": None, "residual_first": False}
 
 
 def lt_fuses(activation, has_residual, residual_first) -> bool:
-    """Whether cuBLASLt fuses the whole epilogue (``_lt_step``): the bias, relu / gelu_tanh,
-    and a residual added as C before any activation (none, or ``residual_first``)."""
-    return activation in LT_ACTIVATIONS and (not has_residual or activation is None
-                                             or residual_first)
+    """Whether cuBLASLt fuses the whole epilogue of a half product (``_lt_step``): the bias,
+    relu, and a residual added as C before any activation (none, or ``residual_first``)."""
+    return activation in LT_HALF_ACTIVATIONS and (not has_residual or activation is None
+                                                  or residual_first)
 PRODUCTS = ("matmul", "linear")
 # ops reading their input 1 (b / w) through a transpose flag (lower_lowp.py: the low-precision
 # products' tiers read b stored [N, K] as well as [K, N])
