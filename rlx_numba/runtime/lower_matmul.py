@@ -114,6 +114,8 @@ def lt_fuses(activation, has_residual, residual_first) -> bool:
     relu, and a residual added as C before any activation (none, or ``residual_first``)."""
     return activation in LT_HALF_ACTIVATIONS and (not has_residual or activation is None
                                                   or residual_first)
+
+
 PRODUCTS = ("matmul", "linear")
 # ops reading their input 1 (b / w) through a transpose flag (lower_lowp.py: the low-precision
 # products' tiers read b stored [N, K] as well as [K, N])
