@@ -152,6 +152,11 @@ def handle(stream):
     return _handles[key], _ws[key].device_ctypes_pointer.value
 
 
+def live_handles() -> int:
+    """cuDNN handles alive in this process (one per stream until the stream goes)."""
+    return len(_handles)
+
+
 def _drop_stream(key) -> None:
     """The handle and workspace of (device, stream) go with the stream."""
     _ws.pop(key, None)

@@ -153,6 +153,11 @@ def handle(stream) -> c_void_p:
     return _handles[key]
 
 
+def live_handles() -> int:
+    """cuSOLVER handles alive in this process (one per stream until the stream goes)."""
+    return len(_handles)
+
+
 def _drop_stream(key) -> None:
     """The handle of (device, stream) goes with the stream."""
     h = _handles.pop(key, None)

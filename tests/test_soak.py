@@ -64,3 +64,19 @@ def test_soak_compiles_and_drops_distinct_graphs(monkeypatch, capsys):
     assert soak.main(["--graphs", "3", "--tokens", "0", "--steps", "0", "--every", "1",
                       "--slack", "1e12"]) == 1
     assert "handles +2: GREW" in capsys.readouterr().out
+
+
+def test_soak_trace_names_where_host_memory_grew(monkeypatch, capsys):
+    """--trace N: after a phase, the places whose live allocations grew since the baseline,
+    with the frames that made them (here a stand-in model that keeps 64 KiB a call)."""
+    kept = []
+
+    class Leaky(Model):
+        def generate(self, ids, n):
+            kept.append(bytearray(64 << 10))
+            return super().generate(ids, n)
+
+    monkeypatch.setattr(soak, "load_model", lambda name: (SimpleNamespace(vocab_size=97), Leaky()))
+    assert soak.main(ARGS + ["--steps", "0", "--slack", "1e9", "--trace", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "KiB in" in out and "kept.append(bytearray(64 << 10))" in out, out

@@ -4,14 +4,15 @@ they go; exits 1 if any of them grew after the warm-up by more than ``--slack`` 
 at all (graphs).
 
     python tools/soak.py [--tokens 100000] [--steps 5000] [--graphs 0] [--config smollm2|tiny]
-        [--new 128] [--batch 1] [--train-batch 8 --seq 256] [--slack 64e6]
+        [--new 128] [--batch 1] [--train-batch 8 --seq 256] [--slack 64e6] [--trace N]
 
 ``--graphs N`` first compiles, runs and drops N small graphs (a product, a convolution and
 a solve whose shapes cycle through 60 distinct ones, in stream, graph and multistream modes),
 as a service compiling graph after graph does; what is cached per distinct shape (kernels,
 tuning verdicts, library plans) fills during the first cycle, so with N >= 600 the baseline
 (the first tenth) comes after it; its count column is the live cuBLAS / cuDNN / cuSOLVER
-handles, which must not grow.
+handles, which must not grow. ``--trace N`` prints, after each phase, the N places whose
+live Python allocations grew most from the baseline on (tracemalloc, which slows the run).
 
 Generation runs ``generate`` of ``--new`` tokens (random prompts of varying lengths within one
 bucket, so the same graphs serve every call) until ``--tokens`` are made; training runs
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tracemalloc
 import sys
 import time
 from pathlib import Path
@@ -59,8 +61,9 @@ class Watch:
     ``count()``: what must not grow at all (the model's compiled graphs, or live library
     handles), named ``counted``."""
 
-    def __init__(self, what: str, total: int, count, counted: str = "graphs"):
+    def __init__(self, what: str, total: int, count, counted: str = "graphs", trace: int = 0):
         self.what, self.total, self.count, self.counted = what, total, count, counted
+        self.trace, self.snap = trace, None
         self.base = None
         self.worst = (0, 0, 0)
         print(f"{'':8}{what:>10} {'host MiB':>10} {'device MiB':>11} {counted:>7} {'s':>8}")
@@ -70,6 +73,9 @@ class Watch:
         now = (rss(), device_used(), self.count())
         if self.base is None and done >= self.total // 10:
             self.base = now
+            if self.trace:         # what is allocated from here on and still alive at the end
+                tracemalloc.start(25)
+                self.snap = tracemalloc.take_snapshot()
         if self.base is not None:
             self.worst = tuple(max(w, n - b) for w, n, b in zip(self.worst, now, self.base))
         print(f"{'':8}{done:>10} {now[0] / 2**20:>10.1f} {now[1] / 2**20:>11.1f} {now[2]:>7} "
@@ -80,14 +86,28 @@ class Watch:
         good = host <= slack and dev <= slack and graphs == 0
         print(f"{self.what}: after warm-up host +{host / 2**20:.1f} MiB, device "
               f"+{dev / 2**20:.1f} MiB, {self.counted} +{graphs}: {'flat' if good else 'GREW'}")
+        if self.snap is not None:
+            self.report_growth()
         return good
+
+    def report_growth(self) -> None:
+        """The ``trace`` places whose live Python allocations grew most since the baseline,
+        each with the innermost frames that made them (--trace)."""
+        grown = [s for s in tracemalloc.take_snapshot().compare_to(self.snap, "traceback")
+                 if s.size_diff > 0][:self.trace]
+        tracemalloc.stop()
+        self.snap = None
+        for s in grown:
+            print(f"  +{s.size_diff / 1024:.1f} KiB in {s.count_diff:+d} blocks, made at:")
+            for line in s.traceback.format(limit=8):
+                print(f"    {line}")
 
 
 def live_handles() -> int:
     """cuBLAS, cuDNN and cuSOLVER handles alive in this process (0 in the simulator)."""
     from rlx_numba import cudnn, cusolver
     from rlx_numba.cublas import gemm
-    return len(gemm._blas) + len(cudnn._handles) + len(cusolver._handles)
+    return gemm.live_handles() + cudnn.live_handles() + cusolver.live_handles()
 
 
 CHURN_SHAPES = 60   # distinct graphs the churn cycles through (per-shape caches fill in one)
@@ -132,6 +152,9 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", type=int, default=0, help="distinct graphs to compile, run and "
                    "drop first (a service compiling graph after graph)")
     p.add_argument("--slack", type=float, default=64e6, help="bytes of growth allowed")
+    p.add_argument("--trace", type=int, default=0, metavar="N", help="after each phase, the N "
+                   "places whose live Python allocations grew most since the baseline "
+                   "(tracemalloc from the baseline on: slower)")
     p.add_argument("--every", type=int, default=0, help="rows every N tokens / steps "
                                                         "(default: ten rows)")
     args = p.parse_args(argv)
@@ -141,7 +164,7 @@ def main(argv=None) -> int:
     good = True
     if args.graphs:       # compile, run and drop distinct graphs, each mode in turn
         modes = ("stream", "graph", "multistream")
-        w = Watch("graphs", args.graphs, live_handles, "handles")
+        w = Watch("graphs", args.graphs, live_handles, "handles", args.trace)
         every = args.every or max(1, args.graphs // 10)
         for i in range(1, args.graphs + 1):
             g, inputs = churn_graph(rlx, i, rng)
@@ -154,7 +177,7 @@ def main(argv=None) -> int:
         return 0 if good else 1
     cfg, model = load_model(args.config)
     if args.tokens:
-        w = Watch("tokens", args.tokens, lambda: model.cached_executables)
+        w = Watch("tokens", args.tokens, lambda: model.cached_executables, trace=args.trace)
         every, done, mark = args.every or max(1, args.tokens // 10), 0, 0
         while done < args.tokens:
             plen = int(rng.integers(25, 33))          # one prompt bucket: the same graphs
@@ -166,7 +189,7 @@ def main(argv=None) -> int:
         good &= w.ok(args.slack)
     if args.steps:
         tr = model.trainer(args.train_batch, args.seq, rlx.optim.AdamW(1e-4))
-        w = Watch("steps", args.steps, lambda: model.cached_executables)
+        w = Watch("steps", args.steps, lambda: model.cached_executables, trace=args.trace)
         every = args.every or max(1, args.steps // 10)
         for s in range(1, args.steps + 1):
             tr.step(rng.integers(0, cfg.vocab_size, (args.train_batch, args.seq)))

@@ -55,6 +55,12 @@ def workspace(stream, dev: int | None = None) -> tuple[int, int]:
     return _ws[key].device_ctypes_pointer.value, WORKSPACE_BYTES
 
 
+def live_handles() -> int:
+    """cuBLAS handles alive in this process (one per stream and math mode until the stream
+    goes)."""
+    return len(_blas)
+
+
 def _drop_stream(key) -> None:
     _ws.pop(key, None)
     for k in [k for k in _blas if k[:2] == key]:
