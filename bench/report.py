@@ -7,6 +7,8 @@
                                                     family --results holds, each dated)
   python -m bench.report --compare OLD.json         what moved since OLD (a report.json),
                                                     regressions first
+  python -m bench.report ... --pack $OUT/bench.tar.gz   also the results and the report in
+                                                    one archive (``tar xzf`` in the repo root)
 
   python -m bench.report --only signal --results bench/report/results --timeout 300 \
       --readme README.md                            add a family to the committed report and
@@ -572,6 +574,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=REPORT)
     p.add_argument("--compare", type=Path, default=None, metavar="OLD.json",
                    help="print what moved since OLD (a report.json) and exit")
+    p.add_argument("--pack", type=Path, default=None, metavar="FILE.tar.gz",
+                   help="also pack the results and the report into one archive (a remote "
+                        "machine that returns few files)")
     args = p.parse_args(argv)
     families = set(args.only.split(",")) if args.only else None
     if families and families - {f for f, _ in BENCHES}:
@@ -593,7 +598,28 @@ def main(argv=None) -> int:
         update_readme(args.readme, summary(records, meta_now(args.results, runs), runs, args.out))
     print(f"\nwrote {readme} and its charts"
           + (f"; benches that failed: {', '.join(failed)}" if failed else ""))
+    if args.pack is not None:
+        pack(args.pack, args.results, args.out)
+        print(f"packed {args.results} and {args.out} into {args.pack}")
     return 1 if failed else 0
+
+
+def pack(archive: Path, results: Path, out: Path) -> None:
+    """``results`` (every family's JSON and run record) and ``out`` (the report) in one
+    .tar.gz, under their own names: ``tar xzf`` in the repo root puts them back."""
+    import tarfile
+    with tarfile.open(archive, "w:gz") as tar:
+        for d in dict.fromkeys((results, out)):
+            if d.exists():
+                tar.add(d, arcname=_relative(d))
+
+
+def _relative(d: Path) -> str:
+    """``d`` relative to the repo root where it lies inside it, else its name."""
+    try:
+        return str(d.resolve().relative_to(HERE.parent))
+    except ValueError:
+        return d.name
 
 
 if __name__ == "__main__":

@@ -166,3 +166,17 @@ def test_readme_block(tmp_path):
     with pytest.raises(SystemExit, match="no <!-- bench-report:start -->"):
         report.main(["--no-run", "--results", str(res), "--out", str(out),
                      "--readme", str(readme)])
+
+
+def test_pack_puts_results_and_report_in_one_archive(tmp_path):
+    """--pack: every result file and the report in one .tar.gz (a remote GPU machine returns
+    only a few files), under the directories' own names."""
+    import tarfile
+    res, out, arc = tmp_path / "results", tmp_path / "report", tmp_path / "bench.tar.gz"
+    write_results(res)
+    assert report.main(["--no-run", "--results", str(res), "--out", str(out),
+                        "--pack", str(arc)]) == 0
+    with tarfile.open(arc) as tar:
+        names = set(tar.getnames())
+    assert {f"results/{p.name}" for p in res.iterdir()} <= names
+    assert {"report/README.md", "report/report.json", "report/families.png"} <= names
