@@ -293,25 +293,17 @@ def _leave_device_memory_to_the_driver() -> None:
             _KEPT.append(deferred)
 
 
-class _ExitOrder:
-    """A weakly referenced stand-in: finalizing it registers weakref's exit function."""
-
-
-_EXIT_ORDER = _ExitOrder()
-
-
 def install_exit_teardown() -> None:
     """Register run_exit_hooks with atexit, after numba.cuda is imported (rlx_numba/__init__
-    does it last) and after weakref's exit function (made sure of here), so that it runs
-    before numba's handlers and before the finalizers. (No device-wide synchronize: a hung
-    kernel would then hang the exit, where the driver's teardown ends it.)"""
+    does it last), so that it runs before numba's handlers and before weakref's finalizers
+    (numba.cuda's import registers their exit function; tests/test_faults.py checks the
+    order). (No device-wide synchronize: a hung kernel would then hang the exit, where the
+    driver's teardown ends it.)"""
     global _exit_installed
     if _exit_installed:
         return
     import atexit
-    import weakref
     _exit_installed = True
-    weakref.finalize(_EXIT_ORDER, int)      # atexit runs the last registered first
     _EXIT_HOOKS.insert(0, _leave_device_memory_to_the_driver)   # hooks run newest first
     atexit.register(run_exit_hooks)
 

@@ -177,8 +177,8 @@ device.at_exit(lambda: print("hook", flush=True))
 def test_exit_hooks_run_before_the_finalizers():
     """The exit hooks run before weakref's finalizers (numba's module unloads and frees are
     finalizers), even for a finalizer made after rlx_numba's import: atexit runs the last
-    registered first, and weakref's exit function is registered before rlx_numba's handler
-    (numba.cuda's import does it today; install_exit_teardown makes sure of it)."""
+    registered first, and numba.cuda's import (before rlx_numba's handler) registers
+    weakref's exit function."""
     import subprocess
     import sys
     r = subprocess.run([sys.executable, "-c", ORDER_SCRIPT], capture_output=True, text=True,
