@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 from ctypes import POINTER, byref, c_float, c_int, c_int64, c_size_t, c_void_p
 from pathlib import Path
 
@@ -87,8 +88,14 @@ PROTOS = {
 RELU, PROPAGATE_NAN = 1, 1
 
 _lib = None
-_handles: dict = {}          # (device, stream) -> cudnnHandle_t
-_ws: dict = {}               # (device, stream) -> workspace device array
+# A stream gets a handle and a WORKSPACE_BYTES workspace of its own (steps on two streams may
+# run at once), taken from the device's idle ones when its stream dies. Not destroyed: on an
+# H200 each cudnnCreate + cudnnDestroy left ~23 KB of host memory behind, and a compiled conv
+# graph on a stream of its own ~87 KB against ~2.5 KB on a reused handle (tools/soak.py
+# --graphs). The idle ones number at most the most streams alive at once.
+_handles: dict = {}          # (device, stream) -> (cudnnHandle_t, workspace device array)
+_idle: dict = {}             # device -> [(cudnnHandle_t, workspace)] whose stream died
+_lock = threading.RLock()     # RLock: a collection inside handle() may run _drop_stream
 _ONE, _ZERO = c_float(1.0), c_float(0.0)
 
 
@@ -141,28 +148,38 @@ def _key(stream):
 def handle(stream):
     """(cudnnHandle_t bound to the stream, workspace pointer) for (device, stream)."""
     key = _key(stream)
-    if key not in _handles:
-        from numba import cuda
-        h = c_void_p()
-        lib().cudnnCreate(byref(h))
-        lib().cudnnSetStream(h, c_void_p(key[1]))
-        _handles[key] = h
-        _ws[key] = cuda.device_array(WORKSPACE_BYTES, dtype="u1")
-        when_stream_dies(stream, _drop_stream, key)
-    return _handles[key], _ws[key].device_ctypes_pointer.value
+    with _lock:
+        bound = _handles.get(key)
+        if bound is None:
+            from numba import cuda
+            idle = _idle.get(key[0])
+            if idle:
+                bound = idle.pop()
+                cuda.synchronize()    # work its dead stream left queued has used the workspace
+            else:
+                h = c_void_p()
+                lib().cudnnCreate(byref(h))
+                bound = h, cuda.device_array(WORKSPACE_BYTES, dtype="u1")
+            lib().cudnnSetStream(bound[0], c_void_p(key[1]))
+            _handles[key] = bound
+            when_stream_dies(stream, _drop_stream, key)
+    return bound[0], bound[1].device_ctypes_pointer.value
 
 
 def live_handles() -> int:
-    """cuDNN handles alive in this process (one per stream until the stream goes)."""
-    return len(_handles)
+    """cuDNN handles alive in this process: one per live stream that used cuDNN, and the idle
+    ones kept for the next streams (as many as the most streams that were alive at once)."""
+    return len(_handles) + sum(map(len, _idle.values()))
 
 
 def _drop_stream(key) -> None:
-    """The handle and workspace of (device, stream) go with the stream."""
-    _ws.pop(key, None)
-    h = _handles.pop(key, None)
-    if h is not None:
-        lib().cudnnDestroy(h)
+    """(device, stream)'s handle and workspace go idle, for the next stream of the device;
+    its grown workspaces are freed."""
+    with _lock:
+        _big_ws.pop(key, None)
+        bound = _handles.pop(key, None)
+        if bound is not None:
+            _idle.setdefault(key[0], []).append(bound)
 
 
 def _ints(vals):

@@ -253,26 +253,94 @@ def test_out_of_memory_retries_once_after_freeing(monkeypatch, caplog):
     assert len(calls) == 1 and freed == [1, 1]
 
 
+def test_cudnn_handle_goes_idle_with_its_stream_and_serves_the_next(monkeypatch):
+    """A stream's cuDNN handle and workspace go idle when the stream dies and the next new
+    stream takes them (cudnnSetStream to it) instead of a cudnnCreate; two live streams
+    have two handles; nothing is destroyed; a grown workspace goes with its stream. A
+    recording stand-in for libcudnn, so it runs without a GPU."""
+    import ctypes
+    import gc
+
+    from numba import cuda
+
+    from rlx_numba import cudnn
+    calls = []
+
+    class Lib:
+        def cudnnCreate(self, ref):
+            ref._obj.value = 1000 + sum(c[0] == "create" for c in calls)
+            calls.append(("create", ref._obj.value))
+
+        def cudnnSetStream(self, h, s):
+            calls.append(("set", h.value, s.value))
+
+        def cudnnDestroy(self, h):
+            calls.append(("destroy", h.value))
+
+    class Buf:            # a device allocation (the simulator's have no device pointer)
+        def __init__(self, size, dtype):
+            self.size, self.device_ctypes_pointer = size, ctypes.c_void_p(id(self))
+
+    gc.collect()
+    monkeypatch.setattr(cuda, "device_array", Buf)
+    monkeypatch.setattr(cudnn, "lib", Lib)
+    monkeypatch.setattr(cudnn, "_key", lambda s: (0, id(s)))
+    monkeypatch.setattr(cudnn, "WORKSPACE_BYTES", 16)
+    for name in ("_handles", "_idle", "_big_ws"):
+        monkeypatch.setattr(cudnn, name, {})
+    s1, s2 = cuda.stream(), cuda.stream()
+    h1, _ = cudnn.handle(s1)
+    h2, _ = cudnn.handle(s2)
+    assert h1.value != h2.value and cudnn.live_handles() == 2
+    assert cudnn.handle(s1)[0] is h1                      # the stream's own, every time
+    cudnn.workspace(s1, 64)                               # grown past WORKSPACE_BYTES
+    assert len(cudnn._big_ws) == 1
+    del s1
+    gc.collect()
+    assert cudnn.live_handles() == 2 and not cudnn._big_ws
+    s3 = cuda.stream()
+    h3, _ = cudnn.handle(s3)
+    assert h3 is h1 and calls[-1] == ("set", h1.value, id(s3))
+    assert [c[0] for c in calls].count("create") == 2
+    assert not any(c[0] == "destroy" for c in calls)
+    del s2, s3
+
+
 @pytest.mark.skipif(SIMULATOR, reason="cuDNN / cuSOLVER handles: a GPU")
 def test_library_handles_go_with_their_stream():
-    """cuBLAS, cuDNN and cuSOLVER handles (and workspaces) made for a stream are destroyed
-    when the stream is collected: a process compiling executable after executable, each
-    with streams of its own, must not keep them all."""
+    """cuBLAS and cuSOLVER handles (and workspaces) made for a stream are destroyed when the
+    stream is collected, and a cuDNN handle goes idle for the next stream (cudnnCreate +
+    cudnnDestroy leaves host memory behind): a process compiling executable after
+    executable, each with streams of its own, must not keep them all."""
     import gc
 
     from numba import cuda
 
     from rlx_numba import cudnn, cusolver
     from rlx_numba.cublas import gemm
-    libs = [(m, m.handle) for m, ok in ((cudnn, cudnn.available()[0]),
-                                        (cusolver, cusolver.available()[0])) if ok]
+    gc.collect()                  # no other dead stream goes idle during the test
     s = cuda.stream()
     key = (cuda.get_current_device().id, int(s))
     gemm.blas_handle(s, False)
-    for _, make in libs:
-        make(s)
-    assert all(key in m._handles for m, _ in libs) and any(k[:2] == key for k in gemm._blas)
+    solver = cusolver.available()[0]
+    if solver:
+        cusolver.handle(s)
+    assert any(k[:2] == key for k in gemm._blas) and (not solver or key in cusolver._handles)
+    if cudnn.available()[0]:
+        before = cudnn.live_handles()
+        first, _ = cudnn.handle(s)
+        made = cudnn.live_handles()
+        assert made in (before, before + 1)
     del s
     gc.collect()
-    assert not any(key in m._handles for m, _ in libs)
     assert not any(k[:2] == key for k in gemm._blas) and key not in gemm._ws
+    assert not solver or key not in cusolver._handles
+    if cudnn.available()[0]:
+        assert cudnn.live_handles() == made           # idle, not destroyed
+        for _ in range(3):                            # stream after stream: one handle serves
+            s = cuda.stream()
+            h, _ = cudnn.handle(s)
+            assert cudnn.live_handles() == made
+            del s
+            gc.collect()
+            assert h.value == first.value             # the idle one, bound to s
