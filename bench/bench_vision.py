@@ -83,7 +83,7 @@ def rows(rlx, F, rng):
         ("NHWC max pool 3x3 s2 p1 64ch 112 b8", (8, 112, 112, 64),
          lambda g, x, p: g.pool(x, "max", 3, 2, 1, channels_last=True),
          lambda x, p: F.max_pool2d(_cf(x), 3, 2, 1).permute(0, 2, 3, 1), {}),
-        # two resample nodes (the spatial axes are not the last two): the one between in f32
+        # a global pool: one mean reduction (it was two resample nodes, the first strided)
         ("NHWC adaptive avg pool 7x7->1 2048ch b32 bf16", (32, 7, 7, 2048),
          lambda g, x, p: g.adaptive_avg_pool(x, (1, 1), channels_last=True),
          lambda x, p: F.adaptive_avg_pool2d(_cf(x), 1).permute(0, 2, 3, 1), {}, "bf16"),

@@ -583,6 +583,38 @@ def test_resize_1d_and_3d(rng, dtype, mode):
     assert_half_close(got3, want3, dtype, what="3-d")
 
 
+@pytest.mark.parametrize("channels_last", [True, False])
+@pytest.mark.parametrize("dtype", HALVES)
+def test_global_adaptive_pool_is_one_mean(rng, dtype, channels_last):
+    """adaptive_avg_pool to 1 on every spatial axis is one mean reduction (the resample path
+    made channels-last a strided pass, 10x slower than torch): f32 sums rounded once, within
+    a unit roundoff of the float64 mean, where a running sum kept in half is off by many
+    (values near 200, 225 a window); its gradient spreads dy / 225."""
+    xs = (2, 15, 15, 5) if channels_last else (2, 5, 15, 15)
+    axes = (1, 2) if channels_last else (2, 3)
+    x = rounded(200 + rng.standard_normal(xs) * 8, dtype)
+    g = rlx.Graph("gap")
+    t = g.input("x", xs, dtype)
+    y = g.adaptive_avg_pool(t, (1, 1), channels_last=channels_last)
+    assert y.node.op == "reduce" and y.shape == tuple(1 if a in axes else s
+                                                         for a, s in enumerate(xs))
+    seed = rounded(rng.standard_normal(y.shape), dtype)
+    g.set_outputs([y, *g.grad(y, [t], seed=g.constant(seed, dtype))])
+    got, dx = run_graph(g, {"x": x})
+    want = f64(x).mean(axis=axes, keepdims=True)
+    assert_half_close(got, want, dtype, k=1.0, scale=0.0, what="global pool")
+    running = np.zeros(want.shape, HOST[dtype])             # a sum kept in the half type
+    for i in range(15):
+        for j in range(15):
+            idx = (slice(None), i, j) if channels_last else (slice(None), slice(None), i, j)
+            running = (running.astype(np.float32) + x[idx].reshape(want.shape)
+                       .astype(np.float32)).astype(HOST[dtype])
+    with pytest.raises(AssertionError):
+        assert_half_close((running.astype(np.float32) / 225).astype(HOST[dtype]), want,
+                          dtype, k=1.0, scale=0.0, what="half running sum")
+    assert_half_close(dx, np.broadcast_to(f64(seed) / 225, xs), dtype, k=1.0, what="dx")
+
+
 @pytest.mark.parametrize("dtype", HALVES)
 def test_channels_last_adaptive_pool_rounds_once(rng, dtype):
     """A channels-last 2-d adaptive average pool is two resample nodes (the spatial axes are

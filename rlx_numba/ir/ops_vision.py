@@ -949,5 +949,10 @@ class ResampleOps:
         sizes = sizes if sizes is not None else (output_size,) * d
         out = tuple(s if o is None else _ints(op, "output_size", o, 1, 1)[0]
                     for s, o in zip(spatial, sizes))
+        if set(out) == {1} and min(spatial) > 0 and max(spatial) > 1:
+            # a global pool (ResNet's and ViT's heads) is one mean reduction: the resample
+            # path takes two passes channels-last, the first strided (176 us against torch's
+            # 18 for bf16 [32, 7, 7, 2048] on an H200)
+            return self.reduce("mean", x, tuple(range(first, first + d)), keep_dim=True)
         return _resample(self, x, {first + j: _adaptive_table(spatial[j], out[j])
                                    for j in range(d) if out[j] != spatial[j]})
