@@ -209,6 +209,20 @@ def test_adaptive_none_keeps_a_dim(rng):
                                atol=1e-6)
 
 
+def test_resample_splits_few_long_lines_over_blocks(rng):
+    """A channels-last pool over axis 1 of [1, 4, 3, 40] is 2 lines of 120: the kernel's
+    blocks split each line along x too (one block a line was 10x slower than torch on a
+    GPU); every element still written once, right."""
+    from rlx_numba.kernels import resample
+    assert resample.lines_launch(2, 120)[0][0] == 2        # the x split runs here
+    x = rng.standard_normal((1, 4, 3, 40)).astype(np.float32)
+    g = rlx.Graph("aap_cl")
+    g.set_outputs([g.adaptive_avg_pool(g.input("x", x.shape), (2, None), channels_last=True)])
+    (got,) = run_graph(g, {"x": x})
+    want = np.moveaxis(adaptive_ref(np.moveaxis(x.astype(np.float64), -1, 1), (2, 3)), 1, -1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_vision_op_errors():
     g = rlx.Graph("e")
     x = g.input("x", (1, 4, 5, 5))

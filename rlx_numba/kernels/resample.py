@@ -17,7 +17,7 @@ import functools
 from numba import cuda, float32, uint64
 
 from . import halfio
-from .launch import inline, jit
+from .launch import block_rows, grid_3d, inline, jit, waves_cap
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,9 +60,20 @@ def resample_last_kernel(taps, kind="f32", okind=None):
     return kernel
 
 
+def lines_launch(lines: int, width: int):
+    """(grid, block) for resample_kernel: lines on y and, where they are too few to fill the
+    GPU, a line's width split over x blocks too (a channels-last 7x7 -> 1 pool of [32, 7, 7,
+    2048] over axis 1 is 32 lines of 14,336: 32 blocks took 176 us on an H200)."""
+    tx, ty = block_rows(width, 128)
+    gy = -(-lines // ty)
+    gx = max(1, min(-(-width // tx), -(-waves_cap(tx * ty, 1) // gy)))
+    return grid_3d(gx, gy), (tx, ty)
+
+
 @functools.lru_cache(maxsize=None)
 def resample_kernel(taps, kind="f32", okind=None):
-    """B > 1: line (a, o), threads along b. (out, x, idx, w, const, rows, olen, ilen, inner)"""
+    """B > 1: line (a, o), threads (and blocks on x: ``lines_launch``) along b. (out, x, idx,
+    w, const, rows, olen, ilen, inner)"""
     tap_sum = _tap_sum_fn(taps, kind)
     st = halfio.store(okind or kind)
 
@@ -71,11 +82,11 @@ def resample_kernel(taps, kind="f32", okind=None):
         line = uint64(cuda.blockIdx.y) * uint64(cuda.blockDim.y) + uint64(cuda.threadIdx.y)
         while line < rows * olen:
             o, a = line % olen, line // olen
-            b = uint64(cuda.threadIdx.x)
+            b = uint64(cuda.blockIdx.x) * uint64(cuda.blockDim.x) + uint64(cuda.threadIdx.x)
             while b < inner:
                 st(out, line * inner + b, tap_sum(x, a * ilen * inner + b, inner, idx, w, const,
                                                   o, ilen != 0))
-                b += uint64(cuda.blockDim.x)
+                b += uint64(cuda.gridDim.x) * uint64(cuda.blockDim.x)
             line += uint64(cuda.gridDim.y) * uint64(cuda.blockDim.y)
 
     return kernel
