@@ -235,3 +235,47 @@ def test_layer_norm_grad_carries_inf_and_nan(gpu_max):
         got_dx, got_dg = exe.run({"x": to_x(grp)})
         close(to_x(np.asarray(got_dx)), dx, "f32", f"dx axis {axis}")
         close(got_dg, dgam, "f32", f"d gamma axis {axis}")
+
+
+# ---- the split decode attention kernel (an H200-found class: a NaN score became an output of 0)
+@pytest.mark.parametrize("plan", ["one block", "two splits", "nine splits"])
+@pytest.mark.parametrize("where", ["q", "k", "k inf"])
+def test_decode_attention_carries_nan_as_torch(where, plan, monkeypatch):
+    """A NaN in a query or a key (or a key of infinities: inf - inf scores) makes the scores of
+    the query heads reading it NaN, and torch's attention gives NaN there; the other kv head's
+    queries are untouched. The decode kernel merged its warps' (and splits') running maxima
+    with the builtin max (fmaxf on a GPU drops a NaN) and wrote 0 where the softmax sum was
+    not > 0, so a NaN row came out as zeros. Each merge path: one block, two splits (one
+    combine round) and nine (more than the combine loads at once); the builtin max made
+    GPU-like for the kernels' module."""
+    from rlx_numba.kernels import attention as A
+    if rlx.simulator_enabled():
+        monkeypatch.setattr(A, "max", _fmax, raising=False)
+    chunk = {"one block": None, "two splits": 8, "nine splits": 4}[plan]
+    b, hq, hkv, sq, sk, d = 1, 4, 2, 1, 36 if chunk == 4 else 9, 16
+    if chunk:
+        monkeypatch.setattr(A, "decode_plan", lambda b, hkv, sk, sm, nw=None: (-(-sk // chunk),
+                                                                               chunk))
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((b, hq, sq, d)).astype(np.float32)
+    k = rng.standard_normal((b, hkv, sk, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, sk, d)).astype(np.float32)
+    if where == "q":
+        q[0, 1, 0, 2] = NAN
+    elif where == "k":
+        k[0, 0, 3, 5] = NAN
+    else:
+        k[0, 0, 3, :] = INF
+    assert A.decode_rows(hq // hkv, sq, d) is not None
+    g = rlx.Graph()
+    Q, K, V = g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape)
+    g.set_outputs([g.attention(Q, K, V)])
+    (got,) = rlx.compile(g).run({"q": q, "k": k, "v": v})
+    kk, vv = (np.repeat(f64(t), hq // hkv, 1) for t in (k, v))
+    with np.errstate(all="ignore"):
+        s = f64(q) @ kk.transpose(0, 1, 3, 2) / np.sqrt(d)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        want = p / p.sum(-1, keepdims=True) @ vv
+    nan = np.isnan(want)
+    assert nan.any() and (np.isnan(got) == nan).all()
+    np.testing.assert_allclose(got[~nan], want[~nan], rtol=1e-5, atol=1e-6)

@@ -843,7 +843,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
             mx = NEG_INF
             for ww in range(DEC_NW):
                 wg[ww] = Wm[ww, r]
-                mx = max(mx, wg[ww])
+                mx = m.max_nan(mx, wg[ww])
             den = ZERO
             for ww in range(DEC_NW):
                 wg[ww] = ZERO if mx == NEG_INF else m.fast_exp(wg[ww] - mx)
@@ -864,7 +864,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                     dd = j * 4 + i if pair == 4 else j + i * tpr
                     if rb + r < rows and dd < d:
                         st_(out, uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13]
-                                        + dd), fv[i] / den if den > ZERO else ZERO)
+                                        + dd), fv[i] / den if den != ZERO else ZERO)
             else:
                 if pair == 4:
                     ptx.vst4(pacc, (part + r) * dmax + j * 4, fv[0], fv[1], fv[2], fv[3])
@@ -901,11 +901,11 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
             if splits > CB:               # more than one load round: the max pass first
                 p = int64(lane)
                 while p < splits:
-                    mx = max(mx, pm[base + p * rows_c + rr])
+                    mx = m.max_nan(mx, pm[base + p * rows_c + rr])
                     p += 32
                 o_ = 16
                 while o_ > 0:
-                    mx = max(mx, xor_shfl(mx, o_, xs, w, lane))
+                    mx = m.max_nan(mx, xor_shfl(mx, o_, xs, w, lane))
                     o_ //= 2
             den = ZERO                    # (each lane sums the weights itself: no round trip)
             for u in range(dpl):
@@ -928,7 +928,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                             ab[i, u] = pacc[pp * dmax + int64(lane) + u * 32] if ok else ZERO
                 if splits <= CB:          # one round (B8 Sk1024's 4 splits): its own max, so
                     for i in range(CB):   # the partials cost one trip to L2, not two
-                        mx = max(mx, wb[i])
+                        mx = m.max_nan(mx, wb[i])
                 for i in range(CB):
                     wb[i] = ZERO if wb[i] == NEG_INF else m.fast_exp(wb[i] - mx)
                     den += lb[i] * wb[i]
@@ -941,7 +941,7 @@ def decode_split(geo, dpl, rows_c, pair, causal, has_window, has_mask, has_bias,
                     dg = _dec_dim(lane, u, pair) if pair == 4 else int64(lane) + u * 32
                     if dg < d:
                         st_(out, uint64(b * geom[11] + (hk * g + gi) * geom[12] + qi * geom[13]
-                                        + dg), fv[u] / den if den > ZERO else ZERO)
+                                        + dg), fv[u] / den if den != ZERO else ZERO)
             r0 += DEC_NW
 
     return kernel

@@ -143,12 +143,6 @@ def check(geo: TcAttnGeometry, d: int):
                          f"({shared_bytes(bc, d)})")
 
 
-@_inline
-def _max(a, b):
-    """max propagating NaN (as kernels/warp.py's MAX)."""
-    return a if (a > b or a != a) else b
-
-
 @functools.lru_cache(maxsize=None)
 def tile_loader(rows: int, d: int, nt: int):
     """load_tile(sm, src, base, rs, r0, n, tid): rows r0 .. r0 + ``rows`` of the [n, d] matrix
@@ -325,10 +319,10 @@ def flash_tc(geo: TcAttnGeometry, d: int, causal: bool, has_window: bool, has_ma
                 for r in range(2):
                     mx = NEG_INF
                     for ni in range(NS):
-                        mx = _max(_max(s[mi, ni, 2 * r], s[mi, ni, 2 * r + 1]), mx)
-                    mx = _max(mx, xor_shfl(mx, 1, xs, w, lane))     # over the row's quad
-                    mx = _max(mx, xor_shfl(mx, 2, xs, w, lane))
-                    mnew = _max(mx, mr[mi, r])
+                        mx = m.max_nan(m.max_nan(s[mi, ni, 2 * r], s[mi, ni, 2 * r + 1]), mx)
+                    mx = m.max_nan(mx, xor_shfl(mx, 1, xs, w, lane))     # over the row's quad
+                    mx = m.max_nan(mx, xor_shfl(mx, 2, xs, w, lane))
+                    mnew = m.max_nan(mx, mr[mi, r])
                     alpha = ONE
                     if mnew != NEG_INF:
                         alpha = m.exp2(mr[mi, r] - mnew)

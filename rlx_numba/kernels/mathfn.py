@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from ..device import SIMULATOR
+from .launch import inline
 
 if not SIMULATOR:
     from numba.cuda import libdevice
@@ -88,6 +89,13 @@ else:
 
     def bits_f32(i):
         return np.int32(i).view(np.float32)
+
+
+@inline
+def max_nan(a, b):
+    """max keeping a NaN, as torch's: the builtin max is fmaxf on a GPU, which returns the
+    other operand (and Python's max, the simulator's, keeps a NaN only as its first)."""
+    return a if (a > b or a != a) else b
 
 
 F32 = SimpleNamespace(exp=exp, fast_exp=fast_exp, log=log, sqrt=sqrt, tanh=tanh, erf=erf,
