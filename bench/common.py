@@ -119,7 +119,8 @@ def write_json(path, doc) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_finite(doc), indent=1, default=str, allow_nan=False) + "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")   # not *.json: the report skips it
+    # not *.json: the report skips it (and removes one a bench stopped here left)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
