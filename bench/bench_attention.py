@@ -23,12 +23,11 @@ own half result's error printed beside it).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import Results, copy_bandwidth, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 PREFILL = [(8, 32, 32, 1024, 128), (8, 32, 32, 4096, 128), (8, 32, 32, 1024, 64),
            (8, 32, 32, 4096, 64), (8, 32, 8, 1024, 128), (8, 32, 8, 4096, 128)]
@@ -174,7 +173,7 @@ def bench_half(b, h, s, d, causal, dtype, tier, rlx, cuda, torch, iters):
     return rows
 
 
-def half_rows(args, rlx, cuda, torch, results):
+def half_rows(args, rlx, cuda, torch, results, save):
     print(f"\n{'half prefill':<40} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6}  bar  "
           f"err (torch's)  kernels")
     for dtype in args.dtypes.split(","):
@@ -192,6 +191,7 @@ def half_rows(args, rlx, cuda, torch, results):
                             print(f"{label:<40} ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
                             results.append(dict(shape=label, dtype=dtype, tier=tier, causal=causal,
                                                 error=f"{type(e).__name__}: {e}", **{"pass": False}))
+                            save()
                             free_device_memory(cuda, torch)
                             continue
                         for r in rows:
@@ -202,9 +202,10 @@ def half_rows(args, rlx, cuda, torch, results):
                                   f"{r['bar'] if r['bar'] is not None else '-':>4} "
                                   f"{'PASS' if r['pass'] else 'FAIL'} {r['max_err']:.1e} "
                                   f"({r['torch_err']:.1e})  {' | '.join(ks)[:160]}", flush=True)
+                        save()
 
 
-def decode_half_rows(args, rlx, cuda, torch, copy, results):
+def decode_half_rows(args, rlx, cuda, torch, copy, results, save):
     """The decode rows with bf16 q / K / V (bar 85% of copy bandwidth on K and V's bytes)."""
     import os
     os.environ.pop("RLX_NUMBA_ATTENTION_TIERS", None)
@@ -235,6 +236,7 @@ def decode_half_rows(args, rlx, cuda, torch, copy, results):
                  bar="0.85 copy", max_err=err, kernels=[st.kernel_name for st in steps])
         r["pass"] = r["rlx_gbps"] >= 0.85 * copy and err <= HALF_TOL["bf16"]
         results.append(r)
+        save()
         print(f"{r['shape']:<34} {r['rlx_gbps']:11.0f} {r['torch_gbps']:13.0f} "
               f"{100 * r['rlx_gbps'] / copy:5.0f}%  {'PASS' if r['pass'] else 'FAIL'} "
               f"{err:.1e}  {' | '.join(r['kernels'])}", flush=True)
@@ -265,20 +267,20 @@ def main(argv=None) -> int:
     copy = copy_bandwidth(torch)
     print(f"GPU: {gpu}   torch {torch.__version__}   torch copy_ {copy:.0f} GB/s\n")
     results = []
+    out = Results(args.out, gpu=gpu, copy_gbps=copy, results=results)
     if "f32" in parts:
-        f32_rows(args, rlx, cuda, torch, copy, results)
+        f32_rows(args, rlx, cuda, torch, copy, results, out.save)
     if "half" in parts:
-        half_rows(args, rlx, cuda, torch, results)
+        half_rows(args, rlx, cuda, torch, results, out.save)
     if "decode_half" in parts:
-        decode_half_rows(args, rlx, cuda, torch, copy, results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbps=copy, results=results), indent=1))
+        decode_half_rows(args, rlx, cuda, torch, copy, results, out.save)
+    out.done()
     fails = sum(not r["pass"] for r in results)
-    print(f"\n{len(results) - fails}/{len(results)} rows pass; wrote {args.out}")
+    print(f"{len(results) - fails}/{len(results)} rows pass")
     return 0
 
 
-def f32_rows(args, rlx, cuda, torch, copy, results):
+def f32_rows(args, rlx, cuda, torch, copy, results, save):
     print(f"{'prefill (causal)':<34} {'rlx TFLOP/s':>11} {'torch TFLOP/s':>13} {'ratio':>6}  bar  max|err|  kernel")
     for b, hq, hkv, s, d in PREFILL:
         r = bench(b, hq, hkv, s, s, d, True, rlx, cuda, torch, args.iters)
@@ -287,6 +289,7 @@ def f32_rows(args, rlx, cuda, torch, copy, results):
                  bar=0.8)
         r["pass"] = r["ratio"] >= 0.8 and r["max_err"] < 1e-3
         results.append(r)
+        save()
         print(f"{r['shape']:<34} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} {r['ratio']:6.2f}  "
               f"{'PASS' if r['pass'] else 'FAIL'} {r['max_err']:.1e}  {r['kernels'][0]}", flush=True)
     print(f"\n{'decode (1 query)':<34} {'rlx GB/s':>11} {'torch GB/s':>13} {'% copy':>6}  bar  max|err|  kernels")
@@ -296,6 +299,7 @@ def f32_rows(args, rlx, cuda, torch, copy, results):
         r.update(rlx_gbps=gbps(kv, r["rlx_ms"]), torch_gbps=gbps(kv, r["torch_ms"]), bar="0.70 copy")
         r["pass"] = r["rlx_gbps"] >= 0.7 * copy and r["max_err"] < 1e-3
         results.append(r)
+        save()
         print(f"{r['shape']:<34} {r['rlx_gbps']:11.0f} {r['torch_gbps']:13.0f} "
               f"{100 * r['rlx_gbps'] / copy:5.0f}%  {'PASS' if r['pass'] else 'FAIL'} "
               f"{r['max_err']:.1e}  {' | '.join(r['kernels'])}", flush=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_torch, write_results  # noqa: E402
+from common import Results, time_torch  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -80,10 +80,10 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}: scan RNN T={t} B={b} H={h} f32: ours {best:.2f} ms "
           f"({launches:.1f} launches a step, one CUDA graph), torch eager loop {torch_ms:.2f} ms, "
           f"{ratio:.2f}x (bar >= 2x: {'PASS' if ratio >= 2 else 'FAIL'}), max |diff| {err:.1e}")
-    write_results(args.out, torch, [dict(op="scan_rnn", steps=t, batch=b, hidden=h, rlx_ms=best,
-                                         torch_ms=torch_ms, ratio=ratio,
-                                         launches_per_step=launches, max_diff=err,
-                                         bar=">= 2x", **{"pass": bool(ratio >= 2)})])
+    Results(args.out, gpu=torch.cuda.get_device_name(), rows=[dict(
+        op="scan_rnn", steps=t, batch=b, hidden=h, rlx_ms=best, torch_ms=torch_ms, ratio=ratio,
+        launches_per_step=launches, max_diff=err, bar=">= 2x",
+        **{"pass": bool(ratio >= 2)})]).done()
     return 0
 
 

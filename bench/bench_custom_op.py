@@ -14,7 +14,6 @@ timed too. Bar: the custom step within 10% of the hand launch (ratio <= 1.10).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import gbps, time_rlx  # noqa: E402
+from common import Results, gbps, time_rlx  # noqa: E402
 
 BAR = 1.10
 
@@ -65,10 +64,14 @@ def main(argv=None) -> int:
     want = x_np / (1.0 + np.exp(-1.702 * x_np))
     op = rlx.custom_op("bench_quick_gelu", quick_gelu, lambda x: (x.shape, x.dtype), launch)
     timing = (a.iters, a.warmup, a.repeats)
+    name = cuda.get_current_device().name
+    name = name.decode() if isinstance(name, bytes) else name
     rows = []
+    out = Results(a.out, gpu=name, size_log2=a.size_log2, rows=rows)
 
     def row(label, ms):
         rows.append({"name": label, "ms": ms, "gbps": gbps(nbytes, ms)})
+        out.save()
 
     # the custom op's step
     g = rlx.Graph("custom_op")
@@ -109,18 +112,13 @@ def main(argv=None) -> int:
         xt = torch.from_numpy(x_np).cuda()
         row("torch x*sigmoid(1.702x)",
             time_torch(torch, lambda: xt * torch.sigmoid(xt * 1.702), *timing))
-    name = cuda.get_current_device().name
-    name = name.decode() if isinstance(name, bytes) else name
     print(f"custom op bench on {name}: 2^{a.size_log2} f32 elements, {nbytes / 1e6:.0f} MB moved")
     for r in rows:
         print(f"  {r['name']:<26} {r['ms'] * 1e3:9.1f} us  {r['gbps']:8.1f} GB/s")
     ratio = rows[0]["ms"] / rows[1]["ms"]
     ok = ratio <= BAR
     print(f"custom step / hand launch = {ratio:.3f} (bar <= {BAR}): {'PASS' if ok else 'FAIL'}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"gpu": name, "size_log2": a.size_log2, "rows": rows,
-                                 "ratio": ratio, "bar": BAR, "pass": ok}, indent=1))
-    print(f"wrote {a.out}")
+    out.done(ratio=ratio, bar=BAR, **{"pass": ok})
     return 0 if ok else 1
 
 

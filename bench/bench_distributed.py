@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_rlx, time_torch, write_results  # noqa: E402
+from common import Results, time_rlx, time_torch  # noqa: E402
 
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -180,14 +180,17 @@ def main():
     say(comm, f"GPUs: {comm.world_size} x {torch.cuda.get_device_name()}   torch "
               f"{torch.__version__}   NCCL {rlx.distributed.nccl.version()}\n")
     results = []
-    if "allreduce" not in skip:
-        results += allreduce_rows(rlx, torch, tdist, comm, cuda)
-    if "tp" not in skip:
-        results += tp_rows(rlx, torch, tdist, comm)
-    if "dp" not in skip:
-        results += dp_rows(rlx, torch, tdist, comm)
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=results)
+    parts = [("allreduce", lambda: allreduce_rows(rlx, torch, tdist, comm, cuda)),
+             ("tp", lambda: tp_rows(rlx, torch, tdist, comm)),
+             ("dp", lambda: dp_rows(rlx, torch, tdist, comm))]
+    for name, rows in parts:
+        if name not in skip:
+            results += rows()
+            if comm.rank == 0:          # a part's rows kept should a later one be stopped
+                out.save()
     if comm.rank == 0:
-        write_results(args.out, torch, results)
+        out.done()
     tdist.destroy_process_group()
     rlx.distributed.destroy()
 

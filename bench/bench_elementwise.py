@@ -27,14 +27,13 @@ GPU only: under the numba CUDA simulator it prints a message and exits 0.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import Results, dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 BAR = 0.85
 HERE = Path(__file__).resolve().parent
@@ -274,12 +273,18 @@ def main(argv=None) -> int:
     free_device_memory(cuda, torch)
 
     results, sweep = [], None
+    out = Results(args.out, bench="elementwise", gpu=gpu, torch=torch.__version__,
+                  numba=numba.__version__, numba_cuda=dist_version("numba-cuda"),
+                  python=platform.python_version(), size_log2=args.size_log2, n=n,
+                  iters=args.iters, warmup=args.warmup, repeats=args.repeats, bar=BAR,
+                  torch_copy_gbps=copy_gbps, results=results, sweep=sweep)
     for case in make_cases(rlx, torch, args.size_log2):
         t0 = time.perf_counter()
         r, s = bench_op(rlx, cuda, torch, case, args, sweep=args.sweep and case["op"] == "add")
         if s is not None:
             sweep = s
         results.append(r)
+        out.save(sweep=sweep)
         print(f"  {r['op']}: done in {time.perf_counter() - t0:.1f} s, max |rlx - torch| = "
               f"{r['max_abs_diff']:.3g}" + ("" if r["diff_ok"] else f"  (tolerance {case['tol']:g} "
                                              "EXCEEDED)"))
@@ -288,15 +293,7 @@ def main(argv=None) -> int:
     if sweep:
         print_sweep(sweep, results[0]["bytes"])
 
-    doc = dict(bench="elementwise", gpu=gpu, torch=torch.__version__, numba=numba.__version__,
-               numba_cuda=dist_version("numba-cuda"),
-               python=platform.python_version(), size_log2=args.size_log2, n=n,
-               iters=args.iters, warmup=args.warmup, repeats=args.repeats, bar=BAR,
-               torch_copy_gbps=copy_gbps, results=results, sweep=sweep,
-               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    out.done(time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     wrong = [r["op"] for r in results if not r["diff_ok"]]
     if wrong:
         print(f"bench_elementwise: rlx output differs from torch beyond tolerance for: "

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_device_memory, time_torch, write_results  # noqa: E402
+from common import Results, free_device_memory, time_torch  # noqa: E402
 
 TOL = 2e-3
 
@@ -218,6 +218,7 @@ def main(argv=None) -> int:
     print(f"{'case':<22} {'shape':<26} {'ours ms':>9} {'torch ms':>9} {'ratio':>8}  {'bar':<6} "
           f"{'rel err':>8}  {'steps':>5}  result")
     rows = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=rows)
 
     if args.scan_geometries:
         return sweep_scan(rlx, cuda, x, names, args.scan_geometries)
@@ -243,6 +244,7 @@ def main(argv=None) -> int:
     torch_ms = time_torch(torch, torch_fwd, 2, 1, 3)
     rows.append(row("chunked forward", shape, ours, torch_ms, 10, err, len(fwd.steps),
                     dict(torch_impl=which, precision=prec)))
+    out.save()
     if args.profile:
         print(fwd.profile(feed))
     del fwd, got_o, got_s
@@ -273,6 +275,7 @@ def main(argv=None) -> int:
     torch_ms = time_torch(torch, torch_train, 1, 1, 3)
     rows.append(row("chunked fwd + bwd", shape, ours, torch_ms, 10, max(errs.values()),
                     len(train.steps), dict(errors=errs, torch_impl=which, precision=prec)))
+    out.save()
     if args.profile:
         print(train.profile(feed))
     del train, feed, txg, tx
@@ -300,7 +303,7 @@ def main(argv=None) -> int:
     torch_ms = time_torch(torch, torch_step, 100, 10, 3)
     rows.append(row("decode step (T=1)", f"B{b} H{h} Dk{dk} Dv{dv}", ours, torch_ms, 2, err,
                     len(step.steps), dict(torch_impl=which, precision=prec)))
-    write_results(args.out, torch, rows)
+    out.done()
     return 0
 
 

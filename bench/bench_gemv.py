@@ -28,7 +28,6 @@ prologue, the cuBLASLt row runs a norm step first, torch F.rms_norm then the pro
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -36,7 +35,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, free_device_memory  # noqa: E402
+from common import Results, copy_bandwidth, free_device_memory  # noqa: E402
 
 SHAPES = "960x576,576x576,3072x576,576x1536,49152x576"
 REPS = 50               # products a graph
@@ -188,6 +187,7 @@ def main(argv=None) -> int:
            f"{'lt us':>7} {'copy%':>5} | {'torch us':>8} {'copy%':>5} | pick (3 / lt us)       err3   plan")
     print(hdr + "\n" + "-" * len(hdr))
     results = []
+    out = Results(args.out, gpu=gpu, copy_gbs=copy_gbs, reps=REPS, results=results)
     for m in (int(v) for v in args.m.split(",")):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
@@ -197,19 +197,18 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001 - report the row, keep going
                     print(f"{m:>2} {n:>6} {k:>5} {wdt:<4} ERROR {type(e).__name__}: {e}", flush=True)
                     results.append(dict(m=m, n=n, k=k, dtype=wdt, error=str(e)))
+                    out.save()
                     free_device_memory(cuda, torch)
                     continue
                 results.append(r)
+                out.save()
                 plan = r["tier3_kernels"][-1].split(f"{m}x{n}x{k} ")[-1]
                 print(f"{m:>2} {n:>6} {k:>5} {wdt:<4} {r['weight_bytes'] / 1e6:6.2f} | "
                       f"{r['tier3_us']:8.2f} {r['tier3_copy_pct']:5.0f} | {r['lt_us']:7.2f} "
                       f"{r['lt_copy_pct']:5.0f} | {r['torch_us']:8.2f} {r['torch_copy_pct']:5.0f} | "
                       f"{r['pick_tier']:>4} {'/'.join(f'{v:.1f}' for v in r['pick_timed']):<17} "
                       f"{r['tier3_err']:.0e}  {plan}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, reps=REPS, results=results),
-                                   indent=1))
-    print(f"\nwrote {args.out}")
+    out.done()
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_device_memory, time_torch, write_results  # noqa: E402
+from common import Results, free_device_memory, time_torch  # noqa: E402
 
 BAR = 0.8
 OPS = ("solve", "cholesky", "qr", "svd", "eigh")
@@ -163,6 +163,7 @@ def main():
         + ([((4096,), 64, "1")] if "numba" not in skip else []) \
         + ([((), 4096, "0")] if "single" not in skip else [])
     results = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=results)
     for dtype in dtypes:
         for batch, n, tier in cases:
             for op in ops:
@@ -173,6 +174,7 @@ def main():
                              error=f"{type(e).__name__}: {e}")
                     print(f"{r['row']:<20} {dtype} tier {tier}  ERROR {r['error']}", flush=True)
                     results.append(r)
+                    out.save()
                     continue
                 verdict = "  (numba tier: no bar)" if "pass" not in r else \
                     ("  PASS" if r["pass"] else "  FAIL")
@@ -183,6 +185,7 @@ def main():
                       f"{once}   " + " | ".join(f"{k[:30]} {ms:.3f}" for k, ms in r["steps"][:5]),
                       flush=True)
                 results.append(r)
+                out.save()
     numba = [r for r in results if r.get("tier") == "1" and "error" not in r]
     if numba:
         print("\nthe numba tier (tier 1, a block a matrix) on 4096 64x64 matrices, beside "
@@ -190,7 +193,7 @@ def main():
         for r in numba:
             print(f"  {r['row']:<20} {r['dtype']}  {r['rlx_ms']:9.3f} ms  = {r['ratio']:5.2f}x "
                   f"torch ({r['torch_ms']:.3f} ms)  residual {r['rlx_residual']:.1e}")
-    write_results(args.out, torch, results)
+    out.done()
 
 
 if __name__ == "__main__":

@@ -36,14 +36,13 @@ Only the kernels are timed (the executable's steps back to back; inputs already 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_device_memory, time_rlx, time_torch  # noqa: E402
+from common import Results, free_device_memory, time_rlx, time_torch  # noqa: E402
 
 SHAPES = "4096x4096x4096,8192x8192x8192,1x4096x4096,32x4096x11008,8192x1024x4096,64:512x64x512"
 TIERS = "2,2tf32,1,0,4,f64,bf16,f16,bf16gelu,f16gelu,tc_bf16,tc_f16,fp8,fp8row,fp8row0,int8"
@@ -291,6 +290,7 @@ def main(argv=None) -> int:
            f"{'bar':>5}  ok   rel.err  steps")
     print(hdr + "\n" + "-" * len(hdr))
     results = []
+    out = Results(args.out, gpu=gpu, results=results)
     for shape in args.shapes.split(","):
         batch, m, k, n = parse(shape)
         for tier in args.tiers.split(","):
@@ -307,9 +307,11 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - report the row, keep going
                 print(f"{tier:<8} {shape:<18} ERROR {type(e).__name__}: {e}")
                 results.append(dict(tier=tier, shape=shape, error=str(e), **{"pass": False}))
+                out.save()
                 free_device_memory(cuda, torch)
                 continue
             results.append(r)
+            out.save()
             bar = (f"{r['bar']:.2f}" if isinstance(r["bar"], float) else str(r["bar"])) \
                 if r["bar"] else "  -  "
             print(f"{tier:<8} {shape:<18} {r['rlx_tflops']:11.1f} {r['torch_tflops']:13.1f} "
@@ -320,10 +322,9 @@ def main(argv=None) -> int:
                      if "vs_bf16" in r else ""), flush=True)
     os.environ.pop("RLX_NUMBA_MATMUL_TIERS", None)
     os.environ.pop("RLX_NUMBA_LT_OUTER_VEC", None)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=gpu, results=results), indent=1))
+    out.done()
     fails = sum(not r["pass"] for r in results)
-    print(f"\n{len(results) - fails}/{len(results)} rows pass; wrote {args.out}")
+    print(f"{len(results) - fails}/{len(results)} rows pass")
     return 0
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory  # noqa: E402
+from common import Results, dist_version, free_device_memory  # noqa: E402
 
 MINILM = dict(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
               intermediate_size=1536, max_position_embeddings=512, type_vocab_size=2,
@@ -644,22 +644,19 @@ def main(argv=None) -> int:
           f"decode exec "
           f"{args.decode_exec_mode}")
     rows = []
-    if args.only in (None, "bert"):
-        bench_bert(torch, transformers, args, rows)
-    if args.only in (None, "llama"):
-        bench_llama(torch, transformers, args, rows)
-    if args.only in (None, "formats"):
-        bench_formats(args, rows)
-    if args.only in (None, "decode1b"):
-        bench_decode_1b(torch, transformers, args, rows)
-    if args.only in (None, "qwen3next"):
-        bench_qwen3next(torch, transformers, args, rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    clean = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-             for r in rows]
-    args.out.write_text(json.dumps(dict(gpu=gpu, weights=args.weights, results=clean), indent=1))
+    out = Results(args.out, gpu=gpu, weights=args.weights, results=rows)
+    parts = [("bert", lambda: bench_bert(torch, transformers, args, rows)),
+             ("llama", lambda: bench_llama(torch, transformers, args, rows)),
+             ("formats", lambda: bench_formats(args, rows)),
+             ("decode1b", lambda: bench_decode_1b(torch, transformers, args, rows)),
+             ("qwen3next", lambda: bench_qwen3next(torch, transformers, args, rows))]
+    for name, run in parts:
+        if args.only in (None, name):
+            run()
+            out.save()        # a part's rows kept should a later part pass the time limit
+    out.done()
     fails = sum(not r["pass"] for r in rows)
-    print(f"\n{len(rows) - fails}/{len(rows)} rows pass; wrote {args.out}")
+    print(f"{len(rows) - fails}/{len(rows)} rows pass")
     return 0
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import math
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory, write_results  # noqa: E402
+from common import Results, dist_version, free_device_memory  # noqa: E402
 
 MODELS = ("resnet18", "vit_b_16", "bert", "llama")
 EXPORTERS = (("ts17", 17, False), ("dyn18", 18, True))
@@ -245,11 +244,11 @@ def main(argv=None) -> int:
            f"{'torch':>8} {'ort cpu':>8} {'x torch':>7}")
     print(hdr + "   (ms per batch)")
     rows = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=rows)
 
     def record(row):         # the JSON rewritten after every row: a timeout keeps the rows
         rows.append(row)
-        with contextlib.redirect_stdout(io.StringIO()):
-            write_results(args.out, torch, rows)
+        out.save()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_onnx_"))
     for name in MODELS:
@@ -315,7 +314,7 @@ def main(argv=None) -> int:
     n_pass = sum(r["pass"] for r in rows)
     print(f"\nPASS {n_pass} of {len(rows)} rows (bars: rel ort <= {REL_BAR:g}, rlx dev >= "
           f"{SPEED_BAR:g}x torch eager)")
-    write_results(args.out, torch, rows)
+    out.done()
     return 0 if rows and n_pass == len(rows) else 1
 
 

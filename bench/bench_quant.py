@@ -27,7 +27,6 @@ Every time: a CUDA graph of 50 products replayed over >= 5 ms windows, best of 3
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gemv import graph_us  # noqa: E402
-from common import copy_bandwidth, free_device_memory, time_torch  # noqa: E402
+from common import Results, copy_bandwidth, free_device_memory, time_torch  # noqa: E402
 
 GEMV_SHAPES = ((4096, 4096), (11008, 4096), (4096, 11008))    # (N, K)
 GEMM_SHAPE = (512, 4096, 4096)                                 # (M, N, K)
@@ -255,6 +254,7 @@ def main(argv=None) -> int:
     print(f"GPU: {gpu}   torch {torch.__version__}   copy bandwidth {copy_gbs:.0f} GB/s "
           f"(torch copy_ of 1 GiB, read + write)\n")
     results = []
+    out = Results(args.out, gpu=gpu, copy_gbs=copy_gbs, results=results)
     hdr = (f"{'scheme':<6} {'M':>4} {'N':>6} {'K':>6} {'MB':>6} | {'us':>8} {'GB/s':>6} "
            f"{'copy%':>5} {'TFLOP/s':>7} | {'torch bf16 us':>13} {'TFLOP/s':>7} | "
            f"{'torch f32 us':>12} |  err")
@@ -267,9 +267,11 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - report the row, keep going
             print(f"{scheme:<6} {m:>4} {n:>6} {k:>6} ERROR {type(e).__name__}: {e}", flush=True)
             results.append(dict(m=m, n=n, k=k, scheme=scheme, error=str(e)))
+            out.save()
             free_device_memory(cuda, torch)
             continue
         results.append(r)
+        out.save()
         print(f"{scheme:<6} {m:>4} {n:>6} {k:>6} {r['packed_bytes'] / 1e6:6.2f} | {r['us']:8.2f} "
               f"{r['gbs']:6.0f} {r['copy_pct']:5.0f} {r['tflops']:7.2f} | {r['torch_bf16_us']:13.2f} "
               f"{r['torch_bf16_tflops']:7.2f} | {r['torch_f32_us']:12.2f} | {r['err']:.0e}  "
@@ -307,9 +309,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - report the row, keep going
             print(f"{name} ERROR {type(e).__name__}: {e}")
             results.append(dict(row=name, error=str(e)))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbs=copy_gbs, results=results), indent=1))
-    print(f"\nwrote {args.out}")
+        out.save()
+    out.done()
     return 0
 
 

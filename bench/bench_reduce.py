@@ -6,14 +6,13 @@ set and a full sum. GB/s = bytes read (and written, for cumsum) / time.
   python bench/bench_reduce.py [--out bench/results/reduce.json]      (GPU only)
 """
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import Results, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -44,6 +43,7 @@ def main(argv=None) -> int:
         return rlx_graph(x_t, lambda g, t: g.sum(t, axis))
 
     res = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), results=res)
     for shape in SHAPES:
         x = torch.randn(*shape, device="cuda", dtype=torch.float32)
         nbytes = x.numel() * 4
@@ -59,6 +59,7 @@ def main(argv=None) -> int:
                      rlx_gbps=gbps(nbytes, t_r), torch_gbps=gbps(nbytes, t_t), ratio=t_t / t_r,
                      err=err, kernels=[s.kernel_name for s in exe.steps])
             res.append(r)
+            out.save()
             print(f"{str(shape):16} axis {axis}: rlx {r['rlx_gbps']:7.0f} GB/s  torch {r['torch_gbps']:7.0f} GB/s  "
                   f"ratio {r['ratio']:.3f}  err {err:.1e}  {r['kernels']}", flush=True)
             del exe
@@ -100,14 +101,13 @@ def main(argv=None) -> int:
                             rlx_gbps=gbps(nbytes, t_r), torch_gbps=gbps(nbytes, t_t),
                             ratio=t_t / t_r, close=ok == "ok",
                             kernels=[s.kernel_name for s in exe.steps]))
+            out.save()
             del exe
         except Exception as e:  # noqa: BLE001
             print(f"{name} {shape}: FAILED {type(e).__name__}: {e}", flush=True)
         del x
         free_device_memory(cuda, torch)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), results=res), indent=1, default=str))
-    print(f"wrote {args.out}")
+    out.done()
     return 0
 
 

@@ -14,12 +14,11 @@ both sides, so a ratio is a ratio of times. The bar: rlx >= 0.90 x torch on ever
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import copy_bandwidth, dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
+from common import Results, copy_bandwidth, dist_version, free_device_memory, gbps, time_rlx, time_torch  # noqa: E402
 
 BAR = 0.90
 SHAPES = "32768x4096,4096x32768,262144x256,1024x131072"
@@ -118,6 +117,7 @@ def main(argv=None) -> int:
     hdr = f"{'op':<18} {'shape':<13} {'rlx GB/s':>9} {'torch GB/s':>10} {'ratio':>6} {'% copy':>6}  bar   diff     kernel"
     print(hdr + "\n" + "-" * len(hdr))
     results = []
+    out = Results(args.out, gpu=gpu, copy_gbps=copy, bar=BAR, results=results)
     for shape in args.shapes.split(","):
         R, C = (int(v) for v in shape.split("x"))
         for op in args.ops.split(","):
@@ -126,17 +126,17 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 - report the row, keep going
                 print(f"{op:<18} {shape:<13} ERROR {type(e).__name__}: {e}")
                 results.append(dict(op=op, shape=shape, error=str(e), **{"pass": False}))
+                out.save()
                 free_device_memory(cuda, torch)
                 continue
             results.append(r)
+            out.save()
             print(f"{op:<18} {shape:<13} {r['rlx_gbps']:9.0f} {r['torch_gbps']:10.0f} "
                   f"{r['ratio']:6.2f} {100 * r['rlx_gbps'] / copy:5.0f}%  "
                   f"{'PASS' if r['pass'] else 'FAIL'}  {r['max_diff']:.1e}  {r['kernels'][0]}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(gpu=gpu, copy_gbps=copy, bar=BAR, results=results), indent=1))
+    out.done()
     fails = sum(not r["pass"] for r in results)
-    print(f"\n{len(results) - fails}/{len(results)} rows meet the bar (>= {BAR:.2f} x torch); "
-          f"wrote {args.out}")
+    print(f"{len(results) - fails}/{len(results)} rows meet the bar (>= {BAR:.2f} x torch)")
     return 0
 
 

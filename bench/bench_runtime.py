@@ -81,7 +81,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory, time_rlx, time_torch  # noqa: E402
+from common import Results, dist_version, free_device_memory, time_rlx, time_torch  # noqa: E402
 
 B, S, H, HEADS, FFN = 1, 16, 256, 4, 1024
 LN_EPS, RMS_EPS = 1e-5, 1e-6
@@ -476,6 +476,13 @@ def main(argv=None) -> int:
         ("every output within 1e-4 of torch", max(r["rel_err"] for r in rows), f"<= {REL_TOL}",
          all(r["pass_rel_err"] for r in rows)),
     ]
+    doc = Results(args.out, gpu=gpu, torch=torch.__version__, numba_cuda=dist_version("numba-cuda"),
+                  config=dict(layers=L, batch=B, seq=S, hidden=H, heads=HEADS, ffn=FFN,
+                              iters=args.iters), rows=rows, aot=None)
+
+    def bar_dicts():
+        return [dict(name=n, value=v, bar=b, passed=ok) for n, v, b, ok in bars]
+    doc.save(bars=bar_dicts())      # the in-process rows kept should the AOT processes be stopped
     aot = None
     if not args.no_aot:
         print("\nAOT disk cache: two fresh processes (build + compile(aot) + one run) on a new "
@@ -502,13 +509,8 @@ def main(argv=None) -> int:
     for name, value, bar, ok in bars:
         print(f"{'PASS' if ok else 'FAIL'}  {name:<44} {value:10.3g}   (bar {bar})")
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(
-        gpu=gpu, torch=torch.__version__, numba_cuda=dist_version("numba-cuda"),
-        config=dict(layers=L, batch=B, seq=S, hidden=H, heads=HEADS, ffn=FFN, iters=args.iters),
-        rows=rows, aot=aot, bars=[dict(name=n, value=v, bar=b, passed=ok) for n, v, b, ok in bars]),
-        indent=1, default=str))
-    print(f"\n{sum(ok for *_, ok in bars)}/{len(bars)} bars pass; wrote {args.out}")
+    doc.done(aot=aot, bars=bar_dicts())
+    print(f"{sum(ok for *_, ok in bars)}/{len(bars)} bars pass")
     return 0
 
 

@@ -21,6 +21,7 @@ Kernel times are CUDA-event sums of the executable's steps (exe.profile); torch'
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_torch, write_results  # noqa: E402
+from common import Results, time_torch  # noqa: E402
 
 
 def scan_row(rlx, torch, rng, b=8, dm=1536, n=16, length=2048):
@@ -103,6 +104,7 @@ def op_row(rlx, torch, name, shape, build, ref, check, tiers=None, dtype="f32",
 
 
 def fft_sort_rows(rlx, torch):
+    """The fft and sort rows, each yielded once measured."""
     def rel(got, want):
         w = want.cpu().numpy()
         if want.is_complex() and not np.iscomplexobj(got[0]):     # the [..., 2] form
@@ -136,16 +138,17 @@ def fft_sort_rows(rlx, torch):
         ("topk 64 of 4096 x 32k i32", (4096, 32768), lambda g, x: g.topk(x, 64),
          lambda x: torch.topk(x, 64), same_values, "i32"),
     ]
-    return ([op_row(rlx, torch, *r, tiers=t) for r in ffts for t in ("0", "1")]
-            + [op_row(rlx, torch, *r) for r in rows]
-            + [op_row(rlx, torch, *r[:5], dtype=r[5]) for r in typed])
+    yield from (op_row(rlx, torch, *r, tiers=t) for r in ffts for t in ("0", "1"))
+    yield from (op_row(rlx, torch, *r) for r in rows)
+    yield from (op_row(rlx, torch, *r[:5], dtype=r[5]) for r in typed)
 
 
 def complex_rows(rlx, torch):
     """c64 (issue 33): fft on complex64 (cuFFT C2C / the numba Stockham kernels), the
     product (cublasCgemm: tier 0; the numba complex64 kernel: tier 1, at a size it finishes
     in), and a chain of complex element-wise ops (built on f32 pairs: one fused kernel or a
-    few), each beside torch's complex64 call. No bar: measured and stated."""
+    few), each beside torch's complex64 call, yielded once measured. No bar: measured and
+    stated."""
     def rel(got, want):
         w = want.cpu().numpy()
         return float(np.abs(got[0] - w).max() / np.abs(w).max())
@@ -156,10 +159,10 @@ def complex_rows(rlx, torch):
           lambda x: torch.abs(x * x - 1j) / (x + 2.0), rel)
     mm = [(f"c64 matmul {n}^3", (n, n), lambda g, x: [g.matmul(x, x)], lambda x: x @ x, rel, t)
           for n, t in ((4096, "0"), (1024, "1"))]
-    return ([op_row(rlx, torch, *fft, tiers=t, dtype="c64") for t in ("0", "1")]
-            + [op_row(rlx, torch, *r[:5], tiers=r[5], dtype="c64",
-                      env="RLX_NUMBA_CMATMUL_TIERS") for r in mm]
-            + [op_row(rlx, torch, *ew, dtype="c64")])
+    yield from (op_row(rlx, torch, *fft, tiers=t, dtype="c64") for t in ("0", "1"))
+    yield from (op_row(rlx, torch, *r[:5], tiers=r[5], dtype="c64",
+                       env="RLX_NUMBA_CMATMUL_TIERS") for r in mm)
+    yield op_row(rlx, torch, *ew, dtype="c64")
 
 
 def decode_row(torch, rng, new_tokens=64, prompt=8):
@@ -209,25 +212,28 @@ def main():
     rng = np.random.default_rng(0)
     print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32\n")
     results = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=results)
     r = scan_row(rlx, torch, rng) if "scan" not in skip else None
     if r:
         print(f"{r['row']:<44} rel {r['rel']:.1e}  ours {r['rlx_ms']:8.2f} ms  slow path "
           f"{r['torch_ms']:8.2f} ms  ratio {r['ratio']:6.1f}   "
               + " | ".join(f"{k[:28]} {ms:.2f}" for k, ms in r["steps"]), flush=True)
         results.append(r)
-    for r in ((fft_sort_rows(rlx, torch) if "fft" not in skip else [])
-              + (complex_rows(rlx, torch) if "complex" not in skip else [])):
+        out.save()
+    for r in itertools.chain(fft_sort_rows(rlx, torch) if "fft" not in skip else (),
+                             complex_rows(rlx, torch) if "complex" not in skip else ()):
         print(f"{r['row']:<44} check {r['check']}  ours {r['rlx_ms']:8.3f} ms  torch "
               f"{r['torch_ms']:8.3f} ms  ratio {r['ratio']:5.2f}   "
               + " | ".join(f"{k[:28]} {ms:.3f}" for k, ms in r["steps"][:6]), flush=True)
         results.append(r)
+        out.save()
     if "decode" not in skip:
         r = decode_row(torch, rng)
         print(f"{r['row']:<44} ours {r['rlx_tok_s']:7.1f} tok/s  transformers "
               f"{r['torch_tok_s']:7.1f} tok/s  ratio {r['ratio']:5.2f}  same tokens: "
               f"{r['same_tokens']}", flush=True)
         results.append(r)
-    write_results(args.out, torch, results)
+    out.done()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ With --precision bf16 | f16 the Llama step runs with precision= beside torch und
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import dist_version, free_device_memory, time_rlx, time_torch  # noqa: E402
+from common import Results, dist_version, free_device_memory, time_rlx, time_torch  # noqa: E402
 from bench_models import MINILM, SMOLLM2, hf_llama_config, load_torch, settle, wall  # noqa: E402
 
 LLAMA_SHAPE = (8, 256)
@@ -328,19 +327,18 @@ def main(argv=None) -> int:
           f"numba-cuda {dist_version('numba-cuda')}   exec {args.exec_mode}   AdamW lr {LR} "
           f"wd {WD}")
     rows = []
+    out = Results(args.out, gpu=gpu, exec_mode=str(args.exec_mode), lr=LR, weight_decay=WD,
+                  results=rows)
     sections = [("llama", lambda: bench_llama(torch, transformers, rlx, args, rows)),
                 ("bert", lambda: bench_bert(torch, transformers, rlx, args, rows)),
                 ("attention", lambda: bench_attention_bwd(torch, rlx, args, rows))]
     for name, run in sections:
         if args.only in (None, name):
             run()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-              for k, v in r.items()} for r in rows]
-    args.out.write_text(json.dumps(dict(gpu=gpu, exec_mode=str(args.exec_mode), lr=LR,
-                                        weight_decay=WD, results=clean), indent=1))
+            out.save()        # a section's rows kept should a later one pass the time limit
+    out.done()
     fails = sum(not r["pass"] for r in rows)
-    print(f"\n{len(rows) - fails}/{len(rows)} rows pass; wrote {args.out}")
+    print(f"{len(rows) - fails}/{len(rows)} rows pass")
     return 0
 
 

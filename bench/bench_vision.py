@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import time_rlx, time_torch, write_results  # noqa: E402
+from common import Results, time_rlx, time_torch  # noqa: E402
 
 
 def rows(rlx, F, rng):
@@ -175,17 +175,23 @@ def bench_row(rlx, torch, F, rng, row, label=""):
                 steps=[(r.kernel, r.ms * 1e3) for r in prof])
 
 
-def op_rows(rlx, torch, F, cublas, rng):
-    """The op rows, then the convolutions again on each lower tier and with TF32."""
+def op_rows(rlx, torch, F, cublas, rng, results, save):
+    """The op rows, then the convolutions again on each lower tier and with TF32, appended to
+    ``results``, ``save()`` after each."""
     import os
     table = rows(rlx, F, rng)
-    results = [bench_row(rlx, torch, F, rng, row) for row in table]
+
+    def run(row, label=""):
+        results.append(bench_row(rlx, torch, F, rng, row, label))
+        save()
+    for row in table:
+        run(row)
     print("\nthe convolutions on each lower tier (RLX_NUMBA_CONV_TIERS)")
     for tier in ("1", "2"):
         os.environ["RLX_NUMBA_CONV_TIERS"] = tier
         try:
-            results += [bench_row(rlx, torch, F, rng, row, f"[tier {tier}]")
-                        for row in table[:CONV_ROWS]]
+            for row in table[:CONV_ROWS]:
+                run(row, f"[tier {tier}]")
         finally:
             os.environ.pop("RLX_NUMBA_CONV_TIERS")
     print("\nTF32 on, both sides (torch.backends.cudnn / cuda.matmul.allow_tf32, "
@@ -193,11 +199,11 @@ def op_rows(rlx, torch, F, cublas, rng):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     cublas.allow_tf32 = True
     try:
-        results += [bench_row(rlx, torch, F, rng, row, "[tf32]") for row in table[:CONV_ROWS]]
+        for row in table[:CONV_ROWS]:
+            run(row, "[tf32]")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
         cublas.allow_tf32 = False
-    return results
 
 
 def main():
@@ -218,7 +224,10 @@ def main():
     rng = np.random.default_rng(0)
     print(f"GPU: {torch.cuda.get_device_name()}   torch {torch.__version__}   f32, TF32 off\n")
     print(f"{'layer':<44} {'rel':>8} {'ours us':>9} {'torch us':>9} {'ratio':>6}  steps (us)")
-    results = [] if args.models_only else op_rows(rlx, torch, F, cublas, rng)
+    results = []
+    out = Results(args.out, gpu=torch.cuda.get_device_name(), rows=results)
+    if not args.models_only:
+        op_rows(rlx, torch, F, cublas, rng, results, out.save)
     if not args.no_models:
         print(f"\n{'model, batch 32, 224 x 224':<44} {'rel':>8} {'ours img/s':>11} "
               f"{'torch img/s':>11} {'ratio':>6}")
@@ -228,7 +237,8 @@ def main():
                 print(f"{r['layer']:<44} {r['rel']:8.1e} {r['rlx_per_s']:11.0f} "
                       f"{r['torch_per_s']:11.0f} {r['ratio']:6.2f}", flush=True)
                 results.append(r)
-    write_results(args.out, torch, results)
+                out.save()
+    out.done()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""Shared pieces of the GPU benchmarks: CUDA-event timing for rlx steps and torch calls."""
+"""Shared pieces of the GPU benchmarks: CUDA-event timing for rlx steps and torch calls, and
+the results file each bench rewrites as its rows complete."""
 from __future__ import annotations
 
 import gc
+import json
 import math
+import os
 import time
+from pathlib import Path
 
 
 def time_rlx(cuda, launch, stream, iters: int, warmup: int, repeats: int) -> float:
@@ -108,9 +112,50 @@ def copy_bandwidth(torch, n: int = 1 << 27) -> float:
     return gb
 
 
-def write_results(path, torch, rows) -> None:
-    """The rows as JSON at ``path`` (its folder made), with the GPU's name."""
-    import json
+def write_json(path, doc) -> None:
+    """``doc`` as JSON at ``path`` (its folder made), whole or not at all: written to a temporary
+    file beside it, then renamed over it, so a bench stopped mid-write leaves the last good one.
+    Non-finite floats become null (strict JSON); what json cannot write goes as its str."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), rows=rows), indent=1))
-    print(f"\nwrote {path}")
+    text = json.dumps(_finite(doc), indent=1, default=str, allow_nan=False) + "\n"
+    # not *.json: the report skips it (and removes one a bench stopped here left)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _finite(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
+
+
+class Results:
+    """A bench's JSON, rewritten whole after each row or part (``save``), so that a bench stopped
+    by its time limit or a fault leaves the rows it finished; ``complete`` is false in it until
+    ``done``. ``fields`` are the bench's top-level fields (gpu, copy_gbps, results, ...): a list
+    among them is the bench's own, which it appends its rows to, and each write takes it as it
+    stands then."""
+
+    def __init__(self, path, **fields):
+        self.path, self.fields = path, fields
+
+    def save(self, **fields) -> None:
+        """Rewrite the file with the rows so far (``fields`` added or replaced first)."""
+        self.fields.update(fields)
+        write_json(self.path, dict(self.fields, complete=False))
+
+    def done(self, **fields) -> None:
+        """The last write: ``complete`` true."""
+        self.fields.update(fields)
+        write_json(self.path, dict(self.fields, complete=True))
+        print(f"\nwrote {self.path}")

@@ -17,7 +17,9 @@
 Each bench_<family>.py writes bench/results/<family>.json in a shape of its own; beside it the
 run writes <family>.run.json (GPU, driver, versions, date, commit, seconds, exit status), so a
 report can be assembled from families run at different times (a GPU session too short for
-every bench): each family's heading says when and at which commit it ran. ``gather``
+every bench): each family's heading says when and at which commit it ran. A bench rewrites
+its JSON as its rows complete (``complete`` false in it until its end), so one stopped by
+--timeout or a fault still reports the rows it finished, its heading saying so. ``gather``
 turns every row of them into one record: the family, a label (the row's identifying fields),
 ours and the peer in the row's unit (torch, eager, cuBLAS, sentence-transformers: whichever
 the bench measured beside us), the ratio (> 1: we are faster), the bar and pass/fail.
@@ -141,9 +143,11 @@ def runs_of(results: Path = RESULTS, families=None) -> dict:
     return runs
 
 
-def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
-    """(records, {family: the GPU its JSON names}) from results/<family>.json."""
-    records, gpus = [], {}
+def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict, set]:
+    """(records, {family: the GPU its JSON names}, the families whose JSON says its bench did not
+    finish: ``complete`` false, the rows it finished before a time limit or a fault stopped it)
+    from results/<family>.json."""
+    records, gpus, unfinished = [], {}, set()
     known = [f for f, _ in BENCHES]
     paths = sorted(results.glob("*.json"),
                    key=lambda p: known.index(p.stem) if p.stem in known else len(known))
@@ -159,6 +163,8 @@ def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
         if not isinstance(doc, dict):
             continue
         gpus[fam] = doc.get("gpu")
+        if doc.get("complete") is False:
+            unfinished.add(fam)
         for row in _rows_of(doc):
             unit, ours, peer_name, peer = _pair(row)
             # x peer: how much better than the peer, from the pair (> 1: better, whatever the
@@ -176,7 +182,7 @@ def gather(results: Path = RESULTS, families=None) -> tuple[list[dict], dict]:
                 tflops=[float(row["rlx_tflops"]), float(row["torch_tflops"])
                         if _num(row.get("torch_tflops")) else None]
                 if _num(row.get("rlx_tflops")) else None))
-    return records, gpus
+    return records, gpus, unfinished
 
 
 def _seq(row: dict):
@@ -247,7 +253,21 @@ def collect_meta() -> dict:
                 # RLX_NUMBA_COMMIT: a copy of the tree without its .git (a remote GPU machine)
                 commit=os.environ.get("RLX_NUMBA_COMMIT") or out("git", "rev-parse", "--short",
                                                                  "HEAD"),
-                dirty=bool(out("git", "status", "--porcelain", "--untracked-files=no")))
+                dirty=dirty(out("git", "status", "--porcelain", "--untracked-files=no") or ""))
+
+
+OWN_OUTPUT = "bench/report/"     # where the report's results and README are written
+
+
+def dirty(porcelain: str) -> bool:
+    """Whether ``git status --porcelain`` names a change outside OWN_OUTPUT: the results and the
+    report being gathered there are no local change to the code measured."""
+    for line in porcelain.splitlines():
+        parts = line.split(maxsplit=1)          # "XY path" or "XY old -> new"
+        if len(parts) == 2 and any(not p.strip('"').startswith(OWN_OUTPUT)
+                                   for p in parts[1].split(" -> ")):
+            return True
+    return False
 
 
 def _fmt(v) -> str:
@@ -264,28 +284,42 @@ def _judged(r: dict) -> bool:
     return r["passed"] is False or (r["passed"] is not None and r["bar"] is not None)
 
 
-def _run_line(run: dict, meta: dict) -> str | None:
-    """A family's run record in words, where it differs from the report's header or failed."""
-    parts = []
-    if (run.get("commit"), run.get("gpu")) != (meta.get("commit"), meta.get("gpu")) \
-            or run.get("date") != meta.get("date"):
+def _run_line(run: dict | None, meta: dict, n_rows: int, unfinished: bool) -> str | None:
+    """A family's run record in words, where it differs from the report's header, failed or
+    stopped; ``n_rows``: the rows shown, ``unfinished``: its JSON says the bench did not finish
+    (those rows are the ones it finished)."""
+    parts, run = [], run or {}
+    if run and ((run.get("commit"), run.get("gpu")) != (meta.get("commit"), meta.get("gpu"))
+                or run.get("date") != meta.get("date")):
         parts.append(f"ran {run.get('date', '?')} at commit {run.get('commit') or '?'}"
                      + (f" on {run['gpu']}" if run.get("gpu") != meta.get("gpu") else ""))
     if run.get("seconds") is not None:
         parts.append(f"{run['seconds']:.0f} s")
     st = run.get("status")
     if st == TIMED_OUT:
-        parts.append(f"**stopped by the {run.get('timeout'):.0f} s timeout**"
-                     + ("" if run.get("wrote") else ", no results"))
+        what = (f"stopped by its {run['timeout']:.0f} s time limit" if _num(run.get("timeout"))
+                else "stopped by its time limit")
     elif st:
-        parts.append(f"**exited with status {st}**"
-                     + (" after writing its results" if run.get("wrote") else ", no results"))
+        what = f"exited with status {st}"
+    else:
+        what = "did not finish" if unfinished else None
+    if what and unfinished and n_rows:
+        parts.append(f"**{what} after {n_rows} row{'' if n_rows == 1 else 's'}**; the rows "
+                     f"below are those it finished")
+    elif what:
+        parts.append(f"**{what}**" + (" after writing its results" if n_rows else ", no results"))
     return "_" + "; ".join(parts) + "_" if parts else None
 
 
 def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str],
-             runs: dict | None = None, results_name: str = "bench/results") -> str:
+             runs: dict | None = None, results_name: str = "bench/results",
+             unfinished: set = frozenset()) -> str:
     n_bar = [r for r in records if _judged(r)]
+    runs = runs or {}
+    known = [f for f, _ in BENCHES]
+    fams = sorted(dict.fromkeys([r["family"] for r in records] + list(runs)),
+                  key=lambda f: known.index(f) if f in known else len(known))
+    cut = [f for f in fams if f in unfinished]
     ok = sum(r["passed"] for r in n_bar)
     gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
     vers = ", ".join(f"{k} {v}" for k, v in (meta.get("versions") or {}).items())
@@ -298,20 +332,18 @@ def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str],
              f"and the peer in one process.", "",
              f"**{ok} of {len(n_bar)} rows with a bar pass.** \"x peer\": how many times "
              f"better than the peer (faster, or less memory); \"ratio\": the bench's own, which "
-             f"its bar is about.", ""]
+             f"its bar is about."
+             + (f" Stopped before their end, so only the rows they finished: {', '.join(cut)}."
+                if cut else ""), ""]
     for c in charts:
         lines += [f"![{c}]({c})", ""]
-    runs = runs or {}
-    known = [f for f, _ in BENCHES]
-    fams = sorted(dict.fromkeys([r["family"] for r in records] + list(runs)),
-                  key=lambda f: known.index(f) if f in known else len(known))
     for fam in fams:
         rows = [r for r in records if r["family"] == fam]
         if gpus.get(fam) and gpus[fam] != gpu:
             lines.append(f"## {fam} (run on {gpus[fam]})")
         else:
             lines.append(f"## {fam}")
-        said = _run_line(runs[fam], meta) if fam in runs else None
+        said = _run_line(runs.get(fam), meta, len(rows), fam in unfinished)
         if said:
             lines += ["", said]
         if not rows:
@@ -428,7 +460,7 @@ def charts(records: list[dict], out: Path, gpu: str) -> list[str]:
 
 def build(results: Path = RESULTS, out: Path = REPORT, families=None) -> Path:
     """Write out/README.md, out/report.json and the charts; the README's path."""
-    records, gpus = gather(results, families)
+    records, gpus, unfinished = gather(results, families)
     runs = runs_of(results, families)
     if not records and not runs:
         raise SystemExit(f"report: no bench results in {results} (run the benches first)")
@@ -437,22 +469,25 @@ def build(results: Path = RESULTS, out: Path = REPORT, families=None) -> Path:
     gpu = meta.get("gpu") or next((g for g in gpus.values() if g), "?")
     made = charts(records, out, gpu)
     (out / "report.json").write_text(json.dumps(dict(meta=meta, gpus=gpus, runs=runs,
+                                                     unfinished=sorted(unfinished),
                                                      rows=records), indent=1) + "\n")
     readme = out / "README.md"
     try:
         name = str(results.resolve().relative_to(HERE.parent))
     except ValueError:
         name = str(results)
-    readme.write_text(markdown(records, gpus, meta, made, runs, name) + "\n")
+    readme.write_text(markdown(records, gpus, meta, made, runs, name, unfinished) + "\n")
     return readme
 
 
 README_START, README_END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
 
 
-def summary(records: list[dict], meta: dict, runs: dict, out: Path) -> str:
+def summary(records: list[dict], meta: dict, runs: dict, out: Path,
+            unfinished: set = frozenset()) -> str:
     """The README's block: a line a family (rows with a bar that pass, the median "x peer",
-    when and where it ran) and the ratio chart, linking the full report."""
+    when and where it ran, how many rows a bench stopped early finished) and the ratio chart,
+    linking the full report."""
     try:
         rel = out.resolve().relative_to(HERE.parent).as_posix()
     except ValueError:
@@ -474,6 +509,8 @@ def summary(records: list[dict], meta: dict, runs: dict, out: Path) -> str:
         st = run.get("status")
         if st:
             when += ", timed out" if st == TIMED_OUT else f", exit status {st}"
+        if fam in unfinished and rows:
+            when += f", stopped after {len(rows)} row{'' if len(rows) == 1 else 's'}"
         verdict = f"{sum(r['passed'] for r in barred)} of {len(barred)}" if barred else "no bar"
         lines.append(f"| {fam} | {verdict} | {med} | {when} |" if rows else
                      f"| {fam} | no results | - | {when} |")
@@ -496,7 +533,8 @@ def update_readme(path: Path, block: str) -> None:
 def compare(old: dict, new: dict, threshold: float = 0.05) -> list[str]:
     """Lines saying what moved from report ``old`` to ``new`` (their report.json documents):
     rows that stopped passing, then "x peer" figures that fell by more than ``threshold``,
-    then those that rose, then rows only one of them has."""
+    then those that rose, then rows only one of them has (saying so where that report's bench
+    stopped before its end: the row was not reached rather than gone)."""
     key = lambda r: (r["family"], r["label"], r["unit"])  # noqa: E731
     a, b = {key(r): r for r in old["rows"]}, {key(r): r for r in new["rows"]}
     flips, worse, better = [], [], []
@@ -513,8 +551,13 @@ def compare(old: dict, new: dict, threshold: float = 0.05) -> list[str]:
             better.append((math.inf, f"passes now {what}: {_fmt(ra)}x -> {_fmt(rb)}x"))
     lines = sorted(flips) + [s for _, s in sorted(worse)] + \
         [s for _, s in sorted(better, key=lambda t: -t[0])]
-    lines += [f"new       {k[0]}: {k[1]}" for k in sorted(b.keys() - a.keys())]
-    lines += [f"gone      {k[0]}: {k[1]}" for k in sorted(a.keys() - b.keys())]
+    cut_old, cut_new = set(old.get("unfinished") or ()), set(new.get("unfinished") or ())
+    lines += [f"new       {k[0]}: {k[1]}" + (" (the old run stopped before it)"
+                                             if k[0] in cut_old else "")
+              for k in sorted(b.keys() - a.keys())]
+    lines += [f"gone      {k[0]}: {k[1]}" + (" (this run stopped before it)"
+                                             if k[0] in cut_new else "")
+              for k in sorted(a.keys() - b.keys())]
     return lines
 
 
@@ -527,7 +570,9 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
     """Run each bench in its own process (a crash or a CUDA fault stays in it), at most
     ``timeout`` seconds each; {family: exit status}. A family's old JSON goes first (a bench
     that fails must not leave an earlier run's rows looking current); <family>.run.json
-    records what ran where, how long and how it ended."""
+    records what ran where, how long and how it ended: ``wrote`` (its JSON exists), ``rows``
+    (how many it holds) and ``complete`` (what the JSON says: false when the bench was stopped
+    after those rows, None from a bench that does not say)."""
     results.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
@@ -550,13 +595,28 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
         except subprocess.TimeoutExpired:
             status[fam] = TIMED_OUT
         seconds = round(time.perf_counter() - t0, 1)
+        for tmp in results.glob(f".{out.name}.*.tmp"):    # common.write_json's, were it stopped
+            tmp.unlink()                                   # between its write and its rename
+        doc = _read_doc(out)
         run = dict(meta, date=started, seconds=seconds, status=status[fam],
-                   timeout=timeout, wrote=out.exists())
+                   timeout=timeout, wrote=out.exists(), rows=len(_rows_of(doc)),
+                   complete=doc.get("complete"))
         (results / f"{fam}.run.json").write_text(json.dumps(run, indent=1) + "\n")
         if status[fam]:
             print(f"==== {fam} {'timed out' if status[fam] == TIMED_OUT else 'exited'} with "
-                  f"status {status[fam]} after {seconds} s", flush=True)
+                  f"status {status[fam]} after {seconds} s"
+                  + (f"; its JSON holds the {run['rows']} rows it finished"
+                     if run["complete"] is False else ""), flush=True)
     return status
+
+
+def _read_doc(path: Path) -> dict:
+    """A bench's JSON, {} where it is missing or unreadable."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def main(argv=None) -> int:
@@ -593,9 +653,10 @@ def main(argv=None) -> int:
                                                       args.timeout).items() if s}
     readme = build(args.results, args.out)      # every family with results there, run now or not
     if args.readme is not None:
-        records, _ = gather(args.results)
+        records, _, unfinished = gather(args.results)
         runs = runs_of(args.results)
-        update_readme(args.readme, summary(records, meta_now(args.results, runs), runs, args.out))
+        update_readme(args.readme, summary(records, meta_now(args.results, runs), runs, args.out,
+                                           unfinished))
     print(f"\nwrote {readme} and its charts"
           + (f"; benches that failed: {', '.join(failed)}" if failed else ""))
     if args.pack is not None:

@@ -2,13 +2,14 @@
 shapes bench_models / bench_attention / bench_train / bench_control / bench_runtime /
 bench_custom_op / bench_matmul give them, the Markdown tables, the charts and --compare."""
 import json
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the repo root: bench/ is no
-from bench import report  # noqa: E402                           # installed package
+from bench import common, report  # noqa: E402                   # installed package
 
 pytest.importorskip("matplotlib")
 GPU = "NVIDIA H100 80GB HBM3"
@@ -109,6 +110,18 @@ p = argparse.ArgumentParser(); p.add_argument("--out", type=Path); a = p.parse_a
 how = {how!r}
 if how == "slow":
     time.sleep(30)
+if how == "partial":         # two rows through the shared writer, then past its time limit
+    sys.path.insert(0, {bench!r})
+    from common import Results
+    rows = []
+    out = Results(a.out, gpu="G", bar=0.9, results=rows)
+    for op, ms in (("sub", 1.0), ("div", 4.0)):
+        rows.append({{"op": op, "rlx_ms": ms, "torch_ms": 2.0, "ratio": 2.0 / ms,
+                      "pass": ms < 2}})
+        out.save()
+    (a.out.parent / ("." + a.out.name + ".999.tmp")).write_text("{{")    # as if stopped mid-write
+    time.sleep(30)
+    out.done()
 a.out.write_text(json.dumps({{"gpu": "G", "bar": 0.9, "results": [
     {{"op": "add", "tc": True, "steps": 3.0, "rlx_ms": 1.0, "host_ms": 0.01, "torch_ms": 2.0,
       "ratio": 2.0, "pass": True}},
@@ -123,30 +136,43 @@ def test_run_records_timeouts_and_failures(tmp_path, monkeypatch):
     a failed or stopped family under its heading, a crash after writing keeps its rows; a doc's
     bar applies to its rows; the peer is a peer (host_ms is not); labels name true flags."""
     benches = []
-    for how in ("ok", "slow", "crash"):
+    for how in ("ok", "slow", "partial", "crash"):
         path = tmp_path / f"bench_{how}.py"
-        path.write_text(FAKE_BENCH.format(how=how))
+        path.write_text(FAKE_BENCH.format(how=how, bench=str(report.HERE)))
         benches.append((how, str(path)))
     monkeypatch.setattr(report, "BENCHES", benches)
     res, out = tmp_path / "results", tmp_path / "report"
     res.mkdir()
     (res / "slow.json").write_text(json.dumps({"gpu": "G", "results": [{"op": "stale"}]}))
     status = report.run_benches(None, False, res, timeout=5)
-    assert status == {"ok": 0, "slow": report.TIMED_OUT, "crash": 3}
+    assert status == {"ok": 0, "slow": report.TIMED_OUT, "partial": report.TIMED_OUT,
+                      "crash": 3}
     assert not (res / "slow.json").exists()            # the old rows went, none came back
     runs = report.runs_of(res)
     assert runs["slow"]["status"] == 124 and runs["slow"]["wrote"] is False
+    assert runs["slow"]["rows"] == 0 and runs["slow"]["complete"] is None
+    assert (runs["partial"]["status"], runs["partial"]["wrote"], runs["partial"]["rows"],
+            runs["partial"]["complete"]) == (124, True, 2, False)
+    assert runs["crash"]["rows"] == 2 and runs["crash"]["complete"] is None   # it does not say
+    assert not list(res.glob(".*.tmp"))
     assert runs["slow"]["timeout"] == 5 and runs["slow"]["seconds"] >= 5
     assert runs["crash"]["status"] == 3 and runs["crash"]["wrote"] is True
     assert set(runs["ok"]) >= {"gpu", "commit", "date", "versions", "seconds"}
     report.build(res, out)
     md = (out / "README.md").read_text()
-    slow = md[md.index("## slow"):md.index("## crash")]
-    assert "**stopped by the 5 s timeout**, no results" in slow and "No rows." in slow
+    slow = md[md.index("## slow"):md.index("## partial")]
+    assert "**stopped by its 5 s time limit**, no results" in slow and "No rows." in slow
+    # the partial bench: its two rows, under a line saying where it stopped
+    part = md[md.index("## partial"):md.index("## crash")]
+    assert ("**stopped by its 5 s time limit after 2 rows**; the rows below are those it "
+            "finished") in part
+    assert "| sub | ms | 1 | 2 (torch) | 2.00x | 2 | 0.9 | PASS |" in part
+    assert "| div | ms | 4 | 2 (torch) | 0.50x | 0.5 | 0.9 | **FAIL** |" in part
+    assert "Stopped before their end, so only the rows they finished: partial." in md
     assert "**exited with status 3** after writing its results" in md
     assert "| add tc steps=3 | ms | 1 | 2 (torch) | 2.00x | 2 | 0.9 | PASS |" in md
     assert "| mul | ms | 2 | 1 (torch) | 0.50x | 0.5 | 0.9 | **FAIL** |" in md
-    assert "**2 of 4 rows with a bar pass.**" in md
+    assert "**3 of 6 rows with a bar pass.**" in md     # the partial family's rows counted
 
 
 def test_readme_block(tmp_path):
@@ -180,3 +206,84 @@ def test_pack_puts_results_and_report_in_one_archive(tmp_path):
         names = set(tar.getnames())
     assert {f"results/{p.name}" for p in res.iterdir()} <= names
     assert {"report/README.md", "report/report.json", "report/families.png"} <= names
+
+
+def test_partial_family_in_readme_block_and_compare(tmp_path, capsys):
+    """A JSON with complete=false beside a run record of status 124, no subprocess: the README
+    block says after how many rows it stopped; --compare says a row the stopped run did not
+    reach is not reached rather than gone, and a complete family is not marked."""
+    old_res, new_res = tmp_path / "old", tmp_path / "new"
+    write_results(old_res)
+    report.build(old_res, tmp_path / "old_report")
+    write_results(new_res)
+    doc = json.loads((new_res / "attention.json").read_text())
+    doc.update(complete=False, results=doc["results"][:1])     # its first row only
+    (new_res / "attention.json").write_text(json.dumps(doc))
+    (new_res / "attention.run.json").write_text(json.dumps(dict(
+        gpu=GPU, date="2026-11-28 01:00 UTC", commit="abc1234", seconds=220.4, status=124,
+        timeout=220, wrote=True, rows=1, complete=False)))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{report.README_START}\n{report.README_END}\n")
+    assert report.main(["--no-run", "--results", str(new_res), "--out", str(tmp_path / "report"),
+                        "--readme", str(readme)]) == 0
+    md = (tmp_path / "report" / "README.md").read_text()
+    att = md[md.index("## attention"):md.index("## matmul")]
+    assert ("_220 s; **stopped by its 220 s time limit after 1 row**; the rows below are those "
+            "it finished_") in att          # (the header names its date and commit: the newest)
+    assert "| B8 H32 S1024 D128 causal |" in att and "S4096" not in att
+    assert "**6 of 9 rows with a bar pass.**" in md     # (10 complete): the row not reached
+    assert "| attention | 0 of 1 | 0.50x | 2026-11-28 01:00 UTC, abc1234, timed out, " \
+           "stopped after 1 row |" in readme.read_text()
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["unfinished"] == \
+        ["attention"]
+    capsys.readouterr()
+    assert report.main(["--out", str(tmp_path / "report"), "--compare",
+                        str(tmp_path / "old_report" / "report.json")]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == ["gone      attention: B8 H32 S4096 D128 causal (this run stopped before it)"]
+
+
+def test_results_writer_leaves_valid_json_after_each_row(tmp_path, monkeypatch):
+    """common.Results: after each save the file is whole JSON with the rows so far, the bench's
+    own fields and complete=false; done() sets complete=true; NaN becomes null; a write that
+    fails before its rename leaves the last good file and no temporary one."""
+    path = tmp_path / "sub" / "fam.json"
+    rows = []
+    out = common.Results(path, gpu="G", copy_gbps=3000.0, results=rows)
+    assert not path.exists()                 # nothing written before a row
+    for i in range(3):
+        rows.append(dict(op=f"op{i}", rlx_ms=float(i + 1), err=math.nan if i == 1 else 0.0))
+        out.save()
+        doc = json.loads(path.read_text())
+        assert doc == dict(gpu="G", copy_gbps=3000.0, complete=False, results=[
+            dict(op=f"op{j}", rlx_ms=float(j + 1), err=None if j == 1 else 0.0)
+            for j in range(i + 1)])
+    out.save(sweep=[1, 2])                   # a field added part way
+    assert json.loads(path.read_text())["sweep"] == [1, 2]
+
+    def fail(src, dst):
+        raise OSError("disk full")
+    monkeypatch.setattr(common.os, "replace", fail)
+    rows.append(dict(op="op3"))
+    with pytest.raises(OSError, match="disk full"):
+        out.save()
+    assert len(json.loads(path.read_text())["results"]) == 3      # the last good file
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fam.json"]
+    monkeypatch.undo()
+    out.done(ratio=1.5)
+    doc = json.loads(path.read_text())
+    assert doc["complete"] is True and doc["ratio"] == 1.5 and len(doc["results"]) == 4
+    assert sorted(p.name for p in path.parent.iterdir()) == ["fam.json"]
+
+
+def test_dirty_ignores_the_reports_own_output():
+    """The header's "with local changes" counts changes outside bench/report/ only (the results
+    and report being gathered there), renames by both names."""
+    assert not report.dirty("")
+    assert not report.dirty(" M bench/report/README.md\nM  bench/report/results/linalg.json\n"
+                            "A  bench/report/results/signal.run.json")
+    assert report.dirty(" M bench/report/README.md\n M rlx_numba/kernels/delta.py")
+    assert report.dirty("MM bench/report.py")                 # the report's code is code
+    assert report.dirty("R  bench/report/old.json -> bench/new.json")
+    assert not report.dirty("R  bench/report/a.json -> bench/report/b.json")
+    assert not report.dirty(' M "bench/report/results/odd name.json"')
