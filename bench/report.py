@@ -55,15 +55,23 @@ BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
            ("custom_op", "bench_custom_op.py"),
            ("distributed", "bench_distributed.py")]
 # a row's identifying fields, in the order its label joins them
-ID_KEYS = ("row", "case", "name", "model", "mode", "op", "kind", "phase", "tier", "scheme",
+ID_KEYS = ("row", "case", "name", "layer", "model", "mode", "op", "kind", "phase", "tier", "scheme",
            "shape", "dtype", "precision", "tc", "batch", "seq", "m", "n", "k", "experts", "rule",
            "blocks", "threads", "steps")
 COUNTS = ("batch", "seq", "m", "n", "k", "experts", "blocks", "threads", "steps")  # name=value
+NAMED = ("tier",)                                                   # "name value"
 # the peer a row is compared with, preferred in this order (then any other torch_*)
 PEERS = ("torch", "torch_bf16", "torch_mm", "torch_bf16_mm", "eager", "cublas", "st", "hf",
          "compile")
 # bare fields that are ours (their name is the unit)
 UNITS = ("us", "ms", "s", "gbs", "gbps", "tflops", "per_s", "tok_s", "us_run")
+# where a row pairs ours with a peer in several units, the one shown: rates and times before
+# memory, and before anything else a row pairs (a train row's first loss, say)
+SHOWN_FIRST = ("tok_s", "sent_s", "per_s", "tflops", "gbs", "gbps", "ms", "us", "s", "us_run",
+               "bytes")
+# how a unit reads in the report (the rest as the bench names it)
+UNIT_TEXT = {"tok_s": "tok/s", "sent_s": "sent/s", "per_s": "per s", "gbs": "GB/s", "gbps": "GB/s",
+             "tflops": "TFLOP/s", "us_run": "us/run"}
 LOWER_IS_BETTER = ("ms", "us", "s", "bytes")                    # the other units are rates
 
 
@@ -87,18 +95,20 @@ def _label(row: dict) -> str:
     parts = []
     for k in ID_KEYS:
         v = row.get(k)
-        if v in (None, "") or v is False:
+        if v in (None, "") or v is False or isinstance(v, (list, dict)):
             continue
         if isinstance(v, float) and v.is_integer():
             v = int(v)
-        parts.append(k if v is True else f"{k}={v}" if k in COUNTS else str(v))
+        parts.append(k if v is True else f"{k}={v}" if k in COUNTS
+                     else f"{k} {v}" if k in NAMED else str(v))
     return " ".join(parts) or "?"
 
 
 def _pair(row: dict):
     """(unit, ours, peer name, peer): ours from an ``rlx_<unit>`` field (or a bare unit field:
-    ``us``), the peer from the same unit's ``<peer>_<unit>`` field, the most preferred peer
-    (PEERS, then any torch_*) winning; Nones where the row has no such pair."""
+    ``us``), the peer from the same unit's ``<peer>_<unit>`` field; the unit first in
+    SHOWN_FIRST, then the most preferred peer (PEERS, then any torch_*) wins; Nones where
+    the row has no such pair."""
     best, alone = None, None
     for key, v in row.items():
         unit = key[4:] if key.startswith("rlx_") else key if key in UNITS else None
@@ -109,7 +119,8 @@ def _pair(row: dict):
             name = pk[: -len(unit) - 1]
             if pk == key or not pk.endswith("_" + unit) or not _num(pv) or not _is_peer(name):
                 continue
-            rank = PEERS.index(name) if name in PEERS else len(PEERS)
+            rank = (SHOWN_FIRST.index(unit) if unit in SHOWN_FIRST else len(SHOWN_FIRST),
+                    PEERS.index(name) if name in PEERS else len(PEERS))
             if best is None or rank < best[0]:
                 best = (rank, unit, float(v), name, float(pv))
     if best:
@@ -358,7 +369,7 @@ def markdown(records: list[dict], gpus: dict, meta: dict, charts: list[str],
                        "-" if r["passed"] is None else "PASS" if r["passed"] and r["bar"] else
                        "ok" if r["passed"] else "**FAIL**")
             better = "-" if r["better"] is None else f"{r['better']:.2f}x"
-            lines.append(f"| {r['label']} | {r['unit'] or '-'} | {_fmt(r['ours'])} | {peer} | "
+            lines.append(f"| {r['label']} | {UNIT_TEXT.get(r['unit'], r['unit'] or '-')} | {_fmt(r['ours'])} | {peer} | "
                          f"{better} | {_fmt(r['ratio'])} | {r['bar'] or '-'} | {verdict} |")
         lines.append("")
     return "\n".join(lines)

@@ -62,7 +62,7 @@ def test_report_tables_charts_and_records(tmp_path):
         assert f"## {fam}" in md
     assert md.index("## models") < md.index("## train") < md.index("## attention")
     # a row: its label, ours, the peer named, x peer computed from the pair, the bench's bar
-    assert ("| llama-1b decode bf16 batch=1 | per_s | 890 | 85 (eager) | 10.47x | 10.5 | "
+    assert ("| llama-1b decode bf16 batch=1 | per s | 890 | 85 (eager) | 10.47x | 10.5 | "
             ">= 971/s | **FAIL** |") in md
     assert "| scan_rnn batch=64 steps=1024 | ms | 24.3 | 57.5 (torch) | 2.36x |" in md
     # memory: less is better, so x peer is torch's bytes over ours
@@ -287,3 +287,21 @@ def test_dirty_ignores_the_reports_own_output():
     assert report.dirty("R  bench/report/old.json -> bench/new.json")
     assert not report.dirty("R  bench/report/a.json -> bench/report/b.json")
     assert not report.dirty(' M "bench/report/results/odd name.json"')
+
+
+def test_labels_and_the_unit_a_row_shows():
+    """A row pairing ours with peers in several units shows its rate (a train row's first
+    loss is paired too, and was shown as the row's figure); a vision row is named by its
+    ``layer``, never by a list it holds; a tier reads "tier 2"; units read as words."""
+    train = {"case": "llama train step", "precision": "f32", "batch": 8, "rlx_tok_s": 300.0,
+             "eager_tok_s": 100.0, "rlx_loss0": 10.9, "torch_loss0": 10.9, "rlx_bytes": 5.0,
+             "torch_bytes": 6.0}
+    assert report._pair(train) == ("tok_s", 300.0, "eager", 100.0)
+    assert report._label(train) == "llama train step f32 batch=8"
+    vision = {"layer": "conv 3x3 b8", "steps": [["cudnn fwd", 71.3]], "rlx_us": 83.2,
+              "torch_us": 74.6}
+    assert report._label(vision) == "conv 3x3 b8" and report._pair(vision)[0] == "us"
+    assert report._label({"tier": "2tf32", "shape": "1:64x64x64"}) == "tier 2tf32 1:64x64x64"
+    memory = {"case": "memory", "rlx_bytes": 5.0, "torch_bytes": 6.0}
+    assert report._pair(memory) == ("bytes", 5.0, "torch", 6.0)
+    assert report.UNIT_TEXT["tflops"] == "TFLOP/s" and report.UNIT_TEXT["tok_s"] == "tok/s"
