@@ -22,11 +22,12 @@ Timing: wall clock (perf_counter around whole steps, synchronised) for the train
 3 (our step returns its loss on the host every call; torch's is not synchronised per step);
 CUDA events for the attention backward, as bench_attention.
 
-With --precision bf16 | f16 the Llama step runs with precision= beside torch under autocast
-(GradScaler for f16). Bars: >= 1.3x torch eager and >= 1.0x torch.compile.
+The Llama step runs at each --precision (default f32, then bf16): bf16 / f16 with precision=
+beside torch under autocast (GradScaler for f16). Bars: >= 1.3x torch eager and >= 1.0x
+torch.compile.
 
   python bench/bench_train.py [--only llama|bert|attention] [--no-compile] [--iters 5]
-                              [--precision bf16]
+                              [--precision f32,bf16]
                               [--profile] [--exec-mode graph] [--out bench/results/train.json]
 """
 from __future__ import annotations
@@ -75,7 +76,7 @@ def torch_steps(torch, step, model, args, what):
     return loss0, t_eager, t_comp, peak
 
 
-def bench_llama(torch, transformers, rlx, args, rows):
+def bench_llama(torch, transformers, rlx, args, rows, precision):
     from rlx_numba.models import LlamaConfig, LlamaForCausalLM
     b, s = LLAMA_SHAPE
     ctx = args.cuda.current_context()
@@ -87,7 +88,7 @@ def bench_llama(torch, transformers, rlx, args, rows):
     settle(ctx)
     free0 = ctx.get_memory_info()[0]
     tr = ours.trainer(b, s, rlx.optim.AdamW(lr=LR, weight_decay=WD), exec_mode=args.exec_mode,
-                      precision=args.precision)
+                      precision=precision)
     loss0 = tr.step(ids)            # compiles (and captures the graph); the loss before updating
     t_rlx = wall(lambda: tr.step(ids), lambda: None, args.iters)
     settle(ctx)
@@ -109,8 +110,8 @@ def bench_llama(torch, transformers, rlx, args, rows):
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WD)
     tids = torch.from_numpy(ids).cuda()
 
-    half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(args.precision)
-    scaler = torch.amp.GradScaler("cuda") if args.precision == "f16" else None
+    half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda") if precision == "f16" else None
 
     def torch_step(model):        # autocast (and GradScaler for f16), as a torch user trains
         with torch.autocast("cuda", half or torch.float32, enabled=half is not None):
@@ -134,17 +135,18 @@ def bench_llama(torch, transformers, rlx, args, rows):
     ratio = t_eager / t_rlx
     dl = _rel(loss0, tloss0)
     # f32: >= 1.0x eager; half: >= 1.3x eager autocast and >= 1.0x torch.compile (when run)
-    bar = 1.0 if args.precision == "f32" else 1.3
-    rtol = LOSS_RTOL if args.precision == "f32" else 2e-2     # half logits round differently
-    r = dict(case="llama train step", precision=args.precision, batch=b, seq=s,
+    bar = 1.0 if precision == "f32" else 1.3
+    rtol = LOSS_RTOL if precision == "f32" else 2e-2     # half logits round differently
+    r = dict(case="llama train step", precision=precision, batch=b, seq=s,
              rlx_tok_s=tokens / t_rlx, eager_tok_s=tokens / t_eager,
              compile_tok_s=tokens / t_comp, ratio=ratio, compile_ratio=t_comp / t_rlx, bar=bar,
              rlx_loss0=loss0, torch_loss0=tloss0, loss_rel_diff=dl,
              exec_mode=str(args.exec_mode))
     r["pass"] = bool(ratio >= bar and dl <= rtol and not (
-        args.precision != "f32" and t_comp / t_rlx < 1.0))
+        precision != "f32" and t_comp / t_rlx < 1.0))
     rows.append(r)
-    m = dict(case="llama train step memory", batch=b, seq=s, rlx_bytes=int(used),
+    m = dict(case="llama train step memory", precision=precision, batch=b, seq=s,
+             rlx_bytes=int(used),
              torch_bytes=int(peak),
              ratio=used / peak, bar="<= 1.0x torch",
              **{k: int(report[k]) for k in ("arena_bytes", "trained_param_bytes",
@@ -306,11 +308,15 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="print the Llama train step's time by kernel (one profiled step)")
     p.add_argument("--exec-mode", default="graph", help="the trainers' exec_mode")
-    p.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16"],
-                   help="the Llama step's precision= (torch: autocast, GradScaler for f16)")
+    p.add_argument("--precision", default="f32,bf16",
+                   help="the Llama step's precision= values, comma-separated, of f32, bf16, "
+                        "f16 (torch: autocast, GradScaler for f16)")
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "train.json")
     args = p.parse_args(argv)
+    precisions = args.precision.split(",")
+    if not precisions or set(precisions) - {"f32", "bf16", "f16"}:
+        p.error(f"--precision: comma-separated f32, bf16, f16; got {args.precision!r}")
     import rlx_numba as rlx
     if rlx.simulator_enabled():
         print("bench_train: no CUDA GPU here (simulator); this benchmark needs a GPU. "
@@ -329,7 +335,8 @@ def main(argv=None) -> int:
     rows = []
     out = Results(args.out, gpu=gpu, exec_mode=str(args.exec_mode), lr=LR, weight_decay=WD,
                   results=rows)
-    sections = [("llama", lambda: bench_llama(torch, transformers, rlx, args, rows)),
+    sections = [*(("llama", lambda pr=pr: bench_llama(torch, transformers, rlx, args, rows, pr))
+                  for pr in precisions),
                 ("bert", lambda: bench_bert(torch, transformers, rlx, args, rows)),
                 ("attention", lambda: bench_attention_bwd(torch, rlx, args, rows))]
     for name, run in sections:
