@@ -279,3 +279,41 @@ def test_decode_attention_carries_nan_as_torch(where, plan, monkeypatch):
     nan = np.isnan(want)
     assert nan.any() and (np.isnan(got) == nan).all()
     np.testing.assert_allclose(got[~nan], want[~nan], rtol=1e-5, atol=1e-6)
+
+
+# ---- the numba linear-algebra kernels (tier 1): a NaN matrix of a batch --------------------
+@pytest.mark.parametrize("op", ["qr", "svd", "eigh"])
+def test_linalg_kernels_carry_a_nan_matrix(op, monkeypatch):
+    """A NaN in one matrix of a batch makes every output of that matrix hold a NaN, as
+    LAPACK's and torch's do, and leaves the others right: the kernels' pivots and scales
+    were maxima by the builtin max (fmaxf on a GPU drops a NaN), and svd took a column whose
+    largest |entry| was not > 0 for a zero one, so a NaN column gave a singular value of 0.
+    The builtin max made GPU-like for the kernels' module."""
+    from rlx_numba.kernels import linalg as L
+    if rlx.simulator_enabled():
+        monkeypatch.setattr(L, "max", _fmax, raising=False)
+    monkeypatch.setenv("RLX_NUMBA_LINALG_TIERS", "1")
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((3, 5, 4)).astype(np.float32)
+    if op == "eigh":
+        a = (a[:, :4] @ a[:, :4].transpose(0, 2, 1)).astype(np.float32)
+    a[1, 3, 0] = NAN                           # below the diagonal of the first column
+    g = rlx.Graph()
+    x = g.input("a", a.shape)
+    outs = list(getattr(g, op)(x))
+    g.set_outputs(outs)
+    got = rlx.compile(g).run({"a": a})
+    for o in got:
+        nan = np.isnan(o).reshape(3, -1).any(1)
+        assert nan.tolist() == [False, True, False], op
+    good = [0, 2]
+    if op == "qr":
+        q, r = got
+        rebuilt = q[good] @ r[good]
+    elif op == "svd":
+        u, s, vh = got
+        rebuilt = u[good] * s[good][:, None, :] @ vh[good]
+    else:
+        w, v = got
+        rebuilt = v[good] * w[good][:, None, :] @ v[good].transpose(0, 2, 1)
+    np.testing.assert_allclose(rebuilt, a[good], rtol=1e-4, atol=1e-4 * np.abs(a[good]).max())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from numba import cuda, float32, float64, int32
 
 from .launch import jit, py_in_sim, register_geometry
+from .mathfn import max_nan
 
 
 @dataclass(frozen=True)
@@ -239,9 +240,9 @@ def qr_kernel(f64: bool = False):
                 if tid == 0:
                     tail = ft(0.0)
                     for i in range(c + 1, m):
-                        tail = max(tail, abs(w[base + i * n + c]))
+                        tail = max_nan(tail, abs(w[base + i * n + c]))
                     x0 = w[base + c * n + c]
-                    mx = max(tail, abs(x0))
+                    mx = max_nan(tail, abs(x0))
                     if tail == 0.0:             # H = I, as LAPACK's larfg (R keeps x0's sign)
                         w[tau + 2 * c] = 0.0
                         w[tau + 2 * c + 1] = x0
@@ -352,7 +353,7 @@ def eigh_kernel(f64: bool = False):
             if tid == 0:
                 s = ft(0.0)
                 for idx in range(n * n):
-                    s = max(s, abs(w[base + idx]))
+                    s = max_nan(s, abs(w[base + idx]))
                 shf[2] = s
             for sweep in range(SWEEPS):
                 if tid == 0:
@@ -473,9 +474,9 @@ def svd_kernel(f64: bool = False):
             for j in range(tid, n, nt):                 # S_j = |U[:, j]|, U's columns normalised
                 mx = ft(0.0)
                 for r in range(m):
-                    mx = max(mx, abs(out[ob + r * n + j]))
+                    mx = max_nan(mx, abs(out[ob + r * n + j]))
                 sj = ft(0.0)
-                if mx > 0.0:
+                if mx != 0.0:                           # (a NaN column: S_j NaN, not 0)
                     s = ft(0.0)
                     for r in range(m):
                         y = out[ob + r * n + j] / mx
