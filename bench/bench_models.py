@@ -650,13 +650,7 @@ def main(argv=None) -> int:
              ("formats", lambda: bench_formats(args, rows)),
              ("decode1b", lambda: bench_decode_1b(torch, transformers, args, rows)),
              ("qwen3next", lambda: bench_qwen3next(torch, transformers, args, rows))]
-    for name, run in parts:
-        if args.only in (None, name):
-            run()
-            out.save()        # a part's rows kept should a later part pass the time limit
-    out.done()
-    fails = sum(not r["pass"] for r in rows)
-    print(f"{len(rows) - fails}/{len(rows)} rows pass")
+    out.run_parts(parts, args.only, rows)
     return 0
 
 

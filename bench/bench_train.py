@@ -339,13 +339,7 @@ def main(argv=None) -> int:
                   for pr in precisions),
                 ("bert", lambda: bench_bert(torch, transformers, rlx, args, rows)),
                 ("attention", lambda: bench_attention_bwd(torch, rlx, args, rows))]
-    for name, run in sections:
-        if args.only in (None, name):
-            run()
-            out.save()        # a section's rows kept should a later one pass the time limit
-    out.done()
-    fails = sum(not r["pass"] for r in rows)
-    print(f"{len(rows) - fails}/{len(rows)} rows pass")
+    out.run_parts(sections, args.only, rows)
     return 0
 
 

@@ -159,3 +159,15 @@ class Results:
         self.fields.update(fields)
         write_json(self.path, dict(self.fields, complete=True))
         print(f"\nwrote {self.path}")
+
+    def run_parts(self, parts, only, rows) -> None:
+        """Each (name, fn) of ``parts`` that ``only`` names (None: all), the file rewritten
+        after each (a part's rows kept should a later one pass the time limit); then ``done``
+        and how many of ``rows`` (dicts with "pass") pass."""
+        for name, run in parts:
+            if only in (None, name):
+                run()
+                self.save()
+        self.done()
+        fails = sum(not r["pass"] for r in rows)
+        print(f"{len(rows) - fails}/{len(rows)} rows pass")

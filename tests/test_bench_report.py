@@ -305,3 +305,26 @@ def test_labels_and_the_unit_a_row_shows():
     memory = {"case": "memory", "rlx_bytes": 5.0, "torch_bytes": 6.0}
     assert report._pair(memory) == ("bytes", 5.0, "torch", 6.0)
     assert report.UNIT_TEXT["tflops"] == "TFLOP/s" and report.UNIT_TEXT["tok_s"] == "tok/s"
+
+
+def test_results_run_parts_saves_after_each_and_counts(tmp_path, capsys):
+    """run_parts runs the parts ``only`` names (None: all), rewrites the file after each (the
+    first part's rows are on disk while the second runs), then writes it complete and says
+    how many rows pass."""
+    path, rows, seen = tmp_path / "b.json", [], []
+    out = common.Results(path, gpu="G", results=rows)
+
+    def second():
+        seen.append(json.loads(path.read_text()))
+        rows.append({"case": "b", "pass": False})
+
+    parts = [("a", lambda: rows.append({"case": "a", "pass": True})), ("b", second),
+             ("c", lambda: rows.append({"case": "c", "pass": True}))]
+    out.run_parts(parts, None, rows)
+    assert seen[0]["results"] == [{"case": "a", "pass": True}] and not seen[0]["complete"]
+    doc = json.loads(path.read_text())
+    assert doc["complete"] and [r["case"] for r in doc["results"]] == ["a", "b", "c"]
+    assert "2/3 rows pass" in capsys.readouterr().out
+    rows.clear()
+    out.run_parts(parts, "c", rows)
+    assert [r["case"] for r in json.loads(path.read_text())["results"]] == ["c"]
