@@ -72,7 +72,8 @@ SHOWN_FIRST = ("tok_s", "sent_s", "per_s", "tflops", "gbs", "gbps", "ms", "us", 
 # how a unit reads in the report (the rest as the bench names it)
 UNIT_TEXT = {"tok_s": "tok/s", "sent_s": "sent/s", "per_s": "per s", "gbs": "GB/s", "gbps": "GB/s",
              "tflops": "TFLOP/s", "us_run": "us/run"}
-LOWER_IS_BETTER = ("ms", "us", "s", "bytes")                    # the other units are rates
+LOWER_IS_BETTER = ("ms", "us", "s", "bytes")
+WHOLE_MODEL_UNITS = ("tok_s", "sent_s", "per_s")      # the README block's headline rows                    # the other units are rates
 
 
 # ---- gathering --------------------------------------------------------------------------------
@@ -496,9 +497,9 @@ README_START, README_END = "<!-- bench-report:start -->", "<!-- bench-report:end
 
 def summary(records: list[dict], meta: dict, runs: dict, out: Path,
             unfinished: set = frozenset()) -> str:
-    """The README's block: a line a family (rows with a bar that pass, the median "x peer",
-    when and where it ran, how many rows a bench stopped early finished) and the ratio chart,
-    linking the full report."""
+    """The README's block: the whole-model rows against their peer, a line a family (rows with
+    a bar that pass, the median "x peer", when and where it ran, how many rows a bench stopped
+    early finished) and the family chart, linking the full report."""
     try:
         rel = out.resolve().relative_to(HERE.parent).as_posix()
     except ValueError:
@@ -507,9 +508,20 @@ def summary(records: list[dict], meta: dict, runs: dict, out: Path,
     fams = sorted(dict.fromkeys([r["family"] for r in records] + list(runs)),
                   key=lambda f: known.index(f) if f in known else len(known))
     lines = [f"{meta.get('gpu') or '?'}, driver {meta.get('driver') or '?'}; the full tables "
-             f"are in [{rel}/README.md]({rel}/README.md).", "",
-             "| family | rows with a bar that pass | median x peer | run |",
-             "|---|---|---:|---|"]
+             f"are in [{rel}/README.md]({rel}/README.md)."]
+    whole = [r for r in records if r["unit"] in WHOLE_MODEL_UNITS and r["peer"]]
+    if whole:               # what a reader deciding asks first: whole models against torch
+        lines += ["", "Whole models and steps against their peer (tokens, sentences or images "
+                      "a second):", "",
+                  "| row | ours | peer | x peer | bar |", "|---|---:|---:|---:|---|"]
+        for r in whole:
+            verdict = "-" if not _judged(r) else f"{r['bar']}: " + (
+                "PASS" if r["passed"] else "**FAIL**")
+            lines.append(f"| {r['label']} ({UNIT_TEXT.get(r['unit'], r['unit'])}) | "
+                         f"{_fmt(r['ours'])} | {_fmt(r['peer'])} ({r['peer_name']}) | "
+                         f"{r['better']:.2f}x | {verdict} |")
+    lines += ["", "Each family:", "", "| family | rows with a bar that pass | median x peer | run |",
+              "|---|---|---:|---|"]
     for fam in fams:
         rows = [r for r in records if r["family"] == fam]
         barred = [r for r in rows if _judged(r)]

@@ -188,6 +188,11 @@ def test_readme_block(tmp_path):
         report.README_END + "\nafter\n") and "old" not in text
     assert "| models | 1 of 2 | 10.47x | - |" in text      # no run record: no date
     assert "families.png)" in text
+    # the whole-model rows first (a rate against a peer), with their bar's verdict
+    head = text.index("Whole models")
+    assert head < text.index("| family |")
+    assert ("| llama-1b decode bf16 batch=1 (per s) | 890 | 85 (eager) | 10.47x | >= 971/s: "
+            "**FAIL** |") in text
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="no <!-- bench-report:start -->"):
         report.main(["--no-run", "--results", str(res), "--out", str(out),
