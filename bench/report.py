@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -43,8 +44,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RESULTS, REPORT = HERE / "results", HERE / "report"
-# (family, script): the order the report shows them; the distributed bench runs only when asked
-BENCHES = [("models", "bench_models.py"), ("train", "bench_train.py"),
+# (family, script and its arguments): the order the report shows them; the distributed bench
+# runs only when asked. models_f16: MiniLM and its sentence corpus in f16 (issue 32's bars)
+BENCHES = [("models", "bench_models.py"),
+           ("models_f16", "bench_models.py --no-compile --only bert --dtype f16"),
+           ("train", "bench_train.py"),
            ("vision", "bench_vision.py"), ("attention", "bench_attention.py"),
            ("matmul", "bench_matmul.py"), ("quant", "bench_quant.py"),
            ("gemv", "bench_gemv.py"), ("elementwise", "bench_elementwise.py"),
@@ -601,15 +605,16 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     meta = collect_meta()
     status = {}
-    for fam, script in BENCHES:
+    for fam, spec in BENCHES:
         if families and fam not in families:
             continue
         if fam == "distributed" and not distributed:
             continue
         out = results / f"{fam}.json"
         out.unlink(missing_ok=True)
+        script, *args = shlex.split(spec)
         cmd = ([sys.executable, "-m", "rlx_numba.cli", "launch", "--gpus", "2"]
-               if fam == "distributed" else [sys.executable]) + [str(HERE / script),
+               if fam == "distributed" else [sys.executable]) + [str(HERE / script), *args,
                                                                  "--out", str(out)]
         print(f"\n==== {fam}: {' '.join(cmd[1:])}", flush=True)
         t0, started = time.perf_counter(), _now()

@@ -3,6 +3,7 @@ shapes bench_models / bench_attention / bench_train / bench_control / bench_runt
 bench_custom_op / bench_matmul give them, the Markdown tables, the charts and --compare."""
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def test_errors(tmp_path):
 
 FAKE_BENCH = """import argparse, json, os, sys, time
 from pathlib import Path
-p = argparse.ArgumentParser(); p.add_argument("--out", type=Path); a = p.parse_args()
+p = argparse.ArgumentParser(); p.add_argument("--out", type=Path); p.add_argument("--tag")
+a = p.parse_args()
 how = {how!r}
 if how == "slow":
     time.sleep(30)
@@ -122,7 +124,7 @@ if how == "partial":         # two rows through the shared writer, then past its
     (a.out.parent / ("." + a.out.name + ".999.tmp")).write_text("{{")    # as if stopped mid-write
     time.sleep(30)
     out.done()
-a.out.write_text(json.dumps({{"gpu": "G", "bar": 0.9, "results": [
+a.out.write_text(json.dumps({{"gpu": "G", "bar": 0.9, "tag": a.tag, "results": [
     {{"op": "add", "tc": True, "steps": 3.0, "rlx_ms": 1.0, "host_ms": 0.01, "torch_ms": 2.0,
       "ratio": 2.0, "pass": True}},
     {{"op": "mul", "tc": False, "rlx_ms": 2.0, "torch_ms": 1.0, "ratio": 0.5, "pass": False}}]}}))
@@ -139,7 +141,7 @@ def test_run_records_timeouts_and_failures(tmp_path, monkeypatch):
     for how in ("ok", "slow", "partial", "crash"):
         path = tmp_path / f"bench_{how}.py"
         path.write_text(FAKE_BENCH.format(how=how, bench=str(report.HERE)))
-        benches.append((how, str(path)))
+        benches.append((how, f"{shlex.quote(str(path))} --tag {how}-args"))   # a script's arguments
     monkeypatch.setattr(report, "BENCHES", benches)
     res, out = tmp_path / "results", tmp_path / "report"
     res.mkdir()
@@ -158,6 +160,7 @@ def test_run_records_timeouts_and_failures(tmp_path, monkeypatch):
     assert runs["slow"]["timeout"] == 5 and runs["slow"]["seconds"] >= 5
     assert runs["crash"]["status"] == 3 and runs["crash"]["wrote"] is True
     assert set(runs["ok"]) >= {"gpu", "commit", "date", "versions", "seconds"}
+    assert json.loads((res / "ok.json").read_text())["tag"] == "ok-args"
     report.build(res, out)
     md = (out / "README.md").read_text()
     slow = md[md.index("## slow"):md.index("## partial")]
