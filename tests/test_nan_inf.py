@@ -4,11 +4,15 @@ largest value (the first NaN's index); a softmax / log_softmax row holding a NaN
 all NaN, a -inf entry is 0 (-inf); norms of a row with a NaN or an infinity follow their
 formulas (rms_norm: x * rsqrt(mean(x^2) + eps), so inf gives 0 * finite and NaN * inf);
 sums and cumsum as IEEE addition. Oracles: float64 NumPy written here."""
+import functools
+import re
+
 import numpy as np
 import pytest
 
 import rlx_numba as rlx
 from halfref import HOST, UNIT, f64
+from rlx_numba.ir import dtypes as dt
 from rlx_numba.kernels import rows
 from rlx_numba.kernels.launch import default_geometry
 
@@ -317,3 +321,111 @@ def test_linalg_kernels_carry_a_nan_matrix(op, monkeypatch):
         w, v = got
         rebuilt = v[good] * w[good][:, None, :] @ v[good].transpose(0, 2, 1)
     np.testing.assert_allclose(rebuilt, a[good], rtol=1e-4, atol=1e-4 * np.abs(a[good]).max())
+
+
+# ---- the audit of every NaN / Inf compare (issue 36's class, the builtin max / min above): each
+# op on each of its kernel paths, with the GPU's builtin max and min patched into the modules its
+# kernels read them from, against a NumPy oracle of torch's rule ------------------------------
+def _fmin(a, b):
+    """The builtin min as numba lowers it for floats on a GPU (fminf / fmin): a NaN operand
+    gives the other one."""
+    return b if a != a else a if b != b else (a if a <= b else b)
+
+
+def _any_args(f):
+    """f over two or more arguments (host code of a patched module calls min(a, b, c))."""
+    return lambda a, b, *more: functools.reduce(f, more, f(a, b))
+
+
+@pytest.fixture
+def gpu_minmax(monkeypatch):
+    """patch(*modules): in the simulator, those modules' kernels see the GPU's builtin max and
+    min (fmaxf / fminf, which drop a NaN). Nothing is patched on a GPU."""
+    def patch(*modules):
+        if rlx.simulator_enabled():
+            for mod in modules:
+                monkeypatch.setattr(mod, "max", _any_args(_fmax), raising=False)
+                monkeypatch.setattr(mod, "min", _any_args(_fmin), raising=False)
+    return patch
+
+
+def _specials(shape, axis, seed=5):
+    """f32 data whose lines along ``axis`` hold: a NaN first, a NaN last, two NaNs and a +inf,
+    +inf and -inf, only -inf, a +inf, -0.0 beside 0.0, nothing special (one a line, cycling)."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    v = np.moveaxis(x, axis, -1)            # a view: writing it writes x
+    n = v.shape[-1]
+    lines = v.reshape(-1, n)
+    for i, line in enumerate(lines):
+        case = i % 8
+        if case == 0:
+            line[0] = NAN
+        elif case == 1:
+            line[-1] = NAN
+        elif case == 2:
+            line[[1, n // 2]] = NAN
+            line[n - 2] = INF
+        elif case == 3:
+            line[n // 3], line[-1] = INF, -INF
+        elif case == 4:
+            line[:] = -INF
+        elif case == 5:
+            line[n // 2] = INF
+        elif case == 6:
+            line[:2] = (-0.0, 0.0)
+    v[...] = lines.reshape(v.shape)
+    return x
+
+
+def _bare_builtin(src):
+    """The builtin max / min calls in generated source (ew.max and ew.min are not builtins)."""
+    return re.findall(r"(?<![\w.])(?:max|min)\(", src)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "f64"])
+def test_maximum_minimum_clamp_relu_family_carry_nan(dtype):
+    """torch.maximum / minimum carry a NaN from either operand; clamp (max then min with
+    scalars: ONNX Clip's, hardtanh's and fake_quantize's form), relu6 keep a NaN; relu(NaN)
+    is NaN; inf and -0.0 as IEEE. The generated element-wise kernels (the vector path for the
+    halves: 64 elements) call elementwise.py's max / min (compare and select), never the
+    builtin (fmaxf on a GPU): nothing to patch, the source is checked instead."""
+    from rlx_numba.kernels import codegen
+    host = np.float64 if dtype == "f64" else HOST[dtype]
+    xv = _specials((4, 16), 1).astype(host)
+    yv = np.roll(_specials((4, 16), 1, seed=6), 3).astype(host)
+    x, y = f64(xv), f64(yv)
+    g = rlx.Graph()
+    a, b = g.input("x", xv.shape, dtype), g.input("y", yv.shape, dtype)
+    outs = {"max": (g.max(a, b), np.maximum(x, y)), "max swapped": (g.max(b, a), np.maximum(y, x)),
+            "min": (g.min(a, b), np.minimum(x, y)), "min swapped": (g.min(b, a), np.minimum(y, x)),
+            "clamp": (g.min(g.max(a, -1.0), 1.0), np.minimum(np.maximum(x, -1.0), 1.0)),
+            "relu6": (g.min(g.relu(a), 6.0), np.minimum(np.where(np.isnan(x), x,
+                                                                  np.maximum(x, 0.0)), 6.0)),
+            "relu": (g.relu(a), np.where(np.isnan(x), x, np.maximum(x, 0.0))),
+            "max NaN bound": (g.max(a, float("nan")), np.full_like(x, NAN))}
+    g.set_outputs([t for t, _ in outs.values()])
+    got = rlx.compile(g).run({"x": xv, "y": yv})
+    for (name, (_, want)), out in zip(outs.items(), got):
+        np.testing.assert_array_equal(f64(out), f64(want.astype(host)), err_msg=f"{dtype} {name}")
+    f = dt.F32
+    expr = ("binary", "max", f, ("in", 0, f), ("binary", "min", f, ("in", 1, f), ("in", 0, f)))
+    src = codegen.kernel_source(expr, [f, f], ["full", "full"], 1)
+    assert "ew.max(" in src and "ew.min(" in src and not _bare_builtin(src)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_relu_grad_passes_dy_where_x_is_nan(dtype):
+    """torch's relu backward is threshold_backward(dy, relu(x), 0): ``y <= 0 ? 0 : dy``, so dy
+    passes where x (and y) is NaN; 0 at x <= 0 (-0.0 and 0 included), dy above. The
+    activation_grad kernel had ``dy if x > 0 else 0``: 0 at a NaN."""
+    xv = _specials((3, 9), 1).astype(HOST[dtype])
+    dyv = (np.arange(27, dtype=np.float32).reshape(3, 9) % 5 - 1.5).astype(HOST[dtype])
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    (dx,) = g.grad(g.relu(a), [a], seed=g.constant(dyv.astype(np.float32), dtype))
+    g.set_outputs([dx])
+    (got,) = rlx.compile(g).run({"x": xv})
+    x = f64(xv)
+    want = np.where(x <= 0, 0.0, f64(dyv))          # NaN <= 0 is false: dy
+    assert np.isnan(x).any()
+    np.testing.assert_array_equal(f64(got), want)
