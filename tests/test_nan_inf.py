@@ -349,15 +349,16 @@ def gpu_minmax(monkeypatch):
     return patch
 
 
-def _specials(shape, axis, seed=5):
+def _specials(shape, axis, seed=5, start=0):
     """f32 data whose lines along ``axis`` hold: a NaN first, a NaN last, two NaNs and a +inf,
-    +inf and -inf, only -inf, a +inf, -0.0 beside 0.0, nothing special (one a line, cycling)."""
+    +inf and -inf, only -inf, a +inf, -0.0 beside 0.0, nothing special (one a line, cycling
+    from case ``start``)."""
     x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
     v = np.moveaxis(x, axis, -1)            # a view: writing it writes x
     n = v.shape[-1]
     lines = v.reshape(-1, n)
     for i, line in enumerate(lines):
-        case = i % 8
+        case = (i + start) % 8
         if case == 0:
             line[0] = NAN
         elif case == 1:
@@ -429,3 +430,47 @@ def test_relu_grad_passes_dy_where_x_is_nan(dtype):
     want = np.where(x <= 0, 0.0, f64(dyv))          # NaN <= 0 is false: dy
     assert np.isnan(x).any()
     np.testing.assert_array_equal(f64(got), want)
+
+
+# shape, axis, first special case, the kernels it takes in the simulator's geometry
+REDUCE_PATHS = {"rows": ((8, 7), 1, 0),                 # a thread a row
+                "rows grouped": ((8, 130), 1, 0),       # 4 threads a row (scan: 2)
+                "row segments": ((2, 600), 1, 1),       # 2 segments a row, then their partials;
+                                                        # scan: 8 threads a row
+                "cols split": ((40, 8), 0, 0)}          # 8 x 2 threads, r in 2 chunks
+
+
+@pytest.mark.parametrize("path", list(REDUCE_PATHS))
+def test_reductions_argmax_and_cumsum_carry_nan_on_every_path(path, gpu_minmax):
+    """reduce max / min are NaN where the reduced line holds one (and +-inf, -0.0 as IEEE
+    max); argmax / argmin give the first NaN's index (else the first extreme; all -inf: 0);
+    cumsum turns NaN from the first NaN or the first inf - inf on. Each path of
+    kernels/reduce.py, a NaN in a later segment or chunk than the line's extreme included."""
+    from rlx_numba.kernels import reduce as R, warp as W
+    from rlx_numba.kernels.launch import col_geometry, row_geometry
+    from rlx_numba.runtime.lower_reduce import scan_geometry
+    gpu_minmax(R, W)
+    shape, axis, start = REDUCE_PATHS[path]
+    if axis == 1:
+        assert row_geometry(*shape)[3] == (2 if path == "row segments" else 1)
+        assert (row_geometry(*shape)[0] > 1) == (path != "rows")
+        assert (scan_geometry(*shape)[0] > 1) == (path != "rows")
+    else:
+        assert col_geometry(1, *shape)[4] == 2 and col_geometry(1, *shape)[1] > 1
+    xv = _specials(shape, axis, start=start)
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", shape)
+    g.set_outputs([g.reduce_max(a, [axis]), g.reduce_min(a, [axis]), g.argmax(a, axis),
+                   g.argmin(a, axis), g.cumsum(a, axis)])
+    mx, mn, amx, amn, cs = rlx.compile(g).run({"x": xv})
+    np.testing.assert_array_equal(mx, np.max(x, axis), err_msg=f"{path} reduce_max")
+    np.testing.assert_array_equal(mn, np.min(x, axis), err_msg=f"{path} reduce_min")
+    np.testing.assert_array_equal(amx, np.argmax(x, axis), err_msg=f"{path} argmax")
+    np.testing.assert_array_equal(amn, np.argmin(x, axis), err_msg=f"{path} argmin")
+    want = np.cumsum(x, axis)
+    np.testing.assert_array_equal(np.isnan(cs), np.isnan(want), err_msg=f"{path} cumsum NaN")
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(cs[inf], want[inf], err_msg=f"{path} cumsum inf")
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(cs[fin], want[fin], rtol=1e-4, atol=2e-3, err_msg=path)
