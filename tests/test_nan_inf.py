@@ -474,3 +474,80 @@ def test_reductions_argmax_and_cumsum_carry_nan_on_every_path(path, gpu_minmax):
     np.testing.assert_array_equal(cs[inf], want[inf], err_msg=f"{path} cumsum inf")
     fin = np.isfinite(want)
     np.testing.assert_allclose(cs[fin], want[fin], rtol=1e-4, atol=2e-3, err_msg=path)
+
+
+def _negative_nans(x):
+    """x with the NaNs of its odd columns given the sign bit (-NaN, as x - x of inf can be):
+    a NaN is a NaN whatever its sign."""
+    x = x.copy()
+    u = x.view(np.uint32)
+    odd = (np.arange(x.shape[-1]) % 2 == 1) & np.isnan(x)
+    u[odd] |= np.uint32(0x80000000)
+    return x
+
+
+def _order(row, descending):
+    """torch's stable sort order of a row: NaN above +inf (after it ascending, first
+    descending), -0.0 tying with 0.0, ties by index."""
+    nan = [v != v for v in row]
+    if descending:
+        return sorted(range(len(row)), key=lambda i: (not nan[i], 0.0 if nan[i] else -row[i], i))
+    return sorted(range(len(row)), key=lambda i: (nan[i], 0.0 if nan[i] else row[i], i))
+
+
+TOPK_PATHS = {"small": ((8, 9), 0), "one block a row": ((8, 40), 0),
+              "two stages": ((2, 600), 2)}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
+def test_topk_takes_nan_as_largest_on_every_path(path, dtype, gpu_minmax):
+    """torch.topk: NaN (of either sign) above +inf, several NaNs by index, then descending
+    values, ties (-0.0 with 0.0) to the smaller index. Each plan of runtime/lower_sample.py:
+    a thread a row, a block a row, segment candidates then a block a row (the NaNs and the
+    +inf in different segments)."""
+    from rlx_numba.kernels import sample as S, warp as W
+    from rlx_numba.runtime.lower_sample import topk_plan
+    gpu_minmax(S, W)
+    shape, start = TOPK_PATHS[path]
+    k = 5
+    assert topk_plan(shape[0], shape[1], k)["mode"] == {"small": "small",
+                                                        "one block a row": "one"}.get(path, "two")
+    xv = _negative_nans(_specials(shape, 1, start=start)).astype(HOST[dtype])
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", shape, dtype)
+    vals, idx = g.topk(a, k, -1)
+    g.set_outputs([vals, idx])
+    got_v, got_i = rlx.compile(g).run({"x": xv})
+    want_i = np.array([_order(list(r), True)[:k] for r in x])
+    np.testing.assert_array_equal(got_i, want_i, err_msg=f"{path} {dtype} indices")
+    np.testing.assert_array_equal(f64(got_v), np.take_along_axis(x, want_i, 1),
+                                  err_msg=f"{path} {dtype} values")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_sort_orders_nan_as_torch_across_tiles(dtype, gpu_minmax):
+    """torch.sort(stable=True): NaN (of either sign) after +inf ascending and first
+    descending, -0.0 tying with 0.0, ties in index order; rows of 21 take three tiles of 8
+    (the simulator's) and two merge passes."""
+    from rlx_numba.kernels import sort as K, warp as W
+    gpu_minmax(K, W)
+    rng = np.random.default_rng(11)
+    xv = np.round(rng.standard_normal((3, 21)), 1).astype(np.float32)   # (rounded: ties)
+    xv[0, [2, 9, 17]] = NAN
+    xv[0, [5, 12, 3, 14, 7, 19]] = (INF, -INF, -0.0, 0.0, 1.5, 1.5)
+    xv[1, :] = -INF
+    xv[1, [0, 20, 8]] = (INF, NAN, NAN)
+    xv = _negative_nans(xv).astype(HOST[dtype])
+    assert np.signbit(xv[0, 9]) and np.isnan(xv[0, 9])
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    up, down = g.sort(a, 1), g.sort(a, 1, descending=True)
+    g.set_outputs([up[0], up[1], down[0], down[1]])
+    got = rlx.compile(g).run({"x": xv})
+    for (vals, idx), desc in ((got[:2], False), (got[2:], True)):
+        want = np.array([_order(list(r), desc) for r in x])
+        np.testing.assert_array_equal(idx, want, err_msg=f"{dtype} descending={desc}")
+        np.testing.assert_array_equal(f64(vals), np.take_along_axis(x, want, 1))
