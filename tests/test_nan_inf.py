@@ -551,3 +551,101 @@ def test_sort_orders_nan_as_torch_across_tiles(dtype, gpu_minmax):
         want = np.array([_order(list(r), desc) for r in x])
         np.testing.assert_array_equal(idx, want, err_msg=f"{dtype} descending={desc}")
         np.testing.assert_array_equal(f64(vals), np.take_along_axis(x, want, 1))
+
+
+def _pool_image():
+    """[1, 2, 7, 7] f32 for 3x3 windows, stride 2, padding 1: channel 0 has NaNs at (1, 1)
+    and (1, 2) (windows (0, 0) and (1, 0) hold one, (0, 1) and (1, 1) both) and a +inf and
+    a -inf sharing window (2, 2); channel 1 a -inf block (window (3, 3) holds only -inf), a
+    +inf, a -0.0 beside 0.0."""
+    x = np.round(np.random.default_rng(3).standard_normal((1, 2, 7, 7)), 1).astype(np.float32)
+    x[0, 0, 1, 1:3] = NAN
+    x[0, 0, 4, 4], x[0, 0, 5, 5] = INF, -INF
+    x[0, 1, 4:, 4:] = -INF
+    x[0, 1, 0, 6] = INF
+    x[0, 1, 2, 2:4] = (-0.0, 0.0)
+    return x
+
+
+def _max_pool_torch(x, k, s, p):
+    """torch's max_pool2d (DilatedMaxPool2d.cu): each window in row-major order, ``v > max or
+    isnan(v)`` takes v (so the LAST NaN of a window wins), the index starting at the window's
+    first element; (out, flat indices into the [H, W] plane)."""
+    n, c, h, w = x.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    out, idx = np.empty((n, c, oh, ow)), np.empty((n, c, oh, ow), np.int64)
+    for b, ch, i, j in np.ndindex(n, c, oh, ow):
+        rs = [r for r in range(i * s - p, i * s - p + k) if 0 <= r < h]
+        cs = [q for q in range(j * s - p, j * s - p + k) if 0 <= q < w]
+        best, at = -INF, rs[0] * w + cs[0]
+        for r in rs:
+            for q in cs:
+                v = x[b, ch, r, q]
+                if v > best or np.isnan(v):
+                    best, at = v, r * w + q
+        out[b, ch, i, j], idx[b, ch, i, j] = best, at
+    return out, idx
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_max_pool_and_its_grad_follow_torch_nan(layout, dtype, gpu_minmax):
+    """max pool: a window holding a NaN gives NaN, one of only -inf gives -inf; the gradient
+    goes where torch's index points: the window's last NaN (torch takes any NaN it meets, so a
+    later NaN replaces an earlier one), else its first largest value, else (all -inf) its
+    first element. Both layouts (channels last: its own forward kernel, the gradient between
+    transposes)."""
+    from rlx_numba.kernels import conv as C, pool as P
+    gpu_minmax(P, C)
+    x = f64(_pool_image().astype(HOST[dtype]))
+    want, idx = _max_pool_torch(x, 3, 2, 1)
+    dyv = (np.arange(want.size) % 4 + 1).astype(np.float32).reshape(want.shape)   # exact sums
+    dx = np.zeros(x.shape)
+    for b, ch, i, j in np.ndindex(*want.shape):
+        dx[b, ch].flat[idx[b, ch, i, j]] += dyv[b, ch, i, j]
+    cl = layout == "nhwc"
+    to = (lambda t: np.ascontiguousarray(np.moveaxis(t, 1, -1))) if cl else (lambda t: t)  # noqa: E731
+    back = (lambda t: np.moveaxis(t, -1, 1)) if cl else (lambda t: t)                      # noqa: E731
+    xv = to(x).astype(HOST[dtype])
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    y = g.pool(a, "max", 3, 2, 1, channels_last=cl)
+    (gx,) = g.grad(y, [a], seed=g.constant(to(dyv), dtype))
+    g.set_outputs([y, gx])
+    got_y, got_dx = rlx.compile(g).run({"x": xv})
+    assert np.isnan(want[0, 0, :2, :2]).all() and want[0, 1, 3, 3] == -INF
+    np.testing.assert_array_equal(f64(back(got_y)), want, err_msg=f"{layout} {dtype} pool")
+    np.testing.assert_array_equal(f64(back(got_dx)), dx, err_msg=f"{layout} {dtype} grad")
+
+
+def test_avg_and_adaptive_pools_carry_inf_and_nan(gpu_minmax):
+    """avg pool (both divisors) and adaptive_avg_pool (the resample tables, and a global pool:
+    a mean) are sums as IEEE adds them: a window with +inf is +inf, with +inf and -inf or a NaN
+    NaN; the zero-weight taps of the resample never multiply an inf."""
+    from rlx_numba.kernels import conv as C, pool as P, resample as RS
+    gpu_minmax(P, C, RS)
+    x = _pool_image()
+    x64 = f64(x)
+    pad = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=np.nan)
+    wins = np.lib.stride_tricks.sliding_window_view(pad, (3, 3), (2, 3))[:, :, ::2, ::2]
+    live = ~np.isnan(np.lib.stride_tricks.sliding_window_view(
+        np.pad(np.zeros((7, 7)), 1, constant_values=np.nan), (3, 3))[::2, ::2])
+    with np.errstate(invalid="ignore"):
+        sums = np.where(live, wins, 0.0).sum((-2, -1))   # (the padding's NaN is not live)
+        avg_pad, avg_in = sums / 9.0, sums / live.sum((-2, -1))
+
+        def adaptive(t, o):
+            n = t.shape[-1]
+            rng_ = [(i * n // o, -(-(i + 1) * n // o)) for i in range(o)]
+            return np.array([[t[..., r0:r1, c0:c1].mean((-2, -1)) for c0, c1 in rng_]
+                             for r0, r1 in rng_]).transpose(2, 3, 0, 1)
+        ad3, ad1 = adaptive(x64, 3), x64.mean((-2, -1), keepdims=True)
+    g = rlx.Graph()
+    a = g.input("x", x.shape)
+    g.set_outputs([g.pool(a, "avg", 3, 2, 1), g.pool(a, "avg", 3, 2, 1, count_include_pad=False),
+                   g.adaptive_avg_pool(a, 3), g.adaptive_avg_pool(a, 1)])
+    got = rlx.compile(g).run({"x": x})
+    for out, want, name in zip(got, (avg_pad, avg_in, ad3, ad1),
+                               ("avg", "avg excluding pad", "adaptive 3x3", "adaptive 1x1")):
+        assert np.isnan(want).any() and np.isinf(want).any() or name == "adaptive 1x1", name
+        close(out, want, "f32", name)
