@@ -649,3 +649,58 @@ def test_avg_and_adaptive_pools_carry_inf_and_nan(gpu_minmax):
                                ("avg", "avg excluding pad", "adaptive 3x3", "adaptive 1x1")):
         assert np.isnan(want).any() and np.isinf(want).any() or name == "adaptive 1x1", name
         close(out, want, "f32", name)
+
+
+def _ce_rows():
+    """[9, 37] logits and labels (the simulator's 16 threads a row: columns 3 and 19, 0, 16
+    and 32 are one thread's): a NaN; a +inf; two +inf in one thread; -inf at the label; -inf
+    elsewhere (one thread's three); only -inf; nothing special; a NaN and a plain row whose
+    label is ignore_index (-100)."""
+    x = np.round(np.random.default_rng(9).standard_normal((9, 37)), 2).astype(np.float32)
+    x[0, 5] = NAN
+    x[1, 3] = INF
+    x[2, [3, 19]] = INF
+    x[3, 7] = -INF
+    x[4, [0, 16, 32]] = -INF
+    x[5, :] = -INF
+    x[7, 10] = NAN
+    return x, np.array([2, 3, 0, 7, 1, 4, 36, -100, -100], np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cross_entropy_with_nan_and_inf_logits_as_torch(eps, dtype, gpu_minmax):
+    """torch's cross_entropy is log_softmax then nll_loss (and the smoothing term): a row with
+    a NaN, a +inf or only -inf has a NaN log_softmax, so a NaN loss; -inf at the label gives
+    +inf, -inf elsewhere nothing (with smoothing: +inf, as sum(-log p) is). The gradient is
+    log_softmax's backward, dy' - exp(log p) sum(dy'): NaN on a NaN row, and on an ignored row
+    (dy' = 0) 0 - exp(NaN) * 0 = NaN where log p is NaN, else 0. The kernel wrote 0 on every
+    ignored row."""
+    from rlx_numba.kernels import loss as L, warp as W
+    gpu_minmax(L, W)
+    xv, y = _ce_rows()
+    xv = xv.astype(HOST[dtype])
+    x, c = f64(xv), xv.shape[1]
+    dyv = np.linspace(0.5, 2.0, 9).astype(np.float32)
+    with np.errstate(all="ignore"):
+        mx = x.max(-1, keepdims=True)
+        logp = x - mx - np.log(np.exp(x - mx).sum(-1, keepdims=True))
+        keep = y != -100
+        onehot = np.eye(c)[np.where(keep, y, 0)] * keep[:, None]
+        want = -(1 - eps) * np.take_along_axis(logp, np.where(keep, y, 0)[:, None], 1)[:, 0]
+        if eps:
+            want = want - eps / c * np.where(keep, logp.sum(-1), 0.0)
+        want = np.where(keep, want, 0.0)
+        d_logp = -f64(dyv)[:, None] * ((1 - eps) * onehot + eps / c * keep[:, None])
+        want_dx = d_logp - np.exp(logp) * d_logp.sum(-1, keepdims=True)
+    g = rlx.Graph()
+    a, lab = g.input("x", xv.shape, dtype), g.input("y", (9,), "i64")
+    loss = g.cross_entropy(a, lab, reduction="none", label_smoothing=eps)
+    (dx,) = g.grad(loss, [a], seed=g.constant(dyv, dtype))
+    g.set_outputs([loss, dx])
+    got, got_dx = rlx.compile(g).run({"x": xv, "y": y})
+    assert np.isnan(want[[0, 1, 2, 5]]).all() and want[3] == INF
+    assert np.isfinite(want[4]) == (eps == 0)
+    assert np.isnan(want_dx[7]).all() and (want_dx[8] == 0).all()
+    close(got, want.astype(HOST[dtype]) if dtype != "f32" else want, dtype, f"loss eps={eps}")
+    close(got_dx, want_dx, dtype, f"dx eps={eps}")
