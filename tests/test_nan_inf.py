@@ -704,3 +704,64 @@ def test_cross_entropy_with_nan_and_inf_logits_as_torch(eps, dtype, gpu_minmax):
     assert np.isnan(want_dx[7]).all() and (want_dx[8] == 0).all()
     close(got, want.astype(HOST[dtype]) if dtype != "f32" else want, dtype, f"loss eps={eps}")
     close(got_dx, want_dx, dtype, f"dx eps={eps}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_scatter_add_sums_inf_and_nan_as_ieee(deterministic):
+    """scatter_add (torch.index_add): +inf and -inf meeting in a row give NaN, a NaN update
+    or target stays NaN, an inf stays inf; atomics and the ordered kernel alike."""
+    t = np.arange(15, dtype=np.float32).reshape(5, 3)
+    t[0, 2], t[2, 1] = -INF, NAN
+    idx = np.array([1, 3, 1, -1, 3, 0], np.int64)                  # -1: row 4
+    upd = np.ones((6, 3), np.float32)
+    upd[0, 0], upd[2, 0] = INF, -INF                               # row 1: inf - inf
+    upd[1, 1] = NAN                                                # row 3
+    upd[5, 2], upd[3, 0] = INF, INF                                # row 0: -inf + inf; row 4
+    want = f64(t)
+    np.add.at(want, idx % 5, f64(upd))
+    g = rlx.Graph()
+    a, i, u = g.input("t", t.shape), g.input("i", idx.shape, "i64"), g.input("u", upd.shape)
+    g.set_outputs([g.scatter_add(a, i, u, 0, deterministic=deterministic)])
+    (got,) = rlx.compile(g).run({"t": t, "i": idx, "u": upd})
+    assert np.isnan(want[[0, 1, 2, 3], [2, 0, 1, 1]]).all() and want[4, 0] == INF
+    np.testing.assert_array_equal(f64(got), want)
+
+
+@pytest.mark.parametrize("case", ["sgd clip NaN", "sgd clip inf", "adam amsgrad NaN"])
+def test_optimizer_step_with_a_nan_or_inf_grad_as_torch(case, gpu_minmax):
+    """torch.nn.utils.clip_grad_norm_ then the step: a NaN gradient makes the total norm and
+    the clip coefficient NaN (clamp(NaN, max=1) is NaN), so every param of the step turns NaN;
+    an inf gradient makes the coefficient 0, so that element becomes inf * 0 = NaN and the
+    rest do not move. Adam (amsgrad: max(max_sq, v) keeps the NaN) turns the NaN grad's
+    element NaN and no other."""
+    from rlx_numba.kernels import optim as O, warp as W
+    gpu_minmax(O, W)
+    w0 = np.linspace(-1.0, 1.0, 5).astype(np.float32)
+    b0 = np.array([0.5, -0.25, 2.0], np.float32)
+    e = np.array([0.3, -0.7, 1.1, 0.2, -0.4], np.float32)
+    e[2] = INF if "inf" in case else NAN
+    g = rlx.Graph()
+    ein = g.input("e", (5,))
+    w, b = g.param("w", (5,)), g.param("b", (3,))
+    loss = g.reduce_sum(w * ein) + g.reduce_sum(w * w) * 0.5 + g.reduce_sum(b * b) * 0.5
+    g.set_outputs([loss])
+    sgd = case.startswith("sgd")
+    opt = rlx.optim.SGD(lr=0.1) if sgd else rlx.optim.Adam(lr=0.1, amsgrad=True)
+    tr = rlx.compile_train(g, loss, opt, clip_grad_norm=1.0 if sgd else None)
+    tr.set_param("w", w0)
+    tr.set_param("b", b0)
+    tr.step({"e": e})
+    grads = {"w": f64(e) + f64(w0), "b": f64(b0)}
+    with np.errstate(all="ignore"):
+        if sgd:
+            total = np.sqrt(sum((gr ** 2).sum() for gr in grads.values()))
+            coef = np.minimum(1.0 / (total + 1e-6), 1.0)          # torch.clamp: NaN stays
+            want = {"w": f64(w0) - 0.1 * grads["w"] * coef, "b": f64(b0) - 0.1 * grads["b"] * coef}
+        else:                                                       # step 1: m = 0.1 g, v = 1e-3 g^2
+            want = {k: f64(p) - 0.1 / 0.1 * (0.1 * grads[k]) /
+                    (np.sqrt(np.maximum(0.0, 1e-3 * grads[k] ** 2)) / np.sqrt(1e-3) + 1e-8)
+                    for k, p in (("w", w0), ("b", b0))}
+    nan_w = np.isnan(want["w"])
+    assert nan_w[2] and (nan_w.all() if case == "sgd clip NaN" else nan_w.sum() == 1)
+    for k in ("w", "b"):
+        close(tr.get_param(k), want[k], "f32", f"{case} {k}")
