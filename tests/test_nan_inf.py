@@ -765,3 +765,34 @@ def test_optimizer_step_with_a_nan_or_inf_grad_as_torch(case, gpu_minmax):
     assert nan_w[2] and (nan_w.all() if case == "sgd clip NaN" else nan_w.sum() == 1)
     for k in ("w", "b"):
         close(tr.get_param(k), want[k], "f32", f"{case} {k}")
+
+
+SAMPLE_PATHS = {"small": (20, {}), "block a row": (40, {}), "top_k": (40, {"top_k": 3}),
+                "top_p": (40, {"top_p": 0.9}), "segments": (1100, {})}
+
+
+@pytest.mark.parametrize("path", list(SAMPLE_PATHS))
+def test_sample_never_draws_nan_and_takes_an_inf(path, gpu_minmax):
+    """sample's rule (ir/ops_sample.py; torch.multinomial refuses such rows): a NaN logit is
+    never drawn, a row of NaNs gives 0, a +inf logit takes all the mass (exp(v - max) is 1
+    there, 0 elsewhere), -inf logits none. Each plan of runtime/lower_sample.py, three seeds."""
+    from rlx_numba.kernels import sample as S, warp as W
+    from rlx_numba.runtime.lower_sample import _segments
+    gpu_minmax(S, W)
+    n, kw = SAMPLE_PATHS[path]
+    assert (_segments(4, n, 1)[0] >= 2) == (path == "segments")
+    x = np.full((4, n), NAN, np.float32)
+    x[0, [3, n - 2]] = (1.0, 0.5)                    # two tokens among NaNs
+    x[2] = np.linspace(-5.0, -4.0, n)
+    x[2, ::3] = NAN
+    x[2, 7] = INF                                    # the only token with mass
+    x[3] = -INF
+    x[3, [5, 6]] = (0.25, NAN)                       # the only finite token
+    x = _negative_nans(x)
+    g = rlx.Graph()
+    a, s = g.input("x", x.shape), g.input("seed", (1,), "i64")
+    g.set_outputs([g.sample(a, seed=s, **kw)])
+    exe = rlx.compile(g)
+    for seed in (0, 1, 12345):
+        (got,) = exe.run({"x": x, "seed": np.array([seed], np.int64)})
+        assert got[0] in (3, n - 2) and got[1] == 0 and got[2] == 7 and got[3] == 5, (seed, got)
