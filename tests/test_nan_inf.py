@@ -796,3 +796,35 @@ def test_sample_never_draws_nan_and_takes_an_inf(path, gpu_minmax):
     for seed in (0, 1, 12345):
         (got,) = exe.run({"x": x, "seed": np.array([seed], np.int64)})
         assert got[0] in (3, n - 2) and got[1] == 0 and got[2] == 7 and got[3] == 5, (seed, got)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_linear_epilogues_carry_nan_and_inf(dtype):
+    """linear's fused epilogue as torch's separate ops: relu(NaN) is NaN, relu(-inf) 0,
+    gelu_tanh(-inf) = 0.5 * -inf * (1 + tanh(-inf)) is NaN (torch's formula), +inf stays; on a
+    GPU the product and its bias + activation run in cuBLASLt's epilogue (tier 1), whose NaN
+    rule is NVIDIA's, in the simulator in the numba GEMM's; the relu gradient passes dy at the
+    NaNs (torch's threshold_backward)."""
+    rng = np.random.default_rng(4)
+    xv = np.round(rng.standard_normal((5, 8)), 2).astype(np.float32)
+    xv[1, 3], xv[3, 0] = NAN, INF
+    wv = np.round(rng.standard_normal((8, 6)), 2).astype(np.float32)
+    wv[0] = np.where(wv[0] == 0, 0.5, wv[0])                     # row 3: +-inf in every column
+    bv = np.linspace(-1.0, 1.0, 6).astype(np.float32)
+    xv, wv, bv = (t.astype(HOST[dtype]) for t in (xv, wv, bv))
+    with np.errstate(all="ignore"):
+        z = f64(xv) @ f64(wv) + f64(bv)
+        relu = np.where(np.isnan(z), z, np.maximum(z, 0.0))
+        gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    g = rlx.Graph()
+    x, w, b = g.input("x", xv.shape, dtype), g.input("w", wv.shape, dtype), g.input("b", (6,), dtype)
+    yr = g.linear(x, w, b, activation="relu")
+    yg = g.linear(x, w, b, activation="gelu_tanh")
+    (dz,) = g.grad(yr, [b], seed=g.constant(np.ones(yr.shape, np.float32), dtype))
+    g.set_outputs([yr, yg, dz])
+    got_r, got_g, got_db = rlx.compile(g).run({"x": xv, "w": wv, "b": bv})
+    assert np.isnan(relu[1]).all() and (relu[3] == 0).any() and np.isinf(relu[3]).any()
+    assert np.isnan(gelu[3]).any()
+    close(got_r, relu, dtype, f"{dtype} linear relu")
+    close(got_g, gelu, dtype, f"{dtype} linear gelu_tanh")
+    close(got_db, np.where(z <= 0, 0.0, 1.0).sum(0), dtype, f"{dtype} d bias")   # NaN: 1
