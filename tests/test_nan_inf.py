@@ -604,8 +604,11 @@ def test_max_pool_and_its_grad_follow_torch_nan(layout, dtype, gpu_minmax):
     for b, ch, i, j in np.ndindex(*want.shape):
         dx[b, ch].flat[idx[b, ch, i, j]] += dyv[b, ch, i, j]
     cl = layout == "nhwc"
-    to = (lambda t: np.ascontiguousarray(np.moveaxis(t, 1, -1))) if cl else (lambda t: t)  # noqa: E731
-    back = (lambda t: np.moveaxis(t, -1, 1)) if cl else (lambda t: t)                      # noqa: E731
+    def to(t):
+        return np.ascontiguousarray(np.moveaxis(t, 1, -1)) if cl else t
+
+    def back(t):
+        return np.moveaxis(t, -1, 1) if cl else t
     xv = to(x).astype(HOST[dtype])
     g = rlx.Graph()
     a = g.input("x", xv.shape, dtype)
@@ -757,7 +760,7 @@ def test_optimizer_step_with_a_nan_or_inf_grad_as_torch(case, gpu_minmax):
             total = np.sqrt(sum((gr ** 2).sum() for gr in grads.values()))
             coef = np.minimum(1.0 / (total + 1e-6), 1.0)          # torch.clamp: NaN stays
             want = {"w": f64(w0) - 0.1 * grads["w"] * coef, "b": f64(b0) - 0.1 * grads["b"] * coef}
-        else:                                                       # step 1: m = 0.1 g, v = 1e-3 g^2
+        else:                              # step 1: m = 0.1 g, v = 1e-3 g^2, amsgrad's max
             want = {k: f64(p) - 0.1 / 0.1 * (0.1 * grads[k]) /
                     (np.sqrt(np.maximum(0.0, 1e-3 * grads[k] ** 2)) / np.sqrt(1e-3) + 1e-8)
                     for k, p in (("w", w0), ("b", b0))}
@@ -817,7 +820,8 @@ def test_linear_epilogues_carry_nan_and_inf(dtype):
         relu = np.where(np.isnan(z), z, np.maximum(z, 0.0))
         gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
     g = rlx.Graph()
-    x, w, b = g.input("x", xv.shape, dtype), g.input("w", wv.shape, dtype), g.input("b", (6,), dtype)
+    x, w = g.input("x", xv.shape, dtype), g.input("w", wv.shape, dtype)
+    b = g.input("b", (6,), dtype)
     yr = g.linear(x, w, b, activation="relu")
     yg = g.linear(x, w, b, activation="gelu_tanh")
     (dz,) = g.grad(yr, [b], seed=g.constant(np.ones(yr.shape, np.float32), dtype))
