@@ -451,12 +451,13 @@ def test_reductions_argmax_and_cumsum_carry_nan_on_every_path(path, gpu_minmax):
     from rlx_numba.runtime.lower_reduce import scan_geometry
     gpu_minmax(R, W)
     shape, axis, start = REDUCE_PATHS[path]
-    if axis == 1:
-        assert row_geometry(*shape)[3] == (2 if path == "row segments" else 1)
-        assert (row_geometry(*shape)[0] > 1) == (path != "rows")
-        assert (scan_geometry(*shape)[0] > 1) == (path != "rows")
-    else:
-        assert col_geometry(1, *shape)[4] == 2 and col_geometry(1, *shape)[1] > 1
+    if rlx.simulator_enabled():   # the simulator's geometry (a GPU's takes its own paths)
+        if axis == 1:
+            assert row_geometry(*shape)[3] == (2 if path == "row segments" else 1)
+            assert (row_geometry(*shape)[0] > 1) == (path != "rows")
+            assert (scan_geometry(*shape)[0] > 1) == (path != "rows")
+        else:
+            assert col_geometry(1, *shape)[4] == 2 and col_geometry(1, *shape)[1] > 1
     xv = _specials(shape, axis, start=start)
     x = f64(xv)
     g = rlx.Graph()
@@ -511,8 +512,8 @@ def test_topk_takes_nan_as_largest_on_every_path(path, dtype, gpu_minmax):
     gpu_minmax(S, W)
     shape, start = TOPK_PATHS[path]
     k = 5
-    assert topk_plan(shape[0], shape[1], k)["mode"] == {"small": "small",
-                                                        "one block a row": "one"}.get(path, "two")
+    assert not rlx.simulator_enabled() or topk_plan(shape[0], shape[1], k)["mode"] == {
+        "small": "small", "one block a row": "one"}.get(path, "two")   # (the simulator's plan)
     xv = _negative_nans(_specials(shape, 1, start=start)).astype(HOST[dtype])
     x = f64(xv)
     g = rlx.Graph()
@@ -783,7 +784,8 @@ def test_sample_never_draws_nan_and_takes_an_inf(path, gpu_minmax):
     from rlx_numba.runtime.lower_sample import _segments
     gpu_minmax(S, W)
     n, kw = SAMPLE_PATHS[path]
-    assert (_segments(4, n, 1)[0] >= 2) == (path == "segments")
+    if rlx.simulator_enabled():                      # (the simulator's plan)
+        assert (_segments(4, n, 1)[0] >= 2) == (path == "segments")
     x = np.full((4, n), NAN, np.float32)
     x[0, [3, n - 2]] = (1.0, 0.5)                    # two tokens among NaNs
     x[2] = np.linspace(-5.0, -4.0, n)
