@@ -13,11 +13,10 @@ Backward: the same pass for (max, sum of exp), then each element is written once
 
     dx_c = dy[row] * (softmax(x)_c - eps / C - (1 - eps) [c == y])
 
-and on an ignored row 0, or NaN where softmax(x)_c is (a NaN, a +inf or only -inf in the row),
-as torch's log_softmax backward makes it from a zero dy (0 - exp(log p) * 0).
-
 so nothing of size [rows, C] is stored between the passes beyond the logits themselves (the
-softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy).
+softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy). An
+ignored row gets 0, or NaN where softmax(x)_c is NaN (a NaN, a +inf or only -inf in the row),
+as torch's log_softmax backward makes it from a zero dy (0 - exp(log p) * 0).
 
 Half logits (``xk``, kernels/halfio.py) are widened as they are read; the log-sum-exp, the
 sums and the row loss are f32 (the loss is stored f32), and dx is rounded once to the logits'
