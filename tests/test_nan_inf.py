@@ -4,11 +4,15 @@ largest value (the first NaN's index); a softmax / log_softmax row holding a NaN
 all NaN, a -inf entry is 0 (-inf); norms of a row with a NaN or an infinity follow their
 formulas (rms_norm: x * rsqrt(mean(x^2) + eps), so inf gives 0 * finite and NaN * inf);
 sums and cumsum as IEEE addition. Oracles: float64 NumPy written here."""
+import functools
+import re
+
 import numpy as np
 import pytest
 
 import rlx_numba as rlx
 from halfref import HOST, UNIT, f64
+from rlx_numba.ir import dtypes as dt
 from rlx_numba.kernels import rows
 from rlx_numba.kernels.launch import default_geometry
 
@@ -317,3 +321,516 @@ def test_linalg_kernels_carry_a_nan_matrix(op, monkeypatch):
         w, v = got
         rebuilt = v[good] * w[good][:, None, :] @ v[good].transpose(0, 2, 1)
     np.testing.assert_allclose(rebuilt, a[good], rtol=1e-4, atol=1e-4 * np.abs(a[good]).max())
+
+
+# ---- the audit of every NaN / Inf compare (issue 36's class, the builtin max / min above): each
+# op on each of its kernel paths, with the GPU's builtin max and min patched into the modules its
+# kernels read them from, against a NumPy oracle of torch's rule ------------------------------
+def _fmin(a, b):
+    """The builtin min as numba lowers it for floats on a GPU (fminf / fmin): a NaN operand
+    gives the other one."""
+    return b if a != a else a if b != b else (a if a <= b else b)
+
+
+def _any_args(f):
+    """f over two or more arguments (host code of a patched module calls min(a, b, c))."""
+    return lambda a, b, *more: functools.reduce(f, more, f(a, b))
+
+
+@pytest.fixture
+def gpu_minmax(monkeypatch):
+    """patch(*modules): in the simulator, those modules' kernels see the GPU's builtin max and
+    min (fmaxf / fminf, which drop a NaN). Nothing is patched on a GPU."""
+    def patch(*modules):
+        if rlx.simulator_enabled():
+            for mod in modules:
+                monkeypatch.setattr(mod, "max", _any_args(_fmax), raising=False)
+                monkeypatch.setattr(mod, "min", _any_args(_fmin), raising=False)
+    return patch
+
+
+def _specials(shape, axis, seed=5, start=0):
+    """f32 data whose lines along ``axis`` hold: a NaN first, a NaN last, two NaNs and a +inf,
+    +inf and -inf, only -inf, a +inf, -0.0 beside 0.0, nothing special (one a line, cycling
+    from case ``start``)."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    v = np.moveaxis(x, axis, -1)            # a view: writing it writes x
+    n = v.shape[-1]
+    lines = v.reshape(-1, n)
+    for i, line in enumerate(lines):
+        case = (i + start) % 8
+        if case == 0:
+            line[0] = NAN
+        elif case == 1:
+            line[-1] = NAN
+        elif case == 2:
+            line[[1, n // 2]] = NAN
+            line[n - 2] = INF
+        elif case == 3:
+            line[n // 3], line[-1] = INF, -INF
+        elif case == 4:
+            line[:] = -INF
+        elif case == 5:
+            line[n // 2] = INF
+        elif case == 6:
+            line[:2] = (-0.0, 0.0)
+    v[...] = lines.reshape(v.shape)
+    return x
+
+
+def _bare_builtin(src):
+    """The builtin max / min calls in generated source (ew.max and ew.min are not builtins)."""
+    return re.findall(r"(?<![\w.])(?:max|min)\(", src)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16", "f64"])
+def test_maximum_minimum_clamp_relu_family_carry_nan(dtype):
+    """torch.maximum / minimum carry a NaN from either operand; clamp (max then min with
+    scalars: ONNX Clip's, hardtanh's and fake_quantize's form), relu6 keep a NaN; relu(NaN)
+    is NaN; inf and -0.0 as IEEE. The generated element-wise kernels (the vector path for the
+    halves: 64 elements) call elementwise.py's max / min (compare and select), never the
+    builtin (fmaxf on a GPU): nothing to patch, the source is checked instead."""
+    from rlx_numba.kernels import codegen
+    host = np.float64 if dtype == "f64" else HOST[dtype]
+    xv = _specials((4, 16), 1).astype(host)
+    yv = np.roll(_specials((4, 16), 1, seed=6), 3).astype(host)
+    x, y = f64(xv), f64(yv)
+    g = rlx.Graph()
+    a, b = g.input("x", xv.shape, dtype), g.input("y", yv.shape, dtype)
+    outs = {"max": (g.max(a, b), np.maximum(x, y)), "max swapped": (g.max(b, a), np.maximum(y, x)),
+            "min": (g.min(a, b), np.minimum(x, y)), "min swapped": (g.min(b, a), np.minimum(y, x)),
+            "clamp": (g.min(g.max(a, -1.0), 1.0), np.minimum(np.maximum(x, -1.0), 1.0)),
+            "relu6": (g.min(g.relu(a), 6.0), np.minimum(np.where(np.isnan(x), x,
+                                                                  np.maximum(x, 0.0)), 6.0)),
+            "relu": (g.relu(a), np.where(np.isnan(x), x, np.maximum(x, 0.0))),
+            "max NaN bound": (g.max(a, float("nan")), np.full_like(x, NAN))}
+    g.set_outputs([t for t, _ in outs.values()])
+    got = rlx.compile(g).run({"x": xv, "y": yv})
+    for (name, (_, want)), out in zip(outs.items(), got):
+        np.testing.assert_array_equal(f64(out), f64(want.astype(host)), err_msg=f"{dtype} {name}")
+    f = dt.F32
+    expr = ("binary", "max", f, ("in", 0, f), ("binary", "min", f, ("in", 1, f), ("in", 0, f)))
+    src = codegen.kernel_source(expr, [f, f], ["full", "full"], 1)
+    assert "ew.max(" in src and "ew.min(" in src and not _bare_builtin(src)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_relu_grad_passes_dy_where_x_is_nan(dtype):
+    """torch's relu backward is threshold_backward(dy, relu(x), 0): ``y <= 0 ? 0 : dy``, so dy
+    passes where x (and y) is NaN; 0 at x <= 0 (-0.0 and 0 included), dy above. The
+    activation_grad kernel had ``dy if x > 0 else 0``: 0 at a NaN."""
+    xv = _specials((3, 9), 1).astype(HOST[dtype])
+    dyv = (np.arange(27, dtype=np.float32).reshape(3, 9) % 5 - 1.5).astype(HOST[dtype])
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    (dx,) = g.grad(g.relu(a), [a], seed=g.constant(dyv.astype(np.float32), dtype))
+    g.set_outputs([dx])
+    (got,) = rlx.compile(g).run({"x": xv})
+    x = f64(xv)
+    want = np.where(x <= 0, 0.0, f64(dyv))          # NaN <= 0 is false: dy
+    assert np.isnan(x).any()
+    np.testing.assert_array_equal(f64(got), want)
+
+
+# shape, axis, first special case, the kernels it takes in the simulator's geometry
+REDUCE_PATHS = {"rows": ((8, 7), 1, 0),                 # a thread a row
+                "rows grouped": ((8, 130), 1, 0),       # 4 threads a row (scan: 2)
+                "row segments": ((2, 600), 1, 1),       # 2 segments a row, then their partials;
+                                                        # scan: 8 threads a row
+                "cols split": ((40, 8), 0, 0)}          # 8 x 2 threads, r in 2 chunks
+
+
+@pytest.mark.parametrize("path", list(REDUCE_PATHS))
+def test_reductions_argmax_and_cumsum_carry_nan_on_every_path(path, gpu_minmax):
+    """reduce max / min are NaN where the reduced line holds one (and +-inf, -0.0 as IEEE
+    max); argmax / argmin give the first NaN's index (else the first extreme; all -inf: 0);
+    cumsum turns NaN from the first NaN or the first inf - inf on. Each path of
+    kernels/reduce.py, a NaN in a later segment or chunk than the line's extreme included."""
+    from rlx_numba.kernels import reduce as R, warp as W
+    from rlx_numba.kernels.launch import col_geometry, row_geometry
+    from rlx_numba.runtime.lower_reduce import scan_geometry
+    gpu_minmax(R, W)
+    shape, axis, start = REDUCE_PATHS[path]
+    if rlx.simulator_enabled():   # the simulator's geometry (a GPU's takes its own paths)
+        if axis == 1:
+            assert row_geometry(*shape)[3] == (2 if path == "row segments" else 1)
+            assert (row_geometry(*shape)[0] > 1) == (path != "rows")
+            assert (scan_geometry(*shape)[0] > 1) == (path != "rows")
+        else:
+            assert col_geometry(1, *shape)[4] == 2 and col_geometry(1, *shape)[1] > 1
+    xv = _specials(shape, axis, start=start)
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", shape)
+    g.set_outputs([g.reduce_max(a, [axis]), g.reduce_min(a, [axis]), g.argmax(a, axis),
+                   g.argmin(a, axis), g.cumsum(a, axis)])
+    mx, mn, amx, amn, cs = rlx.compile(g).run({"x": xv})
+    np.testing.assert_array_equal(mx, np.max(x, axis), err_msg=f"{path} reduce_max")
+    np.testing.assert_array_equal(mn, np.min(x, axis), err_msg=f"{path} reduce_min")
+    np.testing.assert_array_equal(amx, np.argmax(x, axis), err_msg=f"{path} argmax")
+    np.testing.assert_array_equal(amn, np.argmin(x, axis), err_msg=f"{path} argmin")
+    want = np.cumsum(x, axis)
+    np.testing.assert_array_equal(np.isnan(cs), np.isnan(want), err_msg=f"{path} cumsum NaN")
+    inf = np.isinf(want)
+    np.testing.assert_array_equal(cs[inf], want[inf], err_msg=f"{path} cumsum inf")
+    fin = np.isfinite(want)
+    np.testing.assert_allclose(cs[fin], want[fin], rtol=1e-4, atol=2e-3, err_msg=path)
+
+
+def _negative_nans(x):
+    """x with the NaNs of its odd columns given the sign bit (-NaN, as x - x of inf can be):
+    a NaN is a NaN whatever its sign."""
+    x = x.copy()
+    u = x.view(np.uint32)
+    odd = (np.arange(x.shape[-1]) % 2 == 1) & np.isnan(x)
+    u[odd] |= np.uint32(0x80000000)
+    return x
+
+
+def _order(row, descending):
+    """torch's stable sort order of a row: NaN above +inf (after it ascending, first
+    descending), -0.0 tying with 0.0, ties by index."""
+    nan = [v != v for v in row]
+    if descending:
+        return sorted(range(len(row)), key=lambda i: (not nan[i], 0.0 if nan[i] else -row[i], i))
+    return sorted(range(len(row)), key=lambda i: (nan[i], 0.0 if nan[i] else row[i], i))
+
+
+TOPK_PATHS = {"small": ((8, 9), 0), "one block a row": ((8, 40), 0),
+              "two stages": ((2, 600), 2)}
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
+def test_topk_takes_nan_as_largest_on_every_path(path, dtype, gpu_minmax):
+    """torch.topk: NaN (of either sign) above +inf, several NaNs by index, then descending
+    values, ties (-0.0 with 0.0) to the smaller index. Each plan of runtime/lower_sample.py:
+    a thread a row, a block a row, segment candidates then a block a row (the NaNs and the
+    +inf in different segments)."""
+    from rlx_numba.kernels import sample as S, warp as W
+    from rlx_numba.runtime.lower_sample import topk_plan
+    gpu_minmax(S, W)
+    shape, start = TOPK_PATHS[path]
+    k = 5
+    assert not rlx.simulator_enabled() or topk_plan(shape[0], shape[1], k)["mode"] == {
+        "small": "small", "one block a row": "one"}.get(path, "two")   # (the simulator's plan)
+    xv = _negative_nans(_specials(shape, 1, start=start)).astype(HOST[dtype])
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", shape, dtype)
+    vals, idx = g.topk(a, k, -1)
+    g.set_outputs([vals, idx])
+    got_v, got_i = rlx.compile(g).run({"x": xv})
+    want_i = np.array([_order(list(r), True)[:k] for r in x])
+    np.testing.assert_array_equal(got_i, want_i, err_msg=f"{path} {dtype} indices")
+    np.testing.assert_array_equal(f64(got_v), np.take_along_axis(x, want_i, 1),
+                                  err_msg=f"{path} {dtype} values")
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_sort_orders_nan_as_torch_across_tiles(dtype, gpu_minmax):
+    """torch.sort(stable=True): NaN (of either sign) after +inf ascending and first
+    descending, -0.0 tying with 0.0, ties in index order; rows of 21 take three tiles of 8
+    (the simulator's) and two merge passes."""
+    from rlx_numba.kernels import sort as K, warp as W
+    gpu_minmax(K, W)
+    rng = np.random.default_rng(11)
+    xv = np.round(rng.standard_normal((3, 21)), 1).astype(np.float32)   # (rounded: ties)
+    xv[0, [2, 9, 17]] = NAN
+    xv[0, [5, 12, 3, 14, 7, 19]] = (INF, -INF, -0.0, 0.0, 1.5, 1.5)
+    xv[1, :] = -INF
+    xv[1, [0, 20, 8]] = (INF, NAN, NAN)
+    xv = _negative_nans(xv).astype(HOST[dtype])
+    assert np.signbit(xv[0, 9]) and np.isnan(xv[0, 9])
+    x = f64(xv)
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    up, down = g.sort(a, 1), g.sort(a, 1, descending=True)
+    g.set_outputs([up[0], up[1], down[0], down[1]])
+    got = rlx.compile(g).run({"x": xv})
+    for (vals, idx), desc in ((got[:2], False), (got[2:], True)):
+        want = np.array([_order(list(r), desc) for r in x])
+        np.testing.assert_array_equal(idx, want, err_msg=f"{dtype} descending={desc}")
+        np.testing.assert_array_equal(f64(vals), np.take_along_axis(x, want, 1))
+
+
+def _pool_image():
+    """[1, 2, 7, 7] f32 for 3x3 windows, stride 2, padding 1: channel 0 has NaNs at (1, 1)
+    and (1, 2) (windows (0, 0) and (1, 0) hold one, (0, 1) and (1, 1) both) and a +inf and
+    a -inf sharing window (2, 2); channel 1 a -inf block (window (3, 3) holds only -inf), a
+    +inf, a -0.0 beside 0.0."""
+    x = np.round(np.random.default_rng(3).standard_normal((1, 2, 7, 7)), 1).astype(np.float32)
+    x[0, 0, 1, 1:3] = NAN
+    x[0, 0, 4, 4], x[0, 0, 5, 5] = INF, -INF
+    x[0, 1, 4:, 4:] = -INF
+    x[0, 1, 0, 6] = INF
+    x[0, 1, 2, 2:4] = (-0.0, 0.0)
+    return x
+
+
+def _max_pool_torch(x, k, s, p):
+    """torch's max_pool2d (DilatedMaxPool2d.cu): each window in row-major order, ``v > max or
+    isnan(v)`` takes v (so the LAST NaN of a window wins), the index starting at the window's
+    first element; (out, flat indices into the [H, W] plane)."""
+    n, c, h, w = x.shape
+    oh, ow = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    out, idx = np.empty((n, c, oh, ow)), np.empty((n, c, oh, ow), np.int64)
+    for b, ch, i, j in np.ndindex(n, c, oh, ow):
+        rs = [r for r in range(i * s - p, i * s - p + k) if 0 <= r < h]
+        cs = [q for q in range(j * s - p, j * s - p + k) if 0 <= q < w]
+        best, at = -INF, rs[0] * w + cs[0]
+        for r in rs:
+            for q in cs:
+                v = x[b, ch, r, q]
+                if v > best or np.isnan(v):
+                    best, at = v, r * w + q
+        out[b, ch, i, j], idx[b, ch, i, j] = best, at
+    return out, idx
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_max_pool_and_its_grad_follow_torch_nan(layout, dtype, gpu_minmax):
+    """max pool: a window holding a NaN gives NaN, one of only -inf gives -inf; the gradient
+    goes where torch's index points: the window's last NaN (torch takes any NaN it meets, so a
+    later NaN replaces an earlier one), else its first largest value, else (all -inf) its
+    first element. Both layouts (channels last: its own forward kernel, the gradient between
+    transposes)."""
+    from rlx_numba.kernels import conv as C, pool as P
+    gpu_minmax(P, C)
+    x = f64(_pool_image().astype(HOST[dtype]))
+    want, idx = _max_pool_torch(x, 3, 2, 1)
+    dyv = (np.arange(want.size) % 4 + 1).astype(np.float32).reshape(want.shape)   # exact sums
+    dx = np.zeros(x.shape)
+    for b, ch, i, j in np.ndindex(*want.shape):
+        dx[b, ch].flat[idx[b, ch, i, j]] += dyv[b, ch, i, j]
+    cl = layout == "nhwc"
+    def to(t):
+        return np.ascontiguousarray(np.moveaxis(t, 1, -1)) if cl else t
+
+    def back(t):
+        return np.moveaxis(t, -1, 1) if cl else t
+    xv = to(x).astype(HOST[dtype])
+    g = rlx.Graph()
+    a = g.input("x", xv.shape, dtype)
+    y = g.pool(a, "max", 3, 2, 1, channels_last=cl)
+    (gx,) = g.grad(y, [a], seed=g.constant(to(dyv), dtype))
+    g.set_outputs([y, gx])
+    got_y, got_dx = rlx.compile(g).run({"x": xv})
+    assert np.isnan(want[0, 0, :2, :2]).all() and want[0, 1, 3, 3] == -INF
+    np.testing.assert_array_equal(f64(back(got_y)), want, err_msg=f"{layout} {dtype} pool")
+    np.testing.assert_array_equal(f64(back(got_dx)), dx, err_msg=f"{layout} {dtype} grad")
+
+
+def test_avg_and_adaptive_pools_carry_inf_and_nan(gpu_minmax):
+    """avg pool (both divisors) and adaptive_avg_pool (the resample tables, and a global pool:
+    a mean) are sums as IEEE adds them: a window with +inf is +inf, with +inf and -inf or a NaN
+    NaN; the zero-weight taps of the resample never multiply an inf."""
+    from rlx_numba.kernels import conv as C, pool as P, resample as RS
+    gpu_minmax(P, C, RS)
+    x = _pool_image()
+    x64 = f64(x)
+    pad = np.pad(x64, ((0, 0), (0, 0), (1, 1), (1, 1)), constant_values=np.nan)
+    wins = np.lib.stride_tricks.sliding_window_view(pad, (3, 3), (2, 3))[:, :, ::2, ::2]
+    live = ~np.isnan(np.lib.stride_tricks.sliding_window_view(
+        np.pad(np.zeros((7, 7)), 1, constant_values=np.nan), (3, 3))[::2, ::2])
+    with np.errstate(invalid="ignore"):
+        sums = np.where(live, wins, 0.0).sum((-2, -1))   # (the padding's NaN is not live)
+        avg_pad, avg_in = sums / 9.0, sums / live.sum((-2, -1))
+
+        def adaptive(t, o):
+            n = t.shape[-1]
+            rng_ = [(i * n // o, -(-(i + 1) * n // o)) for i in range(o)]
+            return np.array([[t[..., r0:r1, c0:c1].mean((-2, -1)) for c0, c1 in rng_]
+                             for r0, r1 in rng_]).transpose(2, 3, 0, 1)
+        ad3, ad1 = adaptive(x64, 3), x64.mean((-2, -1), keepdims=True)
+    g = rlx.Graph()
+    a = g.input("x", x.shape)
+    g.set_outputs([g.pool(a, "avg", 3, 2, 1), g.pool(a, "avg", 3, 2, 1, count_include_pad=False),
+                   g.adaptive_avg_pool(a, 3), g.adaptive_avg_pool(a, 1)])
+    got = rlx.compile(g).run({"x": x})
+    for out, want, name in zip(got, (avg_pad, avg_in, ad3, ad1),
+                               ("avg", "avg excluding pad", "adaptive 3x3", "adaptive 1x1")):
+        assert np.isnan(want).any() and np.isinf(want).any() or name == "adaptive 1x1", name
+        close(out, want, "f32", name)
+
+
+def _ce_rows():
+    """[9, 37] logits and labels (the simulator's 16 threads a row: columns 3 and 19, 0, 16
+    and 32 are one thread's): a NaN; a +inf; two +inf in one thread; -inf at the label; -inf
+    elsewhere (one thread's three); only -inf; nothing special; a NaN and a plain row whose
+    label is ignore_index (-100)."""
+    x = np.round(np.random.default_rng(9).standard_normal((9, 37)), 2).astype(np.float32)
+    x[0, 5] = NAN
+    x[1, 3] = INF
+    x[2, [3, 19]] = INF
+    x[3, 7] = -INF
+    x[4, [0, 16, 32]] = -INF
+    x[5, :] = -INF
+    x[7, 10] = NAN
+    return x, np.array([2, 3, 0, 7, 1, 4, 36, -100, -100], np.int64)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_cross_entropy_with_nan_and_inf_logits_as_torch(eps, dtype, gpu_minmax):
+    """torch's cross_entropy is log_softmax then nll_loss (and the smoothing term): a row with
+    a NaN, a +inf or only -inf has a NaN log_softmax, so a NaN loss; -inf at the label gives
+    +inf, -inf elsewhere nothing (with smoothing: +inf, as sum(-log p) is). The gradient is
+    log_softmax's backward, dy' - exp(log p) sum(dy'): NaN on a NaN row, and on an ignored row
+    (dy' = 0) 0 - exp(NaN) * 0 = NaN where log p is NaN, else 0. The kernel wrote 0 on every
+    ignored row."""
+    from rlx_numba.kernels import loss as L, warp as W
+    gpu_minmax(L, W)
+    xv, y = _ce_rows()
+    xv = xv.astype(HOST[dtype])
+    x, c = f64(xv), xv.shape[1]
+    dyv = np.linspace(0.5, 2.0, 9).astype(np.float32)
+    with np.errstate(all="ignore"):
+        mx = x.max(-1, keepdims=True)
+        logp = x - mx - np.log(np.exp(x - mx).sum(-1, keepdims=True))
+        keep = y != -100
+        onehot = np.eye(c)[np.where(keep, y, 0)] * keep[:, None]
+        want = -(1 - eps) * np.take_along_axis(logp, np.where(keep, y, 0)[:, None], 1)[:, 0]
+        if eps:
+            want = want - eps / c * np.where(keep, logp.sum(-1), 0.0)
+        want = np.where(keep, want, 0.0)
+        d_logp = -f64(dyv)[:, None] * ((1 - eps) * onehot + eps / c * keep[:, None])
+        want_dx = d_logp - np.exp(logp) * d_logp.sum(-1, keepdims=True)
+    g = rlx.Graph()
+    a, lab = g.input("x", xv.shape, dtype), g.input("y", (9,), "i64")
+    loss = g.cross_entropy(a, lab, reduction="none", label_smoothing=eps)
+    (dx,) = g.grad(loss, [a], seed=g.constant(dyv, dtype))
+    g.set_outputs([loss, dx])
+    got, got_dx = rlx.compile(g).run({"x": xv, "y": y})
+    assert np.isnan(want[[0, 1, 2, 5]]).all() and want[3] == INF
+    assert np.isfinite(want[4]) == (eps == 0)
+    assert np.isnan(want_dx[7]).all() and (want_dx[8] == 0).all()
+    close(got, want.astype(HOST[dtype]) if dtype != "f32" else want, dtype, f"loss eps={eps}")
+    close(got_dx, want_dx, dtype, f"dx eps={eps}")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_scatter_add_sums_inf_and_nan_as_ieee(deterministic):
+    """scatter_add (torch.index_add): +inf and -inf meeting in a row give NaN, a NaN update
+    or target stays NaN, an inf stays inf; atomics and the ordered kernel alike."""
+    t = np.arange(15, dtype=np.float32).reshape(5, 3)
+    t[0, 2], t[2, 1] = -INF, NAN
+    idx = np.array([1, 3, 1, -1, 3, 0], np.int64)                  # -1: row 4
+    upd = np.ones((6, 3), np.float32)
+    upd[0, 0], upd[2, 0] = INF, -INF                               # row 1: inf - inf
+    upd[1, 1] = NAN                                                # row 3
+    upd[5, 2], upd[3, 0] = INF, INF                                # row 0: -inf + inf; row 4
+    want = f64(t)
+    np.add.at(want, idx % 5, f64(upd))
+    g = rlx.Graph()
+    a, i, u = g.input("t", t.shape), g.input("i", idx.shape, "i64"), g.input("u", upd.shape)
+    g.set_outputs([g.scatter_add(a, i, u, 0, deterministic=deterministic)])
+    (got,) = rlx.compile(g).run({"t": t, "i": idx, "u": upd})
+    assert np.isnan(want[[0, 1, 2, 3], [2, 0, 1, 1]]).all() and want[4, 0] == INF
+    np.testing.assert_array_equal(f64(got), want)
+
+
+@pytest.mark.parametrize("case", ["sgd clip NaN", "sgd clip inf", "adam amsgrad NaN"])
+def test_optimizer_step_with_a_nan_or_inf_grad_as_torch(case, gpu_minmax):
+    """torch.nn.utils.clip_grad_norm_ then the step: a NaN gradient makes the total norm and
+    the clip coefficient NaN (clamp(NaN, max=1) is NaN), so every param of the step turns NaN;
+    an inf gradient makes the coefficient 0, so that element becomes inf * 0 = NaN and the
+    rest do not move. Adam (amsgrad: max(max_sq, v) keeps the NaN) turns the NaN grad's
+    element NaN and no other."""
+    from rlx_numba.kernels import optim as O, warp as W
+    gpu_minmax(O, W)
+    w0 = np.linspace(-1.0, 1.0, 5).astype(np.float32)
+    b0 = np.array([0.5, -0.25, 2.0], np.float32)
+    e = np.array([0.3, -0.7, 1.1, 0.2, -0.4], np.float32)
+    e[2] = INF if "inf" in case else NAN
+    g = rlx.Graph()
+    ein = g.input("e", (5,))
+    w, b = g.param("w", (5,)), g.param("b", (3,))
+    loss = g.reduce_sum(w * ein) + g.reduce_sum(w * w) * 0.5 + g.reduce_sum(b * b) * 0.5
+    g.set_outputs([loss])
+    sgd = case.startswith("sgd")
+    opt = rlx.optim.SGD(lr=0.1) if sgd else rlx.optim.Adam(lr=0.1, amsgrad=True)
+    tr = rlx.compile_train(g, loss, opt, clip_grad_norm=1.0 if sgd else None)
+    tr.set_param("w", w0)
+    tr.set_param("b", b0)
+    tr.step({"e": e})
+    grads = {"w": f64(e) + f64(w0), "b": f64(b0)}
+    with np.errstate(all="ignore"):
+        if sgd:
+            total = np.sqrt(sum((gr ** 2).sum() for gr in grads.values()))
+            coef = np.minimum(1.0 / (total + 1e-6), 1.0)          # torch.clamp: NaN stays
+            want = {"w": f64(w0) - 0.1 * grads["w"] * coef, "b": f64(b0) - 0.1 * grads["b"] * coef}
+        else:                              # step 1: m = 0.1 g, v = 1e-3 g^2, amsgrad's max
+            want = {k: f64(p) - 0.1 / 0.1 * (0.1 * grads[k]) /
+                    (np.sqrt(np.maximum(0.0, 1e-3 * grads[k] ** 2)) / np.sqrt(1e-3) + 1e-8)
+                    for k, p in (("w", w0), ("b", b0))}
+    nan_w = np.isnan(want["w"])
+    assert nan_w[2] and (nan_w.all() if case == "sgd clip NaN" else nan_w.sum() == 1)
+    for k in ("w", "b"):
+        close(tr.get_param(k), want[k], "f32", f"{case} {k}")
+
+
+SAMPLE_PATHS = {"small": (20, {}), "block a row": (40, {}), "top_k": (40, {"top_k": 3}),
+                "top_p": (40, {"top_p": 0.9}), "segments": (1100, {})}
+
+
+@pytest.mark.parametrize("path", list(SAMPLE_PATHS))
+def test_sample_never_draws_nan_and_takes_an_inf(path, gpu_minmax):
+    """sample's rule (ir/ops_sample.py; torch.multinomial refuses such rows): a NaN logit is
+    never drawn, a row of NaNs gives 0, a +inf logit takes all the mass (exp(v - max) is 1
+    there, 0 elsewhere), -inf logits none. Each plan of runtime/lower_sample.py, three seeds."""
+    from rlx_numba.kernels import sample as S, warp as W
+    from rlx_numba.runtime.lower_sample import _segments
+    gpu_minmax(S, W)
+    n, kw = SAMPLE_PATHS[path]
+    if rlx.simulator_enabled():                      # (the simulator's plan)
+        assert (_segments(4, n, 1)[0] >= 2) == (path == "segments")
+    x = np.full((4, n), NAN, np.float32)
+    x[0, [3, n - 2]] = (1.0, 0.5)                    # two tokens among NaNs
+    x[2] = np.linspace(-5.0, -4.0, n)
+    x[2, ::3] = NAN
+    x[2, 7] = INF                                    # the only token with mass
+    x[3] = -INF
+    x[3, [5, 6]] = (0.25, NAN)                       # the only finite token
+    x = _negative_nans(x)
+    g = rlx.Graph()
+    a, s = g.input("x", x.shape), g.input("seed", (1,), "i64")
+    g.set_outputs([g.sample(a, seed=s, **kw)])
+    exe = rlx.compile(g)
+    for seed in (0, 1, 12345):
+        (got,) = exe.run({"x": x, "seed": np.array([seed], np.int64)})
+        assert got[0] in (3, n - 2) and got[1] == 0 and got[2] == 7 and got[3] == 5, (seed, got)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_linear_epilogues_carry_nan_and_inf(dtype):
+    """linear's fused epilogue as torch's separate ops: relu(NaN) is NaN, relu(-inf) 0,
+    gelu_tanh(-inf) = 0.5 * -inf * (1 + tanh(-inf)) is NaN (torch's formula), +inf stays; on a
+    GPU the product and its bias + activation run in cuBLASLt's epilogue (tier 1), whose NaN
+    rule is NVIDIA's, in the simulator in the numba GEMM's; the relu gradient passes dy at the
+    NaNs (torch's threshold_backward)."""
+    rng = np.random.default_rng(4)
+    xv = np.round(rng.standard_normal((5, 8)), 2).astype(np.float32)
+    xv[1, 3], xv[3, 0] = NAN, INF
+    wv = np.round(rng.standard_normal((8, 6)), 2).astype(np.float32)
+    wv[0] = np.where(wv[0] == 0, 0.5, wv[0])                     # row 3: +-inf in every column
+    bv = np.linspace(-1.0, 1.0, 6).astype(np.float32)
+    xv, wv, bv = (t.astype(HOST[dtype]) for t in (xv, wv, bv))
+    with np.errstate(all="ignore"):
+        z = f64(xv) @ f64(wv) + f64(bv)
+        relu = np.where(np.isnan(z), z, np.maximum(z, 0.0))
+        gelu = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    g = rlx.Graph()
+    x, w = g.input("x", xv.shape, dtype), g.input("w", wv.shape, dtype)
+    b = g.input("b", (6,), dtype)
+    yr = g.linear(x, w, b, activation="relu")
+    yg = g.linear(x, w, b, activation="gelu_tanh")
+    (dz,) = g.grad(yr, [b], seed=g.constant(np.ones(yr.shape, np.float32), dtype))
+    g.set_outputs([yr, yg, dz])
+    got_r, got_g, got_db = rlx.compile(g).run({"x": xv, "w": wv, "b": bv})
+    assert np.isnan(relu[1]).all() and (relu[3] == 0).any() and np.isinf(relu[3]).any()
+    assert np.isnan(gelu[3]).any()
+    close(got_r, relu, dtype, f"{dtype} linear relu")
+    close(got_g, gelu, dtype, f"{dtype} linear gelu_tanh")
+    close(got_db, np.where(z <= 0, 0.0, 1.0).sum(0), dtype, f"{dtype} d bias")   # NaN: 1

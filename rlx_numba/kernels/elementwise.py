@@ -101,8 +101,8 @@ def float_ops(kind: str) -> dict:
 
     # activation gradients: grad * f'(z), for the matmul epilogue backward
     @device
-    def relu_grad(g, z):
-        return g if z > ZERO else ZERO
+    def relu_grad(g, z):   # torch's threshold_backward: z <= 0 ? 0 : g, so g passes at a NaN
+        return ZERO if z <= ZERO else g
 
     @device
     def gelu_grad(g, z):   # d/dz z*Phi(z) = Phi(z) + z*phi(z)

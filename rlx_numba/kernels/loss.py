@@ -14,7 +14,9 @@ Backward: the same pass for (max, sum of exp), then each element is written once
     dx_c = dy[row] * (softmax(x)_c - eps / C - (1 - eps) [c == y])
 
 so nothing of size [rows, C] is stored between the passes beyond the logits themselves (the
-softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy).
+softmax is recomputed; the forward's reduction scale, 1/count for "mean", arrives in dy). An
+ignored row gets 0, or NaN where softmax(x)_c is NaN (a NaN, a +inf or only -inf in the row),
+as torch's log_softmax backward makes it from a zero dy (0 - exp(log p) * 0).
 
 Half logits (``xk``, kernels/halfio.py) are widened as they are read; the log-sum-exp, the
 sums and the row loss are f32 (the loss is stored f32), and dx is rounded once to the logits'
@@ -131,15 +133,17 @@ def ce_backward(block: int, xk: str = "f32"):
             bad = lab != ignore and (lab < 0 or lab >= c)
             i = tid
             while i < c:
-                if lab == ignore:
-                    st(dx, base + i, ZERO)
-                elif bad:
+                if bad:
                     st(dx, base + i, NAN)
                 else:
                     p = m.exp(ld(x, base + i) - top) * inv - per_class
-                    if i == lab:
-                        p -= keep
-                    st(dx, base + i, g * p)
+                    if lab == ignore:   # torch's 0 - exp(log p) * 0: NaN where log p is NaN
+                        p = ZERO if p == p else p
+                    else:
+                        if i == lab:
+                            p -= keep
+                        p = g * p
+                    st(dx, base + i, p)
                 i += block
             r += cuda.gridDim.x
     return kernel

@@ -3,11 +3,11 @@ a channels-last pool (pool_nhwc_kernel) runs its threads along the channels.
 ``geo``, the launch and the uint64 index math are kernels/conv.py's (kernel, output spatial,
 input spatial, stride, pad, dilation; a block's threads along lines), the kernel, stride and
 dilation compile-time constants. Max takes the first largest value of a window in row-major
-order (a NaN wins, as torch's); its gradient goes to that element. Avg divides by the window clipped to the padded
-input (count_include_pad) or to the input. The gradients gather (a thread an input element,
-over the windows that hold it): no atomics, the same bits every run. The factories take the
-data's storage kind (kernels/halfio.py): loads widen to f32, the mean and the gradient's sums
-run in f32, the store rounds once."""
+order, or its last NaN (torch's ``v > max || isnan(v)``); its gradient goes to that element.
+Avg divides by the window clipped to the padded input (count_include_pad) or to the input.
+The gradients gather (a thread an input element, over the windows that hold it): no atomics,
+the same bits every run. The factories take the data's storage kind (kernels/halfio.py):
+loads widen to f32, the mean and the gradient's sums run in f32, the store rounds once."""
 import functools
 import math
 
@@ -48,8 +48,8 @@ def _window_fn(k, stride, dil, is_max, include_pad, kind, channels_last=False):
                         continue
                     off = ((zp - pd) * h + yp - ph) * w + xp - pw
                     v = ld(x, base + off * cs) if channels_last else ld(x, base + off)
-                    if is_max:
-                        if v > acc or (v != v and acc == acc) or at < 0:
+                    if is_max:   # torch's rule: any NaN replaces, so the last NaN wins
+                        if v > acc or v != v or at < 0:
                             acc, at = v, int64(off)
                     else:
                         acc += v
