@@ -162,11 +162,17 @@ class Results:
 
     def run_parts(self, parts, only, rows) -> None:
         """Each (name, fn) of ``parts`` that ``only`` names (None: all), the file rewritten
-        after each (a part's rows kept should a later one pass the time limit); then ``done``
-        and how many of ``rows`` (dicts with "pass") pass."""
+        after each (a part's rows kept should a later one pass the time limit), with the
+        seconds each took (``part_seconds``: what a time limit must allow); then ``done`` and
+        how many of ``rows`` (dicts with "pass") pass."""
+        import time
+        took = self.fields.setdefault("part_seconds", {})
         for name, run in parts:
             if only in (None, name):
+                t0 = time.perf_counter()
                 run()
+                took[name] = round(took.get(name, 0.0) + time.perf_counter() - t0, 1)
+                print(f"[{name}: {took[name]:.0f} s]", flush=True)
                 self.save()
         self.done()
         fails = sum(not r["pass"] for r in rows)

@@ -332,6 +332,7 @@ def test_results_run_parts_saves_after_each_and_counts(tmp_path, capsys):
     assert seen[0]["results"] == [{"case": "a", "pass": True}] and not seen[0]["complete"]
     doc = json.loads(path.read_text())
     assert doc["complete"] and [r["case"] for r in doc["results"]] == ["a", "b", "c"]
+    assert set(doc["part_seconds"]) == {"a", "b", "c"}       # what a time limit must allow
     assert "2/3 rows pass" in capsys.readouterr().out
     rows.clear()
     out.run_parts(parts, "c", rows)
