@@ -5,6 +5,8 @@
   python -m bench.report --no-run         build from bench/results/*.json as they are
   python -m bench.report --only models,attention    run these families (the report has every
                                                     family --results holds, each dated)
+  python -m bench.report --gpus 2 --timeout 600    two benches at once, a GPU each (their
+                                                    output in <results>/<family>.log)
   python -m bench.report --compare OLD.json         what moved since OLD (a report.json),
                                                     regressions first
   python -m bench.report ... --pack $OUT/bench.tar.gz   also the results and the report in
@@ -39,6 +41,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -593,49 +596,91 @@ TIMED_OUT = 124        # a family's status when --timeout stopped it (as timeout
 
 
 def run_benches(families, distributed: bool, results: Path = RESULTS,
-                timeout: float | None = None) -> dict:
+                timeout: float | None = None, gpus: int = 1) -> dict:
     """Run each bench in its own process (a crash or a CUDA fault stays in it), at most
     ``timeout`` seconds each; {family: exit status}. A family's old JSON goes first (a bench
     that fails must not leave an earlier run's rows looking current); <family>.run.json
     records what ran where, how long and how it ended: ``wrote`` (its JSON exists), ``rows``
     (how many it holds) and ``complete`` (what the JSON says: false when the bench was stopped
-    after those rows, None from a bench that does not say)."""
+    after those rows, None from a bench that does not say). ``gpus`` > 1: that many benches
+    at once, each on a GPU of its own (CUDA_VISIBLE_DEVICES, within the caller's), its output
+    in <family>.log; the distributed bench after them, on all of them."""
     results.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     meta = collect_meta()
+    todo = [(fam, spec) for fam, spec in BENCHES if (not families or fam in families)
+            and (fam != "distributed" or distributed)]
     status = {}
-    for fam, spec in BENCHES:
-        if families and fam not in families:
-            continue
-        if fam == "distributed" and not distributed:
-            continue
-        out = results / f"{fam}.json"
-        out.unlink(missing_ok=True)
-        script, *args = shlex.split(spec)
-        cmd = ([sys.executable, "-m", "rlx_numba.cli", "launch", "--gpus", "2"]
-               if fam == "distributed" else [sys.executable]) + [str(HERE / script), *args,
-                                                                 "--out", str(out)]
-        print(f"\n==== {fam}: {' '.join(cmd[1:])}", flush=True)
-        t0, started = time.perf_counter(), _now()
-        try:
-            status[fam] = subprocess.run(cmd, env=env, cwd=HERE.parent, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            status[fam] = TIMED_OUT
-        seconds = round(time.perf_counter() - t0, 1)
-        for tmp in results.glob(f".{out.name}.*.tmp"):    # common.write_json's, were it stopped
-            tmp.unlink()                                   # between its write and its rename
-        doc = _read_doc(out)
-        run = dict(meta, date=started, seconds=seconds, status=status[fam],
-                   timeout=timeout, wrote=out.exists(), rows=len(_rows_of(doc)),
-                   complete=doc.get("complete"))
-        (results / f"{fam}.run.json").write_text(json.dumps(run, indent=1) + "\n")
-        if status[fam]:
-            print(f"==== {fam} {'timed out' if status[fam] == TIMED_OUT else 'exited'} with "
-                  f"status {status[fam]} after {seconds} s"
-                  + (f"; its JSON holds the {run['rows']} rows it finished"
-                     if run["complete"] is False else ""), flush=True)
-    return status
+    if gpus <= 1:
+        for fam, spec in todo:
+            status[fam] = _run_bench(fam, spec, results, timeout, env, meta)
+        return status
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
+        [str(i) for i in range(gpus)]
+    if len(visible) < gpus:
+        raise SystemExit(f"bench.report: --gpus {gpus}, but CUDA_VISIBLE_DEVICES names "
+                         f"{len(visible)}: {','.join(visible)}")
+    queue = [t for t in todo if t[0] != "distributed"]
+    lock = threading.Lock()
+
+    def worker(device):
+        while True:
+            with lock:
+                if not queue:
+                    return
+                fam, spec = queue.pop(0)
+            status[fam] = _run_bench(fam, spec, results, timeout,
+                                     dict(env, CUDA_VISIBLE_DEVICES=device), meta, device)
+
+    threads = [threading.Thread(target=worker, args=(d,)) for d in visible[:gpus]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for fam, spec in todo:
+        if fam == "distributed":          # every GPU, once the others are done
+            status[fam] = _run_bench(fam, spec, results, timeout, env, meta)
+    return {fam: status[fam] for fam, _ in todo}
+
+
+def _run_bench(fam, spec, results, timeout, env, meta, device=None) -> int:
+    """One family's bench (see run_benches): its exit status, its run record written. With a
+    ``device`` its output goes to <family>.log (benches run side by side), else to ours."""
+    out = results / f"{fam}.json"
+    out.unlink(missing_ok=True)
+    script, *args = shlex.split(spec)
+    cmd = ([sys.executable, "-m", "rlx_numba.cli", "launch", "--gpus", "2"]
+           if fam == "distributed" else [sys.executable]) + [str(HERE / script), *args,
+                                                             "--out", str(out)]
+    where = f" on GPU {device}, output in {results / (fam + '.log')}" if device else ""
+    print(f"\n==== {fam}: {' '.join(cmd[1:])}{where}", flush=True)
+    t0, started = time.perf_counter(), _now()
+    log = open(results / f"{fam}.log", "w") if device else None
+    try:
+        code = subprocess.run(cmd, env=env, cwd=HERE.parent, timeout=timeout, stdout=log,
+                              stderr=subprocess.STDOUT if log else None).returncode
+    except subprocess.TimeoutExpired:
+        code = TIMED_OUT
+    finally:
+        if log:
+            log.close()
+    seconds = round(time.perf_counter() - t0, 1)
+    for tmp in results.glob(f".{out.name}.*.tmp"):    # common.write_json's, were it stopped
+        tmp.unlink()                                   # between its write and its rename
+    doc = _read_doc(out)
+    run = dict(meta, date=started, seconds=seconds, status=code, timeout=timeout,
+               wrote=out.exists(), rows=len(_rows_of(doc)), complete=doc.get("complete"))
+    if device:
+        run["device"] = device
+    (results / f"{fam}.run.json").write_text(json.dumps(run, indent=1) + "\n")
+    ended = ("ended" if not code else "timed out" if code == TIMED_OUT else "exited") + \
+        (f" with status {code}" if code else "")
+    if code or device:
+        print(f"==== {fam} {ended} after {seconds} s"
+              + (f"; its JSON holds the {run['rows']} rows it finished"
+                 if run["complete"] is False else ""), flush=True)
+    return code
 
 
 def _read_doc(path: Path) -> dict:
@@ -659,6 +704,9 @@ def main(argv=None) -> int:
                    help="also rewrite that file's bench-report block with the summary")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a bench may run before it is stopped (default: no limit)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="benches run at once, each on a GPU of its own (their output in "
+                        "<results>/<family>.log); default 1")
     p.add_argument("--out", type=Path, default=REPORT)
     p.add_argument("--compare", type=Path, default=None, metavar="OLD.json",
                    help="print what moved since OLD (a report.json) and exit")
@@ -677,8 +725,10 @@ def main(argv=None) -> int:
         return 0
     failed = {}
     if args.run:
+        if args.gpus < 1:
+            p.error(f"--gpus must be at least 1, got {args.gpus}")
         failed = {f: s for f, s in run_benches(families, args.distributed, args.results,
-                                                      args.timeout).items() if s}
+                                                      args.timeout, args.gpus).items() if s}
     readme = build(args.results, args.out)      # every family with results there, run now or not
     if args.readme is not None:
         records, _, unfinished = gather(args.results)

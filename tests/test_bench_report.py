@@ -337,3 +337,36 @@ def test_results_run_parts_saves_after_each_and_counts(tmp_path, capsys):
     rows.clear()
     out.run_parts(parts, "c", rows)
     assert [r["case"] for r in json.loads(path.read_text())["results"]] == ["c"]
+
+
+PARALLEL_BENCH = """import argparse, json, os, time
+from pathlib import Path
+p = argparse.ArgumentParser(); p.add_argument("--out", type=Path); a = p.parse_args()
+t0 = time.time()
+print("hello from", os.environ["CUDA_VISIBLE_DEVICES"], flush=True)
+time.sleep(1.0)
+a.out.write_text(json.dumps({"gpu": "G", "device": os.environ["CUDA_VISIBLE_DEVICES"],
+                             "t0": t0, "t1": time.time(),
+                             "results": [{"op": "x", "rlx_ms": 1.0, "torch_ms": 2.0}]}))
+"""
+
+
+def test_gpus_runs_benches_side_by_side_each_on_its_own_gpu(tmp_path, monkeypatch):
+    """--gpus 2: two benches at once, each seeing one GPU of the caller's CUDA_VISIBLE_DEVICES,
+    its output in <family>.log and its device in the run record; every family runs once."""
+    path = tmp_path / "bench_par.py"
+    path.write_text(PARALLEL_BENCH)
+    fams = ["a", "b", "c", "d"]
+    monkeypatch.setattr(report, "BENCHES", [(f, shlex.quote(str(path))) for f in fams])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5,6")
+    res = tmp_path / "results"
+    assert report.run_benches(None, False, res, timeout=60, gpus=2) == dict.fromkeys(fams, 0)
+    docs = {f: json.loads((res / f"{f}.json").read_text()) for f in fams}
+    assert {d["device"] for d in docs.values()} == {"3", "5"}
+    runs = report.runs_of(res)
+    assert all(runs[f]["device"] == docs[f]["device"] for f in fams)
+    assert all(f"hello from {docs[f]['device']}" in (res / f"{f}.log").read_text() for f in fams)
+    spans = sorted((d["t0"], d["t1"]) for d in docs.values())
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:]))       # some two overlapped
+    with pytest.raises(SystemExit, match="--gpus 4, but CUDA_VISIBLE_DEVICES names 3"):
+        report.run_benches(None, False, res, gpus=4)
