@@ -213,8 +213,8 @@ def test_resample_splits_few_long_lines_over_blocks(rng):
     """A channels-last pool over axis 1 of [1, 4, 3, 40] is 2 lines of 120: the kernel's
     blocks split each line along x too (one block a line was 10x slower than torch on a
     GPU); every element still written once, right."""
-    from rlx_numba.kernels import resample
-    assert resample.lines_launch(2, 120)[0][0] == 2        # the x split runs here
+    from rlx_numba.kernels import conv
+    assert conv.lines_launch(2, 120, split=True)[0][0] == 2    # the x split runs here
     x = rng.standard_normal((1, 4, 3, 40)).astype(np.float32)
     g = rlx.Graph("aap_cl")
     g.set_outputs([g.adaptive_avg_pool(g.input("x", x.shape), (2, None), channels_last=True)])

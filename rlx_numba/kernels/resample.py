@@ -17,7 +17,7 @@ import functools
 from numba import cuda, float32, uint64
 
 from . import halfio
-from .launch import block_rows, grid_3d, inline, jit, waves_cap
+from .launch import inline, jit
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,20 +60,10 @@ def resample_last_kernel(taps, kind="f32", okind=None):
     return kernel
 
 
-def lines_launch(lines: int, width: int):
-    """(grid, block) for resample_kernel: lines on y and, where they are too few to fill the
-    GPU, a line's width split over x blocks too (a channels-last 7x7 -> 1 pool of [32, 7, 7,
-    2048] over axis 1 is 32 lines of 14,336: 32 blocks took 176 us on an H200)."""
-    tx, ty = block_rows(width, 128)
-    gy = -(-lines // ty)
-    gx = max(1, min(-(-width // tx), -(-waves_cap(tx * ty, 1) // gy)))
-    return grid_3d(gx, gy), (tx, ty)
-
-
 @functools.lru_cache(maxsize=None)
 def resample_kernel(taps, kind="f32", okind=None):
-    """B > 1: line (a, o), threads (and blocks on x: ``lines_launch``) along b. (out, x, idx,
-    w, const, rows, olen, ilen, inner)"""
+    """B > 1: line (a, o), threads (and blocks on x: conv.lines_launch's ``split``) along b.
+    (out, x, idx, w, const, rows, olen, ilen, inner)"""
     tap_sum = _tap_sum_fn(taps, kind)
     st = halfio.store(okind or kind)
 

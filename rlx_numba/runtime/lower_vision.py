@@ -156,7 +156,7 @@ def _lower_resample(ctx, n):
                        (u(rows), u(olen), u(x.shape[ax])))
         what = f"axis {ax} {what}"
     else:
-        grid, block = R.lines_launch(rows * olen, inner)
+        grid, block = K.lines_launch(rows * olen, inner, split=True)
         kern, sizes = (R.resample_kernel(taps, kind, okind),
                        (u(rows), u(olen), u(x.shape[ax]), u(inner)))
         what = f"axis {ax} {what}"
