@@ -165,7 +165,6 @@ class Results:
         after each (a part's rows kept should a later one pass the time limit), with the
         seconds each took (``part_seconds``: what a time limit must allow); then ``done`` and
         how many of ``rows`` (dicts with "pass") pass."""
-        import time
         took = self.fields.setdefault("part_seconds", {})
         for name, run in parts:
             if only in (None, name):
