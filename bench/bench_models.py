@@ -620,10 +620,15 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="f32", choices=["f32", "f16", "bf16"],
                    help="the models' dtype= (torch's models .to() the same dtype)")
     p.add_argument("--new", type=int, default=128, help="tokens a decode run generates")
-    p.add_argument("--only", choices=["bert", "llama", "formats", "decode1b", "qwen3next"])
+    p.add_argument("--only", default=None, help="comma-separated parts: bert, llama, formats, "
+                   "decode1b, qwen3next (default: all)")
     p.add_argument("--out", type=Path,
                    default=Path(__file__).resolve().parent / "results" / "models.json")
     args = p.parse_args(argv)
+    known = {"bert", "llama", "formats", "decode1b", "qwen3next"}
+    if args.only and set(args.only.split(",")) - known:
+        p.error(f"--only: unknown parts {sorted(set(args.only.split(',')) - known)}; "
+                f"known: {sorted(known)}")
     import rlx_numba as rlx
     if rlx.simulator_enabled():
         print("bench_models: no CUDA GPU here (simulator); this benchmark needs a GPU. "

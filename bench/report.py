@@ -48,11 +48,17 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS, REPORT = HERE / "results", HERE / "report"
 # (family, script and its arguments): the order the report shows them; the distributed bench
-# runs only when asked. models_f16: MiniLM and its sentence corpus in f16 (issue 32's bars)
-BENCHES = [("models", "bench_models.py"),
+# runs only when asked. models_f16: MiniLM and its sentence corpus in f16 (issue 32's bars).
+# The long benches run as several families, so that --gpus N spreads them over N GPUs and no
+# one family outgrows a call's time limit (models alone took over 560 s on an H200).
+BENCHES = [("models", "bench_models.py --only bert,llama"),
+           ("models_1b", "bench_models.py --only decode1b"),
+           ("models_formats", "bench_models.py --only formats"),
+           ("models_qwen3next", "bench_models.py --only qwen3next"),
            ("models_f16", "bench_models.py --no-compile --only bert --dtype f16"),
-           ("train", "bench_train.py"),
-           ("vision", "bench_vision.py"), ("attention", "bench_attention.py"),
+           ("train", "bench_train.py"), ("vision", "bench_vision.py"),
+           ("attention", "bench_attention.py --parts f32,decode_half"),
+           ("attention_half", "bench_attention.py --parts half"),
            ("matmul", "bench_matmul.py"), ("quant", "bench_quant.py"),
            ("gemv", "bench_gemv.py"), ("elementwise", "bench_elementwise.py"),
            ("rows", "bench_rows.py"), ("reduce", "bench_reduce.py"),

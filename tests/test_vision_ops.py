@@ -214,7 +214,8 @@ def test_resample_splits_few_long_lines_over_blocks(rng):
     blocks split each line along x too (one block a line was 10x slower than torch on a
     GPU); every element still written once, right."""
     from rlx_numba.kernels import conv
-    assert conv.lines_launch(2, 120, split=True)[0][0] == 2    # the x split runs here
+    grid, (tx, _) = conv.lines_launch(2, 120, split=True)
+    assert grid[0] == (2 if tx < 120 else 1)    # split where a line outgrows a block (simulator)
     x = rng.standard_normal((1, 4, 3, 40)).astype(np.float32)
     g = rlx.Graph("aap_cl")
     g.set_outputs([g.adaptive_avg_pool(g.input("x", x.shape), (2, None), channels_last=True)])
