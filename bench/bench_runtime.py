@@ -25,7 +25,10 @@ What is measured, and what "overhead per step" means here:
 * **kernel time K** -- the time in one run during which the GPU executes at least one kernel:
   the kernels' own start/end times recorded by CUPTI (through torch.profiler, which records
   every kernel of the process: numba's and cuBLAS's too), the union of their intervals summed,
-  per run. Memory copies are not kernels: the input copy counts as overhead.
+  per run. The profiler runs in a child process of its own (``--cupti-child``, the same graph,
+  weights and cases): torch 2.11's CUPTI teardown frees activity buffers CUPTI still writes
+  into (pytorch/pytorch#195207), and this bench's process then aborted with glibc's heap
+  checks now and then, during the AOT part or at exit (three times on H200s). Memory copies are not kernels: the input copy counts as overhead.
 * **overhead per step** = (R - K) / steps, steps = ``len(exe.steps)`` (kernel launches and
   cuBLAS calls; torch: the kernels CUPTI saw per run). That is everything a run costs beyond
   its kernels' execution: Python, the driver's launch path, the GPU's own gap between two
@@ -36,8 +39,8 @@ What is measured, and what "overhead per step" means here:
 
 Why not ``exe.profile()``'s sum as K: it brackets each step with CUDA events, and on a
 launch-bound graph an interval also holds the GPU's wait for the next launch, so the sum is
-close to R itself. It is printed beside K for comparison. Where CUPTI gives nothing (a
-profiler that cannot start), K falls back to a replay's device time G (a graph mode's own;
+close to R itself. It is printed beside K for comparison. Where CUPTI gives nothing (its child
+process failed, or its profiler could not start), K falls back to a replay's device time G (a graph mode's own;
 GRAPH's for STREAM and MULTISTREAM(2); the torch graph's for torch eager), and the table says
 so: the device's gaps between kernels then count as kernel time, not overhead.
 
@@ -284,9 +287,9 @@ def torch_cases(torch, fwd, x_np, ref):
                  replayed, replay=graph.replay, keep=(graph, static_y))]
 
 
-def measure(torch, cuda, cases, iters):
+def measure(torch, cuda, cases, iters, layers):
     """R for every case first, then the replays' device time, then CUPTI's kernel records
-    last (a profiler session could leave the launch path slower for what follows)."""
+    from a child process (cupti_in_child)."""
     for c in cases:
         c.row["us_run"] = wall_us(c.run, iters)
     for c in cases:
@@ -296,9 +299,39 @@ def measure(torch, cuda, cases, iters):
             c.row["replay_us"] = ms * 1e3
         if c.profile is not None:
             c.row["profile_sum_us"] = c.profile()
+    kernels = cupti_in_child(layers)
     for c in cases:
-        c.row["kernel_us"], c.row["kernels_per_run"] = cupti_kernels(torch, c.run)
+        c.row["kernel_us"], c.row["kernels_per_run"] = kernels.get(c.row["mode"], (None, None))
         c.row["kernel_source"] = "cupti"
+
+
+def cupti_in_child(layers: int) -> dict:
+    """{mode: (kernel us per run, kernels per run)} from ``--cupti-child``: the same cases in a
+    process of their own, so that torch.profiler's teardown cannot corrupt this one's heap
+    (the module docstring). {} when it fails (printed; K then falls back to replays)."""
+    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--cupti-child",
+                        "--layers", str(layers)], env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                       capture_output=True, text=True, timeout=1800, check=False)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if not lines:
+        print(f"  (no CUPTI kernel records: the --cupti-child process ended with status "
+              f"{p.returncode} and no result)\n{p.stderr[-2000:]}")
+        return {}
+    if p.returncode:
+        print(f"  (the --cupti-child process ended with status {p.returncode} after writing "
+              f"its records: torch.profiler's teardown, kept out of this process)")
+    return {mode: tuple(v) for mode, v in json.loads(lines[-1]).items()}
+
+
+def cupti_child(layers: int) -> int:
+    """The cases of main(), warmed up, each under torch.profiler: prints one JSON line
+    {mode: [kernel us per run, kernels per run]}."""
+    import rlx_numba as rlx
+    torch, cuda, g, W, x_np, fwd, ref = setup(rlx, layers)
+    cases, _ = make_cases(rlx, cuda, torch, g, layers, W, x_np, fwd, ref)
+    got = {c.row["mode"]: cupti_kernels(torch, c.run) for c in cases}
+    print(json.dumps(got), flush=True)
+    return 0
 
 
 # ---- the AOT disk cache: a cold process, then a warm one ----------------------------------------
@@ -371,6 +404,33 @@ def aot_start(rlx, layers: int, ref, rounds: int = 2) -> dict:
     return res
 
 
+def setup(rlx, layers: int):
+    """(torch, numba.cuda, the graph, its weights, x, torch's forward, torch's output), f32
+    products and inference on both sides: what main() and the CUPTI child share."""
+    import torch
+    from numba import cuda
+    torch.backends.cuda.matmul.allow_tf32 = False      # f32 products on both sides
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_grad_enabled(False)                      # inference on both sides
+    g, shapes = build(rlx, layers)
+    W, x_np = weights(shapes)
+    fwd = torch_forward(torch, layers, W)
+    ref = fwd(torch.from_numpy(x_np).cuda()).cpu().numpy()
+    return torch, cuda, g, W, x_np, fwd, ref
+
+
+def make_cases(rlx, cuda, torch, g, layers, W, x_np, fwd, ref):
+    """(every ExecMode's case then torch eager's and torch CUDA graph's, how many are ours)."""
+    modes = [rlx.ExecMode.STREAM, rlx.ExecMode.GRAPH, rlx.ExecMode.MULTISTREAM(2),
+             rlx.ExecMode.MULTISTREAM(2, graph=True)]
+    cases, stream_out = [], None
+    for mode in modes:
+        case, out = rlx_case(rlx, cuda, g, layers, W, x_np, mode, ref, stream_out)
+        stream_out = out if stream_out is None else stream_out
+        cases.append(case)
+    return cases + torch_cases(torch, fwd, x_np, ref), len(modes)
+
+
 # ---- the report ------------------------------------------------------------------------------------
 def _f(v, fmt):
     return format(v, fmt) if v is not None else "-"
@@ -385,6 +445,7 @@ def main(argv=None) -> int:
                    default=Path(__file__).resolve().parent / "results" / "runtime.json")
     p.add_argument("--aot-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
+    p.add_argument("--cupti-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.aot_child:
         return aot_child(args.layers, args.child_out)
@@ -392,39 +453,24 @@ def main(argv=None) -> int:
     if rlx.simulator_enabled():
         print("bench_runtime: no CUDA GPU here (simulator); this benchmark needs a GPU. Nothing measured.")
         return 0
-    import torch
-    from numba import cuda
-    torch.backends.cuda.matmul.allow_tf32 = False      # f32 products on both sides
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_grad_enabled(False)                      # inference on both sides
-    gpu = torch.cuda.get_device_name()
+    if args.cupti_child:
+        return cupti_child(args.layers)
     L = args.layers
+    torch, cuda, g, W, x_np, fwd, ref = setup(rlx, L)
+    gpu = torch.cuda.get_device_name()
     print(f"GPU: {gpu}   torch {torch.__version__}   numba-cuda {dist_version('numba-cuda')}")
     print(f"graph: {L} blocks, hidden {H}, seq {S}, batch {B}, {HEADS} heads, FFN {FFN}, f32; "
           f"R = wall time per synchronous run ({args.iters} runs a batch, best of 3)\n")
-
-    g, shapes = build(rlx, L)
-    W, x_np = weights(shapes)
-    fwd = torch_forward(torch, L, W)
-    ref = fwd(torch.from_numpy(x_np).cuda()).cpu().numpy()
-
-    modes = [rlx.ExecMode.STREAM, rlx.ExecMode.GRAPH, rlx.ExecMode.MULTISTREAM(2),
-             rlx.ExecMode.MULTISTREAM(2, graph=True)]
-    cases, stream_out = [], None
-    for mode in modes:
-        case, out = rlx_case(rlx, cuda, g, L, W, x_np, mode, ref, stream_out)
-        stream_out = out if stream_out is None else stream_out
-        cases.append(case)
+    cases, n_rlx = make_cases(rlx, cuda, torch, g, L, W, x_np, fwd, ref)
     blk = cases[0].row["block_steps"]
     print(f"one block's {len(blk)} steps (after fusion):\n  " + "\n  ".join(blk) + "\n", flush=True)
-    cases += torch_cases(torch, fwd, x_np, ref)
-    measure(torch, cuda, cases, args.iters)
+    measure(torch, cuda, cases, args.iters, L)
     rows = [c.row for c in cases]
-    torch_rows = rows[len(modes):]
+    torch_rows = rows[n_rlx:]
     for r in torch_rows:
         r["steps"] = r["kernels_per_run"]
         r["us_step"] = r["us_run"] / r["steps"] if r["steps"] else None
-    for r in rows[:len(modes)]:
+    for r in rows[:n_rlx]:
         r["us_step"] = r["us_run"] / r["steps"]
 
     # K missing (no CUPTI): the device time of a replay instead, kernels plus their gaps
