@@ -10,7 +10,10 @@
   python -m bench.report --compare OLD.json         what moved since OLD (a report.json),
                                                     regressions first
   python -m bench.report ... --pack $OUT/bench.tar.gz   also the results and the report in
-                                                    one archive (``tar xzf`` in the repo root)
+                                                    one archive (``tar xzf`` in the repo root),
+                                                    rewritten as each family ends
+  python -m bench.report --gpus 4 --deadline 540    stop by 540 s: a bench's time limit is cut
+                                                    to what is left, none starts after it
 
   python -m bench.report --only signal --results bench/report/results --timeout 300 \
       --readme README.md                            add a family to the committed report and
@@ -602,7 +605,8 @@ TIMED_OUT = 124        # a family's status when --timeout stopped it (as timeout
 
 
 def run_benches(families, distributed: bool, results: Path = RESULTS,
-                timeout: float | None = None, gpus: int = 1) -> dict:
+                timeout: float | None = None, gpus: int = 1, deadline: float | None = None,
+                after_each=None) -> dict:
     """Run each bench in its own process (a crash or a CUDA fault stays in it), at most
     ``timeout`` seconds each; {family: exit status}. A family's old JSON goes first (a bench
     that fails must not leave an earlier run's rows looking current); <family>.run.json
@@ -610,8 +614,27 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
     (how many it holds) and ``complete`` (what the JSON says: false when the bench was stopped
     after those rows, None from a bench that does not say). ``gpus`` > 1: that many benches
     at once, each on a GPU of its own (CUDA_VISIBLE_DEVICES, within the caller's), its output
-    in <family>.log; the distributed bench after them, on all of them."""
+    in <family>.log; the distributed bench after them, on all of them. ``deadline``: seconds
+    from now by which every bench has ended (each one's limit is cut to what is left; one
+    whose turn comes later does not run and is left out of the answer). ``after_each()`` is
+    called, one call at a time, as each family ends."""
     results.mkdir(parents=True, exist_ok=True)
+    end = None if deadline is None else time.monotonic() + deadline
+    ran = threading.Lock()
+
+    def run_one(fam, spec, run_env, device=None):
+        limit = timeout
+        if end is not None:
+            left = end - time.monotonic()
+            if left < 1:
+                print(f"\n==== {fam}: not run, the --deadline has passed", flush=True)
+                return
+            limit = left if limit is None else min(limit, left)
+        status[fam] = _run_bench(fam, spec, results, limit, run_env, meta, device)
+        if after_each is not None:
+            with ran:
+                after_each()
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(HERE.parent)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     meta = collect_meta()
@@ -620,7 +643,7 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
     status = {}
     if gpus <= 1:
         for fam, spec in todo:
-            status[fam] = _run_bench(fam, spec, results, timeout, env, meta)
+            run_one(fam, spec, env)
         return status
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or \
         [str(i) for i in range(gpus)]
@@ -636,8 +659,7 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
                 if not queue:
                     return
                 fam, spec = queue.pop(0)
-            status[fam] = _run_bench(fam, spec, results, timeout,
-                                     dict(env, CUDA_VISIBLE_DEVICES=device), meta, device)
+            run_one(fam, spec, dict(env, CUDA_VISIBLE_DEVICES=device), device)
 
     threads = [threading.Thread(target=worker, args=(d,)) for d in visible[:gpus]]
     for t in threads:
@@ -646,8 +668,8 @@ def run_benches(families, distributed: bool, results: Path = RESULTS,
         t.join()
     for fam, spec in todo:
         if fam == "distributed":          # every GPU, once the others are done
-            status[fam] = _run_bench(fam, spec, results, timeout, env, meta)
-    return {fam: status[fam] for fam, _ in todo}
+            run_one(fam, spec, env)
+    return {fam: status[fam] for fam, _ in todo if fam in status}
 
 
 def _run_bench(fam, spec, results, timeout, env, meta, device=None) -> int:
@@ -710,6 +732,9 @@ def main(argv=None) -> int:
                    help="also rewrite that file's bench-report block with the summary")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds a bench may run before it is stopped (default: no limit)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="seconds by which every bench has ended: each one's --timeout is cut "
+                        "to what is left, and none starts after it (default: none)")
     p.add_argument("--gpus", type=int, default=1,
                    help="benches run at once, each on a GPU of its own (their output in "
                         "<results>/<family>.log); default 1")
@@ -718,7 +743,8 @@ def main(argv=None) -> int:
                    help="print what moved since OLD (a report.json) and exit")
     p.add_argument("--pack", type=Path, default=None, metavar="FILE.tar.gz",
                    help="also pack the results and the report into one archive (a remote "
-                        "machine that returns few files)")
+                        "machine that returns few files), the results alone rewritten as "
+                        "each family ends (a run stopped from outside keeps what ended)")
     args = p.parse_args(argv)
     families = set(args.only.split(",")) if args.only else None
     if families and families - {f for f, _ in BENCHES}:
@@ -733,8 +759,11 @@ def main(argv=None) -> int:
     if args.run:
         if args.gpus < 1:
             p.error(f"--gpus must be at least 1, got {args.gpus}")
+        after = None if args.pack is None else (
+            lambda: pack(args.pack, args.results, args.out, report=False))
         failed = {f: s for f, s in run_benches(families, args.distributed, args.results,
-                                                      args.timeout, args.gpus).items() if s}
+                                               args.timeout, args.gpus, args.deadline,
+                                               after).items() if s}
     readme = build(args.results, args.out)      # every family with results there, run now or not
     if args.readme is not None:
         records, _, unfinished = gather(args.results)
@@ -749,14 +778,17 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def pack(archive: Path, results: Path, out: Path) -> None:
-    """``results`` (every family's JSON and run record) and ``out`` (the report) in one
-    .tar.gz, under their own names: ``tar xzf`` in the repo root puts them back."""
+def pack(archive: Path, results: Path, out: Path, report: bool = True) -> None:
+    """``results`` (every family's JSON and run record) and ``out`` (the report; not with
+    ``report=False``) in one .tar.gz, under their own names: ``tar xzf`` in the repo root puts
+    them back. Written aside and renamed, so a reader never sees half an archive."""
     import tarfile
-    with tarfile.open(archive, "w:gz") as tar:
-        for d in dict.fromkeys((results, out)):
+    tmp = archive.with_name(archive.name + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for d in dict.fromkeys((results, out) if report else (results,)):
             if d.exists():
                 tar.add(d, arcname=_relative(d))
+    os.replace(tmp, archive)
 
 
 def _relative(d: Path) -> str:

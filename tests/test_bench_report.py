@@ -370,3 +370,38 @@ def test_gpus_runs_benches_side_by_side_each_on_its_own_gpu(tmp_path, monkeypatc
     assert any(b[0] < a[1] for a, b in zip(spans, spans[1:]))       # some two overlapped
     with pytest.raises(SystemExit, match="--gpus 4, but CUDA_VISIBLE_DEVICES names 3"):
         report.run_benches(None, False, res, gpus=4)
+
+
+SLEEPY_BENCH = """import argparse, json, time
+from pathlib import Path
+p = argparse.ArgumentParser(); p.add_argument("--out", type=Path)
+p.add_argument("--sleep", type=float); a = p.parse_args()
+time.sleep(a.sleep)
+a.out.write_text(json.dumps({"gpu": "G", "results": [{"op": "x", "rlx_ms": 1.0, "torch_ms": 2.0}]}))
+"""
+
+
+def test_deadline_cuts_limits_and_pack_follows_each_family(tmp_path, monkeypatch):
+    """--deadline: a bench's time limit is what is left of it, one whose turn comes after it
+    does not run (and is not in the answer); after_each runs as each family ends, and the
+    archive pack writes then holds the families that ended (a run killed from outside keeps
+    them)."""
+    import tarfile
+    path = tmp_path / "bench_sleepy.py"
+    path.write_text(SLEEPY_BENCH)
+    monkeypatch.setattr(report, "BENCHES", [(f, f"{shlex.quote(str(path))} --sleep {t}")
+                                            for f, t in (("a", 0.2), ("b", 60), ("c", 0))])
+    res, archive, seen = tmp_path / "results", tmp_path / "r.tar.gz", []
+
+    def after():
+        report.pack(archive, res, tmp_path / "report", report=False)
+        with tarfile.open(archive) as tar:
+            seen.append(sorted(n.rsplit("/", 1)[-1] for n in tar.getnames()
+                               if n.endswith(".run.json")))
+    status = report.run_benches(None, False, res, timeout=60, deadline=4, after_each=after)
+    assert status == {"a": 0, "b": report.TIMED_OUT}      # c's turn came after the deadline
+    runs = report.runs_of(res)
+    assert runs["a"]["timeout"] <= 4 and runs["b"]["timeout"] < 4   # b got what was left
+    assert runs["b"]["seconds"] < 6
+    assert seen == [["a.run.json"], ["a.run.json", "b.run.json"]]
+    assert not (res / "c.run.json").exists() and not list(tmp_path.glob("*.tmp"))
