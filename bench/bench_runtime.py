@@ -244,7 +244,7 @@ def rlx_case(rlx, cuda, g, layers, W, x_np, mode, ref, stream_out):
     row = dict(mode=str(mode), steps=len(exe.steps), rel_err=max(rel_err(o, ref) for o in outs),
                rel_err_vs_stream=max(rel_err(o, stream_out) for o in outs) if stream_out is not None else 0.0)
     case = Case(row, lambda: exe.run(feed, outputs="view"), keep=exe)
-    runner = exe._runner                    # the GRAPH / MULTISTREAM runner (None: STREAM)
+    runner = exe.runner                     # the GRAPH / MULTISTREAM runner (None: STREAM)
     if mode.streams > 1:
         row["streams_used"] = len(set(runner.schedule.stream))
     if mode.kind == "graph":

@@ -175,7 +175,7 @@ def test_modes_match_numpy_and_stream(rng, mode):
     for run, r in ((got[0], ref[0]), (got[1], ref[1]), (got[2], ref[0])):
         for y, w in zip(run, r):
             np.testing.assert_allclose(y, w, rtol=1e-6, atol=1e-7)
-    assert (exe._runner is None) == (not ON_GPU)
+    assert (exe.runner is None) == (not ON_GPU) and exe.runner is exe._runner
 
 
 def test_simulator_fallback_is_logged_once(rng, caplog, monkeypatch):
