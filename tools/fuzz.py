@@ -757,6 +757,17 @@ def gen_norm(b):
     return y
 
 
+def product(v):
+    """A half product's Val: its own result is checked rounded (its lo / hi), but a consumer
+    the fusion pass folds into it as an epilogue (a bias, an activation, a residual, gated)
+    reads the product's f32 sums unrounded -- the product rounds once, the epilogue included
+    (runtime/lower_matmul.py) -- so what consumers inherit (``e``) allows the rounding not
+    taken, u |z|."""
+    if v is not None and v.d in ("f16", "bf16"):
+        v.e += UNIT[v.d] * amax(v.vs)
+    return v
+
+
 def gen_matmul(b):
     a = b.pick(lambda v: v.d in FLOATS and len(v.shape) >= 2,
                shape=b.shape(int(b.rng.integers(2, 5))),
@@ -786,7 +797,8 @@ def gen_matmul(b):
     ma, mc = amax(a.vs), amax(c.vs)
     e = k * (a.e * mc + c.e * ma) + 2 * k * cu(a.d) * ma * mc
     build = (lambda: a.t @ c.t) if r.random() < 0.5 else (lambda: b.g.matmul(a.t, c.t))
-    return b.emit("matmul", build, vs, a.d, e, f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}")
+    return product(b.emit("matmul", build, vs, a.d, e,
+                          f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}"))
 
 
 def gen_attention(b):
@@ -1159,8 +1171,8 @@ def gen_linear(b):
         return
     build = lambda: b.g.linear(x.t, w.t, bias.t if bias else None, activation=act,  # noqa: E731
                                residual=res.t if res else None)
-    return b.emit("linear", build, vs, x.d, e,
-                  f"{x.d} act={act} bias={bias is not None} residual={res is not None}")
+    return product(b.emit("linear", build, vs, x.d, e,
+                          f"{x.d} act={act} bias={bias is not None} residual={res is not None}"))
 
 
 def gen_gated(b):
@@ -1374,7 +1386,9 @@ def gen_einsum(b):
     spec = EINSUMS[int(r.integers(len(EINSUMS)))]
     d = str(r.choice(floats(b)))
     lhs, out = spec.split("->")
-    sizes = {c: int(r.integers(1, 5)) for c in set(lhs.replace(",", ""))}
+    # (letters in order of appearance: a set's order follows PYTHONHASHSEED, and the draws
+    # must not, or --only rebuilds another graph than the run that found it)
+    sizes = {c: int(r.integers(1, 5)) for c in dict.fromkeys(lhs.replace(",", ""))}
     shapes = [tuple(sizes[c] for c in term) for term in lhs.split(",")]
     oshape = tuple(sizes[c] for c in out)
     if max(math.prod(s_) for s_ in shapes + [oshape]) > b.cfg.max_size:
@@ -1391,8 +1405,8 @@ def gen_einsum(b):
     prod = math.prod(ms)
     e = summed * sum(o.e * prod / m_ if m_ else 0.0 for o, m_ in zip(ops, ms))
     e += 2 * summed * len(ops) * cu(d) * prod
-    return b.emit("einsum", lambda: b.g.einsum(spec, *(o.t for o in ops)), vs, d, e,
-                  f"{d} {spec} {[list(s_) for s_ in shapes]}")
+    return product(b.emit("einsum", lambda: b.g.einsum(spec, *(o.t for o in ops)), vs, d, e,
+                          f"{d} {spec} {[list(s_) for s_ in shapes]}"))
 
 
 def gen_group_norm(b):
@@ -2061,8 +2075,10 @@ def gen_dot_general(b):
     kk = math.prod(cs)
     ma, mb = amax(xa.vs), amax(xb.vs)
     e = kk * (xa.e * mb + xb.e * ma) + 2 * kk * cu(d) * ma * mb
-    return b.emit("dot_general", lambda: b.g.dot_general(xa.t, xb.t, contracting, batch), vs, d,
-                  e, f"{d} {list(ashape)} x {list(bshape)} contract={contracting} batch={batch}")
+    return product(b.emit("dot_general", lambda: b.g.dot_general(xa.t, xb.t, contracting,
+                                                                  batch), vs, d, e,
+                          f"{d} {list(ashape)} x {list(bshape)} contract={contracting} "
+                          f"batch={batch}"))
 
 
 GENERATORS = {
