@@ -129,6 +129,24 @@ def test_fuzz_slice_resize_dot_general():
     assert not rep.findings, "\n\n".join(rep.findings)
 
 
+def test_fuzz_slice_grouped_matmul(monkeypatch):
+    """grouped_matmul (run()-fed expert ids, empty experts, w^T, f32 and halves) with gated and
+    element-wise consumers; a kernel that routed a row to the wrong expert would be found."""
+    cfg = fuzz.Config(dtypes=("f32", "f16", "bf16"), modes=("stream",), max_nodes=3,
+                      ops=("grouped", "gated", "binary"))
+    rep = fuzz.fuzz(16, 5, cfg, out=lambda s: None)
+    assert rep.ops["grouped_matmul"] >= 5, rep.ops
+    assert not rep.findings, "\n\n".join(rep.findings)
+    from rlx_numba.ir.graph import Graph
+    right = Graph.grouped_matmul
+
+    def wrong(self, x, w, ids, trans_w=False):     # every row through expert 0
+        return right(self, x, w, ids * 0, trans_w)
+    monkeypatch.setattr(Graph, "grouped_matmul", wrong)
+    rep = fuzz.fuzz(16, 5, cfg, out=lambda s: None)
+    assert rep.findings and "outside their bounds" in "".join(rep.findings)
+
+
 def test_fuzz_detects_a_wrong_result(monkeypatch):
     """A reference that is off by one makes findings, each with its reproducer."""
     for k in fuzz.BINARY:

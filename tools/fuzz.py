@@ -801,6 +801,43 @@ def gen_matmul(b):
                           f"{a.d}@{c.d} {list(a.shape)}@{list(c.shape)}"))
 
 
+def gen_grouped(b):
+    """grouped_matmul: out[i] = x[i] @ W_{ids[i]} (or W^T with trans_w, w [E, N, K]), ids
+    fed to run() in [0, E) (unsorted, repeats, experts left empty), x and w of one float
+    dtype; as a product, its consumers may read its sums unrounded (``product``)."""
+    r = b.rng
+    x = b.pick(lambda v: v.d in ("f32", "f16", "bf16") and len(v.shape) == 2,
+               shape=(int(r.integers(1, 13)), int(r.integers(1, 9))),
+               d=str(r.choice([d for d in floats(b) if d != "f64"] or ["f32"])))
+    if x is None or x.d == "f64":
+        return
+    (m, k), e, nn = x.shape, int(r.integers(1, 5)), int(r.integers(1, 8))
+    trans = bool(r.random() < 0.4)
+    wshape = (e, nn, k) if trans else (e, k, nn)
+    if math.prod(wshape) > b.cfg.max_size or m * nn > b.cfg.max_size:
+        return
+    w = b.pick(lambda v: v.shape == wshape and v.d == x.d, shape=wshape, d=x.d)
+    if w is None:
+        return
+    b.k += 1
+    name = f"i{b.k}"
+    ids = [r.integers(0, e, size=m) for _ in range(2)]
+    it = b.g.input(name, (m,), str(r.choice(["i32", "i64"])))
+    for kk in (0, 1):
+        b.feeds[kk][name] = ids[kk].astype(HOST[str(it.dtype)])
+
+    def ref(xv, wv, iv):
+        wv = wv.astype(np.float64)
+        mats = np.swapaxes(wv, 1, 2) if trans else wv
+        return np.einsum("mk,mkn->mn", xv.astype(np.float64), mats[iv])
+    vs = [ref(xv, wv, iv) for xv, wv, iv in zip(x.vs, w.vs, ids)]
+    ma, mw = amax(x.vs), amax(w.vs)
+    err = k * (x.e * mw + w.e * ma) + 2 * k * cu(x.d) * ma * mw
+    return product(b.emit("grouped_matmul",
+                          lambda: b.g.grouped_matmul(x.t, w.t, it, trans_w=trans), vs, x.d,
+                          err, f"{x.d} [{m}, {k}] over {e} experts{' (w^T)' if trans else ''}"))
+
+
 def gen_attention(b):
     """attention of q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (one float dtype; GQA), maybe
     causal (aligned to the keys' end), a sliding window, a bool mask broadcast from one of
@@ -2085,6 +2122,7 @@ GENERATORS = {
     "unary": gen_unary, "binary": gen_binary, "compare": gen_compare, "where": gen_where,
     "cast": gen_cast, "reduce": gen_reduce, "argreduce": gen_argreduce, "cumsum": gen_cumsum,
     "softmax": gen_softmax, "norm": gen_norm, "gated": gen_gated, "matmul": gen_matmul,
+    "grouped": gen_grouped,
     "linear": gen_linear, "attention": gen_attention, "rope": gen_rope, "conv": gen_conv,
     "pool": gen_pool, "pad": gen_pad, "sort": gen_sort, "scatter_add": gen_scatter_add,
     "einsum": gen_einsum, "group_norm": gen_group_norm, "cross_entropy": gen_cross_entropy,
