@@ -250,6 +250,17 @@ class Builder:
         self.vals.append(val)
         return val
 
+    def indices(self, shape, lo, hi):
+        """(an i32 / i64 input of ``shape``, its two input sets' values in [lo, hi)): indices
+        fed to run()."""
+        self.k += 1
+        name = f"i{self.k}"
+        vals = [self.rng.integers(lo, hi, size=shape) for _ in range(2)]
+        t = self.g.input(name, shape, str(self.rng.choice(["i32", "i64"])))
+        for k in (0, 1):
+            self.feeds[k][name] = vals[k].astype(HOST[str(t.dtype)])
+        return t, vals
+
     def pick(self, ok=lambda v: True, complex_ok=False, **new):
         """An existing value satisfying ``ok`` (mostly), else a new leaf made with ``new``;
         c64 values only where ``complex_ok``."""
@@ -819,12 +830,7 @@ def gen_grouped(b):
     w = b.pick(lambda v: v.shape == wshape and v.d == x.d, shape=wshape, d=x.d)
     if w is None:
         return
-    b.k += 1
-    name = f"i{b.k}"
-    ids = [r.integers(0, e, size=m) for _ in range(2)]
-    it = b.g.input(name, (m,), str(r.choice(["i32", "i64"])))
-    for kk in (0, 1):
-        b.feeds[kk][name] = ids[kk].astype(HOST[str(it.dtype)])
+    it, ids = b.indices((m,), 0, e)
 
     def ref(xv, wv, iv):
         wv = wv.astype(np.float64)
@@ -1355,12 +1361,7 @@ def gen_gather(b):
     oshape = x.shape[:axis % rank] + ishape + x.shape[axis % rank + 1:]
     if math.prod(oshape) > b.cfg.max_size:
         return
-    b.k += 1
-    name = f"i{b.k}"          # indices fed to run(), negative ones wrap
-    idx = [r.integers(-dim, dim, size=ishape) for _ in range(2)]
-    it = b.g.input(name, ishape, str(r.choice(["i32", "i64"])))
-    for k in (0, 1):
-        b.feeds[k][name] = idx[k].astype(HOST[str(it.dtype)])
+    it, idx = b.indices(ishape, -dim, dim)          # negative ones wrap
     vs = [np.take(v, i % dim, axis=axis) for v, i in zip(x.vs, idx)]
     bounds = ([np.take(v, i % dim, axis=axis) for v, i in zip(x.lo, idx)],
               [np.take(v, i % dim, axis=axis) for v, i in zip(x.hi, idx)])
@@ -1387,12 +1388,7 @@ def gen_scatter_add(b):
     u = b.pick(lambda v: v.shape == ushape and v.d == t.d, shape=ushape, d=t.d)
     if u is None:
         return
-    b.k += 1
-    name = f"i{b.k}"
-    idx = [r.integers(-dim, dim, size=(m,)) for _ in range(2)]
-    it = b.g.input(name, (m,), str(r.choice(["i32", "i64"])))
-    for k in (0, 1):
-        b.feeds[k][name] = idx[k].astype(HOST[str(it.dtype)])
+    it, idx = b.indices((m,), -dim, dim)
     det = bool(r.random() < 0.4)
     vs = []
     for k in range(2):
