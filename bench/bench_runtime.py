@@ -28,7 +28,8 @@ What is measured, and what "overhead per step" means here:
   per run. The profiler runs in a child process of its own (``--cupti-child``, the same graph,
   weights and cases): torch 2.11's CUPTI teardown frees activity buffers CUPTI still writes
   into (pytorch/pytorch#195207), and this bench's process then aborted with glibc's heap
-  checks now and then, during the AOT part or at exit (three times on H200s). Memory copies are not kernels: the input copy counts as overhead.
+  checks now and then, during the AOT part or at exit (three times on H200s). Memory copies
+  are not kernels: the input copy counts as overhead.
 * **overhead per step** = (R - K) / steps, steps = ``len(exe.steps)`` (kernel launches and
   cuBLAS calls; torch: the kernels CUPTI saw per run). That is everything a run costs beyond
   its kernels' execution: Python, the driver's launch path, the GPU's own gap between two
@@ -40,9 +41,10 @@ What is measured, and what "overhead per step" means here:
 Why not ``exe.profile()``'s sum as K: it brackets each step with CUDA events, and on a
 launch-bound graph an interval also holds the GPU's wait for the next launch, so the sum is
 close to R itself. It is printed beside K for comparison. Where CUPTI gives nothing (its child
-process failed, or its profiler could not start), K falls back to a replay's device time G (a graph mode's own;
-GRAPH's for STREAM and MULTISTREAM(2); the torch graph's for torch eager), and the table says
-so: the device's gaps between kernels then count as kernel time, not overhead.
+process failed, or its profiler could not start), K falls back to a replay's device time G
+(a graph mode's own; GRAPH's for STREAM and MULTISTREAM(2); the torch graph's for torch
+eager), and the table says so: the device's gaps between kernels then count as kernel time,
+not overhead.
 
 Modes: STREAM, GRAPH, MULTISTREAM(2) and MULTISTREAM(2, graph=True), each its own executable
 (compile_mode="aot"), each warmed up (GRAPH captures on its first run) before it is timed.

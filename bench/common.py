@@ -162,10 +162,9 @@ class Results:
 
     def run_parts(self, parts, only, rows) -> None:
         """Each (name, fn) of ``parts`` that ``only`` names (comma-separated; None: all), the
-        file rewritten
-        after each (a part's rows kept should a later one pass the time limit), with the
-        seconds each took (``part_seconds``: what a time limit must allow); then ``done`` and
-        how many of ``rows`` (dicts with "pass") pass."""
+        file rewritten after each (a part's rows kept should a later one pass the time limit),
+        with the seconds each took (``part_seconds``: what a time limit must allow); then
+        ``done`` and how many of ``rows`` (dicts with "pass") pass."""
         took = self.fields.setdefault("part_seconds", {})
         for name, run in parts:
             if only is None or name in only.split(","):

@@ -151,7 +151,8 @@ class CudaExecutable:
     def runner(self):
         """What runs the steps in GRAPH and MULTISTREAM modes (runtime/cudagraph.py: its
         ``schedule``, ``streams``, ``kernel_nodes``, ``captures`` and ``run()``, which enqueues
-        one run with the inputs already bound); None in STREAM and EAGER, and for every mode in the simulator."""
+        one run with the inputs already bound); None in STREAM and EAGER, and for every mode
+        in the simulator."""
         return self._runner
 
     @property
